@@ -1,0 +1,2 @@
+//! `poly-engine`: one child process per loaded model.
+fn main() {}

@@ -1,0 +1,14 @@
+//! Numeric primitives of PolyStrata: quantization formats, dot products, matrix products, and (later) the
+//! CUDA kernels under `kernels/cuda/`.
+//!
+//! This crate knows no model. It speaks of blocks, rows, matrices and vectors; which tensor of which
+//! architecture a matrix is belongs to `poly-models` and the engine.
+//!
+//! - [`quant`]: every GGML block format the engine reads (layout, dequantization, activation quantization,
+//!   dot products with run-time chosen AVX2/FMA code and a portable fallback, random valid blocks).
+//! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
+//! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
+
+pub mod matmul;
+pub mod quant;
+pub mod rng;

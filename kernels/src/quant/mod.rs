@@ -1,0 +1,366 @@
+//! GGML block formats: layouts, dequantization, activation quantization and dot products.
+//!
+//! A weight matrix is stored row by row; each row is a sequence of blocks of `block_elems` values packed in
+//! `block_bytes` bytes. Every format the engine reads supplies a [`QuantOps`] table: how to dequantize whole
+//! blocks, which activation format its dot product wants ([`ActType`]), the dot product of one row with
+//! quantized activations, and how to write random valid blocks (for `synth` and tests).
+//!
+//! Families live in their own files: [`float`] (F32, F16, BF16), [`legacy`] (Q4_0 … Q8_0), [`kquants`]
+//! (Q2_K … Q6_K), [`iquants`] (IQ1_S … IQ4_XS) and [`mxfp4`]. Dequantization is checked bit for bit
+//! against the `gguf` PyPI package (`tests/fixtures/quant/`).
+
+pub mod float;
+pub mod iquants;
+pub mod kquants;
+pub mod legacy;
+pub mod mxfp4;
+
+use crate::rng::Rng;
+
+/// A GGML tensor type, with the numeric ids GGUF files use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[allow(non_camel_case_types)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ3_XXS,
+    IQ1_S,
+    IQ4_NL,
+    IQ3_S,
+    IQ2_S,
+    IQ4_XS,
+    I8,
+    I16,
+    I32,
+    I64,
+    F64,
+    IQ1_M,
+    BF16,
+    TQ1_0,
+    TQ2_0,
+    MXFP4,
+}
+
+/// (type, GGUF id, name, elements per block, bytes per block)
+const TYPE_TABLE: &[(GgmlType, u32, &str, usize, usize)] = &[
+    (GgmlType::F32, 0, "F32", 1, 4),
+    (GgmlType::F16, 1, "F16", 1, 2),
+    (GgmlType::Q4_0, 2, "Q4_0", 32, 18),
+    (GgmlType::Q4_1, 3, "Q4_1", 32, 20),
+    (GgmlType::Q5_0, 6, "Q5_0", 32, 22),
+    (GgmlType::Q5_1, 7, "Q5_1", 32, 24),
+    (GgmlType::Q8_0, 8, "Q8_0", 32, 34),
+    (GgmlType::Q8_1, 9, "Q8_1", 32, 36),
+    (GgmlType::Q2_K, 10, "Q2_K", 256, 84),
+    (GgmlType::Q3_K, 11, "Q3_K", 256, 110),
+    (GgmlType::Q4_K, 12, "Q4_K", 256, 144),
+    (GgmlType::Q5_K, 13, "Q5_K", 256, 176),
+    (GgmlType::Q6_K, 14, "Q6_K", 256, 210),
+    (GgmlType::Q8_K, 15, "Q8_K", 256, 292),
+    (GgmlType::IQ2_XXS, 16, "IQ2_XXS", 256, 66),
+    (GgmlType::IQ2_XS, 17, "IQ2_XS", 256, 74),
+    (GgmlType::IQ3_XXS, 18, "IQ3_XXS", 256, 98),
+    (GgmlType::IQ1_S, 19, "IQ1_S", 256, 50),
+    (GgmlType::IQ4_NL, 20, "IQ4_NL", 32, 18),
+    (GgmlType::IQ3_S, 21, "IQ3_S", 256, 110),
+    (GgmlType::IQ2_S, 22, "IQ2_S", 256, 82),
+    (GgmlType::IQ4_XS, 23, "IQ4_XS", 256, 136),
+    (GgmlType::I8, 24, "I8", 1, 1),
+    (GgmlType::I16, 25, "I16", 1, 2),
+    (GgmlType::I32, 26, "I32", 1, 4),
+    (GgmlType::I64, 27, "I64", 1, 8),
+    (GgmlType::F64, 28, "F64", 1, 8),
+    (GgmlType::IQ1_M, 29, "IQ1_M", 256, 56),
+    (GgmlType::BF16, 30, "BF16", 1, 2),
+    (GgmlType::TQ1_0, 34, "TQ1_0", 256, 54),
+    (GgmlType::TQ2_0, 35, "TQ2_0", 256, 66),
+    (GgmlType::MXFP4, 39, "MXFP4", 32, 17),
+];
+
+/// The weight formats the engine computes with (the list); every one has a [`QuantOps`].
+pub const WEIGHT_TYPES: &[GgmlType] = &[
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+];
+
+impl GgmlType {
+    fn row(self) -> &'static (GgmlType, u32, &'static str, usize, usize) {
+        TYPE_TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .expect("every GgmlType has a TYPE_TABLE row")
+    }
+
+    /// The type with GGUF id `id`, if GGML defines it (removed ids such as 4 and 5 give `None`).
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        TYPE_TABLE.iter().find(|r| r.1 == id).map(|r| r.0)
+    }
+
+    /// The type named `name` (`"Q4_K"`, case-insensitive).
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        TYPE_TABLE
+            .iter()
+            .find(|r| r.2.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
+    }
+
+    /// The GGUF id.
+    pub fn id(self) -> u32 {
+        self.row().1
+    }
+
+    /// GGML's name of the type.
+    pub fn name(self) -> &'static str {
+        self.row().2
+    }
+
+    /// Values per block.
+    pub fn block_elems(self) -> usize {
+        self.row().3
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        self.row().4
+    }
+
+    /// Bytes of `n` values, or `None` when `n` is not a whole number of blocks or the size overflows.
+    pub fn bytes_for(self, n: u64) -> Option<u64> {
+        let be = self.block_elems() as u64;
+        if n % be != 0 {
+            return None;
+        }
+        (n / be).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// The operations of a weight format the engine computes with; `None` for types it stores but never
+    /// multiplies (integers, F64, ternary formats).
+    pub fn ops(self) -> Option<&'static QuantOps> {
+        float::ops(self)
+            .or_else(|| legacy::ops(self))
+            .or_else(|| kquants::ops(self))
+            .or_else(|| iquants::ops(self))
+            .or_else(|| mxfp4::ops(self))
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The format activations are quantized to before a dot product with a weight row, as llama.cpp does
+/// (its `vec_dot_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActType {
+    /// Plain little-endian f32 (float weights).
+    F32,
+    /// 32 values: f16 scale, 32 × i8.
+    Q8_0,
+    /// 32 values: f16 scale, f16 scale × sum of the quants, 32 × i8.
+    Q8_1,
+    /// 256 values: f32 scale, 256 × i8, 16 × i16 sums of 16 quants.
+    Q8_K,
+}
+
+impl ActType {
+    /// Values per activation block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            ActType::F32 => 1,
+            ActType::Q8_0 | ActType::Q8_1 => 32,
+            ActType::Q8_K => 256,
+        }
+    }
+
+    /// Bytes per activation block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            ActType::F32 => 4,
+            ActType::Q8_0 => 34,
+            ActType::Q8_1 => 36,
+            ActType::Q8_K => 292,
+        }
+    }
+
+    /// Bytes of `n` activations in this format (`n` a multiple of `block_elems`).
+    pub fn bytes_for(self, n: usize) -> usize {
+        n / self.block_elems() * self.block_bytes()
+    }
+
+    /// Quantizes `x` (a multiple of `block_elems` values) into `out` (exactly `bytes_for(x.len())` bytes).
+    pub fn quantize(self, x: &[f32], out: &mut [u8]) {
+        assert_eq!(x.len() % self.block_elems(), 0, "activations not a whole number of blocks");
+        assert_eq!(out.len(), self.bytes_for(x.len()), "activation buffer of the wrong size");
+        match self {
+            ActType::F32 => {
+                for (o, v) in out.chunks_exact_mut(4).zip(x) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            ActType::Q8_0 => legacy::quantize_q8_0(x, out),
+            ActType::Q8_1 => legacy::quantize_q8_1(x, out),
+            ActType::Q8_K => kquants::quantize_q8_k(x, out),
+        }
+    }
+}
+
+/// What a weight format supplies. Functions take whole blocks; lengths are checked by the callers in this
+/// module ([`dequantize`], [`vec_dot`]), which are what the rest of the project calls.
+pub struct QuantOps {
+    /// Dequantizes `src` (whole blocks) into `dst` (`block_elems` values per block).
+    pub dequantize: fn(src: &[u8], dst: &mut [f32]),
+    /// The activation format of [`QuantOps::vec_dot`].
+    pub act: ActType,
+    /// Dot product of one weight row (`n` values, whole blocks) with `n` activations in format `act`.
+    pub vec_dot: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
+    /// The portable (no SIMD) dot product: the reference the SIMD path is tested against, and what runs on
+    /// CPUs without AVX2/FMA. `vec_dot` chooses between them at run time.
+    pub vec_dot_portable: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
+    /// Writes random valid blocks into `dst` (whole blocks) whose values have zero mean and a
+    /// root-mean-square of about `rms`.
+    pub fill_random: fn(rng: &mut Rng, rms: f32, dst: &mut [u8]),
+}
+
+/// Error of a quantization call with mismatched lengths or an unsupported type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantError(pub String);
+
+impl std::fmt::Display for QuantError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for QuantError {}
+
+fn ops_or_err(ty: GgmlType) -> Result<&'static QuantOps, QuantError> {
+    ty.ops()
+        .ok_or_else(|| QuantError(format!("tensor type {ty} is not supported for computation")))
+}
+
+/// Dequantizes `src` (whole blocks of `ty`) into `dst`, which must hold exactly as many values.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    let ops = ops_or_err(ty)?;
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    if src.len() % bb != 0 || src.len() / bb * be != dst.len() {
+        return Err(QuantError(format!(
+            "{ty}: {} bytes do not hold {} values",
+            src.len(),
+            dst.len()
+        )));
+    }
+    (ops.dequantize)(src, dst);
+    Ok(())
+}
+
+/// Dot product of one weight row of `ty` (`n` values) with activations already quantized to
+/// `ty.ops().act`.
+pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, QuantError> {
+    let ops = ops_or_err(ty)?;
+    if ty.bytes_for(n as u64) != Some(row.len() as u64) {
+        return Err(QuantError(format!("{ty}: row of {} bytes is not {n} values", row.len())));
+    }
+    if n % ops.act.block_elems() != 0 || ops.act.bytes_for(n) != act.len() {
+        return Err(QuantError(format!(
+            "{ty}: activations of {} bytes are not {n} values",
+            act.len()
+        )));
+    }
+    Ok((ops.vec_dot)(n, row, act))
+}
+
+/// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.
+pub fn fill_random(ty: GgmlType, rng: &mut Rng, rms: f32, dst: &mut [u8]) -> Result<(), QuantError> {
+    let ops = ops_or_err(ty)?;
+    if dst.len() % ty.block_bytes() != 0 {
+        return Err(QuantError(format!("{ty}: {} bytes are not whole blocks", dst.len())));
+    }
+    (ops.fill_random)(rng, rms, dst);
+    Ok(())
+}
+
+/// Reads a little-endian f16 at `b[0..2]` as f32.
+#[inline(always)]
+pub(crate) fn f16_at(b: &[u8]) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Writes `v` as a little-endian f16 at `b[0..2]`.
+#[inline(always)]
+pub(crate) fn put_f16(b: &mut [u8], v: f32) {
+    b[..2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// Whether AVX2 and FMA may be used (checked once, at run time).
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::env::var_os("POLY_NO_SIMD").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn type_table_matches_ids_and_sizes() {
+        for &(ty, id, name, _, _) in TYPE_TABLE {
+            assert_eq!(GgmlType::from_id(id), Some(ty));
+            assert_eq!(GgmlType::from_name(name), Some(ty));
+        }
+        assert_eq!(GgmlType::from_id(4), None);
+        assert_eq!(GgmlType::Q4_K.bytes_for(512), Some(288));
+        assert_eq!(GgmlType::Q4_K.bytes_for(100), None);
+        assert_eq!(GgmlType::F32.bytes_for(u64::MAX), None);
+    }
+}
