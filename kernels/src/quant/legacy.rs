@@ -244,14 +244,14 @@ pub(crate) const MAX_SCALE: f32 = 2048.0;
 /// Per-block scale multipliers (0.75 … 1.25), chosen at random so blocks do not all look alike.
 const SCALE_JITTER: [f32; 8] = [0.75, 0.82, 0.89, 0.96, 1.04, 1.11, 1.18, 1.25];
 
-/// The block scale `d` giving root-mean-square `rms` when `d·q` has mean square `q_ms` (and the jitter
-/// multiplies it), clamped to `[MIN_SCALE, MAX_SCALE]`; 0 for unusable targets.
+/// The block scale `d` (before jitter) giving root-mean-square `rms` when `d·q` has mean square `q_ms`
+/// and the jitter multiplies it; 0 for unusable targets.
 fn base_scale(rms: f32, q_ms: f32) -> f32 {
     if !(rms.is_finite() && rms > 0.0) {
         return 0.0;
     }
     let jitter_ms = SCALE_JITTER.iter().map(|j| j * j).sum::<f32>() / 8.0;
-    (rms / (q_ms * jitter_ms).sqrt()).clamp(MIN_SCALE, MAX_SCALE)
+    rms / (q_ms * jitter_ms).sqrt()
 }
 
 /// Writes random blocks: uniformly random quants, a jittered scale with a random sign for the symmetric
@@ -273,6 +273,9 @@ fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let mut headers = [[0u8; 4]; 16];
     for (i, h) in headers.iter_mut().enumerate() {
         let mut d = base * SCALE_JITTER[i % 8];
+        if d != 0.0 {
+            d = d.clamp(MIN_SCALE, MAX_SCALE);
+        }
         if kind.has_min() {
             put_f16(&mut h[0..2], d);
             let m = center * f16_at(&h[0..2]);
