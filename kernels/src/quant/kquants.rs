@@ -1,15 +1,27 @@
 //! The K-quant formats (super-blocks of 256): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and the Q8_K activation format.
 //!
-//! Every K-quant row meets Q8_K activations (f32 `d`, 256 × i8, 16 × i16 sums of 16 quants). Per
-//! super-block the dot product is two exact integers: `isum = Σ scale · Σ q·q8` and, for the formats with
-//! minimums, `msum = Σ min · bsum`; formats whose quants are stored with an offset (Q3_K: 4, Q6_K: 32)
-//! take `offset · Σ scale · bsum` off `isum` using the activation's `bsums`, as llama.cpp does. The
-//! super-block adds `(yd·xd)·isum − (yd·xdmin)·msum` to a single running sum (each operation rounded to
-//! f32, never fused). The AVX2 code (`x86/kquants_avx2.rs`) computes the same integers and calls the same
-//! [`combine`], so it equals the portable code bit for bit.
+//! Every K-quant row meets Q8_K activations (f32 `d`, 256 × i8, 16 × i16 sums of 16 quants). The dot
+//! product keeps eight lanes, the eight i32 lanes of llama.cpp's AVX2 kernels: per super-block, lane `l`
+//! holds the exact integer `Σ scale · q · q8` over elements `4l .. 4l+3` of each of the eight 32-value
+//! chunks (quants taken without their offset), less, for Q3_K and Q6_K (offsets 4 and 32),
+//! `offset · (scale₂ₗ·bsum₂ₗ + scale₂ₗ₊₁·bsum₂ₗ₊₁)` over the 16-value groups; for the formats with
+//! minimums a second set of lanes holds `Σ min · bsum` (Q2_K: `min₂ₗ·bsum₂ₗ + min₂ₗ₊₁·bsum₂ₗ₊₁`;
+//! Q4_K/Q5_K: `minₗ · (bsum₂ₗ + bsum₂ₗ₊₁)`). Each super-block adds `(yd·xd) · lane` to eight f32 lanes and
+//! `(yd·xdmin) · lane` to eight more (multiply then add, never fused); the result is
+//! `sum_lanes8(scale lanes) − sum_lanes8(min lanes)`. The AVX2 code (`x86/kquants_avx2.rs`) holds exactly
+//! these lanes in its vectors, so it equals the portable code bit for bit, with no horizontal sum per
+//! super-block.
 
-use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
+use super::float::sum_lanes8;
+use super::{put_f16, ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
+
+/// The little-endian f16 at `b[0..2]` as f32 (inline and exact; `half`'s conversion is a call through a
+/// run-time dispatch, too slow per block).
+#[inline(always)]
+fn f16_at(b: &[u8]) -> f32 {
+    super::float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
 
 /// Values per super-block.
 pub(crate) const QK_K: usize = 256;
@@ -214,13 +226,6 @@ fn dequantize_q6_k(src: &[u8], dst: &mut [f32]) {
 // ---------------------------------------------------------------------------------------------------------
 // Dot products.
 
-/// A super-block's contribution added to `acc`: `acc + ((yd·xd)·isum − (yd·xdmin)·msum)`. Shared by the
-/// portable and AVX2 code so both round identically.
-#[inline(always)]
-pub(crate) fn combine(acc: f32, yd: f32, xd: f32, xdmin: f32, isum: i32, msum: i32) -> f32 {
-    acc + ((yd * xd) * isum as f32 - (yd * xdmin) * msum as f32)
-}
-
 /// The activation's scale.
 #[inline(always)]
 pub(crate) fn q8k_d(y: &[u8]) -> f32 {
@@ -233,35 +238,43 @@ fn q8k_bsums(y: &[u8]) -> [i32; 16] {
     std::array::from_fn(|k| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32)
 }
 
-/// `Σ_k scale(k) · Σ_{e in group k} q[e]·q8[e]` for `groups` equal groups.
+/// The scale lanes of one super-block: lane `l` = `Σ_c scale(c, l) · Σ_{p in 4l..4l+4} q[32c+p]·q8[32c+p]`.
 #[inline(always)]
-fn scaled_isum<const GROUP: usize>(q: &[u8; QK_K], q8: &[u8], scale: impl Fn(usize) -> i32) -> i32 {
-    q.chunks_exact(GROUP)
-        .zip(q8.chunks_exact(GROUP))
-        .enumerate()
-        .map(|(k, (q, y))| scale(k) * q.iter().zip(y).map(|(&a, &b)| a as i32 * b as i8 as i32).sum::<i32>())
-        .sum()
+fn chunk_lanes(q: &[u8; QK_K], q8: &[u8], scale: impl Fn(usize, usize) -> i32) -> [i32; 8] {
+    std::array::from_fn(|l| {
+        (0..8)
+            .map(|c| {
+                let e = 32 * c + 4 * l;
+                let dot4: i32 = (e..e + 4).map(|e| q[e] as i32 * q8[e] as i8 as i32).sum();
+                scale(c, l) * dot4
+            })
+            .sum()
+    })
 }
 
-/// The two exact integers `(isum, msum)` of one super-block.
-fn block_sums(kind: KKind, x: &[u8], y: &[u8]) -> (i32, i32) {
+/// The exact integer lanes `(scale lanes, min lanes)` of one super-block (see the module documentation).
+fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
     let q8 = &y[4..260];
-    let bsums = q8k_bsums(y);
+    let bs = q8k_bsums(y);
+    // The scale of 16-value group `2c + l / 4`, the group lane `l` of chunk `c` lies in.
+    let group = |c: usize, l: usize| 2 * c + l / 4;
+    // `offset · (s₂ₗ·bsum₂ₗ + s₂ₗ₊₁·bsum₂ₗ₊₁)` for 16-value group scales `s`.
+    let pair = |s: &dyn Fn(usize) -> i32, l: usize| s(2 * l) * bs[2 * l] + s(2 * l + 1) * bs[2 * l + 1];
     match kind {
         KKind::Q2K => {
-            let isum = scaled_isum::<16>(&crumbs(&x[16..80]), q8, |k| (x[k] & 0x0F) as i32);
-            let msum = (0..16).map(|k| bsums[k] * (x[k] >> 4) as i32).sum();
-            (isum, msum)
+            let sc = |g: usize| (x[g] & 0x0F) as i32;
+            let mn = |g: usize| (x[g] >> 4) as i32;
+            let lanes = chunk_lanes(&crumbs(&x[16..80]), q8, |c, l| sc(group(c, l)));
+            (lanes, std::array::from_fn(|l| pair(&mn, l)))
         }
         KKind::Q3K => {
             // Quants stored as low | high << 2 (0..7) are q + 4.
-            let sc = scales_q3_k(&x[96..108]);
+            let packed = scales_q3_k(&x[96..108]);
+            let sc = |g: usize| packed[g] as i32 - 32;
             let (low, high) = (crumbs(&x[32..96]), bit_planes(&x[0..32]));
             let q: [u8; QK_K] = std::array::from_fn(|e| low[e] | (high[e] << 2));
-            let s = |k: usize| sc[k] as i32 - 32;
-            let isum = scaled_isum::<16>(&q, q8, s);
-            let offset: i32 = (0..16).map(|k| s(k) * bsums[k]).sum();
-            (isum - 4 * offset, 0)
+            let lanes = chunk_lanes(&q, q8, |c, l| sc(group(c, l)));
+            (std::array::from_fn(|l| lanes[l] - 4 * pair(&sc, l)), [0; 8])
         }
         KKind::Q4K | KKind::Q5K => {
             let (sc, mn) = scales_mins_k4(&x[4..16]);
@@ -271,15 +284,13 @@ fn block_sums(kind: KKind, x: &[u8], y: &[u8]) -> (i32, i32) {
                 let (low, high) = (nibbles_k(&x[48..176]), bit_planes(&x[16..48]));
                 std::array::from_fn(|e| low[e] | (high[e] << 4))
             };
-            let isum = scaled_isum::<32>(&q, q8, |s| sc[s] as i32);
-            let msum = (0..16).map(|k| bsums[k] * mn[k / 2] as i32).sum();
-            (isum, msum)
+            let lanes = chunk_lanes(&q, q8, |c, _| sc[c] as i32);
+            (lanes, std::array::from_fn(|l| (bs[2 * l] + bs[2 * l + 1]) * mn[l] as i32))
         }
         KKind::Q6K => {
-            let s = |k: usize| x[192 + k] as i8 as i32;
-            let isum = scaled_isum::<16>(&sixes(&x[0..128], &x[128..192]), q8, s);
-            let offset: i32 = (0..16).map(|k| s(k) * bsums[k]).sum();
-            (isum - 32 * offset, 0)
+            let sc = |g: usize| x[192 + g] as i8 as i32;
+            let lanes = chunk_lanes(&sixes(&x[0..128], &x[128..192]), q8, |c, l| sc(group(c, l)));
+            (std::array::from_fn(|l| lanes[l] - 32 * pair(&sc, l)), [0; 8])
         }
     }
 }
@@ -307,13 +318,17 @@ fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
 fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
     let bb = kind.block_bytes();
-    let mut acc = 0f32;
+    let (mut acc, mut acc_min) = ([0f32; 8], [0f32; 8]);
     for (x, y) in row.chunks_exact(bb).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
-        let (isum, msum) = block_sums(kind, x, y);
+        let (lanes, min_lanes) = block_lanes(kind, x, y);
         let (xd, xdmin) = block_scales(kind, x);
-        acc = combine(acc, q8k_d(y), xd, xdmin, isum, msum);
+        let (d, dmin) = (q8k_d(y) * xd, q8k_d(y) * xdmin);
+        for l in 0..8 {
+            acc[l] += d * lanes[l] as f32;
+            acc_min[l] += dmin * min_lanes[l] as f32;
+        }
     }
-    acc
+    sum_lanes8(&acc) - sum_lanes8(&acc_min)
 }
 
 fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {

@@ -1,39 +1,16 @@
 //! AVX2 dot products of Q2_K … Q6_K rows with Q8_K activations.
 //!
 //! The integer work follows llama.cpp's AVX2 kernels (`maddubs` of unsigned quants with signed activation
-//! bytes, `madd` with the sub-block scales, the activation's `bsums` for minimums and offsets); per
-//! super-block the exact integers are reduced to scalars and passed to `kquants::combine`, the same float
-//! arithmetic as the portable code, so the results are bit-identical.
+//! bytes, `madd` with the sub-block scales, the activation's `bsums` for minimums and offsets), and so
+//! does the float work: each super-block's eight i32 lanes are converted and added, times the super-block
+//! scale, to eight f32 lanes, with no horizontal sum until the end. Those lanes are the ones
+//! `quant::kquants` defines (multiply then add, never fused), so the result equals the portable code bit
+//! for bit.
 
 use core::arch::x86_64::*;
 
-use crate::quant::kquants::{block_scales, combine, q8k_d, KKind, Q8K_BYTES};
-
-/// Sum of the eight i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32(a: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
-/// Sum of the four i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum_i32_128(s: __m128i) -> i32 {
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
-/// A shuffle mask broadcasting i16 number `i` of each 128-bit half to the whole half.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn broadcast_i16_mask(i: i16) -> __m256i {
-    _mm256_set1_epi16(((2 * i + 1) << 8) | (2 * i))
-}
+use crate::quant::float::sum_lanes8;
+use crate::quant::kquants::{KKind, Q8K_BYTES};
 
 /// A shuffle mask taking i16 number `2k` of a half into the whole low half and `2k + 1` into the high half
 /// (for vectors whose two halves hold the same eight scales: scales of 16-value groups).
@@ -54,39 +31,33 @@ unsafe fn scaled_dot(q: __m256i, q8: *const u8, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(scales, p)
 }
 
-/// The 8 scales then 8 mins of Q4_K/Q5_K (12 packed bytes at `p`) as 16 i16.
+/// `(isum, msum)` of one Q4_K (`FIVE = false`) or Q5_K super-block.
+///
+/// Byte shuffles are the scarce resource on current x86 cores (one or two ports), so unlike llama.cpp's
+/// kernel this one applies the eight sub-block scales with broadcast loads (`vpbroadcastd` from a small
+/// table of `scale | scale << 16`, load ports only) and the mins with `madd(bsums, 1) · min`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales_mins_k4(p: *const u8) -> __m256i {
+unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
-    let u = p as *const u32;
+    let u = x.add(4) as *const u32;
     let (u0, u1, u2) = (u.read_unaligned(), u.add(1).read_unaligned(), u.add(2).read_unaligned());
-    let m3 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
-    let m2 = u1 & KMASK1;
-    let s1 = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-    let s0 = u0 & KMASK1;
-    _mm256_cvtepu8_epi16(_mm_set_epi32(m3 as i32, m2 as i32, s1 as i32, s0 as i32))
-}
+    let scales = (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins = (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
 
-/// `Σ min·bsum` of Q4_K/Q5_K: mins (the high half of `scales_mins`) against sums of 32 activations.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn mins_dot_k4(scales_mins: __m256i, y: *const u8) -> i32 {
+    let sc32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scales as i64));
+    let mut pairs = [0i32; 8];
+    _mm256_storeu_si256(pairs.as_mut_ptr() as *mut __m256i, _mm256_or_si256(sc32, _mm256_slli_epi32::<16>(sc32)));
+    // Opaque to the optimizer, so the scales below stay broadcast loads instead of register shuffles.
+    let pairs = core::hint::black_box(&pairs);
+
     let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
-    let sums32 = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256::<1>(bsums));
-    hsum_i32_128(_mm_madd_epi16(_mm256_extracti128_si256::<1>(scales_mins), sums32))
-}
+    let sums32 = _mm256_madd_epi16(bsums, _mm256_set1_epi16(1));
+    let mprod = _mm256_mullo_epi32(sums32, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64)));
 
-/// `(isum, msum)` of one Q4_K (`FIVE = false`) or Q5_K super-block.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (i32, i32) {
     let m4 = _mm256_set1_epi8(0x0F);
-    let scales_mins = scales_mins_k4(x.add(4));
-    let msum = mins_dot_k4(scales_mins, y);
-    let sc = _mm256_permute2x128_si256::<0x00>(scales_mins, scales_mins);
     let (qs, q8) = (x.add(if FIVE { 48 } else { 16 }), y.add(4));
     let mut hb = _mm256_loadu_si256(x.add(16) as *const __m256i);
     let mut sumi = _mm256_setzero_si256();
@@ -102,19 +73,17 @@ unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (i32, i32)
             hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<4>(hb), m16));
             hb = _mm256_srli_epi16::<1>(hb);
         }
-        let s_lo = _mm256_shuffle_epi8(sc, broadcast_i16_mask(2 * j as i16));
-        let s_hi = _mm256_shuffle_epi8(sc, broadcast_i16_mask(2 * j as i16 + 1));
-        let p_lo = scaled_dot(lo, q8.add(64 * j), s_lo);
-        let p_hi = scaled_dot(hi, q8.add(64 * j + 32), s_hi);
+        let p_lo = scaled_dot(lo, q8.add(64 * j), _mm256_set1_epi32(pairs[2 * j]));
+        let p_hi = scaled_dot(hi, q8.add(64 * j + 32), _mm256_set1_epi32(pairs[2 * j + 1]));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
     }
-    (hsum_i32(sumi), msum)
+    (sumi, mprod)
 }
 
 /// `isum` of one Q6_K super-block (quants 0..63 against the activations, less 32·Σ scale·bsum).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sums_q6_k(x: *const u8, y: *const u8) -> (i32, i32) {
+unsafe fn sums_q6_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
     let m3 = _mm256_set1_epi8(3);
     let m15 = _mm256_set1_epi8(15);
     let (ql, qh, q8) = (x, x.add(128), y.add(4));
@@ -146,14 +115,14 @@ unsafe fn sums_q6_k(x: *const u8, y: *const u8) -> (i32, i32) {
             sumi = _mm256_add_epi32(sumi, scaled_dot(qk, q8.add(128 * j + 32 * k), s));
         }
     }
-    (hsum_i32(sumi), 0)
+    (sumi, _mm256_setzero_si256())
 }
 
 /// `isum` of one Q3_K super-block: quants `low | high << 2` (0..7) against the activations, less
 /// 4·Σ scale·bsum.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sums_q3_k(x: *const u8, y: *const u8) -> (i32, i32) {
+unsafe fn sums_q3_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
     const KMASK1: u32 = 0x03030303;
     const KMASK2: u32 = 0x0f0f0f0f;
     let m3 = _mm256_set1_epi8(3);
@@ -193,20 +162,20 @@ unsafe fn sums_q3_k(x: *const u8, y: *const u8) -> (i32, i32) {
             sumi = _mm256_add_epi32(sumi, scaled_dot(q, q8.add(128 * j + 32 * k), s));
         }
     }
-    (hsum_i32(sumi), 0)
+    (sumi, _mm256_setzero_si256())
 }
 
 /// `(isum, msum)` of one Q2_K super-block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sums_q2_k(x: *const u8, y: *const u8) -> (i32, i32) {
+unsafe fn sums_q2_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm_set1_epi8(0x0F);
     let packed = _mm_loadu_si128(x as *const __m128i);
     let scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
     let mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
     let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
-    let msum = hsum_i32(_mm256_madd_epi16(mins16, bsums));
+    let mprod = _mm256_madd_epi16(mins16, bsums);
     let q8 = y.add(4);
     let mut sumi = _mm256_setzero_si256();
     for j in 0..2 {
@@ -227,27 +196,55 @@ unsafe fn sums_q2_k(x: *const u8, y: *const u8) -> (i32, i32) {
             sumi = _mm256_add_epi32(sumi, scaled_dot(qk, q8.add(128 * j + 32 * k), s));
         }
     }
-    (hsum_i32(sumi), msum)
+    (sumi, mprod)
+}
+
+/// The f16 super-block scale at `p` and, when `MIN`, the min scale after it, as f32 (F16C; exact, the
+/// same values as the portable conversion).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales_f16<const MIN: bool>(p: *const u8) -> (f32, f32) {
+    let bits = if MIN {
+        (p as *const i32).read_unaligned()
+    } else {
+        (p as *const u16).read_unaligned() as i32
+    };
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// The integer vectors and the f16 scales of super-block `x` against `y`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block<const K: u8>(x: *const u8, y: *const u8) -> (__m256i, __m256i, (f32, f32)) {
+    let ((i, m), s) = match K {
+        0 => (sums_q2_k(x, y), scales_f16::<true>(x.add(80))),
+        1 => (sums_q3_k(x, y), scales_f16::<false>(x.add(108))),
+        2 => (sums_q45_k::<false>(x, y), scales_f16::<true>(x)),
+        3 => (sums_q45_k::<true>(x, y), scales_f16::<true>(x)),
+        _ => (sums_q6_k(x, y), scales_f16::<false>(x.add(208))),
+    };
+    (i, m, s)
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_impl<const K: u8, const BB: usize>(kind: KKind, nb: usize, x: *const u8, y: *const u8) -> f32 {
-    let mut acc = 0f32;
+unsafe fn dot_impl<const K: u8, const BB: usize, const MIN: bool>(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_min = _mm256_setzero_ps();
     for i in 0..nb {
         let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
-        let (isum, msum) = match K {
-            0 => sums_q2_k(xb, yb),
-            1 => sums_q3_k(xb, yb),
-            2 => sums_q45_k::<false>(xb, yb),
-            3 => sums_q45_k::<true>(xb, yb),
-            _ => sums_q6_k(xb, yb),
-        };
-        // SAFETY: the caller guarantees `BB` readable bytes at `xb` and `Q8K_BYTES` at `yb`.
-        let (xs, ys) = unsafe { (core::slice::from_raw_parts(xb, BB), core::slice::from_raw_parts(yb, Q8K_BYTES)) };
-        let (xd, xdmin) = block_scales(kind, xs);
-        acc = combine(acc, q8k_d(ys), xd, xdmin, isum, msum);
+        let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
+        let yd = (yb as *const f32).read_unaligned();
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes)));
+        if MIN {
+            let m = _mm256_mul_ps(_mm256_set1_ps(yd * xdmin), _mm256_cvtepi32_ps(min_lanes));
+            acc_min = _mm256_add_ps(acc_min, m);
+        }
     }
-    acc
+    let (mut a, mut m) = ([0f32; 8], [0f32; 8]);
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    _mm256_storeu_ps(m.as_mut_ptr(), acc_min);
+    sum_lanes8(&a) - sum_lanes8(&m)
 }
 
 /// Dot product of `nb` super-blocks of `kind` at `x` with `nb` Q8_K blocks at `y`.
@@ -258,10 +255,10 @@ unsafe fn dot_impl<const K: u8, const BB: usize>(kind: KKind, nb: usize, x: *con
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot(kind: KKind, nb: usize, x: *const u8, y: *const u8) -> f32 {
     match kind {
-        KKind::Q2K => dot_impl::<0, 84>(kind, nb, x, y),
-        KKind::Q3K => dot_impl::<1, 110>(kind, nb, x, y),
-        KKind::Q4K => dot_impl::<2, 144>(kind, nb, x, y),
-        KKind::Q5K => dot_impl::<3, 176>(kind, nb, x, y),
-        KKind::Q6K => dot_impl::<4, 210>(kind, nb, x, y),
+        KKind::Q2K => dot_impl::<0, 84, true>(nb, x, y),
+        KKind::Q3K => dot_impl::<1, 110, false>(nb, x, y),
+        KKind::Q4K => dot_impl::<2, 144, true>(nb, x, y),
+        KKind::Q5K => dot_impl::<3, 176, true>(nb, x, y),
+        KKind::Q6K => dot_impl::<4, 210, false>(nb, x, y),
     }
 }
