@@ -4,11 +4,11 @@
 //! this crate that keeps eight (or 32) float lanes finishes with it, in the portable and the AVX2 code
 //! alike, which is what makes those two bit-identical.
 //!
-//! Dot products of float rows use 32 lanes: element `i` of the first `n - n % 32` goes to lane `i % 32`
-//! (`lane += w * x`, multiply then add: no fused multiply-add, so the portable code can match the SIMD code
-//! exactly), lanes `j, j+8, j+16, j+24` are combined as `(l[j] + l[j+8]) + (l[j+16] + l[j+24])`, those
-//! eight are summed by [`sum_lanes8`], and the remaining `n % 32` products are added one by one to a
-//! separate scalar that is added last.
+//! Dot products of float rows use 32 lanes (four AVX2 accumulators): element `i` of the first
+//! `n - n % 32` goes to lane `i % 32` (`lane += w * x`, multiply then add, not fused: so the portable code
+//! matches the SIMD code exactly, and on aligned data it measured as fast as FMA), lanes `j + 8k` are
+//! combined as `(l[j] + l[j+16]) + (l[j+8] + l[j+24])`, those eight are summed by [`sum_lanes8`], and the
+//! remaining `n % 32` products are added one by one to a separate scalar that is added last.
 
 use super::{ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
@@ -54,12 +54,16 @@ pub(crate) fn sum_lanes8(l: &[f32; 8]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
-/// Combines 32 lanes as described in the module documentation.
+/// Lanes of the float dot products.
+pub(crate) const FLOAT_LANES: usize = 32;
+
+/// Combines the float dot product's lanes as described in the module documentation.
 #[inline(always)]
-pub(crate) fn sum_lanes32(l: &[f32; 32]) -> f32 {
+pub(crate) fn sum_float_lanes(l: &[f32; FLOAT_LANES]) -> f32 {
     let mut v = [0f32; 8];
     for (j, o) in v.iter_mut().enumerate() {
-        *o = (l[j] + l[j + 8]) + (l[j + 16] + l[j + 24]);
+        let a = |k: usize| l[j + 8 * k];
+        *o = (a(0) + a(2)) + (a(1) + a(3));
     }
     sum_lanes8(&v)
 }
@@ -111,16 +115,16 @@ fn dequantize_bf16(src: &[u8], dst: &mut [f32]) {
 #[inline(always)]
 fn dot_lanes<const W: usize>(n: usize, row: &[u8], act: &[u8], decode: impl Fn(&[u8]) -> f32) -> f32 {
     let (row, act) = (&row[..n * W], &act[..n * 4]);
-    let main = n - n % 32;
-    let mut lanes = [0f32; 32];
-    for (wc, xc) in row[..main * W].chunks_exact(32 * W).zip(act[..main * 4].chunks_exact(128)) {
-        let mut w = [0f32; 32];
-        let mut x = [0f32; 32];
-        for j in 0..32 {
+    let main = n - n % FLOAT_LANES;
+    let mut lanes = [0f32; FLOAT_LANES];
+    for (wc, xc) in row[..main * W].chunks_exact(FLOAT_LANES * W).zip(act[..main * 4].chunks_exact(FLOAT_LANES * 4)) {
+        let mut w = [0f32; FLOAT_LANES];
+        let mut x = [0f32; FLOAT_LANES];
+        for j in 0..FLOAT_LANES {
             w[j] = decode(&wc[j * W..j * W + W]);
             x[j] = f32_le(&xc[j * 4..j * 4 + 4]);
         }
-        for j in 0..32 {
+        for j in 0..FLOAT_LANES {
             lanes[j] += w[j] * x[j];
         }
     }
@@ -128,7 +132,7 @@ fn dot_lanes<const W: usize>(n: usize, row: &[u8], act: &[u8], decode: impl Fn(&
     for (wb, xb) in row[main * W..].chunks_exact(W).zip(act[main * 4..].chunks_exact(4)) {
         tail += decode(wb) * f32_le(xb);
     }
-    sum_lanes32(&lanes) + tail
+    sum_float_lanes(&lanes) + tail
 }
 
 fn vec_dot_f32_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {

@@ -3,7 +3,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::quant::float::{sum_lanes32, FloatKind};
+use crate::quant::float::{sum_float_lanes, FloatKind, FLOAT_LANES};
 
 /// Loads eight weights at `p` as f32.
 #[inline]
@@ -32,8 +32,8 @@ unsafe fn load1<const KIND: u8>(p: *const u8) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_impl<const KIND: u8, const W: usize>(n: usize, w: *const u8, x: *const u8) -> f32 {
     let x = x as *const f32;
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let main = n - n % 32;
+    let mut acc = [_mm256_setzero_ps(); FLOAT_LANES / 8];
+    let main = n - n % FLOAT_LANES;
     let mut i = 0;
     while i < main {
         for (k, a) in acc.iter_mut().enumerate() {
@@ -41,9 +41,9 @@ unsafe fn dot_impl<const KIND: u8, const W: usize>(n: usize, w: *const u8, x: *c
             let prod = _mm256_mul_ps(load8::<KIND>(w.add(e * W)), _mm256_loadu_ps(x.add(e)));
             *a = _mm256_add_ps(*a, prod);
         }
-        i += 32;
+        i += FLOAT_LANES;
     }
-    let mut lanes = [0f32; 32];
+    let mut lanes = [0f32; FLOAT_LANES];
     for (k, a) in acc.iter().enumerate() {
         _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *a);
     }
@@ -51,7 +51,7 @@ unsafe fn dot_impl<const KIND: u8, const W: usize>(n: usize, w: *const u8, x: *c
     for e in main..n {
         tail += load1::<KIND>(w.add(e * W)) * x.add(e).read_unaligned();
     }
-    sum_lanes32(&lanes) + tail
+    sum_float_lanes(&lanes) + tail
 }
 
 /// Dot product of `n` weights of `kind` at `w` with `n` little-endian f32 at `x`.
