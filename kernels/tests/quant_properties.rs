@@ -14,6 +14,18 @@ use poly_kernels::rng::Rng;
 
 const N: usize = 4096;
 
+/// The types under test: all of [`WEIGHT_TYPES`], or those named in `POLY_QUANT_TYPES` (comma-separated),
+/// for working on one format at a time.
+fn types_under_test() -> Vec<GgmlType> {
+    match std::env::var("POLY_QUANT_TYPES") {
+        Ok(names) => names
+            .split(',')
+            .map(|n| GgmlType::from_name(n.trim()).unwrap_or_else(|| panic!("unknown type {n}")))
+            .collect(),
+        Err(_) => WEIGHT_TYPES.to_vec(),
+    }
+}
+
 fn random_row(ty: GgmlType, rng: &mut Rng, rms: f32) -> Vec<u8> {
     let mut row = vec![0u8; ty.bytes_for(N as u64).unwrap() as usize];
     fill_random(ty, rng, rms, &mut row).unwrap();
@@ -22,7 +34,7 @@ fn random_row(ty: GgmlType, rng: &mut Rng, rms: f32) -> Vec<u8> {
 
 #[test]
 fn fill_random_writes_valid_zero_mean_blocks() {
-    for &ty in WEIGHT_TYPES {
+    for ty in types_under_test() {
         let mut rng = Rng::new(1);
         for rms in [0.02f32, 1.0] {
             let row = random_row(ty, &mut rng, rms);
@@ -53,7 +65,7 @@ fn activation_error_bound(act: ActType, x: &[f32], i: usize) -> f64 {
 
 #[test]
 fn dot_products_agree_with_f64_within_the_stated_bound() {
-    for &ty in WEIGHT_TYPES {
+    for ty in types_under_test() {
         let ops = ty.ops().unwrap();
         let mut rng = Rng::new(2);
         for trial in 0..4 {
