@@ -11,3 +11,4 @@
 pub mod gguf;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
+pub mod summary;
