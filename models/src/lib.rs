@@ -12,3 +12,4 @@ pub mod gguf;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
 pub mod summary;
+pub mod compute;
