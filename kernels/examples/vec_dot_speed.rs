@@ -27,7 +27,10 @@ fn main() {
     let names: Vec<&str> = if args.len() > 2 {
         args[2..].iter().map(|s| s.as_str()).collect()
     } else {
-        vec!["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+        vec![
+            "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+            "Q5_K", "Q6_K",
+        ]
     };
     println!("{rows}×{cols}, one thread; GB/s of weight bytes (best of several passes)");
     println!(

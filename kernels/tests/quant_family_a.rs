@@ -136,20 +136,36 @@ fn error_bound(ty: GgmlType, w: &[f32], x: &[f32], act: &[u8], row: &[u8]) -> f6
             bound += f16_at(&xb[2..4]).abs() * (f16_at(&yb[2..4]) - d * qsum).abs();
         }
     }
-    bound + 1e-4 * w.iter().zip(x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum::<f64>()
+    bound
+        + 1e-4
+            * w.iter()
+                .zip(x)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum::<f64>()
 }
 
 /// The activations as the dot product sees them (quantized, then dequantized exactly in f64), and for
 /// Q8_1 each block's stored `s` (used instead of `d·Σq` by the formats with a minimum).
 fn dequantize_act(ty: GgmlType, act: &[u8], n: usize) -> (Vec<f64>, Vec<f64>) {
     match ty.ops().unwrap().act {
-        ActType::F32 => (act.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64).collect(), vec![]),
+        ActType::F32 => (
+            act.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+                .collect(),
+            vec![],
+        ),
         ActType::Q8_0 => {
-            let x = act.chunks_exact(34).flat_map(|b| b[2..].iter().map(move |&q| f16_at(b) * q as i8 as f64)).collect();
+            let x = act
+                .chunks_exact(34)
+                .flat_map(|b| b[2..].iter().map(move |&q| f16_at(b) * q as i8 as f64))
+                .collect();
             (x, vec![])
         }
         ActType::Q8_1 => {
-            let x = act.chunks_exact(36).flat_map(|b| b[4..].iter().map(move |&q| f16_at(b) * q as i8 as f64)).collect();
+            let x = act
+                .chunks_exact(36)
+                .flat_map(|b| b[4..].iter().map(move |&q| f16_at(b) * q as i8 as f64))
+                .collect();
             (x, act.chunks_exact(36).map(|b| f16_at(&b[2..4])).collect())
         }
         ActType::Q8_K => {
@@ -195,13 +211,20 @@ fn check_row(ty: GgmlType, row: &[u8], x: &[f32], what: &str) {
     let act = quantize_act(ty, x);
     let fast = vec_dot(ty, n, row, &act).unwrap();
     let portable = (ops.vec_dot_portable)(n, row, &act);
-    assert_eq!(fast.to_bits(), portable.to_bits(), "{ty} n={n} {what}: vec_dot {fast} != portable {portable}");
+    assert_eq!(
+        fast.to_bits(),
+        portable.to_bits(),
+        "{ty} n={n} {what}: vec_dot {fast} != portable {portable}"
+    );
     let mut w = vec![0f32; n];
     dequantize(ty, row, &mut w).unwrap();
     let exact: f64 = w.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum();
     let bound = error_bound(ty, &w, x, &act, row);
     let err = (fast as f64 - exact).abs();
-    assert!(err <= bound, "{ty} n={n} {what}: dot {fast} exact {exact} error {err} above bound {bound}");
+    assert!(
+        err <= bound,
+        "{ty} n={n} {what}: dot {fast} exact {exact} error {err} above bound {bound}"
+    );
     let (exact_q, magnitude) = dot_with_quantized_act(ty, &w, &act, row);
     let err_q = (fast as f64 - exact_q).abs();
     assert!(
@@ -299,13 +322,19 @@ fn fill_random_has_zero_mean_the_asked_rms_and_symmetric_values() {
             assert!(v.iter().all(|a| a.is_finite()), "{ty}: non-finite value");
             let rms = rms as f64;
             assert!(mean.abs() < 0.02 * rms, "{ty} rms {rms}: mean {mean}");
-            assert!((got / rms - 1.0).abs() < 0.2, "{ty}: rms {got}, asked {rms}");
+            assert!(
+                (got / rms - 1.0).abs() < 0.2,
+                "{ty}: rms {got}, asked {rms}"
+            );
             let skew = third / got.powi(3);
             assert!(skew.abs() < 0.1, "{ty} rms {rms}: skewness {skew}");
             // Values of zero exist (quant grids contain 0); the rest split evenly between the signs.
             let zero = v.iter().filter(|&&a| a == 0.0).count() as f64 / n as f64;
             let negative = 1.0 - positive - zero;
-            assert!((positive - negative).abs() < 0.03, "{ty} rms {rms}: {positive} > 0, {negative} < 0");
+            assert!(
+                (positive - negative).abs() < 0.03,
+                "{ty} rms {rms}: {positive} > 0, {negative} < 0"
+            );
         }
     }
 }
@@ -338,7 +367,13 @@ fn fill_random_with_tiny_rms_keeps_scales_normal() {
         let (v, _, got, _, _) = moments(ty, 1e-7, 256 * 16, 3);
         assert!(v.iter().all(|a| a.is_finite()), "{ty}");
         assert!(got > 1e-7, "{ty}: rms {got}");
-        let smallest_nonzero = v.iter().filter(|&&a| a != 0.0).fold(f32::MAX, |m, &a| m.min(a.abs()));
-        assert!(smallest_nonzero >= 1.0 / 16384.0 / 4.0, "{ty}: value {smallest_nonzero} from a denormal scale");
+        let smallest_nonzero = v
+            .iter()
+            .filter(|&&a| a != 0.0)
+            .fold(f32::MAX, |m, &a| m.min(a.abs()));
+        assert!(
+            smallest_nonzero >= 1.0 / 16384.0 / 4.0,
+            "{ty}: value {smallest_nonzero} from a denormal scale"
+        );
     }
 }

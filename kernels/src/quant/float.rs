@@ -113,11 +113,19 @@ fn dequantize_bf16(src: &[u8], dst: &mut [f32]) {
 
 /// The portable float dot product in the canonical lane order; `W` bytes per weight, decoded by `decode`.
 #[inline(always)]
-fn dot_lanes<const W: usize>(n: usize, row: &[u8], act: &[u8], decode: impl Fn(&[u8]) -> f32) -> f32 {
+fn dot_lanes<const W: usize>(
+    n: usize,
+    row: &[u8],
+    act: &[u8],
+    decode: impl Fn(&[u8]) -> f32,
+) -> f32 {
     let (row, act) = (&row[..n * W], &act[..n * 4]);
     let main = n - n % FLOAT_LANES;
     let mut lanes = [0f32; FLOAT_LANES];
-    for (wc, xc) in row[..main * W].chunks_exact(FLOAT_LANES * W).zip(act[..main * 4].chunks_exact(FLOAT_LANES * 4)) {
+    for (wc, xc) in row[..main * W]
+        .chunks_exact(FLOAT_LANES * W)
+        .zip(act[..main * 4].chunks_exact(FLOAT_LANES * 4))
+    {
         let mut w = [0f32; FLOAT_LANES];
         let mut x = [0f32; FLOAT_LANES];
         for j in 0..FLOAT_LANES {
@@ -129,7 +137,10 @@ fn dot_lanes<const W: usize>(n: usize, row: &[u8], act: &[u8], decode: impl Fn(&
         }
     }
     let mut tail = 0f32;
-    for (wb, xb) in row[main * W..].chunks_exact(W).zip(act[main * 4..].chunks_exact(4)) {
+    for (wb, xb) in row[main * W..]
+        .chunks_exact(W)
+        .zip(act[main * 4..].chunks_exact(4))
+    {
         tail += decode(wb) * f32_le(xb);
     }
     sum_float_lanes(&lanes) + tail
@@ -160,11 +171,16 @@ fn vec_dot_float(kind: FloatKind, n: usize, row: &[u8], act: &[u8]) -> Option<f3
     #[cfg(target_arch = "x86_64")]
     {
         let w = if kind == FloatKind::F32 { 4 } else { 2 };
-        assert!(row.len() >= n * w && act.len() >= n * 4, "float row or activations too short");
+        assert!(
+            row.len() >= n * w && act.len() >= n * 4,
+            "float row or activations too short"
+        );
         if super::has_avx2_fma() {
             // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; the lengths were checked
             // just above, which is all the kernel reads.
-            return Some(unsafe { super::x86::float_avx2::dot(kind, n, row.as_ptr(), act.as_ptr()) });
+            return Some(unsafe {
+                super::x86::float_avx2::dot(kind, n, row.as_ptr(), act.as_ptr())
+            });
         }
     }
     let _ = (kind, n, row, act);
@@ -180,7 +196,8 @@ fn vec_dot_f16(n: usize, row: &[u8], act: &[u8]) -> f32 {
 }
 
 fn vec_dot_bf16(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    vec_dot_float(FloatKind::Bf16, n, row, act).unwrap_or_else(|| vec_dot_bf16_portable(n, row, act))
+    vec_dot_float(FloatKind::Bf16, n, row, act)
+        .unwrap_or_else(|| vec_dot_bf16_portable(n, row, act))
 }
 
 /// The half-width of the uniform distribution with root-mean-square `rms` (0 for unusable targets).
@@ -196,7 +213,10 @@ fn uniform_half_width(rms: f32) -> f32 {
 #[inline(always)]
 fn two_uniform(bits: u64, a: f32) -> [f32; 2] {
     let scale = a * (1.0 / 2147483648.0);
-    [(bits as u32 as i32) as f32 * scale, ((bits >> 32) as u32 as i32) as f32 * scale]
+    [
+        (bits as u32 as i32) as f32 * scale,
+        ((bits >> 32) as u32 as i32) as f32 * scale,
+    ]
 }
 
 /// Values uniform in `[-√3·rms, √3·rms)`, so the mean is zero and the root-mean-square is `rms`.

@@ -72,11 +72,46 @@ macro_rules! k_ops {
     };
 }
 
-k_ops!(Q2K_OPS, KKind::Q2K, dequantize_q2_k, dot_q2_k, portable_q2_k, fill_q2_k);
-k_ops!(Q3K_OPS, KKind::Q3K, dequantize_q3_k, dot_q3_k, portable_q3_k, fill_q3_k);
-k_ops!(Q4K_OPS, KKind::Q4K, dequantize_q4_k, dot_q4_k, portable_q4_k, fill_q4_k);
-k_ops!(Q5K_OPS, KKind::Q5K, dequantize_q5_k, dot_q5_k, portable_q5_k, fill_q5_k);
-k_ops!(Q6K_OPS, KKind::Q6K, dequantize_q6_k, dot_q6_k, portable_q6_k, fill_q6_k);
+k_ops!(
+    Q2K_OPS,
+    KKind::Q2K,
+    dequantize_q2_k,
+    dot_q2_k,
+    portable_q2_k,
+    fill_q2_k
+);
+k_ops!(
+    Q3K_OPS,
+    KKind::Q3K,
+    dequantize_q3_k,
+    dot_q3_k,
+    portable_q3_k,
+    fill_q3_k
+);
+k_ops!(
+    Q4K_OPS,
+    KKind::Q4K,
+    dequantize_q4_k,
+    dot_q4_k,
+    portable_q4_k,
+    fill_q4_k
+);
+k_ops!(
+    Q5K_OPS,
+    KKind::Q5K,
+    dequantize_q5_k,
+    dot_q5_k,
+    portable_q5_k,
+    fill_q5_k
+);
+k_ops!(
+    Q6K_OPS,
+    KKind::Q6K,
+    dequantize_q6_k,
+    dot_q6_k,
+    portable_q6_k,
+    fill_q6_k
+);
 
 /// The operations of this family's types.
 pub(crate) fn ops(ty: GgmlType) -> Option<&'static QuantOps> {
@@ -259,7 +294,8 @@ fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
     // The scale of 16-value group `2c + l / 4`, the group lane `l` of chunk `c` lies in.
     let group = |c: usize, l: usize| 2 * c + l / 4;
     // `offset · (s₂ₗ·bsum₂ₗ + s₂ₗ₊₁·bsum₂ₗ₊₁)` for 16-value group scales `s`.
-    let pair = |s: &dyn Fn(usize) -> i32, l: usize| s(2 * l) * bs[2 * l] + s(2 * l + 1) * bs[2 * l + 1];
+    let pair =
+        |s: &dyn Fn(usize) -> i32, l: usize| s(2 * l) * bs[2 * l] + s(2 * l + 1) * bs[2 * l + 1];
     match kind {
         KKind::Q2K => {
             let sc = |g: usize| (x[g] & 0x0F) as i32;
@@ -285,12 +321,18 @@ fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
                 std::array::from_fn(|e| low[e] | (high[e] << 4))
             };
             let lanes = chunk_lanes(&q, q8, |c, _| sc[c] as i32);
-            (lanes, std::array::from_fn(|l| (bs[2 * l] + bs[2 * l + 1]) * mn[l] as i32))
+            (
+                lanes,
+                std::array::from_fn(|l| (bs[2 * l] + bs[2 * l + 1]) * mn[l] as i32),
+            )
         }
         KKind::Q6K => {
             let sc = |g: usize| x[192 + g] as i8 as i32;
             let lanes = chunk_lanes(&sixes(&x[0..128], &x[128..192]), q8, |c, l| sc(group(c, l)));
-            (std::array::from_fn(|l| lanes[l] - 32 * pair(&sc, l)), [0; 8])
+            (
+                std::array::from_fn(|l| lanes[l] - 32 * pair(&sc, l)),
+                [0; 8],
+            )
         }
     }
 }
@@ -319,7 +361,11 @@ fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
     let bb = kind.block_bytes();
     let (mut acc, mut acc_min) = ([0f32; 8], [0f32; 8]);
-    for (x, y) in row.chunks_exact(bb).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+    for (x, y) in row
+        .chunks_exact(bb)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(nb)
+    {
         let (lanes, min_lanes) = block_lanes(kind, x, y);
         let (xd, xdmin) = block_scales(kind, x);
         let (d, dmin) = (q8k_d(y) * xd, q8k_d(y) * xdmin);
@@ -368,10 +414,22 @@ fn scale_range(rms: f32, q_ms: f32, max_scale: u32) -> ScaleRange {
         let lo = hi / 2 + 1;
         let count = hi - lo + 1;
         let s_ms = (lo..=hi).map(|s| (s * s) as f32).sum::<f32>() / count as f32;
-        let d = if rms.is_finite() && rms > 0.0 { rms / (q_ms * s_ms).sqrt() } else { 0.0 };
+        let d = if rms.is_finite() && rms > 0.0 {
+            rms / (q_ms * s_ms).sqrt()
+        } else {
+            0.0
+        };
         if d >= MIN_SCALE || hi == 1 || d == 0.0 {
-            let d = if d == 0.0 { 0.0 } else { d.clamp(MIN_SCALE, MAX_SCALE) };
-            return ScaleRange { lo, bits: count.trailing_zeros(), d };
+            let d = if d == 0.0 {
+                0.0
+            } else {
+                d.clamp(MIN_SCALE, MAX_SCALE)
+            };
+            return ScaleRange {
+                lo,
+                bits: count.trailing_zeros(),
+                d,
+            };
         }
         hi /= 2;
     }

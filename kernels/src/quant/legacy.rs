@@ -80,11 +80,51 @@ macro_rules! legacy_ops {
     };
 }
 
-legacy_ops!(Q4_0_OPS, LegacyKind::Q4_0, ActType::Q8_0, dequantize_q4_0, dot_q4_0, portable_q4_0, fill_q4_0);
-legacy_ops!(Q4_1_OPS, LegacyKind::Q4_1, ActType::Q8_1, dequantize_q4_1, dot_q4_1, portable_q4_1, fill_q4_1);
-legacy_ops!(Q5_0_OPS, LegacyKind::Q5_0, ActType::Q8_0, dequantize_q5_0, dot_q5_0, portable_q5_0, fill_q5_0);
-legacy_ops!(Q5_1_OPS, LegacyKind::Q5_1, ActType::Q8_1, dequantize_q5_1, dot_q5_1, portable_q5_1, fill_q5_1);
-legacy_ops!(Q8_0_OPS, LegacyKind::Q8_0, ActType::Q8_0, dequantize_q8_0, dot_q8_0, portable_q8_0, fill_q8_0);
+legacy_ops!(
+    Q4_0_OPS,
+    LegacyKind::Q4_0,
+    ActType::Q8_0,
+    dequantize_q4_0,
+    dot_q4_0,
+    portable_q4_0,
+    fill_q4_0
+);
+legacy_ops!(
+    Q4_1_OPS,
+    LegacyKind::Q4_1,
+    ActType::Q8_1,
+    dequantize_q4_1,
+    dot_q4_1,
+    portable_q4_1,
+    fill_q4_1
+);
+legacy_ops!(
+    Q5_0_OPS,
+    LegacyKind::Q5_0,
+    ActType::Q8_0,
+    dequantize_q5_0,
+    dot_q5_0,
+    portable_q5_0,
+    fill_q5_0
+);
+legacy_ops!(
+    Q5_1_OPS,
+    LegacyKind::Q5_1,
+    ActType::Q8_1,
+    dequantize_q5_1,
+    dot_q5_1,
+    portable_q5_1,
+    fill_q5_1
+);
+legacy_ops!(
+    Q8_0_OPS,
+    LegacyKind::Q8_0,
+    ActType::Q8_0,
+    dequantize_q8_0,
+    dot_q8_0,
+    portable_q8_0,
+    fill_q8_0
+);
 
 /// The operations of this family's types.
 pub(crate) fn ops(ty: GgmlType) -> Option<&'static QuantOps> {
@@ -185,7 +225,10 @@ fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
         LegacyKind::Q5_1 => fives(qh_at(&x[4..]), &x[8..24]).map(|q| q as i32),
         LegacyKind::Q8_0 => std::array::from_fn(|j| x[2 + j] as i8 as i32),
     };
-    qx.iter().zip(&qy[..32]).map(|(&a, &b)| a * b as i8 as i32).sum()
+    qx.iter()
+        .zip(&qy[..32])
+        .map(|(&a, &b)| a * b as i8 as i32)
+        .sum()
 }
 
 /// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
@@ -203,7 +246,14 @@ pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
 
 /// Adds blocks `first..nb` to `lanes` (block `b` into lane `b % 8`).
 #[inline(always)]
-pub(crate) fn add_blocks(kind: LegacyKind, first: usize, nb: usize, row: &[u8], act: &[u8], lanes: &mut [f32; 8]) {
+pub(crate) fn add_blocks(
+    kind: LegacyKind,
+    first: usize,
+    nb: usize,
+    row: &[u8],
+    act: &[u8],
+    lanes: &mut [f32; 8],
+) {
     let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
     for b in first..nb {
         lanes[b % 8] += block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
@@ -233,7 +283,9 @@ fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         let groups = nb / 8;
         // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
         // `row` and `act` hold `nb >= 8·groups` blocks, all the kernel reads.
-        let mut lanes = unsafe { super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr()) };
+        let mut lanes = unsafe {
+            super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr())
+        };
         add_blocks(kind, groups * 8, nb, row, act, &mut lanes);
         return sum_lanes8(&lanes);
     }

@@ -44,9 +44,15 @@ unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, 
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
     let u = x.add(4) as *const u32;
-    let (u0, u1, u2) = (u.read_unaligned(), u.add(1).read_unaligned(), u.add(2).read_unaligned());
-    let scales = (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
-    let mins = (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let (u0, u1, u2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales =
+        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins =
+        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
 
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
@@ -84,8 +90,22 @@ unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, 
             hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<4>(hb), m16));
             hb = _mm256_srli_epi16::<1>(hb);
         }
-        let p_lo = scaled_dot(lo, q8.add(64 * j), _mm256_shuffle_epi8(sc, _mm256_loadu_si256(masks[2 * j].as_ptr() as *const __m256i)));
-        let p_hi = scaled_dot(hi, q8.add(64 * j + 32), _mm256_shuffle_epi8(sc, _mm256_loadu_si256(masks[2 * j + 1].as_ptr() as *const __m256i)));
+        let p_lo = scaled_dot(
+            lo,
+            q8.add(64 * j),
+            _mm256_shuffle_epi8(
+                sc,
+                _mm256_loadu_si256(masks[2 * j].as_ptr() as *const __m256i),
+            ),
+        );
+        let p_hi = scaled_dot(
+            hi,
+            q8.add(64 * j + 32),
+            _mm256_shuffle_epi8(
+                sc,
+                _mm256_loadu_si256(masks[2 * j + 1].as_ptr() as *const __m256i),
+            ),
+        );
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
     }
     (sumi, mprod)
@@ -139,7 +159,11 @@ unsafe fn sums_q3_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
     let m3 = _mm256_set1_epi8(3);
     let m4 = _mm256_set1_epi8(4);
     let u = x.add(96) as *const u32;
-    let (a0, a1, a2) = (u.read_unaligned(), u.add(1).read_unaligned(), u.add(2).read_unaligned());
+    let (a0, a1, a2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
     let scales8 = _mm_set_epi32(
         (((a1 >> 4) & KMASK2) | (((a2 >> 6) & KMASK1) << 4)) as i32,
         (((a0 >> 4) & KMASK2) | (((a2 >> 4) & KMASK1) << 4)) as i32,
@@ -239,14 +263,21 @@ unsafe fn block<const K: u8>(x: *const u8, y: *const u8) -> (__m256i, __m256i, (
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_impl<const K: u8, const BB: usize, const MIN: bool>(nb: usize, x: *const u8, y: *const u8) -> f32 {
+unsafe fn dot_impl<const K: u8, const BB: usize, const MIN: bool>(
+    nb: usize,
+    x: *const u8,
+    y: *const u8,
+) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut acc_min = _mm256_setzero_ps();
     for i in 0..nb {
         let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
         let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
         let yd = (yb as *const f32).read_unaligned();
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes)));
+        acc = _mm256_add_ps(
+            acc,
+            _mm256_mul_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes)),
+        );
         if MIN {
             let m = _mm256_mul_ps(_mm256_set1_ps(yd * xdmin), _mm256_cvtepi32_ps(min_lanes));
             acc_min = _mm256_add_ps(acc_min, m);

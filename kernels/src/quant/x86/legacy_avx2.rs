@@ -40,7 +40,12 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
     let bits = (p as *const i32).read_unaligned();
-    let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    let shuf = _mm256_set_epi64x(
+        0x0303030303030303,
+        0x0202020202020202,
+        0x0101010101010101,
+        0,
+    );
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), shuf);
     let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
@@ -57,7 +62,10 @@ unsafe fn block_sums<const K: u8>(x: *const u8, y: *const u8) -> __m256i {
             mul_sum_i8(qx, _mm256_loadu_si256(y.add(2) as *const __m256i))
         }
         // Q4_1: nibbles, against Q8_1.
-        1 => mul_sum_u8_i8(nibbles(x.add(4)), _mm256_loadu_si256(y.add(4) as *const __m256i)),
+        1 => mul_sum_u8_i8(
+            nibbles(x.add(4)),
+            _mm256_loadu_si256(y.add(4) as *const __m256i),
+        ),
         // Q5_0: nibbles | 0xF0 where the fifth bit is clear (that is, q − 16 as a signed byte).
         2 => {
             let high = _mm256_andnot_si256(bits_to_bytes(x.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
@@ -99,7 +107,16 @@ unsafe fn transpose_sum(p: [__m256i; 8]) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
     let h = |k: usize| (p.add(k * stride) as *const i16).read_unaligned();
-    _mm256_cvtph_ps(_mm_set_epi16(h(7), h(6), h(5), h(4), h(3), h(2), h(1), h(0)))
+    _mm256_cvtph_ps(_mm_set_epi16(
+        h(7),
+        h(6),
+        h(5),
+        h(4),
+        h(3),
+        h(2),
+        h(1),
+        h(0),
+    ))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -135,7 +152,12 @@ unsafe fn dot_groups_impl<const K: u8, const XB: usize, const YB: usize, const M
 /// The CPU must support AVX2, FMA and F16C; `x` must be readable for `8·groups` blocks of `kind` and `y`
 /// for as many activation blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_groups(kind: LegacyKind, groups: usize, x: *const u8, y: *const u8) -> [f32; 8] {
+pub(crate) unsafe fn dot_groups(
+    kind: LegacyKind,
+    groups: usize,
+    x: *const u8,
+    y: *const u8,
+) -> [f32; 8] {
     match kind {
         LegacyKind::Q4_0 => dot_groups_impl::<0, 18, 34, false>(groups, x, y),
         LegacyKind::Q4_1 => dot_groups_impl::<1, 20, 36, true>(groups, x, y),
