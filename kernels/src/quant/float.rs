@@ -88,14 +88,38 @@ fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
 /// `half` crate set the quiet bit of signalling NaNs; gguf-py's reference does not).
 #[inline(always)]
 pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1F) as u32;
-    let man = (h & 0x3FF) as u32;
-    match exp {
-        // Zero or subnormal: man · 2⁻²⁴, exact in f32.
-        0 => f32::from_bits(sign | (man as f32 * (1.0 / 16_777_216.0)).to_bits()),
-        0x1F => f32::from_bits(sign | 0x7F80_0000 | (man << 13)),
-        _ => f32::from_bits(sign | ((exp + 112) << 23) | (man << 13)),
+    // Branch-free (so loops over it vectorize): exponent and mantissa moved into place, then scaled by
+    // 2¹¹² to rebias, which also normalizes subnormals exactly; infinities and NaNs are assembled bit by
+    // bit so payloads stay as they are.
+    let magnitude = ((h & 0x7FFF) as u32) << 13;
+    let finite = f32::from_bits(magnitude) * f32::from_bits(0x7780_0000);
+    let bits = if h & 0x7C00 == 0x7C00 {
+        magnitude | 0x7F80_0000
+    } else {
+        finite.to_bits()
+    };
+    f32::from_bits(bits | ((h as u32 & 0x8000) << 16))
+}
+
+/// f32 to f16 bits, rounding to nearest even as hardware and the `half` crate do (values from 65520 up
+/// become infinity, NaN stays NaN); inline, because `half`'s conversion is a call through a run-time
+/// dispatch, too slow for writing gigabytes of random weights.
+#[inline(always)]
+pub(crate) fn f32_to_f16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let sign = ((x >> 16) & 0x8000) as u16;
+    let abs = x & 0x7FFF_FFFF;
+    if abs > 0x7F80_0000 {
+        // NaN: keep it a (quiet) NaN with the top of its payload.
+        sign | 0x7E00 | ((abs >> 13) & 0x3FF) as u16
+    } else if abs >= 0x477F_F000 {
+        sign | 0x7C00
+    } else if abs < 0x3880_0000 {
+        // Below f16's smallest normal: a multiple of 2⁻²⁴, rounded to even (exact in f32 before rounding).
+        sign | (f32::from_bits(abs) * 16_777_216.0).round_ties_even() as u16
+    } else {
+        let rounded = abs + 0x0FFF + ((abs >> 13) & 1);
+        sign | ((rounded >> 13) - (112 << 10)) as u16
     }
 }
 
@@ -151,7 +175,9 @@ fn vec_dot_f32_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 }
 
 fn vec_dot_f16_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_lanes::<2>(n, row, act, super::f16_at)
+    dot_lanes::<2>(n, row, act, |b| {
+        f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+    })
 }
 
 fn vec_dot_bf16_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
@@ -240,11 +266,11 @@ fn fill_random_f16(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let mut pairs = dst.chunks_exact_mut(4);
     for p in &mut pairs {
         let [v0, v1] = two_uniform(rng.next_u64(), a);
-        super::put_f16(&mut p[..2], v0);
-        super::put_f16(&mut p[2..], v1);
+        p[..2].copy_from_slice(&f32_to_f16_bits(v0).to_le_bytes());
+        p[2..].copy_from_slice(&f32_to_f16_bits(v1).to_le_bytes());
     }
     for v in pairs.into_remainder().chunks_exact_mut(2) {
-        super::put_f16(v, two_uniform(rng.next_u64(), a)[0]);
+        v.copy_from_slice(&f32_to_f16_bits(two_uniform(rng.next_u64(), a)[0]).to_le_bytes());
     }
 }
 
@@ -266,5 +292,45 @@ fn fill_random_bf16(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     }
     for v in pairs.into_remainder().chunks_exact_mut(2) {
         v.copy_from_slice(&f32_to_bf16_bits(two_uniform(rng.next_u64(), a)[0]).to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_conversions_match_the_half_crate() {
+        // Every f16 to f32 (NaNs compared as NaNs: ours keeps signalling payloads, as numpy does).
+        for h in 0..=u16::MAX {
+            let (ours, theirs) = (f16_bits_to_f32(h), half::f16::from_bits(h).to_f32());
+            assert!(
+                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+                "{h:#06x}"
+            );
+        }
+        // f32 to f16 over a sweep of bit patterns covering every exponent, ties and the overflow edge.
+        let mut rng = crate::rng::Rng::new(3);
+        let specials = [
+            0.0f32,
+            -0.0,
+            65504.0,
+            65519.99,
+            65520.0,
+            1e-8,
+            2.9802322e-8,
+            5.9604645e-8,
+            6.1035156e-5,
+        ];
+        let randoms = (0..2_000_000).map(|_| f32::from_bits(rng.next_u32()));
+        for v in specials.into_iter().chain(randoms) {
+            let (ours, theirs) = (f32_to_f16_bits(v), half::f16::from_f32(v).to_bits());
+            let both_nan = v.is_nan() && (ours & 0x7C00) == 0x7C00 && (ours & 0x3FF) != 0;
+            assert!(
+                ours == theirs || both_nan,
+                "{v:e} ({:#010x}): {ours:#06x} vs {theirs:#06x}",
+                v.to_bits()
+            );
+        }
     }
 }

@@ -156,31 +156,58 @@ pub(crate) fn scales_q3_k(s: &[u8]) -> [u8; 16] {
 /// element `128h + 32s + l` is bits `2s..2s+2` of `qs[32h + l]`.
 #[inline(always)]
 fn crumbs(qs: &[u8]) -> [u8; QK_K] {
-    std::array::from_fn(|e| (qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3)
+    let mut q = [0u8; QK_K];
+    for h in 0..2 {
+        for s in 0..4 {
+            for l in 0..32 {
+                q[128 * h + 32 * s + l] = (qs[32 * h + l] >> (2 * s)) & 3;
+            }
+        }
+    }
+    q
 }
 
 /// Bit `e / 32` of `bits[e % 32]` for each of the 256 elements (the high-bit planes of Q3_K and Q5_K).
 #[inline(always)]
 fn bit_planes(bits: &[u8]) -> [u8; QK_K] {
-    std::array::from_fn(|e| (bits[e % 32] >> (e / 32)) & 1)
+    let mut q = [0u8; QK_K];
+    for b in 0..8 {
+        for l in 0..32 {
+            q[32 * b + l] = (bits[l] >> b) & 1;
+        }
+    }
+    q
 }
 
 /// The 256 nibbles of Q4_K/Q5_K: sub-block `s` is the low (even `s`) or high (odd `s`) nibbles of bytes
 /// `32·(s/2) .. 32·(s/2)+32`.
 #[inline(always)]
 fn nibbles_k(qs: &[u8]) -> [u8; QK_K] {
-    std::array::from_fn(|e| (qs[32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 0x0F)
+    let mut q = [0u8; QK_K];
+    for c in 0..4 {
+        for l in 0..32 {
+            q[64 * c + l] = qs[32 * c + l] & 0x0F;
+            q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+    }
+    q
 }
 
 /// The 256 six-bit quants of Q6_K (0..63, stored with an offset of 32).
 #[inline(always)]
 fn sixes(ql: &[u8], qh: &[u8]) -> [u8; QK_K] {
-    std::array::from_fn(|e| {
-        let (h, g, l) = (e / 128, (e / 32) % 4, e % 32);
-        let low = (ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
-        let high = (qh[32 * h + l] >> (2 * g)) & 3;
-        low | (high << 4)
-    })
+    let mut q = [0u8; QK_K];
+    for h in 0..2 {
+        let (ql, qh) = (&ql[64 * h..64 * h + 64], &qh[32 * h..32 * h + 32]);
+        let q = &mut q[128 * h..128 * h + 128];
+        for l in 0..32 {
+            q[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+            q[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    q
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -273,66 +300,82 @@ fn q8k_bsums(y: &[u8]) -> [i32; 16] {
     std::array::from_fn(|k| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32)
 }
 
-/// The scale lanes of one super-block: lane `l` = `Σ_c scale(c, l) · Σ_{p in 4l..4l+4} q[32c+p]·q8[32c+p]`.
+/// The scale lanes of one super-block: lane `l` = `Σ_c scale(c, l) · Σ_{p in 4l..4l+4} q[32c+p]·q8[32c+p]`,
+/// where `scale(c, l)` is `group[2c + l/4]` (16-value groups) or `group[c]` (32-value sub-blocks,
+/// `SUB32`).
 #[inline(always)]
-fn chunk_lanes(q: &[u8; QK_K], q8: &[u8], scale: impl Fn(usize, usize) -> i32) -> [i32; 8] {
-    std::array::from_fn(|l| {
-        (0..8)
-            .map(|c| {
-                let e = 32 * c + 4 * l;
-                let dot4: i32 = (e..e + 4).map(|e| q[e] as i32 * q8[e] as i8 as i32).sum();
-                scale(c, l) * dot4
-            })
-            .sum()
-    })
+fn chunk_lanes<const SUB32: bool>(q: &[u8; QK_K], q8: &[u8], group: &[i32]) -> [i32; 8] {
+    let mut prod = [0i32; QK_K];
+    for (p, (&a, &b)) in prod.iter_mut().zip(q.iter().zip(&q8[..QK_K])) {
+        *p = a as i32 * b as i8 as i32;
+    }
+    let mut lanes = [0i32; 8];
+    for (c, chunk) in prod.chunks_exact(32).enumerate() {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            let dot4 = chunk[4 * l] + chunk[4 * l + 1] + chunk[4 * l + 2] + chunk[4 * l + 3];
+            let scale = if SUB32 {
+                group[c]
+            } else {
+                group[2 * c + l / 4]
+            };
+            *lane += scale * dot4;
+        }
+    }
+    lanes
+}
+
+/// `Σ` over the two 16-value groups `2l, 2l+1` of `group scale · bsum`, for each lane `l`.
+#[inline(always)]
+fn group_pairs(group: &[i32; 16], bs: &[i32; 16]) -> [i32; 8] {
+    std::array::from_fn(|l| group[2 * l] * bs[2 * l] + group[2 * l + 1] * bs[2 * l + 1])
 }
 
 /// The exact integer lanes `(scale lanes, min lanes)` of one super-block (see the module documentation).
+#[inline(always)]
 fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
     let q8 = &y[4..260];
     let bs = q8k_bsums(y);
-    // The scale of 16-value group `2c + l / 4`, the group lane `l` of chunk `c` lies in.
-    let group = |c: usize, l: usize| 2 * c + l / 4;
-    // `offset · (s₂ₗ·bsum₂ₗ + s₂ₗ₊₁·bsum₂ₗ₊₁)` for 16-value group scales `s`.
-    let pair =
-        |s: &dyn Fn(usize) -> i32, l: usize| s(2 * l) * bs[2 * l] + s(2 * l + 1) * bs[2 * l + 1];
     match kind {
         KKind::Q2K => {
-            let sc = |g: usize| (x[g] & 0x0F) as i32;
-            let mn = |g: usize| (x[g] >> 4) as i32;
-            let lanes = chunk_lanes(&crumbs(&x[16..80]), q8, |c, l| sc(group(c, l)));
-            (lanes, std::array::from_fn(|l| pair(&mn, l)))
+            let sc: [i32; 16] = std::array::from_fn(|g| (x[g] & 0x0F) as i32);
+            let mn: [i32; 16] = std::array::from_fn(|g| (x[g] >> 4) as i32);
+            let lanes = chunk_lanes::<false>(&crumbs(&x[16..80]), q8, &sc);
+            (lanes, group_pairs(&mn, &bs))
         }
         KKind::Q3K => {
             // Quants stored as low | high << 2 (0..7) are q + 4.
             let packed = scales_q3_k(&x[96..108]);
-            let sc = |g: usize| packed[g] as i32 - 32;
-            let (low, high) = (crumbs(&x[32..96]), bit_planes(&x[0..32]));
-            let q: [u8; QK_K] = std::array::from_fn(|e| low[e] | (high[e] << 2));
-            let lanes = chunk_lanes(&q, q8, |c, l| sc(group(c, l)));
-            (std::array::from_fn(|l| lanes[l] - 4 * pair(&sc, l)), [0; 8])
+            let sc: [i32; 16] = std::array::from_fn(|g| packed[g] as i32 - 32);
+            let (mut q, high) = (crumbs(&x[32..96]), bit_planes(&x[0..32]));
+            for (q, h) in q.iter_mut().zip(high) {
+                *q |= h << 2;
+            }
+            let lanes = chunk_lanes::<false>(&q, q8, &sc);
+            let offset = group_pairs(&sc, &bs);
+            (std::array::from_fn(|l| lanes[l] - 4 * offset[l]), [0; 8])
         }
         KKind::Q4K | KKind::Q5K => {
             let (sc, mn) = scales_mins_k4(&x[4..16]);
             let q = if kind == KKind::Q4K {
                 nibbles_k(&x[16..144])
             } else {
-                let (low, high) = (nibbles_k(&x[48..176]), bit_planes(&x[16..48]));
-                std::array::from_fn(|e| low[e] | (high[e] << 4))
+                let (mut q, high) = (nibbles_k(&x[48..176]), bit_planes(&x[16..48]));
+                for (q, h) in q.iter_mut().zip(high) {
+                    *q |= h << 4;
+                }
+                q
             };
-            let lanes = chunk_lanes(&q, q8, |c, _| sc[c] as i32);
+            let lanes = chunk_lanes::<true>(&q, q8, &sc.map(|v| v as i32));
             (
                 lanes,
                 std::array::from_fn(|l| (bs[2 * l] + bs[2 * l + 1]) * mn[l] as i32),
             )
         }
         KKind::Q6K => {
-            let sc = |g: usize| x[192 + g] as i8 as i32;
-            let lanes = chunk_lanes(&sixes(&x[0..128], &x[128..192]), q8, |c, l| sc(group(c, l)));
-            (
-                std::array::from_fn(|l| lanes[l] - 32 * pair(&sc, l)),
-                [0; 8],
-            )
+            let sc: [i32; 16] = std::array::from_fn(|g| x[192 + g] as i8 as i32);
+            let lanes = chunk_lanes::<false>(&sixes(&x[0..128], &x[128..192]), q8, &sc);
+            let offset = group_pairs(&sc, &bs);
+            (std::array::from_fn(|l| lanes[l] - 32 * offset[l]), [0; 8])
         }
     }
 }
@@ -348,6 +391,7 @@ pub(crate) fn block_scales(kind: KKind, x: &[u8]) -> (f32, f32) {
     }
 }
 
+#[inline(always)]
 fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
     let nb = n / QK_K;
     assert!(
@@ -357,6 +401,7 @@ fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
     nb
 }
 
+#[inline(always)]
 fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
     let bb = kind.block_bytes();
@@ -377,6 +422,7 @@ fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     sum_lanes8(&acc) - sum_lanes8(&acc_min)
 }
 
+#[inline(always)]
 fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {

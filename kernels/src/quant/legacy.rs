@@ -218,17 +218,18 @@ fn dequantize_q8_0(src: &[u8], dst: &mut [f32]) {
 /// The exact integer `Σ qx·qy` of one block (`x` a weight block, `qy` the 32 activation quants).
 #[inline(always)]
 fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
-    let qx: [i32; 32] = match kind {
-        LegacyKind::Q4_0 => nibbles(&x[2..18]).map(|q| q as i32 - 8),
-        LegacyKind::Q4_1 => nibbles(&x[4..20]).map(|q| q as i32),
-        LegacyKind::Q5_0 => fives(qh_at(&x[2..]), &x[6..22]).map(|q| q as i32 - 16),
-        LegacyKind::Q5_1 => fives(qh_at(&x[4..]), &x[8..24]).map(|q| q as i32),
-        LegacyKind::Q8_0 => std::array::from_fn(|j| x[2 + j] as i8 as i32),
+    let qx: [i8; 32] = match kind {
+        LegacyKind::Q4_0 => nibbles(&x[2..18]).map(|q| q as i8 - 8),
+        LegacyKind::Q4_1 => nibbles(&x[4..20]).map(|q| q as i8),
+        LegacyKind::Q5_0 => fives(qh_at(&x[2..]), &x[6..22]).map(|q| q as i8 - 16),
+        LegacyKind::Q5_1 => fives(qh_at(&x[4..]), &x[8..24]).map(|q| q as i8),
+        LegacyKind::Q8_0 => std::array::from_fn(|j| x[2 + j] as i8),
     };
-    qx.iter()
-        .zip(&qy[..32])
-        .map(|(&a, &b)| a * b as i8 as i32)
-        .sum()
+    let mut sum = 0i32;
+    for (&a, &b) in qx.iter().zip(&qy[..32]) {
+        sum += a as i32 * b as i8 as i32;
+    }
+    sum
 }
 
 /// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
@@ -255,11 +256,24 @@ pub(crate) fn add_blocks(
     lanes: &mut [f32; 8],
 ) {
     let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
-    for b in first..nb {
-        lanes[b % 8] += block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
+    let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
+    let mut b = first;
+    // Whole groups of eight with the lanes in registers, then the rest one by one.
+    if b % 8 == 0 {
+        while b + 8 <= nb {
+            for (k, lane) in lanes.iter_mut().enumerate() {
+                *lane += block(b + k);
+            }
+            b += 8;
+        }
+    }
+    while b < nb {
+        lanes[b % 8] += block(b);
+        b += 1;
     }
 }
 
+#[inline(always)]
 fn check_lengths(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> usize {
     let nb = n / QK;
     assert!(
@@ -269,6 +283,7 @@ fn check_lengths(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> usize {
     nb
 }
 
+#[inline(always)]
 fn vec_dot_portable(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
     let mut lanes = [0f32; 8];
@@ -276,6 +291,7 @@ fn vec_dot_portable(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     sum_lanes8(&lanes)
 }
 
+#[inline(always)]
 fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
