@@ -46,9 +46,14 @@ fn main() {
         let row_bytes = ty.bytes_for(cols as u64).expect("whole blocks") as usize;
         let (mut w_buf, w_off) = aligned(rows * row_bytes);
         let w = &mut w_buf[w_off..w_off + rows * row_bytes];
-        let t = Instant::now();
-        (ops.fill_random)(&mut rng, 0.02, w);
-        let fill = w.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+        // Best of several fills; the first also pays for the pages' first touch.
+        let mut fill_time = f64::MAX;
+        for _ in 0..6 {
+            let t = Instant::now();
+            (ops.fill_random)(&mut rng, 0.02, w);
+            fill_time = fill_time.min(t.elapsed().as_secs_f64());
+        }
+        let fill = w.len() as f64 / fill_time / 1e6;
         let (mut act_buf, act_off) = aligned(ops.act.bytes_for(cols));
         let act = &mut act_buf[act_off..act_off + ops.act.bytes_for(cols)];
         ops.act.quantize(&x, act);

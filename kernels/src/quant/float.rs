@@ -115,8 +115,11 @@ pub(crate) fn f32_to_f16_bits(v: f32) -> u16 {
     } else if abs >= 0x477F_F000 {
         sign | 0x7C00
     } else if abs < 0x3880_0000 {
-        // Below f16's smallest normal: a multiple of 2⁻²⁴, rounded to even (exact in f32 before rounding).
-        sign | (f32::from_bits(abs) * 16_777_216.0).round_ties_even() as u16
+        // Below f16's smallest normal: a multiple of 2⁻²⁴. Scaled by 2²⁴ (exact) and added to 2²³, the
+        // value is rounded to an integer, ties to even, by the addition itself (`round_ties_even` would be
+        // a libm call on the baseline target).
+        let rounded = f32::from_bits(abs) * 16_777_216.0 + 8_388_608.0;
+        sign | (rounded.to_bits() - 0x4B00_0000) as u16
     } else {
         let rounded = abs + 0x0FFF + ((abs >> 13) & 1);
         sign | ((rounded >> 13) - (112 << 10)) as u16

@@ -481,30 +481,6 @@ fn scale_range(rms: f32, q_ms: f32, max_scale: u32) -> ScaleRange {
     }
 }
 
-/// A source of a few random bits at a time, refilled from the generator 64 bits at once.
-struct BitPool {
-    bits: u64,
-    left: u32,
-}
-
-impl BitPool {
-    fn new() -> Self {
-        BitPool { bits: 0, left: 0 }
-    }
-
-    #[inline(always)]
-    fn take(&mut self, rng: &mut Rng, n: u32) -> u32 {
-        if self.left < n {
-            self.bits = rng.next_u64();
-            self.left = 64;
-        }
-        let v = (self.bits & ((1u64 << n) - 1)) as u32;
-        self.bits >>= n;
-        self.left -= n;
-        v
-    }
-}
-
 /// Packs eight 6-bit scales and mins into Q4_K/Q5_K's 12 bytes (the inverse of [`scales_mins_k4`]).
 fn pack_scales_mins_k4(sc: &[u8; 8], mn: &[u8; 8], out: &mut [u8]) {
     for j in 0..4 {
@@ -546,40 +522,50 @@ fn fill_random(kind: KKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     put_f16(&mut d_bytes[0..2], range.d);
     let dmin = center * f16_at(&d_bytes[0..2]);
     put_f16(&mut d_bytes[2..4], dmin);
-    let mut pool = BitPool::new();
-    let mut scale = |rng: &mut Rng| (range.lo + pool.take(rng, range.bits)) as u8;
+    // Random bytes everywhere in one pass; then each block's scale fields are replaced, the choices drawn
+    // from the random bytes they replace.
+    rng.fill_bytes(dst);
+    let mask = (1u32 << range.bits) - 1;
+    let scale = |bits: u32| (range.lo + (bits & mask)) as u8;
+    // A scale of random sign: magnitude from the low bits, sign from `sign_bit` (above them).
+    let signed = |bits: u32, sign_bit: u32| {
+        let v = scale(bits) as i32;
+        if bits & sign_bit != 0 {
+            -v
+        } else {
+            v
+        }
+    };
     for b in dst.chunks_exact_mut(kind.block_bytes()) {
         match kind {
             KKind::Q2K => {
                 for s in &mut b[0..16] {
-                    let v = scale(rng);
+                    let v = scale(*s as u32);
                     *s = v | (v << 4);
                 }
-                rng.fill_bytes(&mut b[16..80]);
                 b[80..84].copy_from_slice(&d_bytes);
             }
             KKind::Q3K => {
-                rng.fill_bytes(&mut b[0..96]);
-                let signs = rng.next_u64();
+                // 16 choices from the 14 random bytes of the scale and d fields: consecutive 7-bit
+                // windows, magnitude from bits 0..4 (Q3_K's scales need at most 4), sign from bit 6.
+                let mut r = [0u8; 16];
+                r[..14].copy_from_slice(&b[96..110]);
+                let r = u128::from_le_bytes(r);
                 let sc: [u8; 16] = std::array::from_fn(|k| {
-                    let v = scale(rng) as i32;
-                    (32 + if (signs >> k) & 1 == 1 { -v } else { v }) as u8
+                    (32 + signed((r >> (7 * k)) as u32 & 0x7F, 0x40)) as u8
                 });
                 pack_scales_q3_k(&sc, &mut b[96..108]);
                 b[108..110].copy_from_slice(&d_bytes[0..2]);
             }
             KKind::Q4K | KKind::Q5K => {
+                let r = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                let sc: [u8; 8] = std::array::from_fn(|k| scale((r >> (8 * k)) as u32));
                 b[0..4].copy_from_slice(&d_bytes);
-                let sc: [u8; 8] = std::array::from_fn(|_| scale(rng));
                 pack_scales_mins_k4(&sc, &sc, &mut b[4..16]);
-                rng.fill_bytes(&mut b[16..]);
             }
             KKind::Q6K => {
-                rng.fill_bytes(&mut b[0..192]);
-                let signs = rng.next_u64();
-                for (k, s) in b[192..208].iter_mut().enumerate() {
-                    let v = scale(rng) as i32;
-                    *s = (if (signs >> k) & 1 == 1 { -v } else { v }) as i8 as u8;
+                for s in &mut b[192..208] {
+                    *s = signed(*s as u32, 0x80) as i8 as u8;
                 }
                 b[208..210].copy_from_slice(&d_bytes[0..2]);
             }

@@ -364,14 +364,12 @@ fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     }
     let hb = if kind.has_min() { 4 } else { 2 };
     let bb = kind.block_bytes();
-    let mut bits = 0u64;
-    for (i, block) in dst.chunks_exact_mut(bb).enumerate() {
-        if i % 16 == 0 {
-            bits = rng.next_u64();
-        }
-        let h = &headers[((bits >> (4 * (i % 16))) & 15) as usize];
+    // Random bytes everywhere in one pass, then each header replaced by one of the sixteen, chosen by the
+    // random byte it replaces.
+    rng.fill_bytes(dst);
+    for block in dst.chunks_exact_mut(bb) {
+        let h = &headers[(block[0] & 15) as usize];
         block[..hb].copy_from_slice(&h[..hb]);
-        rng.fill_bytes(&mut block[hb..]);
     }
 }
 
