@@ -1,3 +1,174 @@
-//! Matrix×vector and matrix×matrix products over many threads, for any weight format with [`QuantOps`].
+//! Matrix×vector and matrix×matrix products over many threads, for any weight format with
+//! [`QuantOps`](crate::quant::QuantOps).
 //!
-//! (under construction)
+//! A weight matrix is `rows` rows of `cols` values in one format, row-major as GGUF stores it (a GGUF
+//! tensor of dims `[cols, rows]`). Activations are quantized once per call to the format's activation type
+//! and every dot product reads them from there, as llama.cpp does. Work is split over the rayon pool the
+//! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
+//! streams its own part of the weights once.
+
+use crate::quant::{GgmlType, QuantError, QuantOps};
+use rayon::prelude::*;
+
+/// A borrowed weight matrix: `rows` rows of `cols` values of type `ty`.
+#[derive(Clone, Copy, Debug)]
+pub struct QuantMatrix<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> QuantMatrix<'a> {
+    /// Checks that `data` holds exactly `rows` rows of `cols` values of `ty`, and that `ty` can compute.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, QuantError> {
+        ty.ops()
+            .ok_or_else(|| QuantError(format!("tensor type {ty} is not supported for computation")))?;
+        let row_bytes = ty
+            .bytes_for(cols as u64)
+            .ok_or_else(|| QuantError(format!("{ty}: a row of {cols} values is not whole blocks")))?;
+        if (rows as u64).checked_mul(row_bytes) != Some(data.len() as u64) {
+            return Err(QuantError(format!(
+                "{ty}: {} bytes are not {rows} rows of {cols} values",
+                data.len()
+            )));
+        }
+        Ok(QuantMatrix { ty, rows, cols, data })
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.data.len() / self.rows.max(1)
+    }
+
+    fn ops(&self) -> &'static QuantOps {
+        self.ty.ops().expect("checked in QuantMatrix::new")
+    }
+
+    /// Row `r`'s bytes.
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// Weight rows per task: enough work per task to hide scheduling, few enough tasks to balance threads.
+fn rows_per_task(rows: usize, row_bytes: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    // At least 16 KiB of weights per task, and about 8 tasks per thread.
+    let min_rows = (16 * 1024 / row_bytes.max(1)).max(1);
+    (rows / (threads * 8)).max(min_rows).min(rows.max(1))
+}
+
+/// `y = W·x` for one activation vector: `x` has `cols` values, `y` gets `rows`.
+pub fn matvec(w: &QuantMatrix<'_>, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), w.cols, "matvec: x has the wrong length");
+    assert_eq!(y.len(), w.rows, "matvec: y has the wrong length");
+    let ops = w.ops();
+    let mut act = vec![0u8; ops.act.bytes_for(w.cols)];
+    ops.act.quantize(x, &mut act);
+    matvec_quantized(w, &act, y);
+}
+
+/// `y = W·x` with `x` already quantized to the format's activation type.
+pub fn matvec_quantized(w: &QuantMatrix<'_>, act: &[u8], y: &mut [f32]) {
+    let ops = w.ops();
+    let chunk = rows_per_task(w.rows, w.row_bytes());
+    y.par_chunks_mut(chunk).enumerate().for_each(|(c, ys)| {
+        let first = c * chunk;
+        for (i, out) in ys.iter_mut().enumerate() {
+            *out = (ops.vec_dot)(w.cols, w.row(first + i), act);
+        }
+    });
+}
+
+/// `Y = X·Wᵀ` for `n` activation vectors: `x` is `n × cols` (row-major), `y` gets `n × rows`.
+///
+/// Every weight row is read once from memory and used for all `n` vectors while it is in cache.
+pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(x.len(), n * w.cols, "matmul: x has the wrong length");
+    assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
+    let ops = w.ops();
+    let act_bytes = ops.act.bytes_for(w.cols);
+    let mut act = vec![0u8; n * act_bytes];
+    act.par_chunks_mut(act_bytes)
+        .zip(x.par_chunks(w.cols))
+        .for_each(|(a, xs)| ops.act.quantize(xs, a));
+
+    // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
+    let chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
+    let n_tasks = w.rows.div_ceil(chunk);
+    let out = SharedOut(y.as_mut_ptr());
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        let out = &out;
+        let first = t * chunk;
+        let last = (first + chunk).min(w.rows);
+        // Tokens in groups so the group's activations and the task's weight rows stay in cache together.
+        for tokens in (0..n).step_by(16) {
+            let tokens_end = (tokens + 16).min(n);
+            for r in first..last {
+                let row = w.row(r);
+                for j in tokens..tokens_end {
+                    let v = (ops.vec_dot)(w.cols, row, &act[j * act_bytes..(j + 1) * act_bytes]);
+                    // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
+                    // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no two
+                    // threads write the same element, and `y` outlives the parallel loop.
+                    unsafe { *out.0.add(j * w.rows + r) = v };
+                }
+            }
+        }
+    });
+}
+
+/// The output pointer shared by the tasks of [`matmul`], which write disjoint elements.
+struct SharedOut(*mut f32);
+// SAFETY: the tasks holding it write disjoint elements of one live buffer (see `matmul`).
+unsafe impl Sync for SharedOut {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize, fill_random};
+    use crate::rng::Rng;
+
+    fn matrix(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let mut data = vec![0u8; rows * ty.bytes_for(cols as u64).unwrap() as usize];
+        fill_random(ty, &mut Rng::new(3), 0.1, &mut data).unwrap();
+        data
+    }
+
+    #[test]
+    fn matvec_and_matmul_agree_with_row_dot_products() {
+        let (rows, cols, n) = (37, 512, 5);
+        let ty = GgmlType::F32;
+        let data = matrix(ty, rows, cols);
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let mut wf = vec![0f32; rows * cols];
+        dequantize(ty, &data, &mut wf).unwrap();
+        let mut rng = Rng::new(4);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let mut y = vec![0f32; n * rows];
+        matmul(&w, &x, n, &mut y);
+        for j in 0..n {
+            let mut yv = vec![0f32; rows];
+            matvec(&w, &x[j * cols..(j + 1) * cols], &mut yv);
+            for r in 0..rows {
+                let exact: f64 = (0..cols)
+                    .map(|k| wf[r * cols + k] as f64 * x[j * cols + k] as f64)
+                    .sum();
+                assert!((yv[r] as f64 - exact).abs() < 1e-3, "matvec row {r}");
+                assert_eq!(y[j * rows + r], yv[r], "matmul token {j} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn matrix_shape_is_checked() {
+        let data = vec![0u8; 144];
+        assert!(QuantMatrix::new(GgmlType::Q4_K, 1, 256, &data).is_ok());
+        assert!(QuantMatrix::new(GgmlType::Q4_K, 2, 256, &data).is_err());
+        assert!(QuantMatrix::new(GgmlType::Q4_K, 1, 100, &data).is_err());
+        assert!(QuantMatrix::new(GgmlType::I32, 1, 36, &data).is_err());
+    }
+}

@@ -190,6 +190,7 @@ impl std::fmt::Display for GgmlType {
 /// The format activations are quantized to before a dot product with a weight row, as llama.cpp does
 /// (its `vec_dot_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum ActType {
     /// Plain little-endian f32 (float weights).
     F32,
