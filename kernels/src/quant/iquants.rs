@@ -131,11 +131,67 @@ pub(crate) const fn odd_scale_mean_square(bits: u32) -> f64 {
 /// Fills `dst` (whole blocks of `block_bytes`) with random bytes, then lets `fix` rewrite each block's
 /// scale fields. Every bit pattern of the IQ formats' index, sign and sub-scale fields is a valid code
 /// (the ksigns formats store a 7-bit index whose eighth sign follows from parity), so only the scales
-/// need choosing.
-pub(crate) fn fill_blocks(rng: &mut Rng, dst: &mut [u8], block_bytes: usize, mut fix: impl FnMut(&mut Rng, &mut [u8])) {
+/// need choosing; the random bytes `fix` overwrites serve it as coins.
+pub(crate) fn fill_blocks(
+    rng: &mut Rng,
+    dst: &mut [u8],
+    block_bytes: usize,
+    fix: impl FnMut(&mut [u8]),
+) {
     rng.fill_bytes(dst);
-    for block in dst.chunks_exact_mut(block_bytes) {
-        fix(rng, block);
+    dst.chunks_exact_mut(block_bytes).for_each(fix);
+}
+
+/// A positive scale written as f16 without bias in its square: each block takes one of the two f16 values
+/// around the wanted `d`, the upper with the probability that makes the mean of `d'^2` equal `d^2`. (A plain
+/// rounding would miss small targets badly: below 6e-5, f16 values are 6e-8 apart.)
+pub(crate) struct DitheredF16 {
+    lo: u16,
+    hi: u16,
+    /// Probability of `hi`, in units of 2^-15.
+    threshold: u32,
+}
+
+impl DitheredF16 {
+    pub(crate) fn new(d: f32) -> Self {
+        let d = d.clamp(0.0, half::f16::MAX.to_f32());
+        let near = half::f16::from_f32(d);
+        let (lo, hi) = if near.to_f32() > d {
+            (near.to_bits() - 1, near.to_bits())
+        } else if near == half::f16::MAX {
+            (near.to_bits(), near.to_bits())
+        } else {
+            (near.to_bits(), near.to_bits() + 1)
+        };
+        let sq = |b: u16| (half::f16::from_bits(b).to_f64()).powi(2);
+        let span = sq(hi) - sq(lo);
+        let p = if span > 0.0 {
+            (d as f64 * d as f64 - sq(lo)) / span
+        } else {
+            0.0
+        };
+        DitheredF16 {
+            lo,
+            hi,
+            threshold: (p.clamp(0.0, 1.0) * 32768.0).round() as u32,
+        }
+    }
+
+    /// The f16 bits for a block, chosen by the 15 random bits `coin`.
+    #[inline(always)]
+    pub(crate) fn pick(&self, coin: u16) -> u16 {
+        if ((coin & 0x7fff) as u32) < self.threshold {
+            self.hi
+        } else {
+            self.lo
+        }
+    }
+
+    /// Writes the scale as a little-endian f16 at `b[0..2]`, using the random bits there as the coin.
+    #[inline(always)]
+    pub(crate) fn put(&self, b: &mut [u8]) {
+        let bits = self.pick(u16_at(b, 0));
+        b[..2].copy_from_slice(&bits.to_le_bytes());
     }
 }
 
@@ -156,3 +212,58 @@ macro_rules! simd_dispatch {
     };
 }
 pub(crate) use simd_dispatch;
+
+#[cfg(test)]
+mod tests {
+    use super::tables::*;
+
+    #[test]
+    fn ksigns_follow_the_parity_rule() {
+        for (i, &s) in KSIGNS_IQ2XS.iter().enumerate() {
+            assert_eq!(s & 127, i as u8);
+            assert_eq!(
+                s.count_ones() % 2,
+                0,
+                "index {i}: odd number of minus signs"
+            );
+        }
+    }
+
+    #[test]
+    fn grids_hold_only_their_levels() {
+        let bytes = |g: u64| (0..8).map(move |j| (g >> (8 * j)) as u8);
+        for g in IQ2XXS_GRID.iter().chain(&IQ2XS_GRID).chain(&IQ2S_GRID) {
+            assert!(
+                bytes(*g).all(|b| [0x08, 0x19, 0x2b].contains(&b)),
+                "{g:#018x}"
+            );
+        }
+        for g in &IQ3XXS_GRID {
+            assert!(
+                bytes(*g as u64).take(4).all(|b| b % 8 == 4 || b == 0x3e),
+                "{g:#010x}"
+            );
+        }
+        for g in &IQ3S_GRID {
+            assert!(
+                bytes(*g as u64).take(4).all(|b| b % 2 == 1 && b <= 15),
+                "{g:#010x}"
+            );
+        }
+        for g in &IQ1S_GRID {
+            assert!(
+                bytes(*g).all(|b| [0xff, 0x00, 0x01].contains(&b)),
+                "{g:#018x}"
+            );
+        }
+        // Each grid lists distinct points.
+        fn distinct<T: Ord + Copy>(g: &[T]) -> bool {
+            let mut v = g.to_vec();
+            v.sort_unstable();
+            v.windows(2).all(|w| w[0] != w[1])
+        }
+        assert!(distinct(&IQ2XXS_GRID) && distinct(&IQ2XS_GRID) && distinct(&IQ2S_GRID));
+        assert!(distinct(&IQ3XXS_GRID) && distinct(&IQ3S_GRID) && distinct(&IQ1S_GRID));
+        assert!(KVALUES_IQ4NL.windows(2).all(|w| w[0] < w[1]));
+    }
+}

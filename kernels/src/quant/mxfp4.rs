@@ -15,7 +15,8 @@ const Q8_0_BYTES: usize = 34;
 
 /// The E2M1 values, doubled (ggml's `kvalues_mxfp4`; the generator in `iquants/gen_tables.py` checks
 /// ggml-common.h and the `gguf` package agree on them).
-pub(crate) static KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(crate) static KVALUES_MXFP4: [i8; 16] =
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 static MXFP4: QuantOps = QuantOps {
     dequantize: dequantize_mxfp4,
@@ -37,7 +38,11 @@ pub(crate) fn ops(ty: GgmlType) -> Option<&'static QuantOps> {
 /// `ggml_e8m0_to_fp32_half` does (exponents 0 and 1 give f32 subnormals).
 #[inline(always)]
 pub(crate) fn e8m0_to_f32_half(e: u8) -> f32 {
-    let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e - 1) as u32) << 23 };
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        ((e - 1) as u32) << 23
+    };
     f32::from_bits(bits)
 }
 
@@ -65,7 +70,11 @@ fn vec_dot_mxfp4(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// Portable MXFP4 × Q8_0 dot product (llama.cpp's `ggml_vec_dot_mxfp4_q8_0_generic`).
 pub(crate) fn vec_dot_mxfp4_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(MXFP4_BYTES).zip(act.chunks_exact(Q8_0_BYTES)).take(n / 32) {
+    for (b, a) in row
+        .chunks_exact(MXFP4_BYTES)
+        .zip(act.chunks_exact(Q8_0_BYTES))
+        .take(n / 32)
+    {
         let d = f16_at(a) * e8m0_to_f32_half(b[0]);
         let mut sumi = 0i32;
         for j in 0..16 {
@@ -103,6 +112,10 @@ fn fill_random_mxfp4(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let threshold = (q * 256.0).round() as u32;
     rng.fill_bytes(dst);
     for b in dst.chunks_exact_mut(MXFP4_BYTES) {
-        b[0] = if (b[0] as u32) < threshold { e_lo + 1 } else { e_lo };
+        b[0] = if (b[0] as u32) < threshold {
+            e_lo + 1
+        } else {
+            e_lo
+        };
     }
 }

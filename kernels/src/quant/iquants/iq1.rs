@@ -7,10 +7,10 @@
 
 use super::tables::IQ1S_GRID;
 use super::{
-    fill_blocks, grid_mean_square_u64, odd_scale_mean_square, q8k_bsum, q8k_d, q8k_q, simd_dispatch, u16_at,
-    Q8K_BYTES, QK_K,
+    fill_blocks, grid_mean_square_u64, odd_scale_mean_square, q8k_bsum, q8k_d, q8k_q,
+    simd_dispatch, u16_at, DitheredF16, Q8K_BYTES, QK_K,
 };
-use crate::quant::{f16_at, put_f16, ActType, QuantOps};
+use crate::quant::{f16_at, ActType, QuantOps};
 use crate::rng::Rng;
 
 /// IQ1_S block: f16 `d`, 32 grid index low bytes, 8 × u16 (4 × 3 high index bits, 3-bit scale, shift sign).
@@ -52,16 +52,25 @@ fn put_group8(out: &mut [f32], dl: f32, grid: u64, delta: f32) {
 /// Σ grid[j] · q8[j] over one group of 8.
 #[inline(always)]
 fn group8_dot(grid: u64, a: &[u8], base: usize) -> i32 {
-    (0..8).map(|j| (grid >> (8 * j)) as u8 as i8 as i32 * q8k_q(a, base + j)).sum()
+    (0..8)
+        .map(|j| (grid >> (8 * j)) as u8 as i8 as i32 * q8k_q(a, base + j))
+        .sum()
 }
 
 fn dequantize_iq1_s(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ1_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ1_S_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for ib in 0..8 {
             let qh = u16_at(b, 34 + 2 * ib);
             let dl = d * (2 * ((qh >> 12) & 7) + 1) as f32;
-            let delta = if qh & 0x8000 == 0 { IQ1_DELTA } else { -IQ1_DELTA };
+            let delta = if qh & 0x8000 == 0 {
+                IQ1_DELTA
+            } else {
+                -IQ1_DELTA
+            };
             for l in 0..4 {
                 let idx = b[2 + 4 * ib + l] as usize | (((qh >> (3 * l)) & 7) as usize) << 8;
                 put_group8(&mut y[32 * ib + 8 * l..], dl, IQ1S_GRID[idx], delta);
@@ -85,7 +94,10 @@ fn iq1m_scale(b: &[u8], t: usize) -> u16 {
 }
 
 fn dequantize_iq1_m(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ1_M_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ1_M_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = iq1m_d(b);
         for t in 0..16 {
             let dl = d * iq1m_scale(b, t) as f32;
@@ -103,7 +115,11 @@ fn dequantize_iq1_m(src: &[u8], dst: &mut [f32]) {
 /// Portable IQ1_S × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq1_s_q8_K_generic`).
 pub(crate) fn vec_dot_iq1_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ1_S_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ1_S_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let (mut sumi, mut sumi1) = (0i32, 0i32);
         for ib in 0..8 {
             let qh = u16_at(b, 34 + 2 * ib);
@@ -125,7 +141,11 @@ pub(crate) fn vec_dot_iq1_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// Portable IQ1_M × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq1_m_q8_K_generic`).
 pub(crate) fn vec_dot_iq1_m_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ1_M_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ1_M_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let (mut sumi1, mut sumi2) = (0i32, 0i32);
         for t in 0..16 {
             let ls = iq1m_scale(b, t) as i32;
@@ -147,21 +167,24 @@ pub(crate) fn vec_dot_iq1_m_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 }
 
 /// Mean square of `g + delta` over uniform grid entries and shift signs.
-const IQ1_VALUE_MS: f64 = grid_mean_square_u64(&IQ1S_GRID, true) + (IQ1_DELTA as f64) * (IQ1_DELTA as f64);
+const IQ1_VALUE_MS: f64 =
+    grid_mean_square_u64(&IQ1S_GRID, true) + (IQ1_DELTA as f64) * (IQ1_DELTA as f64);
 
 /// The `d` giving values `d · (2s + 1) · (g ± 1/8)` of root-mean-square `rms` (uniform 3-bit `s`).
-fn iq1_d(rms: f32) -> f32 {
-    (rms as f64 / (odd_scale_mean_square(3) * IQ1_VALUE_MS).sqrt()) as f32
+fn iq1_d(rms: f32) -> DitheredF16 {
+    DitheredF16::new((rms as f64 / (odd_scale_mean_square(3) * IQ1_VALUE_MS).sqrt()) as f32)
 }
 
 fn fill_random_iq1_s(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let d = iq1_d(rms);
-    fill_blocks(rng, dst, IQ1_S_BYTES, |_, b| put_f16(b, d));
+    fill_blocks(rng, dst, IQ1_S_BYTES, |b| d.put(b));
 }
 
 fn fill_random_iq1_m(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
-    let bits = half::f16::from_f32(iq1_d(rms)).to_bits();
-    fill_blocks(rng, dst, IQ1_M_BYTES, |_, b| {
+    let d = iq1_d(rms);
+    fill_blocks(rng, dst, IQ1_M_BYTES, |b| {
+        // The random scale bits (low bits of the first word) serve as the coin.
+        let bits = d.pick(u16_at(b, 48));
         for w in 0..4 {
             let at = 48 + 2 * w;
             let word = (u16_at(b, at) & 0x0fff) | ((bits >> (4 * w)) & 15) << 12;

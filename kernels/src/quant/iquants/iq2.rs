@@ -5,10 +5,10 @@
 
 use super::tables::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, KSIGNS_IQ2XS};
 use super::{
-    fill_blocks, grid_mean_square_u64, odd_scale_mean_square, q8k_d, q8k_q, sign_f32, simd_dispatch, u16_at,
-    u32_at, Q8K_BYTES, QK_K,
+    fill_blocks, grid_mean_square_u64, odd_scale_mean_square, q8k_d, q8k_q, sign_f32,
+    simd_dispatch, u16_at, u32_at, DitheredF16, Q8K_BYTES, QK_K,
 };
-use crate::quant::{f16_at, put_f16, ActType, QuantOps};
+use crate::quant::{f16_at, ActType, QuantOps};
 use crate::rng::Rng;
 
 /// IQ2_XXS block: f16 `d`, then 8 × (4 grid indices as bytes, u32 of 4 × 7-bit sign indices and a 4-bit
@@ -63,7 +63,10 @@ fn put_group8(out: &mut [f32], db: f32, grid: u64, signs: u8) {
 }
 
 fn dequantize_iq2_xxs(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ2_XXS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ2_XXS_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for ib in 0..8 {
             let idx = &b[2 + 8 * ib..6 + 8 * ib];
@@ -71,14 +74,22 @@ fn dequantize_iq2_xxs(src: &[u8], dst: &mut [f32]) {
             let db = d * (0.5 + (aux >> 28) as f32) * 0.25;
             for l in 0..4 {
                 let signs = KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize];
-                put_group8(&mut y[32 * ib + 8 * l..], db, IQ2XXS_GRID[idx[l] as usize], signs);
+                put_group8(
+                    &mut y[32 * ib + 8 * l..],
+                    db,
+                    IQ2XXS_GRID[idx[l] as usize],
+                    signs,
+                );
             }
         }
     }
 }
 
 fn dequantize_iq2_xs(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ2_XS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ2_XS_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for k in 0..32 {
             let q = u16_at(b, 2 + 2 * k);
@@ -97,7 +108,10 @@ fn iq2s_index(b: &[u8], k: usize) -> usize {
 }
 
 fn dequantize_iq2_s(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ2_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ2_S_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for k in 0..32 {
             let s = b[74 + k / 4] >> (4 * (k / 2 % 2)) & 15;
@@ -122,7 +136,11 @@ fn group8_dot(grid: u64, signs: u8, a: &[u8], base: usize) -> i32 {
 /// Portable IQ2_XXS × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq2_xxs_q8_K_generic`).
 pub(crate) fn vec_dot_iq2_xxs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ2_XXS_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ2_XXS_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d = f16_at(b) * q8k_d(a);
         let mut bsum = 0i32;
         for ib in 0..8 {
@@ -144,17 +162,29 @@ pub(crate) fn vec_dot_iq2_xxs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 
 /// Portable IQ2_XS × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq2_xs_q8_K_generic`).
 pub(crate) fn vec_dot_iq2_xs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ2_XS_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ2_XS_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d = f16_at(b) * q8k_d(a);
         let mut bsum = 0i32;
         for ib in 0..8 {
             let sc = b[66 + ib];
-            for (half, ls) in [2 * (sc & 15) as i32 + 1, 2 * (sc >> 4) as i32 + 1].into_iter().enumerate() {
+            for (half, ls) in [2 * (sc & 15) as i32 + 1, 2 * (sc >> 4) as i32 + 1]
+                .into_iter()
+                .enumerate()
+            {
                 let mut sumi = 0;
                 for l in 0..2 {
                     let k = 4 * ib + 2 * half + l;
                     let q = u16_at(b, 2 + 2 * k);
-                    sumi += group8_dot(IQ2XS_GRID[(q & 511) as usize], KSIGNS_IQ2XS[(q >> 9) as usize], a, 8 * k);
+                    sumi += group8_dot(
+                        IQ2XS_GRID[(q & 511) as usize],
+                        KSIGNS_IQ2XS[(q >> 9) as usize],
+                        a,
+                        8 * k,
+                    );
                 }
                 bsum += sumi * ls;
             }
@@ -167,7 +197,11 @@ pub(crate) fn vec_dot_iq2_xs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// Portable IQ2_S × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq2_s_q8_K_generic`).
 pub(crate) fn vec_dot_iq2_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ2_S_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ2_S_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d = f16_at(b) * q8k_d(a);
         let mut bsum = 0i32;
         for ib in 0..8 {
@@ -187,8 +221,10 @@ pub(crate) fn vec_dot_iq2_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 
 /// The `d` giving values of root-mean-square `rms` when scales `s` (4 bits), grid entries and signs are
 /// uniform: values are `d · (2s + 1)/8 · g`.
-fn iq2_d(rms: f32, grid_mean_square: f64) -> f32 {
-    (rms as f64 * 8.0 / (odd_scale_mean_square(4) * grid_mean_square).sqrt()) as f32
+fn iq2_d(rms: f32, grid_mean_square: f64) -> DitheredF16 {
+    DitheredF16::new(
+        (rms as f64 * 8.0 / (odd_scale_mean_square(4) * grid_mean_square).sqrt()) as f32,
+    )
 }
 
 const IQ2XXS_GRID_MS: f64 = grid_mean_square_u64(&IQ2XXS_GRID, false);
@@ -197,15 +233,15 @@ const IQ2S_GRID_MS: f64 = grid_mean_square_u64(&IQ2S_GRID, false);
 
 fn fill_random_iq2_xxs(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let d = iq2_d(rms, IQ2XXS_GRID_MS);
-    fill_blocks(rng, dst, IQ2_XXS_BYTES, |_, b| put_f16(b, d));
+    fill_blocks(rng, dst, IQ2_XXS_BYTES, |b| d.put(b));
 }
 
 fn fill_random_iq2_xs(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let d = iq2_d(rms, IQ2XS_GRID_MS);
-    fill_blocks(rng, dst, IQ2_XS_BYTES, |_, b| put_f16(b, d));
+    fill_blocks(rng, dst, IQ2_XS_BYTES, |b| d.put(b));
 }
 
 fn fill_random_iq2_s(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let d = iq2_d(rms, IQ2S_GRID_MS);
-    fill_blocks(rng, dst, IQ2_S_BYTES, |_, b| put_f16(b, d));
+    fill_blocks(rng, dst, IQ2_S_BYTES, |b| d.put(b));
 }

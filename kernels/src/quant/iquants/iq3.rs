@@ -6,10 +6,10 @@
 
 use super::tables::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use super::{
-    fill_blocks, grid_mean_square_u32, odd_scale_mean_square, q8k_d, q8k_q, sign_f32, simd_dispatch, u32_at,
-    Q8K_BYTES, QK_K,
+    fill_blocks, grid_mean_square_u32, odd_scale_mean_square, q8k_d, q8k_q, sign_f32,
+    simd_dispatch, u32_at, DitheredF16, Q8K_BYTES, QK_K,
 };
-use crate::quant::{f16_at, put_f16, ActType, QuantOps};
+use crate::quant::{f16_at, ActType, QuantOps};
 use crate::rng::Rng;
 
 /// IQ3_XXS block: f16 `d`, 64 grid indices (bytes), 8 × u32 (4 × 7-bit sign indices, 4-bit scale on top).
@@ -48,7 +48,10 @@ fn put_pair(out: &mut [f32], db: f32, g1: u32, g2: u32, signs: u8) {
 }
 
 fn dequantize_iq3_xxs(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ3_XXS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ3_XXS_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for ib in 0..8 {
             let aux = u32_at(b, 66 + 4 * ib);
@@ -70,14 +73,20 @@ fn iq3s_index(b: &[u8], i: usize) -> usize {
 }
 
 fn dequantize_iq3_s(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ3_S_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ3_S_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for ib in 0..8 {
             let s = b[106 + ib / 2] >> (4 * (ib % 2)) & 15;
             let db = d * (1 + 2 * s) as f32;
             for l in 0..4 {
                 let k = 4 * ib + l;
-                let (g1, g2) = (IQ3S_GRID[iq3s_index(b, 2 * k)], IQ3S_GRID[iq3s_index(b, 2 * k + 1)]);
+                let (g1, g2) = (
+                    IQ3S_GRID[iq3s_index(b, 2 * k)],
+                    IQ3S_GRID[iq3s_index(b, 2 * k + 1)],
+                );
                 put_pair(&mut y[8 * k..], db, g1, g2, b[74 + k]);
             }
         }
@@ -99,7 +108,11 @@ fn pair_dot(g1: u32, g2: u32, signs: u8, a: &[u8], base: usize) -> i32 {
 /// Portable IQ3_XXS × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq3_xxs_q8_K_generic`).
 pub(crate) fn vec_dot_iq3_xxs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ3_XXS_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ3_XXS_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d = f16_at(b) * q8k_d(a);
         let mut bsum = 0i32;
         for ib in 0..8 {
@@ -122,7 +135,11 @@ pub(crate) fn vec_dot_iq3_xxs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 
 /// Portable IQ3_S × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq3_s_q8_K_generic`).
 pub(crate) fn vec_dot_iq3_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ3_S_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ3_S_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d = f16_at(b) * q8k_d(a);
         let mut bsum = 0i32;
         for ib in 0..8 {
@@ -130,7 +147,10 @@ pub(crate) fn vec_dot_iq3_s_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
             let mut sumi = 0;
             for l in 0..4 {
                 let k = 4 * ib + l;
-                let (g1, g2) = (IQ3S_GRID[iq3s_index(b, 2 * k)], IQ3S_GRID[iq3s_index(b, 2 * k + 1)]);
+                let (g1, g2) = (
+                    IQ3S_GRID[iq3s_index(b, 2 * k)],
+                    IQ3S_GRID[iq3s_index(b, 2 * k + 1)],
+                );
                 sumi += pair_dot(g1, g2, b[74 + k], a, 8 * k);
             }
             bsum += sumi * ls;
@@ -145,12 +165,15 @@ const IQ3S_GRID_MS: f64 = grid_mean_square_u32(&IQ3S_GRID);
 
 fn fill_random_iq3_xxs(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     // Values are d · (2s + 1)/4 · g with uniform 4-bit s, uniform grid entries and signs.
-    let d = (rms as f64 * 4.0 / (odd_scale_mean_square(4) * IQ3XXS_GRID_MS).sqrt()) as f32;
-    fill_blocks(rng, dst, IQ3_XXS_BYTES, |_, b| put_f16(b, d));
+    let d = DitheredF16::new(
+        (rms as f64 * 4.0 / (odd_scale_mean_square(4) * IQ3XXS_GRID_MS).sqrt()) as f32,
+    );
+    fill_blocks(rng, dst, IQ3_XXS_BYTES, |b| d.put(b));
 }
 
 fn fill_random_iq3_s(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     // Values are d · (2s + 1) · g with uniform 4-bit s, uniform grid entries and signs.
-    let d = (rms as f64 / (odd_scale_mean_square(4) * IQ3S_GRID_MS).sqrt()) as f32;
-    fill_blocks(rng, dst, IQ3_S_BYTES, |_, b| put_f16(b, d));
+    let d =
+        DitheredF16::new((rms as f64 / (odd_scale_mean_square(4) * IQ3S_GRID_MS).sqrt()) as f32);
+    fill_blocks(rng, dst, IQ3_S_BYTES, |b| d.put(b));
 }

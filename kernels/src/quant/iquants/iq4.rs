@@ -6,8 +6,8 @@
 //! bytes hold values 0..16 and the high nibbles values 16..32.
 
 use super::tables::KVALUES_IQ4NL;
-use super::{fill_blocks, q8k_d, simd_dispatch, u16_at, Q8K_BYTES, QK_K};
-use crate::quant::{f16_at, put_f16, ActType, QuantOps};
+use super::{fill_blocks, q8k_d, simd_dispatch, u16_at, DitheredF16, Q8K_BYTES, QK_K};
+use crate::quant::{f16_at, ActType, QuantOps};
 use crate::rng::Rng;
 
 /// IQ4_NL block: f16 `d`, 16 bytes of nibbles.
@@ -73,7 +73,10 @@ pub(crate) fn iq4xs_scale(b: &[u8], ib: usize) -> i32 {
 }
 
 fn dequantize_iq4_xs(src: &[u8], dst: &mut [f32]) {
-    for (b, y) in src.chunks_exact(IQ4_XS_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
+    for (b, y) in src
+        .chunks_exact(IQ4_XS_BYTES)
+        .zip(dst.chunks_exact_mut(QK_K))
+    {
         let d = f16_at(b);
         for ib in 0..8 {
             let dl = d * iq4xs_scale(b, ib) as f32;
@@ -85,7 +88,11 @@ fn dequantize_iq4_xs(src: &[u8], dst: &mut [f32]) {
 /// Portable IQ4_NL × Q8_0 dot product (llama.cpp's `ggml_vec_dot_iq4_nl_q8_0_generic`).
 pub(crate) fn vec_dot_iq4_nl_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ4_NL_BYTES).zip(act.chunks_exact(Q8_0_BYTES)).take(n / 32) {
+    for (b, a) in row
+        .chunks_exact(IQ4_NL_BYTES)
+        .zip(act.chunks_exact(Q8_0_BYTES))
+        .take(n / 32)
+    {
         let d = f16_at(a) * f16_at(b);
         sumf += d * nibbles32_dot(&b[2..], &a[2..]) as f32;
     }
@@ -95,7 +102,11 @@ pub(crate) fn vec_dot_iq4_nl_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// Portable IQ4_XS × Q8_K dot product (llama.cpp's `ggml_vec_dot_iq4_xs_q8_K_generic`).
 pub(crate) fn vec_dot_iq4_xs_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut sumf = 0f32;
-    for (b, a) in row.chunks_exact(IQ4_XS_BYTES).zip(act.chunks_exact(Q8K_BYTES)).take(n / QK_K) {
+    for (b, a) in row
+        .chunks_exact(IQ4_XS_BYTES)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(n / QK_K)
+    {
         let d4d8 = f16_at(b) * q8k_d(a);
         for ib in 0..8 {
             let dl = d4d8 * iq4xs_scale(b, ib) as f32;
@@ -131,16 +142,14 @@ const IQ4XS_SCALE_MS: f64 = {
 };
 
 /// Writes each block's `d` with a random sign: the levels are not symmetric (their mean is −5.9 against a
-/// root-mean-square of 67), and llama.cpp's quantizer produces both signs too.
+/// root-mean-square of 67), and llama.cpp's quantizer produces both signs too. The random bytes in the
+/// scale field are the coins: bit 15 for the sign, the rest for the dithering.
 fn fill_signed_d(rng: &mut Rng, dst: &mut [u8], block_bytes: usize, d: f32) {
-    let (mut bits, mut left) = (0u64, 0u32);
-    fill_blocks(rng, dst, block_bytes, |rng, b| {
-        if left == 0 {
-            (bits, left) = (rng.next_u64(), 64);
-        }
-        put_f16(b, if bits & 1 != 0 { -d } else { d });
-        bits >>= 1;
-        left -= 1;
+    let d = DitheredF16::new(d);
+    fill_blocks(rng, dst, block_bytes, |b| {
+        let coin = u16_at(b, 0);
+        let bits = d.pick(coin) | (coin & 0x8000);
+        b[..2].copy_from_slice(&bits.to_le_bytes());
     });
 }
 

@@ -10,7 +10,8 @@
 use std::arch::x86_64::*;
 
 use crate::quant::iquants::tables::{
-    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL,
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+    KVALUES_IQ4NL,
 };
 use crate::quant::mxfp4::{e8m0_to_f32_half, KVALUES_MXFP4};
 
@@ -43,8 +44,8 @@ static KEVEN_SIGNS: [u64; 128] = {
 
 /// Bit `j % 8` selectors for 32 bytes, to expand sign bytes into byte masks.
 static BIT_SELECT: [u8; 32] = [
-    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x01, 0x02,
-    0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80,
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80,
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80,
 ];
 
 /// Byte `j / 8` of a broadcast u32 into every byte `j` (for expanding 4 sign bytes to 32 lanes).
@@ -77,12 +78,37 @@ fn blocks<const N: usize>(s: &[u8]) -> impl Iterator<Item = &[u8; N]> {
     s.chunks_exact(N).filter_map(|c| c.first_chunk::<N>())
 }
 
-/// f16 at `b[at..at + 2]` to f32 with the F16C instruction.
+/// f16 at `b[at..at + 2]` to f32, in integer arithmetic and one exact multiply.
+///
+/// Converting one f16 with F16C (`_mm_cvtph_ps` on a lone 16-bit lane) lets LLVM insert the value into
+/// whatever register is free, often an accumulator, making every block wait for the previous block's sums;
+/// this conversion has no such hidden dependency.
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16_at(b, at))
+}
+
+/// f16 bits to f32 (exact; see [`f16_at`]).
+#[inline(always)]
+fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let em = h & 0x7fff;
+    let magnitude = if em >= 0x7c00 {
+        f32::from_bits(0x7f80_0000 | (em & 0x3ff) << 13)
+    } else {
+        // Moving the exponent field and multiplying by 2^112 rebiases it exactly, subnormals included.
+        f32::from_bits(em << 13) * f32::from_bits(0x7780_0000)
+    };
+    f32::from_bits(magnitude.to_bits() | (h & 0x8000) << 16)
+}
+
+/// The product of two f16 values (`a[at_a..]`, `b[at_b..]`) in f32, converted together with F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_at(b: &[u8], at: usize) -> f32 {
-    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+unsafe fn f16_product(a: &[u8], at_a: usize, b: &[u8], at_b: usize) -> f32 {
+    let pair = u32::from_le_bytes([a[at_a], a[at_a + 1], b[at_b], b[at_b + 1]]);
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(pair as i32));
+    _mm_cvtss_f32(_mm_mul_ss(v, _mm_movehdup_ps(v)))
 }
 
 #[inline(always)]
@@ -151,7 +177,10 @@ unsafe fn set_u32x8(g: [u32; 8]) -> __m256i {
 unsafe fn apply_sign_bits(q8: __m256i, signs: u32) -> __m256i {
     let spread = load256(&SIGN_BYTE_SPREAD, 0);
     let select = load256(&BIT_SELECT, 0);
-    let bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(signs as i32), spread), select);
+    let bytes = _mm256_and_si256(
+        _mm256_shuffle_epi8(_mm256_set1_epi32(signs as i32), spread),
+        select,
+    );
     let neg = _mm256_cmpeq_epi8(bytes, select);
     _mm256_sub_epi8(_mm256_xor_si256(q8, neg), neg)
 }
@@ -203,7 +232,11 @@ pub(crate) unsafe fn vec_dot_iq2_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi1 = _mm256_add_epi32(sumi1, p1);
             sumi2 = _mm256_add_epi32(sumi2, p2);
         }
-        accumf = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accumf);
+        accumf = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accumf,
+        );
     }
     0.125 * hsum_f32x8(accumf)
 }
@@ -248,7 +281,11 @@ pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 sumi2 = _mm256_add_epi32(sumi2, p);
             }
         }
-        accumf = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accumf);
+        accumf = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accumf,
+        );
     }
     0.125 * hsum_f32x8(accumf)
 }
@@ -288,7 +325,11 @@ pub(crate) unsafe fn vec_dot_iq2_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 sumi2 = _mm256_add_epi32(sumi2, p);
             }
         }
-        accumf = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accumf);
+        accumf = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accumf,
+        );
     }
     0.125 * hsum_f32x8(accumf)
 }
@@ -309,7 +350,8 @@ pub(crate) unsafe fn vec_dot_iq3_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             let q8_2 = load256(y, 36 + 32 * ib);
             let q3 = &x[2 + 8 * ib..18 + 8 * ib];
             let q3_1 = set_u32x8([0, 1, 2, 3, 4, 5, 6, 7].map(|j| IQ3XXS_GRID[q3[j] as usize]));
-            let q3_2 = set_u32x8([8, 9, 10, 11, 12, 13, 14, 15].map(|j| IQ3XXS_GRID[q3[j] as usize]));
+            let q3_2 =
+                set_u32x8([8, 9, 10, 11, 12, 13, 14, 15].map(|j| IQ3XXS_GRID[q3[j] as usize]));
             let (s1, s2) = (u32_at(x, 66 + 4 * ib), u32_at(x, 70 + 4 * ib));
             let dot1 = _mm256_maddubs_epi16(q3_1, _mm256_sign_epi8(q8_1, ksigns_x4(s1)));
             let dot2 = _mm256_maddubs_epi16(q3_2, _mm256_sign_epi8(q8_2, ksigns_x4(s2)));
@@ -318,7 +360,11 @@ pub(crate) unsafe fn vec_dot_iq3_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi1 = _mm256_add_epi32(sumi1, p1);
             sumi2 = _mm256_add_epi32(sumi2, p2);
         }
-        accumf = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accumf);
+        accumf = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accumf,
+        );
     }
     0.25 * hsum_f32x8(accumf)
 }
@@ -338,7 +384,9 @@ pub(crate) unsafe fn vec_dot_iq3_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
             let q8 = load256(y, 4 + 32 * ib);
             let qs = &x[2 + 8 * ib..10 + 8 * ib];
             let qh = x[66 + ib] as usize;
-            let q3 = set_u32x8([0, 1, 2, 3, 4, 5, 6, 7].map(|j| IQ3S_GRID[qs[j] as usize | (qh << (8 - j) & 256)]));
+            let q3 = set_u32x8(
+                [0, 1, 2, 3, 4, 5, 6, 7].map(|j| IQ3S_GRID[qs[j] as usize | (qh << (8 - j) & 256)]),
+            );
             let q8s = apply_sign_bits(q8, u32_at(x, 74 + 4 * ib));
             let dot = _mm256_maddubs_epi16(q3, q8s);
             let ls = (x[106 + ib / 2] >> (4 * (ib % 2))) & 15;
@@ -349,7 +397,11 @@ pub(crate) unsafe fn vec_dot_iq3_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 sumi2 = _mm256_add_epi32(sumi2, p);
             }
         }
-        accumf = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accumf);
+        accumf = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accumf,
+        );
     }
     hsum_f32x8(accumf)
 }
@@ -379,7 +431,11 @@ pub(crate) unsafe fn vec_dot_iq1_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
             let p = _mm256_madd_epi16(mul_add_epi8(q1, q8), _mm256_set1_epi16(ls as i16));
             sumi = _mm256_add_epi32(sumi, p);
             let bsum = q8k_bsum(y, 2 * ib) + q8k_bsum(y, 2 * ib + 1);
-            sumi1 += if qh & 0x8000 != 0 { -bsum * ls } else { bsum * ls };
+            sumi1 += if qh & 0x8000 != 0 {
+                -bsum * ls
+            } else {
+                bsum * ls
+            };
         }
         let d = q8k_d(y) * f16_at(x, 0);
         accum = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), accum);
@@ -406,8 +462,9 @@ pub(crate) unsafe fn vec_dot_iq1_m(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut accum2 = _mm256_setzero_ps();
     for (x, y) in blocks::<56>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
         let sc = [0, 1, 2, 3].map(|w| u16_at(x, 48 + 2 * w));
-        let d_bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
-        let d16 = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits as i32)));
+        let d_bits =
+            (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
+        let d16 = f16_to_f32(d_bits);
         let sc64 = u64::from_le_bytes([x[48], x[49], x[50], x[51], x[52], x[53], x[54], x[55]]);
         let mut scales = _mm256_srlv_epi64(_mm256_set1_epi64x(sc64 as i64), scales_shift);
         scales = _mm256_add_epi16(_mm256_slli_epi16(_mm256_and_si256(scales, mask), 1), mone);
@@ -418,9 +475,20 @@ pub(crate) unsafe fn vec_dot_iq1_m(n: usize, row: &[u8], act: &[u8]) -> f32 {
         for ib in (0..8).step_by(2) {
             let qs = &x[4 * ib..4 * ib + 8];
             let qh = &x[32 + 2 * ib..36 + 2 * ib];
-            let idx = |k: usize| qs[k] as usize | ((qh[k / 2] as usize) << (8 - 4 * (k % 2)) & 0x700);
-            let q1b_1 = set_u64x4(IQ1S_GRID[idx(0)], IQ1S_GRID[idx(1)], IQ1S_GRID[idx(2)], IQ1S_GRID[idx(3)]);
-            let q1b_2 = set_u64x4(IQ1S_GRID[idx(4)], IQ1S_GRID[idx(5)], IQ1S_GRID[idx(6)], IQ1S_GRID[idx(7)]);
+            let idx =
+                |k: usize| qs[k] as usize | ((qh[k / 2] as usize) << (8 - 4 * (k % 2)) & 0x700);
+            let q1b_1 = set_u64x4(
+                IQ1S_GRID[idx(0)],
+                IQ1S_GRID[idx(1)],
+                IQ1S_GRID[idx(2)],
+                IQ1S_GRID[idx(3)],
+            );
+            let q1b_2 = set_u64x4(
+                IQ1S_GRID[idx(4)],
+                IQ1S_GRID[idx(5)],
+                IQ1S_GRID[idx(6)],
+                IQ1S_GRID[idx(7)],
+            );
             let delta = |k: usize| -> u64 {
                 if qh[k / 2] >> (4 * (k % 2)) & 8 != 0 {
                     u64::MAX
@@ -468,7 +536,7 @@ unsafe fn nibble_levels(values: __m128i, x: &[u8], at: usize) -> __m256i {
 }
 
 /// Shared body of IQ4_NL and MXFP4 × Q8_0: 17- or 18-byte blocks whose 16 nibble bytes start at
-/// `qs_at`, with the per-block weight scale `scale(block)`.
+/// `qs_at`; `scale(weight block, activation block)` is the product of their scales.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_nibbles_q8_0<const N: usize>(
@@ -477,7 +545,7 @@ unsafe fn dot_nibbles_q8_0<const N: usize>(
     act: &[u8],
     levels: &[i8; 16],
     qs_at: usize,
-    scale: impl Fn(&[u8; N]) -> f32,
+    scale: impl Fn(&[u8; N], &[u8; Q8_0]) -> f32,
 ) -> f32 {
     let values = _mm_loadu_si128(levels.as_ptr().cast());
     let mone = _mm256_set1_epi16(1);
@@ -487,18 +555,27 @@ unsafe fn dot_nibbles_q8_0<const N: usize>(
     let mut xs = blocks::<N>(row).take(nb);
     let mut ys = blocks::<Q8_0>(act).take(nb);
     let mut sumf = 0f32;
-    loop {
-        let (Some(x1), Some(y1)) = (xs.next(), ys.next()) else { break };
-        let p_1 = _mm256_madd_epi16(mul_add_epi8(nibble_levels(values, x1, qs_at), load256(y1, 2)), mone);
-        let d1 = f16_at(y1, 0) * scale(x1);
+    while let (Some(x1), Some(y1)) = (xs.next(), ys.next()) {
+        let p_1 = _mm256_madd_epi16(
+            mul_add_epi8(nibble_levels(values, x1, qs_at), load256(y1, 2)),
+            mone,
+        );
+        let d1 = scale(x1, y1);
         let (Some(x2), Some(y2)) = (xs.next(), ys.next()) else {
             // An odd last block: summed as the portable code does.
             sumf = d1 * hsum_i32x8(p_1) as f32;
             break;
         };
-        let p_2 = _mm256_madd_epi16(mul_add_epi8(nibble_levels(values, x2, qs_at), load256(y2, 2)), mone);
+        let p_2 = _mm256_madd_epi16(
+            mul_add_epi8(nibble_levels(values, x2, qs_at), load256(y2, 2)),
+            mone,
+        );
         accum1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p_1), accum1);
-        accum2 = _mm256_fmadd_ps(_mm256_set1_ps(f16_at(y2, 0) * scale(x2)), _mm256_cvtepi32_ps(p_2), accum2);
+        accum2 = _mm256_fmadd_ps(
+            _mm256_set1_ps(scale(x2, y2)),
+            _mm256_cvtepi32_ps(p_2),
+            accum2,
+        );
     }
     hsum_f32x8(_mm256_add_ps(accum1, accum2)) + sumf
 }
@@ -519,7 +596,10 @@ unsafe fn hsum_i32x8(a: __m256i) -> i32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq4_nl(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_nibbles_q8_0::<18>(n, row, act, &KVALUES_IQ4NL, 2, |x| f16_at(x, 0))
+    dot_nibbles_q8_0::<18>(n, row, act, &KVALUES_IQ4NL, 2, |x, y| {
+        // SAFETY: this function's own contract (AVX2, FMA and F16C present) covers the callee's.
+        unsafe { f16_product(y, 0, x, 0) }
+    })
 }
 
 /// MXFP4 × Q8_0.
@@ -528,7 +608,9 @@ pub(crate) unsafe fn vec_dot_iq4_nl(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_mxfp4(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_nibbles_q8_0::<17>(n, row, act, &KVALUES_MXFP4, 1, |x| e8m0_to_f32_half(x[0]))
+    dot_nibbles_q8_0::<17>(n, row, act, &KVALUES_MXFP4, 1, |x, y| {
+        f16_at(y, 0) * e8m0_to_f32_half(x[0])
+    })
 }
 
 /// IQ4_XS × Q8_K.
@@ -558,7 +640,97 @@ pub(crate) unsafe fn vec_dot_iq4_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi2 = _mm256_add_epi32(_mm256_madd_epi16(p16_2, _mm256_set1_epi16(ls2)), sumi2);
         }
         let d = f16_at(x, 0) * q8k_d(y);
-        accum = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accum);
+        accum = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
+            accum,
+        );
     }
     hsum_f32x8(accum)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The AVX2 kernels called directly (whatever `POLY_NO_SIMD` says), against the portable ones.
+
+    use super::*;
+    use crate::quant::GgmlType;
+    use crate::rng::Rng;
+
+    type Kernel = unsafe fn(usize, &[u8], &[u8]) -> f32;
+
+    fn dequantized(ty: GgmlType, row: &[u8]) -> Vec<f32> {
+        let mut w = vec![0f32; row.len() / ty.block_bytes() * ty.block_elems()];
+        crate::quant::dequantize(ty, row, &mut w).expect("whole blocks");
+        w
+    }
+
+    #[test]
+    fn keven_signs_expand_ksigns() {
+        for (i, &v) in KEVEN_SIGNS.iter().enumerate() {
+            for j in 0..8 {
+                let byte = (v >> (8 * j)) as u8 as i8;
+                let negative = KSIGNS_IQ2XS[i] >> j & 1 != 0;
+                assert_eq!(byte, if negative { -1 } else { 1 });
+            }
+        }
+    }
+
+    #[test]
+    fn f16_conversion_is_exact_for_every_value() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = f16_at(&h.to_le_bytes(), 0);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{h:#06x}"
+            );
+        }
+    }
+
+    #[test]
+    fn avx2_kernels_equal_portable_kernels() {
+        if !(is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("no AVX2/FMA/F16C here: AVX2 kernels not tested");
+            return;
+        }
+        let kernels: [(GgmlType, Kernel); 10] = [
+            (GgmlType::IQ1_S, vec_dot_iq1_s),
+            (GgmlType::IQ1_M, vec_dot_iq1_m),
+            (GgmlType::IQ2_XXS, vec_dot_iq2_xxs),
+            (GgmlType::IQ2_XS, vec_dot_iq2_xs),
+            (GgmlType::IQ2_S, vec_dot_iq2_s),
+            (GgmlType::IQ3_XXS, vec_dot_iq3_xxs),
+            (GgmlType::IQ3_S, vec_dot_iq3_s),
+            (GgmlType::IQ4_NL, vec_dot_iq4_nl),
+            (GgmlType::IQ4_XS, vec_dot_iq4_xs),
+            (GgmlType::MXFP4, vec_dot_mxfp4),
+        ];
+        let mut rng = Rng::new(21);
+        for (ty, kernel) in kernels {
+            let ops = ty.ops().expect("family B type has operations");
+            for blocks in [1usize, 2, 5] {
+                let n = blocks * ty.block_elems();
+                let mut row = vec![0u8; ty.bytes_for(n as u64).expect("whole blocks") as usize];
+                (ops.fill_random)(&mut rng, 0.1, &mut row);
+                let x: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+                let mut act = vec![0u8; ops.act.bytes_for(n)];
+                ops.act.quantize(&x, &mut act);
+                // SAFETY: the CPU was just found to support AVX2, FMA and F16C.
+                let simd = unsafe { kernel(n, &row, &act) };
+                let portable = (ops.vec_dot_portable)(n, &row, &act);
+                // Both sum the same integers; only the order of the f32 accumulation differs.
+                let w = dequantized(ty, &row);
+                let magnitude: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+                let tolerance = 1e-5 * magnitude;
+                assert!(
+                    (simd - portable).abs() <= tolerance,
+                    "{ty} ×{blocks}: {simd} vs {portable}"
+                );
+            }
+        }
+    }
 }
