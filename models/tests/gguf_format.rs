@@ -599,3 +599,161 @@ fn writer_goes_through_a_temporary_file() {
     assert!(!path2.exists());
     assert!(!Path::new(&format!("{}.tmp", path2.display())).exists());
 }
+
+/// Checks written in Python against the independent `gguf` package (0.19.0): it must read our file with
+/// the same keys, values, tensor names, types, shapes, offsets and bytes.
+const PY_CHECK: &str = r#"
+import sys, gguf
+r = gguf.GGUFReader(sys.argv[1])
+keys = [k for k in r.fields.keys() if not k.startswith('GGUF.')]
+expect_keys = ['general.architecture', 'general.alignment', 't.u8', 't.i8', 't.u16', 't.i16', 't.u32',
+    't.i32', 't.f32', 't.bool', 't.string', 't.u64', 't.i64', 't.f64', 'a.u32', 'a.f32', 'a.string',
+    'a.bool', 'a.nested', 'after.nested']
+assert keys == expect_keys, keys
+c = lambda k: r.fields[k].contents()
+assert c('general.architecture') == 'qwen3moe'
+assert c('general.alignment') == 64
+assert (c('t.u8'), c('t.i8'), c('t.u16'), c('t.i16')) == (200, -100, 60000, -30000)
+assert (c('t.u32'), c('t.i32')) == (4000000000, -2000000000)
+assert c('t.f32') == 0.5 and c('t.bool') is True and c('t.string') == 'héllo ✓'
+assert (c('t.u64'), c('t.i64'), c('t.f64')) == (2**64 - 4, -2**63 + 5, 0.25)
+assert c('a.u32') == [1, 2, 3] and c('a.f32') == [0.5, -1.0] and c('a.string') == ['a', '', 'b c']
+assert c('a.bool') == [True, False]
+assert c('a.nested') == [1, 2, 7], c('a.nested')  # the package flattens nested arrays
+assert c('after.nested') == 'still in sync'
+types = [f.types for f in [r.fields['a.nested']]][0]
+assert types[0] == gguf.GGUFValueType.ARRAY and types[1] == gguf.GGUFValueType.ARRAY, types
+assert r.alignment == 64
+want = [('blk.0.ffn_gate_exps.weight', 'Q4_K', [512, 3, 2]), ('blk.0.attn_norm.weight', 'F32', [7]),
+        ('token_embd.weight', 'Q8_0', [64, 5]), ('output.weight', 'F16', [3, 3])]
+assert len(r.tensors) == len(want)
+for i, (t, (name, ty, shape)) in enumerate(zip(r.tensors, want)):
+    assert t.name == name, t.name
+    assert t.tensor_type.name == ty, t.tensor_type
+    assert t.shape.tolist() == shape, t.shape
+    data = t.data.tobytes()
+    assert len(data) == t.n_bytes
+    pattern = bytes(((i * 131) ^ (j * 7) ^ (j >> 8)) & 0xff for j in range(len(data)))
+    assert data == pattern, name
+    print(name, ty, shape, t.n_bytes, t.data_offset)
+print('python gguf read', len(keys), 'keys and', len(r.tensors), 'tensors: all equal')
+"#;
+
+#[test]
+#[ignore = "needs the gguf Python package: GGUF_PY=/path/to/gguf-py cargo test -- --ignored"]
+fn python_gguf_package_reads_our_file() {
+    let gguf_py = std::env::var("GGUF_PY").expect("set GGUF_PY to the gguf-py directory");
+    let dir = TempDir::new("python");
+    let path = dir.path("py.gguf");
+    let mut w = GgufWriter::new();
+    w.add_kv("general.architecture", "qwen3moe");
+    w.set_alignment(64).unwrap();
+    w.add_kv("t.u8", 200u8);
+    w.add_kv("t.i8", -100i8);
+    w.add_kv("t.u16", 60000u16);
+    w.add_kv("t.i16", -30000i16);
+    w.add_kv("t.u32", 4_000_000_000u32);
+    w.add_kv("t.i32", -2_000_000_000i32);
+    w.add_kv("t.f32", 0.5f32);
+    w.add_kv("t.bool", true);
+    w.add_kv("t.string", "héllo ✓");
+    w.add_kv("t.u64", u64::MAX - 3);
+    w.add_kv("t.i64", i64::MIN + 5);
+    w.add_kv("t.f64", 0.25f64);
+    w.add_kv("a.u32", Value::u32_array([1, 2, 3]));
+    w.add_kv("a.f32", Value::f32_array([0.5, -1.0]));
+    w.add_kv("a.string", Value::string_array(["a", "", "b c"]));
+    w.add_kv("a.bool", Value::bool_array([true, false]));
+    w.add_kv(
+        "a.nested",
+        Value::from(vec![Array::U32(vec![1, 2]), Array::U32(vec![7])]),
+    );
+    w.add_kv("after.nested", "still in sync");
+    w.add_tensor("blk.0.ffn_gate_exps.weight", GgmlType::Q4_K, &[512, 3, 2])
+        .unwrap();
+    w.add_tensor("blk.0.attn_norm.weight", GgmlType::F32, &[7]).unwrap();
+    w.add_tensor("token_embd.weight", GgmlType::Q8_0, &[64, 5]).unwrap();
+    w.add_tensor("output.weight", GgmlType::F16, &[3, 3]).unwrap();
+    w.write_to_path(&path, fill_pattern).expect("write");
+
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PY_CHECK)
+        .arg(&path)
+        .env("PYTHONPATH", gguf_py)
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Python's view of where the data lies matches ours.
+    let f = GgufFile::open(&path).unwrap();
+    for line in stdout.lines().filter(|l| l.contains(".weight")) {
+        let name = line.split(' ').next().unwrap();
+        let py_offset: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert_eq!(f.tensor_info(name).unwrap().offset, py_offset, "{name}");
+    }
+}
+
+/// The reverse direction: a file written by the `gguf` Python package opens with the same contents.
+const PY_WRITE: &str = r#"
+import sys, numpy as np, gguf
+w = gguf.GGUFWriter(sys.argv[1], 'llama')
+w.add_uint32('llama.block_count', 3)
+w.add_float32('llama.rope.freq_base', 10000.0)
+w.add_token_list(['<s>', 'a', 'b'])
+w.add_token_scores([0.0, -1.5, -2.5])
+w.add_token_types([3, 1, 1])
+w.add_array('llama.attention.head_count_kv', [2, 4, 8])
+w.add_string('tokenizer.chat_template', '{{ x }}')
+w.add_tensor('tok.weight', np.arange(12, dtype=np.float32).reshape(3, 4))
+w.add_tensor('q.weight', np.arange(34 * 2, dtype=np.uint8).reshape(2, 34), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+"#;
+
+#[test]
+#[ignore = "needs the gguf Python package: GGUF_PY=/path/to/gguf-py cargo test -- --ignored"]
+fn we_read_a_file_the_python_package_wrote() {
+    let gguf_py = std::env::var("GGUF_PY").expect("set GGUF_PY to the gguf-py directory");
+    let dir = TempDir::new("python-writes");
+    let path = dir.path("from-python.gguf");
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(PY_WRITE)
+        .arg(&path)
+        .env("PYTHONPATH", gguf_py)
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let f = GgufFile::open(&path).expect("open python's file");
+    assert_eq!(f.architecture().unwrap(), "llama");
+    assert_eq!(f.arch_u32("block_count").unwrap(), 3);
+    assert_eq!(f.arch_f32("rope.freq_base").unwrap(), 10000.0);
+    assert_eq!(f.tokenizer_tokens().unwrap(), ["<s>", "a", "b"]);
+    assert_eq!(f.tokenizer_scores().unwrap(), Some(&[0.0, -1.5, -2.5][..]));
+    assert_eq!(f.tokenizer_token_types().unwrap(), Some(&[3, 1, 1][..]));
+    assert_eq!(
+        f.arch_u32_array("attention.head_count_kv").unwrap(),
+        [2, 4, 8]
+    );
+    assert_eq!(f.chat_template().unwrap(), Some("{{ x }}"));
+    let tok = f.tensor("tok.weight").unwrap();
+    assert_eq!((tok.ty(), tok.dims()), (GgmlType::F32, &[4u64, 3][..]));
+    let values: Vec<f32> = tok
+        .data
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(values, (0..12).map(|v| v as f32).collect::<Vec<_>>());
+    let q = f.tensor("q.weight").unwrap();
+    assert_eq!((q.ty(), q.dims()), (GgmlType::Q8_0, &[32u64, 2][..]));
+    assert_eq!(q.data, (0..68u8).collect::<Vec<_>>());
+}
