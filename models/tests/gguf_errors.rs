@@ -37,7 +37,10 @@ fn fill(index: usize, _info: &TensorInfo, out: &mut [u8]) -> std::io::Result<()>
 fn good_file() -> Vec<u8> {
     let mut w = GgufWriter::new();
     w.add_kv("general.architecture", "llama");
-    w.add_kv("tokenizer.ggml.tokens", Value::string_array(["a", "b", "c"]));
+    w.add_kv(
+        "tokenizer.ggml.tokens",
+        Value::string_array(["a", "b", "c"]),
+    );
     w.add_kv("llama.block_count", 2u32);
     w.add_tensor("tensor_a", GgmlType::F32, &[8, 2]).unwrap();
     w.add_tensor("tensor_b", GgmlType::Q8_0, &[64, 2]).unwrap();
@@ -136,7 +139,10 @@ fn bad_magic() {
         ErrorKind::BadMagic { .. }
     ));
     // Even a file shorter than the magic is recognised as not GGUF when its bytes differ.
-    assert!(matches!(parse_err(b"PK").kind(), ErrorKind::BadMagic { .. }));
+    assert!(matches!(
+        parse_err(b"PK").kind(),
+        ErrorKind::BadMagic { .. }
+    ));
 }
 
 #[test]
@@ -452,13 +458,13 @@ fn bad_alignment_values() {
         let mut bytes = good.clone();
         put_u32(&mut bytes, at, bad);
         let e = parse_err(&bytes);
-        assert!(matches!(e.kind(), ErrorKind::BadAlignment { .. }), "{bad}: {e}");
+        assert!(
+            matches!(e.kind(), ErrorKind::BadAlignment { .. }),
+            "{bad}: {e}"
+        );
     }
     // The right value with the wrong type (llama.cpp requires u32).
-    let raw = Raw::new(3, 0, 1)
-        .str(b"general.alignment")
-        .u32(10)
-        .u64(32);
+    let raw = Raw::new(3, 0, 1).str(b"general.alignment").u32(10).u64(32);
     assert!(matches!(
         parse_err(&raw.0).kind(),
         ErrorKind::BadAlignment { .. }
@@ -487,12 +493,17 @@ fn too_many_dims() {
 fn zero_sized_and_scalar_tensors_are_legal() {
     let mut w = GgufWriter::new();
     w.add_tensor("zero", GgmlType::F32, &[0, 5]).unwrap();
-    w.add_tensor("zero_rows", GgmlType::Q4_K, &[256, 0]).unwrap();
+    w.add_tensor("zero_rows", GgmlType::Q4_K, &[256, 0])
+        .unwrap();
     w.add_tensor("scalar", GgmlType::F32, &[]).unwrap();
     w.add_tensor("after", GgmlType::F32, &[3]).unwrap();
     let bytes = w.to_bytes(fill).unwrap();
     let h = parse_gguf_bytes(&bytes, "zero").expect("legal");
-    let sizes: Vec<(u64, u64)> = h.tensors.iter().map(|t| (t.n_elements(), t.n_bytes)).collect();
+    let sizes: Vec<(u64, u64)> = h
+        .tensors
+        .iter()
+        .map(|t| (t.n_elements(), t.n_bytes))
+        .collect();
     assert_eq!(sizes, [(0, 0), (0, 0), (1, 4), (3, 12)]);
     // A zero-sized tensor takes no room: the next one starts at the same offset.
     assert_eq!(h.tensors[0].offset, h.tensors[1].offset);
@@ -538,9 +549,7 @@ fn arrays_nested_too_deeply() {
         raw = raw.u32(9).u64(1);
     }
     raw = raw.u32(0).u64(0);
-    assert!(
-        matches!(parse_err(&raw.0).kind(), ErrorKind::ArrayTooDeep { key } if key == "deep")
-    );
+    assert!(matches!(parse_err(&raw.0).kind(), ErrorKind::ArrayTooDeep { key } if key == "deep"));
     // 16 levels are fine.
     let mut raw = Raw::new(3, 0, 1).str(b"deep").u32(9);
     for _ in 0..15 {

@@ -146,7 +146,10 @@ fn tensors_round_trip_with_data_borrowed_from_the_mapping() {
 
     let f = GgufFile::open(&path).expect("open");
     assert_eq!(f.n_tensors(), decl.len());
-    assert_eq!(f.file_bytes(), std::fs::metadata(&path).expect("stat").len());
+    assert_eq!(
+        f.file_bytes(),
+        std::fs::metadata(&path).expect("stat").len()
+    );
     assert_eq!(f.paths(), vec![path.as_path()]);
     let whole = f.part_bytes(0).expect("part 0");
     let whole_range = whole.as_ptr_range();
@@ -235,7 +238,8 @@ fn custom_alignment_is_written_and_honoured() {
         w.set_alignment(alignment).expect("power of two");
         w.add_kv("general.architecture", "x");
         for (i, n) in [3u64, 17, 100, 1].iter().enumerate() {
-            w.add_tensor(format!("t{i}"), GgmlType::F32, &[*n]).expect("add");
+            w.add_tensor(format!("t{i}"), GgmlType::F32, &[*n])
+                .expect("add");
         }
         let bytes = w.to_bytes(fill_pattern).expect("write");
         let h = parse_gguf_bytes(&bytes, "aligned").expect("parse");
@@ -326,7 +330,10 @@ fn split_model_opens_whole_from_any_part() {
     for opened_from in &paths {
         let f = GgufFile::open(opened_from).expect("open split");
         assert_eq!(f.n_parts(), 3);
-        assert_eq!(f.paths(), paths.iter().map(PathBuf::as_path).collect::<Vec<_>>());
+        assert_eq!(
+            f.paths(),
+            paths.iter().map(PathBuf::as_path).collect::<Vec<_>>()
+        );
         assert_eq!(f.file_bytes(), total);
         assert_eq!(f.architecture().unwrap(), "qwen3moe");
         assert_eq!(f.name().unwrap(), Some("split test"));
@@ -345,7 +352,9 @@ fn split_model_opens_whole_from_any_part() {
 fn split_with_one_part_and_no_tensors() {
     let dir = TempDir::new("split1");
     let w = split_model(0);
-    let paths = w.write_split(dir.path("m"), 4, fill_pattern).expect("write");
+    let paths = w
+        .write_split(dir.path("m"), 4, fill_pattern)
+        .expect("write");
     assert_eq!(paths, vec![dir.path("m-00001-of-00001.gguf")]);
     let f = GgufFile::open(&paths[0]).expect("open");
     assert_eq!(f.n_parts(), 1);
@@ -379,10 +388,7 @@ fn split_missing_or_inconsistent_parts_are_named() {
         .expect("write other");
     std::fs::copy(&other[1], &paths[1]).unwrap();
     let e = GgufFile::open(&paths[0]).expect_err("counts disagree");
-    assert!(
-        matches!(e.kind(), ErrorKind::SplitMismatch { .. }),
-        "{e}"
-    );
+    assert!(matches!(e.kind(), ErrorKind::SplitMismatch { .. }), "{e}");
 
     // A part that claims another position.
     std::fs::copy(&paths[0], &paths[1]).unwrap();
@@ -406,7 +412,10 @@ fn accessor_model() -> GgufWriter {
     w.add_kv("qwen3moe.context_length", Value::I32(4096));
     w.add_kv("qwen3moe.expert_count", Value::U8(8));
     w.add_kv("qwen3moe.rope.freq_base", Value::F32(1_000_000.0));
-    w.add_kv("qwen3moe.attention.layer_norm_rms_epsilon", Value::F64(1e-6));
+    w.add_kv(
+        "qwen3moe.attention.layer_norm_rms_epsilon",
+        Value::F64(1e-6),
+    );
     w.add_kv("qwen3moe.attention.head_count", 32u32);
     w.add_kv(
         "qwen3moe.attention.head_count_kv",
@@ -420,8 +429,14 @@ fn accessor_model() -> GgufWriter {
     w.add_kv("qwen3moe.text", "not a number");
     w.add_kv("tokenizer.ggml.model", "gpt2");
     w.add_kv("tokenizer.ggml.pre", "qwen2");
-    w.add_kv("tokenizer.ggml.tokens", Value::string_array(["a", "b", "ab", "<|im_end|>"]));
-    w.add_kv("tokenizer.ggml.scores", Value::f32_array([0.0, -1.0, -2.0, 0.0]));
+    w.add_kv(
+        "tokenizer.ggml.tokens",
+        Value::string_array(["a", "b", "ab", "<|im_end|>"]),
+    );
+    w.add_kv(
+        "tokenizer.ggml.scores",
+        Value::f32_array([0.0, -1.0, -2.0, 0.0]),
+    );
     w.add_kv("tokenizer.ggml.token_type", Value::i32_array([1, 1, 1, 3]));
     w.add_kv("tokenizer.ggml.merges", Value::string_array(["a b"]));
     w.add_kv("tokenizer.ggml.bos_token_id", 0u32);
@@ -434,7 +449,9 @@ fn accessor_model() -> GgufWriter {
 fn typed_accessors_read_what_the_engine_needs() {
     let dir = TempDir::new("accessors");
     let path = dir.path("acc.gguf");
-    accessor_model().write_to_path(&path, fill_pattern).expect("write");
+    accessor_model()
+        .write_to_path(&path, fill_pattern)
+        .expect("write");
     let f = GgufFile::open(&path).expect("open");
     assert_eq!(f.architecture().unwrap(), "qwen3moe");
     assert_eq!(f.name().unwrap(), Some("Tiny MoE"));
@@ -469,7 +486,10 @@ fn typed_accessors_read_what_the_engine_needs() {
     );
     assert_eq!(f.tokenizer_model().unwrap(), "gpt2");
     assert_eq!(f.tokenizer_pre().unwrap(), Some("qwen2"));
-    assert_eq!(f.tokenizer_tokens().unwrap(), ["a", "b", "ab", "<|im_end|>"]);
+    assert_eq!(
+        f.tokenizer_tokens().unwrap(),
+        ["a", "b", "ab", "<|im_end|>"]
+    );
     assert_eq!(
         f.tokenizer_scores().unwrap(),
         Some(&[0.0f32, -1.0, -2.0, 0.0][..])
@@ -524,7 +544,12 @@ fn add_kv_replaces_in_place() {
     w.add_kv("b", 2u32);
     w.add_kv("a", "one");
     let h = parse_gguf_bytes(&w.to_bytes(fill_pattern).unwrap(), "kv").unwrap();
-    let keys: Vec<&str> = h.metadata.entries().iter().map(|(k, _)| k.as_str()).collect();
+    let keys: Vec<&str> = h
+        .metadata
+        .entries()
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .collect();
     assert_eq!(keys, ["a", "b"]);
     assert_eq!(h.metadata.get("a"), Some(&Value::from("one")));
 }
@@ -535,7 +560,11 @@ fn writer_refuses_what_readers_refuse() {
     let kind = |r: Result<(), poly_models::GgufError>| r.map_err(|e| e.into_kind());
     assert!(matches!(
         kind(w.add_tensor("q", GgmlType::Q4_K, &[128, 2])),
-        Err(ErrorKind::NotBlockMultiple { ne0: 128, block: 256, .. })
+        Err(ErrorKind::NotBlockMultiple {
+            ne0: 128,
+            block: 256,
+            ..
+        })
     ));
     assert!(matches!(
         kind(w.add_tensor("q", GgmlType::Q4_K, &[])),
@@ -553,7 +582,8 @@ fn writer_refuses_what_readers_refuse() {
         kind(w.add_tensor("x".repeat(64), GgmlType::F32, &[1])),
         Err(ErrorKind::TensorNameTooLong { len: 64, .. })
     ));
-    w.add_tensor("x".repeat(63), GgmlType::F32, &[1]).expect("63 bytes is fine");
+    w.add_tensor("x".repeat(63), GgmlType::F32, &[1])
+        .expect("63 bytes is fine");
     w.add_tensor("t", GgmlType::F32, &[1]).expect("first");
     assert!(matches!(
         kind(w.add_tensor("t", GgmlType::F32, &[2])),
@@ -671,9 +701,12 @@ fn python_gguf_package_reads_our_file() {
     w.add_kv("after.nested", "still in sync");
     w.add_tensor("blk.0.ffn_gate_exps.weight", GgmlType::Q4_K, &[512, 3, 2])
         .unwrap();
-    w.add_tensor("blk.0.attn_norm.weight", GgmlType::F32, &[7]).unwrap();
-    w.add_tensor("token_embd.weight", GgmlType::Q8_0, &[64, 5]).unwrap();
-    w.add_tensor("output.weight", GgmlType::F16, &[3, 3]).unwrap();
+    w.add_tensor("blk.0.attn_norm.weight", GgmlType::F32, &[7])
+        .unwrap();
+    w.add_tensor("token_embd.weight", GgmlType::Q8_0, &[64, 5])
+        .unwrap();
+    w.add_tensor("output.weight", GgmlType::F16, &[3, 3])
+        .unwrap();
     w.write_to_path(&path, fill_pattern).expect("write");
 
     let out = std::process::Command::new("python3")
