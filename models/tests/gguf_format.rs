@@ -178,6 +178,14 @@ fn tensors_round_trip_with_data_borrowed_from_the_mapping() {
 
 /// A version-2 file built byte by byte (not by our writer): same layout as v3 with u64 counts.
 #[test]
+fn opened_files_can_be_shared_between_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<GgufFile>();
+    assert_send_sync::<poly_models::gguf::Tensor<'static>>();
+    assert_send_sync::<GgufWriter>();
+}
+
+#[test]
 fn version_2_file_built_by_hand_reads() {
     let mut b = Vec::new();
     b.extend_from_slice(b"GGUF");
@@ -789,4 +797,60 @@ fn we_read_a_file_the_python_package_wrote() {
     let q = f.tensor("q.weight").unwrap();
     assert_eq!((q.ty(), q.dims()), (GgmlType::Q8_0, &[32u64, 2][..]));
     assert_eq!(q.data, (0..68u8).collect::<Vec<_>>());
+}
+
+/// Opening parses only the header: a 500k-token vocabulary with merges opens in well under a second in
+/// release builds. Prints the time; run with
+/// `cargo test --release -p poly-models --test gguf_format -- --ignored large_vocab --nocapture`.
+#[test]
+#[ignore = "timing report; run in release"]
+fn large_vocab_opens_quickly() {
+    let dir = TempDir::new("vocab");
+    let path = dir.path("vocab.gguf");
+    let n = 500_000;
+    let mut w = GgufWriter::new();
+    w.add_kv("general.architecture", "qwen3moe");
+    w.add_kv("tokenizer.ggml.model", "gpt2");
+    w.add_kv(
+        "tokenizer.ggml.tokens",
+        Value::string_array((0..n).map(|i| format!("token-{i}"))),
+    );
+    w.add_kv(
+        "tokenizer.ggml.scores",
+        Value::f32_array((0..n).map(|i| -(i as f32))),
+    );
+    w.add_kv(
+        "tokenizer.ggml.token_type",
+        Value::i32_array((0..n).map(|_| 1)),
+    );
+    w.add_kv(
+        "tokenizer.ggml.merges",
+        Value::string_array((0..n).map(|i| format!("tok{i} en"))),
+    );
+    for i in 0..2000 {
+        w.add_tensor(
+            format!("blk.{i}.ffn_down_exps.weight"),
+            GgmlType::Q4_K,
+            &[256, 4],
+        )
+        .unwrap();
+    }
+    w.write_to_path(&path, fill_pattern).unwrap();
+    let size = std::fs::metadata(&path).unwrap().len();
+    // The best of a few opens, as the machine may be busy.
+    let mut elapsed = std::time::Duration::MAX;
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        let f = GgufFile::open(&path).unwrap();
+        elapsed = elapsed.min(start.elapsed());
+        drop(f);
+    }
+    let f = GgufFile::open(&path).unwrap();
+    assert_eq!(f.tokenizer_tokens().unwrap().len(), n);
+    assert_eq!(f.tokenizer_merges().unwrap().unwrap().len(), n);
+    assert_eq!(f.n_tensors(), 2000);
+    println!(
+        "opened {size} bytes ({n} tokens, {n} merges, 2000 tensors) in {:.1} ms",
+        elapsed.as_secs_f64() * 1e3
+    );
 }
