@@ -273,7 +273,7 @@ fn extreme_blocks_do_not_saturate() {
                         0 => 1.0,
                         1 => -1.0,
                         _ => {
-                            if (i + rng.below(2) as usize) % 2 == 0 {
+                            if (i + rng.below(2) as usize).is_multiple_of(2) {
                                 1.0
                             } else {
                                 -1.0

@@ -152,7 +152,13 @@ pub trait Compute {
 
     /// RMS norm over each group of `group` columns (the whole row when `group` is the width; one head
     /// when it is the head size), times `weight` (`[group]`) when given.
-    fn rms_norm(&mut self, x: &Self::Act, weight: Option<WeightId>, eps: f32, group: usize) -> Self::Act;
+    fn rms_norm(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> Self::Act;
 
     /// L2 norm over each group of `group` columns: `x / max(‖x‖, eps)`.
     fn l2_norm(&mut self, x: &Self::Act, eps: f32, group: usize) -> Self::Act;
@@ -184,7 +190,13 @@ pub trait Compute {
 
     /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`,
     /// head `h` landing at `h·times + r` (ggml_repeat order differs: see the architecture that calls it).
-    fn repeat_heads(&mut self, x: &Self::Act, head: usize, times: usize, interleave: bool) -> Self::Act;
+    fn repeat_heads(
+        &mut self,
+        x: &Self::Act,
+        head: usize,
+        times: usize,
+        interleave: bool,
+    ) -> Self::Act;
 
     /// The given rows, in order.
     fn rows(&mut self, x: &Self::Act, rows: &[usize]) -> Self::Act;
@@ -213,7 +225,12 @@ pub trait Compute {
 
     /// The gated delta rule with the layer's recurrent state, which the call advances; the result is
     /// `[n, n_v_heads·head_v]`.
-    fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Self::Act>, net: &DeltaNet) -> Self::Act;
+    fn gated_delta_net(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Self::Act>,
+        net: &DeltaNet,
+    ) -> Self::Act;
 
     /// The batch this forward call runs.
     fn batch(&self) -> Batch<'_>;

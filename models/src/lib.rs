@@ -11,5 +11,5 @@
 pub mod gguf;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
-pub mod summary;
 pub mod compute;
+pub mod summary;

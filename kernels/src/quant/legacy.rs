@@ -259,7 +259,7 @@ pub(crate) fn add_blocks(
     let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
     let mut b = first;
     // Whole groups of eight with the lanes in registers, then the rest one by one.
-    if b % 8 == 0 {
+    if b.is_multiple_of(8) {
         while b + 8 <= nb {
             for (k, lane) in lanes.iter_mut().enumerate() {
                 *lane += block(b + k);
