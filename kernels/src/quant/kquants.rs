@@ -1,11 +1,475 @@
 //! The K-quant formats (super-blocks of 256): Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and the Q8_K activation format.
+//!
+//! Every K-quant row meets Q8_K activations (f32 `d`, 256 × i8, 16 × i16 sums of 16 quants). Per
+//! super-block the dot product is two exact integers: `isum = Σ scale · Σ q·q8` and, for the formats with
+//! minimums, `msum = Σ min · bsum`; formats whose quants are stored with an offset (Q3_K: 4, Q6_K: 32)
+//! take `offset · Σ scale · bsum` off `isum` using the activation's `bsums`, as llama.cpp does. The
+//! super-block adds `(yd·xd)·isum − (yd·xdmin)·msum` to a single running sum (each operation rounded to
+//! f32, never fused). The AVX2 code (`x86/kquants_avx2.rs`) computes the same integers and calls the same
+//! [`combine`], so it equals the portable code bit for bit.
 
-use super::{GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
+use crate::rng::Rng;
+
+/// Values per super-block.
+pub(crate) const QK_K: usize = 256;
+/// Bytes per Q8_K activation block.
+pub(crate) const Q8K_BYTES: usize = 292;
+
+/// The K-quant formats of this family.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum KKind {
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl KKind {
+    /// Bytes per super-block.
+    pub(crate) const fn block_bytes(self) -> usize {
+        match self {
+            KKind::Q2K => 84,
+            KKind::Q3K => 110,
+            KKind::Q4K => 144,
+            KKind::Q5K => 176,
+            KKind::Q6K => 210,
+        }
+    }
+}
+
+macro_rules! k_ops {
+    ($name:ident, $kind:expr, $deq:ident, $dot:ident, $portable:ident, $fill:ident) => {
+        static $name: QuantOps = QuantOps {
+            dequantize: $deq,
+            act: ActType::Q8_K,
+            vec_dot: $dot,
+            vec_dot_portable: $portable,
+            fill_random: $fill,
+        };
+        fn $dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            vec_dot($kind, n, row, act)
+        }
+        fn $portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            vec_dot_portable($kind, n, row, act)
+        }
+        fn $fill(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
+            fill_random($kind, rng, rms, dst)
+        }
+    };
+}
+
+k_ops!(Q2K_OPS, KKind::Q2K, dequantize_q2_k, dot_q2_k, portable_q2_k, fill_q2_k);
+k_ops!(Q3K_OPS, KKind::Q3K, dequantize_q3_k, dot_q3_k, portable_q3_k, fill_q3_k);
+k_ops!(Q4K_OPS, KKind::Q4K, dequantize_q4_k, dot_q4_k, portable_q4_k, fill_q4_k);
+k_ops!(Q5K_OPS, KKind::Q5K, dequantize_q5_k, dot_q5_k, portable_q5_k, fill_q5_k);
+k_ops!(Q6K_OPS, KKind::Q6K, dequantize_q6_k, dot_q6_k, portable_q6_k, fill_q6_k);
 
 /// The operations of this family's types.
-pub(crate) fn ops(_ty: GgmlType) -> Option<&'static QuantOps> {
-    None
+pub(crate) fn ops(ty: GgmlType) -> Option<&'static QuantOps> {
+    match ty {
+        GgmlType::Q2_K => Some(&Q2K_OPS),
+        GgmlType::Q3_K => Some(&Q3K_OPS),
+        GgmlType::Q4_K => Some(&Q4K_OPS),
+        GgmlType::Q5_K => Some(&Q5K_OPS),
+        GgmlType::Q6_K => Some(&Q6K_OPS),
+        _ => None,
+    }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Layout helpers.
+
+/// The eight 6-bit scales and eight 6-bit mins of Q4_K/Q5_K, packed in 12 bytes.
+#[inline(always)]
+pub(crate) fn scales_mins_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for j in 0..4 {
+        sc[j] = s[j] & 0x3F;
+        mn[j] = s[j + 4] & 0x3F;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+    (sc, mn)
+}
+
+/// The sixteen 6-bit scales of Q3_K (0..63, stored with an offset of 32), packed in 12 bytes.
+#[inline(always)]
+pub(crate) fn scales_q3_k(s: &[u8]) -> [u8; 16] {
+    std::array::from_fn(|k| {
+        let low = if k < 8 { s[k] & 0x0F } else { s[k - 8] >> 4 };
+        let high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        low | (high << 4)
+    })
+}
+
+/// The 256 quants of a super-block whose 2-bit fields are packed four to a byte in two 32-byte halves:
+/// element `128h + 32s + l` is bits `2s..2s+2` of `qs[32h + l]`.
+#[inline(always)]
+fn crumbs(qs: &[u8]) -> [u8; QK_K] {
+    std::array::from_fn(|e| (qs[32 * (e / 128) + e % 32] >> (2 * ((e / 32) % 4))) & 3)
+}
+
+/// Bit `e / 32` of `bits[e % 32]` for each of the 256 elements (the high-bit planes of Q3_K and Q5_K).
+#[inline(always)]
+fn bit_planes(bits: &[u8]) -> [u8; QK_K] {
+    std::array::from_fn(|e| (bits[e % 32] >> (e / 32)) & 1)
+}
+
+/// The 256 nibbles of Q4_K/Q5_K: sub-block `s` is the low (even `s`) or high (odd `s`) nibbles of bytes
+/// `32·(s/2) .. 32·(s/2)+32`.
+#[inline(always)]
+fn nibbles_k(qs: &[u8]) -> [u8; QK_K] {
+    std::array::from_fn(|e| (qs[32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 0x0F)
+}
+
+/// The 256 six-bit quants of Q6_K (0..63, stored with an offset of 32).
+#[inline(always)]
+fn sixes(ql: &[u8], qh: &[u8]) -> [u8; QK_K] {
+    std::array::from_fn(|e| {
+        let (h, g, l) = (e / 128, (e / 32) % 4, e % 32);
+        let low = (ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
+        let high = (qh[32 * h + l] >> (2 * g)) & 3;
+        low | (high << 4)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dequantization: the same f32 operations, in the same order, as gguf-py's numpy code.
+
+fn dequantize_q2_k(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(84).zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(&b[80..]), f16_at(&b[82..]));
+        let q = crumbs(&b[16..80]);
+        for (k, (o, q)) in o.chunks_exact_mut(16).zip(q.chunks_exact(16)).enumerate() {
+            let dl = d * (b[k] & 0x0F) as f32;
+            let ml = dmin * (b[k] >> 4) as f32;
+            for (o, &q) in o.iter_mut().zip(q) {
+                *o = dl * q as f32 - ml;
+            }
+        }
+    }
+}
+
+fn dequantize_q3_k(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(110).zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_at(&b[108..]);
+        let sc = scales_q3_k(&b[96..108]);
+        let (low, high) = (crumbs(&b[32..96]), bit_planes(&b[0..32]));
+        for (k, o) in o.chunks_exact_mut(16).enumerate() {
+            let dl = d * (sc[k] as i32 - 32) as f32;
+            for (i, o) in o.iter_mut().enumerate() {
+                let e = 16 * k + i;
+                let q = low[e] as i32 - if high[e] == 0 { 4 } else { 0 };
+                *o = dl * q as f32;
+            }
+        }
+    }
+}
+
+fn dequantize_q4_k(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(144).zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(b), f16_at(&b[2..]));
+        let (sc, mn) = scales_mins_k4(&b[4..16]);
+        let q = nibbles_k(&b[16..144]);
+        for (s, (o, q)) in o.chunks_exact_mut(32).zip(q.chunks_exact(32)).enumerate() {
+            let (dl, ml) = (d * sc[s] as f32, dmin * mn[s] as f32);
+            for (o, &q) in o.iter_mut().zip(q) {
+                *o = dl * q as f32 - ml;
+            }
+        }
+    }
+}
+
+fn dequantize_q5_k(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(176).zip(dst.chunks_exact_mut(QK_K)) {
+        let (d, dmin) = (f16_at(b), f16_at(&b[2..]));
+        let (sc, mn) = scales_mins_k4(&b[4..16]);
+        let (low, high) = (nibbles_k(&b[48..176]), bit_planes(&b[16..48]));
+        for (s, o) in o.chunks_exact_mut(32).enumerate() {
+            let (dl, ml) = (d * sc[s] as f32, dmin * mn[s] as f32);
+            for (l, o) in o.iter_mut().enumerate() {
+                let e = 32 * s + l;
+                *o = dl * (low[e] | (high[e] << 4)) as f32 - ml;
+            }
+        }
+    }
+}
+
+fn dequantize_q6_k(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(210).zip(dst.chunks_exact_mut(QK_K)) {
+        let d = f16_at(&b[208..]);
+        let q = sixes(&b[0..128], &b[128..192]);
+        for (k, (o, q)) in o.chunks_exact_mut(16).zip(q.chunks_exact(16)).enumerate() {
+            let dl = d * (b[192 + k] as i8) as f32;
+            for (o, &q) in o.iter_mut().zip(q) {
+                *o = dl * (q as i32 - 32) as f32;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dot products.
+
+/// A super-block's contribution added to `acc`: `acc + ((yd·xd)·isum − (yd·xdmin)·msum)`. Shared by the
+/// portable and AVX2 code so both round identically.
+#[inline(always)]
+pub(crate) fn combine(acc: f32, yd: f32, xd: f32, xdmin: f32, isum: i32, msum: i32) -> f32 {
+    acc + ((yd * xd) * isum as f32 - (yd * xdmin) * msum as f32)
+}
+
+/// The activation's scale.
+#[inline(always)]
+pub(crate) fn q8k_d(y: &[u8]) -> f32 {
+    f32::from_le_bytes([y[0], y[1], y[2], y[3]])
+}
+
+/// The activation's 16 sums of 16 quants.
+#[inline(always)]
+fn q8k_bsums(y: &[u8]) -> [i32; 16] {
+    std::array::from_fn(|k| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32)
+}
+
+/// `Σ_k scale(k) · Σ_{e in group k} q[e]·q8[e]` for `groups` equal groups.
+#[inline(always)]
+fn scaled_isum<const GROUP: usize>(q: &[u8; QK_K], q8: &[u8], scale: impl Fn(usize) -> i32) -> i32 {
+    q.chunks_exact(GROUP)
+        .zip(q8.chunks_exact(GROUP))
+        .enumerate()
+        .map(|(k, (q, y))| scale(k) * q.iter().zip(y).map(|(&a, &b)| a as i32 * b as i8 as i32).sum::<i32>())
+        .sum()
+}
+
+/// The two exact integers `(isum, msum)` of one super-block.
+fn block_sums(kind: KKind, x: &[u8], y: &[u8]) -> (i32, i32) {
+    let q8 = &y[4..260];
+    let bsums = q8k_bsums(y);
+    match kind {
+        KKind::Q2K => {
+            let isum = scaled_isum::<16>(&crumbs(&x[16..80]), q8, |k| (x[k] & 0x0F) as i32);
+            let msum = (0..16).map(|k| bsums[k] * (x[k] >> 4) as i32).sum();
+            (isum, msum)
+        }
+        KKind::Q3K => {
+            // Quants stored as low | high << 2 (0..7) are q + 4.
+            let sc = scales_q3_k(&x[96..108]);
+            let (low, high) = (crumbs(&x[32..96]), bit_planes(&x[0..32]));
+            let q: [u8; QK_K] = std::array::from_fn(|e| low[e] | (high[e] << 2));
+            let s = |k: usize| sc[k] as i32 - 32;
+            let isum = scaled_isum::<16>(&q, q8, s);
+            let offset: i32 = (0..16).map(|k| s(k) * bsums[k]).sum();
+            (isum - 4 * offset, 0)
+        }
+        KKind::Q4K | KKind::Q5K => {
+            let (sc, mn) = scales_mins_k4(&x[4..16]);
+            let q = if kind == KKind::Q4K {
+                nibbles_k(&x[16..144])
+            } else {
+                let (low, high) = (nibbles_k(&x[48..176]), bit_planes(&x[16..48]));
+                std::array::from_fn(|e| low[e] | (high[e] << 4))
+            };
+            let isum = scaled_isum::<32>(&q, q8, |s| sc[s] as i32);
+            let msum = (0..16).map(|k| bsums[k] * mn[k / 2] as i32).sum();
+            (isum, msum)
+        }
+        KKind::Q6K => {
+            let s = |k: usize| x[192 + k] as i8 as i32;
+            let isum = scaled_isum::<16>(&sixes(&x[0..128], &x[128..192]), q8, s);
+            let offset: i32 = (0..16).map(|k| s(k) * bsums[k]).sum();
+            (isum - 32 * offset, 0)
+        }
+    }
+}
+
+/// The f16 super-block scale and (for formats with minimums) min scale of a block.
+#[inline(always)]
+pub(crate) fn block_scales(kind: KKind, x: &[u8]) -> (f32, f32) {
+    match kind {
+        KKind::Q2K => (f16_at(&x[80..]), f16_at(&x[82..])),
+        KKind::Q3K => (f16_at(&x[108..]), 0.0),
+        KKind::Q4K | KKind::Q5K => (f16_at(x), f16_at(&x[2..])),
+        KKind::Q6K => (f16_at(&x[208..]), 0.0),
+    }
+}
+
+fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
+    let nb = n / QK_K;
+    assert!(
+        row.len() >= nb * kind.block_bytes() && act.len() >= nb * Q8K_BYTES,
+        "{kind:?} row or activations shorter than {n} values"
+    );
+    nb
+}
+
+fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(kind, n, row, act);
+    let bb = kind.block_bytes();
+    let mut acc = 0f32;
+    for (x, y) in row.chunks_exact(bb).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+        let (isum, msum) = block_sums(kind, x, y);
+        let (xd, xdmin) = block_scales(kind, x);
+        acc = combine(acc, q8k_d(y), xd, xdmin, isum, msum);
+    }
+    acc
+}
+
+fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = check_lengths(kind, n, row, act);
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
+        // `row` and `act` hold `nb` blocks each, all the kernel reads.
+        return unsafe { super::x86::kquants_avx2::dot(kind, nb, row.as_ptr(), act.as_ptr()) };
+    }
+    vec_dot_portable(kind, n, row, act)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Random blocks.
+
+/// The smallest super-block scale written: f16's smallest normal number, so scales are never denormal.
+const MIN_SCALE: f32 = 1.0 / 16384.0;
+/// The largest super-block scale written (its multiples by 15.5 stay far inside f16's range).
+const MAX_SCALE: f32 = 2048.0;
+
+/// Sub-block scale magnitudes are drawn uniformly from `[hi/2 + 1, hi]` (a power-of-two count, so a few
+/// random bits pick one). `hi` starts at the format's largest scale and is halved while that would push the
+/// super-block scale below [`MIN_SCALE`].
+#[derive(Clone, Copy, Debug)]
+struct ScaleRange {
+    lo: u32,
+    bits: u32,
+    d: f32,
+}
+
+/// The scale range and super-block scale for values `d · s · q` with `s` from the range and `q` of mean
+/// square `q_ms`, aiming at root-mean-square `rms`.
+fn scale_range(rms: f32, q_ms: f32, max_scale: u32) -> ScaleRange {
+    let mut hi = max_scale;
+    loop {
+        let lo = hi / 2 + 1;
+        let count = hi - lo + 1;
+        let s_ms = (lo..=hi).map(|s| (s * s) as f32).sum::<f32>() / count as f32;
+        let d = if rms.is_finite() && rms > 0.0 { rms / (q_ms * s_ms).sqrt() } else { 0.0 };
+        if d >= MIN_SCALE || hi == 1 || d == 0.0 {
+            let d = if d == 0.0 { 0.0 } else { d.clamp(MIN_SCALE, MAX_SCALE) };
+            return ScaleRange { lo, bits: count.trailing_zeros(), d };
+        }
+        hi /= 2;
+    }
+}
+
+/// A source of a few random bits at a time, refilled from the generator 64 bits at once.
+struct BitPool {
+    bits: u64,
+    left: u32,
+}
+
+impl BitPool {
+    fn new() -> Self {
+        BitPool { bits: 0, left: 0 }
+    }
+
+    #[inline(always)]
+    fn take(&mut self, rng: &mut Rng, n: u32) -> u32 {
+        if self.left < n {
+            self.bits = rng.next_u64();
+            self.left = 64;
+        }
+        let v = (self.bits & ((1u64 << n) - 1)) as u32;
+        self.bits >>= n;
+        self.left -= n;
+        v
+    }
+}
+
+/// Packs eight 6-bit scales and mins into Q4_K/Q5_K's 12 bytes (the inverse of [`scales_mins_k4`]).
+fn pack_scales_mins_k4(sc: &[u8; 8], mn: &[u8; 8], out: &mut [u8]) {
+    for j in 0..4 {
+        out[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        out[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        out[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
+    }
+}
+
+/// Packs sixteen 6-bit Q3_K scales into 12 bytes (the inverse of [`scales_q3_k`]).
+fn pack_scales_q3_k(sc: &[u8; 16], out: &mut [u8]) {
+    out[..12].fill(0);
+    for (k, &s) in sc.iter().enumerate() {
+        if k < 8 {
+            out[k] |= s & 0x0F;
+        } else {
+            out[k - 8] |= (s & 0x0F) << 4;
+        }
+        out[8 + k % 4] |= (s >> 4) << (2 * (k / 4));
+    }
+}
+
+/// Writes random super-blocks: uniformly random quants; sub-block scales drawn from a [`ScaleRange`];
+/// for Q2_K/Q4_K/Q5_K each sub-block's min equals its scale and `dmin = 1.5·d` (`7.5·d`, `15.5·d`), the
+/// mean of the quants, so every sub-block is centered; for Q3_K/Q6_K (quants with mean −½) each scale gets
+/// a random sign, which keeps the mean at zero and every value's distribution symmetric. Scales never fall
+/// below f16's smallest normal number, so a very small `rms` gives larger values than asked.
+fn fill_random(kind: KKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
+    // (mean square of the centered quant, largest sub-block scale, quant mean used as the min ratio)
+    let (q_ms, max_scale, center) = match kind {
+        KKind::Q2K => (1.25, 15, 1.5),
+        KKind::Q3K => (5.5, 31, 0.0),
+        KKind::Q4K => (21.25, 63, 7.5),
+        KKind::Q5K => (85.25, 63, 15.5),
+        KKind::Q6K => (341.5, 127, 0.0),
+    };
+    let range = scale_range(rms, q_ms, max_scale);
+    let mut d_bytes = [0u8; 4];
+    put_f16(&mut d_bytes[0..2], range.d);
+    let dmin = center * f16_at(&d_bytes[0..2]);
+    put_f16(&mut d_bytes[2..4], dmin);
+    let mut pool = BitPool::new();
+    let mut scale = |rng: &mut Rng| (range.lo + pool.take(rng, range.bits)) as u8;
+    for b in dst.chunks_exact_mut(kind.block_bytes()) {
+        match kind {
+            KKind::Q2K => {
+                for s in &mut b[0..16] {
+                    let v = scale(rng);
+                    *s = v | (v << 4);
+                }
+                rng.fill_bytes(&mut b[16..80]);
+                b[80..84].copy_from_slice(&d_bytes);
+            }
+            KKind::Q3K => {
+                rng.fill_bytes(&mut b[0..96]);
+                let signs = rng.next_u64();
+                let sc: [u8; 16] = std::array::from_fn(|k| {
+                    let v = scale(rng) as i32;
+                    (32 + if (signs >> k) & 1 == 1 { -v } else { v }) as u8
+                });
+                pack_scales_q3_k(&sc, &mut b[96..108]);
+                b[108..110].copy_from_slice(&d_bytes[0..2]);
+            }
+            KKind::Q4K | KKind::Q5K => {
+                b[0..4].copy_from_slice(&d_bytes);
+                let sc: [u8; 8] = std::array::from_fn(|_| scale(rng));
+                pack_scales_mins_k4(&sc, &sc, &mut b[4..16]);
+                rng.fill_bytes(&mut b[16..]);
+            }
+            KKind::Q6K => {
+                rng.fill_bytes(&mut b[0..192]);
+                let signs = rng.next_u64();
+                for (k, s) in b[192..208].iter_mut().enumerate() {
+                    let v = scale(rng) as i32;
+                    *s = (if (signs >> k) & 1 == 1 { -v } else { v }) as i8 as u8;
+                }
+                b[208..210].copy_from_slice(&d_bytes[0..2]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activation quantizer.
 
 /// Quantizes `x` to Q8_K blocks: f32 `d = amax / 127`, 256 × i8, 16 × i16 sums of 16 quants.
 pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {

@@ -14,6 +14,8 @@ pub mod iquants;
 pub mod kquants;
 pub mod legacy;
 pub mod mxfp4;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use crate::rng::Rng;
 
