@@ -9,8 +9,8 @@
 //! Follows llama.cpp's `src/models/gemma3.cpp`.
 
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim, LayerKind, LayerSel,
-    Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
+    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -59,7 +59,12 @@ pub struct Gemma3Hparams {
 use Dim::*;
 use TensorClass as C;
 
-const fn def(role: Role, layers: Option<LayerSel>, dims: &'static [Dim], class: TensorClass) -> TensorDef {
+const fn def(
+    role: Role,
+    layers: Option<LayerSel>,
+    dims: &'static [Dim],
+    class: TensorClass,
+) -> TensorDef {
     TensorDef {
         role,
         layers,
@@ -77,27 +82,28 @@ pub const TENSORS: &[TensorDef] = &[
     def(Role::OutputNorm, None, &[Embd], C::Norm),            // [n_embd]
     TensorDef {
         presence: Presence::Optional, // converted Gemma 3 files tie the output to token_embd
-        ..def(Role::Output, None, &[Embd, Vocab], C::Output) // [n_embd, n_vocab]
+        ..def(Role::Output, None, &[Embd, Vocab], C::Output)  // [n_embd, n_vocab]
     },
-    def(Role::AttnNorm, L, &[Embd], C::Norm),            // [n_embd]
-    def(Role::AttnQ, L, &[Embd, QProj], C::Attention),   // [n_embd, n_head * head_dim]
-    def(Role::AttnK, L, &[Embd, KProj], C::Attention),   // [n_embd, n_head_kv * head_dim]
-    def(Role::AttnV, L, &[Embd, VProj], C::Attention),   // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnNorm, L, &[Embd], C::Norm), // [n_embd]
+    def(Role::AttnQ, L, &[Embd, QProj], C::Attention), // [n_embd, n_head * head_dim]
+    def(Role::AttnK, L, &[Embd, KProj], C::Attention), // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnV, L, &[Embd, VProj], C::Attention), // [n_embd, n_head_kv * head_dim]
     def(Role::AttnOut, L, &[QProj, Embd], C::Attention), // [n_head * head_dim, n_embd]
-    def(Role::AttnPostNorm, L, &[Embd], C::Norm),        // [n_embd]
-    def(Role::AttnKNorm, L, &[HeadK], C::Norm),          // [head_dim]
-    def(Role::AttnQNorm, L, &[HeadK], C::Norm),          // [head_dim]
-    def(Role::FfnNorm, L, &[Embd], C::Norm),             // [n_embd]
-    def(Role::FfnGate, L, &[Embd, Ff], C::Ffn),          // [n_embd, n_ff]
-    def(Role::FfnUp, L, &[Embd, Ff], C::Ffn),            // [n_embd, n_ff]
-    def(Role::FfnDown, L, &[Ff, Embd], C::Ffn),          // [n_ff, n_embd]
-    def(Role::FfnPostNorm, L, &[Embd], C::Norm),         // [n_embd]
+    def(Role::AttnPostNorm, L, &[Embd], C::Norm), // [n_embd]
+    def(Role::AttnKNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::AttnQNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::FfnNorm, L, &[Embd], C::Norm),  // [n_embd]
+    def(Role::FfnGate, L, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
+    def(Role::FfnUp, L, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
+    def(Role::FfnDown, L, &[Ff, Embd], C::Ffn), // [n_ff, n_embd]
+    def(Role::FfnPostNorm, L, &[Embd], C::Norm), // [n_embd]
 ];
 
 impl Gemma3Hparams {
     /// Whether block `il` uses sliding-window attention.
     pub fn is_swa(&self, il: u32) -> bool {
-        self.sliding_window > 0 && (self.swa_pattern == 0 || il % self.swa_pattern < self.swa_pattern - 1)
+        self.sliding_window > 0
+            && (self.swa_pattern == 0 || il % self.swa_pattern < self.swa_pattern - 1)
     }
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
@@ -107,10 +113,21 @@ impl Gemma3Hparams {
         let n_head = uniform_u32_req(md, "attention.head_count", n_layer)?;
         check(ARCH, n_head > 0, "attention.head_count is 0")?;
         let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer)?.unwrap_or(n_head);
-        let head_dim = md.arch_u32_opt("attention.key_length")?.unwrap_or(n_embd / n_head);
-        let head_v = md.arch_u32_opt("attention.value_length")?.unwrap_or(n_embd / n_head);
-        check(ARCH, head_v == head_dim, "attention.value_length differs from key_length")?;
-        if md.arch_bool_array_opt("attention.sliding_window_pattern").is_ok_and(|v| v.is_some()) {
+        let head_dim = md
+            .arch_u32_opt("attention.key_length")?
+            .unwrap_or(n_embd / n_head);
+        let head_v = md
+            .arch_u32_opt("attention.value_length")?
+            .unwrap_or(n_embd / n_head);
+        check(
+            ARCH,
+            head_v == head_dim,
+            "attention.value_length differs from key_length",
+        )?;
+        if md
+            .arch_bool_array_opt("attention.sliding_window_pattern")
+            .is_ok_and(|v| v.is_some())
+        {
             return Err(ArchError(format!(
                 "{ARCH}: a per-layer attention.sliding_window_pattern array is not supported"
             )));
@@ -126,10 +143,16 @@ impl Gemma3Hparams {
             head_dim,
             rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
             rope_freq_base: md.arch_f32_opt("rope.freq_base")?.unwrap_or(10000.0),
-            rope_freq_base_swa: md.arch_f32_opt("rope.freq_base_swa")?.unwrap_or(DEFAULT_ROPE_FREQ_BASE_SWA),
+            rope_freq_base_swa: md
+                .arch_f32_opt("rope.freq_base_swa")?
+                .unwrap_or(DEFAULT_ROPE_FREQ_BASE_SWA),
             sliding_window: md.arch_u32_opt("attention.sliding_window")?.unwrap_or(0),
-            swa_pattern: md.arch_u32_opt("attention.sliding_window_pattern")?.unwrap_or(DEFAULT_SWA_PATTERN),
-            final_logit_softcapping: md.arch_f32_opt("final_logit_softcapping")?.filter(|&c| c != 0.0),
+            swa_pattern: md
+                .arch_u32_opt("attention.sliding_window_pattern")?
+                .unwrap_or(DEFAULT_SWA_PATTERN),
+            final_logit_softcapping: md
+                .arch_f32_opt("final_logit_softcapping")?
+                .filter(|&c| c != 0.0),
         };
         hp.validate()?;
         Ok(hp)
@@ -187,9 +210,17 @@ impl ArchHparams for Gemma3Hparams {
             arch_kv(ARCH, "rope.freq_base", self.rope_freq_base),
         ];
         if self.sliding_window > 0 {
-            kv.push(arch_kv(ARCH, "attention.sliding_window", self.sliding_window));
+            kv.push(arch_kv(
+                ARCH,
+                "attention.sliding_window",
+                self.sliding_window,
+            ));
             if self.swa_pattern != DEFAULT_SWA_PATTERN {
-                kv.push(arch_kv(ARCH, "attention.sliding_window_pattern", self.swa_pattern));
+                kv.push(arch_kv(
+                    ARCH,
+                    "attention.sliding_window_pattern",
+                    self.swa_pattern,
+                ));
             }
             if self.rope_freq_base_swa != DEFAULT_ROPE_FREQ_BASE_SWA {
                 kv.push(arch_kv(ARCH, "rope.freq_base_swa", self.rope_freq_base_swa));
@@ -204,12 +235,32 @@ impl ArchHparams for Gemma3Hparams {
 
     fn validate(&self) -> Result<(), ArchError> {
         check(ARCH, self.n_layer > 0, "block_count is 0")?;
-        check(ARCH, self.n_embd > 0 && self.n_vocab > 0, "embedding_length or vocabulary is 0")?;
+        check(
+            ARCH,
+            self.n_embd > 0 && self.n_vocab > 0,
+            "embedding_length or vocabulary is 0",
+        )?;
         check(ARCH, self.n_ff > 0, "feed_forward_length is 0")?;
-        check(ARCH, self.n_head > 0 && self.n_head_kv > 0, "a head count is 0")?;
-        check(ARCH, self.n_head % self.n_head_kv == 0, "head_count is not a multiple of head_count_kv")?;
-        check(ARCH, self.head_dim > 0 && self.head_dim % 2 == 0, "key_length must be even (RoPE)")?;
-        check(ARCH, self.rms_eps > 0.0, "layer_norm_rms_epsilon must be positive")?;
+        check(
+            ARCH,
+            self.n_head > 0 && self.n_head_kv > 0,
+            "a head count is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head % self.n_head_kv == 0,
+            "head_count is not a multiple of head_count_kv",
+        )?;
+        check(
+            ARCH,
+            self.head_dim > 0 && self.head_dim % 2 == 0,
+            "key_length must be even (RoPE)",
+        )?;
+        check(
+            ARCH,
+            self.rms_eps > 0.0,
+            "layer_norm_rms_epsilon must be positive",
+        )?;
         Ok(())
     }
 }

@@ -72,13 +72,29 @@ pub enum TensorClass {
 const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
     (TensorClass::Embedding, "embd", "token embedding"),
     (TensorClass::Output, "output", "output (LM head)"),
-    (TensorClass::Attention, "attn", "full-attention Q/K/V/output"),
-    (TensorClass::DeltaNet, "ssm", "delta-net projections (qkv, gate, alpha, beta, out)"),
-    (TensorClass::DeltaNetParam, "ssm_param", "delta-net conv1d, A, dt (F32)"),
+    (
+        TensorClass::Attention,
+        "attn",
+        "full-attention Q/K/V/output",
+    ),
+    (
+        TensorClass::DeltaNet,
+        "ssm",
+        "delta-net projections (qkv, gate, alpha, beta, out)",
+    ),
+    (
+        TensorClass::DeltaNetParam,
+        "ssm_param",
+        "delta-net conv1d, A, dt (F32)",
+    ),
     (TensorClass::Ffn, "ffn", "dense feed-forward"),
     (TensorClass::Expert, "expert", "routed experts"),
     (TensorClass::SharedExpert, "shexp", "shared expert"),
-    (TensorClass::Router, "router", "expert router and shared-expert gate"),
+    (
+        TensorClass::Router,
+        "router",
+        "expert router and shared-expert gate",
+    ),
     (TensorClass::NextN, "nextn", "MTP block projection"),
     (TensorClass::Norm, "norm", "normalization weights (F32)"),
 ];
@@ -91,17 +107,26 @@ impl TensorClass {
 
     /// The name `--types` uses (`expert`, `attn`, …).
     pub fn name(self) -> &'static str {
-        CLASS_TABLE.iter().find(|r| r.0 == self).map_or("?", |r| r.1)
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .map_or("?", |r| r.1)
     }
 
     /// What the class covers, for help text.
     pub fn description(self) -> &'static str {
-        CLASS_TABLE.iter().find(|r| r.0 == self).map_or("?", |r| r.2)
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .map_or("?", |r| r.2)
     }
 
     /// The class named `name` (case-insensitive).
     pub fn from_name(name: &str) -> Option<TensorClass> {
-        CLASS_TABLE.iter().find(|r| r.1.eq_ignore_ascii_case(name)).map(|r| r.0)
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.1.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
     }
 
     /// Whether llama.cpp's loader or graph needs these tensors in F32 (norms are multiplied element-wise,
@@ -367,7 +392,11 @@ pub fn resolve_tensors(hp: &dyn ArchHparams) -> Result<Vec<TensorDesc>, ArchErro
             .iter()
             .map(|&x| {
                 hp.dim(x).ok_or_else(|| {
-                    ArchError(format!("{}: dimension {x:?} of {} is not defined", hp.arch_name(), d.role.pattern()))
+                    ArchError(format!(
+                        "{}: dimension {x:?} of {} is not defined",
+                        hp.arch_name(),
+                        d.role.pattern()
+                    ))
                 })
             })
             .collect()
@@ -419,7 +448,9 @@ impl ModelHparams {
         let arch = md.architecture()?;
         match arch {
             qwen3moe::ARCH => Ok(ModelHparams::Qwen3Moe(Qwen3MoeHparams::from_metadata(md)?)),
-            qwen35moe::ARCH => Ok(ModelHparams::Qwen35Moe(Qwen35MoeHparams::from_metadata(md)?)),
+            qwen35moe::ARCH => Ok(ModelHparams::Qwen35Moe(Qwen35MoeHparams::from_metadata(
+                md,
+            )?)),
             gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
@@ -446,7 +477,11 @@ pub(crate) fn vocab_size(md: &Metadata) -> Result<u64, ArchError> {
     }
     md.arch_u32_opt("vocab_size")?
         .map(u64::from)
-        .ok_or_else(|| ArchError("no tokenizer.ggml.tokens and no vocab_size: the vocabulary size is unknown".into()))
+        .ok_or_else(|| {
+            ArchError(
+                "no tokenizer.ggml.tokens and no vocab_size: the vocabulary size is unknown".into(),
+            )
+        })
 }
 
 /// Shorthand for a metadata pair under the architecture's prefix.
@@ -465,7 +500,11 @@ pub(crate) fn check(arch: &str, cond: bool, what: &str) -> Result<(), ArchError>
 
 /// `<arch>.<suffix>` given per layer (a scalar or an array of `n_layers`), which must be the same for every
 /// layer (these architectures do not vary it); `None` when absent.
-pub(crate) fn uniform_u32(md: &Metadata, suffix: &str, n_layers: u32) -> Result<Option<u32>, ArchError> {
+pub(crate) fn uniform_u32(
+    md: &Metadata,
+    suffix: &str,
+    n_layers: u32,
+) -> Result<Option<u32>, ArchError> {
     let Some(values) = md.arch_u32_per_layer_opt(suffix, n_layers as usize)? else {
         return Ok(None);
     };
@@ -479,7 +518,15 @@ pub(crate) fn uniform_u32(md: &Metadata, suffix: &str, n_layers: u32) -> Result<
 }
 
 /// `<arch>.<suffix>`, required, the same for every layer.
-pub(crate) fn uniform_u32_req(md: &Metadata, suffix: &str, n_layers: u32) -> Result<u32, ArchError> {
-    uniform_u32(md, suffix, n_layers)?
-        .ok_or_else(|| ArchError(format!("key {} is missing", md.arch_key(suffix).unwrap_or_default())))
+pub(crate) fn uniform_u32_req(
+    md: &Metadata,
+    suffix: &str,
+    n_layers: u32,
+) -> Result<u32, ArchError> {
+    uniform_u32(md, suffix, n_layers)?.ok_or_else(|| {
+        ArchError(format!(
+            "key {} is missing",
+            md.arch_key(suffix).unwrap_or_default()
+        ))
+    })
 }

@@ -13,8 +13,8 @@
 //! Follows llama.cpp's `src/models/qwen35moe.cpp`.
 
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim, LayerKind, LayerSel,
-    Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
+    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -76,7 +76,12 @@ pub struct Qwen35MoeHparams {
 use Dim::*;
 use TensorClass as C;
 
-const fn def(role: Role, layers: Option<LayerSel>, dims: &'static [Dim], class: TensorClass) -> TensorDef {
+const fn def(
+    role: Role,
+    layers: Option<LayerSel>,
+    dims: &'static [Dim],
+    class: TensorClass,
+) -> TensorDef {
     TensorDef {
         role,
         layers,
@@ -115,7 +120,12 @@ pub const TENSORS: &[TensorDef] = &[
     // gated delta net (llama.cpp's loader marks attn_qkv/attn_gate optional, but its graph needs them)
     def(Role::AttnQkv, REC, &[Embd, SsmConvDim], C::DeltaNet), // [n_embd, 2 * key_dim + value_dim]
     def(Role::AttnGate, REC, &[Embd, SsmValueDim], C::DeltaNet), // [n_embd, value_dim]
-    def(Role::SsmConv1d, REC, &[SsmConvKernel, SsmConvDim], C::DeltaNetParam), // [d_conv, conv_dim]
+    def(
+        Role::SsmConv1d,
+        REC,
+        &[SsmConvKernel, SsmConvDim],
+        C::DeltaNetParam,
+    ), // [d_conv, conv_dim]
     def(Role::SsmDt, REC, &[SsmVHeads], C::DeltaNetParam),     // [n_v_heads]
     def(Role::SsmA, REC, &[SsmVHeads], C::DeltaNetParam),      // [n_v_heads]: -exp(A_log)
     def(Role::SsmBeta, REC, &[Embd, SsmVHeads], C::DeltaNet),  // [n_embd, n_v_heads]
@@ -135,8 +145,18 @@ pub const TENSORS: &[TensorDef] = &[
     def(Role::NextnEhProj, MTP, &[Embd2, Embd], C::NextN), // [2 * n_embd, n_embd]
     def(Role::NextnEnorm, MTP, &[Embd], C::Norm),          // [n_embd]
     def(Role::NextnHnorm, MTP, &[Embd], C::Norm),          // [n_embd]
-    opt(def(Role::NextnEmbedTokens, MTP, &[Embd, Vocab], C::Embedding)), // [n_embd, n_vocab]; else token_embd
-    opt(def(Role::NextnSharedHeadHead, MTP, &[Embd, Vocab], C::Output)), // [n_embd, n_vocab]; else output
+    opt(def(
+        Role::NextnEmbedTokens,
+        MTP,
+        &[Embd, Vocab],
+        C::Embedding,
+    )), // [n_embd, n_vocab]; else token_embd
+    opt(def(
+        Role::NextnSharedHeadHead,
+        MTP,
+        &[Embd, Vocab],
+        C::Output,
+    )), // [n_embd, n_vocab]; else output
     opt(def(Role::NextnSharedHeadNorm, MTP, &[Embd], C::Norm)), // [n_embd]; else output_norm
 ];
 
@@ -146,21 +166,35 @@ impl Qwen35MoeHparams {
         if let Some(r) = &self.recurrent_layers {
             return r.get(il as usize).copied().unwrap_or(false);
         }
-        il < self.n_layer && self.full_attention_interval > 0 && (il + 1) % self.full_attention_interval != 0
+        il < self.n_layer
+            && self.full_attention_interval > 0
+            && (il + 1) % self.full_attention_interval != 0
     }
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
         let n_layer_all = md.arch_u32("block_count")?;
         let n_nextn = md.arch_u32_opt("nextn_predict_layers")?.unwrap_or(0);
-        check(ARCH, n_nextn < n_layer_all, "nextn_predict_layers leaves no trunk blocks")?;
+        check(
+            ARCH,
+            n_nextn < n_layer_all,
+            "nextn_predict_layers leaves no trunk blocks",
+        )?;
         let n_embd = md.arch_u32("embedding_length")?;
         let n_head = uniform_u32_req(md, "attention.head_count", n_layer_all)?;
         check(ARCH, n_head > 0, "attention.head_count is 0")?;
         let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head);
-        let head_dim = md.arch_u32_opt("attention.key_length")?.unwrap_or(n_embd / n_head);
-        let head_v = md.arch_u32_opt("attention.value_length")?.unwrap_or(n_embd / n_head);
-        check(ARCH, head_v == head_dim, "attention.value_length differs from key_length")?;
+        let head_dim = md
+            .arch_u32_opt("attention.key_length")?
+            .unwrap_or(n_embd / n_head);
+        let head_v = md
+            .arch_u32_opt("attention.value_length")?
+            .unwrap_or(n_embd / n_head);
+        check(
+            ARCH,
+            head_v == head_dim,
+            "attention.value_length differs from key_length",
+        )?;
         let n_expert_used = uniform_u32_req(md, "expert_used_count", n_layer_all)?;
         check(ARCH, n_expert_used > 0, "expert_used_count is 0")?;
         let n_ff = uniform_u32(md, "feed_forward_length", n_layer_all)?.unwrap_or(0);
@@ -173,10 +207,18 @@ impl Qwen35MoeHparams {
             _ => n_ff,
         };
         let sections = md.arch_u32_array("rope.dimension_sections")?;
-        check(ARCH, sections.len() == 4, "rope.dimension_sections must have 4 elements")?;
+        check(
+            ARCH,
+            sections.len() == 4,
+            "rope.dimension_sections must have 4 elements",
+        )?;
         let recurrent_layers = md.arch_bool_array_opt("attention.recurrent_layers")?;
         if let Some(r) = &recurrent_layers {
-            check(ARCH, r.len() == n_layer_all as usize, "attention.recurrent_layers has the wrong length")?;
+            check(
+                ARCH,
+                r.len() == n_layer_all as usize,
+                "attention.recurrent_layers has the wrong length",
+            )?;
         }
         let hp = Qwen35MoeHparams {
             n_vocab: vocab_size(md)?,
@@ -276,7 +318,11 @@ impl ArchHparams for Qwen35MoeHparams {
             arch_kv(ARCH, "attention.value_length", self.head_dim),
             arch_kv(ARCH, "rope.dimension_count", self.rope_dim),
             arch_kv(ARCH, "rope.freq_base", self.rope_freq_base),
-            arch_kv(ARCH, "rope.dimension_sections", Value::i32_array(self.rope_sections.map(|s| s as i32))),
+            arch_kv(
+                ARCH,
+                "rope.dimension_sections",
+                Value::i32_array(self.rope_sections.map(|s| s as i32)),
+            ),
             arch_kv(ARCH, "attention.layer_norm_rms_epsilon", self.rms_eps),
             arch_kv(ARCH, "expert_count", self.n_expert),
             arch_kv(ARCH, "expert_used_count", self.n_expert_used),
@@ -287,10 +333,18 @@ impl ArchHparams for Qwen35MoeHparams {
             arch_kv(ARCH, "ssm.group_count", self.ssm_group_count),
             arch_kv(ARCH, "ssm.time_step_rank", self.ssm_time_step_rank),
             arch_kv(ARCH, "ssm.inner_size", self.ssm_inner_size),
-            arch_kv(ARCH, "full_attention_interval", self.full_attention_interval),
+            arch_kv(
+                ARCH,
+                "full_attention_interval",
+                self.full_attention_interval,
+            ),
         ];
         if let Some(r) = &self.recurrent_layers {
-            kv.push(arch_kv(ARCH, "attention.recurrent_layers", Value::bool_array(r.iter().copied())));
+            kv.push(arch_kv(
+                ARCH,
+                "attention.recurrent_layers",
+                Value::bool_array(r.iter().copied()),
+            ));
         }
         if self.n_nextn > 0 {
             kv.push(arch_kv(ARCH, "nextn_predict_layers", self.n_nextn));
@@ -300,20 +354,56 @@ impl ArchHparams for Qwen35MoeHparams {
 
     fn validate(&self) -> Result<(), ArchError> {
         check(ARCH, self.n_layer > 0, "no trunk blocks")?;
-        check(ARCH, self.n_embd > 0 && self.n_vocab > 0, "embedding_length or vocabulary is 0")?;
-        check(ARCH, self.n_head > 0 && self.n_head_kv > 0, "a head count is 0")?;
-        check(ARCH, self.n_head % self.n_head_kv == 0, "head_count is not a multiple of head_count_kv")?;
-        check(ARCH, self.rope_dim <= self.head_dim && self.rope_dim % 2 == 0, "rope.dimension_count must be even and at most key_length")?;
+        check(
+            ARCH,
+            self.n_embd > 0 && self.n_vocab > 0,
+            "embedding_length or vocabulary is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head > 0 && self.n_head_kv > 0,
+            "a head count is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head % self.n_head_kv == 0,
+            "head_count is not a multiple of head_count_kv",
+        )?;
+        check(
+            ARCH,
+            self.rope_dim <= self.head_dim && self.rope_dim % 2 == 0,
+            "rope.dimension_count must be even and at most key_length",
+        )?;
         check(
             ARCH,
             self.rope_sections.iter().sum::<u32>() * 2 == self.rope_dim,
             "rope.dimension_sections must sum to rope.dimension_count / 2",
         )?;
-        check(ARCH, self.n_expert > 0 && self.n_expert_used > 0, "expert_count and expert_used_count must be > 0")?;
-        check(ARCH, self.n_expert_used <= self.n_expert, "expert_used_count exceeds expert_count")?;
-        check(ARCH, self.n_ff_exp > 0 && self.n_ff_shexp > 0, "an expert FFN length is 0")?;
-        check(ARCH, self.ssm_conv_kernel > 0 && self.ssm_state_size > 0, "ssm.conv_kernel and ssm.state_size must be > 0")?;
-        check(ARCH, self.ssm_group_count > 0 && self.ssm_time_step_rank > 0, "ssm head counts must be > 0")?;
+        check(
+            ARCH,
+            self.n_expert > 0 && self.n_expert_used > 0,
+            "expert_count and expert_used_count must be > 0",
+        )?;
+        check(
+            ARCH,
+            self.n_expert_used <= self.n_expert,
+            "expert_used_count exceeds expert_count",
+        )?;
+        check(
+            ARCH,
+            self.n_ff_exp > 0 && self.n_ff_shexp > 0,
+            "an expert FFN length is 0",
+        )?;
+        check(
+            ARCH,
+            self.ssm_conv_kernel > 0 && self.ssm_state_size > 0,
+            "ssm.conv_kernel and ssm.state_size must be > 0",
+        )?;
+        check(
+            ARCH,
+            self.ssm_group_count > 0 && self.ssm_time_step_rank > 0,
+            "ssm head counts must be > 0",
+        )?;
         check(
             ARCH,
             self.ssm_time_step_rank % self.ssm_group_count == 0,
@@ -324,12 +414,28 @@ impl ArchHparams for Qwen35MoeHparams {
             self.ssm_inner_size == self.ssm_state_size * self.ssm_time_step_rank,
             "ssm.inner_size must be ssm.state_size * ssm.time_step_rank",
         )?;
-        check(ARCH, self.full_attention_interval > 0, "full_attention_interval is 0")?;
-        check(ARCH, self.n_nextn <= 1, "llama.cpp supports at most one MTP block")?;
+        check(
+            ARCH,
+            self.full_attention_interval > 0,
+            "full_attention_interval is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_nextn <= 1,
+            "llama.cpp supports at most one MTP block",
+        )?;
         for il in self.n_layer..self.n_layer_all() {
-            check(ARCH, !self.is_recurrent(il), "an MTP block is marked recurrent")?;
+            check(
+                ARCH,
+                !self.is_recurrent(il),
+                "an MTP block is marked recurrent",
+            )?;
         }
-        check(ARCH, self.rms_eps > 0.0, "layer_norm_rms_epsilon must be positive")?;
+        check(
+            ARCH,
+            self.rms_eps > 0.0,
+            "layer_norm_rms_epsilon must be positive",
+        )?;
         Ok(())
     }
 }

@@ -5,8 +5,8 @@
 //! Follows llama.cpp's `src/models/qwen3moe.cpp` (hyperparameters, tensors, graph).
 
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim, LayerKind, LayerSel,
-    Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
+    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -47,7 +47,12 @@ pub struct Qwen3MoeHparams {
 use Dim::*;
 use TensorClass as C;
 
-const fn def(role: Role, layers: Option<LayerSel>, dims: &'static [Dim], class: TensorClass) -> TensorDef {
+const fn def(
+    role: Role,
+    layers: Option<LayerSel>,
+    dims: &'static [Dim],
+    class: TensorClass,
+) -> TensorDef {
     TensorDef {
         role,
         layers,
@@ -65,20 +70,20 @@ pub const TENSORS: &[TensorDef] = &[
     def(Role::OutputNorm, None, &[Embd], C::Norm),            // [n_embd]
     TensorDef {
         presence: Presence::Optional, // tied to token_embd when absent
-        ..def(Role::Output, None, &[Embd, Vocab], C::Output) // [n_embd, n_vocab]
+        ..def(Role::Output, None, &[Embd, Vocab], C::Output)  // [n_embd, n_vocab]
     },
-    def(Role::AttnNorm, L, &[Embd], C::Norm),                       // [n_embd]
-    def(Role::AttnQ, L, &[Embd, QProj], C::Attention),              // [n_embd, n_head * head_dim]
-    def(Role::AttnK, L, &[Embd, KProj], C::Attention),              // [n_embd, n_head_kv * head_dim]
-    def(Role::AttnV, L, &[Embd, VProj], C::Attention),              // [n_embd, n_head_kv * head_dim]
-    def(Role::AttnOut, L, &[QProj, Embd], C::Attention),            // [n_head * head_dim, n_embd]
-    def(Role::AttnKNorm, L, &[HeadK], C::Norm),                     // [head_dim]
-    def(Role::AttnQNorm, L, &[HeadK], C::Norm),                     // [head_dim]
-    def(Role::FfnNorm, L, &[Embd], C::Norm),                        // [n_embd]
-    def(Role::FfnGateInp, L, &[Embd, Expert], C::Router),           // [n_embd, n_expert]
-    def(Role::FfnGateExps, L, &[Embd, FfExp, Expert], C::Expert),   // [n_embd, n_ff_exp, n_expert]
-    def(Role::FfnDownExps, L, &[FfExp, Embd, Expert], C::Expert),   // [n_ff_exp, n_embd, n_expert]
-    def(Role::FfnUpExps, L, &[Embd, FfExp, Expert], C::Expert),     // [n_embd, n_ff_exp, n_expert]
+    def(Role::AttnNorm, L, &[Embd], C::Norm), // [n_embd]
+    def(Role::AttnQ, L, &[Embd, QProj], C::Attention), // [n_embd, n_head * head_dim]
+    def(Role::AttnK, L, &[Embd, KProj], C::Attention), // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnV, L, &[Embd, VProj], C::Attention), // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnOut, L, &[QProj, Embd], C::Attention), // [n_head * head_dim, n_embd]
+    def(Role::AttnKNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::AttnQNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::FfnNorm, L, &[Embd], C::Norm),  // [n_embd]
+    def(Role::FfnGateInp, L, &[Embd, Expert], C::Router), // [n_embd, n_expert]
+    def(Role::FfnGateExps, L, &[Embd, FfExp, Expert], C::Expert), // [n_embd, n_ff_exp, n_expert]
+    def(Role::FfnDownExps, L, &[FfExp, Embd, Expert], C::Expert), // [n_ff_exp, n_embd, n_expert]
+    def(Role::FfnUpExps, L, &[Embd, FfExp, Expert], C::Expert), // [n_embd, n_ff_exp, n_expert]
 ];
 
 impl Qwen3MoeHparams {
@@ -89,9 +94,17 @@ impl Qwen3MoeHparams {
         let n_head = uniform_u32_req(md, "attention.head_count", n_layer)?;
         let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer)?.unwrap_or(n_head);
         check(ARCH, n_head > 0, "attention.head_count is 0")?;
-        let head_dim = md.arch_u32_opt("attention.key_length")?.unwrap_or(n_embd / n_head);
-        let head_v = md.arch_u32_opt("attention.value_length")?.unwrap_or(n_embd / n_head);
-        check(ARCH, head_v == head_dim, "attention.value_length differs from key_length")?;
+        let head_dim = md
+            .arch_u32_opt("attention.key_length")?
+            .unwrap_or(n_embd / n_head);
+        let head_v = md
+            .arch_u32_opt("attention.value_length")?
+            .unwrap_or(n_embd / n_head);
+        check(
+            ARCH,
+            head_v == head_dim,
+            "attention.value_length differs from key_length",
+        )?;
         let n_ff = uniform_u32(md, "feed_forward_length", n_layer)?.unwrap_or(0);
         let n_expert_used = uniform_u32_req(md, "expert_used_count", n_layer)?;
         check(ARCH, n_expert_used > 0, "expert_used_count is 0")?;
@@ -183,14 +196,42 @@ impl ArchHparams for Qwen3MoeHparams {
 
     fn validate(&self) -> Result<(), ArchError> {
         check(ARCH, self.n_layer > 0, "block_count is 0")?;
-        check(ARCH, self.n_embd > 0 && self.n_vocab > 0, "embedding_length or vocabulary is 0")?;
-        check(ARCH, self.n_head > 0 && self.n_head_kv > 0, "a head count is 0")?;
-        check(ARCH, self.n_head % self.n_head_kv == 0, "head_count is not a multiple of head_count_kv")?;
-        check(ARCH, self.head_dim > 0 && self.head_dim % 2 == 0, "key_length must be even (RoPE)")?;
-        check(ARCH, self.n_expert > 0 && self.n_expert_used > 0, "expert_count and expert_used_count must be > 0")?;
-        check(ARCH, self.n_expert_used <= self.n_expert, "expert_used_count exceeds expert_count")?;
+        check(
+            ARCH,
+            self.n_embd > 0 && self.n_vocab > 0,
+            "embedding_length or vocabulary is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head > 0 && self.n_head_kv > 0,
+            "a head count is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head % self.n_head_kv == 0,
+            "head_count is not a multiple of head_count_kv",
+        )?;
+        check(
+            ARCH,
+            self.head_dim > 0 && self.head_dim % 2 == 0,
+            "key_length must be even (RoPE)",
+        )?;
+        check(
+            ARCH,
+            self.n_expert > 0 && self.n_expert_used > 0,
+            "expert_count and expert_used_count must be > 0",
+        )?;
+        check(
+            ARCH,
+            self.n_expert_used <= self.n_expert,
+            "expert_used_count exceeds expert_count",
+        )?;
         check(ARCH, self.n_ff_exp > 0, "expert_feed_forward_length is 0")?;
-        check(ARCH, self.rms_eps > 0.0, "layer_norm_rms_epsilon must be positive")?;
+        check(
+            ARCH,
+            self.rms_eps > 0.0,
+            "layer_norm_rms_epsilon must be positive",
+        )?;
         Ok(())
     }
 }

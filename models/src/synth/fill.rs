@@ -29,19 +29,21 @@ pub fn stream_seed(seed: u64, a: u64, b: u64) -> u64 {
     mix64(mix64(mix64(seed) ^ a) ^ b.rotate_left(32))
 }
 
-/// Fills `out` (exactly the tensor's bytes) with tensor `index`'s data. `router` supplies the router rows
-/// of a block (generated ahead so they could be simulated).
+/// Fills `out` (exactly the tensor's bytes) with tensor `index`'s data. `routers[layer]` holds the bytes of
+/// block `layer`'s router (generated ahead so they could be simulated).
 pub fn fill_tensor(
     t: &PlannedTensor,
     index: usize,
     seed: u64,
-    router: &dyn Fn(u32) -> Option<Vec<f32>>,
+    routers: &[Option<Vec<u8>>],
     out: &mut [u8],
 ) -> Result<(), SynthError> {
     let name = &t.desc.name;
     match &t.init {
-        Init::Random { rms } => fill_random_blocks(t.ty, *rms, stream_seed(seed, index as u64, 0), out)
-            .map_err(|e| SynthError(format!("{name}: {e}"))),
+        Init::Random { rms } => {
+            fill_random_blocks(t.ty, *rms, stream_seed(seed, index as u64, 0), out)
+                .map_err(|e| SynthError(format!("{name}: {e}")))
+        }
         Init::Norm { mean, noise } => {
             let mut rng = Rng::new(stream_seed(seed, index as u64, 0));
             write_floats(t.ty, out, |_| mean + noise * rng.normal(), name)
@@ -55,37 +57,52 @@ pub fn fill_tensor(
             write_floats(t.ty, out, |_| lo + (hi - lo) * rng.f32(), name)
         }
         Init::Router { layer } => {
-            let w = router(*layer).ok_or_else(|| SynthError(format!("{name}: router of block {layer} missing")))?;
-            write_floats(t.ty, out, |i| w[i], name)
+            let w = routers
+                .get(*layer as usize)
+                .and_then(Option::as_ref)
+                .filter(|w| w.len() == out.len())
+                .ok_or_else(|| SynthError(format!("{name}: router of block {layer} missing")))?;
+            out.copy_from_slice(w);
+            Ok(())
         }
     }
 }
 
 /// Random valid blocks of `ty` with zero mean and RMS ≈ `rms`, in parallel chunks.
-pub fn fill_random_blocks(ty: GgmlType, rms: f32, tensor_seed: u64, out: &mut [u8]) -> Result<(), quant::QuantError> {
+pub fn fill_random_blocks(
+    ty: GgmlType,
+    rms: f32,
+    tensor_seed: u64,
+    out: &mut [u8],
+) -> Result<(), quant::QuantError> {
     let bb = ty.block_bytes();
     let chunk = (CHUNK_BYTES / bb).max(1) * bb;
-    out.par_chunks_mut(chunk).enumerate().try_for_each(|(c, dst)| {
-        let mut rng = Rng::new(mix64(tensor_seed ^ mix64(c as u64)));
-        quant::fill_random(ty, &mut rng, rms, dst)
-    })
+    out.par_chunks_mut(chunk)
+        .enumerate()
+        .try_for_each(|(c, dst)| {
+            let mut rng = Rng::new(mix64(tensor_seed ^ mix64(c as u64)));
+            quant::fill_random(ty, &mut rng, rms, dst)
+        })
 }
 
 /// Writes values `f(0), f(1), …` in a float type (F32, F16 or BF16) over all of `out`.
-fn write_floats(ty: GgmlType, out: &mut [u8], mut f: impl FnMut(usize) -> f32, name: &str) -> Result<(), SynthError> {
+fn write_floats(
+    ty: GgmlType,
+    out: &mut [u8],
+    mut f: impl FnMut(usize) -> f32,
+    name: &str,
+) -> Result<(), SynthError> {
     match ty {
         GgmlType::F32 => out
             .chunks_exact_mut(4)
             .enumerate()
             .for_each(|(i, o)| o.copy_from_slice(&f(i).to_le_bytes())),
-        GgmlType::F16 => out
-            .chunks_exact_mut(2)
-            .enumerate()
-            .for_each(|(i, o)| o.copy_from_slice(&half::f16::from_f32(f(i)).to_bits().to_le_bytes())),
-        GgmlType::BF16 => out
-            .chunks_exact_mut(2)
-            .enumerate()
-            .for_each(|(i, o)| o.copy_from_slice(&half::bf16::from_f32(f(i)).to_bits().to_le_bytes())),
+        GgmlType::F16 => out.chunks_exact_mut(2).enumerate().for_each(|(i, o)| {
+            o.copy_from_slice(&half::f16::from_f32(f(i)).to_bits().to_le_bytes())
+        }),
+        GgmlType::BF16 => out.chunks_exact_mut(2).enumerate().for_each(|(i, o)| {
+            o.copy_from_slice(&half::bf16::from_f32(f(i)).to_bits().to_le_bytes())
+        }),
         other => {
             return Err(SynthError(format!(
                 "{name}: exact values can be written only as F32, F16 or BF16, not {other}"
@@ -95,14 +112,11 @@ fn write_floats(ty: GgmlType, out: &mut [u8], mut f: impl FnMut(usize) -> f32, n
     Ok(())
 }
 
-/// `values` rounded through `ty` (F16/BF16 lose precision; F32 is exact), so a simulation sees what the
-/// file holds.
-pub fn round_through(ty: GgmlType, values: &mut [f32]) {
-    match ty {
-        GgmlType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        GgmlType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
-        _ => {}
-    }
+/// `values` in a float type (F32, F16 or BF16).
+pub fn encode_floats(ty: GgmlType, values: &[f32], name: &str) -> Result<Vec<u8>, SynthError> {
+    let mut out = vec![0u8; values.len() * ty.block_bytes()];
+    write_floats(ty, &mut out, |i| values[i], name)?;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -277,6 +277,9 @@ mod tests {
     fn logit_sigma_grows_with_vocab() {
         let a = target_logit_sigma(2048);
         let b = target_logit_sigma(248_320);
-        assert!((4.5..5.5).contains(&a) && (6.0..7.0).contains(&b), "{a} {b}");
+        assert!(
+            (4.5..5.5).contains(&a) && (6.0..7.0).contains(&b),
+            "{a} {b}"
+        );
     }
 }

@@ -4,7 +4,9 @@
 
 use poly_kernels::quant::GgmlType;
 
-use crate::arch::{gemma3, qwen35moe, qwen3moe, Gemma3Hparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams};
+use crate::arch::{
+    gemma3, qwen35moe, qwen3moe, Gemma3Hparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+};
 
 use super::vocab::SMALL_VOCAB_SIZE;
 
@@ -250,6 +252,7 @@ pub fn all_shapes() -> Vec<Shape> {
 pub fn find_shape(arch: &str, name: &str) -> Option<Shape> {
     all_shapes().into_iter().find(|s| {
         s.arch.eq_ignore_ascii_case(arch)
-            && (s.name.eq_ignore_ascii_case(name) || s.aliases.iter().any(|a| a.eq_ignore_ascii_case(name)))
+            && (s.name.eq_ignore_ascii_case(name)
+                || s.aliases.iter().any(|a| a.eq_ignore_ascii_case(name)))
     })
 }

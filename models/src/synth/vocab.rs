@@ -8,6 +8,7 @@
 //! by the pair's strings), so every synthetic file carries the same vocabulary.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 /// The built-in training text.
 const CORPUS: &str = include_str!("corpus.txt");
@@ -85,9 +86,12 @@ impl Vocab {
     }
 }
 
-/// The small vocabulary (`SMALL_VOCAB_SIZE` tokens), learned from the built-in text.
+/// The small vocabulary (`SMALL_VOCAB_SIZE` tokens), learned from the built-in text (once per process).
 pub fn small_vocab() -> Vocab {
-    build_vocab(CORPUS, SMALL_VOCAB_SIZE)
+    static SMALL: OnceLock<Vocab> = OnceLock::new();
+    SMALL
+        .get_or_init(|| build_vocab(CORPUS, SMALL_VOCAB_SIZE))
+        .clone()
 }
 
 /// GPT-2's byte-to-unicode table: printable bytes map to themselves, the others to code points from 256
@@ -96,7 +100,8 @@ pub fn byte_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..256u32 {
-        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let cp = if printable {
             b
         } else {
@@ -116,7 +121,10 @@ fn byte_tokens(table: &[char; 256]) -> Vec<String> {
     // GPT-2 lists the bytes that map to themselves first, in byte order, then the remapped ones; sorting
     // by code point gives exactly that order.
     order.sort();
-    order.into_iter().map(|(_, b)| table[b as usize].to_string()).collect()
+    order
+        .into_iter()
+        .map(|(_, b)| table[b as usize].to_string())
+        .collect()
 }
 
 /// Splits `text` into pre-tokens the way the `qwen2` pre-tokenizer's regular expression does for ASCII
@@ -126,7 +134,8 @@ pub fn pre_tokenize(text: &str) -> Vec<&str> {
     let b = text.as_bytes();
     let is_letter = |c: u8| c.is_ascii_alphabetic() || c >= 0x80;
     let is_digit = |c: u8| c.is_ascii_digit();
-    let is_space = |c: u8| c == b' ' || c == b'\t' || c == b'\r' || c == b'\n' || c == 0x0B || c == 0x0C;
+    let is_space =
+        |c: u8| c == b' ' || c == b'\t' || c == b'\r' || c == b'\n' || c == 0x0B || c == 0x0C;
     let is_nl = |c: u8| c == b'\r' || c == b'\n';
     let mut out = Vec::new();
     let mut i = 0;
@@ -136,10 +145,18 @@ pub fn pre_tokenize(text: &str) -> Vec<&str> {
         // (?i:'s|'t|'re|'ve|'m|'ll|'d)
         if c == b'\'' {
             let rest = &text[i + 1..];
-            let lower: String = rest.chars().take(2).collect::<String>().to_ascii_lowercase();
-            let n = if lower.starts_with("re") || lower.starts_with("ve") || lower.starts_with("ll") {
+            let lower: String = rest
+                .chars()
+                .take(2)
+                .collect::<String>()
+                .to_ascii_lowercase();
+            let n = if lower.starts_with("re") || lower.starts_with("ve") || lower.starts_with("ll")
+            {
                 2
-            } else if lower.starts_with('s') || lower.starts_with('t') || lower.starts_with('m') || lower.starts_with('d')
+            } else if lower.starts_with('s')
+                || lower.starts_with('t')
+                || lower.starts_with('m')
+                || lower.starts_with('d')
             {
                 1
             } else {
@@ -206,7 +223,11 @@ pub fn build_vocab(text: &str, size: usize) -> Vocab {
     let table = byte_to_unicode();
     let mut tokens = byte_tokens(&table);
     let mut token_types = vec![token_type::NORMAL; tokens.len()];
-    let mut id_of: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+    let mut id_of: HashMap<String, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
 
     // Unique words with their counts, each as a sequence of token ids; sorted so training is deterministic.
     let mut word_counts: HashMap<&str, u64> = HashMap::new();
@@ -215,7 +236,14 @@ pub fn build_vocab(text: &str, size: usize) -> Vocab {
     }
     let mut words: Vec<(Vec<u32>, u64)> = word_counts
         .into_iter()
-        .map(|(w, n)| (w.bytes().map(|b| id_of[&table[b as usize].to_string()]).collect(), n))
+        .map(|(w, n)| {
+            (
+                w.bytes()
+                    .map(|b| id_of[&table[b as usize].to_string()])
+                    .collect(),
+                n,
+            )
+        })
         .collect();
     words.sort();
 
@@ -299,9 +327,15 @@ mod tests {
     #[test]
     fn pre_tokenizer_splits_like_qwen2() {
         assert_eq!(pre_tokenize("Hello world"), vec!["Hello", " world"]);
-        assert_eq!(pre_tokenize("it's 2024!\n"), vec!["it", "'s", " ", "2", "0", "2", "4", "!\n"]);
+        assert_eq!(
+            pre_tokenize("it's 2024!\n"),
+            vec!["it", "'s", " ", "2", "0", "2", "4", "!\n"]
+        );
         assert_eq!(pre_tokenize("a  b"), vec!["a", " ", " b"]);
-        assert_eq!(pre_tokenize("x = (y)\n\n    z"), vec!["x", " =", " (", "y", ")\n\n", "   ", " z"]);
+        assert_eq!(
+            pre_tokenize("x = (y)\n\n    z"),
+            vec!["x", " =", " (", "y", ")\n\n", "   ", " z"]
+        );
         // Nothing is lost.
         let text = "fn main() {\n    let x = 1;\n}\n";
         assert_eq!(pre_tokenize(text).concat(), text);
@@ -322,7 +356,10 @@ mod tests {
             assert!(v.id_of(l).is_some() && v.id_of(r).is_some(), "{m}");
             assert!(v.id_of(&format!("{l}{r}")).is_some(), "{m}");
         }
-        assert_eq!(v.merges.len(), SMALL_VOCAB_SIZE - 256 - SPECIAL_TOKENS.len());
+        assert_eq!(
+            v.merges.len(),
+            SMALL_VOCAB_SIZE - 256 - SPECIAL_TOKENS.len()
+        );
         // Common words became single tokens.
         for w in ["Ġthe", "Ġand", "Ġmodel", "self", "Ġreturn"] {
             assert!(v.id_of(w).is_some(), "{w}");
@@ -330,7 +367,7 @@ mod tests {
         assert_eq!(v.tokens[v.eos_id as usize], "<|im_end|>");
         assert_eq!(v.tokens[v.bos_id as usize], "<|endoftext|>");
         assert_eq!(v.token_types[v.eos_id as usize], token_type::CONTROL);
-        assert_eq!(small_vocab(), v, "deterministic");
+        assert_eq!(build_vocab(CORPUS, SMALL_VOCAB_SIZE), v, "deterministic");
     }
 
     #[test]
