@@ -51,16 +51,8 @@ fn inspect_reports_architecture_types_and_expert_bytes() {
     let dir = temp_dir("inspect");
     let path = dir.join("m.gguf");
     let datas = write_model(&path);
-    let out = Command::new(ENGINE)
-        .args(["inspect", "--json"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = Command::new(ENGINE).args(["inspect", "--json"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["architecture"], "qwen3moe");
     assert_eq!(v["name"], "tools test");
@@ -74,18 +66,11 @@ fn inspect_reports_architecture_types_and_expert_bytes() {
     assert_eq!(v["types"]["Q8_0"]["tensors"], 1);
     assert_eq!(v["file_bytes"], std::fs::metadata(&path).unwrap().len());
 
-    let text = Command::new(ENGINE)
-        .arg("inspect")
-        .arg(&path)
-        .output()
-        .unwrap();
+    let text = Command::new(ENGINE).arg("inspect").arg(&path).output().unwrap();
     assert!(text.status.success());
     let text = String::from_utf8(text.stdout).unwrap();
     assert!(text.contains("architecture  qwen3moe"), "{text}");
-    assert!(
-        text.contains("4 routed per layer, 2 used per token, mostly Q4_K"),
-        "{text}"
-    );
+    assert!(text.contains("4 routed per layer, 2 used per token, mostly Q4_K"), "{text}");
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -106,19 +91,10 @@ fn dump_writes_dequantized_f32_in_gguf_order() {
     let bytes = std::fs::read(&out_path).unwrap();
     let mut expected = vec![0f32; 256 * 32 * 4];
     dequantize(GgmlType::Q4_K, &datas[2], &mut expected).unwrap();
-    let got: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
+    let got: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(got, expected);
 
-    let missing = Command::new(ENGINE)
-        .arg("dump")
-        .arg(&path)
-        .arg("nope")
-        .arg(&out_path)
-        .output()
-        .unwrap();
+    let missing = Command::new(ENGINE).arg("dump").arg(&path).arg("nope").arg(&out_path).output().unwrap();
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("no tensor named \"nope\""));
     std::fs::remove_dir_all(dir).ok();
@@ -129,11 +105,7 @@ fn inspect_refuses_a_file_that_is_not_gguf() {
     let dir = temp_dir("bad");
     let path = dir.join("bad.gguf");
     std::fs::write(&path, b"not a model at all, just text").unwrap();
-    let out = Command::new(ENGINE)
-        .arg("inspect")
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = Command::new(ENGINE).arg("inspect").arg(&path).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad.gguf"), "error names the file: {err}");

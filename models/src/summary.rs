@@ -77,8 +77,7 @@ impl ModelSummary {
                 other_bytes += info.n_bytes;
             }
         }
-        let largest =
-            |m: &BTreeMap<GgmlType, u64>| m.iter().max_by_key(|(_, b)| **b).map(|(t, _)| *t);
+        let largest = |m: &BTreeMap<GgmlType, u64>| m.iter().max_by_key(|(_, b)| **b).map(|(t, _)| *t);
         let by_bytes: BTreeMap<GgmlType, u64> = types.iter().map(|(t, s)| (*t, s.bytes)).collect();
         let n_experts = md
             .arch_u32_opt("expert_count")
@@ -106,16 +105,8 @@ impl ModelSummary {
             other_bytes,
             n_experts,
             n_experts_used: md.arch_u32_opt("expert_used_count").ok().flatten(),
-            has_mtp: md
-                .arch_u32_opt("nextn_predict_layers")
-                .ok()
-                .flatten()
-                .unwrap_or(0)
-                > 0
-                || file
-                    .tensor_infos()
-                    .iter()
-                    .any(|t| t.name.contains(".nextn.")),
+            has_mtp: md.arch_u32_opt("nextn_predict_layers").ok().flatten().unwrap_or(0) > 0
+                || file.tensor_infos().iter().any(|t| t.name.contains(".nextn.")),
             chat_template: md.chat_template().ok().flatten().is_some(),
             tokenizer_model: md.tokenizer_model().ok().map(str::to_string),
             vocab_size: md.tokenizer_tokens().ok().map(<[String]>::len),
@@ -170,11 +161,7 @@ fn short_array(a: &Array) -> String {
         Array::String(v) => list(v),
         Array::Array(v) => {
             let items: Vec<String> = v.iter().take(SHOWN).map(short_array).collect();
-            format!(
-                "[{}{}]",
-                items.join(", "),
-                if v.len() > SHOWN { ", …" } else { "" }
-            )
+            format!("[{}{}]", items.join(", "), if v.len() > SHOWN { ", …" } else { "" })
         }
         Array::U64(v) => list(v),
         Array::I64(v) => list(v),

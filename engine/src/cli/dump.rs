@@ -33,18 +33,15 @@ pub fn run(args: DumpArgs) -> CliResult {
     })?;
     let ty = tensor.ty();
     let row_len = tensor.info.row_len();
-    let row_bytes = ty.bytes_for(row_len).ok_or_else(|| {
-        format!(
-            "{}: rows of {row_len} are not whole {ty} blocks",
-            args.tensor
-        )
-    })?;
+    let row_bytes = ty
+        .bytes_for(row_len)
+        .ok_or_else(|| format!("{}: rows of {row_len} are not whole {ty} blocks", args.tensor))?;
     let mut out: Box<dyn Write> = if args.out.as_os_str() == "-" {
         Box::new(std::io::BufWriter::new(std::io::stdout().lock()))
     } else {
-        Box::new(std::io::BufWriter::new(
-            std::fs::File::create(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?,
-        ))
+        Box::new(std::io::BufWriter::new(std::fs::File::create(&args.out).map_err(
+            |e| format!("{}: {e}", args.out.display()),
+        )?))
     };
     let n_rows = tensor.info.n_rows();
     let mut values = Vec::new();

@@ -30,12 +30,7 @@ pub fn run(args: InspectArgs) -> CliResult {
         let types: serde_json::Map<String, serde_json::Value> = s
             .types
             .iter()
-            .map(|(t, share)| {
-                (
-                    t.name().to_string(),
-                    json!({"tensors": share.tensors, "bytes": share.bytes}),
-                )
-            })
+            .map(|(t, share)| (t.name().to_string(), json!({"tensors": share.tensors, "bytes": share.bytes})))
             .collect();
         let mut v = json!({
             "path": args.file,
@@ -74,21 +69,11 @@ pub fn run(args: InspectArgs) -> CliResult {
         return Ok(());
     }
 
-    println!(
-        "file          {} ({} part(s), GGUF v{})",
-        args.file.display(),
-        s.n_parts,
-        s.gguf_version
-    );
+    println!("file          {} ({} part(s), GGUF v{})", args.file.display(), s.n_parts, s.gguf_version);
     println!("architecture  {}", s.architecture);
     println!("name          {}", s.name.as_deref().unwrap_or("-"));
     println!("size label    {}", s.size_label.as_deref().unwrap_or("-"));
-    println!(
-        "size          {} ({} bytes), {} parameters",
-        gib(s.file_bytes),
-        s.file_bytes,
-        s.n_elements
-    );
+    println!("size          {} ({} bytes), {} parameters", gib(s.file_bytes), s.file_bytes, s.n_elements);
     println!("tensors       {}", s.n_tensors);
     match s.n_experts {
         Some(n) => println!(
@@ -98,24 +83,11 @@ pub fn run(args: InspectArgs) -> CliResult {
         ),
         None => println!("experts       none (dense)"),
     }
-    println!(
-        "expert bytes  {} ({} bytes)",
-        gib(s.expert_bytes),
-        s.expert_bytes
-    );
-    println!(
-        "other bytes   {} ({} bytes)",
-        gib(s.other_bytes),
-        s.other_bytes
-    );
+    println!("expert bytes  {} ({} bytes)", gib(s.expert_bytes), s.expert_bytes);
+    println!("other bytes   {} ({} bytes)", gib(s.other_bytes), s.other_bytes);
     println!("tensor types:");
     for (ty, share) in &s.types {
-        println!(
-            "  {:8} {:5} tensors  {:>12} bytes",
-            ty.name(),
-            share.tensors,
-            share.bytes
-        );
+        println!("  {:8} {:5} tensors  {:>12} bytes", ty.name(), share.tensors, share.bytes);
     }
     println!("metadata ({} keys):", s.n_metadata);
     for (key, value) in file.metadata().entries() {
@@ -124,13 +96,7 @@ pub fn run(args: InspectArgs) -> CliResult {
     if args.tensors {
         println!("tensor list:");
         for t in file.tensor_infos() {
-            println!(
-                "  {:40} {:8} {:?} {} bytes",
-                t.name,
-                t.ty.name(),
-                t.dims,
-                t.n_bytes
-            );
+            println!("  {:40} {:8} {:?} {} bytes", t.name, t.ty.name(), t.dims, t.n_bytes);
         }
     }
     Ok(())

@@ -10,11 +10,7 @@ use clap::{Parser, Subcommand};
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 #[derive(Parser)]
-#[command(
-    name = "poly-engine",
-    version,
-    about = "PolyStrata engine: model-file tools"
-)]
+#[command(name = "poly-engine", version, about = "PolyStrata engine: model-file tools")]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
