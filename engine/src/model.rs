@@ -9,7 +9,7 @@ use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
 
 use crate::cpu::{CpuForward, CpuWeights};
-use crate::state::SeqState;
+use crate::state::{KvPrecision, SeqState};
 
 /// An error of the engine: a message for people.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,14 +66,21 @@ impl Model {
         &self.graph
     }
 
-    /// An empty sequence of at most `n_ctx` tokens (0: the training context).
+    /// An empty sequence of at most `n_ctx` tokens (0: the training context), its KV caches of the
+    /// default precision.
     pub fn new_state(&self, n_ctx: usize) -> SeqState {
+        self.new_state_with(n_ctx, KvPrecision::default())
+    }
+
+    /// An empty sequence of at most `n_ctx` tokens (0: the training context) whose KV caches keep
+    /// `precision`.
+    pub fn new_state_with(&self, n_ctx: usize, precision: KvPrecision) -> SeqState {
         let n_ctx = if n_ctx == 0 {
             self.info().n_ctx_train as usize
         } else {
             n_ctx
         };
-        SeqState::new(&self.graph.layer_states(), n_ctx)
+        SeqState::with_precision(&self.graph.layer_states(), n_ctx, precision)
     }
 
     /// Reads `tokens` into `state` in one forward call (every token through each layer together) and

@@ -4,8 +4,23 @@
 //! A [`SeqState`] is plain data and `Clone`: copying it forks a conversation or keeps a checkpoint. KV
 //! caches grow with the sequence (rows of f32 per position) up to the context size fixed at creation;
 //! recurrent states have a fixed size.
+//!
+//! Keys and values are stored as f32. By default they are first rounded to f16 precision
+//! ([`KvPrecision::F16`]), which is what llama.cpp's default cache type keeps: on quantized models, whose
+//! activation quantization turns small differences into rounding flips, this keeps results within
+//! llama.cpp's own run-to-run spread. (Storing them as f16 to halve the memory comes with the memory work.)
 
 use poly_models::arch::StateSpec;
+
+/// The precision keys and values keep in a KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvPrecision {
+    /// As computed.
+    F32,
+    /// Rounded to f16 (llama.cpp's default cache type).
+    #[default]
+    F16,
+}
 
 /// Keys and values of every position of one layer, rows of `n_head_kv · head_dim` f32 per position.
 #[derive(Clone, Debug, PartialEq)]
@@ -15,17 +30,25 @@ pub struct KvCache {
     pub head_dim_v: usize,
     /// Sliding window the layer attends over (it still keeps every position).
     pub window: Option<u32>,
+    pub precision: KvPrecision,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl KvCache {
-    fn new(n_head_kv: usize, head_dim_k: usize, head_dim_v: usize, window: Option<u32>) -> Self {
+    fn new(
+        n_head_kv: usize,
+        head_dim_k: usize,
+        head_dim_v: usize,
+        window: Option<u32>,
+        precision: KvPrecision,
+    ) -> Self {
         KvCache {
             n_head_kv,
             head_dim_k,
             head_dim_v,
             window,
+            precision,
             k: Vec::new(),
             v: Vec::new(),
         }
@@ -62,8 +85,17 @@ impl KvCache {
             v.len(),
             "KV cache: keys and values differ in rows"
         );
-        self.k.extend_from_slice(k);
-        self.v.extend_from_slice(v);
+        match self.precision {
+            KvPrecision::F32 => {
+                self.k.extend_from_slice(k);
+                self.v.extend_from_slice(v);
+            }
+            KvPrecision::F16 => {
+                let round = |x: &f32| half::f16::from_f32(*x).to_f32();
+                self.k.extend(k.iter().map(round));
+                self.v.extend(v.iter().map(round));
+            }
+        }
     }
 
     /// Every key row, position 0 first.
@@ -116,14 +148,16 @@ pub enum LayerState {
 
 impl LayerState {
     /// An empty state of the given kind.
-    pub fn new(spec: &StateSpec) -> LayerState {
+    pub fn new(spec: &StateSpec, precision: KvPrecision) -> LayerState {
         match *spec {
             StateSpec::Kv {
                 n_head_kv,
                 head_dim_k,
                 head_dim_v,
                 window,
-            } => LayerState::Kv(KvCache::new(n_head_kv, head_dim_k, head_dim_v, window)),
+            } => LayerState::Kv(KvCache::new(
+                n_head_kv, head_dim_k, head_dim_v, window, precision,
+            )),
             StateSpec::Recurrent {
                 conv_kernel,
                 conv_channels,
@@ -147,17 +181,28 @@ impl LayerState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqState {
     specs: Vec<StateSpec>,
+    precision: KvPrecision,
     layers: Vec<LayerState>,
     tokens: Vec<u32>,
     n_ctx: usize,
 }
 
 impl SeqState {
-    /// An empty sequence of at most `n_ctx` tokens for layers of the given kinds.
+    /// An empty sequence of at most `n_ctx` tokens for layers of the given kinds, its KV caches of the
+    /// default precision.
     pub fn new(specs: &[StateSpec], n_ctx: usize) -> SeqState {
+        SeqState::with_precision(specs, n_ctx, KvPrecision::default())
+    }
+
+    /// An empty sequence whose KV caches keep `precision`.
+    pub fn with_precision(specs: &[StateSpec], n_ctx: usize, precision: KvPrecision) -> SeqState {
         SeqState {
             specs: specs.to_vec(),
-            layers: specs.iter().map(LayerState::new).collect(),
+            precision,
+            layers: specs
+                .iter()
+                .map(|s| LayerState::new(s, precision))
+                .collect(),
             tokens: Vec::new(),
             n_ctx,
         }
@@ -204,7 +249,12 @@ impl SeqState {
 
     /// Forgets everything: an empty sequence again.
     pub fn clear(&mut self) {
-        self.layers = self.specs.iter().map(LayerState::new).collect();
+        let precision = self.precision;
+        self.layers = self
+            .specs
+            .iter()
+            .map(|s| LayerState::new(s, precision))
+            .collect();
         self.tokens.clear();
     }
 
@@ -241,7 +291,7 @@ mod tests {
                 head_v: 3,
             },
         ];
-        let mut s = SeqState::new(&specs, 10);
+        let mut s = SeqState::with_precision(&specs, 10, KvPrecision::F32);
         let LayerState::Kv(kv) = s.layer_mut(0) else {
             panic!("layer 0 is a KV cache")
         };
@@ -257,6 +307,14 @@ mod tests {
         s.clear();
         assert_eq!((s.n_past(), s.room()), (0, 10));
         assert_eq!(fork.n_past(), 2);
-        assert_eq!(s, SeqState::new(&specs, 10));
+        assert_eq!(s, SeqState::with_precision(&specs, 10, KvPrecision::F32));
+        // f16 precision rounds what is stored.
+        let mut h = SeqState::new(&specs, 10);
+        let LayerState::Kv(kv) = h.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        kv.append(&[1.0 + 1e-4; 8], &[0.1; 6]);
+        assert_eq!(kv.keys()[0], 1.0);
+        assert_eq!(kv.values()[0], half::f16::from_f32(0.1).to_f32());
     }
 }

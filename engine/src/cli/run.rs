@@ -5,6 +5,7 @@ use super::CliResult;
 use clap::Args;
 use poly_engine::generate::{generate, GenerateOptions, Step, DEFAULT_UBATCH};
 use poly_engine::sample::{Sampler, SamplerConfig};
+use poly_engine::state::KvPrecision;
 use poly_engine::{EngineError, Model};
 use serde_json::json;
 use std::io::Write;
@@ -67,6 +68,9 @@ pub struct RunArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Keep keys and values in the KV cache at f32 precision (default: rounded to f16, as llama.cpp).
+    #[arg(long)]
+    kv_f32: bool,
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
@@ -126,7 +130,12 @@ pub fn run(args: RunArgs) -> CliResult {
     let start = Instant::now();
     let model = Model::load(&args.model)?;
     let loaded = start.elapsed();
-    let mut state = model.new_state(args.n_ctx);
+    let precision = if args.kv_f32 {
+        KvPrecision::F32
+    } else {
+        KvPrecision::F16
+    };
+    let mut state = model.new_state_with(args.n_ctx, precision);
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop_tokens: if args.ignore_eos {
