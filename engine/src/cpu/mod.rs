@@ -317,7 +317,7 @@ impl Compute for CpuForward<'_> {
     fn head_part(&mut self, x: &Mat, head: usize, parts: usize, part: usize) -> Mat {
         let group = head * parts;
         assert!(
-            part < parts && head > 0 && x.cols % group == 0,
+            part < parts && head > 0 && x.cols.is_multiple_of(group),
             "head_part: row is not whole groups"
         );
         let n_heads = x.cols / group;
@@ -337,7 +337,7 @@ impl Compute for CpuForward<'_> {
 
     fn repeat_heads(&mut self, x: &Mat, head: usize, times: usize, interleave: bool) -> Mat {
         assert!(
-            head > 0 && x.cols % head == 0,
+            head > 0 && x.cols.is_multiple_of(head),
             "repeat_heads: row is not whole heads"
         );
         let n_heads = x.cols / head;

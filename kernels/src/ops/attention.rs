@@ -48,7 +48,7 @@ pub fn attention(
 ) {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
     assert!(
-        p.n_head > 0 && p.n_head_kv > 0 && p.n_head % p.n_head_kv == 0 && dk > 0 && dv > 0,
+        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv) && dk > 0 && dv > 0,
         "attention: bad head counts"
     );
     let n_q = positions.len();

@@ -39,7 +39,7 @@ pub fn angles(p: &RopeParams, pos: u32, cache: &mut [(f32, f32)]) {
 /// Rotates `x`, rows of `n_heads · head_dim` values, row `r` at position `positions[r]`, in place.
 pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams) {
     assert!(
-        p.n_rot % 2 == 0 && p.n_rot <= p.head_dim && p.head_dim > 0,
+        p.n_rot.is_multiple_of(2) && p.n_rot <= p.head_dim && p.head_dim > 0,
         "rope: n_rot must be even and at most head_dim"
     );
     if positions.is_empty() {
