@@ -212,8 +212,10 @@ pub trait Compute {
     /// `[n, n_heads·parts·head] → [n, n_heads·head]` (Qwen3.5's query and gate, interleaved per head).
     fn head_part(&mut self, x: &Self::Act, head: usize, parts: usize, part: usize) -> Self::Act;
 
-    /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`,
-    /// head `h` landing at `h·times + r` (ggml_repeat order differs: see the architecture that calls it).
+    /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`.
+    /// Copy `r` of head `h` lands at head slot `h·times + r` when `interleave` (each head's copies side by
+    /// side), else at `r·n_heads + h` (the whole row tiled `times` times: ggml_repeat's order, which makes
+    /// slot `s` read head `s mod n_heads`, as llama.cpp's broadcasting of key heads over value heads does).
     fn repeat_heads(
         &mut self,
         x: &Self::Act,
