@@ -11,6 +11,8 @@
 //! Activations ([`Mat`]) are row-major f32 `[n_tokens, width]`.
 
 pub mod moe;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, OnceLock};
 

@@ -7,7 +7,10 @@
 /// `x.len()` must be a multiple of `group`; `weight`, when given, has `group` values; `out` is as long as
 /// `x`.
 pub fn rms_norm(x: &[f32], group: usize, weight: Option<&[f32]>, eps: f32, out: &mut [f32]) {
-    assert!(group > 0 && x.len().is_multiple_of(group), "rms_norm: bad group");
+    assert!(
+        group > 0 && x.len().is_multiple_of(group),
+        "rms_norm: bad group"
+    );
     assert_eq!(x.len(), out.len(), "rms_norm: out has the wrong length");
     if let Some(w) = weight {
         assert_eq!(w.len(), group, "rms_norm: weight has the wrong length");
@@ -33,7 +36,10 @@ pub fn rms_norm(x: &[f32], group: usize, weight: Option<&[f32]>, eps: f32, out: 
 
 /// `out = x / max(‖x‖₂, eps)` for every group of `group` values (ggml's `l2_norm`).
 pub fn l2_norm(x: &[f32], group: usize, eps: f32, out: &mut [f32]) {
-    assert!(group > 0 && x.len().is_multiple_of(group), "l2_norm: bad group");
+    assert!(
+        group > 0 && x.len().is_multiple_of(group),
+        "l2_norm: bad group"
+    );
     assert_eq!(x.len(), out.len(), "l2_norm: out has the wrong length");
     for (xs, ys) in x.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
         let sum: f64 = xs.iter().map(|&v| (v * v) as f64).sum();
