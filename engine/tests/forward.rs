@@ -2,7 +2,7 @@
 //! directory): batching does not change results, generation and its errors behave.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use poly_engine::generate::{generate, prefill, GenerateOptions, StopReason};
 use poly_engine::sample::{Sampler, SamplerConfig};
@@ -21,9 +21,15 @@ fn temp_dir() -> PathBuf {
     dir
 }
 
-/// Writes the `tiny` shape of `arch` in `ty` (once per test process and arguments).
+/// The `tiny` shape of `arch` in `ty`, written once per test process (tests run in parallel: the lock
+/// keeps two of them from writing one file at once).
 fn synth(arch: &str, ty: GgmlType) -> PathBuf {
+    static WRITTEN: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    let mut written = WRITTEN.lock().unwrap();
     let path = temp_dir().join(format!("{arch}-{ty}.gguf"));
+    if written.contains(&path) {
+        return path;
+    }
     let opts = SynthOptions {
         shape: find_shape(arch, "tiny").expect("a tiny shape"),
         types: TypeChoice {
@@ -37,6 +43,7 @@ fn synth(arch: &str, ty: GgmlType) -> PathBuf {
         .unwrap()
         .write(&path, |_, _| {})
         .unwrap();
+    written.push(path.clone());
     path
 }
 
@@ -215,4 +222,70 @@ fn bad_input_is_an_error_not_a_panic() {
     let junk = temp_dir().join("junk.gguf");
     std::fs::write(&junk, b"not a gguf file").unwrap();
     assert!(Model::load(&junk).is_err());
+}
+
+#[test]
+fn run_subcommand_prints_json_steps_that_match_the_library() {
+    let path = synth("qwen3moe", GgmlType::Q8_0);
+    let model = qwen3moe_q8();
+    let prompt = random_tokens(10, model.info().n_vocab, 5);
+    let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .args([
+            "run",
+            "--json",
+            "--ignore-eos",
+            "--max-tokens",
+            "3",
+            "--top",
+            "2",
+        ])
+        .args(["--ubatch", "4", "--threads", "2", "--n-ctx", "64"])
+        .arg("--model")
+        .arg(&path)
+        .args(["--prompt-tokens", &ids.join(",")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut state = model.new_state(64);
+    let g = generate(
+        model,
+        &mut state,
+        &prompt,
+        &GenerateOptions {
+            max_tokens: 3,
+            top_n: 2,
+            ..GenerateOptions::default()
+        },
+        &mut Sampler::new(SamplerConfig::greedy()),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(lines.len(), 3);
+    for (i, (line, step)) in lines.iter().zip(&g.steps).enumerate() {
+        assert_eq!(line["step"], i);
+        assert_eq!(line["token"], step.token);
+        assert_eq!(line["top"].as_array().unwrap().len(), 2);
+        assert_eq!(line["top"][1]["token"], step.top[1].0);
+        let p = line["top"][0]["prob"].as_f64().unwrap();
+        assert!((p - (step.top[0].1 as f64).exp()).abs() < 1e-6);
+    }
+    // Bad input is reported, not a crash.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .args(["run", "--prompt-tokens", "1,x"])
+        .arg("--model")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a token id"));
 }
