@@ -12,8 +12,11 @@ const N_EMBD: usize = 32;
 const N_FF: usize = 8;
 const N_EXPERT: usize = 4;
 
-/// Tensors of the test file: name, dims, values (all F32).
-fn tensors() -> Vec<(&'static str, Vec<u64>, Vec<f32>)> {
+/// A tensor of the test file: name, dims, values (F32).
+type TestTensor = (&'static str, Vec<u64>, Vec<f32>);
+
+/// The tensors of the test file.
+fn tensors() -> Vec<TestTensor> {
     let mut rng = Rng::new(21);
     let mut normal = |n: usize, s: f32| (0..n).map(|_| rng.normal() * s).collect::<Vec<f32>>();
     let (e, f, x) = (N_EMBD as u64, N_FF as u64, N_EXPERT as u64);
@@ -27,7 +30,7 @@ fn tensors() -> Vec<(&'static str, Vec<u64>, Vec<f32>)> {
     ]
 }
 
-fn weights() -> (CpuWeights, Vec<(&'static str, Vec<u64>, Vec<f32>)>) {
+fn weights() -> (CpuWeights, Vec<TestTensor>) {
     let t = tensors();
     let mut w = GgufWriter::new();
     w.add_kv("general.architecture", Value::from("test"));
@@ -48,7 +51,7 @@ fn weights() -> (CpuWeights, Vec<(&'static str, Vec<u64>, Vec<f32>)>) {
     (CpuWeights::new(file), t)
 }
 
-fn id(name: &str, t: &[(&str, Vec<u64>, Vec<f32>)]) -> WeightId {
+fn id(name: &str, t: &[TestTensor]) -> WeightId {
     WeightId(t.iter().position(|x| x.0 == name).unwrap() as u32)
 }
 
