@@ -168,7 +168,7 @@ impl Qwen35MoeHparams {
         }
         il < self.n_layer
             && self.full_attention_interval > 0
-            && (il + 1) % self.full_attention_interval != 0
+            && !(il + 1).is_multiple_of(self.full_attention_interval)
     }
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
@@ -366,12 +366,12 @@ impl ArchHparams for Qwen35MoeHparams {
         )?;
         check(
             ARCH,
-            self.n_head % self.n_head_kv == 0,
+            self.n_head.is_multiple_of(self.n_head_kv),
             "head_count is not a multiple of head_count_kv",
         )?;
         check(
             ARCH,
-            self.rope_dim <= self.head_dim && self.rope_dim % 2 == 0,
+            self.rope_dim <= self.head_dim && self.rope_dim.is_multiple_of(2),
             "rope.dimension_count must be even and at most key_length",
         )?;
         check(
@@ -406,7 +406,7 @@ impl ArchHparams for Qwen35MoeHparams {
         )?;
         check(
             ARCH,
-            self.ssm_time_step_rank % self.ssm_group_count == 0,
+            self.ssm_time_step_rank.is_multiple_of(self.ssm_group_count),
             "ssm.time_step_rank (value heads) must be a multiple of ssm.group_count (key heads)",
         )?;
         check(

@@ -208,12 +208,12 @@ impl ArchHparams for Qwen3MoeHparams {
         )?;
         check(
             ARCH,
-            self.n_head % self.n_head_kv == 0,
+            self.n_head.is_multiple_of(self.n_head_kv),
             "head_count is not a multiple of head_count_kv",
         )?;
         check(
             ARCH,
-            self.head_dim > 0 && self.head_dim % 2 == 0,
+            self.head_dim > 0 && self.head_dim.is_multiple_of(2),
             "key_length must be even (RoPE)",
         )?;
         check(

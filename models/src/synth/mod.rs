@@ -21,7 +21,9 @@ pub mod route;
 pub mod shapes;
 pub mod vocab;
 
-use std::path::Path;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -254,7 +256,7 @@ impl Synthesis {
                 }
             });
             let mut done = 0u64;
-            let result = w.write_to_path(path, |i, info, out| {
+            let result = write_with_writeback(&w, path, |i, info, out| {
                 let buf = rx
                     .recv()
                     .map_err(|_| std::io::Error::other("the tensor generator stopped"))?
@@ -277,7 +279,7 @@ impl Synthesis {
             drop(rx);
             result
         });
-        written.map_err(|e| SynthError(e.to_string()))?;
+        written?;
         let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(total);
         Ok(WriteStats {
             tensor_bytes: total,
@@ -285,6 +287,82 @@ impl Synthesis {
             seconds: start.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// Bytes written between two requests to the disk to write back what is dirty.
+const WRITEBACK_BYTES: u64 = 256 << 20;
+
+/// A stream that asks a helper thread to flush the file to disk every [`WRITEBACK_BYTES`].
+struct WritebackWriter {
+    inner: BufWriter<File>,
+    since_flush: u64,
+    flush: mpsc::Sender<()>,
+}
+
+impl Write for WritebackWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.since_flush += n as u64;
+        if self.since_flush >= WRITEBACK_BYTES {
+            self.since_flush = 0;
+            // The flusher only stops when this writer is dropped.
+            let _ = self.flush.send(());
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes `w`'s file at `path` through `<path>.tmp` (renamed when complete and synced, removed on error),
+/// as [`GgufWriter::write_to_path`] does, but with the disk writing from the start: a helper thread syncs
+/// the file's data every [`WRITEBACK_BYTES`] while generation continues. Otherwise the kernel holds up to
+/// a fifth of memory in dirty pages and the whole of a small model waits for the final sync, so
+/// generating and writing would not overlap.
+fn write_with_writeback<F>(w: &GgufWriter, path: &Path, fill: F) -> Result<(), SynthError>
+where
+    F: FnMut(usize, &crate::gguf::TensorInfo, &mut [u8]) -> std::io::Result<()>,
+{
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let io = |what: &str, e: std::io::Error| SynthError(format!("{}: {what}: {e}", tmp.display()));
+    let file = File::create(&tmp).map_err(|e| io("creating", e))?;
+    let result = (|| {
+        let flusher = file.try_clone().map_err(|e| io("opening", e))?;
+        let (tx, rx) = mpsc::channel::<()>();
+        let flush_thread = std::thread::spawn(move || {
+            while rx.recv().is_ok() {
+                // Several requests may have queued while syncing: one sync covers them all.
+                while rx.try_recv().is_ok() {}
+                // A failure shows again in the final sync, which is checked.
+                let _ = flusher.sync_data();
+            }
+        });
+        let mut out = WritebackWriter {
+            inner: BufWriter::with_capacity(1 << 20, file),
+            since_flush: 0,
+            flush: tx,
+        };
+        let written = w
+            .write_to(&mut out, fill)
+            .map_err(|e| SynthError(e.to_string()));
+        let WritebackWriter { inner, flush, .. } = out;
+        drop(flush);
+        let _ = flush_thread.join();
+        written?;
+        let file = inner
+            .into_inner()
+            .map_err(|e| io("writing", e.into_error()))?;
+        file.sync_all().map_err(|e| io("syncing", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io("renaming", e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// Refuses types `synth` cannot write for a class: norms and the delta-net's small parameters are F32

@@ -78,7 +78,7 @@ impl TypeChoice {
 /// llama.cpp's quantizer fallback (`tensor_type_fallback` in `src/llama-quant.cpp`): the type used when
 /// `ty`'s block does not divide a row of `ne0` values.
 pub fn fallback_type(ty: GgmlType, ne0: u64) -> GgmlType {
-    if ne0 % ty.block_elems() as u64 == 0 {
+    if ne0.is_multiple_of(ty.block_elems() as u64) {
         return ty;
     }
     use GgmlType::*;
@@ -90,7 +90,7 @@ pub fn fallback_type(ty: GgmlType, ne0: u64) -> GgmlType {
         Q6_K => Q8_0,
         other => other,
     };
-    if ne0 % fb.block_elems() as u64 == 0 {
+    if ne0.is_multiple_of(fb.block_elems() as u64) {
         fb
     } else {
         F16
