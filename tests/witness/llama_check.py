@@ -38,13 +38,19 @@ _SKIP_ATTRS = (
     | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 )
 
+# ggml_log_level in this ggml: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+_LOG_WARN, _LOG_CONT = 3, 5
 _verbose_log = False
+_last_log_level = 0
 
 
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # ggml log levels: 2 = warn, 3 = error. Keep errors; everything else only with --verbose.
-    if _verbose_log or level == 3:
+    # Warnings and errors always reach stderr (they flag odd GGUF metadata); the rest only with --verbose.
+    global _last_log_level
+    if level != _LOG_CONT:
+        _last_log_level = level
+    if _verbose_log or _last_log_level >= _LOG_WARN:
         sys.stderr.write(text.decode("utf-8", errors="replace"))
 
 
@@ -113,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--len", type=int, default=32, help="random tokens per prompt (default 32)")
     ap.add_argument("--seed", type=int, default=0, help="RNG seed for the prompts (default 0)")
     ap.add_argument("--greedy", type=int, default=0, help="also print G greedy continuation tokens")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    # One thread by default: on a shared, busy machine every extra thread waits at ggml's per-op
+    # barriers for a CPU, which made 2-thread decoding many times slower than 1 thread.
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     ap.add_argument("--no-bos", action="store_true", help="never prepend BOS")
     ap.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
