@@ -24,8 +24,8 @@ same prompts. The real Gemma 3 270M Q4_K_M: the English texts tests/fixtures/ref
 and 3000 tokens).
 
 How llama.cpp runs (the exact settings are written into every reference under "settings"): CPU only
-(n_gpu_layers 0), one fresh context per prompt with llama_context_default_params() except n_ctx 4160,
-n_threads / n_threads_batch = --threads; so n_batch 2048, n_ubatch 512 (the physical batch: prompts
+(n_gpu_layers 0), one fresh context per prompt with llama_context_default_params() except n_ctx 4160
+(llama.cpp rounds the cache up to 4352 cells), n_threads / n_threads_batch = --threads; so n_batch 2048, n_ubatch 512 (the physical batch: prompts
 over 512 tokens are computed in several ubatches), flash_attn "auto", K/V cache F16, swa_full. The
 prompt is decoded in llama_decode calls of at most n_batch tokens (llama.cpp asserts that a call is no
 larger), then 64 greedy steps: at each step the logits of the last position are read, softmaxed in
@@ -177,12 +177,19 @@ class Witness:
     def settings(self) -> dict:
         cp = self.context_params()
         fa = llama_cpp.llama_flash_attn_type_name(cp.flash_attn_type)
+        ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not ctx:
+            raise RuntimeError("llama_init_from_model failed")
+        n_ctx_allocated = llama_cpp.llama_n_ctx(ctx)
+        llama_cpp.llama_free(ctx)
         return {
-            "device": "CPU (n_gpu_layers 0)",
+            "device": "CPU (n_gpu_layers 0), weights in llama.cpp's default CPU_REPACK buffer where it applies",
             "n_ctx": cp.n_ctx,
+            "n_ctx_allocated": n_ctx_allocated,
             "n_batch": cp.n_batch,
             "n_ubatch": cp.n_ubatch,
             "n_threads": cp.n_threads,
+            # "auto" resolves to enabled on the CPU backend (the graph uses FLASH_ATTN_EXT).
             "flash_attn": fa.decode() if fa else str(cp.flash_attn_type),
             "type_k": "f16" if cp.type_k == 1 else str(cp.type_k),
             "type_v": "f16" if cp.type_v == 1 else str(cp.type_v),

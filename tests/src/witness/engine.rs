@@ -139,10 +139,16 @@ pub fn run_engine_cli(
     let stderr = String::from_utf8_lossy(&out.stderr);
     let stderr_tail = tail(&stderr, 12);
     if !out.status.success() {
+        // The first error line says why in one line (clap's and our CLI's "error: ..."); the tail follows.
+        let why = stderr
+            .lines()
+            .find(|l| l.trim_start().to_ascii_lowercase().starts_with("error"))
+            .or_else(|| stderr.lines().find(|l| !l.trim().is_empty()))
+            .unwrap_or("(no stderr)")
+            .trim();
         return Err(format!(
-            "`poly-engine run` exited with {} on {}:\n{stderr_tail}",
-            out.status,
-            model.display()
+            "`poly-engine run` failed ({}): {why}\n{stderr_tail}",
+            out.status
         ));
     }
     let steps = parse_steps(&String::from_utf8_lossy(&out.stdout))?;

@@ -383,32 +383,40 @@ fn fmt_p(p: Option<f64>) -> String {
 /// The header of [`table_row`]'s table.
 pub fn table_header() -> String {
     format!(
-        "  {:<12} {:>8} {:>20} {:>10} {:>9} {:>26}  {}",
+        "  {:<12} {:>8} {:>20} {:>10} {:>9} {:>30} {:>8}  {}",
         "prompt",
         "tokens",
         "same tokens (of 64)",
         "near tie",
         "compared",
         "largest prob. difference",
+        "time",
         "result"
     )
 }
 
-/// One table row (plus a line for the departure, if any) for one reference.
-pub fn table_row(prompt_name: &str, prompt_len: usize, c: &Comparison) -> String {
+/// One table row (plus lines for the departure, if any, and every failure) for one reference; `seconds`
+/// is how long our run took, if known.
+pub fn table_row(
+    prompt_name: &str,
+    prompt_len: usize,
+    c: &Comparison,
+    seconds: Option<f64>,
+) -> String {
     let mut s = String::new();
     let at = c
         .max_diff_at
         .map_or(String::new(), |(st, id)| format!(" (step {st}, id {id})"));
     let _ = writeln!(
         s,
-        "  {:<12} {:>8} {:>20} {:>10} {:>9} {:>26}  {}",
+        "  {:<12} {:>8} {:>20} {:>10} {:>9} {:>30} {:>8}  {}",
         prompt_name,
         prompt_len,
         format!("{} of {}", c.same_tokens, c.steps),
         c.first_near_tie.map_or("-".into(), |t| format!("step {t}")),
         c.compared_steps,
         format!("{:.4}{at}", c.max_prob_diff),
+        seconds.map_or("-".into(), |t| format!("{t:.1} s")),
         if c.passed() { "ok" } else { "FAIL" }
     );
     if let Some(d) = &c.departure {
@@ -602,11 +610,17 @@ mod tests {
         let r = confident(3);
         let mut ours = r.clone();
         ours[1] = step(1001, &[(1001, 0.5), (1, 0.45)]);
-        let row = table_row("random0025", 25, &compare(&r, &ours, &[], Rule::default()));
+        let row = table_row(
+            "random0025",
+            25,
+            &compare(&r, &ours, &[], Rule::default()),
+            Some(1.5),
+        );
         assert!(row.contains("1 of 3"), "{row}");
         assert!(row.contains("departure at step 1"), "{row}");
         assert!(row.contains("llama.cpp 1 p=0.6000, 1001 p=0.2000"), "{row}");
         assert!(row.contains("ours 1 p=0.4500, 1001 p=0.5000"), "{row}");
         assert!(row.contains("FAIL"), "{row}");
+        assert!(row.contains("1.5 s"), "{row}");
     }
 }
