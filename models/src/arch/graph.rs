@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::{qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use super::{gemma3, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
 
@@ -197,6 +197,7 @@ pub trait Forward {
 #[derive(Clone, Debug)]
 pub enum ModelGraph {
     Qwen3Moe(qwen3moe::Qwen3MoeGraph),
+    Gemma3(gemma3::Gemma3Graph),
 }
 
 impl ModelGraph {
@@ -207,6 +208,11 @@ impl ModelGraph {
         let tensors = bind_tensors(hp.as_dyn(), file)?;
         match hp {
             ModelHparams::Qwen3Moe(h) => Ok(ModelGraph::Qwen3Moe(qwen3moe::Qwen3MoeGraph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
+            ModelHparams::Gemma3(h) => Ok(ModelGraph::Gemma3(gemma3::Gemma3Graph::new(
                 h,
                 &tensors,
                 file.metadata(),
@@ -223,18 +229,21 @@ impl Forward for ModelGraph {
     fn info(&self) -> &ModelInfo {
         match self {
             ModelGraph::Qwen3Moe(g) => g.info(),
+            ModelGraph::Gemma3(g) => g.info(),
         }
     }
 
     fn layer_states(&self) -> Vec<StateSpec> {
         match self {
             ModelGraph::Qwen3Moe(g) => g.layer_states(),
+            ModelGraph::Gemma3(g) => g.layer_states(),
         }
     }
 
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
         match self {
             ModelGraph::Qwen3Moe(g) => g.forward(c),
+            ModelGraph::Gemma3(g) => g.forward(c),
         }
     }
 }
