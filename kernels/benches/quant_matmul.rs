@@ -58,8 +58,14 @@ fn main() {
         i += 1;
     }
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("thread pool");
-    let many = rayon::ThreadPoolBuilder::new().num_threads(all).build().expect("thread pool");
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("thread pool");
+    let many = rayon::ThreadPoolBuilder::new()
+        .num_threads(all)
+        .build()
+        .expect("thread pool");
 
     println!("matrix {rows} x {cols}, {tokens} tokens for matrix x matrix, {all} threads");
     println!("| type | MB | matvec 1 thread GB/s | matvec {all} threads GB/s | matmul {tokens} tok, {all} threads GB/s |");

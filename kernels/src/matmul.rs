@@ -22,18 +22,24 @@ pub struct QuantMatrix<'a> {
 impl<'a> QuantMatrix<'a> {
     /// Checks that `data` holds exactly `rows` rows of `cols` values of `ty`, and that `ty` can compute.
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, QuantError> {
-        ty.ops()
-            .ok_or_else(|| QuantError(format!("tensor type {ty} is not supported for computation")))?;
-        let row_bytes = ty
-            .bytes_for(cols as u64)
-            .ok_or_else(|| QuantError(format!("{ty}: a row of {cols} values is not whole blocks")))?;
+        ty.ops().ok_or_else(|| {
+            QuantError(format!("tensor type {ty} is not supported for computation"))
+        })?;
+        let row_bytes = ty.bytes_for(cols as u64).ok_or_else(|| {
+            QuantError(format!("{ty}: a row of {cols} values is not whole blocks"))
+        })?;
         if (rows as u64).checked_mul(row_bytes) != Some(data.len() as u64) {
             return Err(QuantError(format!(
                 "{ty}: {} bytes are not {rows} rows of {cols} values",
                 data.len()
             )));
         }
-        Ok(QuantMatrix { ty, rows, cols, data })
+        Ok(QuantMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+        })
     }
 
     /// Bytes of one row.

@@ -19,11 +19,20 @@ fn load(ty: GgmlType) -> Reference {
         .join("../tests/fixtures/quant")
         .join(format!("{}.bin", ty.name()));
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(&bytes[..8], b"PQREF1\0\0", "{}: not a reference file", path.display());
-    let word = |i: usize| u32::from_le_bytes(bytes[8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
+    assert_eq!(
+        &bytes[..8],
+        b"PQREF1\0\0",
+        "{}: not a reference file",
+        path.display()
+    );
+    let word =
+        |i: usize| u32::from_le_bytes(bytes[8 + 4 * i..12 + 4 * i].try_into().unwrap()) as usize;
     let (id, n_blocks, block_elems, block_bytes) = (word(0), word(1), word(2), word(3));
     assert_eq!(id as u32, ty.id());
-    assert_eq!((block_elems, block_bytes), (ty.block_elems(), ty.block_bytes()));
+    assert_eq!(
+        (block_elems, block_bytes),
+        (ty.block_elems(), ty.block_bytes())
+    );
     let blocks_end = 24 + n_blocks * block_bytes;
     let values = bytes[blocks_end..]
         .chunks_exact(4)

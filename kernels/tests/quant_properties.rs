@@ -47,7 +47,10 @@ fn fill_random_writes_valid_zero_mean_blocks() {
                 (got / rms as f64 - 1.0).abs() < 0.2,
                 "{ty}: rms {got} for target {rms}"
             );
-            assert!(mean.abs() < 0.1 * rms as f64, "{ty}: mean {mean} at rms {rms}");
+            assert!(
+                mean.abs() < 0.1 * rms as f64,
+                "{ty}: mean {mean} at rms {rms}"
+            );
         }
     }
 }
@@ -55,7 +58,9 @@ fn fill_random_writes_valid_zero_mean_blocks() {
 fn activation_error_bound(act: ActType, x: &[f32], i: usize) -> f64 {
     let block = act.block_elems();
     let start = i / block * block;
-    let amax = x[start..start + block].iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let amax = x[start..start + block]
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs())) as f64;
     match act {
         ActType::F32 => 0.0,
         ActType::Q8_K => 0.5 * amax / 127.0,
@@ -80,7 +85,11 @@ fn dot_products_agree_with_f64_within_the_stated_bound() {
             ops.act.quantize(&x, &mut act);
 
             let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
-            let magnitude: f64 = w.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+            let magnitude: f64 = w
+                .iter()
+                .zip(&x)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum();
             let bound: f64 = (0..N)
                 .map(|i| (w[i] as f64).abs() * activation_error_bound(ops.act, &x, i))
                 .sum::<f64>()

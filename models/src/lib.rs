@@ -7,3 +7,9 @@
 //! - `synth`: synthetic models of the real layouts, written directly in their target types.
 //!
 //! This crate knows no process, protocol or device: it describes files and models, the engine runs them.
+
+pub mod gguf;
+
+pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
+pub mod compute;
+pub mod summary;

@@ -11,11 +11,17 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "polystrata", version, about = "PolyStrata server (not yet built: see README)")]
+#[command(
+    name = "polystrata",
+    version,
+    about = "PolyStrata server (not yet built: see README)"
+)]
 struct Args {}
 
 fn main() -> std::process::ExitCode {
     let _ = Args::parse();
-    eprintln!("polystrata: the server is not built yet; use `poly-engine` directly (see README.md)");
+    eprintln!(
+        "polystrata: the server is not built yet; use `poly-engine` directly (see README.md)"
+    );
     std::process::ExitCode::from(2)
 }

@@ -6,7 +6,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "setup", version, about = "PolyStrata installer (not yet built: see README)")]
+#[command(
+    name = "setup",
+    version,
+    about = "PolyStrata installer (not yet built: see README)"
+)]
 struct Args {}
 
 fn main() -> std::process::ExitCode {

@@ -1,12 +1,380 @@
 //! The first GGML formats (blocks of 32): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the Q8_0/Q8_1 activation
 //! formats their dot products use.
+//!
+//! Dot products follow llama.cpp's `vec_dot_type`: Q4_0, Q5_0 and Q8_0 rows meet Q8_0 activations, Q4_1 and
+//! Q5_1 rows meet Q8_1. Each block's integer sum `Σ qx·qy` is exact; its contribution is
+//! `(dx·dy)·sum` (plus `m·s` for the formats with a minimum), each operation rounded to f32 (multiply
+//! then add, never fused). Block `b` is added to lane `b % 8` and the lanes are summed by
+//! [`sum_lanes8`]. The AVX2 code (`x86/legacy_avx2.rs`) computes eight blocks at once in exactly that
+//! order, so it equals the portable code bit for bit.
 
-use super::{put_f16, GgmlType, QuantOps};
+use super::float::sum_lanes8;
+use super::{put_f16, ActType, GgmlType, QuantOps};
+use crate::rng::Rng;
+
+/// The little-endian f16 at `b[0..2]` as f32 (inline and exact; `half`'s conversion is a call through a
+/// run-time dispatch, too slow per block).
+#[inline(always)]
+fn f16_at(b: &[u8]) -> f32 {
+    super::float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// Values per block of every format here.
+const QK: usize = 32;
+
+/// The block formats of this family, with their byte layouts.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum LegacyKind {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+}
+
+impl LegacyKind {
+    /// Bytes per weight block.
+    pub(crate) const fn block_bytes(self) -> usize {
+        match self {
+            LegacyKind::Q4_0 => 18,
+            LegacyKind::Q4_1 => 20,
+            LegacyKind::Q5_0 => 22,
+            LegacyKind::Q5_1 => 24,
+            LegacyKind::Q8_0 => 34,
+        }
+    }
+
+    /// Bytes per activation block (Q8_0: 34, Q8_1: 36).
+    pub(crate) const fn act_bytes(self) -> usize {
+        if self.has_min() {
+            36
+        } else {
+            34
+        }
+    }
+
+    /// Whether the format stores a minimum `m` (value = d·q + m) and so meets Q8_1 activations.
+    pub(crate) const fn has_min(self) -> bool {
+        matches!(self, LegacyKind::Q4_1 | LegacyKind::Q5_1)
+    }
+}
+
+macro_rules! legacy_ops {
+    ($name:ident, $kind:expr, $act:expr, $deq:ident, $dot:ident, $portable:ident, $fill:ident) => {
+        static $name: QuantOps = QuantOps {
+            dequantize: $deq,
+            act: $act,
+            vec_dot: $dot,
+            vec_dot_portable: $portable,
+            fill_random: $fill,
+        };
+        fn $dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            vec_dot($kind, n, row, act)
+        }
+        fn $portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            vec_dot_portable($kind, n, row, act)
+        }
+        fn $fill(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
+            fill_random($kind, rng, rms, dst)
+        }
+    };
+}
+
+legacy_ops!(
+    Q4_0_OPS,
+    LegacyKind::Q4_0,
+    ActType::Q8_0,
+    dequantize_q4_0,
+    dot_q4_0,
+    portable_q4_0,
+    fill_q4_0
+);
+legacy_ops!(
+    Q4_1_OPS,
+    LegacyKind::Q4_1,
+    ActType::Q8_1,
+    dequantize_q4_1,
+    dot_q4_1,
+    portable_q4_1,
+    fill_q4_1
+);
+legacy_ops!(
+    Q5_0_OPS,
+    LegacyKind::Q5_0,
+    ActType::Q8_0,
+    dequantize_q5_0,
+    dot_q5_0,
+    portable_q5_0,
+    fill_q5_0
+);
+legacy_ops!(
+    Q5_1_OPS,
+    LegacyKind::Q5_1,
+    ActType::Q8_1,
+    dequantize_q5_1,
+    dot_q5_1,
+    portable_q5_1,
+    fill_q5_1
+);
+legacy_ops!(
+    Q8_0_OPS,
+    LegacyKind::Q8_0,
+    ActType::Q8_0,
+    dequantize_q8_0,
+    dot_q8_0,
+    portable_q8_0,
+    fill_q8_0
+);
 
 /// The operations of this family's types.
-pub(crate) fn ops(_ty: GgmlType) -> Option<&'static QuantOps> {
-    None
+pub(crate) fn ops(ty: GgmlType) -> Option<&'static QuantOps> {
+    match ty {
+        GgmlType::Q4_0 => Some(&Q4_0_OPS),
+        GgmlType::Q4_1 => Some(&Q4_1_OPS),
+        GgmlType::Q5_0 => Some(&Q5_0_OPS),
+        GgmlType::Q5_1 => Some(&Q5_1_OPS),
+        GgmlType::Q8_0 => Some(&Q8_0_OPS),
+        _ => None,
+    }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// Dequantization: the same f32 operations, in the same order, as gguf-py's numpy code.
+
+#[inline(always)]
+fn qh_at(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// The 32 quants of a 4-bit block: element `j < 16` is the low nibble of byte `j`, `j + 16` its high one.
+#[inline(always)]
+fn nibbles(qs: &[u8]) -> [u8; 32] {
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        q[j] = qs[j] & 0x0F;
+        q[j + 16] = qs[j] >> 4;
+    }
+    q
+}
+
+/// The 32 quants (0..31) of a 5-bit block: nibbles plus bit `j` of `qh` as bit 4.
+#[inline(always)]
+fn fives(qh: u32, qs: &[u8]) -> [u8; 32] {
+    let mut q = nibbles(qs);
+    for (j, v) in q.iter_mut().enumerate() {
+        *v |= (((qh >> j) & 1) as u8) << 4;
+    }
+    q
+}
+
+fn dequantize_q4_0(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(18).zip(dst.chunks_exact_mut(QK)) {
+        let d = f16_at(b);
+        for (o, q) in o.iter_mut().zip(nibbles(&b[2..18])) {
+            *o = d * (q as i32 - 8) as f32;
+        }
+    }
+}
+
+fn dequantize_q4_1(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(20).zip(dst.chunks_exact_mut(QK)) {
+        let (d, m) = (f16_at(b), f16_at(&b[2..]));
+        for (o, q) in o.iter_mut().zip(nibbles(&b[4..20])) {
+            *o = d * q as f32 + m;
+        }
+    }
+}
+
+fn dequantize_q5_0(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(22).zip(dst.chunks_exact_mut(QK)) {
+        let d = f16_at(b);
+        for (o, q) in o.iter_mut().zip(fives(qh_at(&b[2..]), &b[6..22])) {
+            *o = d * (q as i32 - 16) as f32;
+        }
+    }
+}
+
+fn dequantize_q5_1(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(24).zip(dst.chunks_exact_mut(QK)) {
+        let (d, m) = (f16_at(b), f16_at(&b[2..]));
+        for (o, q) in o.iter_mut().zip(fives(qh_at(&b[4..]), &b[8..24])) {
+            *o = d * q as f32 + m;
+        }
+    }
+}
+
+fn dequantize_q8_0(src: &[u8], dst: &mut [f32]) {
+    for (b, o) in src.chunks_exact(34).zip(dst.chunks_exact_mut(QK)) {
+        let d = f16_at(b);
+        for (o, &q) in o.iter_mut().zip(&b[2..34]) {
+            *o = q as i8 as f32 * d;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Dot products.
+
+/// The exact integer `Σ qx·qy` of one block (`x` a weight block, `qy` the 32 activation quants).
+#[inline(always)]
+fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
+    let qx: [i8; 32] = match kind {
+        LegacyKind::Q4_0 => nibbles(&x[2..18]).map(|q| q as i8 - 8),
+        LegacyKind::Q4_1 => nibbles(&x[4..20]).map(|q| q as i8),
+        LegacyKind::Q5_0 => fives(qh_at(&x[2..]), &x[6..22]).map(|q| q as i8 - 16),
+        LegacyKind::Q5_1 => fives(qh_at(&x[4..]), &x[8..24]).map(|q| q as i8),
+        LegacyKind::Q8_0 => std::array::from_fn(|j| x[2 + j] as i8),
+    };
+    let mut sum = 0i32;
+    for (&a, &b) in qx.iter().zip(&qy[..32]) {
+        sum += a as i32 * b as i8 as i32;
+    }
+    sum
+}
+
+/// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
+#[inline(always)]
+pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
+    let qy_off = if kind.has_min() { 4 } else { 2 };
+    let isum = block_isum(kind, x, &y[qy_off..]);
+    let c = (f16_at(x) * f16_at(y)) * isum as f32;
+    if kind.has_min() {
+        c + f16_at(&x[2..]) * f16_at(&y[2..])
+    } else {
+        c
+    }
+}
+
+/// Adds blocks `first..nb` to `lanes` (block `b` into lane `b % 8`).
+#[inline(always)]
+pub(crate) fn add_blocks(
+    kind: LegacyKind,
+    first: usize,
+    nb: usize,
+    row: &[u8],
+    act: &[u8],
+    lanes: &mut [f32; 8],
+) {
+    let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
+    let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
+    let mut b = first;
+    // Whole groups of eight with the lanes in registers, then the rest one by one.
+    if b.is_multiple_of(8) {
+        while b + 8 <= nb {
+            for (k, lane) in lanes.iter_mut().enumerate() {
+                *lane += block(b + k);
+            }
+            b += 8;
+        }
+    }
+    while b < nb {
+        lanes[b % 8] += block(b);
+        b += 1;
+    }
+}
+
+#[inline(always)]
+fn check_lengths(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> usize {
+    let nb = n / QK;
+    assert!(
+        row.len() >= nb * kind.block_bytes() && act.len() >= nb * kind.act_bytes(),
+        "{kind:?} row or activations shorter than {n} values"
+    );
+    nb
+}
+
+#[inline(always)]
+fn vec_dot_portable(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(kind, n, row, act);
+    let mut lanes = [0f32; 8];
+    add_blocks(kind, 0, nb, row, act, &mut lanes);
+    sum_lanes8(&lanes)
+}
+
+#[inline(always)]
+fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = check_lengths(kind, n, row, act);
+        let groups = nb / 8;
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
+        // `row` and `act` hold `nb >= 8·groups` blocks, all the kernel reads.
+        let mut lanes = unsafe {
+            super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr())
+        };
+        add_blocks(kind, groups * 8, nb, row, act, &mut lanes);
+        return sum_lanes8(&lanes);
+    }
+    vec_dot_portable(kind, n, row, act)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Random blocks.
+
+/// The smallest block scale written: f16's smallest normal number, so scales are never denormal.
+pub(crate) const MIN_SCALE: f32 = 1.0 / 16384.0;
+/// The largest block scale written (its multiples by 15.5 stay far inside f16's range).
+pub(crate) const MAX_SCALE: f32 = 2048.0;
+
+/// Per-block scale multipliers (0.75 … 1.25), chosen at random so blocks do not all look alike.
+const SCALE_JITTER: [f32; 8] = [0.75, 0.82, 0.89, 0.96, 1.04, 1.11, 1.18, 1.25];
+
+/// The block scale `d` (before jitter) giving root-mean-square `rms` when `d·q` has mean square `q_ms`
+/// and the jitter multiplies it; 0 for unusable targets.
+fn base_scale(rms: f32, q_ms: f32) -> f32 {
+    if !(rms.is_finite() && rms > 0.0) {
+        return 0.0;
+    }
+    let jitter_ms = SCALE_JITTER.iter().map(|j| j * j).sum::<f32>() / 8.0;
+    rms / (q_ms * jitter_ms).sqrt()
+}
+
+/// Writes random blocks: uniformly random quants, a jittered scale with a random sign for the symmetric
+/// formats (quants `q - 8`, `q - 16` and Q8_0's bytes have mean −½, so the sign keeps the mean at zero
+/// and every value's distribution symmetric), and for Q4_1/Q5_1 a positive scale with `m = −7.5·d`
+/// (`−15.5·d`) so each block is centered. Scales never fall below [`MIN_SCALE`], so an `rms` smaller than
+/// about `MIN_SCALE·√(mean q²)` gives larger values than asked.
+fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
+    // Mean square of the integer factor multiplying d, over uniformly random quants.
+    let (q_ms, center) = match kind {
+        LegacyKind::Q4_0 => (21.5, 0.0),
+        LegacyKind::Q4_1 => (21.25, -7.5),
+        LegacyKind::Q5_0 => (85.5, 0.0),
+        LegacyKind::Q5_1 => (85.25, -15.5),
+        LegacyKind::Q8_0 => (5461.5, 0.0),
+    };
+    let base = base_scale(rms, q_ms);
+    // The 16 possible scale headers (jitter level × sign), as the bytes to copy.
+    let mut headers = [[0u8; 4]; 16];
+    for (i, h) in headers.iter_mut().enumerate() {
+        let mut d = base * SCALE_JITTER[i % 8];
+        if d != 0.0 {
+            d = d.clamp(MIN_SCALE, MAX_SCALE);
+        }
+        if kind.has_min() {
+            put_f16(&mut h[0..2], d);
+            let m = center * f16_at(&h[0..2]);
+            put_f16(&mut h[2..4], m);
+        } else {
+            if i >= 8 {
+                d = -d;
+            }
+            put_f16(&mut h[0..2], d);
+        }
+    }
+    let hb = if kind.has_min() { 4 } else { 2 };
+    let bb = kind.block_bytes();
+    // Random bytes everywhere in one pass, then each header replaced by one of the sixteen, chosen by the
+    // random byte it replaces.
+    rng.fill_bytes(dst);
+    for block in dst.chunks_exact_mut(bb) {
+        let h = &headers[(block[0] & 15) as usize];
+        block[..hb].copy_from_slice(&h[..hb]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activation quantizers.
 
 /// Quantizes `x` to Q8_0 blocks: `d = amax / 127`, `q = round(x / d)`.
 pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [u8]) {

@@ -164,7 +164,7 @@ impl GgmlType {
     /// Bytes of `n` values, or `None` when `n` is not a whole number of blocks or the size overflows.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let be = self.block_elems() as u64;
-        if n % be != 0 {
+        if !n.is_multiple_of(be) {
             return None;
         }
         (n / be).checked_mul(self.block_bytes() as u64)
@@ -229,8 +229,16 @@ impl ActType {
 
     /// Quantizes `x` (a multiple of `block_elems` values) into `out` (exactly `bytes_for(x.len())` bytes).
     pub fn quantize(self, x: &[f32], out: &mut [u8]) {
-        assert_eq!(x.len() % self.block_elems(), 0, "activations not a whole number of blocks");
-        assert_eq!(out.len(), self.bytes_for(x.len()), "activation buffer of the wrong size");
+        assert_eq!(
+            x.len() % self.block_elems(),
+            0,
+            "activations not a whole number of blocks"
+        );
+        assert_eq!(
+            out.len(),
+            self.bytes_for(x.len()),
+            "activation buffer of the wrong size"
+        );
         match self {
             ActType::F32 => {
                 for (o, v) in out.chunks_exact_mut(4).zip(x) {
@@ -282,7 +290,7 @@ fn ops_or_err(ty: GgmlType) -> Result<&'static QuantOps, QuantError> {
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     let ops = ops_or_err(ty)?;
     let (be, bb) = (ty.block_elems(), ty.block_bytes());
-    if src.len() % bb != 0 || src.len() / bb * be != dst.len() {
+    if !src.len().is_multiple_of(bb) || src.len() / bb * be != dst.len() {
         return Err(QuantError(format!(
             "{ty}: {} bytes do not hold {} values",
             src.len(),
@@ -298,9 +306,12 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
 pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, QuantError> {
     let ops = ops_or_err(ty)?;
     if ty.bytes_for(n as u64) != Some(row.len() as u64) {
-        return Err(QuantError(format!("{ty}: row of {} bytes is not {n} values", row.len())));
+        return Err(QuantError(format!(
+            "{ty}: row of {} bytes is not {n} values",
+            row.len()
+        )));
     }
-    if n % ops.act.block_elems() != 0 || ops.act.bytes_for(n) != act.len() {
+    if !n.is_multiple_of(ops.act.block_elems()) || ops.act.bytes_for(n) != act.len() {
         return Err(QuantError(format!(
             "{ty}: activations of {} bytes are not {n} values",
             act.len()
@@ -310,10 +321,18 @@ pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, Qu
 }
 
 /// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.
-pub fn fill_random(ty: GgmlType, rng: &mut Rng, rms: f32, dst: &mut [u8]) -> Result<(), QuantError> {
+pub fn fill_random(
+    ty: GgmlType,
+    rng: &mut Rng,
+    rms: f32,
+    dst: &mut [u8],
+) -> Result<(), QuantError> {
     let ops = ops_or_err(ty)?;
-    if dst.len() % ty.block_bytes() != 0 {
-        return Err(QuantError(format!("{ty}: {} bytes are not whole blocks", dst.len())));
+    if !dst.len().is_multiple_of(ty.block_bytes()) {
+        return Err(QuantError(format!(
+            "{ty}: {} bytes are not whole blocks",
+            dst.len()
+        )));
     }
     (ops.fill_random)(rng, rms, dst);
     Ok(())

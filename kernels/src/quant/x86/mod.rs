@@ -1,3 +1,9 @@
-//! x86-64 SIMD (AVX2/FMA/F16C) dot products, chosen at run time by the format families.
+//! AVX2/FMA/F16C kernels of the quantization formats, chosen at run time by the family files.
+//!
+//! Every function here is `unsafe` and compiled with `#[target_feature(enable = "avx2,fma,f16c")]`; callers
+//! check `super::has_avx2_fma()` first.
 
+pub(crate) mod float_avx2;
 pub(crate) mod iquants_avx2;
+pub(crate) mod kquants_avx2;
+pub(crate) mod legacy_avx2;

@@ -1,0 +1,306 @@
+//! AVX2 dot products of Q2_K … Q6_K rows with Q8_K activations.
+//!
+//! The integer work follows llama.cpp's AVX2 kernels (`maddubs` of unsigned quants with signed activation
+//! bytes, `madd` with the sub-block scales, the activation's `bsums` for minimums and offsets), and so
+//! does the float work: each super-block's eight i32 lanes are converted and added, times the super-block
+//! scale, to eight f32 lanes, with no horizontal sum until the end. Those lanes are the ones
+//! `quant::kquants` defines (multiply then add, never fused), so the result equals the portable code bit
+//! for bit.
+
+use core::arch::x86_64::*;
+
+use crate::quant::float::sum_lanes8;
+use crate::quant::kquants::{KKind, Q8K_BYTES};
+
+/// A shuffle mask taking i16 number `2k` of a half into the whole low half and `2k + 1` into the high half
+/// (for vectors whose two halves hold the same eight scales: scales of 16-value groups).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pair_mask(k: i16) -> __m256i {
+    let lo = ((4 * k + 1) << 8) | (4 * k);
+    let hi = ((4 * k + 3) << 8) | (4 * k + 2);
+    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
+}
+
+/// `Σ scale·Σ q·q8` for 32 unsigned quants `q` (below 64) against the activation bytes at `q8`, with 16
+/// i16 `scales` matching the 16 pairs `maddubs` produces.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scaled_dot(q: __m256i, q8: *const u8, scales: __m256i) -> __m256i {
+    let p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(q8 as *const __m256i));
+    _mm256_madd_epi16(scales, p)
+}
+
+/// The scale lanes and min lanes of one Q4_K (`FIVE = false`) or Q5_K super-block.
+///
+/// The mins are applied as `madd(bsums, 1) · min` (no shuffle). Each sub-block scale is spread over a
+/// vector with one `vpshufb`, as llama.cpp does; the masks come from a table the optimizer cannot see
+/// into, because LLVM otherwise rewrites these splat shuffles as shift + broadcast (two shuffle µops,
+/// and shuffles are the scarce resource here: about 10% slower).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let u = x.add(4) as *const u32;
+    let (u0, u1, u2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales =
+        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins =
+        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+
+    let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
+    let sc = _mm256_set_m128i(sc16, sc16);
+    static MASKS: [[u8; 32]; 8] = {
+        let mut m = [[0u8; 32]; 8];
+        let mut i = 0;
+        while i < 8 {
+            let mut b = 0;
+            while b < 32 {
+                m[i][b] = (2 * i + b % 2) as u8;
+                b += 1;
+            }
+            i += 1;
+        }
+        m
+    };
+    let masks = core::hint::black_box(&MASKS);
+    let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
+    let sums32 = _mm256_madd_epi16(bsums, _mm256_set1_epi16(1));
+    let mprod = _mm256_mullo_epi32(sums32, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64)));
+
+    let m4 = _mm256_set1_epi8(0x0F);
+    let (qs, q8) = (x.add(if FIVE { 48 } else { 16 }), y.add(4));
+    let mut hb = _mm256_loadu_si256(x.add(16) as *const __m256i);
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..4 {
+        let bits = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+        let mut lo = _mm256_and_si256(bits, m4);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+        if FIVE {
+            // Bit 2j (then 2j + 1) of each qh byte, moved to bit 4.
+            let m16 = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16::<4>(hb), m16));
+            hb = _mm256_srli_epi16::<1>(hb);
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<4>(hb), m16));
+            hb = _mm256_srli_epi16::<1>(hb);
+        }
+        let p_lo = scaled_dot(
+            lo,
+            q8.add(64 * j),
+            _mm256_shuffle_epi8(
+                sc,
+                _mm256_loadu_si256(masks[2 * j].as_ptr() as *const __m256i),
+            ),
+        );
+        let p_hi = scaled_dot(
+            hi,
+            q8.add(64 * j + 32),
+            _mm256_shuffle_epi8(
+                sc,
+                _mm256_loadu_si256(masks[2 * j + 1].as_ptr() as *const __m256i),
+            ),
+        );
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+    }
+    (sumi, mprod)
+}
+
+/// `isum` of one Q6_K super-block (quants 0..63 against the activations, less 32·Σ scale·bsum).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sums_q6_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let (ql, qh, q8) = (x, x.add(128), y.add(4));
+    let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(x.add(192) as *const __m128i));
+    let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
+    let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales16));
+    let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+    for j in 0..2 {
+        let sc = if j == 0 {
+            _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+        };
+        let bits1 = _mm256_loadu_si256(ql.add(64 * j) as *const __m256i);
+        let bits2 = _mm256_loadu_si256(ql.add(64 * j + 32) as *const __m256i);
+        let h = _mm256_loadu_si256(qh.add(32 * j) as *const __m256i);
+        let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+        let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+        let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+        let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+        let q = [
+            _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
+            _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3),
+        ];
+        for (k, &qk) in q.iter().enumerate() {
+            let s = _mm256_shuffle_epi8(sc, pair_mask(k as i16));
+            sumi = _mm256_add_epi32(sumi, scaled_dot(qk, q8.add(128 * j + 32 * k), s));
+        }
+    }
+    (sumi, _mm256_setzero_si256())
+}
+
+/// `isum` of one Q3_K super-block: quants `low | high << 2` (0..7) against the activations, less
+/// 4·Σ scale·bsum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sums_q3_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
+    const KMASK1: u32 = 0x03030303;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm256_set1_epi8(4);
+    let u = x.add(96) as *const u32;
+    let (a0, a1, a2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales8 = _mm_set_epi32(
+        (((a1 >> 4) & KMASK2) | (((a2 >> 6) & KMASK1) << 4)) as i32,
+        (((a0 >> 4) & KMASK2) | (((a2 >> 4) & KMASK1) << 4)) as i32,
+        ((a1 & KMASK2) | (((a2 >> 2) & KMASK1) << 4)) as i32,
+        ((a0 & KMASK2) | ((a2 & KMASK1) << 4)) as i32,
+    );
+    let scales16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(scales8, _mm_set1_epi8(32)));
+    let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
+    let offset = _mm256_slli_epi32::<2>(_mm256_madd_epi16(bsums, scales16));
+    let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+    let mut hb = _mm256_loadu_si256(x as *const __m256i);
+    let q8 = y.add(4);
+    for j in 0..2 {
+        let sc = if j == 0 {
+            _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+        };
+        let bits = _mm256_loadu_si256(x.add(32 + 32 * j) as *const __m256i);
+        let low = [
+            _mm256_and_si256(bits, m3),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(bits), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
+        ];
+        for (k, &lk) in low.iter().enumerate() {
+            // Bit 4j + k of each hmask byte, moved to bit 2.
+            let q = _mm256_or_si256(lk, _mm256_and_si256(_mm256_slli_epi16::<2>(hb), m4));
+            hb = _mm256_srli_epi16::<1>(hb);
+            let s = _mm256_shuffle_epi8(sc, pair_mask(k as i16));
+            sumi = _mm256_add_epi32(sumi, scaled_dot(q, q8.add(128 * j + 32 * k), s));
+        }
+    }
+    (sumi, _mm256_setzero_si256())
+}
+
+/// `(isum, msum)` of one Q2_K super-block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sums_q2_k(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
+    let m3 = _mm256_set1_epi8(3);
+    let m4 = _mm_set1_epi8(0x0F);
+    let packed = _mm_loadu_si128(x as *const __m128i);
+    let scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(packed, m4));
+    let mins16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+    let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
+    let mprod = _mm256_madd_epi16(mins16, bsums);
+    let q8 = y.add(4);
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..2 {
+        let sc = if j == 0 {
+            _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+        };
+        let bits = _mm256_loadu_si256(x.add(16 + 32 * j) as *const __m256i);
+        let q = [
+            _mm256_and_si256(bits, m3),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(bits), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(bits), m3),
+        ];
+        for (k, &qk) in q.iter().enumerate() {
+            let s = _mm256_shuffle_epi8(sc, pair_mask(k as i16));
+            sumi = _mm256_add_epi32(sumi, scaled_dot(qk, q8.add(128 * j + 32 * k), s));
+        }
+    }
+    (sumi, mprod)
+}
+
+/// The f16 super-block scale at `p` and, when `MIN`, the min scale after it, as f32 (F16C; exact, the
+/// same values as the portable conversion).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales_f16<const MIN: bool>(p: *const u8) -> (f32, f32) {
+    let bits = if MIN {
+        (p as *const i32).read_unaligned()
+    } else {
+        (p as *const u16).read_unaligned() as i32
+    };
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// The integer vectors and the f16 scales of super-block `x` against `y`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block<const K: u8>(x: *const u8, y: *const u8) -> (__m256i, __m256i, (f32, f32)) {
+    let ((i, m), s) = match K {
+        0 => (sums_q2_k(x, y), scales_f16::<true>(x.add(80))),
+        1 => (sums_q3_k(x, y), scales_f16::<false>(x.add(108))),
+        2 => (sums_q45_k::<false>(x, y), scales_f16::<true>(x)),
+        3 => (sums_q45_k::<true>(x, y), scales_f16::<true>(x)),
+        _ => (sums_q6_k(x, y), scales_f16::<false>(x.add(208))),
+    };
+    (i, m, s)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_impl<const K: u8, const BB: usize, const MIN: bool>(
+    nb: usize,
+    x: *const u8,
+    y: *const u8,
+) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_min = _mm256_setzero_ps();
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
+        let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
+        let yd = (yb as *const f32).read_unaligned();
+        acc = _mm256_add_ps(
+            acc,
+            _mm256_mul_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes)),
+        );
+        if MIN {
+            let m = _mm256_mul_ps(_mm256_set1_ps(yd * xdmin), _mm256_cvtepi32_ps(min_lanes));
+            acc_min = _mm256_add_ps(acc_min, m);
+        }
+    }
+    let (mut a, mut m) = ([0f32; 8], [0f32; 8]);
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    _mm256_storeu_ps(m.as_mut_ptr(), acc_min);
+    sum_lanes8(&a) - sum_lanes8(&m)
+}
+
+/// Dot product of `nb` super-blocks of `kind` at `x` with `nb` Q8_K blocks at `y`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `x` must be readable for `nb` blocks of `kind` and `y` for `nb`
+/// Q8_K blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot(kind: KKind, nb: usize, x: *const u8, y: *const u8) -> f32 {
+    match kind {
+        KKind::Q2K => dot_impl::<0, 84, true>(nb, x, y),
+        KKind::Q3K => dot_impl::<1, 110, false>(nb, x, y),
+        KKind::Q4K => dot_impl::<2, 144, true>(nb, x, y),
+        KKind::Q5K => dot_impl::<3, 176, true>(nb, x, y),
+        KKind::Q6K => dot_impl::<4, 210, false>(nb, x, y),
+    }
+}

@@ -1,0 +1,237 @@
+//! The operations an architecture's forward pass is written in, and what a backend implements.
+//!
+//! An architecture (`arch/<name>.rs`) reads like llama.cpp's `src/models/<name>.cpp`: it calls these
+//! operations in order on activations and weight handles, and never asks which device runs them. The CPU
+//! backend (`poly-engine`) implements [`Compute`] over the memory-mapped file with `poly-kernels`; the GPU
+//! backend will implement the same trait, so one forward pass serves both.
+//!
+//! Activations ([`Compute::Act`]) are row-major `[n_tokens, width]` f32 matrices: one row per token of the
+//! batch. Weights are named by [`WeightId`] (the index of the tensor in the file), resolved once at load.
+//! Stateful operations ([`Compute::attention`], [`Compute::ssm_conv`], [`Compute::gated_delta_net`]) read
+//! and extend the state of the layer they are given, at the positions of the current [`Batch`]; the
+//! backend owns that state (KV cache, recurrent states) so it can keep, park and restore it.
+
+/// A weight tensor of the loaded file: its index in [`crate::gguf::GgufFile::tensor_infos`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WeightId(pub u32);
+
+/// The tokens of one forward call: `tokens[i]` sits at position `pos0 + i` of the sequence.
+#[derive(Clone, Debug)]
+pub struct Batch<'a> {
+    pub tokens: &'a [u32],
+    pub pos0: u32,
+}
+
+impl Batch<'_> {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// An element-wise function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unary {
+    /// `x·σ(x)`.
+    Silu,
+    /// GELU, tanh approximation (ggml's `gelu`).
+    Gelu,
+    /// `σ(x) = 1/(1+e^{-x})`.
+    Sigmoid,
+    /// `ln(1+e^x)`.
+    Softplus,
+    /// `tanh(x)`.
+    Tanh,
+    /// `e^x`.
+    Exp,
+}
+
+/// How rotary position embedding pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeKind {
+    /// Adjacent pairs `(2i, 2i+1)` (ggml's "normal" mode).
+    Normal,
+    /// Halves `(i, i + n_rot/2)` (GPT-NeoX mode: Qwen, Gemma).
+    Neox,
+}
+
+/// Rotary position embedding of a `[n_tokens, n_heads * head_dim]` activation at the batch's positions.
+/// Multi-section RoPE with text positions (every section at the token's position) equals [`RopeKind::Neox`]
+/// over `n_rot` dimensions, so text-only models need nothing more.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    pub kind: RopeKind,
+    pub head_dim: usize,
+    /// Rotated dimensions of each head (the first `n_rot`; the rest pass through).
+    pub n_rot: usize,
+    pub freq_base: f32,
+    /// Position scale (linear RoPE scaling): angle of position `p` uses `p * freq_scale`.
+    pub freq_scale: f32,
+}
+
+/// Causal attention of a batch over the layer's KV cache (which the call extends with the batch's K and V).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attention {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    /// Multiplies `q·k` before the softmax.
+    pub scale: f32,
+    /// Sliding window: a token at position `p` sees positions `> p - window` (llama.cpp's standard SWA).
+    pub window: Option<u32>,
+    /// `cap·tanh(s/cap)` on the scores before the softmax.
+    pub softcap: Option<f32>,
+}
+
+/// How the router's logits become expert weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// A mixture-of-experts feed-forward block: route, run each token's top-k experts (`down(act(gate·x) ·
+/// up·x)`), and sum them weighted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Moe {
+    /// `[n_embd, n_expert]`.
+    pub router: WeightId,
+    /// `[n_embd, n_ff_exp, n_expert]`.
+    pub gate_exps: WeightId,
+    /// `[n_embd, n_ff_exp, n_expert]`.
+    pub up_exps: WeightId,
+    /// `[n_ff_exp, n_embd, n_expert]`.
+    pub down_exps: WeightId,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub gating: Gating,
+    /// Renormalize the chosen experts' weights to sum to one.
+    pub norm_weights: bool,
+    /// Multiplies the chosen experts' weights.
+    pub weights_scale: f32,
+    pub act: Unary,
+}
+
+/// The gated delta rule over the layer's recurrent state `S` (`[n_v_heads, head_v, head_k]`), as llama.cpp's
+/// `build_delta_net` computes it (`src/models/delta-net-base.cpp`): for each token and head, with
+/// `g = e^{gate}`, `S ← g·S`, then `S ← S + β·(v − S·k)·kᵀ`, output `S·q` (q scaled as llama.cpp does).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaNet {
+    pub n_v_heads: usize,
+    pub head_k: usize,
+    pub head_v: usize,
+}
+
+/// The inputs of [`Compute::gated_delta_net`]: `q` and `k` `[n, n_v_heads·head_k]` (L2-normed, repeated to
+/// the value heads), `v` `[n, n_v_heads·head_v]`, `gate` (log-decay) and `beta` `[n, n_v_heads]`.
+pub struct DeltaNetInputs<'a, A> {
+    pub q: &'a A,
+    pub k: &'a A,
+    pub v: &'a A,
+    pub gate: &'a A,
+    pub beta: &'a A,
+}
+
+/// The operations of a forward pass. Every method returns a new activation; inputs are not changed.
+pub trait Compute {
+    /// A `[n_tokens, width]` f32 activation.
+    type Act;
+
+    /// `(n_tokens, width)` of an activation.
+    fn shape(&self, x: &Self::Act) -> (usize, usize);
+
+    /// Rows of the embedding table `[n_embd, n_vocab]` for `tokens`, dequantized: `[n_tokens, n_embd]`.
+    fn embed(&mut self, table: WeightId, tokens: &[u32]) -> Self::Act;
+
+    /// `x·Wᵀ`: `x` is `[n, in]`, `w` is `[in, out]` (GGUF order), the result `[n, out]`.
+    fn matmul(&mut self, w: WeightId, x: &Self::Act) -> Self::Act;
+
+    /// RMS norm over each group of `group` columns (the whole row when `group` is the width; one head
+    /// when it is the head size), times `weight` (`[group]`) when given.
+    fn rms_norm(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> Self::Act;
+
+    /// L2 norm over each group of `group` columns: `x / max(‖x‖, eps)`.
+    fn l2_norm(&mut self, x: &Self::Act, eps: f32, group: usize) -> Self::Act;
+
+    /// `a + b`, same shapes.
+    fn add(&mut self, a: &Self::Act, b: &Self::Act) -> Self::Act;
+
+    /// `a ⊙ b`, same shapes; or `b` of width 1 broadcast over each row of `a`.
+    fn mul(&mut self, a: &Self::Act, b: &Self::Act) -> Self::Act;
+
+    /// `x + w` with a `[width]` weight broadcast over rows.
+    fn add_weight(&mut self, x: &Self::Act, w: WeightId) -> Self::Act;
+
+    /// `x ⊙ w` with a `[width]` weight broadcast over rows.
+    fn mul_weight(&mut self, x: &Self::Act, w: WeightId) -> Self::Act;
+
+    /// `s·x`.
+    fn scale(&mut self, x: &Self::Act, s: f32) -> Self::Act;
+
+    /// `f(x)` element-wise.
+    fn unary(&mut self, x: &Self::Act, f: Unary) -> Self::Act;
+
+    /// Columns `start..start+len` of every row.
+    fn cols(&mut self, x: &Self::Act, start: usize, len: usize) -> Self::Act;
+
+    /// From rows made of `n_heads` groups of `parts·head` columns, part `part` of each group:
+    /// `[n, n_heads·parts·head] → [n, n_heads·head]` (Qwen3.5's query and gate, interleaved per head).
+    fn head_part(&mut self, x: &Self::Act, head: usize, parts: usize, part: usize) -> Self::Act;
+
+    /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`,
+    /// head `h` landing at `h·times + r` (ggml_repeat order differs: see the architecture that calls it).
+    fn repeat_heads(
+        &mut self,
+        x: &Self::Act,
+        head: usize,
+        times: usize,
+        interleave: bool,
+    ) -> Self::Act;
+
+    /// The given rows, in order.
+    fn rows(&mut self, x: &Self::Act, rows: &[usize]) -> Self::Act;
+
+    /// RoPE at the batch's positions.
+    fn rope(&mut self, x: &Self::Act, rope: &Rope) -> Self::Act;
+
+    /// Causal attention for `layer`, extending its KV cache with `k` and `v` at the batch's positions.
+    /// `q` is `[n, n_head·head_dim_k]`, `k` `[n, n_head_kv·head_dim_k]`, `v` `[n, n_head_kv·head_dim_v]`;
+    /// the result is `[n, n_head·head_dim_v]`.
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        attn: &Attention,
+    ) -> Self::Act;
+
+    /// A mixture-of-experts block on `x` (`[n, n_embd]`) for `layer`.
+    fn moe(&mut self, layer: usize, x: &Self::Act, moe: &Moe) -> Self::Act;
+
+    /// Causal depthwise convolution over time with the layer's conv state (the last `kernel - 1` inputs),
+    /// which the call advances: `x` `[n, channels]`, `kernel` `[kernel, channels]`.
+    fn ssm_conv(&mut self, layer: usize, x: &Self::Act, kernel: WeightId) -> Self::Act;
+
+    /// The gated delta rule with the layer's recurrent state, which the call advances; the result is
+    /// `[n, n_v_heads·head_v]`.
+    fn gated_delta_net(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Self::Act>,
+        net: &DeltaNet,
+    ) -> Self::Act;
+
+    /// The batch this forward call runs.
+    fn batch(&self) -> Batch<'_>;
+}
