@@ -8,7 +8,9 @@
 //!
 //! This crate knows no process, protocol or device: it describes files and models, the engine runs them.
 
+pub mod arch;
 pub mod gguf;
+pub mod synth;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
 pub mod compute;

@@ -2,6 +2,7 @@
 
 mod dump;
 mod inspect;
+mod synth;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +26,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Write one tensor dequantized to little-endian f32, row-major in GGUF order (ne0 fastest).
     Dump(dump::DumpArgs),
+    /// Write a synthetic model of a real layout (random weights in their target types).
+    Synth(synth::SynthArgs),
 }
 
 /// Runs the chosen subcommand.
@@ -32,5 +35,6 @@ pub fn run(cli: Cli) -> CliResult {
     match cli.command {
         Command::Inspect(args) => inspect::run(args),
         Command::Dump(args) => dump::run(args),
+        Command::Synth(args) => synth::run(args),
     }
 }

@@ -1,0 +1,532 @@
+//! Model architectures: for each, the hyperparameters read from GGUF metadata and the table of tensors a
+//! file of that architecture holds (llama.cpp's `load_arch_hparams` / `load_arch_tensors`).
+//!
+//! The tables are data: every row names a tensor by [`Role`] (which fixes its GGUF name pattern), says
+//! which layers hold it ([`LayerSel`]), gives its shape symbolically ([`Dim`], `ne0` first as GGUF stores
+//! it) and its [`TensorClass`] (what `synth` and quantizers pick types by). [`resolve_tensors`] turns a
+//! table and a hyperparameter set into concrete names and shapes; the forward pass and `synth` both use it.
+//!
+//! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
+//! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
+//!   shared experts, one MTP (next-token prediction) block.
+//! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
+
+pub mod gemma3;
+pub mod qwen35moe;
+pub mod qwen3moe;
+
+use crate::gguf::{GgufError, Metadata, Value};
+
+pub use gemma3::Gemma3Hparams;
+pub use qwen35moe::Qwen35MoeHparams;
+pub use qwen3moe::Qwen3MoeHparams;
+
+/// An error in an architecture's metadata: a key missing or of the wrong type, or values that do not
+/// describe a model llama.cpp would load.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArchError(pub String);
+
+impl std::fmt::Display for ArchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ArchError {}
+
+impl From<GgufError> for ArchError {
+    fn from(e: GgufError) -> Self {
+        ArchError(e.to_string())
+    }
+}
+
+/// What a tensor is for, coarsely: the unit in which types are chosen (`synth --types CLASS=TYPE`) and in
+/// which a quantizer or an offloading policy thinks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TensorClass {
+    /// Token embedding table.
+    Embedding,
+    /// Output (LM head) matrix.
+    Output,
+    /// Full-attention projections (Q, K, V, output).
+    Attention,
+    /// Gated delta-net projections (QKV, Z gate, alpha, beta, output).
+    DeltaNet,
+    /// Small delta-net parameters (conv1d kernel, A, dt bias): always F32.
+    DeltaNetParam,
+    /// Dense feed-forward network.
+    Ffn,
+    /// Routed experts.
+    Expert,
+    /// Shared expert.
+    SharedExpert,
+    /// Router (expert gate) and the shared expert's gate vector.
+    Router,
+    /// MTP (next-token prediction) block's own projections.
+    NextN,
+    /// Normalization weights: always F32.
+    Norm,
+}
+
+/// (class, command-line name, what it covers)
+const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
+    (TensorClass::Embedding, "embd", "token embedding"),
+    (TensorClass::Output, "output", "output (LM head)"),
+    (
+        TensorClass::Attention,
+        "attn",
+        "full-attention Q/K/V/output",
+    ),
+    (
+        TensorClass::DeltaNet,
+        "ssm",
+        "delta-net projections (qkv, gate, alpha, beta, out)",
+    ),
+    (
+        TensorClass::DeltaNetParam,
+        "ssm_param",
+        "delta-net conv1d, A, dt (F32)",
+    ),
+    (TensorClass::Ffn, "ffn", "dense feed-forward"),
+    (TensorClass::Expert, "expert", "routed experts"),
+    (TensorClass::SharedExpert, "shexp", "shared expert"),
+    (
+        TensorClass::Router,
+        "router",
+        "expert router and shared-expert gate",
+    ),
+    (TensorClass::NextN, "nextn", "MTP block projection"),
+    (TensorClass::Norm, "norm", "normalization weights (F32)"),
+];
+
+impl TensorClass {
+    /// Every class.
+    pub fn all() -> impl Iterator<Item = TensorClass> {
+        CLASS_TABLE.iter().map(|r| r.0)
+    }
+
+    /// The name `--types` uses (`expert`, `attn`, …).
+    pub fn name(self) -> &'static str {
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .map_or("?", |r| r.1)
+    }
+
+    /// What the class covers, for help text.
+    pub fn description(self) -> &'static str {
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.0 == self)
+            .map_or("?", |r| r.2)
+    }
+
+    /// The class named `name` (case-insensitive).
+    pub fn from_name(name: &str) -> Option<TensorClass> {
+        CLASS_TABLE
+            .iter()
+            .find(|r| r.1.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
+    }
+
+    /// Whether llama.cpp's loader or graph needs these tensors in F32 (norms are multiplied element-wise,
+    /// the delta-net's conv kernel and A/dt feed F32-only ops), so no type may be chosen for them.
+    pub fn f32_only(self) -> bool {
+        matches!(self, TensorClass::Norm | TensorClass::DeltaNetParam)
+    }
+}
+
+/// A tensor's meaning; fixes its GGUF name (`{}` is the block number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    TokenEmbd,
+    OutputNorm,
+    Output,
+    AttnNorm,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOut,
+    AttnQNorm,
+    AttnKNorm,
+    AttnPostNorm,
+    FfnNorm,
+    FfnPostNorm,
+    FfnGate,
+    FfnUp,
+    FfnDown,
+    FfnGateInp,
+    FfnGateExps,
+    FfnUpExps,
+    FfnDownExps,
+    FfnGateInpShexp,
+    FfnGateShexp,
+    FfnUpShexp,
+    FfnDownShexp,
+    /// Delta-net fused Q/K/V input projection.
+    AttnQkv,
+    /// Delta-net output gate (Z) projection.
+    AttnGate,
+    SsmConv1d,
+    SsmDt,
+    SsmA,
+    SsmBeta,
+    SsmAlpha,
+    SsmNorm,
+    SsmOut,
+    NextnEhProj,
+    NextnEnorm,
+    NextnHnorm,
+    NextnEmbedTokens,
+    NextnSharedHeadHead,
+    NextnSharedHeadNorm,
+}
+
+impl Role {
+    /// The GGUF name pattern (llama.cpp's `LLM_TENSOR_NAMES` plus suffix); `{}` is the block number.
+    pub fn pattern(self) -> &'static str {
+        match self {
+            Role::TokenEmbd => "token_embd.weight",
+            Role::OutputNorm => "output_norm.weight",
+            Role::Output => "output.weight",
+            Role::AttnNorm => "blk.{}.attn_norm.weight",
+            Role::AttnQ => "blk.{}.attn_q.weight",
+            Role::AttnK => "blk.{}.attn_k.weight",
+            Role::AttnV => "blk.{}.attn_v.weight",
+            Role::AttnOut => "blk.{}.attn_output.weight",
+            Role::AttnQNorm => "blk.{}.attn_q_norm.weight",
+            Role::AttnKNorm => "blk.{}.attn_k_norm.weight",
+            Role::AttnPostNorm => "blk.{}.post_attention_norm.weight",
+            Role::FfnNorm => "blk.{}.ffn_norm.weight",
+            Role::FfnPostNorm => "blk.{}.post_ffw_norm.weight",
+            Role::FfnGate => "blk.{}.ffn_gate.weight",
+            Role::FfnUp => "blk.{}.ffn_up.weight",
+            Role::FfnDown => "blk.{}.ffn_down.weight",
+            Role::FfnGateInp => "blk.{}.ffn_gate_inp.weight",
+            Role::FfnGateExps => "blk.{}.ffn_gate_exps.weight",
+            Role::FfnUpExps => "blk.{}.ffn_up_exps.weight",
+            Role::FfnDownExps => "blk.{}.ffn_down_exps.weight",
+            Role::FfnGateInpShexp => "blk.{}.ffn_gate_inp_shexp.weight",
+            Role::FfnGateShexp => "blk.{}.ffn_gate_shexp.weight",
+            Role::FfnUpShexp => "blk.{}.ffn_up_shexp.weight",
+            Role::FfnDownShexp => "blk.{}.ffn_down_shexp.weight",
+            Role::AttnQkv => "blk.{}.attn_qkv.weight",
+            Role::AttnGate => "blk.{}.attn_gate.weight",
+            Role::SsmConv1d => "blk.{}.ssm_conv1d.weight",
+            Role::SsmDt => "blk.{}.ssm_dt.bias",
+            Role::SsmA => "blk.{}.ssm_a",
+            Role::SsmBeta => "blk.{}.ssm_beta.weight",
+            Role::SsmAlpha => "blk.{}.ssm_alpha.weight",
+            Role::SsmNorm => "blk.{}.ssm_norm.weight",
+            Role::SsmOut => "blk.{}.ssm_out.weight",
+            Role::NextnEhProj => "blk.{}.nextn.eh_proj.weight",
+            Role::NextnEnorm => "blk.{}.nextn.enorm.weight",
+            Role::NextnHnorm => "blk.{}.nextn.hnorm.weight",
+            Role::NextnEmbedTokens => "blk.{}.nextn.embed_tokens.weight",
+            Role::NextnSharedHeadHead => "blk.{}.nextn.shared_head_head.weight",
+            Role::NextnSharedHeadNorm => "blk.{}.nextn.shared_head_norm.weight",
+        }
+    }
+
+    /// The tensor's name in block `layer` (ignored for tensors outside blocks).
+    pub fn name(self, layer: u32) -> String {
+        self.pattern().replace("{}", &layer.to_string())
+    }
+}
+
+/// A symbolic dimension, resolved by an architecture's hyperparameters ([`ArchHparams::dim`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dim {
+    /// `n_embd`.
+    Embd,
+    /// `2 * n_embd` (the MTP block's concatenated embedding and hidden state).
+    Embd2,
+    /// Vocabulary size.
+    Vocab,
+    /// Dense FFN width.
+    Ff,
+    /// Routed expert FFN width.
+    FfExp,
+    /// Shared expert FFN width.
+    FfShexp,
+    /// Number of routed experts.
+    Expert,
+    /// Key head dimension (Q/K norm length).
+    HeadK,
+    /// `n_head * head_k`: the query projection (and attention output input).
+    QProj,
+    /// `2 * n_head * head_k`: query and output gate together (Qwen3.5 gated attention).
+    QGateProj,
+    /// `n_head_kv * head_k`.
+    KProj,
+    /// `n_head_kv * head_v`.
+    VProj,
+    /// Delta-net conv kernel length.
+    SsmConvKernel,
+    /// Delta-net conv channels: `2 * n_k_heads * head_k + n_v_heads * head_v`.
+    SsmConvDim,
+    /// Delta-net value width: `n_v_heads * head_v`.
+    SsmValueDim,
+    /// Delta-net value heads.
+    SsmVHeads,
+    /// Delta-net head dimension.
+    SsmHeadDim,
+}
+
+/// What kind of block a layer is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Full (global) attention.
+    Attention,
+    /// Sliding-window attention.
+    SlidingAttention,
+    /// Recurrent (gated delta-net) block.
+    Recurrent,
+    /// MTP (next-token prediction) block: full attention plus the `nextn.*` tensors; not run by the main
+    /// forward pass.
+    NextN,
+}
+
+/// Which blocks hold a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerSel {
+    /// Every block, MTP blocks included.
+    All,
+    /// Blocks with softmax attention (full, sliding, and MTP blocks).
+    Attention,
+    /// Recurrent blocks.
+    Recurrent,
+    /// MTP blocks.
+    NextN,
+}
+
+impl LayerSel {
+    /// Whether a block of kind `kind` holds tensors of this selection.
+    pub fn selects(self, kind: LayerKind) -> bool {
+        match self {
+            LayerSel::All => true,
+            LayerSel::Attention => kind != LayerKind::Recurrent,
+            LayerSel::Recurrent => kind == LayerKind::Recurrent,
+            LayerSel::NextN => kind == LayerKind::NextN,
+        }
+    }
+}
+
+/// Whether a file must hold a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Presence {
+    /// llama.cpp refuses the file without it.
+    Required,
+    /// llama.cpp accepts the file without it (it falls back to another tensor, e.g. a missing
+    /// `output.weight` to the token embedding); [`ArchHparams::synth_writes`] says whether files of the
+    /// real model have it.
+    Optional,
+}
+
+/// One row of an architecture's tensor table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorDef {
+    pub role: Role,
+    /// `None` for tensors outside blocks.
+    pub layers: Option<LayerSel>,
+    /// Shape, `ne0` (the contiguous row length) first.
+    pub dims: &'static [Dim],
+    pub class: TensorClass,
+    pub presence: Presence,
+}
+
+/// A tensor of a concrete model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    pub name: String,
+    pub role: Role,
+    /// The block, for tensors inside one.
+    pub layer: Option<u32>,
+    /// Shape, `ne0` first.
+    pub dims: Vec<u64>,
+    pub class: TensorClass,
+    pub presence: Presence,
+}
+
+impl TensorDesc {
+    /// Number of elements.
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// What every architecture's hyperparameters provide to the tables and to `synth`.
+pub trait ArchHparams {
+    /// `general.architecture`.
+    fn arch_name(&self) -> &'static str;
+    /// The tensor table.
+    fn tensor_defs(&self) -> &'static [TensorDef];
+    /// Number of blocks in the file (`block_count`, MTP blocks included).
+    fn n_layer_all(&self) -> u32;
+    /// The kind of block `il`.
+    fn layer_kind(&self, il: u32) -> LayerKind;
+    /// The value of a symbolic dimension; `None` when the architecture has no such dimension.
+    fn dim(&self, d: Dim) -> Option<u64>;
+    /// Experts each token is routed to (0 without experts).
+    fn n_expert_used(&self) -> u32 {
+        0
+    }
+    /// Whether the optional tensor `role` belongs in this model's files, as in files converted from the
+    /// real model (e.g. no `output.weight` when the output is tied to the embedding).
+    fn synth_writes(&self, role: Role) -> bool;
+    /// The metadata pairs describing these hyperparameters (`<arch>.*` keys), as llama.cpp reads them.
+    fn to_metadata(&self) -> Vec<(String, Value)>;
+    /// Checks that the values describe a model llama.cpp would load.
+    fn validate(&self) -> Result<(), ArchError>;
+}
+
+/// The concrete tensors of a model: every table row for every block that holds it, in table order within
+/// a block (globals first, then blocks in order, as converted files list them). Optional rows are listed
+/// when [`ArchHparams::synth_writes`] says the model has them.
+pub fn resolve_tensors(hp: &dyn ArchHparams) -> Result<Vec<TensorDesc>, ArchError> {
+    let defs = hp.tensor_defs();
+    let mut out = Vec::new();
+    let wanted = |d: &TensorDef| d.presence == Presence::Required || hp.synth_writes(d.role);
+    let resolve = |d: &TensorDef| -> Result<Vec<u64>, ArchError> {
+        d.dims
+            .iter()
+            .map(|&x| {
+                hp.dim(x).ok_or_else(|| {
+                    ArchError(format!(
+                        "{}: dimension {x:?} of {} is not defined",
+                        hp.arch_name(),
+                        d.role.pattern()
+                    ))
+                })
+            })
+            .collect()
+    };
+    for d in defs.iter().filter(|d| d.layers.is_none() && wanted(d)) {
+        out.push(TensorDesc {
+            name: d.role.name(0),
+            role: d.role,
+            layer: None,
+            dims: resolve(d)?,
+            class: d.class,
+            presence: d.presence,
+        });
+    }
+    for il in 0..hp.n_layer_all() {
+        let kind = hp.layer_kind(il);
+        for d in defs.iter().filter(|d| wanted(d)) {
+            let Some(sel) = d.layers else { continue };
+            if !sel.selects(kind) {
+                continue;
+            }
+            out.push(TensorDesc {
+                name: d.role.name(il),
+                role: d.role,
+                layer: Some(il),
+                dims: resolve(d)?,
+                class: d.class,
+                presence: d.presence,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The hyperparameters of any supported architecture.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelHparams {
+    Qwen3Moe(Qwen3MoeHparams),
+    Qwen35Moe(Qwen35MoeHparams),
+    Gemma3(Gemma3Hparams),
+}
+
+/// The architectures this crate knows, by `general.architecture`.
+pub const ARCH_NAMES: &[&str] = &[qwen3moe::ARCH, qwen35moe::ARCH, gemma3::ARCH];
+
+impl ModelHparams {
+    /// Reads the hyperparameters of the file's architecture from its metadata.
+    pub fn from_metadata(md: &Metadata) -> Result<ModelHparams, ArchError> {
+        let arch = md.architecture()?;
+        match arch {
+            qwen3moe::ARCH => Ok(ModelHparams::Qwen3Moe(Qwen3MoeHparams::from_metadata(md)?)),
+            qwen35moe::ARCH => Ok(ModelHparams::Qwen35Moe(Qwen35MoeHparams::from_metadata(
+                md,
+            )?)),
+            gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
+            other => Err(ArchError(format!(
+                "architecture {other:?} is not supported (known: {})",
+                ARCH_NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// The architecture's hyperparameters as the common interface.
+    pub fn as_dyn(&self) -> &dyn ArchHparams {
+        match self {
+            ModelHparams::Qwen3Moe(h) => h,
+            ModelHparams::Qwen35Moe(h) => h,
+            ModelHparams::Gemma3(h) => h,
+        }
+    }
+}
+
+/// The vocabulary size a file declares: the length of `tokenizer.ggml.tokens` (what llama.cpp uses), else
+/// `<arch>.vocab_size`.
+pub(crate) fn vocab_size(md: &Metadata) -> Result<u64, ArchError> {
+    if let Some(tokens) = md.get_str_array("tokenizer.ggml.tokens")? {
+        return Ok(tokens.len() as u64);
+    }
+    md.arch_u32_opt("vocab_size")?
+        .map(u64::from)
+        .ok_or_else(|| {
+            ArchError(
+                "no tokenizer.ggml.tokens and no vocab_size: the vocabulary size is unknown".into(),
+            )
+        })
+}
+
+/// Shorthand for a metadata pair under the architecture's prefix.
+pub(crate) fn arch_kv(arch: &str, suffix: &str, v: impl Into<Value>) -> (String, Value) {
+    (format!("{arch}.{suffix}"), v.into())
+}
+
+/// Checks `cond`, else an [`ArchError`] naming the architecture.
+pub(crate) fn check(arch: &str, cond: bool, what: &str) -> Result<(), ArchError> {
+    if cond {
+        Ok(())
+    } else {
+        Err(ArchError(format!("{arch}: {what}")))
+    }
+}
+
+/// `<arch>.<suffix>` given per layer (a scalar or an array of `n_layers`), which must be the same for every
+/// layer (these architectures do not vary it); `None` when absent.
+pub(crate) fn uniform_u32(
+    md: &Metadata,
+    suffix: &str,
+    n_layers: u32,
+) -> Result<Option<u32>, ArchError> {
+    let Some(values) = md.arch_u32_per_layer_opt(suffix, n_layers as usize)? else {
+        return Ok(None);
+    };
+    match values.first() {
+        Some(&v) if values.iter().all(|&x| x == v) => Ok(Some(v)),
+        Some(_) => Err(ArchError(format!(
+            "{suffix} differs between layers ({values:?}); this architecture needs one value"
+        ))),
+        None => Ok(None),
+    }
+}
+
+/// `<arch>.<suffix>`, required, the same for every layer.
+pub(crate) fn uniform_u32_req(
+    md: &Metadata,
+    suffix: &str,
+    n_layers: u32,
+) -> Result<u32, ArchError> {
+    uniform_u32(md, suffix, n_layers)?.ok_or_else(|| {
+        ArchError(format!(
+            "key {} is missing",
+            md.arch_key(suffix).unwrap_or_default()
+        ))
+    })
+}

@@ -1,0 +1,237 @@
+//! Qwen3 MoE (`qwen3moe`: Qwen3-30B-A3B, Qwen3-235B-A22B): pre-norm blocks of grouped-query attention with
+//! per-head RMS-normed Q and K (RoPE over the whole head), then a mixture of experts (softmax router, top-k,
+//! weights renormalized, SwiGLU experts). No shared expert, untied output.
+//!
+//! Follows llama.cpp's `src/models/qwen3moe.cpp` (hyperparameters, tensors, graph).
+
+use super::{
+    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
+    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
+};
+use crate::gguf::{Metadata, Value};
+
+/// `general.architecture`.
+pub const ARCH: &str = "qwen3moe";
+
+/// Hyperparameters of a `qwen3moe` model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen3MoeHparams {
+    /// Vocabulary size (length of `tokenizer.ggml.tokens`).
+    pub n_vocab: u64,
+    /// `context_length`.
+    pub n_ctx_train: u32,
+    /// `embedding_length`.
+    pub n_embd: u32,
+    /// `block_count`.
+    pub n_layer: u32,
+    /// `feed_forward_length` (the dense width of the original config; unused by MoE blocks, 0 if absent).
+    pub n_ff: u32,
+    /// `attention.head_count`.
+    pub n_head: u32,
+    /// `attention.head_count_kv`.
+    pub n_head_kv: u32,
+    /// `attention.key_length` (= `value_length` = rotary dimension).
+    pub head_dim: u32,
+    /// `expert_count`.
+    pub n_expert: u32,
+    /// `expert_used_count`.
+    pub n_expert_used: u32,
+    /// `expert_feed_forward_length`.
+    pub n_ff_exp: u32,
+    /// `rope.freq_base`.
+    pub rope_freq_base: f32,
+    /// `attention.layer_norm_rms_epsilon`.
+    pub rms_eps: f32,
+}
+
+use Dim::*;
+use TensorClass as C;
+
+const fn def(
+    role: Role,
+    layers: Option<LayerSel>,
+    dims: &'static [Dim],
+    class: TensorClass,
+) -> TensorDef {
+    TensorDef {
+        role,
+        layers,
+        dims,
+        class,
+        presence: Presence::Required,
+    }
+}
+
+const L: Option<LayerSel> = Some(LayerSel::All);
+
+/// The tensors of a `qwen3moe` file.
+pub const TENSORS: &[TensorDef] = &[
+    def(Role::TokenEmbd, None, &[Embd, Vocab], C::Embedding), // [n_embd, n_vocab]
+    def(Role::OutputNorm, None, &[Embd], C::Norm),            // [n_embd]
+    TensorDef {
+        presence: Presence::Optional, // tied to token_embd when absent
+        ..def(Role::Output, None, &[Embd, Vocab], C::Output)  // [n_embd, n_vocab]
+    },
+    def(Role::AttnNorm, L, &[Embd], C::Norm), // [n_embd]
+    def(Role::AttnQ, L, &[Embd, QProj], C::Attention), // [n_embd, n_head * head_dim]
+    def(Role::AttnK, L, &[Embd, KProj], C::Attention), // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnV, L, &[Embd, VProj], C::Attention), // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnOut, L, &[QProj, Embd], C::Attention), // [n_head * head_dim, n_embd]
+    def(Role::AttnKNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::AttnQNorm, L, &[HeadK], C::Norm), // [head_dim]
+    def(Role::FfnNorm, L, &[Embd], C::Norm),  // [n_embd]
+    def(Role::FfnGateInp, L, &[Embd, Expert], C::Router), // [n_embd, n_expert]
+    def(Role::FfnGateExps, L, &[Embd, FfExp, Expert], C::Expert), // [n_embd, n_ff_exp, n_expert]
+    def(Role::FfnDownExps, L, &[FfExp, Embd, Expert], C::Expert), // [n_ff_exp, n_embd, n_expert]
+    def(Role::FfnUpExps, L, &[Embd, FfExp, Expert], C::Expert), // [n_embd, n_ff_exp, n_expert]
+];
+
+impl Qwen3MoeHparams {
+    /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
+    pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
+        let n_layer = md.arch_u32("block_count")?;
+        let n_embd = md.arch_u32("embedding_length")?;
+        let n_head = uniform_u32_req(md, "attention.head_count", n_layer)?;
+        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer)?.unwrap_or(n_head);
+        check(ARCH, n_head > 0, "attention.head_count is 0")?;
+        let head_dim = md
+            .arch_u32_opt("attention.key_length")?
+            .unwrap_or(n_embd / n_head);
+        let head_v = md
+            .arch_u32_opt("attention.value_length")?
+            .unwrap_or(n_embd / n_head);
+        check(
+            ARCH,
+            head_v == head_dim,
+            "attention.value_length differs from key_length",
+        )?;
+        let n_ff = uniform_u32(md, "feed_forward_length", n_layer)?.unwrap_or(0);
+        let n_expert_used = uniform_u32_req(md, "expert_used_count", n_layer)?;
+        check(ARCH, n_expert_used > 0, "expert_used_count is 0")?;
+        let n_ff_exp = match uniform_u32(md, "expert_feed_forward_length", n_layer)? {
+            Some(v) if v > 0 => v,
+            _ => n_ff / n_expert_used,
+        };
+        let hp = Qwen3MoeHparams {
+            n_vocab: vocab_size(md)?,
+            n_ctx_train: md.arch_u32("context_length")?,
+            n_embd,
+            n_layer,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_expert: md.arch_u32("expert_count")?,
+            n_expert_used,
+            n_ff_exp,
+            rope_freq_base: md.arch_f32_opt("rope.freq_base")?.unwrap_or(10000.0),
+            rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
+        };
+        hp.validate()?;
+        Ok(hp)
+    }
+}
+
+impl ArchHparams for Qwen3MoeHparams {
+    fn arch_name(&self) -> &'static str {
+        ARCH
+    }
+
+    fn tensor_defs(&self) -> &'static [TensorDef] {
+        TENSORS
+    }
+
+    fn n_layer_all(&self) -> u32 {
+        self.n_layer
+    }
+
+    fn layer_kind(&self, _il: u32) -> LayerKind {
+        LayerKind::Attention
+    }
+
+    fn dim(&self, d: Dim) -> Option<u64> {
+        let v = match d {
+            Embd => self.n_embd as u64,
+            Vocab => self.n_vocab,
+            FfExp => self.n_ff_exp as u64,
+            Expert => self.n_expert as u64,
+            HeadK => self.head_dim as u64,
+            QProj => (self.n_head * self.head_dim) as u64,
+            KProj | VProj => (self.n_head_kv * self.head_dim) as u64,
+            _ => return None,
+        };
+        Some(v)
+    }
+
+    fn n_expert_used(&self) -> u32 {
+        self.n_expert_used
+    }
+
+    fn synth_writes(&self, role: Role) -> bool {
+        role == Role::Output
+    }
+
+    fn to_metadata(&self) -> Vec<(String, Value)> {
+        let mut kv = vec![
+            arch_kv(ARCH, "block_count", self.n_layer),
+            arch_kv(ARCH, "context_length", self.n_ctx_train),
+            arch_kv(ARCH, "embedding_length", self.n_embd),
+        ];
+        if self.n_ff > 0 {
+            kv.push(arch_kv(ARCH, "feed_forward_length", self.n_ff));
+        }
+        kv.extend([
+            arch_kv(ARCH, "attention.head_count", self.n_head),
+            arch_kv(ARCH, "attention.head_count_kv", self.n_head_kv),
+            arch_kv(ARCH, "rope.freq_base", self.rope_freq_base),
+            arch_kv(ARCH, "attention.layer_norm_rms_epsilon", self.rms_eps),
+            arch_kv(ARCH, "expert_used_count", self.n_expert_used),
+            arch_kv(ARCH, "attention.key_length", self.head_dim),
+            arch_kv(ARCH, "attention.value_length", self.head_dim),
+            arch_kv(ARCH, "expert_count", self.n_expert),
+            arch_kv(ARCH, "expert_feed_forward_length", self.n_ff_exp),
+        ]);
+        kv
+    }
+
+    fn validate(&self) -> Result<(), ArchError> {
+        check(ARCH, self.n_layer > 0, "block_count is 0")?;
+        check(
+            ARCH,
+            self.n_embd > 0 && self.n_vocab > 0,
+            "embedding_length or vocabulary is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head > 0 && self.n_head_kv > 0,
+            "a head count is 0",
+        )?;
+        check(
+            ARCH,
+            self.n_head.is_multiple_of(self.n_head_kv),
+            "head_count is not a multiple of head_count_kv",
+        )?;
+        check(
+            ARCH,
+            self.head_dim > 0 && self.head_dim.is_multiple_of(2),
+            "key_length must be even (RoPE)",
+        )?;
+        check(
+            ARCH,
+            self.n_expert > 0 && self.n_expert_used > 0,
+            "expert_count and expert_used_count must be > 0",
+        )?;
+        check(
+            ARCH,
+            self.n_expert_used <= self.n_expert,
+            "expert_used_count exceeds expert_count",
+        )?;
+        check(ARCH, self.n_ff_exp > 0, "expert_feed_forward_length is 0")?;
+        check(
+            ARCH,
+            self.rms_eps > 0.0,
+            "layer_norm_rms_epsilon must be positive",
+        )?;
+        Ok(())
+    }
+}

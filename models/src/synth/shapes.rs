@@ -1,0 +1,258 @@
+//! The named shapes `synth` writes: for each architecture `tiny` (a few MB, the small BPE vocabulary, for
+//! tests), `small` (1–2 GB at 4 bits: the real widths and vocabulary with few layers, for CPU benchmarks)
+//! and the real model's shape.
+
+use poly_kernels::quant::GgmlType;
+
+use crate::arch::{
+    gemma3, qwen35moe, qwen3moe, Gemma3Hparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+};
+
+use super::vocab::SMALL_VOCAB_SIZE;
+
+/// One named shape of one architecture.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shape {
+    /// `general.architecture`.
+    pub arch: &'static str,
+    /// The name `--shape` takes (matched case-insensitively).
+    pub name: &'static str,
+    /// Other accepted names.
+    pub aliases: &'static [&'static str],
+    /// One line for `--list-shapes`.
+    pub description: &'static str,
+    /// Weight type of the quantizable tensors when `--type` is not given.
+    pub default_type: GgmlType,
+    /// The hyperparameters (vocabulary size included: the small BPE vocabulary is padded up to it).
+    pub hparams: ModelHparams,
+}
+
+/// Context length written into tiny files.
+const TINY_CONTEXT: u32 = 4096;
+
+fn qwen3moe_real(n_layer: u32, n_vocab: u64) -> Qwen3MoeHparams {
+    // Qwen/Qwen3-30B-A3B config.json.
+    Qwen3MoeHparams {
+        n_vocab,
+        n_ctx_train: 40960,
+        n_embd: 2048,
+        n_layer,
+        n_ff: 6144,
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim: 128,
+        n_expert: 128,
+        n_expert_used: 8,
+        n_ff_exp: 768,
+        rope_freq_base: 1_000_000.0,
+        rms_eps: 1e-6,
+    }
+}
+
+fn qwen35moe_real(n_layer: u32, full_attention_interval: u32) -> Qwen35MoeHparams {
+    // Qwen/Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B) text config: hidden 2048, 40 layers (3 gated delta-net : 1
+    // gated attention), 256 experts + 1 shared (512 wide), 8 used, 16 Q / 2 KV heads of 256 (a quarter
+    // rotated, mrope sections 11/11/10), delta-net 16 key / 32 value heads of 128 with a 4-tap conv, one
+    // MTP block, vocabulary 248320, rope_theta 1e7.
+    Qwen35MoeHparams {
+        n_vocab: 248_320,
+        n_ctx_train: 262_144,
+        n_embd: 2048,
+        n_layer,
+        n_nextn: 1,
+        n_head: 16,
+        n_head_kv: 2,
+        head_dim: 256,
+        rope_dim: 64,
+        rope_sections: [11, 11, 10, 0],
+        rope_freq_base: 10_000_000.0,
+        rms_eps: 1e-6,
+        n_expert: 256,
+        n_expert_used: 8,
+        n_ff_exp: 512,
+        n_ff_shexp: 512,
+        ssm_conv_kernel: 4,
+        ssm_state_size: 128,
+        ssm_group_count: 16,
+        ssm_time_step_rank: 32,
+        ssm_inner_size: 4096,
+        full_attention_interval,
+        recurrent_layers: None,
+    }
+}
+
+fn gemma3_270m() -> Gemma3Hparams {
+    // google/gemma-3-270m config.json.
+    Gemma3Hparams {
+        n_vocab: 262_144,
+        n_ctx_train: 32768,
+        n_embd: 640,
+        n_layer: 18,
+        n_ff: 2048,
+        n_head: 4,
+        n_head_kv: 1,
+        head_dim: 256,
+        rms_eps: 1e-6,
+        rope_freq_base: 1_000_000.0,
+        rope_freq_base_swa: 10_000.0,
+        sliding_window: 512,
+        swa_pattern: 6,
+        final_logit_softcapping: None,
+    }
+}
+
+/// Every shape, in `--list-shapes` order.
+pub fn all_shapes() -> Vec<Shape> {
+    let v = SMALL_VOCAB_SIZE as u64;
+    vec![
+        Shape {
+            arch: qwen3moe::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "3 layers, 256 wide, 16 experts (4 used) of 256, small BPE vocabulary",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Qwen3Moe(Qwen3MoeHparams {
+                n_vocab: v,
+                n_ctx_train: TINY_CONTEXT,
+                n_embd: 256,
+                n_layer: 3,
+                n_ff: 1024,
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                n_expert: 16,
+                n_expert_used: 4,
+                n_ff_exp: 256,
+                rope_freq_base: 1_000_000.0,
+                rms_eps: 1e-6,
+            }),
+        },
+        Shape {
+            arch: qwen3moe::ARCH,
+            name: "small",
+            aliases: &[],
+            description: "Qwen3-30B-A3B widths and vocabulary, 4 layers",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Qwen3Moe(qwen3moe_real(4, 151_936)),
+        },
+        Shape {
+            arch: qwen3moe::ARCH,
+            name: "qwen3-30b-a3b",
+            aliases: &["30b-a3b"],
+            description: "Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts (8 used) of 768, vocabulary 151936",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Qwen3Moe(qwen3moe_real(48, 151_936)),
+        },
+        Shape {
+            arch: qwen35moe::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "3 delta-net + 1 full-attention layers + MTP, 256 wide, 8 experts (2 used) + shared",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Qwen35Moe(Qwen35MoeHparams {
+                n_vocab: v,
+                n_ctx_train: TINY_CONTEXT,
+                n_embd: 256,
+                n_layer: 4,
+                n_nextn: 1,
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                rope_dim: 16,
+                rope_sections: [3, 3, 2, 0],
+                rope_freq_base: 10_000_000.0,
+                rms_eps: 1e-6,
+                n_expert: 8,
+                n_expert_used: 2,
+                n_ff_exp: 256,
+                n_ff_shexp: 256,
+                ssm_conv_kernel: 4,
+                ssm_state_size: 64,
+                ssm_group_count: 2,
+                ssm_time_step_rank: 4,
+                ssm_inner_size: 256,
+                full_attention_interval: 4,
+                recurrent_layers: None,
+            }),
+        },
+        Shape {
+            arch: qwen35moe::ARCH,
+            name: "small",
+            aliases: &[],
+            description: "Qwen3.6-35B-A3B widths and vocabulary: 1 delta-net + 1 full-attention layer + MTP",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Qwen35Moe(qwen35moe_real(2, 2)),
+        },
+        Shape {
+            arch: qwen35moe::ARCH,
+            name: "qwen3.6-35b-a3b",
+            aliases: &["qwen3.5-35b-a3b", "35b-a3b"],
+            description: "Qwen3.6-35B-A3B: 40 layers (30 delta-net, 10 full attention) + MTP, 256 experts (8 used) of 512 + shared, vocabulary 248320",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Qwen35Moe(qwen35moe_real(40, 4)),
+        },
+        Shape {
+            arch: gemma3::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "6 layers (5 sliding-window of 64, 1 global), 256 wide, FFN 512, small BPE vocabulary",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Gemma3(Gemma3Hparams {
+                n_vocab: v,
+                n_ctx_train: TINY_CONTEXT,
+                n_embd: 256,
+                n_layer: 6,
+                n_ff: 512,
+                n_head: 4,
+                n_head_kv: 1,
+                head_dim: 64,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_freq_base_swa: 10_000.0,
+                sliding_window: 64,
+                swa_pattern: 6,
+                final_logit_softcapping: None,
+            }),
+        },
+        Shape {
+            arch: gemma3::ARCH,
+            name: "small",
+            aliases: &[],
+            description: "Gemma-3-4B widths (2560, FFN 10240, 8/4 heads of 256) and vocabulary 262144, 12 layers",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Gemma3(Gemma3Hparams {
+                n_vocab: 262_144,
+                n_ctx_train: 131_072,
+                n_embd: 2560,
+                n_layer: 12,
+                n_ff: 10240,
+                n_head: 8,
+                n_head_kv: 4,
+                head_dim: 256,
+                rms_eps: 1e-6,
+                rope_freq_base: 1_000_000.0,
+                rope_freq_base_swa: 10_000.0,
+                sliding_window: 1024,
+                swa_pattern: 6,
+                final_logit_softcapping: None,
+            }),
+        },
+        Shape {
+            arch: gemma3::ARCH,
+            name: "gemma3-270m",
+            aliases: &["270m"],
+            description: "Gemma-3-270M: 18 layers, 640 wide, FFN 2048, 4/1 heads of 256, sliding window 512, vocabulary 262144",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Gemma3(gemma3_270m()),
+        },
+    ]
+}
+
+/// The shape `name` (case-insensitive, aliases accepted) of architecture `arch`.
+pub fn find_shape(arch: &str, name: &str) -> Option<Shape> {
+    all_shapes().into_iter().find(|s| {
+        s.arch.eq_ignore_ascii_case(arch)
+            && (s.name.eq_ignore_ascii_case(name)
+                || s.aliases.iter().any(|a| a.eq_ignore_ascii_case(name)))
+    })
+}
