@@ -9,15 +9,8 @@
 //! order, so it equals the portable code bit for bit.
 
 use super::float::sum_lanes8;
-use super::{put_f16, ActType, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
-
-/// The little-endian f16 at `b[0..2]` as f32 (inline and exact; `half`'s conversion is a call through a
-/// run-time dispatch, too slow per block).
-#[inline(always)]
-fn f16_at(b: &[u8]) -> f32 {
-    super::float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
 
 /// Values per block of every format here.
 const QK: usize = 32;
