@@ -588,3 +588,53 @@ pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_packing_round_trips() {
+        let mut rng = Rng::new(11);
+        for _ in 0..1000 {
+            let sc: [u8; 8] = std::array::from_fn(|_| rng.below(64) as u8);
+            let mn: [u8; 8] = std::array::from_fn(|_| rng.below(64) as u8);
+            let mut packed = [0u8; 12];
+            pack_scales_mins_k4(&sc, &mn, &mut packed);
+            assert_eq!(scales_mins_k4(&packed), (sc, mn));
+            let sc16: [u8; 16] = std::array::from_fn(|_| rng.below(64) as u8);
+            pack_scales_q3_k(&sc16, &mut packed);
+            assert_eq!(scales_q3_k(&packed), sc16);
+        }
+    }
+
+    /// Every sub-block of the formats with minimums is centered: `dmin·min` equals `d·scale` times the
+    /// mean quant, so the expected value of each element is zero (up to f16 rounding of `dmin`).
+    #[test]
+    fn random_blocks_with_minimums_are_centered() {
+        for (kind, center) in [(KKind::Q2K, 1.5f32), (KKind::Q4K, 7.5), (KKind::Q5K, 15.5)] {
+            for rms in [1e-3f32, 0.02, 1.0] {
+                let mut buf = vec![0u8; 64 * kind.block_bytes()];
+                fill_random(kind, &mut Rng::new(4), rms, &mut buf);
+                for b in buf.chunks_exact(kind.block_bytes()) {
+                    let (d, dmin) = block_scales(kind, b);
+                    assert!(d >= MIN_SCALE, "{kind:?}: super-block scale {d}");
+                    let pairs: Vec<(u8, u8)> = if kind == KKind::Q2K {
+                        b[..16].iter().map(|&s| (s & 0x0F, s >> 4)).collect()
+                    } else {
+                        let (sc, mn) = scales_mins_k4(&b[4..16]);
+                        sc.into_iter().zip(mn).collect()
+                    };
+                    for (sc, mn) in pairs {
+                        assert!(sc > 0, "{kind:?}: zero scale");
+                        let (mean, offset) = (d * sc as f32 * center, dmin * mn as f32);
+                        assert!(
+                            (mean - offset).abs() <= 1e-3 * mean.abs(),
+                            "{kind:?}: {mean} vs {offset}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

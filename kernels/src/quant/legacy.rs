@@ -398,3 +398,48 @@ pub(crate) fn quantize_q8_1(x: &[f32], out: &mut [u8]) {
         put_f16(&mut ob[2..4], d * sum as f32);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Block scales are normal f16 numbers (even for a tiny target); Q4_1/Q5_1 blocks are centered
+    /// (`m = −7.5·d`, `−15.5·d`); the symmetric formats use both signs of `d` about equally.
+    #[test]
+    fn random_block_headers() {
+        let kinds = [
+            (LegacyKind::Q4_0, 0.0f32),
+            (LegacyKind::Q4_1, 7.5),
+            (LegacyKind::Q5_0, 0.0),
+            (LegacyKind::Q5_1, 15.5),
+            (LegacyKind::Q8_0, 0.0),
+        ];
+        for (kind, center) in kinds {
+            for rms in [1e-7f32, 0.02, 1.0] {
+                let mut buf = vec![0u8; 4096 * kind.block_bytes()];
+                fill_random(kind, &mut Rng::new(9), rms, &mut buf);
+                let mut negative = 0;
+                for b in buf.chunks_exact(kind.block_bytes()) {
+                    let d = f16_at(b);
+                    assert!(d.abs() >= MIN_SCALE && d.is_finite(), "{kind:?}: scale {d}");
+                    negative += (d < 0.0) as usize;
+                    if kind.has_min() {
+                        let m = f16_at(&b[2..]);
+                        assert!(
+                            (m + center * d).abs() <= 1e-3 * m.abs(),
+                            "{kind:?}: d {d}, m {m}"
+                        );
+                    }
+                }
+                if kind.has_min() {
+                    assert_eq!(negative, 0, "{kind:?}: negative scales");
+                } else {
+                    assert!(
+                        (1800..2300).contains(&negative),
+                        "{kind:?}: {negative} of 4096 negative"
+                    );
+                }
+            }
+        }
+    }
+}
