@@ -227,7 +227,7 @@ fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
 
 /// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
 #[inline(always)]
-pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
+fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
     let qy_off = if kind.has_min() { 4 } else { 2 };
     let isum = block_isum(kind, x, &y[qy_off..]);
     let c = (f16_at(x) * f16_at(y)) * isum as f32;
@@ -238,11 +238,11 @@ pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
     }
 }
 
-/// Adds blocks `first..nb` to `lanes` (block `b` into lane `b % 8`).
+/// Adds blocks `8·first_group .. nb` to `lanes` (block `b` into lane `b % 8`).
 #[inline(always)]
-pub(crate) fn add_blocks(
+fn add_blocks(
     kind: LegacyKind,
-    first: usize,
+    first_group: usize,
     nb: usize,
     row: &[u8],
     act: &[u8],
@@ -250,19 +250,16 @@ pub(crate) fn add_blocks(
 ) {
     let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
     let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
-    let mut b = first;
     // Whole groups of eight with the lanes in registers, then the rest one by one.
-    if b % 8 == 0 {
-        while b + 8 <= nb {
-            for (k, lane) in lanes.iter_mut().enumerate() {
-                *lane += block(b + k);
-            }
-            b += 8;
+    let mut b = 8 * first_group;
+    while b + 8 <= nb {
+        for (k, lane) in lanes.iter_mut().enumerate() {
+            *lane += block(b + k);
         }
+        b += 8;
     }
-    while b < nb {
-        lanes[b % 8] += block(b);
-        b += 1;
+    for (k, b) in (b..nb).enumerate() {
+        lanes[k] += block(b);
     }
 }
 
@@ -295,7 +292,7 @@ fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         let mut lanes = unsafe {
             super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr())
         };
-        add_blocks(kind, groups * 8, nb, row, act, &mut lanes);
+        add_blocks(kind, groups, nb, row, act, &mut lanes);
         return sum_lanes8(&lanes);
     }
     vec_dot_portable(kind, n, row, act)
