@@ -80,14 +80,11 @@ impl GgufFile {
             }));
         }
         let count = count as usize;
-        let no = header
-            .metadata
-            .get_u64(keys::SPLIT_NO)?
-            .ok_or_else(|| {
-                err(ErrorKind::MissingKey {
-                    key: keys::SPLIT_NO.into(),
-                })
-            })?;
+        let no = header.metadata.get_u64(keys::SPLIT_NO)?.ok_or_else(|| {
+            err(ErrorKind::MissingKey {
+                key: keys::SPLIT_NO.into(),
+            })
+        })?;
         if no >= count as u64 {
             return Err(err(ErrorKind::SplitMismatch {
                 detail: format!("split.no {no} is not below split.count {count}"),
@@ -116,10 +113,7 @@ impl GgufFile {
                         Err(e) if is_not_found(&e) => {
                             return Err(GgufError::new(
                                 path_name(&part_path),
-                                ErrorKind::SplitPartMissing {
-                                    part: i + 1,
-                                    count,
-                                },
+                                ErrorKind::SplitPartMissing { part: i + 1, count },
                             ))
                         }
                         Err(e) => return Err(e),

@@ -199,12 +199,10 @@ impl Metadata {
         };
         match a.to_u32_vec() {
             Some(v) => Ok(Some(v)),
-            None if a.is_integer() => {
-                Err(self.err(ErrorKind::OutOfRange {
-                    key: key.to_string(),
-                    value: "an element outside u32".to_string(),
-                }))
-            }
+            None if a.is_integer() => Err(self.err(ErrorKind::OutOfRange {
+                key: key.to_string(),
+                value: "an element outside u32".to_string(),
+            })),
             None => Err(self.wrong_type(key, "an integer array", &Value::Array(a.clone()))),
         }
     }
@@ -252,7 +250,10 @@ impl Metadata {
         if values.len() != n_layers {
             return Err(self.err(ErrorKind::OutOfRange {
                 key: key.to_string(),
-                value: format!("an array of {} elements for {n_layers} layers", values.len()),
+                value: format!(
+                    "an array of {} elements for {n_layers} layers",
+                    values.len()
+                ),
             }));
         }
         Ok(Some(values))
@@ -352,7 +353,11 @@ impl Metadata {
     }
 
     /// `<arch>.<suffix>` per layer, if present.
-    pub fn arch_u32_per_layer_opt(&self, suffix: &str, n_layers: usize) -> Result<Option<Vec<u32>>> {
+    pub fn arch_u32_per_layer_opt(
+        &self,
+        suffix: &str,
+        n_layers: usize,
+    ) -> Result<Option<Vec<u32>>> {
         self.get_u32_per_layer(&self.arch_key(suffix)?, n_layers)
     }
 

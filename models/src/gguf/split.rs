@@ -39,10 +39,7 @@ mod tests {
         assert_eq!(p, Path::new("/m/qwen-00002-of-00003.gguf"));
         assert_eq!(split_prefix(&p, 1, 3), Some(PathBuf::from("/m/qwen")));
         assert_eq!(split_prefix(&p, 0, 3), None);
-        assert_eq!(
-            split_prefix(Path::new("-00001-of-00002.gguf"), 0, 2),
-            None
-        );
+        assert_eq!(split_prefix(Path::new("-00001-of-00002.gguf"), 0, 2), None);
         assert_eq!(
             split_prefix(Path::new("a-00001-of-00002.gguf"), 0, 2),
             Some(PathBuf::from("a"))

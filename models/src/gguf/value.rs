@@ -488,7 +488,10 @@ mod tests {
 
     #[test]
     fn depth_counts_nesting() {
-        let nested = Array::Array(vec![Array::Array(vec![Array::U8(vec![1])]), Array::I8(vec![])]);
+        let nested = Array::Array(vec![
+            Array::Array(vec![Array::U8(vec![1])]),
+            Array::I8(vec![]),
+        ]);
         assert_eq!(nested.depth(), 3);
         assert_eq!(Array::Array(vec![]).depth(), 1);
     }

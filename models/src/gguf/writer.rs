@@ -127,7 +127,12 @@ impl GgufWriter {
     /// Declares a tensor. Checks what llama.cpp checks when reading: a unique name shorter than 64 bytes,
     /// at most 4 dimensions, a first dimension that is a whole number of blocks of `ty`, and an element
     /// count and byte size that fit.
-    pub fn add_tensor(&mut self, name: impl Into<String>, ty: GgmlType, dims: &[u64]) -> Result<()> {
+    pub fn add_tensor(
+        &mut self,
+        name: impl Into<String>,
+        ty: GgmlType,
+        dims: &[u64],
+    ) -> Result<()> {
         let name = name.into();
         if name.len() >= MAX_TENSOR_NAME_LEN {
             let len = name.len();
@@ -293,9 +298,18 @@ impl GgufWriter {
         };
 
         let split_keys = [keys::SPLIT_NO, keys::SPLIT_COUNT, keys::SPLIT_TENSORS_COUNT];
-        let alignment = self.kv_index.get(keys::GENERAL_ALIGNMENT).map(|&i| &self.kvs[i].1);
+        let alignment = self
+            .kv_index
+            .get(keys::GENERAL_ALIGNMENT)
+            .map(|&i| &self.kvs[i].1);
         let split_values: Vec<[Value; 3]> = (0..count)
-            .map(|k| [Value::U16(k as u16), Value::U16(count16), Value::I32(total32)])
+            .map(|k| {
+                [
+                    Value::U16(k as u16),
+                    Value::U16(count16),
+                    Value::I32(total32),
+                ]
+            })
             .collect();
 
         let mut written: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(count);
@@ -364,7 +378,10 @@ impl GgufWriter {
         header.extend_from_slice(&(kvs.len() as u64).to_le_bytes());
         for (i, (key, value)) in kvs.iter().enumerate() {
             if key.is_empty() {
-                return Err(GgufError::new(file, ErrorKind::EmptyKey { index: i as u64 }));
+                return Err(GgufError::new(
+                    file,
+                    ErrorKind::EmptyKey { index: i as u64 },
+                ));
             }
             check_value(file, key, value)?;
             put_string(&mut header, key);
@@ -423,11 +440,25 @@ const ZEROS: [u8; 4096] = [0; 4096];
 
 impl Layout {
     /// Streams the file into `w`; tensor `k` of this layout is tensor `first_index + k` for `fill`.
-    fn write<W: Write, F>(&self, mut w: W, file: &str, first_index: usize, fill: &mut F) -> Result<u64>
+    fn write<W: Write, F>(
+        &self,
+        mut w: W,
+        file: &str,
+        first_index: usize,
+        fill: &mut F,
+    ) -> Result<u64>
     where
         F: FnMut(usize, &TensorInfo, &mut [u8]) -> std::io::Result<()>,
     {
-        let io = |source| GgufError::new(file, ErrorKind::Io { action: "writing", source });
+        let io = |source| {
+            GgufError::new(
+                file,
+                ErrorKind::Io {
+                    action: "writing",
+                    source,
+                },
+            )
+        };
         w.write_all(&self.header).map_err(io)?;
         let mut pos = self.header.len() as u64;
         write_zeros(&mut w, self.data_offset - pos).map_err(io)?;
@@ -476,9 +507,7 @@ fn write_file(
     let file = File::create(tmp).map_err(|e| io("creating the temporary file", e))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
     body(&mut w)?;
-    let file = w
-        .into_inner()
-        .map_err(|e| io("writing", e.into_error()))?;
+    let file = w.into_inner().map_err(|e| io("writing", e.into_error()))?;
     file.sync_all().map_err(|e| io("syncing", e))
 }
 

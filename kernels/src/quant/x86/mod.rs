@@ -4,5 +4,6 @@
 //! check `super::has_avx2_fma()` first.
 
 pub(crate) mod float_avx2;
+pub(crate) mod iquants_avx2;
 pub(crate) mod kquants_avx2;
 pub(crate) mod legacy_avx2;
