@@ -7,8 +7,10 @@
 //! - [`quant`]: every GGML block format the engine reads (layout, dequantization, activation quantization,
 //!   dot products with run-time chosen AVX2/FMA code and a portable fallback, random valid blocks).
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
+//! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
 
 pub mod matmul;
+pub mod ops;
 pub mod quant;
 pub mod rng;

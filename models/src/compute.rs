@@ -20,6 +20,20 @@ pub struct WeightId(pub u32);
 pub struct Batch<'a> {
     pub tokens: &'a [u32],
     pub pos0: u32,
+    /// Which tokens' logits the forward pass returns.
+    pub logits: Logits,
+}
+
+/// Which tokens of a batch get logits. The forward pass drops the other rows before the last layer's
+/// feed-forward block (as llama.cpp does with `inp_out_ids`), so asking for fewer saves work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None: the call only extends the sequence state (a prompt read in several calls).
+    None,
+    /// The last token's.
+    Last,
+    /// Every token's.
+    All,
 }
 
 impl Batch<'_> {
@@ -29,6 +43,15 @@ impl Batch<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
+    }
+
+    /// The rows (indices into the batch) whose logits are returned, in order.
+    pub fn output_rows(&self) -> Vec<usize> {
+        match self.logits {
+            Logits::None => Vec::new(),
+            Logits::Last => self.len().checked_sub(1).into_iter().collect(),
+            Logits::All => (0..self.len()).collect(),
+        }
     }
 }
 
@@ -83,7 +106,8 @@ pub struct Attention {
     pub scale: f32,
     /// Sliding window: a token at position `p` sees positions `> p - window` (llama.cpp's standard SWA).
     pub window: Option<u32>,
-    /// `cap·tanh(s/cap)` on the scores before the softmax.
+    /// `cap·tanh(s/cap)` on the scaled scores `s = scale·q·k` before the softmax (as ggml's flash
+    /// attention applies it).
     pub softcap: Option<f32>,
 }
 
@@ -188,8 +212,10 @@ pub trait Compute {
     /// `[n, n_heads·parts·head] → [n, n_heads·head]` (Qwen3.5's query and gate, interleaved per head).
     fn head_part(&mut self, x: &Self::Act, head: usize, parts: usize, part: usize) -> Self::Act;
 
-    /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`,
-    /// head `h` landing at `h·times + r` (ggml_repeat order differs: see the architecture that calls it).
+    /// Each group of `head` columns repeated so `[n, n_heads·head]` becomes `[n, n_heads·times·head]`.
+    /// Copy `r` of head `h` lands at head slot `h·times + r` when `interleave` (each head's copies side by
+    /// side), else at `r·n_heads + h` (the whole row tiled `times` times: ggml_repeat's order, which makes
+    /// slot `s` read head `s mod n_heads`, as llama.cpp's broadcasting of key heads over value heads does).
     fn repeat_heads(
         &mut self,
         x: &Self::Act,

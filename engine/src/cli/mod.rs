@@ -2,6 +2,7 @@
 
 mod dump;
 mod inspect;
+mod run;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,8 @@ enum Command {
     Dump(dump::DumpArgs),
     /// Write a synthetic model of a real layout (random weights in their target types).
     Synth(synth::SynthArgs),
+    /// Run a model on prompt token ids: greedy (or sampled) tokens with their top-N probabilities.
+    Run(run::RunArgs),
 }
 
 /// Runs the chosen subcommand.
@@ -36,5 +39,6 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Inspect(args) => inspect::run(args),
         Command::Dump(args) => dump::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Run(args) => run::run(args),
     }
 }

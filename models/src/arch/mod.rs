@@ -6,18 +6,21 @@
 //! it) and its [`TensorClass`] (what `synth` and quantizers pick types by). [`resolve_tensors`] turns a
 //! table and a hyperparameter set into concrete names and shapes; the forward pass and `synth` both use it.
 //!
+//! - [`graph`]: the forward-pass interface ([`Forward`], [`ModelGraph`], [`StateSpec`], tensor binding).
 //! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
 //!   shared experts, one MTP (next-token prediction) block.
 //! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
 
 pub mod gemma3;
+pub mod graph;
 pub mod qwen35moe;
 pub mod qwen3moe;
 
 use crate::gguf::{GgufError, Metadata, Value};
 
 pub use gemma3::Gemma3Hparams;
+pub use graph::{bind_tensors, Forward, ModelGraph, ModelInfo, StateSpec, TensorMap};
 pub use qwen35moe::Qwen35MoeHparams;
 pub use qwen3moe::Qwen3MoeHparams;
 

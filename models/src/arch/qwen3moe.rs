@@ -2,12 +2,15 @@
 //! per-head RMS-normed Q and K (RoPE over the whole head), then a mixture of experts (softmax router, top-k,
 //! weights renormalized, SwiGLU experts). No shared expert, untied output.
 //!
-//! Follows llama.cpp's `src/models/qwen3moe.cpp` (hyperparameters, tensors, graph).
+//! Follows llama.cpp's `src/models/qwen3moe.cpp` (hyperparameters, tensors, graph); [`Qwen3MoeGraph`] is the
+//! forward pass.
 
+use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
     LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
+use crate::compute::{Attention, Compute, Gating, Moe, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
@@ -233,5 +236,162 @@ impl ArchHparams for Qwen3MoeHparams {
             "layer_norm_rms_epsilon must be positive",
         )?;
         Ok(())
+    }
+}
+
+/// The weights of one `qwen3moe` block.
+#[derive(Clone, Debug)]
+struct Block {
+    attn_norm: WeightId,
+    wq: WeightId,
+    wk: WeightId,
+    wv: WeightId,
+    wo: WeightId,
+    q_norm: WeightId,
+    k_norm: WeightId,
+    ffn_norm: WeightId,
+    moe: Moe,
+}
+
+/// The forward pass of a `qwen3moe` model (llama.cpp's `llama_model_qwen3moe::graph`).
+#[derive(Clone, Debug)]
+pub struct Qwen3MoeGraph {
+    hp: Qwen3MoeHparams,
+    info: ModelInfo,
+    tok_embd: WeightId,
+    output_norm: WeightId,
+    /// `output.weight`, or the token embedding when the file ties them.
+    output: WeightId,
+    blocks: Vec<Block>,
+}
+
+impl Qwen3MoeGraph {
+    /// Builds the forward pass from bound tensors.
+    pub fn new(
+        hp: Qwen3MoeHparams,
+        t: &TensorMap,
+        md: &Metadata,
+    ) -> Result<Qwen3MoeGraph, ArchError> {
+        let tok_embd = t.global_req(Role::TokenEmbd)?;
+        let blocks = (0..hp.n_layer)
+            .map(|il| {
+                Ok(Block {
+                    attn_norm: t.layer(Role::AttnNorm, il)?,
+                    wq: t.layer(Role::AttnQ, il)?,
+                    wk: t.layer(Role::AttnK, il)?,
+                    wv: t.layer(Role::AttnV, il)?,
+                    wo: t.layer(Role::AttnOut, il)?,
+                    q_norm: t.layer(Role::AttnQNorm, il)?,
+                    k_norm: t.layer(Role::AttnKNorm, il)?,
+                    ffn_norm: t.layer(Role::FfnNorm, il)?,
+                    moe: Moe {
+                        router: t.layer(Role::FfnGateInp, il)?,
+                        gate_exps: t.layer(Role::FfnGateExps, il)?,
+                        up_exps: t.layer(Role::FfnUpExps, il)?,
+                        down_exps: t.layer(Role::FfnDownExps, il)?,
+                        n_expert: hp.n_expert as usize,
+                        n_expert_used: hp.n_expert_used as usize,
+                        gating: Gating::Softmax,
+                        // llama.cpp passes norm_w = true for qwen3moe whatever the file says.
+                        norm_weights: true,
+                        weights_scale: 1.0,
+                        act: Unary::Silu,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, ArchError>>()?;
+        let info = ModelInfo::new(
+            ARCH,
+            hp.n_vocab as usize,
+            hp.n_embd as usize,
+            hp.n_ctx_train,
+            md,
+        )?;
+        Ok(Qwen3MoeGraph {
+            tok_embd,
+            output_norm: t.global_req(Role::OutputNorm)?,
+            output: t.global(Role::Output).unwrap_or(tok_embd),
+            blocks,
+            info,
+            hp,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn hparams(&self) -> &Qwen3MoeHparams {
+        &self.hp
+    }
+}
+
+impl Forward for Qwen3MoeGraph {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn layer_states(&self) -> Vec<StateSpec> {
+        let kv = StateSpec::Kv {
+            n_head_kv: self.hp.n_head_kv as usize,
+            head_dim_k: self.hp.head_dim as usize,
+            head_dim_v: self.hp.head_dim as usize,
+            window: None,
+        };
+        vec![kv; self.blocks.len()]
+    }
+
+    fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
+        let hp = &self.hp;
+        let (n_embd, head_dim) = (hp.n_embd as usize, hp.head_dim as usize);
+        let eps = hp.rms_eps;
+        let rope = Rope {
+            kind: RopeKind::Neox,
+            head_dim,
+            n_rot: head_dim,
+            freq_base: hp.rope_freq_base,
+            freq_scale: 1.0,
+        };
+        let attn = Attention {
+            n_head: hp.n_head as usize,
+            n_head_kv: hp.n_head_kv as usize,
+            head_dim_k: head_dim,
+            head_dim_v: head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        let (tokens, out_rows) = {
+            let b = c.batch();
+            (b.tokens.to_vec(), b.output_rows())
+        };
+        let last = self.blocks.len() - 1;
+
+        let mut inp = c.embed(self.tok_embd, &tokens);
+        for (il, b) in self.blocks.iter().enumerate() {
+            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
+
+            // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head.
+            let q = c.matmul(b.wq, &cur);
+            let k = c.matmul(b.wk, &cur);
+            let v = c.matmul(b.wv, &cur);
+            let q = c.rms_norm(&q, Some(b.q_norm), eps, head_dim);
+            let q = c.rope(&q, &rope);
+            let k = c.rms_norm(&k, Some(b.k_norm), eps, head_dim);
+            let k = c.rope(&k, &rope);
+            let att = c.attention(il, &q, &k, &v, &attn);
+            let mut cur = c.matmul(b.wo, &att);
+
+            // After the last block's attention only the rows whose logits are wanted go on.
+            if il == last && out_rows.len() < tokens.len() {
+                cur = c.rows(&cur, &out_rows);
+                inp = c.rows(&inp, &out_rows);
+            }
+            let ffn_inp = c.add(&cur, &inp);
+
+            // Mixture of experts.
+            let cur = c.rms_norm(&ffn_inp, Some(b.ffn_norm), eps, n_embd);
+            let moe_out = c.moe(il, &cur, &b.moe);
+            inp = c.add(&moe_out, &ffn_inp);
+        }
+        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
+        c.matmul(self.output, &cur)
     }
 }

@@ -1,0 +1,191 @@
+//! `poly-engine run`: reads prompt token ids, generates tokens on the CPU, and prints every step's token
+//! and the likeliest tokens with their probabilities (as JSON lines with `--json`).
+
+use super::CliResult;
+use clap::Args;
+use poly_engine::generate::{generate, GenerateOptions, Step, DEFAULT_UBATCH};
+use poly_engine::sample::{Sampler, SamplerConfig};
+use poly_engine::state::KvPrecision;
+use poly_engine::{EngineError, Model};
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// The GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_name = "IDS", conflicts_with = "prompt_file")]
+    prompt_tokens: Option<String>,
+    /// A file of prompt token ids separated by commas or white space.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: usize,
+    /// How many likeliest tokens to print per step.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// Most prompt tokens per forward call.
+    #[arg(long, default_value_t = DEFAULT_UBATCH)]
+    ubatch: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Context size in tokens (default: the model's training context).
+    #[arg(long, default_value_t = 0)]
+    n_ctx: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    /// Top-k (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Top-p (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Min-p (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Presence penalty (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Frequency penalty (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Tokens the penalties look back over.
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Keep keys and values in the KV cache at f32 precision (default: rounded to f16, as llama.cpp).
+    #[arg(long)]
+    kv_f32: bool,
+    /// Print JSON lines instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Token ids separated by commas and/or white space.
+fn parse_ids(s: &str) -> Result<Vec<u32>, EngineError> {
+    s.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.parse::<u32>()
+                .map_err(|_| EngineError(format!("{p:?} is not a token id")))
+        })
+        .collect()
+}
+
+fn step_json(i: usize, s: &Step) -> serde_json::Value {
+    let top: Vec<serde_json::Value> = s
+        .top
+        .iter()
+        .map(|&(t, lp)| json!({"token": t, "logprob": lp, "prob": lp.exp()}))
+        .collect();
+    json!({"step": i, "token": s.token, "logprob": s.logprob, "prob": s.logprob.exp(), "top": top})
+}
+
+fn step_text(i: usize, s: &Step) -> String {
+    let top: Vec<String> = s
+        .top
+        .iter()
+        .map(|&(t, lp)| format!("{t}:{:.4}", lp.exp()))
+        .collect();
+    format!(
+        "{i:4} token {:6} p {:.4}  top {}",
+        s.token,
+        s.logprob.exp(),
+        top.join(" ")
+    )
+}
+
+pub fn run(args: RunArgs) -> CliResult {
+    let prompt = match (&args.prompt_tokens, &args.prompt_file) {
+        (Some(s), _) => parse_ids(s)?,
+        (None, Some(f)) => parse_ids(
+            &std::fs::read_to_string(f)
+                .map_err(|e| EngineError(format!("{}: {e}", f.display())))?,
+        )?,
+        (None, None) => {
+            return Err(EngineError("give --prompt-tokens or --prompt-file".into()).into())
+        }
+    };
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = args.threads {
+        pool = pool.num_threads(n);
+    }
+    let pool = pool.build()?;
+
+    let start = Instant::now();
+    let model = Model::load(&args.model)?;
+    let loaded = start.elapsed();
+    let precision = if args.kv_f32 {
+        KvPrecision::F32
+    } else {
+        KvPrecision::F16
+    };
+    let mut state = model.new_state_with(args.n_ctx, precision);
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        stop_tokens: if args.ignore_eos {
+            Vec::new()
+        } else {
+            model.info().stop_tokens()
+        },
+        ubatch: args.ubatch,
+        top_n: args.top,
+    };
+    let mut sampler = Sampler::new(SamplerConfig {
+        temperature: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        min_keep: 0,
+        repeat_penalty: args.repeat_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
+        penalty_last_n: args.repeat_last_n,
+        seed: args.seed,
+    });
+
+    let mut out = std::io::stdout();
+    let mut io_error = None;
+    let mut n_steps = 0usize;
+    let gen_start = Instant::now();
+    let generation = pool.install(|| {
+        generate(&model, &mut state, &prompt, &opts, &mut sampler, |s| {
+            let line = if args.json {
+                step_json(n_steps, s).to_string()
+            } else {
+                step_text(n_steps, s)
+            };
+            n_steps += 1;
+            if let Err(e) = writeln!(out, "{line}") {
+                io_error.get_or_insert(e);
+            }
+        })
+    })?;
+    if let Some(e) = io_error {
+        return Err(e.into());
+    }
+    let secs = gen_start.elapsed().as_secs_f64();
+    eprintln!(
+        "{} prompt tokens, {} generated ({:?}) in {secs:.2} s; model loaded in {:.2} s",
+        prompt.len(),
+        generation.steps.len(),
+        generation.stop,
+        loaded.as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,472 @@
+//! The CPU backend: [`Compute`] over the memory-mapped model file with `poly-kernels`.
+//!
+//! - [`CpuWeights`]: the file's tensors as matrices (borrowed from the mapping, never copied) and, for
+//!   the small float tensors the element-wise operations read (norm weights, conv kernels), dequantized
+//!   f32 copies made on first use.
+//! - [`CpuForward`]: one forward call: the batch, the sequence state it advances, and the operations.
+//!   Matrix products go through `poly_kernels::matmul` (a batch of one through `matvec`); everything runs
+//!   on the rayon pool the caller installs.
+//! - [`moe`]: the mixture-of-experts block (routing, tokens grouped by expert, weighted sum).
+//!
+//! Activations ([`Mat`]) are row-major f32 `[n_tokens, width]`.
+
+pub mod moe;
+#[cfg(test)]
+mod tests;
+
+use std::sync::{Arc, OnceLock};
+
+use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
+use poly_kernels::ops::{act, attention, norm, recurrent, rope};
+use poly_kernels::quant::dequantize;
+use poly_models::compute::{
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
+    WeightId,
+};
+use poly_models::gguf::{GgufFile, TensorInfo};
+
+use crate::state::{LayerState, SeqState};
+
+/// A row-major `[rows, cols]` f32 activation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mat {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl Mat {
+    /// A matrix of zeros.
+    pub fn zeros(rows: usize, cols: usize) -> Mat {
+        Mat {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+
+    /// `data` as `rows` rows.
+    pub fn from_vec(rows: usize, cols: usize, data: Vec<f32>) -> Mat {
+        assert_eq!(data.len(), rows * cols, "Mat: data is not rows × cols");
+        Mat { rows, cols, data }
+    }
+
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Row `r`, to write.
+    pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
+        &mut self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    fn map(&self, f: impl Fn(f32) -> f32) -> Mat {
+        Mat::from_vec(
+            self.rows,
+            self.cols,
+            self.data.iter().map(|&v| f(v)).collect(),
+        )
+    }
+}
+
+/// `f(x)`.
+pub fn apply_unary(f: Unary, x: f32) -> f32 {
+    match f {
+        Unary::Silu => act::silu(x),
+        Unary::Gelu => act::gelu(x),
+        Unary::Sigmoid => act::sigmoid(x),
+        Unary::Softplus => act::softplus(x),
+        Unary::Tanh => x.tanh(),
+        Unary::Exp => x.exp(),
+    }
+}
+
+/// The tensors of a model file, for the CPU.
+pub struct CpuWeights {
+    file: Arc<GgufFile>,
+    /// Dequantized copies of the tensors element-wise operations read, made on first use.
+    f32_copies: Vec<OnceLock<Vec<f32>>>,
+}
+
+impl CpuWeights {
+    /// The tensors of `file`. Their types and shapes are trusted: the architecture checked them when it
+    /// bound them ([`poly_models::arch::bind_tensors`]).
+    pub fn new(file: Arc<GgufFile>) -> CpuWeights {
+        let n = file.n_tensors();
+        CpuWeights {
+            file,
+            f32_copies: (0..n).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// The file.
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// The tensor's name, type and shape.
+    pub fn info(&self, w: WeightId) -> &TensorInfo {
+        &self.file.tensor_infos()[w.0 as usize]
+    }
+
+    /// The tensor's bytes, borrowed from the mapping.
+    pub fn bytes(&self, w: WeightId) -> &[u8] {
+        let info = self.info(w);
+        let part = self
+            .file
+            .part_bytes(info.part)
+            .expect("a tensor's part file is mapped");
+        // The parser checked every tensor against its part's length.
+        &part[info.offset as usize..(info.offset + info.n_bytes) as usize]
+    }
+
+    /// The tensor as a matrix of `ne0`-long rows (every further dimension counts rows).
+    pub fn matrix(&self, w: WeightId) -> QuantMatrix<'_> {
+        let info = self.info(w);
+        QuantMatrix::new(
+            info.ty,
+            info.n_rows() as usize,
+            info.row_len() as usize,
+            self.bytes(w),
+        )
+        .expect("bound tensors are computable matrices")
+    }
+
+    /// Matrix `e` of a 3-D tensor `[ne0, ne1, n]`: its rows `e·ne1 .. (e+1)·ne1`.
+    pub fn sub_matrix(&self, w: WeightId, e: usize) -> QuantMatrix<'_> {
+        let info = self.info(w);
+        let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+        let full = self.matrix(w);
+        let rb = full.row_bytes();
+        QuantMatrix::new(
+            full.ty,
+            rows,
+            full.cols,
+            &full.data[e * rows * rb..(e + 1) * rows * rb],
+        )
+        .expect("an expert is whole rows of its tensor")
+    }
+
+    /// The whole tensor as f32 (dequantized once, then kept).
+    pub fn f32(&self, w: WeightId) -> &[f32] {
+        self.f32_copies[w.0 as usize].get_or_init(|| {
+            let info = self.info(w);
+            let mut out = vec![0f32; info.n_elements() as usize];
+            dequantize(info.ty, self.bytes(w), &mut out).expect("bound tensors dequantize");
+            out
+        })
+    }
+
+    /// Row `r` of the tensor, dequantized into `out`.
+    pub fn row_into(&self, w: WeightId, r: usize, out: &mut [f32]) {
+        let m = self.matrix(w);
+        dequantize(m.ty, m.row(r), out).expect("bound tensors dequantize");
+    }
+}
+
+/// `Y = X·Wᵀ` on the pool the caller runs in.
+pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
+    assert_eq!(
+        x.cols, m.cols,
+        "matmul: activation width differs from the weight's rows"
+    );
+    let mut y = Mat::zeros(x.rows, m.rows);
+    match x.rows {
+        0 => {}
+        1 => matvec(m, &x.data, &mut y.data),
+        n => matmul(m, &x.data, n, &mut y.data),
+    }
+    y
+}
+
+/// One forward call on the CPU: a batch of tokens advancing one sequence's state.
+pub struct CpuForward<'a> {
+    weights: &'a CpuWeights,
+    state: &'a mut SeqState,
+    tokens: &'a [u32],
+    logits: Logits,
+    positions: Vec<u32>,
+}
+
+impl<'a> CpuForward<'a> {
+    /// A call reading `tokens` at the state's next positions. The caller checks that the tokens are in
+    /// the vocabulary and fit in the context, and records them in the state afterwards.
+    pub fn new(
+        weights: &'a CpuWeights,
+        state: &'a mut SeqState,
+        tokens: &'a [u32],
+        logits: Logits,
+    ) -> CpuForward<'a> {
+        let pos0 = state.n_past() as u32;
+        CpuForward {
+            weights,
+            state,
+            tokens,
+            logits,
+            positions: (0..tokens.len() as u32).map(|i| pos0 + i).collect(),
+        }
+    }
+
+    fn pos0(&self) -> u32 {
+        self.state.n_past() as u32
+    }
+}
+
+fn same_shape(a: &Mat, b: &Mat, op: &str) {
+    assert!(
+        a.rows == b.rows && a.cols == b.cols,
+        "{op}: shapes [{}, {}] and [{}, {}] differ",
+        a.rows,
+        a.cols,
+        b.rows,
+        b.cols
+    );
+}
+
+impl Compute for CpuForward<'_> {
+    type Act = Mat;
+
+    fn shape(&self, x: &Mat) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn embed(&mut self, table: WeightId, tokens: &[u32]) -> Mat {
+        let n_embd = self.weights.info(table).row_len() as usize;
+        let mut out = Mat::zeros(tokens.len(), n_embd);
+        for (i, &t) in tokens.iter().enumerate() {
+            self.weights.row_into(table, t as usize, out.row_mut(i));
+        }
+        out
+    }
+
+    fn matmul(&mut self, w: WeightId, x: &Mat) -> Mat {
+        mat_mul(&self.weights.matrix(w), x)
+    }
+
+    fn rms_norm(&mut self, x: &Mat, weight: Option<WeightId>, eps: f32, group: usize) -> Mat {
+        let w = weight.map(|w| self.weights.f32(w));
+        let mut out = Mat::zeros(x.rows, x.cols);
+        norm::rms_norm(&x.data, group, w, eps, &mut out.data);
+        out
+    }
+
+    fn l2_norm(&mut self, x: &Mat, eps: f32, group: usize) -> Mat {
+        let mut out = Mat::zeros(x.rows, x.cols);
+        norm::l2_norm(&x.data, group, eps, &mut out.data);
+        out
+    }
+
+    fn add(&mut self, a: &Mat, b: &Mat) -> Mat {
+        same_shape(a, b, "add");
+        let data = a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect();
+        Mat::from_vec(a.rows, a.cols, data)
+    }
+
+    fn mul(&mut self, a: &Mat, b: &Mat) -> Mat {
+        if b.cols == 1 && a.cols != 1 {
+            assert_eq!(a.rows, b.rows, "mul: broadcast column of the wrong height");
+            let mut out = a.clone();
+            for r in 0..a.rows {
+                let s = b.data[r];
+                out.row_mut(r).iter_mut().for_each(|v| *v *= s);
+            }
+            return out;
+        }
+        same_shape(a, b, "mul");
+        let data = a.data.iter().zip(&b.data).map(|(x, y)| x * y).collect();
+        Mat::from_vec(a.rows, a.cols, data)
+    }
+
+    fn add_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
+        let w = self.weights.f32(w);
+        assert_eq!(w.len(), x.cols, "add_weight: weight of the wrong width");
+        let mut out = x.clone();
+        for r in 0..x.rows {
+            out.row_mut(r).iter_mut().zip(w).for_each(|(v, b)| *v += b);
+        }
+        out
+    }
+
+    fn mul_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
+        let w = self.weights.f32(w);
+        assert_eq!(w.len(), x.cols, "mul_weight: weight of the wrong width");
+        let mut out = x.clone();
+        for r in 0..x.rows {
+            out.row_mut(r).iter_mut().zip(w).for_each(|(v, s)| *v *= s);
+        }
+        out
+    }
+
+    fn scale(&mut self, x: &Mat, s: f32) -> Mat {
+        x.map(|v| v * s)
+    }
+
+    fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
+        x.map(|v| apply_unary(f, v))
+    }
+
+    fn cols(&mut self, x: &Mat, start: usize, len: usize) -> Mat {
+        assert!(start + len <= x.cols, "cols: range past the row");
+        let mut out = Mat::zeros(x.rows, len);
+        for r in 0..x.rows {
+            out.row_mut(r)
+                .copy_from_slice(&x.row(r)[start..start + len]);
+        }
+        out
+    }
+
+    fn head_part(&mut self, x: &Mat, head: usize, parts: usize, part: usize) -> Mat {
+        let group = head * parts;
+        assert!(
+            part < parts && head > 0 && x.cols.is_multiple_of(group),
+            "head_part: row is not whole groups"
+        );
+        let n_heads = x.cols / group;
+        let mut out = Mat::zeros(x.rows, n_heads * head);
+        for r in 0..x.rows {
+            let (src, dst) = (
+                x.row(r),
+                &mut out.data[r * n_heads * head..][..n_heads * head],
+            );
+            for h in 0..n_heads {
+                dst[h * head..(h + 1) * head]
+                    .copy_from_slice(&src[h * group + part * head..][..head]);
+            }
+        }
+        out
+    }
+
+    fn repeat_heads(&mut self, x: &Mat, head: usize, times: usize, interleave: bool) -> Mat {
+        assert!(
+            head > 0 && x.cols.is_multiple_of(head),
+            "repeat_heads: row is not whole heads"
+        );
+        let n_heads = x.cols / head;
+        let width = n_heads * times * head;
+        let mut out = Mat::zeros(x.rows, width);
+        for r in 0..x.rows {
+            let src = x.row(r);
+            let dst = &mut out.data[r * width..(r + 1) * width];
+            for h in 0..n_heads {
+                for t in 0..times {
+                    let slot = if interleave {
+                        h * times + t
+                    } else {
+                        t * n_heads + h
+                    };
+                    dst[slot * head..(slot + 1) * head]
+                        .copy_from_slice(&src[h * head..(h + 1) * head]);
+                }
+            }
+        }
+        out
+    }
+
+    fn rows(&mut self, x: &Mat, rows: &[usize]) -> Mat {
+        let mut out = Mat::zeros(rows.len(), x.cols);
+        for (i, &r) in rows.iter().enumerate() {
+            out.row_mut(i).copy_from_slice(x.row(r));
+        }
+        out
+    }
+
+    fn rope(&mut self, x: &Mat, r: &Rope) -> Mat {
+        let p = rope::RopeParams {
+            mode: match r.kind {
+                RopeKind::Normal => rope::RopeMode::Normal,
+                RopeKind::Neox => rope::RopeMode::Neox,
+            },
+            head_dim: r.head_dim,
+            n_rot: r.n_rot,
+            freq_base: r.freq_base,
+            freq_scale: r.freq_scale,
+        };
+        let mut out = x.clone();
+        rope::rope(&mut out.data, &self.positions, &p);
+        out
+    }
+
+    fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
+        let pos0 = self.pos0() as usize;
+        let LayerState::Kv(cache) = self.state.layer_mut(layer) else {
+            panic!("attention on layer {layer}, whose state is not a KV cache");
+        };
+        assert_eq!(
+            cache.len(),
+            pos0,
+            "attention: layer {layer}'s KV cache is not at the batch's position"
+        );
+        cache.append(&k.data, &v.data);
+        let p = attention::AttnParams {
+            n_head: a.n_head,
+            n_head_kv: a.n_head_kv,
+            head_dim_k: a.head_dim_k,
+            head_dim_v: a.head_dim_v,
+            scale: a.scale,
+            window: a.window,
+            softcap: a.softcap,
+        };
+        let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
+        attention::attention(
+            &q.data,
+            &self.positions,
+            cache.keys(),
+            cache.values(),
+            &p,
+            &mut out.data,
+        );
+        out
+    }
+
+    fn moe(&mut self, _layer: usize, x: &Mat, m: &Moe) -> Mat {
+        moe::moe(self.weights, x, m)
+    }
+
+    fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {
+        let info = self.weights.info(kernel);
+        let taps = info.row_len() as usize;
+        let w = self.weights.f32(kernel);
+        let LayerState::Recurrent(s) = self.state.layer_mut(layer) else {
+            panic!("ssm_conv on layer {layer}, whose state is not recurrent");
+        };
+        assert_eq!(
+            taps, s.conv_kernel,
+            "ssm_conv: kernel length differs from the state's"
+        );
+        let mut out = Mat::zeros(x.rows, x.cols);
+        recurrent::conv1d_causal(&x.data, x.cols, w, taps, &mut s.conv, &mut out.data);
+        out
+    }
+
+    fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Mat>, net: &DeltaNet) -> Mat {
+        let LayerState::Recurrent(s) = self.state.layer_mut(layer) else {
+            panic!("gated_delta_net on layer {layer}, whose state is not recurrent");
+        };
+        let shape = recurrent::DeltaShape {
+            n_heads: net.n_v_heads,
+            head_k: net.head_k,
+            head_v: net.head_v,
+        };
+        let mut out = Mat::zeros(x.v.rows, net.n_v_heads * net.head_v);
+        recurrent::gated_delta_rule(
+            &x.q.data,
+            &x.k.data,
+            &x.v.data,
+            &x.gate.data,
+            &x.beta.data,
+            shape,
+            &mut s.delta,
+            &mut out.data,
+        );
+        out
+    }
+
+    fn batch(&self) -> Batch<'_> {
+        Batch {
+            tokens: self.tokens,
+            pos0: self.pos0(),
+            logits: self.logits,
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The mixture-of-experts block on the CPU, as llama.cpp's `build_moe_ffn` computes it: router logits,
+//! probabilities (softmax or sigmoid), the top-k experts per token, their weights (renormalized and
+//! scaled when asked), then each chosen expert's `down(act(gate·x) ⊙ up·x)` summed with those weights.
+//!
+//! Tokens are grouped by expert, so each expert's three matrices (sub-matrices of the `*_exps` tensors)
+//! stream once per call for all the tokens routed to it; experts run in parallel. A token's expert outputs
+//! are summed in its routing order, so its result does not depend on the rest of the batch.
+
+use poly_kernels::ops::act;
+use poly_kernels::ops::topk::{route, Gating as KGating};
+use poly_models::compute::{Gating, Moe, Unary};
+use rayon::prelude::*;
+
+use super::{apply_unary, mat_mul, CpuWeights, Mat};
+
+/// The block's output for `x` (`[n, n_embd]`).
+pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
+    let (n, n_embd) = (x.rows, x.cols);
+    let k = m.n_expert_used;
+    let mut out = Mat::zeros(n, n_embd);
+    if n == 0 || k == 0 {
+        return out;
+    }
+    let logits = mat_mul(&w.matrix(m.router), x);
+    assert_eq!(
+        logits.cols, m.n_expert,
+        "moe: router width differs from n_expert"
+    );
+    let gating = match m.gating {
+        Gating::Softmax => KGating::Softmax,
+        Gating::Sigmoid => KGating::Sigmoid,
+    };
+    let routes: Vec<Vec<(u32, f32)>> = (0..n)
+        .map(|t| route(logits.row(t), gating, k, m.norm_weights, m.weights_scale))
+        .collect();
+
+    // For every expert, the (token, slot) pairs routed to it.
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); m.n_expert];
+    for (t, r) in routes.iter().enumerate() {
+        for (slot, &(e, _)) in r.iter().enumerate() {
+            by_expert[e as usize].push((t, slot));
+        }
+    }
+    let active: Vec<usize> = (0..m.n_expert)
+        .filter(|&e| !by_expert[e].is_empty())
+        .collect();
+    let outputs: Vec<Mat> = active
+        .par_iter()
+        .map(|&e| {
+            let xs = Mat::from_vec(
+                by_expert[e].len(),
+                n_embd,
+                by_expert[e]
+                    .iter()
+                    .flat_map(|&(t, _)| x.row(t).iter().copied())
+                    .collect(),
+            );
+            expert(w, m, e, &xs)
+        })
+        .collect();
+
+    // Each token's expert outputs, by routing slot, then summed in slot order.
+    let mut slots = vec![0f32; n * k * n_embd];
+    for (&e, y) in active.iter().zip(&outputs) {
+        for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
+            slots[(t * k + slot) * n_embd..][..n_embd].copy_from_slice(y.row(i));
+        }
+    }
+    for (t, r) in routes.iter().enumerate() {
+        let o = out.row_mut(t);
+        for (slot, &(_, weight)) in r.iter().enumerate() {
+            let y = &slots[(t * k + slot) * n_embd..][..n_embd];
+            o.iter_mut().zip(y).for_each(|(a, b)| *a += weight * b);
+        }
+    }
+    out
+}
+
+/// Expert `e` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`.
+fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat) -> Mat {
+    let mut gate = mat_mul(&w.sub_matrix(m.gate_exps, e), xs);
+    let up = mat_mul(&w.sub_matrix(m.up_exps, e), xs);
+    match m.act {
+        Unary::Silu => act::swiglu_in_place(&mut gate.data, &up.data),
+        Unary::Gelu => act::geglu_in_place(&mut gate.data, &up.data),
+        f => gate
+            .data
+            .iter_mut()
+            .zip(&up.data)
+            .for_each(|(g, u)| *g = apply_unary(f, *g) * u),
+    }
+    mat_mul(&w.sub_matrix(m.down_exps, e), &gate)
+}

@@ -1,0 +1,124 @@
+//! A loaded model: the mapped file, its forward pass, and its weights for the CPU backend; and
+//! [`Model::eval`], one forward call that advances a sequence's state.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use poly_models::arch::{Forward, ModelGraph, ModelInfo};
+use poly_models::compute::Logits;
+use poly_models::gguf::GgufFile;
+
+use crate::cpu::{CpuForward, CpuWeights};
+use crate::state::{KvPrecision, SeqState};
+
+/// An error of the engine: a message for people.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineError(pub String);
+
+impl std::fmt::Display for EngineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+impl From<poly_models::arch::ArchError> for EngineError {
+    fn from(e: poly_models::arch::ArchError) -> Self {
+        EngineError(e.to_string())
+    }
+}
+
+impl From<poly_models::GgufError> for EngineError {
+    fn from(e: poly_models::GgufError) -> Self {
+        EngineError(e.to_string())
+    }
+}
+
+/// A model ready to run on the CPU.
+pub struct Model {
+    graph: ModelGraph,
+    weights: CpuWeights,
+}
+
+impl Model {
+    /// Opens (memory-maps) the GGUF file at `path` and builds its forward pass.
+    pub fn load(path: impl AsRef<Path>) -> Result<Model, EngineError> {
+        Model::from_file(Arc::new(GgufFile::open(path)?))
+    }
+
+    /// Builds the forward pass of an opened file.
+    pub fn from_file(file: Arc<GgufFile>) -> Result<Model, EngineError> {
+        let graph = ModelGraph::from_file(&file)?;
+        Ok(Model {
+            graph,
+            weights: CpuWeights::new(file),
+        })
+    }
+
+    /// Sizes and special tokens.
+    pub fn info(&self) -> &ModelInfo {
+        self.graph.info()
+    }
+
+    /// The forward pass.
+    pub fn graph(&self) -> &ModelGraph {
+        &self.graph
+    }
+
+    /// An empty sequence of at most `n_ctx` tokens (0: the training context), its KV caches of the
+    /// default precision.
+    pub fn new_state(&self, n_ctx: usize) -> SeqState {
+        self.new_state_with(n_ctx, KvPrecision::default())
+    }
+
+    /// An empty sequence of at most `n_ctx` tokens (0: the training context) whose KV caches keep
+    /// `precision`.
+    pub fn new_state_with(&self, n_ctx: usize, precision: KvPrecision) -> SeqState {
+        let n_ctx = if n_ctx == 0 {
+            self.info().n_ctx_train as usize
+        } else {
+            n_ctx
+        };
+        SeqState::with_precision(&self.graph.layer_states(), n_ctx, precision)
+    }
+
+    /// Reads `tokens` into `state` in one forward call (every token through each layer together) and
+    /// returns the logits `logits` asks for, `n_vocab` per row. Checks that the tokens are in the
+    /// vocabulary, that they fit in the context, and that the state belongs to this model.
+    pub fn eval(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        let n_vocab = self.info().n_vocab;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError(format!(
+                "token {t} is outside the vocabulary of {n_vocab} tokens"
+            )));
+        }
+        if tokens.len() > state.room() {
+            return Err(EngineError(format!(
+                "{} more tokens do not fit in the context of {} ({} used)",
+                tokens.len(),
+                state.n_ctx(),
+                state.n_past()
+            )));
+        }
+        if state.n_layers() != self.graph.layer_states().len() {
+            return Err(EngineError(
+                "the sequence state was made for another model".into(),
+            ));
+        }
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let out = {
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits);
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
+    }
+}

@@ -1,0 +1,150 @@
+//! Rotary position embedding (RoPE) as ggml computes it (`ggml_rope_ext` without YaRN extrapolation).
+//!
+//! Pair `i` of a head (`i < n_rot/2`) is rotated by the angle `p · freq_scale · base^(-2i/n_rot)` at
+//! position `p`. The angles are formed the way ggml forms them, by repeated multiplication in f32
+//! (`θ₀ = p`, `θᵢ₊₁ = θᵢ · base^(-2/n_rot)`), so positions far into a context round like llama.cpp's.
+
+/// Which dimensions form a rotated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeMode {
+    /// Adjacent dimensions `(2i, 2i+1)`.
+    Normal,
+    /// Dimensions `(i, i + n_rot/2)` (GPT-NeoX).
+    Neox,
+}
+
+/// The shape and frequencies of a rotation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeParams {
+    pub mode: RopeMode,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Rotated dimensions of each head (even, at most `head_dim`); the rest pass through.
+    pub n_rot: usize,
+    pub freq_base: f32,
+    pub freq_scale: f32,
+}
+
+/// `(cos, sin)` of every pair's angle at position `pos`, into `cache` (`n_rot/2` pairs).
+pub fn angles(p: &RopeParams, pos: u32, cache: &mut [(f32, f32)]) {
+    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+    let mut theta = pos as f32;
+    for c in cache.iter_mut().take(p.n_rot / 2) {
+        let t = p.freq_scale * theta;
+        *c = (t.cos(), t.sin());
+        theta *= theta_scale;
+    }
+}
+
+/// Rotates `x`, rows of `n_heads · head_dim` values, row `r` at position `positions[r]`, in place.
+pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams) {
+    assert!(
+        p.n_rot.is_multiple_of(2) && p.n_rot <= p.head_dim && p.head_dim > 0,
+        "rope: n_rot must be even and at most head_dim"
+    );
+    if positions.is_empty() {
+        assert!(x.is_empty(), "rope: rows without positions");
+        return;
+    }
+    assert_eq!(x.len() % positions.len(), 0, "rope: rows of unequal length");
+    let width = x.len() / positions.len();
+    assert_eq!(width % p.head_dim, 0, "rope: row is not whole heads");
+    let half = p.n_rot / 2;
+    let mut cache = vec![(0f32, 0f32); half];
+    for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
+        angles(p, pos, &mut cache);
+        for head in row.chunks_exact_mut(p.head_dim) {
+            for (i, &(c, s)) in cache.iter().enumerate() {
+                let (a, b) = match p.mode {
+                    RopeMode::Normal => (2 * i, 2 * i + 1),
+                    RopeMode::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testutil::{max_diff, normals};
+    use crate::rng::Rng;
+
+    fn reference(x: &[f32], positions: &[u32], p: &RopeParams) -> Vec<f64> {
+        let width = x.len() / positions.len();
+        let mut out: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let half = p.n_rot / 2;
+        for (r, &pos) in positions.iter().enumerate() {
+            for h in 0..width / p.head_dim {
+                let base = r * width + h * p.head_dim;
+                for i in 0..half {
+                    let theta = pos as f64
+                        * p.freq_scale as f64
+                        * (p.freq_base as f64).powf(-2.0 * i as f64 / p.n_rot as f64);
+                    let (a, b) = match p.mode {
+                        RopeMode::Normal => (2 * i, 2 * i + 1),
+                        RopeMode::Neox => (i, i + half),
+                    };
+                    let (x0, x1) = (x[base + a] as f64, x[base + b] as f64);
+                    out[base + a] = x0 * theta.cos() - x1 * theta.sin();
+                    out[base + b] = x0 * theta.sin() + x1 * theta.cos();
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn rope_matches_f64_reference_in_both_modes_with_partial_rotation() {
+        let mut rng = Rng::new(5);
+        let positions = [0u32, 1, 7, 100, 2047];
+        for mode in [RopeMode::Normal, RopeMode::Neox] {
+            for (n_rot, freq_scale) in [(32, 1.0), (16, 0.25)] {
+                let p = RopeParams {
+                    mode,
+                    head_dim: 32,
+                    n_rot,
+                    freq_base: 10000.0,
+                    freq_scale,
+                };
+                let x = normals(&mut rng, positions.len() * 2 * 32);
+                let mut y = x.clone();
+                rope(&mut y, &positions, &p);
+                let expect = reference(&x, &positions, &p);
+                // Angles up to ~2000 rad are formed in f32: a few ulps of the angle.
+                assert!(max_diff(&y, &expect) < 2e-3, "{mode:?} n_rot {n_rot}");
+                // Dimensions past n_rot are untouched; position 0 is the identity.
+                for r in 0..positions.len() {
+                    for h in 0..2 {
+                        let b = r * 64 + h * 32;
+                        assert_eq!(&y[b + n_rot..b + 32], &x[b + n_rot..b + 32]);
+                    }
+                }
+                assert_eq!(&y[..64], &x[..64]);
+            }
+        }
+    }
+
+    #[test]
+    fn rotation_preserves_pair_norms() {
+        let mut rng = Rng::new(6);
+        let p = RopeParams {
+            mode: RopeMode::Neox,
+            head_dim: 8,
+            n_rot: 8,
+            freq_base: 1e6,
+            freq_scale: 1.0,
+        };
+        let x = normals(&mut rng, 8);
+        let mut y = x.clone();
+        rope(&mut y, &[12345], &p);
+        for i in 0..4 {
+            let n0 = x[i].hypot(x[i + 4]);
+            let n1 = y[i].hypot(y[i + 4]);
+            assert!((n0 - n1).abs() < 1e-5);
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The forward-pass side of the architectures: what an engine needs to run a model.
+//!
+//! [`ModelGraph::from_file`] reads a file's hyperparameters, binds every tensor of the architecture's table
+//! to its [`WeightId`] (checking names, shapes and types once, so the forward pass cannot meet a bad
+//! tensor), and builds the architecture's graph. Every graph implements [`Forward`]:
+//!
+//! - [`Forward::forward`] runs one batch (the backend's [`Compute::batch`]) through the model, written in
+//!   [`Compute`] operations so one forward pass serves every backend, and returns the logits of the rows
+//!   the batch asks for (`[rows, n_vocab]`);
+//! - [`Forward::layer_states`] says what sequence state each layer carries ([`StateSpec`]), so the engine
+//!   can allocate, copy and restore it without knowing the architecture;
+//! - [`Forward::info`] gives the vocabulary size, training context and special tokens.
+//!
+//! To add an architecture's forward pass: write a graph struct in `arch/<name>.rs` built from a
+//! [`TensorMap`], implement [`Forward`] for it, add a [`ModelGraph`] variant and its arm in
+//! [`ModelGraph::from_file`] and in the dispatching methods.
+
+use std::collections::HashMap;
+
+use super::{qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use crate::compute::{Compute, WeightId};
+use crate::gguf::{GgufFile, Metadata};
+
+/// What sequence state one layer carries between forward calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateSpec {
+    /// A KV cache: keys and values of every position seen so far (only the last `window` positions are
+    /// ever read when `window` is set).
+    Kv {
+        n_head_kv: usize,
+        head_dim_k: usize,
+        head_dim_v: usize,
+        window: Option<u32>,
+    },
+    /// A recurrent state of fixed size: the convolution's last `conv_kernel - 1` inputs of
+    /// `conv_channels` values, and the delta rule's `[n_v_heads, head_v, head_k]` matrix.
+    Recurrent {
+        conv_kernel: usize,
+        conv_channels: usize,
+        n_v_heads: usize,
+        head_k: usize,
+        head_v: usize,
+    },
+}
+
+/// What an engine needs to know about a model besides its layers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// `general.architecture`.
+    pub arch: &'static str,
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    /// The context length the model was trained with.
+    pub n_ctx_train: u32,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// End of turn (`tokenizer.ggml.eot_token_id`), when the file names one.
+    pub eot: Option<u32>,
+}
+
+impl ModelInfo {
+    /// Reads the special tokens from `md`; the sizes come from the caller.
+    pub fn new(
+        arch: &'static str,
+        n_vocab: usize,
+        n_embd: usize,
+        n_ctx_train: u32,
+        md: &Metadata,
+    ) -> Result<ModelInfo, ArchError> {
+        let token = |key: &str| -> Result<Option<u32>, ArchError> {
+            Ok(md.get_u32(key)?.filter(|&t| (t as usize) < n_vocab))
+        };
+        Ok(ModelInfo {
+            arch,
+            n_vocab,
+            n_embd,
+            n_ctx_train,
+            bos: token("tokenizer.ggml.bos_token_id")?,
+            eos: token("tokenizer.ggml.eos_token_id")?,
+            eot: token("tokenizer.ggml.eot_token_id")?,
+        })
+    }
+
+    /// Tokens that end a generation: end of sequence and end of turn.
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.eos.into_iter().chain(self.eot).collect();
+        v.dedup();
+        v
+    }
+}
+
+/// The tensors of a model file bound to their roles: `(role, block)` → [`WeightId`].
+#[derive(Clone, Debug, Default)]
+pub struct TensorMap {
+    ids: HashMap<(Role, Option<u32>), WeightId>,
+}
+
+impl TensorMap {
+    /// The tensor of `role` outside the blocks, if the file has it.
+    pub fn global(&self, role: Role) -> Option<WeightId> {
+        self.ids.get(&(role, None)).copied()
+    }
+
+    /// The tensor of `role` in block `il`, if the file has it.
+    pub fn layer_opt(&self, role: Role, il: u32) -> Option<WeightId> {
+        self.ids.get(&(role, Some(il))).copied()
+    }
+
+    /// The tensor of `role` in block `il`; an error when absent.
+    pub fn layer(&self, role: Role, il: u32) -> Result<WeightId, ArchError> {
+        self.layer_opt(role, il)
+            .ok_or_else(|| ArchError(format!("tensor {} is missing", role.name(il))))
+    }
+
+    /// The tensor of `role` outside the blocks; an error when absent.
+    pub fn global_req(&self, role: Role) -> Result<WeightId, ArchError> {
+        self.global(role)
+            .ok_or_else(|| ArchError(format!("tensor {} is missing", role.name(0))))
+    }
+}
+
+/// Binds every tensor of the architecture's table to the file's tensor of that name, checking that each
+/// required one exists, that each has the table's shape, and that the engine computes with its type.
+pub fn bind_tensors(hp: &dyn ArchHparams, file: &GgufFile) -> Result<TensorMap, ArchError> {
+    let arch = hp.arch_name();
+    let index: HashMap<&str, usize> = file
+        .tensor_infos()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    let mut map = TensorMap::default();
+    let blocks = (0..hp.n_layer_all()).map(Some);
+    for layer in std::iter::once(None).chain(blocks) {
+        for def in hp.tensor_defs() {
+            match (layer, def.layers) {
+                (None, None) => {}
+                (Some(il), Some(sel)) if sel.selects(hp.layer_kind(il)) => {}
+                _ => continue,
+            }
+            let name = def.role.name(layer.unwrap_or(0));
+            let Some(&i) = index.get(name.as_str()) else {
+                if def.presence == Presence::Required {
+                    return Err(ArchError(format!("{arch}: tensor {name} is missing")));
+                }
+                continue;
+            };
+            let info = &file.tensor_infos()[i];
+            let want: Vec<u64> = def
+                .dims
+                .iter()
+                .map(|&d| {
+                    hp.dim(d).ok_or_else(|| {
+                        ArchError(format!("{arch}: dimension {d:?} of {name} is not defined"))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            if !same_shape(&info.dims, &want) {
+                return Err(ArchError(format!(
+                    "{arch}: tensor {name} has shape {:?}, the model needs {want:?}",
+                    info.dims
+                )));
+            }
+            if info.ty.ops().is_none() || info.ty.bytes_for(info.row_len()).is_none() {
+                return Err(ArchError(format!(
+                    "{arch}: tensor {name} is of type {}, which the engine does not compute with",
+                    info.ty
+                )));
+            }
+            map.ids.insert((def.role, layer), WeightId(i as u32));
+        }
+    }
+    Ok(map)
+}
+
+/// Whether two shapes are equal up to trailing dimensions of 1.
+fn same_shape(a: &[u64], b: &[u64]) -> bool {
+    let n = a.len().max(b.len());
+    (0..n).all(|i| a.get(i).copied().unwrap_or(1) == b.get(i).copied().unwrap_or(1))
+}
+
+/// The forward pass of one architecture.
+pub trait Forward {
+    /// Sizes and special tokens.
+    fn info(&self) -> &ModelInfo;
+
+    /// The state each layer carries, by layer index (the `layer` argument of the stateful [`Compute`]
+    /// operations).
+    fn layer_states(&self) -> Vec<StateSpec>;
+
+    /// Runs the backend's batch through the model; returns `[rows, n_vocab]` logits for the rows
+    /// [`crate::compute::Batch::output_rows`] names.
+    fn forward<C: Compute>(&self, c: &mut C) -> C::Act;
+}
+
+/// The forward pass of any architecture whose forward is implemented.
+#[derive(Clone, Debug)]
+pub enum ModelGraph {
+    Qwen3Moe(qwen3moe::Qwen3MoeGraph),
+}
+
+impl ModelGraph {
+    /// Reads the file's architecture and builds its forward pass; an error for an unknown architecture,
+    /// one whose forward pass is not implemented yet, or a file that does not match its architecture.
+    pub fn from_file(file: &GgufFile) -> Result<ModelGraph, ArchError> {
+        let hp = ModelHparams::from_metadata(file.metadata())?;
+        let tensors = bind_tensors(hp.as_dyn(), file)?;
+        match hp {
+            ModelHparams::Qwen3Moe(h) => Ok(ModelGraph::Qwen3Moe(qwen3moe::Qwen3MoeGraph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
+            other => Err(ArchError(format!(
+                "architecture {}: the forward pass is not implemented yet",
+                other.as_dyn().arch_name()
+            ))),
+        }
+    }
+}
+
+impl Forward for ModelGraph {
+    fn info(&self) -> &ModelInfo {
+        match self {
+            ModelGraph::Qwen3Moe(g) => g.info(),
+        }
+    }
+
+    fn layer_states(&self) -> Vec<StateSpec> {
+        match self {
+            ModelGraph::Qwen3Moe(g) => g.layer_states(),
+        }
+    }
+
+    fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
+        match self {
+            ModelGraph::Qwen3Moe(g) => g.forward(c),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_compare_up_to_trailing_ones() {
+        assert!(same_shape(&[4, 1], &[4]));
+        assert!(same_shape(&[4, 3], &[4, 3, 1]));
+        assert!(!same_shape(&[4, 3], &[3, 4]));
+        assert!(!same_shape(&[4], &[4, 2]));
+    }
+}
