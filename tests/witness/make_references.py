@@ -20,24 +20,25 @@ vocabulary says to add it), drawn uniformly with numpy's PCG64 from the tokens w
 attribute is NORMAL (no control, user-defined, byte-fallback-unknown or end-of-generation tokens). The
 seed is derived from the architecture and the length, so both type mixes of one architecture get the
 same prompts. The real Gemma 3 270M Q4_K_M: the English texts tests/fixtures/references/texts/t*.txt
-(written for this purpose, free to use), tokenized by llama.cpp with its BOS (about 10, 100, 500, 1500
-and 3000 tokens).
+(prose written for this repository) without their final newline, tokenized by llama.cpp with its BOS
+(about 10, 100, 450, 1400 and 3000 tokens).
 
 How llama.cpp runs (the exact settings are written into every reference under "settings"): CPU only
 (n_gpu_layers 0), one fresh context per prompt with llama_context_default_params() except n_ctx 4160
-(llama.cpp rounds the cache up to 4352 cells), n_threads / n_threads_batch = --threads; so n_batch 2048, n_ubatch 512 (the physical batch: prompts
-over 512 tokens are computed in several ubatches), flash_attn "auto", K/V cache F16, swa_full. The
-prompt is decoded in llama_decode calls of at most n_batch tokens (llama.cpp asserts that a call is no
-larger), then 64 greedy steps: at each step the logits of the last position are read, softmaxed in
-float64 over the whole vocabulary, and the argmax (the lowest id on an exact tie, as llama.cpp's greedy
-sampler) is the chosen token, which is decoded next. No sampler object is used, so there is no
-repetition penalty, temperature, top-k/top-p or grammar. End-of-generation tokens do not stop the
-run: every reference has exactly 64 steps (the ids are listed under "eog" so a harness can tell).
+(llama.cpp rounds the cache up to 4352 cells) and n_threads = n_threads_batch = --threads; so n_batch
+2048, n_ubatch 512 (the physical batch: prompts over 512 tokens are computed in several ubatches),
+flash_attn "auto" (enabled on CPU), K/V cache F16, swa_full. The prompt is decoded in llama_decode
+calls of at most n_batch tokens (llama.cpp asserts that a call is no larger), then 64 greedy steps: at
+each step the logits of the last position are read, softmaxed in float64 over the whole vocabulary,
+and the argmax (the lowest id on an exact tie, as llama.cpp's greedy sampler) is the chosen token,
+which is decoded next. No sampler object is used, so there is no repetition penalty, temperature,
+top-k/top-p or grammar. End-of-generation tokens do not stop the run: every reference has exactly 64
+steps (the ids are listed under "eog" so a harness can tell).
 
 Reference JSON (compact): {"format": 1, "model": file name, "model_sha256", "model_bytes",
 "model_fetch" (only for the Gemma file: how to get it), "arch", "llama_cpp": version string,
-"system_info", "settings": {...}, "prompt_name", "prompt_text_file" (texts only), "prompt": [ids], "n_ctx",
-"eog": [ids], "steps": [{"token": id, "top": [[id, prob] x5], "gap": p1 - p2}]}. Probabilities are
+"system_info", "settings": {...}, "prompt_name", "prompt_text_file" (texts only), "prompt": [ids],
+"n_ctx", "eog": [ids], "steps": [{"token": id, "top": [[id, prob] x5], "gap": p1 - p2}]}. Probabilities are
 rounded to 7 decimals.
 
 Needs the witness venv (tests/witness/setup_witness_env.sh) and a release build of poly-engine
@@ -190,7 +191,7 @@ class Witness:
             "n_ubatch": cp.n_ubatch,
             "n_threads": cp.n_threads,
             # "auto" resolves to enabled on the CPU backend (the graph uses FLASH_ATTN_EXT).
-            "flash_attn": fa.decode() if fa else str(cp.flash_attn_type),
+            "flash_attn": (fa.decode() if fa else str(cp.flash_attn_type)) + " (enabled on CPU)",
             "type_k": "f16" if cp.type_k == 1 else str(cp.type_k),
             "type_v": "f16" if cp.type_v == 1 else str(cp.type_v),
             "swa_full": bool(cp.swa_full),
@@ -423,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             prompts = []
             for t in GEMMA_TEXTS:
-                text = (TEXTS_DIR / f"{t}.txt").read_text()
+                # Without the file's final newline: the prompt ends on the last sentence, which the
+                # model continues (after a trailing newline a small model tends to emit blank lines).
+                text = (TEXTS_DIR / f"{t}.txt").read_text().rstrip()
                 prompts.append((f"text-{t}", w.tokenize(text), f"texts/{t}.txt"))
             summary += reference_run(w, gemma, model_doc(gemma, w, GEMMA_FETCH), prompts, "gemma3-270m-q4km")
         finally:

@@ -14,7 +14,7 @@
 //! - Gemma ties the output to the embedding and scales embeddings by `sqrt(n_embd)`: if the embedding
 //!   dominated the residual stream, the current token would win every prediction (its logit is
 //!   `sqrt(n_embd)` times the others' spread). So the embedding is kept small against the blocks' output
-//!   (each post-norm adds RMS ≈ 1), its self-logit about 1.5σ, and the output norm's weight carries
+//!   (each post-norm adds RMS ≈ 1), its self-logit about 0.5σ (more makes greedy decoding repeat the last token), and the output norm's weight carries
 //!   the logit scale instead.
 
 use poly_kernels::quant::GgmlType;
@@ -102,14 +102,18 @@ pub fn target_logit_sigma(n_vocab: u64) -> f32 {
     1.3 * (2.0 * (n_vocab.max(2) as f32).ln()).sqrt()
 }
 
+/// How far above the other logits (in units of their spread σ) a tied-output model puts the current
+/// token: at 1.5 greedy decoding of the synthetic Gemma repeated tokens ("two two two"), at 0.5 it does not.
+const SELF_LOGIT_SIGMAS: f32 = 0.5;
+
 /// Embedding RMS and output-norm weight of a tied-output (Gemma) model: the embedding's input scale
-/// `A = rms · sqrt(n_embd)` is set so the current token's own logit is ≈ 1.5σ while the blocks' outputs
+/// `A = rms · sqrt(n_embd)` is set so the current token's own logit is ≈ 0.5σ while the blocks' outputs
 /// (RMS ≈ sqrt(2 · n_layer) after all post-norms) dominate the stream; the output norm scales the logits
 /// to σ.
 pub fn tied_embedding_scales(n_embd: u64, n_layer: u32, n_vocab: u64) -> (f32, f32) {
     let sigma = target_logit_sigma(n_vocab);
     let acc = (2.0 * n_layer as f32).sqrt();
-    let a = 1.5 * acc / (n_embd as f32).sqrt();
+    let a = SELF_LOGIT_SIGMAS * acc / (n_embd as f32).sqrt();
     let emb_rms = a / (n_embd as f32).sqrt();
     (emb_rms, sigma / a)
 }

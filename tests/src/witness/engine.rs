@@ -48,18 +48,27 @@ pub fn engine_binary() -> Result<PathBuf, String> {
 }
 
 /// The model file of `reference`, verified against its SHA-256. Committed fixtures are in
-/// `tests/fixtures/models/`; a model with a fetch command lives in the folder that command fills
-/// (`target/gemma3-270m/` for Gemma; `$POLY_WITNESS_MODELS` overrides the folder), and is fetched when
-/// missing. `verified` caches the paths already hashed, since five references share one model.
+/// `tests/fixtures/models/`; a model with a fetch command lives in the folder that command fills,
+/// `target/gemma3-270m/`, and is fetched there when missing (`$POLY_WITNESS_MODELS` names another folder
+/// to take it from, with no fetching). `verified` caches the paths already hashed, since five
+/// references share one model.
 pub fn ensure_model(reference: &Reference, verified: &mut Vec<PathBuf>) -> Result<PathBuf, String> {
     let path = match &reference.model_fetch {
         None => crate::fixtures_dir().join("models").join(&reference.model),
         Some(fetch) => {
-            let dir = match std::env::var_os("POLY_WITNESS_MODELS") {
-                Some(d) => PathBuf::from(d),
-                None => workspace_dir().join("target").join("gemma3-270m"),
+            // $POLY_WITNESS_MODELS names a folder that is used as it is; the default folder is the one
+            // the fetch command fills, so only it is fetched into.
+            let (dir, may_fetch) = match std::env::var_os("POLY_WITNESS_MODELS") {
+                Some(d) => (PathBuf::from(d), false),
+                None => (workspace_dir().join("target").join("gemma3-270m"), true),
             };
             let path = dir.join(&reference.model);
+            if !path.is_file() && !may_fetch {
+                return Err(format!(
+                    "{} is missing (POLY_WITNESS_MODELS)",
+                    path.display()
+                ));
+            }
             if !path.is_file() {
                 eprintln!(
                     "witness: {} is missing; fetching it: {fetch}",
