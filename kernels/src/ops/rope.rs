@@ -2,7 +2,9 @@
 //!
 //! Pair `i` of a head (`i < n_rot/2`) is rotated by the angle `p · freq_scale · base^(-2i/n_rot)` at
 //! position `p`. The angles are formed the way ggml forms them, by repeated multiplication in f32
-//! (`θ₀ = p`, `θᵢ₊₁ = θᵢ · base^(-2/n_rot)`), so positions far into a context round like llama.cpp's.
+//! (`θ₀ = p`, `θᵢ₊₁ = θᵢ · base^(-2/n_rot)`), so positions far into a context round like llama.cpp's, and
+//! each rotated value is `fma(x0, cos, -(x1·sin))` / `fma(x0, sin, x1·cos)`, as llama.cpp's build computes
+//! ggml's `rotate_pairs`: the results are llama.cpp's bit for bit.
 
 /// Which dimensions form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,8 +62,10 @@ pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams) {
                     RopeMode::Neox => (i, i + half),
                 };
                 let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * c - x1 * s;
-                head[b] = x0 * s + x1 * c;
+                // ggml's `x0*cos - x1*sin` and `x0*sin + x1*cos` as GCC compiles them: the first
+                // product fused with the sum.
+                head[a] = x0.mul_add(c, -(x1 * s));
+                head[b] = x0.mul_add(s, x1 * c);
             }
         }
     }

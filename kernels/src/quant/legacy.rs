@@ -2,11 +2,13 @@
 //! formats their dot products use.
 //!
 //! Dot products follow llama.cpp's `vec_dot_type`: Q4_0, Q5_0 and Q8_0 rows meet Q8_0 activations, Q4_1 and
-//! Q5_1 rows meet Q8_1. Each block's integer sum `Σ qx·qy` is exact; its contribution is
-//! `(dx·dy)·sum` (plus `m·s` for the formats with a minimum), each operation rounded to f32 (multiply
-//! then add, never fused). Block `b` is added to lane `b % 8` and the lanes are summed by
-//! [`sum_lanes8`]. The AVX2 code (`x86/legacy_avx2.rs`) computes eight blocks at once in exactly that
-//! order, so it equals the portable code bit for bit.
+//! Q5_1 rows meet Q8_1. The float work is ggml's AVX2 order (`ggml_vec_dot_q*_q8_*` and llamafile's
+//! `tinyBLAS_Q0_AVX`, which agree), so results are llama.cpp's bit for bit: each block gives eight exact
+//! integer sums of four neighbouring products (values `4l..4l+4` in lane `l`), and lane `l` accumulates
+//! `fma(dx·dy, sum_l, lane_l)` block after block; the lanes are summed by [`sum_lanes8`]. The formats
+//! with a minimum add `m·s` per block to one scalar (fused, as GCC contracts ggml's `summs += m*s`), added
+//! after the lanes. The AVX2 code (`x86/legacy_avx2.rs`) computes exactly that, so it equals the portable
+//! code bit for bit.
 
 use super::float::sum_lanes8;
 use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
@@ -208,9 +210,10 @@ fn dequantize_q8_0(src: &[u8], dst: &mut [f32]) {
 // ---------------------------------------------------------------------------------------------------------
 // Dot products.
 
-/// The exact integer `Σ qx·qy` of one block (`x` a weight block, `qy` the 32 activation quants).
+/// The eight exact integer sums of one block's `qx·qy` (`x` a weight block, `qy` the 32 activation
+/// quants): lane `l` sums the products of values `4l..4l+4`.
 #[inline(always)]
-fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
+fn block_isums(kind: LegacyKind, x: &[u8], qy: &[u8]) -> [i32; 8] {
     let qx: [i8; 32] = match kind {
         LegacyKind::Q4_0 => nibbles(&x[2..18]).map(|q| q as i8 - 8),
         LegacyKind::Q4_1 => nibbles(&x[4..20]).map(|q| q as i8),
@@ -218,48 +221,36 @@ fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
         LegacyKind::Q5_1 => fives(qh_at(&x[4..]), &x[8..24]).map(|q| q as i8),
         LegacyKind::Q8_0 => std::array::from_fn(|j| x[2 + j] as i8),
     };
-    let mut sum = 0i32;
-    for (&a, &b) in qx.iter().zip(&qy[..32]) {
-        sum += a as i32 * b as i8 as i32;
-    }
-    sum
+    std::array::from_fn(|l| {
+        (4 * l..4 * l + 4)
+            .map(|j| qx[j] as i32 * qy[j] as i8 as i32)
+            .sum()
+    })
 }
 
-/// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
-#[inline(always)]
-fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
-    let qy_off = if kind.has_min() { 4 } else { 2 };
-    let isum = block_isum(kind, x, &y[qy_off..]);
-    let c = (f16_at(x) * f16_at(y)) * isum as f32;
-    if kind.has_min() {
-        c + f16_at(&x[2..]) * f16_at(&y[2..])
-    } else {
-        c
-    }
-}
-
-/// Adds blocks `8·first_group .. nb` to `lanes` (block `b` into lane `b % 8`).
+/// Adds blocks `first .. nb` to `lanes` and, for the formats with a minimum, their `m·s` to `mins`.
 #[inline(always)]
 fn add_blocks(
     kind: LegacyKind,
-    first_group: usize,
+    first: usize,
     nb: usize,
     row: &[u8],
     act: &[u8],
     lanes: &mut [f32; 8],
+    mins: &mut f32,
 ) {
     let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
-    let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
-    // Whole groups of eight with the lanes in registers, then the rest one by one.
-    let mut b = 8 * first_group;
-    while b + 8 <= nb {
-        for (k, lane) in lanes.iter_mut().enumerate() {
-            *lane += block(b + k);
+    let qy_off = if kind.has_min() { 4 } else { 2 };
+    for b in first..nb {
+        let (x, y) = (&row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
+        let d = f16_at(x) * f16_at(y);
+        let sums = block_isums(kind, x, &y[qy_off..]);
+        for (lane, &s) in lanes.iter_mut().zip(&sums) {
+            *lane = d.mul_add(s as f32, *lane);
         }
-        b += 8;
-    }
-    for (k, b) in (b..nb).enumerate() {
-        lanes[k] += block(b);
+        if kind.has_min() {
+            *mins = f16_at(&x[2..]).mul_add(f16_at(&y[2..]), *mins);
+        }
     }
 }
 
@@ -276,9 +267,9 @@ fn check_lengths(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> usize {
 #[inline(always)]
 fn vec_dot_portable(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
-    let mut lanes = [0f32; 8];
-    add_blocks(kind, 0, nb, row, act, &mut lanes);
-    sum_lanes8(&lanes)
+    let (mut lanes, mut mins) = ([0f32; 8], 0f32);
+    add_blocks(kind, 0, nb, row, act, &mut lanes, &mut mins);
+    sum_lanes8(&lanes) + mins
 }
 
 #[inline(always)]
@@ -286,14 +277,11 @@ fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
         let nb = check_lengths(kind, n, row, act);
-        let groups = nb / 8;
         // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
-        // `row` and `act` hold `nb >= 8·groups` blocks, all the kernel reads.
-        let mut lanes = unsafe {
-            super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr())
-        };
-        add_blocks(kind, groups, nb, row, act, &mut lanes);
-        return sum_lanes8(&lanes);
+        // `row` and `act` hold `nb` blocks, all the kernel reads.
+        let (lanes, mins) =
+            unsafe { super::x86::legacy_avx2::dot(kind, nb, row.as_ptr(), act.as_ptr()) };
+        return sum_lanes8(&lanes) + mins;
     }
     vec_dot_portable(kind, n, row, act)
 }

@@ -1,9 +1,9 @@
 //! AVX2 dot products of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows with Q8_0/Q8_1 activations.
 //!
-//! Eight blocks at a time: each block's exact integer sum is computed with `maddubs` (llama.cpp's
-//! approach), the eight sums are gathered into one vector by a horizontal-add transpose, and the eight
-//! contributions `(dx·dy)·sum [+ m·s]` are added to eight lanes, block `b` to lane `b % 8`: the order
-//! `quant::legacy` defines, so the result equals the portable code bit for bit.
+//! llama.cpp's AVX2 kernels: each block's eight exact integer sums of four neighbouring products come from
+//! `maddubs` and `madd`, and are accumulated with `fma(dx·dy, sums, acc)` into eight f32 lanes (the
+//! minimum terms `m·s` into one scalar): the order `quant::legacy` defines, so the result equals the
+//! portable code (and ggml) bit for bit.
 
 use core::arch::x86_64::*;
 
@@ -86,83 +86,55 @@ unsafe fn block_sums<const K: u8>(x: *const u8, y: *const u8) -> __m256i {
     }
 }
 
-/// Eight vectors of partial sums to one vector of their totals (lane `k` = total of `p[k]`).
+/// The f16 at `p` as f32 (F16C; exact, as the portable conversion).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn transpose_sum(p: [__m256i; 8]) -> __m256i {
-    let h01 = _mm256_hadd_epi32(p[0], p[1]);
-    let h23 = _mm256_hadd_epi32(p[2], p[3]);
-    let h45 = _mm256_hadd_epi32(p[4], p[5]);
-    let h67 = _mm256_hadd_epi32(p[6], p[7]);
-    // Per 128-bit half: [p0, p1, p2, p3] partial totals (low half: elements 0..16, high: 16..32).
-    let h0123 = _mm256_hadd_epi32(h01, h23);
-    let h4567 = _mm256_hadd_epi32(h45, h67);
-    let lo = _mm256_permute2x128_si256(h0123, h4567, 0x20);
-    let hi = _mm256_permute2x128_si256(h0123, h4567, 0x31);
-    _mm256_add_epi32(lo, hi)
-}
-
-/// The f16 at `p + k·stride` for k = 0..8, as f32 (exact, as the portable conversion).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
-    let h = |k: usize| (p.add(k * stride) as *const i16).read_unaligned();
-    _mm256_cvtph_ps(_mm_set_epi16(
-        h(7),
-        h(6),
-        h(5),
-        h(4),
-        h(3),
-        h(2),
-        h(1),
-        h(0),
-    ))
+unsafe fn f16(p: *const u8) -> f32 {
+    let bits = (p as *const u16).read_unaligned() as i32;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_groups_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bool>(
-    groups: usize,
+unsafe fn dot_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bool>(
+    nb: usize,
     mut x: *const u8,
     mut y: *const u8,
-) -> [f32; 8] {
+) -> ([f32; 8], f32) {
     let mut acc = _mm256_setzero_ps();
-    for _ in 0..groups {
-        let mut p = [_mm256_setzero_si256(); 8];
-        for (k, pk) in p.iter_mut().enumerate() {
-            *pk = block_sums::<K>(x.add(k * XB), y.add(k * YB));
-        }
-        let sums = _mm256_cvtepi32_ps(transpose_sum(p));
-        let scale = _mm256_mul_ps(f16x8(x, XB), f16x8(y, YB));
-        let mut c = _mm256_mul_ps(scale, sums);
+    let mut mins = 0f32;
+    for _ in 0..nb {
+        let sums = _mm256_cvtepi32_ps(block_sums::<K>(x, y));
+        let d = _mm256_set1_ps(f16(x) * f16(y));
+        acc = _mm256_fmadd_ps(d, sums, acc);
         if MIN {
-            c = _mm256_add_ps(c, _mm256_mul_ps(f16x8(x.add(2), XB), f16x8(y.add(2), YB)));
+            mins = f16(x.add(2)).mul_add(f16(y.add(2)), mins);
         }
-        acc = _mm256_add_ps(acc, c);
-        x = x.add(8 * XB);
-        y = y.add(8 * YB);
+        x = x.add(XB);
+        y = y.add(YB);
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    lanes
+    (lanes, mins)
 }
 
-/// The eight lanes after the first `8·groups` blocks of a row `x` with activations `y`.
+/// The eight lanes and the minimum terms of the dot product of `nb` blocks of a row `x` with
+/// activations `y`.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `x` must be readable for `8·groups` blocks of `kind` and `y`
-/// for as many activation blocks.
+/// The CPU must support AVX2, FMA and F16C; `x` must be readable for `nb` blocks of `kind` and `y` for
+/// as many activation blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_groups(
+pub(crate) unsafe fn dot(
     kind: LegacyKind,
-    groups: usize,
+    nb: usize,
     x: *const u8,
     y: *const u8,
-) -> [f32; 8] {
+) -> ([f32; 8], f32) {
     match kind {
-        LegacyKind::Q4_0 => dot_groups_impl::<0, 18, 34, false>(groups, x, y),
-        LegacyKind::Q4_1 => dot_groups_impl::<1, 20, 36, true>(groups, x, y),
-        LegacyKind::Q5_0 => dot_groups_impl::<2, 22, 34, false>(groups, x, y),
-        LegacyKind::Q5_1 => dot_groups_impl::<3, 24, 36, true>(groups, x, y),
-        LegacyKind::Q8_0 => dot_groups_impl::<4, 34, 34, false>(groups, x, y),
+        LegacyKind::Q4_0 => dot_impl::<0, 18, 34, false>(nb, x, y),
+        LegacyKind::Q4_1 => dot_impl::<1, 20, 36, true>(nb, x, y),
+        LegacyKind::Q5_0 => dot_impl::<2, 22, 34, false>(nb, x, y),
+        LegacyKind::Q5_1 => dot_impl::<3, 24, 36, true>(nb, x, y),
+        LegacyKind::Q8_0 => dot_impl::<4, 34, 34, false>(nb, x, y),
     }
 }
