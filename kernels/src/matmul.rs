@@ -102,6 +102,10 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
 
+    // llama.cpp sums some formats in another order when it multiplies a batch (Q4_K's repacked gemm, the
+    // tiled K-quant matmul); the rows it does so for take that order here too.
+    let batch = crate::quant::batch_dot(w.ty);
+
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
     let chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
     let n_tasks = w.rows.div_ceil(chunk);
@@ -116,7 +120,11 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
             for r in first..last {
                 let row = w.row(r);
                 for j in tokens..tokens_end {
-                    let v = (ops.vec_dot)(w.cols, row, &act[j * act_bytes..(j + 1) * act_bytes]);
+                    let dot = match batch {
+                        Some(b) if (b.applies)(n, j) => b.dot,
+                        _ => ops.vec_dot,
+                    };
+                    let v = dot(w.cols, row, &act[j * act_bytes..(j + 1) * act_bytes]);
                     // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
                     // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no two
                     // threads write the same element, and `y` outlives the parallel loop.

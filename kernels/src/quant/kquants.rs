@@ -6,14 +6,28 @@
 //! chunks (quants taken without their offset), less, for Q3_K and Q6_K (offsets 4 and 32),
 //! `offset · (scale₂ₗ·bsum₂ₗ + scale₂ₗ₊₁·bsum₂ₗ₊₁)` over the 16-value groups; for the formats with
 //! minimums a second set of lanes holds `Σ min · bsum` (Q2_K: `min₂ₗ·bsum₂ₗ + min₂ₗ₊₁·bsum₂ₗ₊₁`;
-//! Q4_K/Q5_K: `minₗ · (bsum₂ₗ + bsum₂ₗ₊₁)`). Each super-block adds `(yd·xd) · lane` to eight f32 lanes and
-//! `(yd·xdmin) · lane` to eight more (multiply then add, never fused); the result is
-//! `sum_lanes8(scale lanes) − sum_lanes8(min lanes)`. The AVX2 code (`x86/kquants_avx2.rs`) holds exactly
-//! these lanes in its vectors, so it equals the portable code bit for bit, with no horizontal sum per
-//! super-block.
+//! Q4_K/Q5_K: `minₗ · (bsum₂ₗ + bsum₂ₗ₊₁)`).
+//!
+//! The float work is per format, each as llama.cpp computes it on an AVX2 CPU, so results are llama.cpp's
+//! bit for bit where noted:
+//!
+//! - Q6_K (`ggml_vec_dot_q6_K_q8_K`): each super-block adds `fma(yd·xd, lane, acc)` to eight f32 lanes;
+//!   the result is `sum_lanes8` of them. Bit for bit.
+//! - Q4_K: llama.cpp repacks Q4_K matrices (`CPU_REPACK`, 8×8 interleaving) and multiplies with
+//!   `ggml_gemv_q4_K_8x8_q8_K` for single activation rows and `ggml_gemm_q4_K_8x8_q8_K` for groups of
+//!   four. The gemv order ([`vec_dot`] here) takes each super-block's integer total `T` and min total
+//!   `M` and accumulates `acc = fma(T, xd·yd, acc)`, `accm = fma(M, xdmin·yd, accm)`; the gemm order
+//!   ([`q4k_vec_dot_gemm4`]) does the same per 64-value half-pair of sub-blocks. The result is
+//!   `acc − accm`. Bit for bit.
+//! - Q2_K, Q3_K, Q5_K: each super-block adds `(yd·xd) · lane` to eight f32 lanes and `(yd·xdmin) · lane`
+//!   to eight more (multiply then add, never fused); the result is `sum_lanes8(scale lanes) −
+//!   sum_lanes8(min lanes)`: close to llama.cpp's, not equal.
+//!
+//! The AVX2 code (`x86/kquants_avx2.rs`) holds exactly these lanes in its vectors and does the same float
+//! work, so it equals the portable code bit for bit.
 
 use super::float::sum_lanes8;
-use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, BatchDot, GgmlType, QuantOps};
 use crate::rng::Rng;
 
 /// Values per super-block.
@@ -398,21 +412,65 @@ fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
 fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(kind, n, row, act);
     let bb = kind.block_bytes();
-    let (mut acc, mut acc_min) = ([0f32; 8], [0f32; 8]);
-    for (x, y) in row
+    let blocks = row
         .chunks_exact(bb)
         .zip(act.chunks_exact(Q8K_BYTES))
-        .take(nb)
-    {
+        .take(nb);
+    if kind == KKind::Q4K {
+        return q4k_portable::<false>(blocks);
+    }
+    let (mut acc, mut acc_min) = ([0f32; 8], [0f32; 8]);
+    for (x, y) in blocks {
         let (lanes, min_lanes) = block_lanes(kind, x, y);
         let (xd, xdmin) = block_scales(kind, x);
         let (d, dmin) = (q8k_d(y) * xd, q8k_d(y) * xdmin);
         for l in 0..8 {
-            acc[l] += d * lanes[l] as f32;
-            acc_min[l] += dmin * min_lanes[l] as f32;
+            if kind == KKind::Q6K {
+                acc[l] = d.mul_add(lanes[l] as f32, acc[l]);
+            } else {
+                acc[l] += d * lanes[l] as f32;
+                acc_min[l] += dmin * min_lanes[l] as f32;
+            }
         }
     }
     sum_lanes8(&acc) - sum_lanes8(&acc_min)
+}
+
+/// Q4_K in llama.cpp's repacked orders (module documentation): per super-block (`GEMM4 = false`, gemv) or
+/// per 64-value pair of sub-blocks (`GEMM4 = true`, gemm).
+#[inline(always)]
+fn q4k_portable<'a, const GEMM4: bool>(blocks: impl Iterator<Item = (&'a [u8], &'a [u8])>) -> f32 {
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    for (x, y) in blocks {
+        let (sc, mn) = scales_mins_k4(&x[4..16]);
+        let q = nibbles_k(&x[16..144]);
+        let (q8, bs) = (&y[4..260], q8k_bsums(y));
+        let (xd, xdmin) = block_scales(KKind::Q4K, x);
+        let (d, dmin) = (xd * q8k_d(y), xdmin * q8k_d(y));
+        let chunk = |c: usize| -> (i32, i32) {
+            let dot: i32 = (32 * c..32 * c + 32)
+                .map(|e| q[e] as i32 * q8[e] as i8 as i32)
+                .sum();
+            (
+                sc[c] as i32 * dot,
+                mn[c] as i32 * (bs[2 * c] + bs[2 * c + 1]),
+            )
+        };
+        if GEMM4 {
+            for p in 0..4 {
+                let ((a, am), (b, bm)) = (chunk(2 * p), chunk(2 * p + 1));
+                acc = ((a + b) as f32).mul_add(d, acc);
+                acc_min = ((am + bm) as f32).mul_add(dmin, acc_min);
+            }
+        } else {
+            let (t, m) = (0..8)
+                .map(chunk)
+                .fold((0, 0), |(t, m), (a, b)| (t + a, m + b));
+            acc = (t as f32).mul_add(d, acc);
+            acc_min = (m as f32).mul_add(dmin, acc_min);
+        }
+    }
+    acc - acc_min
 }
 
 #[inline(always)]
@@ -426,6 +484,115 @@ fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
     }
     vec_dot_portable(kind, n, row, act)
 }
+
+/// The Q4_K dot product in the order of llama.cpp's repacked gemm (`ggml_gemm_q4_K_8x8_q8_K`), which
+/// multiplies activation rows four at a time: what llama.cpp computes for the first `4·⌊n/4⌋` rows of a
+/// batch of `n > 3` (the rest go through the gemv order of the plain Q4_K dot product).
+fn q4k_vec_dot_gemm4(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q4K, n, row, act);
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        // SAFETY: as in `vec_dot`.
+        return unsafe { super::x86::kquants_avx2::q4k_dot_gemm4(nb, row.as_ptr(), act.as_ptr()) };
+    }
+    q4k_vec_dot_gemm4_portable(n, row, act)
+}
+
+fn q4k_vec_dot_gemm4_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q4K, n, row, act);
+    q4k_portable::<true>(
+        row.chunks_exact(144)
+            .zip(act.chunks_exact(Q8K_BYTES))
+            .take(nb),
+    )
+}
+
+/// Q4_K's batch order (`quant::BatchDot`): the repacked gemm for the first `4·⌊n/4⌋` rows of `n > 3`.
+pub(crate) static Q4K_GEMM4: BatchDot = BatchDot {
+    dot: q4k_vec_dot_gemm4,
+    portable: q4k_vec_dot_gemm4_portable,
+    applies: |n, j| n > 3 && j < n - n % 4,
+};
+
+/// ggml's tiled K-quant matmul (`ggml-cpu/tiled`, batches of 8 rows or more), per output: each
+/// super-block's integer totals `T` (scales) and `M` (mins) give `r = xd·T` (less `xdmin·M`, fused), and
+/// `acc = fma(r, yd, acc)`.
+#[inline(always)]
+fn tiled_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(kind, n, row, act);
+    let mut acc = 0f32;
+    for (x, y) in row
+        .chunks_exact(kind.block_bytes())
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(nb)
+    {
+        let (lanes, min_lanes) = block_lanes(kind, x, y);
+        let (xd, xdmin) = block_scales(kind, x);
+        acc = tiled_step(
+            kind,
+            lanes.iter().sum(),
+            min_lanes.iter().sum(),
+            xd,
+            xdmin,
+            q8k_d(y),
+            acc,
+        );
+    }
+    acc
+}
+
+/// One super-block of [`tiled_portable`].
+#[inline(always)]
+pub(crate) fn tiled_step(
+    kind: KKind,
+    t: i32,
+    m: i32,
+    xd: f32,
+    xdmin: f32,
+    yd: f32,
+    acc: f32,
+) -> f32 {
+    let mut r = xd * t as f32;
+    if matches!(kind, KKind::Q2K | KKind::Q4K | KKind::Q5K) {
+        r = (-xdmin).mul_add(m as f32, r);
+    }
+    r.mul_add(yd, acc)
+}
+
+#[inline(always)]
+fn tiled(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = check_lengths(kind, n, row, act);
+        // SAFETY: as in `vec_dot`.
+        return unsafe {
+            super::x86::kquants_avx2::dot_tiled(kind, nb, row.as_ptr(), act.as_ptr())
+        };
+    }
+    tiled_portable(kind, n, row, act)
+}
+
+macro_rules! tiled_batch_dot {
+    ($name:ident, $kind:expr, $dot:ident, $portable:ident) => {
+        fn $dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            tiled($kind, n, row, act)
+        }
+        fn $portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+            tiled_portable($kind, n, row, act)
+        }
+        /// The format's batch order (`quant::BatchDot`): ggml's tiled matmul, batches of 8 rows or more.
+        pub(crate) static $name: BatchDot = BatchDot {
+            dot: $dot,
+            portable: $portable,
+            applies: |n, _| n >= 8,
+        };
+    };
+}
+
+tiled_batch_dot!(Q2K_TILED, KKind::Q2K, q2k_tiled, q2k_tiled_portable);
+tiled_batch_dot!(Q3K_TILED, KKind::Q3K, q3k_tiled, q3k_tiled_portable);
+tiled_batch_dot!(Q5K_TILED, KKind::Q5K, q5k_tiled, q5k_tiled_portable);
+tiled_batch_dot!(Q6K_TILED, KKind::Q6K, q6k_tiled, q6k_tiled_portable);
 
 // ---------------------------------------------------------------------------------------------------------
 // Random blocks.

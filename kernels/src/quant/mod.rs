@@ -320,6 +320,36 @@ pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, Qu
     Ok((ops.vec_dot)(n, row, act))
 }
 
+/// The dot product of a format in the order llama.cpp's CPU backend uses when it multiplies a batch of
+/// activation rows, where that differs from the order of [`QuantOps::vec_dot`] (its order for a single
+/// row). A matrix product that wants llama.cpp's results bit for bit uses [`BatchDot::dot`] for the rows
+/// [`BatchDot::applies`] names.
+///
+/// - Q4_K (repacked by llama.cpp, `CPU_REPACK`): `ggml_gemm_q4_K_8x8_q8_K` takes the first `4·⌊n/4⌋` rows
+///   of a batch of `n > 3`, four at a time; the rest go through the gemv order of `vec_dot`.
+/// - Q2_K, Q3_K, Q5_K, Q6_K: batches of 8 rows or more take ggml's tiled K-quant matmul
+///   (`ggml-cpu/tiled`), one fused step per super-block on its integer totals.
+pub struct BatchDot {
+    /// Chosen at run time, like [`QuantOps::vec_dot`].
+    pub dot: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
+    /// The portable code, equal to `dot` bit for bit.
+    pub portable: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
+    /// Whether row `j` of a batch of `n_rows` takes this order.
+    pub applies: fn(n_rows: usize, j: usize) -> bool,
+}
+
+/// The [`BatchDot`] of `ty`, for the formats that have one.
+pub fn batch_dot(ty: GgmlType) -> Option<&'static BatchDot> {
+    match ty {
+        GgmlType::Q4_K => Some(&kquants::Q4K_GEMM4),
+        GgmlType::Q2_K => Some(&kquants::Q2K_TILED),
+        GgmlType::Q3_K => Some(&kquants::Q3K_TILED),
+        GgmlType::Q5_K => Some(&kquants::Q5K_TILED),
+        GgmlType::Q6_K => Some(&kquants::Q6K_TILED),
+        _ => None,
+    }
+}
+
 /// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.
 pub fn fill_random(
     ty: GgmlType,

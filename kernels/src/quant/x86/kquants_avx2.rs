@@ -2,15 +2,14 @@
 //!
 //! The integer work follows llama.cpp's AVX2 kernels (`maddubs` of unsigned quants with signed activation
 //! bytes, `madd` with the sub-block scales, the activation's `bsums` for minimums and offsets), and so
-//! does the float work: each super-block's eight i32 lanes are converted and added, times the super-block
-//! scale, to eight f32 lanes, with no horizontal sum until the end. Those lanes are the ones
-//! `quant::kquants` defines (multiply then add, never fused), so the result equals the portable code bit
-//! for bit.
+//! does the float work, per format as `quant::kquants` defines it (Q6_K fused into eight lanes, Q4_K
+//! per super-block or per pair of sub-blocks as llama.cpp's repacked kernels, the others multiply then
+//! add into eight lanes), so the result equals the portable code bit for bit.
 
 use core::arch::x86_64::*;
 
 use crate::quant::float::sum_lanes8;
-use crate::quant::kquants::{KKind, Q8K_BYTES};
+use crate::quant::kquants::{tiled_step, KKind, Q8K_BYTES};
 
 /// A shuffle mask taking i16 number `2k` of a half into the whole low half and `2k + 1` into the high half
 /// (for vectors whose two halves hold the same eight scales: scales of 16-value groups).
@@ -40,6 +39,16 @@ unsafe fn scaled_dot(q: __m256i, q8: *const u8, scales: __m256i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, __m256i) {
+    sums_q45_k_with::<FIVE>(x, y, |_, _| {})
+}
+
+/// [`sums_q45_k`], also handing `pair(j, v)` the scale lanes of the `j`-th pair of 32-value sub-blocks.
+#[inline(always)]
+unsafe fn sums_q45_k_with<const FIVE: bool>(
+    x: *const u8,
+    y: *const u8,
+    mut pair: impl FnMut(usize, __m256i),
+) -> (__m256i, __m256i) {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
@@ -106,7 +115,9 @@ unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, 
                 _mm256_loadu_si256(masks[2 * j + 1].as_ptr() as *const __m256i),
             ),
         );
-        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+        let p = _mm256_add_epi32(p_lo, p_hi);
+        pair(j, p);
+        sumi = _mm256_add_epi32(sumi, p);
     }
     (sumi, mprod)
 }
@@ -262,18 +273,45 @@ unsafe fn block<const K: u8>(x: *const u8, y: *const u8) -> (__m256i, __m256i, (
     (i, m, s)
 }
 
+/// The sum of the eight i32 lanes of `v` (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_impl<const K: u8, const BB: usize, const MIN: bool>(
     nb: usize,
     x: *const u8,
     y: *const u8,
 ) -> f32 {
+    if K == 2 {
+        // Q4_K: llama.cpp's repacked gemv, one fused step per super-block on its integer totals.
+        let (mut acc, mut acc_min) = (0f32, 0f32);
+        for i in 0..nb {
+            let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
+            let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
+            let yd = (yb as *const f32).read_unaligned();
+            acc = (hsum_i32(lanes) as f32).mul_add(xd * yd, acc);
+            acc_min = (hsum_i32(min_lanes) as f32).mul_add(xdmin * yd, acc_min);
+        }
+        return acc - acc_min;
+    }
     let mut acc = _mm256_setzero_ps();
     let mut acc_min = _mm256_setzero_ps();
     for i in 0..nb {
         let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
         let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
         let yd = (yb as *const f32).read_unaligned();
+        if K == 4 {
+            // Q6_K: fused, as ggml_vec_dot_q6_K_q8_K.
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes), acc);
+            continue;
+        }
         acc = _mm256_add_ps(
             acc,
             _mm256_mul_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes)),
@@ -303,4 +341,76 @@ pub(crate) unsafe fn dot(kind: KKind, nb: usize, x: *const u8, y: *const u8) -> 
         KKind::Q5K => dot_impl::<3, 176, true>(nb, x, y),
         KKind::Q6K => dot_impl::<4, 210, false>(nb, x, y),
     }
+}
+
+/// The dot product in the order of ggml's tiled K-quant matmul (`quant::kquants::tiled_step` per
+/// super-block, on the integer totals of the lanes).
+///
+/// # Safety
+/// As [`dot`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_tiled(kind: KKind, nb: usize, x: *const u8, y: *const u8) -> f32 {
+    unsafe fn run<const K: u8, const BB: usize>(
+        kind: KKind,
+        nb: usize,
+        x: *const u8,
+        y: *const u8,
+    ) -> f32 {
+        let mut acc = 0f32;
+        for i in 0..nb {
+            let (xb, yb) = (x.add(i * BB), y.add(i * Q8K_BYTES));
+            let (lanes, min_lanes, (xd, xdmin)) = block::<K>(xb, yb);
+            let yd = (yb as *const f32).read_unaligned();
+            acc = tiled_step(
+                kind,
+                hsum_i32(lanes),
+                hsum_i32(min_lanes),
+                xd,
+                xdmin,
+                yd,
+                acc,
+            );
+        }
+        acc
+    }
+    match kind {
+        KKind::Q2K => run::<0, 84>(kind, nb, x, y),
+        KKind::Q3K => run::<1, 110>(kind, nb, x, y),
+        KKind::Q4K => run::<2, 144>(kind, nb, x, y),
+        KKind::Q5K => run::<3, 176>(kind, nb, x, y),
+        KKind::Q6K => run::<4, 210>(kind, nb, x, y),
+    }
+}
+
+/// The Q4_K dot product in llama.cpp's repacked gemm order: one fused step per pair of 32-value
+/// sub-blocks, on its integer totals.
+///
+/// # Safety
+/// As [`dot`], for Q4_K.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_gemm4(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * 144), y.add(i * Q8K_BYTES));
+        let (pairs, min_lanes) = q4k_pair_sums(xb, yb);
+        let (xd, xdmin) = scales_f16::<true>(xb);
+        let yd = (yb as *const f32).read_unaligned();
+        let mut m = [0i32; 8];
+        _mm256_storeu_si256(m.as_mut_ptr() as *mut __m256i, min_lanes);
+        for (p, &t) in pairs.iter().enumerate() {
+            acc = (t as f32).mul_add(xd * yd, acc);
+            acc_min = ((m[2 * p] + m[2 * p + 1]) as f32).mul_add(xdmin * yd, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
+/// The integer totals of the four 64-value pairs of sub-blocks of one Q4_K super-block, and its min
+/// lanes (lane `c`: sub-block `c`'s `min · bsum`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_pair_sums(x: *const u8, y: *const u8) -> ([i32; 4], __m256i) {
+    let mut pairs = [0i32; 4];
+    let (_, mins) = sums_q45_k_with::<false>(x, y, |j, v| pairs[j] = hsum_i32(v));
+    (pairs, mins)
 }
