@@ -11,12 +11,13 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// GELU, tanh approximation: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`. (ggml's CPU backend reads this
-/// function from a table indexed by `x` rounded to f16, so its values differ from these by up to f16
-/// rounding.)
+/// GELU, tanh approximation: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, computed as ggml's `ggml_gelu_f32`
+/// is compiled (`0.5x·(1 + tanh((√(2/π)·x)·fma(0.044715x, x, 1)))`). ggml's CPU backend reads this
+/// function from a table indexed by `x` rounded to f16: see [`gelu_ggml`].
 #[inline]
 pub fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+    let p = (GELU_COEF_A * x).mul_add(x, 1.0);
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * p).tanh())
 }
 
 /// GELU as ggml's CPU backend computes it (`ggml_vec_gelu_f32` with `GGML_GELU_FP16`, also its GeGLU):
@@ -108,6 +109,17 @@ mod tests {
             }
             let y = gelu_ggml(x);
             assert_eq!(y, f16::from_f32(gelu(x)).to_f32(), "x = {x}");
+        }
+        // Entries of llama.cpp's own table (`ggml_table_gelu_f16` read from libggml-cpu), among them the
+        // ones where an unfused `1 + 0.044715x²` rounds to the other f16 value.
+        for (x, want) in [
+            (-1.817_382_8f32, -0.062_866_21f32),
+            (-2.013_671_9, -0.044_219_97),
+            (-3.060_546_9, -0.002_992_63),
+            (0.700_195_3, 0.530_761_7),
+            (3.300_781_3, 3.298_828_1),
+        ] {
+            assert_eq!(gelu_ggml(x), f16::from_f32(want).to_f32(), "x = {x}");
         }
         let x = 1.0f32 + 0.3 * f16::EPSILON.to_f32();
         assert_eq!(gelu_ggml(x), gelu_ggml(1.0));
