@@ -180,6 +180,15 @@ pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
     y
 }
 
+/// The chunk of positions of llama.cpp's split-KV decode (one query over at least 512 cache cells: each of
+/// its `threads` threads sums one chunk, the partial results are merged), or `None` when it does not
+/// split. llama.cpp looks at the cells in use rounded up to 256 (`llama_kv_cache::get_n_kv`), here
+/// `n_kv` positions.
+fn split_kv_chunk(n_kv: usize, threads: usize) -> Option<usize> {
+    let padded = n_kv.div_ceil(256).max(1) * 256;
+    (padded >= 512).then(|| padded.div_ceil(threads.max(1)))
+}
+
 /// One forward call on the CPU: a batch of tokens advancing one sequence's state.
 pub struct CpuForward<'a> {
     weights: &'a CpuWeights,
@@ -408,26 +417,37 @@ impl Compute for CpuForward<'_> {
             softcap: a.softcap,
         };
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
-        if cache.precision == KvPrecision::F16 && q.rows < attention::GGML_FA_TILE_Q {
-            // Small batches and decoding: llama.cpp's vector path (f16 query and value sums).
-            attention::attention_ggml_f16(
-                &q.data,
-                &self.positions,
-                cache.keys(),
-                cache.values(),
-                &p,
-                None,
-                &mut out.data,
-            );
-        } else {
-            attention::attention(
-                &q.data,
-                &self.positions,
-                cache.keys(),
-                cache.values(),
-                &p,
-                &mut out.data,
-            );
+        let (keys, values) = (cache.keys(), cache.values());
+        match cache.precision {
+            // llama.cpp's CPU flash attention over its F16 cache, step for step: the tiled path for
+            // batches of 64 queries or more, the vector path below that.
+            KvPrecision::F16 if q.rows >= attention::GGML_FA_TILE_Q => {
+                attention::attention_ggml_f16_tiled(
+                    &q.data,
+                    &self.positions,
+                    keys,
+                    values,
+                    &p,
+                    &mut out.data,
+                );
+            }
+            KvPrecision::F16 => {
+                let chunk = (q.rows == 1)
+                    .then(|| split_kv_chunk(cache.len(), rayon::current_num_threads()))
+                    .flatten();
+                attention::attention_ggml_f16(
+                    &q.data,
+                    &self.positions,
+                    keys,
+                    values,
+                    &p,
+                    chunk,
+                    &mut out.data,
+                );
+            }
+            KvPrecision::F32 => {
+                attention::attention(&q.data, &self.positions, keys, values, &p, &mut out.data);
+            }
         }
         out
     }

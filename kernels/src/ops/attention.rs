@@ -217,13 +217,14 @@ pub fn attention_ggml_f16(
                 if s == 0.0 {
                     continue;
                 }
-                // Merge the chunk into the result so far, as ggml reduces the partials.
+                // Merge the chunk into the result so far, as ggml reduces the partials (GCC fuses
+                // `old·scale_old + new·scale_new` into `fma(old, scale_old, new·scale_new)`).
                 let m_new = m_all.max(m);
                 let (scale_old, scale_new) = ((m_all - m_new).exp(), (m - m_new).exp());
                 for (y, &a) in o.iter_mut().zip(acc.iter()) {
-                    *y = *y * scale_old + a * scale_new;
+                    *y = y.mul_add(scale_old, a * scale_new);
                 }
-                s_all = s_all * scale_old + s * scale_new;
+                s_all = s_all.mul_add(scale_old, s * scale_new);
                 m_all = m_new;
             }
             if s_all != 0.0 {
@@ -232,6 +233,204 @@ pub fn attention_ggml_f16(
             }
         },
     );
+}
+
+/// Keys per tile of llama.cpp's tiled CPU flash attention (`GGML_FA_TILE_KV`).
+const FA_TILE_KV: usize = 64;
+
+/// llama.cpp's CPU flash attention over an F16 KV cache for batches of at least [`GGML_FA_TILE_Q`]
+/// queries (`ggml_compute_forward_flash_attn_ext_tiled`), step for step. Shapes and visibility as in
+/// [`attention`]; `k` and `v` must hold f16 values. Per query and head, over the positions in tiles of 64
+/// from position 0 (tiles it sees nothing of are skipped):
+///
+/// - each score is `q·k` summed in order with fused multiply-adds (f32 query), times `scale`;
+/// - the tile's maximum updates the running maximum (rescaling the running sums by `expf` of the
+///   difference), the weights are ggml's vectorized `expf` ([`ggml_v_expf`]) of score minus maximum,
+///   summed eight at a time as AVX2 reduces a vector and added to the running sum in f64 (which stays
+///   f32 between tiles);
+/// - the values are accumulated with fused multiply-adds, key after key; the result is divided by the sum.
+pub fn attention_ggml_f16_tiled(
+    q: &[f32],
+    positions: &[u32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    out: &mut [f32],
+) {
+    check_shapes(q, positions, k, v, p, out);
+    let (n_q, dv) = (positions.len(), p.head_dim_v);
+    // One task per (head, 64 queries), as llama.cpp tiles them; each returns its rows.
+    let tasks: Vec<(usize, usize)> = (0..p.n_head)
+        .flat_map(|h| (0..n_q).step_by(GGML_FA_TILE_Q).map(move |i0| (h, i0)))
+        .collect();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(h, i0)| {
+            let rows = i0..(i0 + GGML_FA_TILE_Q).min(n_q);
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
+                return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows) };
+            }
+            tiled_task(q, positions, k, v, p, h, rows)
+        })
+        .collect();
+    for (&(h, i0), res) in tasks.iter().zip(&results) {
+        for (r, o) in res.chunks_exact(dv).enumerate() {
+            let i = i0 + r;
+            out[(i * p.n_head + h) * dv..][..dv].copy_from_slice(o);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tiled_task_fma(
+    q: &[f32],
+    positions: &[u32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    h: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<f32> {
+    tiled_task(q, positions, k, v, p, h, rows)
+}
+
+/// The rows `rows` of head `h` of [`attention_ggml_f16_tiled`], `head_dim_v` values each.
+#[inline(always)]
+fn tiled_task(
+    q: &[f32],
+    positions: &[u32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    h: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<f32> {
+    const T: usize = FA_TILE_KV;
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
+    let hk = h / (p.n_head / p.n_head_kv);
+    let n_rows = rows.len();
+    let mut out = vec![0f32; n_rows * dv];
+    let mut m = vec![f32::NEG_INFINITY; n_rows];
+    let mut s = vec![0f32; n_rows];
+    let first = rows
+        .clone()
+        .map(|i| p.first_visible(positions[i]))
+        .min()
+        .unwrap_or(0);
+    let last = rows
+        .clone()
+        .map(|i| positions[i] as usize)
+        .max()
+        .unwrap_or(0);
+    // The tile's keys transposed (`kt[d·T + t]`), as ggml packs them.
+    let mut kt = vec![0f32; dk * T];
+    let mut scores = [0f32; T];
+    let mut t0 = first / T * T;
+    while t0 <= last {
+        let n_keys = (t0 + T).min(last + 1) - t0;
+        for t in 0..n_keys {
+            let kj = &k[(t0 + t) * k_row + hk * dk..][..dk];
+            for (d, &x) in kj.iter().enumerate() {
+                kt[d * T + t] = x;
+            }
+        }
+        for (r, i) in rows.clone().enumerate() {
+            let pos = positions[i] as usize;
+            let lo = p.first_visible(positions[i]).max(t0);
+            let hi = (t0 + T).min(pos + 1);
+            if lo >= hi {
+                continue;
+            }
+            // Scores: q·k in order, fused, for the whole tile at once.
+            let qh = &q[(i * p.n_head + h) * dk..][..dk];
+            scores.fill(0.0);
+            for (d, &qd) in qh.iter().enumerate() {
+                let kd = &kt[d * T..(d + 1) * T];
+                for (sc, &kv) in scores.iter_mut().zip(kd) {
+                    *sc = kv.mul_add(qd, *sc);
+                }
+            }
+            let (a, b) = (lo - t0, hi - t0);
+            for sc in &mut scores[a..b] {
+                *sc = match p.softcap {
+                    Some(cap) => cap * (*sc * (p.scale / cap)).tanh(),
+                    None => *sc * p.scale,
+                };
+            }
+            let tile_max = scores[a..b]
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
+            let m_new = m[r].max(tile_max);
+            let o = &mut out[r * dv..(r + 1) * dv];
+            if m_new > m[r] {
+                let ms = (m[r] - m_new).exp();
+                o.iter_mut().for_each(|x| *x *= ms);
+                s[r] *= ms;
+            }
+            m[r] = m_new;
+            // Weights, summed eight at a time (positions aligned to the tile) in f64.
+            let mut sum = 0f64;
+            let mut w = [0f32; T];
+            for g in (a / 8)..b.div_ceil(8) {
+                let mut lanes = [0f32; 8];
+                for (l, lane) in lanes.iter_mut().enumerate() {
+                    let t = 8 * g + l;
+                    if (a..b).contains(&t) {
+                        *lane = ggml_v_expf(scores[t] - m_new);
+                    }
+                }
+                w[8 * g..8 * g + 8].copy_from_slice(&lanes);
+                sum += super::super::quant::float::sum_lanes8(&lanes) as f64;
+            }
+            s[r] = (s[r] as f64 + sum) as f32;
+            for (t, &wt) in w.iter().enumerate().take(b).skip(a) {
+                let vj = &v[(t0 + t) * v_row + hk * dv..][..dv];
+                for (x, &vv) in o.iter_mut().zip(vj) {
+                    *x = vv.mul_add(wt, *x);
+                }
+            }
+        }
+        t0 += T;
+    }
+    for (r, o) in out.chunks_exact_mut(dv).enumerate() {
+        let inv = if s[r] == 0.0 { 0.0 } else { 1.0 / s[r] };
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+    out
+}
+
+/// ggml's vectorized `expf` on AVX2 (`ggml_v_expf`), one lane: a polynomial with fused steps, exact to
+/// about one ulp, and bit-identical to llama.cpp's softmax weights. `e^-∞ = 0`.
+#[inline(always)]
+pub fn ggml_v_expf(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let r = c(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(c(0x3fb8_aa3b), r); // log2(e)
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6) * b);
+    if n.abs() <= 126.0 {
+        return k.mul_add(j, k);
+    }
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    if n.abs() > 192.0 {
+        s1 * s1
+    } else {
+        s2.mul_add(j, s2) * s1
+    }
 }
 
 /// `x` rounded to the nearest f16 value (ties to even), as an f32.
@@ -434,5 +633,67 @@ mod tests {
         a[32] = 0.25;
         b[32] = 4.0;
         assert_eq!(dot_f16_ggml(&a, &b), 7.0);
+    }
+
+    #[test]
+    fn ggml_tiled_path_matches_exact_attention_and_sees_only_its_window() {
+        let mut rng = Rng::new(12);
+        let n_kv = 200;
+        for (n_head, n_head_kv, dk, window, softcap) in [
+            (4, 1, 64, None, None),
+            (4, 2, 32, Some(70), None),
+            (2, 2, 16, None, Some(3.0)),
+        ] {
+            let p = AttnParams {
+                n_head,
+                n_head_kv,
+                head_dim_k: dk,
+                head_dim_v: dk,
+                scale: 1.0 / (dk as f32).sqrt(),
+                window,
+                softcap,
+            };
+            let f16s = |v: Vec<f32>| v.into_iter().map(round_f16).collect::<Vec<_>>();
+            let k = f16s(normals(&mut rng, n_kv * n_head_kv * dk));
+            let v = f16s(normals(&mut rng, n_kv * n_head_kv * dk));
+            // 70 queries: two query tiles, positions across several key tiles.
+            let positions: Vec<u32> = (130..200).collect();
+            let q = normals(&mut rng, positions.len() * n_head * dk);
+            let mut out = vec![0f32; q.len()];
+            attention_ggml_f16_tiled(&q, &positions, &k, &v, &p, &mut out);
+            let d = max_diff(&out, &reference(&q, &positions, &k, &v, &p));
+            assert!(d < 1e-5, "{p:?}: {d}");
+            // Keys past a query, or before its window, do not change it.
+            let (mut k2, mut v2) = (k.clone(), v.clone());
+            let (row_k, row_v) = (n_head_kv * dk, n_head_kv * dk);
+            for j in (150..200).chain(0..10) {
+                k2[j * row_k..(j + 1) * row_k].fill(7.0);
+                v2[j * row_v..(j + 1) * row_v].fill(-7.0);
+            }
+            let first_query = [130u32, 140, 149];
+            let qs = &q[..first_query.len() * n_head * dk];
+            let (mut a, mut b) = (vec![0f32; qs.len()], vec![0f32; qs.len()]);
+            attention_ggml_f16_tiled(qs, &first_query, &k, &v, &p, &mut a);
+            attention_ggml_f16_tiled(qs, &first_query, &k2, &v2, &p, &mut b);
+            assert_eq!(a == b, window.is_some_and(|w| w <= 120), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn ggml_v_expf_is_within_two_ulps_of_exp() {
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let got = ggml_v_expf(x) as f64;
+            let want = (x as f64).exp();
+            assert!(
+                ((got - want) / want).abs() < 2.5e-7,
+                "e^{x}: {got} vs {want}"
+            );
+            x += 0.0137;
+        }
+        assert_eq!(ggml_v_expf(0.0), 1.0);
+        assert_eq!(ggml_v_expf(f32::NEG_INFINITY), 0.0);
+        assert_eq!(ggml_v_expf(-200.0), 0.0);
+        assert!(ggml_v_expf(100.0).is_infinite());
     }
 }
