@@ -119,16 +119,37 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
             let tokens_end = (tokens + 16).min(n);
             for r in first..last {
                 let row = w.row(r);
-                for j in tokens..tokens_end {
+                let put = |j: usize, v: f32| {
+                    // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
+                    // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no
+                    // two threads write the same element, and `y` outlives the parallel loop.
+                    unsafe { *out.0.add(j * w.rows + r) = v };
+                };
+                let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
+                let mut j = tokens;
+                while j < tokens_end {
+                    // Four rows at once where the batch order comes in groups of four (16 is a multiple
+                    // of 4, so groups never straddle the token blocks).
+                    if let Some((b, dot4)) = batch.and_then(|b| b.dot4.map(|d| (b, d))) {
+                        if j + 4 <= tokens_end && (b.applies)(n, j) && (b.applies)(n, j + 3) {
+                            let v = dot4(
+                                w.cols,
+                                row,
+                                [act_row(j), act_row(j + 1), act_row(j + 2), act_row(j + 3)],
+                            );
+                            for (k, &v) in v.iter().enumerate() {
+                                put(j + k, v);
+                            }
+                            j += 4;
+                            continue;
+                        }
+                    }
                     let dot = match batch {
                         Some(b) if (b.applies)(n, j) => b.dot,
                         _ => ops.vec_dot,
                     };
-                    let v = dot(w.cols, row, &act[j * act_bytes..(j + 1) * act_bytes]);
-                    // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
-                    // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no two
-                    // threads write the same element, and `y` outlives the parallel loop.
-                    unsafe { *out.0.add(j * w.rows + r) = v };
+                    put(j, dot(w.cols, row, act_row(j)));
+                    j += 1;
                 }
             }
         }

@@ -512,7 +512,24 @@ pub(crate) static Q4K_GEMM4: BatchDot = BatchDot {
     dot: q4k_vec_dot_gemm4,
     portable: q4k_vec_dot_gemm4_portable,
     applies: |n, j| n > 3 && j < n - n % 4,
+    dot4: Some(q4k_vec_dot_gemm4_x4),
 };
+
+/// [`q4k_vec_dot_gemm4`] of one row with four activation rows.
+fn q4k_vec_dot_gemm4_x4(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = check_lengths(KKind::Q4K, n, row, acts[0]);
+        for a in &acts[1..] {
+            check_lengths(KKind::Q4K, n, row, a);
+        }
+        // SAFETY: as in `vec_dot`, for each of the four activation rows.
+        return unsafe {
+            super::x86::kquants_avx2::q4k_dot_gemm4_x4(nb, row.as_ptr(), acts.map(|a| a.as_ptr()))
+        };
+    }
+    acts.map(|a| q4k_vec_dot_gemm4_portable(n, row, a))
+}
 
 /// ggml's tiled K-quant matmul (`ggml-cpu/tiled`, batches of 8 rows or more), per output: each
 /// super-block's integer totals `T` (scales) and `M` (mins) give `r = xd·T` (less `xdmin·M`, fused), and
@@ -585,6 +602,7 @@ macro_rules! tiled_batch_dot {
             dot: $dot,
             portable: $portable,
             applies: |n, _| n >= 8,
+            dot4: None,
         };
     };
 }

@@ -405,12 +405,119 @@ pub(crate) unsafe fn q4k_dot_gemm4(nb: usize, x: *const u8, y: *const u8) -> f32
     acc - acc_min
 }
 
+/// [`q4k_dot_gemm4`] of one row `x` with four activation rows `ys`: the weights of each super-block are
+/// unpacked once for the four, and their fused steps interleave in one vector (lane `k`: row `ys[k]`,
+/// the same operations as alone).
+///
+/// # Safety
+/// As [`q4k_dot_gemm4`], for each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    let m4 = _mm256_set1_epi8(0x0F);
+    for i in 0..nb {
+        let xb = x.add(i * 144);
+        let (xd, xdmin) = scales_f16::<true>(xb);
+        let u = xb.add(4) as *const u32;
+        let (u0, u1, u2) = (
+            u.read_unaligned(),
+            u.add(1).read_unaligned(),
+            u.add(2).read_unaligned(),
+        );
+        let sc: [i16; 8] = {
+            let lo = u0 & KMASK1;
+            let hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+            let b = [lo.to_le_bytes(), hi.to_le_bytes()].concat();
+            std::array::from_fn(|k| b[k] as i16)
+        };
+        let mins = (u1 & KMASK1) as u64
+            | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+        let mins32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
+        // The super-block's quants (sub-block c = 2j + h: low nibbles for h = 0, high for h = 1) and
+        // each sub-block's scale spread over a vector.
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut s = [_mm256_setzero_si256(); 8];
+        for j in 0..4 {
+            let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+            q[2 * j] = _mm256_and_si256(bits, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            s[2 * j] = _mm256_set1_epi16(sc[2 * j]);
+            s[2 * j + 1] = _mm256_set1_epi16(sc[2 * j + 1]);
+        }
+        // Per activation row: the four pair vectors, reduced to their totals in one pass; the min
+        // products per sub-block, summed per pair.
+        let mut t = [_mm_setzero_si128(); 4];
+        let mut m = [_mm_setzero_si128(); 4];
+        let mut yd = [0f32; 4];
+        for (k, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let q8 = yb.add(4);
+            let mut p = [_mm256_setzero_si256(); 4];
+            for (j, pj) in p.iter_mut().enumerate() {
+                *pj = _mm256_add_epi32(
+                    scaled_dot(q[2 * j], q8.add(64 * j), s[2 * j]),
+                    scaled_dot(q[2 * j + 1], q8.add(64 * j + 32), s[2 * j + 1]),
+                );
+            }
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            t[k] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            let mprod = _mm256_mullo_epi32(_mm256_madd_epi16(bsums, _mm256_set1_epi16(1)), mins32);
+            // [m0+m1, m2+m3, ..] per half: pairs 0, 1 low, pairs 2, 3 high.
+            let mh = _mm256_hadd_epi32(mprod, mprod);
+            m[k] = _mm_unpacklo_epi64(
+                _mm256_castsi256_si128(mh),
+                _mm256_extracti128_si256::<1>(mh),
+            );
+            yd[k] = (yb as *const f32).read_unaligned();
+        }
+        // Transpose so vector p holds pair p of the four rows.
+        let tr = |v: [__m128i; 4]| -> [__m128; 4] {
+            let (a, b, c, d) = (
+                _mm_castsi128_ps(v[0]),
+                _mm_castsi128_ps(v[1]),
+                _mm_castsi128_ps(v[2]),
+                _mm_castsi128_ps(v[3]),
+            );
+            let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
+            let (cd_lo, cd_hi) = (_mm_unpacklo_ps(c, d), _mm_unpackhi_ps(c, d));
+            [
+                _mm_movelh_ps(ab_lo, cd_lo),
+                _mm_movehl_ps(cd_lo, ab_lo),
+                _mm_movelh_ps(ab_hi, cd_hi),
+                _mm_movehl_ps(cd_hi, ab_hi),
+            ]
+        };
+        let (tp, mp) = (tr(t), tr(m));
+        let ydv = _mm_loadu_ps(yd.as_ptr());
+        let (d, dmin) = (
+            _mm_mul_ps(_mm_set1_ps(xd), ydv),
+            _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
+        );
+        for p in 0..4 {
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(tp[p])), d, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(mp[p])), dmin, acc_min);
+        }
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
+    out
+}
+
 /// The integer totals of the four 64-value pairs of sub-blocks of one Q4_K super-block, and its min
 /// lanes (lane `c`: sub-block `c`'s `min · bsum`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_pair_sums(x: *const u8, y: *const u8) -> ([i32; 4], __m256i) {
+    let mut p = [_mm256_setzero_si256(); 4];
+    let (_, mins) = sums_q45_k_with::<false>(x, y, |j, v| p[j] = v);
+    // Horizontal totals of the four vectors at once: pairwise adds, then the two halves.
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    let t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
     let mut pairs = [0i32; 4];
-    let (_, mins) = sums_q45_k_with::<false>(x, y, |j, v| pairs[j] = hsum_i32(v));
+    _mm_storeu_si128(pairs.as_mut_ptr() as *mut __m128i, t);
     (pairs, mins)
 }
