@@ -2,7 +2,8 @@
 //!
 //! The tests live in `tests/tests/*.rs`; the fixtures (small GGUF files, reference values written by
 //! independent implementations such as the `gguf` PyPI package and llama.cpp) live in `tests/fixtures/`.
-//! This library only locates the fixtures, so every test finds them the same way.
+//! This library locates the fixtures, so every test finds them the same way, and holds the llama.cpp
+//! witness comparison ([`witness`]) that the CPU and GPU witness tests share.
 
 use std::path::PathBuf;
 
@@ -10,3 +11,5 @@ use std::path::PathBuf;
 pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
+
+pub mod witness;

@@ -1,0 +1,146 @@
+//! The committed witness fixtures are complete and consistent: every reference parses and passes its
+//! own checks, names a committed model whose SHA-256 it records (or says how to fetch one that is not
+//! committed), and every architecture has two type mixes with the five prompt lengths; the fixture models
+//! open with our GGUF reader and have the types their names promise. (The engine comparison itself is
+//! tests/tests/witness_cpu.rs.)
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use poly_kernels::quant::GgmlType;
+use poly_models::GgufFile;
+use poly_tests::fixtures_dir;
+use poly_tests::witness::{load_references, references_dir, sha256_file};
+
+const SYNTH_PROMPT_LENGTHS: [usize; 5] = [25, 100, 500, 2000, 4000];
+/// The committed models together stay small (the brief aims at 15 MB; the tiny shapes make it larger:
+/// this bounds growth, see tests/witness/README.md).
+const MAX_FIXTURE_MODEL_BYTES: u64 = 40 << 20;
+
+#[test]
+fn every_reference_matches_a_committed_or_fetchable_model() {
+    let refs = load_references(&references_dir()).expect("references load");
+    let models_dir = fixtures_dir().join("models");
+    let mut hashes: BTreeMap<String, String> = BTreeMap::new();
+    for r in &refs {
+        assert_eq!(r.steps.len(), 64, "{}", r.label());
+        assert!(
+            r.steps.iter().all(|s| s.top.len() == 5),
+            "{}: five likeliest per step",
+            r.label()
+        );
+        if let Some(fetch) = &r.model_fetch {
+            assert!(
+                fetch.contains("fetch_gemma.sh"),
+                "{}: fetch command {fetch}",
+                r.label()
+            );
+            assert!(
+                !models_dir.join(&r.model).exists(),
+                "{} is not meant to be committed",
+                r.model
+            );
+            continue;
+        }
+        let sha = hashes.entry(r.model.clone()).or_insert_with(|| {
+            sha256_file(&models_dir.join(&r.model)).unwrap_or_else(|e| panic!("{}: {e}", r.model))
+        });
+        assert_eq!(
+            *sha,
+            r.model_sha256,
+            "{}: model changed since its reference was made",
+            r.label()
+        );
+    }
+
+    // Each architecture: two fixture models, each with the five synthetic prompt lengths.
+    let mut per_arch: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for r in refs.iter().filter(|r| r.model_fetch.is_none()) {
+        per_arch.entry(&r.arch).or_default().insert(&r.model);
+    }
+    for arch in ["qwen3moe", "qwen35moe", "gemma3"] {
+        let models = per_arch.get(arch).cloned().unwrap_or_default();
+        assert!(models.len() >= 2, "{arch}: {models:?}");
+        for m in models {
+            let lens: Vec<usize> = refs
+                .iter()
+                .filter(|r| r.model == m)
+                .map(|r| r.prompt.len())
+                .collect();
+            assert_eq!(lens, SYNTH_PROMPT_LENGTHS, "{m}: prompt lengths");
+        }
+    }
+    let gemma: Vec<usize> = refs
+        .iter()
+        .filter(|r| r.model_fetch.is_some())
+        .map(|r| r.prompt.len())
+        .collect();
+    assert_eq!(gemma.len(), 5, "five Gemma 3 270M text prompts");
+    assert!(
+        gemma.iter().any(|&n| n > 512 + 64),
+        "a Gemma prompt crosses the 512-token window"
+    );
+}
+
+#[test]
+fn fixture_models_open_and_have_the_promised_types() {
+    let dir = fixtures_dir().join("models");
+    let mut total = 0;
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).expect("fixtures/models") {
+        let path = entry.expect("dir entry").path();
+        if path.extension().is_none_or(|x| x != "gguf") {
+            continue;
+        }
+        seen += 1;
+        total += std::fs::metadata(&path).expect("metadata").len();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("name")
+            .to_owned();
+        let f = GgufFile::open(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let arch = f.architecture().expect("architecture").to_owned();
+        assert!(
+            name.starts_with(&format!("{arch}-tiny-")),
+            "{name} holds {arch}"
+        );
+        let types_of = |pat: &str| -> BTreeSet<GgmlType> {
+            f.tensor_infos()
+                .iter()
+                .filter(|t| t.name.contains(pat))
+                .map(|t| t.ty)
+                .collect()
+        };
+        if name.ends_with("-q4k-q8.gguf") {
+            let big = if arch == "gemma3" {
+                "ffn_up"
+            } else {
+                "ffn_up_exps"
+            };
+            assert_eq!(
+                types_of(big),
+                BTreeSet::from([GgmlType::Q4_K]),
+                "{name}: {big}"
+            );
+            assert_eq!(
+                types_of("attn_q.weight"),
+                BTreeSet::from([GgmlType::Q8_0]),
+                "{name}: attn_q"
+            );
+        } else if name.ends_with("-q4km.gguf") {
+            // llama.cpp's Q4_K_M recipe: mostly Q4_K, some tensors raised to Q6_K.
+            let all: BTreeSet<GgmlType> = f.tensor_infos().iter().map(|t| t.ty).collect();
+            assert!(
+                all.contains(&GgmlType::Q4_K) && all.contains(&GgmlType::Q6_K),
+                "{name}: {all:?}"
+            );
+        } else {
+            panic!("unexpected fixture model {name}");
+        }
+    }
+    assert!(seen >= 6, "expected six fixture models, found {seen}");
+    assert!(
+        total <= MAX_FIXTURE_MODEL_BYTES,
+        "fixture models take {total} bytes"
+    );
+}
