@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::{qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use super::{qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
 
@@ -197,6 +197,7 @@ pub trait Forward {
 #[derive(Clone, Debug)]
 pub enum ModelGraph {
     Qwen3Moe(qwen3moe::Qwen3MoeGraph),
+    Qwen35Moe(qwen35moe::Qwen35MoeGraph),
 }
 
 impl ModelGraph {
@@ -211,6 +212,9 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
+            ModelHparams::Qwen35Moe(h) => Ok(ModelGraph::Qwen35Moe(
+                qwen35moe::Qwen35MoeGraph::new(h, &tensors, file.metadata())?,
+            )),
             other => Err(ArchError(format!(
                 "architecture {}: the forward pass is not implemented yet",
                 other.as_dyn().arch_name()
@@ -223,18 +227,21 @@ impl Forward for ModelGraph {
     fn info(&self) -> &ModelInfo {
         match self {
             ModelGraph::Qwen3Moe(g) => g.info(),
+            ModelGraph::Qwen35Moe(g) => g.info(),
         }
     }
 
     fn layer_states(&self) -> Vec<StateSpec> {
         match self {
             ModelGraph::Qwen3Moe(g) => g.layer_states(),
+            ModelGraph::Qwen35Moe(g) => g.layer_states(),
         }
     }
 
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
         match self {
             ModelGraph::Qwen3Moe(g) => g.forward(c),
+            ModelGraph::Qwen35Moe(g) => g.forward(c),
         }
     }
 }
