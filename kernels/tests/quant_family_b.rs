@@ -5,6 +5,11 @@
 //!   activations up to f32 rounding: `|dot − Σ w_i·x'_i| ≤ 1e-5·Σ|w_i·x'_i| + 1e-30`. Both sides see the
 //!   same quantized activations, so this catches any mis-indexed value, sign or scale that the looser
 //!   bound against exact activations could hide.
+//! - Against the *exact* activations the dot product is within the error activation quantization allows:
+//!   each `x_i` becomes `x'_i` with `|x_i − x'_i| ≤ e_i`, `e_i = 0.5·amax/127` for Q8_K (f32 scale) and
+//!   `0.57·amax/127` for Q8_0 (its f16 scale adds at most 127·2⁻¹¹ of a step), `amax` the largest |x| of
+//!   the activation block; so `|dot − Σ w_i·x_i| ≤ Σ|w_i|·e_i + 1e-4·Σ|w_i·x_i|`, the last term for f32
+//!   rounding.
 //! - The SIMD and portable dot products agree within `1e-5·Σ|w_i·x'_i|` on every row length (odd numbers of
 //!   blocks exercise the SIMD tails), on blocks of arbitrary bytes (negative scales, every index, sign
 //!   and sub-scale pattern), and on activations of full magnitude (±127, where 16-bit pair sums come
@@ -55,6 +60,22 @@ fn reference_dot(w: &[f32], x: &[f32]) -> (f64, f64) {
         let p = a as f64 * b as f64;
         (s + p, m + p.abs())
     })
+}
+
+/// Σ|w_i|·e_i: the most that quantizing the activations `x` to `act` can move the dot product.
+fn activation_error(act: ActType, w: &[f32], x: &[f32]) -> f64 {
+    let (block, step) = match act {
+        ActType::Q8_0 => (32, 0.57 / 127.0),
+        ActType::Q8_K => (256, 0.5 / 127.0),
+        other => panic!("family B does not use {other:?} activations"),
+    };
+    w.chunks(block)
+        .zip(x.chunks(block))
+        .map(|(wb, xb)| {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+            wb.iter().map(|&v| (v as f64).abs()).sum::<f64>() * amax * step
+        })
+        .sum()
 }
 
 /// Row lengths to try: single blocks, odd block counts, and a typical hidden size.
@@ -124,6 +145,12 @@ fn dot_equals_dequantized_dot_and_simd_equals_portable() {
                 let (exact, magnitude) = reference_dot(&w, &xq);
                 let tolerance = 1e-5 * magnitude + 1e-30;
                 let fast = vec_dot(ty, n, &row, &act).unwrap() as f64;
+                let (exact_x, magnitude_x) = reference_dot(&w, &x);
+                let bound = activation_error(ops.act, &w, &x) + 1e-4 * magnitude_x;
+                assert!(
+                    (fast - exact_x).abs() <= bound,
+                    "{ty} n={n} trial {trial}: vec_dot {fast} vs exact {exact_x} (bound {bound})"
+                );
                 let portable = (ops.vec_dot_portable)(n, &row, &act) as f64;
                 assert!(
                     (portable - exact).abs() <= tolerance,

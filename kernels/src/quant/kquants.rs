@@ -13,15 +13,8 @@
 //! super-block.
 
 use super::float::sum_lanes8;
-use super::{put_f16, ActType, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
-
-/// The little-endian f16 at `b[0..2]` as f32 (inline and exact; `half`'s conversion is a call through a
-/// run-time dispatch, too slow per block).
-#[inline(always)]
-fn f16_at(b: &[u8]) -> f32 {
-    super::float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
 
 /// Values per super-block.
 pub(crate) const QK_K: usize = 256;
@@ -592,6 +585,56 @@ pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {
                 *o = q as u8;
             }
             sums[2 * g..2 * g + 2].copy_from_slice(&sum.to_le_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scale_packing_round_trips() {
+        let mut rng = Rng::new(11);
+        for _ in 0..1000 {
+            let sc: [u8; 8] = std::array::from_fn(|_| rng.below(64) as u8);
+            let mn: [u8; 8] = std::array::from_fn(|_| rng.below(64) as u8);
+            let mut packed = [0u8; 12];
+            pack_scales_mins_k4(&sc, &mn, &mut packed);
+            assert_eq!(scales_mins_k4(&packed), (sc, mn));
+            let sc16: [u8; 16] = std::array::from_fn(|_| rng.below(64) as u8);
+            pack_scales_q3_k(&sc16, &mut packed);
+            assert_eq!(scales_q3_k(&packed), sc16);
+        }
+    }
+
+    /// Every sub-block of the formats with minimums is centered: `dmin·min` equals `d·scale` times the
+    /// mean quant, so the expected value of each element is zero (up to f16 rounding of `dmin`).
+    #[test]
+    fn random_blocks_with_minimums_are_centered() {
+        for (kind, center) in [(KKind::Q2K, 1.5f32), (KKind::Q4K, 7.5), (KKind::Q5K, 15.5)] {
+            for rms in [1e-3f32, 0.02, 1.0] {
+                let mut buf = vec![0u8; 64 * kind.block_bytes()];
+                fill_random(kind, &mut Rng::new(4), rms, &mut buf);
+                for b in buf.chunks_exact(kind.block_bytes()) {
+                    let (d, dmin) = block_scales(kind, b);
+                    assert!(d >= MIN_SCALE, "{kind:?}: super-block scale {d}");
+                    let pairs: Vec<(u8, u8)> = if kind == KKind::Q2K {
+                        b[..16].iter().map(|&s| (s & 0x0F, s >> 4)).collect()
+                    } else {
+                        let (sc, mn) = scales_mins_k4(&b[4..16]);
+                        sc.into_iter().zip(mn).collect()
+                    };
+                    for (sc, mn) in pairs {
+                        assert!(sc > 0, "{kind:?}: zero scale");
+                        let (mean, offset) = (d * sc as f32 * center, dmin * mn as f32);
+                        assert!(
+                            (mean - offset).abs() <= 1e-3 * mean.abs(),
+                            "{kind:?}: {mean} vs {offset}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

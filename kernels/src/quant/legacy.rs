@@ -9,15 +9,8 @@
 //! order, so it equals the portable code bit for bit.
 
 use super::float::sum_lanes8;
-use super::{put_f16, ActType, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
-
-/// The little-endian f16 at `b[0..2]` as f32 (inline and exact; `half`'s conversion is a call through a
-/// run-time dispatch, too slow per block).
-#[inline(always)]
-fn f16_at(b: &[u8]) -> f32 {
-    super::float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
 
 /// Values per block of every format here.
 const QK: usize = 32;
@@ -234,7 +227,7 @@ fn block_isum(kind: LegacyKind, x: &[u8], qy: &[u8]) -> i32 {
 
 /// One block's contribution `(dx·dy)·Σqx·qy [+ m·s]`, with the roundings the AVX2 code performs.
 #[inline(always)]
-pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
+fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
     let qy_off = if kind.has_min() { 4 } else { 2 };
     let isum = block_isum(kind, x, &y[qy_off..]);
     let c = (f16_at(x) * f16_at(y)) * isum as f32;
@@ -245,11 +238,11 @@ pub(crate) fn block_dot(kind: LegacyKind, x: &[u8], y: &[u8]) -> f32 {
     }
 }
 
-/// Adds blocks `first..nb` to `lanes` (block `b` into lane `b % 8`).
+/// Adds blocks `8·first_group .. nb` to `lanes` (block `b` into lane `b % 8`).
 #[inline(always)]
-pub(crate) fn add_blocks(
+fn add_blocks(
     kind: LegacyKind,
-    first: usize,
+    first_group: usize,
     nb: usize,
     row: &[u8],
     act: &[u8],
@@ -257,19 +250,16 @@ pub(crate) fn add_blocks(
 ) {
     let (xb, yb) = (kind.block_bytes(), kind.act_bytes());
     let block = |b: usize| block_dot(kind, &row[b * xb..(b + 1) * xb], &act[b * yb..(b + 1) * yb]);
-    let mut b = first;
     // Whole groups of eight with the lanes in registers, then the rest one by one.
-    if b.is_multiple_of(8) {
-        while b + 8 <= nb {
-            for (k, lane) in lanes.iter_mut().enumerate() {
-                *lane += block(b + k);
-            }
-            b += 8;
+    let mut b = 8 * first_group;
+    while b + 8 <= nb {
+        for (k, lane) in lanes.iter_mut().enumerate() {
+            *lane += block(b + k);
         }
+        b += 8;
     }
-    while b < nb {
-        lanes[b % 8] += block(b);
-        b += 1;
+    for (k, b) in (b..nb).enumerate() {
+        lanes[k] += block(b);
     }
 }
 
@@ -302,7 +292,7 @@ fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         let mut lanes = unsafe {
             super::x86::legacy_avx2::dot_groups(kind, groups, row.as_ptr(), act.as_ptr())
         };
-        add_blocks(kind, groups * 8, nb, row, act, &mut lanes);
+        add_blocks(kind, groups, nb, row, act, &mut lanes);
         return sum_lanes8(&lanes);
     }
     vec_dot_portable(kind, n, row, act)
@@ -403,5 +393,50 @@ pub(crate) fn quantize_q8_1(x: &[f32], out: &mut [u8]) {
         }
         put_f16(&mut ob[0..2], d);
         put_f16(&mut ob[2..4], d * sum as f32);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Block scales are normal f16 numbers (even for a tiny target); Q4_1/Q5_1 blocks are centered
+    /// (`m = −7.5·d`, `−15.5·d`); the symmetric formats use both signs of `d` about equally.
+    #[test]
+    fn random_block_headers() {
+        let kinds = [
+            (LegacyKind::Q4_0, 0.0f32),
+            (LegacyKind::Q4_1, 7.5),
+            (LegacyKind::Q5_0, 0.0),
+            (LegacyKind::Q5_1, 15.5),
+            (LegacyKind::Q8_0, 0.0),
+        ];
+        for (kind, center) in kinds {
+            for rms in [1e-7f32, 0.02, 1.0] {
+                let mut buf = vec![0u8; 4096 * kind.block_bytes()];
+                fill_random(kind, &mut Rng::new(9), rms, &mut buf);
+                let mut negative = 0;
+                for b in buf.chunks_exact(kind.block_bytes()) {
+                    let d = f16_at(b);
+                    assert!(d.abs() >= MIN_SCALE && d.is_finite(), "{kind:?}: scale {d}");
+                    negative += (d < 0.0) as usize;
+                    if kind.has_min() {
+                        let m = f16_at(&b[2..]);
+                        assert!(
+                            (m + center * d).abs() <= 1e-3 * m.abs(),
+                            "{kind:?}: d {d}, m {m}"
+                        );
+                    }
+                }
+                if kind.has_min() {
+                    assert_eq!(negative, 0, "{kind:?}: negative scales");
+                } else {
+                    assert!(
+                        (1800..2300).contains(&negative),
+                        "{kind:?}: {negative} of 4096 negative"
+                    );
+                }
+            }
+        }
     }
 }

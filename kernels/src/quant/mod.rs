@@ -338,16 +338,17 @@ pub fn fill_random(
     Ok(())
 }
 
-/// Reads a little-endian f16 at `b[0..2]` as f32.
+/// Reads a little-endian f16 at `b[0..2]` as f32 (exact, inline: `half`'s conversion is a call through
+/// a run-time dispatch, too slow once per block; NaN payloads are kept as numpy keeps them).
 #[inline(always)]
 pub(crate) fn f16_at(b: &[u8]) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    float::f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
 }
 
-/// Writes `v` as a little-endian f16 at `b[0..2]`.
+/// Writes `v` as a little-endian f16 at `b[0..2]` (rounded to nearest even, as `half` does, but inline).
 #[inline(always)]
 pub(crate) fn put_f16(b: &mut [u8], v: f32) {
-    b[..2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+    b[..2].copy_from_slice(&float::f32_to_f16_bits(v).to_le_bytes());
 }
 
 /// Whether AVX2 and FMA may be used (checked once, at run time).

@@ -110,7 +110,7 @@ fn fill_random_mxfp4(rng: &mut Rng, rms: f32, dst: &mut [u8]) {
     let e_lo = (p + 128.0).clamp(2.0, 253.0) as u8;
     // The exponent byte starts out uniformly random: it is its own coin, with q resolved to 1/256.
     let threshold = (q * 256.0).round() as u32;
-    rng.fill_bytes(dst);
+    super::iquants::random_bytes(rng, dst);
     for b in dst.chunks_exact_mut(MXFP4_BYTES) {
         b[0] = if (b[0] as u32) < threshold {
             e_lo + 1

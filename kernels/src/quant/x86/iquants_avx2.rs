@@ -13,7 +13,7 @@ use crate::quant::iquants::tables::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
     KVALUES_IQ4NL,
 };
-use crate::quant::mxfp4::{e8m0_to_f32_half, KVALUES_MXFP4};
+use crate::quant::mxfp4::KVALUES_MXFP4;
 
 /// Values per super-block.
 const QK_K: usize = 256;
@@ -78,7 +78,7 @@ fn blocks<const N: usize>(s: &[u8]) -> impl Iterator<Item = &[u8; N]> {
     s.chunks_exact(N).filter_map(|c| c.first_chunk::<N>())
 }
 
-/// f16 at `b[at..at + 2]` to f32, in integer arithmetic and one exact multiply.
+/// f16 at `b[at..at + 2]` to f32, without F16C.
 ///
 /// Converting one f16 with F16C (`_mm_cvtph_ps` on a lone 16-bit lane) lets LLVM insert the value into
 /// whatever register is free, often an accumulator, making every block wait for the previous block's sums;
@@ -88,47 +88,42 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16_to_f32(u16_at(b, at))
 }
 
-/// f16 bits to f32 (exact; see [`f16_at`]).
+/// f16 bits to f32, exactly, with selects rather than branches, and without ever computing with an f32
+/// subnormal (those cost a microcode assist, and IQ4_XS scales are often f16 subnormals).
 #[inline(always)]
 fn f16_to_f32(h: u16) -> f32 {
     let h = h as u32;
     let em = h & 0x7fff;
-    let magnitude = if em >= 0x7c00 {
-        f32::from_bits(0x7f80_0000 | (em & 0x3ff) << 13)
-    } else {
-        // Moving the exponent field and multiplying by 2^112 rebiases it exactly, subnormals included.
-        f32::from_bits(em << 13) * f32::from_bits(0x7780_0000)
-    };
-    f32::from_bits(magnitude.to_bits() | (h & 0x8000) << 16)
+    // Normal values: move exponent and mantissa into place and rebias the exponent by 127 − 15; infinities
+    // and NaNs (exponent 31) rebias to 255 instead.
+    let rebias = if em >= 0x7c00 { 224 << 23 } else { 112 << 23 };
+    let shifted = (em << 13) + rebias;
+    // Zero and subnormals: mantissa × 2^-24, exact (the product is an f32 normal).
+    let small = (em as f32 * f32::from_bits(0x3380_0000)).to_bits();
+    let magnitude = if em < 0x400 { small } else { shifted };
+    f32::from_bits(magnitude | (h & 0x8000) << 16)
 }
 
-/// The product of two f16 values (`a[at_a..]`, `b[at_b..]`) in f32, converted together with F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_product(a: &[u8], at_a: usize, b: &[u8], at_b: usize) -> f32 {
-    let pair = u32::from_le_bytes([a[at_a], a[at_a + 1], b[at_b], b[at_b + 1]]);
-    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(pair as i32));
-    _mm_cvtss_f32(_mm_mul_ss(v, _mm_movehdup_ps(v)))
-}
-
+/// Little-endian u16 at `b[at..at + 2]`, as one load.
 #[inline(always)]
 fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
+    let s = &b[at..at + 2];
+    // SAFETY: `s` is 2 readable bytes; read_unaligned has no alignment requirement.
+    u16::from_le(unsafe { s.as_ptr().cast::<u16>().read_unaligned() })
 }
 
+/// Little-endian u32 at `b[at..at + 4]`, as one load (built from bytes, LLVM splits it into four byte
+/// loads when only bit fields of it are used).
 #[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+    let s = &b[at..at + 4];
+    // SAFETY: `s` is 4 readable bytes; read_unaligned has no alignment requirement.
+    u32::from_le(unsafe { s.as_ptr().cast::<u32>().read_unaligned() })
 }
 
 #[inline(always)]
 fn q8k_d(y: &[u8; Q8K]) -> f32 {
     f32::from_le_bytes([y[0], y[1], y[2], y[3]])
-}
-
-#[inline(always)]
-fn q8k_bsum(y: &[u8; Q8K], g: usize) -> i32 {
-    i16::from_le_bytes([y[260 + 2 * g], y[261 + 2 * g]]) as i32
 }
 
 /// Sum of the 8 f32 lanes.
@@ -241,6 +236,25 @@ pub(crate) unsafe fn vec_dot_iq2_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
     0.125 * hsum_f32x8(accumf)
 }
 
+/// The sixteen odd multipliers `2s + 1` of the 4-bit scales at `x[at..at + 8]` (two per 32 values) as
+/// 16-bit lanes: lane `ib` of the low 128 bits holds the first half's (low nibble of byte `ib`), lane
+/// `ib` of the high 128 bits the second half's, matching the halves of a 32-value `maddubs` result; so
+/// `pshufb` with [`I16_BROADCAST`]`[ib]` gives the multipliers of sub-block `ib`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq2_scales(x: &[u8], at: usize) -> __m256i {
+    let m4 = _mm_set1_epi8(0x0f);
+    let bytes = &x[at..at + 8];
+    // SAFETY: `bytes` is 8 readable bytes, what the unaligned 64-bit load reads.
+    let v = unsafe { _mm_loadl_epi64(bytes.as_ptr().cast()) };
+    let nibbles = _mm_unpacklo_epi64(
+        _mm_and_si128(v, m4),
+        _mm_and_si128(_mm_srli_epi16(v, 4), m4),
+    );
+    let odd = _mm_add_epi8(_mm_slli_epi16(nibbles, 1), _mm_set1_epi8(1));
+    _mm256_cvtepu8_epi16(odd)
+}
+
 /// IQ2_XS × Q8_K.
 ///
 /// # Safety
@@ -249,11 +263,10 @@ pub(crate) unsafe fn vec_dot_iq2_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
 pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut accumf = _mm256_setzero_ps();
     for (x, y) in blocks::<74>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
-        let d = f16_at(x, 0) * q8k_d(y);
-        let mut sumi1 = _mm256_setzero_si256();
-        let mut sumi2 = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let q8 = load256(y, 4 + 32 * ib);
+        let scales = iq2_scales(x, 66);
+        // The scaled pair sums of sub-block `ib` (32 values, four grid entries of 9-bit index and 7-bit
+        // ksigns index each).
+        let sub = |ib: usize| {
             let q = [0, 1, 2, 3].map(|l| u16_at(x, 2 + 8 * ib + 2 * l));
             let q2 = set_u64x4(
                 IQ2XS_GRID[(q[0] & 511) as usize],
@@ -267,20 +280,19 @@ pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 KEVEN_SIGNS[(q[2] >> 9) as usize],
                 KEVEN_SIGNS[(q[3] >> 9) as usize],
             );
-            let dot = _mm256_maddubs_epi16(q2, _mm256_sign_epi8(q8, s2));
-            // The low 128 bits hold values 0..16 (first scale), the high 128 bits values 16..32.
-            let sc = x[66 + ib];
-            let scales = _mm256_set_m128i(
-                _mm_set1_epi16((2 * (sc >> 4) + 1) as i16),
-                _mm_set1_epi16((2 * (sc & 15) + 1) as i16),
-            );
-            let p = _mm256_madd_epi16(dot, scales);
-            if ib % 2 == 0 {
-                sumi1 = _mm256_add_epi32(sumi1, p);
-            } else {
-                sumi2 = _mm256_add_epi32(sumi2, p);
-            }
+            let dot = _mm256_maddubs_epi16(q2, _mm256_sign_epi8(load256(y, 4 + 32 * ib), s2));
+            _mm256_madd_epi16(
+                dot,
+                _mm256_shuffle_epi8(scales, load256(&I16_BROADCAST[ib], 0)),
+            )
+        };
+        let mut sumi1 = _mm256_setzero_si256();
+        let mut sumi2 = _mm256_setzero_si256();
+        for ib in (0..8).step_by(2) {
+            sumi1 = _mm256_add_epi32(sumi1, sub(ib));
+            sumi2 = _mm256_add_epi32(sumi2, sub(ib + 1));
         }
+        let d = f16_at(x, 0) * q8k_d(y);
         accumf = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
@@ -298,11 +310,9 @@ pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
 pub(crate) unsafe fn vec_dot_iq2_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut accumf = _mm256_setzero_ps();
     for (x, y) in blocks::<82>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
-        let d = f16_at(x, 0) * q8k_d(y);
-        let mut sumi1 = _mm256_setzero_si256();
-        let mut sumi2 = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let q8 = load256(y, 4 + 32 * ib);
+        let scales = iq2_scales(x, 74);
+        // The scaled pair sums of sub-block `ib` (32 values, four grid entries of 10-bit index).
+        let sub = |ib: usize| {
             let qh = x[66 + ib] as usize;
             let qs = &x[2 + 4 * ib..6 + 4 * ib];
             let q2 = set_u64x4(
@@ -311,20 +321,20 @@ pub(crate) unsafe fn vec_dot_iq2_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 IQ2S_GRID[qs[2] as usize | (qh << 4 & 0x300)],
                 IQ2S_GRID[qs[3] as usize | (qh << 2 & 0x300)],
             );
-            let q8s = apply_sign_bits(q8, u32_at(x, 34 + 4 * ib));
+            let q8s = apply_sign_bits(load256(y, 4 + 32 * ib), u32_at(x, 34 + 4 * ib));
             let dot = _mm256_maddubs_epi16(q2, q8s);
-            let sc = x[74 + ib];
-            let scales = _mm256_set_m128i(
-                _mm_set1_epi16((2 * (sc >> 4) + 1) as i16),
-                _mm_set1_epi16((2 * (sc & 15) + 1) as i16),
-            );
-            let p = _mm256_madd_epi16(dot, scales);
-            if ib % 2 == 0 {
-                sumi1 = _mm256_add_epi32(sumi1, p);
-            } else {
-                sumi2 = _mm256_add_epi32(sumi2, p);
-            }
+            _mm256_madd_epi16(
+                dot,
+                _mm256_shuffle_epi8(scales, load256(&I16_BROADCAST[ib], 0)),
+            )
+        };
+        let mut sumi1 = _mm256_setzero_si256();
+        let mut sumi2 = _mm256_setzero_si256();
+        for ib in (0..8).step_by(2) {
+            sumi1 = _mm256_add_epi32(sumi1, sub(ib));
+            sumi2 = _mm256_add_epi32(sumi2, sub(ib + 1));
         }
+        let d = f16_at(x, 0) * q8k_d(y);
         accumf = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
@@ -377,26 +387,25 @@ pub(crate) unsafe fn vec_dot_iq3_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
 pub(crate) unsafe fn vec_dot_iq3_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut accumf = _mm256_setzero_ps();
     for (x, y) in blocks::<110>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
-        let d = f16_at(x, 0) * q8k_d(y);
-        let mut sumi1 = _mm256_setzero_si256();
-        let mut sumi2 = _mm256_setzero_si256();
-        for ib in 0..8 {
-            let q8 = load256(y, 4 + 32 * ib);
+        // The scaled pair sums of sub-block `ib` (32 values, eight grid entries of 9-bit index).
+        let sub = |ib: usize| {
             let qs = &x[2 + 8 * ib..10 + 8 * ib];
             let qh = x[66 + ib] as usize;
             let q3 = set_u32x8(
                 [0, 1, 2, 3, 4, 5, 6, 7].map(|j| IQ3S_GRID[qs[j] as usize | (qh << (8 - j) & 256)]),
             );
-            let q8s = apply_sign_bits(q8, u32_at(x, 74 + 4 * ib));
+            let q8s = apply_sign_bits(load256(y, 4 + 32 * ib), u32_at(x, 74 + 4 * ib));
             let dot = _mm256_maddubs_epi16(q3, q8s);
             let ls = (x[106 + ib / 2] >> (4 * (ib % 2))) & 15;
-            let p = _mm256_madd_epi16(dot, _mm256_set1_epi16((2 * ls + 1) as i16));
-            if ib % 2 == 0 {
-                sumi1 = _mm256_add_epi32(sumi1, p);
-            } else {
-                sumi2 = _mm256_add_epi32(sumi2, p);
-            }
+            _mm256_madd_epi16(dot, _mm256_set1_epi16((2 * ls + 1) as i16))
+        };
+        let mut sumi1 = _mm256_setzero_si256();
+        let mut sumi2 = _mm256_setzero_si256();
+        for ib in (0..8).step_by(2) {
+            sumi1 = _mm256_add_epi32(sumi1, sub(ib));
+            sumi2 = _mm256_add_epi32(sumi2, sub(ib + 1));
         }
+        let d = f16_at(x, 0) * q8k_d(y);
         accumf = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
@@ -413,11 +422,23 @@ pub(crate) unsafe fn vec_dot_iq3_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq1_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let mut accum = _mm256_setzero_ps();
-    let mut accum1 = 0f32;
+    let mut accum_delta = _mm256_setzero_ps();
     for (x, y) in blocks::<50>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
-        let mut sumi = _mm256_setzero_si256();
-        let mut sumi1 = 0i32;
-        for ib in 0..8 {
+        // The eight qh words: 4 × 3 high index bits, the 3-bit scale, the sign of the shift.
+        let qh = load128(x, 34);
+        let ls = _mm_or_si128(
+            _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(qh, 12), _mm_set1_epi16(7)), 1),
+            _mm_set1_epi16(1),
+        );
+        let scales = _mm256_broadcastsi128_si256(ls);
+        // The shift term Σ ±ls · q8 over each 32 values, from the Q8_K sums of 16.
+        let signed_ls = _mm_sign_epi16(ls, _mm_or_si128(qh, _mm_set1_epi16(1)));
+        let per_sum = _mm256_set_m128i(
+            _mm_unpackhi_epi16(signed_ls, signed_ls),
+            _mm_unpacklo_epi16(signed_ls, signed_ls),
+        );
+        let delta = _mm256_madd_epi16(load256(y, 260), per_sum);
+        let sub = |ib: usize| {
             let qh = u16_at(x, 34 + 2 * ib) as usize;
             let qs = &x[2 + 4 * ib..6 + 4 * ib];
             let q1 = set_u64x4(
@@ -426,22 +447,23 @@ pub(crate) unsafe fn vec_dot_iq1_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 IQ1S_GRID[qs[2] as usize | (qh << 2 & 0x700)],
                 IQ1S_GRID[qs[3] as usize | (qh >> 1 & 0x700)],
             );
-            let q8 = load256(y, 4 + 32 * ib);
-            let ls = (2 * ((qh >> 12) & 7) + 1) as i32;
-            let p = _mm256_madd_epi16(mul_add_epi8(q1, q8), _mm256_set1_epi16(ls as i16));
-            sumi = _mm256_add_epi32(sumi, p);
-            let bsum = q8k_bsum(y, 2 * ib) + q8k_bsum(y, 2 * ib + 1);
-            sumi1 += if qh & 0x8000 != 0 {
-                -bsum * ls
-            } else {
-                bsum * ls
-            };
+            let dot = mul_add_epi8(q1, load256(y, 4 + 32 * ib));
+            _mm256_madd_epi16(
+                dot,
+                _mm256_shuffle_epi8(scales, load256(&I16_BROADCAST[ib], 0)),
+            )
+        };
+        let mut sumi1 = _mm256_setzero_si256();
+        let mut sumi2 = _mm256_setzero_si256();
+        for ib in (0..8).step_by(2) {
+            sumi1 = _mm256_add_epi32(sumi1, sub(ib));
+            sumi2 = _mm256_add_epi32(sumi2, sub(ib + 1));
         }
-        let d = q8k_d(y) * f16_at(x, 0);
-        accum = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), accum);
-        accum1 += d * sumi1 as f32;
+        let d = _mm256_set1_ps(q8k_d(y) * f16_at(x, 0));
+        accum = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)), accum);
+        accum_delta = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(delta), accum_delta);
     }
-    hsum_f32x8(accum) + 0.125 * accum1
+    hsum_f32x8(accum) + 0.125 * hsum_f32x8(accum_delta)
 }
 
 /// IQ1_M × Q8_K.
@@ -458,6 +480,21 @@ pub(crate) unsafe fn vec_dot_iq1_m(n: usize, row: &[u8], act: &[u8]) -> f32 {
     // w of 64-bit lanes 0..4: the low 128 bits hold the first halves of 32-value groups, the high 128 bits
     // the second halves (pshufb cannot cross the 128-bit lanes).
     let scales_shift = _mm256_set_epi64x(9, 3, 6, 0);
+    // Byte j of 64 values' shift-sign vectors comes from qh byte (j / 16) (+ 2 for the second 32), bit 3
+    // for the first 8 of each 16 bytes and bit 7 for the second.
+    let spread_lo = _mm256_set_epi64x(0x0101_0101_0101_0101, 0x0101_0101_0101_0101, 0, 0);
+    let spread_hi = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0202_0202_0202_0202,
+    );
+    let delta_select = _mm256_set_epi64x(
+        0x8080_8080_8080_8080u64 as i64,
+        0x0808_0808_0808_0808,
+        0x8080_8080_8080_8080u64 as i64,
+        0x0808_0808_0808_0808,
+    );
     let mut accum1 = _mm256_setzero_ps();
     let mut accum2 = _mm256_setzero_ps();
     for (x, y) in blocks::<56>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
@@ -489,15 +526,14 @@ pub(crate) unsafe fn vec_dot_iq1_m(n: usize, row: &[u8], act: &[u8]) -> f32 {
                 IQ1S_GRID[idx(6)],
                 IQ1S_GRID[idx(7)],
             );
-            let delta = |k: usize| -> u64 {
-                if qh[k / 2] >> (4 * (k % 2)) & 8 != 0 {
-                    u64::MAX
-                } else {
-                    0x0101_0101_0101_0101
-                }
+            // Shift signs as ±1 bytes: group k's sign is bit 3 (k even) or 7 (k odd) of qh[k / 2].
+            let qh4 = _mm256_set1_epi32(u32_at(x, 32 + 2 * ib) as i32);
+            let delta = |spread: __m256i| {
+                let bits = _mm256_and_si256(_mm256_shuffle_epi8(qh4, spread), delta_select);
+                _mm256_or_si256(_mm256_cmpeq_epi8(bits, delta_select), mone8)
             };
-            let delta1 = set_u64x4(delta(0), delta(1), delta(2), delta(3));
-            let delta2 = set_u64x4(delta(4), delta(5), delta(6), delta(7));
+            let delta1 = delta(spread_lo);
+            let delta2 = delta(spread_hi);
             let q8b_1 = load256(y, 4 + 32 * ib);
             let q8b_2 = load256(y, 36 + 32 * ib);
             let dot1 = mul_add_epi8(q1b_1, q8b_1);
@@ -535,8 +571,10 @@ unsafe fn nibble_levels(values: __m128i, x: &[u8], at: usize) -> __m256i {
     )
 }
 
-/// Shared body of IQ4_NL and MXFP4 × Q8_0: 17- or 18-byte blocks whose 16 nibble bytes start at
-/// `qs_at`; `scale(weight block, activation block)` is the product of their scales.
+/// Shared body of IQ4_NL and MXFP4 × Q8_0 for `N`-byte weight blocks whose 16 nibble bytes start at
+/// `qs_at`. Blocks go in pairs; `scales(x1, y1, x2, y2)` gives the two products of weight and activation
+/// scales in lanes 0 and 1 (converted together, as vectors: per-block scalar conversions would cost
+/// as much as the integer work of a 32-value block).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_nibbles_q8_0<const N: usize>(
@@ -545,39 +583,49 @@ unsafe fn dot_nibbles_q8_0<const N: usize>(
     act: &[u8],
     levels: &[i8; 16],
     qs_at: usize,
-    scale: impl Fn(&[u8; N], &[u8; Q8_0]) -> f32,
+    scales: impl Fn(&[u8], &[u8], &[u8], &[u8]) -> __m128,
 ) -> f32 {
-    let values = _mm_loadu_si128(levels.as_ptr().cast());
+    // SAFETY: `levels` is 16 readable bytes; the unaligned load has no alignment requirement.
+    let values = unsafe { _mm_loadu_si128(levels.as_ptr().cast()) };
     let mone = _mm256_set1_epi16(1);
+    let block_dot = |x: &[u8], y: &[u8]| {
+        // SAFETY: the enclosing function's contract (AVX2, FMA and F16C present) covers these calls.
+        unsafe {
+            _mm256_madd_epi16(
+                mul_add_epi8(nibble_levels(values, x, qs_at), load256(y, 2)),
+                mone,
+            )
+        }
+    };
     let nb = n / 32;
     let mut accum1 = _mm256_setzero_ps();
     let mut accum2 = _mm256_setzero_ps();
-    let mut xs = blocks::<N>(row).take(nb);
-    let mut ys = blocks::<Q8_0>(act).take(nb);
-    let mut sumf = 0f32;
-    while let (Some(x1), Some(y1)) = (xs.next(), ys.next()) {
-        let p_1 = _mm256_madd_epi16(
-            mul_add_epi8(nibble_levels(values, x1, qs_at), load256(y1, 2)),
-            mone,
-        );
-        let d1 = scale(x1, y1);
-        let (Some(x2), Some(y2)) = (xs.next(), ys.next()) else {
-            // An odd last block: summed as the portable code does.
-            sumf = d1 * hsum_i32x8(p_1) as f32;
-            break;
-        };
-        let p_2 = _mm256_madd_epi16(
-            mul_add_epi8(nibble_levels(values, x2, qs_at), load256(y2, 2)),
-            mone,
-        );
-        accum1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p_1), accum1);
+    let pairs = row
+        .chunks_exact(2 * N)
+        .zip(act.chunks_exact(2 * Q8_0))
+        .take(nb / 2);
+    for (xp, yp) in pairs {
+        let ((x1, x2), (y1, y2)) = (xp.split_at(N), yp.split_at(Q8_0));
+        let d = scales(x1, y1, x2, y2);
+        let p_1 = block_dot(x1, y1);
+        let p_2 = block_dot(x2, y2);
+        accum1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(p_1), accum1);
         accum2 = _mm256_fmadd_ps(
-            _mm256_set1_ps(scale(x2, y2)),
+            _mm256_broadcastss_ps(_mm_movehdup_ps(d)),
             _mm256_cvtepi32_ps(p_2),
             accum2,
         );
     }
-    hsum_f32x8(_mm256_add_ps(accum1, accum2)) + sumf
+    let mut sumf = hsum_f32x8(_mm256_add_ps(accum1, accum2));
+    if nb % 2 == 1 {
+        // An odd last block: summed as the portable code does.
+        let x = row.chunks_exact(N).nth(nb - 1);
+        let y = act.chunks_exact(Q8_0).nth(nb - 1);
+        if let (Some(x), Some(y)) = (x, y) {
+            sumf += _mm_cvtss_f32(scales(x, y, x, y)) * hsum_i32x8(block_dot(x, y)) as f32;
+        }
+    }
+    sumf
 }
 
 /// Sum of the 8 i32 lanes.
@@ -596,11 +644,32 @@ unsafe fn hsum_i32x8(a: __m256i) -> i32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq4_nl(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_nibbles_q8_0::<18>(n, row, act, &KVALUES_IQ4NL, 2, |x, y| {
-        // SAFETY: this function's own contract (AVX2, FMA and F16C present) covers the callee's.
-        unsafe { f16_product(y, 0, x, 0) }
+    dot_nibbles_q8_0::<18>(n, row, act, &KVALUES_IQ4NL, 2, |x1, y1, x2, y2| {
+        let halves = [u16_at(y1, 0), u16_at(y2, 0), u16_at(x1, 0), u16_at(x2, 0)];
+        let bits = halves
+            .iter()
+            .rev()
+            .fold(0u64, |acc, &h| acc << 16 | h as u64);
+        // The closure inherits the enclosing function's target features and unsafe context.
+        let v = _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64)); // [y1, y2, x1, x2]
+        _mm_mul_ps(v, _mm_movehl_ps(v, v))
     })
 }
+
+/// Half of each E8M0 scale as f32 bits (`mxfp4::e8m0_to_f32_half`, tabulated).
+static E8M0_HALF_BITS: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut e = 0;
+    while e < 256 {
+        t[e] = if e < 2 {
+            0x0020_0000 << e
+        } else {
+            ((e - 1) as u32) << 23
+        };
+        e += 1;
+    }
+    t
+};
 
 /// MXFP4 × Q8_0.
 ///
@@ -608,9 +677,54 @@ pub(crate) unsafe fn vec_dot_iq4_nl(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_mxfp4(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_nibbles_q8_0::<17>(n, row, act, &KVALUES_MXFP4, 1, |x, y| {
-        f16_at(y, 0) * e8m0_to_f32_half(x[0])
+    dot_nibbles_q8_0::<17>(n, row, act, &KVALUES_MXFP4, 1, |x1, y1, x2, y2| {
+        let yd = u16_at(y1, 0) as u32 | (u16_at(y2, 0) as u32) << 16;
+        let e =
+            E8M0_HALF_BITS[x1[0] as usize] as u64 | (E8M0_HALF_BITS[x2[0] as usize] as u64) << 32;
+        // The closure inherits the enclosing function's target features and unsafe context.
+        let y = _mm_cvtph_ps(_mm_cvtsi32_si128(yd as i32));
+        _mm_mul_ps(y, _mm_castsi128_ps(_mm_cvtsi64_si128(e as i64)))
     })
+}
+
+/// `pshufb` masks that broadcast 16-bit lane `i` (0..8) of each 128-bit half to the whole half.
+static I16_BROADCAST: [[u8; 32]; 8] = {
+    let mut t = [[0u8; 32]; 8];
+    let mut i = 0;
+    while i < 8 {
+        let mut j = 0;
+        while j < 32 {
+            t[i][j] = (2 * i + j % 2) as u8;
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+};
+
+/// The eight signed sub-block scales `ls − 32` of an IQ4_XS block as 16-bit lanes, repeated in both
+/// 128-bit halves: low 4 bits from the nibbles at `x[4..8]`, high 2 bits from the u16 at `x[2..4]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4xs_scales(x: &[u8; 136]) -> __m256i {
+    let m4 = _mm_set1_epi8(0x0f);
+    let low = _mm_cvtsi32_si128(u32_at(x, 4) as i32);
+    let low = _mm_unpacklo_epi8(
+        _mm_and_si128(low, m4),
+        _mm_and_si128(_mm_srli_epi16(low, 4), m4),
+    );
+    // (sh << (14 − 2i)) >> 10 puts bits 2i, 2i+1 of sh at bits 4, 5 of lane i.
+    let sh = _mm_set1_epi16(u16_at(x, 2) as i16);
+    let shifts = _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4, 1 << 2, 1);
+    let high = _mm_and_si128(
+        _mm_srli_epi16(_mm_mullo_epi16(sh, shifts), 10),
+        _mm_set1_epi16(0x30),
+    );
+    let scales = _mm_sub_epi16(
+        _mm_or_si128(_mm_cvtepu8_epi16(low), high),
+        _mm_set1_epi16(32),
+    );
+    _mm256_broadcastsi128_si256(scales)
 }
 
 /// IQ4_XS × Q8_K.
@@ -622,22 +736,18 @@ pub(crate) unsafe fn vec_dot_iq4_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let values = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
     let mut accum = _mm256_setzero_ps();
     for (x, y) in blocks::<136>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
-        let mut sh = u16_at(x, 2);
+        let scales = iq4xs_scales(x);
         let mut sumi1 = _mm256_setzero_si256();
         let mut sumi2 = _mm256_setzero_si256();
         for ib in (0..8).step_by(2) {
             let q4b_1 = nibble_levels(values, x, 8 + 16 * ib);
             let q4b_2 = nibble_levels(values, x, 24 + 16 * ib);
-            let q8b_1 = load256(y, 4 + 32 * ib);
-            let q8b_2 = load256(y, 36 + 32 * ib);
-            let p16_1 = mul_add_epi8(q4b_1, q8b_1);
-            let p16_2 = mul_add_epi8(q4b_2, q8b_2);
-            let sl = x[4 + ib / 2];
-            let ls1 = ((sl & 0xf) as u16 | ((sh << 4) & 0x30)) as i16 - 32;
-            let ls2 = ((sl >> 4) as u16 | ((sh << 2) & 0x30)) as i16 - 32;
-            sh >>= 4;
-            sumi1 = _mm256_add_epi32(_mm256_madd_epi16(p16_1, _mm256_set1_epi16(ls1)), sumi1);
-            sumi2 = _mm256_add_epi32(_mm256_madd_epi16(p16_2, _mm256_set1_epi16(ls2)), sumi2);
+            let p16_1 = mul_add_epi8(q4b_1, load256(y, 4 + 32 * ib));
+            let p16_2 = mul_add_epi8(q4b_2, load256(y, 36 + 32 * ib));
+            let ls1 = _mm256_shuffle_epi8(scales, load256(&I16_BROADCAST[ib], 0));
+            let ls2 = _mm256_shuffle_epi8(scales, load256(&I16_BROADCAST[ib + 1], 0));
+            sumi1 = _mm256_add_epi32(_mm256_madd_epi16(p16_1, ls1), sumi1);
+            sumi2 = _mm256_add_epi32(_mm256_madd_epi16(p16_2, ls2), sumi2);
         }
         let d = f16_at(x, 0) * q8k_d(y);
         accum = _mm256_fmadd_ps(
