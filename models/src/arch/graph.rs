@@ -221,10 +221,6 @@ impl ModelGraph {
             ModelHparams::Qwen35Moe(h) => Ok(ModelGraph::Qwen35Moe(
                 qwen35moe::Qwen35MoeGraph::new(h, &tensors, file.metadata())?,
             )),
-            other => Err(ArchError(format!(
-                "architecture {}: the forward pass is not implemented yet",
-                other.as_dyn().arch_name()
-            ))),
         }
     }
 }
