@@ -60,7 +60,7 @@ impl Batch<'_> {
 pub enum Unary {
     /// `x·σ(x)`.
     Silu,
-    /// GELU, tanh approximation (ggml's `gelu`).
+    /// GELU, tanh approximation, as ggml's CPU backend computes it (from an f16 table).
     Gelu,
     /// `σ(x) = 1/(1+e^{-x})`.
     Sigmoid,

@@ -25,7 +25,7 @@ use poly_models::compute::{
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
-use crate::state::{LayerState, SeqState};
+use crate::state::{KvPrecision, LayerState, SeqState};
 
 /// A row-major `[rows, cols]` f32 activation.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,7 +74,7 @@ impl Mat {
 pub fn apply_unary(f: Unary, x: f32) -> f32 {
     match f {
         Unary::Silu => act::silu(x),
-        Unary::Gelu => act::gelu(x),
+        Unary::Gelu => act::gelu_ggml(x),
         Unary::Sigmoid => act::sigmoid(x),
         Unary::Softplus => act::softplus(x),
         Unary::Tanh => x.tanh(),
@@ -408,14 +408,27 @@ impl Compute for CpuForward<'_> {
             softcap: a.softcap,
         };
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
-        attention::attention(
-            &q.data,
-            &self.positions,
-            cache.keys(),
-            cache.values(),
-            &p,
-            &mut out.data,
-        );
+        if cache.precision == KvPrecision::F16 && q.rows < attention::GGML_FA_TILE_Q {
+            // Small batches and decoding: llama.cpp's vector path (f16 query and value sums).
+            attention::attention_ggml_f16(
+                &q.data,
+                &self.positions,
+                cache.keys(),
+                cache.values(),
+                &p,
+                None,
+                &mut out.data,
+            );
+        } else {
+            attention::attention(
+                &q.data,
+                &self.positions,
+                cache.keys(),
+                cache.values(),
+                &p,
+                &mut out.data,
+            );
+        }
         out
     }
 

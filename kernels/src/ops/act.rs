@@ -19,19 +19,36 @@ pub fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
 }
 
+/// GELU as ggml's CPU backend computes it (`ggml_vec_gelu_f32` with `GGML_GELU_FP16`, also its GeGLU):
+/// 0 at or below −10, `x` at or above 10, otherwise [`gelu`] of `x` rounded to f16, itself rounded to f16
+/// (ggml reads a table of f16 values indexed by the f16 bits of `x`). Models trained in bf16 do not care;
+/// agreement with llama.cpp on sensitive models does.
+#[inline]
+pub fn gelu_ggml(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        let xh = half::f16::from_f32(x).to_f32();
+        half::f16::from_f32(gelu(xh)).to_f32()
+    }
+}
+
 /// `1/(1+e^{-x})`.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `ln(1+e^x)`, computed without overflow (ggml returns `x` above 20).
+/// `ln(1+e^x)`, computed without overflow (ggml returns `x` above 20), as ggml computes it: `logf(1 +
+/// expf(x))` (not `log1p`, which rounds differently).
 #[inline]
 pub fn softplus(x: f32) -> f32 {
     if x > 20.0 {
         x
     } else {
-        x.exp().ln_1p()
+        (1.0 + x.exp()).ln()
     }
 }
 
@@ -43,11 +60,11 @@ pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// `gelu(gate) · up`, element-wise into `gate` (GeGLU).
+/// `gelu(gate) · up`, element-wise into `gate` (GeGLU, with ggml's CPU GELU: [`gelu_ggml`]).
 pub fn geglu_in_place(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu(*g) * u;
+        *g = gelu_ggml(*g) * u;
     }
 }
 
@@ -77,6 +94,28 @@ mod tests {
         assert!((g[0] - 2.0 * silu(1.0)).abs() < 1e-7 && (g[1] - 3.0 * silu(-2.0)).abs() < 1e-7);
         let mut g = [1.0f32];
         geglu_in_place(&mut g, &[2.0]);
-        assert!((g[0] - 2.0 * gelu(1.0)).abs() < 1e-7);
+        assert!((g[0] - 2.0 * gelu_ggml(1.0)).abs() < 1e-7);
+    }
+
+    #[test]
+    fn ggml_gelu_is_the_f16_table_value() {
+        use half::f16;
+        // Every f16 input in (-10, 10) gives the f16 rounding of GELU at it; an f32 input between two f16
+        // values reads the table at the nearer one.
+        for bits in 0..=u16::MAX {
+            let x = f16::from_bits(bits).to_f32();
+            if !x.is_finite() || x <= -10.0 || x >= 10.0 {
+                continue;
+            }
+            let y = gelu_ggml(x);
+            assert_eq!(y, f16::from_f32(gelu(x)).to_f32(), "x = {x}");
+        }
+        let x = 1.0f32 + 0.3 * f16::EPSILON.to_f32();
+        assert_eq!(gelu_ggml(x), gelu_ggml(1.0));
+        assert_ne!(gelu_ggml(x), gelu(x));
+        assert_eq!(gelu_ggml(-10.0), 0.0);
+        assert_eq!(gelu_ggml(-12.5), 0.0);
+        assert_eq!(gelu_ggml(10.0), 10.0);
+        assert_eq!(gelu_ggml(37.0), 37.0);
     }
 }

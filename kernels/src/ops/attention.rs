@@ -4,6 +4,11 @@
 //! `i` sits at position `positions[i]` and sees the positions `j ≤ positions[i]` (and, with a sliding
 //! window `w`, only `positions[i] - j < w`). Query head `h` reads key/value head `h / (n_head /
 //! n_head_kv)`, as ggml broadcasts. Work is spread over (query, head) pairs with rayon.
+//!
+//! Two arithmetics: [`attention`] (f32 throughout, a two-pass softmax: what llama.cpp's CPU flash
+//! attention computes for batches of at least [`GGML_FA_TILE_Q`] queries, up to f32 rounding) and
+//! [`attention_ggml_f16`] (llama.cpp's vector path over an F16 cache, for smaller batches and decoding:
+//! f16 query, one-pass softmax, values summed in f16).
 
 use super::{axpy, dot};
 use rayon::prelude::*;
@@ -47,29 +52,8 @@ pub fn attention(
     out: &mut [f32],
 ) {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    assert!(
-        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv) && dk > 0 && dv > 0,
-        "attention: bad head counts"
-    );
-    let n_q = positions.len();
-    assert_eq!(
-        q.len(),
-        n_q * p.n_head * dk,
-        "attention: q has the wrong length"
-    );
-    assert_eq!(
-        out.len(),
-        n_q * p.n_head * dv,
-        "attention: out has the wrong length"
-    );
+    check_shapes(q, positions, k, v, p, out);
     let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
-    assert_eq!(k.len() % k_row, 0, "attention: k is not whole rows");
-    let n_kv = k.len() / k_row;
-    assert_eq!(v.len(), n_kv * v_row, "attention: v has the wrong length");
-    assert!(
-        positions.iter().all(|&pos| (pos as usize) < n_kv),
-        "attention: a query position is past the keys"
-    );
     let group = p.n_head / p.n_head_kv;
 
     out.par_chunks_mut(dv).enumerate().for_each_init(
@@ -102,6 +86,184 @@ pub fn attention(
             o.iter_mut().for_each(|x| *x *= inv);
         },
     );
+}
+
+/// Checks the shapes [`attention`] documents; returns the number of key/value positions.
+fn check_shapes(
+    q: &[f32],
+    positions: &[u32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    out: &[f32],
+) -> usize {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    assert!(
+        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv) && dk > 0 && dv > 0,
+        "attention: bad head counts"
+    );
+    let n_q = positions.len();
+    assert_eq!(
+        q.len(),
+        n_q * p.n_head * dk,
+        "attention: q has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        n_q * p.n_head * dv,
+        "attention: out has the wrong length"
+    );
+    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
+    assert_eq!(k.len() % k_row, 0, "attention: k is not whole rows");
+    let n_kv = k.len() / k_row;
+    assert_eq!(v.len(), n_kv * v_row, "attention: v has the wrong length");
+    assert!(
+        positions.iter().all(|&pos| (pos as usize) < n_kv),
+        "attention: a query position is past the keys"
+    );
+    n_kv
+}
+
+/// The number of queries from which llama.cpp's CPU flash attention takes its tiled path (f32 throughout,
+/// which [`attention`] matches); smaller batches take the vector path [`attention_ggml_f16`] emulates
+/// (`GGML_FA_TILE_Q`).
+pub const GGML_FA_TILE_Q: usize = 64;
+
+/// llama.cpp's CPU flash attention over an F16 KV cache for batches of fewer than [`GGML_FA_TILE_Q`]
+/// queries (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`), step for step, so a model whose outputs
+/// are sensitive to rounding follows llama.cpp. Shapes and visibility as in [`attention`]; `k` and `v`
+/// must hold f16 values (a cache that rounds them). Per query and head:
+///
+/// - the query is rounded to f16 and each score `q·k` summed as `ggml_vec_dot_f16` does on AVX2 (32
+///   lanes, fused multiply-add, a fixed pairwise reduction), then multiplied by `scale` (and soft-capped);
+/// - the softmax is online: on a new maximum the running sum of values is rescaled;
+/// - that running sum of values is kept in f16: every rescale and every `acc + w·v` is rounded to f16;
+/// - at the end it is divided by the sum of weights (kept in f32).
+///
+/// `kv_chunk` emulates ggml's split-KV decode (one query, `n_kv ≥ 512`): positions `0..` are cut into
+/// chunks of that many, each chunk is summed as above from scratch, and the partial results are merged
+/// in f32 (`ggml_flash_attn_ext_reduce_partials`).
+pub fn attention_ggml_f16(
+    q: &[f32],
+    positions: &[u32],
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    kv_chunk: Option<usize>,
+    out: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let n_kv = check_shapes(q, positions, k, v, p, out);
+    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
+    let group = p.n_head / p.n_head_kv;
+    let chunk = kv_chunk.unwrap_or(n_kv).max(1);
+
+    out.par_chunks_mut(dv).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(qh16, acc): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
+            let (i, h) = (idx / p.n_head, idx % p.n_head);
+            let hk = h / group;
+            let pos = positions[i];
+            let (first, last) = (p.first_visible(pos), pos as usize);
+            qh16.clear();
+            qh16.extend(
+                q[(i * p.n_head + h) * dk..][..dk]
+                    .iter()
+                    .map(|&x| round_f16(x)),
+            );
+            acc.resize(dv, 0.0);
+            let (mut m_all, mut s_all) = (f32::NEG_INFINITY, 0f32);
+            o.fill(0.0);
+            let mut start = 0;
+            while start <= last {
+                let end = (start + chunk).min(last + 1);
+                let lo = start.max(first);
+                start += chunk;
+                if lo >= end {
+                    continue;
+                }
+                // One chunk: the online softmax with the f16 accumulator.
+                let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+                acc.fill(0.0);
+                for j in lo..end {
+                    let d = dot_f16_ggml(qh16, &k[j * k_row + hk * dk..][..dk]);
+                    let x = match p.softcap {
+                        // ggml folds 1/cap into the scale.
+                        Some(cap) => cap * (d * (p.scale / cap)).tanh(),
+                        None => d * p.scale,
+                    };
+                    let vj = &v[j * v_row + hk * dv..][..dv];
+                    let (ms, vs);
+                    if x > m {
+                        ms = (m - x).exp();
+                        m = x;
+                        vs = 1.0;
+                        acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
+                    } else {
+                        ms = 1.0;
+                        vs = (x - m).exp();
+                    }
+                    for (a, &vv) in acc.iter_mut().zip(vj) {
+                        *a = round_f16(vv.mul_add(vs, *a));
+                    }
+                    // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
+                    s = s.mul_add(ms, vs);
+                }
+                if kv_chunk.is_none() {
+                    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+                    o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
+                    return;
+                }
+                if s == 0.0 {
+                    continue;
+                }
+                // Merge the chunk into the result so far, as ggml reduces the partials.
+                let m_new = m_all.max(m);
+                let (scale_old, scale_new) = ((m_all - m_new).exp(), (m - m_new).exp());
+                for (y, &a) in o.iter_mut().zip(acc.iter()) {
+                    *y = *y * scale_old + a * scale_new;
+                }
+                s_all = s_all * scale_old + s * scale_new;
+                m_all = m_new;
+            }
+            if s_all != 0.0 {
+                let inv = 1.0 / s_all;
+                o.iter_mut().for_each(|y| *y *= inv);
+            }
+        },
+    );
+}
+
+/// `x` rounded to the nearest f16 value (ties to even), as an f32.
+#[inline]
+fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+/// `ggml_vec_dot_f16` on AVX2 for f16 values held in f32: four 8-lane accumulators over steps of 32 with
+/// fused multiply-add, reduced `(a0+a2)+(a1+a3)`, then the 8 lanes `(l0+l4)`… pairwise as `_mm_hadd_ps`
+/// does; a tail (length not a multiple of 32) added one by one after.
+#[inline]
+fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [[0f32; 8]; 4];
+    let n32 = a.len() / 32 * 32;
+    for (xa, xb) in a[..n32].chunks_exact(32).zip(b[..n32].chunks_exact(32)) {
+        for (j, lanes) in acc.iter_mut().enumerate() {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                *lane = xa[j * 8 + l].mul_add(xb[j * 8 + l], *lane);
+            }
+        }
+    }
+    let mut r = [0f32; 8];
+    for l in 0..8 {
+        r[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let t = [r[0] + r[4], r[1] + r[5], r[2] + r[6], r[3] + r[7]];
+    let mut sum = ((t[0] + t[1]) + (t[2] + t[3])) as f64;
+    for (x, y) in a[n32..].iter().zip(&b[n32..]) {
+        sum += (x * y) as f64;
+    }
+    sum as f32
 }
 
 #[cfg(test)]
@@ -206,5 +368,71 @@ mod tests {
         let mut b = vec![0f32; 8];
         attention(&q, &[5], &k, &v, &p, &mut b);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn ggml_vector_path_stays_within_f16_rounding_of_exact_attention() {
+        let mut rng = Rng::new(11);
+        let n_kv = 300;
+        for (n_head, n_head_kv, dk, window, softcap) in [
+            (4, 1, 64, None, None),
+            (4, 2, 32, Some(50), None),
+            (2, 2, 40, None, Some(2.0)),
+        ] {
+            let p = AttnParams {
+                n_head,
+                n_head_kv,
+                head_dim_k: dk,
+                head_dim_v: dk,
+                scale: 1.0 / (dk as f32).sqrt(),
+                window,
+                softcap,
+            };
+            // The cache holds f16 values, as the vector path requires.
+            let f16s = |v: Vec<f32>| v.into_iter().map(round_f16).collect::<Vec<_>>();
+            let k = f16s(normals(&mut rng, n_kv * n_head_kv * dk));
+            let v = f16s(normals(&mut rng, n_kv * n_head_kv * dk));
+            let positions: Vec<u32> = vec![299, 0, 37, 150];
+            let q = normals(&mut rng, positions.len() * n_head * dk);
+            let q16: Vec<f32> = q.iter().map(|&x| round_f16(x)).collect();
+            let expect = reference(&q16, &positions, &k, &v, &p);
+            let mut out = vec![0f32; q.len()];
+            attention_ggml_f16(&q, &positions, &k, &v, &p, None, &mut out);
+            // Values are summed in f16 (relative steps of 2⁻¹¹), over up to 300 terms.
+            let d = max_diff(&out, &expect);
+            assert!(d > 0.0 && d < 3e-3, "{p:?}: {d}");
+            // The query is rounded to f16 first: a query already in f16 gives the same bits.
+            let mut out16 = vec![0f32; q.len()];
+            attention_ggml_f16(&q16, &positions, &k, &v, &p, None, &mut out16);
+            assert_eq!(out, out16);
+            // Split into chunks merged in f32 (ggml's split-KV decode): as close to exact.
+            let mut chunked = vec![0f32; q.len()];
+            attention_ggml_f16(&q, &positions, &k, &v, &p, Some(128), &mut chunked);
+            let d = max_diff(&chunked, &expect);
+            assert!(d < 3e-3, "{p:?}, chunks of 128: {d}");
+            assert_ne!(chunked, out, "chunks change the f16 rounding");
+        }
+    }
+
+    #[test]
+    fn ggml_dot_sums_in_its_lane_order() {
+        // Lane l of accumulator j collects elements 32·i + 8·j + l; the sum (a0+a2)+(a1+a3) per lane, then
+        // lanes (l0+l4)+(l1+l5) and (l2+l6)+(l3+l7). Values chosen so another order rounds differently.
+        let mut a = vec![0f32; 64];
+        let b = vec![1f32; 64];
+        a[0] = 1e8; // lane 0 of accumulator 0
+        a[16] = -1e8; // lane 0 of accumulator 2: cancels first
+        a[1] = 1.0; // lane 1 of accumulator 0
+        a[40] = 0.5; // lane 0 of accumulator 1, second step
+        let got = dot_f16_ggml(&a, &b);
+        assert_eq!(got, 1.5);
+        // A tail beyond a multiple of 32 is added after the reduction, in f64.
+        let mut a = vec![0f32; 33];
+        let mut b = vec![0f32; 33];
+        a[0] = 3.0;
+        b[0] = 2.0;
+        a[32] = 0.25;
+        b[32] = 4.0;
+        assert_eq!(dot_f16_ggml(&a, &b), 7.0);
     }
 }

@@ -569,18 +569,22 @@ fn fill_random(kind: KKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 // ---------------------------------------------------------------------------------------------------------
 // Activation quantizer.
 
-/// Quantizes `x` to Q8_K blocks: f32 `d = amax / 127`, 256 × i8, 16 × i16 sums of 16 quants.
+/// Quantizes `x` to Q8_K blocks as ggml does (`quantize_row_q8_K_ref`, which its x86 CPU backend uses, and
+/// the AVX2 `ggml_quantize_mat_q8_K_4x8`): f32 scale, 256 × i8, 16 × i16 sums of 16 quants. ggml takes
+/// `iscale = -127 / max` (`max` the element of largest magnitude, signed), `q = x · iscale` rounded to
+/// nearest with ties to even, and `d = 1 / iscale`; we store the same values with the sign of `d` and of
+/// every `q` flipped when `max` is positive (`d·q`, all the dot products read, is unchanged bit for bit).
 pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let iscale = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let d = if amax != 0.0 { 1.0 / iscale } else { 0.0 };
         ob[0..4].copy_from_slice(&d.to_le_bytes());
         let (qs, sums) = ob[4..].split_at_mut(256);
         for (g, (qg, xg)) in qs.chunks_exact_mut(16).zip(xb.chunks_exact(16)).enumerate() {
             let mut sum = 0i16;
             for (o, v) in qg.iter_mut().zip(xg) {
-                let q = (v * id).round().clamp(-127.0, 127.0) as i8;
+                let q = super::legacy::round_ties_even(v * iscale).clamp(-127.0, 127.0) as i8;
                 sum += q as i16;
                 *o = q as u8;
             }

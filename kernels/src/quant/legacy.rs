@@ -366,28 +366,40 @@ fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 // ---------------------------------------------------------------------------------------------------------
 // Activation quantizers.
 
-/// Quantizes `x` to Q8_0 blocks: `d = amax / 127`, `q = round(x / d)`.
+/// Quantizes `x` to Q8_0 blocks as ggml's x86 CPU backend does (`quantize_row_q8_0`, AVX2): `d = amax /
+/// 127` (stored f16), `q = x · (127 / amax)` rounded to nearest, ties to even. (The portable reference
+/// multiplies by `1/d` and rounds ties away from zero; the two differ on a few values per million, which
+/// sensitive models turn into visible differences.)
 pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         put_f16(&mut ob[0..2], d);
         for (o, v) in ob[2..].iter_mut().zip(xb) {
-            *o = (v * id).round() as i8 as u8;
+            *o = round_ties_even(v * id) as i8 as u8;
         }
     }
 }
 
-/// Quantizes `x` to Q8_1 blocks: as Q8_0, plus `s = d × Σq` for formats with a minimum.
+/// `x` rounded to the nearest integer, ties to even (as `_mm256_round_ps(_, _MM_ROUND_NEAREST)` and
+/// ggml's `nearest_int`), for `|x| < 2²²`: adding 1.5·2²³ leaves no fraction bits.
+#[inline]
+pub(crate) fn round_ties_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
+/// Quantizes `x` to Q8_1 blocks: as [`quantize_q8_0`] (ggml's x86 `quantize_row_q8_1`), plus `s = d ×
+/// Σq` for formats with a minimum.
 pub(crate) fn quantize_q8_1(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(36)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (o, v) in ob[4..].iter_mut().zip(xb) {
-            let q = (v * id).round() as i8;
+            let q = round_ties_even(v * id) as i8;
             sum += q as i32;
             *o = q as u8;
         }

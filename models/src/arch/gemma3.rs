@@ -6,12 +6,15 @@
 //! `output.weight` exists; optional final logit soft-capping. Norm weights are stored with Gemma's `+1`
 //! already added (the converter does it), so they multiply as they are.
 //!
-//! Follows llama.cpp's `src/models/gemma3.cpp`.
+//! Follows llama.cpp's `src/models/gemma3.cpp` (hyperparameters, tensors, graph); [`Gemma3Graph`] is the
+//! forward pass.
 
+use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
     LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
+use crate::compute::{Attention, Compute, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
@@ -262,5 +265,307 @@ impl ArchHparams for Gemma3Hparams {
             "layer_norm_rms_epsilon must be positive",
         )?;
         Ok(())
+    }
+}
+
+/// The weights of one `gemma3` block.
+#[derive(Clone, Debug)]
+struct Block {
+    attn_norm: WeightId,
+    wq: WeightId,
+    wk: WeightId,
+    wv: WeightId,
+    wo: WeightId,
+    q_norm: WeightId,
+    k_norm: WeightId,
+    attn_post_norm: WeightId,
+    ffn_norm: WeightId,
+    ffn_gate: WeightId,
+    ffn_up: WeightId,
+    ffn_down: WeightId,
+    ffn_post_norm: WeightId,
+}
+
+/// The forward pass of a `gemma3` model (llama.cpp's `llama_model_gemma3::graph`).
+#[derive(Clone, Debug)]
+pub struct Gemma3Graph {
+    hp: Gemma3Hparams,
+    info: ModelInfo,
+    tok_embd: WeightId,
+    output_norm: WeightId,
+    /// `output.weight`, or the token embedding when the file ties them.
+    output: WeightId,
+    blocks: Vec<Block>,
+    /// RoPE of global blocks: `rope.freq_base`, linear scaling from `rope.scaling.factor`.
+    rope_global: Rope,
+    /// RoPE of sliding-window blocks: `rope.freq_base_swa`, never scaled (llama.cpp reads no scaling for
+    /// them: `rope_freq_scale_train_swa` stays 1).
+    rope_swa: Rope,
+    /// Multiplies Q before attention (llama.cpp's `f_attention_scale`); the scores are not scaled again.
+    q_scale: f32,
+}
+
+/// The position scale of global blocks' RoPE as llama.cpp derives it: `1 / rope.scaling.factor` (or the
+/// old key `rope.scale_linear`), 1 when absent or 0, and 1 when `rope.scaling.type` is `none`.
+fn rope_freq_scale(md: &Metadata) -> Result<f32, ArchError> {
+    let kind = md.arch_str_opt("rope.scaling.type")?.unwrap_or("linear");
+    let factor = match md.arch_f32_opt("rope.scaling.factor")? {
+        Some(f) => f,
+        None => md.arch_f32_opt("rope.scale_linear")?.unwrap_or(0.0),
+    };
+    check(
+        ARCH,
+        factor.is_finite() && factor >= 0.0,
+        "rope.scaling.factor must be a non-negative number",
+    )?;
+    match kind {
+        "none" => Ok(1.0),
+        "linear" if factor == 0.0 => Ok(1.0),
+        "linear" => Ok(1.0 / factor),
+        other => Err(ArchError(format!(
+            "{ARCH}: rope.scaling.type {other:?} is not supported (linear or none)"
+        ))),
+    }
+}
+
+impl Gemma3Graph {
+    /// Builds the forward pass from bound tensors.
+    pub fn new(hp: Gemma3Hparams, t: &TensorMap, md: &Metadata) -> Result<Gemma3Graph, ArchError> {
+        let tok_embd = t.global_req(Role::TokenEmbd)?;
+        let blocks = (0..hp.n_layer)
+            .map(|il| {
+                Ok(Block {
+                    attn_norm: t.layer(Role::AttnNorm, il)?,
+                    wq: t.layer(Role::AttnQ, il)?,
+                    wk: t.layer(Role::AttnK, il)?,
+                    wv: t.layer(Role::AttnV, il)?,
+                    wo: t.layer(Role::AttnOut, il)?,
+                    q_norm: t.layer(Role::AttnQNorm, il)?,
+                    k_norm: t.layer(Role::AttnKNorm, il)?,
+                    attn_post_norm: t.layer(Role::AttnPostNorm, il)?,
+                    ffn_norm: t.layer(Role::FfnNorm, il)?,
+                    ffn_gate: t.layer(Role::FfnGate, il)?,
+                    ffn_up: t.layer(Role::FfnUp, il)?,
+                    ffn_down: t.layer(Role::FfnDown, il)?,
+                    ffn_post_norm: t.layer(Role::FfnPostNorm, il)?,
+                })
+            })
+            .collect::<Result<Vec<_>, ArchError>>()?;
+        let head_dim = hp.head_dim as usize;
+        let rope_global = Rope {
+            kind: RopeKind::Neox,
+            head_dim,
+            n_rot: head_dim,
+            freq_base: hp.rope_freq_base,
+            freq_scale: rope_freq_scale(md)?,
+        };
+        let rope_swa = Rope {
+            freq_base: hp.rope_freq_base_swa,
+            freq_scale: 1.0,
+            ..rope_global
+        };
+        let info = ModelInfo::new(
+            ARCH,
+            hp.n_vocab as usize,
+            hp.n_embd as usize,
+            hp.n_ctx_train,
+            md,
+        )?;
+        Ok(Gemma3Graph {
+            tok_embd,
+            output_norm: t.global_req(Role::OutputNorm)?,
+            output: t.global(Role::Output).unwrap_or(tok_embd),
+            blocks,
+            rope_global,
+            rope_swa,
+            q_scale: query_scale(&hp),
+            info,
+            hp,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn hparams(&self) -> &Gemma3Hparams {
+        &self.hp
+    }
+
+    /// The RoPE block `il` uses.
+    pub fn rope(&self, il: u32) -> &Rope {
+        if self.hp.is_swa(il) {
+            &self.rope_swa
+        } else {
+            &self.rope_global
+        }
+    }
+
+    /// The sliding window block `il` attends over (`None` for a global block).
+    pub fn window(&self, il: u32) -> Option<u32> {
+        self.hp.is_swa(il).then_some(self.hp.sliding_window)
+    }
+
+    /// The factor Q is multiplied by before attention.
+    pub fn query_scale(&self) -> f32 {
+        self.q_scale
+    }
+}
+
+/// llama.cpp's `f_attention_scale` for Gemma 3: `1/sqrt(head_dim)`, except that the 27B model (the one of
+/// 62 blocks, whose `query_pre_attn_scalar` is `n_embd / n_head`) uses `1/sqrt(n_embd / n_head)`.
+fn query_scale(hp: &Gemma3Hparams) -> f32 {
+    const N_LAYER_27B: u32 = 62;
+    let d = if hp.n_layer == N_LAYER_27B {
+        hp.n_embd / hp.n_head
+    } else {
+        hp.head_dim
+    };
+    1.0 / (d as f32).sqrt()
+}
+
+impl Forward for Gemma3Graph {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn layer_states(&self) -> Vec<StateSpec> {
+        (0..self.hp.n_layer)
+            .map(|il| StateSpec::Kv {
+                n_head_kv: self.hp.n_head_kv as usize,
+                head_dim_k: self.hp.head_dim as usize,
+                head_dim_v: self.hp.head_dim as usize,
+                window: self.window(il),
+            })
+            .collect()
+    }
+
+    fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
+        let hp = &self.hp;
+        let (n_embd, head_dim) = (hp.n_embd as usize, hp.head_dim as usize);
+        let eps = hp.rms_eps;
+        let (tokens, out_rows) = {
+            let b = c.batch();
+            (b.tokens.to_vec(), b.output_rows())
+        };
+        let last = self.blocks.len() - 1;
+
+        let inp = c.embed(self.tok_embd, &tokens);
+        let mut inp = c.scale(&inp, (n_embd as f32).sqrt());
+        for (il, b) in self.blocks.iter().enumerate() {
+            let rope = self.rope(il as u32);
+            let attn = Attention {
+                n_head: hp.n_head as usize,
+                n_head_kv: hp.n_head_kv as usize,
+                head_dim_k: head_dim,
+                head_dim_v: head_dim,
+                // Q carries the scale (below), as in llama.cpp, whose kq_scale for Gemma 3 is 1.
+                scale: 1.0,
+                window: self.window(il as u32),
+                softcap: None,
+            };
+            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
+
+            // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head, Q scaled.
+            let q = c.matmul(b.wq, &cur);
+            let k = c.matmul(b.wk, &cur);
+            let v = c.matmul(b.wv, &cur);
+            let q = c.rms_norm(&q, Some(b.q_norm), eps, head_dim);
+            let q = c.rope(&q, rope);
+            let k = c.rms_norm(&k, Some(b.k_norm), eps, head_dim);
+            let k = c.rope(&k, rope);
+            let q = c.scale(&q, self.q_scale);
+            let att = c.attention(il, &q, &k, &v, &attn);
+            let mut cur = c.matmul(b.wo, &att);
+
+            // After the last block's attention only the rows whose logits are wanted go on.
+            if il == last && out_rows.len() < tokens.len() {
+                cur = c.rows(&cur, &out_rows);
+                inp = c.rows(&inp, &out_rows);
+            }
+            let cur = c.rms_norm(&cur, Some(b.attn_post_norm), eps, n_embd);
+            let sa_out = c.add(&cur, &inp);
+
+            // Feed-forward: GELU(gate)·up, down, then its post-norm.
+            let cur = c.rms_norm(&sa_out, Some(b.ffn_norm), eps, n_embd);
+            let gate = c.matmul(b.ffn_gate, &cur);
+            let up = c.matmul(b.ffn_up, &cur);
+            let gate = c.unary(&gate, Unary::Gelu);
+            let cur = c.mul(&gate, &up);
+            let cur = c.matmul(b.ffn_down, &cur);
+            let cur = c.rms_norm(&cur, Some(b.ffn_post_norm), eps, n_embd);
+            inp = c.add(&cur, &sa_out);
+        }
+        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
+        let logits = c.matmul(self.output, &cur);
+        match hp.final_logit_softcapping {
+            Some(cap) => {
+                let x = c.scale(&logits, 1.0 / cap);
+                let x = c.unary(&x, Unary::Tanh);
+                c.scale(&x, cap)
+            }
+            None => logits,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::ModelHparams;
+    use crate::synth::shapes::find_shape;
+
+    fn md(pairs: &[(&str, Value)]) -> Metadata {
+        let mut m = Metadata::new("test");
+        assert!(m.insert_new("general.architecture".into(), Value::String(ARCH.into())));
+        for (k, v) in pairs {
+            assert!(m.insert_new(format!("{ARCH}.{k}"), v.clone()));
+        }
+        m
+    }
+
+    fn hparams(shape: &str) -> Gemma3Hparams {
+        match find_shape(ARCH, shape).expect("shape").hparams {
+            ModelHparams::Gemma3(h) => h,
+            _ => unreachable!("a gemma3 shape"),
+        }
+    }
+
+    #[test]
+    fn global_rope_scale_follows_llama_cpp() {
+        let s = |pairs: &[(&str, Value)]| rope_freq_scale(&md(pairs));
+        assert_eq!(s(&[]), Ok(1.0));
+        assert_eq!(s(&[("rope.scaling.factor", Value::F32(8.0))]), Ok(0.125));
+        assert_eq!(s(&[("rope.scaling.factor", Value::F32(0.0))]), Ok(1.0));
+        // The old key, read only when the new one is absent.
+        assert_eq!(s(&[("rope.scale_linear", Value::F32(4.0))]), Ok(0.25));
+        let both = [
+            ("rope.scaling.factor", Value::F32(8.0)),
+            ("rope.scale_linear", Value::F32(4.0)),
+        ];
+        assert_eq!(s(&both), Ok(0.125));
+        let typed = |t: &str| {
+            s(&[
+                ("rope.scaling.type", Value::String(t.into())),
+                ("rope.scaling.factor", Value::F32(8.0)),
+            ])
+        };
+        assert_eq!(typed("linear"), Ok(0.125));
+        assert_eq!(typed("none"), Ok(1.0));
+        assert!(typed("yarn").is_err());
+        assert!(s(&[("rope.scaling.factor", Value::F32(-2.0))]).is_err());
+    }
+
+    #[test]
+    fn query_scale_is_head_size_except_for_the_27b() {
+        let h = hparams("gemma3-270m");
+        assert_eq!(query_scale(&h), 1.0 / 16.0);
+        // Gemma-3-27B: 62 blocks, 5376 wide, 32 heads of 128; query_pre_attn_scalar = 5376 / 32 = 168.
+        let big = Gemma3Hparams {
+            n_layer: 62,
+            n_embd: 5376,
+            n_head: 32,
+            n_head_kv: 16,
+            head_dim: 128,
+            ..h
+        };
+        assert_eq!(query_scale(&big), 1.0 / 168f32.sqrt());
     }
 }

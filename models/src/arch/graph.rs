@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::{qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use super::{gemma3, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
 
@@ -197,6 +197,8 @@ pub trait Forward {
 #[derive(Clone, Debug)]
 pub enum ModelGraph {
     Qwen3Moe(qwen3moe::Qwen3MoeGraph),
+    Gemma3(gemma3::Gemma3Graph),
+    Qwen35Moe(qwen35moe::Qwen35MoeGraph),
 }
 
 impl ModelGraph {
@@ -211,10 +213,14 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
-            other => Err(ArchError(format!(
-                "architecture {}: the forward pass is not implemented yet",
-                other.as_dyn().arch_name()
-            ))),
+            ModelHparams::Gemma3(h) => Ok(ModelGraph::Gemma3(gemma3::Gemma3Graph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
+            ModelHparams::Qwen35Moe(h) => Ok(ModelGraph::Qwen35Moe(
+                qwen35moe::Qwen35MoeGraph::new(h, &tensors, file.metadata())?,
+            )),
         }
     }
 }
@@ -223,18 +229,24 @@ impl Forward for ModelGraph {
     fn info(&self) -> &ModelInfo {
         match self {
             ModelGraph::Qwen3Moe(g) => g.info(),
+            ModelGraph::Gemma3(g) => g.info(),
+            ModelGraph::Qwen35Moe(g) => g.info(),
         }
     }
 
     fn layer_states(&self) -> Vec<StateSpec> {
         match self {
             ModelGraph::Qwen3Moe(g) => g.layer_states(),
+            ModelGraph::Gemma3(g) => g.layer_states(),
+            ModelGraph::Qwen35Moe(g) => g.layer_states(),
         }
     }
 
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
         match self {
             ModelGraph::Qwen3Moe(g) => g.forward(c),
+            ModelGraph::Gemma3(g) => g.forward(c),
+            ModelGraph::Qwen35Moe(g) => g.forward(c),
         }
     }
 }
