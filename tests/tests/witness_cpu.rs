@@ -62,7 +62,7 @@ enum Engine {
 
 /// One model on our side: loaded once for its references (library) or a file path (CLI).
 enum Loaded {
-    Library(Model),
+    Library(Box<Model>),
     Cli(PathBuf, PathBuf),
 }
 
@@ -77,7 +77,7 @@ impl Engine {
                         panic_message(p)
                     )
                 })?
-                .map(Loaded::Library)
+                .map(|m| Loaded::Library(Box::new(m)))
                 .map_err(|e| format!("poly-engine cannot load the model: {e}")),
         }
     }
