@@ -7,7 +7,5 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
-echo "== cargo build --release -p poly-engine (the witness tests run the binary)"
-cargo build --release -p poly-engine
 echo "== cargo test --workspace --release"
 cargo test --workspace --release

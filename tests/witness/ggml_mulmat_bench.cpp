@@ -32,6 +32,7 @@
 #include <cstring>
 #include <random>
 #include <sstream>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,14 @@ static bool parse_type(const std::string & name, ggml_type & out) {
 
 static double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// CPU time of the calling thread. With 1 thread the op runs entirely on this thread, so this time
+// excludes the time the thread waited for a core: the figure to trust on a shared, busy machine.
+static double thread_cpu_s() {
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
 }
 
 struct options {
@@ -232,27 +241,32 @@ static void run_layout(const options & o, ggml_backend_t backend, ggml_type type
                 ggml_threadpool_resume(pools[ti]);
                 // warm-up: one pass over every copy
                 for (auto * g : graphs) ggml_backend_graph_compute(backend, g);
-                std::vector<double> ts;
+                std::vector<double> ts, cs;
                 double              t_total = 0;
                 size_t              gi      = 0;
                 while (t_total < o.min_time || (int) ts.size() < o.min_reps) {
-                    double t0 = now_s();
+                    const double c0 = thread_cpu_s();
+                    const double t0 = now_s();
                     ggml_backend_graph_compute(backend, graphs[gi]);
-                    double dt = now_s() - t0;
+                    const double dt = now_s() - t0;
+                    cs.push_back(thread_cpu_s() - c0);
                     ts.push_back(dt);
                     t_total += dt;
                     gi = (gi + 1) % graphs.size();
                 }
-                std::vector<double> sorted = ts;
-                std::sort(sorted.begin(), sorted.end());
-                const double med   = sorted[sorted.size() / 2];
-                const double mn    = sorted[0];
+                std::sort(ts.begin(), ts.end());
+                std::sort(cs.begin(), cs.end());
+                const double med   = ts[ts.size() / 2];
+                const double mn    = ts[0];
+                const double cpu   = cs[cs.size() / 2];
                 const double flops = 2.0 * (double) o.m * (double) o.k * (double) n;
                 float        probe = 0;
                 ggml_backend_tensor_get(outs[0], &probe, 0, sizeof(float));
-                printf("%-8s %-6s %6lld %6lld %4d %3d %4d %11.1f %11.1f %9.2f %9.3f %9.2f %6s\n", ggml_type_name(type),
-                       layout, (long long) o.m, (long long) o.k, n, o.threads[ti], copies, med * 1e6, mn * 1e6,
-                       flops / med * 1e-9, wbytes / 1e6, wbytes / med * 1e-9, std::isfinite(probe) ? "ok" : "NaN");
+                printf("%-8s %-6s %6lld %6lld %4d %3d %4d %5zu %11.1f %11.1f %11.1f %9.2f %9.3f %8.2f %8.2f %8.2f %5s\n",
+                       ggml_type_name(type), layout, (long long) o.m, (long long) o.k, n, o.threads[ti], copies,
+                       ts.size(), med * 1e6, mn * 1e6, cpu * 1e6, flops / mn * 1e-9, wbytes / 1e6,
+                       wbytes / med * 1e-9, wbytes / mn * 1e-9, wbytes / cpu * 1e-9,
+                       std::isfinite(probe) ? "ok" : "NaN");
                 fflush(stdout);
                 ggml_threadpool_pause(pools[ti]);
             }
@@ -301,8 +315,12 @@ int main(int argc, char ** argv) {
 
     printf("# ggml_mulmat_bench: M=%lld K=%lld, repack buffer %s, rotate_mb=%.0f, min_time=%.2fs, poll=%d\n",
            (long long) o.m, (long long) o.k, repack_buft ? "available" : "absent", o.rotate_mb, o.min_time, o.poll);
-    printf("# %-6s %-6s %6s %6s %4s %3s %4s %11s %11s %9s %9s %9s %6s\n", "type", "layout", "M", "K", "n", "thr",
-           "cps", "us_med", "us_min", "GFLOPS", "weight_MB", "GB/s", "check");
+    printf("# columns: us_med/us_min = median/min wall time per op; us_cpu = median CPU time of the calling\n"
+           "# thread (the whole op when thr=1; its share when thr>1); GFLOPS from us_min; GB/s = weight bytes\n"
+           "# over us_med, us_min, us_cpu.\n");
+    printf("# %-6s %-6s %6s %6s %4s %3s %4s %5s %11s %11s %11s %9s %9s %8s %8s %8s %5s\n", "type", "layout", "M", "K",
+           "n", "thr", "cps", "reps", "us_med", "us_min", "us_cpu", "GFLOPS", "weight_MB", "GBs_med", "GBs_min",
+           "GBs_cpu", "check");
     fflush(stdout);
 
     std::mt19937 rng(42);

@@ -26,8 +26,8 @@ else
 fi
 
 "$VENV/bin/python" - <<'PY'
+from importlib.metadata import version
 import gguf, numpy, llama_cpp
-print("gguf", gguf.__version__ if hasattr(gguf, "__version__") else "?", "numpy", numpy.__version__,
-      "llama_cpp", llama_cpp.__version__)
+print("gguf", version("gguf"), "numpy", numpy.__version__, "llama_cpp", llama_cpp.__version__)
 print(llama_cpp.llama_print_system_info().decode())
 PY

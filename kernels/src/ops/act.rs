@@ -42,13 +42,14 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `ln(1+e^x)`, computed without overflow (ggml returns `x` above 20).
+/// `ln(1+e^x)`, computed without overflow (ggml returns `x` above 20), as ggml computes it: `logf(1 +
+/// expf(x))` (not `log1p`, which rounds differently).
 #[inline]
 pub fn softplus(x: f32) -> f32 {
     if x > 20.0 {
         x
     } else {
-        x.exp().ln_1p()
+        (1.0 + x.exp()).ln()
     }
 }
 

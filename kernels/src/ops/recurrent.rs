@@ -1,13 +1,18 @@
 //! The recurrent steps of linear-attention blocks: the causal depthwise convolution over time (ggml's
 //! `ssm_conv`) and the gated delta rule (ggml's `gated_delta_net`), each advancing a carried state.
+//!
+//! Both compute what llama.cpp's CPU backend computes bit for bit, given equal inputs (the tests hold
+//! them to a step recorded from llama.cpp, `testdata/qwen35moe-recurrent-step.bin`): on the small random
+//! models the witness uses, a last-bit difference here grows into visibly different probabilities.
 
-use super::{axpy, dot};
 use rayon::prelude::*;
 
 /// Causal depthwise convolution of `x` (`n` rows of `channels` values, one row per time step) with
 /// `weight` (`channels` rows of `kernel` taps, ggml's `[kernel, channels]`), continuing from `state`
 /// (the previous `kernel - 1` rows of input, oldest first), which the call advances:
 /// `out[t][c] = Σ_i in[t - (kernel-1) + i][c] · weight[c][i]`, where inputs before `x` come from `state`.
+/// Each product is rounded, then added in tap order from zero, as ggml's compiled `ssm_conv` does (no
+/// fused multiply-add).
 pub fn conv1d_causal(
     x: &[f32],
     channels: usize,
@@ -61,6 +66,11 @@ pub struct DeltaShape {
 ///
 /// `q` and `k` are `[n, n_heads·head_k]`, `v` and `out` `[n, n_heads·head_v]`, `gate` and `beta`
 /// `[n, n_heads]`.
+///
+/// The arithmetic is that of ggml's CPU `gated_delta_net` on AVX2 + FMA, operation for operation, so the
+/// results equal llama.cpp's bit for bit given equal inputs: the dot products of [`dot_ggml`], the rank-one
+/// update as one fused multiply-add per element, the output scaled after its dot product. (On a CPU
+/// without FMA the same fused operations are computed in software: slower, same results.)
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_rule(
     q: &[f32],
@@ -109,30 +119,30 @@ pub fn gated_delta_rule(
         n_heads * head_v * head_k,
         "delta rule: state has the wrong length"
     );
-    let scale = 1.0 / (head_k as f32).sqrt();
+    let inputs = DeltaInputs {
+        q,
+        k,
+        v,
+        gate,
+        beta,
+        shape,
+        n,
+    };
+    let fma = crate::quant::has_avx2_fma();
     // Each head's state evolves alone: heads in parallel, each writing its outputs to a buffer.
     let per_head: Vec<Vec<f32>> = state
         .par_chunks_mut(head_v * head_k)
         .enumerate()
         .map(|(h, s)| {
             let mut o = vec![0f32; n * head_v];
-            let mut delta = vec![0f32; head_v];
-            for t in 0..n {
-                let qt = &q[(t * n_heads + h) * head_k..][..head_k];
-                let kt = &k[(t * n_heads + h) * head_k..][..head_k];
-                let vt = &v[(t * n_heads + h) * head_v..][..head_v];
-                let g = gate[t * n_heads + h].exp();
-                let b = beta[t * n_heads + h];
-                s.iter_mut().for_each(|x| *x *= g);
-                for (j, d) in delta.iter_mut().enumerate() {
-                    *d = (vt[j] - dot(&s[j * head_k..(j + 1) * head_k], kt)) * b;
-                }
-                for (j, &d) in delta.iter().enumerate() {
-                    axpy(d, kt, &mut s[j * head_k..(j + 1) * head_k]);
-                }
-                for j in 0..head_v {
-                    o[t * head_v + j] = dot(&s[j * head_k..(j + 1) * head_k], qt) * scale;
-                }
+            if fma {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `has_avx2_fma` checked that the CPU has FMA.
+                unsafe {
+                    delta_head_fma(&inputs, h, s, &mut o)
+                };
+            } else {
+                delta_head(&inputs, h, s, &mut o);
             }
             o
         })
@@ -142,6 +152,93 @@ pub fn gated_delta_rule(
             out[(t * n_heads + h) * head_v..][..head_v].copy_from_slice(&o[t * head_v..][..head_v]);
         }
     }
+}
+
+/// The inputs of [`gated_delta_rule`], checked.
+struct DeltaInputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    gate: &'a [f32],
+    beta: &'a [f32],
+    shape: DeltaShape,
+    n: usize,
+}
+
+/// [`delta_head`] compiled with FMA, so `mul_add` is one instruction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn delta_head_fma(x: &DeltaInputs<'_>, h: usize, s: &mut [f32], o: &mut [f32]) {
+    delta_head(x, h, s, o)
+}
+
+/// Head `h` over every token: advances its state `s` (`[head_v][head_k]`) and writes its outputs `o`
+/// (`[n][head_v]`).
+#[inline(always)]
+fn delta_head(x: &DeltaInputs<'_>, h: usize, s: &mut [f32], o: &mut [f32]) {
+    let DeltaShape {
+        n_heads,
+        head_k,
+        head_v,
+    } = x.shape;
+    let scale = 1.0 / (head_k as f32).sqrt();
+    let mut delta = vec![0f32; head_v];
+    for t in 0..x.n {
+        let qt = &x.q[(t * n_heads + h) * head_k..][..head_k];
+        let kt = &x.k[(t * n_heads + h) * head_k..][..head_k];
+        let vt = &x.v[(t * n_heads + h) * head_v..][..head_v];
+        let g = x.gate[t * n_heads + h].exp();
+        let b = x.beta[t * n_heads + h];
+        s.iter_mut().for_each(|e| *e *= g);
+        for (j, d) in delta.iter_mut().enumerate() {
+            *d = (vt[j] - dot_ggml(&s[j * head_k..(j + 1) * head_k], kt)) * b;
+        }
+        for (j, &d) in delta.iter().enumerate() {
+            for (e, &ki) in s[j * head_k..(j + 1) * head_k].iter_mut().zip(kt) {
+                *e = ki.mul_add(d, *e);
+            }
+        }
+        for j in 0..head_v {
+            o[t * head_v + j] = dot_ggml(&s[j * head_k..(j + 1) * head_k], qt) * scale;
+        }
+    }
+}
+
+/// Dot product in the order of ggml's `ggml_vec_dot_f32` on AVX2 + FMA: four accumulators of eight
+/// lanes, each fed by fused multiply-adds over 32-element steps, summed pairwise (accumulators 0+2 and
+/// 1+3, then those two; then the upper four lanes onto the lower four, then adjacent pairs), and the
+/// elements past the last whole step added one by one (as GCC compiles that loop: rounded products, the
+/// last `n mod 4` fused).
+#[inline(always)]
+pub fn dot_ggml(x: &[f32], y: &[f32]) -> f32 {
+    debug_assert_eq!(x.len(), y.len());
+    let n = x.len();
+    let np = n - n % 32;
+    let mut acc = [[0f32; 8]; 4];
+    for i in (0..np).step_by(32) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let (xs, ys) = (&x[i + 8 * j..][..8], &y[i + 8 * j..][..8]);
+            for l in 0..8 {
+                a[l] = xs[l].mul_add(ys[l], a[l]);
+            }
+        }
+    }
+    let mut r = [0f32; 8];
+    for l in 0..8 {
+        r[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let t0 = [r[0] + r[4], r[1] + r[5], r[2] + r[6], r[3] + r[7]];
+    let mut sum = (t0[0] + t0[1]) + (t0[2] + t0[3]);
+    // The compiled tail: products rounded and added in order, except the last `n mod 4`, fused.
+    let fused_from = n - (n - np) % 4;
+    for i in np..n {
+        if i < fused_from {
+            sum += x[i] * y[i];
+        } else {
+            sum = x[i].mul_add(y[i], sum);
+        }
+    }
+    sum
 }
 
 #[cfg(test)]
@@ -181,6 +278,111 @@ mod tests {
         }
         assert_eq!(o2, out);
         assert_eq!(s2, state);
+    }
+
+    /// The sections of `testdata/qwen35moe-recurrent-step.bin` (see `testdata/make_recurrent_step.py`):
+    /// llama.cpp's inputs and outputs of one decode step of block 0 of the qwen35moe fixture.
+    fn llama_step() -> Vec<Vec<f32>> {
+        let bytes: &[u8] = include_bytes!("../../testdata/qwen35moe-recurrent-step.bin");
+        let mut sections = Vec::new();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let n = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+            let values = rest[4..4 + 4 * n]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            sections.push(values);
+            rest = &rest[4 + 4 * n..];
+        }
+        assert_eq!(sections.len(), 12, "sections of the llama.cpp step");
+        sections
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn conv1d_equals_llama_cpp_bit_for_bit() {
+        let s = llama_step();
+        let (channels, kernel) = (64, 4);
+        // ggml keeps the state per channel ([channel][tap]); ours is per time step ([tap][channel]).
+        let mut state = vec![0f32; (kernel - 1) * channels];
+        for c in 0..channels {
+            for t in 0..kernel - 1 {
+                state[t * channels + c] = s[0][c * (kernel - 1) + t];
+            }
+        }
+        let mut out = vec![0f32; channels];
+        conv1d_causal(&s[1], channels, &s[2], kernel, &mut state, &mut out);
+        assert_eq!(bits(&out), bits(&s[3]));
+    }
+
+    #[test]
+    fn delta_rule_equals_llama_cpp_bit_for_bit_with_tiled_key_heads() {
+        let s = llama_step();
+        let (q, k, v, gate, beta) = (&s[4], &s[5], &s[6], &s[7], &s[8]);
+        let shape = DeltaShape {
+            n_heads: 1,
+            head_k: 64,
+            head_v: 64,
+        };
+        // Value head 2 of 4 over 2 key heads: llama.cpp reads key head 2 mod 2 = 0.
+        let run = |kh: usize| {
+            let mut state = s[9].clone();
+            let mut out = vec![0f32; 64];
+            let (qh, kh) = (&q[kh * 64..][..64], &k[kh * 64..][..64]);
+            gated_delta_rule(qh, kh, v, gate, beta, shape, &mut state, &mut out);
+            (out, state)
+        };
+        let (out, state) = run(0);
+        assert_eq!(bits(&out), bits(&s[10]));
+        assert_eq!(bits(&state), bits(&s[11]));
+        // The other order (value head h reading key head h / 2) is not what llama.cpp computes.
+        let (other, _) = run(1);
+        assert_ne!(bits(&other), bits(&s[10]));
+    }
+
+    #[test]
+    fn dot_follows_ggml_lane_order() {
+        // Terms of very different sizes, so the rounded sum depends on the order of the additions.
+        let n = 70;
+        let mut rng = Rng::new(13);
+        let x: Vec<f32> = normals(&mut rng, n)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 10f32.powi(i as i32 % 7 - 3))
+            .collect();
+        let y = normals(&mut rng, n);
+        // ggml_vec_dot_f32 on AVX2 + FMA, spelled out: lane l of accumulator j takes elements
+        // 32·step + 8·j + l by fused multiply-add; the 6 past the last step of 32 come after the reduction,
+        // four as rounded products, the last two fused.
+        let mut acc = [[0f32; 8]; 4];
+        for step in 0..2 {
+            for (j, a) in acc.iter_mut().enumerate() {
+                for (l, lane) in a.iter_mut().enumerate() {
+                    let e = 32 * step + 8 * j + l;
+                    *lane = x[e].mul_add(y[e], *lane);
+                }
+            }
+        }
+        let lane = |l: usize| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+        let half: Vec<f32> = (0..4).map(|l| lane(l) + lane(l + 4)).collect();
+        let mut expect = (half[0] + half[1]) + (half[2] + half[3]);
+        for e in 64..68 {
+            expect += x[e] * y[e];
+        }
+        for e in 68..n {
+            expect = x[e].mul_add(y[e], expect);
+        }
+        assert_eq!(dot_ggml(&x, &y).to_bits(), expect.to_bits());
+        let naive: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
+        assert_ne!(
+            naive.to_bits(),
+            expect.to_bits(),
+            "the test input is order-blind"
+        );
     }
 
     #[test]

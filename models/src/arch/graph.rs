@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::{gemma3, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use super::{gemma3, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
 
@@ -198,6 +198,7 @@ pub trait Forward {
 pub enum ModelGraph {
     Qwen3Moe(qwen3moe::Qwen3MoeGraph),
     Gemma3(gemma3::Gemma3Graph),
+    Qwen35Moe(qwen35moe::Qwen35MoeGraph),
 }
 
 impl ModelGraph {
@@ -217,10 +218,9 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
-            other => Err(ArchError(format!(
-                "architecture {}: the forward pass is not implemented yet",
-                other.as_dyn().arch_name()
-            ))),
+            ModelHparams::Qwen35Moe(h) => Ok(ModelGraph::Qwen35Moe(
+                qwen35moe::Qwen35MoeGraph::new(h, &tensors, file.metadata())?,
+            )),
         }
     }
 }
@@ -230,6 +230,7 @@ impl Forward for ModelGraph {
         match self {
             ModelGraph::Qwen3Moe(g) => g.info(),
             ModelGraph::Gemma3(g) => g.info(),
+            ModelGraph::Qwen35Moe(g) => g.info(),
         }
     }
 
@@ -237,6 +238,7 @@ impl Forward for ModelGraph {
         match self {
             ModelGraph::Qwen3Moe(g) => g.layer_states(),
             ModelGraph::Gemma3(g) => g.layer_states(),
+            ModelGraph::Qwen35Moe(g) => g.layer_states(),
         }
     }
 
@@ -244,6 +246,7 @@ impl Forward for ModelGraph {
         match self {
             ModelGraph::Qwen3Moe(g) => g.forward(c),
             ModelGraph::Gemma3(g) => g.forward(c),
+            ModelGraph::Qwen35Moe(g) => g.forward(c),
         }
     }
 }

@@ -10,11 +10,16 @@
 //! post-attention norm that feeds the FFN. After the trunk come `nextn_predict_layers` MTP blocks (full
 //! attention + MoE, fed by `eh_proj` of the normed embedding and hidden state), which the main pass skips.
 //!
-//! Follows llama.cpp's `src/models/qwen35moe.cpp`.
+//! Follows llama.cpp's `src/models/qwen35moe.cpp` (hyperparameters, tensors, graph) and
+//! `src/models/delta-net-base.cpp` (the delta rule); [`Qwen35MoeGraph`] is the forward pass.
 
+use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
     LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
+};
+use crate::compute::{
+    Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, Rope, RopeKind, Unary, WeightId,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -437,5 +442,415 @@ impl ArchHparams for Qwen35MoeHparams {
             "layer_norm_rms_epsilon must be positive",
         )?;
         Ok(())
+    }
+}
+
+/// Whether interleaved multi-section RoPE (ggml's `GGML_ROPE_TYPE_IMROPE`, which llama.cpp uses for
+/// `qwen35moe`) rotates every pair of the `sections.sum()` rotated pairs by the token's position when
+/// the positions are text positions. llama.cpp gives a text token the position `p` in the first three
+/// sections and 0 in the fourth; pair `i` (sector `i mod Σ sections`) reads section `i mod 3` while the
+/// sector is below three times that section's size, and the fourth otherwise — and a pair at position 0
+/// is not rotated. When every pair reads one of the first three, the rotation is plain NeoX RoPE over
+/// the rotated dimensions (same angles, same pairing).
+fn imrope_text_is_neox(sections: [u32; 4]) -> bool {
+    let sect_dims: u32 = sections.iter().sum();
+    (0..sect_dims).all(|sector| match sector % 3 {
+        0 => sector < 3 * sections[0],
+        1 => sector < 3 * sections[1],
+        _ => sector < 3 * sections[2],
+    })
+}
+
+/// The token mixer of a gated delta-net block.
+#[derive(Clone, Debug)]
+struct DeltaNetMixer {
+    /// `attn_qkv`: the fused Q, K, V projection (before the convolution).
+    qkv: WeightId,
+    /// `attn_gate`: Z, the output gate.
+    z: WeightId,
+    conv1d: WeightId,
+    /// `ssm_dt.bias`, added to alpha before the softplus.
+    dt_bias: WeightId,
+    /// `ssm_a`: `-exp(A_log)`.
+    a: WeightId,
+    beta: WeightId,
+    alpha: WeightId,
+    norm: WeightId,
+    out: WeightId,
+}
+
+/// The token mixer of a gated full-attention block.
+#[derive(Clone, Debug)]
+struct AttentionMixer {
+    /// Q and the output gate, interleaved per head: `[n_embd, 2 · n_head · head_dim]`.
+    wq_gate: WeightId,
+    wk: WeightId,
+    wv: WeightId,
+    wo: WeightId,
+    q_norm: WeightId,
+    k_norm: WeightId,
+}
+
+#[derive(Clone, Debug)]
+enum Mixer {
+    DeltaNet(DeltaNetMixer),
+    Attention(AttentionMixer),
+}
+
+/// The shared expert: a SwiGLU FFN scaled by `sigmoid(gate_inp · x)`.
+#[derive(Clone, Debug)]
+struct SharedExpert {
+    /// `ffn_gate_inp_shexp`: `[n_embd]`, one logit per token.
+    gate_inp: WeightId,
+    gate: WeightId,
+    up: WeightId,
+    down: WeightId,
+}
+
+/// One block: pre-norm, token mixer, post-attention norm (the FFN's input norm), routed and shared
+/// experts.
+#[derive(Clone, Debug)]
+struct Block {
+    attn_norm: WeightId,
+    post_attn_norm: WeightId,
+    mixer: Mixer,
+    moe: Moe,
+    shexp: SharedExpert,
+}
+
+/// The MTP (next-token prediction) block's own tensors. Bound and kept for speculative decoding; the
+/// main forward pass does not run it.
+#[derive(Clone, Debug)]
+#[allow(dead_code)]
+struct NextnBlock {
+    /// A full-attention block like the trunk's.
+    block: Block,
+    eh_proj: WeightId,
+    enorm: WeightId,
+    hnorm: WeightId,
+    /// Its own token embedding, when the file has one (else `token_embd`).
+    embed_tokens: Option<WeightId>,
+    /// Its own LM head, when the file has one (else `output`).
+    head: Option<WeightId>,
+    /// Its own final norm, when the file has one (else `output_norm`).
+    head_norm: Option<WeightId>,
+}
+
+/// The forward pass of a `qwen35moe` model (llama.cpp's `llama_model_qwen35moe::graph`).
+#[derive(Clone, Debug)]
+pub struct Qwen35MoeGraph {
+    hp: Qwen35MoeHparams,
+    info: ModelInfo,
+    tok_embd: WeightId,
+    output_norm: WeightId,
+    /// `output.weight`, or the token embedding when the file ties them.
+    output: WeightId,
+    blocks: Vec<Block>,
+    #[allow(dead_code)]
+    nextn: Vec<NextnBlock>,
+}
+
+impl Qwen35MoeGraph {
+    /// Builds the forward pass from bound tensors; an error for RoPE sections this forward pass does not
+    /// compute (ones that leave text positions' pairs unrotated, which no released model has).
+    pub fn new(
+        hp: Qwen35MoeHparams,
+        t: &TensorMap,
+        md: &Metadata,
+    ) -> Result<Qwen35MoeGraph, ArchError> {
+        check(
+            ARCH,
+            imrope_text_is_neox(hp.rope_sections),
+            "rope.dimension_sections leave rotated pairs at position 0, which is not implemented",
+        )?;
+        let attention = |il: u32| -> Result<AttentionMixer, ArchError> {
+            Ok(AttentionMixer {
+                wq_gate: t.layer(Role::AttnQ, il)?,
+                wk: t.layer(Role::AttnK, il)?,
+                wv: t.layer(Role::AttnV, il)?,
+                wo: t.layer(Role::AttnOut, il)?,
+                q_norm: t.layer(Role::AttnQNorm, il)?,
+                k_norm: t.layer(Role::AttnKNorm, il)?,
+            })
+        };
+        let block = |il: u32| -> Result<Block, ArchError> {
+            let mixer = if hp.is_recurrent(il) {
+                Mixer::DeltaNet(DeltaNetMixer {
+                    qkv: t.layer(Role::AttnQkv, il)?,
+                    z: t.layer(Role::AttnGate, il)?,
+                    conv1d: t.layer(Role::SsmConv1d, il)?,
+                    dt_bias: t.layer(Role::SsmDt, il)?,
+                    a: t.layer(Role::SsmA, il)?,
+                    beta: t.layer(Role::SsmBeta, il)?,
+                    alpha: t.layer(Role::SsmAlpha, il)?,
+                    norm: t.layer(Role::SsmNorm, il)?,
+                    out: t.layer(Role::SsmOut, il)?,
+                })
+            } else {
+                Mixer::Attention(attention(il)?)
+            };
+            Ok(Block {
+                attn_norm: t.layer(Role::AttnNorm, il)?,
+                post_attn_norm: t.layer(Role::AttnPostNorm, il)?,
+                mixer,
+                moe: Moe {
+                    router: t.layer(Role::FfnGateInp, il)?,
+                    gate_exps: t.layer(Role::FfnGateExps, il)?,
+                    up_exps: t.layer(Role::FfnUpExps, il)?,
+                    down_exps: t.layer(Role::FfnDownExps, il)?,
+                    n_expert: hp.n_expert as usize,
+                    n_expert_used: hp.n_expert_used as usize,
+                    gating: Gating::Softmax,
+                    // llama.cpp passes norm_w = true for qwen35moe whatever the file says, and reads no
+                    // expert weight scale for it (0: none).
+                    norm_weights: true,
+                    weights_scale: 1.0,
+                    act: Unary::Silu,
+                },
+                shexp: SharedExpert {
+                    gate_inp: t.layer(Role::FfnGateInpShexp, il)?,
+                    gate: t.layer(Role::FfnGateShexp, il)?,
+                    up: t.layer(Role::FfnUpShexp, il)?,
+                    down: t.layer(Role::FfnDownShexp, il)?,
+                },
+            })
+        };
+        let blocks = (0..hp.n_layer).map(block).collect::<Result<Vec<_>, _>>()?;
+        let nextn = (hp.n_layer..hp.n_layer_all())
+            .map(|il| {
+                Ok(NextnBlock {
+                    block: block(il)?,
+                    eh_proj: t.layer(Role::NextnEhProj, il)?,
+                    enorm: t.layer(Role::NextnEnorm, il)?,
+                    hnorm: t.layer(Role::NextnHnorm, il)?,
+                    embed_tokens: t.layer_opt(Role::NextnEmbedTokens, il),
+                    head: t.layer_opt(Role::NextnSharedHeadHead, il),
+                    head_norm: t.layer_opt(Role::NextnSharedHeadNorm, il),
+                })
+            })
+            .collect::<Result<Vec<_>, ArchError>>()?;
+        let info = ModelInfo::new(
+            ARCH,
+            hp.n_vocab as usize,
+            hp.n_embd as usize,
+            hp.n_ctx_train,
+            md,
+        )?;
+        let tok_embd = t.global_req(Role::TokenEmbd)?;
+        Ok(Qwen35MoeGraph {
+            tok_embd,
+            output_norm: t.global_req(Role::OutputNorm)?,
+            output: t.global(Role::Output).unwrap_or(tok_embd),
+            blocks,
+            nextn,
+            info,
+            hp,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn hparams(&self) -> &Qwen35MoeHparams {
+        &self.hp
+    }
+
+    /// Delta-net sizes: `(n_k_heads, n_v_heads, head_dim)` (keys and values share the head size).
+    fn delta_dims(&self) -> (usize, usize, usize) {
+        let hp = &self.hp;
+        (
+            hp.ssm_group_count as usize,
+            hp.ssm_time_step_rank as usize,
+            hp.ssm_state_size as usize,
+        )
+    }
+
+    /// The gated delta-net mixer (llama.cpp's `build_layer_attn_linear`) on the normed input `x`.
+    fn delta_net<C: Compute>(&self, c: &mut C, il: usize, m: &DeltaNetMixer, x: &C::Act) -> C::Act {
+        let eps = self.hp.rms_eps;
+        let (n_k, n_v, head) = self.delta_dims();
+        let (key_dim, value_dim) = (n_k * head, n_v * head);
+
+        let qkv = c.matmul(m.qkv, x);
+        let z = c.matmul(m.z, x);
+        let beta = c.matmul(m.beta, x);
+        let beta = c.unary(&beta, Unary::Sigmoid);
+        // gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
+        let alpha = c.matmul(m.alpha, x);
+        let alpha = c.add_weight(&alpha, m.dt_bias);
+        let alpha = c.unary(&alpha, Unary::Softplus);
+        let gate = c.mul_weight(&alpha, m.a);
+
+        // Causal conv1d over time (the state holds the previous kernel - 1 inputs), then SiLU.
+        let conv = c.ssm_conv(il, &qkv, m.conv1d);
+        let conv = c.unary(&conv, Unary::Silu);
+        let q = c.cols(&conv, 0, key_dim);
+        let k = c.cols(&conv, key_dim, key_dim);
+        let v = c.cols(&conv, 2 * key_dim, value_dim);
+
+        // llama.cpp's `build_gdn_l2_norm`: rms_norm with eps/n, times 1/√n, i.e. x / √(‖x‖² + eps).
+        let l2 = |c: &mut C, a: &C::Act| {
+            let normed = c.rms_norm(a, None, eps / head as f32, head);
+            c.scale(&normed, 1.0 / (head as f32).sqrt())
+        };
+        let mut q = l2(c, &q);
+        let mut k = l2(c, &k);
+        // Value head h reads key head h mod n_k (ggml_repeat's tiling; the fused op indexes the same).
+        if n_v != n_k {
+            q = c.repeat_heads(&q, head, n_v / n_k, false);
+            k = c.repeat_heads(&k, head, n_v / n_k, false);
+        }
+        let net = DeltaNet {
+            n_v_heads: n_v,
+            head_k: head,
+            head_v: head,
+        };
+        let inputs = DeltaNetInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            gate: &gate,
+            beta: &beta,
+        };
+        let out = c.gated_delta_net(il, inputs, &net);
+
+        // Gated RMS norm per value head: norm(out) ⊙ silu(z).
+        let out = c.rms_norm(&out, Some(m.norm), eps, head);
+        let z = c.unary(&z, Unary::Silu);
+        let out = c.mul(&out, &z);
+        c.matmul(m.out, &out)
+    }
+
+    /// The gated full-attention mixer (llama.cpp's `build_layer_attn`) on the normed input `x`.
+    fn attention<C: Compute>(
+        &self,
+        c: &mut C,
+        il: usize,
+        m: &AttentionMixer,
+        x: &C::Act,
+    ) -> C::Act {
+        let hp = &self.hp;
+        let (head_dim, eps) = (hp.head_dim as usize, hp.rms_eps);
+        // Text positions: multi-section RoPE is NeoX over the rotated dimensions (checked at load).
+        let rope = Rope {
+            kind: RopeKind::Neox,
+            head_dim,
+            n_rot: hp.rope_dim as usize,
+            freq_base: hp.rope_freq_base,
+            freq_scale: 1.0,
+        };
+        let attn = Attention {
+            n_head: hp.n_head as usize,
+            n_head_kv: hp.n_head_kv as usize,
+            head_dim_k: head_dim,
+            head_dim_v: head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        let q_gate = c.matmul(m.wq_gate, x);
+        let q = c.head_part(&q_gate, head_dim, 2, 0);
+        let gate = c.head_part(&q_gate, head_dim, 2, 1);
+        let k = c.matmul(m.wk, x);
+        let v = c.matmul(m.wv, x);
+        let q = c.rms_norm(&q, Some(m.q_norm), eps, head_dim);
+        let k = c.rms_norm(&k, Some(m.k_norm), eps, head_dim);
+        let q = c.rope(&q, &rope);
+        let k = c.rope(&k, &rope);
+        let out = c.attention(il, &q, &k, &v, &attn);
+        let gate = c.unary(&gate, Unary::Sigmoid);
+        let out = c.mul(&out, &gate);
+        c.matmul(m.wo, &out)
+    }
+
+    /// Routed experts plus the gated shared expert (llama.cpp's `build_layer_ffn`) on the normed `x`.
+    fn ffn<C: Compute>(&self, c: &mut C, il: usize, b: &Block, x: &C::Act) -> C::Act {
+        let moe_out = c.moe(il, x, &b.moe);
+        let s = &b.shexp;
+        let gate = c.matmul(s.gate, x);
+        let gate = c.unary(&gate, Unary::Silu);
+        let up = c.matmul(s.up, x);
+        let h = c.mul(&gate, &up);
+        let shared = c.matmul(s.down, &h);
+        let scale = c.matmul(s.gate_inp, x);
+        let scale = c.unary(&scale, Unary::Sigmoid);
+        let shared = c.mul(&shared, &scale);
+        c.add(&moe_out, &shared)
+    }
+}
+
+impl Forward for Qwen35MoeGraph {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// One state per trunk block (the MTP block is not run, so it has none).
+    fn layer_states(&self) -> Vec<StateSpec> {
+        let hp = &self.hp;
+        let (n_k, n_v, head) = self.delta_dims();
+        self.blocks
+            .iter()
+            .map(|b| match b.mixer {
+                Mixer::DeltaNet(_) => StateSpec::Recurrent {
+                    conv_kernel: hp.ssm_conv_kernel as usize,
+                    conv_channels: 2 * n_k * head + n_v * head,
+                    n_v_heads: n_v,
+                    head_k: head,
+                    head_v: head,
+                },
+                Mixer::Attention(_) => StateSpec::Kv {
+                    n_head_kv: hp.n_head_kv as usize,
+                    head_dim_k: hp.head_dim as usize,
+                    head_dim_v: hp.head_dim as usize,
+                    window: None,
+                },
+            })
+            .collect()
+    }
+
+    fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
+        let (n_embd, eps) = (self.hp.n_embd as usize, self.hp.rms_eps);
+        let (tokens, out_rows) = {
+            let b = c.batch();
+            (b.tokens.to_vec(), b.output_rows())
+        };
+        let last = self.blocks.len() - 1;
+
+        let mut inp = c.embed(self.tok_embd, &tokens);
+        for (il, b) in self.blocks.iter().enumerate() {
+            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
+            let mut cur = match &b.mixer {
+                Mixer::DeltaNet(m) => self.delta_net(c, il, m, &cur),
+                Mixer::Attention(m) => self.attention(c, il, m, &cur),
+            };
+
+            // After the last block's mixer only the rows whose logits are wanted go on.
+            if il == last && out_rows.len() < tokens.len() {
+                cur = c.rows(&cur, &out_rows);
+                inp = c.rows(&inp, &out_rows);
+            }
+            let ffn_residual = c.add(&cur, &inp);
+
+            // The post-attention norm is the FFN's input norm.
+            let cur = c.rms_norm(&ffn_residual, Some(b.post_attn_norm), eps, n_embd);
+            let ffn_out = self.ffn(c, il, b, &cur);
+            inp = c.add(&ffn_out, &ffn_residual);
+        }
+        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
+        c.matmul(self.output, &cur)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn imrope_sections_of_released_models_rotate_every_text_pair() {
+        // Qwen3.5/3.6 (64 rotated dims) and the tiny fixtures (16).
+        assert!(imrope_text_is_neox([11, 11, 10, 0]));
+        assert!(imrope_text_is_neox([3, 3, 2, 0]));
+        // Sector 7 of [4, 2, 2, 0] is 7 mod 3 = 1 but not below 3·2: it reads the fourth section.
+        assert!(!imrope_text_is_neox([4, 2, 2, 0]));
+        // A fourth section of its own always reads position 0.
+        assert!(!imrope_text_is_neox([2, 2, 2, 2]));
     }
 }

@@ -1,12 +1,13 @@
-//! Getting "our" side of a witness comparison: where the model file and the `poly-engine` binary are,
-//! fetching a model that is not committed, and running `poly-engine run --json` and reading its steps.
+//! Getting "our" side of a witness comparison: where the model file is, fetching a model that is not
+//! committed, and (for a check that runs a binary rather than the library) running `poly-engine run
+//! --json` and reading its steps.
 //!
-//! The CLI contract the harness relies on:
-//! `poly-engine run --model FILE --prompt-tokens ID,ID,... --max-tokens N --top K --json` decodes exactly
-//! the given ids (no BOS added), then generates N greedy tokens, printing one JSON object per step on
-//! stdout, `{"token": ID, "top": [[ID, PROB], ...]}` with the K likeliest tokens, likeliest first
-//! (objects `{"id": ID, "p": PROB}` are accepted too). Other stdout lines, and JSON objects without a
-//! `token`, are ignored. It may stop early only on an end-of-generation token.
+//! The CLI contract: `poly-engine run --model FILE --prompt-tokens ID,ID,... --max-tokens N --top K --json
+//! [EXTRA...]` decodes exactly the given ids (no BOS added), then writes N greedy tokens, printing one JSON
+//! object per step on stdout, `{"token": ID, "top": [...]}` with the K likeliest tokens, likeliest first,
+//! as `[ID, PROB]` pairs or objects `{"token"|"id": ID, "prob"|"p": PROB}`. Other stdout lines, and
+//! JSON objects without a `token`, are ignored. The CPU witness passes `--ignore-eos --n-ctx N` as
+//! extras (llama.cpp's references do not stop on end-of-generation tokens).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,8 +27,8 @@ pub fn workspace_dir() -> PathBuf {
     manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
 }
 
-/// The `poly-engine` binary: `$POLY_ENGINE`, else `target/release/poly-engine` (tests/run.sh builds it
-/// before the tests).
+/// The `poly-engine` binary: `$POLY_ENGINE`, else `target/release/poly-engine` (built by
+/// `cargo build --release -p poly-engine`).
 pub fn engine_binary() -> Result<PathBuf, String> {
     let path = match std::env::var_os("POLY_ENGINE") {
         Some(p) => PathBuf::from(p),
@@ -40,8 +41,8 @@ pub fn engine_binary() -> Result<PathBuf, String> {
         Ok(path)
     } else {
         Err(format!(
-            "poly-engine binary not found at {} (build it with `cargo build --release -p poly-engine`, as \
-             tests/run.sh does, or point POLY_ENGINE at it)",
+            "poly-engine binary not found at {} (build it with `cargo build --release -p poly-engine` \
+             or point POLY_ENGINE at it)",
             path.display()
         ))
     }
