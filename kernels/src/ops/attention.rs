@@ -162,77 +162,125 @@ pub fn attention_ggml_f16(
         || (Vec::new(), Vec::new()),
         |(qh16, acc): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
             let (i, h) = (idx / p.n_head, idx % p.n_head);
-            let hk = h / group;
-            let pos = positions[i];
-            let (first, last) = (p.first_visible(pos), pos as usize);
-            qh16.clear();
-            qh16.extend(
-                q[(i * p.n_head + h) * dk..][..dk]
-                    .iter()
-                    .map(|&x| round_f16(x)),
-            );
-            acc.resize(dv, 0.0);
-            let (mut m_all, mut s_all) = (f32::NEG_INFINITY, 0f32);
-            o.fill(0.0);
-            let mut start = 0;
-            while start <= last {
-                let end = (start + chunk).min(last + 1);
-                let lo = start.max(first);
-                start += chunk;
-                if lo >= end {
-                    continue;
-                }
-                // One chunk: the online softmax with the f16 accumulator.
-                let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
-                acc.fill(0.0);
-                for j in lo..end {
-                    let d = dot_f16_ggml(qh16, &k[j * k_row + hk * dk..][..dk]);
-                    let x = match p.softcap {
-                        // ggml folds 1/cap into the scale.
-                        Some(cap) => cap * (d * (p.scale / cap)).tanh(),
-                        None => d * p.scale,
-                    };
-                    let vj = &v[j * v_row + hk * dv..][..dv];
-                    let (ms, vs);
-                    if x > m {
-                        ms = (m - x).exp();
-                        m = x;
-                        vs = 1.0;
-                        acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
-                    } else {
-                        ms = 1.0;
-                        vs = (x - m).exp();
-                    }
-                    for (a, &vv) in acc.iter_mut().zip(vj) {
-                        *a = round_f16(vv.mul_add(vs, *a));
-                    }
-                    // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
-                    s = s.mul_add(ms, vs);
-                }
-                if kv_chunk.is_none() {
-                    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
-                    o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
-                    return;
-                }
-                if s == 0.0 {
-                    continue;
-                }
-                // Merge the chunk into the result so far, as ggml reduces the partials (GCC fuses
-                // `old·scale_old + new·scale_new` into `fma(old, scale_old, new·scale_new)`).
-                let m_new = m_all.max(m);
-                let (scale_old, scale_new) = ((m_all - m_new).exp(), (m - m_new).exp());
-                for (y, &a) in o.iter_mut().zip(acc.iter()) {
-                    *y = y.mul_add(scale_old, a * scale_new);
-                }
-                s_all = s_all.mul_add(scale_old, s * scale_new);
-                m_all = m_new;
+            let one = VectorQuery {
+                q: &q[(i * p.n_head + h) * dk..][..dk],
+                k: &k[(h / group) * dk..],
+                v: &v[(h / group) * dv..],
+                k_row,
+                v_row,
+                first: p.first_visible(positions[i]),
+                last: positions[i] as usize,
+                chunk,
+                split: kv_chunk.is_some(),
+            };
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time).
+                return unsafe { vector_query_fma(&one, p, qh16, acc, o) };
             }
-            if s_all != 0.0 {
-                let inv = 1.0 / s_all;
-                o.iter_mut().for_each(|y| *y *= inv);
-            }
+            vector_query(&one, p, qh16, acc, o);
         },
     );
+}
+
+/// One query and head of [`attention_ggml_f16`]: its query, its key/value head's columns (`k[j·k_row..]`
+/// is position `j`'s key), the positions it sees and the chunking.
+struct VectorQuery<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    k_row: usize,
+    v_row: usize,
+    first: usize,
+    last: usize,
+    chunk: usize,
+    split: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn vector_query_fma(
+    one: &VectorQuery<'_>,
+    p: &AttnParams,
+    qh16: &mut Vec<f32>,
+    acc: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    vector_query(one, p, qh16, acc, o)
+}
+
+/// The output of one query and head of [`attention_ggml_f16`] into `o`.
+#[inline(always)]
+fn vector_query(
+    one: &VectorQuery<'_>,
+    p: &AttnParams,
+    qh16: &mut Vec<f32>,
+    acc: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    qh16.clear();
+    qh16.extend(one.q.iter().map(|&x| round_f16(x)));
+    acc.resize(dv, 0.0);
+    let (mut m_all, mut s_all) = (f32::NEG_INFINITY, 0f32);
+    o.fill(0.0);
+    let mut start = 0;
+    while start <= one.last {
+        let end = (start + one.chunk).min(one.last + 1);
+        let lo = start.max(one.first);
+        start += one.chunk;
+        if lo >= end {
+            continue;
+        }
+        // One chunk: the online softmax with the f16 accumulator.
+        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+        acc.fill(0.0);
+        for j in lo..end {
+            let d = dot_f16_ggml(qh16, &one.k[j * one.k_row..][..dk]);
+            let x = match p.softcap {
+                // ggml folds 1/cap into the scale.
+                Some(cap) => cap * (d * (p.scale / cap)).tanh(),
+                None => d * p.scale,
+            };
+            let vj = &one.v[j * one.v_row..][..dv];
+            let (ms, vs);
+            if x > m {
+                ms = (m - x).exp();
+                m = x;
+                vs = 1.0;
+                acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
+            } else {
+                ms = 1.0;
+                vs = (x - m).exp();
+            }
+            for (a, &vv) in acc.iter_mut().zip(vj) {
+                *a = round_f16(vv.mul_add(vs, *a));
+            }
+            // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
+            s = s.mul_add(ms, vs);
+        }
+        if !one.split {
+            let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+            o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
+            return;
+        }
+        if s == 0.0 {
+            continue;
+        }
+        // Merge the chunk into the result so far, as ggml reduces the partials (GCC fuses
+        // `old·scale_old + new·scale_new` into `fma(old, scale_old, new·scale_new)`).
+        let m_new = m_all.max(m);
+        let (scale_old, scale_new) = ((m_all - m_new).exp(), (m - m_new).exp());
+        for (y, &a) in o.iter_mut().zip(acc.iter()) {
+            *y = y.mul_add(scale_old, a * scale_new);
+        }
+        s_all = s_all.mul_add(scale_old, s * scale_new);
+        m_all = m_new;
+    }
+    if s_all != 0.0 {
+        let inv = 1.0 / s_all;
+        o.iter_mut().for_each(|y| *y *= inv);
+    }
 }
 
 /// Keys per tile of llama.cpp's tiled CPU flash attention (`GGML_FA_TILE_KV`).
