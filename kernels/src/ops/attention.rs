@@ -178,7 +178,7 @@ pub fn attention_ggml_f16(
                 // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time).
                 return unsafe { vector_query_fma(&one, p, qh16, acc, o) };
             }
-            vector_query(&one, p, qh16, acc, o);
+            vector_query::<PortableF16>(&one, p, qh16, acc, o);
         },
     );
 }
@@ -206,12 +206,80 @@ unsafe fn vector_query_fma(
     acc: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    vector_query(one, p, qh16, acc, o)
+    vector_query::<x86_f16::F16c>(one, p, qh16, acc, o)
+}
+
+/// The f16-rounded vector steps of the vector path.
+trait F16Steps {
+    /// `acc[i] = f16(acc[i] · s)`.
+    fn scale(acc: &mut [f32], s: f32);
+    /// `acc[i] = f16(fma(v[i], s, acc[i]))`.
+    fn mad(acc: &mut [f32], v: &[f32], s: f32);
+}
+
+/// [`F16Steps`] one value at a time.
+struct PortableF16;
+
+impl F16Steps for PortableF16 {
+    #[inline(always)]
+    fn scale(acc: &mut [f32], s: f32) {
+        acc.iter_mut().for_each(|a| *a = round_f16(*a * s));
+    }
+    #[inline(always)]
+    fn mad(acc: &mut [f32], v: &[f32], s: f32) {
+        for (a, &x) in acc.iter_mut().zip(v) {
+            *a = round_f16(x.mul_add(s, *a));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_f16 {
+    use super::{F16Steps, PortableF16};
+    use core::arch::x86_64::*;
+
+    /// [`F16Steps`] eight values at a time with F16C conversions (round to nearest even, as ggml's
+    /// `_mm256_cvtps_ph(x, 0)`). Only for code compiled with AVX2, FMA and F16C (`vector_query_fma`).
+    pub(super) struct F16c;
+
+    impl F16Steps for F16c {
+        #[inline(always)]
+        fn scale(acc: &mut [f32], s: f32) {
+            let n8 = acc.len() / 8 * 8;
+            for c in acc[..n8].chunks_exact_mut(8) {
+                // SAFETY: only monomorphized into `vector_query_fma`, which runs on CPUs with AVX2,
+                // FMA and F16C; `c` holds eight values.
+                unsafe {
+                    let r = _mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), _mm256_set1_ps(s));
+                    let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<0>(r));
+                    _mm256_storeu_ps(c.as_mut_ptr(), r);
+                }
+            }
+            PortableF16::scale(&mut acc[n8..], s);
+        }
+        #[inline(always)]
+        fn mad(acc: &mut [f32], v: &[f32], s: f32) {
+            let n8 = acc.len() / 8 * 8;
+            for (c, x) in acc[..n8].chunks_exact_mut(8).zip(v.chunks_exact(8)) {
+                // SAFETY: as in `scale`; `c` and `x` hold eight values each.
+                unsafe {
+                    let r = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(x.as_ptr()),
+                        _mm256_set1_ps(s),
+                        _mm256_loadu_ps(c.as_ptr()),
+                    );
+                    let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<0>(r));
+                    _mm256_storeu_ps(c.as_mut_ptr(), r);
+                }
+            }
+            PortableF16::mad(&mut acc[n8..], &v[n8..], s);
+        }
+    }
 }
 
 /// The output of one query and head of [`attention_ggml_f16`] into `o`.
 #[inline(always)]
-fn vector_query(
+fn vector_query<F: F16Steps>(
     one: &VectorQuery<'_>,
     p: &AttnParams,
     qh16: &mut Vec<f32>,
@@ -248,14 +316,12 @@ fn vector_query(
                 ms = (m - x).exp();
                 m = x;
                 vs = 1.0;
-                acc.iter_mut().for_each(|a| *a = round_f16(*a * ms));
+                F::scale(acc, ms);
             } else {
                 ms = 1.0;
                 vs = (x - m).exp();
             }
-            for (a, &vv) in acc.iter_mut().zip(vj) {
-                *a = round_f16(vv.mul_add(vs, *a));
-            }
+            F::mad(acc, vj, vs);
             // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
             s = s.mul_add(ms, vs);
         }
