@@ -16,7 +16,9 @@ pub fn resolve_home(flag: Option<&Path>) -> PathBuf {
     if let Some(dir) = std::env::var_os("POLYSTRATA_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".polystrata")
 }
 
@@ -230,7 +232,8 @@ mod tests {
     use super::*;
 
     fn temp_home(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("polystrata-home-{tag}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("polystrata-home-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         dir

@@ -5,23 +5,199 @@
 //! kernels or the engine's internals: the engine is a separate process so that switching models returns
 //! every byte of VRAM, pinned memory and mapping to the OS.
 //!
-//! The server is the subject of its own issue; until then this binary only says so, and exits non-zero so
-//! that no script mistakes it for a running server.
+//! Commands: `polystrata serve` (the server alone), `polystrata --list-models` (the registry). The terminal
+//! chat (`polystrata --model NAME`) is a client of the HTTP API and lives in its own module when built.
 
-use clap::Parser;
+mod engine;
+mod generate;
+mod home;
+mod http;
+mod model_text;
+mod registry;
+
+use clap::{Parser, Subcommand};
+use engine::supervisor::{Limits, Supervisor};
+use registry::Registry;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
     name = "polystrata",
     version,
-    about = "PolyStrata server (not yet built: see README)"
+    about = "PolyStrata: an LLM server over poly-engine"
 )]
-struct Args {}
+struct Args {
+    /// The installation home (run configs `strata-<name>.json`, `models.json`); else POLYSTRATA_HOME,
+    /// else ~/.polystrata.
+    #[arg(long, global = true)]
+    home: Option<PathBuf>,
+    /// Print the installed models with their registry fields and exit.
+    #[arg(long)]
+    list_models: bool,
+    /// Chat in the terminal with this model (not built yet).
+    #[arg(long)]
+    model: Option<String>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
 
-fn main() -> std::process::ExitCode {
-    let _ = Args::parse();
-    eprintln!(
-        "polystrata: the server is not built yet; use `poly-engine` directly (see README.md)"
-    );
-    std::process::ExitCode::from(2)
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP server.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every API request.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Load this model at start (else the first request or /api/models/load chooses).
+    #[arg(long)]
+    load: Option<String>,
+    /// Requests that may wait behind the running one; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Seconds a switch waits for the running request before it is refused.
+    #[arg(long, default_value_t = 120)]
+    switch_wait: u64,
+    /// Seconds an engine may take to load before READY.
+    #[arg(long, default_value_t = 600)]
+    ready_timeout: u64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let home = home::resolve_home(args.home.as_deref());
+    let registry = Arc::new(Registry::new(home));
+    if args.list_models {
+        return list_models(&registry);
+    }
+    if let Some(name) = args.model {
+        eprintln!(
+            "polystrata: the terminal chat is not built yet; run `polystrata serve --load {name}` and use the HTTP API"
+        );
+        return ExitCode::from(2);
+    }
+    match args.command {
+        Some(Command::Serve(serve)) => run_server(registry, serve),
+        None => {
+            eprintln!("polystrata: say `serve` or `--list-models` (see --help)");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn list_models(registry: &Registry) -> ExitCode {
+    let entries = registry.scan();
+    if entries.is_empty() {
+        println!("no models installed in {}", registry.home().display());
+        return ExitCode::SUCCESS;
+    }
+    for e in entries {
+        let status = serde_json::to_value(e.status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        println!("{}  [{status}]  {}", e.id, e.display_name);
+        let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+        println!(
+            "    backend {}  quantization {}  params {} (active {})  context {}",
+            opt(&e.backend),
+            opt(&e.quantization),
+            opt(&e.params_total),
+            opt(&e.params_active),
+            e.context
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "-".into())
+        );
+        println!(
+            "    vram_gb least {} all {}  ram_gb {}  multimodal {}  mtp {}",
+            e.vram_gb
+                .map(|v| v.least.to_string())
+                .unwrap_or_else(|| "-".into()),
+            e.vram_gb
+                .map(|v| v.all.to_string())
+                .unwrap_or_else(|| "-".into()),
+            e.ram_gb
+                .map(|v| v.to_string())
+                .unwrap_or_else(|| "-".into()),
+            e.multimodal,
+            e.mtp
+        );
+        if let Some(p) = &e.path {
+            println!("    path {}", p.display());
+        }
+        if let Some(p) = &e.problem {
+            println!("    problem: {p}");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("polystrata: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async move {
+        let limits = Limits {
+            queue: args.queue,
+            switch_wait: std::time::Duration::from_secs(args.switch_wait),
+            ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
+            ..Limits::default()
+        };
+        let supervisor = Arc::new(Supervisor::new(registry, limits));
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = match tokio::net::TcpListener::bind(&addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("polystrata: cannot listen on {addr}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let bound = listener.local_addr().map(|a| a.to_string()).unwrap_or(addr);
+        // The one line on stdout: scripts and tests read the address from it (port 0 picks a free one).
+        println!("polystrata listening on http://{bound}");
+        if let Some(name) = &args.load {
+            if let Err(e) = supervisor.switch(name).await {
+                eprintln!("polystrata: could not load {name}: {}", e.message());
+            }
+        }
+        let state = Arc::new(http::AppState {
+            supervisor: supervisor.clone(),
+            api_key: args.api_key.clone(),
+        });
+        http::serve(listener, state, shutdown_signal()).await;
+        eprintln!("polystrata: shutting down");
+        supervisor.shutdown().await;
+        ExitCode::SUCCESS
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }

@@ -140,7 +140,8 @@ impl Registry {
     }
 
     fn summary(&self, path: &Path) -> Result<ModelSummary, String> {
-        let meta = std::fs::metadata(path).map_err(|e| format!("model file {}: {e}", path.display()))?;
+        let meta =
+            std::fs::metadata(path).map_err(|e| format!("model file {}: {e}", path.display()))?;
         let stamp = FileStamp {
             len: meta.len(),
             modified: meta.modified().ok(),
@@ -164,7 +165,10 @@ impl Registry {
         let path = config.model_path();
         let mut problems: Vec<String> = Vec::new();
         if !is_executable(&config.exe) {
-            problems.push(format!("engine {} not found or not executable", config.exe.display()));
+            problems.push(format!(
+                "engine {} not found or not executable",
+                config.exe.display()
+            ));
         }
         match &config.tokenizer {
             None => problems.push(
@@ -213,8 +217,12 @@ impl Registry {
             .as_ref()
             .map(|s| params_of(s.size_label.as_deref(), s.n_elements))
             .unwrap_or((None, None));
-        let multimodal = config.args.iter().any(|a| a == "--mmproj") || config.raw.contains_key("mmproj");
-        let context = match (config.max_context(), summary.as_ref().and_then(|s| s.context_length)) {
+        let multimodal =
+            config.args.iter().any(|a| a == "--mmproj") || config.raw.contains_key("mmproj");
+        let context = match (
+            config.max_context(),
+            summary.as_ref().and_then(|s| s.context_length),
+        ) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -269,12 +277,19 @@ pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEnt
             if entries.is_empty() {
                 "none".to_string()
             } else {
-                entries.iter().map(|e| e.id.as_str()).collect::<Vec<_>>().join(", ")
+                entries
+                    .iter()
+                    .map(|e| e.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             }
         )),
         many => Err(format!(
             "model {name:?} is ambiguous: {}",
-            many.iter().map(|e| e.id.as_str()).collect::<Vec<_>>().join(", ")
+            many.iter()
+                .map(|e| e.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         )),
     }
 }
@@ -300,7 +315,11 @@ pub fn quantization_from_name(file_name: &str) -> Option<String> {
     for (i, part) in parts.iter().enumerate() {
         if is_quant_label(part) {
             let ud = i > 0 && parts[i - 1] == "UD";
-            return Some(if ud { format!("UD-{part}") } else { part.to_string() });
+            return Some(if ud {
+                format!("UD-{part}")
+            } else {
+                part.to_string()
+            });
         }
     }
     None
@@ -414,13 +433,18 @@ mod tests {
     #[test]
     fn find_by_id_alias_and_unique_part() {
         let entries = vec![entry("qwen3-tiny"), entry("qwen35-tiny"), entry("gemma")];
-        assert_eq!(find_in(&entries, "gemma").map(|e| e.id.as_str()), Ok("gemma"));
+        assert_eq!(
+            find_in(&entries, "gemma").map(|e| e.id.as_str()),
+            Ok("gemma")
+        );
         assert_eq!(find_in(&entries, "gem").map(|e| e.id.as_str()), Ok("gemma"));
         assert_eq!(
             find_in(&entries, "qwen3-tiny-alias").map(|e| e.id.as_str()),
             Ok("qwen3-tiny")
         );
         assert!(find_in(&entries, "qwen").unwrap_err().contains("ambiguous"));
-        assert!(find_in(&entries, "llama").unwrap_err().contains("not found"));
+        assert!(find_in(&entries, "llama")
+            .unwrap_err()
+            .contains("not found"));
     }
 }

@@ -1,0 +1,434 @@
+//! One `poly-engine` child: started in its own process group, spoken to over the protocol crate, stopped
+//! with QUIT, then SIGTERM, then SIGKILL.
+//!
+//! Three threads serve a child: a writer (protocol lines to stdin, so a full pipe never blocks a caller),
+//! a reader (stdout lines, routed to the request they belong to by id) and a log forwarder (stderr, kept as
+//! a short tail for error messages). When stdout ends the engine is dead: every request in flight gets an
+//! error at once and the process is marked dead, so the next request starts a new one.
+
+use poly_protocol::{read_line_bounded, FromEngine, LineRead, Ready, ToEngine, MAX_LINE_BYTES};
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// What a request receives from its engine.
+#[derive(Debug)]
+pub enum EngineEvent {
+    Tokens(poly_protocol::Tokens),
+    Done(poly_protocol::Done),
+    /// The engine refused the request (`ERR` with its id).
+    Refused(poly_protocol::ErrorReply),
+    /// The engine died while the request was in flight.
+    Died(String),
+}
+
+/// How to start an engine.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub exe: PathBuf,
+    pub args: Vec<String>,
+    pub cwd: PathBuf,
+    /// A name for logs (the model id).
+    pub label: String,
+}
+
+/// How long stopping waits after QUIT and after SIGTERM before the next, harder step.
+#[derive(Clone, Copy, Debug)]
+pub struct StopTimeouts {
+    pub after_quit: Duration,
+    pub after_term: Duration,
+}
+
+impl Default for StopTimeouts {
+    fn default() -> Self {
+        StopTimeouts {
+            after_quit: Duration::from_secs(10),
+            after_term: Duration::from_secs(5),
+        }
+    }
+}
+
+type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<EngineEvent>>>>;
+
+/// A running engine child.
+pub struct EngineProcess {
+    pid: i32,
+    label: String,
+    ready: Ready,
+    writer: std::sync::mpsc::Sender<String>,
+    routes: Routes,
+    stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>>,
+    dead: Arc<AtomicBool>,
+    /// `Some(description)` once the process has exited.
+    exited: watch::Receiver<Option<String>>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+const STDERR_TAIL_LINES: usize = 20;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl EngineProcess {
+    /// Starts the engine and waits for its READY (at most `ready_timeout`). A child that exits, sends an
+    /// ERR or says nothing in time is stopped and the reason returned, with the tail of its log.
+    pub async fn start(launch: &Launch, ready_timeout: Duration) -> Result<EngineProcess, String> {
+        let mut child = Command::new(&launch.exe)
+            .args(&launch.args)
+            .current_dir(&launch.cwd)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group: a signal to the group reaches any helper the engine starts, and a
+            // Ctrl-C at the server's terminal does not kill the engine behind the server's back.
+            .process_group(0)
+            .spawn()
+            .map_err(|e| format!("cannot start engine {}: {e}", launch.exe.display()))?;
+        let pid = child.id() as i32;
+        let (stdin, stdout, stderr) =
+            match (child.stdin.take(), child.stdout.take(), child.stderr.take()) {
+                (Some(i), Some(o), Some(e)) => (i, o, e),
+                _ => return Err("engine pipes missing".into()),
+            };
+
+        let stderr_tail: Arc<Mutex<VecDeque<String>>> = Arc::default();
+        {
+            let tail = stderr_tail.clone();
+            let label = launch.label.clone();
+            std::thread::spawn(move || forward_stderr(stderr, &label, &tail));
+        }
+
+        let (exit_tx, exited) = watch::channel(None);
+        std::thread::spawn(move || {
+            let description = match child.wait() {
+                Ok(status) => status.to_string(),
+                Err(e) => format!("wait failed: {e}"),
+            };
+            let _ = exit_tx.send(Some(description));
+        });
+
+        let (writer, lines) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || write_lines(stdin, lines));
+
+        let routes: Routes = Arc::default();
+        let stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>> =
+            Arc::default();
+        let dead = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = oneshot::channel::<Result<Ready, String>>();
+        {
+            let reader = Reader {
+                routes: routes.clone(),
+                stats_waiters: stats_waiters.clone(),
+                dead: dead.clone(),
+                label: launch.label.clone(),
+            };
+            std::thread::spawn(move || reader.run(stdout, ready_tx));
+        }
+
+        let mut process = EngineProcess {
+            pid,
+            label: launch.label.clone(),
+            ready: Ready {
+                protocol: 0,
+                model: String::new(),
+                arch: String::new(),
+                n_vocab: 0,
+                n_ctx: 0,
+                bos: None,
+                eos: Vec::new(),
+                device: String::new(),
+                experts_total: 0,
+                experts_vram: 0,
+            },
+            writer,
+            routes,
+            stats_waiters,
+            dead,
+            exited,
+            stderr_tail,
+        };
+        let outcome = match tokio::time::timeout(ready_timeout, ready_rx).await {
+            Ok(Ok(Ok(ready))) if ready.protocol == poly_protocol::PROTOCOL_VERSION => Ok(ready),
+            Ok(Ok(Ok(ready))) => Err(format!(
+                "engine speaks protocol {}, this server {}",
+                ready.protocol,
+                poly_protocol::PROTOCOL_VERSION
+            )),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_)) => Err("engine reader ended before READY".into()),
+            Err(_) => Err(format!("no READY within {} s", ready_timeout.as_secs())),
+        };
+        match outcome {
+            Ok(ready) => {
+                process.ready = ready;
+                Ok(process)
+            }
+            Err(e) => {
+                process.stop(StopTimeouts::default()).await;
+                let tail = process.stderr_tail();
+                Err(if tail.is_empty() {
+                    e
+                } else {
+                    format!("{e}; engine log: {tail}")
+                })
+            }
+        }
+    }
+
+    pub fn ready(&self) -> &Ready {
+        &self.ready
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The flag the reader sets when the engine's stdout ends.
+    pub fn dead_flag(&self) -> Arc<AtomicBool> {
+        self.dead.clone()
+    }
+
+    /// Whether the engine has died (its stdout ended).
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+
+    /// The last lines of the engine's log, joined, for error messages.
+    pub fn stderr_tail(&self) -> String {
+        lock(&self.stderr_tail)
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(" | ")
+    }
+
+    /// Sends a request and returns the channel its tokens, DONE or error arrive on.
+    pub fn generate(
+        &self,
+        gen: poly_protocol::Gen,
+    ) -> Result<mpsc::UnboundedReceiver<EngineEvent>, String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = gen.id.clone();
+        {
+            let mut routes = lock(&self.routes);
+            // Checked under the routes lock: the reader marks the engine dead and drains the routes
+            // under the same lock, so a request is either drained or refused here, never lost.
+            if self.is_dead() {
+                return Err(self.death_message());
+            }
+            routes.insert(id.clone(), tx);
+        }
+        if self.writer.send(ToEngine::Gen(gen).to_line()).is_err() {
+            lock(&self.routes).remove(&id);
+            return Err(self.death_message());
+        }
+        Ok(rx)
+    }
+
+    /// Asks the engine to stop a request; its DONE (reason `cancel`) still arrives on its channel.
+    pub fn cancel(&self, id: &str) {
+        let _ = self
+            .writer
+            .send(ToEngine::Cancel(poly_protocol::Cancel { id: id.to_string() }).to_line());
+    }
+
+    /// Asks the engine for its STATS (at most `timeout`).
+    pub async fn stats(&self, timeout: Duration) -> Option<poly_protocol::Stats> {
+        let (tx, rx) = oneshot::channel();
+        lock(&self.stats_waiters).push_back(tx);
+        self.writer.send(ToEngine::Stats.to_line()).ok()?;
+        tokio::time::timeout(timeout, rx).await.ok()?.ok()
+    }
+
+    fn death_message(&self) -> String {
+        let status = self.exited.borrow().clone();
+        let tail = self.stderr_tail();
+        format!(
+            "the engine of {} died{}{}",
+            self.label,
+            status.map(|s| format!(" ({s})")).unwrap_or_default(),
+            if tail.is_empty() {
+                String::new()
+            } else {
+                format!("; engine log: {tail}")
+            }
+        )
+    }
+
+    /// A description of the engine's end, waiting for it at most `timeout`.
+    async fn wait_exit(&mut self, timeout: Duration) -> Option<String> {
+        let waited = tokio::time::timeout(timeout, self.exited.wait_for(Option::is_some)).await;
+        match waited {
+            Ok(Ok(status)) => status.clone(),
+            _ => None,
+        }
+    }
+
+    /// Stops the engine: QUIT, then SIGTERM to its process group, then SIGKILL, each after its timeout.
+    /// Returns how it ended.
+    pub async fn stop(&mut self, timeouts: StopTimeouts) -> String {
+        if let Some(s) = self.exited.borrow().clone() {
+            return s;
+        }
+        let _ = self.writer.send(ToEngine::Quit.to_line());
+        if let Some(s) = self.wait_exit(timeouts.after_quit).await {
+            return s;
+        }
+        eprintln!("polystrata: engine {} did not quit; SIGTERM", self.label);
+        self.signal_group(nix::sys::signal::Signal::SIGTERM);
+        if let Some(s) = self.wait_exit(timeouts.after_term).await {
+            return format!("{s} after SIGTERM");
+        }
+        eprintln!("polystrata: engine {} ignored SIGTERM; SIGKILL", self.label);
+        self.signal_group(nix::sys::signal::Signal::SIGKILL);
+        match self.wait_exit(Duration::from_secs(30)).await {
+            Some(s) => format!("{s} after SIGKILL"),
+            None => "did not end after SIGKILL".into(),
+        }
+    }
+
+    fn signal_group(&self, signal: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(self.pid), signal);
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        // A process never outlives its handle: whoever drops an engine without stopping it (a server
+        // shutting down on an error) still takes the whole group down.
+        if self.exited.borrow().is_none() {
+            self.signal_group(nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+}
+
+fn write_lines(mut stdin: std::process::ChildStdin, lines: std::sync::mpsc::Receiver<String>) {
+    for line in lines {
+        if stdin
+            .write_all(line.as_bytes())
+            .and_then(|_| stdin.write_all(b"\n"))
+            .and_then(|_| stdin.flush())
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn forward_stderr(stderr: std::process::ChildStderr, label: &str, tail: &Mutex<VecDeque<String>>) {
+    let reader = BufReader::new(stderr);
+    for line in reader.split(b'\n') {
+        let Ok(line) = line else { return };
+        let line = String::from_utf8_lossy(&line).trim_end().to_string();
+        eprintln!("[engine {label}] {line}");
+        let mut tail = lock(tail);
+        if tail.len() == STDERR_TAIL_LINES {
+            tail.pop_front();
+        }
+        tail.push_back(line);
+    }
+}
+
+struct Reader {
+    routes: Routes,
+    stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>>,
+    dead: Arc<AtomicBool>,
+    label: String,
+}
+
+impl Reader {
+    fn run(
+        self,
+        stdout: std::process::ChildStdout,
+        ready_tx: oneshot::Sender<Result<Ready, String>>,
+    ) {
+        let mut ready_tx = Some(ready_tx);
+        let mut reader = BufReader::new(stdout);
+        let mut buf = Vec::new();
+        loop {
+            match read_line_bounded(&mut reader, &mut buf, MAX_LINE_BYTES) {
+                Ok(LineRead::Line) => {}
+                Ok(LineRead::TooLong) => {
+                    eprintln!(
+                        "polystrata: engine {}: an overlong line skipped",
+                        self.label
+                    );
+                    continue;
+                }
+                Ok(LineRead::Eof) | Err(_) => break,
+            }
+            let text = String::from_utf8_lossy(&buf);
+            if text.trim().is_empty() {
+                continue;
+            }
+            let message = match FromEngine::parse(&text) {
+                Ok(m) => m,
+                Err(e) => {
+                    eprintln!(
+                        "polystrata: engine {}: unreadable line: {}",
+                        self.label, e.message
+                    );
+                    continue;
+                }
+            };
+            match message {
+                FromEngine::Ready(ready) => {
+                    if let Some(tx) = ready_tx.take() {
+                        let _ = tx.send(Ok(ready));
+                    }
+                }
+                FromEngine::Err(err) if err.id.is_none() => {
+                    if let Some(tx) = ready_tx.take() {
+                        let _ = tx.send(Err(format!("engine error: {}", err.message)));
+                    } else {
+                        eprintln!("polystrata: engine {}: {}", self.label, err.message);
+                    }
+                }
+                FromEngine::Stats(stats) => {
+                    if let Some(tx) = lock(&self.stats_waiters).pop_front() {
+                        let _ = tx.send(stats);
+                    }
+                }
+                FromEngine::Tokens(t) => self.route(&t.id.clone(), EngineEvent::Tokens(t), false),
+                FromEngine::Done(d) => self.route(&d.id.clone(), EngineEvent::Done(d), true),
+                FromEngine::Err(e) => {
+                    let id = e.id.clone().unwrap_or_default();
+                    self.route(&id, EngineEvent::Refused(e), true)
+                }
+            }
+        }
+        // stdout ended: the engine is gone (or going). Everyone waiting hears it now.
+        let mut routes = lock(&self.routes);
+        self.dead.store(true, Ordering::SeqCst);
+        for (_, tx) in routes.drain() {
+            let _ = tx.send(EngineEvent::Died(format!(
+                "the engine of {} ended",
+                self.label
+            )));
+        }
+        drop(routes);
+        if let Some(tx) = ready_tx.take() {
+            let _ = tx.send(Err("the engine exited before READY".into()));
+        }
+        lock(&self.stats_waiters).clear();
+    }
+
+    fn route(&self, id: &str, event: EngineEvent, last: bool) {
+        let mut routes = lock(&self.routes);
+        let tx = if last {
+            routes.remove(id)
+        } else {
+            routes.get(id).cloned()
+        };
+        if let Some(tx) = tx {
+            let _ = tx.send(event);
+        }
+    }
+}

@@ -1,0 +1,481 @@
+//! The supervisor: which model is in use, its engine child and its text side; requests run one at a time
+//! in arrival order (a bounded queue, beyond it `Busy`); the one switch path every way of changing the
+//! model goes through.
+//!
+//! A switch finds the model and checks it, waits for the running request (at most
+//! [`Limits::switch_wait`]), stops the old engine before starting the new one (two models are never in
+//! memory together), waits for READY, and on failure starts the earlier model again. An engine that died
+//! is started again by the next request.
+
+use super::memory;
+use super::process::{EngineProcess, Launch, StopTimeouts};
+use crate::model_text::ModelText;
+use crate::registry::{find_in, ModelEntry, Registry, Status};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::OwnedMutexGuard;
+
+/// Why a request or a switch cannot be served. The HTTP layer maps each kind to each API's error shape.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ServeError {
+    /// The queue is full; try again later.
+    Busy(String),
+    /// No such model.
+    ModelNotFound(String),
+    /// The model exists but cannot run (or no model is chosen).
+    ModelUnavailable(String),
+    /// A switch waited too long for the running request.
+    SwitchTimeout(String),
+    /// The request itself is wrong.
+    BadRequest(String),
+    /// The engine failed or died.
+    Engine(String),
+}
+
+impl ServeError {
+    pub fn message(&self) -> &str {
+        match self {
+            ServeError::Busy(m)
+            | ServeError::ModelNotFound(m)
+            | ServeError::ModelUnavailable(m)
+            | ServeError::SwitchTimeout(m)
+            | ServeError::BadRequest(m)
+            | ServeError::Engine(m) => m,
+        }
+    }
+}
+
+/// The supervisor's limits.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Requests waiting for the engine beyond the one running; more get `Busy`.
+    pub queue: usize,
+    /// How long a switch waits for the running request.
+    pub switch_wait: Duration,
+    /// How long an engine may take to load before READY.
+    pub ready_timeout: Duration,
+    pub stop: StopTimeouts,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            queue: 64,
+            switch_wait: Duration::from_secs(120),
+            ready_timeout: Duration::from_secs(600),
+            stop: StopTimeouts::default(),
+        }
+    }
+}
+
+/// The model in use, its engine (absent when unloaded or not yet started) and its text side.
+#[derive(Default)]
+struct Slot {
+    model: Option<ModelEntry>,
+    engine: Option<EngineProcess>,
+    text: Option<Arc<ModelText>>,
+}
+
+/// What can be read without waiting for the running request.
+#[derive(Clone, Debug, Default)]
+struct View {
+    current: Option<String>,
+    /// The current engine's pid and its dead flag.
+    engine: Option<(i32, Arc<std::sync::atomic::AtomicBool>)>,
+    ready: Option<poly_protocol::Ready>,
+}
+
+/// What `/api/models/current` shows.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CurrentModel {
+    pub model: Option<String>,
+    pub loaded: bool,
+    pub pid: Option<i32>,
+    pub ready: Option<serde_json::Value>,
+}
+
+pub struct Supervisor {
+    registry: Arc<Registry>,
+    slot: Arc<tokio::sync::Mutex<Slot>>,
+    waiting: Arc<AtomicUsize>,
+    view: Mutex<View>,
+    limits: Limits,
+    next_id: AtomicU64,
+    memory_debug_env: bool,
+}
+
+/// The right to use the engine: held for a whole request, released on drop (the next in line goes).
+pub struct Lease {
+    guard: OwnedMutexGuard<Slot>,
+    _queued: QueueTicket,
+}
+
+impl Lease {
+    pub fn engine(&self) -> &EngineProcess {
+        // A lease is only handed out with a running engine (`Supervisor::lease` checks it).
+        self.guard
+            .engine
+            .as_ref()
+            .expect("a lease always holds a started engine")
+    }
+
+    pub fn text(&self) -> Arc<ModelText> {
+        self.guard
+            .text
+            .clone()
+            .expect("a lease always holds the model's text side")
+    }
+
+    pub fn model(&self) -> &ModelEntry {
+        self.guard
+            .model
+            .as_ref()
+            .expect("a lease always holds a model")
+    }
+}
+
+/// Counts a request from arrival to release.
+struct QueueTicket(Arc<AtomicUsize>);
+
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Supervisor {
+    pub fn new(registry: Arc<Registry>, limits: Limits) -> Supervisor {
+        Supervisor {
+            registry,
+            slot: Arc::default(),
+            waiting: Arc::default(),
+            view: Mutex::default(),
+            limits,
+            next_id: AtomicU64::new(1),
+            memory_debug_env: std::env::var("STRATA_MEMORY_DEBUG").is_ok_and(|v| v == "1"),
+        }
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// A fresh request id for the engine.
+    pub fn next_request_id(&self) -> String {
+        format!("r{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Every model, the one in use marked `loaded` (engine up) or `unloaded`.
+    pub fn models(&self) -> Vec<ModelEntry> {
+        let view = lock(&self.view).clone();
+        let mut entries = self.registry.scan();
+        for e in &mut entries {
+            if view.current.as_deref() == Some(e.id.as_str()) {
+                e.status = if view_engine_alive(&view) {
+                    Status::Loaded
+                } else {
+                    Status::Unloaded
+                };
+            }
+        }
+        entries
+    }
+
+    /// The model in use.
+    pub fn current(&self) -> CurrentModel {
+        let view = lock(&self.view).clone();
+        let loaded = view_engine_alive(&view);
+        CurrentModel {
+            model: view.current.clone(),
+            loaded,
+            pid: view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid),
+            ready: view
+                .ready
+                .as_ref()
+                .filter(|_| loaded)
+                .and_then(|r| serde_json::to_value(r).ok()),
+        }
+    }
+
+    /// The id of the model in use, if any (for requests that name none).
+    pub fn current_id(&self) -> Option<String> {
+        lock(&self.view).current.clone()
+    }
+
+    fn enter_queue(&self) -> Result<QueueTicket, ServeError> {
+        let before = self.waiting.fetch_add(1, Ordering::SeqCst);
+        let ticket = QueueTicket(self.waiting.clone());
+        // One request runs and `queue` wait.
+        if before > self.limits.queue {
+            return Err(ServeError::Busy(format!(
+                "{} requests are waiting; try again shortly",
+                before
+            )));
+        }
+        Ok(ticket)
+    }
+
+    /// Waits for the engine (in arrival order) and returns it ready for one request, for `model` when
+    /// given (switching to it if another is in use), else for the model in use (or the only installed
+    /// one). An engine that died is started again here.
+    pub async fn lease(&self, model: Option<&str>) -> Result<Lease, ServeError> {
+        let ticket = self.enter_queue()?;
+        let wanted = match model.filter(|m| !m.is_empty()) {
+            Some(name) => Some(self.resolve(name)?),
+            None => None,
+        };
+        let mut guard = self.slot.clone().lock_owned().await;
+        let target = match wanted {
+            Some(entry) => entry,
+            None => match &guard.model {
+                Some(m) => m.clone(),
+                None => self.default_model()?,
+            },
+        };
+        let same = guard.model.as_ref().is_some_and(|m| m.id == target.id);
+        let alive = guard.engine.as_ref().is_some_and(|e| !e.is_dead());
+        if !same {
+            self.switch_locked(&mut guard, target).await?;
+        } else if !alive {
+            self.restart_locked(&mut guard).await?;
+        }
+        Ok(Lease {
+            guard,
+            _queued: ticket,
+        })
+    }
+
+    /// The one switch path: HTTP, the terminal chat and the web page all come here.
+    pub async fn switch(&self, name: &str) -> Result<CurrentModel, ServeError> {
+        let target = self.resolve(name)?;
+        let mut guard =
+            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
+                .await
+                .map_err(|_| {
+                    ServeError::SwitchTimeout(format!(
+                        "a request has been running for over {} s; the switch to {} was refused",
+                        self.limits.switch_wait.as_secs(),
+                        target.id
+                    ))
+                })?;
+        let same = guard.model.as_ref().is_some_and(|m| m.id == target.id);
+        let alive = guard.engine.as_ref().is_some_and(|e| !e.is_dead());
+        if same && alive {
+            return Ok(self.current());
+        }
+        if same {
+            self.restart_locked(&mut guard).await?;
+        } else {
+            self.switch_locked(&mut guard, target).await?;
+        }
+        Ok(self.current())
+    }
+
+    /// Stops the engine of the model in use (the model stays chosen; the next request starts it again).
+    pub async fn unload(&self) -> Result<CurrentModel, ServeError> {
+        let mut guard =
+            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
+                .await
+                .map_err(|_| {
+                    ServeError::SwitchTimeout(format!(
+                        "a request has been running for over {} s; unload refused",
+                        self.limits.switch_wait.as_secs()
+                    ))
+                })?;
+        if let Some(mut engine) = guard.engine.take() {
+            let how = engine.stop(self.limits.stop).await;
+            eprintln!("polystrata: unloaded {} ({how})", engine_label(&guard));
+        }
+        self.publish(&guard);
+        Ok(self.current())
+    }
+
+    /// Stops the engine for good (server shutdown).
+    pub async fn shutdown(&self) {
+        let mut guard = self.slot.clone().lock_owned().await;
+        if let Some(mut engine) = guard.engine.take() {
+            engine.stop(self.limits.stop).await;
+        }
+        self.publish(&guard);
+    }
+
+    fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
+        let entries = self.registry.scan();
+        let entry = find_in(&entries, name)
+            .map_err(ServeError::ModelNotFound)?
+            .clone();
+        match &entry.problem {
+            Some(p) => Err(ServeError::ModelUnavailable(format!(
+                "model {} is unavailable: {p}",
+                entry.id
+            ))),
+            None => Ok(entry),
+        }
+    }
+
+    fn default_model(&self) -> Result<ModelEntry, ServeError> {
+        let entries = self.registry.scan();
+        let runnable: Vec<&ModelEntry> = entries.iter().filter(|e| e.is_runnable()).collect();
+        match runnable.as_slice() {
+            [one] => Ok((*one).clone()),
+            [] => Err(ServeError::ModelUnavailable(format!(
+                "no model can run (home {}){}",
+                self.registry.home().display(),
+                entries
+                    .iter()
+                    .filter_map(|e| e.problem.as_ref().map(|p| format!("; {}: {p}", e.id)))
+                    .collect::<String>()
+            ))),
+            many => Err(ServeError::ModelUnavailable(format!(
+                "no model is loaded; name one in the request or POST /api/models/load (installed: {})",
+                many.iter().map(|e| e.id.as_str()).collect::<Vec<_>>().join(", ")
+            ))),
+        }
+    }
+
+    fn memory_debug(&self, entry: Option<&ModelEntry>) -> bool {
+        self.memory_debug_env
+            || entry
+                .and_then(|e| e.config.as_ref())
+                .is_some_and(|c| c.memory_debug)
+    }
+
+    async fn switch_locked(&self, slot: &mut Slot, target: ModelEntry) -> Result<(), ServeError> {
+        let debug = self.memory_debug(Some(&target)) || self.memory_debug(slot.model.as_ref());
+        if debug {
+            eprintln!("polystrata: {}", memory::report("before the switch"));
+        }
+        // Checked before anything stops: a model whose tokenizer or template cannot be read is refused
+        // while the old one still runs.
+        let text = ModelText::load(&target)
+            .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", target.id)))?;
+        let previous = slot.model.clone();
+        if let Some(mut engine) = slot.engine.take() {
+            let how = engine.stop(self.limits.stop).await;
+            eprintln!("polystrata: stopped {} ({how})", engine_label(slot));
+        }
+        slot.text = None;
+        self.publish(slot);
+        if debug {
+            eprintln!(
+                "polystrata: {}",
+                memory::report("after the old engine ended")
+            );
+        }
+        match self.start(&target).await {
+            Ok(engine) => {
+                slot.engine = Some(engine);
+                slot.model = Some(target);
+                slot.text = Some(Arc::new(text));
+                self.publish(slot);
+                if debug {
+                    eprintln!("polystrata: {}", memory::report("with the new engine"));
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let back = match previous {
+                    Some(prev) => {
+                        let restarted = match (ModelText::load(&prev), self.start(&prev).await) {
+                            (Ok(text), Ok(engine)) => {
+                                slot.engine = Some(engine);
+                                slot.text = Some(Arc::new(text));
+                                format!("{} is loaded again", prev.id)
+                            }
+                            (Err(e2), _) | (_, Err(e2)) => {
+                                format!("{} could not be started again either ({e2}); no model is loaded", prev.id)
+                            }
+                        };
+                        slot.model = Some(prev);
+                        restarted
+                    }
+                    None => "no model is loaded".to_string(),
+                };
+                self.publish(slot);
+                Err(ServeError::Engine(format!(
+                    "switch to {} failed: {e}; {back}",
+                    target.id
+                )))
+            }
+        }
+    }
+
+    async fn restart_locked(&self, slot: &mut Slot) -> Result<(), ServeError> {
+        let Some(model) = slot.model.clone() else {
+            return Err(ServeError::ModelUnavailable("no model is loaded".into()));
+        };
+        if let Some(mut dead) = slot.engine.take() {
+            let how = dead.stop(self.limits.stop).await;
+            eprintln!(
+                "polystrata: engine of {} ended ({how}); starting it again",
+                model.id
+            );
+        }
+        if slot.text.is_none() {
+            let text = ModelText::load(&model)
+                .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", model.id)))?;
+            slot.text = Some(Arc::new(text));
+        }
+        let engine = self.start(&model).await.map_err(|e| {
+            ServeError::Engine(format!(
+                "the engine of {} could not be started: {e}",
+                model.id
+            ))
+        })?;
+        slot.engine = Some(engine);
+        self.publish(slot);
+        Ok(())
+    }
+
+    async fn start(&self, entry: &ModelEntry) -> Result<EngineProcess, String> {
+        let config = entry
+            .config
+            .as_ref()
+            .ok_or_else(|| format!("model {} has no run config", entry.id))?;
+        let launch = Launch {
+            exe: config.exe.clone(),
+            args: config.args.clone(),
+            cwd: config.cwd.clone(),
+            label: entry.id.clone(),
+        };
+        eprintln!(
+            "polystrata: starting {} ({})",
+            entry.id,
+            config.exe.display()
+        );
+        let engine = EngineProcess::start(&launch, self.limits.ready_timeout).await?;
+        eprintln!(
+            "polystrata: {} ready (pid {}, {}, n_ctx {})",
+            entry.id,
+            engine.pid(),
+            engine.ready().device,
+            engine.ready().n_ctx
+        );
+        Ok(engine)
+    }
+
+    fn publish(&self, slot: &Slot) {
+        let mut view = lock(&self.view);
+        view.current = slot.model.as_ref().map(|m| m.id.clone());
+        view.engine = slot.engine.as_ref().map(|e| (e.pid(), e.dead_flag()));
+        view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
+    }
+}
+
+fn view_engine_alive(view: &View) -> bool {
+    view.engine
+        .as_ref()
+        .is_some_and(|(_, dead)| !dead.load(Ordering::SeqCst))
+}
+
+fn engine_label(slot: &Slot) -> String {
+    slot.model
+        .as_ref()
+        .map(|m| m.id.clone())
+        .unwrap_or_else(|| "engine".into())
+}

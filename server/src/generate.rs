@@ -1,0 +1,406 @@
+//! One generation as both APIs drive it: the engine's tokens turned into text (stop strings cut the
+//! text and cancel the engine), parsed into content, reasoning and tool calls, with log-probabilities
+//! and usage; a client that goes away cancels the request and the lease is held until the engine's DONE.
+
+use crate::engine::process::EngineEvent;
+use crate::engine::supervisor::Lease;
+use crate::model_text::{Decoder, ModelText, OutputParser, Piece};
+use poly_protocol::{Gen, StopReason};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Sampling fields common to the APIs, as requests give them (absent means the model's default).
+#[derive(Clone, Debug, Default)]
+pub struct Sampling {
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<u32>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub top_logprobs: Option<u32>,
+    pub stop: Vec<String>,
+}
+
+/// How the output is read: raw text (completions) or parsed for reasoning and tool calls (chat).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    Raw,
+    Chat { tools: bool },
+}
+
+/// One generated token with its log-probability and, when asked, the likeliest alternatives.
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one step of a generation yields.
+#[derive(Debug)]
+pub enum Step {
+    Pieces {
+        pieces: Vec<Piece>,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finished(Finish),
+    Failed(String),
+}
+
+/// Why and how a generation ended.
+#[derive(Clone, Debug)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FinishReason {
+    /// An end token.
+    Stop,
+    /// A stop string (which one).
+    StopString(String),
+    Length,
+    Cancelled,
+}
+
+/// A generation in progress. Dropping it without finishing cancels the engine request (best effort).
+pub struct Generation {
+    lease: Lease,
+    id: String,
+    events: mpsc::UnboundedReceiver<EngineEvent>,
+    decoder: Decoder,
+    /// `None` for raw completions: the text goes out as content, unparsed.
+    parser: Option<OutputParser>,
+    stops: StopMatcher,
+    stopped_by: Option<String>,
+    finished: bool,
+    pending_finish: Option<Finish>,
+}
+
+impl Generation {
+    /// Sends the request to the engine.
+    pub fn start(
+        lease: Lease,
+        id: String,
+        prompt: Vec<u32>,
+        sampling: &Sampling,
+        output: Output,
+    ) -> Result<Generation, String> {
+        let text: Arc<ModelText> = lease.text();
+        let ready = lease.engine().ready().clone();
+        if prompt.is_empty() {
+            return Err("the prompt is empty".into());
+        }
+        let room = ready.n_ctx.saturating_sub(prompt.len() as u32);
+        if room == 0 {
+            return Err(format!(
+                "the prompt has {} tokens; the model's context holds {}",
+                prompt.len(),
+                ready.n_ctx
+            ));
+        }
+        let max_tokens = sampling.max_tokens.unwrap_or(room).min(room);
+        let mut stop_tokens = ready.eos.clone();
+        for t in text.stop_tokens() {
+            if !stop_tokens.contains(&t) {
+                stop_tokens.push(t);
+            }
+        }
+        let defaults = &lease
+            .model()
+            .config
+            .as_ref()
+            .map(|c| c.sampling.clone())
+            .unwrap_or_default();
+        let default_f32 = |k: &str| defaults.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+        let gen = Gen {
+            id: id.clone(),
+            tokens: prompt,
+            max_tokens: Some(max_tokens),
+            temperature: sampling.temperature.or_else(|| default_f32("temperature")),
+            top_k: sampling.top_k.or_else(|| {
+                defaults
+                    .get("top_k")
+                    .and_then(|v| v.as_u64())
+                    .map(|v| v as u32)
+            }),
+            top_p: sampling.top_p.or_else(|| default_f32("top_p")),
+            min_p: sampling.min_p.or_else(|| default_f32("min_p")),
+            repeat_penalty: sampling
+                .repeat_penalty
+                .or_else(|| default_f32("repeat_penalty")),
+            presence_penalty: sampling
+                .presence_penalty
+                .or_else(|| default_f32("presence_penalty")),
+            frequency_penalty: sampling.frequency_penalty,
+            penalty_last_n: None,
+            seed: sampling.seed,
+            stop_tokens: Some(stop_tokens),
+            top_logprobs: sampling.top_logprobs,
+            conversation: None,
+            checkpoint_at: None,
+        };
+        let events = lease.engine().generate(gen)?;
+        Ok(Generation {
+            decoder: text.decoder(),
+            parser: match output {
+                Output::Raw => None,
+                Output::Chat { tools } => Some(text.parser(tools)),
+            },
+            stops: StopMatcher::new(sampling.stop.clone()),
+            lease,
+            id,
+            events,
+            stopped_by: None,
+            finished: false,
+            pending_finish: None,
+        })
+    }
+
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The next step; `Finished` or `Failed` ends the generation.
+    pub async fn next(&mut self) -> Step {
+        if let Some(finish) = self.pending_finish.take() {
+            return Step::Finished(finish);
+        }
+        if self.finished {
+            return Step::Failed("the generation has ended".into());
+        }
+        loop {
+            let Some(event) = self.events.recv().await else {
+                self.finished = true;
+                return Step::Failed("the engine dropped the request".into());
+            };
+            match event {
+                EngineEvent::Tokens(t) => {
+                    if self.stopped_by.is_some() {
+                        continue; // cancelled after a stop string; drain until DONE
+                    }
+                    let mut logprobs = Vec::new();
+                    let mut text = String::new();
+                    for (i, &id) in t.tokens.iter().enumerate() {
+                        text.push_str(&self.decoder.push(id));
+                        logprobs.push(TokenLogprob {
+                            id,
+                            logprob: t.logprobs.get(i).copied().unwrap_or(0.0),
+                            top: t
+                                .top
+                                .as_ref()
+                                .and_then(|top| top.get(i).cloned())
+                                .unwrap_or_default(),
+                        });
+                    }
+                    let (emit, hit) = self.stops.push(&text);
+                    let mut pieces = self.parse(&emit);
+                    if let Some(stop) = hit {
+                        self.stopped_by = Some(stop);
+                        self.lease.engine().cancel(&self.id);
+                        pieces.extend(self.finish_parse());
+                    }
+                    if pieces.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
+                    return Step::Pieces { pieces, logprobs };
+                }
+                EngineEvent::Done(done) => {
+                    self.finished = true;
+                    let reason = match (&self.stopped_by, done.reason) {
+                        (Some(s), _) => FinishReason::StopString(s.clone()),
+                        (None, StopReason::Stop) => FinishReason::Stop,
+                        (None, StopReason::Length) => FinishReason::Length,
+                        (None, StopReason::Cancel) => FinishReason::Cancelled,
+                    };
+                    let mut pieces = Vec::new();
+                    if self.stopped_by.is_none() {
+                        let rest = self.stops.flush();
+                        pieces.extend(self.parse(&rest));
+                        pieces.extend(self.finish_parse());
+                    }
+                    let finish = Finish {
+                        reason,
+                        prompt_tokens: done.prompt_tokens,
+                        cached_tokens: done.cached_tokens,
+                        completion_tokens: done.generated,
+                    };
+                    if !pieces.is_empty() {
+                        // Hand the last text out first; the finish follows on the next call.
+                        self.pending_finish = Some(finish);
+                        return Step::Pieces {
+                            pieces,
+                            logprobs: Vec::new(),
+                        };
+                    }
+                    return Step::Finished(finish);
+                }
+                EngineEvent::Refused(err) => {
+                    self.finished = true;
+                    return Step::Failed(format!("{}: {}", err.code.as_str(), err.message));
+                }
+                EngineEvent::Died(msg) => {
+                    self.finished = true;
+                    return Step::Failed(msg);
+                }
+            }
+        }
+    }
+
+    fn parse(&mut self, text: &str) -> Vec<Piece> {
+        match &mut self.parser {
+            Some(p) => p.push(text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![Piece::Content(text.to_string())],
+        }
+    }
+
+    fn finish_parse(&mut self) -> Vec<Piece> {
+        self.parser
+            .as_mut()
+            .map(OutputParser::finish)
+            .unwrap_or_default()
+    }
+
+    /// Cancels the request (the client went away) and waits for the engine's DONE, at most `timeout`,
+    /// so that the next request finds the engine free.
+    pub async fn cancel(mut self, timeout: Duration) {
+        if self.finished {
+            return;
+        }
+        self.lease.engine().cancel(&self.id);
+        let drain = async {
+            while let Some(event) = self.events.recv().await {
+                if matches!(
+                    event,
+                    EngineEvent::Done(_) | EngineEvent::Refused(_) | EngineEvent::Died(_)
+                ) {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, drain).await;
+        self.finished = true;
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        // A generation abandoned midway (an error in the handler, a dropped task) still stops the engine.
+        if !self.finished {
+            self.lease.engine().cancel(&self.id);
+        }
+    }
+}
+
+/// Finds stop strings in streamed text, holding back only what could still become one.
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> StopMatcher {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+        }
+    }
+
+    /// Adds `text`; returns what may be sent now and the stop string found, if any (text from it on is
+    /// dropped).
+    pub fn push(&mut self, text: &str) -> (String, Option<String>) {
+        self.held.push_str(text);
+        if self.stops.is_empty() {
+            return (std::mem::take(&mut self.held), None);
+        }
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s.clone())))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first {
+            let out = self.held[..at].to_string();
+            self.held.clear();
+            return (out, Some(stop));
+        }
+        // Keep the longest tail that is a prefix of some stop string.
+        let mut keep_from = self.held.len();
+        for (i, _) in self.held.char_indices().rev() {
+            let tail = &self.held[i..];
+            if self.stops.iter().any(|s| s.starts_with(tail)) {
+                keep_from = i;
+            }
+            if self.held.len() - i >= self.longest() {
+                break;
+            }
+        }
+        let rest = self.held.split_off(keep_from);
+        let out = std::mem::replace(&mut self.held, rest);
+        (out, None)
+    }
+
+    fn longest(&self) -> usize {
+        self.stops.iter().map(String::len).max().unwrap_or(0)
+    }
+
+    /// What is held back, at the end of the generation.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], chunks: &[&str]) -> (String, Option<String>) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for c in chunks {
+            let (text, hit) = m.push(c);
+            out.push_str(&text);
+            if hit.is_some() {
+                return (out, hit);
+            }
+        }
+        out.push_str(&m.flush());
+        (out, None)
+    }
+
+    #[test]
+    fn stop_strings_split_across_chunks() {
+        assert_eq!(
+            run(&["END"], &["hello E", "N", "D more"]),
+            ("hello ".to_string(), Some("END".to_string()))
+        );
+        assert_eq!(
+            run(&["END"], &["hello E", "x"]),
+            ("hello Ex".to_string(), None)
+        );
+        assert_eq!(
+            run(&["\n\n", "ab"], &["xa", "b"]),
+            ("x".to_string(), Some("ab".to_string()))
+        );
+        assert_eq!(run(&[], &["a", "b"]), ("ab".to_string(), None));
+        assert_eq!(
+            run(&["ü!"], &["aü", "ü!"]),
+            ("aü".to_string(), Some("ü!".to_string()))
+        );
+    }
+
+    #[test]
+    fn held_text_is_only_a_possible_prefix() {
+        let mut m = StopMatcher::new(vec!["STOP".into()]);
+        assert_eq!(m.push("abcS"), ("abc".to_string(), None));
+        assert_eq!(m.push("x"), ("Sx".to_string(), None));
+    }
+}

@@ -1,0 +1,74 @@
+//! The management API (`/api/models`, `/api/models/current`, `/api/models/load`, `/api/models/unload`)
+//! and `/health`.
+
+use super::body::{json_response, RespBody};
+use super::errors::ApiError;
+use super::AppState;
+use hyper::{Response, StatusCode};
+use serde_json::{json, Value};
+
+pub fn health(state: &AppState) -> Response<RespBody> {
+    let current = state.supervisor.current();
+    json_response(
+        StatusCode::OK,
+        &json!({"status": "ok", "model": current.model, "loaded": current.loaded}),
+    )
+}
+
+pub fn models(state: &AppState) -> Response<RespBody> {
+    let current = state.supervisor.current_id();
+    let models: Vec<Value> = state
+        .supervisor
+        .models()
+        .into_iter()
+        .map(|m| {
+            let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
+            if let Value::Object(o) = &mut v {
+                o.insert(
+                    "current".into(),
+                    json!(current.as_deref() == Some(m.id.as_str())),
+                );
+            }
+            v
+        })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        &json!({"models": models, "current": current}),
+    )
+}
+
+pub fn current(state: &AppState) -> Response<RespBody> {
+    let current = state.supervisor.current();
+    let entry = current
+        .model
+        .as_ref()
+        .and_then(|id| state.supervisor.models().into_iter().find(|m| &m.id == id));
+    let mut v = serde_json::to_value(&current).unwrap_or(Value::Null);
+    if let (Value::Object(o), Some(e)) = (&mut v, entry) {
+        o.insert(
+            "entry".into(),
+            serde_json::to_value(e).unwrap_or(Value::Null),
+        );
+    }
+    json_response(StatusCode::OK, &v)
+}
+
+pub async fn load(state: &AppState, body: Value) -> Result<Response<RespBody>, ApiError> {
+    let Some(name) = body.get("model").and_then(Value::as_str) else {
+        return Err(ApiError::bad_request("`model` (a model name) is required"));
+    };
+    let current = state.supervisor.switch(name).await?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"status": "loaded", "current": current}),
+    ))
+}
+
+pub async fn unload(state: &AppState) -> Result<Response<RespBody>, ApiError> {
+    let current = state.supervisor.unload().await?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"status": "unloaded", "current": current}),
+    ))
+}
