@@ -9,8 +9,17 @@
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
+//! - [`ggml_type`]: the GGML type table (ids, names, block sizes), the one part compiled without the default
+//!   `compute` feature, for readers of GGUF files that never compute (the server).
 
+pub mod ggml_type;
+#[cfg(feature = "compute")]
 pub mod matmul;
+#[cfg(feature = "compute")]
 pub mod ops;
+#[cfg(feature = "compute")]
 pub mod quant;
+#[cfg(feature = "compute")]
 pub mod rng;
+
+pub use ggml_type::GgmlType;

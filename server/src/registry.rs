@@ -194,11 +194,11 @@ impl Registry {
             },
         };
         if let Some(s) = &summary {
-            if !poly_models::arch::ARCH_NAMES.contains(&s.architecture.as_str()) {
+            if !poly_models::SUPPORTED_ARCHITECTURES.contains(&s.architecture.as_str()) {
                 problems.push(format!(
                     "architecture {:?} is not supported by the engine (known: {})",
                     s.architecture,
-                    poly_models::arch::ARCH_NAMES.join(", ")
+                    poly_models::SUPPORTED_ARCHITECTURES.join(", ")
                 ));
             }
         }
