@@ -22,3 +22,15 @@ pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
 #[cfg(feature = "compute")]
 pub mod compute;
 pub mod summary;
+
+/// The architectures the engine runs, by `general.architecture`: also without `compute`, so that the
+/// server's registry can mark other files unavailable. Kept equal to `arch::ARCH_NAMES` (tested).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["qwen3moe", "qwen35moe", "gemma3"];
+
+#[cfg(all(test, feature = "compute"))]
+mod tests {
+    #[test]
+    fn supported_architectures_match_the_arch_modules() {
+        assert_eq!(super::SUPPORTED_ARCHITECTURES, super::arch::ARCH_NAMES);
+    }
+}
