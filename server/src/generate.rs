@@ -3,7 +3,7 @@
 //! and usage; a client that goes away cancels the request and the lease is held until the engine's DONE.
 
 use crate::engine::process::EngineEvent;
-use crate::engine::supervisor::Lease;
+use crate::engine::supervisor::{Counters, Lease};
 use crate::model_text::{Decoder, ModelText, OutputParser, Piece};
 use poly_protocol::{Gen, StopReason};
 use std::sync::Arc;
@@ -180,6 +180,7 @@ impl Generation {
         loop {
             let Some(event) = self.events.recv().await else {
                 self.finished = true;
+                Counters::add(&self.lease.counters().failed);
                 return Step::Failed("the engine dropped the request".into());
             };
             match event {
@@ -215,6 +216,7 @@ impl Generation {
                 }
                 EngineEvent::Done(done) => {
                     self.finished = true;
+                    Counters::add(&self.lease.counters().completed);
                     let reason = match (&self.stopped_by, done.reason) {
                         (Some(s), _) => FinishReason::StopString(s.clone()),
                         (None, StopReason::Stop) => FinishReason::Stop,
@@ -245,10 +247,12 @@ impl Generation {
                 }
                 EngineEvent::Refused(err) => {
                     self.finished = true;
+                    Counters::add(&self.lease.counters().failed);
                     return Step::Failed(format!("{}: {}", err.code.as_str(), err.message));
                 }
                 EngineEvent::Died(msg) => {
                     self.finished = true;
+                    Counters::add(&self.lease.counters().failed);
                     return Step::Failed(msg);
                 }
             }
@@ -279,15 +283,21 @@ impl Generation {
         self.lease.engine().cancel(&self.id);
         let drain = async {
             while let Some(event) = self.events.recv().await {
-                if matches!(
-                    event,
-                    EngineEvent::Done(_) | EngineEvent::Refused(_) | EngineEvent::Died(_)
-                ) {
-                    break;
+                match event {
+                    EngineEvent::Tokens(_) => {}
+                    EngineEvent::Done(d) => return Some(d.reason == StopReason::Cancel),
+                    EngineEvent::Refused(_) | EngineEvent::Died(_) => return None,
                 }
             }
+            None
         };
-        let _ = tokio::time::timeout(timeout, drain).await;
+        let ended = tokio::time::timeout(timeout, drain).await.unwrap_or(None);
+        let counters = self.lease.counters();
+        Counters::add(match ended {
+            Some(true) => &counters.cancelled,
+            Some(false) => &counters.completed,
+            None => &counters.failed,
+        });
         self.finished = true;
     }
 }

@@ -69,6 +69,25 @@ impl Default for Limits {
     }
 }
 
+/// What happened to requests since the server started (`/health` shows them).
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Counters {
+    /// Ended by an end token, a stop string or the token limit.
+    pub completed: AtomicU64,
+    /// Cancelled because the client went away.
+    pub cancelled: AtomicU64,
+    /// Ended by an engine error or death.
+    pub failed: AtomicU64,
+    /// Refused because the queue was full.
+    pub refused_busy: AtomicU64,
+}
+
+impl Counters {
+    pub fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// The model in use, its engine (absent when unloaded or not yet started) and its text side.
 #[derive(Default)]
 struct Slot {
@@ -103,15 +122,21 @@ pub struct Supervisor {
     limits: Limits,
     next_id: AtomicU64,
     memory_debug_env: bool,
+    counters: Arc<Counters>,
 }
 
 /// The right to use the engine: held for a whole request, released on drop (the next in line goes).
 pub struct Lease {
     guard: OwnedMutexGuard<Slot>,
     _queued: QueueTicket,
+    counters: Arc<Counters>,
 }
 
 impl Lease {
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
     pub fn engine(&self) -> &EngineProcess {
         // A lease is only handed out with a running engine (`Supervisor::lease` checks it).
         self.guard
@@ -158,11 +183,12 @@ impl Supervisor {
             limits,
             next_id: AtomicU64::new(1),
             memory_debug_env: std::env::var("STRATA_MEMORY_DEBUG").is_ok_and(|v| v == "1"),
+            counters: Arc::default(),
         }
     }
 
-    pub fn registry(&self) -> &Registry {
-        &self.registry
+    pub fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     /// A fresh request id for the engine.
@@ -212,6 +238,7 @@ impl Supervisor {
         let ticket = QueueTicket(self.waiting.clone());
         // One request runs and `queue` wait.
         if before > self.limits.queue {
+            Counters::add(&self.counters.refused_busy);
             return Err(ServeError::Busy(format!(
                 "{} requests are waiting; try again shortly",
                 before
@@ -247,6 +274,7 @@ impl Supervisor {
         Ok(Lease {
             guard,
             _queued: ticket,
+            counters: self.counters.clone(),
         })
     }
 

@@ -11,7 +11,12 @@ pub fn health(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current();
     json_response(
         StatusCode::OK,
-        &json!({"status": "ok", "model": current.model, "loaded": current.loaded}),
+        &json!({
+            "status": "ok",
+            "model": current.model,
+            "loaded": current.loaded,
+            "requests": state.supervisor.counters(),
+        }),
     )
 }
 
