@@ -78,7 +78,11 @@ impl Home {
             .arg(&out)
             .status()
             .expect("run polystrata tokenizer");
-        assert!(status.success(), "polystrata tokenizer failed for {}", gguf.display());
+        assert!(
+            status.success(),
+            "polystrata tokenizer failed for {}",
+            gguf.display()
+        );
         out
     }
 
@@ -161,7 +165,13 @@ impl Server {
     }
 
     pub fn post(&self, path: &str, body: &serde_json::Value) -> Response {
-        request(&self.addr, "POST", path, Some(body.to_string().as_bytes()), &[])
+        request(
+            &self.addr,
+            "POST",
+            path,
+            Some(body.to_string().as_bytes()),
+            &[],
+        )
     }
 
     pub fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Response {
@@ -355,7 +365,14 @@ impl Stream {
         stream
             .set_read_timeout(Some(Duration::from_secs(300)))
             .expect("timeout");
-        write_request(&mut stream, addr, "POST", path, Some(body.to_string().as_bytes()), &[]);
+        write_request(
+            &mut stream,
+            addr,
+            "POST",
+            path,
+            Some(body.to_string().as_bytes()),
+            &[],
+        );
         let mut reader = BufReader::new(stream);
         let (status, _) = read_head(&mut reader);
         Stream {
@@ -395,7 +412,10 @@ pub fn process_alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
             // The state follows the parenthesised command name.
-            let state = stat.rsplit(')').next().and_then(|s| s.split_whitespace().next());
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|s| s.split_whitespace().next());
             state != Some("Z")
         }
         Err(_) => false,
