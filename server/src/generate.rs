@@ -4,7 +4,7 @@
 
 use crate::engine::process::EngineEvent;
 use crate::engine::supervisor::{Counters, Lease};
-use crate::model_text::{Decoder, ModelText, OutputParser, Piece};
+use crate::model_text::{Decoder, ModelText, OutputParser, ParserSetup, Piece};
 use poly_protocol::{Gen, StopReason};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,10 +27,10 @@ pub struct Sampling {
 }
 
 /// How the output is read: raw text (completions) or parsed for reasoning and tool calls (chat).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Output {
     Raw,
-    Chat { tools: bool },
+    Chat(ParserSetup),
 }
 
 /// One generated token with its log-probability and, when asked, the likeliest alternatives.
@@ -153,7 +153,7 @@ impl Generation {
             decoder: text.decoder(),
             parser: match output {
                 Output::Raw => None,
-                Output::Chat { tools } => Some(text.parser(tools)),
+                Output::Chat(setup) => Some(text.parser(setup)),
             },
             stops: StopMatcher::new(sampling.stop.clone()),
             lease,
@@ -225,7 +225,9 @@ impl Generation {
                     };
                     let mut pieces = Vec::new();
                     if self.stopped_by.is_none() {
-                        let rest = self.stops.flush();
+                        let tail = self.decoder.finish();
+                        let (mut rest, _) = self.stops.push(&tail);
+                        rest.push_str(&self.stops.flush());
                         pieces.extend(self.parse(&rest));
                         pieces.extend(self.finish_parse());
                     }

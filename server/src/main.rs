@@ -5,19 +5,14 @@
 //! kernels or the engine's internals: the engine is a separate process so that switching models returns
 //! every byte of VRAM, pinned memory and mapping to the OS.
 //!
-//! Commands: `polystrata serve` (the server alone), `polystrata --list-models` (the registry). The terminal
+//! Commands: `polystrata serve` (the server alone), `polystrata --list-models` (the registry),
+//! `polystrata tokenizer --gguf FILE --out DIR` (a model's tokenizer directory). The terminal
 //! chat (`polystrata --model NAME`) is a client of the HTTP API and lives in its own module when built.
 
-mod engine;
-mod generate;
-mod home;
-mod http;
-mod model_text;
-mod registry;
-
 use clap::{Parser, Subcommand};
-use engine::supervisor::{Limits, Supervisor};
-use registry::Registry;
+use polystrata::engine::supervisor::{Limits, Supervisor};
+use polystrata::registry::Registry;
+use polystrata::{home, http};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -47,6 +42,16 @@ struct Args {
 enum Command {
     /// Run the HTTP server.
     Serve(ServeArgs),
+    /// Write a model's tokenizer directory (tokenizer.json, chat template, tokenizer_config.json) from
+    /// its GGUF.
+    Tokenizer {
+        /// The model's GGUF file (the first part of a split model).
+        #[arg(long)]
+        gguf: PathBuf,
+        /// The directory to write (created if missing).
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -87,6 +92,25 @@ fn main() -> ExitCode {
     }
     match args.command {
         Some(Command::Serve(serve)) => run_server(registry, serve),
+        Some(Command::Tokenizer { gguf, out }) => {
+            match polystrata::text::tokenizer_dir::tokenizer_command(&gguf, &out) {
+                Ok(cfg) => {
+                    eprintln!(
+                        "polystrata: wrote {} ({} tokens, {} model, pre '{}', family {})",
+                        out.display(),
+                        cfg.n_vocab,
+                        cfg.model,
+                        cfg.pre,
+                        cfg.family.name()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("polystrata: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         None => {
             eprintln!("polystrata: say `serve` or `--list-models` (see --help)");
             ExitCode::from(2)

@@ -1,87 +1,257 @@
-//! The text side of one model as the HTTP layer sees it: encode and decode tokens, render a chat, the end
-//! tokens, and the parser that splits output into content, reasoning and tool calls.
+//! The text side of one loaded model as the HTTP layer uses it: its tokenizer directory, chat template,
+//! end tokens and reply family, behind the few calls a request needs (render a chat, encode, decode
+//! streamed tokens, parse the reply into content, reasoning and tool calls).
 //!
-//! This is the seam between the server core and `crate::text` (tokenizer directory, chat templates,
-//! reasoning and tool-call parsers). Everything the HTTP handlers need from text goes through here.
+//! This is the seam between the server core and [`crate::text`], which owns the formats themselves.
 
 use crate::registry::ModelEntry;
+use crate::text::family::Family;
+use crate::text::parse::{prompt_opens_reasoning, ParseEvent, ParserOptions, ReplyParser};
+use crate::text::template::{resolve_template, ChatInput as TemplateInput, ChatTemplate};
+use crate::text::tokenizer_dir::{Detokenizer, TextTokenizer};
+use serde_json::{Map, Value};
+use std::sync::Arc;
 
 /// A piece of parsed model output.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Piece {
     Content(String),
     Reasoning(String),
+    /// A complete tool call.
     ToolCall {
         name: String,
-        /// The arguments as a JSON object text.
+        /// The arguments as JSON object text.
         arguments: String,
     },
 }
 
-/// What a chat render needs (OpenAI message shape; Anthropic requests are converted to it).
+/// A conversation to render (OpenAI message shape; Anthropic requests are converted to it).
 #[derive(Clone, Debug, Default)]
 pub struct ChatInput {
-    pub messages: Vec<serde_json::Value>,
-    pub tools: Option<Vec<serde_json::Value>>,
+    pub messages: Vec<Value>,
+    pub tools: Option<Vec<Value>>,
     pub enable_thinking: Option<bool>,
+    /// `chat_template_kwargs` beyond `enable_thinking`.
+    pub extra: Map<String, Value>,
+}
+
+/// A rendered chat prompt and how the reply must be read.
+#[derive(Clone, Debug)]
+pub struct RenderedChat {
+    pub prompt: String,
+    pub parser: ParserSetup,
+}
+
+/// How to parse a chat reply: its tools and whether the prompt left it inside reasoning.
+#[derive(Clone, Debug, Default)]
+pub struct ParserSetup {
+    pub tools: Vec<Value>,
+    pub starts_in_reasoning: bool,
 }
 
 /// The text side of a loaded model.
 pub struct ModelText {
-    _model: String,
+    tokenizer: Arc<TextTokenizer>,
+    /// `Err(reason)` when the model has no chat template: chat requests are refused, completions work.
+    template: Result<ChatTemplate, String>,
+    family: Family,
 }
 
 impl ModelText {
+    /// Loads the model's tokenizer directory and template (the run config's `chat_template` names a
+    /// family template or holds Jinja source; else the GGUF's), and its reply family (the run config's
+    /// `family`, else the tokenizer config's).
     pub fn load(entry: &ModelEntry) -> Result<ModelText, String> {
+        let config = entry
+            .config
+            .as_ref()
+            .ok_or_else(|| format!("model {} has no run config", entry.id))?;
+        let dir = config
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| "the run config names no tokenizer directory".to_string())?;
+        let tokenizer = TextTokenizer::load(dir).map_err(|e| e.to_string())?;
+        let source = resolve_template(
+            tokenizer.chat_template.as_deref(),
+            config.chat_template.as_deref(),
+        );
+        let bos = tokenizer
+            .config
+            .bos
+            .as_ref()
+            .map(|t| t.text.clone())
+            .unwrap_or_default();
+        let eos = tokenizer
+            .config
+            .eos
+            .as_ref()
+            .map(|t| t.text.clone())
+            .unwrap_or_default();
+        let template = match source {
+            Some(src) => ChatTemplate::new(&src, &bos, &eos).map_err(|e| e.to_string()),
+            None => Err(format!(
+                "model {} has no chat template (its GGUF has none and its run config names none); use /v1/completions",
+                entry.id
+            )),
+        };
+        if let Err(problem) = &template {
+            eprintln!("polystrata: {problem}");
+        }
+        let family = config
+            .raw
+            .get("family")
+            .and_then(Value::as_str)
+            .and_then(Family::from_name)
+            .unwrap_or(tokenizer.config.family);
         Ok(ModelText {
-            _model: entry.id.clone(),
+            tokenizer: Arc::new(tokenizer),
+            template,
+            family,
         })
     }
 
-    pub fn encode(&self, _text: &str) -> Result<Vec<u32>, String> {
-        Err("text prompts need the tokenizer (not merged yet)".into())
+    /// The prompt of a conversation, ending with the assistant's turn opened.
+    pub fn render_chat(&self, input: &ChatInput) -> Result<RenderedChat, String> {
+        let template = self.template.as_ref().map_err(Clone::clone)?;
+        let tools = input.tools.clone().unwrap_or_default();
+        let prompt = template
+            .render(
+                &TemplateInput {
+                    messages: input.messages.clone(),
+                    tools: tools.clone(),
+                    add_generation_prompt: true,
+                    enable_thinking: input.enable_thinking,
+                    extra: input.extra.clone(),
+                    now: None,
+                },
+                self.tokenizer.config.add_bos,
+            )
+            .map_err(|e| e.to_string())?;
+        let starts_in_reasoning = prompt_opens_reasoning(self.family, &prompt);
+        Ok(RenderedChat {
+            prompt,
+            parser: ParserSetup {
+                tools,
+                starts_in_reasoning,
+            },
+        })
     }
 
-    pub fn render_chat(&self, _input: &ChatInput) -> Result<String, String> {
-        Err("chat needs the template (not merged yet)".into())
+    /// The ids of `text` with the model's BOS rule; special-token texts become those tokens (a rendered
+    /// prompt holds them).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, true, true)
+            .map_err(|e| e.to_string())
     }
 
+    /// Token `id` as text (for log-probabilities), special tokens included.
     pub fn token_piece(&self, id: u32) -> String {
-        format!("<{id}>")
+        String::from_utf8_lossy(self.tokenizer.piece(id, true)).into_owned()
     }
 
+    /// A decoder for one reply's tokens.
     pub fn decoder(&self) -> Decoder {
-        Decoder {}
+        Decoder {
+            tokenizer: self.tokenizer.clone(),
+            inner: Detokenizer::new(),
+        }
     }
 
-    pub fn parser(&self, _tools: bool) -> OutputParser {
-        OutputParser {}
+    /// A parser for one chat reply.
+    pub fn parser(&self, setup: ParserSetup) -> OutputParser {
+        OutputParser {
+            inner: ReplyParser::new(
+                self.family,
+                ParserOptions {
+                    starts_in_reasoning: setup.starts_in_reasoning,
+                    tools: setup.tools,
+                },
+            ),
+            calls: Vec::new(),
+        }
     }
 
-    /// Tokens that end a reply, beyond the engine's own (READY's `eos`).
+    /// Tokens that end a reply (the tokenizer's end-of-generation set), beyond READY's `eos`.
     pub fn stop_tokens(&self) -> Vec<u32> {
-        Vec::new()
+        self.tokenizer
+            .config
+            .end_of_reply
+            .iter()
+            .map(|t| t.id)
+            .collect()
     }
 }
 
 /// Turns generated token ids into text as it becomes complete (a character split over tokens waits).
-pub struct Decoder {}
+pub struct Decoder {
+    tokenizer: Arc<TextTokenizer>,
+    inner: Detokenizer,
+}
 
 impl Decoder {
+    /// The text token `id` completes (control tokens, such as an end-of-turn, give none).
     pub fn push(&mut self, id: u32) -> String {
-        format!("<{id}>")
+        self.inner.push(&self.tokenizer, id, false)
+    }
+
+    /// What is still pending at the end of the reply.
+    pub fn finish(&mut self) -> String {
+        self.inner.finish()
     }
 }
 
-/// Splits streamed text into pieces.
-pub struct OutputParser {}
+/// Splits a streamed chat reply into content, reasoning and whole tool calls.
+pub struct OutputParser {
+    inner: ReplyParser,
+    /// Calls begun and not yet ended: (index, name, arguments).
+    calls: Vec<(usize, String, String)>,
+}
 
 impl OutputParser {
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        vec![Piece::Content(text.to_string())]
+        let events = self.inner.feed(text);
+        self.pieces(events)
     }
 
     pub fn finish(&mut self) -> Vec<Piece> {
-        Vec::new()
+        let events = self.inner.finish();
+        self.pieces(events)
+    }
+
+    fn pieces(&mut self, events: Vec<ParseEvent>) -> Vec<Piece> {
+        let mut out: Vec<Piece> = Vec::new();
+        for event in events {
+            match event {
+                ParseEvent::Content(t) => match out.last_mut() {
+                    Some(Piece::Content(prev)) => prev.push_str(&t),
+                    _ => out.push(Piece::Content(t)),
+                },
+                ParseEvent::Reasoning(t) => match out.last_mut() {
+                    Some(Piece::Reasoning(prev)) => prev.push_str(&t),
+                    _ => out.push(Piece::Reasoning(t)),
+                },
+                ParseEvent::ToolCallStart { index, name } => {
+                    self.calls.push((index, name, String::new()))
+                }
+                ParseEvent::ToolCallArgs { index, arguments } => {
+                    if let Some(call) = self.calls.iter_mut().find(|c| c.0 == index) {
+                        call.2.push_str(&arguments);
+                    }
+                }
+                ParseEvent::ToolCallEnd { index } => {
+                    if let Some(at) = self.calls.iter().position(|c| c.0 == index) {
+                        let (_, name, arguments) = self.calls.remove(at);
+                        let arguments = if arguments.trim().is_empty() {
+                            "{}".to_string()
+                        } else {
+                            arguments
+                        };
+                        out.push(Piece::ToolCall { name, arguments });
+                    }
+                }
+            }
+        }
+        out
     }
 }

@@ -171,6 +171,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         messages,
         tools,
         enable_thinking,
+        extra: Default::default(),
     })
 }
 
@@ -224,11 +225,11 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let lease = state.supervisor.lease(model.as_deref()).await?;
     let text = lease.text();
-    let prompt_text = text
+    let rendered = text
         .render_chat(&input)
         .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
     let prompt = text
-        .encode(&prompt_text)
+        .encode(&rendered.prompt)
         .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
     let id = state.supervisor.next_request_id();
     let meta = Meta {
@@ -236,8 +237,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         gen_id: id.clone(),
         model: lease.model().id.clone(),
     };
-    let tools = input.tools.is_some();
-    let gen = Generation::start(lease, id, prompt, &sampling, Output::Chat { tools })
+    let gen = Generation::start(lease, id, prompt, &sampling, Output::Chat(rendered.parser))
         .map_err(ApiError::bad_request)?;
     if stream {
         let (resp, tx) = channel_response("text/event-stream");

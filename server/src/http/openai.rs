@@ -102,10 +102,18 @@ fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
         Some(Value::Array(t)) => Some(t.clone()),
         Some(_) => return Err(ApiError::bad_request("`tools` must be an array")),
     };
-    let enable_thinking = body
-        .get("chat_template_kwargs")
-        .and_then(|k| k.get("enable_thinking"))
-        .and_then(Value::as_bool)
+    let mut extra = match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`chat_template_kwargs` must be an object",
+            ))
+        }
+    };
+    let enable_thinking = extra
+        .remove("enable_thinking")
+        .and_then(|v| v.as_bool())
         .or_else(|| {
             body.get("reasoning_effort")
                 .and_then(Value::as_str)
@@ -123,6 +131,7 @@ fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
             messages,
             tools,
             enable_thinking,
+            extra,
         },
         sampling,
         stream: bool_field(body, "stream")?,
@@ -179,21 +188,20 @@ pub async fn chat_completions(
     let req = parse_chat(&body)?;
     let lease = state.supervisor.lease(req.model.as_deref()).await?;
     let text = lease.text();
-    let prompt_text = text
+    let rendered = text
         .render_chat(&req.input)
         .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
     let prompt = text
-        .encode(&prompt_text)
+        .encode(&rendered.prompt)
         .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
     let id = state.supervisor.next_request_id();
     let model = lease.model().id.clone();
-    let tools = req.input.tools.is_some();
     let gen = Generation::start(
         lease,
         id.clone(),
         prompt,
         &req.sampling,
-        Output::Chat { tools },
+        Output::Chat(rendered.parser),
     )
     .map_err(ApiError::bad_request)?;
     let meta = Meta {

@@ -1,0 +1,16 @@
+//! The `polystrata` server as a library: the binary (`src/main.rs`) and the integration tests call it.
+//!
+//! - [`text`]: everything about text: tokenizer directories from GGUF files, chat templates, and the
+//!   reasoning / tool-call parsers of each model family.
+//! - [`home`] and [`registry`]: the installation home's run configs and the models they describe.
+//! - [`engine`]: one `poly-engine` child process and the supervisor that switches models.
+//! - [`model_text`]: a loaded model's text side as the HTTP layer uses it; [`generate`]: one generation.
+//! - [`http`]: the OpenAI, Anthropic and management APIs.
+
+pub mod engine;
+pub mod generate;
+pub mod home;
+pub mod http;
+pub mod model_text;
+pub mod registry;
+pub mod text;
