@@ -1,0 +1,268 @@
+"""The official `openai` and `anthropic` Python packages as clients of a running `polystrata serve`.
+
+Driven by server/tests/clients.rs, which starts the server over real engine children and passes:
+  POLYSTRATA_URL     http://127.0.0.1:PORT
+  POLYSTRATA_MODELS  comma-separated model ids to chat with (each gets every check)
+Synthetic models write noise, so the checks are about the protocol: shapes, streaming, tools carried in
+the conversation, usage, logprobs, and errors; parsing of each family's formats is proven in the text
+side's own tests.
+
+usage: python clients.py   (exits non-zero on the first failure, printing which check failed)
+"""
+
+import json
+import os
+import sys
+
+import anthropic
+import openai
+
+URL = os.environ["POLYSTRATA_URL"]
+MODELS = [m for m in os.environ["POLYSTRATA_MODELS"].split(",") if m]
+
+oa = openai.OpenAI(base_url=URL + "/v1", api_key="unused", max_retries=0, timeout=300)
+an = anthropic.Anthropic(base_url=URL, api_key="unused", max_retries=0, timeout=300)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+# A conversation that carries an earlier tool call and its result.
+TOOL_HISTORY = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+]
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def openai_chat(model):
+    r = oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
+    choice = r.choices[0]
+    check(r.object == "chat.completion", "object")
+    check(r.model == model, f"model {r.model}")
+    check(choice.message.role == "assistant", "role")
+    check(isinstance(choice.message.content, str), "content is text")
+    check(choice.finish_reason in ("stop", "length"), f"finish_reason {choice.finish_reason}")
+    check(r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 8, f"usage {r.usage}")
+    check(r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens, "total")
+
+    # Greedy twice gives the same answer (the engine's kept state does not change the result).
+    again = oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
+    check(again.choices[0].message.content == choice.message.content, "greedy is repeatable")
+
+    # Streaming gives the same text as the whole answer.
+    stream = oa.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, n_chunks = "", None, None, 0
+    for chunk in stream:
+        n_chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+            if c.finish_reason:
+                finish = c.finish_reason
+    check(n_chunks >= 3, f"streamed in chunks ({n_chunks})")
+    check(text == choice.message.content, f"stream {text!r} != whole {choice.message.content!r}")
+    check(finish == choice.finish_reason, "stream finish_reason")
+    check(usage is not None and usage.completion_tokens == r.usage.completion_tokens, f"stream usage {usage}")
+
+    # Sampling fields are accepted; seed makes sampling repeatable.
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Tell a story."}],
+        max_tokens=6,
+        temperature=0.9,
+        top_p=0.9,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
+    a = oa.chat.completions.create(**kw).choices[0].message.content
+    b = oa.chat.completions.create(**kw).choices[0].message.content
+    check(a == b, "the same seed gives the same sample")
+
+    # Log-probabilities: one entry per generated token, with the asked number of alternatives.
+    r = oa.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Count."}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    check(len(content) == r.usage.completion_tokens, f"{len(content)} logprobs for {r.usage.completion_tokens} tokens")
+    for entry in content:
+        check(entry.logprob <= 0.0, "logprob")
+        check(len(entry.top_logprobs) == 3, "top_logprobs")
+        check(entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob, "likeliest first")
+
+    # Stop strings cut the answer (the stop text itself is not returned).
+    whole = oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
+    ).choices[0].message.content
+    if len(whole) > 4:
+        stop = whole[2:4]
+        cut = oa.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0, stop=[stop]
+        ).choices[0]
+        check(cut.message.content == whole[: whole.find(stop)], f"stop {stop!r}: {cut.message.content!r} / {whole!r}")
+        check(cut.finish_reason == "stop", "stop finish_reason")
+
+
+def openai_tools(model):
+    for stream in (False, True):
+        kw = dict(model=model, messages=TOOL_HISTORY, tools=TOOLS, tool_choice="auto", max_tokens=8)
+        if not stream:
+            r = oa.chat.completions.create(**kw)
+            msg = r.choices[0].message
+            check(r.choices[0].finish_reason in ("stop", "length", "tool_calls"), "finish")
+            check(msg.content is not None or msg.tool_calls, "an answer")
+            check(r.usage.prompt_tokens > 20, f"the tools and history are in the prompt ({r.usage.prompt_tokens})")
+        else:
+            n = 0
+            for chunk in oa.chat.completions.create(stream=True, **kw):
+                n += 1
+            check(n >= 2, "streamed")
+
+
+def openai_completions(model):
+    r = oa.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2)
+    c = r.choices[0]
+    check(r.object == "text_completion", "object")
+    check(isinstance(c.text, str) and r.usage.completion_tokens == 6, f"usage {r.usage}")
+    check(c.finish_reason == "length", c.finish_reason)
+    check(len(c.logprobs.tokens) == 6 and len(c.logprobs.top_logprobs) == 6, "logprobs")
+    check("".join(c.logprobs.tokens) == c.text, f"tokens {c.logprobs.tokens} text {c.text!r}")
+    ids = oa.completions.create(model=model, prompt=[1, 2, 3], max_tokens=3, temperature=0)
+    check(ids.usage.prompt_tokens == 3, f"token-id prompt {ids.usage}")
+    text = "".join(ch.choices[0].text for ch in oa.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True) if ch.choices)
+    check(text == c.text, f"stream {text!r} != {c.text!r}")
+
+
+def openai_errors():
+    try:
+        oa.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        check(False, "unknown model accepted")
+    except openai.NotFoundError as e:
+        check("no-such-model" in str(e), str(e))
+    try:
+        oa.chat.completions.create(model=MODELS[0], messages=[{"role": "wizard", "content": "x"}])
+        check(False, "bad role accepted")
+    except openai.BadRequestError as e:
+        check("role" in str(e), str(e))
+    ids = [m.id for m in oa.models.list().data]
+    check(all(m in ids for m in MODELS), f"models {ids}")
+
+
+def anthropic_messages(model):
+    r = an.messages.create(
+        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+    )
+    check(r.type == "message" and r.role == "assistant", "shape")
+    check(r.stop_reason in ("end_turn", "max_tokens"), f"stop_reason {r.stop_reason}")
+    check(0 < r.usage.output_tokens <= 8, f"usage {r.usage}")
+    whole = "".join(b.text for b in r.content if b.type == "text")
+
+    with an.messages.stream(
+        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+    ) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    check(streamed == whole, f"stream {streamed!r} != {whole!r}")
+    check(final.stop_reason == r.stop_reason, "stream stop_reason")
+    check(final.usage.output_tokens == r.usage.output_tokens, "stream usage")
+
+    # Tools, an earlier tool_use and its tool_result, thinking enabled; streaming and not.
+    conv = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "I should call the tool.", "signature": ""},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21 C"}]},
+    ]
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
+    kw = dict(model=model, max_tokens=8, messages=conv, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024})
+    r = an.messages.create(**kw)
+    check(r.stop_reason in ("end_turn", "max_tokens", "tool_use"), r.stop_reason)
+    check(r.usage.input_tokens > 20, f"history in the prompt ({r.usage})")
+    with an.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    check(final.stop_reason == r.stop_reason, "stream with tools")
+
+    try:
+        an.messages.create(model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        check(False, "unknown model accepted")
+    except anthropic.NotFoundError as e:
+        check("no-such-model" in str(e), str(e))
+
+
+def main():
+    checks = [("openai errors and models", openai_errors)]
+    for m in MODELS:
+        checks += [
+            (f"{m}: openai chat", lambda m=m: openai_chat(m)),
+            (f"{m}: openai tools", lambda m=m: openai_tools(m)),
+            (f"{m}: openai completions", lambda m=m: openai_completions(m)),
+            (f"{m}: anthropic messages", lambda m=m: anthropic_messages(m)),
+        ]
+    for name, fn in checks:
+        try:
+            fn()
+        except Exception as e:  # report which check failed, then fail the run
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            sys.exit(1)
+        print(f"ok   {name}", flush=True)
+    print(f"all {len(checks)} client checks passed (openai {openai.__version__}, anthropic {anthropic.__version__})")
+
+
+if __name__ == "__main__":
+    main()
