@@ -60,8 +60,6 @@ struct RunConfigFile {
     #[serde(default)]
     tokenizer: Option<String>,
     #[serde(default)]
-    model_name: Option<String>,
-    #[serde(default)]
     display_name: Option<String>,
     #[serde(default)]
     notes: Option<String>,

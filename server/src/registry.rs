@@ -73,8 +73,11 @@ impl ModelEntry {
 /// Reads the home and describes every model; GGUF facts are cached per file (path, size, mtime).
 pub struct Registry {
     home: PathBuf,
-    cache: Mutex<HashMap<PathBuf, (FileStamp, Result<ModelSummary, String>)>>,
+    cache: Mutex<HashMap<PathBuf, CachedSummary>>,
 }
+
+/// A file's facts (or why it cannot be read), valid while the file keeps its stamp.
+type CachedSummary = (FileStamp, Result<ModelSummary, String>);
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct FileStamp {
