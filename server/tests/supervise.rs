@@ -411,3 +411,65 @@ fn hundred_concurrent_requests_are_answered_or_refused_cleanly() {
     assert_eq!(c["refused_busy"], refused);
     eprintln!("100 concurrent: {answered} answered, {refused} refused with 503");
 }
+
+#[test]
+fn a_switch_waits_for_the_running_request_and_is_refused_after_its_limit() {
+    let home = home_with_two_models("switchwait");
+    let server = Server::start(&home, &["--load", "qwen3", "--switch-wait", "1"]);
+    let pid = server.engine_pid().expect("pid");
+    let mut stream = Stream::open(
+        &server.addr,
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true}),
+    );
+    stream.next_data().expect("generating");
+    let asked = Instant::now();
+    let r = server.post("/api/models/load", &json!({"model": "gemma3"}));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("refused")));
+    assert!(
+        asked.elapsed() >= Duration::from_millis(900),
+        "it waited for the request"
+    );
+    assert_eq!(
+        server.engine_pid(),
+        Some(pid),
+        "the running model is untouched"
+    );
+    drop(stream);
+    // With the request gone (cancelled), the switch goes through.
+    let r = server.post("/api/models/load", &json!({"model": "gemma3"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(!process_alive(pid));
+}
+
+#[test]
+fn memory_debug_reports_free_memory_around_a_switch() {
+    let home = Home::new("memdebug");
+    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
+    home.add_model(
+        "gemma3",
+        "gemma3-tiny-q4km.gguf",
+        json!({"memory_debug": true}),
+    );
+    let server = Server::start_logged(&home, &["--load", "qwen3"], &[]);
+    let r = server.post("/api/models/load", &json!({"model": "gemma3"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(server.stop().success());
+    let log = std::fs::read_to_string(home.dir.join("server.log")).expect("log");
+    let at = |needle: &str| {
+        log.find(needle)
+            .unwrap_or_else(|| panic!("{needle:?} missing from {log}"))
+    };
+    let before = at("memory before the switch: RAM available");
+    let after_old = at("memory after the old engine ended: RAM available");
+    let with_new = at("memory with the new engine: RAM available");
+    assert!(
+        before < after_old && after_old < with_new,
+        "in order: {log}"
+    );
+    // The first load (qwen3, no memory_debug) printed nothing.
+    assert_eq!(log.matches("memory before the switch").count(), 1, "{log}");
+}

@@ -131,14 +131,25 @@ pub struct Server {
 
 impl Server {
     pub fn start(home: &Home, extra_args: &[&str]) -> Server {
+        Server::start_with(home, extra_args, Stdio::inherit(), &[])
+    }
+
+    /// A server whose log (stderr) goes to `home/server.log`, with extra environment variables.
+    pub fn start_logged(home: &Home, extra_args: &[&str], env: &[(&str, &str)]) -> Server {
+        let log = std::fs::File::create(home.dir.join("server.log")).expect("server.log");
+        Server::start_with(home, extra_args, Stdio::from(log), env)
+    }
+
+    fn start_with(home: &Home, extra_args: &[&str], stderr: Stdio, env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(polystrata_bin())
             .arg("serve")
             .arg("--home")
             .arg(&home.dir)
             .args(["--host", "127.0.0.1", "--port", "0"])
             .args(extra_args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start polystrata serve");
         let stdout = child.stdout.take().expect("stdout");
@@ -420,16 +431,4 @@ pub fn process_alive(pid: i32) -> bool {
         }
         Err(_) => false,
     }
-}
-
-/// Waits (at most `timeout`) for `cond`, checking every 50 ms.
-pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < timeout {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    cond()
 }
