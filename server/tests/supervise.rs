@@ -520,3 +520,32 @@ fn the_blocking_client_lists_switches_chats_and_unloads() {
     assert_eq!(client.unload().expect("unload")["current"]["loaded"], false);
     assert_eq!(client.current().expect("current")["model"], "gemma3");
 }
+
+#[test]
+fn anthropic_count_tokens_and_wildcard_aliases() {
+    let home = Home::new("count");
+    home.add_model(
+        "qwen3",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"aliases": ["claude-*"]}),
+    );
+    let server = Server::start(&home, &[]);
+    let body = json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "Hello there"}]});
+    let r = server.post("/v1/messages/count_tokens", &body);
+    assert_eq!(r.status, 503, "no model loaded yet: {}", r.text());
+    // An agent's own model name reaches the model through the alias.
+    let mut message = body.clone();
+    message["max_tokens"] = json!(3);
+    let m = server.post("/v1/messages", &message);
+    assert_eq!(m.status, 200, "{}", m.text());
+    let counted = server.post("/v1/messages/count_tokens", &body).json()["input_tokens"]
+        .as_u64()
+        .expect("input_tokens");
+    let usage = &m.json()["usage"];
+    let prompt = usage["input_tokens"].as_u64().unwrap_or(0)
+        + usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(
+        counted, prompt,
+        "count_tokens equals the prompt the engine read"
+    );
+}

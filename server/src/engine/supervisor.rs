@@ -103,6 +103,7 @@ struct View {
     /// The current engine's pid and its dead flag.
     engine: Option<(i32, Arc<std::sync::atomic::AtomicBool>)>,
     ready: Option<poly_protocol::Ready>,
+    text: Option<Arc<ModelText>>,
 }
 
 /// What `/api/models/current` shows.
@@ -226,6 +227,13 @@ impl Supervisor {
                 .filter(|_| loaded)
                 .and_then(|r| serde_json::to_value(r).ok()),
         }
+    }
+
+    /// The text side of the model in use (also while its engine is down), for work that needs no engine
+    /// (counting tokens). `None` before any model was loaded.
+    pub fn current_text(&self) -> Option<(String, Arc<ModelText>)> {
+        let view = lock(&self.view);
+        Some((view.current.clone()?, view.text.clone()?))
     }
 
     /// The id of the model in use, if any (for requests that name none).
@@ -492,6 +500,7 @@ impl Supervisor {
         view.current = slot.model.as_ref().map(|m| m.id.clone());
         view.engine = slot.engine.as_ref().map(|e| (e.pid(), e.dead_flag()));
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
+        view.text = slot.text.clone();
     }
 }
 

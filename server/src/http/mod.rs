@@ -104,6 +104,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBod
             Ok(body) => openai::completions(state.clone(), body).await,
             Err(e) => Err(e),
         },
+        (Method::POST, "/v1/messages/count_tokens") => match read_json(req).await {
+            Ok(body) => anthropic::count_tokens(&state, body),
+            Err(e) => Err(e),
+        },
         (Method::POST, "/v1/messages") => match read_json(req).await {
             Ok(body) => anthropic::messages(state.clone(), body).await,
             Err(e) => Err(e),
