@@ -206,7 +206,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
         });
         http::serve(listener, state, shutdown_signal()).await;
         eprintln!("polystrata: shutting down");
-        supervisor.shutdown().await;
+        supervisor.shutdown(std::time::Duration::from_secs(5)).await;
         ExitCode::SUCCESS
     })
 }

@@ -549,3 +549,25 @@ fn anthropic_count_tokens_and_wildcard_aliases() {
         "count_tokens equals the prompt the engine read"
     );
 }
+
+#[test]
+fn shutdown_during_a_generation_ends_the_engine() {
+    let home = Home::new("shutdown");
+    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let server = Server::start(&home, &["--load", "qwen3"]);
+    let pid = server.engine_pid().expect("pid");
+    let mut stream = Stream::open(
+        &server.addr,
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}),
+    );
+    stream.next_data().expect("generating");
+    let asked = Instant::now();
+    assert!(server.stop().success());
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(!process_alive(pid), "the engine outlived the server");
+}

@@ -332,12 +332,27 @@ impl Supervisor {
     }
 
     /// Stops the engine for good (server shutdown).
-    pub async fn shutdown(&self) {
-        let mut guard = self.slot.clone().lock_owned().await;
-        if let Some(mut engine) = guard.engine.take() {
-            engine.stop(self.limits.stop).await;
+    /// A request still running after `grace` is not waited for: the engine's process group is killed
+    /// and the request ends with the engine's death.
+    pub async fn shutdown(&self, grace: Duration) {
+        match tokio::time::timeout(grace, self.slot.clone().lock_owned()).await {
+            Ok(mut guard) => {
+                if let Some(mut engine) = guard.engine.take() {
+                    engine.stop(self.limits.stop).await;
+                }
+                self.publish(&guard);
+            }
+            Err(_) => {
+                let pid = lock(&self.view).engine.as_ref().map(|(pid, _)| *pid);
+                if let Some(pid) = pid {
+                    eprintln!("polystrata: a request is still running; killing engine {pid}");
+                    let _ = nix::sys::signal::killpg(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
         }
-        self.publish(&guard);
     }
 
     fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
