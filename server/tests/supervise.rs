@@ -571,3 +571,48 @@ fn shutdown_during_a_generation_ends_the_engine() {
     );
     assert!(!process_alive(pid), "the engine outlived the server");
 }
+
+#[test]
+fn an_engine_that_ignores_quit_gets_sigterm_then_sigkill() {
+    let home = Home::new("stubborn");
+    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let ready = r#"READY {"protocol":1,"model":"x","arch":"qwen3moe","n_vocab":2048,"n_ctx":4096,"bos":null,"eos":[0],"device":"cpu","experts_total":0,"experts_vram":0}"#;
+    // One ignores QUIT (it never reads stdin) but not SIGTERM; the other ignores both.
+    let deaf = home.script("deaf-engine", &format!("echo '{ready}'\nexec sleep 1000"));
+    let stubborn = home.script(
+        "stubborn-engine",
+        &format!("trap '' TERM\necho '{ready}'\nexec sleep 1000"),
+    );
+    for (name, exe) in [("deaf", &deaf), ("stubborn", &stubborn)] {
+        home.write_config(
+            name,
+            &json!({"exe": exe, "args": ["--model", common::fixture("qwen3moe-tiny-q4km.gguf")], "tokenizer": "packs/qwen3/tokenizer"}),
+        );
+    }
+    let server = Server::start_logged(&home, &["--quit-timeout", "1", "--term-timeout", "1"], &[]);
+    for name in ["deaf", "stubborn"] {
+        let r = server.post("/api/models/load", &json!({"model": name}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let pid = server.engine_pid().expect("pid");
+        let r = server.post("/api/models/load", &json!({"model": "qwen3"}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(
+            !process_alive(pid),
+            "{name} engine {pid} survived the switch"
+        );
+    }
+    assert!(server.stop().success());
+    let log = std::fs::read_to_string(home.dir.join("server.log")).expect("log");
+    assert!(
+        log.contains("stopped deaf (signal: 15 (SIGTERM) after SIGTERM)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("engine stubborn ignored SIGTERM; SIGKILL"),
+        "{log}"
+    );
+    assert!(
+        log.contains("stopped stubborn (signal: 9 (SIGKILL) after SIGKILL)"),
+        "{log}"
+    );
+}
