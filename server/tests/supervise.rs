@@ -616,3 +616,38 @@ fn an_engine_that_ignores_quit_gets_sigterm_then_sigkill() {
         "{log}"
     );
 }
+
+#[test]
+fn a_model_without_chat_template_refuses_chat_and_still_completes() {
+    let home = Home::new("notemplate");
+    home.add_model("plain", "qwen3moe-tiny-q4km.gguf", json!({}));
+    // The tokenizer directory of a GGUF without a template: no template file, none named in the config.
+    let tok = home.dir.join("packs/plain/tokenizer");
+    std::fs::remove_file(tok.join("chat_template.jinja")).expect("template file");
+    let config_path = tok.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("config"))
+            .expect("json");
+    config["chat_template"] = Value::Null;
+    std::fs::write(&config_path, config.to_string()).expect("write config");
+    let server = Server::start(&home, &["--load", "plain"]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.contains("no chat template") && message.contains("/v1/completions"),
+        "{message}"
+    );
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon", "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+}
