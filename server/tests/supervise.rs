@@ -132,6 +132,11 @@ fn switching_frees_the_first_engine_and_a_failing_switch_rolls_back() {
     let current = server.get("/api/models/current").json();
     assert_eq!(current["model"], "gemma3");
     assert_eq!(current["ready"]["arch"], "gemma3");
+    // The engine's resident memory is reported (the model's weights are mapped in).
+    assert!(
+        current["rss_bytes"].as_u64().is_some_and(|b| b > 1 << 20),
+        "{current}"
+    );
     let models = server.get("/api/models").json();
     let status = |id: &str| {
         models["models"]

@@ -112,6 +112,8 @@ pub struct CurrentModel {
     pub model: Option<String>,
     pub loaded: bool,
     pub pid: Option<i32>,
+    /// The engine process's resident memory (`VmRSS`), in bytes.
+    pub rss_bytes: Option<u64>,
     pub ready: Option<serde_json::Value>,
 }
 
@@ -217,10 +219,12 @@ impl Supervisor {
     pub fn current(&self) -> CurrentModel {
         let view = lock(&self.view).clone();
         let loaded = view_engine_alive(&view);
+        let pid = view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid);
         CurrentModel {
             model: view.current.clone(),
             loaded,
-            pid: view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid),
+            pid,
+            rss_bytes: pid.and_then(memory::rss_of),
             ready: view
                 .ready
                 .as_ref()
