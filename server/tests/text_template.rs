@@ -109,3 +109,35 @@ fn templates_are_sandboxed_and_raise() {
     };
     assert_eq!(t.render(&input, false).expect("renders"), "HI2026");
 }
+
+#[test]
+fn families_and_open_reasoning_from_real_templates() {
+    use polystrata::text::family::Family;
+    use polystrata::text::parse::prompt_opens_reasoning;
+    let cases = load("chat_cases.json");
+    let renders = load("chat_renders.json");
+    let expected = [
+        ("synthetic", Family::Qwen3, false),
+        ("qwen3", Family::Qwen3, false),
+        ("qwen3.6", Family::Qwen3, true),
+        ("glm-4.6", Family::Glm, false),
+        ("gemma4", Family::Gemma4, false),
+        ("deepseek-v4", Family::DeepSeekV4, true),
+        ("lfm2", Family::Lfm2, false),
+        ("gemma3", Family::JsonWrapper, false),
+    ];
+    for (name, family, opens) in expected {
+        let file = cases["templates"][name]["file"].as_str().expect("file");
+        let src = std::fs::read_to_string(fixtures().join(file)).expect("template");
+        // The synthetic models' plain ChatML template says nothing: their `qwen2` pre-tokenizer decides.
+        assert_eq!(Family::detect("qwen2", Some(&src), "x"), family, "{name}");
+        let prompt = renders["renders"]
+            .as_array()
+            .expect("renders")
+            .iter()
+            .find(|r| r["template"] == name && r["conversation"] == "plain")
+            .and_then(|r| r["prompt"].as_str())
+            .expect("plain render");
+        assert_eq!(prompt_opens_reasoning(family, prompt), opens, "{name}");
+    }
+}

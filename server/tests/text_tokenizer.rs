@@ -117,3 +117,46 @@ fn gemma3_270m_tokenizer_matches_llama_cpp() {
     let eot = tok.token_id("<end_of_turn>").expect("<end_of_turn>");
     assert!(tok.is_end_of_reply(eot));
 }
+
+/// `polystrata tokenizer --gguf FILE --out DIR` writes the three files, and the config says what ends a
+/// reply, the BOS rule and the family.
+#[test]
+fn tokenizer_subcommand_writes_the_directory() {
+    let dir = out_dir("cli");
+    let gguf = root().join("tests/fixtures/models/gemma3-tiny-q4km.gguf");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_polystrata"))
+        .args(["tokenizer", "--gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&dir)
+        .status()
+        .expect("run polystrata");
+    assert!(status.success());
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_config.json")).expect("config"),
+    )
+    .expect("config JSON");
+    assert_eq!(cfg["model"], "gpt2");
+    assert_eq!(cfg["pre"], "qwen2");
+    assert_eq!(cfg["add_bos"], true);
+    assert_eq!(cfg["bos"]["text"], "<|endoftext|>");
+    assert_eq!(cfg["family"], "qwen3");
+    let ends: Vec<&str> = cfg["end_of_reply"]
+        .as_array()
+        .expect("end_of_reply")
+        .iter()
+        .filter_map(|t| t["text"].as_str())
+        .collect();
+    assert_eq!(ends, ["<|endoftext|>", "<|im_end|>"]);
+    let template = std::fs::read_to_string(dir.join("chat_template.jinja")).expect("template");
+    assert!(template.contains("<|im_start|>"));
+    assert!(dir.join("tokenizer.json").exists());
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_polystrata"))
+        .args(["tokenizer", "--gguf", "/nonexistent.gguf", "--out"])
+        .arg(&dir)
+        .output()
+        .expect("run polystrata");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("nonexistent.gguf"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -61,11 +61,18 @@ impl Family {
             if t.contains("<|tool_call>") || t.contains("<|channel>") {
                 return Family::Gemma4;
             }
-            if t.contains("<|tool_call_start|>") || t.contains("List of tools: [") {
+            if t.contains("<|tool_call_start|>")
+                || t.contains("<|tool_list_start|>")
+                || t.contains("List of tools: [")
+            {
                 return Family::Lfm2;
             }
             if t.contains("<arg_key>") {
                 return Family::Glm;
+            }
+            if t.contains("<start_of_turn>") {
+                // Gemma 3's turn format: no tool format of its own (our family template writes JSON).
+                return Family::JsonWrapper;
             }
             if t.contains("<tool_call>") || t.contains("<think>") {
                 return Family::Qwen3;

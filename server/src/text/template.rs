@@ -261,7 +261,46 @@ fn normalize_messages(messages: &[Value], object_arguments: bool) -> Result<Vec<
         }
         out.push(Value::Object(n));
     }
+    order_tool_results(&mut out);
     Ok(out)
+}
+
+/// Tool results go to the model in the order of the calls they answer (a client may send them in the
+/// order they finished); results that name no call of the preceding assistant message keep their place
+/// after the others.
+fn order_tool_results(messages: &mut [Value]) {
+    let mut i = 0;
+    while i < messages.len() {
+        let ids: Vec<String> = match messages[i].get("tool_calls").and_then(Value::as_array) {
+            Some(calls) => calls
+                .iter()
+                .map(|c| {
+                    c.get("id")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string()
+                })
+                .collect(),
+            None => {
+                i += 1;
+                continue;
+            }
+        };
+        let start = i + 1;
+        let mut end = start;
+        while end < messages.len()
+            && messages[end].get("role").and_then(Value::as_str) == Some("tool")
+        {
+            end += 1;
+        }
+        messages[start..end].sort_by_key(|m| {
+            let id = m.get("tool_call_id").and_then(Value::as_str).unwrap_or("");
+            ids.iter()
+                .position(|c| !c.is_empty() && c == id)
+                .unwrap_or(usize::MAX)
+        });
+        i = end.max(start);
+    }
 }
 
 /// A template that ignores system messages gets the system text at the start of the next message.
@@ -545,6 +584,26 @@ pub fn resolve_template(gguf: Option<&str>, configured: Option<&str>) -> Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_results_follow_the_order_of_their_calls() {
+        let msgs = vec![
+            serde_json::json!({"role": "user", "content": "q"}),
+            serde_json::json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "a", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "b", "function": {"name": "g", "arguments": "{}"}}]}),
+            serde_json::json!({"role": "tool", "tool_call_id": "b", "content": "B"}),
+            serde_json::json!({"role": "tool", "tool_call_id": "a", "content": "A"}),
+            serde_json::json!({"role": "user", "content": "next"}),
+        ];
+        let out = normalize_messages(&msgs, true).expect("normalizes");
+        let contents: Vec<&str> = out
+            .iter()
+            .map(|m| m["content"].as_str().unwrap_or("?"))
+            .collect();
+        assert_eq!(contents, ["q", "", "A", "B", "next"]);
+        assert!(out[1]["tool_calls"][0]["function"]["arguments"].is_object());
+    }
 
     #[test]
     fn strftime_formats_a_known_instant() {

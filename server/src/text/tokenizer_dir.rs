@@ -277,6 +277,9 @@ pub struct TextTokenizer {
     pub config: TokenizerConfig,
     /// The GGUF's chat template, if the directory has one.
     pub chat_template: Option<String>,
+    /// The GGUF's named template variants (name, source); llama.cpp uses `tool_use` for requests with
+    /// tools when the model has one.
+    pub named_templates: Vec<(String, String)>,
     /// Per token: its bytes when detokenized, and whether it is a control token.
     pieces: Vec<(Vec<u8>, bool)>,
     eog: Vec<bool>,
@@ -302,12 +305,33 @@ impl TextTokenizer {
         let tokenizer =
             tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| io_err(&tok_path, e))?;
         let chat_template = match &config.chat_template_file {
+            Some(f) if f.contains('/') || f.contains('\\') || f.starts_with('.') => {
+                return Err(io_err(
+                    &cfg_path,
+                    format!("template file '{f}' is outside the directory"),
+                ))
+            }
             Some(f) => {
                 let p = dir.join(f);
                 Some(std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?)
             }
             None => None,
         };
+        let mut named_templates = Vec::new();
+        for (name, file) in &config.named_templates {
+            // A config names files inside its own directory only.
+            if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+                return Err(io_err(
+                    &cfg_path,
+                    format!("template file '{file}' is outside the directory"),
+                ));
+            }
+            let p = dir.join(file);
+            named_templates.push((
+                name.clone(),
+                std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?,
+            ));
+        }
         let n = tokenizer.get_vocab_size(true).max(config.n_vocab);
         let mut pieces = Vec::with_capacity(n);
         let control: std::collections::HashSet<u32> = config
@@ -338,6 +362,7 @@ impl TextTokenizer {
             literal: OnceLock::new(),
             config,
             chat_template,
+            named_templates,
             pieces,
             eog,
         })
@@ -379,6 +404,20 @@ impl TextTokenizer {
             bytes.extend_from_slice(self.piece(id, render_special));
         }
         String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The template for a request: the `tool_use` variant when the request has tools and the model has
+    /// one, else the default (as llama.cpp chooses).
+    pub fn template_for(&self, has_tools: bool) -> Option<&str> {
+        let tool_use = self
+            .named_templates
+            .iter()
+            .find(|(n, _)| n == "tool_use")
+            .map(|(_, t)| t.as_str());
+        match (has_tools, tool_use) {
+            (true, Some(t)) => Some(t),
+            _ => self.chat_template.as_deref(),
+        }
     }
 
     /// Whether `id` ends a reply.
