@@ -141,16 +141,19 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
             }
         }
     }
-    let choice_none = body
-        .get("tool_choice")
-        .and_then(|c| c.get("type"))
-        .and_then(Value::as_str)
-        == Some("none");
+    let choice = body.get("tool_choice");
+    let choice_none = choice.and_then(|c| c.get("type")).and_then(Value::as_str) == Some("none");
+    // `{"type": "tool", "name": N}` narrows the tools to N (no grammar forces the call).
+    let forced = choice
+        .filter(|c| c.get("type").and_then(Value::as_str) == Some("tool"))
+        .and_then(|c| c.get("name"))
+        .and_then(Value::as_str);
     let tools = match body.get("tools") {
         None | Some(Value::Null) => None,
         Some(Value::Array(t)) if t.is_empty() || choice_none => None,
         Some(Value::Array(t)) => Some(
             t.iter()
+                .filter(|tool| forced.is_none_or(|n| tool.get("name").and_then(Value::as_str) == Some(n)))
                 .map(|tool| {
                     json!({"type": "function", "function": {
                         "name": tool.get("name").cloned().unwrap_or(Value::Null),
@@ -162,6 +165,13 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         ),
         Some(_) => return Err(ApiError::bad_request("`tools` must be an array")),
     };
+    if let (Some(name), Some(t)) = (forced, &tools) {
+        if t.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "`tool_choice` names {name:?}, which is not among `tools`"
+            )));
+        }
+    }
     let enable_thinking = body
         .get("thinking")
         .and_then(|t| t.get("type"))
@@ -545,6 +555,12 @@ mod tests {
     #[test]
     fn bad_conversations_are_refused() {
         assert!(to_chat_input(&json!({})).is_err());
+        assert!(to_chat_input(&json!({
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "a", "input_schema": {}}],
+            "tool_choice": {"type": "tool", "name": "b"},
+        }))
+        .is_err());
         assert!(to_chat_input(&json!({"messages": [{"role": "system", "content": "x"}]})).is_err());
         assert!(to_chat_input(
             &json!({"messages": [{"role": "user", "content": [{"type": "video"}]}]})

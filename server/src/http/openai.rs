@@ -107,11 +107,35 @@ fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
             return Err(ApiError::bad_request("only `n` = 1 is supported"));
         }
     }
-    let tool_choice = body.get("tool_choice").and_then(Value::as_str);
+    let tool_choice = body.get("tool_choice");
+    // A named function narrows the tools to it (no grammar forces a call; the model sees only that tool).
+    let forced = tool_choice
+        .and_then(|c| c.get("function"))
+        .and_then(|f| f.get("name"))
+        .and_then(Value::as_str);
     let tools = match body.get("tools") {
         None | Some(Value::Null) => None,
-        Some(Value::Array(t)) if tool_choice == Some("none") || t.is_empty() => None,
-        Some(Value::Array(t)) => Some(t.clone()),
+        Some(Value::Array(t))
+            if tool_choice.and_then(Value::as_str) == Some("none") || t.is_empty() =>
+        {
+            None
+        }
+        Some(Value::Array(t)) => match forced {
+            None => Some(t.clone()),
+            Some(name) => {
+                let named: Vec<Value> = t
+                    .iter()
+                    .filter(|tool| tool["function"]["name"].as_str() == Some(name))
+                    .cloned()
+                    .collect();
+                if named.is_empty() {
+                    return Err(ApiError::bad_request(format!(
+                        "`tool_choice` names {name:?}, which is not among `tools`"
+                    )));
+                }
+                Some(named)
+            }
+        },
         Some(_) => return Err(ApiError::bad_request("`tools` must be an array")),
     };
     let mut extra = match body.get("chat_template_kwargs") {
@@ -692,5 +716,26 @@ mod tests {
         }))
         .expect("valid");
         assert!(none.input.tools.is_none());
+        let two = json!([
+            {"type": "function", "function": {"name": "f"}},
+            {"type": "function", "function": {"name": "g"}},
+        ]);
+        let named = parse_chat(&json!({
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": two,
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        }))
+        .expect("valid");
+        assert_eq!(
+            named.input.tools.map(|t| t.len()),
+            Some(1),
+            "only the named tool"
+        );
+        assert!(parse_chat(&json!({
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": two,
+            "tool_choice": {"type": "function", "function": {"name": "h"}},
+        }))
+        .is_err());
     }
 }
