@@ -148,7 +148,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         .filter(|c| c.get("type").and_then(Value::as_str) == Some("tool"))
         .and_then(|c| c.get("name"))
         .and_then(Value::as_str);
-    let tools = match body.get("tools") {
+    let tools: Option<Vec<Value>> = match body.get("tools") {
         None | Some(Value::Null) => None,
         Some(Value::Array(t)) if t.is_empty() || choice_none => None,
         Some(Value::Array(t)) => Some(
