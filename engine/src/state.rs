@@ -329,7 +329,11 @@ impl SeqState {
                 matches!(self.layers.get(*il), Some(LayerState::Recurrent(x))
                     if x.conv.len() == r.conv.len() && x.delta.len() == r.delta.len())
             })
-            && self.layers.iter().filter(|l| matches!(l, LayerState::Recurrent(_))).count()
+            && self
+                .layers
+                .iter()
+                .filter(|l| matches!(l, LayerState::Recurrent(_)))
+                .count()
                 == cp.recurrent.len();
         if !fits {
             return false;

@@ -6,7 +6,9 @@ use std::io::{BufReader, Read};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::thread;
 
-use poly_protocol::{read_line_bounded, LineRead, ProtocolError, ToEngine, MAX_LINE_BYTES};
+use poly_protocol::{
+    read_line_bounded, ErrorCode, LineRead, ProtocolError, ToEngine, MAX_LINE_BYTES,
+};
 
 /// What the reader saw.
 #[derive(Debug)]
@@ -16,7 +18,7 @@ pub enum Input {
     /// A line that is not one: the error to answer.
     Bad(ProtocolError),
     /// A line longer than [`MAX_LINE_BYTES`] (skipped).
-    TooLong(u64),
+    TooLong,
     /// End of input: treated as QUIT.
     Closed,
     /// Reading failed.
@@ -36,14 +38,17 @@ pub fn spawn_reader(source: impl Read + Send + 'static) -> Receiver<Input> {
         loop {
             let input = match read_line_bounded(&mut source, &mut line, MAX_LINE_BYTES) {
                 Ok(LineRead::Line) => match std::str::from_utf8(&line) {
-                    Ok(text) if text.trim().is_empty() => continue,
                     Ok(text) => match ToEngine::parse(text) {
                         Ok(msg) => Input::Message(msg),
                         Err(e) => Input::Bad(e),
                     },
-                    Err(_) => Input::Bad(ProtocolError::bad_request(None, "the line is not UTF-8")),
+                    Err(_) => Input::Bad(ProtocolError::new(
+                        None,
+                        ErrorCode::BadRequest,
+                        "the line is not UTF-8",
+                    )),
                 },
-                Ok(LineRead::TooLong(n)) => Input::TooLong(n),
+                Ok(LineRead::TooLong) => Input::TooLong,
                 Ok(LineRead::Eof) => Input::Closed,
                 Err(e) => Input::Failed(e),
             };
@@ -55,10 +60,7 @@ pub fn spawn_reader(source: impl Read + Send + 'static) -> Receiver<Input> {
         }
     };
     // A reader that cannot start reads as a closed input (the loop then quits).
-    if let Err(e) = thread::Builder::new()
-        .name("stdin".into())
-        .spawn(reader)
-    {
+    if let Err(e) = thread::Builder::new().name("stdin".into()).spawn(reader) {
         eprintln!("poly-engine: cannot start the stdin reader: {e}");
     }
     rx

@@ -11,16 +11,13 @@ use std::time::Instant;
 
 use poly_models::arch::ModelInfo;
 use poly_models::compute::Logits;
-use poly_protocol::{Done, DoneReason, ErrorCode, FromEngine, Gen, Tokens};
+use poly_protocol::{Done, ErrorCode, FromEngine, Gen, StopReason, Tokens};
 
 use super::session::{Control, Session};
 use super::store::Conversation;
 use crate::generate::DEFAULT_UBATCH;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
-
-/// Most likeliest tokens a request may ask for per generated token.
-pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// A checked GEN, ready to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,11 +37,9 @@ impl Job {
     /// Checks `gen` against the model and the context; the error's code and message otherwise.
     pub fn check(gen: Gen, info: &ModelInfo, n_ctx: usize) -> Result<Job, (ErrorCode, String)> {
         let bad = |m: String| Err((ErrorCode::BadRequest, m));
+        // The parser checked it already; checking again keeps a Gen built elsewhere honest.
         if let Err(e) = gen.check() {
             return bad(e.message);
-        }
-        if gen.tokens.is_empty() {
-            return bad("the prompt is empty".into());
         }
         let n_vocab = info.n_vocab;
         let outside = |t: &u32| *t as usize >= n_vocab;
@@ -53,13 +48,16 @@ impl Job {
                 "prompt token {t} is outside the vocabulary of {n_vocab}"
             ));
         }
-        let stop_tokens = gen.stop_tokens.clone().unwrap_or_else(|| info.stop_tokens());
+        let stop_tokens = gen
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| info.stop_tokens());
         if let Some(t) = stop_tokens.iter().find(|t| outside(t)) {
             return bad(format!(
                 "stop token {t} is outside the vocabulary of {n_vocab}"
             ));
         }
-        let max_tokens = gen.max_tokens_or_default() as usize;
+        let max_tokens = gen.max_tokens() as usize;
         let prompt_len = gen.tokens.len();
         if prompt_len.saturating_add(max_tokens) > n_ctx {
             return Err((
@@ -69,12 +67,7 @@ impl Job {
                 ),
             ));
         }
-        let top_logprobs = gen.top_logprobs.unwrap_or(0) as usize;
-        if top_logprobs > MAX_TOP_LOGPROBS {
-            return bad(format!(
-                "top_logprobs {top_logprobs} is more than {MAX_TOP_LOGPROBS}"
-            ));
-        }
+        let top_logprobs = (gen.top_logprobs() as usize).min(n_vocab);
         let checkpoint_at = gen.checkpoint_at.map(|p| p as usize);
         if let Some(p) = checkpoint_at.filter(|&p| p > prompt_len) {
             return bad(format!(
@@ -82,15 +75,16 @@ impl Job {
             ));
         }
         let sampler = SamplerConfig {
-            temperature: gen.temperature_or_default(),
-            top_k: gen.top_k_or_default() as usize,
-            top_p: gen.top_p_or_default(),
-            min_p: gen.min_p_or_default(),
-            repeat_penalty: gen.repeat_penalty_or_default(),
-            presence_penalty: gen.presence_penalty_or_default(),
-            frequency_penalty: gen.frequency_penalty_or_default(),
-            seed: gen.seed_or_default(),
-            ..SamplerConfig::default()
+            temperature: gen.temperature(),
+            top_k: gen.top_k() as usize,
+            top_p: gen.top_p(),
+            min_p: gen.min_p(),
+            min_keep: 0,
+            repeat_penalty: gen.repeat_penalty(),
+            presence_penalty: gen.presence_penalty(),
+            frequency_penalty: gen.frequency_penalty(),
+            penalty_last_n: gen.penalty_last_n() as usize,
+            seed: gen.seed.unwrap_or_else(random_seed),
         };
         Ok(Job {
             id: gen.id,
@@ -123,7 +117,7 @@ impl Job {
 
 /// How a run ended, if it was not a failure.
 struct Finished {
-    reason: DoneReason,
+    reason: StopReason,
     generated: usize,
     prefill_ms: f64,
     decode_ms: f64,
@@ -144,7 +138,7 @@ impl<W: std::io::Write> Session<'_, W> {
         let cached = conv.state.n_past();
         let result = self.generate(&mut conv, job);
         let finished = match result {
-            Ok(Ok(f)) if f.reason != DoneReason::Cancel => {
+            Ok(Ok(f)) if f.reason != StopReason::Cancel => {
                 self.store.publish(conv, origin);
                 Ok(f)
             }
@@ -160,9 +154,9 @@ impl<W: std::io::Write> Session<'_, W> {
         Ok(finished.map(|f| Done {
             id: job.id.clone(),
             reason: f.reason,
-            prompt_tokens: job.prompt.len() as u64,
-            cached_tokens: cached as u64,
-            generated: f.generated as u64,
+            prompt_tokens: job.prompt.len() as u32,
+            cached_tokens: cached as u32,
+            generated: f.generated as u32,
             prefill_ms: f.prefill_ms,
             decode_ms: f.decode_ms,
             experts_vram_share: None,
@@ -181,7 +175,7 @@ impl<W: std::io::Write> Session<'_, W> {
         let every = self.checkpoint_every;
         let cancelled = |generated, prefill_ms, decode_ms| {
             Ok(Ok(Finished {
-                reason: DoneReason::Cancel,
+                reason: StopReason::Cancel,
                 generated,
                 prefill_ms,
                 decode_ms,
@@ -225,7 +219,7 @@ impl<W: std::io::Write> Session<'_, W> {
         let mut generated = 0usize;
         let reason = loop {
             if generated >= job.max_tokens {
-                break DoneReason::Length;
+                break StopReason::Length;
             }
             let lp = TopLogprobs::new(&logits);
             let token = sampler.sample(&logits);
@@ -239,10 +233,10 @@ impl<W: std::io::Write> Session<'_, W> {
                 top,
             }))?;
             if job.stop_tokens.contains(&token) {
-                break DoneReason::Stop;
+                break StopReason::Stop;
             }
             if generated >= job.max_tokens || conv.state.room() == 0 {
-                break DoneReason::Length;
+                break StopReason::Length;
             }
             if self.poll()? == Control::Cancel {
                 return cancelled(generated, prefill_ms, ms(decoding));
@@ -259,6 +253,18 @@ impl<W: std::io::Write> Session<'_, W> {
             decode_ms: ms(decoding),
         }))
     }
+}
+
+/// A seed of the engine's choosing (a request that names none): the process's random hash keys.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
 }
 
 fn ms(since: Instant) -> f64 {

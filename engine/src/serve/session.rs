@@ -8,12 +8,14 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
-use poly_protocol::{Done, DoneReason, ErrorCode, ErrorReply, FromEngine, Ready, ToEngine};
+use poly_protocol::{
+    ConversationInfo, Done, ErrorCode, ErrorReply, FromEngine, Ready, Stats, StopReason, ToEngine,
+};
 use serde_json::json;
 
 use super::input::Input;
 use super::request::Job;
-use super::store::Store;
+use super::store::{Conversation, Store};
 use super::{memory, send, ServeOptions, QUEUE_DEPTH};
 use crate::model::Model;
 
@@ -102,8 +104,8 @@ impl<'a, W: Write> Session<'a, W> {
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
             arch: info.arch.to_string(),
-            n_vocab: info.n_vocab as u64,
-            n_ctx: self.n_ctx as u64,
+            n_vocab: info.n_vocab as u32,
+            n_ctx: self.n_ctx as u32,
             bos: info.bos,
             eos: info.stop_tokens(),
             device: "cpu".to_string(),
@@ -150,15 +152,15 @@ impl<'a, W: Write> Session<'a, W> {
         match input {
             Input::Message(msg) => self.handle_message(msg),
             Input::Bad(e) => {
-                self.send(&FromEngine::Err(e.into_reply()))?;
+                self.send(&FromEngine::Err(ErrorReply::from(e)))?;
                 Ok(Control::Continue)
             }
-            Input::TooLong(n) => {
+            Input::TooLong => {
                 self.error(
                     None,
                     ErrorCode::BadRequest,
                     format!(
-                        "a line of {n} bytes or more is longer than the {} allowed",
+                        "a line longer than {} bytes (skipped)",
                         poly_protocol::MAX_LINE_BYTES
                     ),
                 )?;
@@ -202,7 +204,7 @@ impl<'a, W: Write> Session<'a, W> {
                 }
                 Ok(Control::Continue)
             }
-            ToEngine::Cancel { id } => {
+            ToEngine::Cancel(poly_protocol::Cancel { id }) => {
                 if self.running.as_deref() == Some(id.as_str()) {
                     return Ok(Control::Cancel);
                 }
@@ -236,8 +238,8 @@ impl<'a, W: Write> Session<'a, W> {
         self.totals.cancelled += 1;
         let done = Done {
             id: job.id.clone(),
-            reason: DoneReason::Cancel,
-            prompt_tokens: job.prompt.len() as u64,
+            reason: StopReason::Cancel,
+            prompt_tokens: job.prompt.len() as u32,
             cached_tokens: 0,
             generated: 0,
             prefill_ms: 0.0,
@@ -264,10 +266,10 @@ impl<'a, W: Write> Session<'a, W> {
         match result? {
             Ok(done) => {
                 self.totals.requests += 1;
-                self.totals.prompt_tokens += done.prompt_tokens;
-                self.totals.cached_tokens += done.cached_tokens;
-                self.totals.generated += done.generated;
-                if done.reason == DoneReason::Cancel {
+                self.totals.prompt_tokens += u64::from(done.prompt_tokens);
+                self.totals.cached_tokens += u64::from(done.cached_tokens);
+                self.totals.generated += u64::from(done.generated);
+                if done.reason == StopReason::Cancel {
                     self.totals.cancelled += 1;
                 }
                 self.send(&FromEngine::Done(done))
@@ -280,36 +282,46 @@ impl<'a, W: Write> Session<'a, W> {
     }
 
     /// The STATS answer: memory, kept conversations, cache figures.
-    fn stats(&self) -> poly_protocol::Stats {
+    fn stats(&self) -> Stats {
         let (rss, rss_peak) = memory::resident_bytes();
-        let conv = |c: &super::store::Conversation| {
-            json!({
-                "id": c.id,
-                "tokens": c.state.n_past(),
-                "bytes": c.bytes(),
-                "checkpoints": c.n_checkpoints(),
-            })
+        let info = |c: &Conversation, active: bool| ConversationInfo {
+            // The conversation of requests that named none has no name.
+            id: c.id.clone().unwrap_or_default(),
+            tokens: c.state.n_past() as u32,
+            active,
+            bytes: c.bytes() as u64,
+            checkpoints: c.n_checkpoints() as u32,
         };
-        let parked: Vec<_> = self.store.parked().iter().map(conv).collect();
+        let conversations = self
+            .store
+            .active()
+            .map(|c| info(c, true))
+            .into_iter()
+            .chain(self.store.parked().iter().map(|c| info(c, false)))
+            .collect();
         let t = &self.totals;
-        poly_protocol::Stats::from_value(json!({
-            "rss_bytes": rss,
+        let extra = json!({
             "rss_peak_bytes": rss_peak,
-            "vram_bytes": null,
-            "active": self.store.active().map(conv),
-            "parked": parked,
-            "conversations": parked.len() + usize::from(self.store.active().is_some()),
-            "parked_bytes": self.store.parked_bytes(),
-            "park_limit_bytes": self.store.park_limit(),
             "evicted": self.store.evicted,
             "running": self.running,
-            "queued": self.queue.len(),
             "requests": t.requests,
             "cancelled": t.cancelled,
             "failed": t.failed,
             "prompt_tokens": t.prompt_tokens,
             "cached_tokens": t.cached_tokens,
             "generated": t.generated,
-        }))
+        });
+        Stats {
+            rss_bytes: rss.unwrap_or(0),
+            vram_bytes: None,
+            conversations,
+            parked_bytes: self.store.parked_bytes() as u64,
+            park_limit_bytes: self.store.park_limit() as u64,
+            queued: self.queue.len() as u32,
+            extra: match extra {
+                serde_json::Value::Object(m) => m,
+                _ => serde_json::Map::new(),
+            },
+        }
     }
 }

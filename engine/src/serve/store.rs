@@ -199,7 +199,11 @@ impl Store {
             }
         }
         if let Some(name) = conversation {
-            if let Some(i) = self.parked.iter().position(|c| c.id.as_deref() == Some(name)) {
+            if let Some(i) = self
+                .parked
+                .iter()
+                .position(|c| c.id.as_deref() == Some(name))
+            {
                 return (self.parked.swap_remove(i), Origin::Parked);
             }
         }
@@ -319,20 +323,31 @@ mod tests {
         let mut kv = Conversation::new(None, fresh(&[KV], &[1, 2, 3, 4, 5]));
         assert_eq!(kv.resume_point(&[1, 2, 3, 4, 5, 6]), 5);
         assert_eq!(kv.resume_point(&[1, 2, 3, 9]), 3);
-        assert_eq!(kv.resume_point(&[1, 2, 3]), 2, "the last token is read again");
+        assert_eq!(
+            kv.resume_point(&[1, 2, 3]),
+            2,
+            "the last token is read again"
+        );
         assert_eq!(kv.resume_point(&[7]), 0);
         kv.rewind(3);
         read(&mut kv.state, &[9]);
         assert_eq!(kv.state, fresh(&[KV], &[1, 2, 3, 9]));
 
-        let mut h = Conversation::new(None, SeqState::with_precision(&[KV, REC], 64, KvPrecision::F32));
+        let mut h = Conversation::new(
+            None,
+            SeqState::with_precision(&[KV, REC], 64, KvPrecision::F32),
+        );
         read(&mut h.state, &[1, 2]);
         h.add_checkpoint();
         h.add_checkpoint();
         read(&mut h.state, &[3, 4, 5]);
         assert_eq!(h.n_checkpoints(), 1);
         assert_eq!(h.resume_point(&[1, 2, 3, 4, 5, 6]), 5, "its end");
-        assert_eq!(h.resume_point(&[1, 2, 3, 9]), 2, "the checkpoint before the cut");
+        assert_eq!(
+            h.resume_point(&[1, 2, 3, 9]),
+            2,
+            "the checkpoint before the cut"
+        );
         assert_eq!(h.resume_point(&[1, 9]), 0);
         let undo = h.rewind(2);
         read(&mut h.state, &[3, 9]);
