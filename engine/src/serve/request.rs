@@ -173,6 +173,8 @@ impl<W: std::io::Write> Session<'_, W> {
     ) -> std::io::Result<Result<Finished, EngineError>> {
         let model = self.model;
         let every = self.checkpoint_every;
+        // KV caches are cut anywhere: only recurrent layers need checkpoints (and the reads split there).
+        let recurrent = conv.state.has_recurrent();
         let cancelled = |generated, prefill_ms, decode_ms| {
             Ok(Ok(Finished {
                 reason: StopReason::Cancel,
@@ -186,11 +188,12 @@ impl<W: std::io::Write> Session<'_, W> {
         let mut pos = conv.state.n_past();
         let mut logits = Vec::new();
         while pos < end {
-            if job.checkpoint_here(pos, every) {
+            if recurrent && job.checkpoint_here(pos, every) {
                 conv.add_checkpoint();
             }
-            let next = job
-                .next_checkpoint(pos, end, every)
+            let next = recurrent
+                .then(|| job.next_checkpoint(pos, end, every))
+                .flatten()
                 .unwrap_or(end)
                 .min(pos + DEFAULT_UBATCH);
             let want = if next == end {
@@ -207,7 +210,7 @@ impl<W: std::io::Write> Session<'_, W> {
                 return cancelled(0, ms(started), 0.0);
             }
         }
-        if job.checkpoint_here(end, every) {
+        if recurrent && job.checkpoint_here(end, every) {
             conv.add_checkpoint();
         }
         let prefill_ms = ms(started);
