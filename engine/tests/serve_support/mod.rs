@@ -148,6 +148,15 @@ impl Engine {
         }
     }
 
+    /// Takes stdin, to write from another thread; give it back with [`Engine::put_stdin`].
+    pub fn take_stdin(&mut self) -> ChildStdin {
+        self.stdin.take().expect("stdin open")
+    }
+
+    pub fn put_stdin(&mut self, stdin: ChildStdin) {
+        self.stdin = Some(stdin);
+    }
+
     /// Closes stdin and waits for the exit, reading what is left of stdout.
     pub fn close(mut self) -> (ExitStatus, Vec<String>) {
         drop(self.stdin.take());
