@@ -100,7 +100,7 @@ impl Job {
 
     /// Whether a checkpoint belongs at prompt position `pos`: every `every` tokens and where asked.
     fn checkpoint_here(&self, pos: usize, every: usize) -> bool {
-        (every > 0 && pos > 0 && pos % every == 0) || self.checkpoint_at == Some(pos)
+        (every > 0 && pos > 0 && pos.is_multiple_of(every)) || self.checkpoint_at == Some(pos)
     }
 
     /// The first position after `pos` where a checkpoint belongs, if before `end`.
@@ -145,10 +145,7 @@ impl<W: std::io::Write> Session<'_, W> {
             other => {
                 undo.apply(&mut conv);
                 self.store.put_back(conv, origin);
-                match other {
-                    Ok(r) => r,
-                    Err(io) => return Err(io),
-                }
+                other?
             }
         };
         Ok(finished.map(|f| Done {

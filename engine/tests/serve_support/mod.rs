@@ -341,7 +341,8 @@ impl Mirror {
         self.checkpoints.retain(|c| c.n_past() <= resume);
         let wants_checkpoint = |p: usize| {
             recurrent
-                && ((self.every > 0 && p > 0 && p % self.every == 0) || checkpoint_at == Some(p))
+                && ((self.every > 0 && p > 0 && p.is_multiple_of(self.every))
+                    || checkpoint_at == Some(p))
         };
         let mut pos = resume;
         let mut logits = Vec::new();
