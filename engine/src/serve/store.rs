@@ -13,6 +13,10 @@ use std::sync::Arc;
 
 use crate::state::{Checkpoint, SeqState};
 
+/// Most checkpoints one conversation keeps (each holds every recurrent layer's state: tens of MiB on a
+/// large model).
+pub const MAX_CHECKPOINTS: usize = 16;
+
 /// One kept conversation: its state and the checkpoints taken along it.
 #[derive(Debug)]
 pub struct Conversation {
@@ -99,7 +103,8 @@ impl Conversation {
     }
 
     /// Keeps a checkpoint of the present state (a no-op without recurrent layers, which need none, or
-    /// when one is already kept here).
+    /// when one is already kept here). Beyond [`MAX_CHECKPOINTS`] the earliest is dropped: going back
+    /// is mostly going back a little (a regenerated answer, an edited last message).
     pub fn add_checkpoint(&mut self) {
         let n_past = self.state.n_past();
         if !self.state.has_recurrent() || self.checkpoints.iter().any(|c| c.n_past() == n_past) {
@@ -107,6 +112,9 @@ impl Conversation {
         }
         self.checkpoints.push(Arc::new(self.state.checkpoint()));
         self.checkpoints.sort_by_key(|c| c.n_past());
+        if self.checkpoints.len() > MAX_CHECKPOINTS {
+            self.checkpoints.remove(0);
+        }
     }
 }
 
@@ -362,6 +370,17 @@ mod tests {
         undo.apply(&mut h);
         assert_eq!(h.state, fresh(&[KV, REC], &[1, 2, 3, 4, 5]));
         assert_eq!(h.n_checkpoints(), 1);
+        // Past the bound, the earliest checkpoints go.
+        for t in 0..MAX_CHECKPOINTS as u32 + 2 {
+            read(&mut h.state, &[t]);
+            h.add_checkpoint();
+        }
+        assert_eq!(h.n_checkpoints(), MAX_CHECKPOINTS);
+        assert_eq!(
+            h.resume_point(&[1, 2, 3, 9]),
+            0,
+            "the checkpoint at 2 is gone"
+        );
     }
 
     #[test]

@@ -348,7 +348,7 @@ impl Mirror {
         let mut logits = Vec::new();
         while pos < prompt.len() {
             if wants_checkpoint(pos) && !self.checkpoints.iter().any(|c| c.n_past() == pos) {
-                self.checkpoints.push(s.checkpoint());
+                keep_checkpoint(&mut self.checkpoints, s.checkpoint());
             }
             let mut next = (pos + 512).min(prompt.len());
             if recurrent {
@@ -365,9 +365,8 @@ impl Mirror {
             pos = next;
         }
         if wants_checkpoint(pos) && !self.checkpoints.iter().any(|c| c.n_past() == pos) {
-            self.checkpoints.push(s.checkpoint());
+            keep_checkpoint(&mut self.checkpoints, s.checkpoint());
         }
-        self.checkpoints.sort_by_key(|c| c.n_past());
         let stop = model.info().stop_tokens();
         let mut greedy = Sampler::new(SamplerConfig::greedy());
         let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
@@ -382,5 +381,17 @@ impl Mirror {
             logits = model.eval(s, &[token], Logits::Last).unwrap();
         }
         (resume, tokens, logprobs)
+    }
+}
+
+/// Keeps `cp`, dropping the earliest beyond the engine's bound.
+fn keep_checkpoint(
+    kept: &mut Vec<poly_engine::state::Checkpoint>,
+    cp: poly_engine::state::Checkpoint,
+) {
+    kept.push(cp);
+    kept.sort_by_key(|c| c.n_past());
+    if kept.len() > poly_engine::serve::store::MAX_CHECKPOINTS {
+        kept.remove(0);
     }
 }
