@@ -244,6 +244,10 @@ impl Store {
     }
 
     fn park(&mut self, mut conv: Conversation) {
+        if conv.id.is_none() {
+            // No request can name it again: parking it would only hold memory.
+            return;
+        }
         conv.state.shrink_to_fit();
         let need = conv.bytes();
         if need > self.park_limit {
@@ -418,5 +422,15 @@ mod tests {
         // A request naming no conversation continues the active one.
         let (a, origin) = store.take(None, new_state);
         assert_eq!((origin, a.id.as_deref()), (Origin::Active, Some("b")));
+        store.publish(a, origin);
+        // An unnamed conversation is not parked: nothing could bring it back.
+        let mut store = Store::new(1 << 20);
+        let (anon, origin) = store.take(None, new_state);
+        assert_eq!(origin, Origin::New);
+        store.publish(anon, origin);
+        let (named, origin) = store.take(Some("n"), new_state);
+        store.publish(named, origin);
+        assert!(store.parked().is_empty());
+        assert_eq!(store.active().and_then(|c| c.id.as_deref()), Some("n"));
     }
 }
