@@ -120,6 +120,9 @@ fn requests_queue_in_order_and_beyond_the_queue_are_busy() {
     let stats = stats.expect("STATS while a request runs");
     assert_eq!(stats.queued as usize, QUEUE_DEPTH);
     assert_eq!(stats.extra["running"], "run");
+    // The conversation it works on, out of the store while it runs, as it was when it began.
+    assert_eq!(stats.extra["running_conversation"]["tokens"], 0);
+    assert!(stats.conversations.is_empty());
     // q1 is answered at once, before anything ran; then run's cancel; then the rest in order.
     let order: Vec<(&str, StopReason)> = dones.iter().map(|d| (d.id.as_str(), d.reason)).collect();
     let mut want = vec![("q1", StopReason::Cancel), ("run", StopReason::Cancel)];

@@ -136,6 +136,13 @@ impl<W: std::io::Write> Session<'_, W> {
         let resume = conv.resume_point(&job.prompt);
         let undo = conv.rewind(resume);
         let cached = conv.state.n_past();
+        self.in_flight = Some(poly_protocol::ConversationInfo {
+            id: conv.id.clone().unwrap_or_default(),
+            tokens: cached as u32,
+            active: true,
+            bytes: conv.bytes() as u64,
+            checkpoints: conv.n_checkpoints() as u32,
+        });
         let result = self.generate(&mut conv, job);
         let finished = match result {
             Ok(Ok(f)) if f.reason != StopReason::Cancel => {

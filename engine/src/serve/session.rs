@@ -49,6 +49,8 @@ pub struct Session<'a, W: Write> {
     out: &'a mut W,
     /// The id of the request that runs.
     running: Option<String>,
+    /// The conversation it works on, as it was when it started (out of the store meanwhile).
+    pub(super) in_flight: Option<ConversationInfo>,
     quitting: bool,
     totals: Totals,
 }
@@ -74,6 +76,7 @@ impl<'a, W: Write> Session<'a, W> {
             inputs,
             out,
             running: None,
+            in_flight: None,
             quitting: false,
             totals: Totals::default(),
         }
@@ -263,6 +266,7 @@ impl<'a, W: Write> Session<'a, W> {
         self.running = Some(job.id.clone());
         let result = self.execute(&job);
         self.running = None;
+        self.in_flight = None;
         match result? {
             Ok(done) => {
                 self.totals.requests += 1;
@@ -304,6 +308,7 @@ impl<'a, W: Write> Session<'a, W> {
             "rss_peak_bytes": rss_peak,
             "evicted": self.store.evicted,
             "running": self.running,
+            "running_conversation": self.in_flight,
             "requests": t.requests,
             "cancelled": t.cancelled,
             "failed": t.failed,
