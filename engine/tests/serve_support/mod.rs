@@ -58,7 +58,9 @@ impl Engine {
         let mut child = Command::new(env!("CARGO_BIN_EXE_poly-engine"))
             .arg("--model")
             .arg(model)
-            .args(["--threads", "2"])
+            // As many threads as the library here: split-KV decode splits by the thread count, and the
+            // tests compare the engine's numbers with the library's bit for bit.
+            .args(["--threads", &rayon::current_num_threads().to_string()])
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
