@@ -2,12 +2,13 @@
 //! active state, from a checkpoint, and from a parked conversation gives the tokens a fresh read of the
 //! whole prompt gives (the library on a fresh state), and DONE's `cached_tokens` shows the reuse.
 //!
-//! Reading a prompt in other forward calls (a kept prefix, checkpoints, the 512-token ubatch) changes which
-//! rows are computed together, and the CPU kernels' summation order depends on the batch (per expert, the
-//! rows routed to it): on these tiny random-weight fixtures, whose activations are quantized, one split
-//! alone moves probabilities by up to ~0.04 (measured on library reads, no engine process involved), a
-//! few splits and decoded tokens up to ~0.05. So each
-//! answer is checked two ways:
+//! Reading a prompt in other forward calls (a kept prefix, checkpoints, the 512-token ubatch) changes how
+//! many rows each call computes together, and the CPU kernels' summation order depends on that (one-row,
+//! four-row and tiled matrix products; per expert, the rows routed to it; tiled attention from 64 rows).
+//! On these tiny random-weight fixtures, whose activations are quantized, one split alone moves
+//! probabilities by up to ~0.04 (measured on library reads of 60 tokens split at 40 or 57 or read token
+//! by token, no engine process involved, on gemma3 too), a few splits and decoded tokens up to ~0.05. So
+//! each answer is checked two ways:
 //! - against a fresh read of the whole prompt: the same tokens, probabilities within [`SPLIT_TOLERANCE`]
 //!   (where the fresh read's two likeliest tokens are that close, either may come);
 //! - against the library replaying the same forward calls on its own state ([`Mirror`]): the same tokens
