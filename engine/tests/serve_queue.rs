@@ -141,3 +141,28 @@ fn requests_queue_in_order_and_beyond_the_queue_are_busy() {
     }
     assert!(answers[1].is_empty());
 }
+
+#[test]
+fn cancel_stops_a_prompt_read_between_forward_calls() {
+    let name = FIXTURES[0];
+    let mut e = Engine::start(name, &["--max-context", "8192"]);
+    let mut rng = Rng::new(23);
+    let n_vocab = e.n_vocab();
+    let prompt = rng.tokens(10, n_vocab);
+    let before = e.gen(&short("before", prompt.clone())).unwrap();
+    let kept = prompt.len() + before.ids().len() - 1;
+    // 1,600 more tokens: four forward calls of up to 512, each long enough for the CANCEL to arrive.
+    let tail = rng.tokens(1600, n_vocab);
+    let long = [&prompt[..], &before.ids(), &tail].concat();
+    e.send(&ToEngine::Gen(endless("long", long.clone())));
+    e.send_line(r#"CANCEL {"id":"long"}"#);
+    let answer = e.collect("long").unwrap();
+    assert_eq!(answer.done.reason, StopReason::Cancel);
+    assert_eq!(answer.done.generated, 0, "cancelled before the first token");
+    assert!(answer.tokens.is_empty());
+    assert_eq!(answer.done.cached_tokens as usize, kept);
+    // What the cancelled read had read is not kept: the state is still the first request's.
+    let next = [&prompt[..], &before.ids(), &tail[..600]].concat();
+    let after = e.gen(&short("after", next)).unwrap();
+    assert_eq!(after.done.cached_tokens as usize, kept);
+}
