@@ -1,8 +1,8 @@
 //! Cancellation and the request queue through the real binary: CANCEL stops a running GEN between tokens
-//! (its DONE counts exactly the tokens sent) and leaves the kept state as it was; queued GENs run in
-//! order, a queued one can be cancelled before it starts, beyond the queue's depth a GEN is answered
-//! `busy`, and STATS answers while a GEN runs.
-//! Cost: two engine processes on a tiny model, a second or two.
+//! (its DONE counts exactly the tokens sent) or between the forward calls of its prompt read, and leaves
+//! the kept state as it was; queued GENs run in order, a queued one can be cancelled before it starts,
+//! beyond the queue's depth a GEN is answered `busy`, and STATS answers while a GEN runs.
+//! Cost: three engine processes on tiny models, a second or two.
 
 mod serve_support;
 
