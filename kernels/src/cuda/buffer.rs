@@ -152,7 +152,13 @@ pub struct DeviceMatrix {
 
 impl DeviceMatrix {
     /// Uploads `data` (exactly `rows` rows of `cols` values of `ty`).
-    pub fn upload(dev: &Device, ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> CudaResult<Self> {
+    pub fn upload(
+        dev: &Device,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> CudaResult<Self> {
         let row_bytes = check_shape(ty, rows, cols)?;
         if rows.checked_mul(row_bytes) != Some(data.len()) {
             return Err(CudaError::Invalid(format!(
@@ -219,7 +225,10 @@ impl StackedExperts {
         let (rows, cols, n_expert) = shape;
         let row_bytes = check_shape(ty, rows, cols)?;
         let expert_bytes = rows * row_bytes;
-        if n_expert == 0 || n_expert > i32::MAX as usize || expert_bytes.checked_mul(n_expert) != Some(data.len()) {
+        if n_expert == 0
+            || n_expert > i32::MAX as usize
+            || expert_bytes.checked_mul(n_expert) != Some(data.len())
+        {
             return Err(CudaError::Invalid(format!(
                 "{ty}: {} bytes are not {n_expert} experts of {rows}×{cols}",
                 data.len()

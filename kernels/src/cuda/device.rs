@@ -156,16 +156,17 @@ impl Device {
     }
 
     /// Loads `module` into the context (compiling or reading the cache) if it is not loaded yet.
-    fn ensure_module(&self, loaded: &mut Loaded, module: KernelModule) -> CudaResult<Arc<CudaModule>> {
+    fn ensure_module(
+        &self,
+        loaded: &mut Loaded,
+        module: KernelModule,
+    ) -> CudaResult<Arc<CudaModule>> {
         if let Some(m) = &loaded.modules[module.index()] {
             return Ok(m.clone());
         }
         let arch = self.arch();
         let (bytes, load) = module::cubin(module, &arch, false)?;
-        let loaded_module = match self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(bytes))
-        {
+        let loaded_module = match self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes)) {
             Ok(m) => {
                 loaded.log.push(load);
                 m
@@ -201,14 +202,21 @@ impl Device {
     }
 
     /// The kernel `name` of `module`, loading the module on first use.
-    pub(crate) fn function(&self, module: KernelModule, name: &'static str) -> CudaResult<CudaFunction> {
+    pub(crate) fn function(
+        &self,
+        module: KernelModule,
+        name: &'static str,
+    ) -> CudaResult<CudaFunction> {
         let mut loaded = self.loaded();
         if let Some(f) = loaded.functions.get(name) {
             return Ok(f.clone());
         }
         let m = self.ensure_module(&mut loaded, module)?;
         let f = m.load_function(name).map_err(|e| {
-            CudaError::Invalid(format!("kernel {name} not found in {}.cu: {e}", module.name()))
+            CudaError::Invalid(format!(
+                "kernel {name} not found in {}.cu: {e}",
+                module.name()
+            ))
         })?;
         loaded.functions.insert(name, f.clone());
         Ok(f)
@@ -217,9 +225,9 @@ impl Device {
     /// Called after every launch: with `POLY_CUDA_SYNC=1`, waits and reports the kernel's own fault.
     pub(crate) fn after_launch(&self, name: &str) -> CudaResult<()> {
         if self.sync_each_launch {
-            self.stream.synchronize().map_err(|e| {
-                CudaError::Invalid(format!("kernel {name} failed: {e}"))
-            })?;
+            self.stream
+                .synchronize()
+                .map_err(|e| CudaError::Invalid(format!("kernel {name} failed: {e}")))?;
         }
         Ok(())
     }
@@ -234,7 +242,10 @@ impl Device {
     }
 
     /// A new buffer of `len` zeros.
-    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaResult<DeviceBuffer<T>> {
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> CudaResult<DeviceBuffer<T>> {
         if len == 0 {
             return Err(CudaError::Invalid("allocation of zero elements".into()));
         }
@@ -255,7 +266,10 @@ impl Device {
     }
 
     /// A host copy of `src`, after everything queued before it.
-    pub fn download<T: DeviceRepr + Clone + Default>(&self, src: &DeviceBuffer<T>) -> CudaResult<Vec<T>> {
+    pub fn download<T: DeviceRepr + Clone + Default>(
+        &self,
+        src: &DeviceBuffer<T>,
+    ) -> CudaResult<Vec<T>> {
         Ok(self.stream.clone_dtoh(src.slice())?)
     }
 }

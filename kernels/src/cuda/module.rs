@@ -185,7 +185,12 @@ fn nvrtc_err(what: &str, detail: String) -> CudaError {
 }
 
 /// The cache file of `module` for `arch` under `dir`.
-fn cache_path(dir: &std::path::Path, module: KernelModule, arch: &str, nvrtc: (i32, i32)) -> PathBuf {
+fn cache_path(
+    dir: &std::path::Path,
+    module: KernelModule,
+    arch: &str,
+    nvrtc: (i32, i32),
+) -> PathBuf {
     let source = module.source();
     let options = compile_options(arch).join(" ");
     let key = fnv1a64(&[
@@ -204,7 +209,11 @@ fn cache_path(dir: &std::path::Path, module: KernelModule, arch: &str, nvrtc: (i
 
 /// A cubin of `module` for `arch` (`"sm_90"`), from the cache or compiled now. `fresh` skips the cache read
 /// (used when the driver rejected a cached file).
-pub(crate) fn cubin(module: KernelModule, arch: &str, fresh: bool) -> CudaResult<(Vec<u8>, ModuleLoad)> {
+pub(crate) fn cubin(
+    module: KernelModule,
+    arch: &str,
+    fresh: bool,
+) -> CudaResult<(Vec<u8>, ModuleLoad)> {
     let nvrtc = nvrtc_version()?;
     let path = cache_dir().map(|d| cache_path(&d, module, arch, nvrtc));
     if !fresh {
@@ -270,7 +279,8 @@ fn compile(module: KernelModule, arch: &str) -> CudaResult<Vec<u8>> {
         module: module.name(),
         log,
     };
-    let src = CString::new(module.source()).map_err(|_| compile_err("source holds a NUL".into()))?;
+    let src =
+        CString::new(module.source()).map_err(|_| compile_err("source holds a NUL".into()))?;
     let name = CString::new(format!("{}.cu", module.name()))
         .map_err(|_| compile_err("name holds a NUL".into()))?;
     let prog = Program(
@@ -283,7 +293,11 @@ fn compile(module: KernelModule, arch: &str) -> CudaResult<Vec<u8>> {
         // SAFETY: as above.
         let log = unsafe { result::get_program_log(prog.0) }
             .map(|raw| {
-                let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                let bytes: Vec<u8> = raw
+                    .iter()
+                    .take_while(|&&c| c != 0)
+                    .map(|&c| c as u8)
+                    .collect();
                 String::from_utf8_lossy(&bytes).into_owned()
             })
             .unwrap_or_default();
@@ -319,7 +333,9 @@ mod tests {
         assert_ne!(a, cache_path(dir, KernelModule::Norm, "sm_90", (12, 8)));
         assert_ne!(a, cache_path(dir, KernelModule::Rope, "sm_90", (13, 0)));
         assert_eq!(a, cache_path(dir, KernelModule::Norm, "sm_90", (13, 0)));
-        assert!(a.to_string_lossy().starts_with("/tmp/x/norm-sm_90-nvrtc13.0-"));
+        assert!(a
+            .to_string_lossy()
+            .starts_with("/tmp/x/norm-sm_90-nvrtc13.0-"));
     }
 
     /// Compiles every module for the oldest and a recent target where NVRTC is installed (it needs no GPU);

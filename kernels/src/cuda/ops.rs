@@ -42,9 +42,16 @@ fn grid_1d(n: usize, threads: u32) -> CudaResult<LaunchConfig> {
 
 /// Quantizes `x` (a multiple of 32 values; several rows back to back are fine) into `out` (`x.len()/32`
 /// blocks).
-pub fn quantize_q8_1(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<BlockQ8_1>) -> CudaResult<()> {
+pub fn quantize_q8_1(
+    dev: &Device,
+    x: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
     if !x.len().is_multiple_of(BlockQ8_1::ELEMS) {
-        return invalid(format!("quantize_q8_1: {} values are not whole blocks", x.len()));
+        return invalid(format!(
+            "quantize_q8_1: {} values are not whole blocks",
+            x.len()
+        ));
     }
     check_len("quantize_q8_1 output", out, x.len() / BlockQ8_1::ELEMS)?;
     let n = as_i32("quantize_q8_1 length", x.len())?;
@@ -87,14 +94,23 @@ fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
 }
 
 /// `y = W·x` for a quantized `W`, with `x` already quantized ([`quantize_q8_1`]; `W.cols/32` blocks).
-pub fn matvec_q(dev: &Device, w: &DeviceMatrix, xq: &DeviceBuffer<BlockQ8_1>, y: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+pub fn matvec_q(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
     let name = q_kernel(w.ty, false)?;
     check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(w.data().slice()).arg(xq.slice()).arg(y.slice_mut()).arg(&ncols).arg(&nrows);
+    b.arg(w.data().slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
     let cfg = LaunchConfig {
         grid_dim: (w.rows as u32, 1, 1),
         block_dim: MATVEC_BLOCK,
@@ -107,14 +123,23 @@ pub fn matvec_q(dev: &Device, w: &DeviceMatrix, xq: &DeviceBuffer<BlockQ8_1>, y:
 }
 
 /// `y = W·x` for a float `W` (F32, F16, BF16).
-pub fn matvec_f(dev: &Device, w: &DeviceMatrix, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+pub fn matvec_f(
+    dev: &Device,
+    w: &DeviceMatrix,
+    x: &DeviceBuffer<f32>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
     let name = f_kernel(w.ty, false)?;
     check_len("matvec x", x, w.cols)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
     let f = dev.function(KernelModule::MatvecF, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(w.data().slice()).arg(x.slice()).arg(y.slice_mut()).arg(&ncols).arg(&nrows);
+    b.arg(w.data().slice())
+        .arg(x.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
     let cfg = LaunchConfig {
         grid_dim: (w.rows as u32, 1, 1),
         block_dim: MATVEC_BLOCK,
@@ -169,7 +194,15 @@ pub fn matvec_experts_q(
     let name = q_kernel(table.ty, true)?;
     let blocks_per_vec = table.cols / BlockQ8_1::ELEMS;
     let x_stride = expert_input_len("matvec_experts_q", xq, blocks_per_vec, ids.len(), input)?;
-    expert_launch(dev, (KernelModule::MatvecQ, name), table, ids, xq, x_stride, y)
+    expert_launch(
+        dev,
+        (KernelModule::MatvecQ, name),
+        table,
+        ids,
+        xq,
+        x_stride,
+        y,
+    )
 }
 
 /// [`matvec_experts_q`] for float expert tensors (F32, F16, BF16), with f32 input.
@@ -183,7 +216,15 @@ pub fn matvec_experts_f(
 ) -> CudaResult<()> {
     let name = f_kernel(table.ty, true)?;
     let x_stride = expert_input_len("matvec_experts_f", x, table.cols, ids.len(), input)?;
-    expert_launch(dev, (KernelModule::MatvecF, name), table, ids, x, x_stride, y)
+    expert_launch(
+        dev,
+        (KernelModule::MatvecF, name),
+        table,
+        ids,
+        x,
+        x_stride,
+        y,
+    )
 }
 
 /// Checks the input length of an expert launch; returns the stride between slots' vectors.
@@ -215,7 +256,9 @@ fn expert_launch<T>(
     check_shape(table.ty, table.rows, table.cols)?;
     let n_slots = ids.len();
     if n_slots > 65_535 {
-        return invalid(format!("{name}: {n_slots} slots (at most 65535 per launch)"));
+        return invalid(format!(
+            "{name}: {n_slots} slots (at most 65535 per launch)"
+        ));
     }
     check_len(&format!("{name} y"), y, n_slots * table.rows)?;
     let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
@@ -253,14 +296,18 @@ pub fn rms_norm(
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     if group == 0 || !x.len().is_multiple_of(group) {
-        return invalid(format!("rms_norm: {} values are not groups of {group}", x.len()));
+        return invalid(format!(
+            "rms_norm: {} values are not groups of {group}",
+            x.len()
+        ));
     }
     check_len("rms_norm out", out, x.len())?;
     if let Some(w) = weight {
         check_len("rms_norm weight", w, group)?;
     }
     let ncols = as_i32("rms_norm group", group)?;
-    let rows = u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
+    let rows =
+        u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Norm, "rms_norm")?;
     let mut b = dev.stream().launch_builder(&f);
@@ -270,7 +317,11 @@ pub fn rms_norm(
         None => b.arg(&null),
     };
     b.arg(out.slice_mut()).arg(&ncols).arg(&eps);
-    let threads = if group >= 1024 { 1024 } else { (group.div_ceil(32) * 32) as u32 };
+    let threads = if group >= 1024 {
+        1024
+    } else {
+        (group.div_ceil(32) * 32) as u32
+    };
     let cfg = LaunchConfig {
         grid_dim: (rows, 1, 1),
         block_dim: (threads, 1, 1),
@@ -282,9 +333,17 @@ pub fn rms_norm(
 }
 
 /// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card).
-pub fn rope(dev: &Device, x: &mut DeviceBuffer<f32>, positions: &DeviceBuffer<i32>, p: &RopeParams) -> CudaResult<()> {
+pub fn rope(
+    dev: &Device,
+    x: &mut DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    p: &RopeParams,
+) -> CudaResult<()> {
     if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
-        return invalid(format!("rope: n_rot {} with head_dim {}", p.n_rot, p.head_dim));
+        return invalid(format!(
+            "rope: n_rot {} with head_dim {}",
+            p.n_rot, p.head_dim
+        ));
     }
     let n_rows = positions.len();
     if !x.len().is_multiple_of(n_rows) || !(x.len() / n_rows).is_multiple_of(p.head_dim) {
@@ -301,6 +360,8 @@ pub fn rope(dev: &Device, x: &mut DeviceBuffer<f32>, positions: &DeviceBuffer<i3
         as_i32("n_rot", p.n_rot)?,
     );
     let neox: i32 = (p.mode == RopeMode::Neox) as i32;
+    // As the CPU path computes it (f32 powf on the host), so both form the same angles.
+    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
     let f = dev.function(KernelModule::Rope, "rope")?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.slice_mut())
@@ -309,7 +370,7 @@ pub fn rope(dev: &Device, x: &mut DeviceBuffer<f32>, positions: &DeviceBuffer<i3
         .arg(&head_dim)
         .arg(&n_rot)
         .arg(&neox)
-        .arg(&p.freq_base)
+        .arg(&theta_scale)
         .arg(&p.freq_scale);
     let cfg = LaunchConfig {
         grid_dim: (n_rows as u32, n_heads as u32, 1),
@@ -334,7 +395,10 @@ pub fn swiglu(
     let n = gate.len() as i64;
     let f = dev.function(KernelModule::Act, "swiglu_f32")?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(gate.slice()).arg(up.slice()).arg(out.slice_mut()).arg(&n);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
     // SAFETY: all three buffers hold n floats.
     unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
     dev.after_launch("swiglu_f32")
@@ -371,7 +435,12 @@ pub fn route_topk(
     ids: &mut DeviceBuffer<i32>,
     weights: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    if r.n_expert == 0 || r.k == 0 || r.k > r.n_expert || r.k > 256 || !logits.len().is_multiple_of(r.n_expert) {
+    if r.n_expert == 0
+        || r.k == 0
+        || r.k > r.n_expert
+        || r.k > 256
+        || !logits.len().is_multiple_of(r.n_expert)
+    {
         return invalid(format!(
             "route_topk: {} logits, {} experts, k {}",
             logits.len(),
@@ -384,7 +453,10 @@ pub fn route_topk(
     check_len("route_topk weights", weights, n_tokens * r.k)?;
     let shared = r.n_expert * 4;
     if shared > 48 * 1024 {
-        return invalid(format!("route_topk: {} experts do not fit shared memory", r.n_expert));
+        return invalid(format!(
+            "route_topk: {} experts do not fit shared memory",
+            r.n_expert
+        ));
     }
     let (n_expert, k) = (as_i32("n_expert", r.n_expert)?, as_i32("k", r.k)?);
     let gating: i32 = match r.gating {
@@ -430,14 +502,22 @@ pub fn moe_combine(
     }
     let n_tokens = weights.len() / k;
     if !out.len().is_multiple_of(n_tokens) {
-        return invalid(format!("moe_combine: out of {} for {n_tokens} tokens", out.len()));
+        return invalid(format!(
+            "moe_combine: out of {} for {n_tokens} tokens",
+            out.len()
+        ));
     }
     let n = out.len() / n_tokens;
     check_len("moe_combine y", y, n_tokens * k * n)?;
     let (k_i, n_i, acc) = (as_i32("k", k)?, as_i32("n", n)?, accumulate as i32);
     let f = dev.function(KernelModule::Route, "moe_combine")?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(y.slice()).arg(weights.slice()).arg(&k_i).arg(&n_i).arg(&acc).arg(out.slice_mut());
+    b.arg(y.slice())
+        .arg(weights.slice())
+        .arg(&k_i)
+        .arg(&n_i)
+        .arg(&acc)
+        .arg(out.slice_mut());
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(256) as u32, n_tokens as u32, 1),
         block_dim: (256, 1, 1),
