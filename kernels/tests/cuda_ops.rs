@@ -9,7 +9,9 @@
 #![cfg(feature = "cuda")]
 
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
-use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
+use poly_kernels::cuda::{
+    BlockQ8_1, CudaError, Device, DeviceMatrix, KernelModule, ModuleOrigin, StackedExperts,
+};
 use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::act::{silu, swiglu_in_place};
 use poly_kernels::ops::norm::rms_norm;
@@ -408,4 +410,42 @@ fn bad_arguments_are_errors_not_faults() {
         Err(CudaError::Invalid(_))
     ));
     dev.synchronize().unwrap();
+}
+
+/// A second device handle finds every module in the on-disk cache the first one filled (when the cache is
+/// writable), and both run kernels.
+#[test]
+fn modules_come_from_the_cache_the_second_time() {
+    let Some(first) = device() else { return };
+    first.load_all_modules().unwrap();
+    let first_log = first.module_log();
+    assert_eq!(first_log.len(), KernelModule::ALL.len());
+    for load in &first_log {
+        println!(
+            "first load of {}: {:?} at {:?}",
+            load.module.name(),
+            load.origin,
+            load.path
+        );
+    }
+    let second = Device::open(0).unwrap();
+    second.load_all_modules().unwrap();
+    for (a, b) in first_log.iter().zip(second.module_log()) {
+        assert_eq!(a.module, b.module);
+        let written = matches!(
+            a.origin,
+            ModuleOrigin::Cached | ModuleOrigin::Compiled { cached: true, .. }
+        );
+        if written {
+            assert_eq!(b.origin, ModuleOrigin::Cached, "{}", b.module.name());
+        }
+    }
+    let x = second.upload(&[3.0f32; 32]).unwrap();
+    let mut out = second.zeros::<f32>(32).unwrap();
+    ops::rms_norm(&second, &x, 32, None, 0.0, &mut out).unwrap();
+    assert!(second
+        .download(&out)
+        .unwrap()
+        .iter()
+        .all(|&v| (v - 1.0).abs() < 1e-6));
 }
