@@ -103,6 +103,49 @@ struct block_q8_0 {
     int8_t qs[32];
 };
 
+struct block_q4_0 {
+    uint16_t d;
+    uint8_t qs[16];
+};
+
+struct block_q4_1 {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qs[16];
+};
+
+struct block_q5_0 {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[16];
+};
+
+struct block_q5_1 {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qh[4];
+    uint8_t qs[16];
+};
+
+struct block_iq4_nl {
+    uint16_t d;
+    uint8_t qs[16];
+};
+
+struct block_q2_K {
+    uint8_t scales[16];
+    uint8_t qs[64];
+    uint16_t d;
+    uint16_t dmin;
+};
+
+struct block_q3_K {
+    uint8_t hmask[32];
+    uint8_t qs[64];
+    uint8_t scales[12];
+    uint16_t d;
+};
+
 struct block_q4_K {
     uint16_t d;
     uint16_t dmin;
@@ -134,6 +177,13 @@ struct block_iq4_xs {
 
 static_assert(sizeof(block_q8_1) == 36, "block_q8_1 size");
 static_assert(sizeof(block_q8_0) == 34, "block_q8_0 size");
+static_assert(sizeof(block_q4_0) == 18, "block_q4_0 size");
+static_assert(sizeof(block_q4_1) == 20, "block_q4_1 size");
+static_assert(sizeof(block_q5_0) == 22, "block_q5_0 size");
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 size");
+static_assert(sizeof(block_iq4_nl) == 18, "block_iq4_nl size");
+static_assert(sizeof(block_q2_K) == 84, "block_q2_K size");
+static_assert(sizeof(block_q3_K) == 110, "block_q3_K size");
 static_assert(sizeof(block_q4_K) == 144, "block_q4_K size");
 static_assert(sizeof(block_q5_K) == 176, "block_q5_K size");
 static_assert(sizeof(block_q6_K) == 210, "block_q6_K size");

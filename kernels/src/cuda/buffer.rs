@@ -110,9 +110,18 @@ pub enum GpuAct {
 pub fn gpu_act(ty: GgmlType) -> Option<GpuAct> {
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(GpuAct::F32),
-        GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
-            Some(GpuAct::Q8_1)
-        }
+        GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q4_K
+        | GgmlType::Q5_K
+        | GgmlType::Q6_K
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ4_XS => Some(GpuAct::Q8_1),
         _ => None,
     }
 }

@@ -64,20 +64,40 @@ pub fn quantize_q8_1(
 }
 
 fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
-    let name = match (ty, experts) {
-        (GgmlType::Q8_0, false) => "matvec_q8_0",
-        (GgmlType::Q4_K, false) => "matvec_q4_k",
-        (GgmlType::Q5_K, false) => "matvec_q5_k",
-        (GgmlType::Q6_K, false) => "matvec_q6_k",
-        (GgmlType::IQ4_XS, false) => "matvec_iq4_xs",
-        (GgmlType::Q8_0, true) => "matvec_experts_q8_0",
-        (GgmlType::Q4_K, true) => "matvec_experts_q4_k",
-        (GgmlType::Q5_K, true) => "matvec_experts_q5_k",
-        (GgmlType::Q6_K, true) => "matvec_experts_q6_k",
-        (GgmlType::IQ4_XS, true) => "matvec_experts_iq4_xs",
-        _ => return invalid(format!("no quantized matvec kernel for {ty}")),
-    };
-    Ok(name)
+    const SINGLE: [(GgmlType, &str); 12] = [
+        (GgmlType::Q4_0, "matvec_q4_0"),
+        (GgmlType::Q4_1, "matvec_q4_1"),
+        (GgmlType::Q5_0, "matvec_q5_0"),
+        (GgmlType::Q5_1, "matvec_q5_1"),
+        (GgmlType::Q8_0, "matvec_q8_0"),
+        (GgmlType::Q2_K, "matvec_q2_k"),
+        (GgmlType::Q3_K, "matvec_q3_k"),
+        (GgmlType::Q4_K, "matvec_q4_k"),
+        (GgmlType::Q5_K, "matvec_q5_k"),
+        (GgmlType::Q6_K, "matvec_q6_k"),
+        (GgmlType::IQ4_NL, "matvec_iq4_nl"),
+        (GgmlType::IQ4_XS, "matvec_iq4_xs"),
+    ];
+    const EXPERTS: [(GgmlType, &str); 12] = [
+        (GgmlType::Q4_0, "matvec_experts_q4_0"),
+        (GgmlType::Q4_1, "matvec_experts_q4_1"),
+        (GgmlType::Q5_0, "matvec_experts_q5_0"),
+        (GgmlType::Q5_1, "matvec_experts_q5_1"),
+        (GgmlType::Q8_0, "matvec_experts_q8_0"),
+        (GgmlType::Q2_K, "matvec_experts_q2_k"),
+        (GgmlType::Q3_K, "matvec_experts_q3_k"),
+        (GgmlType::Q4_K, "matvec_experts_q4_k"),
+        (GgmlType::Q5_K, "matvec_experts_q5_k"),
+        (GgmlType::Q6_K, "matvec_experts_q6_k"),
+        (GgmlType::IQ4_NL, "matvec_experts_iq4_nl"),
+        (GgmlType::IQ4_XS, "matvec_experts_iq4_xs"),
+    ];
+    let table: &[(GgmlType, &'static str)] = if experts { &EXPERTS } else { &SINGLE };
+    table
+        .iter()
+        .find(|(t, _)| *t == ty)
+        .map(|(_, name)| *name)
+        .ok_or_else(|| CudaError::Invalid(format!("no quantized matvec kernel for {ty}")))
 }
 
 fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
