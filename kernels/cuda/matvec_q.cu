@@ -2,17 +2,19 @@
 // quantized to block_q8_1 (quantize.cu). Weights are dequantized in registers and multiplied with 8-bit
 // integer dot products (dp4a), as ggml-cuda's mmvq does; the per-format dot products follow vecdotq.cuh.
 //
-// Work split: one thread block of (32, MATVEC_WARPS) threads per output row. The QI/VDR threads that share
-// one weight block each take VDR ints of its quants (`iqs`), the block's threads stride over the row's
-// blocks, then the block reduces. Two entry points per format:
+// Work split: a thread block of (32, MATVEC_WARPS) threads computes MATVEC_WARPS / warps_per_row output rows,
+// warps_per_row warps (1, 2 or 4: a launch argument the host picks so a short row, like the 768 columns of
+// an expert's down projection, does not leave most threads idle) per row. The QI/VDR threads that share one
+// weight block each take VDR ints of its quants (`iqs`), a row's threads stride over the row's blocks, then
+// the row's warps reduce through shared memory. Two entry points per format:
 //   matvec_<fmt>          : one matrix, one vector.
 //   matvec_experts_<fmt>  : several experts of one stacked tensor in one launch. Slot s of the launch
 //                           (blockIdx.y) multiplies expert ids[s] (read from device memory, so a captured
 //                           CUDA graph replays with new routing) with activation vector s*x_stride_blocks,
 //                           writing y[s*nrows + row]. The expert's weights are found through a table of
 //                           device addresses, one per expert: all experts in one allocation today, slots of
-//                           the VRAM expert cache later. A null address or an id outside 0..n_expert writes 0 (the
-//                           expert is computed elsewhere, e.g. on the CPU).
+//                           the VRAM expert cache later. A null address or an id outside 0..n_expert
+//                           writes 0 (the expert is computed elsewhere, e.g. on the CPU).
 
 #define MATVEC_WARPS 4
 
@@ -324,14 +326,26 @@ struct fmt_iq4_xs {
 
 // ----- the shared row loop ---------------------------------------------------------------------------------
 
-// Dot product of one weight row (ncols values) with x; the result lands in thread (0, 0).
+// The row of this thread's warp group: warps threadIdx.y / wpr * wpr .. + wpr share one row.
+static __device__ __forceinline__ int group_row(int wpr) {
+    return blockIdx.x * (MATVEC_WARPS / wpr) + threadIdx.y / wpr;
+}
+
+// Whether this thread writes its group's result (lane 0 of the group's first warp).
+static __device__ __forceinline__ bool group_writer(int wpr) {
+    return threadIdx.x == 0 && threadIdx.y % wpr == 0;
+}
+
+// Dot product of one weight row (ncols values) with x by the wpr warps of this thread's group; the result
+// is valid in the group's writer. Every thread of the block must call it (it synchronizes the block);
+// `active` false (a row past the last) contributes nothing.
 template <typename F>
 static __device__ __forceinline__ float row_dot(const uint8_t * __restrict__ w_row, const block_q8_1 * __restrict__ x,
-                                                int ncols) {
+                                                int ncols, int wpr, bool active) {
     constexpr int threads_per_block = F::qi / F::vdr;
-    constexpr int blocks_per_iter = F::vdr * MATVEC_WARPS * WARP_SIZE / F::qi;
-    const int tid = WARP_SIZE * threadIdx.y + threadIdx.x;
-    const int blocks_per_row = ncols / F::qk;
+    const int blocks_per_iter = F::vdr * wpr * WARP_SIZE / F::qi;
+    const int tid = WARP_SIZE * (threadIdx.y % wpr) + threadIdx.x;
+    const int blocks_per_row = active ? ncols / F::qk : 0;
     const int iqs = F::vdr * (tid % threads_per_block);
     const typename F::block * w = (const typename F::block *) w_row;
     float acc = 0.0f;
@@ -345,22 +359,22 @@ static __device__ __forceinline__ float row_dot(const uint8_t * __restrict__ w_r
     }
     __syncthreads();
     float total = 0.0f;
-    if (threadIdx.y == 0) {
-        total = warp_sum(threadIdx.x < MATVEC_WARPS ? partial[threadIdx.x] : 0.0f);
+    if (group_writer(wpr)) {
+        for (int w8 = 0; w8 < wpr; ++w8) {
+            total += partial[threadIdx.y + w8];
+        }
     }
     return total;
 }
 
 template <typename F>
 static __device__ __forceinline__ void matvec(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x,
-                                              float * __restrict__ y, int ncols, int nrows) {
-    const int row = blockIdx.x;
-    if (row >= nrows) {
-        return;
-    }
+                                              float * __restrict__ y, int ncols, int nrows, int wpr) {
+    const int row = group_row(wpr);
+    const bool active = row < nrows;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-    const float v = row_dot<F>(w + row * row_bytes, x, ncols);
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
+    const float v = row_dot<F>(w + (active ? row : 0) * row_bytes, x, ncols, wpr, active);
+    if (active && group_writer(wpr)) {
         y[row] = v;
     }
 }
@@ -369,20 +383,16 @@ template <typename F>
 static __device__ __forceinline__ void matvec_experts(const uint64_t * __restrict__ expert_table,
                                                       const int32_t * __restrict__ ids, int n_expert,
                                                       const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,
-                                                      float * __restrict__ y, int ncols, int nrows) {
-    const int row = blockIdx.x;
+                                                      float * __restrict__ y, int ncols, int nrows, int wpr) {
+    const int row = group_row(wpr);
     const int slot = blockIdx.y;
-    if (row >= nrows) {
-        return;
-    }
     const int32_t expert = ids[slot];
     const uint64_t base = expert < 0 || expert >= n_expert ? 0 : expert_table[expert];
-    float v = 0.0f;
-    if (base != 0) {
-        const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-        v = row_dot<F>((const uint8_t *) base + row * row_bytes, x + slot * x_stride_blocks, ncols);
-    }
-    if (threadIdx.x == 0 && threadIdx.y == 0) {
+    const bool active = row < nrows && base != 0;
+    const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
+    const uint8_t * w_row = active ? (const uint8_t *) base + row * row_bytes : nullptr;
+    const float v = row_dot<F>(w_row, x + slot * x_stride_blocks, ncols, wpr, active);
+    if (row < nrows && group_writer(wpr)) {
         y[(int64_t) slot * nrows + row] = v;
     }
 }
@@ -390,14 +400,14 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
 #define MATVEC_ENTRY_POINTS(name, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
-                      int ncols, int nrows) {                                                                  \
-        matvec<F>(w, x, y, ncols, nrows);                                                                      \
+                      int ncols, int nrows, int wpr) {                                                         \
+        matvec<F>(w, x, y, ncols, nrows, wpr);                                                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,   \
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
-                              float * __restrict__ y, int ncols, int nrows) {                                  \
-        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows);                   \
+                              float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
+        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr);              \
     }
 
 MATVEC_ENTRY_POINTS(q4_0, fmt_q4_0)

@@ -113,6 +113,43 @@ fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
     Ok(name)
 }
 
+/// Threads that share one weight block in the quantized matvec kernels (`qi / vdr` of the format's `fmt_*`
+/// struct in `matvec_q.cu`).
+fn threads_per_weight_block(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 4,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K => 16,
+        GgmlType::Q6_K => 32,
+        GgmlType::IQ4_XS => 8,
+        // Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+        _ => 2,
+    }
+}
+
+/// Warps per output row of the quantized matvec kernels: the fewest of 1, 2, 4 that give every thread a
+/// share of a row of `cols` values (so a thread block computes 4, 2 or 1 rows).
+fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
+    let threads = cols / ty.block_elems() * threads_per_weight_block(ty);
+    match threads {
+        0..=32 => 1,
+        33..=64 => 2,
+        _ => 4,
+    }
+}
+
+/// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
+/// warps per row.
+fn q_matvec_config(ty: GgmlType, rows: usize, cols: usize, slots: usize) -> (LaunchConfig, i32) {
+    let wpr = warps_per_row(ty, cols);
+    let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, slots as u32, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: 0,
+    };
+    (cfg, wpr as i32)
+}
+
 /// `y = W·x` for a quantized `W`, with `x` already quantized ([`quantize_q8_1`]; `W.cols/32` blocks).
 pub fn matvec_q(
     dev: &Device,
@@ -124,18 +161,15 @@ pub fn matvec_q(
     check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
+    let (cfg, wpr) = q_matvec_config(w.ty, w.rows, w.cols, 1);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
         .arg(y.slice_mut())
         .arg(&ncols)
-        .arg(&nrows);
-    let cfg = LaunchConfig {
-        grid_dim: (w.rows as u32, 1, 1),
-        block_dim: MATVEC_BLOCK,
-        shared_mem_bytes: 0,
-    };
+        .arg(&nrows)
+        .arg(&wpr);
     // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds cols/32 blocks and y
     // rows floats (checked above); the kernel touches nothing else.
     unsafe { b.launch(cfg) }?;
@@ -283,6 +317,21 @@ fn expert_launch<T>(
     check_len(&format!("{name} y"), y, n_slots * table.rows)?;
     let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
     let n_expert = as_i32("n_expert", table.n_expert)?;
+    // The quantized kernels take the warps per row as their last argument; the float ones one row per block.
+    let (cfg, wpr) = match module {
+        KernelModule::MatvecQ => {
+            let (cfg, wpr) = q_matvec_config(table.ty, table.rows, table.cols, n_slots);
+            (cfg, Some(wpr))
+        }
+        _ => {
+            let cfg = LaunchConfig {
+                grid_dim: (table.rows as u32, n_slots as u32, 1),
+                block_dim: MATVEC_BLOCK,
+                shared_mem_bytes: 0,
+            };
+            (cfg, None)
+        }
+    };
     let f = dev.function(module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(table.addresses().slice())
@@ -293,11 +342,9 @@ fn expert_launch<T>(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows);
-    let cfg = LaunchConfig {
-        grid_dim: (table.rows as u32, n_slots as u32, 1),
-        block_dim: MATVEC_BLOCK,
-        shared_mem_bytes: 0,
-    };
+    if let Some(wpr) = &wpr {
+        b.arg(wpr);
+    }
     // SAFETY: the table holds n_expert addresses, each 0 or the start of a rows × cols matrix of the
     // table's format that lives as long as the table's owner; the kernel reads ids[0..n_slots] and gives 0
     // for ids outside 0..n_expert; x and y lengths are checked above.
