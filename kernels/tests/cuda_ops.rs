@@ -490,3 +490,65 @@ fn modules_come_from_the_cache_the_second_time() {
         .iter()
         .all(|&v| (v - 1.0).abs() < 1e-6));
 }
+
+/// A captured MoE step (quantize the input, route, multiply the chosen experts) replays on new inputs
+/// written into its buffers: the routing and the experts follow the new values, as a decode graph needs.
+#[test]
+fn a_captured_moe_step_replays_with_new_inputs() {
+    let Some(dev) = device() else { return };
+    let (ty, rows, cols, n_expert, k) = (GgmlType::Q4_K, 64, 512, 16, 4);
+    let mut rng = Rng::new(90);
+    let w = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let expert_bytes = w.len() / n_expert;
+    let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).unwrap();
+    let r = Routing {
+        n_expert,
+        k,
+        gating: Gating::Softmax,
+        norm: true,
+        scale: 1.0,
+    };
+    let mut x = dev.zeros::<f32>(cols).unwrap();
+    let mut logits = dev.zeros::<f32>(n_expert).unwrap();
+    let mut xq = dev.zeros::<BlockQ8_1>(cols / 32).unwrap();
+    let mut ids = dev.zeros::<i32>(k).unwrap();
+    let mut weights = dev.zeros::<f32>(k).unwrap();
+    let mut y = dev.zeros::<f32>(k * rows).unwrap();
+    let graph = dev
+        .capture(|d| {
+            ops::quantize_q8_1(d, &x, &mut xq)?;
+            ops::route_topk(d, &logits, &r, &mut ids, &mut weights)?;
+            ops::matvec_experts_q(d, stacked.table(), &ids, &xq, ExpertInput::Shared, &mut y)
+        })
+        .unwrap();
+    let mut failures = Vec::new();
+    for step in 0..3 {
+        let xs = normals(&mut rng, cols);
+        let ls: Vec<f32> = normals(&mut rng, n_expert)
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
+        dev.write(&xs, &mut x).unwrap();
+        dev.write(&ls, &mut logits).unwrap();
+        graph.replay().unwrap();
+        let got_ids = dev.download(&ids).unwrap();
+        let got_y = dev.download(&y).unwrap();
+        let want = route(&ls, Gating::Softmax, k, true, 1.0);
+        let want_ids: Vec<i32> = want.iter().map(|p| p.0 as i32).collect();
+        assert_eq!(got_ids, want_ids, "step {step}");
+        for (s, &e) in want_ids.iter().enumerate() {
+            let e = e as usize;
+            let m = QuantMatrix::new(ty, rows, cols, &w[e * expert_bytes..(e + 1) * expert_bytes])
+                .unwrap();
+            let mut want_y = vec![0f32; rows];
+            matvec(&m, &xs, &mut want_y);
+            failures.extend(nmse_check(
+                &format!("graph step {step} slot {s}"),
+                &got_y[s * rows..(s + 1) * rows],
+                &want_y,
+                MATVEC_Q_NMSE,
+            ));
+        }
+    }
+    assert_no_failures(failures);
+}

@@ -222,6 +222,11 @@ impl Device {
         Ok(f)
     }
 
+    /// Whether `POLY_CUDA_SYNC=1` is in force.
+    pub(crate) fn syncs_each_launch(&self) -> bool {
+        self.sync_each_launch
+    }
+
     /// Called after every launch: with `POLY_CUDA_SYNC=1`, waits and reports the kernel's own fault.
     pub(crate) fn after_launch(&self, name: &str) -> CudaResult<()> {
         if self.sync_each_launch {

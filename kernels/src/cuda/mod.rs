@@ -1,7 +1,8 @@
 //! The CUDA backend of the kernels: a device with its stream ([`Device`]), typed device buffers
 //! ([`DeviceBuffer`], [`BlockQ8_1`]), weights on the card ([`DeviceMatrix`], [`StackedExperts`] with the
 //! [`ExpertTable`] the expert kernels read), the kernel modules compiled by NVRTC on first use with an on-disk
-//! cache ([`module`]), and the operations that launch them ([`ops`]).
+//! cache ([`module`]), the operations that launch them ([`ops`]), and CUDA graphs of them ([`LaunchGraph`],
+//! [`Device::capture`]).
 //!
 //! cudarc loads the driver, NVRTC and cuBLAS at run time, so this module builds without a CUDA toolkit and
 //! a program that has no GPU gets [`CudaError::NoDevice`] from [`Device::open`] instead of a failure to
@@ -10,11 +11,13 @@
 
 mod buffer;
 mod device;
+mod graph;
 pub mod module;
 pub mod ops;
 
 pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExperts};
 pub use device::Device;
+pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
 
 use cudarc::driver::DriverError;
