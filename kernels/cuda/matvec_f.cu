@@ -2,8 +2,8 @@
 // and sums in f32). One thread block of (32, MATVEC_F_WARPS) threads per row; threads stride over the columns
 // two at a time (rows of an even number of columns start 4-byte aligned for the 16-bit formats, which is
 // what the Rust side checks). Entry points mirror matvec_q.cu: one matrix, or several experts of one stacked
-// tensor through a table of device addresses and ids read from device memory (null address or an id outside 0..n_expert:
-// the slot's output is 0).
+// tensor through a table of device addresses and ids read from device memory (a null address or an id
+// outside 0..n_expert: the slot's output is 0).
 
 #define MATVEC_F_WARPS 4
 

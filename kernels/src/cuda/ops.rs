@@ -234,9 +234,9 @@ pub enum ExpertInput {
 
 /// Several experts of one tensor in one launch: for slot `s` of `ids.len()`, `y[s·rows..][..rows] =
 /// W[ids[s]]·x_s`, where `x_s` is `xq` itself ([`ExpertInput::Shared`]) or its `s`-th vector of `cols`
-/// values ([`ExpertInput::PerSlot`]). The ids are read on the card; an expert the table has no
-/// address for gives zeros, as does an id outside `0..n_expert`. Quantized formats take [`BlockQ8_1`] input: see [`matvec_experts_f`] for float
-/// ones.
+/// values ([`ExpertInput::PerSlot`]). The ids are read on the card; an expert the table has no address
+/// for gives zeros, as does an id outside `0..n_expert`. Quantized formats take [`BlockQ8_1`] input; see
+/// [`matvec_experts_f`] for float ones.
 pub fn matvec_experts_q(
     dev: &Device,
     table: &ExpertTable,
