@@ -63,48 +63,52 @@ fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
     w
 }
 
-/// Several experts of one format in one launch, at the expert shapes of a Qwen3-30B-A3B-like model.
+/// Several experts of one format in one launch, at the expert shapes of a Qwen3-30B-A3B-like model: one
+/// random tensor of `n_expert` experts, one launch measured per set of ids.
 fn bench_experts(
     dev: &Device,
     ty: GgmlType,
-    (rows, cols): (usize, usize),
-    n_expert: usize,
-    ids: &[i32],
+    (rows, cols, n_expert): (usize, usize, usize),
     input: ExpertInput,
+    id_sets: &[&[i32]],
 ) {
     let mut rng = Rng::new(7);
     let w = random_weights(ty, &mut rng, rows * cols * n_expert);
     let stacked = StackedExperts::upload(dev, ty, (rows, cols, n_expert), &w).expect("upload");
-    let idsd = dev.upload(ids).expect("ids");
-    let n_vec = if input == ExpertInput::Shared {
-        1
-    } else {
-        ids.len()
-    };
-    let x: Vec<f32> = (0..cols * n_vec).map(|_| rng.normal()).collect();
-    let xd = dev.upload(&x).expect("x");
-    let mut y = dev.zeros::<f32>(ids.len() * rows).expect("y");
-    let secs = if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-        time_launches(dev, || {
-            ops::matvec_experts_f(dev, stacked.table(), &idsd, &xd, input, &mut y).expect("launch")
-        })
-    } else {
-        let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).expect("xq");
-        ops::quantize_q8_1(dev, &xd, &mut xq).expect("quantize");
-        time_launches(dev, || {
-            ops::matvec_experts_q(dev, stacked.table(), &idsd, &xq, input, &mut y).expect("launch")
-        })
-    };
-    dev.synchronize().expect("sync");
-    let bytes = ids.len() * w.len() / n_expert;
-    report(
-        &format!(
-            "experts {ty} {rows}x{cols} x{} slots of {n_expert} ({input:?})",
+    for ids in id_sets {
+        let idsd = dev.upload(ids).expect("ids");
+        let n_vec = if input == ExpertInput::Shared {
+            1
+        } else {
             ids.len()
-        ),
-        secs,
-        bytes,
-    );
+        };
+        let x: Vec<f32> = (0..cols * n_vec).map(|_| rng.normal()).collect();
+        let xd = dev.upload(&x).expect("x");
+        let mut y = dev.zeros::<f32>(ids.len() * rows).expect("y");
+        let secs = if matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            time_launches(dev, || {
+                ops::matvec_experts_f(dev, stacked.table(), &idsd, &xd, input, &mut y)
+                    .expect("launch")
+            })
+        } else {
+            let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).expect("xq");
+            ops::quantize_q8_1(dev, &xd, &mut xq).expect("quantize");
+            time_launches(dev, || {
+                ops::matvec_experts_q(dev, stacked.table(), &idsd, &xq, input, &mut y)
+                    .expect("launch")
+            })
+        };
+        dev.synchronize().expect("sync");
+        let bytes = ids.len() * w.len() / n_expert;
+        report(
+            &format!(
+                "experts {ty} {rows}x{cols} x{} slots of {n_expert} ({input:?})",
+                ids.len()
+            ),
+            secs,
+            bytes,
+        );
+    }
 }
 
 #[test]
@@ -120,18 +124,23 @@ fn bench_expert_matvec() {
     let all: Vec<i32> = (0..128).collect();
     // Decode: 8 of 128 experts, chosen like a router would (distinct, spread).
     let eight: Vec<i32> = vec![3, 17, 29, 64, 77, 90, 101, 126];
+    // Gate/up: [2048 → 768], down: [768 → 2048], per expert.
     let gate = (768, 2048);
     let down = (2048, 768);
-    bench_experts(&dev, GgmlType::Q4_K, gate, 128, &all, ExpertInput::Shared);
-    bench_experts(&dev, GgmlType::Q4_K, down, 128, &all, ExpertInput::PerSlot);
-    bench_experts(&dev, GgmlType::Q4_K, gate, 128, &eight, ExpertInput::Shared);
+    let q4k = GgmlType::Q4_K;
     bench_experts(
         &dev,
-        GgmlType::Q4_K,
-        down,
-        128,
-        &eight,
+        q4k,
+        (gate.0, gate.1, 128),
+        ExpertInput::Shared,
+        &[&all, &eight],
+    );
+    bench_experts(
+        &dev,
+        q4k,
+        (down.0, down.1, 128),
         ExpertInput::PerSlot,
+        &[&all, &eight],
     );
     // Other formats over 32 experts (tens of MB per launch, enough to see the bandwidth; generating 128
     // experts' random weights of each would dominate the run).
@@ -144,8 +153,20 @@ fn bench_expert_matvec() {
         GgmlType::Q3_K,
         GgmlType::BF16,
     ] {
-        bench_experts(&dev, ty, gate, 32, &some, ExpertInput::Shared);
-        bench_experts(&dev, ty, down, 32, &some, ExpertInput::PerSlot);
+        bench_experts(
+            &dev,
+            ty,
+            (gate.0, gate.1, 32),
+            ExpertInput::Shared,
+            &[&some],
+        );
+        bench_experts(
+            &dev,
+            ty,
+            (down.0, down.1, 32),
+            ExpertInput::PerSlot,
+            &[&some],
+        );
     }
 }
 
