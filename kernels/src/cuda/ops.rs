@@ -594,3 +594,101 @@ pub fn moe_combine(
     unsafe { b.launch(cfg) }?;
     dev.after_launch("moe_combine")
 }
+
+#[cfg(test)]
+mod tests {
+    //! Host-side checks that need no GPU: the kernel names and per-format constants the launchers use
+    //! agree with the `.cu` sources.
+
+    use super::*;
+    use crate::quant::WEIGHT_TYPES;
+
+    /// `(entry-point suffix, fmt struct)` of every `MATVEC_ENTRY_POINTS(suffix, struct)` line.
+    fn q_entry_points(src: &str) -> Vec<(String, String)> {
+        src.lines()
+            .filter_map(|l| l.trim().strip_prefix("MATVEC_ENTRY_POINTS("))
+            .filter_map(|rest| {
+                let inner = rest.strip_suffix(')')?;
+                let (name, fmt) = inner.split_once(',')?;
+                Some((name.trim().to_string(), fmt.trim().to_string()))
+            })
+            .collect()
+    }
+
+    /// `(qi, vdr)` of `struct fmt` in `src`, from its `static constexpr int qk = .., qi = .., vdr = ..;` line.
+    fn qi_vdr(src: &str, fmt: &str) -> (usize, usize) {
+        let start = src.find(&format!("struct {fmt} {{")).expect("fmt struct");
+        let line = src[start..]
+            .lines()
+            .find(|l| l.contains("static constexpr int qk"))
+            .expect("constants line");
+        let value = |key: &str| -> usize {
+            let at = line.find(&format!("{key} = ")).expect("key") + key.len() + 3;
+            line[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|d| d.parse().ok())
+                .expect("number")
+        };
+        (value("qi"), value("vdr"))
+    }
+
+    #[test]
+    fn every_gpu_format_has_both_kernels_and_matching_thread_counts() {
+        let q_src = KernelModule::MatvecQ.source();
+        let f_src = KernelModule::MatvecF.source();
+        let q_points = q_entry_points(&q_src);
+        for &ty in WEIGHT_TYPES {
+            match gpu_act(ty) {
+                Some(GpuAct::Q8_1) => {
+                    for experts in [false, true] {
+                        let name = q_kernel(ty, experts).unwrap();
+                        let suffix = name
+                            .trim_start_matches("matvec_")
+                            .trim_start_matches("experts_");
+                        let (_, fmt) = q_points
+                            .iter()
+                            .find(|(n, _)| n == suffix)
+                            .unwrap_or_else(|| panic!("{name} has no entry point in matvec_q.cu"));
+                        let (qi, vdr) = qi_vdr(&q_src, fmt);
+                        assert_eq!(threads_per_weight_block(ty), qi / vdr, "{ty}");
+                        assert_eq!(
+                            ty.block_elems(),
+                            if fmt.ends_with("_K") || fmt == "fmt_iq4_xs" {
+                                256
+                            } else {
+                                32
+                            },
+                            "{ty} vs {fmt}"
+                        );
+                    }
+                }
+                Some(GpuAct::F32) => {
+                    for experts in [false, true] {
+                        let name = f_kernel(ty, experts).unwrap();
+                        let suffix = name
+                            .trim_start_matches("matvec_")
+                            .trim_start_matches("experts_");
+                        assert!(
+                            f_src.contains(&format!("MATVEC_F_ENTRY_POINTS({suffix},")),
+                            "{name} has no entry point in matvec_f.cu"
+                        );
+                    }
+                }
+                None => assert!(q_kernel(ty, false).is_err() && f_kernel(ty, false).is_err()),
+            }
+        }
+    }
+
+    #[test]
+    fn warps_per_row_give_every_thread_work_where_they_can() {
+        // Q4_K: 16 threads per 256 values.
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 512), 1);
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 768), 2);
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 2048), 4);
+        // Q6_K: 32 threads per 256 values.
+        assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
+        let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
+        assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
+    }
+}
