@@ -41,8 +41,10 @@ impl Device {
                 "graphs cannot be captured with POLY_CUDA_SYNC=1".into(),
             ));
         }
+        // Relaxed: a kernel looked up for the first time during the capture is loaded then by the driver
+        // (lazy module loading), which the stricter modes may refuse as an unsafe call during a capture.
         self.stream()
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
         let recorded = record(self);
         // End the capture whatever happened, so the stream is usable again.
         let ended = self.stream().end_capture(CUgraphInstantiate_flags(0));
