@@ -14,3 +14,6 @@ pub mod matmul;
 pub mod ops;
 pub mod quant;
 pub mod rng;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
