@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
-use poly_kernels::quant::dequantize;
+use poly_kernels::quant::{dequantize, GgmlType};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -163,6 +163,16 @@ impl CpuWeights {
         let m = self.matrix(w);
         dequantize(m.ty, m.row(r), out).expect("bound tensors dequantize");
     }
+}
+
+/// Whether llama.cpp's CPU backend (AVX2 build) moves a weight of type `ty` with `rows` rows (its `ne[1]`)
+/// into its `CPU_REPACK` buffer (`ggml_repack_get_optimal_repack_type`), which changes the order its
+/// products sum in.
+pub fn llama_repacks(ty: GgmlType, rows: usize) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::IQ4_NL | GgmlType::MXFP4
+    ) && rows.is_multiple_of(8)
 }
 
 /// `Y = X·Wᵀ` on the pool the caller runs in.
