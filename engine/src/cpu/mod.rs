@@ -18,7 +18,8 @@ use std::sync::{Arc, OnceLock};
 
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
-use poly_kernels::quant::{dequantize, GgmlType};
+use poly_kernels::matmul_order::matmul_in_order;
+use poly_kernels::quant::{dequantize, unrepacked_order, GgmlType};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -182,8 +183,20 @@ pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
         "matmul: activation width differs from the weight's rows"
     );
     let mut y = Mat::zeros(x.rows, m.rows);
+    // Where llama.cpp's order is not the one `matmul` picks from the format alone: Q4_K matrices it does
+    // not repack (a row count that is not a multiple of 8, e.g. qwen35moe's ssm_alpha / ssm_beta) take
+    // their own orders; F32 matrices whose row count is not a multiple of 4 miss llamafile's tinyBLAS
+    // and take ggml_vec_dot_f32 for every row (qwen35moe's one-row shared-expert gate).
+    let order = if m.ty == GgmlType::F32 && !m.rows.is_multiple_of(4) {
+        Some(None)
+    } else if !llama_repacks(m.ty, m.rows) {
+        unrepacked_order(m.ty, x.rows).map(Some)
+    } else {
+        None
+    };
     match x.rows {
         0 => {}
+        n if order.is_some() => matmul_in_order(m, &x.data, n, &mut y.data, order.flatten()),
         1 => matvec(m, &x.data, &mut y.data),
         n => matmul(m, &x.data, n, &mut y.data),
     }
@@ -322,7 +335,15 @@ impl Compute for CpuForward<'_> {
     }
 
     fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
-        x.map(|v| apply_unary(f, v))
+        match f {
+            // ggml's vectorized SiLU, row by row (its loop splits each row into groups of eight).
+            Unary::Silu if x.cols > 0 => {
+                let mut out = x.clone();
+                act::silu_ggml_rows(&mut out.data, x.cols);
+                out
+            }
+            _ => x.map(|v| apply_unary(f, v)),
+        }
     }
 
     fn cols(&mut self, x: &Mat, start: usize, len: usize) -> Mat {

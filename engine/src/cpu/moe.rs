@@ -14,7 +14,7 @@ use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
-use poly_kernels::quant::{batch_dot, BatchDot, GgmlType};
+use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
 
@@ -86,10 +86,13 @@ pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
 /// The order llama.cpp's `MUL_MAT_ID` (AVX2 build) sums an expert's dot products in, for `rows_routed`
 /// activation rows routed to it: weights it repacks go through the repacked gemv, one row at a time, which
 /// is the format's single-row order (`None`); the K-quants it does not repack take the tiled matmul for 8
-/// routed rows or more; everything else the single-row order.
+/// routed rows or more (Q4_K: [`unrepacked_order`]); everything else the single-row order.
 pub fn mul_mat_id_order(m: &QuantMatrix<'_>, rows_routed: usize) -> Option<&'static BatchDot> {
     if llama_repacks(m.ty, m.rows) {
         return None;
+    }
+    if let Some(order) = unrepacked_order(m.ty, rows_routed) {
+        return Some(order);
     }
     match m.ty {
         GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q5_K | GgmlType::Q6_K if rows_routed >= 8 => {

@@ -13,6 +13,7 @@ pub mod float;
 mod float_ggml;
 pub mod iquants;
 pub mod kquants;
+mod kquants_ggml;
 pub mod legacy;
 pub mod mxfp4;
 #[cfg(target_arch = "x86_64")]
@@ -355,6 +356,19 @@ pub fn batch_dot(ty: GgmlType) -> Option<&'static BatchDot> {
         GgmlType::Q3_K => Some(&kquants::Q3K_TILED),
         GgmlType::Q5_K => Some(&kquants::Q5K_TILED),
         GgmlType::Q6_K => Some(&kquants::Q6K_TILED),
+        _ => None,
+    }
+}
+
+/// llama.cpp's order for the rows of a batch of `n_rows` multiplied by a `ty` matrix it does not repack
+/// (`CPU_REPACK` takes Q4_K matrices whose row count is a multiple of 8), where that differs from the
+/// orders [`crate::matmul::matmul`] uses ([`QuantOps::vec_dot`] and [`batch_dot`] are Q4_K's repacked
+/// ones): for Q4_K, `ggml_vec_dot_q4_K_q8_K` under 8 rows, the tiled matmul from 8. `None`: the usual
+/// orders apply.
+pub fn unrepacked_order(ty: GgmlType, n_rows: usize) -> Option<&'static BatchDot> {
+    match ty {
+        GgmlType::Q4_K if n_rows >= 8 => Some(&kquants::Q4K_TILED),
+        GgmlType::Q4_K => Some(&kquants_ggml::Q4K_PLAIN),
         _ => None,
     }
 }

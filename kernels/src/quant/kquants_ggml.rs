@@ -1,0 +1,110 @@
+//! Single-row K-quant dot products in the order of llama.cpp's AVX2 `ggml_vec_dot_q*_K_q8_K`, where
+//! `quant::kquants`' own order differs:
+//!
+//! - Q4_K ([`Q4K_PLAIN`]): llama.cpp multiplies Q4_K matrices it does not repack (row count not a multiple
+//!   of 8) with `ggml_vec_dot_q4_K_q8_K`: per super-block `acc = fma(yd·xd, lane, acc)` on eight f32 lanes
+//!   and `acc_m = fma(−yd·xdmin, pair, acc_m)` on four (pair `m` = min lanes `2m` and `2m+1`); the result
+//!   is `hsum(acc) + ((acc_m0 + acc_m2) + (acc_m1 + acc_m3))`. ([`super::kquants`]' Q4_K order is the
+//!   repacked gemv's, which llama.cpp uses for every other Q4_K matrix.)
+//! - Q5_K (its `vec_dot`): the eight scale lanes as Q4_K's, the mins as one total `M` per super-block
+//!   added to one f32 as `summs = fma(−yd·xdmin, M, summs)` (GCC contracts that line); the result is
+//!   `hsum(acc) + summs`.
+//!
+//! The integer lanes are `kquants::block_lanes`; these functions only add the float work, compiled with
+//! FMA instructions where the CPU has them (the same arithmetic either way).
+
+use super::float::sum_lanes8;
+use super::kquants::{block_lanes, block_scales, check_lengths, q8k_d, KKind, Q8K_BYTES};
+use super::BatchDot;
+
+#[inline(always)]
+fn q4k_plain_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
+    let (mut acc, mut acc_m) = ([0f32; 8], [0f32; 4]);
+    for (x, y) in row.chunks_exact(144).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+        let (lanes, min_lanes) = block_lanes(KKind::Q4K, x, y);
+        let (xd, xdmin) = block_scales(KKind::Q4K, x);
+        let yd = q8k_d(y);
+        let (d, dmin) = (yd * xd, -yd * xdmin);
+        for l in 0..8 {
+            acc[l] = d.mul_add(lanes[l] as f32, acc[l]);
+        }
+        for m in 0..4 {
+            let pair = min_lanes[2 * m] + min_lanes[2 * m + 1];
+            acc_m[m] = dmin.mul_add(pair as f32, acc_m[m]);
+        }
+    }
+    sum_lanes8(&acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+}
+
+#[inline(always)]
+fn q5k_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
+    let (mut acc, mut summs) = ([0f32; 8], 0f32);
+    for (x, y) in row.chunks_exact(176).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+        let (lanes, min_lanes) = block_lanes(KKind::Q5K, x, y);
+        let (xd, xdmin) = block_scales(KKind::Q5K, x);
+        let yd = q8k_d(y);
+        let (d, dmin) = (yd * xd, -yd * xdmin);
+        let m: i32 = min_lanes.iter().sum();
+        summs = dmin.mul_add(m as f32, summs);
+        for l in 0..8 {
+            acc[l] = d.mul_add(lanes[l] as f32, acc[l]);
+        }
+    }
+    sum_lanes8(&acc) + summs
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4k_plain_fma(nb: usize, row: &[u8], act: &[u8]) -> f32 {
+    q4k_plain_body(nb, row, act)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q5k_fma(nb: usize, row: &[u8], act: &[u8]) -> f32 {
+    q5k_body(nb, row, act)
+}
+
+fn q4k_plain(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q4K, n, row, act);
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
+        return unsafe { q4k_plain_fma(nb, row, act) };
+    }
+    q4k_plain_body(nb, row, act)
+}
+
+fn q4k_plain_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q4K, n, row, act);
+    q4k_plain_body(nb, row, act)
+}
+
+/// Q5_K's single-row dot product (`ggml_vec_dot_q5_K_q8_K`).
+pub(crate) fn q5k_vec_dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q5K, n, row, act);
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
+        return unsafe { q5k_fma(nb, row, act) };
+    }
+    q5k_body(nb, row, act)
+}
+
+/// [`q5k_vec_dot`] without SIMD (equal bit for bit).
+pub(crate) fn q5k_vec_dot_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    let nb = check_lengths(KKind::Q5K, n, row, act);
+    q5k_body(nb, row, act)
+}
+
+/// Q4_K's order in matrices llama.cpp does not repack, for batches under 8 rows (every row).
+pub static Q4K_PLAIN: BatchDot = BatchDot {
+    dot: q4k_plain,
+    portable: q4k_plain_portable,
+    applies: |_, _| true,
+    dot4: None,
+};
