@@ -11,6 +11,9 @@ use rayon::prelude::*;
 use crate::matmul::QuantMatrix;
 use crate::quant::BatchDot;
 
+/// A dot product of one weight row with one quantized activation row.
+type DotFn = fn(usize, &[u8], &[u8]) -> f32;
+
 /// `Y = X·Wᵀ` for `n` activation vectors (`x` is `n × cols`, `y` gets `n × rows`), each dot product in
 /// `batch`'s order where [`BatchDot::applies`] to its row of the batch, in the format's single-row order
 /// ([`crate::quant::QuantOps::vec_dot`]) otherwise (always, when `batch` is `None`).
@@ -32,7 +35,7 @@ pub fn matmul_in_order(
     act.par_chunks_mut(act_bytes)
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
-    let dots: Vec<fn(usize, &[u8], &[u8]) -> f32> = (0..n)
+    let dots: Vec<DotFn> = (0..n)
         .map(|j| match batch {
             Some(b) if (b.applies)(n, j) => b.dot,
             _ => ops.vec_dot,

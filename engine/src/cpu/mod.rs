@@ -17,9 +17,9 @@ mod tests;
 use std::sync::{Arc, OnceLock};
 
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
-use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::matmul_order::matmul_in_order;
-use poly_kernels::quant::{dequantize, unrepacked_order, GgmlType};
+use poly_kernels::ops::{act, attention, norm, recurrent, rope};
+use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, GgmlType};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -183,16 +183,18 @@ pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
         "matmul: activation width differs from the weight's rows"
     );
     let mut y = Mat::zeros(x.rows, m.rows);
-    // Where llama.cpp's order is not the one `matmul` picks from the format alone: Q4_K matrices it does
-    // not repack (a row count that is not a multiple of 8, e.g. qwen35moe's ssm_alpha / ssm_beta) take
-    // their own orders; F32 matrices whose row count is not a multiple of 4 miss llamafile's tinyBLAS
-    // and take ggml_vec_dot_f32 for every row (qwen35moe's one-row shared-expert gate).
-    let order = if m.ty == GgmlType::F32 && !m.rows.is_multiple_of(4) {
-        Some(None)
-    } else if !llama_repacks(m.ty, m.rows) {
-        unrepacked_order(m.ty, x.rows).map(Some)
-    } else {
-        None
+    // Where llama.cpp's order is not the one `matmul` picks from the format alone: F32 matrices take
+    // llamafile's tinyBLAS for batches of two rows or more when their row count is a multiple of 4 (MoE
+    // routers), ggml_vec_dot_f32 otherwise (qwen35moe's one-row shared-expert gate); Q4_K matrices
+    // llama.cpp does not repack (a row count that is not a multiple of 8, e.g. qwen35moe's ssm_alpha /
+    // ssm_beta) take their own orders.
+    let order = match m.ty {
+        GgmlType::F32 if x.rows >= 2 && m.rows.is_multiple_of(4) => {
+            Some(Some(f32_tinyblas_order()))
+        }
+        GgmlType::F32 => Some(None),
+        ty if !llama_repacks(ty, m.rows) => unrepacked_order(ty, x.rows).map(Some),
+        _ => None,
     };
     match x.rows {
         0 => {}

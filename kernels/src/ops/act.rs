@@ -89,7 +89,11 @@ fn ggml_row_loop(n: usize, mut f: impl FnMut(usize, bool)) {
 fn silu_rows_body(x: &mut [f32], row: usize) {
     for r in x.chunks_mut(row) {
         ggml_row_loop(r.len(), |i, vector| {
-            r[i] = if vector { ggml_v_silu(r[i]) } else { silu(r[i]) };
+            r[i] = if vector {
+                ggml_v_silu(r[i])
+            } else {
+                silu(r[i])
+            };
         });
     }
 }
@@ -98,7 +102,11 @@ fn silu_rows_body(x: &mut [f32], row: usize) {
 fn swiglu_rows_body(gate: &mut [f32], up: &[f32], row: usize) {
     for (g, u) in gate.chunks_mut(row).zip(up.chunks(row)) {
         ggml_row_loop(g.len(), |i, vector| {
-            let a = if vector { ggml_v_silu(g[i]) } else { silu(g[i]) };
+            let a = if vector {
+                ggml_v_silu(g[i])
+            } else {
+                silu(g[i])
+            };
             g[i] = a * u[i];
         });
     }

@@ -128,7 +128,10 @@ mod tests {
         let expect = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
         let (bx, by) = (bytes(&x), bytes(&y));
         assert_eq!(tinyblas_f32(n, &bx, &by).to_bits(), expect.to_bits());
-        assert_eq!(tinyblas_f32_portable(n, &bx, &by).to_bits(), expect.to_bits());
+        assert_eq!(
+            tinyblas_f32_portable(n, &bx, &by).to_bits(),
+            expect.to_bits()
+        );
         assert_eq!(
             vec_dot_f32(n, &bx, &by).to_bits(),
             dot_ggml(&x, &y).to_bits()

@@ -20,7 +20,11 @@ use super::BatchDot;
 #[inline(always)]
 fn q4k_plain_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
     let (mut acc, mut acc_m) = ([0f32; 8], [0f32; 4]);
-    for (x, y) in row.chunks_exact(144).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+    for (x, y) in row
+        .chunks_exact(144)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(nb)
+    {
         let (lanes, min_lanes) = block_lanes(KKind::Q4K, x, y);
         let (xd, xdmin) = block_scales(KKind::Q4K, x);
         let yd = q8k_d(y);
@@ -39,7 +43,11 @@ fn q4k_plain_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
 #[inline(always)]
 fn q5k_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
     let (mut acc, mut summs) = ([0f32; 8], 0f32);
-    for (x, y) in row.chunks_exact(176).zip(act.chunks_exact(Q8K_BYTES)).take(nb) {
+    for (x, y) in row
+        .chunks_exact(176)
+        .zip(act.chunks_exact(Q8K_BYTES))
+        .take(nb)
+    {
         let (lanes, min_lanes) = block_lanes(KKind::Q5K, x, y);
         let (xd, xdmin) = block_scales(KKind::Q5K, x);
         let yd = q8k_d(y);
@@ -108,3 +116,80 @@ pub static Q4K_PLAIN: BatchDot = BatchDot {
     applies: |_, _| true,
     dot4: None,
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{dequantize, fill_random, GgmlType};
+    use crate::rng::Rng;
+
+    /// Weights and activations of `n` values, the activations quantized to Q8_K, and `Σ|w·x|`.
+    fn operands(ty: GgmlType, n: usize, seed: u64) -> (Vec<u8>, Vec<u8>, Vec<f32>, f64) {
+        let mut rng = Rng::new(seed);
+        let mut w = vec![0u8; ty.bytes_for(n as u64).unwrap() as usize];
+        fill_random(ty, &mut rng, 0.05, &mut w).unwrap();
+        let x: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+        let act_ty = ty.ops().unwrap().act;
+        let mut act = vec![0u8; act_ty.bytes_for(n)];
+        act_ty.quantize(&x, &mut act);
+        let mut wf = vec![0f32; n];
+        dequantize(ty, &w, &mut wf).unwrap();
+        let magnitude = wf.iter().zip(&x).map(|(a, b)| (a * b).abs() as f64).sum();
+        (w, act, x, magnitude)
+    }
+
+    #[test]
+    fn plain_q4k_and_q5k_orders_equal_their_portable_code_and_spelled_out_sums() {
+        let n = 1024;
+        let mut plain_differs_from_gemv = false;
+        for seed in 0..20 {
+            let (w, act, _, magnitude) = operands(GgmlType::Q4_K, n, seed);
+            let fast = (Q4K_PLAIN.dot)(n, &w, &act);
+            assert_eq!(fast.to_bits(), (Q4K_PLAIN.portable)(n, &w, &act).to_bits());
+            // Spelled out: eight fused scale lanes, four fused min-pair lanes, summed as hsum does.
+            let (mut acc, mut acc_m) = ([0f32; 8], [0f32; 4]);
+            for (x, y) in w.chunks_exact(144).zip(act.chunks_exact(Q8K_BYTES)) {
+                let (lanes, mins) = block_lanes(KKind::Q4K, x, y);
+                let (xd, xdmin) = block_scales(KKind::Q4K, x);
+                let yd = q8k_d(y);
+                for l in 0..8 {
+                    acc[l] = (yd * xd).mul_add(lanes[l] as f32, acc[l]);
+                }
+                for m in 0..4 {
+                    acc_m[m] =
+                        (-yd * xdmin).mul_add((mins[2 * m] + mins[2 * m + 1]) as f32, acc_m[m]);
+                }
+            }
+            let l = acc;
+            let want = (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])))
+                + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]));
+            assert_eq!(fast.to_bits(), want.to_bits(), "seed {seed}");
+            let gemv = crate::quant::vec_dot(GgmlType::Q4_K, n, &w, &act).unwrap();
+            assert!(((fast - gemv) as f64).abs() <= 1e-5 * magnitude);
+            plain_differs_from_gemv |= fast != gemv;
+
+            let (w, act, _, magnitude) = operands(GgmlType::Q5_K, n, 100 + seed);
+            let fast = q5k_vec_dot(n, &w, &act);
+            assert_eq!(fast.to_bits(), q5k_vec_dot_portable(n, &w, &act).to_bits());
+            let (mut acc, mut summs) = ([0f32; 8], 0f32);
+            for (x, y) in w.chunks_exact(176).zip(act.chunks_exact(Q8K_BYTES)) {
+                let (lanes, mins) = block_lanes(KKind::Q5K, x, y);
+                let (xd, xdmin) = block_scales(KKind::Q5K, x);
+                let yd = q8k_d(y);
+                summs = (-yd * xdmin).mul_add(mins.iter().sum::<i32>() as f32, summs);
+                for l in 0..8 {
+                    acc[l] = (yd * xd).mul_add(lanes[l] as f32, acc[l]);
+                }
+            }
+            let l = acc;
+            let want = (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + summs;
+            assert_eq!(fast.to_bits(), want.to_bits(), "seed {seed}");
+            let tiled = (crate::quant::batch_dot(GgmlType::Q5_K).unwrap().dot)(n, &w, &act);
+            assert!(((fast - tiled) as f64).abs() <= 1e-5 * magnitude);
+        }
+        assert!(
+            plain_differs_from_gemv,
+            "Q4_K's plain and gemv orders never differed"
+        );
+    }
+}

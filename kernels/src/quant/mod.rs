@@ -331,7 +331,6 @@ pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, Qu
 ///   of a batch of `n > 3`, four at a time; the rest go through the gemv order of `vec_dot`.
 /// - Q2_K, Q3_K, Q5_K, Q6_K: batches of 8 rows or more take ggml's tiled K-quant matmul
 ///   (`ggml-cpu/tiled`), one fused step per super-block on its integer totals.
-/// - F32: batches of 2 rows or more take llamafile's tinyBLAS (`float_ggml`).
 pub struct BatchDot {
     /// Chosen at run time, like [`QuantOps::vec_dot`].
     pub dot: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
@@ -350,7 +349,6 @@ pub type Dot4 = fn(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4];
 /// The [`BatchDot`] of `ty`, for the formats that have one.
 pub fn batch_dot(ty: GgmlType) -> Option<&'static BatchDot> {
     match ty {
-        GgmlType::F32 => Some(&float_ggml::F32_TINYBLAS),
         GgmlType::Q4_K => Some(&kquants::Q4K_GEMM4),
         GgmlType::Q2_K => Some(&kquants::Q2K_TILED),
         GgmlType::Q3_K => Some(&kquants::Q3K_TILED),
@@ -371,6 +369,13 @@ pub fn unrepacked_order(ty: GgmlType, n_rows: usize) -> Option<&'static BatchDot
         GgmlType::Q4_K => Some(&kquants_ggml::Q4K_PLAIN),
         _ => None,
     }
+}
+
+/// The order of llamafile's tinyBLAS F32 kernel, which llama.cpp's CPU backend uses for batches of two
+/// rows or more times an F32 matrix whose row count is a multiple of 4 (MoE routers); the caller checks
+/// those conditions (`applies` only checks the batch).
+pub fn f32_tinyblas_order() -> &'static BatchDot {
+    &float_ggml::F32_TINYBLAS
 }
 
 /// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.
