@@ -10,8 +10,8 @@
 //!   added to one f32 as `summs = fma(−yd·xdmin, M, summs)` (GCC contracts that line); the result is
 //!   `hsum(acc) + summs`.
 //!
-//! The integer lanes are `kquants::block_lanes`; these functions only add the float work, compiled with
-//! FMA instructions where the CPU has them (the same arithmetic either way).
+//! The integer lanes are `kquants::block_lanes` (portable) or `x86::kquants_avx2::block` (AVX2, equal);
+//! these functions only add the float work.
 
 use super::float::sum_lanes8;
 use super::kquants::{block_lanes, block_scales, check_lengths, q8k_d, KKind, Q8K_BYTES};
@@ -61,28 +61,53 @@ fn q5k_body(nb: usize, row: &[u8], act: &[u8]) -> f32 {
     sum_lanes8(&acc) + summs
 }
 
+/// The AVX2 form of both orders: the integer lanes from `x86::kquants_avx2::block`, the float work as the
+/// portable bodies (`Q5 = false`: Q4_K plain, `true`: Q5_K).
+///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
+/// The CPU must support AVX2, FMA and F16C; `row` and `act` hold `nb` blocks each.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q4k_plain_fma(nb: usize, row: &[u8], act: &[u8]) -> f32 {
-    q4k_plain_body(nb, row, act)
-}
-
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q5k_fma(nb: usize, row: &[u8], act: &[u8]) -> f32 {
-    q5k_body(nb, row, act)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn avx2_body<const Q5: bool>(nb: usize, row: &[u8], act: &[u8]) -> f32 {
+    use core::arch::x86_64::*;
+    let bb = if Q5 { 176 } else { 144 };
+    let (mut acc, mut acc_m, mut summs) = (_mm256_setzero_ps(), [0f32; 4], 0f32);
+    for i in 0..nb {
+        let (x, y) = (row.as_ptr().add(i * bb), act.as_ptr().add(i * Q8K_BYTES));
+        let (lanes, min_lanes, (xd, xdmin)) = if Q5 {
+            super::x86::kquants_avx2::block::<3>(x, y)
+        } else {
+            super::x86::kquants_avx2::block::<2>(x, y)
+        };
+        let yd = (y as *const f32).read_unaligned();
+        let (d, dmin) = (yd * xd, -yd * xdmin);
+        let mut mins = [0i32; 8];
+        _mm256_storeu_si256(mins.as_mut_ptr() as *mut __m256i, min_lanes);
+        if Q5 {
+            summs = dmin.mul_add(mins.iter().sum::<i32>() as f32, summs);
+        } else {
+            for m in 0..4 {
+                acc_m[m] = dmin.mul_add((mins[2 * m] + mins[2 * m + 1]) as f32, acc_m[m]);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    let mut a = [0f32; 8];
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    if Q5 {
+        sum_lanes8(&a) + summs
+    } else {
+        sum_lanes8(&a) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+    }
 }
 
 fn q4k_plain(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(KKind::Q4K, n, row, act);
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
-        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
-        return unsafe { q4k_plain_fma(nb, row, act) };
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
+        // `row` and `act` hold `nb` blocks each.
+        return unsafe { avx2_body::<false>(nb, row, act) };
     }
     q4k_plain_body(nb, row, act)
 }
@@ -97,8 +122,8 @@ pub(crate) fn q5k_vec_dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(KKind::Q5K, n, row, act);
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
-        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
-        return unsafe { q5k_fma(nb, row, act) };
+        // SAFETY: as in `q4k_plain`.
+        return unsafe { avx2_body::<true>(nb, row, act) };
     }
     q5k_body(nb, row, act)
 }
