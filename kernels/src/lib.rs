@@ -7,10 +7,12 @@
 //! - [`quant`]: every GGML block format the engine reads (layout, dequantization, activation quantization,
 //!   dot products with run-time chosen AVX2/FMA code and a portable fallback, random valid blocks).
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
+//! - [`matmul_order`]: the same with the per-row dot-product order chosen by the caller.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
 
 pub mod matmul;
+pub mod matmul_order;
 pub mod ops;
 pub mod quant;
 pub mod rng;
