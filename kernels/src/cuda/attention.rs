@@ -90,7 +90,10 @@ fn block_shape(p: &AttnParams) -> (usize, usize) {
             + ATTN_KEY_TILE * k_stride * 2
             + ATTN_KEY_TILE * p.head_dim_v * 2
     };
-    let warps = (1..=4).rev().find(|&w| bytes(w) <= SHARED_LIMIT).unwrap_or(1);
+    let warps = (1..=4)
+        .rev()
+        .find(|&w| bytes(w) <= SHARED_LIMIT)
+        .unwrap_or(1);
     (warps, bytes(warps))
 }
 
@@ -189,7 +192,10 @@ pub fn attention_f16(
     let mut b = dev.stream().launch_builder(&f);
     // `partial` goes as a device address: scratch with a split; without one the kernel never touches it
     // (out's address stands in).
-    b.arg(q.slice()).arg(positions.slice()).arg(k.slice()).arg(v.slice());
+    b.arg(q.slice())
+        .arg(positions.slice())
+        .arg(k.slice())
+        .arg(v.slice());
     let partial_ptr: u64 = scratch.as_ref().map_or(out.address(), |s| s.address());
     b.arg(out.slice_mut()).arg(&partial_ptr).arg(&args);
     // SAFETY: q, out, k, v, positions and scratch have the lengths checked above; the kernel reads keys and

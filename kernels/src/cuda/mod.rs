@@ -10,12 +10,12 @@
 //! start. The kernels' sources are `kernels/cuda/*.cu`; `kernels/cuda/README.md` explains the compilation
 //! choice and how the engine will use this module.
 
+pub mod attention;
 mod buffer;
 mod device;
 mod graph;
 pub mod module;
 pub mod ops;
-pub mod attention;
 pub mod prompt;
 pub mod recurrent;
 pub mod sample;

@@ -139,7 +139,12 @@ fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
 
 /// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
 /// warps per row.
-pub(crate) fn q_matvec_config(ty: GgmlType, rows: usize, cols: usize, slots: usize) -> (LaunchConfig, i32) {
+pub(crate) fn q_matvec_config(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+) -> (LaunchConfig, i32) {
     let wpr = warps_per_row(ty, cols);
     let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
     let cfg = LaunchConfig {

@@ -100,7 +100,8 @@ impl ExpertGrouping {
             rows.push((s / k.max(1)) as i32);
             slot_row[s] = r as i32;
             let e = ids[s];
-            let extend = matches!(tiles.last(), Some(&[te, _, n]) if te == e && (n as usize) < MATMUL_TILE);
+            let extend =
+                matches!(tiles.last(), Some(&[te, _, n]) if te == e && (n as usize) < MATMUL_TILE);
             if extend {
                 if let Some(t) = tiles.last_mut() {
                     t[2] += 1;
@@ -214,7 +215,10 @@ pub fn moe_combine_sorted(
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     if k == 0 || !weights.len().is_multiple_of(k) || weights.is_empty() {
-        return invalid(format!("moe_combine_sorted: {} weights, k {k}", weights.len()));
+        return invalid(format!(
+            "moe_combine_sorted: {} weights, k {k}",
+            weights.len()
+        ));
     }
     check_len("moe_combine_sorted slot_row", slot_row, weights.len())?;
     let n_tokens = weights.len() / k;
@@ -255,8 +259,13 @@ mod tests {
             for experts in [false, true] {
                 if let Ok(name) = matmul_name(ty, experts) {
                     // The entry points are made by MATVEC_ENTRY_POINTS(suffix, ..) from matmul_##name.
-                    let suffix = name.trim_start_matches("matmul_").trim_start_matches("experts_");
-                    assert!(src.contains(&format!("MATVEC_ENTRY_POINTS({suffix},")), "{name}");
+                    let suffix = name
+                        .trim_start_matches("matmul_")
+                        .trim_start_matches("experts_");
+                    assert!(
+                        src.contains(&format!("MATVEC_ENTRY_POINTS({suffix},")),
+                        "{name}"
+                    );
                 }
             }
         }

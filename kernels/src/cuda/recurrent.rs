@@ -79,7 +79,11 @@ pub enum L2Form {
 
 fn group_launch(n: usize) -> CudaResult<LaunchConfig> {
     Ok(LaunchConfig {
-        grid_dim: (u32::try_from(n).map_err(|_| super::CudaError::Invalid(format!("{n} groups")))?, 1, 1),
+        grid_dim: (
+            u32::try_from(n).map_err(|_| super::CudaError::Invalid(format!("{n} groups")))?,
+            1,
+            1,
+        ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     })
@@ -207,7 +211,11 @@ pub fn gated_delta_rule(
         b.arg(i);
     }
     let cfg = LaunchConfig {
-        grid_dim: (head_v.div_ceil(DELTA_WARPS as usize) as u32, n_heads as u32, 1),
+        grid_dim: (
+            head_v.div_ceil(DELTA_WARPS as usize) as u32,
+            n_heads as u32,
+            1,
+        ),
         block_dim: (32, DELTA_WARPS, 1),
         shared_mem_bytes: 0,
     };
