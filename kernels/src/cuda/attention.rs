@@ -100,7 +100,7 @@ fn block_shape(p: &AttnParams) -> (usize, usize) {
 /// Staged key rows are padded to an odd number of 32-bit words, so the 32 lanes reading 32 keys hit 32
 /// banks.
 fn k_stride_row(dk: usize) -> usize {
-    if (dk / 2) % 2 == 0 {
+    if (dk / 2).is_multiple_of(2) {
         dk + 2
     } else {
         dk + 4
@@ -132,22 +132,22 @@ pub fn attention_f16(
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 || dk == 0 || dv == 0 {
+    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) || dk == 0 || dv == 0 {
         return invalid(format!("attention: bad heads {p:?}"));
     }
-    if dk > ATTN_MAX_HEAD_DIM || dv > ATTN_MAX_HEAD_DIM || dk % 2 != 0 {
+    if dk > ATTN_MAX_HEAD_DIM || dv > ATTN_MAX_HEAD_DIM || !dk.is_multiple_of(2) {
         return invalid(format!(
             "attention: head dims {dk}/{dv} (even, at most {ATTN_MAX_HEAD_DIM})"
         ));
     }
-    if split.chunk == 0 || split.chunk % ATTN_KEY_TILE != 0 {
+    if split.chunk == 0 || !split.chunk.is_multiple_of(ATTN_KEY_TILE) {
         return invalid(format!("attention: chunk {}", split.chunk));
     }
     let n_q = positions.len();
     check_len("attention q", q, n_q * p.n_head * dk)?;
     check_len("attention out", out, n_q * p.n_head * dv)?;
     let k_row = p.n_head_kv * dk;
-    if k.is_empty() || k.len() % k_row != 0 {
+    if k.is_empty() || !k.len().is_multiple_of(k_row) {
         return invalid(format!("attention: k of {} values", k.len()));
     }
     let n_kv = k.len() / k_row;
