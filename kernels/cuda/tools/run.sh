@@ -16,7 +16,7 @@ if command -v nvidia-smi > /dev/null; then
 fi
 
 echo "== lib cuda:: unit tests (NVRTC compiles every module for sm_80 and sm_90)" | tee -a "$summary"
-timeout 300 $C/poly_kernels_lib cuda:: --nocapture > "$OUT/lib.txt" 2>&1
+timeout 200 $C/poly_kernels_lib cuda:: --nocapture > "$OUT/lib.txt" 2>&1
 echo "rc=$? $(grep -E '^test result' "$OUT/lib.txt")" | tee -a "$summary"
 
 for bin in cuda_ops cuda_layer_ops; do
@@ -31,7 +31,7 @@ done
 
 for bin in cuda_bench cuda_layer_bench; do
     echo "== $bin" | tee -a "$summary"
-    timeout 300 $C/$bin --ignored --nocapture --test-threads 1 > "$OUT/$bin.txt" 2>&1
+    timeout 180 $C/$bin --ignored --nocapture --test-threads 1 > "$OUT/$bin.txt" 2>&1
     echo "rc=$?" | tee -a "$summary"
     grep -E "^(bench|device|module)|panicked" "$OUT/$bin.txt" | tee -a "$summary"
 done
@@ -40,7 +40,7 @@ SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
     for bin in cuda_ops cuda_layer_ops; do
         echo "== $bin under compute-sanitizer (memcheck)" | tee -a "$summary"
-        timeout 300 "$SAN" --tool memcheck --leak-check no $C/$bin --test-threads 1 > "$OUT/sanitizer_$bin.txt" 2>&1
+        timeout 150 "$SAN" --tool memcheck --leak-check no $C/$bin --test-threads 1 > "$OUT/sanitizer_$bin.txt" 2>&1
         echo "rc=$? $(grep -E 'ERROR SUMMARY|^test result' "$OUT/sanitizer_$bin.txt" | tr '\n' ' ')" | tee -a "$summary"
     done
 fi
