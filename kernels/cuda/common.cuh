@@ -90,7 +90,7 @@ static __device__ __forceinline__ float block_max(float v, float * scratch) {
 #define QK_K 256
 #define QK8_1 32
 
-// Activations for the integer dot products: 32 values, d = max|x|/127, s = sum of the 32 original values
+// Activations for the integer dot products: 32 values, d = max|x|/127, s = d * (sum of the 32 quants)
 // (f16 both, as ggml-cuda's block_q8_1), 32 quants.
 struct block_q8_1 {
     uint16_t d;

@@ -397,6 +397,102 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
     }
 }
 
+// ----- matrix x matrix for prompts (a tile of MATMUL_COLS tokens per block) ------------------------------
+// As matvec, but each thread block also takes up to MATMUL_COLS activation rows (tokens), so a weight block
+// is read once from memory for MATMUL_COLS tokens (the repeated reads hit L1): the mmvq-with-several-columns
+// idea. matmul_<fmt>: blockIdx.y is a tile of tokens, y [n_tokens, nrows]. matmul_experts_<fmt>: tokens
+// grouped by expert (the host or the router sorts the (token, expert) pairs by expert), blockIdx.y is a
+// tile (expert, first sorted row, rows <= MATMUL_COLS) from a table in device memory; x and y are in sorted
+// order ([n_sorted, ...]). An expert id outside 0..n_expert or a null address writes zeros.
+
+#define MATMUL_COLS 8
+
+template <typename F>
+static __device__ __forceinline__ void rows_dot_cols(const uint8_t * __restrict__ w_row,
+                                                     const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,
+                                                     int ncol, int ncols, int wpr, bool active,
+                                                     float (&total)[MATMUL_COLS]) {
+    constexpr int threads_per_block = F::qi / F::vdr;
+    const int blocks_per_iter = F::vdr * wpr * WARP_SIZE / F::qi;
+    const int tid = WARP_SIZE * (threadIdx.y % wpr) + threadIdx.x;
+    const int blocks_per_row = active ? ncols / F::qk : 0;
+    const int iqs = F::vdr * (tid % threads_per_block);
+    const typename F::block * w = (const typename F::block *) w_row;
+    float acc[MATMUL_COLS];
+#pragma unroll
+    for (int c = 0; c < MATMUL_COLS; ++c) {
+        acc[c] = 0.0f;
+    }
+    for (int kb = tid / threads_per_block; kb < blocks_per_row; kb += blocks_per_iter) {
+#pragma unroll
+        for (int c = 0; c < MATMUL_COLS; ++c) {
+            if (c < ncol) {
+                acc[c] += F::dot(w + kb, x + c * x_stride_blocks + kb * (F::qk / QK8_1), iqs);
+            }
+        }
+    }
+    __shared__ float partial[MATVEC_WARPS][MATMUL_COLS];
+#pragma unroll
+    for (int c = 0; c < MATMUL_COLS; ++c) {
+        const float v = warp_sum(acc[c]);
+        if (threadIdx.x == 0) {
+            partial[threadIdx.y][c] = v;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < MATMUL_COLS; ++c) {
+        total[c] = 0.0f;
+        if (group_writer(wpr)) {
+            for (int w8 = 0; w8 < wpr; ++w8) {
+                total[c] += partial[threadIdx.y + w8][c];
+            }
+        }
+    }
+}
+
+template <typename F>
+static __device__ __forceinline__ void matmul(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x,
+                                              float * __restrict__ y, int ncols, int nrows, int n_tokens, int wpr) {
+    const int row = group_row(wpr);
+    const bool active = row < nrows;
+    const int t0 = blockIdx.y * MATMUL_COLS;
+    const int ncol = min(MATMUL_COLS, n_tokens - t0);
+    const int64_t x_stride = ncols / QK8_1;
+    const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
+    float total[MATMUL_COLS];
+    rows_dot_cols<F>(w + (active ? row : 0) * row_bytes, x + t0 * x_stride, x_stride, ncol, ncols, wpr, active,
+                     total);
+    if (active && group_writer(wpr)) {
+        for (int c = 0; c < ncol; ++c) {
+            y[(int64_t) (t0 + c) * nrows + row] = total[c];
+        }
+    }
+}
+
+template <typename F>
+static __device__ __forceinline__ void matmul_experts(const uint64_t * __restrict__ expert_table, int n_expert,
+                                                      const int32_t * __restrict__ tiles,
+                                                      const block_q8_1 * __restrict__ x, float * __restrict__ y,
+                                                      int ncols, int nrows, int wpr) {
+    const int row = group_row(wpr);
+    const int32_t expert = tiles[3 * blockIdx.y];
+    const int r0 = tiles[3 * blockIdx.y + 1];
+    const int ncol = min(MATMUL_COLS, (int) tiles[3 * blockIdx.y + 2]);
+    const uint64_t base = expert < 0 || expert >= n_expert ? 0 : expert_table[expert];
+    const bool active = row < nrows && base != 0;
+    const int64_t x_stride = ncols / QK8_1;
+    const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
+    const uint8_t * w_row = active ? (const uint8_t *) base + row * row_bytes : nullptr;
+    float total[MATMUL_COLS];
+    rows_dot_cols<F>(w_row, x + r0 * x_stride, x_stride, ncol, ncols, wpr, active, total);
+    if (row < nrows && group_writer(wpr)) {
+        for (int c = 0; c < ncol; ++c) {
+            y[(int64_t) (r0 + c) * nrows + row] = total[c];
+        }
+    }
+}
+
 #define MATVEC_ENTRY_POINTS(name, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
@@ -408,6 +504,17 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
                               float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
         matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr);              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
+        matmul_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
+                      int ncols, int nrows, int n_tokens, int wpr) {                                           \
+        matmul<F>(w, x, y, ncols, nrows, n_tokens, wpr);                                                       \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
+        matmul_experts_##name(const uint64_t * __restrict__ expert_table, int n_expert,                        \
+                              const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,           \
+                              float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
+        matmul_experts<F>(expert_table, n_expert, tiles, x, y, ncols, nrows, wpr);                             \
     }
 
 MATVEC_ENTRY_POINTS(q4_0, fmt_q4_0)

@@ -115,3 +115,30 @@ extern "C" __global__ void moe_combine(const float * __restrict__ y, const float
     }
     out[t * n + i] = acc;
 }
+
+// For a prompt's experts grouped by expert (matmul_experts_*): dst[r, :] = src[rows[r], :] (the token of
+// sorted row r). Grid (n_sorted); block: 256 threads over the width.
+extern "C" __global__ void gather_rows(const float * __restrict__ src, const int32_t * __restrict__ rows,
+                                       float * __restrict__ dst, int width) {
+    const int64_t r = blockIdx.x;
+    const int64_t from = rows[r];
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        dst[r * width + i] = src[from * width + i];
+    }
+}
+
+// out[t, i] (+)= sum_j weights[t, j] * y_sorted[slot_row[t*k + j], i]: moe_combine for outputs in sorted
+// (grouped by expert) order; slot_row maps a token's j-th choice to its sorted row. Grid (n_tokens); block:
+// 256 threads over the width. The sum runs over j in order, as moe_combine.
+extern "C" __global__ void moe_combine_sorted(const float * __restrict__ y_sorted, const int32_t * __restrict__ slot_row,
+                                              const float * __restrict__ weights, float * __restrict__ out, int k,
+                                              int width, int add) {
+    const int64_t t = blockIdx.x;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float s = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            s = fmaf(weights[t * k + j], y_sorted[(int64_t) slot_row[t * k + j] * width + i], s);
+        }
+        out[t * width + i] = add ? out[t * width + i] + s : s;
+    }
+}

@@ -16,26 +16,32 @@ if command -v nvidia-smi > /dev/null; then
 fi
 
 echo "== lib cuda:: unit tests (NVRTC compiles every module for sm_80 and sm_90)" | tee -a "$summary"
-timeout 300 $C/poly_kernels_lib cuda:: --nocapture > "$OUT/lib.txt" 2>&1
+timeout 200 $C/poly_kernels_lib cuda:: --nocapture > "$OUT/lib.txt" 2>&1
 echo "rc=$? $(grep -E '^test result' "$OUT/lib.txt")" | tee -a "$summary"
 
-echo "== cuda_ops, one process per test" | tee -a "$summary"
-for t in $($C/cuda_ops --list 2>/dev/null | sed -n 's/: test$//p'); do
-    timeout 120 $C/cuda_ops --exact "$t" --nocapture > "$OUT/ops_$t.txt" 2>&1
-    rc=$?
-    echo "$t rc=$rc" | tee -a "$summary"
-    grep -E "nmse|skipped|panicked|error|Error|first load" "$OUT/ops_$t.txt" | head -40 | sed 's/^/    /' | tee -a "$summary"
+for bin in cuda_ops cuda_layer_ops; do
+    echo "== $bin, one process per test" | tee -a "$summary"
+    for t in $($C/$bin --list 2>/dev/null | sed -n 's/: test$//p'); do
+        timeout 180 $C/$bin --exact "$t" --nocapture > "$OUT/${bin}_$t.txt" 2>&1
+        rc=$?
+        echo "$t rc=$rc" | tee -a "$summary"
+        grep -E "nmse|skipped|panicked|error|Error|first load|vs exact" "$OUT/${bin}_$t.txt" | head -40 | sed 's/^/    /' | tee -a "$summary"
+    done
 done
 
-echo "== cuda_bench" | tee -a "$summary"
-timeout 300 $C/cuda_bench --ignored --nocapture --test-threads 1 > "$OUT/bench.txt" 2>&1
-echo "rc=$?" | tee -a "$summary"
-grep -E "^(bench|device|module)|panicked" "$OUT/bench.txt" | tee -a "$summary"
+for bin in cuda_bench cuda_layer_bench; do
+    echo "== $bin" | tee -a "$summary"
+    timeout 180 $C/$bin --ignored --nocapture --test-threads 1 > "$OUT/$bin.txt" 2>&1
+    echo "rc=$?" | tee -a "$summary"
+    grep -E "^(bench|device|module)|panicked" "$OUT/$bin.txt" | tee -a "$summary"
+done
 
 SAN=/usr/local/cuda/bin/compute-sanitizer
 if [ -x "$SAN" ]; then
-    echo "== cuda_ops under compute-sanitizer (memcheck)" | tee -a "$summary"
-    timeout 240 "$SAN" --tool memcheck --leak-check no $C/cuda_ops --test-threads 1 > "$OUT/sanitizer.txt" 2>&1
-    echo "rc=$? $(grep -E 'ERROR SUMMARY|^test result' "$OUT/sanitizer.txt" | tr '\n' ' ')" | tee -a "$summary"
+    for bin in cuda_ops cuda_layer_ops; do
+        echo "== $bin under compute-sanitizer (memcheck)" | tee -a "$summary"
+        timeout 150 "$SAN" --tool memcheck --leak-check no $C/$bin --test-threads 1 > "$OUT/sanitizer_$bin.txt" 2>&1
+        echo "rc=$? $(grep -E 'ERROR SUMMARY|^test result' "$OUT/sanitizer_$bin.txt" | tr '\n' ' ')" | tee -a "$summary"
+    done
 fi
 echo "== done; logs in $OUT"

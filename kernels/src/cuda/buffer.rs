@@ -81,7 +81,7 @@ impl BlockQ8_1 {
         half::f16::from_le_bytes([self.bytes[0], self.bytes[1]]).to_f32()
     }
 
-    /// The sum of the 32 values that were quantized.
+    /// `d` times the sum of the 32 quants (ggml's CPU q8_1; the formats with an offset or minimum use it).
     pub fn s(&self) -> f32 {
         half::f16::from_le_bytes([self.bytes[2], self.bytes[3]]).to_f32()
     }

@@ -2,18 +2,23 @@
 //! ([`DeviceBuffer`], [`BlockQ8_1`]), weights on the card ([`DeviceMatrix`], [`StackedExperts`] with the
 //! [`ExpertTable`] the expert kernels read), the kernel modules compiled by NVRTC on first use with an on-disk
 //! cache ([`module`]), the operations that launch them ([`ops`]), and CUDA graphs of them ([`LaunchGraph`],
-//! [`Device::capture`]).
+//! [`Device::capture`]); the attention, recurrent (delta-net), prompt (matrix×matrix) and sampling
+//! operations have modules of their own.
 //!
 //! cudarc loads the driver, NVRTC and cuBLAS at run time, so this module builds without a CUDA toolkit and
 //! a program that has no GPU gets [`CudaError::NoDevice`] from [`Device::open`] instead of a failure to
 //! start. The kernels' sources are `kernels/cuda/*.cu`; `kernels/cuda/README.md` explains the compilation
 //! choice and how the engine will use this module.
 
+pub mod attention;
 mod buffer;
 mod device;
 mod graph;
 pub mod module;
 pub mod ops;
+pub mod prompt;
+pub mod recurrent;
+pub mod sample;
 
 pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExperts};
 pub use device::Device;

@@ -36,13 +36,20 @@ pub enum KernelModule {
     Rope,
     /// `act.cu`: SiLU, SwiGLU.
     Act,
-    /// `route.cu`: softmax/sigmoid + top-k routing, weighted sum of expert outputs.
+    /// `route.cu`: softmax/sigmoid + top-k routing, weighted sum of expert outputs, the gather and combine
+    /// of a prompt's tokens grouped by expert.
     Route,
+    /// `attention.cu`: attention over an f16 KV cache (decode and prompt batches, split over the context).
+    Attention,
+    /// `recurrent.cu`: causal conv1d with state, L2 norm, gated delta rule, gated RMS norm.
+    Recurrent,
+    /// `sample.cu`: argmax and top-k/top-p/temperature sampling on the card.
+    Sample,
 }
 
 impl KernelModule {
     /// Every module, in [`KernelModule::index`] order.
-    pub const ALL: [KernelModule; 7] = [
+    pub const ALL: [KernelModule; 10] = [
         KernelModule::Quantize,
         KernelModule::MatvecQ,
         KernelModule::MatvecF,
@@ -50,6 +57,9 @@ impl KernelModule {
         KernelModule::Rope,
         KernelModule::Act,
         KernelModule::Route,
+        KernelModule::Attention,
+        KernelModule::Recurrent,
+        KernelModule::Sample,
     ];
 
     /// The file name without `.cu`.
@@ -62,6 +72,9 @@ impl KernelModule {
             KernelModule::Rope => "rope",
             KernelModule::Act => "act",
             KernelModule::Route => "route",
+            KernelModule::Attention => "attention",
+            KernelModule::Recurrent => "recurrent",
+            KernelModule::Sample => "sample",
         }
     }
 
@@ -79,6 +92,9 @@ impl KernelModule {
             KernelModule::Rope => include_str!("../../cuda/rope.cu"),
             KernelModule::Act => include_str!("../../cuda/act.cu"),
             KernelModule::Route => include_str!("../../cuda/route.cu"),
+            KernelModule::Attention => include_str!("../../cuda/attention.cu"),
+            KernelModule::Recurrent => include_str!("../../cuda/recurrent.cu"),
+            KernelModule::Sample => include_str!("../../cuda/sample.cu"),
         }
     }
 

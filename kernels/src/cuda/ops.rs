@@ -15,22 +15,22 @@ pub use super::buffer::{gpu_act as activation_form, GpuAct as ActivationForm};
 /// Threads of a thread block of the matrix×vector kernels (32 × 4 warps; `MATVEC_WARPS` in the `.cu` files).
 const MATVEC_BLOCK: (u32, u32, u32) = (32, 4, 1);
 
-fn invalid<T>(msg: String) -> CudaResult<T> {
+pub(crate) fn invalid<T>(msg: String) -> CudaResult<T> {
     Err(CudaError::Invalid(msg))
 }
 
-fn check_len<T>(what: &str, buf: &DeviceBuffer<T>, want: usize) -> CudaResult<()> {
+pub(crate) fn check_len<T>(what: &str, buf: &DeviceBuffer<T>, want: usize) -> CudaResult<()> {
     if buf.len() != want {
         return invalid(format!("{what}: {} elements, {want} expected", buf.len()));
     }
     Ok(())
 }
 
-fn as_i32(what: &str, v: usize) -> CudaResult<i32> {
+pub(crate) fn as_i32(what: &str, v: usize) -> CudaResult<i32> {
     i32::try_from(v).map_err(|_| CudaError::Invalid(format!("{what} = {v} is too large")))
 }
 
-fn grid_1d(n: usize, threads: u32) -> CudaResult<LaunchConfig> {
+pub(crate) fn grid_1d(n: usize, threads: u32) -> CudaResult<LaunchConfig> {
     let blocks = n.div_ceil(threads as usize);
     let blocks = u32::try_from(blocks).map_err(|_| CudaError::Invalid(format!("{n} elements")))?;
     Ok(LaunchConfig {
@@ -63,7 +63,7 @@ pub fn quantize_q8_1(
     dev.after_launch("quantize_q8_1")
 }
 
-fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
+pub(crate) fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
     const SINGLE: [(GgmlType, &str); 12] = [
         (GgmlType::Q4_0, "matvec_q4_0"),
         (GgmlType::Q4_1, "matvec_q4_1"),
@@ -139,7 +139,12 @@ fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
 
 /// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
 /// warps per row.
-fn q_matvec_config(ty: GgmlType, rows: usize, cols: usize, slots: usize) -> (LaunchConfig, i32) {
+pub(crate) fn q_matvec_config(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+) -> (LaunchConfig, i32) {
     let wpr = warps_per_row(ty, cols);
     let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
     let cfg = LaunchConfig {
@@ -469,6 +474,54 @@ pub fn swiglu(
     // SAFETY: all three buffers hold n floats.
     unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
     dev.after_launch("swiglu_f32")
+}
+
+/// `out = gelu(gate) · up`, element-wise (GeGLU with ggml's CPU GELU: [`crate::ops::act::gelu_ggml`]);
+pub fn geglu(
+    dev: &Device,
+    gate: &DeviceBuffer<f32>,
+    up: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    check_len("geglu up", up, gate.len())?;
+    check_len("geglu out", out, gate.len())?;
+    let n = gate.len() as i64;
+    let f = dev.function(KernelModule::Act, "geglu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
+    // SAFETY: all three buffers hold n floats.
+    unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
+    dev.after_launch("geglu_f32")
+}
+
+/// `out = gelu(x)` element-wise, ggml's CPU GELU ([`crate::ops::act::gelu_ggml`]).
+pub fn gelu(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+    check_len("gelu out", out, x.len())?;
+    let n = x.len() as i64;
+    let f = dev.function(KernelModule::Act, "gelu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
+    // SAFETY: both buffers hold n floats.
+    unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
+    dev.after_launch("gelu_f32")
+}
+
+/// `x = cap·tanh(x/cap)` in place (final logit softcapping).
+pub fn softcap(dev: &Device, x: &mut DeviceBuffer<f32>, cap: f32) -> CudaResult<()> {
+    if cap <= 0.0 || x.is_empty() {
+        return invalid(format!("softcap: cap {cap} on {} values", x.len()));
+    }
+    let n = x.len() as i64;
+    let cfg = grid_1d(x.len(), 256)?;
+    let f = dev.function(KernelModule::Act, "softcap_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice_mut()).arg(&cap).arg(&n);
+    // SAFETY: x holds n floats.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("softcap_f32")
 }
 
 /// `out = silu(x)`, element-wise.
