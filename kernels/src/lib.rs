@@ -10,12 +10,22 @@
 //! - [`matmul_order`]: the same with the per-row dot-product order chosen by the caller.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
+//! - [`ggml_type`]: the GGML type table (ids, names, block sizes), the one part compiled without the default
+//!   `compute` feature, for readers of GGUF files that never compute (the server).
 
+pub mod ggml_type;
+#[cfg(feature = "compute")]
 pub mod matmul;
+#[cfg(feature = "compute")]
 pub mod matmul_order;
+#[cfg(feature = "compute")]
 pub mod ops;
+#[cfg(feature = "compute")]
 pub mod quant;
+#[cfg(feature = "compute")]
 pub mod rng;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+
+pub use ggml_type::GgmlType;

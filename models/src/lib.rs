@@ -8,10 +8,17 @@
 //!
 //! This crate knows no process, protocol or device: it describes files and models, the engine runs them.
 
+//!
+//! Without the default `compute` feature only `gguf` and `summary` compile (and poly-kernels without its
+//! numeric code): what a process that reads GGUF metadata but never runs a model needs (the server).
+
+#[cfg(feature = "compute")]
 pub mod arch;
 pub mod gguf;
+#[cfg(feature = "compute")]
 pub mod synth;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
+#[cfg(feature = "compute")]
 pub mod compute;
 pub mod summary;

@@ -3,7 +3,7 @@
 //! expert cache holds) and everything else (what must sit in VRAM).
 
 use crate::gguf::{Array, GgufFile, Value};
-use poly_kernels::quant::GgmlType;
+use poly_kernels::GgmlType;
 use std::collections::BTreeMap;
 
 /// Count and bytes of the tensors of one type.

@@ -32,7 +32,7 @@ pub use split::{split_path, split_prefix};
 pub use value::{Array, Value, ValueType};
 pub use writer::GgufWriter;
 
-use poly_kernels::quant::GgmlType;
+use poly_kernels::GgmlType;
 
 /// The four bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";

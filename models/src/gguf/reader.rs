@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::fmt::Write as _;
 
-use poly_kernels::quant::GgmlType;
+use poly_kernels::GgmlType;
 
 use super::error::{ErrorKind, GgufError, Section};
 use super::metadata::{keys, Metadata};

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use poly_kernels::quant::GgmlType;
+use poly_kernels::GgmlType;
 
 use super::error::{ErrorKind, GgufError};
 use super::metadata::keys;
@@ -32,7 +32,7 @@ const WRITER_NAME: &str = "<GgufWriter>";
 /// Builds a GGUF file: metadata, tensor declarations, then a streaming write.
 ///
 /// ```no_run
-/// use poly_kernels::quant::GgmlType;
+/// use poly_kernels::GgmlType;
 /// use poly_models::gguf::{GgufWriter, Value};
 /// # fn main() -> Result<(), poly_models::gguf::GgufError> {
 /// let mut w = GgufWriter::new(); // version 3, alignment 32
