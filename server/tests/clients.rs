@@ -1,7 +1,7 @@
 //! The official `openai` and `anthropic` Python packages as clients (tests/server/clients.py) against
 //! `polystrata serve` with real engine children: the synthetic qwen3moe and gemma3 fixtures, and the real
 //! Gemma 3 270M with its run config naming Gemma 3's turn format when its GGUF is present
-//! (`POLYSTRATA_GEMMA_GGUF`, else /work/models/gemma-3-270m-q4_k_m.gguf; tests/witness/fetch_gemma.sh).
+//! (`POLY_GEMMA_GGUF`, which tests/run.sh sets, else /work/models/gemma-3-270m-q4_k_m.gguf).
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: about 40 short generations per model; under a minute in release on 2 cores.
@@ -18,7 +18,7 @@ fn python() -> String {
 }
 
 fn gemma_270m() -> Option<PathBuf> {
-    let path = std::env::var_os("POLYSTRATA_GEMMA_GGUF")
+    let path = std::env::var_os("POLY_GEMMA_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/work/models/gemma-3-270m-q4_k_m.gguf"));
     path.is_file().then_some(path)
