@@ -99,10 +99,15 @@ impl EngineProcess {
             };
 
         let stderr_tail: Arc<Mutex<VecDeque<String>>> = Arc::default();
+        // Set when the log ends, so that an engine's last words are in the tail before it is quoted.
+        let (log_done_tx, mut log_done) = watch::channel(false);
         {
             let tail = stderr_tail.clone();
             let label = launch.label.clone();
-            std::thread::spawn(move || forward_stderr(stderr, &label, &tail));
+            std::thread::spawn(move || {
+                forward_stderr(stderr, &label, &tail);
+                let _ = log_done_tx.send(true);
+            });
         }
 
         let (exit_tx, exited) = watch::channel(None);
@@ -172,6 +177,9 @@ impl EngineProcess {
             }
             Err(e) => {
                 process.stop(StopTimeouts::default()).await;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(2), log_done.wait_for(|done| *done))
+                        .await;
                 let tail = process.stderr_tail();
                 Err(if tail.is_empty() {
                     e
