@@ -97,7 +97,10 @@ impl Agreement {
             self.greedy_mismatch == 0,
             "{what}: greedy tokens differ outside near ties: {self:?}"
         );
-        assert!(self.top5 <= 0.1, "{what}: top-5 probabilities differ: {self:?}");
+        assert!(
+            self.top5 <= 0.1,
+            "{what}: top-5 probabilities differ: {self:?}"
+        );
     }
 }
 
@@ -134,12 +137,12 @@ fn read(model: &Model, state: &mut SeqState, prompt: &[u32], chunk: usize) -> Ve
 fn state_diff(a: &SeqState, b: &SeqState) -> f64 {
     let rel = |x: &[f32], y: &[f32]| -> f64 {
         assert_eq!(x.len(), y.len(), "state sizes differ");
-        let num: f64 = x
+        let num: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+        let den: f64 = x
             .iter()
-            .zip(y)
-            .map(|(p, q)| ((p - q) as f64).powi(2))
-            .sum();
-        let den: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum::<f64>().max(1e-30);
+            .map(|p| (*p as f64).powi(2))
+            .sum::<f64>()
+            .max(1e-30);
         (num / den).sqrt()
     };
     let mut worst = 0f64;

@@ -135,7 +135,9 @@ pub fn run(args: RunArgs) -> CliResult {
 
     let start = Instant::now();
     let mut model = Model::load(&args.model)?;
-    model.use_device(poly_engine::gpu::DeviceChoice::from_flags(args.cpu, args.gpu)?)?;
+    model.use_device(poly_engine::gpu::DeviceChoice::from_flags(
+        args.cpu, args.gpu,
+    )?)?;
     eprintln!("running on {}", model.device_name());
     let loaded = start.elapsed();
     let precision = if args.kv_f32 {

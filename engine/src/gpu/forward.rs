@@ -19,8 +19,8 @@ use poly_kernels::ops::recurrent::DeltaShape;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, RopeKind, Unary,
-    WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, RopeKind,
+    Unary, WeightId,
 };
 
 use super::pool::Pool;
@@ -314,7 +314,10 @@ impl<'a> GpuForward<'a> {
                 pool: self.pool.clone(),
             };
             let r = self.matmul_into(m.router, x, &mut la);
-            logits = la.buf.take().ok_or_else(|| CudaError::Invalid("router".into()))?;
+            logits = la
+                .buf
+                .take()
+                .ok_or_else(|| CudaError::Invalid("router".into()))?;
             r?;
         }
         let mut ids = self.pool.i32(dev, slots)?;
@@ -356,7 +359,15 @@ impl<'a> GpuForward<'a> {
             Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
             f => {
                 self.unary_into(&gate, f, &mut h)?;
-                ew::binary(dev, &h, &up, n_ff, BinaryOp::Mul, Broadcast::None, &mut gate)?;
+                ew::binary(
+                    dev,
+                    &h,
+                    &up,
+                    n_ff,
+                    BinaryOp::Mul,
+                    Broadcast::None,
+                    &mut gate,
+                )?;
                 std::mem::swap(&mut h, &mut gate);
             }
         }
@@ -495,7 +506,15 @@ impl Compute for GpuForward<'_> {
         let mut out = self.alloc(x.rows, x.cols * times);
         let rows = x.rows;
         self.run(x.len() == 0, |c| {
-            ew::repeat_heads(c.dev, x.buf()?, rows, head, times, interleave, out.buf_mut()?)
+            ew::repeat_heads(
+                c.dev,
+                x.buf()?,
+                rows,
+                head,
+                times,
+                interleave,
+                out.buf_mut()?,
+            )
         });
         out
     }

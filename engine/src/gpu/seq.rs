@@ -37,11 +37,15 @@ pub struct DeviceSeq {
 }
 
 fn to_f16(x: &[f32]) -> Vec<u16> {
-    x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect()
+    x.iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect()
 }
 
 fn from_f16(x: &[u16]) -> Vec<f32> {
-    x.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect()
+    x.iter()
+        .map(|&b| half::f16::from_bits(b).to_f32())
+        .collect()
 }
 
 impl DeviceSeq {
@@ -74,17 +78,22 @@ impl DeviceSeq {
     fn fits(&self, state: &SeqState) -> bool {
         self.n_ctx >= state.n_ctx()
             && self.layers.len() == state.n_layers()
-            && self.layers.iter().enumerate().all(|(il, l)| {
-                match (l, state.layer(il)) {
-                    (DeviceLayer::Kv { k_width, v_width, .. }, LayerState::Kv(c)) => {
-                        *k_width == c.k_width() && *v_width == c.v_width()
-                    }
+            && self
+                .layers
+                .iter()
+                .enumerate()
+                .all(|(il, l)| match (l, state.layer(il)) {
+                    (
+                        DeviceLayer::Kv {
+                            k_width, v_width, ..
+                        },
+                        LayerState::Kv(c),
+                    ) => *k_width == c.k_width() && *v_width == c.v_width(),
                     (DeviceLayer::Recurrent { conv, delta }, LayerState::Recurrent(r)) => {
                         conv.len() == r.conv.len().max(1) && delta.len() == r.delta.len().max(1)
                     }
                     _ => false,
-                }
-            })
+                })
     }
 
     /// Makes the card hold `state` (see the module documentation) and returns it.
@@ -102,8 +111,9 @@ impl DeviceSeq {
         };
         let host = state.tokens();
         let same = seq.tokens == host;
-        let prefix =
-            !state.has_recurrent() && seq.tokens.len() >= host.len() && seq.tokens.starts_with(host);
+        let prefix = !state.has_recurrent()
+            && seq.tokens.len() >= host.len()
+            && seq.tokens.starts_with(host);
         if same || prefix {
             seq.tokens.truncate(host.len());
             return Ok(seq);

@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use poly_kernels::cuda::ops::{activation_form, ActivationForm};
-use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, StackedExperts};
+use poly_kernels::cuda::{
+    CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, StackedExperts,
+};
 use poly_kernels::quant::{dequantize, GgmlType};
 use poly_models::compute::WeightId;
 
@@ -117,7 +119,9 @@ impl GpuWeights {
         self.mats
             .get(w.0 as usize)
             .and_then(|m| m.as_ref())
-            .ok_or_else(|| CudaError::Invalid(format!("weight {} is not a matrix on the card", w.0)))
+            .ok_or_else(|| {
+                CudaError::Invalid(format!("weight {} is not a matrix on the card", w.0))
+            })
     }
 
     /// The tensor of `w` as f32 values (uploaded on first use).

@@ -114,7 +114,11 @@ impl<'a, W: Write> Session<'a, W> {
             device: self.model.device_name(),
             experts_total,
             // With a GPU every expert is in VRAM (issue 7); the expert cache will count its own.
-            experts_vram: if self.model.on_gpu() { experts_total } else { 0 },
+            experts_vram: if self.model.on_gpu() {
+                experts_total
+            } else {
+                0
+            },
         };
         self.send(&FromEngine::Ready(ready))?;
         loop {
