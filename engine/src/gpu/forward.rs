@@ -201,28 +201,19 @@ impl<'a> GpuForward<'a> {
                 if x.rows > MAX_SLOTS {
                     return Err(CudaError::Invalid(format!("{} rows in one matmul", x.rows)));
                 }
-                let ids = self.zero_ids(x.rows)?;
+                let ids = self.pool.zeros_i32(dev, x.rows)?;
                 let input = if x.rows == 1 {
                     ExpertInput::Shared
                 } else {
                     ExpertInput::PerSlot
                 };
-                let r = ops::matvec_experts_f(dev, s.table(), &ids, x.buf()?, input, y.buf_mut()?);
-                self.pool.put_i32(ids);
-                r
+                ops::matvec_experts_f(dev, s.table(), &ids, x.buf()?, input, y.buf_mut()?)
             }
             GpuWeight::Experts(_) => Err(CudaError::Invalid(format!(
                 "weight {} is an expert tensor, not a matrix",
                 w.0
             ))),
         }
-    }
-
-    /// `n` zeros (expert 0 for every slot).
-    fn zero_ids(&self, n: usize) -> CudaResult<DeviceBuffer<i32>> {
-        let mut ids = self.pool.i32(self.dev, n)?;
-        self.dev.write(&vec![0i32; n], &mut ids)?;
-        Ok(ids)
     }
 
     fn out_rows(&self, w: WeightId) -> usize {

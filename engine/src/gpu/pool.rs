@@ -6,6 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use poly_kernels::cuda::{BlockQ8_1, CudaResult, Device, DeviceBuffer};
 
@@ -45,6 +46,9 @@ pub struct PoolStore {
     f32: Free<f32>,
     i32: Free<i32>,
     q8: Free<BlockQ8_1>,
+    /// Buffers of zeros that are never written (expert 0 for every slot of a one-matrix expert launch),
+    /// made once per length so no call copies them from the host.
+    zeros_i32: HashMap<usize, Arc<DeviceBuffer<i32>>>,
 }
 
 /// The pool as a forward call uses it: shared by the activations it hands out (which give their buffer
@@ -79,6 +83,17 @@ impl Pool {
 
     pub fn put_i32(&self, b: DeviceBuffer<i32>) {
         self.store.borrow_mut().i32.put(b);
+    }
+
+    /// `len` zeros, never to be written.
+    pub fn zeros_i32(&self, dev: &Device, len: usize) -> CudaResult<Arc<DeviceBuffer<i32>>> {
+        let mut store = self.store.borrow_mut();
+        if let Some(z) = store.zeros_i32.get(&len) {
+            return Ok(z.clone());
+        }
+        let z = Arc::new(dev.zeros(len)?);
+        store.zeros_i32.insert(len, z.clone());
+        Ok(z)
     }
 
     pub fn q8(&self, dev: &Device, len: usize) -> CudaResult<DeviceBuffer<BlockQ8_1>> {

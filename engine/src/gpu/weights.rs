@@ -54,6 +54,9 @@ fn upload_one(dev: &Device, cpu: &CpuWeights, w: WeightId) -> CudaResult<Option<
     let info = cpu.info(w);
     let dims: Vec<usize> = info.dims.iter().map(|&d| d as usize).collect();
     let (cols, rows, n_mat) = match dims.as_slice() {
+        // A vector is also a one-row matrix (a shared-expert gate `[n_embd]` whose trailing 1 the file
+        // dropped); the element-wise operations read their own f32 copy.
+        [c] => (*c, 1, 1),
         [c, r] => (*c, *r, 1),
         [c, r, e] => (*c, *r, *e),
         [c, r, e, 1] => (*c, *r, *e),
@@ -73,7 +76,7 @@ fn upload_one(dev: &Device, cpu: &CpuWeights, w: WeightId) -> CudaResult<Option<
         converted = as_f32_bytes(cpu, w);
         &converted
     };
-    let upload = if dims.len() >= 3 && n_mat > 1 {
+    let upload = if dims.len() >= 3 {
         StackedExperts::upload(dev, ty, (rows, cols, n_mat), data).map(GpuWeight::Experts)
     } else {
         match activation_form(ty) {
