@@ -4,6 +4,7 @@
 
 pub mod cpu;
 pub mod generate;
+pub mod gpu;
 pub mod model;
 pub mod sample;
 pub mod serve;

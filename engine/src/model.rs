@@ -35,10 +35,12 @@ impl From<poly_models::GgufError> for EngineError {
     }
 }
 
-/// A model ready to run on the CPU.
+/// A model ready to run on the CPU, or on a GPU once [`Model::use_device`] put it there.
 pub struct Model {
     graph: ModelGraph,
     weights: CpuWeights,
+    /// The GPU backend, when the model runs on a card.
+    gpu: Option<crate::gpu::GpuBackend>,
 }
 
 impl Model {
@@ -53,7 +55,30 @@ impl Model {
         Ok(Model {
             graph,
             weights: CpuWeights::new(file),
+            gpu: None,
         })
+    }
+
+    /// Runs the model where `choice` says: on the CPU, or with every weight uploaded to a GPU
+    /// ([`crate::gpu`]).
+    pub fn use_device(&mut self, choice: crate::gpu::DeviceChoice) -> Result<(), EngineError> {
+        self.gpu = match choice.ordinal()? {
+            Some(n) => Some(crate::gpu::GpuBackend::load(n, &self.weights)?),
+            None => None,
+        };
+        Ok(())
+    }
+
+    /// Whether the model runs on a GPU.
+    pub fn on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    /// Where the model runs: `cpu` or `cuda:N <name>`.
+    pub fn device_name(&self) -> String {
+        self.gpu
+            .as_ref()
+            .map_or_else(|| "cpu".to_string(), |g| g.describe())
     }
 
     /// Sizes and special tokens.
@@ -113,6 +138,9 @@ impl Model {
         }
         if tokens.is_empty() {
             return Ok(Vec::new());
+        }
+        if let Some(gpu) = &self.gpu {
+            return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
         }
         let out = {
             let mut c = CpuForward::new(&self.weights, state, tokens, logits);

@@ -42,9 +42,12 @@ struct ServeArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
-    /// Run on the CPU (the only backend so far).
-    #[arg(long)]
+    /// Run on the CPU even when there is a GPU.
+    #[arg(long, conflicts_with = "gpu")]
     cpu: bool,
+    /// Run on GPU N (default: GPU 0 when there is one, else the CPU).
+    #[arg(long, value_name = "N")]
+    gpu: Option<usize>,
     /// MiB of RAM that parked conversations may hold (least recently used dropped first).
     #[arg(long, default_value_t = 1024)]
     park_mib: usize,
@@ -78,14 +81,20 @@ pub fn run(cli: Cli) -> ExitCode {
                 eprintln!("poly-engine: give --model FILE, or a subcommand (see --help)");
                 return ExitCode::FAILURE;
             };
-            // The CPU is the only backend so far: --cpu asks for what happens anyway.
-            let _ = a.cpu;
+            let device = match poly_engine::gpu::DeviceChoice::from_flags(a.cpu, a.gpu) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("poly-engine: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
             return serve(ServeOptions {
                 model,
                 max_context: a.max_context,
                 threads: a.threads,
                 park_bytes: a.park_mib.saturating_mul(1 << 20),
                 checkpoint_every: a.checkpoint_every,
+                device,
             });
         }
     };

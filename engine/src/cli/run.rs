@@ -35,6 +35,12 @@ pub struct RunArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Run on the CPU even when there is a GPU.
+    #[arg(long, conflicts_with = "gpu")]
+    cpu: bool,
+    /// Run on GPU N (default: GPU 0 when there is one, else the CPU).
+    #[arg(long, value_name = "N")]
+    gpu: Option<usize>,
     /// Context size in tokens (default: the model's training context).
     #[arg(long, default_value_t = 0)]
     n_ctx: usize,
@@ -128,7 +134,11 @@ pub fn run(args: RunArgs) -> CliResult {
     let pool = pool.build()?;
 
     let start = Instant::now();
-    let model = Model::load(&args.model)?;
+    let mut model = Model::load(&args.model)?;
+    model.use_device(poly_engine::gpu::DeviceChoice::from_flags(
+        args.cpu, args.gpu,
+    )?)?;
+    eprintln!("running on {}", model.device_name());
     let loaded = start.elapsed();
     let precision = if args.kv_f32 {
         KvPrecision::F32

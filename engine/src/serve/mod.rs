@@ -43,6 +43,8 @@ pub struct ServeOptions {
     pub park_bytes: usize,
     /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none).
     pub checkpoint_every: usize,
+    /// Where the model runs (a GPU when there is one, unless asked otherwise).
+    pub device: crate::gpu::DeviceChoice,
 }
 
 /// The facts the READY line announces, read once at load.
@@ -52,7 +54,7 @@ struct Loaded {
     experts_total: u64,
 }
 
-fn load(path: &PathBuf) -> Result<Loaded, EngineError> {
+fn load(path: &PathBuf, device: crate::gpu::DeviceChoice) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
     let mut expert_blocks: Vec<&str> = file
         .tensor_infos()
@@ -66,7 +68,8 @@ fn load(path: &PathBuf) -> Result<Loaded, EngineError> {
         .n_experts
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
-    let model = Model::from_file(file.clone())?;
+    let mut model = Model::from_file(file.clone())?;
+    model.use_device(device)?;
     Ok(Loaded {
         model,
         experts_total,
@@ -104,7 +107,7 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     }
     let started = std::time::Instant::now();
-    let loaded = match load(&opts.model) {
+    let loaded = match load(&opts.model, opts.device) {
         Ok(l) => l,
         Err(e) => {
             return fail(
@@ -114,10 +117,11 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     };
     eprintln!(
-        "poly-engine: {} ({}) loaded in {:.2} s",
+        "poly-engine: {} ({}) loaded in {:.2} s on {}",
         opts.model.display(),
         loaded.model.info().arch,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        loaded.model.device_name()
     );
     let inputs = input::spawn_reader(std::io::stdin());
     let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);

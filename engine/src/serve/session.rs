@@ -111,9 +111,14 @@ impl<'a, W: Write> Session<'a, W> {
             n_ctx: self.n_ctx as u32,
             bos: info.bos,
             eos: info.stop_tokens(),
-            device: "cpu".to_string(),
+            device: self.model.device_name(),
             experts_total,
-            experts_vram: 0,
+            // With a GPU every expert is in VRAM (issue 7); the expert cache will count its own.
+            experts_vram: if self.model.on_gpu() {
+                experts_total
+            } else {
+                0
+            },
         };
         self.send(&FromEngine::Ready(ready))?;
         loop {

@@ -131,6 +131,34 @@ pub fn attention_f16(
     scratch: Option<&mut DeviceBuffer<f32>>,
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
+    let cache = KvCacheView { k, v, n_kv: None };
+    attention_f16_cache(dev, q, positions, cache, p, split, scratch, out)
+}
+
+/// The keys and values [`attention_f16_cache`] reads: the first `n_kv` rows of `k` and `v` (all of them when
+/// `None`), so a cache allocated for the whole context is read only as far as it is filled.
+#[derive(Clone, Copy, Debug)]
+pub struct KvCacheView<'a> {
+    pub k: &'a DeviceBuffer<u16>,
+    pub v: &'a DeviceBuffer<u16>,
+    pub n_kv: Option<usize>,
+}
+
+/// [`attention_f16`] over the first `cache.n_kv` rows of a larger cache.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_f16_cache(
+    dev: &Device,
+    q: &DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    cache: KvCacheView<'_>,
+    p: &AttnParams,
+    split: AttnSplit,
+    scratch: Option<&mut DeviceBuffer<f32>>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let KvCacheView { k, v, n_kv } = cache;
+    let n_kv_given = n_kv;
+
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
     if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) || dk == 0 || dv == 0 {
         return invalid(format!("attention: bad heads {p:?}"));
@@ -150,8 +178,20 @@ pub fn attention_f16(
     if k.is_empty() || !k.len().is_multiple_of(k_row) {
         return invalid(format!("attention: k of {} values", k.len()));
     }
-    let n_kv = k.len() / k_row;
-    check_len("attention v", v, n_kv * p.n_head_kv * dv)?;
+    let n_kv = match n_kv {
+        Some(n) => n,
+        None => k.len() / k_row,
+    };
+    if n_kv == 0 || n_kv * k_row > k.len() || n_kv * p.n_head_kv * dv > v.len() {
+        return invalid(format!(
+            "attention: {n_kv} cache rows of k {} / v {} values",
+            k.len(),
+            v.len()
+        ));
+    }
+    if n_kv_given.is_none() {
+        check_len("attention v", v, n_kv * p.n_head_kv * dv)?;
+    }
     let n_split = split.n_split(n_kv);
     let scratch = match scratch {
         Some(s) if n_split > 1 => {

@@ -270,6 +270,50 @@ impl Device {
         Ok(())
     }
 
+    /// Overwrites `dst[offset..offset + src.len()]` with `src`, in stream order.
+    pub fn write_at<T: DeviceRepr>(
+        &self,
+        src: &[T],
+        dst: &mut DeviceBuffer<T>,
+        offset: usize,
+    ) -> CudaResult<()> {
+        if offset + src.len() > dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "write of {} elements at {offset} into a buffer of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice_mut().slice_mut(offset..offset + src.len());
+        self.stream.memcpy_htod(src, &mut view)?;
+        Ok(())
+    }
+
+    /// A host copy of `src[offset..offset + len]`, after everything queued before it.
+    pub fn download_range<T: DeviceRepr + Clone + Default>(
+        &self,
+        src: &DeviceBuffer<T>,
+        offset: usize,
+        len: usize,
+    ) -> CudaResult<Vec<T>> {
+        if offset + len > src.len() {
+            return Err(CudaError::Invalid(format!(
+                "read of {len} elements at {offset} from a buffer of {}",
+                src.len()
+            )));
+        }
+        let mut out = vec![T::default(); len];
+        if len > 0 {
+            let view = src.slice().slice(offset..offset + len);
+            self.stream.memcpy_dtoh(&view, &mut out)?;
+            self.stream.synchronize()?;
+        }
+        Ok(out)
+    }
+
     /// A host copy of `src`, after everything queued before it.
     pub fn download<T: DeviceRepr + Clone + Default>(
         &self,

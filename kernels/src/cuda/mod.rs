@@ -13,6 +13,7 @@
 pub mod attention;
 mod buffer;
 mod device;
+pub mod elementwise;
 mod graph;
 pub mod module;
 pub mod ops;

@@ -45,11 +45,13 @@ pub enum KernelModule {
     Recurrent,
     /// `sample.cu`: argmax and top-k/top-p/temperature sampling on the card.
     Sample,
+    /// `elementwise.cu`: add/mul/scale/unary, column slices, head parts, repeated heads, KV stores.
+    Elementwise,
 }
 
 impl KernelModule {
     /// Every module, in [`KernelModule::index`] order.
-    pub const ALL: [KernelModule; 10] = [
+    pub const ALL: [KernelModule; 11] = [
         KernelModule::Quantize,
         KernelModule::MatvecQ,
         KernelModule::MatvecF,
@@ -60,6 +62,7 @@ impl KernelModule {
         KernelModule::Attention,
         KernelModule::Recurrent,
         KernelModule::Sample,
+        KernelModule::Elementwise,
     ];
 
     /// The file name without `.cu`.
@@ -75,6 +78,7 @@ impl KernelModule {
             KernelModule::Attention => "attention",
             KernelModule::Recurrent => "recurrent",
             KernelModule::Sample => "sample",
+            KernelModule::Elementwise => "elementwise",
         }
     }
 
@@ -95,6 +99,7 @@ impl KernelModule {
             KernelModule::Attention => include_str!("../../cuda/attention.cu"),
             KernelModule::Recurrent => include_str!("../../cuda/recurrent.cu"),
             KernelModule::Sample => include_str!("../../cuda/sample.cu"),
+            KernelModule::Elementwise => include_str!("../../cuda/elementwise.cu"),
         }
     }
 

@@ -1,0 +1,179 @@
+//! The GPU backend: [`Compute`](poly_models::compute::Compute) on a CUDA card for models whose weights all
+//! fit in VRAM.
+//!
+//! - [`weights`]: every matrix of the file uploaded once in its own type (experts as [`StackedExperts`]
+//!   behind the expert table the cache of issue 8 will point elsewhere), small vectors as f32 on first use.
+//! - [`forward`]: one forward call on the card ([`forward::GpuForward`]): activations are device buffers
+//!   from a [`pool`], every operation is queued on the device's compute stream with no host wait; the
+//!   logits are the one download of a call.
+//! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
+//!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
+//!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
+//!   state that is not the one on the card is uploaded before a call.
+//!
+//! [`DeviceChoice`] says whether a model runs here: `Auto` takes GPU 0 when there is one, so a machine
+//! without a GPU (CI) runs on the CPU as before.
+
+pub mod forward;
+pub mod pool;
+pub mod seq;
+pub mod weights;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use poly_kernels::cuda::{CudaError, Device};
+use poly_models::arch::{Forward, ModelGraph};
+use poly_models::compute::Logits;
+
+use crate::cpu::CpuWeights;
+use crate::model::EngineError;
+use crate::state::SeqState;
+
+use forward::GpuForward;
+use pool::{Pool, PoolStore};
+use seq::DeviceSeq;
+use weights::GpuWeights;
+
+pub use poly_kernels::cuda::StackedExperts;
+
+/// Where a model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// GPU 0 when there is one, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU, even when there is a GPU.
+    Cpu,
+    /// GPU `n`; an error when there is none.
+    Gpu(usize),
+}
+
+impl DeviceChoice {
+    /// From the command line's `--cpu` and `--gpu N`.
+    pub fn from_flags(cpu: bool, gpu: Option<usize>) -> Result<DeviceChoice, EngineError> {
+        match (cpu, gpu) {
+            (true, Some(_)) => Err(EngineError("--cpu and --gpu exclude each other".into())),
+            (true, None) => Ok(DeviceChoice::Cpu),
+            (false, Some(n)) => Ok(DeviceChoice::Gpu(n)),
+            (false, None) => Ok(DeviceChoice::Auto),
+        }
+    }
+
+    /// The device to open, or `None` for the CPU.
+    pub fn ordinal(self) -> Result<Option<usize>, EngineError> {
+        match self {
+            DeviceChoice::Cpu => Ok(None),
+            DeviceChoice::Gpu(n) => Ok(Some(n)),
+            DeviceChoice::Auto => Ok((Device::count() > 0).then_some(0)),
+        }
+    }
+}
+
+fn cuda_err(e: CudaError) -> EngineError {
+    EngineError(format!("GPU: {e}"))
+}
+
+/// A model's weights and sequence state on one card.
+pub struct GpuBackend {
+    dev: Arc<Device>,
+    weights: GpuWeights,
+    /// The sequence whose state is on the card now.
+    seq: Mutex<Option<DeviceSeq>>,
+    /// Buffers kept between calls.
+    pool: Mutex<PoolStore>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing is left half-updated under these locks by a panic that matters: a poisoned lock's data is
+    // still usable (the resident sequence is re-uploaded when in doubt).
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl GpuBackend {
+    /// Opens GPU `ordinal` and uploads every weight of `cpu`'s file.
+    pub fn load(ordinal: usize, cpu: &CpuWeights) -> Result<GpuBackend, EngineError> {
+        let dev = Device::open(ordinal).map_err(cuda_err)?;
+        let weights = GpuWeights::upload(&dev, cpu).map_err(cuda_err)?;
+        Ok(GpuBackend {
+            dev,
+            weights,
+            seq: Mutex::new(None),
+            pool: Mutex::new(PoolStore::default()),
+        })
+    }
+
+    /// `cuda:N <name>`, as READY says it.
+    pub fn describe(&self) -> String {
+        format!("cuda:{} {}", self.dev.ordinal(), self.dev.name())
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Bytes of weights on the card.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+
+    /// One forward call of `tokens` into `state` on the card (the caller checked tokens, room and layers);
+    /// returns the logits `logits` asks for and records the tokens in `state`.
+    pub fn eval(
+        &self,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut seq_slot = lock(&self.seq);
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        let pos0 = state.n_past();
+        let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
+        let result = {
+            let mut c = GpuForward::new(
+                &self.dev,
+                &self.weights,
+                cpu,
+                seq,
+                pool.clone(),
+                tokens,
+                pos0,
+                logits,
+            )
+            .map_err(cuda_err)?;
+            let out = graph.forward(&mut c);
+            c.finish(out)
+        };
+        if let Some(store) = Pool::into_store(pool) {
+            *lock(&self.pool) = store;
+        }
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                // The card's state is in doubt: upload the host's next time.
+                *seq_slot = None;
+                return Err(cuda_err(e));
+            }
+        };
+        let copied = seq_slot
+            .as_mut()
+            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
+            .unwrap_or(Ok(()));
+        if let Err(e) = copied {
+            *seq_slot = None;
+            return Err(cuda_err(e));
+        }
+        state.push_tokens(tokens);
+        if let Some(s) = seq_slot.as_mut() {
+            s.set_tokens(state.tokens());
+        }
+        Ok(logits)
+    }
+}
+
+/// Whether `graph` names layers the way `state` has them (a guard before the card's state is built).
+pub fn layers_match(graph: &ModelGraph, state: &SeqState) -> bool {
+    graph.layer_states().len() == state.n_layers()
+}

@@ -1,0 +1,274 @@
+//! The GPU backend against the CPU engine on every committed fixture (tests/fixtures/models/*.gguf): the
+//! next-token probabilities of a prompt read in one call, in several calls, and of a few greedy steps after
+//! it agree as issue 7 §3 asks (greedy tokens equal up to a near tie — the two likeliest within 0.05 — and
+//! the CPU's top-5 probabilities within 0.1), and the state on the card copied back to the host equals the
+//! CPU's closely. Prints the largest differences per fixture.
+//!
+//! Needs a CUDA device: without one (CI) each test prints why it is skipped and passes. Cost on the H200:
+//! a few seconds (the CPU side dominates: six tiny models, a 40-token prompt, 8 steps).
+//!
+//! The fixtures are found through `POLY_FIXTURES`, else `tests/fixtures/models` under the current
+//! directory (the repository root, where the device machine runs the carried binary), else relative to this
+//! crate's source.
+
+use std::path::PathBuf;
+
+use poly_engine::gpu::DeviceChoice;
+use poly_engine::state::{LayerState, SeqState};
+use poly_engine::Model;
+use poly_kernels::cuda::Device;
+use poly_models::compute::Logits;
+
+fn fixtures_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("POLY_FIXTURES") {
+        return PathBuf::from(d);
+    }
+    let here = PathBuf::from("tests/fixtures/models");
+    if here.is_dir() {
+        return here;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models")
+}
+
+fn fixtures() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .expect("the fixtures directory")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "no fixtures in {:?}", fixtures_dir());
+    v
+}
+
+fn gpu_present() -> bool {
+    if Device::count() == 0 {
+        eprintln!("skipped: no CUDA device");
+        return false;
+    }
+    true
+}
+
+fn softmax(logits: &[f32]) -> Vec<f64> {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - m).exp()).collect();
+    let s: f64 = e.iter().sum();
+    e.iter().map(|v| v / s).collect()
+}
+
+/// Ids of the `n` likeliest, likeliest first (lowest id among equals).
+fn top(p: &[f64], n: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..p.len()).collect();
+    idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    idx.truncate(n);
+    idx
+}
+
+/// How one step's distributions compare.
+#[derive(Default, Debug, Clone, Copy)]
+struct Agreement {
+    /// Largest difference of the CPU's top-5 probabilities.
+    top5: f64,
+    /// Greedy tokens that differ outside a near tie.
+    greedy_mismatch: usize,
+    /// Greedy tokens that differ at a near tie (allowed).
+    near_ties: usize,
+}
+
+impl Agreement {
+    fn add(&mut self, cpu: &[f32], gpu: &[f32]) {
+        let (pc, pg) = (softmax(cpu), softmax(gpu));
+        let tc = top(&pc, 5);
+        for &i in &tc {
+            self.top5 = self.top5.max((pc[i] - pg[i]).abs());
+        }
+        let tg = top(&pg, 1)[0];
+        if tg != tc[0] {
+            if pc[tc[0]] - pc[tc[1]] < 0.05 || pg[tg] - pg[tc[0]] < 0.05 {
+                self.near_ties += 1;
+            } else {
+                self.greedy_mismatch += 1;
+            }
+        }
+    }
+
+    fn check(&self, what: &str) {
+        assert!(
+            self.greedy_mismatch == 0,
+            "{what}: greedy tokens differ outside near ties: {self:?}"
+        );
+        assert!(
+            self.top5 <= 0.1,
+            "{what}: top-5 probabilities differ: {self:?}"
+        );
+    }
+}
+
+fn prompt(n_vocab: usize, n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n_vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Reads `prompt` in calls of `chunk` tokens (the last call asks for the last token's logits).
+fn read(model: &Model, state: &mut SeqState, prompt: &[u32], chunk: usize) -> Vec<f32> {
+    let mut last = Vec::new();
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let end = (pos + chunk).min(prompt.len());
+        let want = if end == prompt.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        last = model.eval(state, &prompt[pos..end], want).expect("eval");
+        pos = end;
+    }
+    last
+}
+
+/// Largest relative difference of the states' KV rows and recurrent states.
+fn state_diff(a: &SeqState, b: &SeqState) -> f64 {
+    let rel = |x: &[f32], y: &[f32]| -> f64 {
+        assert_eq!(x.len(), y.len(), "state sizes differ");
+        let num: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
+        let den: f64 = x
+            .iter()
+            .map(|p| (*p as f64).powi(2))
+            .sum::<f64>()
+            .max(1e-30);
+        (num / den).sqrt()
+    };
+    let mut worst = 0f64;
+    for il in 0..a.n_layers() {
+        let d = match (a.layer(il), b.layer(il)) {
+            (LayerState::Kv(x), LayerState::Kv(y)) => {
+                rel(x.keys(), y.keys()).max(rel(x.values(), y.values()))
+            }
+            (LayerState::Recurrent(x), LayerState::Recurrent(y)) => {
+                rel(&x.conv, &y.conv).max(rel(&x.delta, &y.delta))
+            }
+            _ => panic!("layer kinds differ"),
+        };
+        worst = worst.max(d);
+    }
+    worst
+}
+
+#[test]
+fn gpu_forward_agrees_with_the_cpu_on_every_fixture() {
+    if !gpu_present() {
+        return;
+    }
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let cpu = Model::load(&path).expect("load");
+        let mut gpu = Model::load(&path).expect("load");
+        gpu.use_device(DeviceChoice::Gpu(0)).expect("GPU backend");
+        let n_vocab = cpu.info().n_vocab;
+        let p = prompt(n_vocab, 40, 7);
+
+        // The prompt in one call, then 8 greedy steps (the CPU's token fed to both).
+        let mut sc = cpu.new_state(256);
+        let mut sg = gpu.new_state(256);
+        let mut agree = Agreement::default();
+        let mut lc = read(&cpu, &mut sc, &p, p.len());
+        let mut lg = read(&gpu, &mut sg, &p, p.len());
+        agree.add(&lc, &lg);
+        for _ in 0..8 {
+            let t = top(&softmax(&lc), 1)[0] as u32;
+            lc = cpu.eval(&mut sc, &[t], Logits::Last).unwrap();
+            lg = gpu.eval(&mut sg, &[t], Logits::Last).unwrap();
+            agree.add(&lc, &lg);
+        }
+        let sdiff = state_diff(&sc, &sg);
+
+        // The prompt in calls of 7, 16 and 1 tokens, each against the CPU's one-call read.
+        let mut split = Agreement::default();
+        let mut one = cpu.new_state(256);
+        let reference = read(&cpu, &mut one, &p, p.len());
+        let mut split_state_diff = 0f64;
+        for chunk in [7, 16, 1] {
+            let mut s = gpu.new_state(256);
+            let l = read(&gpu, &mut s, &p, chunk);
+            split.add(&reference, &l);
+            split_state_diff = split_state_diff.max(state_diff(&one, &s));
+        }
+
+        // Every row's logits of one call against the CPU's.
+        let mut rows = Agreement::default();
+        let mut sa = cpu.new_state(256);
+        let mut sb = gpu.new_state(256);
+        let ac = cpu.eval(&mut sa, &p[..12], Logits::All).unwrap();
+        let ag = gpu.eval(&mut sb, &p[..12], Logits::All).unwrap();
+        assert_eq!(ac.len(), ag.len());
+        for (c, g) in ac.chunks(n_vocab).zip(ag.chunks(n_vocab)) {
+            rows.add(c, g);
+        }
+
+        eprintln!(
+            "{name}: {}: decode top5 {:.4} mismatches {} near-ties {}; split reads top5 {:.4} \
+             mismatches {} near-ties {}; all rows top5 {:.4} mismatches {}; state rel diff {:.2e}, \
+             split {:.2e}",
+            gpu.device_name(),
+            agree.top5,
+            agree.greedy_mismatch,
+            agree.near_ties,
+            split.top5,
+            split.greedy_mismatch,
+            split.near_ties,
+            rows.top5,
+            rows.greedy_mismatch,
+            sdiff,
+            split_state_diff
+        );
+        for (what, a) in [("decode", agree), ("split", split), ("rows", rows)] {
+            if let Err(e) = std::panic::catch_unwind(|| a.check(&format!("{name} {what}"))) {
+                failures.push(format!("{e:?}"));
+            }
+        }
+        if sdiff > 0.05 || split_state_diff > 0.05 {
+            failures.push(format!(
+                "{name}: state differs: {sdiff:.3e} / {split_state_diff:.3e}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn a_conversation_moved_between_sequences_is_uploaded_again() {
+    if !gpu_present() {
+        return;
+    }
+    // Two sequences alternating on one card: each call finds the other's state there and must upload its
+    // own from the host first.
+    let path = fixtures()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("qwen35moe"))
+        .expect("a qwen35moe fixture");
+    let cpu = Model::load(&path).unwrap();
+    let mut gpu = Model::load(&path).unwrap();
+    gpu.use_device(DeviceChoice::Gpu(0)).unwrap();
+    let n_vocab = cpu.info().n_vocab;
+    let (pa, pb) = (prompt(n_vocab, 20, 1), prompt(n_vocab, 20, 2));
+    let (mut ga, mut gb) = (gpu.new_state(128), gpu.new_state(128));
+    let (mut ca, mut cb) = (cpu.new_state(128), cpu.new_state(128));
+    let mut agree = Agreement::default();
+    for i in 0..4 {
+        let (a, b) = (&pa[i * 5..i * 5 + 5], &pb[i * 5..i * 5 + 5]);
+        let la = gpu.eval(&mut ga, a, Logits::Last).unwrap();
+        let lb = gpu.eval(&mut gb, b, Logits::Last).unwrap();
+        agree.add(&cpu.eval(&mut ca, a, Logits::Last).unwrap(), &la);
+        agree.add(&cpu.eval(&mut cb, b, Logits::Last).unwrap(), &lb);
+    }
+    eprintln!("alternating sequences: {agree:?}");
+    agree.check("alternating sequences");
+}

@@ -1,0 +1,99 @@
+// Element-wise and layout kernels the engine's forward pass needs between the heavier operations: binary
+// add/mul (same shapes, a per-row scalar, or a per-column weight broadcast over rows), scaling, the unary
+// functions of the graph (sigmoid, softplus, tanh, exp), column slices, one part of interleaved head
+// groups, repeated heads, and the f32 -> f16 store of new keys/values into a KV cache. Layouts are the CPU
+// backend's (engine/src/cpu/mod.rs): row-major [rows, cols] f32.
+
+// op: 0 add, 1 mul. b_mode: 0 same shape as a, 1 one value per row (b[r]), 2 one value per column (b[c]).
+extern "C" __global__ void ew_binary(const float * __restrict__ a, const float * __restrict__ b,
+                                     float * __restrict__ out, int64_t n, int cols, int op, int b_mode) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    float bv;
+    if (b_mode == 0) {
+        bv = b[i];
+    } else if (b_mode == 1) {
+        bv = b[i / cols];
+    } else {
+        bv = b[i % cols];
+    }
+    out[i] = op == 0 ? a[i] + bv : a[i] * bv;
+}
+
+extern "C" __global__ void ew_scale(const float * __restrict__ x, float * __restrict__ out, float s, int64_t n) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[i] = x[i] * s;
+    }
+}
+
+// f: 0 sigmoid, 1 softplus (x above 20 passes, else logf(1 + expf(x)) as ggml), 2 tanh, 3 exp.
+extern "C" __global__ void ew_unary(const float * __restrict__ x, float * __restrict__ out, int64_t n, int f) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const float v = x[i];
+    float r;
+    switch (f) {
+        case 0: r = 1.0f / (1.0f + expf(-v)); break;
+        case 1: r = v > 20.0f ? v : logf(1.0f + expf(v)); break;
+        case 2: r = tanhf(v); break;
+        default: r = expf(v); break;
+    }
+    out[i] = r;
+}
+
+// out [rows, len] = x[:, start..start+len] of x [rows, in_cols].
+extern "C" __global__ void ew_cols(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
+                                   int in_cols, int start, int len) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * len) {
+        return;
+    }
+    const int64_t r = i / len;
+    const int c = (int) (i % len);
+    out[i] = x[r * in_cols + start + c];
+}
+
+// x rows of n_heads groups of parts*head values; out rows of n_heads*head: part `part` of each group.
+extern "C" __global__ void ew_head_part(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
+                                        int n_heads, int head, int parts, int part) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    const int out_cols = n_heads * head;
+    if (i >= rows * out_cols) {
+        return;
+    }
+    const int64_t r = i / out_cols;
+    const int c = (int) (i % out_cols);
+    const int h = c / head;
+    const int d = c % head;
+    out[i] = x[r * (int64_t) (out_cols * parts) + (int64_t) h * head * parts + part * head + d];
+}
+
+// out rows of n_heads*times heads: slot s reads head s / times (interleave) or s % n_heads (tiled).
+extern "C" __global__ void ew_repeat_heads(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
+                                           int n_heads, int head, int times, int interleave) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    const int out_cols = n_heads * times * head;
+    if (i >= rows * out_cols) {
+        return;
+    }
+    const int64_t r = i / out_cols;
+    const int c = (int) (i % out_cols);
+    const int slot = c / head;
+    const int d = c % head;
+    const int h = interleave ? slot / times : slot % n_heads;
+    out[i] = x[r * (int64_t) (n_heads * head) + (int64_t) h * head + d];
+}
+
+// dst[offset + i] = f16(src[i]) for i < n: new keys or values into an f16 KV cache at a row offset.
+extern "C" __global__ void kv_store_f16(const float * __restrict__ src, uint16_t * __restrict__ dst, int64_t n,
+                                        int64_t offset) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        dst[offset + i] = f32_to_f16(src[i]);
+    }
+}
