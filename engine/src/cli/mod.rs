@@ -1,5 +1,6 @@
 //! The command line of `poly-engine`: one module per subcommand.
 
+mod bench;
 mod dump;
 mod inspect;
 mod run;
@@ -31,6 +32,8 @@ enum Command {
     Synth(synth::SynthArgs),
     /// Run a model on prompt token ids: greedy (or sampled) tokens with their top-N probabilities.
     Run(run::RunArgs),
+    /// Time reading a prompt and writing tokens, as llama-bench does (JSON on stdout).
+    Bench(bench::BenchArgs),
 }
 
 /// Runs the chosen subcommand.
@@ -40,5 +43,6 @@ pub fn run(cli: Cli) -> CliResult {
         Command::Dump(args) => dump::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Run(args) => run::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
