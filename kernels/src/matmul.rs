@@ -7,7 +7,7 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
-use crate::quant::{GgmlType, QuantError, QuantOps};
+use crate::quant::{Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
 /// A borrowed weight matrix: `rows` rows of `cols` values of type `ty`.
@@ -105,6 +105,20 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     // llama.cpp sums some formats in another order when it multiplies a batch (Q4_K's repacked gemm, the
     // tiled K-quant matmul); the rows it does so for take that order here too.
     let batch = crate::quant::batch_dot(w.ty);
+    // Four activation rows per weight row at once, in the order the rows take: the batch order's where it
+    // applies to all four, else (formats without a batch order) the single-row order's.
+    let group4 = |j: usize| -> Option<Dot4> {
+        match batch {
+            Some(b) => b
+                .dot4
+                .filter(|_| (b.applies)(n, j) && (b.applies)(n, j + 3)),
+            None => crate::quant::legacy::dot4(w.ty),
+        }
+    };
+    let dot_of = |j: usize| match batch {
+        Some(b) if (b.applies)(n, j) => b.dot,
+        _ => ops.vec_dot,
+    };
 
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
     let chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
@@ -128,10 +142,10 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
                 let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
                 let mut j = tokens;
                 while j < tokens_end {
-                    // Four rows at once where the batch order comes in groups of four (16 is a multiple
-                    // of 4, so groups never straddle the token blocks).
-                    if let Some((b, dot4)) = batch.and_then(|b| b.dot4.map(|d| (b, d))) {
-                        if j + 4 <= tokens_end && (b.applies)(n, j) && (b.applies)(n, j + 3) {
+                    // Four rows at once where the order allows (16 is a multiple of 4, so groups never
+                    // straddle the token blocks).
+                    if j + 4 <= tokens_end {
+                        if let Some(dot4) = group4(j) {
                             let v = dot4(
                                 w.cols,
                                 row,
@@ -144,11 +158,7 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
                             continue;
                         }
                     }
-                    let dot = match batch {
-                        Some(b) if (b.applies)(n, j) => b.dot,
-                        _ => ops.vec_dot,
-                    };
-                    put(j, dot(w.cols, row, act_row(j)));
+                    put(j, dot_of(j)(w.cols, row, act_row(j)));
                     j += 1;
                 }
             }
@@ -194,6 +204,42 @@ mod tests {
                     .sum();
                 assert!((yv[r] as f64 - exact).abs() < 1e-3, "matvec row {r}");
                 assert_eq!(y[j * rows + r], yv[r], "matmul token {j} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn legacy_matmul_equals_the_single_row_dot_bit_for_bit() {
+        // Batches of these formats go four activation rows at a time through `legacy::dot4`, which
+        // must give `vec_dot`'s result exactly (llama.cpp sums their batches in the single-row order).
+        let (rows, cols, n) = (9, 800, 7);
+        let mut rng = Rng::new(5);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+        ] {
+            let data = matrix(ty, rows, cols);
+            let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+            let mut y = vec![0f32; n * rows];
+            matmul(&w, &x, n, &mut y);
+            let ops = ty.ops().unwrap();
+            for j in 0..n {
+                let mut act = vec![0u8; ops.act.bytes_for(cols)];
+                ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+                for r in 0..rows {
+                    let want = (ops.vec_dot)(cols, w.row(r), &act);
+                    let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                    assert_eq!(
+                        y[j * rows + r].to_bits(),
+                        want.to_bits(),
+                        "{ty} token {j} row {r}"
+                    );
+                    assert_eq!(want.to_bits(), portable.to_bits(), "{ty} token {j} row {r}");
+                }
             }
         }
     }

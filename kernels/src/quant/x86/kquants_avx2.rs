@@ -430,8 +430,8 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
         let sc: [i16; 8] = {
             let lo = u0 & KMASK1;
             let hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-            let b = [lo.to_le_bytes(), hi.to_le_bytes()].concat();
-            std::array::from_fn(|k| b[k] as i16)
+            let (lo, hi) = (lo.to_le_bytes(), hi.to_le_bytes());
+            std::array::from_fn(|k| if k < 4 { lo[k] } else { hi[k - 4] } as i16)
         };
         let mins = (u1 & KMASK1) as u64
             | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
