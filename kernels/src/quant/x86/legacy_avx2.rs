@@ -223,9 +223,9 @@ unsafe fn dot4_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bo
         }
         for b in 0..8 {
             let qx = block_quants::<K>(x);
-            for k in 0..4 {
+            for (k, sk) in scales.iter().enumerate() {
                 let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, y[k]));
-                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(scales[k][b]), sums, acc[k]);
+                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(sk[b]), sums, acc[k]);
                 if MIN {
                     mins[k] = f16(x.add(2)).mul_add(f16(y[k].add(2)), mins[k]);
                 }
