@@ -7,7 +7,7 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
-use crate::quant::{Dot4, GgmlType, QuantError, QuantOps};
+use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
 /// A borrowed weight matrix: `rows` rows of `cols` values of type `ty`.
@@ -91,8 +91,29 @@ pub fn matvec_quantized(w: &QuantMatrix<'_>, act: &[u8], y: &mut [f32]) {
 
 /// `Y = X·Wᵀ` for `n` activation vectors: `x` is `n × cols` (row-major), `y` gets `n × rows`.
 ///
-/// Every weight row is read once from memory and used for all `n` vectors while it is in cache.
+/// Every weight row is read once from memory and used for all `n` vectors while it is in cache. Each dot
+/// product takes the order llama.cpp's CPU backend uses for its row of the batch
+/// ([`crate::quant::batch_dot`]).
 pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    matmul_ordered(w, x, n, y, crate::quant::batch_dot(w.ty));
+}
+
+/// The kernel taking four activation rows at once in the single-row order ([`QuantOps::vec_dot`]) of
+/// `ty`, where there is one.
+fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
+    crate::quant::legacy::dot4(ty).or_else(|| crate::quant::kquants::single_row_dot4(ty))
+}
+
+/// [`matmul`] with the order chosen by the caller: `batch`'s ([`BatchDot::dot`]) for the rows of the batch
+/// it [applies](BatchDot::applies) to, the format's single-row order ([`QuantOps::vec_dot`]) for the others
+/// (every row when `batch` is `None`). Results do not depend on threads or tiling.
+pub fn matmul_ordered(
+    w: &QuantMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    batch: Option<&'static BatchDot>,
+) {
     assert_eq!(x.len(), n * w.cols, "matmul: x has the wrong length");
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
     let ops = w.ops();
@@ -102,17 +123,17 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
 
-    // llama.cpp sums some formats in another order when it multiplies a batch (Q4_K's repacked gemm, the
-    // tiled K-quant matmul); the rows it does so for take that order here too.
-    let batch = crate::quant::batch_dot(w.ty);
-    // Four activation rows per weight row at once, in the order the rows take: the batch order's where it
-    // applies to all four, else (formats without a batch order) the single-row order's.
+    // Four activation rows per weight row at once where all four take one order that has such a kernel:
+    // the batch order's four-row kernel, or the single-row order's.
+    let single4 = single_row_dot4(w.ty);
+    let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
     let group4 = |j: usize| -> Option<Dot4> {
-        match batch {
-            Some(b) => b
-                .dot4
-                .filter(|_| (b.applies)(n, j) && (b.applies)(n, j + 3)),
-            None => crate::quant::legacy::dot4(w.ty),
+        if (j..j + 4).all(applies) {
+            batch.and_then(|b| b.dot4)
+        } else if !(j..j + 4).any(applies) {
+            single4
+        } else {
+            None
         }
     };
     let dot_of = |j: usize| match batch {
@@ -240,6 +261,35 @@ mod tests {
                     );
                     assert_eq!(want.to_bits(), portable.to_bits(), "{ty} token {j} row {r}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn single_row_order_for_a_batch_equals_vec_dot_bit_for_bit() {
+        // `matmul_ordered` without a batch order takes four activation rows at once through the
+        // single-row kernels (`kquants::single_row_dot4`), which must equal `vec_dot` exactly.
+        let (rows, cols, n) = (5, 768, 9);
+        let mut rng = Rng::new(6);
+        let ty = GgmlType::Q4_K;
+        let data = matrix(ty, rows, cols);
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let mut y = vec![0f32; n * rows];
+        matmul_ordered(&w, &x, n, &mut y, None);
+        let ops = ty.ops().unwrap();
+        for j in 0..n {
+            let mut act = vec![0u8; ops.act.bytes_for(cols)];
+            ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+            for r in 0..rows {
+                let want = (ops.vec_dot)(cols, w.row(r), &act);
+                let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                assert_eq!(
+                    y[j * rows + r].to_bits(),
+                    want.to_bits(),
+                    "token {j} row {r}"
+                );
+                assert_eq!(want.to_bits(), portable.to_bits(), "token {j} row {r}");
             }
         }
     }
