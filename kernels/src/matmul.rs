@@ -7,7 +7,7 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
-use crate::quant::{GgmlType, QuantError, QuantOps};
+use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
 /// A borrowed weight matrix: `rows` rows of `cols` values of type `ty`.
@@ -91,8 +91,29 @@ pub fn matvec_quantized(w: &QuantMatrix<'_>, act: &[u8], y: &mut [f32]) {
 
 /// `Y = X·Wᵀ` for `n` activation vectors: `x` is `n × cols` (row-major), `y` gets `n × rows`.
 ///
-/// Every weight row is read once from memory and used for all `n` vectors while it is in cache.
+/// Every weight row is read once from memory and used for all `n` vectors while it is in cache. Each dot
+/// product takes the order llama.cpp's CPU backend uses for its row of the batch
+/// ([`crate::quant::batch_dot`]).
 pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    matmul_ordered(w, x, n, y, crate::quant::batch_dot(w.ty));
+}
+
+/// The kernel taking four activation rows at once in the single-row order ([`QuantOps::vec_dot`]) of
+/// `ty`, where there is one.
+fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
+    crate::quant::legacy::dot4(ty).or_else(|| crate::quant::kquants::single_row_dot4(ty))
+}
+
+/// [`matmul`] with the order chosen by the caller: `batch`'s ([`BatchDot::dot`]) for the rows of the batch
+/// it [applies](BatchDot::applies) to, the format's single-row order ([`QuantOps::vec_dot`]) for the others
+/// (every row when `batch` is `None`). Results do not depend on threads or tiling.
+pub fn matmul_ordered(
+    w: &QuantMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    batch: Option<&'static BatchDot>,
+) {
     assert_eq!(x.len(), n * w.cols, "matmul: x has the wrong length");
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
     let ops = w.ops();
@@ -102,9 +123,23 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
 
-    // llama.cpp sums some formats in another order when it multiplies a batch (Q4_K's repacked gemm, the
-    // tiled K-quant matmul); the rows it does so for take that order here too.
-    let batch = crate::quant::batch_dot(w.ty);
+    // Four activation rows per weight row at once where all four take one order that has such a kernel:
+    // the batch order's four-row kernel, or the single-row order's.
+    let single4 = single_row_dot4(w.ty);
+    let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
+    let group4 = |j: usize| -> Option<Dot4> {
+        if (j..j + 4).all(applies) {
+            batch.and_then(|b| b.dot4)
+        } else if !(j..j + 4).any(applies) {
+            single4
+        } else {
+            None
+        }
+    };
+    let dot_of = |j: usize| match batch {
+        Some(b) if (b.applies)(n, j) => b.dot,
+        _ => ops.vec_dot,
+    };
 
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
     let chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
@@ -128,10 +163,10 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
                 let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
                 let mut j = tokens;
                 while j < tokens_end {
-                    // Four rows at once where the batch order comes in groups of four (16 is a multiple
-                    // of 4, so groups never straddle the token blocks).
-                    if let Some((b, dot4)) = batch.and_then(|b| b.dot4.map(|d| (b, d))) {
-                        if j + 4 <= tokens_end && (b.applies)(n, j) && (b.applies)(n, j + 3) {
+                    // Four rows at once where the order allows (16 is a multiple of 4, so groups never
+                    // straddle the token blocks).
+                    if j + 4 <= tokens_end {
+                        if let Some(dot4) = group4(j) {
                             let v = dot4(
                                 w.cols,
                                 row,
@@ -144,11 +179,7 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
                             continue;
                         }
                     }
-                    let dot = match batch {
-                        Some(b) if (b.applies)(n, j) => b.dot,
-                        _ => ops.vec_dot,
-                    };
-                    put(j, dot(w.cols, row, act_row(j)));
+                    put(j, dot_of(j)(w.cols, row, act_row(j)));
                     j += 1;
                 }
             }
@@ -194,6 +225,71 @@ mod tests {
                     .sum();
                 assert!((yv[r] as f64 - exact).abs() < 1e-3, "matvec row {r}");
                 assert_eq!(y[j * rows + r], yv[r], "matmul token {j} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn legacy_matmul_equals_the_single_row_dot_bit_for_bit() {
+        // Batches of these formats go four activation rows at a time through `legacy::dot4`, which
+        // must give `vec_dot`'s result exactly (llama.cpp sums their batches in the single-row order).
+        let (rows, cols, n) = (9, 800, 7);
+        let mut rng = Rng::new(5);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+        ] {
+            let data = matrix(ty, rows, cols);
+            let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+            let mut y = vec![0f32; n * rows];
+            matmul(&w, &x, n, &mut y);
+            let ops = ty.ops().unwrap();
+            for j in 0..n {
+                let mut act = vec![0u8; ops.act.bytes_for(cols)];
+                ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+                for r in 0..rows {
+                    let want = (ops.vec_dot)(cols, w.row(r), &act);
+                    let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                    assert_eq!(
+                        y[j * rows + r].to_bits(),
+                        want.to_bits(),
+                        "{ty} token {j} row {r}"
+                    );
+                    assert_eq!(want.to_bits(), portable.to_bits(), "{ty} token {j} row {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn single_row_order_for_a_batch_equals_vec_dot_bit_for_bit() {
+        // `matmul_ordered` without a batch order takes four activation rows at once through the
+        // single-row kernels (`kquants::single_row_dot4`), which must equal `vec_dot` exactly.
+        let (rows, cols, n) = (5, 768, 9);
+        let mut rng = Rng::new(6);
+        let ty = GgmlType::Q4_K;
+        let data = matrix(ty, rows, cols);
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let mut y = vec![0f32; n * rows];
+        matmul_ordered(&w, &x, n, &mut y, None);
+        let ops = ty.ops().unwrap();
+        for j in 0..n {
+            let mut act = vec![0u8; ops.act.bytes_for(cols)];
+            ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+            for r in 0..rows {
+                let want = (ops.vec_dot)(cols, w.row(r), &act);
+                let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                assert_eq!(
+                    y[j * rows + r].to_bits(),
+                    want.to_bits(),
+                    "token {j} row {r}"
+                );
+                assert_eq!(want.to_bits(), portable.to_bits(), "token {j} row {r}");
             }
         }
     }

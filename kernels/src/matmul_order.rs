@@ -6,13 +6,8 @@
 //! Same layout and threading as [`crate::matmul`]: activations quantized once per call, tasks own ranges of
 //! weight rows.
 
-use rayon::prelude::*;
-
 use crate::matmul::QuantMatrix;
 use crate::quant::BatchDot;
-
-/// A dot product of one weight row with one quantized activation row.
-type DotFn = fn(usize, &[u8], &[u8]) -> f32;
 
 /// `Y = X·Wᵀ` for `n` activation vectors (`x` is `n × cols`, `y` gets `n × rows`), each dot product in
 /// `batch`'s order where [`BatchDot::applies`] to its row of the batch, in the format's single-row order
@@ -24,45 +19,9 @@ pub fn matmul_in_order(
     y: &mut [f32],
     batch: Option<&'static BatchDot>,
 ) {
-    assert_eq!(x.len(), n * w.cols, "matmul: x has the wrong length");
-    assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
-    if n == 0 || w.rows == 0 {
-        return;
-    }
-    let ops = w.ty.ops().expect("checked in QuantMatrix::new");
-    let act_bytes = ops.act.bytes_for(w.cols);
-    let mut act = vec![0u8; n * act_bytes];
-    act.par_chunks_mut(act_bytes)
-        .zip(x.par_chunks(w.cols))
-        .for_each(|(a, xs)| ops.act.quantize(xs, a));
-    let dots: Vec<DotFn> = (0..n)
-        .map(|j| match batch {
-            Some(b) if (b.applies)(n, j) => b.dot,
-            _ => ops.vec_dot,
-        })
-        .collect();
-
-    // Tasks own ranges of weight rows and fill a row-major `[rows, n]` block each; transposed at the end.
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = w.rows.div_ceil(threads * 4).clamp(1, 64);
-    let mut by_row = vec![0f32; w.rows * n];
-    by_row
-        .par_chunks_mut(chunk * n)
-        .enumerate()
-        .for_each(|(t, out)| {
-            let first = t * chunk;
-            for (i, o) in out.chunks_exact_mut(n).enumerate() {
-                let row = w.row(first + i);
-                for (j, v) in o.iter_mut().enumerate() {
-                    *v = dots[j](w.cols, row, &act[j * act_bytes..(j + 1) * act_bytes]);
-                }
-            }
-        });
-    for (r, vs) in by_row.chunks_exact(n).enumerate() {
-        for (j, &v) in vs.iter().enumerate() {
-            y[j * w.rows + r] = v;
-        }
-    }
+    // `matmul_ordered` computes exactly these orders, four activation rows per weight row where a
+    // four-row kernel of the order exists (bit-equal to the order's single dot products).
+    crate::matmul::matmul_ordered(w, x, n, y, batch)
 }
 
 #[cfg(test)]

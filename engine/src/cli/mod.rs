@@ -1,6 +1,7 @@
 //! The command line of `poly-engine`: serving a model (`--model FILE`, the engine process) or one of the
 //! model-file tools, one module per subcommand.
 
+mod bench;
 mod dump;
 mod inspect;
 mod run;
@@ -66,6 +67,8 @@ enum Command {
     Synth(synth::SynthArgs),
     /// Run a model on prompt token ids: greedy (or sampled) tokens with their top-N probabilities.
     Run(run::RunArgs),
+    /// Time reading a prompt and writing tokens, as llama-bench does (JSON on stdout).
+    Bench(bench::BenchArgs),
 }
 
 /// Runs the chosen subcommand, or serves the model.
@@ -75,6 +78,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Some(Command::Dump(args)) => dump::run(args),
         Some(Command::Synth(args)) => synth::run(args),
         Some(Command::Run(args)) => run::run(args),
+        Some(Command::Bench(args)) => bench::run(args),
         None => {
             let a = cli.serve;
             let Some(model) = a.model else {

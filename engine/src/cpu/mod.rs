@@ -16,6 +16,8 @@ mod tests;
 
 use std::sync::{Arc, OnceLock};
 
+use rayon::prelude::*;
+
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
 use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
@@ -62,20 +64,84 @@ impl Mat {
         &mut self.data[r * self.cols..(r + 1) * self.cols]
     }
 
-    fn map(&self, f: impl Fn(f32) -> f32) -> Mat {
-        Mat::from_vec(
-            self.rows,
-            self.cols,
-            self.data.iter().map(|&v| f(v)).collect(),
-        )
+    fn map(&self, f: impl Fn(f32) -> f32 + Sync) -> Mat {
+        let mut out = Mat::zeros(self.rows, self.cols);
+        par_zip(&self.data, &mut out.data, self.cols, |x, o| {
+            o.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v))
+        });
+        out
     }
+}
+
+/// Elements below which element-wise work stays on the calling thread (a decode step's rows): splitting
+/// costs more than it saves.
+const PAR_MIN_ELEMENTS: usize = 1 << 15;
+
+/// Rows of `cols` per parallel task for `len` elements: whole rows, about four tasks per thread; `None`
+/// when the work is too small to split.
+fn par_rows(len: usize, cols: usize) -> Option<usize> {
+    if len < PAR_MIN_ELEMENTS || cols == 0 {
+        return None;
+    }
+    let rows = len / cols;
+    let tasks = rayon::current_num_threads().max(1) * 4;
+    Some(rows.div_ceil(tasks).max(1))
+}
+
+/// `f(x_rows, out_rows)` over matching runs of whole rows of `x` and `out`, in parallel for large
+/// inputs. Each element's result depends only on its own row, so the split does not change it.
+fn par_zip(x: &[f32], out: &mut [f32], cols: usize, f: impl Fn(&[f32], &mut [f32]) + Sync) {
+    match par_rows(out.len(), cols) {
+        Some(rows) => out
+            .par_chunks_mut(rows * cols)
+            .zip(x.par_chunks(rows * cols))
+            .for_each(|(o, x)| f(x, o)),
+        None => f(x, out),
+    }
+}
+
+/// `f(a_rows, b_rows, out_rows)` over matching runs of whole rows, as [`par_zip`].
+fn par_zip2(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    cols: usize,
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
+) {
+    match par_rows(out.len(), cols) {
+        Some(rows) => out
+            .par_chunks_mut(rows * cols)
+            .zip(a.par_chunks(rows * cols))
+            .zip(b.par_chunks(rows * cols))
+            .for_each(|((o, a), b)| f(a, b, o)),
+        None => f(a, b, out),
+    }
+}
+
+/// ggml's GELU from a table of its value at every f16 input, built once: [`act::gelu_ggml`] rounds its
+/// input to f16 inside (-10, 10), so its value there is a function of the f16 bits, and the table holds
+/// exactly that function (no tanh per element; the results are the same bits).
+fn gelu_ggml_table(x: f32) -> f32 {
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    if x <= -10.0 || x >= 10.0 {
+        return act::gelu_ggml(x);
+    }
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let xh = half::f16::from_bits(bits).to_f32();
+                half::f16::from_f32(act::gelu(xh)).to_f32()
+            })
+            .collect()
+    });
+    table[half::f16::from_f32(x).to_bits() as usize]
 }
 
 /// `f(x)`.
 pub fn apply_unary(f: Unary, x: f32) -> f32 {
     match f {
         Unary::Silu => act::silu(x),
-        Unary::Gelu => act::gelu_ggml(x),
+        Unary::Gelu => gelu_ggml_table(x),
         Unary::Sigmoid => act::sigmoid(x),
         Unary::Softplus => act::softplus(x),
         Unary::Tanh => x.tanh(),
@@ -281,7 +347,9 @@ impl Compute for CpuForward<'_> {
     fn rms_norm(&mut self, x: &Mat, weight: Option<WeightId>, eps: f32, group: usize) -> Mat {
         let w = weight.map(|w| self.weights.f32(w));
         let mut out = Mat::zeros(x.rows, x.cols);
-        norm::rms_norm(&x.data, group, w, eps, &mut out.data);
+        par_zip(&x.data, &mut out.data, x.cols, |x, o| {
+            norm::rms_norm(x, group, w, eps, o)
+        });
         out
     }
 
@@ -293,8 +361,13 @@ impl Compute for CpuForward<'_> {
 
     fn add(&mut self, a: &Mat, b: &Mat) -> Mat {
         same_shape(a, b, "add");
-        let data = a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect();
-        Mat::from_vec(a.rows, a.cols, data)
+        let mut out = Mat::zeros(a.rows, a.cols);
+        par_zip2(&a.data, &b.data, &mut out.data, a.cols, |a, b, o| {
+            o.iter_mut()
+                .zip(a.iter().zip(b))
+                .for_each(|(o, (x, y))| *o = x + y)
+        });
+        out
     }
 
     fn mul(&mut self, a: &Mat, b: &Mat) -> Mat {
@@ -308,8 +381,13 @@ impl Compute for CpuForward<'_> {
             return out;
         }
         same_shape(a, b, "mul");
-        let data = a.data.iter().zip(&b.data).map(|(x, y)| x * y).collect();
-        Mat::from_vec(a.rows, a.cols, data)
+        let mut out = Mat::zeros(a.rows, a.cols);
+        par_zip2(&a.data, &b.data, &mut out.data, a.cols, |a, b, o| {
+            o.iter_mut()
+                .zip(a.iter().zip(b))
+                .for_each(|(o, (x, y))| *o = x * y)
+        });
+        out
     }
 
     fn add_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
@@ -425,7 +503,14 @@ impl Compute for CpuForward<'_> {
             freq_scale: r.freq_scale,
         };
         let mut out = x.clone();
-        rope::rope(&mut out.data, &self.positions, &p);
+        match par_rows(out.data.len(), x.cols) {
+            Some(rows) => out
+                .data
+                .par_chunks_mut(rows * x.cols)
+                .zip(self.positions.par_chunks(rows))
+                .for_each(|(o, pos)| rope::rope(o, pos, &p)),
+            None => rope::rope(&mut out.data, &self.positions, &p),
+        }
         out
     }
 
@@ -533,6 +618,29 @@ impl Compute for CpuForward<'_> {
             tokens: self.tokens,
             pos0: self.pos0(),
             logits: self.logits,
+        }
+    }
+}
+
+#[cfg(test)]
+mod gelu_table_tests {
+    use super::*;
+
+    #[test]
+    fn gelu_table_gives_ggml_gelu_bit_for_bit() {
+        // Every f16 value, the values between them that round either way, the edges of the table's
+        // range, and a sweep of ordinary f32 values.
+        let mut xs: Vec<f32> = (0..=u16::MAX)
+            .map(|b| half::f16::from_bits(b).to_f32())
+            .filter(|x| x.is_finite())
+            .collect();
+        xs.extend((-2_100_000..2_100_000).map(|i| i as f32 * 5e-6 + 0.3e-7));
+        xs.extend([
+            -10.0, 10.0, -9.999, 9.999, -10.001, 10.001, 0.0, -0.0, 1e-30, -1e-30,
+        ]);
+        for x in xs {
+            let (got, want) = (apply_unary(Unary::Gelu, x), act::gelu_ggml(x));
+            assert_eq!(got.to_bits(), want.to_bits(), "x = {x}");
         }
     }
 }

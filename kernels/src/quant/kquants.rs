@@ -28,7 +28,7 @@
 //! work, so it equals the portable code bit for bit.
 
 use super::float::sum_lanes8;
-use super::{f16_at, put_f16, ActType, BatchDot, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, BatchDot, Dot4, GgmlType, QuantOps};
 use crate::rng::Rng;
 
 /// Values per super-block.
@@ -490,6 +490,31 @@ fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         return unsafe { super::x86::kquants_avx2::dot(kind, nb, row.as_ptr(), act.as_ptr()) };
     }
     vec_dot_portable(kind, n, row, act)
+}
+
+/// The single-row dot product ([`QuantOps::vec_dot`]) of one weight row with four activation rows at
+/// once, for the formats that have such a kernel (Q4_K): the same four results, each super-block unpacked
+/// once. For batch rows that take the single-row order (remainders of Q4_K's groups of four; every row of
+/// llama.cpp's `MUL_MAT_ID` over repacked weights).
+pub fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
+    fn q4k(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if super::has_avx2_fma() {
+            let nb = check_lengths(KKind::Q4K, n, row, acts[0]);
+            for a in &acts[1..] {
+                check_lengths(KKind::Q4K, n, row, a);
+            }
+            // SAFETY: as in `vec_dot`, for each of the four activation rows.
+            return unsafe {
+                super::x86::kquants_avx2::q4k_dot_x4(nb, row.as_ptr(), acts.map(|a| a.as_ptr()))
+            };
+        }
+        acts.map(|a| vec_dot_portable(KKind::Q4K, n, row, a))
+    }
+    match ty {
+        GgmlType::Q4_K => Some(q4k),
+        _ => None,
+    }
 }
 
 /// The Q4_K dot product in the order of llama.cpp's repacked gemm (`ggml_gemm_q4_K_8x8_q8_K`), which

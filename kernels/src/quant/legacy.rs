@@ -11,7 +11,7 @@
 //! code bit for bit.
 
 use super::float::sum_lanes8;
-use super::{f16_at, put_f16, ActType, GgmlType, QuantOps};
+use super::{f16_at, put_f16, ActType, Dot4, GgmlType, QuantOps};
 use crate::rng::Rng;
 
 /// Values per block of every format here.
@@ -284,6 +284,54 @@ fn vec_dot(kind: LegacyKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         return sum_lanes8(&lanes) + mins;
     }
     vec_dot_portable(kind, n, row, act)
+}
+
+/// [`vec_dot`] of one row with four activation rows: the same four results, the row decoded once.
+#[inline(always)]
+fn vec_dot4(kind: LegacyKind, n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = check_lengths(kind, n, row, acts[0]);
+        for a in &acts[1..] {
+            check_lengths(kind, n, row, a);
+        }
+        // SAFETY: as in `vec_dot`, for each of the four activation rows.
+        let r = unsafe {
+            super::x86::legacy_avx2::dot4(kind, nb, row.as_ptr(), acts.map(|a| a.as_ptr()))
+        };
+        return r.map(|(lanes, mins)| sum_lanes8(&lanes) + mins);
+    }
+    acts.map(|a| vec_dot_portable(kind, n, row, a))
+}
+
+/// [`QuantOps::vec_dot`] of one row with four activation rows at once, for the formats of this family
+/// (the same four results; the row's blocks are decoded once). llama.cpp sums a batch of these formats in
+/// the order of a single row (its `tinyBLAS_Q0_AVX` equals `vec_dot`), so a matrix product may use this
+/// for any rows of a batch.
+pub fn dot4(ty: GgmlType) -> Option<Dot4> {
+    fn q4_0(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        vec_dot4(LegacyKind::Q4_0, n, row, acts)
+    }
+    fn q4_1(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        vec_dot4(LegacyKind::Q4_1, n, row, acts)
+    }
+    fn q5_0(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        vec_dot4(LegacyKind::Q5_0, n, row, acts)
+    }
+    fn q5_1(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        vec_dot4(LegacyKind::Q5_1, n, row, acts)
+    }
+    fn q8_0(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+        vec_dot4(LegacyKind::Q8_0, n, row, acts)
+    }
+    match ty {
+        GgmlType::Q4_0 => Some(q4_0),
+        GgmlType::Q4_1 => Some(q4_1),
+        GgmlType::Q5_0 => Some(q5_0),
+        GgmlType::Q5_1 => Some(q5_1),
+        GgmlType::Q8_0 => Some(q8_0),
+        _ => None,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

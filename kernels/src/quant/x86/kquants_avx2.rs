@@ -276,6 +276,16 @@ pub(crate) unsafe fn block<const K: u8>(
     (i, m, s)
 }
 
+/// The eight 6-bit sub-block minimums (bytes of `mins`) each twice, as i16: `madd` with the activation's
+/// sixteen `bsums` then gives lane `c` = `min_c · (bsum_2c + bsum_2c+1)`, the exact integers of
+/// `madd(bsums, 1) · min_c` in one instruction instead of three.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn min_pairs(mins: u64) -> __m256i {
+    let m = _mm_cvtsi64_si128(mins as i64);
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m))
+}
+
 /// The sum of the eight i32 lanes of `v` (exact).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -433,12 +443,12 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
         let sc: [i16; 8] = {
             let lo = u0 & KMASK1;
             let hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-            let b = [lo.to_le_bytes(), hi.to_le_bytes()].concat();
-            std::array::from_fn(|k| b[k] as i16)
+            let (lo, hi) = (lo.to_le_bytes(), hi.to_le_bytes());
+            std::array::from_fn(|k| if k < 4 { lo[k] } else { hi[k - 4] } as i16)
         };
         let mins = (u1 & KMASK1) as u64
             | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
-        let mins32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64));
+        let mins16 = min_pairs(mins);
         // The super-block's quants (sub-block c = 2j + h: low nibbles for h = 0, high for h = 1) and
         // each sub-block's scale spread over a vector.
         let mut q = [_mm256_setzero_si256(); 8];
@@ -468,7 +478,7 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
             let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
             t[k] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
             let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
-            let mprod = _mm256_mullo_epi32(_mm256_madd_epi16(bsums, _mm256_set1_epi16(1)), mins32);
+            let mprod = _mm256_madd_epi16(bsums, mins16);
             // [m0+m1, m2+m3, ..] per half: pairs 0, 1 low, pairs 2, 3 high.
             let mh = _mm256_hadd_epi32(mprod, mprod);
             m[k] = _mm_unpacklo_epi64(
@@ -523,4 +533,77 @@ unsafe fn q4k_pair_sums(x: *const u8, y: *const u8) -> ([i32; 4], __m256i) {
     let mut pairs = [0i32; 4];
     _mm_storeu_si128(pairs.as_mut_ptr() as *mut __m128i, t);
     (pairs, mins)
+}
+
+/// [`dot`] for Q4_K (llama.cpp's repacked gemv order: one fused step per super-block on its integer
+/// totals) of one row `x` with four activation rows `ys`: each super-block's weights are unpacked once for
+/// the four, and their fused steps run side by side in one vector (lane `k`: row `ys[k]`, the same
+/// operations on the same exact totals as alone).
+///
+/// # Safety
+/// As [`dot`], for Q4_K, for each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    let m4 = _mm256_set1_epi8(0x0F);
+    for i in 0..nb {
+        let xb = x.add(i * 144);
+        let (xd, xdmin) = scales_f16::<true>(xb);
+        let u = xb.add(4) as *const u32;
+        let (u0, u1, u2) = (
+            u.read_unaligned(),
+            u.add(1).read_unaligned(),
+            u.add(2).read_unaligned(),
+        );
+        let (lo, hi) = (
+            (u0 & KMASK1).to_le_bytes(),
+            ((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)).to_le_bytes(),
+        );
+        let mins = (u1 & KMASK1) as u64
+            | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+        let mins16 = min_pairs(mins);
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut s = [_mm256_setzero_si256(); 8];
+        for j in 0..4 {
+            let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+            q[2 * j] = _mm256_and_si256(bits, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            let sc = |c: usize| if c < 4 { lo[c] } else { hi[c - 4] } as i16;
+            s[2 * j] = _mm256_set1_epi16(sc(2 * j));
+            s[2 * j + 1] = _mm256_set1_epi16(sc(2 * j + 1));
+        }
+        // Per activation row: the integer lanes of the whole super-block and of its minimums.
+        let mut sums = [_mm256_setzero_si256(); 4];
+        let mut mprods = [_mm256_setzero_si256(); 4];
+        let mut yd = [0f32; 4];
+        for (k, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let q8 = yb.add(4);
+            let mut sumi = _mm256_setzero_si256();
+            for c in 0..8 {
+                sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+            }
+            sums[k] = sumi;
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            mprods[k] = _mm256_madd_epi16(bsums, mins16);
+            yd[k] = (yb as *const f32).read_unaligned();
+        }
+        // The four totals side by side (exact integer sums, so any grouping gives hsum_i32's value).
+        let totals = |v: [__m256i; 4]| {
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            _mm_cvtepi32_ps(_mm_add_epi32(
+                _mm256_castsi256_si128(h),
+                _mm256_extracti128_si256::<1>(h),
+            ))
+        };
+        let ydv = _mm_loadu_ps(yd.as_ptr());
+        acc = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc);
+        acc_min = _mm_fmadd_ps(totals(mprods), _mm_mul_ps(_mm_set1_ps(xdmin), ydv), acc_min);
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
+    out
 }

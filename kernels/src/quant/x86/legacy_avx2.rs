@@ -172,3 +172,104 @@ pub(crate) unsafe fn dot(
         LegacyKind::Q8_0 => dot_impl::<4, 34, 34, false>(nb, x, y),
     }
 }
+
+/// One weight block's 32 quants as bytes ready for [`mul_sums`]: signed for Q4_0/Q5_0/Q8_0 (their
+/// absolute values, the signs applied to the activations there), unsigned below 32 for Q4_1/Q5_1.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_quants<const K: u8>(x: *const u8) -> __m256i {
+    match K {
+        0 => _mm256_sub_epi8(nibbles(x.add(2)), _mm256_set1_epi8(8)),
+        1 => nibbles(x.add(4)),
+        2 => {
+            let high = _mm256_andnot_si256(bits_to_bytes(x.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
+            _mm256_or_si256(nibbles(x.add(6)), high)
+        }
+        3 => {
+            let high = _mm256_and_si256(bits_to_bytes(x.add(4)), _mm256_set1_epi8(0x10));
+            _mm256_or_si256(nibbles(x.add(8)), high)
+        }
+        _ => _mm256_loadu_si256(x.add(2) as *const __m256i),
+    }
+}
+
+/// The eight i32 sums of four products of a decoded block `qx` ([`block_quants`]) with the activation
+/// block at `y`: the same exact integers as [`block_sums`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mul_sums<const K: u8>(qx: __m256i, y: *const u8) -> __m256i {
+    match K {
+        1 | 3 => mul_sum_u8_i8(qx, _mm256_loadu_si256(y.add(4) as *const __m256i)),
+        _ => mul_sum_i8(qx, _mm256_loadu_si256(y.add(2) as *const __m256i)),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bool>(
+    nb: usize,
+    mut x: *const u8,
+    ys: [*const u8; 4],
+) -> [([f32; 8], f32); 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut mins = [0f32; 4];
+    let mut y = ys;
+    // Each activation row takes exactly the steps of `dot_impl`; only the weight block's decoding is
+    // shared, and the four rows' chains interleave.
+    let mut scales = [[0f32; 8]; 4];
+    for _ in 0..nb / 8 {
+        let xs = f16x8(x, XB);
+        for k in 0..4 {
+            _mm256_storeu_ps(scales[k].as_mut_ptr(), _mm256_mul_ps(xs, f16x8(y[k], YB)));
+        }
+        for b in 0..8 {
+            let qx = block_quants::<K>(x);
+            for (k, sk) in scales.iter().enumerate() {
+                let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, y[k]));
+                acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(sk[b]), sums, acc[k]);
+                if MIN {
+                    mins[k] = f16(x.add(2)).mul_add(f16(y[k].add(2)), mins[k]);
+                }
+                y[k] = y[k].add(YB);
+            }
+            x = x.add(XB);
+        }
+    }
+    for _ in 0..nb % 8 {
+        let qx = block_quants::<K>(x);
+        for k in 0..4 {
+            let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, y[k]));
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(f16(x) * f16(y[k])), sums, acc[k]);
+            if MIN {
+                mins[k] = f16(x.add(2)).mul_add(f16(y[k].add(2)), mins[k]);
+            }
+            y[k] = y[k].add(YB);
+        }
+        x = x.add(XB);
+    }
+    std::array::from_fn(|k| {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[k]);
+        (lanes, mins[k])
+    })
+}
+
+/// [`dot`] of one row `x` with four activation rows at once (the same result for each; the row's
+/// blocks are decoded once).
+///
+/// # Safety
+/// As [`dot`], for each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot4(
+    kind: LegacyKind,
+    nb: usize,
+    x: *const u8,
+    ys: [*const u8; 4],
+) -> [([f32; 8], f32); 4] {
+    match kind {
+        LegacyKind::Q4_0 => dot4_impl::<0, 18, 34, false>(nb, x, ys),
+        LegacyKind::Q4_1 => dot4_impl::<1, 20, 36, true>(nb, x, ys),
+        LegacyKind::Q5_0 => dot4_impl::<2, 22, 34, false>(nb, x, ys),
+        LegacyKind::Q5_1 => dot4_impl::<3, 24, 36, true>(nb, x, ys),
+        LegacyKind::Q8_0 => dot4_impl::<4, 34, 34, false>(nb, x, ys),
+    }
+}

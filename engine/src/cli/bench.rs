@@ -1,0 +1,185 @@
+//! `poly-engine bench`: the engine's speed on one model file, measured the way llama.cpp's `llama-bench`
+//! measures it, so the two can be compared on the same file and thread count.
+//!
+//! - Reading (`pp`): from an empty state, one prompt of `--prompt` random tokens (the first is BOS when the
+//!   file names one) read in forward calls of `--ubatch` tokens, logits of the last token only.
+//! - Writing (`tg`): from an empty state, `--gen` single-token forward calls, each asking for logits (the
+//!   next token is random, as llama-bench's, so no sampling is timed).
+//!
+//! One warm-up of each (a whole prompt, one decode step) precedes the timed repetitions, as llama-bench
+//! does. Each repetition reports wall time and the CPU time of the whole process (all threads) over it:
+//! CPU seconds over wall seconds near the thread count means the threads ran; well below it means the
+//! machine was busy with other work. The result is one JSON object on stdout.
+
+use super::CliResult;
+use clap::Args;
+use poly_engine::generate::{prefill, DEFAULT_UBATCH};
+use poly_engine::{EngineError, Model};
+use poly_kernels::rng::Rng;
+use poly_models::compute::Logits;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// The GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt tokens read per repetition (0: skip the reading test).
+    #[arg(long, default_value_t = 512)]
+    prompt: usize,
+    /// Tokens written per repetition (0: skip the writing test).
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed repetitions of each test.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Most prompt tokens per forward call.
+    #[arg(long, default_value_t = DEFAULT_UBATCH)]
+    ubatch: usize,
+    /// Seed of the random tokens.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Skip the warm-up runs.
+    #[arg(long)]
+    no_warmup: bool,
+}
+
+/// CPU seconds (user + system) this process has used, all threads; `None` where /proc is missing.
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name (which may hold spaces): state is field 3, utime and
+    // stime are fields 14 and 15, in clock ticks (100 per second on Linux).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
+/// Wall and CPU seconds of one timed run.
+struct Sample {
+    wall: f64,
+    cpu: Option<f64>,
+}
+
+fn timed(f: impl FnOnce() -> Result<(), EngineError>) -> Result<Sample, EngineError> {
+    let cpu0 = process_cpu_seconds();
+    let t0 = Instant::now();
+    f()?;
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = cpu0.zip(process_cpu_seconds()).map(|(a, b)| b - a);
+    Ok(Sample { wall, cpu })
+}
+
+/// `n` random tokens, the first BOS where the model has one.
+fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize, bos: Option<u32>) -> Vec<u32> {
+    (0..n)
+        .map(|i| match (i, bos) {
+            (0, Some(b)) => b,
+            _ => rng.below(n_vocab as u32),
+        })
+        .collect()
+}
+
+fn read_prompt(model: &Model, rng: &mut Rng, args: &BenchArgs) -> Result<(), EngineError> {
+    let info = model.info();
+    let tokens = random_tokens(rng, args.prompt, info.n_vocab, info.bos);
+    let mut state = model.new_state(args.prompt + args.gen);
+    prefill(model, &mut state, &tokens, args.ubatch).map(|_| ())
+}
+
+fn write_tokens(
+    model: &Model,
+    rng: &mut Rng,
+    n: usize,
+    args: &BenchArgs,
+) -> Result<(), EngineError> {
+    let info = model.info();
+    let mut state = model.new_state(args.prompt + args.gen);
+    let mut token = info.bos.unwrap_or(0);
+    for _ in 0..n {
+        model.eval(&mut state, &[token], Logits::Last)?;
+        token = rng.below(info.n_vocab as u32);
+    }
+    Ok(())
+}
+
+/// Tokens per second of each sample, their mean and standard deviation, and the CPU use.
+fn summary(n_tokens: usize, samples: &[Sample]) -> serde_json::Value {
+    let ts: Vec<f64> = samples.iter().map(|s| n_tokens as f64 / s.wall).collect();
+    let mean = ts.iter().sum::<f64>() / ts.len().max(1) as f64;
+    let var = ts.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (ts.len().max(2) - 1) as f64;
+    let wall: f64 = samples.iter().map(|s| s.wall).sum();
+    let cpu: Option<f64> = samples.iter().map(|s| s.cpu).sum();
+    json!({
+        "n_tokens": n_tokens,
+        "avg_ts": mean,
+        "stddev_ts": var.sqrt(),
+        "samples_ts": ts,
+        "samples_wall_s": samples.iter().map(|s| s.wall).collect::<Vec<_>>(),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "cpu_per_wall": cpu.map(|c| c / wall),
+    })
+}
+
+pub fn run(args: BenchArgs) -> CliResult {
+    if args.reps == 0 {
+        return Err(EngineError("--reps must be at least 1".into()).into());
+    }
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = args.threads {
+        pool = pool.num_threads(n);
+    }
+    let pool = pool.build()?;
+    let threads = pool.current_num_threads();
+
+    let t0 = Instant::now();
+    let model = Model::load(&args.model)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let mut rng = Rng::new(args.seed);
+
+    let (pp, tg) = pool.install(|| -> Result<_, EngineError> {
+        let mut pp = Vec::new();
+        let mut tg = Vec::new();
+        if args.prompt > 0 {
+            if !args.no_warmup {
+                read_prompt(&model, &mut rng, &args)?;
+            }
+            for _ in 0..args.reps {
+                pp.push(timed(|| read_prompt(&model, &mut rng, &args))?);
+            }
+        }
+        if args.gen > 0 {
+            if !args.no_warmup {
+                write_tokens(&model, &mut rng, 1, &args)?;
+            }
+            for _ in 0..args.reps {
+                tg.push(timed(|| write_tokens(&model, &mut rng, args.gen, &args))?);
+            }
+        }
+        Ok((pp, tg))
+    })?;
+
+    let mut out = json!({
+        "model": args.model.display().to_string(),
+        "arch": model.info().arch,
+        "threads": threads,
+        "ubatch": args.ubatch,
+        "reps": args.reps,
+        "load_s": load_s,
+    });
+    if !pp.is_empty() {
+        out["pp"] = summary(args.prompt, &pp);
+    }
+    if !tg.is_empty() {
+        out["tg"] = summary(args.gen, &tg);
+    }
+    println!("{out}");
+    Ok(())
+}
