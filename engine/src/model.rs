@@ -8,6 +8,7 @@ use poly_models::arch::{Forward, ModelGraph, ModelInfo};
 use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
 
+pub use crate::cpu::Arithmetic;
 use crate::cpu::{CpuForward, CpuWeights};
 use crate::state::{KvPrecision, SeqState};
 
@@ -39,6 +40,7 @@ impl From<poly_models::GgufError> for EngineError {
 pub struct Model {
     graph: ModelGraph,
     weights: CpuWeights,
+    arithmetic: Arithmetic,
 }
 
 impl Model {
@@ -53,7 +55,26 @@ impl Model {
         Ok(Model {
             graph,
             weights: CpuWeights::new(file),
+            arithmetic: Arithmetic::default(),
         })
+    }
+
+    /// The summation orders of every forward call ([`Arithmetic::LlamaCpp`] unless set).
+    pub fn arithmetic(&self) -> Arithmetic {
+        self.arithmetic
+    }
+
+    /// Sets the summation orders of every later forward call. A state read in one arithmetic can be
+    /// continued in the other (the state's layout is the same), but only states and prompts read in
+    /// [`Arithmetic::BatchInvariant`] throughout are independent of how they were split into calls.
+    pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) {
+        self.arithmetic = arithmetic;
+    }
+
+    /// The model with [`Model::set_arithmetic`] applied.
+    pub fn with_arithmetic(mut self, arithmetic: Arithmetic) -> Model {
+        self.arithmetic = arithmetic;
+        self
     }
 
     /// Sizes and special tokens.
@@ -115,7 +136,8 @@ impl Model {
             return Ok(Vec::new());
         }
         let out = {
-            let mut c = CpuForward::new(&self.weights, state, tokens, logits);
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic);
             self.graph.forward(&mut c)
         };
         state.push_tokens(tokens);
