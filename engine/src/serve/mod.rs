@@ -25,7 +25,7 @@ use poly_models::gguf::GgufFile;
 use poly_models::summary::is_routed_expert;
 use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
 
-use crate::model::{EngineError, Model};
+use crate::model::{Arithmetic, EngineError, Model};
 
 /// Requests that may wait while one runs; a GEN beyond them is answered `busy`.
 pub const QUEUE_DEPTH: usize = 8;
@@ -43,7 +43,15 @@ pub struct ServeOptions {
     pub park_bytes: usize,
     /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none).
     pub checkpoint_every: usize,
+    /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
+    pub arithmetic: Arithmetic,
 }
+
+/// The engine process's arithmetic by default: batch-invariant, so that a conversation continued from a
+/// kept state, a checkpoint or a parked copy, a prompt split at the ubatch, and a fresh read of the same
+/// tokens all give the same probabilities bit for bit (llama.cpp's orders differ by up to a few
+/// hundredths in probability on 4-bit models between such splits).
+pub const DEFAULT_ARITHMETIC: Arithmetic = Arithmetic::BatchInvariant;
 
 /// The facts the READY line announces, read once at load.
 struct Loaded {
@@ -52,7 +60,7 @@ struct Loaded {
     experts_total: u64,
 }
 
-fn load(path: &PathBuf) -> Result<Loaded, EngineError> {
+fn load(path: &PathBuf, arithmetic: Arithmetic) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
     let mut expert_blocks: Vec<&str> = file
         .tensor_infos()
@@ -66,7 +74,7 @@ fn load(path: &PathBuf) -> Result<Loaded, EngineError> {
         .n_experts
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
-    let model = Model::from_file(file.clone())?;
+    let model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
     Ok(Loaded {
         model,
         experts_total,
@@ -104,7 +112,7 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     }
     let started = std::time::Instant::now();
-    let loaded = match load(&opts.model) {
+    let loaded = match load(&opts.model, opts.arithmetic) {
         Ok(l) => l,
         Err(e) => {
             return fail(
@@ -114,10 +122,11 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     };
     eprintln!(
-        "poly-engine: {} ({}) loaded in {:.2} s",
+        "poly-engine: {} ({}) loaded in {:.2} s, {:?} arithmetic",
         opts.model.display(),
         loaded.model.info().arch,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        opts.arithmetic
     );
     let inputs = input::spawn_reader(std::io::stdin());
     let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);
