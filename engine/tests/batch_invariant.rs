@@ -9,9 +9,8 @@
 //! are equal); for contrast, the fixture tests print the same number for llama.cpp's orders
 //! ([`Arithmetic::LlamaCpp`]), where it is not.
 //!
-//! Cost (release, 2 cores shared with other builds at load average ~10): all four tests one at a time
-//! 205 s, most of it Gemma 3 270M's token-by-token reads; without Gemma the fixtures' three tests take
-//! well under a minute each.
+//! Cost (release, 2 cores shared with other builds at load average 7–10): each fixture test about 25 s
+//! (two models, half of it the llama.cpp-orders contrast), Gemma 3 270M about 110 s (skipped without it).
 
 use std::path::PathBuf;
 
