@@ -8,6 +8,7 @@ use poly_models::arch::{Forward, ModelGraph, ModelInfo};
 use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
 
+pub use crate::cpu::Arithmetic;
 use crate::cpu::{CpuForward, CpuWeights};
 use crate::state::{KvPrecision, SeqState};
 
@@ -41,6 +42,7 @@ pub struct Model {
     weights: CpuWeights,
     /// The GPU backend, when the model runs on a card.
     gpu: Option<crate::gpu::GpuBackend>,
+    arithmetic: Arithmetic,
 }
 
 impl Model {
@@ -56,6 +58,7 @@ impl Model {
             graph,
             weights: CpuWeights::new(file),
             gpu: None,
+            arithmetic: Arithmetic::default(),
         })
     }
 
@@ -79,6 +82,24 @@ impl Model {
         self.gpu
             .as_ref()
             .map_or_else(|| "cpu".to_string(), |g| g.describe())
+    }
+
+    /// The summation orders of every forward call ([`Arithmetic::LlamaCpp`] unless set).
+    pub fn arithmetic(&self) -> Arithmetic {
+        self.arithmetic
+    }
+
+    /// Sets the summation orders of every later forward call. A state read in one arithmetic can be
+    /// continued in the other (the state's layout is the same), but only states and prompts read in
+    /// [`Arithmetic::BatchInvariant`] throughout are independent of how they were split into calls.
+    pub fn set_arithmetic(&mut self, arithmetic: Arithmetic) {
+        self.arithmetic = arithmetic;
+    }
+
+    /// The model with [`Model::set_arithmetic`] applied.
+    pub fn with_arithmetic(mut self, arithmetic: Arithmetic) -> Model {
+        self.arithmetic = arithmetic;
+        self
     }
 
     /// Sizes and special tokens.
@@ -143,7 +164,8 @@ impl Model {
             return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
         }
         let out = {
-            let mut c = CpuForward::new(&self.weights, state, tokens, logits);
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic);
             self.graph.forward(&mut c)
         };
         state.push_tokens(tokens);

@@ -6,9 +6,8 @@
 
 mod serve_support;
 
-use poly_engine::Model;
 use poly_protocol::{FromEngine, Gen, ToEngine};
-use serve_support::{assert_follows, fixture, reference, Engine, Rng, FIXTURES};
+use serve_support::{assert_follows, reference, served_model, Engine, Rng, FIXTURES};
 
 /// Pieces random JSON bodies are made of.
 const KEYS: [&str; 16] = [
@@ -121,7 +120,7 @@ fn random_line(rng: &mut Rng, n_vocab: u32) -> String {
 }
 
 fn random_lines_leave_the_engine_serving(name: &str, seed: u64) {
-    let model = Model::load(fixture(name)).unwrap();
+    let model = served_model(name);
     let mut e = Engine::start(name, &["--max-context", "256", "--park-mib", "1"]);
     let n_vocab = e.n_vocab();
     let mut rng = Rng::new(seed);

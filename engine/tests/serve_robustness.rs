@@ -5,9 +5,10 @@
 
 mod serve_support;
 
-use poly_engine::Model;
 use poly_protocol::{ErrorCode, FromEngine, Gen, ToEngine, MAX_LINE_BYTES};
-use serve_support::{assert_follows, expect_err, fixture, reference, Engine, Rng, FIXTURES};
+use serve_support::{
+    assert_follows, expect_err, fixture, reference, served_model, Engine, Rng, FIXTURES,
+};
 
 const MODEL: &str = FIXTURES[0];
 
@@ -123,7 +124,7 @@ fn bad_lines(n_vocab: u32) -> Vec<(String, ErrorCode, Option<&'static str>)> {
 
 #[test]
 fn every_bad_line_gets_an_err_and_the_kept_state_survives() {
-    let model = Model::load(fixture(MODEL)).unwrap();
+    let model = served_model(MODEL);
     let mut e = Engine::start(MODEL, &["--max-context", "64"]);
     let n_vocab = e.n_vocab();
     let mut rng = Rng::new(11);

@@ -8,7 +8,8 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::serve::{serve, ServeOptions};
+use poly_engine::model::Arithmetic;
+use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -55,6 +56,15 @@ struct ServeArgs {
     /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked).
     #[arg(long, default_value_t = 2048)]
     checkpoint_every: usize,
+    /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
+    /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
+    /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
+    #[arg(long, conflicts_with = "batch_invariant")]
+    llama_orders: bool,
+    /// Batch-invariant arithmetic (the default): any split of a prompt into calls, and any thread
+    /// count, gives the same results bit for bit.
+    #[arg(long)]
+    batch_invariant: bool,
 }
 
 #[derive(Subcommand)]
@@ -99,6 +109,13 @@ pub fn run(cli: Cli) -> ExitCode {
                 park_bytes: a.park_mib.saturating_mul(1 << 20),
                 checkpoint_every: a.checkpoint_every,
                 device,
+                arithmetic: if a.llama_orders {
+                    Arithmetic::LlamaCpp
+                } else {
+                    // --batch-invariant asks for the default.
+                    let _ = a.batch_invariant;
+                    DEFAULT_ARITHMETIC
+                },
             });
         }
     };

@@ -4,6 +4,7 @@
 use super::CliResult;
 use clap::Args;
 use poly_engine::generate::{generate, GenerateOptions, Step, DEFAULT_UBATCH};
+use poly_engine::model::Arithmetic;
 use poly_engine::sample::{Sampler, SamplerConfig};
 use poly_engine::state::KvPrecision;
 use poly_engine::{EngineError, Model};
@@ -80,6 +81,10 @@ pub struct RunArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
+    /// Batch-invariant arithmetic: the same results however the prompt is split into calls (--ubatch)
+    /// and on any thread count (default: llama.cpp's orders, which depend on both).
+    #[arg(long)]
+    batch_invariant: bool,
 }
 
 /// Token ids separated by commas and/or white space.
@@ -134,7 +139,12 @@ pub fn run(args: RunArgs) -> CliResult {
     let pool = pool.build()?;
 
     let start = Instant::now();
-    let mut model = Model::load(&args.model)?;
+    let arithmetic = if args.batch_invariant {
+        Arithmetic::BatchInvariant
+    } else {
+        Arithmetic::LlamaCpp
+    };
+    let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
     model.use_device(poly_engine::gpu::DeviceChoice::from_flags(
         args.cpu, args.gpu,
     )?)?;

@@ -9,6 +9,10 @@
 //! - [`moe`]: the mixture-of-experts block (routing, tokens grouped by expert, weighted sum).
 //!
 //! Activations ([`Mat`]) are row-major f32 `[n_tokens, width]`.
+//!
+//! [`Arithmetic`] chooses the summation orders: llama.cpp's (which depend on how many rows a call
+//! computes and, for long decodes, on the thread count) or one order per operation for every call
+//! ([`Arithmetic::BatchInvariant`]), so that any split of a prompt into calls gives the same bits.
 
 pub mod moe;
 #[cfg(test)]
@@ -21,7 +25,7 @@ use rayon::prelude::*;
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
 use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
-use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, GgmlType};
+use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -149,6 +153,24 @@ pub fn apply_unary(f: Unary, x: f32) -> f32 {
     }
 }
 
+/// Which summation orders the CPU backend uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Arithmetic {
+    /// llama.cpp's CPU orders (AVX2 build), bit for bit: a matrix product sums in one order for one
+    /// activation row and in others for batches (Q4_K's repacked gemm, the tiled K-quant matmul,
+    /// tinyBLAS), attention takes a tiled path from 64 queries and splits long decodes over the threads.
+    /// A prompt read in other splits, or a conversation resumed from a kept state, can then differ in the
+    /// last bits, and 4-bit models amplify that to a few hundredths in probability.
+    #[default]
+    LlamaCpp,
+    /// Every row's arithmetic independent of the call's row count and of the thread count: matrix
+    /// products in the order llama.cpp uses for one row, attention on the vector path over all positions
+    /// in order (no tiles, no split), everything else per row already. Any split of a prompt gives the
+    /// same logits and states bit for bit, and decoding (one row per call) is llama.cpp's own arithmetic
+    /// up to 512 cached positions.
+    BatchInvariant,
+}
+
 /// The tensors of a model file, for the CPU.
 pub struct CpuWeights {
     file: Arc<GgufFile>,
@@ -242,28 +264,46 @@ pub fn llama_repacks(ty: GgmlType, rows: usize) -> bool {
     ) && rows.is_multiple_of(8)
 }
 
-/// `Y = X·Wᵀ` on the pool the caller runs in.
+/// `Y = X·Wᵀ` on the pool the caller runs in, in llama.cpp's orders.
 pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
+    mat_mul_with(m, x, Arithmetic::LlamaCpp)
+}
+
+/// The order a product of `rows` activation rows takes where it is not the one `matmul` picks from the
+/// format alone: `Some(order)` for `matmul_in_order` (`Some(None)`: the single-row order), `None` for
+/// `matmul`/`matvec`.
+fn llama_order(m: &QuantMatrix<'_>, rows: usize) -> Option<Option<&'static BatchDot>> {
+    // F32 matrices take llamafile's tinyBLAS for batches of two rows or more when their row count is a
+    // multiple of 4 (MoE routers), ggml_vec_dot_f32 otherwise (qwen35moe's one-row shared-expert gate);
+    // Q4_K matrices llama.cpp does not repack (a row count that is not a multiple of 8, e.g. qwen35moe's
+    // ssm_alpha / ssm_beta) take their own orders.
+    match m.ty {
+        GgmlType::F32 if rows >= 2 && m.rows.is_multiple_of(4) => Some(Some(f32_tinyblas_order())),
+        GgmlType::F32 => Some(None),
+        ty if !llama_repacks(ty, m.rows) => unrepacked_order(ty, rows).map(Some),
+        _ => None,
+    }
+}
+
+/// `Y = X·Wᵀ` on the pool the caller runs in, in the orders `arith` chooses. Batch-invariant: every
+/// row in llama.cpp's order for a call of one row (`matmul_in_order` computes each dot product whole,
+/// so neither the row count nor the thread count changes a sum).
+pub fn mat_mul_with(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
     assert_eq!(
         x.cols, m.cols,
         "matmul: activation width differs from the weight's rows"
     );
     let mut y = Mat::zeros(x.rows, m.rows);
-    // Where llama.cpp's order is not the one `matmul` picks from the format alone: F32 matrices take
-    // llamafile's tinyBLAS for batches of two rows or more when their row count is a multiple of 4 (MoE
-    // routers), ggml_vec_dot_f32 otherwise (qwen35moe's one-row shared-expert gate); Q4_K matrices
-    // llama.cpp does not repack (a row count that is not a multiple of 8, e.g. qwen35moe's ssm_alpha /
-    // ssm_beta) take their own orders.
-    let order = match m.ty {
-        GgmlType::F32 if x.rows >= 2 && m.rows.is_multiple_of(4) => {
-            Some(Some(f32_tinyblas_order()))
-        }
-        GgmlType::F32 => Some(None),
-        ty if !llama_repacks(ty, m.rows) => unrepacked_order(ty, x.rows).map(Some),
-        _ => None,
-    };
+    if x.rows == 0 {
+        return y;
+    }
+    if arith == Arithmetic::BatchInvariant {
+        let order = llama_order(m, 1).flatten();
+        matmul_in_order(m, &x.data, x.rows, &mut y.data, order);
+        return y;
+    }
+    let order = llama_order(m, x.rows);
     match x.rows {
-        0 => {}
         n if order.is_some() => matmul_in_order(m, &x.data, n, &mut y.data, order.flatten()),
         1 => matvec(m, &x.data, &mut y.data),
         n => matmul(m, &x.data, n, &mut y.data),
@@ -287,6 +327,7 @@ pub struct CpuForward<'a> {
     tokens: &'a [u32],
     logits: Logits,
     positions: Vec<u32>,
+    arithmetic: Arithmetic,
 }
 
 impl<'a> CpuForward<'a> {
@@ -305,7 +346,14 @@ impl<'a> CpuForward<'a> {
             tokens,
             logits,
             positions: (0..tokens.len() as u32).map(|i| pos0 + i).collect(),
+            arithmetic: Arithmetic::default(),
         }
+    }
+
+    /// The same call in the orders `arithmetic` chooses.
+    pub fn with_arithmetic(mut self, arithmetic: Arithmetic) -> CpuForward<'a> {
+        self.arithmetic = arithmetic;
+        self
     }
 
     fn pos0(&self) -> u32 {
@@ -341,7 +389,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn matmul(&mut self, w: WeightId, x: &Mat) -> Mat {
-        mat_mul(&self.weights.matrix(w), x)
+        mat_mul_with(&self.weights.matrix(w), x, self.arithmetic)
     }
 
     fn rms_norm(&mut self, x: &Mat, weight: Option<WeightId>, eps: f32, group: usize) -> Mat {
@@ -536,7 +584,21 @@ impl Compute for CpuForward<'_> {
         };
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
         let (keys, values) = (cache.keys(), cache.values());
+        let invariant = self.arithmetic == Arithmetic::BatchInvariant;
         match cache.precision {
+            // Batch-invariant: the vector path for every query count, over all positions in order (no
+            // split-KV, whose chunks follow the thread count), as llama.cpp decodes below 512 positions.
+            KvPrecision::F16 if invariant => {
+                attention::attention_ggml_f16(
+                    &q.data,
+                    &self.positions,
+                    keys,
+                    values,
+                    &p,
+                    None,
+                    &mut out.data,
+                );
+            }
             // llama.cpp's CPU flash attention over its F16 cache, step for step: the tiled path for
             // batches of 64 queries or more, the vector path below that.
             KvPrecision::F16 if q.rows >= attention::GGML_FA_TILE_Q => {
@@ -571,7 +633,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn moe(&mut self, _layer: usize, x: &Mat, m: &Moe) -> Mat {
-        moe::moe(self.weights, x, m)
+        moe::moe_with(self.weights, x, m, self.arithmetic)
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {

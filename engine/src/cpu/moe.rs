@@ -6,9 +6,10 @@
 //! stream once per call for all the tokens routed to it; experts run in parallel. A token's expert outputs
 //! are summed in its routing order, so its result does not depend on the rest of the batch.
 //!
-//! The arithmetic is llama.cpp's CPU backend's: the router is an ordinary matrix product ([`mat_mul`]),
+//! The arithmetic is llama.cpp's CPU backend's: the router is an ordinary matrix product ([`super::mat_mul`]),
 //! routing is [`route`] (ggml's softmax, f64 sum, division), the expert products take the order of
-//! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one.
+//! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
+//! [`Arithmetic::BatchInvariant`]'s orders instead.
 
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::matmul_order::matmul_in_order;
@@ -18,17 +19,24 @@ use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
 
-use super::{apply_unary, llama_repacks, mat_mul, CpuWeights, Mat};
+use super::{apply_unary, llama_repacks, mat_mul_with, Arithmetic, CpuWeights, Mat};
 
-/// The block's output for `x` (`[n, n_embd]`).
+/// The block's output for `x` (`[n, n_embd]`), in llama.cpp's orders.
 pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
+    moe_with(w, x, m, Arithmetic::LlamaCpp)
+}
+
+/// The block's output for `x` (`[n, n_embd]`) in the orders `arith` chooses. Batch-invariant: the
+/// router and every expert product in the order of one routed row, so a token's result depends neither
+/// on how many tokens the call has nor on how many of them share its experts.
+pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
     let (n, n_embd) = (x.rows, x.cols);
     let k = m.n_expert_used;
     let mut out = Mat::zeros(n, n_embd);
     if n == 0 || k == 0 {
         return out;
     }
-    let logits = mat_mul(&w.matrix(m.router), x);
+    let logits = mat_mul_with(&w.matrix(m.router), x, arith);
     assert_eq!(
         logits.cols, m.n_expert,
         "moe: router width differs from n_expert"
@@ -62,7 +70,7 @@ pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
                     .flat_map(|&(t, _)| x.row(t).iter().copied())
                     .collect(),
             );
-            expert(w, m, e, &xs)
+            expert(w, m, e, &xs, arith)
         })
         .collect();
 
@@ -102,21 +110,26 @@ pub fn mul_mat_id_order(m: &QuantMatrix<'_>, rows_routed: usize) -> Option<&'sta
     }
 }
 
-/// `Y = X·Wᵀ` for expert matrix `m` as `MUL_MAT_ID` computes it ([`mul_mat_id_order`]).
-fn expert_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
+/// `Y = X·Wᵀ` for expert matrix `m` as `MUL_MAT_ID` computes it ([`mul_mat_id_order`]; batch-invariant:
+/// its order for one routed row, for every row).
+fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
     assert_eq!(
         x.cols, m.cols,
         "moe: activation width differs from the expert's rows"
     );
     let mut y = Mat::zeros(x.rows, m.rows);
-    matmul_in_order(m, &x.data, x.rows, &mut y.data, mul_mat_id_order(m, x.rows));
+    let routed = match arith {
+        Arithmetic::LlamaCpp => x.rows,
+        Arithmetic::BatchInvariant => 1,
+    };
+    matmul_in_order(m, &x.data, x.rows, &mut y.data, mul_mat_id_order(m, routed));
     y
 }
 
 /// Expert `e` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`.
-fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat) -> Mat {
-    let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs);
-    let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs);
+fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
+    let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs, arith);
+    let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs, arith);
     match m.act {
         Unary::Silu => act::swiglu_ggml_rows(&mut gate.data, &up.data, gate.cols),
         Unary::Gelu => act::geglu_in_place(&mut gate.data, &up.data),
@@ -126,5 +139,5 @@ fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat) -> Mat {
             .zip(&up.data)
             .for_each(|(g, u)| *g = apply_unary(f, *g) * u),
     }
-    expert_mul(&w.sub_matrix(m.down_exps, e), &gate)
+    expert_mul(&w.sub_matrix(m.down_exps, e), &gate, arith)
 }

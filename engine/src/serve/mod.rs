@@ -25,7 +25,7 @@ use poly_models::gguf::GgufFile;
 use poly_models::summary::is_routed_expert;
 use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
 
-use crate::model::{EngineError, Model};
+use crate::model::{Arithmetic, EngineError, Model};
 
 /// Requests that may wait while one runs; a GEN beyond them is answered `busy`.
 pub const QUEUE_DEPTH: usize = 8;
@@ -45,7 +45,15 @@ pub struct ServeOptions {
     pub checkpoint_every: usize,
     /// Where the model runs (a GPU when there is one, unless asked otherwise).
     pub device: crate::gpu::DeviceChoice,
+    /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
+    pub arithmetic: Arithmetic,
 }
+
+/// The engine process's arithmetic by default: batch-invariant, so that a conversation continued from a
+/// kept state, a checkpoint or a parked copy, a prompt split at the ubatch, and a fresh read of the same
+/// tokens all give the same probabilities bit for bit (llama.cpp's orders differ by up to a few
+/// hundredths in probability on 4-bit models between such splits).
+pub const DEFAULT_ARITHMETIC: Arithmetic = Arithmetic::BatchInvariant;
 
 /// The facts the READY line announces, read once at load.
 struct Loaded {
@@ -54,7 +62,11 @@ struct Loaded {
     experts_total: u64,
 }
 
-fn load(path: &PathBuf, device: crate::gpu::DeviceChoice) -> Result<Loaded, EngineError> {
+fn load(
+    path: &PathBuf,
+    device: crate::gpu::DeviceChoice,
+    arithmetic: Arithmetic,
+) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
     let mut expert_blocks: Vec<&str> = file
         .tensor_infos()
@@ -68,7 +80,7 @@ fn load(path: &PathBuf, device: crate::gpu::DeviceChoice) -> Result<Loaded, Engi
         .n_experts
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
-    let mut model = Model::from_file(file.clone())?;
+    let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
     model.use_device(device)?;
     Ok(Loaded {
         model,
@@ -107,7 +119,7 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     }
     let started = std::time::Instant::now();
-    let loaded = match load(&opts.model, opts.device) {
+    let loaded = match load(&opts.model, opts.device, opts.arithmetic) {
         Ok(l) => l,
         Err(e) => {
             return fail(
@@ -117,11 +129,12 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     };
     eprintln!(
-        "poly-engine: {} ({}) loaded in {:.2} s on {}",
+        "poly-engine: {} ({}) loaded in {:.2} s on {}, {:?} arithmetic",
         opts.model.display(),
         loaded.model.info().arch,
         started.elapsed().as_secs_f64(),
-        loaded.model.device_name()
+        loaded.model.device_name(),
+        opts.arithmetic
     );
     let inputs = input::spawn_reader(std::io::stdin());
     let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);

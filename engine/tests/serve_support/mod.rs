@@ -34,6 +34,14 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The library's model of a fixture in the engine process's default arithmetic
+/// ([`poly_engine::serve::DEFAULT_ARITHMETIC`]), to compare the engine's answers with bit for bit.
+pub fn served_model(name: &str) -> Model {
+    Model::load(fixture(name))
+        .expect("fixture loads")
+        .with_arithmetic(poly_engine::serve::DEFAULT_ARITHMETIC)
+}
+
 /// A running engine process.
 pub struct Engine {
     child: Child,
