@@ -1,0 +1,72 @@
+//! The web page in a real browser: headless Chromium (Debian `chromium`) driven over the DevTools
+//! protocol by tests/server/web_page.py (Python standard library only) loads `/` from `polystrata serve`
+//! over real `poly-engine` children on two CPU fixtures, picks a model in the header, sends a message,
+//! watches the answer stream in, reloads and finds the conversation kept. The screenshot is kept at
+//! `<target>/test-artifacts/web/chat.png`.
+//!
+//! Chromium: `CHROMIUM`, else `chromium` on PATH; Python: `POLYSTRATA_PYTHON`, else `python3`.
+//! Cost: one model load and a 24-token answer; about 10-20 s on 2 cores (Chromium's start is most of it).
+
+mod common;
+
+use common::{Home, Server};
+use serde_json::json;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn python() -> String {
+    std::env::var("POLYSTRATA_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// `<target dir>/test-artifacts/web`: next to the binaries' profile directory.
+fn artifacts() -> PathBuf {
+    let bin = common::polystrata_bin();
+    let target = bin
+        .parent()
+        .and_then(|profile| profile.parent())
+        .expect("the binary lives in <target>/<profile>/");
+    target.join("test-artifacts").join("web")
+}
+
+#[test]
+fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
+    let home = Home::new("web");
+    home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    home.add_model("gemma3-tiny", "gemma3-tiny-q4km.gguf", json!({}));
+    // The page starts on qwen3 and the test picks gemma3 in the header.
+    let server = Server::start_logged(&home, &["--load", "qwen3-tiny"], &[]);
+    let root = server.get("/");
+    assert_eq!(root.status, 200);
+    assert!(root.text().contains("<title>PolyStrata</title>"));
+
+    let shot = artifacts().join("chat.png");
+    let _ = std::fs::remove_file(&shot);
+    let script = common::workspace_root().join("tests/server/web_page.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args(["--url", &server.url("/")])
+        .args(["--pick", "gemma3-tiny", "--other", "qwen3-tiny"])
+        .arg("--shot")
+        .arg(&shot)
+        .output()
+        .expect("run tests/server/web_page.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}{stderr}");
+    let log = std::fs::read_to_string(home.dir.join("server.log")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "the browser test failed:\n{stdout}\n{stderr}\nserver log:\n{log}"
+    );
+    assert!(stdout.contains("web page: ok"));
+    let png = std::fs::read(&shot).expect("the screenshot");
+    assert!(
+        png.len() > 1000 && png.starts_with(b"\x89PNG"),
+        "not a PNG screenshot"
+    );
+    // The server ran the model the page picked.
+    assert_eq!(
+        server.get("/api/models/current").json()["model"],
+        "gemma3-tiny"
+    );
+}
