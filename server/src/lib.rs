@@ -5,8 +5,10 @@
 //! - [`home`] and [`registry`]: the installation home's run configs and the models they describe.
 //! - [`engine`]: one `poly-engine` child process and the supervisor that switches models.
 //! - [`model_text`]: a loaded model's text side as the HTTP layer uses it; [`generate`]: one generation.
-//! - [`http`]: the OpenAI, Anthropic and management APIs.
+//! - [`http`]: the OpenAI, Anthropic and management APIs; [`web`]: the chat page served at `/`.
+//! - [`chat`]: the terminal chat (`polystrata --model NAME`), a client of the HTTP API.
 
+pub mod chat;
 pub mod engine;
 pub mod generate;
 pub mod home;
@@ -14,3 +16,4 @@ pub mod http;
 pub mod model_text;
 pub mod registry;
 pub mod text;
+pub mod web;
