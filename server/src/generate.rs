@@ -49,7 +49,23 @@ pub enum Step {
         logprobs: Vec<TokenLogprob>,
     },
     Finished(Finish),
-    Failed(String),
+    Failed(Failure),
+}
+
+/// Why a generation failed: the engine refused the request (its `ERR` code) or died (`code` is `None`).
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub code: Option<poly_protocol::ErrorCode>,
+    pub message: String,
+}
+
+impl Failure {
+    fn died(message: impl Into<String>) -> Failure {
+        Failure {
+            code: None,
+            message: message.into(),
+        }
+    }
 }
 
 /// Why and how a generation ended.
@@ -93,19 +109,23 @@ impl Generation {
         prompt: Vec<u32>,
         sampling: &Sampling,
         output: Output,
-    ) -> Result<Generation, String> {
+    ) -> Result<Generation, Failure> {
         let text: Arc<ModelText> = lease.text();
         let ready = lease.engine().ready().clone();
+        let refused = |message: String| Failure {
+            code: Some(poly_protocol::ErrorCode::BadRequest),
+            message,
+        };
         if prompt.is_empty() {
-            return Err("the prompt is empty".into());
+            return Err(refused("the prompt is empty".into()));
         }
         let room = ready.n_ctx.saturating_sub(prompt.len() as u32);
         if room == 0 {
-            return Err(format!(
+            return Err(refused(format!(
                 "the prompt has {} tokens; the model's context holds {}",
                 prompt.len(),
                 ready.n_ctx
-            ));
+            )));
         }
         let max_tokens = sampling.max_tokens.unwrap_or(room).min(room);
         let mut stop_tokens = ready.eos.clone();
@@ -148,7 +168,7 @@ impl Generation {
             conversation: None,
             checkpoint_at: None,
         };
-        let events = lease.engine().generate(gen)?;
+        let events = lease.engine().generate(gen).map_err(Failure::died)?;
         Ok(Generation {
             decoder: text.decoder(),
             parser: match output {
@@ -175,13 +195,13 @@ impl Generation {
             return Step::Finished(finish);
         }
         if self.finished {
-            return Step::Failed("the generation has ended".into());
+            return Step::Failed(Failure::died("the generation has ended"));
         }
         loop {
             let Some(event) = self.events.recv().await else {
                 self.finished = true;
                 Counters::add(&self.lease.counters().failed);
-                return Step::Failed("the engine dropped the request".into());
+                return Step::Failed(Failure::died("the engine dropped the request"));
             };
             match event {
                 EngineEvent::Tokens(t) => {
@@ -250,12 +270,15 @@ impl Generation {
                 EngineEvent::Refused(err) => {
                     self.finished = true;
                     Counters::add(&self.lease.counters().failed);
-                    return Step::Failed(format!("{}: {}", err.code.as_str(), err.message));
+                    return Step::Failed(Failure {
+                        code: Some(err.code),
+                        message: format!("the engine refused the request: {}", err.message),
+                    });
                 }
                 EngineEvent::Died(msg) => {
                     self.finished = true;
                     Counters::add(&self.lease.counters().failed);
-                    return Step::Failed(msg);
+                    return Step::Failed(Failure::died(msg));
                 }
             }
         }

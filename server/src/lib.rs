@@ -5,10 +5,12 @@
 //! - [`home`] and [`registry`]: the installation home's run configs and the models they describe.
 //! - [`engine`]: one `poly-engine` child process and the supervisor that switches models.
 //! - [`model_text`]: a loaded model's text side as the HTTP layer uses it; [`generate`]: one generation.
-//! - [`http`]: the OpenAI, Anthropic and management APIs; [`web`]: the chat page served at `/`.
-//! - [`chat`]: the terminal chat (`polystrata --model NAME`), a client of the HTTP API.
+//! - [`http`]: the OpenAI, Anthropic and management APIs; [`client`]: a blocking client of them (the
+//!   terminal chat builds on it); [`web`]: the chat page served at `/`.
+//! - [`chat`]: the terminal chat (`polystrata --model NAME`).
 
 pub mod chat;
+pub mod client;
 pub mod engine;
 pub mod generate;
 pub mod home;

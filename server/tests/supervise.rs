@@ -473,3 +473,50 @@ fn memory_debug_reports_free_memory_around_a_switch() {
     // The first load (qwen3, no memory_debug) printed nothing.
     assert_eq!(log.matches("memory before the switch").count(), 1, "{log}");
 }
+
+#[test]
+fn the_blocking_client_lists_switches_chats_and_unloads() {
+    use polystrata::client::{ChatDelta, Client, ClientError};
+    let home = home_with_two_models("client");
+    let server = Server::start(&home, &[]);
+    let client = Client::new(server.addr.clone(), None);
+    assert!(client.is_running());
+    assert!(!Client::new("127.0.0.1:1", None).is_running());
+    let models = client.models().expect("models");
+    assert_eq!(models["models"].as_array().map(Vec::len), Some(2));
+    assert_eq!(
+        client.load("gem").expect("a unique part of a name")["current"]["model"],
+        "gemma3"
+    );
+    match client.load("nothing") {
+        Err(ClientError::Api {
+            status: 404,
+            message,
+        }) => assert!(message.contains("not found")),
+        other => panic!("{other:?}"),
+    }
+    let mut deltas = Vec::new();
+    client
+        .chat_stream(
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}),
+            |d| deltas.push(d),
+        )
+        .expect("chat");
+    let text: String = deltas
+        .iter()
+        .filter_map(|d| match d {
+            ChatDelta::Content(t) | ChatDelta::Reasoning(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(!text.is_empty());
+    match deltas.last() {
+        Some(ChatDelta::Finished { reason, usage }) => {
+            assert_eq!(reason, "length");
+            assert_eq!(usage["completion_tokens"], 6);
+        }
+        other => panic!("no finish: {other:?}"),
+    }
+    assert_eq!(client.unload().expect("unload")["current"]["loaded"], false);
+    assert_eq!(client.current().expect("current")["model"], "gemma3");
+}

@@ -245,7 +245,54 @@ def anthropic_messages(model):
         check("no-such-model" in str(e), str(e))
 
 
+def scripted_tool_calls():
+    """Against tests/server/replay_engine.py: max_tokens 100 makes the "model" write reasoning and a
+    get_weather call; the SDKs must hand them back as a tool call (OpenAI) and a tool_use block
+    (Anthropic), streaming and not."""
+    model = MODELS[0]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oa.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=100)
+    m = r.choices[0].message
+    check(r.choices[0].finish_reason == "tool_calls", r.choices[0].finish_reason)
+    check(m.tool_calls[0].function.name == "get_weather", str(m))
+    check(json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris"}, str(m))
+    check("check the weather" in (getattr(m, "reasoning_content", None) or m.model_extra.get("reasoning_content", "")), str(m))
+    calls = {}
+    finish = None
+    for chunk in oa.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=100, stream=True):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    check(finish == "tool_calls" and calls[0]["name"] == "get_weather", str(calls))
+    check(json.loads(calls[0]["arguments"]) == {"city": "Paris"}, str(calls))
+    atools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    r = an.messages.create(model=model, max_tokens=100, messages=msgs, tools=atools)
+    check(r.stop_reason == "tool_use", r.stop_reason)
+    check([b.type for b in r.content] == ["thinking", "tool_use"], str(r.content))
+    check(r.content[1].input == {"city": "Paris"}, str(r.content))
+    with an.messages.stream(model=model, max_tokens=100, messages=msgs, tools=atools) as s:
+        final = s.get_final_message()
+    check(final.stop_reason == "tool_use", final.stop_reason)
+    check(final.content[-1].type == "tool_use" and final.content[-1].input == {"city": "Paris"}, str(final.content))
+    check("check the weather" in final.content[0].thinking, str(final.content))
+    # The answer after the tool result (max_tokens 101 picks it).
+    history = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": m.tool_calls[0].id, "type": "function",
+            "function": {"name": "get_weather", "arguments": m.tool_calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"},
+    ]
+    r = oa.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=101)
+    check(r.choices[0].message.content.startswith("It is sunny in Paris."), str(r.choices[0].message))
+
+
 def main():
+    if "--scripted" in sys.argv:
+        checks = [("scripted tool calls", scripted_tool_calls)]
+        run(checks)
+        return
     checks = [("openai errors and models", openai_errors)]
     for m in MODELS:
         checks += [
@@ -254,6 +301,10 @@ def main():
             (f"{m}: openai completions", lambda m=m: openai_completions(m)),
             (f"{m}: anthropic messages", lambda m=m: anthropic_messages(m)),
         ]
+    run(checks)
+
+
+def run(checks):
     for name, fn in checks:
         try:
             fn()

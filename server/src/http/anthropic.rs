@@ -238,7 +238,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         model: lease.model().id.clone(),
     };
     let gen = Generation::start(lease, id, prompt, &sampling, Output::Chat(rendered.parser))
-        .map_err(ApiError::bad_request)?;
+        .map_err(ApiError::from)?;
     if stream {
         let (resp, tx) = channel_response("text/event-stream");
         tokio::spawn(stream_message(gen, meta, tx));
@@ -301,7 +301,7 @@ async fn collect_message(
             }
             Step::Finished(f) => break f,
             Step::Failed(e) => {
-                let _ = done.send(Err(ApiError::new(Kind::Internal, e)));
+                let _ = done.send(Err(ApiError::from(e)));
                 return;
             }
         }
@@ -415,7 +415,7 @@ async fn stream_message(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>
                 for ev in events.drain(..) {
                     let _ = tx.send(ev).await;
                 }
-                let err = ApiError::new(Kind::Internal, e).body(Flavor::Anthropic);
+                let err = ApiError::from(e).body(Flavor::Anthropic);
                 let _ = tx.send(sse_event(Some("error"), &err)).await;
                 return;
             }

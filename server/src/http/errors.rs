@@ -143,6 +143,18 @@ impl From<ServeError> for ApiError {
     }
 }
 
+impl From<crate::generate::Failure> for ApiError {
+    fn from(f: crate::generate::Failure) -> ApiError {
+        use poly_protocol::ErrorCode;
+        let kind = match f.code {
+            Some(ErrorCode::BadRequest | ErrorCode::ContextOverflow) => Kind::BadRequest,
+            Some(ErrorCode::Busy) => Kind::Busy,
+            Some(ErrorCode::Internal | ErrorCode::Unknown) | None => Kind::Internal,
+        };
+        ApiError::new(kind, f.message)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -203,7 +203,7 @@ pub async fn chat_completions(
         &req.sampling,
         Output::Chat(rendered.parser),
     )
-    .map_err(ApiError::bad_request)?;
+    .map_err(ApiError::from)?;
     let meta = Meta {
         id: format!("chatcmpl-{id}"),
         gen_id: id,
@@ -274,7 +274,7 @@ async fn collect_chat(
             }
             Step::Finished(f) => break f,
             Step::Failed(e) => {
-                let _ = done.send(Err(ApiError::new(Kind::Internal, e)));
+                let _ = done.send(Err(ApiError::from(e)));
                 return;
             }
         }
@@ -389,7 +389,7 @@ async fn stream_chat(
             }
             Step::Finished(f) => break f,
             Step::Failed(e) => {
-                let err = ApiError::new(Kind::Internal, e).body(super::errors::Flavor::OpenAi);
+                let err = ApiError::from(e).body(super::errors::Flavor::OpenAi);
                 let _ = send(&tx, sse_event(None, &err)).await;
                 return;
             }
@@ -479,7 +479,7 @@ pub async fn completions(
     let id = state.supervisor.next_request_id();
     let model = lease.model().id.clone();
     let gen = Generation::start(lease, id.clone(), prompt, &sampling, Output::Raw)
-        .map_err(ApiError::bad_request)?;
+        .map_err(ApiError::from)?;
     let meta = Meta {
         id: format!("cmpl-{id}"),
         gen_id: id,
@@ -577,7 +577,7 @@ async fn collect_completion(
             }
             Step::Finished(f) => break f,
             Step::Failed(e) => {
-                let _ = done.send(Err(ApiError::new(Kind::Internal, e)));
+                let _ = done.send(Err(ApiError::from(e)));
                 return;
             }
         }
@@ -632,7 +632,7 @@ async fn stream_completion(
             }
             Step::Finished(f) => break f,
             Step::Failed(e) => {
-                let err = ApiError::new(Kind::Internal, e).body(super::errors::Flavor::OpenAi);
+                let err = ApiError::from(e).body(super::errors::Flavor::OpenAi);
                 let _ = send(&tx, sse_event(None, &err)).await;
                 return;
             }
