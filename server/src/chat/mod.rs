@@ -5,13 +5,12 @@
 //! conversation), `/model info [NAME]`, `/model unload`, `/new`, `/set max_tokens|temperature V`,
 //! `/help`, `/quit`. Part of a model's name is enough when only one name has it.
 
-mod client;
 mod local_server;
 mod render;
 
-use client::Client;
+use crate::client::Client;
 use local_server::LocalServer;
-use render::{deltas, AnswerPrinter, Delta};
+use render::AnswerPrinter;
 use serde_json::{json, Value};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -30,8 +29,11 @@ const HELP: &str = "commands: /model (the model in use), /model list, /model swi
 
 /// Runs the chat until `/quit` or the end of stdin.
 pub fn run(opts: ChatOptions) -> ExitCode {
-    let client = Client::new(opts.port);
-    let server = if client.health() {
+    let api_key = std::env::var("POLYSTRATA_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let client = Client::new(format!("127.0.0.1:{}", opts.port), api_key);
+    let server = if client.is_running() {
         println!("using the server on port {}", opts.port);
         None
     } else {
@@ -138,17 +140,13 @@ impl Chat {
     }
 
     fn models(&self) -> Result<(Vec<Value>, Option<String>), String> {
-        let r = self.client.get("/api/models")?;
-        if r.status != 200 {
-            return Err(r.error_message());
-        }
-        let models = r.body["models"].as_array().cloned().unwrap_or_default();
-        Ok((models, r.body["current"].as_str().map(str::to_string)))
+        let r = self.client.models().map_err(|e| e.to_string())?;
+        let models = r["models"].as_array().cloned().unwrap_or_default();
+        Ok((models, r["current"].as_str().map(str::to_string)))
     }
 
     fn show_current(&self) -> Result<(), String> {
-        let r = self.client.get("/api/models/current")?;
-        let current = &r.body;
+        let current = &self.client.current().map_err(|e| e.to_string())?;
         match current["model"].as_str() {
             Some(id) => {
                 let state = if current["loaded"].as_bool() == Some(true) {
@@ -216,15 +214,8 @@ impl Chat {
         let id = resolve(&models, name)?;
         println!("loading {id} ...");
         let started = Instant::now();
-        let r = self
-            .client
-            .post("/api/models/load", &json!({ "model": id }))?;
-        if r.status != 200 {
-            let now = r.body["current"]["model"]
-                .as_str()
-                .map(|m| format!(" ({m} is in use)"))
-                .unwrap_or_default();
-            return Err(format!("could not load {id}: {}{now}", r.error_message()));
+        if let Err(e) = self.client.load(&id) {
+            return Err(format!("could not load {id}: {e}"));
         }
         println!(
             "{id} loaded in {:.1} s; a new conversation",
@@ -236,10 +227,7 @@ impl Chat {
     }
 
     fn unload(&mut self) -> Result<(), String> {
-        let r = self.client.post("/api/models/unload", &json!({}))?;
-        if r.status != 200 {
-            return Err(r.error_message());
-        }
+        self.client.unload().map_err(|e| e.to_string())?;
         println!(
             "unloaded {} (the next message loads it again)",
             self.model.as_deref().unwrap_or("the model")
@@ -268,12 +256,11 @@ impl Chat {
         let mut body = json!({
             "model": self.model,
             "messages": self.history,
-            "stream": true,
         });
         if let Value::Object(o) = &mut body {
             o.extend(self.settings.clone());
         }
-        match self.stream_answer(&body) {
+        match self.stream_answer(body) {
             Ok(content) => self
                 .history
                 .push(json!({"role": "assistant", "content": content})),
@@ -285,25 +272,11 @@ impl Chat {
         }
     }
 
-    fn stream_answer(&self, body: &Value) -> Result<String, String> {
-        let mut events = self.client.stream("/v1/chat/completions", body)?;
+    fn stream_answer(&self, body: Value) -> Result<String, String> {
         let mut printer = AnswerPrinter::new(std::io::stdout(), self.color);
-        while let Some(data) = events.next_data()? {
-            let Ok(event) = serde_json::from_str::<Value>(&data) else {
-                continue;
-            };
-            for d in deltas(&event) {
-                match d {
-                    Delta::Reasoning(t) => printer.reasoning(&t),
-                    Delta::Content(t) => printer.content(&t),
-                    Delta::Error(m) => {
-                        let _ = printer.finish();
-                        return Err(m);
-                    }
-                }
-            }
-        }
-        Ok(printer.finish().1)
+        let result = self.client.chat_stream(body, |d| printer.show(&d));
+        let (_, content) = printer.finish();
+        result.map(|()| content).map_err(|e| e.to_string())
     }
 }
 
