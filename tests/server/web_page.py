@@ -212,7 +212,12 @@ def run(args, cdp):
         cdp.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13,
                  **({"text": "\r"} if kind == "keyDown" else {}))
     t0 = time.monotonic()
-    cdp.wait_for("document.querySelector('.message.assistant')", "the answer to appear", 10)
+    try:
+        cdp.wait_for("!!document.querySelector('.message.assistant')", "the answer to appear", 10)
+    except RuntimeError:
+        seen = cdp.eval("[document.getElementById('input').value, document.activeElement.id,"
+                        " document.getElementById('send').disabled, document.body.dataset.modelState]")
+        raise RuntimeError(f"no answer appeared after Enter (input, focus, send disabled, model state: {seen})")
     # While streaming, the Stop button shows; the text grows event by event.
     lengths = set()
     deadline = time.monotonic() + 120
