@@ -1,7 +1,8 @@
 //! The web page in a real browser: headless Chromium (Debian `chromium`) driven over the DevTools
 //! protocol by tests/server/web_page.py (Python standard library only) loads `/` from `polystrata serve`
 //! over real `poly-engine` children on two CPU fixtures, picks a model in the header, sends a message,
-//! watches the answer stream in, reloads and finds the conversation kept. The screenshot is kept at
+//! watches the answer stream in, sees the model's notes, stops a long answer with the Stop button, reloads
+//! and finds the conversation kept. The screenshot is kept at
 //! `<target>/test-artifacts/web/chat.png`.
 //!
 //! Chromium: `CHROMIUM`, else `chromium` on PATH; Python: `POLYSTRATA_PYTHON`, else `python3`.
@@ -28,11 +29,18 @@ fn artifacts() -> PathBuf {
     target.join("test-artifacts").join("web")
 }
 
+/// What the picked model's run config says about it; the page shows it under the header.
+const NOTES: &str = "A small synthetic base model: it writes noise.";
+
 #[test]
 fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
     let home = Home::new("web");
     home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
-    home.add_model("gemma3-tiny", "gemma3-tiny-q4km.gguf", json!({}));
+    home.add_model(
+        "gemma3-tiny",
+        "gemma3-tiny-q4km.gguf",
+        json!({"notes": NOTES}),
+    );
     // The page starts on qwen3 and the test picks gemma3 in the header.
     let server = Server::start_logged(&home, &["--load", "qwen3-tiny"], &[]);
     let root = server.get("/");
@@ -46,6 +54,7 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
         .arg(&script)
         .args(["--url", &server.url("/")])
         .args(["--pick", "gemma3-tiny", "--other", "qwen3-tiny"])
+        .args(["--notes", NOTES])
         .arg("--shot")
         .arg(&shot)
         .output()

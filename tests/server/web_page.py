@@ -241,6 +241,26 @@ def run(args, cdp):
     print(f"answer streamed in {chunks} events, {len(answer)} characters, {len(lengths)} sizes seen, "
           f"{time.monotonic() - t0:.1f} s")
 
+    # The model's notes (from its run config) show under the header.
+    if args.notes:
+        notice = cdp.eval("document.getElementById('notice').hidden ? '' : document.getElementById('notice').textContent")
+        check(args.notes in notice, f"the notice says {notice!r}")
+
+    # Stop: a long answer is cut off by the Stop button (the fetch is aborted, the server cancels).
+    cdp.eval("localStorage.setItem('polystrata.maxTokens', '3000')")
+    cdp.eval("document.getElementById('input').value = 'Go on, at length.';"
+             " document.getElementById('composer').requestSubmit()")
+    last = "document.querySelectorAll('.message.assistant')[1]"
+    cdp.wait_for(f"!!{last} && Number({last}.dataset.chunks || 0) > 2", "the long answer to start", 60)
+    check(not cdp.eval("document.getElementById('stop').hidden"), "no Stop button while streaming")
+    cdp.eval("document.getElementById('stop').click()")
+    cdp.wait_for(f"{last}.dataset.state !== 'streaming'", "the stop", 30)
+    check(cdp.eval(f"{last}.dataset.state") == "stopped", "the answer did not end as stopped")
+    stopped_at = cdp.eval(f"Number({last}.dataset.chunks)")
+    check(stopped_at < 3000, f"the stop came after {stopped_at} events")
+    print(f"stopped after {stopped_at} events")
+    cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+
     # The conversation is kept in the browser: a reload shows it again in the list and the messages.
     shot = cdp.call("Page.captureScreenshot", format="png")["data"]
     os.makedirs(os.path.dirname(os.path.abspath(args.shot)), exist_ok=True)
@@ -251,9 +271,11 @@ def run(args, cdp):
     cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the reloaded page", 60)
     kept = cdp.eval(
         "[document.querySelectorAll('#conversations li').length,"
-        " document.querySelector('.message.assistant .content').textContent]"
+        " document.querySelector('.message.assistant .content').textContent,"
+        " document.querySelectorAll('.message').length,"
+        " document.querySelectorAll('.message.assistant')[1].dataset.state]"
     )
-    check(kept[0] == 1 and kept[1] == answer, f"after a reload: {kept}")
+    check(kept == [1, answer, 4, "stopped"], f"after a reload: {kept}")
     # New and delete work on the list.
     cdp.eval("document.getElementById('new-chat').click()")
     check(cdp.eval("document.querySelectorAll('#conversations li').length") == 2, "New chat added no entry")
@@ -268,6 +290,7 @@ def main():
     ap.add_argument("--other", required=True)
     ap.add_argument("--shot", required=True)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--notes", default="", help="text the picked model's notes hold")
     args = ap.parse_args()
     profile = tempfile.mkdtemp(prefix="polystrata-chromium-")
     browser, port = start_browser(profile)
