@@ -24,7 +24,8 @@ pub struct ChatOptions {
     pub port: u16,
 }
 
-const HELP: &str = "commands: /model (the model in use), /model list, /model switch NAME, /model info [NAME], \
+const HELP: &str =
+    "commands: /model (the model in use), /model list, /model switch NAME, /model info [NAME], \
 /model unload, /new (a new conversation), /set max_tokens N, /set temperature T, /help, /quit";
 
 /// Runs the chat until `/quit` or the end of stdin.
@@ -169,7 +170,11 @@ impl Chat {
         }
         for m in &models {
             let id = m["id"].as_str().unwrap_or("?");
-            let mark = if current.as_deref() == Some(id) { "*" } else { " " };
+            let mark = if current.as_deref() == Some(id) {
+                "*"
+            } else {
+                " "
+            };
             let field = |k: &str| match &m[k] {
                 Value::Null => "-".to_string(),
                 Value::String(s) => s.clone(),
@@ -240,7 +245,11 @@ impl Chat {
             "max_tokens" => value.parse::<u64>().map(|v| json!(v)).ok(),
             "temperature" | "top_p" => value.parse::<f64>().map(|v| json!(v)).ok(),
             "seed" => value.parse::<i64>().map(|v| json!(v)).ok(),
-            _ => return Err(format!("cannot set {key}; max_tokens, temperature, top_p or seed")),
+            _ => {
+                return Err(format!(
+                    "cannot set {key}; max_tokens, temperature, top_p or seed"
+                ))
+            }
         };
         let Some(v) = parsed else {
             return Err(format!("{value:?} is not a value for {key}"));

@@ -57,7 +57,11 @@ impl<W: Write> AnswerPrinter<W> {
     fn end_reasoning(&mut self) {
         if self.in_reasoning {
             self.in_reasoning = false;
-            let _ = writeln!(self.out, "{}", if self.color { RESET } else { " [/thinking]" });
+            let _ = writeln!(
+                self.out,
+                "{}",
+                if self.color { RESET } else { " [/thinking]" }
+            );
         }
     }
 
