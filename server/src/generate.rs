@@ -160,7 +160,9 @@ impl Generation {
             presence_penalty: sampling
                 .presence_penalty
                 .or_else(|| default_f32("presence_penalty")),
-            frequency_penalty: sampling.frequency_penalty,
+            frequency_penalty: sampling
+                .frequency_penalty
+                .or_else(|| default_f32("frequency_penalty")),
             penalty_last_n: None,
             seed: sampling.seed,
             stop_tokens: Some(stop_tokens),

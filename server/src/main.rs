@@ -10,6 +10,7 @@
 //! chat (`polystrata --model NAME`) is a client of the HTTP API (`chat`).
 
 use clap::{Parser, Subcommand};
+use polystrata::engine::process::StopTimeouts;
 use polystrata::engine::supervisor::{Limits, Supervisor};
 use polystrata::registry::Registry;
 use polystrata::{home, http};
@@ -78,6 +79,12 @@ struct ServeArgs {
     /// Seconds an engine may take to load before READY.
     #[arg(long, default_value_t = 600)]
     ready_timeout: u64,
+    /// Seconds a stopping engine gets after QUIT before SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    quit_timeout: u64,
+    /// Seconds a stopping engine gets after SIGTERM before SIGKILL.
+    #[arg(long, default_value_t = 5)]
+    term_timeout: u64,
 }
 
 fn main() -> ExitCode {
@@ -185,7 +192,10 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
             queue: args.queue,
             switch_wait: std::time::Duration::from_secs(args.switch_wait),
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
-            ..Limits::default()
+            stop: StopTimeouts {
+                after_quit: std::time::Duration::from_secs(args.quit_timeout),
+                after_term: std::time::Duration::from_secs(args.term_timeout),
+            },
         };
         let supervisor = Arc::new(Supervisor::new(registry, limits));
         let addr = format!("{}:{}", args.host, args.port);
@@ -210,7 +220,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
         });
         http::serve(listener, state, shutdown_signal()).await;
         eprintln!("polystrata: shutting down");
-        supervisor.shutdown().await;
+        supervisor.shutdown(std::time::Duration::from_secs(5)).await;
         ExitCode::SUCCESS
     })
 }

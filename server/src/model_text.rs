@@ -50,6 +50,7 @@ pub struct ParserSetup {
 }
 
 /// The text side of a loaded model.
+#[derive(Debug)]
 pub struct ModelText {
     tokenizer: Arc<TextTokenizer>,
     /// `Err(reason)` when the model has no chat template: chat requests are refused, completions work.

@@ -64,9 +64,14 @@ impl ModelEntry {
         self.problem.is_none()
     }
 
-    /// Whether `name` names this model: its id or one of its aliases.
+    /// Whether `name` names this model: its id or one of its aliases. An alias ending in `*` takes every
+    /// name it starts (`"claude-*"` lets agents that send their own model names reach this model).
     pub fn answers_to(&self, name: &str) -> bool {
-        self.id == name || self.aliases.iter().any(|a| a == name)
+        self.id == name
+            || self.aliases.iter().any(|a| match a.strip_suffix('*') {
+                Some(prefix) => name.starts_with(prefix),
+                None => a == name,
+            })
     }
 }
 

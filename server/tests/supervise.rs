@@ -132,6 +132,11 @@ fn switching_frees_the_first_engine_and_a_failing_switch_rolls_back() {
     let current = server.get("/api/models/current").json();
     assert_eq!(current["model"], "gemma3");
     assert_eq!(current["ready"]["arch"], "gemma3");
+    // The engine's resident memory is reported (the model's weights are mapped in).
+    assert!(
+        current["rss_bytes"].as_u64().is_some_and(|b| b > 1 << 20),
+        "{current}"
+    );
     let models = server.get("/api/models").json();
     let status = |id: &str| {
         models["models"]
@@ -519,4 +524,135 @@ fn the_blocking_client_lists_switches_chats_and_unloads() {
     }
     assert_eq!(client.unload().expect("unload")["current"]["loaded"], false);
     assert_eq!(client.current().expect("current")["model"], "gemma3");
+}
+
+#[test]
+fn anthropic_count_tokens_and_wildcard_aliases() {
+    let home = Home::new("count");
+    home.add_model(
+        "qwen3",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"aliases": ["claude-*"]}),
+    );
+    let server = Server::start(&home, &[]);
+    let body = json!({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "Hello there"}]});
+    let r = server.post("/v1/messages/count_tokens", &body);
+    assert_eq!(r.status, 503, "no model loaded yet: {}", r.text());
+    // An agent's own model name reaches the model through the alias.
+    let mut message = body.clone();
+    message["max_tokens"] = json!(3);
+    let m = server.post("/v1/messages", &message);
+    assert_eq!(m.status, 200, "{}", m.text());
+    let counted = server.post("/v1/messages/count_tokens", &body).json()["input_tokens"]
+        .as_u64()
+        .expect("input_tokens");
+    let usage = &m.json()["usage"];
+    let prompt = usage["input_tokens"].as_u64().unwrap_or(0)
+        + usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(
+        counted, prompt,
+        "count_tokens equals the prompt the engine read"
+    );
+}
+
+#[test]
+fn shutdown_during_a_generation_ends_the_engine() {
+    let home = Home::new("shutdown");
+    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let server = Server::start(&home, &["--load", "qwen3"]);
+    let pid = server.engine_pid().expect("pid");
+    let mut stream = Stream::open(
+        &server.addr,
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}),
+    );
+    stream.next_data().expect("generating");
+    let asked = Instant::now();
+    assert!(server.stop().success());
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(!process_alive(pid), "the engine outlived the server");
+}
+
+#[test]
+fn an_engine_that_ignores_quit_gets_sigterm_then_sigkill() {
+    let home = Home::new("stubborn");
+    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let ready = r#"READY {"protocol":1,"model":"x","arch":"qwen3moe","n_vocab":2048,"n_ctx":4096,"bos":null,"eos":[0],"device":"cpu","experts_total":0,"experts_vram":0}"#;
+    // One ignores QUIT (it never reads stdin) but not SIGTERM; the other ignores both.
+    let deaf = home.script("deaf-engine", &format!("echo '{ready}'\nexec sleep 1000"));
+    let stubborn = home.script(
+        "stubborn-engine",
+        &format!("trap '' TERM\necho '{ready}'\nexec sleep 1000"),
+    );
+    for (name, exe) in [("deaf", &deaf), ("stubborn", &stubborn)] {
+        home.write_config(
+            name,
+            &json!({"exe": exe, "args": ["--model", common::fixture("qwen3moe-tiny-q4km.gguf")], "tokenizer": "packs/qwen3/tokenizer"}),
+        );
+    }
+    let server = Server::start_logged(&home, &["--quit-timeout", "1", "--term-timeout", "1"], &[]);
+    for name in ["deaf", "stubborn"] {
+        let r = server.post("/api/models/load", &json!({"model": name}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let pid = server.engine_pid().expect("pid");
+        let r = server.post("/api/models/load", &json!({"model": "qwen3"}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(
+            !process_alive(pid),
+            "{name} engine {pid} survived the switch"
+        );
+    }
+    assert!(server.stop().success());
+    let log = std::fs::read_to_string(home.dir.join("server.log")).expect("log");
+    assert!(
+        log.contains("stopped deaf (signal: 15 (SIGTERM) after SIGTERM)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("engine stubborn ignored SIGTERM; SIGKILL"),
+        "{log}"
+    );
+    assert!(
+        log.contains("stopped stubborn (signal: 9 (SIGKILL) after SIGKILL)"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_model_without_chat_template_refuses_chat_and_still_completes() {
+    let home = Home::new("notemplate");
+    home.add_model("plain", "qwen3moe-tiny-q4km.gguf", json!({}));
+    // The tokenizer directory of a GGUF without a template: no template file, none named in the config.
+    let tok = home.dir.join("packs/plain/tokenizer");
+    std::fs::remove_file(tok.join("chat_template.jinja")).expect("template file");
+    let config_path = tok.join("tokenizer_config.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).expect("config"))
+            .expect("json");
+    config["chat_template"] = Value::Null;
+    std::fs::write(&config_path, config.to_string()).expect("write config");
+    let server = Server::start(&home, &["--load", "plain"]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.contains("no chat template") && message.contains("/v1/completions"),
+        "{message}"
+    );
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon", "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
 }

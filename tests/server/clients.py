@@ -191,6 +191,12 @@ def openai_errors():
         check("role" in str(e), str(e))
     ids = [m.id for m in oa.models.list().data]
     check(all(m in ids for m in MODELS), f"models {ids}")
+    check(oa.models.retrieve(MODELS[0]).id == MODELS[0], "models.retrieve")
+    try:
+        oa.models.retrieve("no-such-model")
+        check(False, "unknown model retrieved")
+    except openai.NotFoundError:
+        pass
 
 
 def anthropic_messages(model):

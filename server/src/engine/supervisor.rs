@@ -103,6 +103,7 @@ struct View {
     /// The current engine's pid and its dead flag.
     engine: Option<(i32, Arc<std::sync::atomic::AtomicBool>)>,
     ready: Option<poly_protocol::Ready>,
+    text: Option<Arc<ModelText>>,
 }
 
 /// What `/api/models/current` shows.
@@ -111,6 +112,8 @@ pub struct CurrentModel {
     pub model: Option<String>,
     pub loaded: bool,
     pub pid: Option<i32>,
+    /// The engine process's resident memory (`VmRSS`), in bytes.
+    pub rss_bytes: Option<u64>,
     pub ready: Option<serde_json::Value>,
 }
 
@@ -216,16 +219,25 @@ impl Supervisor {
     pub fn current(&self) -> CurrentModel {
         let view = lock(&self.view).clone();
         let loaded = view_engine_alive(&view);
+        let pid = view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid);
         CurrentModel {
             model: view.current.clone(),
             loaded,
-            pid: view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid),
+            pid,
+            rss_bytes: pid.and_then(memory::rss_of),
             ready: view
                 .ready
                 .as_ref()
                 .filter(|_| loaded)
                 .and_then(|r| serde_json::to_value(r).ok()),
         }
+    }
+
+    /// The text side of the model in use (also while its engine is down), for work that needs no engine
+    /// (counting tokens). `None` before any model was loaded.
+    pub fn current_text(&self) -> Option<(String, Arc<ModelText>)> {
+        let view = lock(&self.view);
+        Some((view.current.clone()?, view.text.clone()?))
     }
 
     /// The id of the model in use, if any (for requests that name none).
@@ -324,12 +336,27 @@ impl Supervisor {
     }
 
     /// Stops the engine for good (server shutdown).
-    pub async fn shutdown(&self) {
-        let mut guard = self.slot.clone().lock_owned().await;
-        if let Some(mut engine) = guard.engine.take() {
-            engine.stop(self.limits.stop).await;
+    /// A request still running after `grace` is not waited for: the engine's process group is killed
+    /// and the request ends with the engine's death.
+    pub async fn shutdown(&self, grace: Duration) {
+        match tokio::time::timeout(grace, self.slot.clone().lock_owned()).await {
+            Ok(mut guard) => {
+                if let Some(mut engine) = guard.engine.take() {
+                    engine.stop(self.limits.stop).await;
+                }
+                self.publish(&guard);
+            }
+            Err(_) => {
+                let pid = lock(&self.view).engine.as_ref().map(|(pid, _)| *pid);
+                if let Some(pid) = pid {
+                    eprintln!("polystrata: a request is still running; killing engine {pid}");
+                    let _ = nix::sys::signal::killpg(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
         }
-        self.publish(&guard);
     }
 
     fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
@@ -492,6 +519,7 @@ impl Supervisor {
         view.current = slot.model.as_ref().map(|m| m.id.clone());
         view.engine = slot.engine.as_ref().map(|e| (e.pid(), e.dead_flag()));
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
+        view.text = slot.text.clone();
     }
 }
 

@@ -253,6 +253,39 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
     }
 }
 
+/// `POST /v1/messages/count_tokens`: the prompt's length under the model in use (agents size their
+/// context with it). Needs no engine, only the model's tokenizer and template.
+pub fn count_tokens(state: &AppState, body: Value) -> Result<Response<RespBody>, ApiError> {
+    let input = to_chat_input(&body)?;
+    let Some((current, text)) = state.supervisor.current_text() else {
+        return Err(ApiError::new(
+            Kind::Unavailable,
+            "no model is loaded; POST /api/models/load first",
+        ));
+    };
+    if let Some(name) = body.get("model").and_then(Value::as_str) {
+        let entries = state.supervisor.models();
+        let named = crate::registry::find_in(&entries, name)
+            .map_err(|e| ApiError::new(Kind::ModelNotFound, e))?;
+        if named.id != current {
+            return Err(ApiError::new(
+                Kind::Unavailable,
+                format!("{} is not the model in use ({current}); tokens are counted with the loaded model", named.id),
+            ));
+        }
+    }
+    let rendered = text
+        .render_chat(&input)
+        .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
+    let tokens = text
+        .encode(&rendered.prompt)
+        .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"input_tokens": tokens.len()}),
+    ))
+}
+
 async fn collect_message(
     mut gen: Generation,
     meta: Meta,

@@ -102,12 +102,19 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBod
     let result = match (method.clone(), path.as_str()) {
         (Method::GET, "/health") => Ok(admin::health(&state)),
         (Method::GET, "/v1/models") => Ok(openai::models(&state)),
+        (Method::GET, p) if p.starts_with("/v1/models/") => {
+            openai::model(&state, &p["/v1/models/".len()..])
+        }
         (Method::POST, "/v1/chat/completions") => match read_json(req).await {
             Ok(body) => openai::chat_completions(state.clone(), body).await,
             Err(e) => Err(e),
         },
         (Method::POST, "/v1/completions") => match read_json(req).await {
             Ok(body) => openai::completions(state.clone(), body).await,
+            Err(e) => Err(e),
+        },
+        (Method::POST, "/v1/messages/count_tokens") => match read_json(req).await {
+            Ok(body) => anthropic::count_tokens(&state, body),
             Err(e) => Err(e),
         },
         (Method::POST, "/v1/messages") => match read_json(req).await {

@@ -25,24 +25,36 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+fn model_object(m: &crate::registry::ModelEntry) -> Value {
+    json!({
+        "id": m.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "polystrata",
+        "display_name": m.display_name,
+        "status": m.status,
+    })
+}
+
 pub fn models(state: &AppState) -> Response<RespBody> {
     let data: Vec<Value> = state
         .supervisor
         .models()
-        .into_iter()
+        .iter()
         .filter(|m| m.is_runnable())
-        .map(|m| {
-            json!({
-                "id": m.id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "polystrata",
-                "display_name": m.display_name,
-                "status": m.status,
-            })
-        })
+        .map(model_object)
         .collect();
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{id}`: one runnable model, by id or alias.
+pub fn model(state: &AppState, id: &str) -> Result<Response<RespBody>, ApiError> {
+    let models = state.supervisor.models();
+    models
+        .iter()
+        .find(|m| m.is_runnable() && m.answers_to(id))
+        .map(|m| json_response(StatusCode::OK, &model_object(m)))
+        .ok_or_else(|| ApiError::new(Kind::ModelNotFound, format!("model {id:?} not found")))
 }
 
 fn model_field(body: &Value) -> Result<Option<String>, ApiError> {

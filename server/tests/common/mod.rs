@@ -127,6 +127,8 @@ impl Home {
 pub struct Server {
     child: Child,
     pub addr: String,
+    /// Kept open: a server writing to a closed stdout would fail.
+    _stdout: BufReader<std::process::ChildStdout>,
 }
 
 impl Server {
@@ -154,7 +156,8 @@ impl Server {
             .expect("start polystrata serve");
         let stdout = child.stdout.take().expect("stdout");
         let mut line = String::new();
-        BufReader::new(stdout)
+        let mut stdout = BufReader::new(stdout);
+        stdout
             .read_line(&mut line)
             .expect("read the listening line");
         let addr = line
@@ -164,7 +167,11 @@ impl Server {
             .expect("address")
             .to_string();
         assert!(addr.contains(':'), "unexpected first line: {line:?}");
-        Server { child, addr }
+        Server {
+            child,
+            addr,
+            _stdout: stdout,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
