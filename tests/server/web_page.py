@@ -7,7 +7,7 @@ thing to install (Debian: `apt-get install -y chromium`).
 
 Usage: web_page.py --url http://127.0.0.1:PORT/ --pick MODEL --other MODEL --shot OUT.png
 The page must list both models; the script picks MODEL in the header, sends a message, watches the answer
-stream in, checks the Markdown renderer escapes HTML, reloads and finds the conversation kept, and saves
+stream in, checks the Markdown renderer escapes HTML and reasoning shows collapsed, reloads and finds the conversation kept, and saves
 a screenshot. It exits non-zero with the reason on the first failure.
 """
 
@@ -188,6 +188,14 @@ def run(args, cdp):
     html = cdp.eval("renderMarkdown('**bold** <img src=x onerror=alert(1)> `a<b`\\n```js\\nlet x = 1 < 2;\\n```')")
     check("<strong>bold</strong>" in html and "<img" not in html and "&lt;img" in html, f"markdown: {html}")
     check('<pre><code class="language-js">let x = 1 &lt; 2;</code></pre>' in html, f"code block: {html}")
+
+    # Reasoning shows collapsed above the answer.
+    view = cdp.eval(
+        "(() => { const v = messageView({role: 'assistant', content: 'The answer', reasoning: 'Thinking it over'});"
+        " const d = v.querySelector('details.reasoning');"
+        " return [d.hidden, d.open, d.textContent, v.querySelector('.content').textContent]; })()"
+    )
+    check(view == [False, False, "ReasoningThinking it over", "The answer"], f"reasoning view: {view}")
 
     # Pick the model in the header: the page loads it and shows progress, then "loaded".
     t0 = time.monotonic()
