@@ -1,12 +1,13 @@
 //! The web page in a real browser: headless Chromium (Debian `chromium`) driven over the DevTools
 //! protocol by tests/server/web_page.py (Python standard library only) loads `/` from `polystrata serve`
-//! over real `poly-engine` children on two CPU fixtures, picks a model in the header, sends a message,
-//! watches the answer stream in, sees the model's notes, stops a long answer with the Stop button, reloads
-//! and finds the conversation kept. The screenshot is kept at
-//! `<target>/test-artifacts/web/chat.png`.
+//! over real `poly-engine` children on two CPU fixtures, picks a model in the header, sees a failing load
+//! reported (the server keeps its model), sends a message, watches the answer stream in, sees the model's
+//! notes, stops a long answer with the Stop button, reloads and finds the conversation kept. The screenshot
+//! is kept at `<target>/test-artifacts/web/chat.png`.
 //!
 //! Chromium: `CHROMIUM`, else `chromium` on PATH; Python: `POLYSTRATA_PYTHON`, else `python3`.
-//! Cost: one model load and a 24-token answer; about 10-20 s on 2 cores (Chromium's start is most of it).
+//! Cost: three loads (one failing), a 24-token answer and a stopped one; about 5-7 s on a loaded 2-core
+//! machine (Chromium's start is most of it).
 
 mod common;
 
@@ -41,6 +42,15 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
         "gemma3-tiny-q4km.gguf",
         json!({"notes": NOTES}),
     );
+    // A model whose engine exits at once: its load fails and the server keeps the model it had.
+    home.write_config(
+        "broken-engine",
+        &json!({
+            "exe": "/bin/false",
+            "args": ["--model", common::fixture("gemma3-tiny-q4km.gguf")],
+            "tokenizer": "packs/gemma3-tiny/tokenizer",
+        }),
+    );
     // The page starts on qwen3 and the test picks gemma3 in the header.
     let server = Server::start_logged(&home, &["--load", "qwen3-tiny"], &[]);
     let root = server.get("/");
@@ -54,6 +64,7 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
         .arg(&script)
         .args(["--url", &server.url("/")])
         .args(["--pick", "gemma3-tiny", "--other", "qwen3-tiny"])
+        .args(["--broken", "broken-engine"])
         .args(["--notes", NOTES])
         .arg("--shot")
         .arg(&shot)

@@ -5,8 +5,8 @@ Standard library only: the DevTools websocket (RFC 6455, client side: masked fra
 fragments joined) is a few dozen lines, which keeps the test free of pip packages; Chromium is the one
 thing to install (Debian: `apt-get install -y chromium`).
 
-Usage: web_page.py --url http://127.0.0.1:PORT/ --pick MODEL --other MODEL --shot OUT.png
-The page must list both models; the script picks MODEL in the header, sends a message, watches the answer
+Usage: web_page.py --url http://127.0.0.1:PORT/ --pick MODEL --other MODEL --broken MODEL --shot OUT.png
+The page must list the three models; a load of the broken one must fail; the script picks MODEL in the header, sends a message, watches the answer
 stream in, checks the Markdown renderer escapes HTML and reasoning shows collapsed, reloads and finds the conversation kept, and saves
 a screenshot. It exits non-zero with the reason on the first failure.
 """
@@ -181,7 +181,7 @@ def run(args, cdp):
     cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
 
     options = cdp.eval("[...document.querySelectorAll('#model-picker option')].map(o => o.value)")
-    check(sorted(options) == sorted([args.pick, args.other]), f"the picker lists {options}")
+    check(sorted(options) == sorted([args.pick, args.other, args.broken]), f"the picker lists {options}")
     check(cdp.eval("!document.getElementById('model-picker').hidden"), "the picker is hidden with two models")
 
     # The renderer escapes what a model writes and still renders Markdown.
@@ -212,6 +212,17 @@ def run(args, cdp):
         current = json.load(r)
     check(current.get("model") == args.pick and current.get("loaded"), f"the server's model is {current}")
     print(f"picked {args.pick}: loaded in {time.monotonic() - t0:.1f} s")
+
+    # A model whose engine fails to start: the page says so, and the server keeps the model it had.
+    cdp.eval(
+        f"(() => {{ const p = document.getElementById('model-picker'); p.value = {json.dumps(args.broken)};"
+        " p.dispatchEvent(new Event('change')); })()"
+    )
+    cdp.wait_for("document.body.dataset.modelState === 'error'", f"{args.broken} to fail", 120)
+    status = cdp.eval("document.getElementById('model-status').textContent")
+    check(status.startswith(f"could not load {args.broken}: "), f"the failed load shows {status!r}")
+    check(cdp.eval("document.getElementById('model-picker').value") == args.pick, "the picker left the loaded model")
+    print(f"failed load shown: {status}")
 
     # Send a message as a person would: type into the box and press Enter.
     cdp.eval("document.getElementById('input').focus()")
@@ -296,6 +307,7 @@ def main():
     ap.add_argument("--url", required=True)
     ap.add_argument("--pick", required=True)
     ap.add_argument("--other", required=True)
+    ap.add_argument("--broken", required=True, help="a model whose engine fails to start")
     ap.add_argument("--shot", required=True)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--notes", default="", help="text the picked model's notes hold")
