@@ -4,8 +4,8 @@
 //! switch by part of a name, info, unload, chat again, an unknown name) and once with a server already
 //! running (the chat switches it, chats, ends at EOF and leaves it running).
 //!
-//! Python: `POLYSTRATA_PYTHON`, else `python3`. Cost: three model loads and three answers of at most 16
-//! tokens; about 10-20 s on 2 cores.
+//! Python: `POLYSTRATA_PYTHON`, else `python3`. Cost: five model loads and three answers of at most 16
+//! tokens; about 2-3 s on a loaded 2-core machine.
 
 mod common;
 
