@@ -172,6 +172,12 @@ fn list_models(registry: &Registry) -> ExitCode {
         if let Some(p) = &e.problem {
             println!("    problem: {p}");
         }
+        if let Some(n) = &e.notes {
+            println!("    notes: {n}");
+        }
+        if !e.aliases.is_empty() {
+            println!("    aliases: {}", e.aliases.join(", "));
+        }
     }
     ExitCode::SUCCESS
 }
