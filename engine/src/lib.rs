@@ -1,11 +1,12 @@
 //! The PolyStrata engine as a library: a loaded model ([`model`]), its CPU backend ([`cpu`]), sequence
-//! state ([`state`]), sampling ([`sample`]) and the generation loop ([`generate`]). The `poly-engine`
-//! binary's command line is built on it.
+//! state ([`state`]), sampling ([`sample`]), the generation loop ([`generate`]) and the engine process
+//! serving the line protocol ([`serve`]). The `poly-engine` binary's command line is built on it.
 
 pub mod cpu;
 pub mod generate;
 pub mod model;
 pub mod sample;
+pub mod serve;
 pub mod state;
 
 pub use model::{EngineError, Model};

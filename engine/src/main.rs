@@ -1,8 +1,8 @@
 //! `poly-engine`: one child process per loaded model.
 //!
-//! Today it carries the model-file tools (`inspect`, `dump`, `synth`); serving a model over the line
-//! protocol comes with the issue that defines it. Output meant for programs goes to stdout, messages for
-//! people to stderr.
+//! `poly-engine --model FILE` serves the model over the line protocol (requests on stdin, protocol
+//! lines on stdout, logs on stderr); the subcommands are model-file tools (`inspect`, `dump`, `synth`,
+//! `run`). Output meant for programs goes to stdout, messages for people to stderr.
 
 mod cli;
 
@@ -10,12 +10,5 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let args = cli::Cli::parse();
-    match cli::run(args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("poly-engine: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    cli::run(cli::Cli::parse())
 }

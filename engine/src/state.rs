@@ -177,6 +177,27 @@ impl LayerState {
     }
 }
 
+/// The recurrent layers' states of a sequence at one position: with the KV caches cut back to that
+/// position, the sequence as it was there ([`SeqState::checkpoint`], [`SeqState::restore`]). A state
+/// without recurrent layers needs none of it, so its checkpoints are free.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checkpoint {
+    n_past: usize,
+    recurrent: Vec<(usize, RecurrentState)>,
+}
+
+impl Checkpoint {
+    /// Tokens the sequence had read when the checkpoint was taken.
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.recurrent.iter().map(|(_, r)| r.bytes()).sum()
+    }
+}
+
 /// Everything a model remembers of one sequence.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqState {
@@ -258,6 +279,88 @@ impl SeqState {
         self.tokens.clear();
     }
 
+    /// Whether a layer keeps a recurrent state (which cannot be rewound: going back needs a
+    /// [`Checkpoint`]).
+    pub fn has_recurrent(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l, LayerState::Recurrent(_)))
+    }
+
+    /// Keeps the first `n` tokens. Only KV caches can be cut, so a state with recurrent layers can only
+    /// be kept whole (`n == n_past`); returns whether the state now holds `n` tokens.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        if n > self.n_past() || (n < self.n_past() && self.has_recurrent()) {
+            return false;
+        }
+        for layer in &mut self.layers {
+            if let LayerState::Kv(c) = layer {
+                c.truncate(n);
+            }
+        }
+        self.tokens.truncate(n);
+        true
+    }
+
+    /// What going back to the present position needs later: the recurrent layers' states (KV caches
+    /// are cut instead).
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            n_past: self.n_past(),
+            recurrent: self
+                .layers
+                .iter()
+                .enumerate()
+                .filter_map(|(il, l)| match l {
+                    LayerState::Recurrent(r) => Some((il, r.clone())),
+                    LayerState::Kv(_) => None,
+                })
+                .collect(),
+        }
+    }
+
+    /// Goes back to where `cp` was taken: cuts the KV caches and tokens to its position and puts back
+    /// its recurrent states. `cp` must have been taken from this sequence at a position it has not gone
+    /// back past since (the caller keeps that); returns false, changing nothing, when `cp` lies ahead or
+    /// does not fit the layers.
+    pub fn restore(&mut self, cp: &Checkpoint) -> bool {
+        let fits = cp.n_past <= self.n_past()
+            && cp.recurrent.iter().all(|(il, r)| {
+                matches!(self.layers.get(*il), Some(LayerState::Recurrent(x))
+                    if x.conv.len() == r.conv.len() && x.delta.len() == r.delta.len())
+            })
+            && self
+                .layers
+                .iter()
+                .filter(|l| matches!(l, LayerState::Recurrent(_)))
+                .count()
+                == cp.recurrent.len();
+        if !fits {
+            return false;
+        }
+        for (il, r) in &cp.recurrent {
+            self.layers[*il] = LayerState::Recurrent(r.clone());
+        }
+        for layer in &mut self.layers {
+            if let LayerState::Kv(c) = layer {
+                c.truncate(cp.n_past);
+            }
+        }
+        self.tokens.truncate(cp.n_past);
+        true
+    }
+
+    /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked).
+    pub fn shrink_to_fit(&mut self) {
+        for layer in &mut self.layers {
+            if let LayerState::Kv(c) = layer {
+                c.k.shrink_to_fit();
+                c.v.shrink_to_fit();
+            }
+        }
+        self.tokens.shrink_to_fit();
+    }
+
     /// Bytes of state held (KV rows and recurrent states).
     pub fn bytes(&self) -> usize {
         self.layers
@@ -316,5 +419,62 @@ mod tests {
         kv.append(&[1.0 + 1e-4; 8], &[0.1; 6]);
         assert_eq!(kv.keys()[0], 1.0);
         assert_eq!(kv.values()[0], half::f16::from_f32(0.1).to_f32());
+    }
+
+    #[test]
+    fn checkpoints_bring_back_recurrent_layers_and_cut_kv_caches() {
+        let kv = StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: 2,
+            head_dim_v: 2,
+            window: None,
+        };
+        let rec = StateSpec::Recurrent {
+            conv_kernel: 2,
+            conv_channels: 2,
+            n_v_heads: 1,
+            head_k: 1,
+            head_v: 1,
+        };
+        let advance = |s: &mut SeqState, t: u32| {
+            for il in 0..s.n_layers() {
+                match s.layer_mut(il) {
+                    LayerState::Kv(c) => c.append(&[t as f32; 2], &[t as f32; 2]),
+                    LayerState::Recurrent(r) => r.delta[0] += t as f32,
+                }
+            }
+            s.push_tokens(&[t]);
+        };
+        // KV only: cut anywhere, checkpoints cost nothing.
+        let mut a = SeqState::with_precision(&[kv], 8, KvPrecision::F32);
+        for t in 1..=4 {
+            advance(&mut a, t);
+        }
+        assert!(!a.has_recurrent());
+        assert_eq!(a.checkpoint().bytes(), 0);
+        let mut cut = a.clone();
+        assert!(cut.truncate(2));
+        assert!(!cut.truncate(3), "cannot grow by cutting");
+        let mut again = SeqState::with_precision(&[kv], 8, KvPrecision::F32);
+        advance(&mut again, 1);
+        advance(&mut again, 2);
+        assert_eq!(cut, again);
+        // Hybrid: only a checkpoint goes back.
+        let mut h = SeqState::with_precision(&[kv, rec], 8, KvPrecision::F32);
+        advance(&mut h, 1);
+        advance(&mut h, 2);
+        let at2 = h.checkpoint();
+        let h2 = h.clone();
+        assert_eq!(at2.n_past(), 2);
+        assert_eq!(at2.bytes(), (2 + 1) * 4);
+        advance(&mut h, 3);
+        assert!(!h.truncate(2), "a recurrent layer cannot be cut");
+        assert!(h.truncate(3));
+        let ahead = h.checkpoint();
+        assert!(h.restore(&at2));
+        assert_eq!(h, h2);
+        assert!(!h.restore(&ahead), "a checkpoint ahead of the state");
+        assert_eq!(h, h2);
+        assert!(!a.restore(&at2), "a checkpoint of other layers");
     }
 }

@@ -1,11 +1,15 @@
-//! The command line of `poly-engine`: one module per subcommand.
+//! The command line of `poly-engine`: serving a model (`--model FILE`, the engine process) or one of the
+//! model-file tools, one module per subcommand.
 
 mod dump;
 mod inspect;
 mod run;
 mod synth;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use poly_engine::serve::{serve, ServeOptions};
+use std::path::PathBuf;
+use std::process::ExitCode;
 
 /// Errors of the command-line tools: a message for people.
 pub type CliResult = Result<(), Box<dyn std::error::Error>>;
@@ -14,11 +18,39 @@ pub type CliResult = Result<(), Box<dyn std::error::Error>>;
 #[command(
     name = "poly-engine",
     version,
-    about = "PolyStrata engine: model-file tools"
+    about = "PolyStrata engine: serves a model over the line protocol on stdin/stdout \
+             (poly-engine --model FILE), or runs a model-file tool",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 pub struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+/// The engine process's flags.
+#[derive(Args)]
+struct ServeArgs {
+    /// The GGUF model file to serve.
+    #[arg(long, required = true)]
+    model: Option<PathBuf>,
+    /// Most tokens a conversation holds (default: the model's training context).
+    #[arg(long, default_value_t = 0)]
+    max_context: usize,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Run on the CPU (the only backend so far).
+    #[arg(long)]
+    cpu: bool,
+    /// MiB of RAM that parked conversations may hold (least recently used dropped first).
+    #[arg(long, default_value_t = 1024)]
+    park_mib: usize,
+    /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked).
+    #[arg(long, default_value_t = 2048)]
+    checkpoint_every: usize,
 }
 
 #[derive(Subcommand)]
@@ -33,12 +65,35 @@ enum Command {
     Run(run::RunArgs),
 }
 
-/// Runs the chosen subcommand.
-pub fn run(cli: Cli) -> CliResult {
-    match cli.command {
-        Command::Inspect(args) => inspect::run(args),
-        Command::Dump(args) => dump::run(args),
-        Command::Synth(args) => synth::run(args),
-        Command::Run(args) => run::run(args),
+/// Runs the chosen subcommand, or serves the model.
+pub fn run(cli: Cli) -> ExitCode {
+    let result = match cli.command {
+        Some(Command::Inspect(args)) => inspect::run(args),
+        Some(Command::Dump(args)) => dump::run(args),
+        Some(Command::Synth(args)) => synth::run(args),
+        Some(Command::Run(args)) => run::run(args),
+        None => {
+            let a = cli.serve;
+            let Some(model) = a.model else {
+                eprintln!("poly-engine: give --model FILE, or a subcommand (see --help)");
+                return ExitCode::FAILURE;
+            };
+            // The CPU is the only backend so far: --cpu asks for what happens anyway.
+            let _ = a.cpu;
+            return serve(ServeOptions {
+                model,
+                max_context: a.max_context,
+                threads: a.threads,
+                park_bytes: a.park_mib.saturating_mul(1 << 20),
+                checkpoint_every: a.checkpoint_every,
+            });
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("poly-engine: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -17,8 +17,9 @@ mod tests;
 use std::sync::{Arc, OnceLock};
 
 use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
+use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
-use poly_kernels::quant::dequantize;
+use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, GgmlType};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -165,6 +166,16 @@ impl CpuWeights {
     }
 }
 
+/// Whether llama.cpp's CPU backend (AVX2 build) moves a weight of type `ty` with `rows` rows (its `ne[1]`)
+/// into its `CPU_REPACK` buffer (`ggml_repack_get_optimal_repack_type`), which changes the order its
+/// products sum in.
+pub fn llama_repacks(ty: GgmlType, rows: usize) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::IQ4_NL | GgmlType::MXFP4
+    ) && rows.is_multiple_of(8)
+}
+
 /// `Y = X·Wᵀ` on the pool the caller runs in.
 pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
     assert_eq!(
@@ -172,8 +183,22 @@ pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
         "matmul: activation width differs from the weight's rows"
     );
     let mut y = Mat::zeros(x.rows, m.rows);
+    // Where llama.cpp's order is not the one `matmul` picks from the format alone: F32 matrices take
+    // llamafile's tinyBLAS for batches of two rows or more when their row count is a multiple of 4 (MoE
+    // routers), ggml_vec_dot_f32 otherwise (qwen35moe's one-row shared-expert gate); Q4_K matrices
+    // llama.cpp does not repack (a row count that is not a multiple of 8, e.g. qwen35moe's ssm_alpha /
+    // ssm_beta) take their own orders.
+    let order = match m.ty {
+        GgmlType::F32 if x.rows >= 2 && m.rows.is_multiple_of(4) => {
+            Some(Some(f32_tinyblas_order()))
+        }
+        GgmlType::F32 => Some(None),
+        ty if !llama_repacks(ty, m.rows) => unrepacked_order(ty, x.rows).map(Some),
+        _ => None,
+    };
     match x.rows {
         0 => {}
+        n if order.is_some() => matmul_in_order(m, &x.data, n, &mut y.data, order.flatten()),
         1 => matvec(m, &x.data, &mut y.data),
         n => matmul(m, &x.data, n, &mut y.data),
     }
@@ -312,7 +337,15 @@ impl Compute for CpuForward<'_> {
     }
 
     fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
-        x.map(|v| apply_unary(f, v))
+        match f {
+            // ggml's vectorized SiLU, row by row (its loop splits each row into groups of eight).
+            Unary::Silu if x.cols > 0 => {
+                let mut out = x.clone();
+                act::silu_ggml_rows(&mut out.data, x.cols);
+                out
+            }
+            _ => x.map(|v| apply_unary(f, v)),
+        }
     }
 
     fn cols(&mut self, x: &Mat, start: usize, len: usize) -> Mat {

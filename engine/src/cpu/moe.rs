@@ -5,13 +5,20 @@
 //! Tokens are grouped by expert, so each expert's three matrices (sub-matrices of the `*_exps` tensors)
 //! stream once per call for all the tokens routed to it; experts run in parallel. A token's expert outputs
 //! are summed in its routing order, so its result does not depend on the rest of the batch.
+//!
+//! The arithmetic is llama.cpp's CPU backend's: the router is an ordinary matrix product ([`mat_mul`]),
+//! routing is [`route`] (ggml's softmax, f64 sum, division), the expert products take the order of
+//! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one.
 
+use poly_kernels::matmul::QuantMatrix;
+use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
+use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
 
-use super::{apply_unary, mat_mul, CpuWeights, Mat};
+use super::{apply_unary, llama_repacks, mat_mul, CpuWeights, Mat};
 
 /// The block's output for `x` (`[n, n_embd]`).
 pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
@@ -76,12 +83,42 @@ pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
     out
 }
 
+/// The order llama.cpp's `MUL_MAT_ID` (AVX2 build) sums an expert's dot products in, for `rows_routed`
+/// activation rows routed to it: weights it repacks go through the repacked gemv, one row at a time, which
+/// is the format's single-row order (`None`); the K-quants it does not repack take the tiled matmul for 8
+/// routed rows or more (Q4_K: [`unrepacked_order`]); everything else the single-row order.
+pub fn mul_mat_id_order(m: &QuantMatrix<'_>, rows_routed: usize) -> Option<&'static BatchDot> {
+    if llama_repacks(m.ty, m.rows) {
+        return None;
+    }
+    if let Some(order) = unrepacked_order(m.ty, rows_routed) {
+        return Some(order);
+    }
+    match m.ty {
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q5_K | GgmlType::Q6_K if rows_routed >= 8 => {
+            batch_dot(m.ty)
+        }
+        _ => None,
+    }
+}
+
+/// `Y = X·Wᵀ` for expert matrix `m` as `MUL_MAT_ID` computes it ([`mul_mat_id_order`]).
+fn expert_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
+    assert_eq!(
+        x.cols, m.cols,
+        "moe: activation width differs from the expert's rows"
+    );
+    let mut y = Mat::zeros(x.rows, m.rows);
+    matmul_in_order(m, &x.data, x.rows, &mut y.data, mul_mat_id_order(m, x.rows));
+    y
+}
+
 /// Expert `e` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`.
 fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat) -> Mat {
-    let mut gate = mat_mul(&w.sub_matrix(m.gate_exps, e), xs);
-    let up = mat_mul(&w.sub_matrix(m.up_exps, e), xs);
+    let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs);
+    let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs);
     match m.act {
-        Unary::Silu => act::swiglu_in_place(&mut gate.data, &up.data),
+        Unary::Silu => act::swiglu_ggml_rows(&mut gate.data, &up.data, gate.cols),
         Unary::Gelu => act::geglu_in_place(&mut gate.data, &up.data),
         f => gate
             .data
@@ -89,5 +126,5 @@ fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat) -> Mat {
             .zip(&up.data)
             .for_each(|(g, u)| *g = apply_unary(f, *g) * u),
     }
-    mat_mul(&w.sub_matrix(m.down_exps, e), &gate)
+    expert_mul(&w.sub_matrix(m.down_exps, e), &gate)
 }

@@ -69,6 +69,103 @@ pub fn geglu_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// ggml's vectorized SiLU on AVX2 (`ggml_v_silu`), one lane: `x / (1 + ggml_v_expf(0 − x))`.
+#[inline(always)]
+pub fn ggml_v_silu(x: f32) -> f32 {
+    x / (1.0 + super::attention::ggml_v_expf(0.0 - x))
+}
+
+/// ggml's element-wise loops over one row of `n` values (`ggml_vec_silu_f32`, `ggml_vec_swiglu_f32`):
+/// the vector form for the first `8·⌊n/8⌋` values, the scalar form (libm `expf`) for the rest.
+#[inline(always)]
+fn ggml_row_loop(n: usize, mut f: impl FnMut(usize, bool)) {
+    let main = n - n % 8;
+    for i in 0..n {
+        f(i, i < main);
+    }
+}
+
+#[inline(always)]
+fn silu_rows_body(x: &mut [f32], row: usize) {
+    for r in x.chunks_mut(row) {
+        ggml_row_loop(r.len(), |i, vector| {
+            r[i] = if vector {
+                ggml_v_silu(r[i])
+            } else {
+                silu(r[i])
+            };
+        });
+    }
+}
+
+#[inline(always)]
+fn swiglu_rows_body(gate: &mut [f32], up: &[f32], row: usize) {
+    for (g, u) in gate.chunks_mut(row).zip(up.chunks(row)) {
+        ggml_row_loop(g.len(), |i, vector| {
+            let a = if vector {
+                ggml_v_silu(g[i])
+            } else {
+                silu(g[i])
+            };
+            g[i] = a * u[i];
+        });
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_rows_fma(x: &mut [f32], row: usize) {
+    silu_rows_body(x, row)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_rows_fma(gate: &mut [f32], up: &[f32], row: usize) {
+    swiglu_rows_body(gate, up, row)
+}
+
+/// Whether FMA instructions may be used (`mul_add` is otherwise a library call: same results, slower).
+#[inline]
+fn fma_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// SiLU in place over rows of `row` values, as ggml's CPU backend computes `ggml_silu` (AVX2 + FMA
+/// build): [`ggml_v_silu`] for whole groups of eight in a row, [`silu`] for the rest.
+pub fn silu_ggml_rows(x: &mut [f32], row: usize) {
+    assert!(row > 0, "silu: empty rows");
+    #[cfg(target_arch = "x86_64")]
+    if fma_available() {
+        // SAFETY: AVX2 and FMA were detected at run time.
+        return unsafe { silu_rows_fma(x, row) };
+    }
+    silu_rows_body(x, row)
+}
+
+/// `silu(gate) · up` in place over rows of `row` values, as ggml's CPU backend computes `ggml_swiglu`
+/// (`ggml_vec_swiglu_f32`: [`ggml_v_silu`] for whole groups of eight in a row, [`silu`] for the rest).
+pub fn swiglu_ggml_rows(gate: &mut [f32], up: &[f32], row: usize) {
+    assert_eq!(gate.len(), up.len(), "swiglu: lengths differ");
+    assert!(row > 0, "swiglu: empty rows");
+    #[cfg(target_arch = "x86_64")]
+    if fma_available() {
+        // SAFETY: AVX2 and FMA were detected at run time.
+        return unsafe { swiglu_rows_fma(gate, up, row) };
+    }
+    swiglu_rows_body(gate, up, row)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,6 +193,30 @@ mod tests {
         let mut g = [1.0f32];
         geglu_in_place(&mut g, &[2.0]);
         assert!((g[0] - 2.0 * gelu_ggml(1.0)).abs() < 1e-7);
+    }
+
+    #[test]
+    fn ggml_silu_takes_the_vector_form_for_whole_groups_of_eight_per_row() {
+        // Rows of 11: the first 8 of each row through ggml_v_silu, the last 3 through libm's expf.
+        let x: Vec<f32> = (0..22).map(|i| i as f32 * 0.37 - 4.0).collect();
+        let mut y = x.clone();
+        silu_ggml_rows(&mut y, 11);
+        for (i, (&a, &b)) in x.iter().zip(&y).enumerate() {
+            let want = if i % 11 < 8 { ggml_v_silu(a) } else { silu(a) };
+            assert_eq!(b.to_bits(), want.to_bits(), "element {i}");
+            assert!((b - silu(a)).abs() <= 2e-7 * (1.0 + a.abs()), "element {i}");
+        }
+        let up: Vec<f32> = (0..22).map(|i| 1.0 - i as f32 * 0.1).collect();
+        let mut g = x.clone();
+        swiglu_ggml_rows(&mut g, &up, 11);
+        for i in 0..22 {
+            assert_eq!(g[i].to_bits(), (y[i] * up[i]).to_bits(), "element {i}");
+        }
+        // The two forms differ somewhere in this range, so the split matters.
+        assert!((0..2000).any(|i| {
+            let v = i as f32 * 0.01 - 10.0;
+            ggml_v_silu(v) != silu(v)
+        }));
     }
 
     #[test]

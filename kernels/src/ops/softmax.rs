@@ -19,6 +19,31 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// Softmax in place as ggml's CPU backend computes `ggml_soft_max` of one row (AVX2 + FMA build): the
+/// maximum, then for whole groups of eight `ggml_v_expf(x − max)` with each group's sum (lanes added as
+/// `hsum` does) added to an f64 total, libm `expf` for the rest, then every value times `(f32)(1/total)`.
+pub fn softmax_ggml(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let main = x.len() - x.len() % 8;
+    let mut sum = 0f64;
+    for group in x[..main].chunks_exact_mut(8) {
+        let mut lanes = [0f32; 8];
+        for (l, v) in lanes.iter_mut().zip(group.iter_mut()) {
+            *v = super::attention::ggml_v_expf(*v - max);
+            *l = *v;
+        }
+        sum += crate::quant::float::sum_lanes8(&lanes) as f64;
+    }
+    for v in &mut x[main..] {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
 /// `log softmax(x)`: `x - max - ln Σ e^{x - max}`, into `out`.
 pub fn log_softmax(x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), out.len(), "log_softmax: out has the wrong length");
@@ -59,6 +84,40 @@ mod tests {
         assert!(max_diff(&lp, &expect_log) < 1e-4);
         let total: f64 = p.iter().map(|&v| v as f64).sum();
         assert!((total - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn ggml_softmax_is_close_to_exact_and_sums_groups_of_eight() {
+        let mut rng = Rng::new(9);
+        let x: Vec<f32> = normals(&mut rng, 19).iter().map(|v| v * 4.0).collect();
+        let mut p = x.clone();
+        softmax_ggml(&mut p);
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+        let expect: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp() / z).collect();
+        assert!(max_diff(&p, &expect) < 1e-6);
+        // Spelled out: two groups of eight through ggml_v_expf, three through expf.
+        let e: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let d = v - m as f32;
+                if i < 16 {
+                    crate::ops::attention::ggml_v_expf(d)
+                } else {
+                    d.exp()
+                }
+            })
+            .collect();
+        let hsum = |l: &[f32]| ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+        let mut total = hsum(&e[..8]) as f64 + hsum(&e[8..16]) as f64;
+        for &v in &e[16..] {
+            total += v as f64;
+        }
+        let inv = (1.0 / total) as f32;
+        for i in 0..19 {
+            assert_eq!(p[i].to_bits(), (e[i] * inv).to_bits(), "element {i}");
+        }
     }
 
     #[test]

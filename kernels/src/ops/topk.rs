@@ -2,7 +2,7 @@
 //! probabilities from the router logits, top-k, optional renormalization and scale).
 
 use super::act::sigmoid;
-use super::softmax::softmax;
+use super::softmax::softmax_ggml;
 
 /// The indices of the `k` largest values of `x` (at most `x.len()`), largest first; equal values in index
 /// order. NaN sorts below every number.
@@ -39,18 +39,22 @@ const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 /// Routes one token: from the router `logits` (one per expert) chooses the `k` likeliest experts and their
 /// weights. `norm` renormalizes the chosen weights to sum to one; `scale` then multiplies them.
 /// Returns `(expert, weight)` pairs, likeliest first.
+///
+/// The arithmetic is ggml's CPU backend's, op for op: `ggml_soft_max` ([`softmax_ggml`]) or
+/// `ggml_sigmoid`, the chosen probabilities summed in f64 and rounded (`ggml_sum_rows`), clamped, and
+/// each divided by the sum (`ggml_div`), then multiplied by `scale` (`ggml_scale`).
 pub fn route(logits: &[f32], gating: Gating, k: usize, norm: bool, scale: f32) -> Vec<(u32, f32)> {
     let mut probs = logits.to_vec();
     match gating {
-        Gating::Softmax => softmax(&mut probs),
+        Gating::Softmax => softmax_ggml(&mut probs),
         Gating::Sigmoid => probs.iter_mut().for_each(|v| *v = sigmoid(*v)),
     }
     let chosen = top_k(&probs, k);
     let mut out: Vec<(u32, f32)> = chosen.iter().map(|&e| (e as u32, probs[e])).collect();
     if norm {
-        let sum: f32 = out.iter().map(|p| p.1).sum();
-        let inv = 1.0 / sum.max(MIN_WEIGHT_SUM);
-        out.iter_mut().for_each(|p| p.1 *= inv);
+        let sum = out.iter().map(|p| p.1 as f64).sum::<f64>() as f32;
+        let sum = sum.max(MIN_WEIGHT_SUM);
+        out.iter_mut().for_each(|p| p.1 /= sum);
     }
     if scale != 1.0 {
         out.iter_mut().for_each(|p| p.1 *= scale);

@@ -13,11 +13,12 @@
 use super::{ActType, GgmlType, QuantOps};
 use crate::rng::Rng;
 
+// F32 rows take ggml's own order (`float_ggml`): llama.cpp computes MoE routers with them.
 static F32_OPS: QuantOps = QuantOps {
     dequantize: dequantize_f32,
     act: ActType::F32,
-    vec_dot: vec_dot_f32,
-    vec_dot_portable: vec_dot_f32_portable,
+    vec_dot: super::float_ggml::vec_dot_f32,
+    vec_dot_portable: super::float_ggml::vec_dot_f32_portable,
     fill_random: fill_random_f32,
 };
 
@@ -173,10 +174,6 @@ fn dot_lanes<const W: usize>(
     sum_float_lanes(&lanes) + tail
 }
 
-fn vec_dot_f32_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    dot_lanes::<4>(n, row, act, f32_le)
-}
-
 fn vec_dot_f16_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     dot_lanes::<2>(n, row, act, |b| {
         f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))
@@ -214,10 +211,6 @@ fn vec_dot_float(kind: FloatKind, n: usize, row: &[u8], act: &[u8]) -> Option<f3
     }
     let _ = (kind, n, row, act);
     None
-}
-
-fn vec_dot_f32(n: usize, row: &[u8], act: &[u8]) -> f32 {
-    vec_dot_float(FloatKind::F32, n, row, act).unwrap_or_else(|| vec_dot_f32_portable(n, row, act))
 }
 
 fn vec_dot_f16(n: usize, row: &[u8], act: &[u8]) -> f32 {

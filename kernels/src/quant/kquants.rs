@@ -19,7 +19,8 @@
 //!   `M` and accumulates `acc = fma(T, xd·yd, acc)`, `accm = fma(M, xdmin·yd, accm)`; the gemm order
 //!   ([`q4k_vec_dot_gemm4`]) does the same per 64-value half-pair of sub-blocks. The result is
 //!   `acc − accm`. Bit for bit.
-//! - Q2_K, Q3_K, Q5_K: each super-block adds `(yd·xd) · lane` to eight f32 lanes and `(yd·xdmin) · lane`
+//! - Q5_K: `ggml_vec_dot_q5_K_q8_K`'s order, in `kquants_ggml`. Bit for bit.
+//! - Q2_K, Q3_K: each super-block adds `(yd·xd) · lane` to eight f32 lanes and `(yd·xdmin) · lane`
 //!   to eight more (multiply then add, never fused); the result is `sum_lanes8(scale lanes) −
 //!   sum_lanes8(min lanes)`: close to llama.cpp's, not equal.
 //!
@@ -339,7 +340,7 @@ fn group_pairs(group: &[i32; 16], bs: &[i32; 16]) -> [i32; 8] {
 
 /// The exact integer lanes `(scale lanes, min lanes)` of one super-block (see the module documentation).
 #[inline(always)]
-fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
+pub(crate) fn block_lanes(kind: KKind, x: &[u8], y: &[u8]) -> ([i32; 8], [i32; 8]) {
     let q8 = &y[4..260];
     let bs = q8k_bsums(y);
     match kind {
@@ -399,7 +400,7 @@ pub(crate) fn block_scales(kind: KKind, x: &[u8]) -> (f32, f32) {
 }
 
 #[inline(always)]
-fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
+pub(crate) fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
     let nb = n / QK_K;
     assert!(
         row.len() >= nb * kind.block_bytes() && act.len() >= nb * Q8K_BYTES,
@@ -410,6 +411,9 @@ fn check_lengths(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> usize {
 
 #[inline(always)]
 fn vec_dot_portable(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    if kind == KKind::Q5K {
+        return super::kquants_ggml::q5k_vec_dot_portable(n, row, act);
+    }
     let nb = check_lengths(kind, n, row, act);
     let bb = kind.block_bytes();
     let blocks = row
@@ -475,6 +479,9 @@ fn q4k_portable<'a, const GEMM4: bool>(blocks: impl Iterator<Item = (&'a [u8], &
 
 #[inline(always)]
 fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
+    if kind == KKind::Q5K {
+        return super::kquants_ggml::q5k_vec_dot(n, row, act);
+    }
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
         let nb = check_lengths(kind, n, row, act);
@@ -609,6 +616,7 @@ macro_rules! tiled_batch_dot {
 
 tiled_batch_dot!(Q2K_TILED, KKind::Q2K, q2k_tiled, q2k_tiled_portable);
 tiled_batch_dot!(Q3K_TILED, KKind::Q3K, q3k_tiled, q3k_tiled_portable);
+tiled_batch_dot!(Q4K_TILED, KKind::Q4K, q4k_tiled, q4k_tiled_portable);
 tiled_batch_dot!(Q5K_TILED, KKind::Q5K, q5k_tiled, q5k_tiled_portable);
 tiled_batch_dot!(Q6K_TILED, KKind::Q6K, q6k_tiled, q6k_tiled_portable);
 

@@ -10,8 +10,10 @@
 //! against the `gguf` PyPI package (`tests/fixtures/quant/`).
 
 pub mod float;
+mod float_ggml;
 pub mod iquants;
 pub mod kquants;
+mod kquants_ggml;
 pub mod legacy;
 pub mod mxfp4;
 #[cfg(target_arch = "x86_64")]
@@ -227,6 +229,26 @@ pub fn batch_dot(ty: GgmlType) -> Option<&'static BatchDot> {
         GgmlType::Q6_K => Some(&kquants::Q6K_TILED),
         _ => None,
     }
+}
+
+/// llama.cpp's order for the rows of a batch of `n_rows` multiplied by a `ty` matrix it does not repack
+/// (`CPU_REPACK` takes Q4_K matrices whose row count is a multiple of 8), where that differs from the
+/// orders [`crate::matmul::matmul`] uses ([`QuantOps::vec_dot`] and [`batch_dot`] are Q4_K's repacked
+/// ones): for Q4_K, `ggml_vec_dot_q4_K_q8_K` under 8 rows, the tiled matmul from 8. `None`: the usual
+/// orders apply.
+pub fn unrepacked_order(ty: GgmlType, n_rows: usize) -> Option<&'static BatchDot> {
+    match ty {
+        GgmlType::Q4_K if n_rows >= 8 => Some(&kquants::Q4K_TILED),
+        GgmlType::Q4_K => Some(&kquants_ggml::Q4K_PLAIN),
+        _ => None,
+    }
+}
+
+/// The order of llamafile's tinyBLAS F32 kernel, which llama.cpp's CPU backend uses for batches of two
+/// rows or more times an F32 matrix whose row count is a multiple of 4 (MoE routers); the caller checks
+/// those conditions (`applies` only checks the batch).
+pub fn f32_tinyblas_order() -> &'static BatchDot {
+    &float_ggml::F32_TINYBLAS
 }
 
 /// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.

@@ -812,21 +812,17 @@ impl Forward for Qwen35MoeGraph {
             let b = c.batch();
             (b.tokens.to_vec(), b.output_rows())
         };
-        let last = self.blocks.len() - 1;
 
         let mut inp = c.embed(self.tok_embd, &tokens);
         for (il, b) in self.blocks.iter().enumerate() {
             let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
-            let mut cur = match &b.mixer {
+            let cur = match &b.mixer {
                 Mixer::DeltaNet(m) => self.delta_net(c, il, m, &cur),
                 Mixer::Attention(m) => self.attention(c, il, m, &cur),
             };
-
-            // After the last block's mixer only the rows whose logits are wanted go on.
-            if il == last && out_rows.len() < tokens.len() {
-                cur = c.rows(&cur, &out_rows);
-                inp = c.rows(&inp, &out_rows);
-            }
+            // Every row goes through the last block too: llama.cpp keeps them all (its MTP head reads the
+            // final hidden states; `embeddings_nextn_masked` is off) and picks the wanted rows only after
+            // the output norm, and a batch of one row would sum some products in other orders.
             let ffn_residual = c.add(&cur, &inp);
 
             // The post-attention norm is the FFN's input norm.
@@ -834,7 +830,10 @@ impl Forward for Qwen35MoeGraph {
             let ffn_out = self.ffn(c, il, b, &cur);
             inp = c.add(&ffn_out, &ffn_residual);
         }
-        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
+        let mut cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
+        if out_rows.len() < tokens.len() {
+            cur = c.rows(&cur, &out_rows);
+        }
         c.matmul(self.output, &cur)
     }
 }

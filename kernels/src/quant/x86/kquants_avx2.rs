@@ -262,7 +262,10 @@ unsafe fn scales_f16<const MIN: bool>(p: *const u8) -> (f32, f32) {
 /// The integer vectors and the f16 scales of super-block `x` against `y`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block<const K: u8>(x: *const u8, y: *const u8) -> (__m256i, __m256i, (f32, f32)) {
+pub(crate) unsafe fn block<const K: u8>(
+    x: *const u8,
+    y: *const u8,
+) -> (__m256i, __m256i, (f32, f32)) {
     let ((i, m), s) = match K {
         0 => (sums_q2_k(x, y), scales_f16::<true>(x.add(80))),
         1 => (sums_q3_k(x, y), scales_f16::<false>(x.add(108))),

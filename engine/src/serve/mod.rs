@@ -1,0 +1,132 @@
+//! `poly-engine --model FILE`: the engine as a long-lived process serving one model over the line
+//! protocol (`poly-protocol`; its README is the specification): requests on stdin, protocol lines on
+//! stdout, logs on stderr.
+//!
+//! - [`input`]: a thread reads stdin line by line (bounded) and passes what it parsed through a channel,
+//!   so CANCEL and STATS are seen while a GEN runs;
+//! - [`session`]: the serve loop: one request runs at a time, others wait in a bounded FIFO queue;
+//! - [`request`]: checking a GEN and running it (reading the prompt from the kept state, checkpoints,
+//!   cancellation between tokens);
+//! - [`store`]: the conversations kept between requests;
+//! - [`memory`]: the process's resident memory for STATS.
+
+mod input;
+mod memory;
+mod request;
+mod session;
+pub mod store;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use poly_models::gguf::GgufFile;
+use poly_models::summary::is_routed_expert;
+use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
+
+use crate::model::{EngineError, Model};
+
+/// Requests that may wait while one runs; a GEN beyond them is answered `busy`.
+pub const QUEUE_DEPTH: usize = 8;
+
+/// How the engine process serves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServeOptions {
+    /// The GGUF model file.
+    pub model: PathBuf,
+    /// Most tokens a conversation holds (0: the model's training context).
+    pub max_context: usize,
+    /// Worker threads (`None`: one per core).
+    pub threads: Option<usize>,
+    /// Bytes the parked conversations may hold.
+    pub park_bytes: usize,
+    /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none).
+    pub checkpoint_every: usize,
+}
+
+/// The facts the READY line announces, read once at load.
+struct Loaded {
+    model: Model,
+    /// Routed experts over all layers (experts per layer × layers with experts).
+    experts_total: u64,
+}
+
+fn load(path: &PathBuf) -> Result<Loaded, EngineError> {
+    let file = Arc::new(GgufFile::open(path)?);
+    let mut expert_blocks: Vec<&str> = file
+        .tensor_infos()
+        .iter()
+        .filter(|t| is_routed_expert(&t.name))
+        .filter_map(|t| t.name.split('.').nth(1))
+        .collect();
+    expert_blocks.sort_unstable();
+    expert_blocks.dedup();
+    let per_layer = poly_models::summary::ModelSummary::of(&file)?
+        .n_experts
+        .unwrap_or(0);
+    let experts_total = per_layer * expert_blocks.len() as u64;
+    let model = Model::from_file(file.clone())?;
+    Ok(Loaded {
+        model,
+        experts_total,
+    })
+}
+
+/// Writes one protocol line to stdout and flushes it (the server reads line by line).
+fn send(out: &mut impl Write, msg: &FromEngine) -> std::io::Result<()> {
+    out.write_all(msg.to_line().as_bytes())?;
+    out.write_all(b"\n")?;
+    out.flush()
+}
+
+/// Serves the model on stdin/stdout until QUIT or the end of stdin. A model that cannot be loaded is
+/// one `ERR` (id null) and a failure exit.
+pub fn serve(opts: ServeOptions) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    let fail = |out: &mut std::io::StdoutLock, message: String| {
+        eprintln!("poly-engine: {message}");
+        let err = FromEngine::Err(ErrorReply {
+            id: None,
+            code: ErrorCode::Internal,
+            message,
+        });
+        // The exit status says it all if stdout is gone too.
+        let _ = send(out, &err);
+        ExitCode::FAILURE
+    };
+    if let Some(n) = opts.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+        {
+            return fail(&mut out, format!("cannot start {n} threads: {e}"));
+        }
+    }
+    let started = std::time::Instant::now();
+    let loaded = match load(&opts.model) {
+        Ok(l) => l,
+        Err(e) => {
+            return fail(
+                &mut out,
+                format!("cannot load {}: {e}", opts.model.display()),
+            )
+        }
+    };
+    eprintln!(
+        "poly-engine: {} ({}) loaded in {:.2} s",
+        opts.model.display(),
+        loaded.model.info().arch,
+        started.elapsed().as_secs_f64()
+    );
+    let inputs = input::spawn_reader(std::io::stdin());
+    let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);
+    match session.run(&opts.model, loaded.experts_total) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // stdout or stdin failed: the server is gone, nobody reads an ERR.
+            eprintln!("poly-engine: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

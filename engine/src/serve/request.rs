@@ -1,0 +1,281 @@
+//! One GEN: checked when it arrives ([`Job::check`]: every error a request can carry is answered before
+//! it waits), then run ([`Session::execute`]): resume from the kept state, read the rest of the prompt
+//! (taking checkpoints), write tokens with `T` lines, looking at the input between tokens.
+//!
+//! Reading only the rest of a prompt after a kept prefix runs the same computation as reading it whole,
+//! except that the prompt is split into forward calls at other places, and the CPU kernels' summation
+//! order depends on how many rows a call has (one-row, four-row and tiled matrix products, per expert
+//! the rows routed to it; tiled attention from 64 rows): sums round differently there. On the tiny
+//! fixtures the greedy tokens agree and probabilities move by a few hundredths; replaying the same calls
+//! gives the same numbers bit for bit (`engine/tests/serve_conversations.rs`).
+
+use std::time::Instant;
+
+use poly_models::arch::ModelInfo;
+use poly_models::compute::Logits;
+use poly_protocol::{Done, ErrorCode, FromEngine, Gen, StopReason, Tokens};
+
+use super::session::{Control, Session};
+use super::store::Conversation;
+use crate::generate::DEFAULT_UBATCH;
+use crate::model::EngineError;
+use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
+
+/// A checked GEN, ready to run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop_tokens: Vec<u32>,
+    pub top_logprobs: usize,
+    pub conversation: Option<String>,
+    /// A position of the prompt to keep a checkpoint at.
+    pub checkpoint_at: Option<usize>,
+}
+
+impl Job {
+    /// Checks `gen` against the model and the context; the error's code and message otherwise.
+    pub fn check(gen: Gen, info: &ModelInfo, n_ctx: usize) -> Result<Job, (ErrorCode, String)> {
+        let bad = |m: String| Err((ErrorCode::BadRequest, m));
+        // The parser checked it already; checking again keeps a Gen built elsewhere honest.
+        if let Err(e) = gen.check() {
+            return bad(e.message);
+        }
+        let n_vocab = info.n_vocab;
+        let outside = |t: &u32| *t as usize >= n_vocab;
+        if let Some(t) = gen.tokens.iter().find(|t| outside(t)) {
+            return bad(format!(
+                "prompt token {t} is outside the vocabulary of {n_vocab}"
+            ));
+        }
+        let stop_tokens = gen
+            .stop_tokens
+            .clone()
+            .unwrap_or_else(|| info.stop_tokens());
+        if let Some(t) = stop_tokens.iter().find(|t| outside(t)) {
+            return bad(format!(
+                "stop token {t} is outside the vocabulary of {n_vocab}"
+            ));
+        }
+        let max_tokens = gen.max_tokens() as usize;
+        let prompt_len = gen.tokens.len();
+        if prompt_len.saturating_add(max_tokens) > n_ctx {
+            return Err((
+                ErrorCode::ContextOverflow,
+                format!(
+                    "{prompt_len} prompt tokens and up to {max_tokens} more do not fit in the context of {n_ctx}"
+                ),
+            ));
+        }
+        let top_logprobs = (gen.top_logprobs() as usize).min(n_vocab);
+        let checkpoint_at = gen.checkpoint_at.map(|p| p as usize);
+        if let Some(p) = checkpoint_at.filter(|&p| p > prompt_len) {
+            return bad(format!(
+                "checkpoint_at {p} lies beyond the prompt of {prompt_len} tokens"
+            ));
+        }
+        let sampler = SamplerConfig {
+            temperature: gen.temperature(),
+            top_k: gen.top_k() as usize,
+            top_p: gen.top_p(),
+            min_p: gen.min_p(),
+            min_keep: 0,
+            repeat_penalty: gen.repeat_penalty(),
+            presence_penalty: gen.presence_penalty(),
+            frequency_penalty: gen.frequency_penalty(),
+            penalty_last_n: gen.penalty_last_n() as usize,
+            seed: gen.seed.unwrap_or_else(random_seed),
+        };
+        Ok(Job {
+            id: gen.id,
+            prompt: gen.tokens,
+            max_tokens,
+            sampler,
+            stop_tokens,
+            top_logprobs,
+            conversation: gen.conversation,
+            checkpoint_at,
+        })
+    }
+
+    /// Whether a checkpoint belongs at prompt position `pos`: every `every` tokens and where asked.
+    fn checkpoint_here(&self, pos: usize, every: usize) -> bool {
+        (every > 0 && pos > 0 && pos.is_multiple_of(every)) || self.checkpoint_at == Some(pos)
+    }
+
+    /// The first position after `pos` where a checkpoint belongs, if before `end`.
+    fn next_checkpoint(&self, pos: usize, end: usize, every: usize) -> Option<usize> {
+        let periodic = (every > 0).then(|| (pos / every + 1) * every);
+        let named = self.checkpoint_at.filter(|&p| p > pos);
+        [periodic, named]
+            .into_iter()
+            .flatten()
+            .filter(|&p| p < end)
+            .min()
+    }
+}
+
+/// How a run ended, if it was not a failure.
+struct Finished {
+    reason: StopReason,
+    generated: usize,
+    prefill_ms: f64,
+    decode_ms: f64,
+}
+
+impl<W: std::io::Write> Session<'_, W> {
+    /// Runs `job` on its conversation and keeps the result (published when it completes, handed back
+    /// unchanged otherwise). The outer error is stdout or stdin failing; the inner one the DONE to send
+    /// or the engine's failure.
+    pub(super) fn execute(&mut self, job: &Job) -> std::io::Result<Result<Done, EngineError>> {
+        let model = self.model;
+        let n_ctx = self.n_ctx;
+        let (mut conv, origin) = self
+            .store
+            .take(job.conversation.as_deref(), || model.new_state(n_ctx));
+        let resume = conv.resume_point(&job.prompt);
+        let undo = conv.rewind(resume);
+        let cached = conv.state.n_past();
+        self.in_flight = Some(poly_protocol::ConversationInfo {
+            id: conv.id.clone().unwrap_or_default(),
+            tokens: cached as u32,
+            active: true,
+            bytes: conv.bytes() as u64,
+            checkpoints: conv.n_checkpoints() as u32,
+        });
+        let result = self.generate(&mut conv, job);
+        let finished = match result {
+            Ok(Ok(f)) if f.reason != StopReason::Cancel => {
+                self.store.publish(conv, origin);
+                Ok(f)
+            }
+            other => {
+                undo.apply(&mut conv);
+                self.store.put_back(conv, origin);
+                other?
+            }
+        };
+        Ok(finished.map(|f| Done {
+            id: job.id.clone(),
+            reason: f.reason,
+            prompt_tokens: job.prompt.len() as u32,
+            cached_tokens: cached as u32,
+            generated: f.generated as u32,
+            prefill_ms: f.prefill_ms,
+            decode_ms: f.decode_ms,
+            experts_vram_share: None,
+            draft_proposed: 0,
+            draft_accepted: 0,
+        }))
+    }
+
+    /// Reads the prompt past what `conv` holds, then writes tokens.
+    fn generate(
+        &mut self,
+        conv: &mut Conversation,
+        job: &Job,
+    ) -> std::io::Result<Result<Finished, EngineError>> {
+        let model = self.model;
+        let every = self.checkpoint_every;
+        // KV caches are cut anywhere: only recurrent layers need checkpoints (and the reads split there).
+        let recurrent = conv.state.has_recurrent();
+        let cancelled = |generated, prefill_ms, decode_ms| {
+            Ok(Ok(Finished {
+                reason: StopReason::Cancel,
+                generated,
+                prefill_ms,
+                decode_ms,
+            }))
+        };
+        let started = Instant::now();
+        let end = job.prompt.len();
+        let mut pos = conv.state.n_past();
+        let mut logits = Vec::new();
+        while pos < end {
+            if recurrent && job.checkpoint_here(pos, every) {
+                conv.add_checkpoint();
+            }
+            let next = recurrent
+                .then(|| job.next_checkpoint(pos, end, every))
+                .flatten()
+                .unwrap_or(end)
+                .min(pos + DEFAULT_UBATCH);
+            let want = if next == end {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            logits = match model.eval(&mut conv.state, &job.prompt[pos..next], want) {
+                Ok(l) => l,
+                Err(e) => return Ok(Err(e)),
+            };
+            pos = next;
+            if pos < end && self.poll()? == Control::Cancel {
+                return cancelled(0, ms(started), 0.0);
+            }
+        }
+        if recurrent && job.checkpoint_here(end, every) {
+            conv.add_checkpoint();
+        }
+        let prefill_ms = ms(started);
+        let decoding = Instant::now();
+        let mut sampler = Sampler::new(job.sampler.clone());
+        for &t in &job.prompt {
+            sampler.accept(t);
+        }
+        let mut generated = 0usize;
+        let reason = loop {
+            if generated >= job.max_tokens {
+                break StopReason::Length;
+            }
+            let lp = TopLogprobs::new(&logits);
+            let token = sampler.sample(&logits);
+            sampler.accept(token);
+            generated += 1;
+            let top = (job.top_logprobs > 0).then(|| vec![lp.top(job.top_logprobs)]);
+            self.send(&FromEngine::Tokens(Tokens {
+                id: job.id.clone(),
+                tokens: vec![token],
+                logprobs: vec![lp.of(token)],
+                top,
+            }))?;
+            if job.stop_tokens.contains(&token) {
+                break StopReason::Stop;
+            }
+            if generated >= job.max_tokens || conv.state.room() == 0 {
+                break StopReason::Length;
+            }
+            if self.poll()? == Control::Cancel {
+                return cancelled(generated, prefill_ms, ms(decoding));
+            }
+            logits = match model.eval(&mut conv.state, &[token], Logits::Last) {
+                Ok(l) => l,
+                Err(e) => return Ok(Err(e)),
+            };
+        };
+        Ok(Ok(Finished {
+            reason,
+            generated,
+            prefill_ms,
+            decode_ms: ms(decoding),
+        }))
+    }
+}
+
+/// A seed of the engine's choosing (a request that names none): the process's random hash keys.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}

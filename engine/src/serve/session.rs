@@ -1,0 +1,332 @@
+//! The serve loop: announces READY, then answers what the reader passes on. One GEN runs at a time;
+//! others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). While a GEN runs, the loop
+//! looks at its input between tokens ([`Session::poll`]) so that CANCEL, STATS and QUIT take effect at
+//! once. QUIT and the end of stdin cancel what runs and waits, then end the loop.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::Path;
+use std::sync::mpsc::{Receiver, TryRecvError};
+
+use poly_protocol::{
+    ConversationInfo, Done, ErrorCode, ErrorReply, FromEngine, Ready, Stats, StopReason, ToEngine,
+};
+use serde_json::json;
+
+use super::input::Input;
+use super::request::Job;
+use super::store::{Conversation, Store};
+use super::{memory, send, ServeOptions, QUEUE_DEPTH};
+use crate::model::Model;
+
+/// Running totals for STATS.
+#[derive(Debug, Default)]
+struct Totals {
+    requests: u64,
+    cancelled: u64,
+    failed: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    generated: u64,
+}
+
+/// What the input said about the request that runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Control {
+    Continue,
+    /// Stop it (CANCEL of its id, QUIT, or the end of input).
+    Cancel,
+}
+
+/// The serve loop's state.
+pub struct Session<'a, W: Write> {
+    pub(super) model: &'a Model,
+    pub(super) n_ctx: usize,
+    pub(super) checkpoint_every: usize,
+    pub(super) store: Store,
+    queue: VecDeque<Job>,
+    inputs: Receiver<Input>,
+    out: &'a mut W,
+    /// The id of the request that runs.
+    running: Option<String>,
+    /// The conversation it works on, as it was when it started (out of the store meanwhile).
+    pub(super) in_flight: Option<ConversationInfo>,
+    quitting: bool,
+    totals: Totals,
+}
+
+impl<'a, W: Write> Session<'a, W> {
+    pub fn new(
+        model: &'a Model,
+        opts: &ServeOptions,
+        inputs: Receiver<Input>,
+        out: &'a mut W,
+    ) -> Self {
+        let n_ctx = if opts.max_context == 0 {
+            model.info().n_ctx_train as usize
+        } else {
+            opts.max_context
+        };
+        Session {
+            model,
+            n_ctx,
+            checkpoint_every: opts.checkpoint_every,
+            store: Store::new(opts.park_bytes),
+            queue: VecDeque::new(),
+            inputs,
+            out,
+            running: None,
+            in_flight: None,
+            quitting: false,
+            totals: Totals::default(),
+        }
+    }
+
+    /// Sends one line.
+    pub(super) fn send(&mut self, msg: &FromEngine) -> std::io::Result<()> {
+        send(self.out, msg)
+    }
+
+    fn error(
+        &mut self,
+        id: Option<String>,
+        code: ErrorCode,
+        message: impl Into<String>,
+    ) -> std::io::Result<()> {
+        self.send(&FromEngine::Err(ErrorReply {
+            id,
+            code,
+            message: message.into(),
+        }))
+    }
+
+    /// READY, then requests until QUIT or the end of input. An error is stdout or stdin failing.
+    pub fn run(&mut self, model_path: &Path, experts_total: u64) -> std::io::Result<()> {
+        let info = self.model.info();
+        let ready = Ready {
+            protocol: poly_protocol::PROTOCOL_VERSION,
+            model: model_path.display().to_string(),
+            arch: info.arch.to_string(),
+            n_vocab: info.n_vocab as u32,
+            n_ctx: self.n_ctx as u32,
+            bos: info.bos,
+            eos: info.stop_tokens(),
+            device: "cpu".to_string(),
+            experts_total,
+            experts_vram: 0,
+        };
+        self.send(&FromEngine::Ready(ready))?;
+        loop {
+            if self.quitting {
+                return self.cancel_queued();
+            }
+            if let Some(job) = self.queue.pop_front() {
+                self.run_job(job)?;
+                continue;
+            }
+            // Idle: wait for input (a closed channel is the reader gone: end of input).
+            let input = self.inputs.recv().unwrap_or(Input::Closed);
+            self.handle(input)?;
+        }
+    }
+
+    /// Looks at the input that arrived while a request runs; says whether to stop it.
+    pub(super) fn poll(&mut self) -> std::io::Result<Control> {
+        let mut control = Control::Continue;
+        loop {
+            let input = match self.inputs.try_recv() {
+                Ok(input) => input,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => Input::Closed,
+            };
+            if self.handle(input)? == Control::Cancel {
+                control = Control::Cancel;
+            }
+            if self.quitting {
+                control = Control::Cancel;
+                break;
+            }
+        }
+        Ok(control)
+    }
+
+    /// Answers one input. Returns [`Control::Cancel`] when it stops the running request.
+    fn handle(&mut self, input: Input) -> std::io::Result<Control> {
+        match input {
+            Input::Message(msg) => self.handle_message(msg),
+            Input::Bad(e) => {
+                self.send(&FromEngine::Err(ErrorReply::from(e)))?;
+                Ok(Control::Continue)
+            }
+            Input::TooLong => {
+                self.error(
+                    None,
+                    ErrorCode::BadRequest,
+                    format!(
+                        "a line longer than {} bytes (skipped)",
+                        poly_protocol::MAX_LINE_BYTES
+                    ),
+                )?;
+                Ok(Control::Continue)
+            }
+            Input::Closed => {
+                self.quitting = true;
+                Ok(Control::Cancel)
+            }
+            Input::Failed(e) => {
+                eprintln!("poly-engine: reading stdin: {e}");
+                self.quitting = true;
+                Ok(Control::Cancel)
+            }
+        }
+    }
+
+    fn handle_message(&mut self, msg: ToEngine) -> std::io::Result<Control> {
+        match msg {
+            ToEngine::Gen(gen) => {
+                let id = gen.id.clone();
+                let taken = self.running.as_deref() == Some(id.as_str())
+                    || self.queue.iter().any(|j| j.id == id);
+                if taken {
+                    self.error(
+                        Some(id.clone()),
+                        ErrorCode::BadRequest,
+                        format!("request {id:?} is already running or waiting"),
+                    )?;
+                } else if self.queue.len() >= QUEUE_DEPTH {
+                    self.error(
+                        Some(id),
+                        ErrorCode::Busy,
+                        format!("{QUEUE_DEPTH} requests are already waiting"),
+                    )?;
+                } else {
+                    match Job::check(gen, self.model.info(), self.n_ctx) {
+                        Ok(job) => self.queue.push_back(job),
+                        Err((code, message)) => self.error(Some(id), code, message)?,
+                    }
+                }
+                Ok(Control::Continue)
+            }
+            ToEngine::Cancel(poly_protocol::Cancel { id }) => {
+                if self.running.as_deref() == Some(id.as_str()) {
+                    return Ok(Control::Cancel);
+                }
+                if let Some(i) = self.queue.iter().position(|j| j.id == id) {
+                    if let Some(job) = self.queue.remove(i) {
+                        self.done_unstarted(&job)?;
+                    }
+                } else {
+                    self.error(
+                        Some(id.clone()),
+                        ErrorCode::BadRequest,
+                        format!("no request {id:?} is running or waiting"),
+                    )?;
+                }
+                Ok(Control::Continue)
+            }
+            ToEngine::Stats => {
+                let stats = self.stats();
+                self.send(&FromEngine::Stats(stats))?;
+                Ok(Control::Continue)
+            }
+            ToEngine::Quit => {
+                self.quitting = true;
+                Ok(Control::Cancel)
+            }
+        }
+    }
+
+    /// DONE `cancel` for a request that never started.
+    fn done_unstarted(&mut self, job: &Job) -> std::io::Result<()> {
+        self.totals.cancelled += 1;
+        let done = Done {
+            id: job.id.clone(),
+            reason: StopReason::Cancel,
+            prompt_tokens: job.prompt.len() as u32,
+            cached_tokens: 0,
+            generated: 0,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            experts_vram_share: None,
+            draft_proposed: 0,
+            draft_accepted: 0,
+        };
+        self.send(&FromEngine::Done(done))
+    }
+
+    fn cancel_queued(&mut self) -> std::io::Result<()> {
+        while let Some(job) = self.queue.pop_front() {
+            self.done_unstarted(&job)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one request to its DONE or ERR.
+    fn run_job(&mut self, job: Job) -> std::io::Result<()> {
+        self.running = Some(job.id.clone());
+        let result = self.execute(&job);
+        self.running = None;
+        self.in_flight = None;
+        match result? {
+            Ok(done) => {
+                self.totals.requests += 1;
+                self.totals.prompt_tokens += u64::from(done.prompt_tokens);
+                self.totals.cached_tokens += u64::from(done.cached_tokens);
+                self.totals.generated += u64::from(done.generated);
+                if done.reason == StopReason::Cancel {
+                    self.totals.cancelled += 1;
+                }
+                self.send(&FromEngine::Done(done))
+            }
+            Err(e) => {
+                self.totals.failed += 1;
+                self.error(Some(job.id), ErrorCode::Internal, e.0)
+            }
+        }
+    }
+
+    /// The STATS answer: memory, kept conversations, cache figures.
+    fn stats(&self) -> Stats {
+        let (rss, rss_peak) = memory::resident_bytes();
+        let info = |c: &Conversation, active: bool| ConversationInfo {
+            // The conversation of requests that named none has no name.
+            id: c.id.clone().unwrap_or_default(),
+            tokens: c.state.n_past() as u32,
+            active,
+            bytes: c.bytes() as u64,
+            checkpoints: c.n_checkpoints() as u32,
+        };
+        let conversations = self
+            .store
+            .active()
+            .map(|c| info(c, true))
+            .into_iter()
+            .chain(self.store.parked().iter().map(|c| info(c, false)))
+            .collect();
+        let t = &self.totals;
+        let extra = json!({
+            "rss_peak_bytes": rss_peak,
+            "evicted": self.store.evicted,
+            "running": self.running,
+            "running_conversation": self.in_flight,
+            "requests": t.requests,
+            "cancelled": t.cancelled,
+            "failed": t.failed,
+            "prompt_tokens": t.prompt_tokens,
+            "cached_tokens": t.cached_tokens,
+            "generated": t.generated,
+        });
+        Stats {
+            rss_bytes: rss.unwrap_or(0),
+            vram_bytes: None,
+            conversations,
+            parked_bytes: self.store.parked_bytes() as u64,
+            park_limit_bytes: self.store.park_limit() as u64,
+            queued: self.queue.len() as u32,
+            extra: match extra {
+                serde_json::Value::Object(m) => m,
+                _ => serde_json::Map::new(),
+            },
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Issue §3 through the real binary: every bad line or request gets a clear ERR (with the request id when
+//! it could be read), and the engine keeps serving with its kept state intact; a model that cannot be
+//! loaded is one ERR with a null id and a failure exit; QUIT and the end of stdin end it with success.
+//! Cost: a few engine processes on a tiny model and one 64 MiB line through a pipe, a few seconds.
+
+mod serve_support;
+
+use poly_engine::Model;
+use poly_protocol::{ErrorCode, FromEngine, Gen, ToEngine, MAX_LINE_BYTES};
+use serve_support::{assert_follows, expect_err, fixture, reference, Engine, Rng, FIXTURES};
+
+const MODEL: &str = FIXTURES[0];
+
+/// Each bad line, and the error it must get: (line, code, id).
+fn bad_lines(n_vocab: u32) -> Vec<(String, ErrorCode, Option<&'static str>)> {
+    use ErrorCode::{BadRequest, ContextOverflow};
+    let gen = |body: &str| format!("GEN {{\"id\":\"x\",{body}}}");
+    vec![
+        // Malformed lines.
+        ("GEN".into(), BadRequest, None),
+        ("GEN{\"id\":\"x\",\"tokens\":[1]}".into(), BadRequest, None),
+        ("   ".into(), BadRequest, None),
+        ("".into(), BadRequest, None),
+        // An unknown verb.
+        ("HELLO {}".into(), BadRequest, None),
+        ("gen {\"id\":\"x\",\"tokens\":[1]}".into(), BadRequest, None),
+        // Invalid JSON, or JSON that is not an object.
+        (
+            "GEN {\"id\":\"x\",\"tokens\":[1,2}".into(),
+            BadRequest,
+            None,
+        ),
+        ("GEN [1,2,3]".into(), BadRequest, None),
+        ("CANCEL {\"id\":".into(), BadRequest, None),
+        // A missing or unusable id.
+        ("GEN {\"tokens\":[1,2]}".into(), BadRequest, None),
+        ("GEN {\"id\":7,\"tokens\":[1,2]}".into(), BadRequest, None),
+        (
+            "GEN {\"id\":\"\",\"tokens\":[1,2]}".into(),
+            BadRequest,
+            None,
+        ),
+        ("CANCEL {}".into(), BadRequest, None),
+        // Tokens outside the vocabulary, or not token ids at all.
+        (
+            gen(&format!("\"tokens\":[1,{n_vocab}]")),
+            BadRequest,
+            Some("x"),
+        ),
+        (gen("\"tokens\":[1,-2]"), BadRequest, Some("x")),
+        (gen("\"tokens\":[1,99999999999]"), BadRequest, Some("x")),
+        (gen("\"tokens\":\"hello\""), BadRequest, Some("x")),
+        (
+            gen(&format!("\"tokens\":[1],\"stop_tokens\":[{n_vocab}]")),
+            BadRequest,
+            Some("x"),
+        ),
+        // An empty prompt.
+        (gen("\"tokens\":[]"), BadRequest, Some("x")),
+        // A prompt plus max_tokens beyond the context (--max-context 64).
+        (
+            gen("\"tokens\":[1,2,3],\"max_tokens\":62"),
+            ContextOverflow,
+            Some("x"),
+        ),
+        (
+            gen(&format!("\"tokens\":[{}]", vec!["5"; 65].join(","))),
+            ContextOverflow,
+            Some("x"),
+        ),
+        // Negative or absurd sampling values.
+        (
+            gen("\"tokens\":[1],\"temperature\":-1"),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"temperature\":1e30"),
+            BadRequest,
+            Some("x"),
+        ),
+        (gen("\"tokens\":[1],\"top_p\":1.5"), BadRequest, Some("x")),
+        (gen("\"tokens\":[1],\"min_p\":-0.1"), BadRequest, Some("x")),
+        (gen("\"tokens\":[1],\"top_k\":-3"), BadRequest, Some("x")),
+        (
+            gen("\"tokens\":[1],\"repeat_penalty\":0"),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"frequency_penalty\":1000"),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"top_logprobs\":100000"),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"max_tokens\":-1"),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"seed\":\"lucky\""),
+            BadRequest,
+            Some("x"),
+        ),
+        (
+            gen("\"tokens\":[1],\"max_tokens\":4,\"checkpoint_at\":9"),
+            BadRequest,
+            Some("x"),
+        ),
+        // CANCEL of an unknown id.
+        (
+            "CANCEL {\"id\":\"nobody\"}".into(),
+            BadRequest,
+            Some("nobody"),
+        ),
+    ]
+}
+
+#[test]
+fn every_bad_line_gets_an_err_and_the_kept_state_survives() {
+    let model = Model::load(fixture(MODEL)).unwrap();
+    let mut e = Engine::start(MODEL, &["--max-context", "64"]);
+    let n_vocab = e.n_vocab();
+    let mut rng = Rng::new(11);
+    let prompt = rng.tokens(20, n_vocab);
+    let first = e.gen(&Gen::new("keep", prompt.clone())).unwrap_err();
+    // The default of 256 tokens does not fit in 64: the error says so and names the request.
+    assert_eq!(
+        (first.code, first.id.as_deref()),
+        (ErrorCode::ContextOverflow, Some("keep"))
+    );
+    let keep = Gen {
+        max_tokens: Some(6),
+        ..Gen::new("keep", prompt.clone())
+    };
+    let kept = e.gen(&keep).unwrap();
+    assert_follows(&kept, &reference(&model, &prompt, 6), 0.0, "first");
+
+    for (line, code, id) in bad_lines(n_vocab) {
+        e.send_line(&line);
+        expect_err(&mut e, code, id, &line);
+    }
+    // Not UTF-8.
+    e.send_bytes(b"GEN {\"id\":\"\xff\xfe\",\"tokens\":[1]}\n");
+    expect_err(&mut e, ErrorCode::BadRequest, None, "not UTF-8");
+    // A line longer than 64 MiB is skipped without being kept, then the next line is read.
+    let mut long = vec![b'x'; MAX_LINE_BYTES + 1];
+    long.push(b'\n');
+    e.send_bytes(&long);
+    drop(long);
+    expect_err(&mut e, ErrorCode::BadRequest, None, "a line over 64 MiB");
+    e.send(&ToEngine::Stats);
+    let FromEngine::Stats(stats) = e.next() else {
+        panic!("expected STATS")
+    };
+    assert!(
+        stats.rss_bytes < MAX_LINE_BYTES as u64,
+        "the long line was not kept: RSS {}",
+        stats.rss_bytes
+    );
+
+    // The kept state is intact: a continuation reads only what is new, and gives the fresh tokens.
+    let more = [&prompt[..], &kept.ids(), &[7, 8, 9]].concat();
+    let next = e
+        .gen(&Gen {
+            max_tokens: Some(6),
+            ..Gen::new("next", more.clone())
+        })
+        .unwrap();
+    assert_eq!(
+        next.done.cached_tokens as usize,
+        prompt.len() + kept.ids().len() - 1
+    );
+    assert_follows(&next, &reference(&model, &more, 6), 0.1, "after the errors");
+    let (status, rest) = e.close();
+    assert!(status.success() && rest.is_empty(), "{rest:?}");
+}
+
+#[test]
+fn a_model_that_cannot_load_is_one_err_and_a_failure_exit() {
+    let dir = std::env::temp_dir().join(format!("poly-serve-robust-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let junk = dir.join("junk.gguf");
+    std::fs::write(&junk, b"GGUF but not really a model file").unwrap();
+    // A truncated real model: the header reads, the tensors do not fit.
+    let real = std::fs::read(fixture(MODEL)).unwrap();
+    let cut = dir.join("cut.gguf");
+    std::fs::write(&cut, &real[..real.len() / 2]).unwrap();
+    for path in [junk.clone(), cut.clone(), dir.join("missing.gguf")] {
+        let e = Engine::spawn(&path, &[]);
+        let (status, lines) = e.close();
+        assert!(!status.success(), "{path:?}");
+        assert_eq!(lines.len(), 1, "{path:?}: {lines:?}");
+        match FromEngine::parse(&lines[0]).unwrap() {
+            FromEngine::Err(err) => {
+                assert_eq!((err.id, err.code), (None, ErrorCode::Internal), "{path:?}");
+                assert!(err.message.contains("cannot load"), "{}", err.message);
+            }
+            other => panic!("{path:?}: expected ERR, got {other:?}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn quit_and_end_of_input_exit_with_success() {
+    let mut e = Engine::start(MODEL, &[]);
+    e.send_line("QUIT {}");
+    let (status, rest) = e.close();
+    assert!(status.success() && rest.is_empty(), "{rest:?}");
+    // Bare QUIT, with a request still queued behind a running one: both are answered with a cancel.
+    let mut e = Engine::start(MODEL, &["--max-context", "4096"]);
+    let long = Gen {
+        max_tokens: Some(4000),
+        stop_tokens: Some(vec![]),
+        ..Gen::new("long", vec![1, 2, 3])
+    };
+    e.send(&ToEngine::Gen(long));
+    e.send(&ToEngine::Gen(Gen::new("waits", vec![1, 2, 3])));
+    assert!(matches!(e.next(), FromEngine::Tokens(t) if t.id == "long"));
+    e.send_line("QUIT");
+    let (status, rest) = e.close();
+    assert!(status.success());
+    let dones: Vec<(String, bool)> = rest
+        .iter()
+        .filter_map(|l| match FromEngine::parse(l).unwrap() {
+            FromEngine::Done(d) => Some((d.id, d.reason == poly_protocol::StopReason::Cancel)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        dones,
+        [("long".to_string(), true), ("waits".to_string(), true)]
+    );
+    // End of input alone.
+    let e = Engine::start(MODEL, &[]);
+    let (status, rest) = e.close();
+    assert!(status.success() && rest.is_empty(), "{rest:?}");
+}

@@ -1,0 +1,201 @@
+// Shared by every module of kernels/cuda/: NVRTC compiles one .cu file at a time with no standard headers, so
+// the Rust side (kernels/src/cuda/module.rs) puts this text in front of each .cu file before compiling. It
+// holds fixed-width integer names, f16/bf16 conversions through PTX (no cuda_fp16.h needed), the GGML block
+// layouts the kernels read, and warp reductions.
+
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+// +infinity (NVRTC has no math.h for INFINITY).
+#define POLY_INF __int_as_float(0x7f800000)
+
+// f16 bits -> f32 (exact).
+static __device__ __forceinline__ float f16_to_f32(uint16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// f32 -> f16 bits, rounded to nearest even (as ggml's __float2half).
+static __device__ __forceinline__ uint16_t f32_to_f16(float f) {
+    uint16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// bf16 bits -> f32 (exact).
+static __device__ __forceinline__ float bf16_to_f32(uint16_t b) {
+    return __uint_as_float(((uint32_t) b) << 16);
+}
+
+static __device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    }
+    return v;
+}
+
+// Sum over a whole thread block of at most 1024 threads (one-dimensional); every thread gets the result.
+// `scratch` holds 32 floats of shared memory; the call synchronizes the block twice.
+static __device__ __forceinline__ float block_sum(float v, float * scratch) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+    v = warp_sum(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+static __device__ __forceinline__ float block_max(float v, float * scratch) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int n_warps = (blockDim.x + WARP_SIZE - 1) / WARP_SIZE;
+    v = warp_max(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : -POLY_INF;
+    v = warp_max(v);
+    __syncthreads();
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GGML block layouts (byte for byte what GGUF stores; sizes checked by the static_asserts below).
+
+#define QK_K 256
+#define QK8_1 32
+
+// Activations for the integer dot products: 32 values, d = max|x|/127, s = d * (sum of the 32 quants)
+// (f16 both, as ggml-cuda's block_q8_1), 32 quants.
+struct block_q8_1 {
+    uint16_t d;
+    uint16_t s;
+    int8_t qs[32];
+};
+
+struct block_q8_0 {
+    uint16_t d;
+    int8_t qs[32];
+};
+
+struct block_q4_0 {
+    uint16_t d;
+    uint8_t qs[16];
+};
+
+struct block_q4_1 {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qs[16];
+};
+
+struct block_q5_0 {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[16];
+};
+
+struct block_q5_1 {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qh[4];
+    uint8_t qs[16];
+};
+
+struct block_iq4_nl {
+    uint16_t d;
+    uint8_t qs[16];
+};
+
+struct block_q2_K {
+    uint8_t scales[16];
+    uint8_t qs[64];
+    uint16_t d;
+    uint16_t dmin;
+};
+
+struct block_q3_K {
+    uint8_t hmask[32];
+    uint8_t qs[64];
+    uint8_t scales[12];
+    uint16_t d;
+};
+
+struct block_q4_K {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qs[128];
+};
+
+struct block_q5_K {
+    uint16_t d;
+    uint16_t dmin;
+    uint8_t scales[12];
+    uint8_t qh[32];
+    uint8_t qs[128];
+};
+
+struct block_q6_K {
+    uint8_t ql[128];
+    uint8_t qh[64];
+    int8_t scales[16];
+    uint16_t d;
+};
+
+struct block_iq4_xs {
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t scales_l[4];
+    uint8_t qs[128];
+};
+
+static_assert(sizeof(block_q8_1) == 36, "block_q8_1 size");
+static_assert(sizeof(block_q8_0) == 34, "block_q8_0 size");
+static_assert(sizeof(block_q4_0) == 18, "block_q4_0 size");
+static_assert(sizeof(block_q4_1) == 20, "block_q4_1 size");
+static_assert(sizeof(block_q5_0) == 22, "block_q5_0 size");
+static_assert(sizeof(block_q5_1) == 24, "block_q5_1 size");
+static_assert(sizeof(block_iq4_nl) == 18, "block_iq4_nl size");
+static_assert(sizeof(block_q2_K) == 84, "block_q2_K size");
+static_assert(sizeof(block_q3_K) == 110, "block_q3_K size");
+static_assert(sizeof(block_q4_K) == 144, "block_q4_K size");
+static_assert(sizeof(block_q5_K) == 176, "block_q5_K size");
+static_assert(sizeof(block_q6_K) == 210, "block_q6_K size");
+static_assert(sizeof(block_iq4_xs) == 136, "block_iq4_xs size");
+
+// Four consecutive bytes as an int, from data aligned to 2 bytes (Q8_0 and Q6_K blocks are not 4-aligned).
+static __device__ __forceinline__ int get_int_b2(const void * x, int i32) {
+    const uint16_t * x16 = (const uint16_t *) x;
+    return (int) ((uint32_t) x16[2 * i32] | ((uint32_t) x16[2 * i32 + 1] << 16));
+}
+
+// Four consecutive bytes as an int, from data aligned to 4 bytes.
+static __device__ __forceinline__ int get_int_b4(const void * x, int i32) {
+    return ((const int *) x)[i32];
+}

@@ -1,0 +1,263 @@
+//! Attention over an f16 KV cache on the card (`kernels/cuda/attention.cu`): one launch for a decode step or
+//! a prompt batch, the context optionally split into chunks (split-K) whose partial results a second launch
+//! merges. The arithmetic is the CPU's [`crate::ops::attention::attention`] (f32 scores and an online
+//! softmax in f32) over keys and values stored as f16.
+
+use super::module::KernelModule;
+use super::ops::{as_i32, check_len, invalid};
+use super::{CudaResult, Device, DeviceBuffer};
+use crate::ops::attention::AttnParams;
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+
+/// Keys per tile of the kernel (`ATT_KEYS`); a split's chunk is a multiple of it.
+pub const ATTN_KEY_TILE: usize = 32;
+/// Largest head dimension the kernel takes (`ATT_MAX_D`).
+pub const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Rows ((query, head) pairs of one KV head) per warp (`ATT_ROWS_PER_WARP`).
+const ROWS_PER_WARP: usize = 4;
+/// Shared memory a block may use without opting in.
+const SHARED_LIMIT: usize = 48 * 1024;
+
+/// The kernel's argument struct (`AttnArgs` in attention.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttnArgs {
+    n_q: i32,
+    n_kv: i32,
+    n_head: i32,
+    n_head_kv: i32,
+    dk: i32,
+    dv: i32,
+    k_stride_row: i32,
+    scale: f32,
+    softcap: f32,
+    window: i32,
+    chunk: i32,
+    n_split: i32,
+}
+
+// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnArgs`.
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// How the context is cut: `chunk` keys per split (a multiple of [`ATTN_KEY_TILE`]); the grid has
+/// `ceil(n_kv / chunk)` splits, so a graph captured for a cache of `n_kv` positions replays at any position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnSplit {
+    pub chunk: usize,
+}
+
+impl AttnSplit {
+    /// No split: one chunk covering the whole cache.
+    pub fn none(n_kv: usize) -> Self {
+        AttnSplit {
+            chunk: n_kv.div_ceil(ATTN_KEY_TILE).max(1) * ATTN_KEY_TILE,
+        }
+    }
+
+    /// A split that gives about `target_blocks` thread blocks (say two per SM) for `n_q` queries over a
+    /// cache of `n_kv` positions, with chunks of at least 256 keys (below that the merge costs more than
+    /// the parallelism gains).
+    pub fn for_occupancy(p: &AttnParams, n_q: usize, n_kv: usize, target_blocks: usize) -> Self {
+        let blocks = tile_blocks(p, n_q) * p.n_head_kv;
+        let splits = target_blocks.div_ceil(blocks.max(1)).max(1);
+        let chunk = n_kv.div_ceil(splits).max(256);
+        AttnSplit {
+            chunk: chunk.div_ceil(ATTN_KEY_TILE) * ATTN_KEY_TILE,
+        }
+    }
+
+    /// Splits of a cache of `n_kv` positions.
+    pub fn n_split(&self, n_kv: usize) -> usize {
+        n_kv.div_ceil(self.chunk).max(1)
+    }
+
+    /// Floats of the scratch buffer [`attention_f16`] needs for `n_q` queries (0 without a split).
+    pub fn scratch_len(&self, p: &AttnParams, n_q: usize, n_kv: usize) -> usize {
+        let n = self.n_split(n_kv);
+        if n == 1 {
+            0
+        } else {
+            n * n_q * p.n_head * (p.head_dim_v + 2)
+        }
+    }
+}
+
+/// Warps per block and shared bytes for these head dimensions (4 warps when that fits in 48 KiB).
+fn block_shape(p: &AttnParams) -> (usize, usize) {
+    let k_stride = k_stride_row(p.head_dim_k);
+    let bytes = |warps: usize| {
+        warps * ROWS_PER_WARP * p.head_dim_k * 4
+            + ATTN_KEY_TILE * k_stride * 2
+            + ATTN_KEY_TILE * p.head_dim_v * 2
+    };
+    let warps = (1..=4)
+        .rev()
+        .find(|&w| bytes(w) <= SHARED_LIMIT)
+        .unwrap_or(1);
+    (warps, bytes(warps))
+}
+
+/// Staged key rows are padded to an odd number of 32-bit words, so the 32 lanes reading 32 keys hit 32
+/// banks.
+fn k_stride_row(dk: usize) -> usize {
+    if (dk / 2).is_multiple_of(2) {
+        dk + 2
+    } else {
+        dk + 4
+    }
+}
+
+fn tile_blocks(p: &AttnParams, n_q: usize) -> usize {
+    let (warps, _) = block_shape(p);
+    let group = p.n_head / p.n_head_kv.max(1);
+    (n_q * group).div_ceil(warps * ROWS_PER_WARP)
+}
+
+/// Attention of `n_q` queries over an f16 KV cache of `n_kv` positions.
+///
+/// `q` `[n_q, n_head·head_dim_k]`, `positions` `[n_q]` (each below `n_kv`; read on the card, so a graph
+/// replays at new positions), `k` `[n_kv, n_head_kv·head_dim_k]` and `v` `[n_kv, n_head_kv·head_dim_v]` f16
+/// bits, `out` `[n_q, n_head·head_dim_v]`; `scratch` (needed when the split cuts the cache) holds
+/// [`AttnSplit::scratch_len`] floats.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_f16(
+    dev: &Device,
+    q: &DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    k: &DeviceBuffer<u16>,
+    v: &DeviceBuffer<u16>,
+    p: &AttnParams,
+    split: AttnSplit,
+    scratch: Option<&mut DeviceBuffer<f32>>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) || dk == 0 || dv == 0 {
+        return invalid(format!("attention: bad heads {p:?}"));
+    }
+    if dk > ATTN_MAX_HEAD_DIM || dv > ATTN_MAX_HEAD_DIM || !dk.is_multiple_of(2) {
+        return invalid(format!(
+            "attention: head dims {dk}/{dv} (even, at most {ATTN_MAX_HEAD_DIM})"
+        ));
+    }
+    if split.chunk == 0 || !split.chunk.is_multiple_of(ATTN_KEY_TILE) {
+        return invalid(format!("attention: chunk {}", split.chunk));
+    }
+    let n_q = positions.len();
+    check_len("attention q", q, n_q * p.n_head * dk)?;
+    check_len("attention out", out, n_q * p.n_head * dv)?;
+    let k_row = p.n_head_kv * dk;
+    if k.is_empty() || !k.len().is_multiple_of(k_row) {
+        return invalid(format!("attention: k of {} values", k.len()));
+    }
+    let n_kv = k.len() / k_row;
+    check_len("attention v", v, n_kv * p.n_head_kv * dv)?;
+    let n_split = split.n_split(n_kv);
+    let scratch = match scratch {
+        Some(s) if n_split > 1 => {
+            check_len("attention scratch", s, split.scratch_len(p, n_q, n_kv))?;
+            Some(s)
+        }
+        _ if n_split > 1 => return invalid("attention: a split needs scratch".to_string()),
+        _ => None,
+    };
+    if n_q == 0 {
+        return Ok(());
+    }
+    let (warps, shared) = block_shape(p);
+    let args = AttnArgs {
+        n_q: as_i32("n_q", n_q)?,
+        n_kv: as_i32("n_kv", n_kv)?,
+        n_head: as_i32("n_head", p.n_head)?,
+        n_head_kv: as_i32("n_head_kv", p.n_head_kv)?,
+        dk: dk as i32,
+        dv: dv as i32,
+        k_stride_row: k_stride_row(dk) as i32,
+        scale: p.scale,
+        softcap: p.softcap.unwrap_or(0.0),
+        window: p.window.map_or(Ok(0), |w| as_i32("window", w as usize))?,
+        chunk: as_i32("chunk", split.chunk)?,
+        n_split: as_i32("n_split", n_split)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            tile_blocks(p, n_q) as u32,
+            p.n_head_kv as u32,
+            n_split as u32,
+        ),
+        block_dim: (32, warps as u32, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let f = dev.function(KernelModule::Attention, "attn_f16")?;
+    let mut b = dev.stream().launch_builder(&f);
+    // `partial` goes as a device address: scratch with a split; without one the kernel never touches it
+    // (out's address stands in).
+    b.arg(q.slice())
+        .arg(positions.slice())
+        .arg(k.slice())
+        .arg(v.slice());
+    let partial_ptr: u64 = scratch.as_ref().map_or(out.address(), |s| s.address());
+    b.arg(out.slice_mut()).arg(&partial_ptr).arg(&args);
+    // SAFETY: q, out, k, v, positions and scratch have the lengths checked above; the kernel reads keys and
+    // values only below n_kv and writes out (one split) or scratch (several); the shared memory is sized by
+    // block_shape as the kernel lays it out.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("attn_f16")?;
+    if let Some(scratch) = scratch {
+        let rows = n_q * p.n_head;
+        let f = dev.function(KernelModule::Attention, "attn_reduce")?;
+        let mut b = dev.stream().launch_builder(&f);
+        let (rows_i, dv_i, split_i) = (as_i32("rows", rows)?, dv as i32, n_split as i32);
+        b.arg(scratch.slice())
+            .arg(out.slice_mut())
+            .arg(&rows_i)
+            .arg(&dv_i)
+            .arg(&split_i);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: scratch holds n_split × rows × (dv + 2) floats and out rows × dv (checked above).
+        unsafe { b.launch(cfg) }?;
+        dev.after_launch("attn_reduce")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(n_head: usize, n_head_kv: usize, d: usize) -> AttnParams {
+        AttnParams {
+            n_head,
+            n_head_kv,
+            head_dim_k: d,
+            head_dim_v: d,
+            scale: 1.0,
+            window: None,
+            softcap: None,
+        }
+    }
+
+    #[test]
+    fn blocks_fit_the_shared_memory_and_pad_keys_to_odd_words() {
+        for d in [16, 64, 80, 96, 128, 256] {
+            let (warps, bytes) = block_shape(&params(8, 2, d));
+            assert!(bytes <= SHARED_LIMIT && warps >= 1, "d {d}");
+            assert_eq!((k_stride_row(d) / 2) % 2, 1, "d {d}");
+        }
+        assert_eq!(block_shape(&params(8, 2, 128)).0, 4);
+    }
+
+    #[test]
+    fn splits_cover_the_cache_in_whole_tiles() {
+        let p = params(32, 4, 128);
+        let s = AttnSplit::for_occupancy(&p, 1, 8000, 264);
+        assert_eq!(s.chunk % ATTN_KEY_TILE, 0);
+        assert!(s.n_split(8000) * s.chunk >= 8000 && s.n_split(8000) > 1);
+        assert_eq!(AttnSplit::none(100).n_split(100), 1);
+        assert_eq!(s.scratch_len(&p, 1, 8000), s.n_split(8000) * 32 * 130);
+    }
+}

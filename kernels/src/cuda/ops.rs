@@ -1,0 +1,747 @@
+//! The operations of the CUDA backend: each checks its arguments, queues one kernel on the device's compute
+//! stream and checks the launch (see [`Device`] for ordering and fault reporting). Layouts are those of the
+//! CPU operations in [`crate::ops`] and [`crate::matmul`], which the tests compare against.
+
+use super::buffer::{check_shape, gpu_act, GpuAct};
+use super::module::KernelModule;
+use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
+use crate::ops::rope::{RopeMode, RopeParams};
+use crate::ops::topk::Gating;
+use crate::quant::GgmlType;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+pub use super::buffer::{gpu_act as activation_form, GpuAct as ActivationForm};
+
+/// Threads of a thread block of the matrix×vector kernels (32 × 4 warps; `MATVEC_WARPS` in the `.cu` files).
+const MATVEC_BLOCK: (u32, u32, u32) = (32, 4, 1);
+
+pub(crate) fn invalid<T>(msg: String) -> CudaResult<T> {
+    Err(CudaError::Invalid(msg))
+}
+
+pub(crate) fn check_len<T>(what: &str, buf: &DeviceBuffer<T>, want: usize) -> CudaResult<()> {
+    if buf.len() != want {
+        return invalid(format!("{what}: {} elements, {want} expected", buf.len()));
+    }
+    Ok(())
+}
+
+pub(crate) fn as_i32(what: &str, v: usize) -> CudaResult<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Invalid(format!("{what} = {v} is too large")))
+}
+
+pub(crate) fn grid_1d(n: usize, threads: u32) -> CudaResult<LaunchConfig> {
+    let blocks = n.div_ceil(threads as usize);
+    let blocks = u32::try_from(blocks).map_err(|_| CudaError::Invalid(format!("{n} elements")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Quantizes `x` (a multiple of 32 values; several rows back to back are fine) into `out` (`x.len()/32`
+/// blocks).
+pub fn quantize_q8_1(
+    dev: &Device,
+    x: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
+    if !x.len().is_multiple_of(BlockQ8_1::ELEMS) {
+        return invalid(format!(
+            "quantize_q8_1: {} values are not whole blocks",
+            x.len()
+        ));
+    }
+    check_len("quantize_q8_1 output", out, x.len() / BlockQ8_1::ELEMS)?;
+    let n = as_i32("quantize_q8_1 length", x.len())?;
+    let f = dev.function(KernelModule::Quantize, "quantize_q8_1")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
+    // SAFETY: the kernel reads n floats of x and writes n/32 blocks of out; both lengths checked above.
+    unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
+    dev.after_launch("quantize_q8_1")
+}
+
+pub(crate) fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
+    const SINGLE: [(GgmlType, &str); 12] = [
+        (GgmlType::Q4_0, "matvec_q4_0"),
+        (GgmlType::Q4_1, "matvec_q4_1"),
+        (GgmlType::Q5_0, "matvec_q5_0"),
+        (GgmlType::Q5_1, "matvec_q5_1"),
+        (GgmlType::Q8_0, "matvec_q8_0"),
+        (GgmlType::Q2_K, "matvec_q2_k"),
+        (GgmlType::Q3_K, "matvec_q3_k"),
+        (GgmlType::Q4_K, "matvec_q4_k"),
+        (GgmlType::Q5_K, "matvec_q5_k"),
+        (GgmlType::Q6_K, "matvec_q6_k"),
+        (GgmlType::IQ4_NL, "matvec_iq4_nl"),
+        (GgmlType::IQ4_XS, "matvec_iq4_xs"),
+    ];
+    const EXPERTS: [(GgmlType, &str); 12] = [
+        (GgmlType::Q4_0, "matvec_experts_q4_0"),
+        (GgmlType::Q4_1, "matvec_experts_q4_1"),
+        (GgmlType::Q5_0, "matvec_experts_q5_0"),
+        (GgmlType::Q5_1, "matvec_experts_q5_1"),
+        (GgmlType::Q8_0, "matvec_experts_q8_0"),
+        (GgmlType::Q2_K, "matvec_experts_q2_k"),
+        (GgmlType::Q3_K, "matvec_experts_q3_k"),
+        (GgmlType::Q4_K, "matvec_experts_q4_k"),
+        (GgmlType::Q5_K, "matvec_experts_q5_k"),
+        (GgmlType::Q6_K, "matvec_experts_q6_k"),
+        (GgmlType::IQ4_NL, "matvec_experts_iq4_nl"),
+        (GgmlType::IQ4_XS, "matvec_experts_iq4_xs"),
+    ];
+    let table: &[(GgmlType, &'static str)] = if experts { &EXPERTS } else { &SINGLE };
+    table
+        .iter()
+        .find(|(t, _)| *t == ty)
+        .map(|(_, name)| *name)
+        .ok_or_else(|| CudaError::Invalid(format!("no quantized matvec kernel for {ty}")))
+}
+
+fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
+    let name = match (ty, experts) {
+        (GgmlType::F32, false) => "matvec_f32",
+        (GgmlType::F16, false) => "matvec_f16",
+        (GgmlType::BF16, false) => "matvec_bf16",
+        (GgmlType::F32, true) => "matvec_experts_f32",
+        (GgmlType::F16, true) => "matvec_experts_f16",
+        (GgmlType::BF16, true) => "matvec_experts_bf16",
+        _ => return invalid(format!("no float matvec kernel for {ty}")),
+    };
+    Ok(name)
+}
+
+/// Threads that share one weight block in the quantized matvec kernels (`qi / vdr` of the format's `fmt_*`
+/// struct in `matvec_q.cu`).
+fn threads_per_weight_block(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 4,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K => 16,
+        GgmlType::Q6_K => 32,
+        GgmlType::IQ4_XS => 8,
+        // Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+        _ => 2,
+    }
+}
+
+/// Warps per output row of the quantized matvec kernels: the fewest of 1, 2, 4 that give every thread a
+/// share of a row of `cols` values (so a thread block computes 4, 2 or 1 rows).
+fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
+    let threads = cols / ty.block_elems() * threads_per_weight_block(ty);
+    match threads {
+        0..=32 => 1,
+        33..=64 => 2,
+        _ => 4,
+    }
+}
+
+/// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
+/// warps per row.
+pub(crate) fn q_matvec_config(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+) -> (LaunchConfig, i32) {
+    let wpr = warps_per_row(ty, cols);
+    let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block) as u32, slots as u32, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: 0,
+    };
+    (cfg, wpr as i32)
+}
+
+/// `y = W·x` for a quantized `W`, with `x` already quantized ([`quantize_q8_1`]; `W.cols/32` blocks).
+pub fn matvec_q(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = q_kernel(w.ty, false)?;
+    check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
+    check_len("matvec y", y, w.rows)?;
+    let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
+    let (cfg, wpr) = q_matvec_config(w.ty, w.rows, w.cols, 1);
+    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(w.data().slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&wpr);
+    // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds cols/32 blocks and y
+    // rows floats (checked above); the kernel touches nothing else.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// `y = W·x` for a float `W` (F32, F16, BF16).
+pub fn matvec_f(
+    dev: &Device,
+    w: &DeviceMatrix,
+    x: &DeviceBuffer<f32>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = f_kernel(w.ty, false)?;
+    check_len("matvec x", x, w.cols)?;
+    check_len("matvec y", y, w.rows)?;
+    let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
+    let f = dev.function(KernelModule::MatvecF, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(w.data().slice())
+        .arg(x.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
+    let cfg = LaunchConfig {
+        grid_dim: (w.rows as u32, 1, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as in `matvec_q`, with x of cols floats.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// `y = W·x` for any format the GPU computes: quantizes `x` into `scratch` first when the format's dot
+/// product wants [`BlockQ8_1`] (callers that multiply several matrices by one `x` quantize once and call
+/// [`matvec_q`] instead).
+pub fn matvec(
+    dev: &Device,
+    w: &DeviceMatrix,
+    x: &DeviceBuffer<f32>,
+    scratch: &mut DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    match gpu_act(w.ty) {
+        Some(GpuAct::F32) => matvec_f(dev, w, x, y),
+        Some(GpuAct::Q8_1) => {
+            quantize_q8_1(dev, x, scratch)?;
+            matvec_q(dev, w, scratch, y)
+        }
+        None => invalid(format!("the GPU does not compute {} matrices yet", w.ty)),
+    }
+}
+
+/// The activations of an expert launch: one vector shared by every slot (gate and up projections of one
+/// token), or one per slot (the down projection, whose input is each expert's own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertInput {
+    Shared,
+    PerSlot,
+}
+
+/// Several experts of one tensor in one launch: for slot `s` of `ids.len()`, `y[s·rows..][..rows] =
+/// W[ids[s]]·x_s`, where `x_s` is `xq` itself ([`ExpertInput::Shared`]) or its `s`-th vector of `cols`
+/// values ([`ExpertInput::PerSlot`]). The ids are read on the card; an expert the table has no address
+/// for gives zeros, as does an id outside `0..n_expert`. Quantized formats take [`BlockQ8_1`] input; see
+/// [`matvec_experts_f`] for float ones.
+pub fn matvec_experts_q(
+    dev: &Device,
+    table: &ExpertTable,
+    ids: &DeviceBuffer<i32>,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    input: ExpertInput,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = q_kernel(table.ty, true)?;
+    let blocks_per_vec = table.cols / BlockQ8_1::ELEMS;
+    let x_stride = expert_input_len("matvec_experts_q", xq, blocks_per_vec, ids.len(), input)?;
+    expert_launch(
+        dev,
+        (KernelModule::MatvecQ, name),
+        table,
+        ids,
+        xq,
+        x_stride,
+        y,
+    )
+}
+
+/// [`matvec_experts_q`] for float expert tensors (F32, F16, BF16), with f32 input.
+pub fn matvec_experts_f(
+    dev: &Device,
+    table: &ExpertTable,
+    ids: &DeviceBuffer<i32>,
+    x: &DeviceBuffer<f32>,
+    input: ExpertInput,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = f_kernel(table.ty, true)?;
+    let x_stride = expert_input_len("matvec_experts_f", x, table.cols, ids.len(), input)?;
+    expert_launch(
+        dev,
+        (KernelModule::MatvecF, name),
+        table,
+        ids,
+        x,
+        x_stride,
+        y,
+    )
+}
+
+/// Checks the input length of an expert launch; returns the stride between slots' vectors.
+fn expert_input_len<T>(
+    what: &str,
+    x: &DeviceBuffer<T>,
+    per_vec: usize,
+    n_slots: usize,
+    input: ExpertInput,
+) -> CudaResult<i64> {
+    let (want, stride) = match input {
+        ExpertInput::Shared => (per_vec, 0),
+        ExpertInput::PerSlot => (per_vec * n_slots, per_vec),
+    };
+    check_len(&format!("{what} x"), x, want)?;
+    Ok(stride as i64)
+}
+
+fn expert_launch<T>(
+    dev: &Device,
+    kernel: (KernelModule, &'static str),
+    table: &ExpertTable,
+    ids: &DeviceBuffer<i32>,
+    x: &DeviceBuffer<T>,
+    x_stride: i64,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let (module, name) = kernel;
+    check_shape(table.ty, table.rows, table.cols)?;
+    let n_slots = ids.len();
+    if n_slots > 65_535 {
+        return invalid(format!(
+            "{name}: {n_slots} slots (at most 65535 per launch)"
+        ));
+    }
+    check_len(&format!("{name} y"), y, n_slots * table.rows)?;
+    let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
+    let n_expert = as_i32("n_expert", table.n_expert)?;
+    // The quantized kernels take the warps per row as their last argument; the float ones one row per block.
+    let (cfg, wpr) = match module {
+        KernelModule::MatvecQ => {
+            let (cfg, wpr) = q_matvec_config(table.ty, table.rows, table.cols, n_slots);
+            (cfg, Some(wpr))
+        }
+        _ => {
+            let cfg = LaunchConfig {
+                grid_dim: (table.rows as u32, n_slots as u32, 1),
+                block_dim: MATVEC_BLOCK,
+                shared_mem_bytes: 0,
+            };
+            (cfg, None)
+        }
+    };
+    let f = dev.function(module, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(table.addresses().slice())
+        .arg(ids.slice())
+        .arg(&n_expert)
+        .arg(x.slice())
+        .arg(&x_stride)
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
+    if let Some(wpr) = &wpr {
+        b.arg(wpr);
+    }
+    // SAFETY: the table holds n_expert addresses, each 0 or the start of a rows × cols matrix of the
+    // table's format that lives as long as the table's owner; the kernel reads ids[0..n_slots] and gives 0
+    // for ids outside 0..n_expert; x and y lengths are checked above.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// RMS norm of every group of `group` values of `x` into `out` (same length), times `weight` (`group`
+/// values) when given.
+pub fn rms_norm(
+    dev: &Device,
+    x: &DeviceBuffer<f32>,
+    group: usize,
+    weight: Option<&DeviceBuffer<f32>>,
+    eps: f32,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if group == 0 || !x.len().is_multiple_of(group) {
+        return invalid(format!(
+            "rms_norm: {} values are not groups of {group}",
+            x.len()
+        ));
+    }
+    check_len("rms_norm out", out, x.len())?;
+    if let Some(w) = weight {
+        check_len("rms_norm weight", w, group)?;
+    }
+    let ncols = as_i32("rms_norm group", group)?;
+    let rows =
+        u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
+    let null: u64 = 0;
+    let f = dev.function(KernelModule::Norm, "rms_norm")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice());
+    match weight {
+        Some(w) => b.arg(w.slice()),
+        None => b.arg(&null),
+    };
+    b.arg(out.slice_mut()).arg(&ncols).arg(&eps);
+    let threads = if group >= 1024 {
+        1024
+    } else {
+        (group.div_ceil(32) * 32) as u32
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x and out hold rows × group floats, weight group floats or is null (the kernel checks).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("rms_norm")
+}
+
+/// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card).
+pub fn rope(
+    dev: &Device,
+    x: &mut DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    p: &RopeParams,
+) -> CudaResult<()> {
+    if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
+        return invalid(format!(
+            "rope: n_rot {} with head_dim {}",
+            p.n_rot, p.head_dim
+        ));
+    }
+    let n_rows = positions.len();
+    if !x.len().is_multiple_of(n_rows) || !(x.len() / n_rows).is_multiple_of(p.head_dim) {
+        return invalid(format!(
+            "rope: {} values are not {n_rows} rows of whole heads of {}",
+            x.len(),
+            p.head_dim
+        ));
+    }
+    let n_heads = x.len() / n_rows / p.head_dim;
+    let (n_heads_i, head_dim, n_rot) = (
+        as_i32("heads", n_heads)?,
+        as_i32("head_dim", p.head_dim)?,
+        as_i32("n_rot", p.n_rot)?,
+    );
+    let neox: i32 = (p.mode == RopeMode::Neox) as i32;
+    // As the CPU path computes it (f32 powf on the host), so both form the same angles.
+    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+    let f = dev.function(KernelModule::Rope, "rope")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice_mut())
+        .arg(positions.slice())
+        .arg(&n_heads_i)
+        .arg(&head_dim)
+        .arg(&n_rot)
+        .arg(&neox)
+        .arg(&theta_scale)
+        .arg(&p.freq_scale);
+    let cfg = LaunchConfig {
+        grid_dim: (n_rows as u32, n_heads as u32, 1),
+        block_dim: ((p.n_rot / 2) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds n_rows × n_heads × head_dim floats and positions n_rows ints (checked above); each
+    // thread touches two values of its own head.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("rope")
+}
+
+/// `out = silu(gate)·up`, element-wise.
+pub fn swiglu(
+    dev: &Device,
+    gate: &DeviceBuffer<f32>,
+    up: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    check_len("swiglu up", up, gate.len())?;
+    check_len("swiglu out", out, gate.len())?;
+    let n = gate.len() as i64;
+    let f = dev.function(KernelModule::Act, "swiglu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
+    // SAFETY: all three buffers hold n floats.
+    unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
+    dev.after_launch("swiglu_f32")
+}
+
+/// `out = gelu(gate) · up`, element-wise (GeGLU with ggml's CPU GELU: [`crate::ops::act::gelu_ggml`]);
+pub fn geglu(
+    dev: &Device,
+    gate: &DeviceBuffer<f32>,
+    up: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    check_len("geglu up", up, gate.len())?;
+    check_len("geglu out", out, gate.len())?;
+    let n = gate.len() as i64;
+    let f = dev.function(KernelModule::Act, "geglu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
+    // SAFETY: all three buffers hold n floats.
+    unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
+    dev.after_launch("geglu_f32")
+}
+
+/// `out = gelu(x)` element-wise, ggml's CPU GELU ([`crate::ops::act::gelu_ggml`]).
+pub fn gelu(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+    check_len("gelu out", out, x.len())?;
+    let n = x.len() as i64;
+    let f = dev.function(KernelModule::Act, "gelu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
+    // SAFETY: both buffers hold n floats.
+    unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
+    dev.after_launch("gelu_f32")
+}
+
+/// `x = cap·tanh(x/cap)` in place (final logit softcapping).
+pub fn softcap(dev: &Device, x: &mut DeviceBuffer<f32>, cap: f32) -> CudaResult<()> {
+    if cap <= 0.0 || x.is_empty() {
+        return invalid(format!("softcap: cap {cap} on {} values", x.len()));
+    }
+    let n = x.len() as i64;
+    let cfg = grid_1d(x.len(), 256)?;
+    let f = dev.function(KernelModule::Act, "softcap_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice_mut()).arg(&cap).arg(&n);
+    // SAFETY: x holds n floats.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("softcap_f32")
+}
+
+/// `out = silu(x)`, element-wise.
+pub fn silu(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+    check_len("silu out", out, x.len())?;
+    let n = x.len() as i64;
+    let f = dev.function(KernelModule::Act, "silu_f32")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
+    // SAFETY: both buffers hold n floats.
+    unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
+    dev.after_launch("silu_f32")
+}
+
+/// How router logits become the chosen experts (the arguments of [`crate::ops::topk::route`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Routing {
+    pub n_expert: usize,
+    pub k: usize,
+    pub gating: Gating,
+    pub norm: bool,
+    pub scale: f32,
+}
+
+/// Routes every token of `logits` (`[n_tokens, n_expert]`): `ids` and `weights` get `[n_tokens, k]`, the
+/// likeliest first, as [`crate::ops::topk::route`] computes them.
+pub fn route_topk(
+    dev: &Device,
+    logits: &DeviceBuffer<f32>,
+    r: &Routing,
+    ids: &mut DeviceBuffer<i32>,
+    weights: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if r.n_expert == 0
+        || r.k == 0
+        || r.k > r.n_expert
+        || r.k > 256
+        || !logits.len().is_multiple_of(r.n_expert)
+    {
+        return invalid(format!(
+            "route_topk: {} logits, {} experts, k {}",
+            logits.len(),
+            r.n_expert,
+            r.k
+        ));
+    }
+    let n_tokens = logits.len() / r.n_expert;
+    check_len("route_topk ids", ids, n_tokens * r.k)?;
+    check_len("route_topk weights", weights, n_tokens * r.k)?;
+    let shared = r.n_expert * 4;
+    if shared > 48 * 1024 {
+        return invalid(format!(
+            "route_topk: {} experts do not fit shared memory",
+            r.n_expert
+        ));
+    }
+    let (n_expert, k) = (as_i32("n_expert", r.n_expert)?, as_i32("k", r.k)?);
+    let gating: i32 = match r.gating {
+        Gating::Softmax => 0,
+        Gating::Sigmoid => 1,
+    };
+    let norm = r.norm as i32;
+    let f = dev.function(KernelModule::Route, "route_topk")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(logits.slice())
+        .arg(&n_expert)
+        .arg(&k)
+        .arg(&gating)
+        .arg(&norm)
+        .arg(&r.scale)
+        .arg(ids.slice_mut())
+        .arg(weights.slice_mut());
+    let threads = (r.n_expert.div_ceil(32) * 32).clamp(r.k.div_ceil(32) * 32, 1024) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (n_tokens as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    // SAFETY: logits hold n_tokens × n_expert floats, ids and weights n_tokens × k (checked above); the block
+    // has at least k threads and n_expert floats of dynamic shared memory.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("route_topk")
+}
+
+/// `out[t] (+)= Σ_j weights[t, j] · y[t, j]`: the weighted sum of each token's `k` expert outputs of `n`
+/// values (`y`: `[n_tokens, k, n]`, `out`: `[n_tokens, n]`); `accumulate` adds to `out` instead of
+/// overwriting it.
+pub fn moe_combine(
+    dev: &Device,
+    y: &DeviceBuffer<f32>,
+    weights: &DeviceBuffer<f32>,
+    k: usize,
+    accumulate: bool,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if k == 0 || !weights.len().is_multiple_of(k) {
+        return invalid(format!("moe_combine: {} weights, k {k}", weights.len()));
+    }
+    let n_tokens = weights.len() / k;
+    if !out.len().is_multiple_of(n_tokens) {
+        return invalid(format!(
+            "moe_combine: out of {} for {n_tokens} tokens",
+            out.len()
+        ));
+    }
+    let n = out.len() / n_tokens;
+    check_len("moe_combine y", y, n_tokens * k * n)?;
+    let (k_i, n_i, acc) = (as_i32("k", k)?, as_i32("n", n)?, accumulate as i32);
+    let f = dev.function(KernelModule::Route, "moe_combine")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(y.slice())
+        .arg(weights.slice())
+        .arg(&k_i)
+        .arg(&n_i)
+        .arg(&acc)
+        .arg(out.slice_mut());
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, n_tokens as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: y holds n_tokens × k × n floats, weights n_tokens × k, out n_tokens × n (checked above).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("moe_combine")
+}
+
+#[cfg(test)]
+mod tests {
+    //! Host-side checks that need no GPU: the kernel names and per-format constants the launchers use
+    //! agree with the `.cu` sources.
+
+    use super::*;
+    use crate::quant::WEIGHT_TYPES;
+
+    /// `(entry-point suffix, fmt struct)` of every `MATVEC_ENTRY_POINTS(suffix, struct)` line.
+    fn q_entry_points(src: &str) -> Vec<(String, String)> {
+        src.lines()
+            .filter_map(|l| l.trim().strip_prefix("MATVEC_ENTRY_POINTS("))
+            .filter_map(|rest| {
+                let inner = rest.strip_suffix(')')?;
+                let (name, fmt) = inner.split_once(',')?;
+                Some((name.trim().to_string(), fmt.trim().to_string()))
+            })
+            .collect()
+    }
+
+    /// `(qi, vdr)` of `struct fmt` in `src`, from its `static constexpr int qk = .., qi = .., vdr = ..;` line.
+    fn qi_vdr(src: &str, fmt: &str) -> (usize, usize) {
+        let start = src.find(&format!("struct {fmt} {{")).expect("fmt struct");
+        let line = src[start..]
+            .lines()
+            .find(|l| l.contains("static constexpr int qk"))
+            .expect("constants line");
+        let value = |key: &str| -> usize {
+            let at = line.find(&format!("{key} = ")).expect("key") + key.len() + 3;
+            line[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|d| d.parse().ok())
+                .expect("number")
+        };
+        (value("qi"), value("vdr"))
+    }
+
+    #[test]
+    fn every_gpu_format_has_both_kernels_and_matching_thread_counts() {
+        let q_src = KernelModule::MatvecQ.source();
+        let f_src = KernelModule::MatvecF.source();
+        let q_points = q_entry_points(&q_src);
+        for &ty in WEIGHT_TYPES {
+            match gpu_act(ty) {
+                Some(GpuAct::Q8_1) => {
+                    for experts in [false, true] {
+                        let name = q_kernel(ty, experts).unwrap();
+                        let suffix = name
+                            .trim_start_matches("matvec_")
+                            .trim_start_matches("experts_");
+                        let (_, fmt) = q_points
+                            .iter()
+                            .find(|(n, _)| n == suffix)
+                            .unwrap_or_else(|| panic!("{name} has no entry point in matvec_q.cu"));
+                        let (qi, vdr) = qi_vdr(&q_src, fmt);
+                        assert_eq!(threads_per_weight_block(ty), qi / vdr, "{ty}");
+                        assert_eq!(
+                            ty.block_elems(),
+                            if fmt.ends_with("_K") || fmt == "fmt_iq4_xs" {
+                                256
+                            } else {
+                                32
+                            },
+                            "{ty} vs {fmt}"
+                        );
+                    }
+                }
+                Some(GpuAct::F32) => {
+                    for experts in [false, true] {
+                        let name = f_kernel(ty, experts).unwrap();
+                        let suffix = name
+                            .trim_start_matches("matvec_")
+                            .trim_start_matches("experts_");
+                        assert!(
+                            f_src.contains(&format!("MATVEC_F_ENTRY_POINTS({suffix},")),
+                            "{name} has no entry point in matvec_f.cu"
+                        );
+                    }
+                }
+                None => assert!(q_kernel(ty, false).is_err() && f_kernel(ty, false).is_err()),
+            }
+        }
+    }
+
+    #[test]
+    fn warps_per_row_give_every_thread_work_where_they_can() {
+        // Q4_K: 16 threads per 256 values.
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 512), 1);
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 768), 2);
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 2048), 4);
+        // Q6_K: 32 threads per 256 values.
+        assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
+        let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
+        assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
+    }
+}

@@ -1,0 +1,291 @@
+//! Matrix×matrix for prompt batches (`matmul_*` in `kernels/cuda/matvec_q.cu`): the matvec kernels'
+//! integer dot products over tiles of [`MATMUL_TILE`] tokens, so each weight block comes from memory once
+//! per tile; and the expert-grouped form for MoE prompts: the (token, expert) pairs sorted by expert
+//! ([`ExpertGrouping`]), the activations gathered into that order, each tile one expert's run of rows, the
+//! outputs combined back per token with the routing weights.
+
+use super::module::KernelModule;
+use super::ops::{as_i32, check_len, invalid, q_matvec_config};
+use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
+use crate::quant::GgmlType;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Tokens per tile of the matmul kernels (`MATMUL_COLS`).
+pub const MATMUL_TILE: usize = 8;
+
+fn matmul_name(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
+    const NAMES: [(GgmlType, &str, &str); 12] = [
+        (GgmlType::Q4_0, "matmul_q4_0", "matmul_experts_q4_0"),
+        (GgmlType::Q4_1, "matmul_q4_1", "matmul_experts_q4_1"),
+        (GgmlType::Q5_0, "matmul_q5_0", "matmul_experts_q5_0"),
+        (GgmlType::Q5_1, "matmul_q5_1", "matmul_experts_q5_1"),
+        (GgmlType::Q8_0, "matmul_q8_0", "matmul_experts_q8_0"),
+        (GgmlType::Q2_K, "matmul_q2_k", "matmul_experts_q2_k"),
+        (GgmlType::Q3_K, "matmul_q3_k", "matmul_experts_q3_k"),
+        (GgmlType::Q4_K, "matmul_q4_k", "matmul_experts_q4_k"),
+        (GgmlType::Q5_K, "matmul_q5_k", "matmul_experts_q5_k"),
+        (GgmlType::Q6_K, "matmul_q6_k", "matmul_experts_q6_k"),
+        (GgmlType::IQ4_NL, "matmul_iq4_nl", "matmul_experts_iq4_nl"),
+        (GgmlType::IQ4_XS, "matmul_iq4_xs", "matmul_experts_iq4_xs"),
+    ];
+    NAMES
+        .iter()
+        .find(|(t, _, _)| *t == ty)
+        .map(|&(_, one, exp)| if experts { exp } else { one })
+        .ok_or_else(|| CudaError::Invalid(format!("no quantized matmul kernel for {ty}")))
+}
+
+/// `y = x·Wᵀ` for `n` tokens: `xq` the tokens' activations quantized ([`super::ops::quantize_q8_1`] over
+/// `[n, W.cols]`), `y` `[n, W.rows]`.
+pub fn matmul_q(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = matmul_name(w.ty, false)?;
+    let per_token = w.cols / BlockQ8_1::ELEMS;
+    if per_token == 0 || !xq.len().is_multiple_of(per_token) {
+        return invalid(format!("matmul x: {} blocks", xq.len()));
+    }
+    let n = xq.len() / per_token;
+    check_len("matmul y", y, n * w.rows)?;
+    let (mut cfg, wpr) = q_matvec_config(w.ty, w.rows, w.cols, 1);
+    let tiles = n.div_ceil(MATMUL_TILE);
+    if tiles > 65535 {
+        return invalid(format!("matmul: {n} tokens in one call"));
+    }
+    cfg.grid_dim.1 = tiles as u32;
+    let (ncols, nrows, n_i) = (
+        as_i32("cols", w.cols)?,
+        as_i32("rows", w.rows)?,
+        as_i32("tokens", n)?,
+    );
+    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(w.data().slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&n_i)
+        .arg(&wpr);
+    // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds n × cols/32 blocks
+    // and y n × rows floats (checked above); tile t reads and writes tokens 8t .. 8t+7 below n only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// A prompt's (token, expert) pairs sorted by expert: `rows[r]` is the token of sorted row `r`,
+/// `slot_row[t·k + j]` the sorted row of token `t`'s `j`-th choice, `tiles` the `(expert, first row, rows)`
+/// runs of at most [`MATMUL_TILE`] rows, one expert each (the launch's table).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertGrouping {
+    pub rows: Vec<i32>,
+    pub slot_row: Vec<i32>,
+    pub tiles: Vec<[i32; 3]>,
+}
+
+impl ExpertGrouping {
+    /// Groups the router's choices `ids` (`[n_tokens, k]`, expert ids below `n_expert`; others are left
+    /// out: their rows stay zero, as computed elsewhere).
+    pub fn new(ids: &[i32], k: usize, n_expert: usize) -> Self {
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        // A stable sort keeps each expert's tokens in order.
+        order.sort_by_key(|&s| ids[s]);
+        let mut rows = Vec::with_capacity(ids.len());
+        let mut slot_row = vec![0i32; ids.len()];
+        let mut tiles: Vec<[i32; 3]> = Vec::new();
+        for (r, &s) in order.iter().enumerate() {
+            rows.push((s / k.max(1)) as i32);
+            slot_row[s] = r as i32;
+            let e = ids[s];
+            let extend =
+                matches!(tiles.last(), Some(&[te, _, n]) if te == e && (n as usize) < MATMUL_TILE);
+            if extend {
+                if let Some(t) = tiles.last_mut() {
+                    t[2] += 1;
+                }
+            } else if e >= 0 && (e as usize) < n_expert {
+                tiles.push([e, r as i32, 1]);
+            }
+        }
+        ExpertGrouping {
+            rows,
+            slot_row,
+            tiles,
+        }
+    }
+}
+
+/// `y[r] = W_{e}·x[r]` for every sorted row `r` of every tile `(e, r0, n)` of `tiles` (`[n_tiles·3]` i32 in
+/// device memory, as [`ExpertGrouping::tiles`]): `xq` `[n_sorted, cols/32]` blocks, `y` `[n_sorted,
+/// rows]`. Rows no tile covers are not written.
+pub fn matmul_experts_q(
+    dev: &Device,
+    table: &ExpertTable,
+    tiles: &DeviceBuffer<i32>,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = matmul_name(table.ty, true)?;
+    let per_row = table.cols / BlockQ8_1::ELEMS;
+    if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
+        return invalid(format!(
+            "matmul_experts: {} blocks, {} tile ints",
+            xq.len(),
+            tiles.len()
+        ));
+    }
+    let n_sorted = xq.len() / per_row;
+    check_len("matmul_experts y", y, n_sorted * table.rows)?;
+    let n_tiles = tiles.len() / 3;
+    if n_tiles == 0 {
+        return Ok(());
+    }
+    if n_tiles > 65535 {
+        return invalid(format!("matmul_experts: {n_tiles} tiles in one call"));
+    }
+    let (mut cfg, wpr) = q_matvec_config(table.ty, table.rows, table.cols, 1);
+    cfg.grid_dim.1 = n_tiles as u32;
+    let (ncols, nrows, n_exp) = (
+        as_i32("cols", table.cols)?,
+        as_i32("rows", table.rows)?,
+        as_i32("experts", table.n_expert)?,
+    );
+    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(table.addresses().slice())
+        .arg(&n_exp)
+        .arg(tiles.slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&wpr);
+    // SAFETY: the table holds n_expert addresses of rows × cols matrices (or null); the tiles are read on
+    // the card, so the kernel must trust them: the caller builds them with ExpertGrouping over n_sorted
+    // rows (first row + count within n_sorted), which is what `tiles` documents. x and y are checked above.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// `dst[r] = src[rows[r]]` for rows of `width` values (activations into expert order).
+pub fn gather_rows(
+    dev: &Device,
+    src: &DeviceBuffer<f32>,
+    rows: &DeviceBuffer<i32>,
+    width: usize,
+    dst: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    check_len("gather_rows dst", dst, rows.len() * width)?;
+    if width == 0 || !src.len().is_multiple_of(width) {
+        return invalid(format!("gather_rows: src of {} values", src.len()));
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let w_i = as_i32("width", width)?;
+    let f = dev.function(KernelModule::Route, "gather_rows")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(src.slice())
+        .arg(rows.slice())
+        .arg(dst.slice_mut())
+        .arg(&w_i);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.len() as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: dst holds rows × width floats (checked); the row ids are read on the card and must be
+    // below src.len()/width, which ExpertGrouping guarantees for the tokens it was built from.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("gather_rows")
+}
+
+/// `out[t] (+)= Σ_j weights[t, j] · y_sorted[slot_row[t·k + j]]`: the weighted sum of each token's `k`
+/// expert outputs from expert order (`y_sorted` `[n_sorted, width]`, `out` `[n_tokens, width]`).
+pub fn moe_combine_sorted(
+    dev: &Device,
+    y_sorted: &DeviceBuffer<f32>,
+    slot_row: &DeviceBuffer<i32>,
+    weights: &DeviceBuffer<f32>,
+    k: usize,
+    accumulate: bool,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if k == 0 || !weights.len().is_multiple_of(k) || weights.is_empty() {
+        return invalid(format!(
+            "moe_combine_sorted: {} weights, k {k}",
+            weights.len()
+        ));
+    }
+    check_len("moe_combine_sorted slot_row", slot_row, weights.len())?;
+    let n_tokens = weights.len() / k;
+    if !out.len().is_multiple_of(n_tokens) {
+        return invalid(format!("moe_combine_sorted: out of {}", out.len()));
+    }
+    let width = out.len() / n_tokens;
+    check_len("moe_combine_sorted y", y_sorted, weights.len() * width)?;
+    let (k_i, w_i, add) = (as_i32("k", k)?, as_i32("width", width)?, accumulate as i32);
+    let f = dev.function(KernelModule::Route, "moe_combine_sorted")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(y_sorted.slice())
+        .arg(slot_row.slice())
+        .arg(weights.slice())
+        .arg(out.slice_mut())
+        .arg(&k_i)
+        .arg(&w_i)
+        .arg(&add);
+    let cfg = LaunchConfig {
+        grid_dim: (n_tokens as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: y_sorted holds n_tokens·k rows of width (checked), slot_row values are below n_tokens·k as
+    // ExpertGrouping builds them; out holds n_tokens × width.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("moe_combine_sorted")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_matmul_kernel_has_an_entry_point() {
+        let src = KernelModule::MatvecQ.source();
+        for &ty in crate::quant::WEIGHT_TYPES {
+            for experts in [false, true] {
+                if let Ok(name) = matmul_name(ty, experts) {
+                    // The entry points are made by MATVEC_ENTRY_POINTS(suffix, ..) from matmul_##name.
+                    let suffix = name
+                        .trim_start_matches("matmul_")
+                        .trim_start_matches("experts_");
+                    assert!(
+                        src.contains(&format!("MATVEC_ENTRY_POINTS({suffix},")),
+                        "{name}"
+                    );
+                }
+            }
+        }
+        assert!(src.contains("matmul_experts_##name("));
+    }
+
+    #[test]
+    fn grouping_sorts_by_expert_and_tiles_each_run() {
+        // 3 tokens, k = 2.
+        let ids = [2, 0, 0, 2, 2, 1];
+        let g = ExpertGrouping::new(&ids, 2, 3);
+        assert_eq!(g.rows, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(g.tiles, vec![[0, 0, 2], [1, 2, 1], [2, 3, 3]]);
+        for (s, &r) in g.slot_row.iter().enumerate() {
+            assert_eq!(g.rows[r as usize] as usize, s / 2);
+        }
+        let many = vec![5i32; 20];
+        let g = ExpertGrouping::new(&many, 1, 8);
+        assert_eq!(g.tiles, vec![[5, 0, 8], [5, 8, 8], [5, 16, 4]]);
+        // An id outside the experts gets no tile.
+        assert!(ExpertGrouping::new(&[9, 9], 1, 8).tiles.is_empty());
+    }
+}

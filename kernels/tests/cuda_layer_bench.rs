@@ -1,0 +1,244 @@
+//! Microbenchmarks of the layer-level CUDA kernels (attention, delta rule, prompt matmul, grouped experts,
+//! sampling), for the GPU machine: `cargo test --release -p poly-kernels --test cuda_layer_bench --
+//! --ignored --nocapture --test-threads 1`. Ignored by default (CI has no GPU). Each case prints
+//! microseconds per call (CUDA events around 20 calls after 3 warm-up ones) and a rate: bytes read per
+//! second for memory-bound kernels, tokens per second for prompt kernels.
+
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::sys::CUevent_flags;
+use poly_kernels::cuda::attention::{attention_f16, AttnSplit};
+use poly_kernels::cuda::prompt::{self, ExpertGrouping};
+use poly_kernels::cuda::recurrent::{self, DeltaInputs};
+use poly_kernels::cuda::sample;
+use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
+use poly_kernels::ops::attention::AttnParams;
+use poly_kernels::ops::recurrent::DeltaShape;
+use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::rng::Rng;
+use std::sync::Arc;
+
+const WARMUP: usize = 3;
+const ITERS: usize = 20;
+
+fn device() -> Option<Arc<Device>> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(CudaError::NoDevice(why)) => {
+            println!("skipped: no CUDA device ({why})");
+            None
+        }
+        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
+    }
+}
+
+fn time_calls(dev: &Device, mut call: impl FnMut()) -> f64 {
+    for _ in 0..WARMUP {
+        call();
+    }
+    let stream = dev.stream();
+    let start = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
+    for _ in 0..ITERS {
+        call();
+    }
+    let end = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event");
+    end.synchronize().expect("sync");
+    start.elapsed_ms(&end).expect("elapsed") as f64 / 1e3 / ITERS as f64
+}
+
+fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
+    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
+    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
+    w
+}
+
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_attention() {
+    let Some(dev) = device() else { return };
+    // Qwen3-30B-A3B's attention: 32 query heads, 4 KV heads of 128.
+    let p = AttnParams {
+        n_head: 32,
+        n_head_kv: 4,
+        head_dim_k: 128,
+        head_dim_v: 128,
+        scale: 0.088,
+        window: None,
+        softcap: None,
+    };
+    for (n_q, n_kv) in [
+        (1usize, 512usize),
+        (1, 8192),
+        (1, 32768),
+        (512, 512),
+        (2048, 2048),
+    ] {
+        let mut rng = Rng::new(1);
+        let q: Vec<f32> = (0..n_q * 32 * 128).map(|_| rng.normal()).collect();
+        let kv: Vec<u16> = (0..n_kv * 4 * 128)
+            .map(|_| half::f16::from_f32(rng.normal()).to_bits())
+            .collect();
+        let pos: Vec<i32> = ((n_kv - n_q) as i32..n_kv as i32).collect();
+        let (qd, kd, vd, posd) = (
+            dev.upload(&q).unwrap(),
+            dev.upload(&kv).unwrap(),
+            dev.upload(&kv).unwrap(),
+            dev.upload(&pos).unwrap(),
+        );
+        let mut out = dev.zeros::<f32>(n_q * 32 * 128).unwrap();
+        for split in [
+            AttnSplit::none(n_kv),
+            AttnSplit::for_occupancy(&p, n_q, n_kv, 264),
+        ] {
+            let len = split.scratch_len(&p, n_q, n_kv);
+            let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
+            let s = time_calls(&dev, || {
+                attention_f16(
+                    &dev,
+                    &qd,
+                    &posd,
+                    &kd,
+                    &vd,
+                    &p,
+                    split,
+                    scratch.as_mut(),
+                    &mut out,
+                )
+                .unwrap()
+            });
+            let bytes = 2 * kv.len() * 2;
+            println!(
+                "bench attention n_q {n_q} n_kv {n_kv} splits {}: {:.1} us, KV {:.0} GB/s, {:.0} query tokens/s",
+                split.n_split(n_kv),
+                s * 1e6,
+                bytes as f64 / s / 1e9,
+                n_q as f64 / s
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_delta_rule() {
+    let Some(dev) = device() else { return };
+    // Qwen3.6-35B-A3B's linear attention: 16 key heads, 32 value heads of 128.
+    let (n_k, n_v, head) = (16usize, 32usize, 128usize);
+    let shape = DeltaShape {
+        n_heads: n_v,
+        head_k: head,
+        head_v: head,
+    };
+    for n in [1usize, 512, 2048] {
+        let q = dev.upload(&vec![0.01f32; n * n_k * head]).unwrap();
+        let k = dev.upload(&vec![0.01f32; n * n_k * head]).unwrap();
+        let v = dev.upload(&vec![0.5f32; n * n_v * head]).unwrap();
+        let g = dev.upload(&vec![-0.1f32; n * n_v]).unwrap();
+        let b = dev.upload(&vec![0.5f32; n * n_v]).unwrap();
+        let mut state = dev.zeros::<f32>(n_v * head * head).unwrap();
+        let mut out = dev.zeros::<f32>(n * n_v * head).unwrap();
+        let x = DeltaInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            gate: &g,
+            beta: &b,
+            n_k_heads: n_k,
+        };
+        let s = time_calls(&dev, || {
+            recurrent::gated_delta_rule(&dev, &x, shape, &mut state, &mut out).unwrap()
+        });
+        println!(
+            "bench delta rule n {n}: {:.1} us, {:.0} tokens/s, state {:.0} GB/s",
+            s * 1e6,
+            n as f64 / s,
+            (2 * n_v * head * head * 4) as f64 / s / 1e9
+        );
+    }
+}
+
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_prompt_matmul() {
+    let Some(dev) = device() else { return };
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q5_K,
+        GgmlType::IQ4_XS,
+    ] {
+        // A 2048x4096 attention projection (Qwen3-30B-A3B's q_proj shape) over 512 tokens.
+        let (rows, cols, n) = (4096usize, 2048usize, 512usize);
+        let mut rng = Rng::new(2);
+        let w = random_weights(ty, &mut rng, rows * cols);
+        let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
+        let xq = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
+        let mut y = dev.zeros::<f32>(n * rows).unwrap();
+        let s = time_calls(&dev, || prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap());
+        println!(
+            "bench matmul {ty} {rows}x{cols} n {n}: {:.1} us, {:.2} TFLOP/s, {:.0} tokens/s",
+            s * 1e6,
+            2.0 * (rows * cols * n) as f64 / s / 1e12,
+            n as f64 / s
+        );
+    }
+}
+
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_grouped_experts() {
+    let Some(dev) = device() else { return };
+    // Qwen3-30B-A3B's gate/up projection (768 x 2048, 128 experts, 8 per token) over 512 tokens.
+    let (rows, cols, n_expert, k, n) = (768usize, 2048usize, 128usize, 8usize, 512usize);
+    let ty = GgmlType::Q4_K;
+    let mut rng = Rng::new(3);
+    let w = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).unwrap();
+    let ids: Vec<i32> = (0..n * k)
+        .map(|_| rng.below(n_expert as u32) as i32)
+        .collect();
+    let g = ExpertGrouping::new(&ids, k, n_expert);
+    let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
+    let tilesd = dev.upload(&tiles).unwrap();
+    let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+    let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
+    let s = time_calls(&dev, || {
+        prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, &xq, &mut y).unwrap()
+    });
+    println!(
+        "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} ({} tiles): {:.1} us, {:.0} tokens/s, \
+         {:.0} GB/s of expert weights",
+        g.tiles.len(),
+        s * 1e6,
+        n as f64 / s,
+        w.len() as f64 / s / 1e9
+    );
+}
+
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_sampling() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(4);
+    let logits: Vec<f32> = (0..151_936).map(|_| rng.normal()).collect();
+    let ld = dev.upload(&logits).unwrap();
+    let mut token = dev.zeros::<i32>(1).unwrap();
+    let mut counter = dev.zeros::<u64>(1).unwrap();
+    let s = time_calls(&dev, || sample::argmax(&dev, &ld, &mut token).unwrap());
+    println!("bench argmax 151936: {:.1} us", s * 1e6);
+    let d = sample::DrawParams {
+        top_k: 40,
+        top_p: 0.95,
+        temperature: 0.8,
+        seed: 1,
+    };
+    let s = time_calls(&dev, || {
+        sample::sample_top_k(&dev, &ld, d, &mut counter, &mut token).unwrap()
+    });
+    println!("bench top-k 40 draw 151936: {:.1} us", s * 1e6);
+}
