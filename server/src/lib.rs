@@ -6,8 +6,10 @@
 //! - [`engine`]: one `poly-engine` child process and the supervisor that switches models.
 //! - [`model_text`]: a loaded model's text side as the HTTP layer uses it; [`generate`]: one generation.
 //! - [`http`]: the OpenAI, Anthropic and management APIs; [`client`]: a blocking client of them (the
-//!   terminal chat builds on it).
+//!   terminal chat builds on it); [`web`]: the chat page served at `/`.
+//! - [`chat`]: the terminal chat (`polystrata --model NAME`).
 
+pub mod chat;
 pub mod client;
 pub mod engine;
 pub mod generate;
@@ -16,3 +18,4 @@ pub mod http;
 pub mod model_text;
 pub mod registry;
 pub mod text;
+pub mod web;

@@ -7,7 +7,7 @@
 //!
 //! Commands: `polystrata serve` (the server alone), `polystrata --list-models` (the registry),
 //! `polystrata tokenizer --gguf FILE --out DIR` (a model's tokenizer directory). The terminal
-//! chat (`polystrata --model NAME`) is a client of the HTTP API and lives in its own module when built.
+//! chat (`polystrata --model NAME`) is a client of the HTTP API (`chat`).
 
 use clap::{Parser, Subcommand};
 use polystrata::engine::process::StopTimeouts;
@@ -32,9 +32,12 @@ struct Args {
     /// Print the installed models with their registry fields and exit.
     #[arg(long)]
     list_models: bool,
-    /// Chat in the terminal with this model (not built yet).
+    /// Chat in the terminal with this model (a server on --port is switched to it, else one is started).
     #[arg(long)]
     model: Option<String>,
+    /// The port of the server the terminal chat uses (or starts).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -91,11 +94,12 @@ fn main() -> ExitCode {
     if args.list_models {
         return list_models(&registry);
     }
-    if let Some(name) = args.model {
-        eprintln!(
-            "polystrata: the terminal chat is not built yet; run `polystrata serve --load {name}` and use the HTTP API"
-        );
-        return ExitCode::from(2);
+    if let Some(model) = args.model {
+        return polystrata::chat::run(polystrata::chat::ChatOptions {
+            model,
+            home: args.home,
+            port: args.port,
+        });
     }
     match args.command {
         Some(Command::Serve(serve)) => run_server(registry, serve),
@@ -167,6 +171,12 @@ fn list_models(registry: &Registry) -> ExitCode {
         }
         if let Some(p) = &e.problem {
             println!("    problem: {p}");
+        }
+        if let Some(n) = &e.notes {
+            println!("    notes: {n}");
+        }
+        if !e.aliases.is_empty() {
+            println!("    aliases: {}", e.aliases.join(", "));
         }
     }
     ExitCode::SUCCESS

@@ -90,6 +90,12 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBod
     let path = req.uri().path().trim_end_matches('/').to_string();
     let flavor = flavor_of(&path);
     let method = req.method().clone();
+    // The web page's files are public (the page asks for the API key itself).
+    if method == Method::GET {
+        if let Some(page) = crate::web::asset(&path) {
+            return page;
+        }
+    }
     if path != "/health" && !authorized(&state, &req) {
         return ApiError::new(Kind::Unauthorized, "invalid or missing API key").response(flavor);
     }

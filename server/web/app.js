@@ -1,0 +1,301 @@
+// The chat page: conversations kept in localStorage, answers streamed from /v1/chat/completions (SSE read
+// from fetch), reasoning shown collapsed, and a model picker over /api/models that loads through
+// /api/models/load. State the tests read is mirrored in data- attributes (body.dataset.modelState, each
+// assistant message's data-state and data-chunks).
+"use strict";
+
+const STORE = "polystrata.conversations";
+const CURRENT = "polystrata.current";
+const el = (id) => document.getElementById(id);
+const ui = {
+  picker: el("model-picker"), name: el("model-name"), status: el("model-status"), notice: el("notice"),
+  messages: el("messages"), list: el("conversations"), input: el("input"), send: el("send"),
+  stop: el("stop"), form: el("composer"), newChat: el("new-chat"),
+};
+const state = { models: [], current: null, conversations: [], active: null, abort: null, loading: false };
+
+// --- requests ---------------------------------------------------------------------------------------
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = localStorage.getItem("polystrata.apiKey");
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+async function errorText(resp) {
+  try {
+    const body = await resp.json();
+    const e = body.error || body;
+    return (e.message || JSON.stringify(e)) + " (HTTP " + resp.status + ")";
+  } catch (_) {
+    return "HTTP " + resp.status;
+  }
+}
+
+async function api(path, body) {
+  const init = body === undefined ? { headers: headers() } : { method: "POST", headers: headers(), body: JSON.stringify(body) };
+  const resp = await fetch(path, init);
+  if (resp.status === 401) {
+    const key = prompt("This server needs an API key:");
+    if (key) { localStorage.setItem("polystrata.apiKey", key); return api(path, body); }
+  }
+  if (!resp.ok) throw new Error(await errorText(resp));
+  return resp.json();
+}
+
+// --- models -----------------------------------------------------------------------------------------
+function setStatus(text, kind) {
+  ui.status.textContent = text;
+  ui.status.className = kind === "error" ? "error" : "";
+  document.body.dataset.modelState = kind || "";
+}
+
+function currentEntry() {
+  return state.models.find((m) => m.id === state.current) || null;
+}
+
+function showNotice(entry) {
+  const lines = [];
+  if (entry && entry.base) lines.push(entry.display_name + " is a small base model: it continues text and does not follow a conversation.");
+  if (entry && entry.notes) lines.push(entry.notes);
+  ui.notice.textContent = lines.join(" ");
+  ui.notice.hidden = lines.length === 0;
+}
+
+async function refreshModels() {
+  const data = await api("/api/models");
+  state.models = data.models || [];
+  state.current = data.current || null;
+  ui.picker.innerHTML = "";
+  for (const m of state.models) {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.textContent = m.display_name && m.display_name !== m.id ? m.display_name + " (" + m.id + ")" : m.id;
+    if (m.status === "unavailable") { option.disabled = true; option.title = m.problem || "unavailable"; option.textContent += " - unavailable"; }
+    ui.picker.appendChild(option);
+  }
+  ui.picker.hidden = state.models.length < 2;
+  if (state.current) ui.picker.value = state.current;
+  const entry = currentEntry();
+  ui.name.textContent = state.models.length < 2 && state.models[0] ? state.models[0].display_name || state.models[0].id : "";
+  if (!state.models.length) setStatus("no models installed", "error");
+  else if (entry) setStatus(entry.status === "loaded" ? "loaded" : entry.status, entry.status === "loaded" ? "loaded" : "unloaded");
+  else setStatus("no model loaded", "unloaded");
+  showNotice(entry);
+}
+
+async function loadModel(id) {
+  if (state.loading) return;
+  state.loading = true;
+  ui.picker.disabled = true;
+  ui.send.disabled = true;
+  const started = Date.now();
+  const tick = () => setStatus("loading " + id + " ... " + Math.round((Date.now() - started) / 1000) + " s", "loading");
+  tick();
+  const timer = setInterval(tick, 500);
+  try {
+    await api("/api/models/load", { model: id });
+    clearInterval(timer);
+    await refreshModels();
+    setStatus("loaded in " + ((Date.now() - started) / 1000).toFixed(1) + " s", "loaded");
+  } catch (e) {
+    clearInterval(timer);
+    await refreshModels().catch(() => {});
+    setStatus("could not load " + id + ": " + e.message, "error");
+  } finally {
+    state.loading = false;
+    ui.picker.disabled = false;
+    ui.send.disabled = state.abort !== null;
+  }
+}
+
+// --- conversations ----------------------------------------------------------------------------------
+function save() {
+  try { localStorage.setItem(STORE, JSON.stringify(state.conversations)); } catch (_) { /* full: keep in memory */ }
+  if (state.active) localStorage.setItem(CURRENT, state.active.id); else localStorage.removeItem(CURRENT);
+}
+
+function newConversation() {
+  const c = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 7), title: "New chat", messages: [], updated: Date.now() };
+  state.conversations.unshift(c);
+  state.active = c;
+  save();
+  renderAll();
+}
+
+function deleteConversation(id) {
+  state.conversations = state.conversations.filter((c) => c.id !== id);
+  if (state.active && state.active.id === id) state.active = state.conversations[0] || null;
+  save();
+  renderAll();
+}
+
+function renderList() {
+  ui.list.innerHTML = "";
+  for (const c of state.conversations) {
+    const li = document.createElement("li");
+    li.className = state.active && c.id === state.active.id ? "active" : "";
+    li.dataset.id = c.id;
+    const title = document.createElement("span");
+    title.className = "title";
+    title.textContent = c.title;
+    const del = document.createElement("button");
+    del.className = "delete";
+    del.type = "button";
+    del.title = "Delete this conversation";
+    del.textContent = "\u2715";
+    del.onclick = (ev) => { ev.stopPropagation(); deleteConversation(c.id); };
+    li.onclick = () => { if (!state.abort) { state.active = c; save(); renderAll(); } };
+    li.append(title, del);
+    ui.list.appendChild(li);
+  }
+}
+
+function messageView(m) {
+  const div = document.createElement("div");
+  div.className = "message " + m.role;
+  const role = document.createElement("div");
+  role.className = "role";
+  role.textContent = m.role === "user" ? "You" : (m.model || "Assistant");
+  div.appendChild(role);
+  if (m.role === "assistant") {
+    const details = document.createElement("details");
+    details.className = "reasoning";
+    details.hidden = !m.reasoning;
+    details.innerHTML = "<summary>Reasoning</summary>";
+    const rtext = document.createElement("div");
+    rtext.className = "reasoning-text";
+    rtext.textContent = m.reasoning || "";
+    details.appendChild(rtext);
+    div.appendChild(details);
+  }
+  const content = document.createElement("div");
+  content.className = "content";
+  if (m.role === "assistant") content.innerHTML = renderMarkdown(m.content || "");
+  else content.textContent = m.content;
+  div.appendChild(content);
+  const error = document.createElement("div");
+  error.className = "error";
+  error.textContent = m.error || "";
+  div.appendChild(error);
+  div.dataset.state = m.state || "done";
+  return div;
+}
+
+function renderMessages() {
+  ui.messages.innerHTML = "";
+  if (!state.active) return;
+  for (const m of state.active.messages) ui.messages.appendChild(messageView(m));
+  ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+function renderAll() { renderList(); renderMessages(); }
+
+// --- streaming --------------------------------------------------------------------------------------
+// Calls onEvent with each SSE `data:` payload (parsed JSON) until `[DONE]` or the end of the body.
+async function readSse(resp, onEvent) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return;
+      onEvent(JSON.parse(data));
+    }
+  }
+}
+
+async function send(text) {
+  if (!state.active) newConversation();
+  const conv = state.active;
+  const model = state.current || (state.models.find((m) => m.status !== "unavailable") || {}).id;
+  conv.messages.push({ role: "user", content: text });
+  if (conv.title === "New chat") conv.title = text.slice(0, 40);
+  const reply = { role: "assistant", content: "", reasoning: "", model, state: "streaming" };
+  conv.messages.push(reply);
+  conv.updated = Date.now();
+  save();
+  renderAll();
+  const view = ui.messages.lastElementChild;
+  const contentEl = view.querySelector(".content");
+  const reasoningEl = view.querySelector(".reasoning");
+  let chunks = 0;
+  let scheduled = false;
+  const paint = () => {
+    scheduled = false;
+    contentEl.innerHTML = renderMarkdown(reply.content);
+    reasoningEl.hidden = !reply.reasoning;
+    reasoningEl.querySelector(".reasoning-text").textContent = reply.reasoning;
+    view.dataset.chunks = String(chunks);
+    ui.messages.scrollTop = ui.messages.scrollHeight;
+  };
+  const controller = new AbortController();
+  state.abort = controller;
+  ui.send.disabled = true;
+  ui.stop.hidden = false;
+  const body = {
+    model, stream: true,
+    messages: conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: m.content })),
+  };
+  const maxTokens = Number(localStorage.getItem("polystrata.maxTokens"));
+  if (maxTokens > 0) body.max_tokens = maxTokens;
+  try {
+    const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
+    if (!resp.ok) throw new Error(await errorText(resp));
+    await readSse(resp, (event) => {
+      if (event.error) throw new Error(event.error.message || JSON.stringify(event.error));
+      const delta = (event.choices && event.choices[0] && event.choices[0].delta) || {};
+      if (delta.reasoning_content) { reply.reasoning += delta.reasoning_content; chunks++; }
+      if (delta.content) { reply.content += delta.content; chunks++; }
+      if (!scheduled) { scheduled = true; requestAnimationFrame(paint); }
+    });
+    reply.state = "done";
+  } catch (e) {
+    if (e.name === "AbortError") reply.state = "stopped";
+    else { reply.state = "error"; reply.error = e.message; controller.abort(); }
+  } finally {
+    state.abort = null;
+    ui.stop.hidden = true;
+    ui.send.disabled = state.loading;
+    paint();
+    view.querySelector(".error").textContent = reply.error || (reply.state === "stopped" ? "(stopped)" : "");
+    view.dataset.state = reply.state;
+    conv.updated = Date.now();
+    save();
+    if (state.current !== model) refreshModels().catch(() => {});
+  }
+}
+
+// --- wiring -----------------------------------------------------------------------------------------
+ui.form.addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const text = ui.input.value.trim();
+  if (!text || state.abort || state.loading) return;
+  ui.input.value = "";
+  send(text);
+});
+ui.input.addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); ui.form.requestSubmit(); }
+});
+ui.stop.addEventListener("click", () => { if (state.abort) state.abort.abort(); });
+ui.newChat.addEventListener("click", () => { if (!state.abort) newConversation(); });
+ui.picker.addEventListener("change", () => loadModel(ui.picker.value));
+
+(function start() {
+  try { state.conversations = JSON.parse(localStorage.getItem(STORE) || "[]"); } catch (_) { state.conversations = []; }
+  // A reply cut off by closing the page is kept as it stood.
+  for (const c of state.conversations) for (const m of c.messages) if (m.state === "streaming") m.state = "stopped";
+  const id = localStorage.getItem(CURRENT);
+  state.active = state.conversations.find((c) => c.id === id) || state.conversations[0] || null;
+  renderAll();
+  refreshModels().then(() => { document.body.dataset.ready = "1"; })
+    .catch((e) => { setStatus("cannot reach the server: " + e.message, "error"); document.body.dataset.ready = "1"; });
+})();

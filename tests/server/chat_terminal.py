@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Drives `polystrata --model NAME` through a pseudo-terminal (Python's standard `pty`/`os.openpty`), as a
+person at a terminal would: commands and messages typed line by line, the output read as it comes.
+
+Usage:
+  chat_terminal.py own   --bin POLYSTRATA --home HOME --port PORT --first qwen --second gem
+      no server on PORT: the chat starts one, lists, chats, switches by part of a name, shows info,
+      unloads, chats again (the model loads again), refuses an unknown name, and stops its server at /quit.
+  chat_terminal.py shared --bin POLYSTRATA --home HOME --port PORT --first gem
+      a server already runs on PORT: the chat switches it to the model, chats, ends at EOF (Ctrl-D), and the
+      server keeps running with that model.
+Exits non-zero with the reason (and the transcript) on the first failure.
+"""
+
+import argparse
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+import urllib.request
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Terminal:
+    def __init__(self, argv):
+        self.master, slave = os.openpty()
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        self.raw = b""  # everything read, escapes included
+        self.pending = ""  # read but not yet matched, escapes removed
+
+    def _fill(self, timeout):
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            data = b""
+        if not data:
+            return False
+        self.raw += data
+        self.pending += ANSI.sub("", data.decode("utf-8", "replace")).replace("\r", "")
+        return True
+
+    def expect(self, pattern, timeout=120):
+        """Waits for `pattern` (a regex over the text without escapes); returns the text before it."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        while True:
+            m = regex.search(self.pending)
+            if m:
+                before = self.pending[: m.start()]
+                self.pending = self.pending[m.end():]
+                return before, m
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"timed out waiting for {pattern!r}; pending output: {self.pending[-2000:]!r}")
+            if not self._fill(min(left, 1.0)):
+                if not regex.search(self.pending):
+                    raise RuntimeError(f"the chat ended before {pattern!r}; output: {self.pending[-2000:]!r}")
+
+    def send(self, line):
+        os.write(self.master, line.encode() + b"\n")
+
+    def eof(self):
+        os.write(self.master, b"\x04")
+
+    def wait(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._fill(0.2)
+        return self.proc.wait(timeout=max(1, deadline - time.monotonic()))
+
+
+def get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+        return json.load(r)
+
+
+def answers(port):
+    try:
+        get(port, "/health")
+        return True
+    except OSError:
+        return False
+
+
+def check(cond, message):
+    if not cond:
+        raise RuntimeError(message)
+
+
+def prompt(model):
+    return rf"\n{re.escape(model)}> "
+
+
+def chat_once(term, model, text):
+    """Sends a message; returns what was shown between the echoed line and the next prompt."""
+    term.send(text)
+    term.expect(re.escape(text) + r"\n", 10)
+    shown, _ = term.expect(prompt(model), 180)
+    check(shown.strip() != "", f"no answer shown to {text!r}")
+    check("error:" not in shown, f"the answer was an error: {shown!r}")
+    return shown
+
+
+def own(args, term):
+    term.expect(r"starting a server on port", 30)
+    _, m = term.expect(r"loading (\S+) \.\.\.", 60)
+    first = m.group(1)
+    check(args.first in first, f"{args.first!r} resolved to {first!r}")
+    term.expect(rf"{re.escape(first)} loaded in", 180)
+    term.expect(prompt(first), 10)
+    check(answers(args.port), "the chat's server does not answer")
+
+    term.send("/model list")
+    listing, _ = term.expect(prompt(first), 30)
+    lines = [l for l in listing.splitlines() if l.strip() and "/model list" not in l]
+    check(len(lines) == 2, f"/model list printed {lines}")
+    check(any(l.startswith(f"* {first} ") and "[loaded]" in l for l in lines), f"current not marked: {lines}")
+    second = next(l.split()[0] for l in lines if not l.startswith("*"))
+    check(args.second in second, f"the other model is {second!r}")
+
+    term.send("/set max_tokens 16")
+    term.expect(prompt(first), 10)
+    shown = chat_once(term, first, "Hello there, who are you?")
+    print(f"{first} answered {len(shown)} characters")
+
+    term.send(f"/model switch {args.second}")
+    term.expect(rf"{re.escape(second)} loaded in .*a new conversation", 180)
+    term.expect(prompt(second), 10)
+    current = get(args.port, "/api/models/current")
+    check(current["model"] == second and current["loaded"], f"after the switch the server has {current}")
+
+    term.send("/model info")
+    info, _ = term.expect(prompt(second), 30)
+    check(f"id: {second}" in info and "backend: " in info and "status: loaded" in info, f"/model info: {info!r}")
+    term.send(f"/model info {args.first}")
+    info, _ = term.expect(prompt(second), 30)
+    check(f"id: {first}" in info and "status: available" in info, f"/model info {args.first}: {info!r}")
+    term.send("/model")
+    shown, _ = term.expect(prompt(second), 30)
+    check(f"model {second}" in shown and "loaded" in shown, f"/model: {shown!r}")
+
+    term.send("/model unload")
+    term.expect(rf"unloaded {re.escape(second)}", 60)
+    term.expect(prompt(second), 10)
+    check(not get(args.port, "/api/models/current")["loaded"], "the model is still loaded after /model unload")
+
+    shown = chat_once(term, second, "Tell me about the sea.")
+    check(get(args.port, "/api/models/current")["loaded"], "the next message did not load the model again")
+    print(f"{second} answered {len(shown)} characters after the unload")
+
+    term.send("/model switch nosuchmodel")
+    shown, _ = term.expect(prompt(second), 30)
+    check("no model is called" in shown, f"an unknown name: {shown!r}")
+
+    term.send("/quit")
+    term.expect(r"stopping the server", 30)
+    rc = term.wait(90)
+    check(rc == 0, f"the chat exited {rc}")
+    check(not answers(args.port), "the chat's server still answers after /quit")
+
+
+def shared(args, term):
+    term.expect(rf"using the server on port {args.port}", 30)
+    _, m = term.expect(r"loading (\S+) \.\.\.", 60)
+    model = m.group(1)
+    check(args.first in model, f"{args.first!r} resolved to {model!r}")
+    term.expect(prompt(model), 180)
+    term.send("/set max_tokens 12")
+    term.expect(prompt(model), 10)
+    chat_once(term, model, "Hi!")
+    term.eof()
+    rc = term.wait(30)
+    check(rc == 0, f"the chat exited {rc} at EOF")
+    current = get(args.port, "/api/models/current")
+    check(current["model"] == model and current["loaded"], f"the shared server now has {current}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["own", "shared"])
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--home", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--first", required=True)
+    ap.add_argument("--second", default="")
+    args = ap.parse_args()
+    argv = [args.bin, "--home", args.home, "--port", str(args.port), "--model", args.first]
+    term = Terminal(argv)
+    t0 = time.monotonic()
+    try:
+        (own if args.mode == "own" else shared)(args, term)
+        dim = b"\x1b[2m" in term.raw
+        print(f"chat {args.mode}: ok in {time.monotonic() - t0:.1f} s (reasoning dimmed: {dim})")
+    except Exception as e:
+        print(f"chat {args.mode}: FAILED: {e}", file=sys.stderr)
+        print("transcript:\n" + term.raw.decode("utf-8", "replace")[-6000:], file=sys.stderr)
+        if term.proc.poll() is None:
+            os.killpg(term.proc.pid, 15)
+            term.proc.wait()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

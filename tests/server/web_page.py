@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""Drives the chat page of a running `polystrata serve` in headless Chromium over the DevTools protocol.
+
+Standard library only: the DevTools websocket (RFC 6455, client side: masked frames out, plain frames in,
+fragments joined) is a few dozen lines, which keeps the test free of pip packages; Chromium is the one
+thing to install (Debian: `apt-get install -y chromium`).
+
+Usage: web_page.py --url http://127.0.0.1:PORT/ --pick MODEL --other MODEL --broken MODEL --shot OUT.png
+The page must list the three models; a load of the broken one must fail; the script picks MODEL in the header, sends a message, watches the answer
+stream in, checks the Markdown renderer escapes HTML and reasoning shows collapsed, reloads and finds the conversation kept, and saves
+a screenshot. It exits non-zero with the reason on the first failure.
+"""
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+
+
+class WebSocket:
+    """A minimal websocket client: text frames, enough for the DevTools protocol."""
+
+    def __init__(self, url, timeout):
+        parts = urllib.parse.urlparse(url)
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET {parts.path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+                "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise RuntimeError("websocket handshake: connection closed")
+            head += chunk
+        status = head.split(b"\r\n", 1)[0]
+        if b" 101 " not in status:
+            raise RuntimeError(f"websocket handshake refused: {status!r}")
+        self.buffer = head.split(b"\r\n\r\n", 1)[1]
+
+    def send(self, text):
+        payload = text.encode()
+        header = bytes([0x81])
+        n = len(payload)
+        if n < 126:
+            header += bytes([0x80 | n])
+        elif n < 65536:
+            header += bytes([0x80 | 126]) + struct.pack(">H", n)
+        else:
+            header += bytes([0x80 | 127]) + struct.pack(">Q", n)
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(header + mask + masked)
+
+    def _read(self, n):
+        while len(self.buffer) < n:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise RuntimeError("websocket closed")
+            self.buffer += chunk
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+    def recv(self):
+        message = b""
+        while True:
+            b0, b1 = self._read(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._read(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._read(8))[0]
+            mask = self._read(4) if b1 & 0x80 else None
+            data = self._read(n)
+            if mask:
+                data = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+            opcode = b0 & 0x0F
+            if opcode == 0x8:
+                raise RuntimeError("websocket closed by the browser")
+            if opcode == 0x9:  # ping: answer with pong
+                self.sock.sendall(bytes([0x8A, 0x80 | len(data)]) + b"\0\0\0\0" + data)
+                continue
+            if opcode in (0x0, 0x1, 0x2):
+                message += data
+                if b0 & 0x80:
+                    return message.decode()
+
+
+class DevTools:
+    def __init__(self, ws_url, timeout):
+        self.ws = WebSocket(ws_url, timeout)
+        self.next_id = 0
+
+    def call(self, method, **params):
+        self.next_id += 1
+        wanted = self.next_id
+        self.ws.send(json.dumps({"id": wanted, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == wanted:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    def eval(self, expression):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"page error in {expression!r}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def wait_for(self, expression, what, timeout):
+        """Polls `expression` until it is truthy; the page changes on its own (streams, loads)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.eval(expression)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+            time.sleep(0.05)
+
+
+def find_chromium():
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise SystemExit("no chromium found: apt-get install -y chromium (or set CHROMIUM)")
+
+
+def start_browser(profile):
+    args = [
+        find_chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
+        "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1200,860", "about:blank",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Chromium names its DevTools address on stderr once it listens.
+    for line in proc.stderr:
+        if "DevTools listening on" in line:
+            port = urllib.parse.urlparse(line.split("DevTools listening on", 1)[1].strip()).port
+            return proc, port
+    raise SystemExit(f"chromium exited ({proc.wait()}) before it listened")
+
+
+def page_socket(port, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+            pages = [t for t in json.load(r) if t.get("type") == "page"]
+        if pages:
+            return pages[0]["webSocketDebuggerUrl"]
+        if time.monotonic() > deadline:
+            raise RuntimeError("chromium has no page target")
+        time.sleep(0.1)
+
+
+def check(cond, message):
+    if not cond:
+        raise RuntimeError(message)
+
+
+def run(args, cdp):
+    cdp.call("Page.enable")
+    cdp.call("Runtime.enable")
+    cdp.call("Page.navigate", url=args.url)
+    cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the page to read /api/models", 60)
+    # A short answer keeps the run fast on 2 cores; the page sends max_tokens when this is set.
+    cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+
+    options = cdp.eval("[...document.querySelectorAll('#model-picker option')].map(o => o.value)")
+    check(sorted(options) == sorted([args.pick, args.other, args.broken]), f"the picker lists {options}")
+    check(cdp.eval("!document.getElementById('model-picker').hidden"), "the picker is hidden with two models")
+
+    # The renderer escapes what a model writes and still renders Markdown.
+    html = cdp.eval("renderMarkdown('**bold** <img src=x onerror=alert(1)> `a<b`\\n```js\\nlet x = 1 < 2;\\n```')")
+    check("<strong>bold</strong>" in html and "<img" not in html and "&lt;img" in html, f"markdown: {html}")
+    check('<pre><code class="language-js">let x = 1 &lt; 2;</code></pre>' in html, f"code block: {html}")
+
+    # Reasoning shows collapsed above the answer.
+    view = cdp.eval(
+        "(() => { const v = messageView({role: 'assistant', content: 'The answer', reasoning: 'Thinking it over'});"
+        " const d = v.querySelector('details.reasoning');"
+        " return [d.hidden, d.open, d.textContent, v.querySelector('.content').textContent]; })()"
+    )
+    check(view == [False, False, "ReasoningThinking it over", "The answer"], f"reasoning view: {view}")
+
+    # Pick the model in the header: the page loads it and shows progress, then "loaded".
+    t0 = time.monotonic()
+    # The state right after the change event: the page shows progress before the load answers.
+    saw_loading = cdp.eval(
+        f"(() => {{ const p = document.getElementById('model-picker'); p.value = {json.dumps(args.pick)};"
+        " p.dispatchEvent(new Event('change')); return document.body.dataset.modelState"
+        " + ' ' + document.getElementById('model-status').textContent; })()"
+    ).startswith("loading loading " + args.pick)
+    cdp.wait_for("document.body.dataset.modelState === 'loaded'", f"{args.pick} to load", 120)
+    check(saw_loading, "the page showed no progress while loading")
+    check(cdp.eval("document.getElementById('model-picker').value") == args.pick, "the picker did not keep the model")
+    with urllib.request.urlopen(urllib.parse.urljoin(args.url, "/api/models/current"), timeout=10) as r:
+        current = json.load(r)
+    check(current.get("model") == args.pick and current.get("loaded"), f"the server's model is {current}")
+    print(f"picked {args.pick}: loaded in {time.monotonic() - t0:.1f} s")
+
+    # A model whose engine fails to start: the page says so, and the server keeps the model it had.
+    cdp.eval(
+        f"(() => {{ const p = document.getElementById('model-picker'); p.value = {json.dumps(args.broken)};"
+        " p.dispatchEvent(new Event('change')); })()"
+    )
+    cdp.wait_for("document.body.dataset.modelState === 'error'", f"{args.broken} to fail", 120)
+    status = cdp.eval("document.getElementById('model-status').textContent")
+    check(status.startswith(f"could not load {args.broken}: "), f"the failed load shows {status!r}")
+    check(cdp.eval("document.getElementById('model-picker').value") == args.pick, "the picker left the loaded model")
+    print(f"failed load shown: {status}")
+
+    # Send a message as a person would: type into the box and press Enter.
+    cdp.eval("document.getElementById('input').focus()")
+    cdp.call("Input.insertText", text="Write a short poem about rivers.")
+    for kind in ("keyDown", "keyUp"):
+        cdp.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13,
+                 **({"text": "\r"} if kind == "keyDown" else {}))
+    t0 = time.monotonic()
+    try:
+        cdp.wait_for("!!document.querySelector('.message.assistant')", "the answer to appear", 10)
+    except RuntimeError:
+        seen = cdp.eval("[document.getElementById('input').value, document.activeElement.id,"
+                        " document.getElementById('send').disabled, document.body.dataset.modelState]")
+        raise RuntimeError(f"no answer appeared after Enter (input, focus, send disabled, model state: {seen})")
+    # While streaming, the Stop button shows; the text grows event by event.
+    lengths = set()
+    deadline = time.monotonic() + 120
+    while True:
+        state, n = cdp.eval(
+            "(() => { const m = document.querySelector('.message.assistant');"
+            " return [m.dataset.state, m.querySelector('.content').textContent.length]; })()"
+        )
+        lengths.add(n)
+        if state != "streaming":
+            break
+        check(time.monotonic() < deadline, "the answer did not finish in 120 s")
+        time.sleep(0.02)
+    answer = cdp.eval("document.querySelector('.message.assistant .content').textContent")
+    chunks = int(cdp.eval("document.querySelector('.message.assistant').dataset.chunks || '0'"))
+    error = cdp.eval("document.querySelector('.message.assistant .error').textContent")
+    check(state == "done", f"the answer ended {state}: {error}")
+    check(answer.strip() != "", "the answer is empty")
+    check(chunks > 1, f"the answer came in {chunks} event(s), not a stream")
+    check(cdp.eval("document.getElementById('stop').hidden"), "the Stop button stays after the answer")
+    print(f"answer streamed in {chunks} events, {len(answer)} characters, {len(lengths)} sizes seen, "
+          f"{time.monotonic() - t0:.1f} s")
+
+    # The model's notes (from its run config) show under the header.
+    if args.notes:
+        notice = cdp.eval("document.getElementById('notice').hidden ? '' : document.getElementById('notice').textContent")
+        check(args.notes in notice, f"the notice says {notice!r}")
+
+    # Stop: a long answer is cut off by the Stop button (the fetch is aborted, the server cancels).
+    cdp.eval("localStorage.setItem('polystrata.maxTokens', '3000')")
+    cdp.eval("document.getElementById('input').value = 'Go on, at length.';"
+             " document.getElementById('composer').requestSubmit()")
+    last = "document.querySelectorAll('.message.assistant')[1]"
+    cdp.wait_for(f"!!{last} && Number({last}.dataset.chunks || 0) > 2", "the long answer to start", 60)
+    check(not cdp.eval("document.getElementById('stop').hidden"), "no Stop button while streaming")
+    cdp.eval("document.getElementById('stop').click()")
+    cdp.wait_for(f"{last}.dataset.state !== 'streaming'", "the stop", 30)
+    check(cdp.eval(f"{last}.dataset.state") == "stopped", "the answer did not end as stopped")
+    stopped_at = cdp.eval(f"Number({last}.dataset.chunks)")
+    check(stopped_at < 3000, f"the stop came after {stopped_at} events")
+    print(f"stopped after {stopped_at} events")
+    cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+
+    # The conversation is kept in the browser: a reload shows it again in the list and the messages.
+    shot = cdp.call("Page.captureScreenshot", format="png")["data"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.shot)), exist_ok=True)
+    with open(args.shot, "wb") as f:
+        f.write(base64.b64decode(shot))
+    print(f"screenshot {args.shot}")
+    cdp.call("Page.reload")
+    cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the reloaded page", 60)
+    kept = cdp.eval(
+        "[document.querySelectorAll('#conversations li').length,"
+        " document.querySelector('.message.assistant .content').textContent,"
+        " document.querySelectorAll('.message').length,"
+        " document.querySelectorAll('.message.assistant')[1].dataset.state]"
+    )
+    check(kept == [1, answer, 4, "stopped"], f"after a reload: {kept}")
+    # New and delete work on the list.
+    cdp.eval("document.getElementById('new-chat').click()")
+    check(cdp.eval("document.querySelectorAll('#conversations li').length") == 2, "New chat added no entry")
+    cdp.eval("document.querySelector('#conversations li .delete').click()")
+    check(cdp.eval("document.querySelectorAll('#conversations li').length") == 1, "delete removed no entry")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--pick", required=True)
+    ap.add_argument("--other", required=True)
+    ap.add_argument("--broken", required=True, help="a model whose engine fails to start")
+    ap.add_argument("--shot", required=True)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--notes", default="", help="text the picked model's notes hold")
+    args = ap.parse_args()
+    profile = tempfile.mkdtemp(prefix="polystrata-chromium-")
+    browser, port = start_browser(profile)
+    try:
+        cdp = DevTools(page_socket(port, 30), timeout=180)
+        run(args, cdp)
+        print("web page: ok")
+    except Exception as e:  # the reason is what the test shows
+        print(f"web page: FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        browser.terminate()
+        try:
+            browser.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            browser.kill()
+            browser.wait()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
