@@ -108,6 +108,38 @@ impl Model {
         SeqState::with_precision(&self.graph.layer_states(), n_ctx, precision)
     }
 
+    /// The GPU-vs-CPU diagnosis of one call ([`crate::gpu::lockstep`]): reads `tokens` into `cpu_state` on
+    /// the CPU and into `gpu_state` on the card side by side; returns the CPU's logits, the card's, and
+    /// each operation's comparison. An error when the model is not on a GPU.
+    pub fn gpu_lockstep(
+        &self,
+        cpu_state: &mut SeqState,
+        gpu_state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<crate::gpu::lockstep::LockstepCall, EngineError> {
+        let Some(gpu) = &self.gpu else {
+            return Err(EngineError("the model is not on a GPU".into()));
+        };
+        if tokens.is_empty() || tokens.len() > cpu_state.room().min(gpu_state.room()) {
+            return Err(EngineError("lockstep: no tokens, or no room".into()));
+        }
+        let (gpu_logits, (cpu_out, ops)) =
+            gpu.call(&self.weights, gpu_state, tokens, logits, |g| {
+                let cpu = CpuForward::new(&self.weights, cpu_state, tokens, logits);
+                let mut l = crate::gpu::lockstep::Lockstep::new(cpu, g);
+                let out = self.graph.forward(&mut l);
+                let (g_out, c_out, ops) = l.finish(out);
+                (g_out, (c_out, ops))
+            })?;
+        cpu_state.push_tokens(tokens);
+        Ok(crate::gpu::lockstep::LockstepCall {
+            cpu_logits: cpu_out.data,
+            gpu_logits,
+            ops,
+        })
+    }
+
     /// Reads `tokens` into `state` in one forward call (every token through each layer together) and
     /// returns the logits `logits` asks for, `n_vocab` per row. Checks that the tokens are in the
     /// vocabulary, that they fit in the context, and that the state belongs to this model.
