@@ -12,16 +12,10 @@
 //!
 //! Diagnosis only (a few seconds per fixture in release); not a test.
 
-use poly_engine::cpu::{CpuForward, CpuWeights, Mat};
-use poly_kernels::quant::GgmlType;
 use poly_engine::gpu::lockstep::{LockstepCall, OpDiff};
 use poly_engine::gpu::DeviceChoice;
 use poly_engine::Model;
-use poly_models::arch::{Forward, ModelGraph};
-use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, Unary, WeightId,
-};
-use poly_models::gguf::GgufFile;
+use poly_models::compute::Logits;
 
 fn softmax(logits: &[f32]) -> Vec<f64> {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -152,8 +146,13 @@ fn lockstep(path: &str) {
     let (mut sc, mut sg) = (model.new_state(256), model.new_state(256));
     match model.gpu_lockstep(&mut sc, &mut sg, &p[..12], Logits::All) {
         Ok(call) => {
-            println!("-- all rows of 12: {}", rows_line(&call.cpu_logits, &call.gpu_logits, n_vocab));
-            println!("  (lockstep logits vs the graph's own run: same path, so should match the test)");
+            println!(
+                "-- all rows of 12: {}",
+                rows_line(&call.cpu_logits, &call.gpu_logits, n_vocab)
+            );
+            println!(
+                "  (lockstep logits vs the graph's own run: same path, so should match the test)"
+            );
             for l in layer_summary(&call.ops) {
                 println!("{l}");
             }
@@ -211,136 +210,31 @@ fn lockstep(path: &str) {
     }
 }
 
-/// The CPU backend with the inputs of matmuls over quantized weights and of MoE blocks rounded to q8_1
-/// first (32 values share a scale `amax/127`), as the card quantizes activations.
-struct Q81Cpu<'a> {
-    cpu: CpuForward<'a>,
-    weights: &'a CpuWeights,
-}
-
-fn round_q8_1(x: &Mat) -> Mat {
-    let mut out = x.clone();
-    for block in out.data.chunks_mut(32) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        if d == 0.0 {
-            continue;
-        }
-        for v in block.iter_mut() {
-            *v = (*v / d).round() * d;
-        }
-    }
-    out
-}
-
-impl Compute for Q81Cpu<'_> {
-    type Act = Mat;
-    fn shape(&self, x: &Mat) -> (usize, usize) {
-        self.cpu.shape(x)
-    }
-    fn embed(&mut self, t: WeightId, tokens: &[u32]) -> Mat {
-        self.cpu.embed(t, tokens)
-    }
-    fn matmul(&mut self, w: WeightId, x: &Mat) -> Mat {
-        // F32 and F16 weights are multiplied in floats on both sides; every other type quantizes x.
-        let ty = self.weights.info(w).ty;
-        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-            self.cpu.matmul(w, &round_q8_1(x))
-        } else {
-            self.cpu.matmul(w, x)
-        }
-    }
-    fn rms_norm(&mut self, x: &Mat, w: Option<WeightId>, eps: f32, g: usize) -> Mat {
-        self.cpu.rms_norm(x, w, eps, g)
-    }
-    fn l2_norm(&mut self, x: &Mat, eps: f32, g: usize) -> Mat {
-        self.cpu.l2_norm(x, eps, g)
-    }
-    fn add(&mut self, a: &Mat, b: &Mat) -> Mat {
-        self.cpu.add(a, b)
-    }
-    fn mul(&mut self, a: &Mat, b: &Mat) -> Mat {
-        self.cpu.mul(a, b)
-    }
-    fn add_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
-        self.cpu.add_weight(x, w)
-    }
-    fn mul_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
-        self.cpu.mul_weight(x, w)
-    }
-    fn scale(&mut self, x: &Mat, s: f32) -> Mat {
-        self.cpu.scale(x, s)
-    }
-    fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
-        self.cpu.unary(x, f)
-    }
-    fn cols(&mut self, x: &Mat, s: usize, l: usize) -> Mat {
-        self.cpu.cols(x, s, l)
-    }
-    fn head_part(&mut self, x: &Mat, h: usize, parts: usize, part: usize) -> Mat {
-        self.cpu.head_part(x, h, parts, part)
-    }
-    fn repeat_heads(&mut self, x: &Mat, h: usize, t: usize, i: bool) -> Mat {
-        self.cpu.repeat_heads(x, h, t, i)
-    }
-    fn rows(&mut self, x: &Mat, rows: &[usize]) -> Mat {
-        self.cpu.rows(x, rows)
-    }
-    fn rope(&mut self, x: &Mat, r: &Rope) -> Mat {
-        self.cpu.rope(x, r)
-    }
-    fn attention(&mut self, l: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
-        self.cpu.attention(l, q, k, v, a)
-    }
-    fn moe(&mut self, l: usize, x: &Mat, m: &Moe) -> Mat {
-        self.cpu.moe(l, &round_q8_1(x), m)
-    }
-    fn ssm_conv(&mut self, l: usize, x: &Mat, k: WeightId) -> Mat {
-        self.cpu.ssm_conv(l, x, k)
-    }
-    fn gated_delta_net(&mut self, l: usize, x: DeltaNetInputs<'_, Mat>, n: &DeltaNet) -> Mat {
-        self.cpu.gated_delta_net(l, x, n)
-    }
-    fn batch(&self) -> Batch<'_> {
-        self.cpu.batch()
-    }
-}
-
 fn sensitivity(path: &str) {
     let name = std::path::Path::new(path)
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let file = match GgufFile::open(path) {
-        Ok(f) => std::sync::Arc::new(f),
+    let model = match Model::load(path) {
+        Ok(m) => m,
         Err(e) => return println!("{name}: {e:?}"),
     };
-    let graph = ModelGraph::from_file(&file).expect("graph");
-    let model = Model::from_file(file.clone()).expect("model");
-    let weights = CpuWeights::new(file.clone());
     let n_vocab = model.info().n_vocab;
     let p = prompt(n_vocab, 40, 7);
-    let rounded = |state: &mut poly_engine::state::SeqState, tokens: &[u32], l: Logits| {
-        let out = {
-            let mut c = Q81Cpu {
-                cpu: CpuForward::new(&weights, state, tokens, l),
-                weights: &weights,
-            };
-            graph.forward(&mut c)
-        };
-        state.push_tokens(tokens);
-        out.data
-    };
     println!("==== {name} (sensitivity: CPU vs CPU with q8_1-rounded matmul/MoE inputs)");
     let (mut sa, mut sb) = (model.new_state(256), model.new_state(256));
     let a = model.eval(&mut sa, &p[..12], Logits::All).expect("eval");
-    let b = rounded(&mut sb, &p[..12], Logits::All);
+    let b = model
+        .eval_q8_1_reference(&mut sb, &p[..12], Logits::All)
+        .expect("eval");
     println!("-- all rows of 12: {}", rows_line(&a, &b, n_vocab));
     let (mut sa, mut sb) = (model.new_state(256), model.new_state(256));
     let mut tokens = p.clone();
     for step in 0..9 {
         let a = model.eval(&mut sa, &tokens, Logits::Last).expect("eval");
-        let b = rounded(&mut sb, &tokens, Logits::Last);
+        let b = model
+            .eval_q8_1_reference(&mut sb, &tokens, Logits::Last)
+            .expect("eval");
         let (d, bad, near, gap) = compare(&a, &b);
         println!(
             "-- decode step {step}: top5 {d:.4} gap {gap:.3}{}{}",

@@ -121,8 +121,18 @@ impl Model {
         let Some(gpu) = &self.gpu else {
             return Err(EngineError("the model is not on a GPU".into()));
         };
-        if tokens.is_empty() || tokens.len() > cpu_state.room().min(gpu_state.room()) {
-            return Err(EngineError("lockstep: no tokens, or no room".into()));
+        let n_vocab = self.info().n_vocab;
+        let layers = self.graph.layer_states().len();
+        if tokens.is_empty()
+            || tokens.len() > cpu_state.room().min(gpu_state.room())
+            || tokens.iter().any(|&t| t as usize >= n_vocab)
+            || cpu_state.n_layers() != layers
+            || gpu_state.n_layers() != layers
+        {
+            return Err(EngineError(
+                "lockstep: no tokens, no room, a token outside the vocabulary or another model's state"
+                    .into(),
+            ));
         }
         let (gpu_logits, (cpu_out, ops)) =
             gpu.call(&self.weights, gpu_state, tokens, logits, |g| {
@@ -138,6 +148,36 @@ impl Model {
             gpu_logits,
             ops,
         })
+    }
+
+    /// [`Model::eval`] on the CPU with the card's activation rounding ([`crate::gpu::reference`]): the
+    /// reference the GPU backend is compared with.
+    pub fn eval_q8_1_reference(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        let n_vocab = self.info().n_vocab;
+        if tokens.is_empty()
+            || tokens.len() > state.room()
+            || tokens.iter().any(|&t| t as usize >= n_vocab)
+            || state.n_layers() != self.graph.layer_states().len()
+        {
+            return Err(EngineError(
+                "reference: no tokens, no room, a token outside the vocabulary or another model's state"
+                    .into(),
+            ));
+        }
+        let out = {
+            let mut c = crate::gpu::reference::Q81Cpu {
+                cpu: CpuForward::new(&self.weights, state, tokens, logits),
+                weights: &self.weights,
+            };
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
     }
 
     /// Reads `tokens` into `state` in one forward call (every token through each layer together) and

@@ -116,7 +116,14 @@ impl<'c, 'a, 'g> Lockstep<'c, 'a, 'g> {
         self.gpu.upload(m.rows, m.cols, &m.data)
     }
 
-    fn record(&mut self, op: &'static str, c: &Mat, g: &DevAct, local: Option<&DevAct>, note: String) {
+    fn record(
+        &mut self,
+        op: &'static str,
+        c: &Mat,
+        g: &DevAct,
+        local: Option<&DevAct>,
+        note: String,
+    ) {
         let gd = self.gpu.download_act(g);
         let local = local.map(|l| {
             let ld = self.gpu.download_act(l);
@@ -335,7 +342,12 @@ impl Compute for Lockstep<'_, '_, '_> {
         Pair { cpu: c, gpu: g }
     }
 
-    fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Pair>, net: &DeltaNet) -> Pair {
+    fn gated_delta_net(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Pair>,
+        net: &DeltaNet,
+    ) -> Pair {
         self.layer = Some(layer);
         let ci = DeltaNetInputs {
             q: &x.q.cpu,

@@ -7,6 +7,7 @@
 //!   from a [`pool`], every operation is queued on the device's compute stream with no host wait; the
 //!   logits are the one download of a call.
 //! - [`lockstep`]: a diagnosis running the CPU and the card side by side, operation by operation.
+//! - [`reference`]: the CPU with the card's activation rounding, the reference tests hold the card to.
 //! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
 //!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
 //!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
@@ -18,6 +19,7 @@
 pub mod forward;
 pub mod lockstep;
 pub mod pool;
+pub mod reference;
 pub mod seq;
 pub mod weights;
 
