@@ -129,6 +129,78 @@ impl Model {
         SeqState::with_precision(&self.graph.layer_states(), n_ctx, precision)
     }
 
+    /// The GPU-vs-CPU diagnosis of one call ([`crate::gpu::lockstep`]): reads `tokens` into `cpu_state` on
+    /// the CPU and into `gpu_state` on the card side by side; returns the CPU's logits, the card's, and
+    /// each operation's comparison. An error when the model is not on a GPU.
+    pub fn gpu_lockstep(
+        &self,
+        cpu_state: &mut SeqState,
+        gpu_state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<crate::gpu::lockstep::LockstepCall, EngineError> {
+        let Some(gpu) = &self.gpu else {
+            return Err(EngineError("the model is not on a GPU".into()));
+        };
+        let n_vocab = self.info().n_vocab;
+        let layers = self.graph.layer_states().len();
+        if tokens.is_empty()
+            || tokens.len() > cpu_state.room().min(gpu_state.room())
+            || tokens.iter().any(|&t| t as usize >= n_vocab)
+            || cpu_state.n_layers() != layers
+            || gpu_state.n_layers() != layers
+        {
+            return Err(EngineError(
+                "lockstep: no tokens, no room, a token outside the vocabulary or another model's state"
+                    .into(),
+            ));
+        }
+        let (gpu_logits, (cpu_out, ops)) =
+            gpu.call(&self.weights, gpu_state, tokens, logits, |g| {
+                let cpu = CpuForward::new(&self.weights, cpu_state, tokens, logits);
+                let mut l = crate::gpu::lockstep::Lockstep::new(cpu, g);
+                let out = self.graph.forward(&mut l);
+                let (g_out, c_out, ops) = l.finish(out);
+                (g_out, (c_out, ops))
+            })?;
+        cpu_state.push_tokens(tokens);
+        Ok(crate::gpu::lockstep::LockstepCall {
+            cpu_logits: cpu_out.data,
+            gpu_logits,
+            ops,
+        })
+    }
+
+    /// [`Model::eval`] on the CPU with the card's activation rounding ([`crate::gpu::reference`]): the
+    /// reference the GPU backend is compared with.
+    pub fn eval_q8_1_reference(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        let n_vocab = self.info().n_vocab;
+        if tokens.is_empty()
+            || tokens.len() > state.room()
+            || tokens.iter().any(|&t| t as usize >= n_vocab)
+            || state.n_layers() != self.graph.layer_states().len()
+        {
+            return Err(EngineError(
+                "reference: no tokens, no room, a token outside the vocabulary or another model's state"
+                    .into(),
+            ));
+        }
+        let out = {
+            let mut c = crate::gpu::reference::Q81Cpu {
+                cpu: CpuForward::new(&self.weights, state, tokens, logits),
+                weights: &self.weights,
+            };
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
+    }
+
     /// Reads `tokens` into `state` in one forward call (every token through each layer together) and
     /// returns the logits `logits` asks for, `n_vocab` per row. Checks that the tokens are in the
     /// vocabulary, that they fit in the context, and that the state belongs to this model.

@@ -141,6 +141,27 @@ impl<'a> GpuForward<'a> {
         result
     }
 
+    /// An activation holding `data` (`[rows, cols]`), for the lockstep diagnosis ([`super::lockstep`]).
+    pub(super) fn upload(&mut self, rows: usize, cols: usize, data: &[f32]) -> DevAct {
+        let mut out = self.alloc(rows, cols);
+        self.run(data.is_empty(), |c| c.dev.write(data, out.buf_mut()?));
+        out
+    }
+
+    /// `x` downloaded (waits for the stream); empty when it has no data or the call failed.
+    pub(super) fn download_act(&mut self, x: &DevAct) -> Vec<f32> {
+        if self.error.is_some() || x.len() == 0 {
+            return Vec::new();
+        }
+        match x.buf().and_then(|b| self.dev.download(b)) {
+            Ok(v) => v,
+            Err(e) => {
+                self.error.get_or_insert(e);
+                Vec::new()
+            }
+        }
+    }
+
     fn positions(&self) -> CudaResult<&DeviceBuffer<i32>> {
         self.positions
             .as_ref()

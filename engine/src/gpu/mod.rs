@@ -6,6 +6,8 @@
 //! - [`forward`]: one forward call on the card ([`forward::GpuForward`]): activations are device buffers
 //!   from a [`pool`], every operation is queued on the device's compute stream with no host wait; the
 //!   logits are the one download of a call.
+//! - [`lockstep`]: a diagnosis running the CPU and the card side by side, operation by operation.
+//! - [`reference`]: the CPU with the card's activation rounding, the reference tests hold the card to.
 //! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
 //!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
 //!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
@@ -15,7 +17,9 @@
 //! without a GPU (CI) runs on the CPU as before.
 
 pub mod forward;
+pub mod lockstep;
 pub mod pool;
+pub mod reference;
 pub mod seq;
 pub mod weights;
 
@@ -127,6 +131,20 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        self.call(cpu, state, tokens, logits, |c| (graph.forward(c), ()))
+            .map(|(l, ())| l)
+    }
+
+    /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
+    /// anything else it found), with the state following `state` as [`GpuBackend::eval`] keeps it.
+    pub(crate) fn call<R>(
+        &self,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+        run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
+    ) -> Result<(Vec<f32>, R), EngineError> {
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
         let pos0 = state.n_past();
@@ -143,13 +161,13 @@ impl GpuBackend {
                 logits,
             )
             .map_err(cuda_err)?;
-            let out = graph.forward(&mut c);
-            c.finish(out)
+            let (out, extra) = run(&mut c);
+            c.finish(out).map(|l| (l, extra))
         };
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
         }
-        let logits = match result {
+        let (logits, extra) = match result {
             Ok(l) => l,
             Err(e) => {
                 // The card's state is in doubt: upload the host's next time.
@@ -169,7 +187,7 @@ impl GpuBackend {
         if let Some(s) = seq_slot.as_mut() {
             s.set_tokens(state.tokens());
         }
-        Ok(logits)
+        Ok((logits, extra))
     }
 }
 
