@@ -1,9 +1,17 @@
-//! The GPU backend against the CPU engine on every committed fixture (tests/fixtures/models/*.gguf), held
-//! to a CPU run with the card's activation rounding (`Model::eval_q8_1_reference`; the CPU proper is
-//! compared and printed too): the next-token probabilities of a prompt read in one call, in several calls,
-//! and of a few greedy steps after it agree as issue 7 §3 asks (greedy tokens equal up to a near tie — the two likeliest within 0.05 — and
-//! the CPU's top-5 probabilities within 0.1), and the state on the card copied back to the host equals the
-//! CPU's closely. Prints the largest differences per fixture.
+//! The GPU backend against the CPU engine: the next-token probabilities of a prompt read in one call, in
+//! several calls, of every row of a call and of a few greedy steps after it, and the state on the card
+//! copied back to the host.
+//!
+//! - Float models (`synth --type F16` of each architecture, written into a temporary directory): no
+//!   activation is quantized on either side, so the two backends differ only by summation order and must
+//!   agree closely (top-5 probabilities within 0.01, the same greedy tokens, states within 5e-3; measured
+//!   on the H200: ≤ 0.0025 and ≤ 1.3e-3). This is the test that finds a wrong graph or kernel.
+//! - The committed 4-bit fixtures (tests/fixtures/models/*.gguf), against a CPU run with the card's
+//!   activation rounding (`Model::eval_q8_1_reference`; the CPU proper is printed too). These random tiny
+//!   models are chaotic: the CPU against itself with q8_1-rounded activations differs by up to 0.57 in
+//!   probability and flips greedy tokens where routing margins are ~1e-3 (examples/gpu_diag.rs
+//!   `sensitivity` and `lockstep`), so they are held only to gross-error bounds (top-5 within 0.3, states
+//!   within 0.1) and issue 7 §3's bounds (0.05 near ties, 0.1) are printed, not asserted.
 //!
 //! Needs a CUDA device: without one (CI) each test prints why it is skipped and passes. Cost on the H200:
 //! a few seconds (the CPU side dominates: six tiny models, a 40-token prompt, 8 steps).
@@ -18,7 +26,11 @@ use poly_engine::gpu::DeviceChoice;
 use poly_engine::state::{LayerState, SeqState};
 use poly_engine::Model;
 use poly_kernels::cuda::Device;
+use poly_kernels::quant::GgmlType;
 use poly_models::compute::Logits;
+use poly_models::synth::plan::TypeChoice;
+use poly_models::synth::shapes::find_shape;
+use poly_models::synth::{SynthOptions, Synthesis};
 
 fn fixtures_dir() -> PathBuf {
     if let Ok(d) = std::env::var("POLY_FIXTURES") {
@@ -93,13 +105,13 @@ impl Agreement {
         }
     }
 
-    fn check(&self, what: &str) {
+    fn check(&self, what: &str, top5_bound: f64, greedy: bool) {
         assert!(
-            self.greedy_mismatch == 0,
+            !greedy || self.greedy_mismatch == 0,
             "{what}: greedy tokens differ outside near ties: {self:?}"
         );
         assert!(
-            self.top5 <= 0.1,
+            self.top5 <= top5_bound,
             "{what}: top-5 probabilities differ: {self:?}"
         );
     }
@@ -236,23 +248,22 @@ fn compare_fixture(cpu: &Model, gpu: &Model, r: Reference) -> FixtureResult {
     }
 }
 
-/// The card against the CPU with the card's activation rounding ([`Reference::CpuQ81`]), within issue 7's
-/// bounds. The tiny fixtures are random 4-bit models: against the CPU proper (q8_K activations for K-quant
-/// weights) the rounding difference alone flips greedy tokens on two of them (the CPU against itself with
-/// q8_1-rounded activations shows the same flips: examples/gpu_diag.rs `sensitivity`), so that
-/// comparison is printed, not held to the bounds.
-#[test]
-fn gpu_forward_agrees_with_the_cpu_on_every_fixture() {
-    if !gpu_present() {
-        return;
-    }
+/// Compares every model in `paths` against `reference`, printing each result, and returns the failures
+/// of `top5_bound` (and, with `greedy`, of greedy tokens outside near ties) and `state_bound`.
+fn compare_all(
+    paths: &[PathBuf],
+    references: &[Reference],
+    held: Reference,
+    bounds: (f64, bool, f64),
+) -> Vec<String> {
+    let (top5_bound, greedy, state_bound) = bounds;
     let mut failures = Vec::new();
-    for path in fixtures() {
+    for path in paths {
         let name = path.file_name().unwrap().to_string_lossy().to_string();
-        let cpu = Model::load(&path).expect("load");
-        let mut gpu = Model::load(&path).expect("load");
+        let cpu = Model::load(path).expect("load");
+        let mut gpu = Model::load(path).expect("load");
         gpu.use_device(DeviceChoice::Gpu(0)).expect("GPU backend");
-        for r in [Reference::Cpu, Reference::CpuQ81] {
+        for &r in references {
             let f = compare_fixture(&cpu, &gpu, r);
             eprintln!(
                 "{name} vs {r:?}: {}: decode top5 {:.4} mismatches {} near-ties {}; split reads top5 \
@@ -270,11 +281,12 @@ fn gpu_forward_agrees_with_the_cpu_on_every_fixture() {
                 f.state,
                 f.split_state
             );
-            if r != Reference::CpuQ81 {
+            if r != held {
                 continue;
             }
             for (what, a) in [("decode", f.decode), ("split", f.split), ("rows", f.rows)] {
-                if let Err(e) = std::panic::catch_unwind(|| a.check(&format!("{name} {what}"))) {
+                let check = || a.check(&format!("{name} {what}"), top5_bound, greedy);
+                if let Err(e) = std::panic::catch_unwind(check) {
                     let msg = e
                         .downcast_ref::<String>()
                         .cloned()
@@ -282,7 +294,7 @@ fn gpu_forward_agrees_with_the_cpu_on_every_fixture() {
                     failures.push(msg);
                 }
             }
-            if f.state > 0.05 || f.split_state > 0.05 {
+            if f.state > state_bound || f.split_state > state_bound {
                 failures.push(format!(
                     "{name}: state differs: {:.3e} / {:.3e}",
                     f.state, f.split_state
@@ -290,6 +302,65 @@ fn gpu_forward_agrees_with_the_cpu_on_every_fixture() {
             }
         }
     }
+    failures
+}
+
+/// The tiny shape of `arch` with every tensor in F16, written once into a temporary directory.
+fn float_model(arch: &str) -> PathBuf {
+    // Tests run in parallel: the lock keeps two of them from writing one file at once.
+    static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("poly-gpu-forward-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(format!("{arch}-tiny-f16.gguf"));
+    if path.is_file() {
+        return path;
+    }
+    let opts = SynthOptions {
+        shape: find_shape(arch, "tiny").expect("a tiny shape"),
+        types: TypeChoice {
+            default: GgmlType::F16,
+            overrides: Vec::new(),
+        },
+        seed: 1,
+        route_skew: 0.0,
+    };
+    Synthesis::prepare(&opts)
+        .expect("synth plan")
+        .write(&path, |_, _| {})
+        .expect("synth write");
+    path
+}
+
+#[test]
+fn gpu_forward_matches_the_cpu_closely_on_float_models() {
+    if !gpu_present() {
+        return;
+    }
+    let paths: Vec<PathBuf> = ["qwen3moe", "qwen35moe", "gemma3"]
+        .iter()
+        .map(|a| float_model(a))
+        .collect();
+    let failures = compare_all(
+        &paths,
+        &[Reference::Cpu],
+        Reference::Cpu,
+        (0.01, true, 5e-3),
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn gpu_forward_stays_within_gross_bounds_on_the_4bit_fixtures() {
+    if !gpu_present() {
+        return;
+    }
+    let failures = compare_all(
+        &fixtures(),
+        &[Reference::Cpu, Reference::CpuQ81],
+        Reference::CpuQ81,
+        (0.3, false, 0.1),
+    );
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
@@ -300,10 +371,8 @@ fn a_conversation_moved_between_sequences_is_uploaded_again() {
     }
     // Two sequences alternating on one card: each call finds the other's state there and must upload its
     // own from the host first.
-    let path = fixtures()
-        .into_iter()
-        .find(|p| p.to_string_lossy().contains("qwen35moe"))
-        .expect("a qwen35moe fixture");
+    // A float model, so the comparison is tight (see the crate doc).
+    let path = float_model("qwen35moe");
     let cpu = Model::load(&path).unwrap();
     let mut gpu = Model::load(&path).unwrap();
     gpu.use_device(DeviceChoice::Gpu(0)).unwrap();
@@ -320,5 +389,5 @@ fn a_conversation_moved_between_sequences_is_uploaded_again() {
         agree.add(&cpu.eval(&mut cb, b, Logits::Last).unwrap(), &lb);
     }
     eprintln!("alternating sequences: {agree:?}");
-    agree.check("alternating sequences");
+    agree.check("alternating sequences", 0.01, true);
 }
