@@ -172,10 +172,11 @@ fn random_lines_leave_the_engine_serving(name: &str, seed: u64) {
         last.extra["cancelled"],
         last.conversations.len()
     );
-    assert!(
-        last.extra["requests"].as_u64().unwrap() > 10,
-        "random GENs ran too"
-    );
+    // Random GENs were accepted too: each either ran or was cancelled by a random CANCEL (which of the two
+    // depends on timing: a loaded machine runs fewer before the CANCEL lines reach them).
+    let accepted =
+        last.extra["requests"].as_u64().unwrap() + last.extra["cancelled"].as_u64().unwrap();
+    assert!(accepted > 10, "random GENs were accepted too ({accepted})");
     let stdin = writer.join().unwrap();
     e.put_stdin(stdin);
     // Every line is answered by now but GENs still running or queued: wait for their ends.
