@@ -130,19 +130,37 @@ fn main() -> ExitCode {
 }
 
 fn list_models(registry: &Registry) -> ExitCode {
+    use std::io::Write;
+    // One write of the whole listing; a reader that stops early (`| head`) is not an error.
+    let text = model_list(registry);
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("polystrata: cannot write the list: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The text of `--list-models`: each installed model with its registry fields.
+fn model_list(registry: &Registry) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
     let entries = registry.scan();
     if entries.is_empty() {
-        println!("no models installed in {}", registry.home().display());
-        return ExitCode::SUCCESS;
+        let _ = writeln!(out, "no models installed in {}", registry.home().display());
+        return out;
     }
     for e in entries {
         let status = serde_json::to_value(e.status)
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
             .unwrap_or_default();
-        println!("{}  [{status}]  {}", e.id, e.display_name);
+        let _ = writeln!(out, "{}  [{status}]  {}", e.id, e.display_name);
         let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-        println!(
+        let _ = writeln!(
+            out,
             "    backend {}  quantization {}  params {} (active {})  context {}",
             opt(&e.backend),
             opt(&e.quantization),
@@ -152,7 +170,8 @@ fn list_models(registry: &Registry) -> ExitCode {
                 .map(|c| c.to_string())
                 .unwrap_or_else(|| "-".into())
         );
-        println!(
+        let _ = writeln!(
+            out,
             "    vram_gb least {} all {}  ram_gb {}  multimodal {}  mtp {}",
             e.vram_gb
                 .map(|v| v.least.to_string())
@@ -167,19 +186,19 @@ fn list_models(registry: &Registry) -> ExitCode {
             e.mtp
         );
         if let Some(p) = &e.path {
-            println!("    path {}", p.display());
+            let _ = writeln!(out, "    path {}", p.display());
         }
         if let Some(p) = &e.problem {
-            println!("    problem: {p}");
+            let _ = writeln!(out, "    problem: {p}");
         }
         if let Some(n) = &e.notes {
-            println!("    notes: {n}");
+            let _ = writeln!(out, "    notes: {n}");
         }
         if !e.aliases.is_empty() {
-            println!("    aliases: {}", e.aliases.join(", "));
+            let _ = writeln!(out, "    aliases: {}", e.aliases.join(", "));
         }
     }
-    ExitCode::SUCCESS
+    out
 }
 
 fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
