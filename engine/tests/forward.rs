@@ -9,11 +9,13 @@ use poly_engine::sample::{Sampler, SamplerConfig};
 use poly_engine::state::KvPrecision;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
-use poly_kernels::rng::Rng;
 use poly_models::compute::Logits;
 use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
 use poly_models::synth::{SynthOptions, Synthesis};
+
+mod common;
+use common::{max_diff, random_tokens, softmax};
 
 fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("poly-engine-forward-{}", std::process::id()));
@@ -50,25 +52,6 @@ fn synth(arch: &str, ty: GgmlType) -> PathBuf {
 fn qwen3moe_q8() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| Model::load(synth("qwen3moe", GgmlType::Q8_0)).unwrap())
-}
-
-fn random_tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
-    let mut rng = Rng::new(seed);
-    (0..n).map(|_| rng.below(n_vocab as u32)).collect()
-}
-
-fn softmax(logits: &[f32]) -> Vec<f64> {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - m).exp()).collect();
-    let z: f64 = e.iter().sum();
-    e.iter().map(|v| v / z).collect()
-}
-
-fn max_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
 }
 
 #[test]

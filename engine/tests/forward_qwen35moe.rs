@@ -9,12 +9,14 @@ use std::sync::OnceLock;
 use poly_engine::generate::prefill;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
-use poly_kernels::rng::Rng;
 use poly_models::arch::{Forward, StateSpec};
 use poly_models::compute::Logits;
 use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
 use poly_models::synth::{SynthOptions, Synthesis};
+
+mod common;
+use common::{max_diff, random_tokens, softmax};
 
 /// The tiny `qwen35moe` shape in Q8_0 (three delta-net blocks, one gated-attention block, an MTP block),
 /// loaded once; the file is removed once mapped.
@@ -42,25 +44,6 @@ fn model() -> &'static Model {
         std::fs::remove_file(&path).unwrap();
         model
     })
-}
-
-fn random_tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
-    let mut rng = Rng::new(seed);
-    (0..n).map(|_| rng.below(n_vocab as u32)).collect()
-}
-
-fn softmax(logits: &[f32]) -> Vec<f64> {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = logits.iter().map(|&l| (l as f64 - m).exp()).collect();
-    let z: f64 = e.iter().sum();
-    e.iter().map(|v| v / z).collect()
-}
-
-fn max_diff(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
 }
 
 #[test]

@@ -7,7 +7,6 @@
 //! - [`quant`]: every GGML block format the engine reads (layout, dequantization, activation quantization,
 //!   dot products with run-time chosen AVX2/FMA code and a portable fallback, random valid blocks).
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
-//! - [`matmul_order`]: the same with the per-row dot-product order chosen by the caller.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
 //! - [`ggml_type`]: the GGML type table (ids, names, block sizes), the one part compiled without the default
@@ -16,8 +15,6 @@
 pub mod ggml_type;
 #[cfg(feature = "compute")]
 pub mod matmul;
-#[cfg(feature = "compute")]
-pub mod matmul_order;
 #[cfg(feature = "compute")]
 pub mod ops;
 #[cfg(feature = "compute")]

@@ -302,4 +302,26 @@ mod tests {
         assert!(QuantMatrix::new(GgmlType::Q4_K, 1, 100, &data).is_err());
         assert!(QuantMatrix::new(GgmlType::I32, 1, 36, &data).is_err());
     }
+
+    #[test]
+    fn batch_order_matches_matmul_and_single_row_order_matches_matvec() {
+        let (ty, rows, cols, n) = (GgmlType::Q4_K, 24, 512, 9);
+        let mut rng = Rng::new(5);
+        let mut data = vec![0u8; rows * ty.bytes_for(cols as u64).unwrap() as usize];
+        fill_random(ty, &mut rng, 1.0, &mut data).unwrap();
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+        matmul(&w, &x, n, &mut a);
+        matmul_ordered(&w, &x, n, &mut b, crate::quant::batch_dot(ty));
+        assert_eq!(a, b);
+        matmul_ordered(&w, &x, n, &mut b, None);
+        for j in 0..n {
+            let mut one = vec![0f32; rows];
+            crate::matmul::matvec(&w, &x[j * cols..(j + 1) * cols], &mut one);
+            assert_eq!(&b[j * rows..(j + 1) * rows], &one[..], "row {j}");
+        }
+        // The gemm order of Q4_K differs from its gemv order on some element.
+        assert_ne!(a, b);
+    }
 }

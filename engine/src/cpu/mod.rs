@@ -22,8 +22,7 @@ use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
 
-use poly_kernels::matmul::{matmul, matvec, QuantMatrix};
-use poly_kernels::matmul_order::matmul_in_order;
+use poly_kernels::matmul::{matmul, matmul_ordered, matvec, QuantMatrix};
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{
@@ -270,7 +269,7 @@ pub fn mat_mul(m: &QuantMatrix<'_>, x: &Mat) -> Mat {
 }
 
 /// The order a product of `rows` activation rows takes where it is not the one `matmul` picks from the
-/// format alone: `Some(order)` for `matmul_in_order` (`Some(None)`: the single-row order), `None` for
+/// format alone: `Some(order)` for `matmul_ordered` (`Some(None)`: the single-row order), `None` for
 /// `matmul`/`matvec`.
 fn llama_order(m: &QuantMatrix<'_>, rows: usize) -> Option<Option<&'static BatchDot>> {
     // F32 matrices take llamafile's tinyBLAS for batches of two rows or more when their row count is a
@@ -286,7 +285,7 @@ fn llama_order(m: &QuantMatrix<'_>, rows: usize) -> Option<Option<&'static Batch
 }
 
 /// `Y = X·Wᵀ` on the pool the caller runs in, in the orders `arith` chooses. Batch-invariant: every
-/// row in llama.cpp's order for a call of one row (`matmul_in_order` computes each dot product whole,
+/// row in llama.cpp's order for a call of one row (`matmul_ordered` computes each dot product whole,
 /// so neither the row count nor the thread count changes a sum).
 pub fn mat_mul_with(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
     assert_eq!(
@@ -299,12 +298,12 @@ pub fn mat_mul_with(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
     }
     if arith == Arithmetic::BatchInvariant {
         let order = llama_order(m, 1).flatten();
-        matmul_in_order(m, &x.data, x.rows, &mut y.data, order);
+        matmul_ordered(m, &x.data, x.rows, &mut y.data, order);
         return y;
     }
     let order = llama_order(m, x.rows);
     match x.rows {
-        n if order.is_some() => matmul_in_order(m, &x.data, n, &mut y.data, order.flatten()),
+        n if order.is_some() => matmul_ordered(m, &x.data, n, &mut y.data, order.flatten()),
         1 => matvec(m, &x.data, &mut y.data),
         n => matmul(m, &x.data, n, &mut y.data),
     }

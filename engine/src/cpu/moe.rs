@@ -11,8 +11,8 @@
 //! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
 //! [`Arithmetic::BatchInvariant`]'s orders instead.
 
+use poly_kernels::matmul::matmul_ordered;
 use poly_kernels::matmul::QuantMatrix;
-use poly_kernels::matmul_order::matmul_in_order;
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
@@ -122,7 +122,7 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
         Arithmetic::LlamaCpp => x.rows,
         Arithmetic::BatchInvariant => 1,
     };
-    matmul_in_order(m, &x.data, x.rows, &mut y.data, mul_mat_id_order(m, routed));
+    matmul_ordered(m, &x.data, x.rows, &mut y.data, mul_mat_id_order(m, routed));
     y
 }
 
