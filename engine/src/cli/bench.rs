@@ -6,6 +6,8 @@
 //! - Writing (`tg`): from an empty state, `--gen` single-token forward calls, each asking for logits (the
 //!   next token is random, as llama-bench's, so no sampling is timed).
 //!
+//! `--gpu N` measures the card (every weight in VRAM); the CPU is the default.
+//!
 //! One warm-up of each (a whole prompt, one decode step) precedes the timed repetitions, as llama-bench
 //! does. Each repetition reports wall time and the CPU time of the whole process (all threads) over it:
 //! CPU seconds over wall seconds near the thread count means the threads ran; well below it means the
@@ -14,6 +16,8 @@
 use super::CliResult;
 use clap::Args;
 use poly_engine::generate::{prefill, DEFAULT_UBATCH};
+use poly_engine::gpu::DeviceChoice;
+use poly_engine::model::Arithmetic;
 use poly_engine::{EngineError, Model};
 use poly_kernels::rng::Rng;
 use poly_models::compute::Logits;
@@ -47,6 +51,12 @@ pub struct BenchArgs {
     /// Skip the warm-up runs.
     #[arg(long)]
     no_warmup: bool,
+    /// Run on GPU N (default: the CPU, so CPU figures stay comparable with `llama-bench -ngl 0`).
+    #[arg(long)]
+    gpu: Option<usize>,
+    /// Compute in the serve mode's batch-invariant arithmetic instead of llama.cpp's orders.
+    #[arg(long)]
+    batch_invariant: bool,
 }
 
 /// CPU seconds (user + system) this process has used, all threads; `None` where /proc is missing.
@@ -140,7 +150,13 @@ pub fn run(args: BenchArgs) -> CliResult {
     let threads = pool.current_num_threads();
 
     let t0 = Instant::now();
-    let model = Model::load(&args.model)?;
+    let arithmetic = if args.batch_invariant {
+        Arithmetic::BatchInvariant
+    } else {
+        Arithmetic::LlamaCpp
+    };
+    let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
+    model.use_device(DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?)?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = Rng::new(args.seed);
 
@@ -169,6 +185,8 @@ pub fn run(args: BenchArgs) -> CliResult {
     let mut out = json!({
         "model": args.model.display().to_string(),
         "arch": model.info().arch,
+        "device": model.device_name(),
+        "batch_invariant": args.batch_invariant,
         "threads": threads,
         "ubatch": args.ubatch,
         "reps": args.reps,
