@@ -15,7 +15,7 @@ mod common;
 
 use common::{run_witness, Engine};
 use poly_engine::gpu::DeviceChoice;
-use poly_tests::witness::Rule;
+use poly_tests::witness::{references_dir, Rule};
 
 // The acceptance rule on all 35 references: the engine computes as llama.cpp's AVX2 + FMA CPU build
 // does, op for op (activation quantization, per-format dot-product orders incl. repacked and tiled ones,
@@ -32,6 +32,7 @@ fn cpu_engine_matches_llama_cpp_greedy_tokens_and_probabilities() {
         DeviceChoice::Cpu,
         Rule::default(),
         None,
+        &references_dir(),
     );
     assert!(
         run.failures.is_empty(),

@@ -14,8 +14,8 @@ use poly_engine::gpu::DeviceChoice;
 use poly_engine::sample::{Sampler, SamplerConfig};
 use poly_engine::Model;
 use poly_tests::witness::{
-    compare, ensure_model, load_references, references_dir, run_engine_cli, table_header,
-    table_row, Reference, Rule, Step, ENGINE_TOP,
+    compare, ensure_model, load_references, run_engine_cli, table_header, table_row, Reference,
+    Rule, Step, ENGINE_TOP,
 };
 
 pub fn selected(r: &Reference, only: &[String]) -> bool {
@@ -164,7 +164,7 @@ impl CpuReference {
     }
 }
 
-/// Runs every committed reference (narrowed by `WITNESS_ONLY`) through `engine` on `device` and applies
+/// Runs every reference of `refs_dir` (narrowed by `WITNESS_ONLY`) through `engine` on `device` and applies
 /// `rule` against llama.cpp's steps, or, with `against_cpu`, against our own CPU engine's steps on the same
 /// prompt. Prints one table per model to stderr, headed by `name`.
 pub fn run_witness(
@@ -173,13 +173,10 @@ pub fn run_witness(
     device: DeviceChoice,
     rule: Rule,
     against_cpu: Option<&CpuReference>,
+    refs_dir: &Path,
 ) -> WitnessRun {
-    let refs = load_references(&references_dir()).expect("references load");
-    assert!(
-        !refs.is_empty(),
-        "no references in {}",
-        references_dir().display()
-    );
+    let refs = load_references(refs_dir).expect("references load");
+    assert!(!refs.is_empty(), "no references in {}", refs_dir.display());
     let only: Vec<String> = std::env::var("WITNESS_ONLY")
         .map(|s| {
             s.split(',')
