@@ -9,6 +9,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
 use poly_kernels::cuda::prompt::{
@@ -745,6 +746,21 @@ impl Compute for GpuForward<'_> {
             ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
             ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
             let n_kv = pos0 + n;
+            if n > 1 && attention_mma::takes(dev, &p, n) {
+                let cache = KvCacheView {
+                    k: kc,
+                    v: vc,
+                    n_kv: Some(n_kv),
+                };
+                return attention_mma::attention_prompt(
+                    dev,
+                    q.buf()?,
+                    positions,
+                    cache,
+                    &p,
+                    out.buf_mut()?,
+                );
+            }
             let split = if n == 1 {
                 AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS)
             } else {

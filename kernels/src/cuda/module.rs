@@ -50,11 +50,13 @@ pub enum KernelModule {
     /// `matmul_mma.cu`: quantized matrix×matrix for prompts on the int8 tensor cores (plain and grouped
     /// by expert).
     MatmulMma,
+    /// `attention_mma.cu`: prompt attention over the f16 KV cache on the f16 tensor cores.
+    AttentionMma,
 }
 
 impl KernelModule {
     /// Every module, in [`KernelModule::index`] order.
-    pub const ALL: [KernelModule; 12] = [
+    pub const ALL: [KernelModule; 13] = [
         KernelModule::Quantize,
         KernelModule::MatvecQ,
         KernelModule::MatvecF,
@@ -67,6 +69,7 @@ impl KernelModule {
         KernelModule::Sample,
         KernelModule::Elementwise,
         KernelModule::MatmulMma,
+        KernelModule::AttentionMma,
     ];
 
     /// The file name without `.cu`.
@@ -84,6 +87,7 @@ impl KernelModule {
             KernelModule::Sample => "sample",
             KernelModule::Elementwise => "elementwise",
             KernelModule::MatmulMma => "matmul_mma",
+            KernelModule::AttentionMma => "attention_mma",
         }
     }
 
@@ -106,6 +110,7 @@ impl KernelModule {
             KernelModule::Sample => include_str!("../../cuda/sample.cu"),
             KernelModule::Elementwise => include_str!("../../cuda/elementwise.cu"),
             KernelModule::MatmulMma => include_str!("../../cuda/matmul_mma.cu"),
+            KernelModule::AttentionMma => include_str!("../../cuda/attention_mma.cu"),
         }
     }
 
