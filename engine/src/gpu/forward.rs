@@ -9,9 +9,12 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
-use poly_kernels::cuda::prompt::{gather_rows, matmul_q};
+use poly_kernels::cuda::prompt::{
+    self, gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
+};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
@@ -64,6 +67,25 @@ impl DevAct {
         self.buf
             .as_mut()
             .ok_or_else(|| CudaError::Invalid("an activation without data".into()))
+    }
+}
+
+/// A prompt's routing grouped by expert, on the card ([`GpuForward::group_experts`]).
+struct ExpertGroups {
+    /// `[slots]` the token of each sorted row.
+    rows: DeviceBuffer<i32>,
+    /// `[slots]` the sorted row of each (token, choice).
+    slot_row: DeviceBuffer<i32>,
+    /// `[n_tiles·3]` (expert, first row, rows) tiles of at most `tile_rows` rows, padded with empty ones.
+    tiles: DeviceBuffer<i32>,
+    tile_rows: usize,
+}
+
+impl ExpertGroups {
+    fn give_back(self, pool: &Pool) {
+        pool.put_i32(self.rows);
+        pool.put_i32(self.slot_row);
+        pool.put_i32(self.tiles);
     }
 }
 
@@ -303,7 +325,7 @@ impl<'a> GpuForward<'a> {
 
     fn moe_into(&self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
         let dev = self.dev;
-        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
         if slots > MAX_SLOTS {
             return Err(CudaError::Invalid(format!(
@@ -315,7 +337,6 @@ impl<'a> GpuForward<'a> {
             self.table(m.up_exps)?,
             self.table(m.down_exps)?,
         );
-        let n_ff = gate_t.rows;
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {
@@ -346,6 +367,151 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
+        let grouped = n > 1
+            && [gate_t, up_t, down_t]
+                .iter()
+                .all(|t| prompt::has_matmul_experts(t.ty));
+        let r = if grouped {
+            self.moe_grouped(x, &ids, &weights, m, out)
+        } else {
+            self.moe_slots(x, &ids, &weights, m, out)
+        };
+        self.pool.put_i32(ids);
+        self.pool.put_f32(weights);
+        r
+    }
+
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: the ids
+    /// come to the host (one small wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
+    /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
+    /// expert a tile reads: an expert cache can rewrite the table here.
+    fn group_experts(
+        &self,
+        ids: &DeviceBuffer<i32>,
+        k: usize,
+        n_expert: usize,
+        tile_rows: usize,
+    ) -> CudaResult<ExpertGroups> {
+        let dev = self.dev;
+        let host_ids = dev.download(ids)?;
+        let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
+        let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);
+        let mut rows = self.pool.i32(dev, g.rows.len())?;
+        dev.write(&g.rows, &mut rows)?;
+        let mut slot_row = self.pool.i32(dev, g.slot_row.len())?;
+        dev.write(&g.slot_row, &mut slot_row)?;
+        let table = g.tile_table(n_tiles);
+        let mut tiles = self.pool.i32(dev, table.len())?;
+        dev.write(&table, &mut tiles)?;
+        Ok(ExpertGroups {
+            rows,
+            slot_row,
+            tiles,
+            tile_rows,
+        })
+    }
+
+    /// The routed experts of a prompt grouped by expert: the rows gathered into expert order and
+    /// quantized once, gate and up as grouped matmuls, the activation, down, and the weighted sum back in
+    /// token order.
+    fn moe_grouped(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        weights: &DeviceBuffer<f32>,
+        m: &Moe,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let (gate_t, up_t, down_t) = (
+            self.table(m.gate_exps)?,
+            self.table(m.up_exps)?,
+            self.table(m.down_exps)?,
+        );
+        let n_ff = gate_t.rows;
+        let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
+        // [slots, n_embd] in expert order, quantized once for gate and up.
+        let mut xs = self.pool.f32(dev, slots * n_embd)?;
+        gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
+        let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
+        ops::quantize_q8_1(dev, &xs, &mut xq)?;
+        self.pool.put_f32(xs);
+        // [slots, n_ff] each.
+        let mut gate = self.pool.f32(dev, slots * n_ff)?;
+        let mut up = self.pool.f32(dev, slots * n_ff)?;
+        matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
+        matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
+        self.pool.put_q8(xq);
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+        self.pool.put_f32(gate);
+        self.pool.put_f32(up);
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        ops::quantize_q8_1(dev, &h, &mut hq)?;
+        self.pool.put_f32(h);
+        // [slots, n_embd] in expert order, then summed per token with the routing weights.
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
+        let r = if down_tile == g.tile_rows {
+            matmul_experts_q(dev, down_t, &g.tiles, g.tile_rows, &hq, &mut y)
+        } else {
+            let gd = self.group_experts(ids, k, m.n_expert, down_tile)?;
+            let r = matmul_experts_q(dev, down_t, &gd.tiles, gd.tile_rows, &hq, &mut y);
+            gd.give_back(&self.pool);
+            r
+        };
+        self.pool.put_q8(hq);
+        r?;
+        moe_combine_sorted(dev, &y, &g.slot_row, weights, k, false, out.buf_mut()?)?;
+        self.pool.put_f32(y);
+        g.give_back(&self.pool);
+        Ok(())
+    }
+
+    /// `h = act(gate) · up` over rows of `width`; `gate` may be overwritten.
+    fn glu(
+        &self,
+        act: Unary,
+        width: usize,
+        gate: &mut DeviceBuffer<f32>,
+        up: &DeviceBuffer<f32>,
+        h: &mut DeviceBuffer<f32>,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        match act {
+            Unary::Silu => ops::swiglu(dev, gate, up, h),
+            Unary::Gelu => ops::geglu(dev, gate, up, h),
+            f => {
+                self.unary_into(gate, f, h)?;
+                ew::binary(dev, h, up, width, BinaryOp::Mul, Broadcast::None, gate)?;
+                std::mem::swap(h, gate);
+                Ok(())
+            }
+        }
+    }
+
+    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take).
+    fn moe_slots(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        weights: &DeviceBuffer<f32>,
+        m: &Moe,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let (gate_t, up_t, down_t) = (
+            self.table(m.gate_exps)?,
+            self.table(m.up_exps)?,
+            self.table(m.down_exps)?,
+        );
+        let n_ff = gate_t.rows;
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
             (ExpertInput::Shared, None)
@@ -360,38 +526,20 @@ impl<'a> GpuForward<'a> {
         };
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        self.experts_mul(gate_t, &ids, x_in, input, &mut gate)?;
-        self.experts_mul(up_t, &ids, x_in, input, &mut up)?;
+        self.experts_mul(gate_t, ids, x_in, input, &mut gate)?;
+        self.experts_mul(up_t, ids, x_in, input, &mut up)?;
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
         let mut h = self.pool.f32(dev, slots * n_ff)?;
-        match m.act {
-            Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
-            Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
-            f => {
-                self.unary_into(&gate, f, &mut h)?;
-                ew::binary(
-                    dev,
-                    &h,
-                    &up,
-                    n_ff,
-                    BinaryOp::Mul,
-                    Broadcast::None,
-                    &mut gate,
-                )?;
-                std::mem::swap(&mut h, &mut gate);
-            }
-        }
+        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
         self.pool.put_f32(gate);
         self.pool.put_f32(up);
         let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, &ids, &h, ExpertInput::PerSlot, &mut y)?;
-        ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
+        self.experts_mul(down_t, ids, &h, ExpertInput::PerSlot, &mut y)?;
+        ops::moe_combine(dev, &y, weights, k, false, out.buf_mut()?)?;
         self.pool.put_f32(h);
         self.pool.put_f32(y);
-        self.pool.put_i32(ids);
-        self.pool.put_f32(weights);
         Ok(())
     }
 
@@ -598,6 +746,21 @@ impl Compute for GpuForward<'_> {
             ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
             ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
             let n_kv = pos0 + n;
+            if n > 1 && attention_mma::takes(dev, &p, n) {
+                let cache = KvCacheView {
+                    k: kc,
+                    v: vc,
+                    n_kv: Some(n_kv),
+                };
+                return attention_mma::attention_prompt(
+                    dev,
+                    q.buf()?,
+                    positions,
+                    cache,
+                    &p,
+                    out.buf_mut()?,
+                );
+            }
             let split = if n == 1 {
                 AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS)
             } else {

@@ -11,6 +11,7 @@
 //! choice and how the engine will use this module.
 
 pub mod attention;
+pub mod attention_mma;
 mod buffer;
 mod device;
 pub mod elementwise;
