@@ -5,6 +5,7 @@
 //! and the rest of the call queues nothing more (the trait's operations return activations, not results);
 //! `finish` reports it. Activations of no rows (a call that asks for no logits) are kept without a buffer.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ use poly_models::compute::{
 };
 
 use super::pool::Pool;
+use super::profile::CallMarks;
 use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
 use crate::cpu::CpuWeights;
@@ -80,6 +82,8 @@ pub struct GpuForward<'a> {
     /// `[n]` positions of the batch's tokens.
     positions: Option<DeviceBuffer<i32>>,
     error: Option<CudaError>,
+    /// `POLY_GPU_PROFILE`'s device marks, when profiling.
+    marks: RefCell<Option<CallMarks>>,
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -124,7 +128,35 @@ impl<'a> GpuForward<'a> {
             logits,
             positions: Some(positions),
             error: None,
+            marks: RefCell::new(None),
         })
+    }
+
+    /// Profiles this call's operations into `marks`.
+    pub(super) fn set_marks(&mut self, marks: Option<CallMarks>) {
+        *self.marks.get_mut() = marks;
+    }
+
+    /// The profile marks, once the operations are queued.
+    pub(super) fn take_marks(&mut self) -> Option<CallMarks> {
+        self.marks.get_mut().take()
+    }
+
+    /// Starts timing an operation (when profiling operations).
+    fn op_begin(&self) -> Option<poly_kernels::cuda::TimingEvent> {
+        self.marks
+            .borrow_mut()
+            .as_mut()
+            .and_then(|m| m.op_begin(self.dev))
+    }
+
+    /// Ends timing the operation `begin` started, as `kind`.
+    fn op_end(&self, kind: &'static str, begin: Option<poly_kernels::cuda::TimingEvent>) {
+        if begin.is_some() {
+            if let Some(m) = self.marks.borrow_mut().as_mut() {
+                m.op_end(self.dev, kind, begin);
+            }
+        }
     }
 
     /// The logits `out` holds, downloaded; or the first error of the call.
@@ -144,7 +176,7 @@ impl<'a> GpuForward<'a> {
     /// An activation holding `data` (`[rows, cols]`), for the lockstep diagnosis ([`super::lockstep`]).
     pub(super) fn upload(&mut self, rows: usize, cols: usize, data: &[f32]) -> DevAct {
         let mut out = self.alloc(rows, cols);
-        self.run(data.is_empty(), |c| c.dev.write(data, out.buf_mut()?));
+        self.run("upload", data.is_empty(), |c| c.dev.write(data, out.buf_mut()?));
         out
     }
 
@@ -189,12 +221,16 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    /// Runs `f` unless the call already failed or there is nothing to compute; records its error.
-    fn run(&mut self, empty: bool, f: impl FnOnce(&mut Self) -> CudaResult<()>) {
+    /// Runs `f` (operation `kind`) unless the call already failed or there is nothing to compute; records
+    /// its error.
+    fn run(&mut self, kind: &'static str, empty: bool, f: impl FnOnce(&mut Self) -> CudaResult<()>) {
         if self.error.is_some() || empty {
             return;
         }
-        if let Err(e) = f(self) {
+        let t = self.op_begin();
+        let r = f(self);
+        self.op_end(kind, t);
+        if let Err(e) = r {
             self.error.get_or_insert(e);
         }
     }
@@ -245,7 +281,12 @@ impl<'a> GpuForward<'a> {
     fn binary(&mut self, a: &DevAct, b: &DevAct, op: BinaryOp, bc: Broadcast) -> DevAct {
         let mut out = self.alloc(a.rows, a.cols);
         let cols = a.cols;
-        self.run(a.len() == 0, |c| {
+        let kind = match op {
+            BinaryOp::Add => "add",
+            BinaryOp::Mul => "mul",
+            _ => "binary",
+        };
+        self.run(kind, a.len() == 0, |c| {
             ew::binary(c.dev, a.buf()?, b.buf()?, cols, op, bc, out.buf_mut()?)
         });
         out
@@ -254,7 +295,12 @@ impl<'a> GpuForward<'a> {
     fn weight_binary(&mut self, x: &DevAct, w: WeightId, op: BinaryOp) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let cols = x.cols;
-        self.run(x.len() == 0, |c| {
+        let kind = match op {
+            BinaryOp::Add => "add_weight",
+            BinaryOp::Mul => "mul_weight",
+            _ => "weight_binary",
+        };
+        self.run(kind, x.len() == 0, |c| {
             let v = c.vector(w)?;
             ew::binary(
                 c.dev,
@@ -317,6 +363,7 @@ impl<'a> GpuForward<'a> {
         );
         let n_ff = gate_t.rows;
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
+        let t = self.op_begin();
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {
             let mut la = DevAct {
@@ -332,6 +379,8 @@ impl<'a> GpuForward<'a> {
                 .ok_or_else(|| CudaError::Invalid("router".into()))?;
             r?;
         }
+        self.op_end("moe.router", t);
+        let t = self.op_begin();
         let mut ids = self.pool.i32(dev, slots)?;
         let mut weights = self.pool.f32(dev, slots)?;
         let routing = Routing {
@@ -346,6 +395,8 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
+        self.op_end("moe.route_topk", t);
+        let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
             (ExpertInput::Shared, None)
@@ -365,6 +416,8 @@ impl<'a> GpuForward<'a> {
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
         let mut h = self.pool.f32(dev, slots * n_ff)?;
         match m.act {
             Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
@@ -385,9 +438,14 @@ impl<'a> GpuForward<'a> {
         }
         self.pool.put_f32(gate);
         self.pool.put_f32(up);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         self.experts_mul(down_t, &ids, &h, ExpertInput::PerSlot, &mut y)?;
+        self.op_end("moe.down", t);
+        let t = self.op_begin();
         ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
+        self.op_end("moe.combine", t);
         self.pool.put_f32(h);
         self.pool.put_f32(y);
         self.pool.put_i32(ids);
@@ -423,7 +481,7 @@ impl Compute for GpuForward<'_> {
     fn embed(&mut self, table: WeightId, tokens: &[u32]) -> DevAct {
         let n_embd = self.cpu.info(table).row_len() as usize;
         let mut out = self.alloc(tokens.len(), n_embd);
-        self.run(tokens.is_empty(), |c| {
+        self.run("embed", tokens.is_empty(), |c| {
             // The rows are read from the mapped file and dequantized on the host: one small copy per
             // call, and no dequantization kernel per format.
             let mut rows = vec![0f32; tokens.len() * n_embd];
@@ -439,13 +497,13 @@ impl Compute for GpuForward<'_> {
     fn matmul(&mut self, w: WeightId, x: &DevAct) -> DevAct {
         let rows = self.out_rows(w);
         let mut y = self.alloc(x.rows, rows);
-        self.run(x.len() == 0, |c| c.matmul_into(w, x, &mut y));
+        self.run("matmul", x.len() == 0, |c| c.matmul_into(w, x, &mut y));
         y
     }
 
     fn rms_norm(&mut self, x: &DevAct, weight: Option<WeightId>, eps: f32, group: usize) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("rms_norm", x.len() == 0, |c| {
             let w = weight.map(|w| c.vector(w)).transpose()?;
             ops::rms_norm(c.dev, x.buf()?, group, w.as_deref(), eps, out.buf_mut()?)
         });
@@ -454,7 +512,7 @@ impl Compute for GpuForward<'_> {
 
     fn l2_norm(&mut self, x: &DevAct, eps: f32, group: usize) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("l2_norm", x.len() == 0, |c| {
             recurrent::l2_norm(c.dev, x.buf()?, group, eps, L2Form::MaxEps, out.buf_mut()?)
         });
         out
@@ -483,7 +541,7 @@ impl Compute for GpuForward<'_> {
 
     fn scale(&mut self, x: &DevAct, s: f32) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("scale", x.len() == 0, |c| {
             ew::scale(c.dev, x.buf()?, s, out.buf_mut()?)
         });
         out
@@ -491,14 +549,14 @@ impl Compute for GpuForward<'_> {
 
     fn unary(&mut self, x: &DevAct, f: Unary) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| c.unary_into(x.buf()?, f, out.buf_mut()?));
+        self.run("unary", x.len() == 0, |c| c.unary_into(x.buf()?, f, out.buf_mut()?));
         out
     }
 
     fn cols(&mut self, x: &DevAct, start: usize, len: usize) -> DevAct {
         let mut out = self.alloc(x.rows, len);
         let in_cols = x.cols;
-        self.run(x.rows * len == 0, |c| {
+        self.run("cols", x.rows * len == 0, |c| {
             ew::cols(c.dev, x.buf()?, in_cols, start, len, out.buf_mut()?)
         });
         out
@@ -508,7 +566,7 @@ impl Compute for GpuForward<'_> {
         let width = x.cols / parts.max(1);
         let mut out = self.alloc(x.rows, width);
         let rows = x.rows;
-        self.run(x.len() == 0, |c| {
+        self.run("head_part", x.len() == 0, |c| {
             ew::head_part(c.dev, x.buf()?, rows, head, parts, part, out.buf_mut()?)
         });
         out
@@ -517,7 +575,7 @@ impl Compute for GpuForward<'_> {
     fn repeat_heads(&mut self, x: &DevAct, head: usize, times: usize, interleave: bool) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols * times);
         let rows = x.rows;
-        self.run(x.len() == 0, |c| {
+        self.run("repeat_heads", x.len() == 0, |c| {
             ew::repeat_heads(
                 c.dev,
                 x.buf()?,
@@ -534,7 +592,7 @@ impl Compute for GpuForward<'_> {
     fn rows(&mut self, x: &DevAct, rows: &[usize]) -> DevAct {
         let mut out = self.alloc(rows.len(), x.cols);
         let width = x.cols;
-        self.run(rows.is_empty() || width == 0, |c| {
+        self.run("rows", rows.is_empty() || width == 0, |c| {
             let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             if rows.iter().any(|&r| r >= x.rows) {
                 return Err(CudaError::Invalid("rows: a row past the activation".into()));
@@ -551,7 +609,7 @@ impl Compute for GpuForward<'_> {
     fn rope(&mut self, x: &DevAct, r: &Rope) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let p = rope_params(r);
-        self.run(x.len() == 0, |c| {
+        self.run("rope", x.len() == 0, |c| {
             let o = out.buf_mut()?;
             ew::scale(c.dev, x.buf()?, 1.0, o)?;
             ops::rope(c.dev, o, c.positions()?, &p)
@@ -569,7 +627,7 @@ impl Compute for GpuForward<'_> {
     ) -> DevAct {
         let mut out = self.alloc(q.rows, a.n_head * a.head_dim_v);
         let (pos0, n) = (self.pos0, q.rows);
-        self.run(q.len() == 0, |c| {
+        self.run("attention", q.len() == 0, |c| {
             let p = AttnParams {
                 n_head: a.n_head,
                 n_head_kv: a.n_head_kv,
@@ -634,7 +692,7 @@ impl Compute for GpuForward<'_> {
 
     fn moe(&mut self, _layer: usize, x: &DevAct, m: &Moe) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0 || m.n_expert_used == 0, |c| {
+        self.run("moe", x.len() == 0 || m.n_expert_used == 0, |c| {
             c.moe_into(x, m, &mut out)
         });
         out
@@ -643,7 +701,7 @@ impl Compute for GpuForward<'_> {
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let taps = self.cpu.info(kernel).row_len() as usize;
-        self.run(x.len() == 0, |c| {
+        self.run("ssm_conv", x.len() == 0, |c| {
             let w = c.vector(kernel)?;
             let dev = c.dev;
             let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
@@ -663,7 +721,7 @@ impl Compute for GpuForward<'_> {
         net: &DeltaNet,
     ) -> DevAct {
         let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
-        self.run(x.v.len() == 0, |c| {
+        self.run("gated_delta_net", x.v.len() == 0, |c| {
             let dev = c.dev;
             let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
                 return Err(CudaError::Invalid(format!(

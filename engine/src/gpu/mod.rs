@@ -19,11 +19,13 @@
 pub mod forward;
 pub mod lockstep;
 pub mod pool;
+pub mod profile;
 pub mod reference;
 pub mod seq;
 pub mod weights;
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use poly_kernels::cuda::{CudaError, Device};
 use poly_models::arch::{Forward, ModelGraph};
@@ -35,6 +37,7 @@ use crate::state::SeqState;
 
 use forward::GpuForward;
 use pool::{Pool, PoolStore};
+use profile::{CallPhases, Profiler};
 use seq::DeviceSeq;
 use weights::GpuWeights;
 
@@ -85,6 +88,16 @@ pub struct GpuBackend {
     seq: Mutex<Option<DeviceSeq>>,
     /// Buffers kept between calls.
     pool: Mutex<PoolStore>,
+    /// `POLY_GPU_PROFILE`'s sums, printed when the backend is dropped.
+    profile: Option<Profiler>,
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.summary());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -103,6 +116,7 @@ impl GpuBackend {
             weights,
             seq: Mutex::new(None),
             pool: Mutex::new(PoolStore::default()),
+            profile: Profiler::from_env(),
         })
     }
 
@@ -145,10 +159,16 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), EngineError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
         let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
+        let mut marks_out = None;
         let result = {
             let mut c = GpuForward::new(
                 &self.dev,
@@ -161,8 +181,17 @@ impl GpuBackend {
                 logits,
             )
             .map_err(cuda_err)?;
+            c.set_marks(marks);
             let (out, extra) = run(&mut c);
-            c.finish(out).map(|l| (l, extra))
+            marks_out = c.take_marks();
+            if let Some(m) = marks_out.as_mut() {
+                m.end(&self.dev);
+            }
+            phases.queue = clock.elapsed();
+            let clock = Instant::now();
+            let r = c.finish(out).map(|l| (l, extra));
+            phases.finish = clock.elapsed();
+            r
         };
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
@@ -175,6 +204,7 @@ impl GpuBackend {
                 return Err(cuda_err(e));
             }
         };
+        let clock = Instant::now();
         let copied = seq_slot
             .as_mut()
             .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
@@ -186,6 +216,10 @@ impl GpuBackend {
         state.push_tokens(tokens);
         if let Some(s) = seq_slot.as_mut() {
             s.set_tokens(state.tokens());
+        }
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks_out);
         }
         Ok((logits, extra))
     }
