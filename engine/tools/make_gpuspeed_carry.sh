@@ -10,14 +10,18 @@ cargo build --release -p poly-engine --bin poly-engine
 cp target/release/poly-engine $D/poly-engine
 strip --strip-debug $D/poly-engine
 if [ "${WITH_TESTS:-1}" = 1 ]; then
-    cargo test --release -p poly-engine --test gpu_forward --no-run --message-format=json 2>/dev/null | python3 -c '
+    {
+        cargo test --release -p poly-engine --test gpu_forward --no-run --message-format=json 2>/dev/null
+        cargo test --release -p poly-kernels --test cuda_elementwise --no-run --message-format=json 2>/dev/null
+    } | python3 -c '
 import json, shutil, subprocess, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_forward":
-        shutil.copy(m["executable"], ".carry/gpuspeed/gpu_forward")
-        subprocess.run(["strip", "--strip-debug", ".carry/gpuspeed/gpu_forward"], check=True)
-        print("carried gpu_forward")
+    name = m.get("target", {}).get("name")
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and name in ("gpu_forward", "cuda_elementwise"):
+        shutil.copy(m["executable"], ".carry/gpuspeed/" + name)
+        subprocess.run(["strip", "--strip-debug", ".carry/gpuspeed/" + name], check=True)
+        print("carried", name)
 '
 fi
 cp engine/tools/gpuspeed_run.sh $D/run.sh

@@ -14,7 +14,7 @@ use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
 use poly_kernels::cuda::prompt::{gather_rows, matmul_q};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
-use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
+use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::ops::recurrent::DeltaShape;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
@@ -35,10 +35,45 @@ const ATTN_TARGET_BLOCKS: usize = 264;
 /// Most expert slots (tokens × experts per token) of one expert launch.
 const MAX_SLOTS: usize = 65_535;
 
+/// The cache rows a one-token call at context length `n_kv` reads: the next power of two from 256, at most
+/// the cache's `n_ctx` rows. Positions past the token's own are masked, so one graph serves a whole bucket;
+/// the split of the context (and so the summation order) is the bucket's.
+pub fn decode_kv_rows(n_kv: usize, n_ctx: usize) -> usize {
+    n_kv.next_power_of_two().max(256).min(n_ctx).max(n_kv)
+}
+
+/// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
+/// `[n_embd]` and its position `[1]`.
+pub struct GraphInputs {
+    /// Made by the first (running) call, which learns the width.
+    pub row: Option<DeviceBuffer<f32>>,
+    pub positions: DeviceBuffer<i32>,
+}
+
+/// How a call takes part in a decode graph.
+pub struct GraphMode<'a> {
+    pub inputs: &'a mut GraphInputs,
+    /// Launches are being captured (nothing runs, the host writes no input).
+    pub capturing: bool,
+    /// The embedding table and width `embed` read, for the host's writes before replays.
+    pub embed: Option<(WeightId, usize)>,
+}
+
+/// What a call runs against: the device, the weights and the sequence on it, and the buffer pool.
+pub struct Backing<'a> {
+    pub dev: &'a Device,
+    pub weights: &'a GpuWeights,
+    pub cpu: &'a CpuWeights,
+    pub seq: &'a mut DeviceSeq,
+    pub pool: Rc<Pool>,
+}
+
 /// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
 pub struct DevAct {
     rows: usize,
     cols: usize,
+    /// Unique within the call: names the activation in the quantized-input cache.
+    id: u64,
     buf: Option<DeviceBuffer<f32>>,
     pool: Rc<Pool>,
 }
@@ -81,7 +116,14 @@ pub struct GpuForward<'a> {
     logits: Logits,
     /// `[n]` positions of the batch's tokens.
     positions: Option<DeviceBuffer<i32>>,
+    /// Set when the call's launches are captured into (or prepared for) a decode graph.
+    graph: Option<GraphMode<'a>>,
     error: Option<CudaError>,
+    /// The next activation id.
+    next_id: std::cell::Cell<u64>,
+    /// The last one-row activation quantized for a quantized matrix×vector, by activation id: the q, k and
+    /// v projections (and an MoE layer's gate and up experts) read the same input, quantized once.
+    q8_cache: RefCell<Option<(u64, DeviceBuffer<BlockQ8_1>)>>,
     /// `POLY_GPU_PROFILE`'s device marks, when profiling.
     marks: RefCell<Option<CallMarks>>,
 }
@@ -127,9 +169,106 @@ impl<'a> GpuForward<'a> {
             pos0,
             logits,
             positions: Some(positions),
+            graph: None,
             error: None,
+            next_id: std::cell::Cell::new(0),
+            q8_cache: RefCell::new(None),
             marks: RefCell::new(None),
         })
+    }
+
+    /// A one-token call whose changing inputs (the token's embedding row, its position) are `mode`'s
+    /// buffers, so its launches can be captured and replayed ([`super::decode_graph`]). Unless capturing,
+    /// the call runs as any other (it writes the row itself); the host writes the position before.
+    pub(super) fn for_graph(
+        backing: Backing<'a>,
+        tokens: &'a [u32],
+        pos0: usize,
+        mode: GraphMode<'a>,
+    ) -> GpuForward<'a> {
+        GpuForward {
+            dev: backing.dev,
+            weights: backing.weights,
+            cpu: backing.cpu,
+            seq: backing.seq,
+            pool: backing.pool,
+            tokens,
+            pos0,
+            logits: Logits::Last,
+            positions: None,
+            graph: Some(mode),
+            error: None,
+            next_id: std::cell::Cell::new(0),
+            q8_cache: RefCell::new(None),
+            marks: RefCell::new(None),
+        }
+    }
+
+    fn new_id(&self) -> u64 {
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        id
+    }
+
+    /// The embedding table and row width a graph call's `embed` read (the host writes the row before a
+    /// replay).
+    pub(super) fn graph_embed(&self) -> Option<(WeightId, usize)> {
+        self.graph.as_ref().and_then(|g| g.embed)
+    }
+
+    /// For a captured call: the buffer the logits land in (kept by the graph), or the call's first error.
+    pub(super) fn finish_captured(mut self, mut out: DevAct) -> CudaResult<DeviceBuffer<f32>> {
+        self.release_scratch();
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        out.buf
+            .take()
+            .ok_or_else(|| CudaError::Invalid("a captured call without logits".into()))
+    }
+
+    /// Gives the call's own buffers back to the pool.
+    fn release_scratch(&mut self) {
+        if let Some((_, q)) = self.q8_cache.get_mut().take() {
+            self.pool.put_q8(q);
+        }
+        if let Some(p) = self.positions.take() {
+            self.pool.put_i32(p);
+        }
+    }
+
+    /// Runs `f` on `x` quantized to q8_1 (one row: through the cache, by `id`).
+    fn with_q8<R>(
+        &self,
+        id: Option<u64>,
+        x: &DeviceBuffer<f32>,
+        f: impl FnOnce(&DeviceBuffer<BlockQ8_1>) -> CudaResult<R>,
+    ) -> CudaResult<R> {
+        let dev = self.dev;
+        let Some(id) = id else {
+            let mut xq = self.pool.q8(dev, x.len() / 32)?;
+            let r = ops::quantize_q8_1(dev, x, &mut xq).and_then(|_| f(&xq));
+            self.pool.put_q8(xq);
+            return r;
+        };
+        let mut cache = self.q8_cache.borrow_mut();
+        if cache.as_ref().map(|c| c.0) != Some(id) {
+            if let Some((_, old)) = cache.take() {
+                self.pool.put_q8(old);
+            }
+            let mut xq = self.pool.q8(dev, x.len() / 32)?;
+            if let Err(e) = ops::quantize_q8_1(dev, x, &mut xq) {
+                self.pool.put_q8(xq);
+                return Err(e);
+            }
+            *cache = Some((id, xq));
+        }
+        match cache.as_ref() {
+            Some((_, xq)) => f(xq),
+            None => Err(CudaError::Invalid(
+                "the quantized input went missing".into(),
+            )),
+        }
     }
 
     /// Profiles this call's operations into `marks`.
@@ -167,16 +306,16 @@ impl<'a> GpuForward<'a> {
             None => out.buf().and_then(|b| self.dev.download(b)),
         };
         drop(out);
-        if let Some(p) = self.positions.take() {
-            self.pool.put_i32(p);
-        }
+        self.release_scratch();
         result
     }
 
     /// An activation holding `data` (`[rows, cols]`), for the lockstep diagnosis ([`super::lockstep`]).
     pub(super) fn upload(&mut self, rows: usize, cols: usize, data: &[f32]) -> DevAct {
         let mut out = self.alloc(rows, cols);
-        self.run("upload", data.is_empty(), |c| c.dev.write(data, out.buf_mut()?));
+        self.run("upload", data.is_empty(), |c| {
+            c.dev.write(data, out.buf_mut()?)
+        });
         out
     }
 
@@ -195,9 +334,13 @@ impl<'a> GpuForward<'a> {
     }
 
     fn positions(&self) -> CudaResult<&DeviceBuffer<i32>> {
-        self.positions
-            .as_ref()
-            .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))
+        match &self.graph {
+            Some(g) => Ok(&g.inputs.positions),
+            None => self
+                .positions
+                .as_ref()
+                .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into())),
+        }
     }
 
     /// A new activation of `rows × cols` (no buffer when empty or after an error).
@@ -216,6 +359,7 @@ impl<'a> GpuForward<'a> {
         DevAct {
             rows,
             cols,
+            id: self.new_id(),
             buf,
             pool: self.pool.clone(),
         }
@@ -223,7 +367,12 @@ impl<'a> GpuForward<'a> {
 
     /// Runs `f` (operation `kind`) unless the call already failed or there is nothing to compute; records
     /// its error.
-    fn run(&mut self, kind: &'static str, empty: bool, f: impl FnOnce(&mut Self) -> CudaResult<()>) {
+    fn run(
+        &mut self,
+        kind: &'static str,
+        empty: bool,
+        f: impl FnOnce(&mut Self) -> CudaResult<()>,
+    ) {
         if self.error.is_some() || empty {
             return;
         }
@@ -244,15 +393,14 @@ impl<'a> GpuForward<'a> {
         let dev = self.dev;
         match self.weights.matrix(w)? {
             GpuWeight::Quant(m) => {
-                let mut xq = self.pool.q8(dev, x.len() / 32)?;
-                ops::quantize_q8_1(dev, x.buf()?, &mut xq)?;
-                let r = if x.rows == 1 {
-                    ops::matvec_q(dev, m, &xq, y.buf_mut()?)
-                } else {
-                    matmul_q(dev, m, &xq, y.buf_mut()?)
-                };
-                self.pool.put_q8(xq);
-                r
+                let id = (x.rows == 1).then_some(x.id);
+                self.with_q8(id, x.buf()?, |xq| {
+                    if x.rows == 1 {
+                        ops::matvec_q(dev, m, xq, y.buf_mut()?)
+                    } else {
+                        matmul_q(dev, m, xq, y.buf_mut()?)
+                    }
+                })
             }
             GpuWeight::Float(s) => {
                 if x.rows > MAX_SLOTS {
@@ -284,7 +432,6 @@ impl<'a> GpuForward<'a> {
         let kind = match op {
             BinaryOp::Add => "add",
             BinaryOp::Mul => "mul",
-            _ => "binary",
         };
         self.run(kind, a.len() == 0, |c| {
             ew::binary(c.dev, a.buf()?, b.buf()?, cols, op, bc, out.buf_mut()?)
@@ -298,7 +445,6 @@ impl<'a> GpuForward<'a> {
         let kind = match op {
             BinaryOp::Add => "add_weight",
             BinaryOp::Mul => "mul_weight",
-            _ => "weight_binary",
         };
         self.run(kind, x.len() == 0, |c| {
             let v = c.vector(w)?;
@@ -327,22 +473,19 @@ impl<'a> GpuForward<'a> {
     }
 
     /// `y = W[ids[s]]·x_s` for every slot, quantizing `x` first when the experts are quantized.
+    /// `x_id` names a one-row input shared by several expert tensors (quantized once).
     fn experts_mul(
         &self,
         table: &ExpertTable,
         ids: &DeviceBuffer<i32>,
-        x: &DeviceBuffer<f32>,
+        (x, x_id): (&DeviceBuffer<f32>, Option<u64>),
         input: ExpertInput,
         y: &mut DeviceBuffer<f32>,
     ) -> CudaResult<()> {
         match ops::activation_form(table.ty) {
-            Some(ops::ActivationForm::Q8_1) => {
-                let mut xq = self.pool.q8(self.dev, x.len() / 32)?;
-                ops::quantize_q8_1(self.dev, x, &mut xq)?;
-                let r = ops::matvec_experts_q(self.dev, table, ids, &xq, input, y);
-                self.pool.put_q8(xq);
-                r
-            }
+            Some(ops::ActivationForm::Q8_1) => self.with_q8(x_id, x, |xq| {
+                ops::matvec_experts_q(self.dev, table, ids, xq, input, y)
+            }),
             _ => ops::matvec_experts_f(self.dev, table, ids, x, input, y),
         }
     }
@@ -369,6 +512,7 @@ impl<'a> GpuForward<'a> {
             let mut la = DevAct {
                 rows: n,
                 cols: m.n_expert,
+                id: self.new_id(),
                 buf: Some(logits),
                 pool: self.pool.clone(),
             };
@@ -411,8 +555,9 @@ impl<'a> GpuForward<'a> {
         };
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        self.experts_mul(gate_t, &ids, x_in, input, &mut gate)?;
-        self.experts_mul(up_t, &ids, x_in, input, &mut up)?;
+        let x_id = (n == 1).then_some(x.id);
+        self.experts_mul(gate_t, &ids, (x_in, x_id), input, &mut gate)?;
+        self.experts_mul(up_t, &ids, (x_in, x_id), input, &mut up)?;
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
@@ -441,7 +586,7 @@ impl<'a> GpuForward<'a> {
         self.op_end("moe.act", t);
         let t = self.op_begin();
         let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, &ids, &h, ExpertInput::PerSlot, &mut y)?;
+        self.experts_mul(down_t, &ids, (&h, None), ExpertInput::PerSlot, &mut y)?;
         self.op_end("moe.down", t);
         let t = self.op_begin();
         ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
@@ -484,12 +629,41 @@ impl Compute for GpuForward<'_> {
         self.run("embed", tokens.is_empty(), |c| {
             // The rows are read from the mapped file and dequantized on the host: one small copy per
             // call, and no dequantization kernel per format.
-            let mut rows = vec![0f32; tokens.len() * n_embd];
-            for (i, &t) in tokens.iter().enumerate() {
-                c.cpu
-                    .row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
+            let mut rows = Vec::new();
+            let host_rows = |rows: &mut Vec<f32>| {
+                rows.resize(tokens.len() * n_embd, 0.0);
+                for (i, &t) in tokens.iter().enumerate() {
+                    c.cpu
+                        .row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
+                }
+            };
+            let Some(g) = c.graph.as_mut() else {
+                host_rows(&mut rows);
+                return c.dev.write(&rows, out.buf_mut()?);
+            };
+            // A graph reads the row from its input buffer, which the host fills before a replay (and this
+            // call itself when it runs rather than being captured).
+            g.embed = Some((table, n_embd));
+            if tokens.len() != 1 {
+                return Err(CudaError::Invalid(
+                    "a decode graph of several tokens".into(),
+                ));
             }
-            c.dev.write(&rows, out.buf_mut()?)
+            if !g.capturing {
+                if g.inputs.row.as_ref().map(|r| r.len()) != Some(n_embd) {
+                    g.inputs.row = Some(c.dev.zeros(n_embd)?);
+                }
+                host_rows(&mut rows);
+                if let Some(r) = g.inputs.row.as_mut() {
+                    c.dev.write(&rows, r)?;
+                }
+            }
+            match &g.inputs.row {
+                Some(r) if r.len() == n_embd => ew::scale(c.dev, r, 1.0, out.buf_mut()?),
+                _ => Err(CudaError::Invalid(
+                    "a decode graph captured before its embedding row was made".into(),
+                )),
+            }
         });
         out
     }
@@ -549,7 +723,9 @@ impl Compute for GpuForward<'_> {
 
     fn unary(&mut self, x: &DevAct, f: Unary) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run("unary", x.len() == 0, |c| c.unary_into(x.buf()?, f, out.buf_mut()?));
+        self.run("unary", x.len() == 0, |c| {
+            c.unary_into(x.buf()?, f, out.buf_mut()?)
+        });
         out
     }
 
@@ -638,10 +814,13 @@ impl Compute for GpuForward<'_> {
                 softcap: a.softcap,
             };
             let dev = c.dev;
-            let positions = c
-                .positions
-                .as_ref()
-                .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))?;
+            let positions = match &c.graph {
+                Some(g) => &g.inputs.positions,
+                None => c
+                    .positions
+                    .as_ref()
+                    .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))?,
+            };
             let Some(DeviceLayer::Kv {
                 k: kc,
                 v: vc,
@@ -653,13 +832,26 @@ impl Compute for GpuForward<'_> {
                     "attention on layer {layer}, whose state is not a KV cache"
                 )));
             };
-            ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
-            ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
-            let n_kv = pos0 + n;
-            let split = if n == 1 {
-                AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS)
+            let (n_kv, split) = if n == 1 {
+                // One token: the store and the attention read the position on the card and the cache
+                // is read up to a bucket of the context ([`decode_kv_rows`]; the causal mask stops at
+                // the position), so the same launches serve every position of the bucket (a graph).
+                let dst = ew::KvDst {
+                    k: kc,
+                    v: vc,
+                    k_width: *k_width,
+                    v_width: *v_width,
+                };
+                ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
+                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
+                (
+                    n_kv,
+                    AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS),
+                )
             } else {
-                AttnSplit::none(n_kv)
+                ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
+                ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
+                (pos0 + n, AttnSplit::none(pos0 + n))
             };
             let scratch_len = split.scratch_len(&p, n, n_kv);
             let mut scratch = if scratch_len > 0 {

@@ -16,6 +16,7 @@
 //! [`DeviceChoice`] says whether a model runs here: `Auto` takes GPU 0 when there is one, so a machine
 //! without a GPU (CI) runs on the CPU as before.
 
+pub mod decode_graph;
 pub mod forward;
 pub mod lockstep;
 pub mod pool;
@@ -90,6 +91,8 @@ pub struct GpuBackend {
     pool: Mutex<PoolStore>,
     /// `POLY_GPU_PROFILE`'s sums, printed when the backend is dropped.
     profile: Option<Profiler>,
+    /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
+    graphs: bool,
 }
 
 impl Drop for GpuBackend {
@@ -117,6 +120,7 @@ impl GpuBackend {
             seq: Mutex::new(None),
             pool: Mutex::new(PoolStore::default()),
             profile: Profiler::from_env(),
+            graphs: decode_graph::graphs_enabled(),
         })
     }
 
@@ -145,8 +149,91 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        if tokens.len() == 1 && logits == Logits::Last && self.graphs {
+            return self.eval_decode(graph, cpu, state, tokens);
+        }
         self.call(cpu, state, tokens, logits, |c| (graph.forward(c), ()))
             .map(|(l, ())| l)
+    }
+
+    /// [`GpuBackend::eval`] of one token through a decode graph ([`decode_graph`]): replayed when this
+    /// context bucket has one, else run and captured.
+    fn eval_decode(
+        &self,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
+        let mut seq_slot = lock(&self.seq);
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
+        let pos0 = state.n_past();
+        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        let result = if seq.graphs.has(rows) {
+            let r = decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            phases.queue = clock.elapsed();
+            r
+        } else if seq.graphs.failed() {
+            drop(seq_slot);
+            return self
+                .call(cpu, state, tokens, Logits::Last, |c| (graph.forward(c), ()))
+                .map(|(l, ())| l);
+        } else {
+            let backing = forward::Backing {
+                dev: &self.dev,
+                weights: &self.weights,
+                cpu,
+                seq,
+                pool: Pool::new(PoolStore::default()),
+            };
+            decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
+        };
+        if let Some(m) = marks.as_mut() {
+            m.end(&self.dev);
+        }
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                *seq_slot = None;
+                return Err(cuda_err(e));
+            }
+        };
+        phases.finish = clock.elapsed().saturating_sub(phases.queue);
+        let clock = Instant::now();
+        self.after_call(&mut seq_slot, state, pos0, tokens)?;
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks);
+        }
+        Ok(logits)
+    }
+
+    /// After a call of `tokens` at `pos0`: the host state follows the card's.
+    fn after_call(
+        &self,
+        seq_slot: &mut Option<DeviceSeq>,
+        state: &mut SeqState,
+        pos0: usize,
+        tokens: &[u32],
+    ) -> Result<(), EngineError> {
+        let copied = seq_slot
+            .as_mut()
+            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
+            .unwrap_or(Ok(()));
+        if let Err(e) = copied {
+            *seq_slot = None;
+            return Err(cuda_err(e));
+        }
+        state.push_tokens(tokens);
+        if let Some(s) = seq_slot.as_mut() {
+            s.set_tokens(state.tokens());
+        }
+        Ok(())
     }
 
     /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
@@ -168,7 +255,7 @@ impl GpuBackend {
         let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
         let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
-        let mut marks_out = None;
+        let mut marks_out;
         let result = {
             let mut c = GpuForward::new(
                 &self.dev,
@@ -205,18 +292,7 @@ impl GpuBackend {
             }
         };
         let clock = Instant::now();
-        let copied = seq_slot
-            .as_mut()
-            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
-            .unwrap_or(Ok(()));
-        if let Err(e) = copied {
-            *seq_slot = None;
-            return Err(cuda_err(e));
-        }
-        state.push_tokens(tokens);
-        if let Some(s) = seq_slot.as_mut() {
-            s.set_tokens(state.tokens());
-        }
+        self.after_call(&mut seq_slot, state, pos0, tokens)?;
         phases.copy_back = clock.elapsed();
         if let Some(p) = &self.profile {
             p.record(&self.dev, tokens.len(), phases, marks_out);

@@ -177,11 +177,7 @@ impl Profiler {
     ) {
         let mut t = self.totals();
         let decode = n_tokens == 1;
-        let totals = if decode {
-            &mut t.decode
-        } else {
-            &mut t.prompt
-        };
+        let totals = if decode { &mut t.decode } else { &mut t.prompt };
         totals.calls += 1;
         totals.tokens += n_tokens as u64;
         totals.phases.follow += phases.follow;

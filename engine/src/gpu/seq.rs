@@ -11,6 +11,7 @@
 
 use poly_kernels::cuda::{CudaResult, Device, DeviceBuffer};
 
+use super::decode_graph::DecodeGraphs;
 use crate::state::{LayerState, SeqState};
 
 /// One layer's state on the card.
@@ -34,6 +35,8 @@ pub struct DeviceSeq {
     n_ctx: usize,
     tokens: Vec<u32>,
     pub layers: Vec<DeviceLayer>,
+    /// The decode graphs captured over these buffers (dropped with them).
+    pub graphs: DecodeGraphs,
 }
 
 fn to_f16(x: &[f32]) -> Vec<u16> {
@@ -71,7 +74,13 @@ impl DeviceSeq {
             n_ctx,
             tokens: Vec::new(),
             layers,
+            graphs: DecodeGraphs::default(),
         })
+    }
+
+    /// Positions the buffers hold.
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
     }
 
     /// Whether the buffers have the shapes of `state`'s layers.
