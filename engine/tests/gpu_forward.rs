@@ -146,8 +146,13 @@ fn read(model: &Model, state: &mut SeqState, prompt: &[u32], chunk: usize) -> Ve
     last
 }
 
-/// Largest relative difference of the states' KV rows and recurrent states.
+/// Largest relative difference of the states' KV rows and recurrent states (the host copies, brought up
+/// to date from the card first).
 fn state_diff(a: &SeqState, b: &SeqState) -> f64 {
+    let (mut a, mut b) = (a.clone(), b.clone());
+    a.sync().expect("state a back from the card");
+    b.sync().expect("state b back from the card");
+    let (a, b) = (&a, &b);
     let rel = |x: &[f32], y: &[f32]| -> f64 {
         assert_eq!(x.len(), y.len(), "state sizes differ");
         let num: f64 = x.iter().zip(y).map(|(p, q)| ((p - q) as f64).powi(2)).sum();
@@ -434,4 +439,49 @@ fn decode_graph_replays_equal_the_eager_calls_and_follow_switched_sequences() {
             "{arch}: decoded state differs from the CPU's by {d}"
         );
     }
+}
+
+#[test]
+fn states_left_on_the_card_fork_checkpoint_and_restore_as_on_the_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    // After a call the host state is behind the card's (copied back when read). A fork (clone) of it, a
+    // checkpoint, and a restore must still behave as the CPU's: the fork keeps the state of the moment it
+    // was taken while the original goes on, and each continues on its own.
+    let path = float_model("qwen35moe");
+    let cpu = Model::load(&path).unwrap();
+    let mut gpu = Model::load(&path).unwrap();
+    gpu.use_device(DeviceChoice::Gpu(0)).unwrap();
+    let n_vocab = cpu.info().n_vocab;
+    let p = prompt(n_vocab, 16, 5);
+    let (mut g, mut c) = (gpu.new_state(128), cpu.new_state(128));
+    read(&gpu, &mut g, &p, p.len());
+    read(&cpu, &mut c, &p, p.len());
+    let mut agree = Agreement::default();
+    let step = |g: &mut SeqState, c: &mut SeqState, t: u32, agree: &mut Agreement| {
+        let lg = gpu.eval(g, &[t], Logits::Last).unwrap();
+        agree.add(&cpu.eval(c, &[t], Logits::Last).unwrap(), &lg);
+    };
+    for t in [3, 5, 7] {
+        step(&mut g, &mut c, t, &mut agree);
+    }
+    let (mut g_fork, mut c_fork) = (g.clone(), c.clone());
+    let (g_cp, c_cp) = (g.checkpoint(), c.checkpoint());
+    for t in [11, 13, 17] {
+        step(&mut g, &mut c, t, &mut agree);
+    }
+    for t in [19, 23] {
+        step(&mut g_fork, &mut c_fork, t, &mut agree);
+    }
+    let fork_diff = state_diff(&c_fork, &g_fork);
+    assert!(g.restore(&g_cp) && c.restore(&c_cp));
+    for t in [29, 31] {
+        step(&mut g, &mut c, t, &mut agree);
+    }
+    eprintln!("fork/checkpoint/restore: {agree:?}, fork state {fork_diff:.2e}");
+    agree.check("fork/checkpoint/restore", 0.01, true);
+    assert!(fork_diff < 5e-3, "fork state differs by {fork_diff}");
+    let d = state_diff(&c, &g);
+    assert!(d < 5e-3, "restored state differs by {d}");
 }

@@ -10,8 +10,10 @@
 //! - [`reference`]: the CPU with the card's activation rounding, the reference tests hold the card to.
 //! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
 //!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
-//!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
-//!   state that is not the one on the card is uploaded before a call.
+//!   works with: after each call the host state is marked behind, the new KV rows and recurrent states
+//!   copied to it only when it is read; a state that is not the one on the card is uploaded before a call.
+//! - [`decode_graph`]: one-token calls captured as CUDA graphs and replayed.
+//! - [`profile`]: `POLY_GPU_PROFILE`, where a call's time goes.
 //!
 //! [`DeviceChoice`] says whether a model runs here: `Auto` takes GPU 0 when there is one, so a machine
 //! without a GPU (CI) runs on the CPU as before.
@@ -39,7 +41,7 @@ use crate::state::SeqState;
 use forward::GpuForward;
 use pool::{Pool, PoolStore};
 use profile::{CallPhases, Profiler};
-use seq::DeviceSeq;
+use seq::{DeviceSeq, SeqSlot};
 use weights::GpuWeights;
 
 pub use poly_kernels::cuda::StackedExperts;
@@ -86,7 +88,7 @@ pub struct GpuBackend {
     dev: Arc<Device>,
     weights: GpuWeights,
     /// The sequence whose state is on the card now.
-    seq: Mutex<Option<DeviceSeq>>,
+    seq: SeqSlot,
     /// Buffers kept between calls.
     pool: Mutex<PoolStore>,
     /// `POLY_GPU_PROFILE`'s sums, printed when the backend is dropped.
@@ -117,7 +119,7 @@ impl GpuBackend {
         Ok(GpuBackend {
             dev,
             weights,
-            seq: Mutex::new(None),
+            seq: Arc::new(Mutex::new(None)),
             pool: Mutex::new(PoolStore::default()),
             profile: Profiler::from_env(),
             graphs: decode_graph::graphs_enabled(),
@@ -169,6 +171,8 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
@@ -205,7 +209,7 @@ impl GpuBackend {
         };
         phases.finish = clock.elapsed().saturating_sub(phases.queue);
         let clock = Instant::now();
-        self.after_call(&mut seq_slot, state, pos0, tokens)?;
+        self.after_call(&mut seq_slot, state, tokens);
         phases.copy_back = clock.elapsed();
         if let Some(p) = &self.profile {
             p.record(&self.dev, tokens.len(), phases, marks);
@@ -213,27 +217,14 @@ impl GpuBackend {
         Ok(logits)
     }
 
-    /// After a call of `tokens` at `pos0`: the host state follows the card's.
-    fn after_call(
-        &self,
-        seq_slot: &mut Option<DeviceSeq>,
-        state: &mut SeqState,
-        pos0: usize,
-        tokens: &[u32],
-    ) -> Result<(), EngineError> {
-        let copied = seq_slot
-            .as_mut()
-            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
-            .unwrap_or(Ok(()));
-        if let Err(e) = copied {
-            *seq_slot = None;
-            return Err(cuda_err(e));
-        }
+    /// After a call of `tokens`: the host state records them and is marked behind the card's.
+    fn after_call(&self, seq_slot: &mut Option<DeviceSeq>, state: &mut SeqState, tokens: &[u32]) {
         state.push_tokens(tokens);
         if let Some(s) = seq_slot.as_mut() {
+            let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
+            state.set_deferred(Some(pending));
             s.set_tokens(state.tokens());
         }
-        Ok(())
     }
 
     /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
@@ -250,6 +241,8 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
@@ -292,7 +285,7 @@ impl GpuBackend {
             }
         };
         let clock = Instant::now();
-        self.after_call(&mut seq_slot, state, pos0, tokens)?;
+        self.after_call(&mut seq_slot, state, tokens);
         phases.copy_back = clock.elapsed();
         if let Some(p) = &self.profile {
             p.record(&self.dev, tokens.len(), phases, marks_out);
