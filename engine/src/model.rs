@@ -155,6 +155,7 @@ impl Model {
                     .into(),
             ));
         }
+        cpu_state.sync().map_err(EngineError)?;
         let (gpu_logits, (cpu_out, ops)) =
             gpu.call(&self.weights, gpu_state, tokens, logits, |g| {
                 let cpu = CpuForward::new(&self.weights, cpu_state, tokens, logits);
@@ -190,6 +191,7 @@ impl Model {
                     .into(),
             ));
         }
+        state.sync().map_err(EngineError)?;
         let out = {
             let mut c = crate::gpu::reference::Q81Cpu {
                 cpu: CpuForward::new(&self.weights, state, tokens, logits),
@@ -235,6 +237,7 @@ impl Model {
         if let Some(gpu) = &self.gpu {
             return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
         }
+        state.sync().map_err(EngineError)?;
         let out = {
             let mut c = CpuForward::new(&self.weights, state, tokens, logits)
                 .with_arithmetic(self.arithmetic);

@@ -10,20 +10,25 @@
 //! - [`reference`]: the CPU with the card's activation rounding, the reference tests hold the card to.
 //! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
 //!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
-//!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
-//!   state that is not the one on the card is uploaded before a call.
+//!   works with: after each call the host state is marked behind, the new KV rows and recurrent states
+//!   copied to it only when it is read; a state that is not the one on the card is uploaded before a call.
+//! - [`decode_graph`]: one-token calls captured as CUDA graphs and replayed.
+//! - [`profile`]: `POLY_GPU_PROFILE`, where a call's time goes.
 //!
 //! [`DeviceChoice`] says whether a model runs here: `Auto` takes GPU 0 when there is one, so a machine
 //! without a GPU (CI) runs on the CPU as before.
 
+pub mod decode_graph;
 pub mod forward;
 pub mod lockstep;
 pub mod pool;
+pub mod profile;
 pub mod reference;
 pub mod seq;
 pub mod weights;
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use poly_kernels::cuda::{CudaError, Device};
 use poly_models::arch::{Forward, ModelGraph};
@@ -35,7 +40,8 @@ use crate::state::SeqState;
 
 use forward::GpuForward;
 use pool::{Pool, PoolStore};
-use seq::DeviceSeq;
+use profile::{CallPhases, Profiler};
+use seq::{DeviceSeq, SeqSlot};
 use weights::GpuWeights;
 
 pub use poly_kernels::cuda::StackedExperts;
@@ -82,9 +88,21 @@ pub struct GpuBackend {
     dev: Arc<Device>,
     weights: GpuWeights,
     /// The sequence whose state is on the card now.
-    seq: Mutex<Option<DeviceSeq>>,
+    seq: SeqSlot,
     /// Buffers kept between calls.
     pool: Mutex<PoolStore>,
+    /// `POLY_GPU_PROFILE`'s sums, printed when the backend is dropped.
+    profile: Option<Profiler>,
+    /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
+    graphs: bool,
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.summary());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -101,8 +119,10 @@ impl GpuBackend {
         Ok(GpuBackend {
             dev,
             weights,
-            seq: Mutex::new(None),
+            seq: Arc::new(Mutex::new(None)),
             pool: Mutex::new(PoolStore::default()),
+            profile: Profiler::from_env(),
+            graphs: decode_graph::graphs_enabled(),
         })
     }
 
@@ -131,8 +151,80 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        if tokens.len() == 1 && logits == Logits::Last && self.graphs {
+            return self.eval_decode(graph, cpu, state, tokens);
+        }
         self.call(cpu, state, tokens, logits, |c| (graph.forward(c), ()))
             .map(|(l, ())| l)
+    }
+
+    /// [`GpuBackend::eval`] of one token through a decode graph ([`decode_graph`]): replayed when this
+    /// context bucket has one, else run and captured.
+    fn eval_decode(
+        &self,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
+        let mut seq_slot = lock(&self.seq);
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
+        let pos0 = state.n_past();
+        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        let result = if seq.graphs.has(rows) {
+            let r = decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            phases.queue = clock.elapsed();
+            r
+        } else if seq.graphs.failed() {
+            drop(seq_slot);
+            return self
+                .call(cpu, state, tokens, Logits::Last, |c| (graph.forward(c), ()))
+                .map(|(l, ())| l);
+        } else {
+            let backing = forward::Backing {
+                dev: &self.dev,
+                weights: &self.weights,
+                cpu,
+                seq,
+                pool: Pool::new(PoolStore::default()),
+            };
+            decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
+        };
+        if let Some(m) = marks.as_mut() {
+            m.end(&self.dev);
+        }
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                *seq_slot = None;
+                return Err(cuda_err(e));
+            }
+        };
+        phases.finish = clock.elapsed().saturating_sub(phases.queue);
+        let clock = Instant::now();
+        self.after_call(&mut seq_slot, state, tokens);
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks);
+        }
+        Ok(logits)
+    }
+
+    /// After a call of `tokens`: the host state records them and is marked behind the card's.
+    fn after_call(&self, seq_slot: &mut Option<DeviceSeq>, state: &mut SeqState, tokens: &[u32]) {
+        state.push_tokens(tokens);
+        if let Some(s) = seq_slot.as_mut() {
+            let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
+            state.set_deferred(Some(pending));
+            s.set_tokens(state.tokens());
+        }
     }
 
     /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
@@ -145,10 +237,18 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), EngineError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
         let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
+        let mut marks_out;
         let result = {
             let mut c = GpuForward::new(
                 &self.dev,
@@ -161,8 +261,17 @@ impl GpuBackend {
                 logits,
             )
             .map_err(cuda_err)?;
+            c.set_marks(marks);
             let (out, extra) = run(&mut c);
-            c.finish(out).map(|l| (l, extra))
+            marks_out = c.take_marks();
+            if let Some(m) = marks_out.as_mut() {
+                m.end(&self.dev);
+            }
+            phases.queue = clock.elapsed();
+            let clock = Instant::now();
+            let r = c.finish(out).map(|l| (l, extra));
+            phases.finish = clock.elapsed();
+            r
         };
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
@@ -175,17 +284,11 @@ impl GpuBackend {
                 return Err(cuda_err(e));
             }
         };
-        let copied = seq_slot
-            .as_mut()
-            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
-            .unwrap_or(Ok(()));
-        if let Err(e) = copied {
-            *seq_slot = None;
-            return Err(cuda_err(e));
-        }
-        state.push_tokens(tokens);
-        if let Some(s) = seq_slot.as_mut() {
-            s.set_tokens(state.tokens());
+        let clock = Instant::now();
+        self.after_call(&mut seq_slot, state, tokens);
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks_out);
         }
         Ok((logits, extra))
     }

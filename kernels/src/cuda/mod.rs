@@ -21,11 +21,13 @@ pub mod ops;
 pub mod prompt;
 pub mod recurrent;
 pub mod sample;
+mod timing;
 
 pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExperts};
 pub use device::Device;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
+pub use timing::TimingEvent;
 
 use cudarc::driver::DriverError;
 
