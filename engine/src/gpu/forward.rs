@@ -707,7 +707,6 @@ impl<'a> GpuForward<'a> {
         );
         let n_ff = gate_t.rows;
         let t = self.op_begin();
-        let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
             (ExpertInput::Shared, None)
