@@ -14,6 +14,7 @@ pub mod attention;
 mod buffer;
 mod device;
 pub mod elementwise;
+pub mod expert_slots;
 mod graph;
 pub mod module;
 pub mod ops;
