@@ -23,6 +23,7 @@ use poly_models::compute::{
     Unary, WeightId,
 };
 
+use super::expert_cache::ExpertCache;
 use super::pool::Pool;
 use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
@@ -80,6 +81,8 @@ pub struct GpuForward<'a> {
     /// `[n]` positions of the batch's tokens.
     positions: Option<DeviceBuffer<i32>>,
     error: Option<CudaError>,
+    /// The routed experts' cache, when the model has some (their tables, the CPU's share, staging).
+    experts: Option<&'a mut ExpertCache>,
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -124,7 +127,14 @@ impl<'a> GpuForward<'a> {
             logits,
             positions: Some(positions),
             error: None,
+            experts: None,
         })
+    }
+
+    /// The call with the routed experts found through `cache`.
+    pub fn with_expert_cache(mut self, cache: Option<&'a mut ExpertCache>) -> GpuForward<'a> {
+        self.experts = cache;
+        self
     }
 
     /// The logits `out` holds, downloaded; or the first error of the call.
@@ -301,7 +311,7 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    fn moe_into(&self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+    fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
@@ -310,12 +320,7 @@ impl<'a> GpuForward<'a> {
                 "{n} tokens × {k} experts in one call"
             )));
         }
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
-        let n_ff = gate_t.rows;
+        let cached = self.experts.as_deref().and_then(|c| c.layer_of(m.gate_exps));
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {
@@ -346,6 +351,79 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
+        // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
+        let cpu_share = match (cached, self.experts.as_deref_mut()) {
+            (Some(layer), Some(cache)) if !cache.holds_all() => {
+                let host_ids = dev.download(&ids)?;
+                let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
+                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+            }
+            (Some(_), Some(cache)) => {
+                cache.count_all_vram(slots);
+                None
+            }
+            _ => None,
+        };
+        let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
+        if card_computes {
+            let h = self.experts_ffn(x, m, &ids, cached)?;
+            let mut y = self.pool.f32(dev, slots * n_embd)?;
+            let tables = self.expert_tables(m, cached)?;
+            let r = self.experts_mul(tables[2], &ids, &h, ExpertInput::PerSlot, &mut y);
+            self.pool.put_f32(h);
+            r?;
+            // The CPU's experts while the card computes the cached ones; their sum goes first into `out`,
+            // the card's adds to it.
+            let accumulate = match &cpu_share {
+                Some(share) => {
+                    let sum = share.compute(self.cpu, m);
+                    dev.write(&sum, out.buf_mut()?)?;
+                    true
+                }
+                None => false,
+            };
+            ops::moe_combine(dev, &y, &weights, k, accumulate, out.buf_mut()?)?;
+            self.pool.put_f32(y);
+        } else if let Some(share) = &cpu_share {
+            let sum = share.compute(self.cpu, m);
+            dev.write(&sum, out.buf_mut()?)?;
+        }
+        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
+            cache.finish_layer(dev, layer)?;
+        }
+        self.pool.put_i32(ids);
+        self.pool.put_f32(weights);
+        Ok(())
+    }
+
+    /// The gate, up and down expert tables of `m`: the cache's for its layer, else the uploaded tensors'.
+    fn expert_tables(&self, m: &Moe, cached: Option<usize>) -> CudaResult<[&ExpertTable; 3]> {
+        match (cached, self.experts.as_deref()) {
+            (Some(layer), Some(cache)) => {
+                let [g, u, d] = cache.tables(layer)?;
+                Ok([g, u, d])
+            }
+            _ => Ok([
+                self.table(m.gate_exps)?,
+                self.table(m.up_exps)?,
+                self.table(m.down_exps)?,
+            ]),
+        }
+    }
+
+    /// `act(gate·x) ⊙ up·x` of every (token, expert) slot of `ids`: `[n·k, n_ff]`.
+    fn experts_ffn(
+        &self,
+        x: &DevAct,
+        m: &Moe,
+        ids: &DeviceBuffer<i32>,
+        cached: Option<usize>,
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let [gate_t, up_t, _] = self.expert_tables(m, cached)?;
+        let n_ff = gate_t.rows;
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
             (ExpertInput::Shared, None)
@@ -360,8 +438,8 @@ impl<'a> GpuForward<'a> {
         };
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        self.experts_mul(gate_t, &ids, x_in, input, &mut gate)?;
-        self.experts_mul(up_t, &ids, x_in, input, &mut up)?;
+        self.experts_mul(gate_t, ids, x_in, input, &mut gate)?;
+        self.experts_mul(up_t, ids, x_in, input, &mut up)?;
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
@@ -385,14 +463,7 @@ impl<'a> GpuForward<'a> {
         }
         self.pool.put_f32(gate);
         self.pool.put_f32(up);
-        let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, &ids, &h, ExpertInput::PerSlot, &mut y)?;
-        ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
-        self.pool.put_f32(h);
-        self.pool.put_f32(y);
-        self.pool.put_i32(ids);
-        self.pool.put_f32(weights);
-        Ok(())
+        Ok(h)
     }
 
     fn unary_into(

@@ -281,8 +281,9 @@ impl ExpertCache {
         to_pool: bool,
     ) -> CudaResult<()> {
         let layer = &self.layers[key.layer];
-        let buf = &mut self.staging[self.next_staging];
-        self.next_staging = (self.next_staging + 1) % self.staging.len();
+        let i = self.next_staging;
+        self.next_staging = (i + 1) % self.staging.len();
+        let buf = &mut self.staging[i];
         let host = buf.fill()?;
         let mut end = 0;
         for m in &layer.mats {
