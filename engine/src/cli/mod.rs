@@ -92,7 +92,7 @@ impl PlacementArgs {
     pub fn placement(&self, n_ctx: usize) -> Placement {
         Placement {
             reserve_mib: self.vram_reserve_mib,
-            expert_budget_mib: self.expert_budget_mib,
+            expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
             uploads_per_layer: self.expert_uploads,
             n_ctx,
             no_profile: self.no_expert_profile,

@@ -13,8 +13,8 @@ const MIB: usize = 1 << 20;
 pub struct Placement {
     /// VRAM left free, MiB (`None`: [`default_reserve`]).
     pub reserve_mib: Option<usize>,
-    /// The cache's size, MiB (`None`: all that is left).
-    pub expert_budget_mib: Option<usize>,
+    /// The cache's size, bytes (`None`: all that is left; `--expert-budget-mib` gives MiB).
+    pub expert_budget: Option<usize>,
     /// Uploads the cache may start per layer and token while answering (0: frozen).
     pub uploads_per_layer: usize,
     /// The context the sequences will have (0: the model's training context).
@@ -69,8 +69,8 @@ pub fn cache_bytes(p: &Placement, free: usize, total: usize, state: usize) -> us
         .reserve_mib
         .map_or_else(|| default_reserve(total), |m| m.saturating_mul(MIB));
     let room = free.saturating_sub(reserve).saturating_sub(state);
-    match p.expert_budget_mib {
-        Some(b) => b.saturating_mul(MIB).min(free.saturating_sub(state)),
+    match p.expert_budget {
+        Some(b) => b.min(free.saturating_sub(state)),
         None => room,
     }
 }
@@ -121,12 +121,12 @@ mod tests {
         };
         assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 7 << 30);
         let p = Placement {
-            expert_budget_mib: Some(100),
+            expert_budget: Some(100 * MIB),
             ..Placement::new()
         };
         assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 100 * MIB);
         let p = Placement {
-            expert_budget_mib: Some(0),
+            expert_budget: Some(0),
             ..Placement::new()
         };
         assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 0);
