@@ -28,14 +28,16 @@ use poly_models::synth::shapes::find_shape;
 use poly_models::synth::{SynthOptions, Synthesis};
 
 fn fixtures() -> Vec<PathBuf> {
-    let dir = std::env::var("POLY_FIXTURES").map(PathBuf::from).unwrap_or_else(|_| {
-        let here = PathBuf::from("tests/fixtures/models");
-        if here.is_dir() {
-            here
-        } else {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models")
-        }
-    });
+    let dir = std::env::var("POLY_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            let here = PathBuf::from("tests/fixtures/models");
+            if here.is_dir() {
+                here
+            } else {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models")
+            }
+        });
     let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
         .expect("the fixtures directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -258,7 +260,9 @@ fn check_model(path: &PathBuf, decode_bound: f64, greedy: bool) -> Vec<String> {
             failures.push(format!("{name} {what}: experts_vram_share {:?}", r.share));
         }
         if what == "none following" && st.policy.uploads == 0 {
-            failures.push(format!("{name} {what}: the cache never followed the answer"));
+            failures.push(format!(
+                "{name} {what}: the cache never followed the answer"
+            ));
         }
         if uploads == 0 && st.policy.uploads > 0 {
             failures.push(format!("{name} {what}: a frozen cache uploaded"));

@@ -320,7 +320,10 @@ impl<'a> GpuForward<'a> {
                 "{n} tokens × {k} experts in one call"
             )));
         }
-        let cached = self.experts.as_deref().and_then(|c| c.layer_of(m.gate_exps));
+        let cached = self
+            .experts
+            .as_deref()
+            .and_then(|c| c.layer_of(m.gate_exps));
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {

@@ -37,10 +37,10 @@ use crate::cpu::CpuWeights;
 use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
+pub use expert_cache::placement::Placement;
 use expert_cache::placement::{cache_bytes, state_bytes};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 use expert_cache::{CacheStats, ExpertCache};
-pub use expert_cache::placement::Placement;
 
 use forward::GpuForward;
 use pool::{Pool, PoolStore};
@@ -115,8 +115,8 @@ impl GpuBackend {
     ) -> Result<GpuBackend, EngineError> {
         let dev = Device::open(ordinal).map_err(cuda_err)?;
         let layers = expert_cache::layout::expert_layers(cpu);
-        let weights = GpuWeights::upload(&dev, cpu, |w| layers.iter().any(|l| l.has(w)))
-            .map_err(cuda_err)?;
+        let weights =
+            GpuWeights::upload(&dev, cpu, |w| layers.iter().any(|l| l.has(w))).map_err(cuda_err)?;
         let cache = if layers.is_empty() {
             None
         } else {

@@ -386,7 +386,10 @@ impl ExpertCache {
         self.policy.record(layer, &routed, n_tokens.max(1));
         let resident =
             |p: &CachePolicy, e: usize| p.resident(ExpertKey { layer, expert: e }).is_some();
-        let hits = routed.iter().filter(|&&e| resident(&self.policy, e)).count();
+        let hits = routed
+            .iter()
+            .filter(|&&e| resident(&self.policy, e))
+            .count();
         self.stats.routed += ids.len() as u64;
         self.stats.routed_vram += hits as u64;
         if n_tokens > 1 {
@@ -408,7 +411,8 @@ impl ExpertCache {
             self.stats.staged += staged.len() as u64;
             let copied = self.copy.record()?;
             dev.wait_for_copy(&copied)?;
-            let map: Vec<(usize, usize)> = staged.iter().enumerate().map(|(s, &e)| (e, s)).collect();
+            let map: Vec<(usize, usize)> =
+                staged.iter().enumerate().map(|(s, &e)| (e, s)).collect();
             self.point_tables(dev, layer, &map)?;
             self.staged_layer = Some(layer);
             return Ok(None);
@@ -456,7 +460,10 @@ impl ExpertCache {
         if plan.is_empty() {
             return Ok(());
         }
-        let mut victim_layers: Vec<usize> = plan.iter().filter_map(|u| u.victim.map(|v| v.layer)).collect();
+        let mut victim_layers: Vec<usize> = plan
+            .iter()
+            .filter_map(|u| u.victim.map(|v| v.layer))
+            .collect();
         victim_layers.sort_unstable();
         victim_layers.dedup();
         for l in victim_layers {

@@ -103,7 +103,10 @@ mod tests {
                 head_v: 5,
             },
         ];
-        assert_eq!(state_bytes(&specs, 100), 100 * 4 * 256 * 2 + (3 * 10 + 30) * 4);
+        assert_eq!(
+            state_bytes(&specs, 100),
+            100 * 4 * 256 * 2 + (3 * 10 + 30) * 4
+        );
     }
 
     #[test]

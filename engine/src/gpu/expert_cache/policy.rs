@@ -159,7 +159,8 @@ impl CachePolicy {
 
     /// Puts `key` in slot `slot` at once (the initial fill, whose copies completed before any call).
     pub fn place(&mut self, slot: usize, key: ExpertKey) {
-        if let Some(SlotState::Holds(old) | SlotState::Loading(old)) = self.slots.get(slot).copied() {
+        if let Some(SlotState::Holds(old) | SlotState::Loading(old)) = self.slots.get(slot).copied()
+        {
             self.slot_of[old.layer][old.expert] = None;
         }
         if let Some(s) = self.slots.get_mut(slot) {
@@ -202,7 +203,12 @@ impl CachePolicy {
             if out.len() >= max {
                 break;
             }
-            if self.slot_of.get(layer).and_then(|r| r.get(e)).is_none_or(|s| s.is_some()) {
+            if self
+                .slot_of
+                .get(layer)
+                .and_then(|r| r.get(e))
+                .is_none_or(|s| s.is_some())
+            {
                 // Unknown, resident or already loading.
                 continue;
             }
@@ -243,7 +249,10 @@ impl CachePolicy {
             if k.layer == layer && in_use.contains(&k.expert) {
                 continue;
             }
-            let (score, last) = (self.score[k.layer][k.expert], self.last_use[k.layer][k.expert]);
+            let (score, last) = (
+                self.score[k.layer][k.expert],
+                self.last_use[k.layer][k.expert],
+            );
             let better = match best {
                 None => true,
                 Some((bs, bl, _, _)) => score < bs || (score == bs && last < bl),
@@ -417,7 +426,11 @@ mod tests {
             p.record(0, &[3], 1);
         }
         let ups = p.plan(0, &[3], &[3], 1);
-        assert_eq!(ups[0].victim, Some(key(0, 0)), "0 was used 21 tokens before 1");
+        assert_eq!(
+            ups[0].victim,
+            Some(key(0, 0)),
+            "0 was used 21 tokens before 1"
+        );
     }
 
     #[test]

@@ -95,7 +95,11 @@ impl ExpertProfile {
 
     /// Reads `text`; `None` when it is not a profile, or one bound to something other than `binding`, or
     /// its layers are not `layers` (block number, experts).
-    pub fn from_json(text: &str, binding: Binding, layers: &[(u32, usize)]) -> Option<ExpertProfile> {
+    pub fn from_json(
+        text: &str,
+        binding: Binding,
+        layers: &[(u32, usize)],
+    ) -> Option<ExpertProfile> {
         let v: Value = serde_json::from_str(text).ok()?;
         if v.get("format")?.as_u64()? != 1
             || v.get("file_size")?.as_u64()? != binding.file_size
