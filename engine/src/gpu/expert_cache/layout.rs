@@ -84,7 +84,7 @@ pub fn expert_layers(cpu: &CpuWeights) -> Vec<ExpertLayer> {
             let info = cpu.info(w);
             let (cols, rows) = (info.dims[0] as usize, info.dims[1] as usize);
             let total = info.n_bytes as usize;
-            if total % n_expert != 0 {
+            if !total.is_multiple_of(n_expert) {
                 break;
             }
             let bytes = total / n_expert;
