@@ -180,11 +180,12 @@ fn on_gpu(path: &PathBuf, placement: Placement) -> Model {
     m
 }
 
-fn placement(budget: Option<usize>, uploads: usize) -> Placement {
+fn placement(budget: Option<usize>, uploads: usize, staging_only: bool) -> Placement {
     Placement {
         expert_budget: budget,
         uploads_per_layer: uploads,
         no_profile: true,
+        staging_only,
         ..Placement::new()
     }
 }
@@ -193,7 +194,7 @@ fn placement(budget: Option<usize>, uploads: usize) -> Placement {
 fn check_model(path: &PathBuf, decode_bound: f64, greedy: bool) -> Vec<String> {
     let name = path.file_name().unwrap().to_string_lossy().to_string();
     let mut failures = Vec::new();
-    let all = on_gpu(path, placement(None, 0));
+    let all = on_gpu(path, placement(None, 0, false));
     let stats = all.expert_stats();
     let (reference, fed) = run(&all, &[]);
     let Some(stats) = stats else {
@@ -214,14 +215,18 @@ fn check_model(path: &PathBuf, decode_bound: f64, greedy: bool) -> Vec<String> {
             all.experts_in_vram()
         ));
     }
+    // Direct copies from the page-locked file, and through the staging buffers ("staged").
+    let half = Some(slot_bytes * total_slots / 2);
     let cases = [
-        ("none", Some(0), 0),
-        ("half frozen", Some(slot_bytes * total_slots / 2), 0),
-        ("half following", Some(slot_bytes * total_slots / 2), 2),
-        ("none following", Some(0), 2),
+        ("none", Some(0), 0, false),
+        ("none", Some(0), 0, true),
+        ("half frozen", half, 0, false),
+        ("half following", half, 2, false),
+        ("half following", half, 2, true),
+        ("none following", Some(0), 2, false),
     ];
-    for (what, budget, uploads) in cases {
-        let m = on_gpu(path, placement(budget, uploads));
+    for (what, budget, uploads, staging_only) in cases {
+        let m = on_gpu(path, placement(budget, uploads, staging_only));
         let (r, _) = run(&m, &fed);
         let mut prompt_agree = Agreement::default();
         prompt_agree.add(&reference.prompt_one, &r.prompt_one);
@@ -232,8 +237,9 @@ fn check_model(path: &PathBuf, decode_bound: f64, greedy: bool) -> Vec<String> {
         }
         let st = m.expert_stats().unwrap_or_default();
         eprintln!(
-            "{name} {what}: resident at load {}, share {:?} (decode {:?}); prompt top5 {:.2e}; decode \
-             top5 {:.4} greedy mismatches {}; uploads {} evictions {} staged {}",
+            "{name} {what}{}: resident at load {}, share {:?} (decode {:?}); prompt top5 {:.2e}; \
+             decode top5 {:.4} greedy mismatches {}; uploads {} evictions {} staged {}",
+            if staging_only { " (staging only)" } else { "" },
             m.experts_in_vram(),
             r.share,
             r.decode_share,

@@ -28,10 +28,10 @@ tail -4 "$OUT/synth.txt" >> "$S"
 ls -la $M >> "$S" 2>&1
 B="$OUT/bench.txt"
 : > "$B"
-for flags in "" "--expert-budget-mib 8000" "--expert-budget-mib 8000 --expert-uploads 0" "--expert-budget-mib 0 --expert-uploads 0"; do
+for flags in "" "--expert-budget-mib 8000" "--expert-budget-mib 8000 --expert-staging-only" "--expert-budget-mib 8000 --expert-uploads 0" "--expert-budget-mib 0 --expert-uploads 0"; do
     echo "-- bench --gpu 0 $flags" | tee -a "$S" >> "$B"
-    timeout 150 $C/poly-engine bench --model $M --gpu 0 --prompt 512 --gen 32 --reps 2 --no-expert-profile $flags >> "$B" 2>&1
+    timeout 120 $C/poly-engine bench --model $M --gpu 0 --prompt 512 --gen 32 --reps 2 --no-expert-profile $flags >> "$B" 2>&1
     echo "rc=$?" | tee -a "$S"
-    tail -3 "$B" | cut -c1-1500 >> "$S"
+    grep -E "expert cache|^\{|rror|panick" "$B" | tail -2 | cut -c1-1500 >> "$S"
 done
 echo "== done" | tee -a "$S"

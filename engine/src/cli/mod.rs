@@ -85,6 +85,10 @@ pub struct PlacementArgs {
     /// Neither read nor write the expert profile (`<model>.poly-profile.json`).
     #[arg(long)]
     no_expert_profile: bool,
+    /// Copy experts to the card through pinned staging buffers only (not straight from the model file's
+    /// mapping, page-locked).
+    #[arg(long)]
+    expert_staging_only: bool,
 }
 
 impl PlacementArgs {
@@ -96,6 +100,7 @@ impl PlacementArgs {
             uploads_per_layer: self.expert_uploads,
             n_ctx,
             no_profile: self.no_expert_profile,
+            staging_only: self.expert_staging_only,
         }
     }
 }

@@ -120,7 +120,7 @@ impl GpuBackend {
         let cache = if layers.is_empty() {
             None
         } else {
-            Some(ExpertCache::new(&dev, layers).map_err(cuda_err)?)
+            Some(ExpertCache::new(&dev, cpu, layers, !placement.staging_only).map_err(cuda_err)?)
         };
         let backend = GpuBackend {
             dev,
@@ -184,14 +184,15 @@ impl GpuBackend {
             (Some(path), false) => ExpertProfile::load(path, binding, &shape),
             _ => None,
         };
+        let profiled = stored
+            .as_ref()
+            .is_some_and(|prof| prof.layers.iter().any(|(_, c)| c.iter().any(|&v| v > 0)));
         let counts: Vec<Vec<u64>> = match &stored {
-            Some(prof) if prof.layers.iter().any(|(_, c)| c.iter().any(|&v| v > 0)) => {
-                prof.layers.iter().map(|(_, c)| c.clone()).collect()
-            }
+            Some(prof) if profiled => prof.layers.iter().map(|(_, c)| c.clone()).collect(),
             _ => warm_counts,
         };
         let n_slots = budget / cache.slot_bytes().max(1);
-        let from = if stored.is_some() {
+        let from = if profiled {
             "the profile"
         } else {
             "a warm-up read"
@@ -206,13 +207,18 @@ impl GpuBackend {
         }
         eprintln!(
             "expert cache: {} of {} experts in VRAM ({} MiB of slots of {} KiB; {} MiB free before, \
-             starting from {})",
+             starting from {}; copies {})",
             cache.experts_resident(),
             cache.experts_total(),
             cache.stats().bytes >> 20,
             cache.slot_bytes() >> 10,
             free >> 20,
             from,
+            if cache.direct_copies() {
+                "straight from the page-locked file"
+            } else {
+                "through pinned staging buffers"
+            },
         );
         Ok(())
     }

@@ -10,6 +10,10 @@
 //!   ([`Device::wait_for_copy`] before [`ExpertTable::point`]);
 //! - a staging buffer is refilled by the host only after its last copy completed ([`StagingBuffer::fill`]
 //!   waits for it).
+//!
+//! A [`HostRegistration`] page-locks host memory the caller keeps mapped (the model file's mapping), so
+//! the copy stream reads experts straight from it ([`CopyStream::copy_from_host`]) at the pinned rate,
+//! without the host copying them into a staging buffer first.
 
 use std::sync::Arc;
 
@@ -209,6 +213,70 @@ impl StagingBuffer {
     }
 }
 
+/// Host memory page-locked for the card's copies (`cuMemHostRegister`, read-only), unregistered when
+/// dropped. It keeps `owner` (what keeps the memory mapped) alive as long as it lives.
+pub struct HostRegistration {
+    ptr: *const u8,
+    len: usize,
+    ctx: Arc<cudarc::driver::CudaContext>,
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the registration only holds the address of memory `owner` keeps mapped and unchanged (the
+// contract of `new`); reading it from any thread is sound.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as for Send: no interior mutability.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Page-locks `memory` for copies to `dev`.
+    ///
+    /// # Safety
+    /// `memory` must stay mapped, readable and unchanged as long as `owner` lives.
+    pub unsafe fn new(
+        dev: &Device,
+        memory: &[u8],
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> CudaResult<HostRegistration> {
+        if memory.is_empty() {
+            return Err(CudaError::Invalid("registering no memory".into()));
+        }
+        let ctx = dev.context().clone();
+        ctx.bind_to_thread()?;
+        // SAFETY: the range is mapped and readable (the caller's contract); the card only reads it.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                memory.as_ptr() as *mut std::ffi::c_void,
+                memory.len(),
+                sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+            .result()?;
+        }
+        Ok(HostRegistration {
+            ptr: memory.as_ptr(),
+            len: memory.len(),
+            ctx,
+            _owner: owner,
+        })
+    }
+
+    /// Whether `s` lies inside the registered memory.
+    pub fn contains(&self, s: &[u8]) -> bool {
+        let (a, b) = (self.ptr as usize, self.ptr as usize + self.len);
+        let (p, q) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
+        p >= a && q <= b
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // Copies from it were waited for by its user (see `CopyStream::copy_from_host`).
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` was registered by `new` and is still mapped (`owner` is dropped after this).
+        let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
 /// A stream for copies into slots, beside the compute stream.
 pub struct CopyStream {
     stream: Arc<CudaStream>,
@@ -254,6 +322,26 @@ impl CopyStream {
             .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
         event.record(&self.stream)?;
         src.last_copy = Some(event);
+        Ok(())
+    }
+
+    /// Queues a copy of `src` (inside `reg`) into `dst`. The caller keeps `reg` until the copy completed
+    /// (an event recorded after it, or [`CopyStream::synchronize`]).
+    pub fn copy_from_host(
+        &self,
+        reg: &HostRegistration,
+        src: &[u8],
+        dst: SlotRef<'_>,
+    ) -> CudaResult<()> {
+        if !reg.contains(src) {
+            return Err(CudaError::Invalid(
+                "a copy from memory outside its registration".into(),
+            ));
+        }
+        let addr = dst.pool.address(dst.slot, dst.offset, src.len())?;
+        // SAFETY: `src` lies in page-locked memory that stays mapped and unchanged while `reg` lives (its
+        // contract), which the caller keeps until the copy completed; `addr..addr+len` lies in the slot.
+        unsafe { result::memcpy_htod_async(addr, src, self.stream.cu_stream()) }?;
         Ok(())
     }
 

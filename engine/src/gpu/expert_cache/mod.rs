@@ -22,7 +22,9 @@ pub mod profile;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use poly_kernels::cuda::expert_slots::{CopyEvent, CopyStream, SlotPool, SlotRef, StagingBuffer};
+use poly_kernels::cuda::expert_slots::{
+    CopyEvent, CopyStream, HostRegistration, SlotPool, SlotRef, StagingBuffer,
+};
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
 use poly_models::compute::{Moe, WeightId};
 use rayon::prelude::*;
@@ -92,6 +94,9 @@ pub struct ExpertCache {
     scratch: SlotPool,
     staging: [StagingBuffer; 2],
     next_staging: usize,
+    /// `[part]`: the model file's mapping page-locked, when that worked: experts are copied straight
+    /// from it, without going through the staging buffers.
+    registered: Vec<Option<HostRegistration>>,
     copy: CopyStream,
     policy: CachePolicy,
     pending: Vec<Pending>,
@@ -104,8 +109,15 @@ pub struct ExpertCache {
 }
 
 impl ExpertCache {
-    /// A cache of no slots over `layers` (every table null), with its scratch, staging and copy stream.
-    pub fn new(dev: &Device, layers: Vec<ExpertLayer>) -> CudaResult<ExpertCache> {
+    /// A cache of no slots over `layers` of `cpu`'s file (every table null), with its scratch, staging
+    /// and copy stream; with `register`, the file's mapping is page-locked for direct copies unless it is
+    /// larger than half the host's memory.
+    pub fn new(
+        dev: &Device,
+        cpu: &CpuWeights,
+        layers: Vec<ExpertLayer>,
+        register: bool,
+    ) -> CudaResult<ExpertCache> {
         let slot_bytes = layout::slot_bytes(&layers);
         let max_experts = layers.iter().map(|l| l.n_expert).max().unwrap_or(0);
         if slot_bytes == 0 || max_experts == 0 {
@@ -136,6 +148,11 @@ impl ExpertCache {
                 StagingBuffer::new(dev, slot_bytes)?,
             ],
             next_staging: 0,
+            registered: if register {
+                register_file(dev, cpu)
+            } else {
+                Vec::new()
+            },
             copy: CopyStream::new(dev)?,
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
@@ -155,6 +172,11 @@ impl ExpertCache {
     /// Bytes of one slot.
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
+    }
+
+    /// Whether experts are copied straight from the page-locked file mapping (else through staging).
+    pub fn direct_copies(&self) -> bool {
+        self.registered.iter().any(Option::is_some)
     }
 
     /// Bytes of the cache's slots and the scratch slots and staging buffers.
@@ -281,6 +303,27 @@ impl ExpertCache {
         to_pool: bool,
     ) -> CudaResult<()> {
         let layer = &self.layers[key.layer];
+        let pool = if to_pool {
+            self.pool
+                .as_ref()
+                .ok_or_else(|| CudaError::Invalid("an upload into a cache of no slots".into()))?
+        } else {
+            &self.scratch
+        };
+        let part = cpu.info(layer.mats[0].weight).part;
+        let direct = layer.mats.iter().all(|m| cpu.info(m.weight).part == part);
+        if let (true, Some(Some(reg))) = (direct, self.registered.get(part)) {
+            for m in &layer.mats {
+                let src = &cpu.bytes(m.weight)[key.expert * m.bytes..][..m.bytes];
+                let dst = SlotRef {
+                    pool,
+                    slot,
+                    offset: m.offset,
+                };
+                self.copy.copy_from_host(reg, src, dst)?;
+            }
+            return Ok(());
+        }
         let i = self.next_staging;
         self.next_staging = (i + 1) % self.staging.len();
         let buf = &mut self.staging[i];
@@ -291,13 +334,6 @@ impl ExpertCache {
             host[m.offset..m.offset + m.bytes].copy_from_slice(src);
             end = m.offset + m.bytes;
         }
-        let pool = if to_pool {
-            self.pool
-                .as_ref()
-                .ok_or_else(|| CudaError::Invalid("an upload into a cache of no slots".into()))?
-        } else {
-            &self.scratch
-        };
         self.copy.copy(
             buf,
             end,
@@ -507,6 +543,39 @@ impl ExpertCache {
         profile.add(&counts);
         profile.save(path)
     }
+}
+
+/// Bytes of the host's memory (`/proc/meminfo`), if known.
+fn host_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Page-locks each part of `cpu`'s file for direct copies, where allowed and possible (see
+/// [`ExpertCache::new`]); a part that cannot be is copied through the staging buffers.
+fn register_file(dev: &Device, cpu: &CpuWeights) -> Vec<Option<HostRegistration>> {
+    let file = cpu.shared_file();
+    let limit = host_memory().map_or(0, |m| m / 2);
+    (0..file.n_parts())
+        .map(|part| {
+            let bytes = file.part_bytes(part)?;
+            if bytes.len() > limit {
+                return None;
+            }
+            let owner: std::sync::Arc<dyn std::any::Any + Send + Sync> = file.clone();
+            // SAFETY: the part's mapping is read-only and lives as long as the file, which `owner`
+            // keeps alive for the registration's life.
+            match unsafe { HostRegistration::new(dev, bytes, owner) } {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("expert cache: copying through staging buffers ({e})");
+                    None
+                }
+            }
+        })
+        .collect()
 }
 
 impl Drop for ExpertCache {

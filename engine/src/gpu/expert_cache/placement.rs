@@ -21,6 +21,9 @@ pub struct Placement {
     pub n_ctx: usize,
     /// Don't read or write the expert profile beside the model.
     pub no_profile: bool,
+    /// Copy experts through the pinned staging buffers only, never straight from the page-locked file
+    /// mapping.
+    pub staging_only: bool,
 }
 
 impl Placement {
