@@ -18,6 +18,8 @@ pub mod layout;
 pub mod placement;
 pub mod policy;
 pub mod profile;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
