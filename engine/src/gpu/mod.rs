@@ -29,7 +29,7 @@ pub mod weights;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use poly_kernels::cuda::{CudaError, Device};
+use poly_kernels::cuda::{CudaError, CudaResult, Device};
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::Logits;
 
@@ -268,8 +268,35 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
-        self.call(cpu, state, tokens, logits, |c| (graph.forward(c), ()))
-            .map(|(l, ())| l)
+        // A call the card has no memory for leaves the host state as it was: free the kept scratch,
+        // then give up expert slots, and try again.
+        for attempt in 0.. {
+            match self.call_inner(cpu, state, tokens, logits, |c| (graph.forward(c), ())) {
+                Ok((l, ())) => return Ok(l),
+                Err(CallFailure::Retryable(e)) if is_out_of_memory(&e) && attempt < 3 => {
+                    eprintln!(
+                        "poly-engine: out of VRAM in a call ({e}); freeing memory and retrying"
+                    );
+                    self.free_memory(cpu, attempt).map_err(cuda_err)?;
+                }
+                Err(CallFailure::Retryable(e)) => return Err(cuda_err(e)),
+                Err(CallFailure::Final(e)) => return Err(e),
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Frees VRAM after a call ran out of it: the kept scratch buffers first, then (`attempt` ≥ 1) a
+    /// quarter of the expert cache's slots.
+    fn free_memory(&self, cpu: &CpuWeights, attempt: usize) -> CudaResult<()> {
+        *lock(&self.pool) = PoolStore::default();
+        *lock(&self.seq) = None;
+        if attempt >= 1 {
+            if let Some(cache) = lock(&self.experts).as_mut() {
+                cache.shrink(&self.dev, cpu, 4)?;
+            }
+        }
+        self.dev.synchronize()
     }
 
     /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
@@ -282,27 +309,42 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), EngineError> {
+        self.call_inner(cpu, state, tokens, logits, run)
+            .map_err(|f| match f {
+                CallFailure::Retryable(e) => cuda_err(e),
+                CallFailure::Final(e) => e,
+            })
+    }
+
+    fn call_inner<R>(
+        &self,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+        run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
+    ) -> Result<(Vec<f32>, R), CallFailure> {
         let mut seq_slot = lock(&self.seq);
-        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        let seq =
+            DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(CallFailure::Retryable)?;
         let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
         let mut experts = lock(&self.experts);
-        let result = {
-            let mut c = GpuForward::new(
-                &self.dev,
-                &self.weights,
-                cpu,
-                seq,
-                pool.clone(),
-                tokens,
-                pos0,
-                logits,
-            )
-            .map_err(cuda_err)?
-            .with_expert_cache(experts.as_mut());
+        let result = GpuForward::new(
+            &self.dev,
+            &self.weights,
+            cpu,
+            seq,
+            pool.clone(),
+            tokens,
+            pos0,
+            logits,
+        )
+        .and_then(|c| {
+            let mut c = c.with_expert_cache(experts.as_mut());
             let (out, extra) = run(&mut c);
             c.finish(out).map(|l| (l, extra))
-        };
+        });
         drop(experts);
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
@@ -310,9 +352,9 @@ impl GpuBackend {
         let (logits, extra) = match result {
             Ok(l) => l,
             Err(e) => {
-                // The card's state is in doubt: upload the host's next time.
+                // The card's state is in doubt: upload the host's next time. The host's is unchanged.
                 *seq_slot = None;
-                return Err(cuda_err(e));
+                return Err(CallFailure::Retryable(e));
             }
         };
         let copied = seq_slot
@@ -321,7 +363,7 @@ impl GpuBackend {
             .unwrap_or(Ok(()));
         if let Err(e) = copied {
             *seq_slot = None;
-            return Err(cuda_err(e));
+            return Err(CallFailure::Final(cuda_err(e)));
         }
         state.push_tokens(tokens);
         if let Some(s) = seq_slot.as_mut() {
@@ -329,6 +371,16 @@ impl GpuBackend {
         }
         Ok((logits, extra))
     }
+}
+
+/// How a call failed: a CUDA error before the host state changed (a retry may cure it), or after.
+enum CallFailure {
+    Retryable(CudaError),
+    Final(EngineError),
+}
+
+fn is_out_of_memory(e: &CudaError) -> bool {
+    e.is_out_of_memory()
 }
 
 /// Whether `graph` names layers the way `state` has them (a guard before the card's state is built).

@@ -295,6 +295,22 @@ impl ExpertCache {
         dev.synchronize()
     }
 
+    /// Gives up `1/fraction` of the slots (at least one), keeping the experts of the highest scores: the
+    /// cache is allocated again, smaller, and filled (copies complete before it returns).
+    pub fn shrink(&mut self, dev: &Device, cpu: &CpuWeights, fraction: usize) -> CudaResult<()> {
+        let n = self.policy.n_slots();
+        if n == 0 {
+            return Ok(());
+        }
+        let keep = n - (n / fraction.max(1)).max(1);
+        let ranking = self.policy.score_counts();
+        let counts = self.policy.take_counts();
+        self.fill(dev, cpu, keep, &ranking)?;
+        // The routings not yet in the profile stay counted.
+        self.policy.add_counts(&counts);
+        Ok(())
+    }
+
     /// Copies expert `key`'s three matrices from the mapped file into `slot` of the cache's pool
     /// (`to_pool`) or of the scratch pool, through the next staging buffer.
     fn upload(

@@ -279,6 +279,14 @@ impl CachePolicy {
         }
     }
 
+    /// The scores as counts (`[layer][expert]`, scaled to integers), to rank experts for a new fill.
+    pub fn score_counts(&self) -> Vec<Vec<u64>> {
+        self.score
+            .iter()
+            .map(|r| r.iter().map(|&s| (s.max(0.0) * 1e6) as u64).collect())
+            .collect()
+    }
+
     /// The routings counted since the last call, `[layer][expert]`, and resets them.
     pub fn take_counts(&mut self) -> Vec<Vec<u64>> {
         self.counts
@@ -289,6 +297,13 @@ impl CachePolicy {
                 taken
             })
             .collect()
+    }
+
+    /// Adds `counts` (`[layer][expert]`) to the routings counted.
+    pub fn add_counts(&mut self, counts: &[Vec<u64>]) {
+        for (mine, add) in self.counts.iter_mut().zip(counts) {
+            mine.iter_mut().zip(add).for_each(|(a, b)| *a += b);
+        }
     }
 
     /// Slots, occupied slots, uploads and evictions so far.
@@ -440,6 +455,20 @@ mod tests {
         p.record(1, &[1], 1);
         assert_eq!(p.take_counts(), vec![vec![1, 0, 2], vec![0, 1]]);
         assert_eq!(p.take_counts(), vec![vec![0, 0, 0], vec![0, 0]]);
+    }
+
+    #[test]
+    fn scores_rank_a_new_fill_and_counts_carry_over() {
+        let mut p = CachePolicy::new(&[3], 3);
+        for _ in 0..4 {
+            p.record(0, &[2], 1);
+        }
+        p.record(0, &[0], 1);
+        let counts = p.take_counts();
+        let mut q = CachePolicy::new(&[3], 1);
+        assert_eq!(q.initial_set(&p.score_counts()), vec![key(0, 2)]);
+        q.add_counts(&counts);
+        assert_eq!(q.take_counts(), vec![vec![1, 0, 4]]);
     }
 
     #[test]
