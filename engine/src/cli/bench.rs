@@ -214,6 +214,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             "uploads": c.policy.uploads,
             "evictions": c.policy.evictions,
             "staged": c.staged,
+            "cpu_experts": c.cpu_experts,
+            "cpu_seconds": c.cpu_seconds,
             "routed": c.routed,
             "vram_share": if c.routed > 0 { c.routed_vram as f64 / c.routed as f64 } else { 1.0 },
         });

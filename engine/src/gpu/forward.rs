@@ -379,7 +379,7 @@ impl<'a> GpuForward<'a> {
             // the card's adds to it.
             let accumulate = match &cpu_share {
                 Some(share) => {
-                    let sum = share.compute(self.cpu, m);
+                    let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
                     dev.write(&sum, out.buf_mut()?)?;
                     true
                 }
@@ -388,7 +388,7 @@ impl<'a> GpuForward<'a> {
             ops::moe_combine(dev, &y, &weights, k, accumulate, out.buf_mut()?)?;
             self.pool.put_f32(y);
         } else if let Some(share) = &cpu_share {
-            let sum = share.compute(self.cpu, m);
+            let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
             dev.write(&sum, out.buf_mut()?)?;
         }
         if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {

@@ -52,8 +52,12 @@ pub struct CacheStats {
     /// Routings of all calls so far, and those whose expert was in VRAM.
     pub routed: u64,
     pub routed_vram: u64,
-    /// Experts copied through the staging buffers for prompt calls.
+    /// Experts copied to scratch slots for prompt calls.
     pub staged: u64,
+    /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
+    /// computing its share meanwhile).
+    pub cpu_experts: u64,
+    pub cpu_seconds: f64,
 }
 
 /// The single-token share the CPU computes: the token's activation and the (expert, weight) pairs of
@@ -66,6 +70,22 @@ pub struct CpuShare {
 }
 
 impl CpuShare {
+    /// [`CpuShare::compute`], its count and time added to `cache`'s figures.
+    pub fn compute_for(
+        &self,
+        cache: Option<&mut ExpertCache>,
+        cpu: &CpuWeights,
+        m: &Moe,
+    ) -> Vec<f32> {
+        let t = std::time::Instant::now();
+        let sum = self.compute(cpu, m);
+        if let Some(c) = cache {
+            c.stats.cpu_experts += self.items.len() as u64;
+            c.stats.cpu_seconds += t.elapsed().as_secs_f64();
+        }
+        sum
+    }
+
     /// `Σ weight · expert(x)` over the items, on the CPU (experts in parallel, summed in routing order).
     pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
         let n_embd = self.x.len();
