@@ -27,6 +27,7 @@ use poly_models::compute::{
     Unary, WeightId,
 };
 
+use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
 use super::profile::CallMarks;
 use super::seq::{DeviceLayer, DeviceSeq};
@@ -69,6 +70,8 @@ pub struct Backing<'a> {
     pub cpu: &'a CpuWeights,
     pub seq: &'a mut DeviceSeq,
     pub pool: Rc<Pool>,
+    /// The routed experts' cache (holding every expert: a graph cannot wait for the CPU's share).
+    pub experts: Option<&'a mut ExpertCache>,
 }
 
 /// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
@@ -108,6 +111,14 @@ impl DevAct {
 }
 
 /// A prompt's routing grouped by expert, on the card ([`GpuForward::group_experts`]).
+/// The card's routed-expert outputs before they are summed per token.
+enum CardExperts {
+    /// `[slots, n_embd]` in expert order, with the grouping that sums them back.
+    Grouped(DeviceBuffer<f32>, ExpertGroups),
+    /// `[slots, n_embd]` in slot order.
+    Slots(DeviceBuffer<f32>),
+}
+
 struct ExpertGroups {
     /// `[slots]` the token of each sorted row.
     rows: DeviceBuffer<i32>,
@@ -148,6 +159,8 @@ pub struct GpuForward<'a> {
     q8_cache: RefCell<Option<(u64, DeviceBuffer<BlockQ8_1>)>>,
     /// `POLY_GPU_PROFILE`'s device marks, when profiling.
     marks: RefCell<Option<CallMarks>>,
+    /// The routed experts' cache, when the model has some (their tables, the CPU's share, staging).
+    experts: Option<&'a mut ExpertCache>,
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -196,7 +209,14 @@ impl<'a> GpuForward<'a> {
             next_id: std::cell::Cell::new(0),
             q8_cache: RefCell::new(None),
             marks: RefCell::new(None),
+            experts: None,
         })
+    }
+
+    /// The call with the routed experts found through `cache`.
+    pub fn with_expert_cache(mut self, cache: Option<&'a mut ExpertCache>) -> GpuForward<'a> {
+        self.experts = cache;
+        self
     }
 
     /// A one-token call whose changing inputs (the token's embedding row, its position) are `mode`'s
@@ -223,6 +243,7 @@ impl<'a> GpuForward<'a> {
             next_id: std::cell::Cell::new(0),
             q8_cache: RefCell::new(None),
             marks: RefCell::new(None),
+            experts: backing.experts,
         }
     }
 
@@ -512,7 +533,7 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    fn moe_into(&self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+    fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
@@ -521,11 +542,10 @@ impl<'a> GpuForward<'a> {
                 "{n} tokens × {k} experts in one call"
             )));
         }
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
+        let cached = self
+            .experts
+            .as_deref()
+            .and_then(|c| c.layer_of(m.gate_exps));
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let t = self.op_begin();
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
@@ -561,17 +581,91 @@ impl<'a> GpuForward<'a> {
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
         self.op_end("moe.route_topk", t);
-        let grouped = n > 1
-            && [gate_t, up_t, down_t]
-                .iter()
-                .all(|t| prompt::has_matmul_experts(t.ty));
-        let r = if grouped {
-            self.moe_grouped(x, &ids, &weights, m, out)
-        } else {
-            self.moe_slots(x, &ids, &weights, m, out)
+        // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
+        let cpu_share = match (cached, self.experts.as_deref_mut()) {
+            (Some(layer), Some(cache)) if !cache.holds_all() => {
+                let host_ids = dev.download(&ids)?;
+                let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
+                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+            }
+            (Some(_), Some(cache)) => {
+                cache.count_all_vram(slots);
+                None
+            }
+            _ => None,
         };
+        let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
+        let r = if card_computes {
+            let routing = (&ids, &weights);
+            self.moe_card_and_cpu(x, routing, m, (cached, cpu_share.as_ref()), out)
+        } else if let Some(share) = &cpu_share {
+            let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+            out.buf_mut().and_then(|o| dev.write(&sum, o))
+        } else {
+            Ok(())
+        };
+        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
+            cache.finish_layer(dev, layer)?;
+        }
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
+        r
+    }
+
+    /// The card's experts (grouped by expert for a prompt, slot by slot for one token) and, while the card
+    /// computes them, the CPU's share: its sum goes into `out` first and the card's weighted sum adds to it.
+    /// `routing` is the ids and weights `[n, k]`; `cache` the cache's layer and the CPU's share.
+    fn moe_card_and_cpu(
+        &mut self,
+        x: &DevAct,
+        (ids, weights): (&DeviceBuffer<i32>, &DeviceBuffer<f32>),
+        m: &Moe,
+        (cached, cpu_share): (Option<usize>, Option<&CpuShare>),
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, k) = (x.rows, m.n_expert_used);
+        let card = {
+            let tables = self.expert_tables(m, cached)?;
+            let grouped = n > 1 && tables.iter().all(|t| prompt::has_matmul_experts(t.ty));
+            if grouped {
+                let (y, g) = self.moe_grouped(x, ids, m, tables)?;
+                CardExperts::Grouped(y, g)
+            } else {
+                CardExperts::Slots(self.moe_slots(x, ids, m, tables)?)
+            }
+        };
+        let accumulate = match cpu_share {
+            Some(share) => {
+                let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+                dev.write(&sum, out.buf_mut()?)?;
+                true
+            }
+            None => false,
+        };
+        let t = self.op_begin();
+        let r = match card {
+            CardExperts::Grouped(y, g) => {
+                let r = moe_combine_sorted(
+                    dev,
+                    &y,
+                    &g.slot_row,
+                    weights,
+                    k,
+                    accumulate,
+                    out.buf_mut()?,
+                );
+                self.pool.put_f32(y);
+                g.give_back(&self.pool);
+                r
+            }
+            CardExperts::Slots(y) => {
+                let r = ops::moe_combine(dev, &y, weights, k, accumulate, out.buf_mut()?);
+                self.pool.put_f32(y);
+                r
+            }
+        };
+        self.op_end("moe.combine", t);
         r
     }
 
@@ -607,24 +701,18 @@ impl<'a> GpuForward<'a> {
     }
 
     /// The routed experts of a prompt grouped by expert: the rows gathered into expert order and
-    /// quantized once, gate and up as grouped matmuls, the activation, down, and the weighted sum back in
-    /// token order.
+    /// quantized once, gate and up as grouped matmuls, the activation, down. Returns the `[slots, n_embd]`
+    /// outputs in expert order and the grouping (whose `slot_row` sums them back per token).
     fn moe_grouped(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
-        weights: &DeviceBuffer<f32>,
         m: &Moe,
-        out: &mut DevAct,
-    ) -> CudaResult<()> {
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<(DeviceBuffer<f32>, ExpertGroups)> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
         let n_ff = gate_t.rows;
         let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
@@ -647,7 +735,7 @@ impl<'a> GpuForward<'a> {
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
         ops::quantize_q8_1(dev, &h, &mut hq)?;
         self.pool.put_f32(h);
-        // [slots, n_embd] in expert order, then summed per token with the routing weights.
+        // [slots, n_embd] in expert order.
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
         let r = if down_tile == g.tile_rows {
@@ -659,11 +747,12 @@ impl<'a> GpuForward<'a> {
             r
         };
         self.pool.put_q8(hq);
-        r?;
-        moe_combine_sorted(dev, &y, &g.slot_row, weights, k, false, out.buf_mut()?)?;
-        self.pool.put_f32(y);
-        g.give_back(&self.pool);
-        Ok(())
+        if let Err(e) = r {
+            self.pool.put_f32(y);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        Ok((y, g))
     }
 
     /// `h = act(gate) · up` over rows of `width`; `gate` may be overwritten.
@@ -688,23 +777,18 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take).
+    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
+    /// `[slots, n_embd]` outputs in slot order.
     fn moe_slots(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
-        weights: &DeviceBuffer<f32>,
         m: &Moe,
-        out: &mut DevAct,
-    ) -> CudaResult<()> {
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
         let n_ff = gate_t.rows;
         let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
@@ -736,14 +820,31 @@ impl<'a> GpuForward<'a> {
         self.op_end("moe.act", t);
         let t = self.op_begin();
         let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, ids, (&h, None), ExpertInput::PerSlot, &mut y)?;
-        self.op_end("moe.down", t);
-        let t = self.op_begin();
-        ops::moe_combine(dev, &y, weights, k, false, out.buf_mut()?)?;
-        self.op_end("moe.combine", t);
+        let r = self.experts_mul(down_t, ids, (&h, None), ExpertInput::PerSlot, &mut y);
         self.pool.put_f32(h);
-        self.pool.put_f32(y);
-        Ok(())
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
+    /// The gate, up and down expert tables of `m`: the cache's for its layer, else the uploaded tensors'.
+    fn expert_tables(&self, m: &Moe, cached: Option<usize>) -> CudaResult<[&ExpertTable; 3]> {
+        match (cached, self.experts.as_deref()) {
+            (Some(layer), Some(cache)) => {
+                let [g, u, d] = cache.tables(layer)?;
+                Ok([g, u, d])
+            }
+            _ => Ok([
+                self.table(m.gate_exps)?,
+                self.table(m.up_exps)?,
+                self.table(m.down_exps)?,
+            ]),
+        }
     }
 
     fn unary_into(
