@@ -134,7 +134,7 @@ mod tests {
             b.tokens[1], a.tokens[1],
             "another start than the last prompt"
         );
-        assert_eq!(b.tokens[1], 10 + (997 % 1000));
+        assert_eq!(b.tokens[1], 1007, "the next start is 997 tokens on");
         assert_eq!(src.short().tokens, vec![1, 5, 6]);
     }
 
