@@ -59,6 +59,9 @@ pub struct Size {
     pub source: Source,
     /// The files, the model's first part first.
     pub files: Vec<FileEntry>,
+    /// The model files' total where only that is known (a rounded figure, for estimates).
+    #[serde(default)]
+    pub approx_model_bytes: Option<u64>,
     /// Bytes of the routed experts (`ffn_*_exps`); 0 for a dense model.
     pub expert_bytes: Option<u64>,
     /// VRAM the model takes before any expert: dense weights plus the engine's working memory.
@@ -121,8 +124,11 @@ pub struct FileEntry {
     pub path: String,
     #[serde(default)]
     pub role: Role,
-    /// The size in bytes where known.
+    /// The exact size in bytes where known (a download of another size is refused).
     pub bytes: Option<u64>,
+    /// A rounded size from a listing or a card, for estimates only (never used to check a file).
+    #[serde(default)]
+    pub approx_bytes: Option<u64>,
     /// The SHA-256 pinned in the table, where known; else the host's published hash is used.
     pub sha256: Option<String>,
 }
@@ -135,13 +141,15 @@ impl FileEntry {
 }
 
 impl Size {
-    /// Bytes of the files the model loads (its GGUF parts), where every one is known.
+    /// Bytes of the files the model loads (its GGUF parts), exact or approximate, where every one is
+    /// known.
     pub fn model_bytes(&self) -> Option<u64> {
         self.files
             .iter()
             .filter(|f| f.role == Role::Model)
-            .map(|f| f.bytes)
-            .sum()
+            .map(|f| f.bytes.or(f.approx_bytes))
+            .sum::<Option<u64>>()
+            .or(self.approx_model_bytes)
     }
 
     /// The files of `role`.
@@ -178,19 +186,18 @@ impl Family {
     }
 
     /// The size to install when none is named: the first, or on a PC with less RAM than the first wants
-    /// (its model files plus 1 GB), the smallest.
-    pub fn default_size(&self, ram_bytes: Option<u64>) -> &Size {
-        let first = &self.sizes[0];
+    /// (its model files plus 1 GB), the smallest. `None` for a family without sizes.
+    pub fn default_size(&self, ram_bytes: Option<u64>) -> Option<&Size> {
+        let first = self.sizes.first()?;
         let (Some(ram), Some(want)) = (ram_bytes, first.model_bytes()) else {
-            return first;
+            return Some(first);
         };
         if ram >= want + crate::check::WORKING_MEMORY {
-            return first;
+            return Some(first);
         }
         self.sizes
             .iter()
             .min_by_key(|s| s.model_bytes().unwrap_or(u64::MAX))
-            .unwrap_or(first)
     }
 }
 
@@ -217,11 +224,12 @@ impl FamilyTable {
             if !seen.insert(f.name.as_str()) {
                 return Err(format!("{what}: family {} listed twice", f.name));
             }
-            if f.sizes.is_empty() {
+            // A family the engine cannot run may be listed before its files are known.
+            if f.sizes.is_empty() && f.is_runnable() {
                 return Err(format!("{what}: family {} has no sizes", f.name));
             }
             for s in &f.sizes {
-                if s.files_of(Role::Model).next().is_none() {
+                if s.files_of(Role::Model).next().is_none() && f.is_runnable() {
                     return Err(format!("{what}: {} {} has no model file", f.name, s.name));
                 }
                 for file in &s.files {

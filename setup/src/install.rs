@@ -380,12 +380,9 @@ fn take_user_file(
         )));
     }
     eprintln!("setup: {name}: SHA-256 ok ({})", expected.source);
-    let used = if dest.exists() {
-        let _ = std::fs::remove_file(dest);
-        link_or_in_place(src, dest)
-    } else {
-        link_or_in_place(src, dest)
-    };
+    // A stale file under the name (its stamp no longer held) gives way to the checked one.
+    let _ = std::fs::remove_file(dest);
+    let used = link_or_in_place(src, dest);
     write_stamp(models, &name, &used, &expected.sha256)?;
     Ok(used)
 }

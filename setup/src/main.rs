@@ -139,7 +139,9 @@ fn run(args: Args) -> Result<(), String> {
     let size = match &args.model {
         Some(s) => family.size(s)?,
         None => {
-            let default = family.default_size(ram);
+            let default = family
+                .default_size(ram)
+                .ok_or_else(|| format!("family {} lists no sizes", family.name))?;
             if interactive && family.sizes.len() > 1 {
                 ask_size(family, default)?
             } else {
