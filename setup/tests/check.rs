@@ -19,7 +19,11 @@ fn check(args: &[&str]) -> String {
         .args(args)
         .output()
         .expect("run setup --check");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -60,7 +64,10 @@ fn lines_classify_by_the_given_figures() {
     // 11,000 MiB of VRAM hold the 3,000 before experts and all 8,000 of experts.
     let out = run("11000", "16000");
     assert!(line(&out, "moe Q").contains("runs whole in VRAM"), "{out}");
-    assert!(line(&out, "moe Q").starts_with("estimate: "), "labelled: {out}");
+    assert!(
+        line(&out, "moe Q").starts_with("estimate: "),
+        "labelled: {out}"
+    );
     // 5,000 MiB: 2,000 of the 8,000 MiB of experts = 25%.
     let out = run("5000", "16000");
     assert!(
@@ -71,13 +78,22 @@ fn lines_classify_by_the_given_figures() {
     let out = run("5000", "2000");
     let short = 6_000 * MIB + WORKING_MEMORY - 2_000 * MIB;
     assert!(
-        line(&out, "moe Q").contains(&format!("needs about {:.1} GB more RAM", short as f64 / 1e9)),
+        line(&out, "moe Q").contains(&format!(
+            "needs about {:.1} GB more RAM",
+            short as f64 / 1e9
+        )),
         "{out}"
     );
     // No GPU: the whole file from RAM.
     let out = run("0", "16000");
-    assert!(line(&out, "moe Q").contains("runs on the CPU from RAM (no GPU)"), "{out}");
-    assert!(out.starts_with("this PC: ") && out.contains("no GPU"), "{out}");
+    assert!(
+        line(&out, "moe Q").contains("runs on the CPU from RAM (no GPU)"),
+        "{out}"
+    );
+    assert!(
+        out.starts_with("this PC: ") && out.contains("no GPU"),
+        "{out}"
+    );
     // A card too small for the dense part: the CPU.
     let out = run("2000", "16000");
     assert!(line(&out, "moe Q").contains("card is too small"), "{out}");
@@ -99,7 +115,14 @@ fn the_builtin_table_is_assessed_and_an_installed_model_is_measured() {
     )
     .expect("config");
     let home_s = home.to_string_lossy();
-    let out = check(&["--home", &home_s, "--vram-mib", "8192", "--ram-mib", "32768"]);
+    let out = check(&[
+        "--home",
+        &home_s,
+        "--vram-mib",
+        "8192",
+        "--ram-mib",
+        "32768",
+    ]);
     let machine = Machine {
         vram_bytes: Some(8192 * MIB),
         ram_bytes: 32768 * MIB,
@@ -114,19 +137,31 @@ fn the_builtin_table_is_assessed_and_an_installed_model_is_measured() {
                 vram_before_experts: size.vram_before_experts.expect("vram known"),
             };
             let verdict = assess(&needs, &machine).to_string();
-            assert!(line(&out, &name).ends_with(&verdict), "{name}: {verdict}\n{out}");
+            assert!(
+                line(&out, &name).ends_with(&verdict),
+                "{name}: {verdict}\n{out}"
+            );
         }
     }
     // The demo is dense and small: whole in an 8 GiB card.
-    assert!(line(&out, "demo Q4_K_M").contains("runs whole in VRAM"), "{out}");
+    assert!(
+        line(&out, "demo Q4_K_M").contains("runs whole in VRAM"),
+        "{out}"
+    );
     // A 35B-A3B size does not fit 8 GiB whole: a share of its experts.
     assert!(
         line(&out, "qwen36 UD-Q3_K_M").contains("% of its experts in VRAM"),
         "{out}"
     );
-    assert!(line(&out, "deepseek UD-IQ1_M").contains("not runnable yet"), "{out}");
+    assert!(
+        line(&out, "deepseek UD-IQ1_M").contains("not runnable yet"),
+        "{out}"
+    );
     // The installed model: its GGUF read (dense, 2.5 MB) and assessed.
-    assert!(line(&out, "installed tiny").contains("runs whole in VRAM"), "{out}");
+    assert!(
+        line(&out, "installed tiny").contains("runs whole in VRAM"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -149,7 +184,9 @@ fn assess_covers_each_class() {
     );
     assert_eq!(
         assess(&needs, &m(Some(12 * gb), 8 * gb)),
-        Fit::NeedsMoreRam { short_bytes: 2 * gb }
+        Fit::NeedsMoreRam {
+            short_bytes: 2 * gb
+        }
     );
     assert_eq!(
         assess(&needs, &m(None, 32 * gb)),
@@ -157,6 +194,8 @@ fn assess_covers_each_class() {
     );
     assert_eq!(
         assess(&needs, &m(None, 16 * gb)),
-        Fit::NeedsMoreRam { short_bytes: 5 * gb }
+        Fit::NeedsMoreRam {
+            short_bytes: 5 * gb
+        }
     );
 }

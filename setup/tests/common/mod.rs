@@ -56,10 +56,7 @@ impl TempDir {
     pub fn new(tag: &str) -> TempDir {
         static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let dir = std::env::temp_dir().join(format!(
-            "poly-setup-{tag}-{}-{n}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("poly-setup-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         TempDir(dir)
@@ -212,7 +209,14 @@ fn serve_connection(stream: TcpStream, state: &Mutex<State>) {
                 cuts_left,
                 cut_after,
                 ignore_range,
-            }) => serve_file(&mut stream, &bytes, range.as_deref(), cuts_left > 0, cut_after, ignore_range),
+            }) => serve_file(
+                &mut stream,
+                &bytes,
+                range.as_deref(),
+                cuts_left > 0,
+                cut_after,
+                ignore_range,
+            ),
         };
         if !keep_open {
             return;
@@ -326,7 +330,7 @@ pub fn zip(members: &[(&str, &[u8], bool)]) -> Vec<u8> {
             h.extend_from_slice(&(name.len() as u16).to_le_bytes());
             h.extend_from_slice(&0u16.to_le_bytes()); // extra
             if central {
-                h.extend_from_slice(&[0; 8]); // comment, disk, internal attrs
+                h.extend_from_slice(&[0; 6]); // comment length, disk, internal attrs
                 h.extend_from_slice(&[0; 4]); // external attrs
                 h.extend_from_slice(&offset.to_le_bytes());
             }
