@@ -72,7 +72,7 @@ MSG
 fi
 
 echo "== building the release binaries (poly-engine, polystrata, setup)"
-cargo build --release -p poly-engine -p polystrata -p poly-setup
+cargo build --release --workspace --bins
 
 echo "== installing $family into $home"
 yes_arg=()

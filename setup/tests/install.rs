@@ -300,14 +300,16 @@ fn assembles_a_file_from_pypi_wheels_checked_by_their_digests_and_sums() {
     ];
     for (package, filename, bytes) in &wheels {
         server.route(
-            &format!("/pypi/{package}/1.0/json"),
+            &format!("/simple/{package}/"),
             Route::Json(
-                json!({"urls": [
-                    {"packagetype": "sdist", "filename": "x.tar.gz", "url": server.url("/nope"),
-                     "digests": {"sha256": "00"}},
-                    {"packagetype": "bdist_wheel", "filename": filename, "size": bytes.len(),
-                     "url": server.url(&format!("/files/{filename}")),
-                     "digests": {"sha256": sha256_hex(bytes)}}
+                json!({"meta": {"api-version": "1.1"}, "name": package, "files": [
+                    {"filename": format!("{}-1.0.tar.gz", package.replace('-', "_")),
+                     "url": server.url("/nope"), "hashes": {"sha256": "00"}},
+                    {"filename": format!("{}-0.9-py3-none-any.whl", package.replace('-', "_")),
+                     "url": server.url("/nope"), "hashes": {"sha256": "00"}},
+                    {"filename": filename, "size": bytes.len(),
+                     "url": format!("/files/{filename}"),
+                     "hashes": {"sha256": sha256_hex(bytes)}}
                 ]})
                 .to_string(),
             ),
