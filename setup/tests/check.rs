@@ -199,3 +199,29 @@ fn assess_covers_each_class() {
         }
     );
 }
+
+#[test]
+fn the_default_size_is_the_first_unless_ram_is_short_then_the_smallest() {
+    let gb = 1_000_000_000u64;
+    let t = json!({"families": [{
+    "name": "f", "display": "F", "arch": "qwen35moe", "default_context": 512,
+    "sizes": [
+        {"name": "mid", "source": {"hugging_face": {"repo": "t/f", "revision": null}},
+         "files": [{"path": "mid.gguf", "approx_bytes": 16 * gb}], "expert_bytes": null, "vram_before_experts": null},
+        {"name": "small", "source": {"hugging_face": {"repo": "t/f", "revision": null}},
+         "files": [{"path": "small.gguf", "approx_bytes": 12 * gb}], "expert_bytes": null, "vram_before_experts": null},
+        {"name": "big", "source": {"hugging_face": {"repo": "t/f", "revision": null}},
+         "files": [{"path": "big.gguf", "approx_bytes": 22 * gb}], "expert_bytes": null, "vram_before_experts": null}
+    ]}]});
+    let table = FamilyTable::parse(&t.to_string(), "test table").expect("table");
+    let family = table.family("f").expect("family");
+    let pick = |ram: Option<u64>| family.default_size(ram).expect("size").name.clone();
+    assert_eq!(pick(Some(32 * gb)), "mid");
+    assert_eq!(
+        pick(Some(17 * gb)),
+        "mid",
+        "16 GB + 1 GB working memory fit"
+    );
+    assert_eq!(pick(Some(16 * gb)), "small");
+    assert_eq!(pick(None), "mid", "RAM unknown: the first");
+}
