@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE};
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
 use poly_kernels::cuda::prompt::{gather_rows, matmul_q};
@@ -40,6 +40,18 @@ const MAX_SLOTS: usize = 65_535;
 /// the split of the context (and so the summation order) is the bucket's.
 pub fn decode_kv_rows(n_kv: usize, n_ctx: usize) -> usize {
     n_kv.next_power_of_two().max(256).min(n_ctx).max(n_kv)
+}
+
+/// The split of a one-token attention over `n_kv` cache rows: about [`ATTN_TARGET_BLOCKS`] blocks (one per
+/// KV head and chunk), chunks of one key tile and up. One token's attention has only a block per KV head
+/// to begin with, and a block walks its chunk tile by tile, so short chunks are what make it fast (the
+/// merge is one small launch).
+fn decode_split(p: &AttnParams, n_kv: usize) -> AttnSplit {
+    let splits = ATTN_TARGET_BLOCKS.div_ceil(p.n_head_kv.max(1));
+    let chunk = n_kv.div_ceil(splits).max(ATTN_KEY_TILE);
+    AttnSplit {
+        chunk: chunk.div_ceil(ATTN_KEY_TILE) * ATTN_KEY_TILE,
+    }
 }
 
 /// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
@@ -844,10 +856,7 @@ impl Compute for GpuForward<'_> {
                 };
                 ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
                 let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
-                (
-                    n_kv,
-                    AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS),
-                )
+                (n_kv, decode_split(&p, n_kv))
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
                 ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;

@@ -17,6 +17,7 @@ pub mod elementwise;
 mod graph;
 pub mod module;
 pub mod ops;
+mod pinned;
 pub mod prompt;
 pub mod recurrent;
 pub mod sample;
@@ -26,6 +27,7 @@ pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExpe
 pub use device::Device;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
+pub use pinned::PinnedHost;
 pub use timing::TimingEvent;
 
 use cudarc::driver::DriverError;
