@@ -1,6 +1,7 @@
 //! The element-wise and layout kernels of `elementwise.cu` against plain CPU loops on random inputs: add and
 //! multiply (same shape, per row, per column), scale, sigmoid / softplus / tanh / exp (normalized error),
-//! column slices, head parts, repeated heads (both orders), the f16 KV store, and the partial device copies
+//! column slices, head parts, repeated heads (both orders), the f16 KV store (also at device positions), the
+//! SwiGLU fused into q8_1 quantization (bit for bit the two-step result), and the partial device copies
 //! and cache-prefix attention the engine's GPU backend uses.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
@@ -10,7 +11,8 @@
 
 use poly_kernels::cuda::attention::{attention_f16, attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
-use poly_kernels::cuda::{CudaError, Device};
+use poly_kernels::cuda::ops;
+use poly_kernels::cuda::{BlockQ8_1, CudaError, Device};
 use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::rng::Rng;
@@ -280,4 +282,27 @@ fn kv_store_at_device_positions_writes_those_rows_only() {
         v_width: vw,
     };
     assert!(ew::kv_store_f16_pos(&dev, &dk, &dv, &dpos, dst).is_err());
+}
+
+#[test]
+fn swiglu_into_q8_1_equals_swiglu_then_quantize() {
+    let Some(dev) = device() else { return };
+    let n = 8 * 768;
+    let gate: Vec<f32> = random(n, 9).iter().map(|v| v * 4.0).collect();
+    let up = random(n, 10);
+    let (dg, du) = (dev.upload(&gate).unwrap(), dev.upload(&up).unwrap());
+    let mut h = dev.zeros::<f32>(n).unwrap();
+    ops::swiglu(&dev, &dg, &du, &mut h).unwrap();
+    let mut want = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+    ops::quantize_q8_1(&dev, &h, &mut want).unwrap();
+    let mut got = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+    ops::swiglu_quantize_q8_1(&dev, &dg, &du, &mut got).unwrap();
+    assert_eq!(dev.download(&got).unwrap(), dev.download(&want).unwrap());
+    // Not whole blocks: refused.
+    let (g5, u5) = (
+        dev.upload(&gate[..40]).unwrap(),
+        dev.upload(&up[..40]).unwrap(),
+    );
+    let mut q = dev.zeros::<BlockQ8_1>(1).unwrap();
+    assert!(ops::swiglu_quantize_q8_1(&dev, &g5, &u5, &mut q).is_err());
 }

@@ -575,35 +575,52 @@ impl<'a> GpuForward<'a> {
         }
         self.op_end("moe.gate_up", t);
         let t = self.op_begin();
-        let mut h = self.pool.f32(dev, slots * n_ff)?;
-        match m.act {
-            Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
-            Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
-            f => {
-                self.unary_into(&gate, f, &mut h)?;
-                ew::binary(
-                    dev,
-                    &h,
-                    &up,
-                    n_ff,
-                    BinaryOp::Mul,
-                    Broadcast::None,
-                    &mut gate,
-                )?;
-                std::mem::swap(&mut h, &mut gate);
-            }
-        }
-        self.pool.put_f32(gate);
-        self.pool.put_f32(up);
-        self.op_end("moe.act", t);
-        let t = self.op_begin();
+        // One token with SiLU and quantized down experts: the SwiGLU goes straight into the down experts'
+        // quantized input (the same values as swiglu then quantize, one launch fewer).
+        let fused = n == 1
+            && matches!(m.act, Unary::Silu)
+            && ops::activation_form(down_t.ty) == Some(ops::ActivationForm::Q8_1);
         let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, &ids, (&h, None), ExpertInput::PerSlot, &mut y)?;
-        self.op_end("moe.down", t);
+        if fused {
+            let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            self.op_end("moe.act", t);
+            let t = self.op_begin();
+            ops::matvec_experts_q(dev, down_t, &ids, &hq, ExpertInput::PerSlot, &mut y)?;
+            self.pool.put_q8(hq);
+            self.op_end("moe.down", t);
+        } else {
+            let mut h = self.pool.f32(dev, slots * n_ff)?;
+            match m.act {
+                Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
+                Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
+                f => {
+                    self.unary_into(&gate, f, &mut h)?;
+                    ew::binary(
+                        dev,
+                        &h,
+                        &up,
+                        n_ff,
+                        BinaryOp::Mul,
+                        Broadcast::None,
+                        &mut gate,
+                    )?;
+                    std::mem::swap(&mut h, &mut gate);
+                }
+            }
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            self.op_end("moe.act", t);
+            let t = self.op_begin();
+            self.experts_mul(down_t, &ids, (&h, None), ExpertInput::PerSlot, &mut y)?;
+            self.op_end("moe.down", t);
+            self.pool.put_f32(h);
+        }
         let t = self.op_begin();
         ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
         self.op_end("moe.combine", t);
-        self.pool.put_f32(h);
         self.pool.put_f32(y);
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);

@@ -63,6 +63,38 @@ pub fn quantize_q8_1(
     dev.after_launch("quantize_q8_1")
 }
 
+/// `out = q8_1(silu(gate)·up)`: [`swiglu`] then [`quantize_q8_1`] in one launch, bit for bit the same
+/// (`gate.len()` a multiple of 32; `out` `gate.len()/32` blocks).
+pub fn swiglu_quantize_q8_1(
+    dev: &Device,
+    gate: &DeviceBuffer<f32>,
+    up: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
+    if !gate.len().is_multiple_of(BlockQ8_1::ELEMS) {
+        return invalid(format!(
+            "swiglu_quantize_q8_1: {} values are not whole blocks",
+            gate.len()
+        ));
+    }
+    check_len("swiglu_quantize_q8_1 up", up, gate.len())?;
+    check_len(
+        "swiglu_quantize_q8_1 output",
+        out,
+        gate.len() / BlockQ8_1::ELEMS,
+    )?;
+    let n = as_i32("swiglu_quantize_q8_1 length", gate.len())?;
+    let f = dev.function(KernelModule::Quantize, "swiglu_quantize_q8_1")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
+    // SAFETY: the kernel reads n floats of gate and up and writes n/32 blocks of out (lengths checked).
+    unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
+    dev.after_launch("swiglu_quantize_q8_1")
+}
+
 pub(crate) fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
     const SINGLE: [(GgmlType, &str); 12] = [
         (GgmlType::Q4_0, "matvec_q4_0"),
