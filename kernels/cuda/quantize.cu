@@ -46,3 +46,28 @@ extern "C" __global__ void swiglu_quantize_q8_1(const float * __restrict__ gate,
     const float silu = g / (1.0f + expf(-g)); // act.cu's silu
     quantize_value(silu * up[i], y, i);
 }
+
+// RMS norm (norm.cu's rms_norm, the same loops and reduction, so the same values) that also writes the
+// result quantized, for a norm whose output feeds quantized matrices (one launch instead of two). One block
+// per row; ncols a multiple of 32 and blockDim.x a multiple of 32, so each warp quantizes whole blocks of 32
+// consecutive values.
+extern "C" __global__ void rms_norm_quantize_q8_1(const float * __restrict__ x, const float * __restrict__ weight,
+                                                  float * __restrict__ out, block_q8_1 * __restrict__ y, int ncols,
+                                                  float eps) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float * xr = x + row * ncols;
+    float * outr = out + row * ncols;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        sum = fmaf(xr[i], xr[i], sum);
+    }
+    sum = block_sum(sum, scratch);
+    const float scale = rsqrtf(sum / (float) ncols + eps);
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        const float v = xr[i] * scale;
+        const float o = weight ? v * weight[i] : v;
+        outr[i] = o;
+        quantize_value(o, y, row * ncols + i);
+    }
+}

@@ -1,8 +1,8 @@
 //! The element-wise and layout kernels of `elementwise.cu` against plain CPU loops on random inputs: add and
 //! multiply (same shape, per row, per column), scale, sigmoid / softplus / tanh / exp (normalized error),
 //! column slices, head parts, repeated heads (both orders), the f16 KV store (also at device positions), the
-//! SwiGLU fused into q8_1 quantization (bit for bit the two-step result), and the partial device copies
-//! and cache-prefix attention the engine's GPU backend uses.
+//! SwiGLU and the RMS norm fused with q8_1 quantization (bit for bit the two-step results), and the partial
+//! device copies and cache-prefix attention the engine's GPU backend uses.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
 //! passes. Cost: well under a second on an H200.
@@ -305,4 +305,39 @@ fn swiglu_into_q8_1_equals_swiglu_then_quantize() {
     );
     let mut q = dev.zeros::<BlockQ8_1>(1).unwrap();
     assert!(ops::swiglu_quantize_q8_1(&dev, &g5, &u5, &mut q).is_err());
+}
+
+#[test]
+fn rms_norm_with_q8_1_equals_rms_norm_then_quantize() {
+    let Some(dev) = device() else { return };
+    for (rows, group, weighted) in [(1, 2048, true), (3, 128, false), (2, 4096, true)] {
+        let x = random(rows * group, 11);
+        let w = random(group, 12);
+        let (dx, dw) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let weight = weighted.then_some(&dw);
+        let mut want = dev.zeros::<f32>(rows * group).unwrap();
+        ops::rms_norm(&dev, &dx, group, weight, 1e-6, &mut want).unwrap();
+        let mut want_q = dev.zeros::<BlockQ8_1>(rows * group / 32).unwrap();
+        ops::quantize_q8_1(&dev, &want, &mut want_q).unwrap();
+        let mut got = dev.zeros::<f32>(rows * group).unwrap();
+        let mut got_q = dev.zeros::<BlockQ8_1>(rows * group / 32).unwrap();
+        ops::rms_norm_quantize_q8_1(&dev, &dx, group, weight, 1e-6, (&mut got, &mut got_q))
+            .unwrap();
+        let what = format!("{rows} × {group}, weight {weighted}");
+        assert_eq!(
+            dev.download(&got).unwrap(),
+            dev.download(&want).unwrap(),
+            "{what}"
+        );
+        assert_eq!(
+            dev.download(&got_q).unwrap(),
+            dev.download(&want_q).unwrap(),
+            "{what}"
+        );
+    }
+    // Groups that are not whole blocks of 32 are refused.
+    let dx = dev.upload(&random(40, 13)).unwrap();
+    let mut out = dev.zeros::<f32>(40).unwrap();
+    let mut q = dev.zeros::<BlockQ8_1>(1).unwrap();
+    assert!(ops::rms_norm_quantize_q8_1(&dev, &dx, 40, None, 1e-6, (&mut out, &mut q)).is_err());
 }

@@ -72,15 +72,15 @@ impl DecodeGraphs {
     }
 }
 
-/// Replays the graph of `rows` for `token` at `pos0`; returns the logits. The caller checked
-/// [`DecodeGraphs::has`].
+/// Queues a replay of the graph of `rows` for `token` at `pos0` (the caller checked [`DecodeGraphs::has`]);
+/// [`logits`] waits for it.
 pub fn replay(
     (dev, cpu): (&Device, &CpuWeights),
     graphs: &mut DecodeGraphs,
     rows: usize,
     token: u32,
     pos0: usize,
-) -> CudaResult<Vec<f32>> {
+) -> CudaResult<()> {
     let g = graphs
         .by_rows
         .get_mut(&rows)
@@ -95,7 +95,15 @@ pub fn replay(
         .ok_or_else(|| CudaError::Invalid("a decode graph without its row".into()))?;
     dev.write(&row, r)?;
     dev.write(&[pos0 as i32], &mut g.inputs.positions)?;
-    g.graph.replay()?;
+    g.graph.replay()
+}
+
+/// The logits of the last replay of `rows` (waits for it).
+pub fn logits(dev: &Device, graphs: &mut DecodeGraphs, rows: usize) -> CudaResult<Vec<f32>> {
+    let g = graphs
+        .by_rows
+        .get_mut(&rows)
+        .ok_or_else(|| CudaError::Invalid(format!("no decode graph for {rows} rows")))?;
     Ok(dev.download_pinned(&g.logits, &mut g.host_logits)?.to_vec())
 }
 

@@ -249,6 +249,34 @@ impl<'a> GpuForward<'a> {
         }
     }
 
+    /// [`ops::rms_norm_quantize_q8_1`] into `out`, its quantized copy kept as `out`'s in the cache.
+    fn rms_norm_quantized(
+        &self,
+        x: &DeviceBuffer<f32>,
+        group: usize,
+        weight: Option<&DeviceBuffer<f32>>,
+        eps: f32,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let mut cache = self.q8_cache.borrow_mut();
+        if let Some((_, old)) = cache.take() {
+            self.pool.put_q8(old);
+        }
+        let mut q = self.pool.q8(self.dev, out.len() / 32)?;
+        let id = out.id;
+        match ops::rms_norm_quantize_q8_1(self.dev, x, group, weight, eps, (out.buf_mut()?, &mut q))
+        {
+            Ok(()) => {
+                *cache = Some((id, q));
+                Ok(())
+            }
+            Err(e) => {
+                self.pool.put_q8(q);
+                Err(e)
+            }
+        }
+    }
+
     /// Runs `f` on `x` quantized to q8_1 (one row: through the cache, by `id`).
     fn with_q8<R>(
         &self,
@@ -708,6 +736,11 @@ impl Compute for GpuForward<'_> {
         let mut out = self.alloc(x.rows, x.cols);
         self.run("rms_norm", x.len() == 0, |c| {
             let w = weight.map(|w| c.vector(w)).transpose()?;
+            if x.rows == 1 && group == x.cols && group.is_multiple_of(32) {
+                // One token's whole-row norm feeds quantized matrices (the projections after it): it
+                // writes their quantized input too.
+                return c.rms_norm_quantized(x.buf()?, group, w.as_deref(), eps, &mut out);
+            }
             ops::rms_norm(c.dev, x.buf()?, group, w.as_deref(), eps, out.buf_mut()?)
         });
         out

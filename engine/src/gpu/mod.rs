@@ -179,9 +179,13 @@ impl GpuBackend {
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
         let result = if seq.graphs.has(rows) {
-            let r = decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            let queued =
+                decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
             phases.queue = clock.elapsed();
-            r
+            if let Some(m) = marks.as_mut() {
+                m.end(&self.dev);
+            }
+            queued.and_then(|()| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
         } else if seq.graphs.failed() {
             drop(seq_slot);
             return self
@@ -197,8 +201,12 @@ impl GpuBackend {
             };
             decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
         };
-        if let Some(m) = marks.as_mut() {
-            m.end(&self.dev);
+        if phases.queue.is_zero() {
+            // A run and capture: no phase split.
+            phases.queue = clock.elapsed();
+            if let Some(m) = marks.as_mut() {
+                m.end(&self.dev);
+            }
         }
         let logits = match result {
             Ok(l) => l,
