@@ -2,7 +2,8 @@
 # Decode-speed run on the GPU machine (see make_gpuspeed_carry.sh), from the repository root: the CUDA
 # elementwise tests and the engine's gpu_forward tests, synth models at the real shapes in /dev/shm, then
 # `poly-engine bench` tg128 with decode graphs on and off (POLY_GPU_GRAPHS=0), under POLY_GPU_PROFILE=1, with
-# fewer warps per matvec row (POLY_MATVEC_WARPS_PER_ROW), and, time permitting, ncu's per-kernel durations over two eager decode tokens.
+# fewer warps per matvec row (POLY_MATVEC_WARPS_PER_ROW), and, time permitting, ncu per-kernel durations
+# over three decode tokens with graphs.
 # Logs go to $OUT (summary.txt first).
 set -u
 OUT=${OUT:-/tmp/poly-gpuspeed-out}
