@@ -179,13 +179,22 @@ fn bench_prompt_matmul() {
         let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
         let xq = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
         let mut y = dev.zeros::<f32>(n * rows).unwrap();
-        let s = time_calls(&dev, || prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap());
-        println!(
-            "bench matmul {ty} {rows}x{cols} n {n}: {:.1} us, {:.2} TFLOP/s, {:.0} tokens/s",
-            s * 1e6,
-            2.0 * (rows * cols * n) as f64 / s / 1e12,
-            n as f64 / s
-        );
+        // matmul_q takes the tensor cores where a kernel exists; the dp4a kernel for comparison.
+        for (what, dp4a) in [("matmul", false), ("matmul dp4a", true)] {
+            let s = time_calls(&dev, || {
+                if dp4a {
+                    prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut y).unwrap()
+                } else {
+                    prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap()
+                }
+            });
+            println!(
+                "bench {what} {ty} {rows}x{cols} n {n}: {:.1} us, {:.2} TFLOP/s, {:.0} tokens/s",
+                s * 1e6,
+                2.0 * (rows * cols * n) as f64 / s / 1e12,
+                n as f64 / s
+            );
+        }
     }
 }
 
@@ -202,22 +211,25 @@ fn bench_grouped_experts() {
     let ids: Vec<i32> = (0..n * k)
         .map(|_| rng.below(n_expert as u32) as i32)
         .collect();
-    let g = ExpertGrouping::new(&ids, k, n_expert);
-    let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
-    let tilesd = dev.upload(&tiles).unwrap();
     let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
     let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
-    let s = time_calls(&dev, || {
-        prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, &xq, &mut y).unwrap()
-    });
-    println!(
-        "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} ({} tiles): {:.1} us, {:.0} tokens/s, \
-         {:.0} GB/s of expert weights",
-        g.tiles.len(),
-        s * 1e6,
-        n as f64 / s,
-        w.len() as f64 / s / 1e9
-    );
+    let chosen = prompt::expert_tile_rows(&dev, stacked.table(), n * k, n_expert);
+    for tile in [prompt::MATMUL_TILE, chosen] {
+        let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+        let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
+        let tilesd = dev.upload(&tiles).unwrap();
+        let s = time_calls(&dev, || {
+            prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut y).unwrap()
+        });
+        println!(
+            "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} (tiles of {tile}: {}): {:.1} us, \
+             {:.0} tokens/s, {:.2} TFLOP/s",
+            g.tiles.len(),
+            s * 1e6,
+            n as f64 / s,
+            2.0 * (rows * cols * n * k) as f64 / s / 1e12
+        );
+    }
 }
 
 #[test]

@@ -583,7 +583,7 @@ fn prompt_matmul_matches_cpu_and_equals_the_matvec() {
         let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).unwrap();
         ops::quantize_q8_1(&dev, &xd, &mut xq).unwrap();
         let mut y = dev.zeros::<f32>(n * rows).unwrap();
-        prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap();
+        prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut y).unwrap();
         let got = dev.download(&y).unwrap();
         failures.extend(nmse_check(
             &format!("matmul {ty} {rows}x{cols} n {n}"),
@@ -603,6 +603,62 @@ fn prompt_matmul_matches_cpu_and_equals_the_matvec() {
             &dev.download(&one).unwrap(),
             1e-12,
         ));
+    }
+    assert_no_failures(failures);
+}
+
+/// The tensor-core kernels (`matmul_mma.cu`) of `matmul_q`: against the CPU and against the dp4a kernel
+/// (same q8_1 activations; they differ only by summation order and by taking the activations' sums from
+/// the blocks' f16 `s`), over row counts that leave a partial row tile and token counts that leave partial
+/// token tiles of 32 and 64.
+#[test]
+fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (rows, cols, n) in [(200, 768, 21), (128, 512, 70), (64, 1024, 16)] {
+            let mut rng = Rng::new(450 + i as u64);
+            let w = random_weights(ty, &mut rng, rows * cols);
+            let x = normals(&mut rng, n * cols);
+            let m = QuantMatrix::new(ty, rows, cols, &w).unwrap();
+            let mut want = vec![0f32; n * rows];
+            for t in 0..n {
+                matvec(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &mut want[t * rows..(t + 1) * rows],
+                );
+            }
+            let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
+            let xd = dev.upload(&x).unwrap();
+            let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).unwrap();
+            ops::quantize_q8_1(&dev, &xd, &mut xq).unwrap();
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap();
+            let got = dev.download(&y).unwrap();
+            failures.extend(nmse_check(
+                &format!("mma matmul {ty} {rows}x{cols} n {n}"),
+                &got,
+                &want,
+                5e-4,
+            ));
+            let mut yd = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut yd).unwrap();
+            failures.extend(nmse_check(
+                &format!("mma matmul {ty} {rows}x{cols} n {n} vs dp4a"),
+                &got,
+                &dev.download(&yd).unwrap(),
+                1e-6,
+            ));
+        }
     }
     assert_no_failures(failures);
 }
@@ -655,30 +711,41 @@ fn expert_grouped_matmul_matches_cpu() {
             }
         }
 
-        let g = ExpertGrouping::new(&ids, k, n_expert);
-        let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
-        let (rowsd, slotd, tilesd) = (
-            dev.upload(&g.rows).unwrap(),
-            dev.upload(&g.slot_row).unwrap(),
-            dev.upload(&tiles).unwrap(),
-        );
-        let xd = dev.upload(&x).unwrap();
-        let mut xs = dev.zeros::<f32>(n * k * cols).unwrap();
-        prompt::gather_rows(&dev, &xd, &rowsd, cols, &mut xs).unwrap();
-        let mut xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
-        ops::quantize_q8_1(&dev, &xs, &mut xq).unwrap();
-        let mut ys = dev.zeros::<f32>(n * k * rows).unwrap();
-        prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, &xq, &mut ys).unwrap();
-        let wd = dev.upload(&weights).unwrap();
-        let mut out = dev.zeros::<f32>(n * rows).unwrap();
-        prompt::moe_combine_sorted(&dev, &ys, &slotd, &wd, k, false, &mut out).unwrap();
-        let got = dev.download(&out).unwrap();
-        failures.extend(nmse_check(
-            &format!("grouped experts {ty} {} tiles", g.tiles.len()),
-            &got,
-            &want,
-            5e-4,
-        ));
+        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 32 and 64 (padded with
+        // empty tiles as the engine pads them).
+        let mma = prompt::expert_tile_rows(&dev, stacked.table(), 64 * n_expert, n_expert)
+            != prompt::MATMUL_TILE;
+        let tile_sizes: &[usize] = if mma {
+            &[prompt::MATMUL_TILE, 32, 64]
+        } else {
+            &[prompt::MATMUL_TILE]
+        };
+        for &tile in tile_sizes {
+            let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+            let tiles = g.tile_table(ExpertGrouping::max_tiles(n * k, n_expert, tile));
+            let (rowsd, slotd, tilesd) = (
+                dev.upload(&g.rows).unwrap(),
+                dev.upload(&g.slot_row).unwrap(),
+                dev.upload(&tiles).unwrap(),
+            );
+            let xd = dev.upload(&x).unwrap();
+            let mut xs = dev.zeros::<f32>(n * k * cols).unwrap();
+            prompt::gather_rows(&dev, &xd, &rowsd, cols, &mut xs).unwrap();
+            let mut xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+            ops::quantize_q8_1(&dev, &xs, &mut xq).unwrap();
+            let mut ys = dev.zeros::<f32>(n * k * rows).unwrap();
+            prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut ys).unwrap();
+            let wd = dev.upload(&weights).unwrap();
+            let mut out = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::moe_combine_sorted(&dev, &ys, &slotd, &wd, k, false, &mut out).unwrap();
+            let got = dev.download(&out).unwrap();
+            failures.extend(nmse_check(
+                &format!("grouped experts {ty} tiles of {tile}: {}", g.tiles.len()),
+                &got,
+                &want,
+                5e-4,
+            ));
+        }
     }
     assert_no_failures(failures);
 }

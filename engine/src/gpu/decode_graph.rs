@@ -123,6 +123,7 @@ pub fn run_and_capture(
         cpu,
         seq,
         pool: _,
+        mut experts,
     } = backing;
     let mut inputs = GraphInputs {
         row: None,
@@ -142,6 +143,7 @@ pub fn run_and_capture(
             cpu,
             seq: &mut *seq,
             pool: pool.clone(),
+            experts: experts.as_deref_mut(),
         };
         let mut c = GpuForward::for_graph(b, token, pos0, mode);
         let out = graph.forward(&mut c);
@@ -156,6 +158,7 @@ pub fn run_and_capture(
                 cpu,
                 seq: &mut *seq,
                 pool: Pool::new(store),
+                experts,
             },
             graph,
             (token, pos0),
@@ -191,6 +194,7 @@ fn capture(
         cpu,
         seq,
         pool,
+        mut experts,
     } = backing;
     let mut logits = None;
     let launch_graph = dev.capture(|_| {
@@ -205,6 +209,7 @@ fn capture(
             cpu,
             seq: &mut *seq,
             pool: pool.clone(),
+            experts: experts.take(),
         };
         let mut c = GpuForward::for_graph(b, token, pos0, mode);
         let out = graph.forward(&mut c);

@@ -10,9 +10,12 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE};
+use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
-use poly_kernels::cuda::prompt::{gather_rows, matmul_q};
+use poly_kernels::cuda::prompt::{
+    self, gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
+};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
@@ -24,6 +27,7 @@ use poly_models::compute::{
     Unary, WeightId,
 };
 
+use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
 use super::profile::CallMarks;
 use super::seq::{DeviceLayer, DeviceSeq};
@@ -78,6 +82,8 @@ pub struct Backing<'a> {
     pub cpu: &'a CpuWeights,
     pub seq: &'a mut DeviceSeq,
     pub pool: Rc<Pool>,
+    /// The routed experts' cache (holding every expert: a graph cannot wait for the CPU's share).
+    pub experts: Option<&'a mut ExpertCache>,
 }
 
 /// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
@@ -116,6 +122,33 @@ impl DevAct {
     }
 }
 
+/// A prompt's routing grouped by expert, on the card ([`GpuForward::group_experts`]).
+/// The card's routed-expert outputs before they are summed per token.
+enum CardExperts {
+    /// `[slots, n_embd]` in expert order, with the grouping that sums them back.
+    Grouped(DeviceBuffer<f32>, ExpertGroups),
+    /// `[slots, n_embd]` in slot order.
+    Slots(DeviceBuffer<f32>),
+}
+
+struct ExpertGroups {
+    /// `[slots]` the token of each sorted row.
+    rows: DeviceBuffer<i32>,
+    /// `[slots]` the sorted row of each (token, choice).
+    slot_row: DeviceBuffer<i32>,
+    /// `[n_tiles·3]` (expert, first row, rows) tiles of at most `tile_rows` rows, padded with empty ones.
+    tiles: DeviceBuffer<i32>,
+    tile_rows: usize,
+}
+
+impl ExpertGroups {
+    fn give_back(self, pool: &Pool) {
+        pool.put_i32(self.rows);
+        pool.put_i32(self.slot_row);
+        pool.put_i32(self.tiles);
+    }
+}
+
 /// One forward call on the card.
 pub struct GpuForward<'a> {
     dev: &'a Device,
@@ -138,6 +171,8 @@ pub struct GpuForward<'a> {
     q8_cache: RefCell<Option<(u64, DeviceBuffer<BlockQ8_1>)>>,
     /// `POLY_GPU_PROFILE`'s device marks, when profiling.
     marks: RefCell<Option<CallMarks>>,
+    /// The routed experts' cache, when the model has some (their tables, the CPU's share, staging).
+    experts: Option<&'a mut ExpertCache>,
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -186,7 +221,14 @@ impl<'a> GpuForward<'a> {
             next_id: std::cell::Cell::new(0),
             q8_cache: RefCell::new(None),
             marks: RefCell::new(None),
+            experts: None,
         })
+    }
+
+    /// The call with the routed experts found through `cache`.
+    pub fn with_expert_cache(mut self, cache: Option<&'a mut ExpertCache>) -> GpuForward<'a> {
+        self.experts = cache;
+        self
     }
 
     /// A one-token call whose changing inputs (the token's embedding row, its position) are `mode`'s
@@ -213,6 +255,7 @@ impl<'a> GpuForward<'a> {
             next_id: std::cell::Cell::new(0),
             q8_cache: RefCell::new(None),
             marks: RefCell::new(None),
+            experts: backing.experts,
         }
     }
 
@@ -530,21 +573,19 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    fn moe_into(&self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+    fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
         let dev = self.dev;
-        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
         if slots > MAX_SLOTS {
             return Err(CudaError::Invalid(format!(
                 "{n} tokens × {k} experts in one call"
             )));
         }
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
-        let n_ff = gate_t.rows;
+        let cached = self
+            .experts
+            .as_deref()
+            .and_then(|c| c.layer_of(m.gate_exps));
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let t = self.op_begin();
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
@@ -580,6 +621,215 @@ impl<'a> GpuForward<'a> {
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
         self.op_end("moe.route_topk", t);
+        // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
+        let cpu_share = match (cached, self.experts.as_deref_mut()) {
+            (Some(layer), Some(cache)) if !cache.holds_all() => {
+                let host_ids = dev.download(&ids)?;
+                let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
+                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+            }
+            (Some(_), Some(cache)) => {
+                cache.count_all_vram(slots);
+                None
+            }
+            _ => None,
+        };
+        let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
+        let r = if card_computes {
+            let routing = (&ids, &weights);
+            self.moe_card_and_cpu(x, routing, m, (cached, cpu_share.as_ref()), out)
+        } else if let Some(share) = &cpu_share {
+            let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+            out.buf_mut().and_then(|o| dev.write(&sum, o))
+        } else {
+            Ok(())
+        };
+        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
+            cache.finish_layer(dev, layer)?;
+        }
+        self.pool.put_i32(ids);
+        self.pool.put_f32(weights);
+        r
+    }
+
+    /// The card's experts (grouped by expert for a prompt, slot by slot for one token) and, while the card
+    /// computes them, the CPU's share: its sum goes into `out` first and the card's weighted sum adds to it.
+    /// `routing` is the ids and weights `[n, k]`; `cache` the cache's layer and the CPU's share.
+    fn moe_card_and_cpu(
+        &mut self,
+        x: &DevAct,
+        (ids, weights): (&DeviceBuffer<i32>, &DeviceBuffer<f32>),
+        m: &Moe,
+        (cached, cpu_share): (Option<usize>, Option<&CpuShare>),
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, k) = (x.rows, m.n_expert_used);
+        let card = {
+            let tables = self.expert_tables(m, cached)?;
+            let grouped = n > 1 && tables.iter().all(|t| prompt::has_matmul_experts(t.ty));
+            if grouped {
+                let (y, g) = self.moe_grouped(x, ids, m, tables)?;
+                CardExperts::Grouped(y, g)
+            } else {
+                CardExperts::Slots(self.moe_slots(x, ids, m, tables)?)
+            }
+        };
+        let accumulate = match cpu_share {
+            Some(share) => {
+                let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+                dev.write(&sum, out.buf_mut()?)?;
+                true
+            }
+            None => false,
+        };
+        let t = self.op_begin();
+        let r = match card {
+            CardExperts::Grouped(y, g) => {
+                let r = moe_combine_sorted(
+                    dev,
+                    &y,
+                    &g.slot_row,
+                    weights,
+                    k,
+                    accumulate,
+                    out.buf_mut()?,
+                );
+                self.pool.put_f32(y);
+                g.give_back(&self.pool);
+                r
+            }
+            CardExperts::Slots(y) => {
+                let r = ops::moe_combine(dev, &y, weights, k, accumulate, out.buf_mut()?);
+                self.pool.put_f32(y);
+                r
+            }
+        };
+        self.op_end("moe.combine", t);
+        r
+    }
+
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: the ids
+    /// come to the host (one small wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
+    /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
+    /// expert a tile reads: an expert cache can rewrite the table here.
+    fn group_experts(
+        &self,
+        ids: &DeviceBuffer<i32>,
+        k: usize,
+        n_expert: usize,
+        tile_rows: usize,
+    ) -> CudaResult<ExpertGroups> {
+        let dev = self.dev;
+        let host_ids = dev.download(ids)?;
+        let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
+        let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);
+        let mut rows = self.pool.i32(dev, g.rows.len())?;
+        dev.write(&g.rows, &mut rows)?;
+        let mut slot_row = self.pool.i32(dev, g.slot_row.len())?;
+        dev.write(&g.slot_row, &mut slot_row)?;
+        let table = g.tile_table(n_tiles);
+        let mut tiles = self.pool.i32(dev, table.len())?;
+        dev.write(&table, &mut tiles)?;
+        Ok(ExpertGroups {
+            rows,
+            slot_row,
+            tiles,
+            tile_rows,
+        })
+    }
+
+    /// The routed experts of a prompt grouped by expert: the rows gathered into expert order and
+    /// quantized once, gate and up as grouped matmuls, the activation, down. Returns the `[slots, n_embd]`
+    /// outputs in expert order and the grouping (whose `slot_row` sums them back per token).
+    fn moe_grouped(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        m: &Moe,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<(DeviceBuffer<f32>, ExpertGroups)> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let n_ff = gate_t.rows;
+        let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
+        // [slots, n_embd] in expert order, quantized once for gate and up.
+        let mut xs = self.pool.f32(dev, slots * n_embd)?;
+        gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
+        let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
+        ops::quantize_q8_1(dev, &xs, &mut xq)?;
+        self.pool.put_f32(xs);
+        // [slots, n_ff] each.
+        let mut gate = self.pool.f32(dev, slots * n_ff)?;
+        let mut up = self.pool.f32(dev, slots * n_ff)?;
+        matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
+        matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
+        self.pool.put_q8(xq);
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+        self.pool.put_f32(gate);
+        self.pool.put_f32(up);
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        ops::quantize_q8_1(dev, &h, &mut hq)?;
+        self.pool.put_f32(h);
+        // [slots, n_embd] in expert order.
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
+        let r = if down_tile == g.tile_rows {
+            matmul_experts_q(dev, down_t, &g.tiles, g.tile_rows, &hq, &mut y)
+        } else {
+            let gd = self.group_experts(ids, k, m.n_expert, down_tile)?;
+            let r = matmul_experts_q(dev, down_t, &gd.tiles, gd.tile_rows, &hq, &mut y);
+            gd.give_back(&self.pool);
+            r
+        };
+        self.pool.put_q8(hq);
+        if let Err(e) = r {
+            self.pool.put_f32(y);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        Ok((y, g))
+    }
+
+    /// `h = act(gate) · up` over rows of `width`; `gate` may be overwritten.
+    fn glu(
+        &self,
+        act: Unary,
+        width: usize,
+        gate: &mut DeviceBuffer<f32>,
+        up: &DeviceBuffer<f32>,
+        h: &mut DeviceBuffer<f32>,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        match act {
+            Unary::Silu => ops::swiglu(dev, gate, up, h),
+            Unary::Gelu => ops::geglu(dev, gate, up, h),
+            f => {
+                self.unary_into(gate, f, h)?;
+                ew::binary(dev, h, up, width, BinaryOp::Mul, Broadcast::None, gate)?;
+                std::mem::swap(h, gate);
+                Ok(())
+            }
+        }
+    }
+
+    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
+    /// `[slots, n_embd]` outputs in slot order.
+    fn moe_slots(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        m: &Moe,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let n_ff = gate_t.rows;
         let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
@@ -596,8 +846,8 @@ impl<'a> GpuForward<'a> {
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
         let x_id = (n == 1).then_some(x.id);
-        self.experts_mul(gate_t, &ids, (x_in, x_id), input, &mut gate)?;
-        self.experts_mul(up_t, &ids, (x_in, x_id), input, &mut up)?;
+        self.experts_mul(gate_t, ids, (x_in, x_id), input, &mut gate)?;
+        self.experts_mul(up_t, ids, (x_in, x_id), input, &mut up)?;
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
@@ -605,54 +855,62 @@ impl<'a> GpuForward<'a> {
         let t = self.op_begin();
         // One token with SiLU and quantized down experts: the SwiGLU goes straight into the down experts'
         // quantized input (the same values as swiglu then quantize, one launch fewer).
-        let fused = n == 1
+        if n == 1
             && matches!(m.act, Unary::Silu)
-            && ops::activation_form(down_t.ty) == Some(ops::ActivationForm::Q8_1);
-        let mut y = self.pool.f32(dev, slots * n_embd)?;
-        if fused {
+            && ops::activation_form(down_t.ty) == Some(ops::ActivationForm::Q8_1)
+        {
             let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
-            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            let r = ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq);
             self.pool.put_f32(gate);
             self.pool.put_f32(up);
             self.op_end("moe.act", t);
             let t = self.op_begin();
-            ops::matvec_experts_q(dev, down_t, &ids, &hq, ExpertInput::PerSlot, &mut y)?;
+            let mut y = self.pool.f32(dev, slots * n_embd)?;
+            let r = r.and_then(|()| {
+                ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+            });
             self.pool.put_q8(hq);
             self.op_end("moe.down", t);
-        } else {
-            let mut h = self.pool.f32(dev, slots * n_ff)?;
-            match m.act {
-                Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
-                Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
-                f => {
-                    self.unary_into(&gate, f, &mut h)?;
-                    ew::binary(
-                        dev,
-                        &h,
-                        &up,
-                        n_ff,
-                        BinaryOp::Mul,
-                        Broadcast::None,
-                        &mut gate,
-                    )?;
-                    std::mem::swap(&mut h, &mut gate);
+            return match r {
+                Ok(()) => Ok(y),
+                Err(e) => {
+                    self.pool.put_f32(y);
+                    Err(e)
                 }
-            }
-            self.pool.put_f32(gate);
-            self.pool.put_f32(up);
-            self.op_end("moe.act", t);
-            let t = self.op_begin();
-            self.experts_mul(down_t, &ids, (&h, None), ExpertInput::PerSlot, &mut y)?;
-            self.op_end("moe.down", t);
-            self.pool.put_f32(h);
+            };
         }
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+        self.pool.put_f32(gate);
+        self.pool.put_f32(up);
+        self.op_end("moe.act", t);
         let t = self.op_begin();
-        ops::moe_combine(dev, &y, &weights, k, false, out.buf_mut()?)?;
-        self.op_end("moe.combine", t);
-        self.pool.put_f32(y);
-        self.pool.put_i32(ids);
-        self.pool.put_f32(weights);
-        Ok(())
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        let r = self.experts_mul(down_t, ids, (&h, None), ExpertInput::PerSlot, &mut y);
+        self.pool.put_f32(h);
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
+    /// The gate, up and down expert tables of `m`: the cache's for its layer, else the uploaded tensors'.
+    fn expert_tables(&self, m: &Moe, cached: Option<usize>) -> CudaResult<[&ExpertTable; 3]> {
+        match (cached, self.experts.as_deref()) {
+            (Some(layer), Some(cache)) => {
+                let [g, u, d] = cache.tables(layer)?;
+                Ok([g, u, d])
+            }
+            _ => Ok([
+                self.table(m.gate_exps)?,
+                self.table(m.up_exps)?,
+                self.table(m.down_exps)?,
+            ]),
+        }
     }
 
     fn unary_into(
@@ -910,7 +1168,23 @@ impl Compute for GpuForward<'_> {
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
                 ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
-                (pos0 + n, AttnSplit::none(pos0 + n))
+                let n_kv = pos0 + n;
+                if attention_mma::takes(dev, &p, n) {
+                    let cache = KvCacheView {
+                        k: kc,
+                        v: vc,
+                        n_kv: Some(n_kv),
+                    };
+                    return attention_mma::attention_prompt(
+                        dev,
+                        q.buf()?,
+                        positions,
+                        cache,
+                        &p,
+                        out.buf_mut()?,
+                    );
+                }
+                (n_kv, AttnSplit::none(n_kv))
             };
             let scratch_len = split.scratch_len(&p, n, n_kv);
             let mut scratch = if scratch_len > 0 {

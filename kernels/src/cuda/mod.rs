@@ -11,9 +11,11 @@
 //! choice and how the engine will use this module.
 
 pub mod attention;
+pub mod attention_mma;
 mod buffer;
 mod device;
 pub mod elementwise;
+pub mod expert_slots;
 mod graph;
 pub mod module;
 pub mod ops;
@@ -60,6 +62,14 @@ impl std::fmt::Display for CudaError {
 }
 
 impl std::error::Error for CudaError {}
+
+impl CudaError {
+    /// Whether the driver ran out of device memory (an allocation that may succeed once some is freed).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, CudaError::Driver(d)
+            if d.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+}
 
 impl From<DriverError> for CudaError {
     fn from(e: DriverError) -> Self {

@@ -47,11 +47,16 @@ pub enum KernelModule {
     Sample,
     /// `elementwise.cu`: add/mul/scale/unary, column slices, head parts, repeated heads, KV stores.
     Elementwise,
+    /// `matmul_mma.cu`: quantized matrix×matrix for prompts on the int8 tensor cores (plain and grouped
+    /// by expert).
+    MatmulMma,
+    /// `attention_mma.cu`: prompt attention over the f16 KV cache on the f16 tensor cores.
+    AttentionMma,
 }
 
 impl KernelModule {
     /// Every module, in [`KernelModule::index`] order.
-    pub const ALL: [KernelModule; 11] = [
+    pub const ALL: [KernelModule; 13] = [
         KernelModule::Quantize,
         KernelModule::MatvecQ,
         KernelModule::MatvecF,
@@ -63,6 +68,8 @@ impl KernelModule {
         KernelModule::Recurrent,
         KernelModule::Sample,
         KernelModule::Elementwise,
+        KernelModule::MatmulMma,
+        KernelModule::AttentionMma,
     ];
 
     /// The file name without `.cu`.
@@ -79,6 +86,8 @@ impl KernelModule {
             KernelModule::Recurrent => "recurrent",
             KernelModule::Sample => "sample",
             KernelModule::Elementwise => "elementwise",
+            KernelModule::MatmulMma => "matmul_mma",
+            KernelModule::AttentionMma => "attention_mma",
         }
     }
 
@@ -100,6 +109,8 @@ impl KernelModule {
             KernelModule::Recurrent => include_str!("../../cuda/recurrent.cu"),
             KernelModule::Sample => include_str!("../../cuda/sample.cu"),
             KernelModule::Elementwise => include_str!("../../cuda/elementwise.cu"),
+            KernelModule::MatmulMma => include_str!("../../cuda/matmul_mma.cu"),
+            KernelModule::AttentionMma => include_str!("../../cuda/attention_mma.cu"),
         }
     }
 

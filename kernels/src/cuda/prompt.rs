@@ -4,6 +4,8 @@
 //! ([`ExpertGrouping`]), the activations gathered into that order, each tile one expert's run of rows, the
 //! outputs combined back per token with the routing weights.
 
+mod mma;
+
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid, q_matvec_config};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
@@ -35,9 +37,52 @@ fn matmul_name(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
         .ok_or_else(|| CudaError::Invalid(format!("no quantized matmul kernel for {ty}")))
 }
 
+/// Whether [`matmul_experts_q`] takes experts of `ty`.
+pub fn has_matmul_experts(ty: GgmlType) -> bool {
+    matmul_name(ty, true).is_ok()
+}
+
+/// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
+/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 32 or 64
+/// tokens per tile (the larger when experts get about 48 tokens or more on average); with fewer than
+/// about 8 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
+    if !mma::takes(dev, table.ty, table.cols) {
+        return MATMUL_TILE;
+    }
+    let per_expert = slots / n_expert.max(1);
+    if per_expert < 8 {
+        MATMUL_TILE
+    } else if per_expert < 48 {
+        32
+    } else {
+        64
+    }
+}
+
 /// `y = x·Wᵀ` for `n` tokens: `xq` the tokens' activations quantized ([`super::ops::quantize_q8_1`] over
 /// `[n, W.cols]`), `y` `[n, W.rows]`.
 pub fn matmul_q(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let per_token = w.cols / BlockQ8_1::ELEMS;
+    if per_token == 0 || !xq.len().is_multiple_of(per_token) {
+        return invalid(format!("matmul x: {} blocks", xq.len()));
+    }
+    let n = xq.len() / per_token;
+    check_len("matmul y", y, n * w.rows)?;
+    if n >= mma::MIN_TOKENS && mma::takes(dev, w.ty, w.cols) {
+        return mma::matmul(dev, w, xq, n, y);
+    }
+    matmul_q_dp4a(dev, w, xq, y)
+}
+
+/// [`matmul_q`] on the CUDA cores (dp4a over tiles of [`MATMUL_TILE`] tokens), whatever the format: the
+/// fallback for formats without a tensor-core kernel, and the reference the tests compare it with.
+pub fn matmul_q_dp4a(
     dev: &Device,
     w: &DeviceMatrix,
     xq: &DeviceBuffer<BlockQ8_1>,
@@ -78,7 +123,7 @@ pub fn matmul_q(
 
 /// A prompt's (token, expert) pairs sorted by expert: `rows[r]` is the token of sorted row `r`,
 /// `slot_row[t·k + j]` the sorted row of token `t`'s `j`-th choice, `tiles` the `(expert, first row, rows)`
-/// runs of at most [`MATMUL_TILE`] rows, one expert each (the launch's table).
+/// runs of at most `tile` rows, one expert each (the launch's table).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertGrouping {
     pub rows: Vec<i32>,
@@ -88,8 +133,15 @@ pub struct ExpertGrouping {
 
 impl ExpertGrouping {
     /// Groups the router's choices `ids` (`[n_tokens, k]`, expert ids below `n_expert`; others are left
-    /// out: their rows stay zero, as computed elsewhere).
+    /// out: their rows stay zero, as computed elsewhere) into tiles of [`MATMUL_TILE`] rows (the dp4a
+    /// kernels' tile).
     pub fn new(ids: &[i32], k: usize, n_expert: usize) -> Self {
+        Self::with_tile(ids, k, n_expert, MATMUL_TILE)
+    }
+
+    /// As [`ExpertGrouping::new`] with tiles of at most `tile` rows (what [`expert_tile_rows`] says the
+    /// kernel of a format takes).
+    pub fn with_tile(ids: &[i32], k: usize, n_expert: usize, tile: usize) -> Self {
         let mut order: Vec<usize> = (0..ids.len()).collect();
         // A stable sort keeps each expert's tokens in order.
         order.sort_by_key(|&s| ids[s]);
@@ -101,7 +153,7 @@ impl ExpertGrouping {
             slot_row[s] = r as i32;
             let e = ids[s];
             let extend =
-                matches!(tiles.last(), Some(&[te, _, n]) if te == e && (n as usize) < MATMUL_TILE);
+                matches!(tiles.last(), Some(&[te, _, n]) if te == e && (n as usize) < tile);
             if extend {
                 if let Some(t) = tiles.last_mut() {
                     t[2] += 1;
@@ -116,18 +168,46 @@ impl ExpertGrouping {
             tiles,
         }
     }
+
+    /// The most tiles a grouping of `slots` choices among `n_expert` experts can have with tiles of `tile`
+    /// rows: each expert's run ends in at most one partial tile.
+    pub fn max_tiles(slots: usize, n_expert: usize, tile: usize) -> usize {
+        slots.div_ceil(tile.max(1)) + n_expert.min(slots)
+    }
+
+    /// The tile table as the kernels read it (`[n_tiles·3]`), padded to `n_tiles` entries with empty tiles
+    /// (`(-1, 0, 0)`: no expert, no rows), so a caller can keep buffers of one length per shape.
+    pub fn tile_table(&self, n_tiles: usize) -> Vec<i32> {
+        let mut t: Vec<i32> = self.tiles.iter().flatten().copied().collect();
+        t.resize(3 * n_tiles.max(self.tiles.len()), 0);
+        for e in t.chunks_mut(3).skip(self.tiles.len()) {
+            e[0] = -1;
+        }
+        t
+    }
 }
 
 /// `y[r] = W_{e}·x[r]` for every sorted row `r` of every tile `(e, r0, n)` of `tiles` (`[n_tiles·3]` i32 in
-/// device memory, as [`ExpertGrouping::tiles`]): `xq` `[n_sorted, cols/32]` blocks, `y` `[n_sorted,
+/// device memory, as [`ExpertGrouping::tile_table`]; `n` at most `tile_rows`, which must be what
+/// [`expert_tile_rows`] gave for this table's format): `xq` `[n_sorted, cols/32]` blocks, `y` `[n_sorted,
 /// rows]`. Rows no tile covers are not written.
 pub fn matmul_experts_q(
     dev: &Device,
     table: &ExpertTable,
     tiles: &DeviceBuffer<i32>,
+    tile_rows: usize,
     xq: &DeviceBuffer<BlockQ8_1>,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
+    if tile_rows != MATMUL_TILE {
+        if !mma::takes(dev, table.ty, table.cols) {
+            return invalid(format!(
+                "matmul_experts {}: tiles of {tile_rows} rows",
+                table.ty
+            ));
+        }
+        return mma::matmul_experts(dev, table, tiles, tile_rows, xq, y);
+    }
     let name = matmul_name(table.ty, true)?;
     let per_row = table.cols / BlockQ8_1::ELEMS;
     if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {

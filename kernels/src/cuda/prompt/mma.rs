@@ -1,0 +1,188 @@
+//! Launchers of the tensor-core prompt kernels (`kernels/cuda/matmul_mma.cu`): int8 `mma.sync` over tiles
+//! of [`MMQ_ROWS`] weight rows × 32 or 64 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
+//! Q8_0) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose them.
+
+use super::super::module::KernelModule;
+use super::super::ops::{as_i32, check_len, invalid};
+use super::super::{BlockQ8_1, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
+use crate::quant::GgmlType;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::sync::OnceLock;
+
+/// Weight rows per thread block (`MMQ_ROWS`: 8 warps of 16).
+pub const MMQ_ROWS: usize = 128;
+/// Values of a row per step (`MMQ_K`): the row length must be a multiple.
+const MMQ_K: usize = 128;
+/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less).
+pub const MIN_TOKENS: usize = 16;
+const BLOCK: (u32, u32, u32) = (32, 8, 1);
+
+/// The kernels of a format: (plain, experts) for tiles of 32 and of 64 tokens.
+fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 2]> {
+    Some(match ty {
+        GgmlType::Q4_K => [
+            ("mmq_q4_k_32", "mmq_experts_q4_k_32"),
+            ("mmq_q4_k_64", "mmq_experts_q4_k_64"),
+        ],
+        GgmlType::Q5_K => [
+            ("mmq_q5_k_32", "mmq_experts_q5_k_32"),
+            ("mmq_q5_k_64", "mmq_experts_q5_k_64"),
+        ],
+        GgmlType::Q6_K => [
+            ("mmq_q6_k_32", "mmq_experts_q6_k_32"),
+            ("mmq_q6_k_64", "mmq_experts_q6_k_64"),
+        ],
+        GgmlType::Q8_0 => [
+            ("mmq_q8_0_32", "mmq_experts_q8_0_32"),
+            ("mmq_q8_0_64", "mmq_experts_q8_0_64"),
+        ],
+        _ => return None,
+    })
+}
+
+/// Whether `POLY_MMQ=off` turned the tensor-core kernels off (to measure against the dp4a ones).
+fn disabled() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
+}
+
+/// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
+pub fn takes(dev: &Device, ty: GgmlType, cols: usize) -> bool {
+    kernels(ty).is_some()
+        && cols > 0
+        && cols.is_multiple_of(MMQ_K)
+        && dev.compute_capability().0 >= 8
+        && !disabled()
+}
+
+fn kernel_name(ty: GgmlType, experts: bool, tile: usize) -> CudaResult<&'static str> {
+    let Some(k) = kernels(ty) else {
+        return invalid(format!("no tensor-core matmul for {ty}"));
+    };
+    let (plain, exp) = match tile {
+        32 => k[0],
+        64 => k[1],
+        _ => return invalid(format!("tensor-core matmul: tiles of {tile} tokens")),
+    };
+    Ok(if experts { exp } else { plain })
+}
+
+/// `y = x·Wᵀ` for `n` tokens (`xq` `[n, cols/32]` blocks, `y` `[n, rows]`, checked by the caller).
+pub fn matmul(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    n: usize,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let tile = if n <= 32 { 32 } else { 64 };
+    let name = kernel_name(w.ty, false, tile)?;
+    check_len("mmq x", xq, n * (w.cols / BlockQ8_1::ELEMS))?;
+    check_len("mmq y", y, n * w.rows)?;
+    let tiles = n.div_ceil(tile);
+    if tiles > 65535 {
+        return invalid(format!("mmq: {n} tokens in one call"));
+    }
+    let (ncols, nrows, n_i) = (
+        as_i32("cols", w.cols)?,
+        as_i32("rows", w.rows)?,
+        as_i32("tokens", n)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (w.rows.div_ceil(MMQ_ROWS) as u32, tiles as u32, 1),
+        block_dim: BLOCK,
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(w.data().slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&n_i);
+    // SAFETY: the matrix holds rows × cols of its format (checked at upload; cols a multiple of MMQ_K, so
+    // every step reads whole blocks); x holds n × cols/32 blocks and y n × rows floats (checked above).
+    // Block (i, t) reads rows below `rows` (clamped) and tokens t·tile.. below n, and writes those only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// `y[r] = W_e·x[r]` over the tiles of `tiles` (`(expert, first row, rows ≤ tile)`, as
+/// [`super::ExpertGrouping::tile_table`]); `xq` `[n_sorted, cols/32]`, `y` `[n_sorted, rows]`.
+pub fn matmul_experts(
+    dev: &Device,
+    table: &ExpertTable,
+    tiles: &DeviceBuffer<i32>,
+    tile: usize,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = kernel_name(table.ty, true, tile)?;
+    let per_row = table.cols / BlockQ8_1::ELEMS;
+    if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
+        return invalid(format!(
+            "mmq_experts: {} blocks, {} tile ints",
+            xq.len(),
+            tiles.len()
+        ));
+    }
+    let n_sorted = xq.len() / per_row;
+    check_len("mmq_experts y", y, n_sorted * table.rows)?;
+    let n_tiles = tiles.len() / 3;
+    if n_tiles == 0 {
+        return Ok(());
+    }
+    if n_tiles > 65535 {
+        return invalid(format!("mmq_experts: {n_tiles} tiles in one call"));
+    }
+    let (ncols, nrows, n_exp) = (
+        as_i32("cols", table.cols)?,
+        as_i32("rows", table.rows)?,
+        as_i32("experts", table.n_expert)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (table.rows.div_ceil(MMQ_ROWS) as u32, n_tiles as u32, 1),
+        block_dim: BLOCK,
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(table.addresses().slice())
+        .arg(&n_exp)
+        .arg(tiles.slice())
+        .arg(xq.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
+    // SAFETY: the table holds n_expert addresses of rows × cols matrices (or null); the tiles are read on
+    // the card, so the kernel trusts them: ExpertGrouping builds them over n_sorted rows with at most
+    // `tile` rows each (empty padding tiles write nothing). x and y are checked above.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tensor_core_kernel_has_an_entry_point() {
+        let src = KernelModule::MatmulMma.source();
+        for &ty in crate::quant::WEIGHT_TYPES {
+            let Some(k) = kernels(ty) else { continue };
+            for (tile, (plain, exp)) in [32, 64].into_iter().zip(k) {
+                // MMQ_ENTRY_POINTS(suffix, F, tile) makes mmq_<suffix>_<tile> and mmq_experts_<...>.
+                let suffix = plain
+                    .trim_start_matches("mmq_")
+                    .trim_end_matches(&format!("_{tile}"));
+                assert_eq!(exp, format!("mmq_experts_{suffix}_{tile}"));
+                assert!(
+                    src.contains(&format!("MMQ_ENTRY_POINTS({suffix}, ")),
+                    "{plain}"
+                );
+                assert!(src.contains(&format!(", {tile})")), "{plain}");
+            }
+        }
+    }
+}
