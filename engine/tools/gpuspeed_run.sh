@@ -1,8 +1,9 @@
 #!/bin/bash
 # Decode-speed run on the GPU machine (see make_gpuspeed_carry.sh), from the repository root: the CUDA
 # elementwise tests and the engine's gpu_forward tests, synth models at the real shapes in /dev/shm, then
-# `poly-engine bench` tg128 with decode graphs on and off (POLY_GPU_GRAPHS=0), plain and under
-# POLY_GPU_PROFILE=1/2, and, time permitting, ncu's per-kernel durations over two eager decode tokens.
+# `poly-engine bench` tg128 with decode graphs on and off (POLY_GPU_GRAPHS=0), under POLY_GPU_PROFILE=1, with
+# fewer warps per matvec row (POLY_MATVEC_WARPS_PER_ROW), and, time permitting, ncu per-kernel durations
+# over three decode tokens with graphs.
 # Logs go to $OUT (summary.txt first).
 set -u
 OUT=${OUT:-/tmp/poly-gpuspeed-out}
@@ -40,14 +41,15 @@ for m in q3 q35; do
     bench $f "$m graphs on" POLY_GPU_GRAPHS=1
     bench $f "$m graphs on, profile 1" POLY_GPU_GRAPHS=1 POLY_GPU_PROFILE=1
     bench $f "$m graphs off" POLY_GPU_GRAPHS=0
-    bench $f "$m graphs off, profile 1" POLY_GPU_GRAPHS=0 POLY_GPU_PROFILE=1
-    bench $f "$m graphs off, profile 2 (op kinds)" POLY_GPU_GRAPHS=0 POLY_GPU_PROFILE=2
+    bench $f "$m graphs on, matvec 1 warp per row" POLY_GPU_GRAPHS=1 POLY_MATVEC_WARPS_PER_ROW=1
+    [ $m = q3 ] && bench $f "$m graphs on, matvec 2 warps per row" POLY_GPU_GRAPHS=1 POLY_MATVEC_WARPS_PER_ROW=2
 done
-if [ "$MODE" = profile ] && [ $SECONDS -lt 170 ] && [ -x /usr/local/cuda/bin/ncu ]; then
-    echo "== q3 ncu per-kernel over 2 eager decode tokens (gpu__time_duration), at ${SECONDS}s" | tee -a "$S"
-    POLY_GPU_GRAPHS=0 timeout 50 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
-        $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt 0 --gen 2 --reps 1 --no-warmup > "$OUT/ncu_q3.txt" 2>&1
+if [ "$MODE" = profile ] && [ $SECONDS -lt 180 ] && [ -x /usr/local/cuda/bin/ncu ]; then
+    echo "== q3 ncu per-kernel over 3 decode tokens with graphs (gpu__time_duration), at ${SECONDS}s" | tee -a "$S"
+    POLY_GPU_GRAPHS=1 timeout 50 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
+        $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt 0 --gen 3 --reps 1 --no-warmup > "$OUT/ncu_q3.txt" 2>&1
     echo "ncu rc=$?" | tee -a "$S"
+    grep -E "^  [a-z_0-9]+ \(|gpu__time_duration" "$OUT/ncu_q3.txt" | paste - - | sed -E 's/ +/ /g' | cut -c1-200 >> "$S"
 fi
 rm -f "$OUT/b.json" "$OUT/prof.txt"
 echo "== done at ${SECONDS}s" | tee -a "$S"

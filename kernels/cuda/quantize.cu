@@ -4,15 +4,11 @@
 
 // x: [n] f32 (n a multiple of 32, several rows back to back are one long vector); y: [n/32] block_q8_1.
 // One warp per block of 32 values; any block shape whose size is a multiple of 32.
-extern "C" __global__ void quantize_q8_1(const float * __restrict__ x, block_q8_1 * __restrict__ y, int n) {
-    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+// Quantizes value xi (element i of a vector of n, n a multiple of 32) into y; every lane of the warp takes
+// part (whole warps are inside or outside together).
+static __device__ __forceinline__ void quantize_value(float xi, block_q8_1 * __restrict__ y, int64_t i) {
     const int64_t ib = i / QK8_1;
     const int iq = (int) (i % QK8_1);
-    // Whole warps are inside or outside together since n is a multiple of 32.
-    if (i >= n) {
-        return;
-    }
-    const float xi = x[i];
     const float amax = warp_max(fabsf(xi));
     const float d = amax / 127.0f;
     const int8_t q = amax == 0.0f ? 0 : (int8_t) roundf(xi / d);
@@ -25,5 +21,53 @@ extern "C" __global__ void quantize_q8_1(const float * __restrict__ x, block_q8_
     if (iq == 0) {
         y[ib].d = f32_to_f16(d);
         y[ib].s = f32_to_f16(d * sumq);
+    }
+}
+
+extern "C" __global__ void quantize_q8_1(const float * __restrict__ x, block_q8_1 * __restrict__ y, int n) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    // Whole warps are inside or outside together since n is a multiple of 32.
+    if (i >= n) {
+        return;
+    }
+    quantize_value(x[i], y, i);
+}
+
+// SwiGLU straight into the quantized input of the next matrix (an MoE layer's down experts): y =
+// q8_1(silu(gate) * up), the value act.cu's swiglu_f32 computes (the same expression), so the result is
+// that of swiglu_f32 then quantize_q8_1 bit for bit, in one launch and without the f32 intermediate.
+extern "C" __global__ void swiglu_quantize_q8_1(const float * __restrict__ gate, const float * __restrict__ up,
+                                                block_q8_1 * __restrict__ y, int n) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const float g = gate[i];
+    const float silu = g / (1.0f + expf(-g)); // act.cu's silu
+    quantize_value(silu * up[i], y, i);
+}
+
+// RMS norm (norm.cu's rms_norm, the same loops and reduction, so the same values) that also writes the
+// result quantized, for a norm whose output feeds quantized matrices (one launch instead of two). One block
+// per row; ncols a multiple of 32 and blockDim.x a multiple of 32, so each warp quantizes whole blocks of 32
+// consecutive values.
+extern "C" __global__ void rms_norm_quantize_q8_1(const float * __restrict__ x, const float * __restrict__ weight,
+                                                  float * __restrict__ out, block_q8_1 * __restrict__ y, int ncols,
+                                                  float eps) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float * xr = x + row * ncols;
+    float * outr = out + row * ncols;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        sum = fmaf(xr[i], xr[i], sum);
+    }
+    sum = block_sum(sum, scratch);
+    const float scale = rsqrtf(sum / (float) ncols + eps);
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        const float v = xr[i] * scale;
+        const float o = weight ? v * weight[i] : v;
+        outr[i] = o;
+        quantize_value(o, y, row * ncols + i);
     }
 }

@@ -1,7 +1,8 @@
 //! The element-wise and layout kernels of `elementwise.cu` against plain CPU loops on random inputs: add and
 //! multiply (same shape, per row, per column), scale, sigmoid / softplus / tanh / exp (normalized error),
-//! column slices, head parts, repeated heads (both orders), the f16 KV store, and the partial device copies
-//! and cache-prefix attention the engine's GPU backend uses.
+//! column slices, head parts, repeated heads (both orders), the f16 KV store (also at device positions), the
+//! SwiGLU and the RMS norm fused with q8_1 quantization (bit for bit the two-step results), and the partial
+//! device copies and cache-prefix attention the engine's GPU backend uses.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
 //! passes. Cost: well under a second on an H200.
@@ -10,7 +11,8 @@
 
 use poly_kernels::cuda::attention::{attention_f16, attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
-use poly_kernels::cuda::{CudaError, Device};
+use poly_kernels::cuda::ops;
+use poly_kernels::cuda::{BlockQ8_1, CudaError, Device};
 use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::rng::Rng;
@@ -280,4 +282,62 @@ fn kv_store_at_device_positions_writes_those_rows_only() {
         v_width: vw,
     };
     assert!(ew::kv_store_f16_pos(&dev, &dk, &dv, &dpos, dst).is_err());
+}
+
+#[test]
+fn swiglu_into_q8_1_equals_swiglu_then_quantize() {
+    let Some(dev) = device() else { return };
+    let n = 8 * 768;
+    let gate: Vec<f32> = random(n, 9).iter().map(|v| v * 4.0).collect();
+    let up = random(n, 10);
+    let (dg, du) = (dev.upload(&gate).unwrap(), dev.upload(&up).unwrap());
+    let mut h = dev.zeros::<f32>(n).unwrap();
+    ops::swiglu(&dev, &dg, &du, &mut h).unwrap();
+    let mut want = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+    ops::quantize_q8_1(&dev, &h, &mut want).unwrap();
+    let mut got = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+    ops::swiglu_quantize_q8_1(&dev, &dg, &du, &mut got).unwrap();
+    assert_eq!(dev.download(&got).unwrap(), dev.download(&want).unwrap());
+    // Not whole blocks: refused.
+    let (g5, u5) = (
+        dev.upload(&gate[..40]).unwrap(),
+        dev.upload(&up[..40]).unwrap(),
+    );
+    let mut q = dev.zeros::<BlockQ8_1>(1).unwrap();
+    assert!(ops::swiglu_quantize_q8_1(&dev, &g5, &u5, &mut q).is_err());
+}
+
+#[test]
+fn rms_norm_with_q8_1_equals_rms_norm_then_quantize() {
+    let Some(dev) = device() else { return };
+    for (rows, group, weighted) in [(1, 2048, true), (3, 128, false), (2, 4096, true)] {
+        let x = random(rows * group, 11);
+        let w = random(group, 12);
+        let (dx, dw) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let weight = weighted.then_some(&dw);
+        let mut want = dev.zeros::<f32>(rows * group).unwrap();
+        ops::rms_norm(&dev, &dx, group, weight, 1e-6, &mut want).unwrap();
+        let mut want_q = dev.zeros::<BlockQ8_1>(rows * group / 32).unwrap();
+        ops::quantize_q8_1(&dev, &want, &mut want_q).unwrap();
+        let mut got = dev.zeros::<f32>(rows * group).unwrap();
+        let mut got_q = dev.zeros::<BlockQ8_1>(rows * group / 32).unwrap();
+        ops::rms_norm_quantize_q8_1(&dev, &dx, group, weight, 1e-6, (&mut got, &mut got_q))
+            .unwrap();
+        let what = format!("{rows} × {group}, weight {weighted}");
+        assert_eq!(
+            dev.download(&got).unwrap(),
+            dev.download(&want).unwrap(),
+            "{what}"
+        );
+        assert_eq!(
+            dev.download(&got_q).unwrap(),
+            dev.download(&want_q).unwrap(),
+            "{what}"
+        );
+    }
+    // Groups that are not whole blocks of 32 are refused.
+    let dx = dev.upload(&random(40, 13)).unwrap();
+    let mut out = dev.zeros::<f32>(40).unwrap();
+    let mut q = dev.zeros::<BlockQ8_1>(1).unwrap();
+    assert!(ops::rms_norm_quantize_q8_1(&dev, &dx, 40, None, 1e-6, (&mut out, &mut q)).is_err());
 }

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 
-use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, LaunchGraph};
+use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, LaunchGraph, PinnedHost};
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::WeightId;
 
@@ -33,6 +33,8 @@ pub struct DecodeGraph {
     graph: LaunchGraph,
     /// `[n_vocab]`: where the replays leave the logits.
     logits: DeviceBuffer<f32>,
+    /// Their host copy.
+    host_logits: PinnedHost<f32>,
     inputs: GraphInputs,
     /// The embedding table and width the host fills `inputs.row` from.
     embed: (WeightId, usize),
@@ -70,15 +72,15 @@ impl DecodeGraphs {
     }
 }
 
-/// Replays the graph of `rows` for `token` at `pos0`; returns the logits. The caller checked
-/// [`DecodeGraphs::has`].
+/// Queues a replay of the graph of `rows` for `token` at `pos0` (the caller checked [`DecodeGraphs::has`]);
+/// [`logits`] waits for it.
 pub fn replay(
     (dev, cpu): (&Device, &CpuWeights),
     graphs: &mut DecodeGraphs,
     rows: usize,
     token: u32,
     pos0: usize,
-) -> CudaResult<Vec<f32>> {
+) -> CudaResult<()> {
     let g = graphs
         .by_rows
         .get_mut(&rows)
@@ -93,8 +95,16 @@ pub fn replay(
         .ok_or_else(|| CudaError::Invalid("a decode graph without its row".into()))?;
     dev.write(&row, r)?;
     dev.write(&[pos0 as i32], &mut g.inputs.positions)?;
-    g.graph.replay()?;
-    dev.download(&g.logits)
+    g.graph.replay()
+}
+
+/// The logits of the last replay of `rows` (waits for it).
+pub fn logits(dev: &Device, graphs: &mut DecodeGraphs, rows: usize) -> CudaResult<Vec<f32>> {
+    let g = graphs
+        .by_rows
+        .get_mut(&rows)
+        .ok_or_else(|| CudaError::Invalid(format!("no decode graph for {rows} rows")))?;
+    Ok(dev.download_pinned(&g.logits, &mut g.host_logits)?.to_vec())
 }
 
 /// Runs `token` at `pos0` as the first call of bucket `rows` in graph mode and then captures the same
@@ -209,9 +219,11 @@ fn capture(
     let logits = logits.ok_or_else(|| CudaError::Invalid("the capture left no logits".into()))?;
     let store = Pool::into_store(pool)
         .ok_or_else(|| CudaError::Invalid("a captured activation outlived the call".into()))?;
+    let host_logits = dev.pinned(logits.len())?;
     Ok(DecodeGraph {
         graph: launch_graph,
         logits,
+        host_logits,
         inputs,
         embed,
         _store: store,

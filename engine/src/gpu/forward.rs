@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE};
 use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
@@ -44,6 +44,18 @@ const MAX_SLOTS: usize = 65_535;
 /// the split of the context (and so the summation order) is the bucket's.
 pub fn decode_kv_rows(n_kv: usize, n_ctx: usize) -> usize {
     n_kv.next_power_of_two().max(256).min(n_ctx).max(n_kv)
+}
+
+/// The split of a one-token attention over `n_kv` cache rows: about [`ATTN_TARGET_BLOCKS`] blocks (one per
+/// KV head and chunk), chunks of one key tile and up. One token's attention has only a block per KV head
+/// to begin with, and a block walks its chunk tile by tile, so short chunks are what make it fast (the
+/// merge is one small launch).
+fn decode_split(p: &AttnParams, n_kv: usize) -> AttnSplit {
+    let splits = ATTN_TARGET_BLOCKS.div_ceil(p.n_head_kv.max(1));
+    let chunk = n_kv.div_ceil(splits).max(ATTN_KEY_TILE);
+    AttnSplit {
+        chunk: chunk.div_ceil(ATTN_KEY_TILE) * ATTN_KEY_TILE,
+    }
 }
 
 /// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
@@ -277,6 +289,34 @@ impl<'a> GpuForward<'a> {
         }
         if let Some(p) = self.positions.take() {
             self.pool.put_i32(p);
+        }
+    }
+
+    /// [`ops::rms_norm_quantize_q8_1`] into `out`, its quantized copy kept as `out`'s in the cache.
+    fn rms_norm_quantized(
+        &self,
+        x: &DeviceBuffer<f32>,
+        group: usize,
+        weight: Option<&DeviceBuffer<f32>>,
+        eps: f32,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let mut cache = self.q8_cache.borrow_mut();
+        if let Some((_, old)) = cache.take() {
+            self.pool.put_q8(old);
+        }
+        let mut q = self.pool.q8(self.dev, out.len() / 32)?;
+        let id = out.id;
+        match ops::rms_norm_quantize_q8_1(self.dev, x, group, weight, eps, (out.buf_mut()?, &mut q))
+        {
+            Ok(()) => {
+                *cache = Some((id, q));
+                Ok(())
+            }
+            Err(e) => {
+                self.pool.put_q8(q);
+                Err(e)
+            }
         }
     }
 
@@ -813,6 +853,32 @@ impl<'a> GpuForward<'a> {
         }
         self.op_end("moe.gate_up", t);
         let t = self.op_begin();
+        // One token with SiLU and quantized down experts: the SwiGLU goes straight into the down experts'
+        // quantized input (the same values as swiglu then quantize, one launch fewer).
+        if n == 1
+            && matches!(m.act, Unary::Silu)
+            && ops::activation_form(down_t.ty) == Some(ops::ActivationForm::Q8_1)
+        {
+            let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+            let r = ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq);
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            self.op_end("moe.act", t);
+            let t = self.op_begin();
+            let mut y = self.pool.f32(dev, slots * n_embd)?;
+            let r = r.and_then(|()| {
+                ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+            });
+            self.pool.put_q8(hq);
+            self.op_end("moe.down", t);
+            return match r {
+                Ok(()) => Ok(y),
+                Err(e) => {
+                    self.pool.put_f32(y);
+                    Err(e)
+                }
+            };
+        }
         let mut h = self.pool.f32(dev, slots * n_ff)?;
         self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
         self.pool.put_f32(gate);
@@ -928,6 +994,11 @@ impl Compute for GpuForward<'_> {
         let mut out = self.alloc(x.rows, x.cols);
         self.run("rms_norm", x.len() == 0, |c| {
             let w = weight.map(|w| c.vector(w)).transpose()?;
+            if x.rows == 1 && group == x.cols && group.is_multiple_of(32) {
+                // One token's whole-row norm feeds quantized matrices (the projections after it): it
+                // writes their quantized input too.
+                return c.rms_norm_quantized(x.buf()?, group, w.as_deref(), eps, &mut out);
+            }
             ops::rms_norm(c.dev, x.buf()?, group, w.as_deref(), eps, out.buf_mut()?)
         });
         out
@@ -1093,10 +1164,7 @@ impl Compute for GpuForward<'_> {
                 };
                 ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
                 let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
-                (
-                    n_kv,
-                    AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS),
-                )
+                (n_kv, decode_split(&p, n_kv))
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
                 ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;

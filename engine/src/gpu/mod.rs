@@ -349,17 +349,25 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
-        // The call changes the card's state: copies of it others may read go to host memory first.
-        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
+        let pos0 = state.n_past();
+        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        // The call changes the card's state: copies of it others may read go to host memory first; the
+        // caller's own too when the call builds a graph (it allocates, so it may fail half way with
+        // recurrent states half advanced; KV-only states are rescued on failure instead).
+        let keep_own = !state.has_recurrent() || seq.graphs.has(rows);
+        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))
+            .map_err(cuda_err)?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
-        let pos0 = state.n_past();
-        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
         let result = if seq.graphs.has(rows) {
-            let r = decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            let queued =
+                decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
             phases.queue = clock.elapsed();
-            r
+            if let Some(m) = marks.as_mut() {
+                m.end(&self.dev);
+            }
+            queued.and_then(|()| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
         } else if seq.graphs.failed() {
             drop(seq_slot);
             return self
@@ -377,12 +385,19 @@ impl GpuBackend {
             };
             decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
         };
-        if let Some(m) = marks.as_mut() {
-            m.end(&self.dev);
+        if phases.queue.is_zero() {
+            // A run and capture: no phase split.
+            phases.queue = clock.elapsed();
+            if let Some(m) = marks.as_mut() {
+                m.end(&self.dev);
+            }
         }
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
+                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
+                    s.rescue_kv(&self.dev);
+                }
                 *seq_slot = None;
                 return Err(cuda_err(e));
             }
@@ -434,7 +449,10 @@ impl GpuBackend {
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state)?;
         // The call changes the card's state: copies of it others may read go to host memory first.
-        seq.settle(&self.dev, state.deferred())?;
+        // A prompt call may fail half way (out of memory) with recurrent states half advanced: the
+        // caller's own copy goes to host memory first (KV-only states are rescued on failure instead).
+        let keep_own = !(state.has_recurrent() && tokens.len() > 1);
+        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
@@ -473,7 +491,11 @@ impl GpuBackend {
         let (logits, extra) = match result {
             Ok(l) => l,
             Err(e) => {
-                // The card's state is in doubt: upload the host's next time. The host's is unchanged.
+                // The card's state is in doubt: upload the host's next time. The host's is unchanged
+                // (its copy on the card fetched first where that is safe).
+                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
+                    s.rescue_kv(&self.dev);
+                }
                 *seq_slot = None;
                 return Err(e);
             }

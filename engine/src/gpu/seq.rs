@@ -158,7 +158,8 @@ impl DeviceSeq {
 
     /// Fetches into host memory every pending copy of the buffers' present contents that someone may
     /// still read, before the contents change (then bumps the epoch). `own` is the calling state's pending
-    /// copy: left on the card when nothing but that state holds it (the coming call supersedes it).
+    /// copy: left on the card when nothing but that state holds it (the coming call supersedes it); it
+    /// stays listed, for [`DeviceSeq::rescue_kv`] when the call fails.
     pub fn settle(&mut self, dev: &Device, own: Option<&Deferred>) -> CudaResult<()> {
         let issued = std::mem::take(&mut self.issued);
         for weak in issued {
@@ -166,12 +167,29 @@ impl DeviceSeq {
             let is_own = own.is_some_and(|d| std::ptr::addr_eq(Arc::as_ptr(&d.0), Arc::as_ptr(&p)));
             // Held by the state and by `p` here: nobody else reads it.
             if is_own && Arc::strong_count(&p) <= 2 {
+                self.issued.push(weak);
                 continue;
             }
             p.settle_from(dev, self)?;
         }
         self.epoch += 1;
         Ok(())
+    }
+
+    /// After a failed call, before these buffers are dropped: fetches the pending copies still listed (the
+    /// caller's own, which [`DeviceSeq::settle`] left on the card) whatever the epoch. Only for states
+    /// without recurrent layers: a call writes KV rows at and past its position only, so the rows such a
+    /// copy holds (before the position) are intact, while a recurrent state may be half advanced.
+    pub fn rescue_kv(&mut self, dev: &Device) {
+        for weak in std::mem::take(&mut self.issued) {
+            if let Some(p) = weak.upgrade() {
+                p.epoch
+                    .store(self.epoch, std::sync::atomic::Ordering::Relaxed);
+                if let Err(e) = p.settle_from(dev, self) {
+                    eprintln!("poly-engine: a state copy could not be saved from the card: {e}");
+                }
+            }
+        }
     }
 
     /// A pending copy of what the card holds for `state` after a call (`n_past` tokens read): the KV rows
@@ -188,7 +206,7 @@ impl DeviceSeq {
         let p = Arc::new(PendingCopy {
             dev: dev.clone(),
             slot: Arc::downgrade(slot),
-            epoch: self.epoch,
+            epoch: std::sync::atomic::AtomicU64::new(self.epoch),
             host_rows,
             n_past,
             fetched: Mutex::new(None),
@@ -285,7 +303,7 @@ pub struct PendingCopy {
     dev: Arc<Device>,
     slot: Weak<Mutex<Option<DeviceSeq>>>,
     /// The card's contents this copy is of.
-    epoch: u64,
+    epoch: std::sync::atomic::AtomicU64,
     /// KV rows the host layers hold.
     host_rows: usize,
     n_past: usize,
@@ -303,7 +321,7 @@ impl PendingCopy {
     fn settle_from(&self, dev: &Device, seq: &DeviceSeq) -> CudaResult<()> {
         let mut fetched = self.fetched();
         if fetched.is_none() {
-            if seq.epoch != self.epoch {
+            if seq.epoch != self.epoch.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(CudaError::Invalid(
                     "a pending state copy outlived the card's contents".into(),
                 ));
@@ -328,7 +346,7 @@ impl PendingCopy {
             return Ok(c.clone());
         }
         match guard.as_ref() {
-            Some(seq) if seq.epoch == self.epoch => seq
+            Some(seq) if seq.epoch == self.epoch.load(std::sync::atomic::Ordering::Relaxed) => seq
                 .download(&self.dev, (self.host_rows, self.n_past), kv)
                 .map_err(|e| format!("GPU: {e}")),
             _ => Err("the card's state was lost (a failed call)".into()),

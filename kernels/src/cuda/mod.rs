@@ -19,6 +19,7 @@ pub mod expert_slots;
 mod graph;
 pub mod module;
 pub mod ops;
+mod pinned;
 pub mod prompt;
 pub mod recurrent;
 pub mod sample;
@@ -28,6 +29,7 @@ pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExpe
 pub use device::Device;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
+pub use pinned::PinnedHost;
 pub use timing::TimingEvent;
 
 use cudarc::driver::DriverError;

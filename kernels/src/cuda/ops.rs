@@ -63,6 +63,38 @@ pub fn quantize_q8_1(
     dev.after_launch("quantize_q8_1")
 }
 
+/// `out = q8_1(silu(gate)·up)`: [`swiglu`] then [`quantize_q8_1`] in one launch, bit for bit the same
+/// (`gate.len()` a multiple of 32; `out` `gate.len()/32` blocks).
+pub fn swiglu_quantize_q8_1(
+    dev: &Device,
+    gate: &DeviceBuffer<f32>,
+    up: &DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
+    if !gate.len().is_multiple_of(BlockQ8_1::ELEMS) {
+        return invalid(format!(
+            "swiglu_quantize_q8_1: {} values are not whole blocks",
+            gate.len()
+        ));
+    }
+    check_len("swiglu_quantize_q8_1 up", up, gate.len())?;
+    check_len(
+        "swiglu_quantize_q8_1 output",
+        out,
+        gate.len() / BlockQ8_1::ELEMS,
+    )?;
+    let n = as_i32("swiglu_quantize_q8_1 length", gate.len())?;
+    let f = dev.function(KernelModule::Quantize, "swiglu_quantize_q8_1")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.slice())
+        .arg(up.slice())
+        .arg(out.slice_mut())
+        .arg(&n);
+    // SAFETY: the kernel reads n floats of gate and up and writes n/32 blocks of out (lengths checked).
+    unsafe { b.launch(grid_1d(gate.len(), 256)?) }?;
+    dev.after_launch("swiglu_quantize_q8_1")
+}
+
 pub(crate) fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
     const SINGLE: [(GgmlType, &str); 12] = [
         (GgmlType::Q4_0, "matvec_q4_0"),
@@ -130,11 +162,26 @@ fn threads_per_weight_block(ty: GgmlType) -> usize {
 /// share of a row of `cols` values (so a thread block computes 4, 2 or 1 rows).
 fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
     let threads = cols / ty.block_elems() * threads_per_weight_block(ty);
-    match threads {
+    let wpr = match threads {
         0..=32 => 1,
         33..=64 => 2,
         _ => 4,
-    }
+    };
+    wpr.min(max_warps_per_row())
+}
+
+/// `POLY_MATVEC_WARPS_PER_ROW` (1, 2 or 4, default 4): at most this many warps share a row, so a block computes
+/// more rows with each thread looping over more weight blocks. A tuning knob for measurements; every value
+/// computes the same sums per thread group, in another order.
+fn max_warps_per_row() -> u32 {
+    static MAX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *MAX.get_or_init(
+        || match std::env::var("POLY_MATVEC_WARPS_PER_ROW").ok().as_deref() {
+            Some("1") => 1,
+            Some("2") => 2,
+            _ => 4,
+        },
+    )
 }
 
 /// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
@@ -402,6 +449,55 @@ pub fn rms_norm(
     // SAFETY: x and out hold rows × group floats, weight group floats or is null (the kernel checks).
     unsafe { b.launch(cfg) }?;
     dev.after_launch("rms_norm")
+}
+
+/// [`rms_norm`] of rows of `group` values (a multiple of 32) that also writes the result quantized into
+/// `q` (`x.len()/32` blocks): the values of [`rms_norm`] then [`quantize_q8_1`], in one launch.
+pub fn rms_norm_quantize_q8_1(
+    dev: &Device,
+    x: &DeviceBuffer<f32>,
+    group: usize,
+    weight: Option<&DeviceBuffer<f32>>,
+    eps: f32,
+    (out, q): (&mut DeviceBuffer<f32>, &mut DeviceBuffer<BlockQ8_1>),
+) -> CudaResult<()> {
+    if group == 0 || !group.is_multiple_of(BlockQ8_1::ELEMS) || !x.len().is_multiple_of(group) {
+        return invalid(format!(
+            "rms_norm_quantize: {} values are not groups of {group} (a multiple of 32)",
+            x.len()
+        ));
+    }
+    check_len("rms_norm_quantize out", out, x.len())?;
+    check_len("rms_norm_quantize q", q, x.len() / BlockQ8_1::ELEMS)?;
+    if let Some(w) = weight {
+        check_len("rms_norm_quantize weight", w, group)?;
+    }
+    let ncols = as_i32("rms_norm group", group)?;
+    let rows =
+        u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
+    let null: u64 = 0;
+    let f = dev.function(KernelModule::Quantize, "rms_norm_quantize_q8_1")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice());
+    match weight {
+        Some(w) => b.arg(w.slice()),
+        None => b.arg(&null),
+    };
+    b.arg(out.slice_mut())
+        .arg(q.slice_mut())
+        .arg(&ncols)
+        .arg(&eps);
+    // The thread count of `rms_norm`, so the block's sum is formed alike.
+    let threads = if group >= 1024 { 1024 } else { group as u32 };
+    let cfg = LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x and out hold rows × group floats, q rows × group / 32 blocks, weight group floats or is
+    // null (the kernel checks).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("rms_norm_quantize_q8_1")
 }
 
 /// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card).
