@@ -20,6 +20,9 @@ for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_mat
     echo "$t rc=$?" | tee -a "$S"
     grep -E "nmse|panicked|rror" "$OUT/ops_$t.txt" | head -40 | sed 's/^/    /' | tee -a "$S"
 done
+timeout 60 $C/cuda_prompt_attention --nocapture > "$OUT/ops_attention.txt" 2>&1
+echo "cuda_prompt_attention rc=$?" | tee -a "$S"
+grep -E "nmse|panicked|rror" "$OUT/ops_attention.txt" | head -20 | sed 's/^/    /' | tee -a "$S"
 stamp "== cuda_layer_bench"
 timeout 90 $C/cuda_layer_bench --ignored --nocapture --test-threads 1 bench_prompt_matmul bench_grouped_experts > "$OUT/bench_kernels.txt" 2>&1
 echo "rc=$?" | tee -a "$S"
@@ -28,10 +31,10 @@ grep -E "^bench|panicked" "$OUT/bench_kernels.txt" | tee -a "$S"
 stamp "== synth + bench qwen3moe 30B-A3B shape"
 mkdir -p /dev/shm/m
 $C/poly-engine synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q3.gguf > "$OUT/synth_q3.txt" 2>&1 || echo "synth q3 failed" | tee -a "$S"
-for cfg in "512 512 on" "4096 4096 on" "512 512 off"; do
+for cfg in "512 512 on on" "4096 4096 on on" "512 512 off on" "512 512 on off" "4096 4096 on off"; do
     set -- $cfg
-    stamp "q3 pp$1 ubatch $2 mmq $3"
-    POLY_MMQ=$3 timeout 90 $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q3_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
+    stamp "q3 pp$1 ubatch $2 mmq $3 fa $4"
+    POLY_MMQ=$3 POLY_FA=$4 timeout 90 $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q3_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
     tail -3 "$OUT/bench_q3_err.txt" | tee -a "$S"
 done
 rm -f /dev/shm/m/q3.gguf
@@ -43,10 +46,10 @@ grep -vE "^\s*$|^running|^test result|^stack|^ +[0-9]+:|^note:" "$OUT/gpu_forwar
 
 stamp "== synth + bench qwen35moe 35B-A3B shape"
 $C/poly-engine synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35.gguf > "$OUT/synth_q35.txt" 2>&1 || echo "synth q35 failed" | tee -a "$S"
-for cfg in "512 512 on" "4096 4096 on"; do
+for cfg in "512 512 on on" "4096 4096 on on"; do
     set -- $cfg
-    stamp "q35 pp$1 ubatch $2 mmq $3"
-    POLY_MMQ=$3 timeout 90 $C/poly-engine bench --model /dev/shm/m/q35.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q35_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
+    stamp "q35 pp$1 ubatch $2 mmq $3 fa $4"
+    POLY_MMQ=$3 POLY_FA=$4 timeout 90 $C/poly-engine bench --model /dev/shm/m/q35.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q35_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
     tail -3 "$OUT/bench_q35_err.txt" | tee -a "$S"
 done
 rm -f /dev/shm/m/q35.gguf
