@@ -40,7 +40,7 @@ done
 rm -f /dev/shm/m/q3.gguf
 
 stamp "== gpu_forward (GPU vs CPU on every fixture)"
-timeout 120 $C/gpu_forward --exact gpu_forward_agrees_with_the_cpu_on_every_fixture --nocapture > "$OUT/gpu_forward.txt" 2>&1
+timeout 100 $C/gpu_forward --nocapture --test-threads 1 > "$OUT/gpu_forward.txt" 2>&1
 echo "rc=$?" | tee -a "$S"
 grep -vE "^\s*$|^running|^test result|^stack|^ +[0-9]+:|^note:" "$OUT/gpu_forward.txt" | tail -25 | tee -a "$S"
 
