@@ -5,8 +5,10 @@
 //! and the rest of the call queues nothing more (the trait's operations return activations, not results);
 //! `finish` reports it. Activations of no rows (a call that asks for no logits) are kept without a buffer.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Instant;
 
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::attention_mma;
@@ -102,6 +104,47 @@ pub struct GpuForward<'a> {
     /// `[n]` positions of the batch's tokens.
     positions: Option<DeviceBuffer<i32>>,
     error: Option<CudaError>,
+    /// Per-operation times of a prompt call when `POLY_GPU_OPTIME=1` ([`OpTimes`]).
+    optime: Option<OpTimes>,
+}
+
+/// Wall time per kind of operation of one prompt call (64 tokens or more), when the environment has
+/// `POLY_GPU_OPTIME=1`: a diagnosis of prompt speed. Each timed operation waits for the card before and
+/// after, so the figures include launch and wait costs and the call runs slower than untimed; `finish`
+/// prints the table to stderr.
+struct OpTimes {
+    started: Instant,
+    by_op: RefCell<Vec<(&'static str, f64, u32)>>,
+}
+
+impl OpTimes {
+    fn wanted(n_tokens: usize) -> Option<OpTimes> {
+        let on = std::env::var("POLY_GPU_OPTIME").is_ok_and(|v| v == "1");
+        (on && n_tokens >= 64).then(|| OpTimes {
+            started: Instant::now(),
+            by_op: RefCell::new(Vec::new()),
+        })
+    }
+
+    fn add(&self, op: &'static str, seconds: f64) {
+        let mut v = self.by_op.borrow_mut();
+        match v.iter_mut().find(|e| e.0 == op) {
+            Some(e) => {
+                e.1 += seconds;
+                e.2 += 1;
+            }
+            None => v.push((op, seconds, 1)),
+        }
+    }
+
+    fn report(&self, n_tokens: usize) {
+        let total = self.started.elapsed().as_secs_f64();
+        let mut line = format!("optime n {n_tokens}: call {:.2} ms", total * 1e3);
+        for (op, s, count) in self.by_op.borrow().iter() {
+            line.push_str(&format!("; {op} {:.2} ms ({count})", s * 1e3));
+        }
+        eprintln!("{line}");
+    }
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -146,6 +189,7 @@ impl<'a> GpuForward<'a> {
             logits,
             positions: Some(positions),
             error: None,
+            optime: OpTimes::wanted(tokens.len()),
         })
     }
 
@@ -156,6 +200,9 @@ impl<'a> GpuForward<'a> {
             None if out.len() == 0 => self.dev.synchronize().map(|_| Vec::new()),
             None => out.buf().and_then(|b| self.dev.download(b)),
         };
+        if let Some(t) = &self.optime {
+            t.report(self.tokens.len());
+        }
         drop(out);
         if let Some(p) = self.positions.take() {
             self.pool.put_i32(p);
@@ -180,6 +227,22 @@ impl<'a> GpuForward<'a> {
             Err(e) => {
                 self.error.get_or_insert(e);
                 Vec::new()
+            }
+        }
+    }
+
+    /// The start of a timed operation (waits for the card) when times are kept.
+    fn op_begin(&self) -> Option<Instant> {
+        self.optime.as_ref()?;
+        self.dev.synchronize().ok()?;
+        Some(Instant::now())
+    }
+
+    /// The end of a timed operation begun at `t0` (waits for the card).
+    fn op_end(&self, op: &'static str, t0: Option<Instant>) {
+        if let (Some(t), Some(t0)) = (&self.optime, t0) {
+            if self.dev.synchronize().is_ok() {
+                t.add(op, t0.elapsed().as_secs_f64());
             }
         }
     }
@@ -338,6 +401,7 @@ impl<'a> GpuForward<'a> {
             self.table(m.down_exps)?,
         );
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
+        let t_route = self.op_begin();
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {
             let mut la = DevAct {
@@ -367,6 +431,7 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
+        self.op_end("moe route", t_route);
         let grouped = n > 1
             && [gate_t, up_t, down_t]
                 .iter()
@@ -587,7 +652,9 @@ impl Compute for GpuForward<'_> {
     fn matmul(&mut self, w: WeightId, x: &DevAct) -> DevAct {
         let rows = self.out_rows(w);
         let mut y = self.alloc(x.rows, rows);
+        let t0 = self.op_begin();
         self.run(x.len() == 0, |c| c.matmul_into(w, x, &mut y));
+        self.op_end("matmul", t0);
         y
     }
 
@@ -717,6 +784,7 @@ impl Compute for GpuForward<'_> {
     ) -> DevAct {
         let mut out = self.alloc(q.rows, a.n_head * a.head_dim_v);
         let (pos0, n) = (self.pos0, q.rows);
+        let t0 = self.op_begin();
         self.run(q.len() == 0, |c| {
             let p = AttnParams {
                 n_head: a.n_head,
@@ -792,14 +860,17 @@ impl Compute for GpuForward<'_> {
             }
             r
         });
+        self.op_end("attention", t0);
         out
     }
 
     fn moe(&mut self, _layer: usize, x: &DevAct, m: &Moe) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
+        let t0 = self.op_begin();
         self.run(x.len() == 0 || m.n_expert_used == 0, |c| {
             c.moe_into(x, m, &mut out)
         });
+        self.op_end("moe all", t0);
         out
     }
 
@@ -826,6 +897,7 @@ impl Compute for GpuForward<'_> {
         net: &DeltaNet,
     ) -> DevAct {
         let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
+        let t0 = self.op_begin();
         self.run(x.v.len() == 0, |c| {
             let dev = c.dev;
             let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
@@ -849,6 +921,7 @@ impl Compute for GpuForward<'_> {
             };
             recurrent::gated_delta_rule(dev, &inputs, shape, delta, out.buf_mut()?)
         });
+        self.op_end("delta net", t0);
         out
     }
 
