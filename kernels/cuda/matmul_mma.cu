@@ -9,7 +9,7 @@
 // The next step's weights and tokens are loaded into registers while the current step multiplies (Q4_K and
 // Q5_K as raw 16-byte words, unpacked when stored to shared memory).
 //
-// Entry points (per format and token tile BN):
+// Entry points (per format and token tile BN: 16, 32 or 64):
 //   mmq_<fmt>_<BN>          : one matrix; grid (row tiles, token tiles); y [n_tokens, nrows].
 //   mmq_experts_<fmt>_<BN>  : tokens grouped by expert (prompt.rs ExpertGrouping); grid (row tiles, tiles);
 //                             tile t = (expert, first sorted row, rows <= BN) from device memory; x and y in
@@ -432,11 +432,15 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
         mmq_experts<F, BN>(expert_table, n_expert, tiles, x, y, ncols, nrows);                                 \
     }
 
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 16, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 32, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 64, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 16, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 32, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 64, 2)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 16, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 32, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 64, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 16, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64, 1)

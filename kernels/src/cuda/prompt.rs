@@ -43,16 +43,18 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 }
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
-/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 32 or 64
-/// tokens per tile (the larger when experts get about 48 tokens or more on average); with fewer than
-/// about 8 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 16, 32 or 64
+/// tokens per tile, the smallest that holds an expert's average share with some room; with fewer than
+/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
     }
     let per_expert = slots / n_expert.max(1);
-    if per_expert < 8 {
+    if per_expert < 4 {
         MATMUL_TILE
+    } else if per_expert < 24 {
+        16
     } else if per_expert < 48 {
         32
     } else {
@@ -78,6 +80,32 @@ pub fn matmul_q(
         return mma::matmul(dev, w, xq, n, y);
     }
     matmul_q_dp4a(dev, w, xq, y)
+}
+
+/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32 or 64), for formats and rows
+/// [`has_mma`] accepts: to test and measure each tile size.
+pub fn matmul_q_mma(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    tile: usize,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if !mma::takes(dev, w.ty, w.cols) {
+        return invalid(format!("no tensor-core matmul for {} × {}", w.ty, w.cols));
+    }
+    let per_token = w.cols / BlockQ8_1::ELEMS;
+    if per_token == 0 || !xq.len().is_multiple_of(per_token) {
+        return invalid(format!("matmul x: {} blocks", xq.len()));
+    }
+    let n = xq.len() / per_token;
+    check_len("matmul y", y, n * w.rows)?;
+    mma::matmul_tiled(dev, w, xq, n, tile, y)
+}
+
+/// Whether the tensor-core kernels take rows of `cols` values of `ty` on `dev`.
+pub fn has_mma(dev: &Device, ty: GgmlType, cols: usize) -> bool {
+    mma::takes(dev, ty, cols)
 }
 
 /// [`matmul_q`] on the CUDA cores (dp4a over tiles of [`MATMUL_TILE`] tokens), whatever the format: the
