@@ -676,6 +676,44 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     assert_no_failures(failures);
 }
 
+/// The float prompt matmul (`matmul_f`: F32, F16, BF16 weights, f32 activations) against the CPU, over
+/// shapes that leave partial tiles of rows, tokens and columns.
+#[test]
+fn float_prompt_matmul_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in [GgmlType::F32, GgmlType::F16, GgmlType::BF16]
+        .into_iter()
+        .enumerate()
+    {
+        for (rows, cols, n) in [(130, 200, 70), (128, 2048, 512)] {
+            let mut rng = Rng::new(470 + i as u64);
+            let w = random_weights(ty, &mut rng, rows * cols);
+            let x = normals(&mut rng, n * cols);
+            let m = QuantMatrix::new(ty, rows, cols, &w).unwrap();
+            let mut want = vec![0f32; n * rows];
+            for t in 0..n {
+                matvec(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &mut want[t * rows..(t + 1) * rows],
+                );
+            }
+            let stacked = StackedExperts::upload(&dev, ty, (rows, cols, 1), &w).unwrap();
+            let xd = dev.upload(&x).unwrap();
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_f(&dev, stacked.table(), &xd, &mut y).unwrap();
+            failures.extend(nmse_check(
+                &format!("matmul_f {ty} {rows}x{cols} n {n}"),
+                &dev.download(&y).unwrap(),
+                &want,
+                1e-10,
+            ));
+        }
+    }
+    assert_no_failures(failures);
+}
+
 #[test]
 fn expert_grouped_matmul_matches_cpu() {
     let Some(dev) = device() else { return };

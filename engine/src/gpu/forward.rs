@@ -303,6 +303,9 @@ impl<'a> GpuForward<'a> {
                 self.pool.put_q8(xq);
                 r
             }
+            GpuWeight::Float(s) if x.rows > 1 => {
+                prompt::matmul_f(dev, s.table(), x.buf()?, y.buf_mut()?)
+            }
             GpuWeight::Float(s) => {
                 if x.rows > MAX_SLOTS {
                     return Err(CudaError::Invalid(format!("{} rows in one matmul", x.rows)));
@@ -390,11 +393,6 @@ impl<'a> GpuForward<'a> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
-        if slots > MAX_SLOTS {
-            return Err(CudaError::Invalid(format!(
-                "{n} tokens × {k} experts in one call"
-            )));
-        }
         let (gate_t, up_t, down_t) = (
             self.table(m.gate_exps)?,
             self.table(m.up_exps)?,
@@ -571,6 +569,12 @@ impl<'a> GpuForward<'a> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
+        // One launch's grid has a slot per block row.
+        if slots > MAX_SLOTS {
+            return Err(CudaError::Invalid(format!(
+                "{n} tokens × {k} experts in one call"
+            )));
+        }
         let (gate_t, up_t, down_t) = (
             self.table(m.gate_exps)?,
             self.table(m.up_exps)?,

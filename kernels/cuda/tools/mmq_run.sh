@@ -15,7 +15,7 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$S"; }
 
 stamp "== cuda_layer_ops (prompt matmul tests)"
-for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
+for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu float_prompt_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
     timeout 120 $C/cuda_layer_ops --exact $t --nocapture > "$OUT/ops_$t.txt" 2>&1
     echo "$t rc=$?" | tee -a "$S"
     grep -E "nmse|panicked|rror" "$OUT/ops_$t.txt" | head -40 | sed 's/^/    /' | tee -a "$S"

@@ -149,6 +149,58 @@ pub fn matmul_q_dp4a(
     dev.after_launch(name)
 }
 
+/// `y = x·Wᵀ` for `n` tokens and a float matrix (F32, F16 or BF16), the first expert of `table` (the engine
+/// keeps float matrices as one-expert tables): `x` `[n, cols]`, `y` `[n, rows]`. Tiles of 64 rows × 64
+/// tokens (`matmul_f_*` in `matvec_f.cu`), each weight read once per tile instead of once per token.
+pub fn matmul_f(
+    dev: &Device,
+    table: &ExpertTable,
+    x: &DeviceBuffer<f32>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = match table.ty {
+        GgmlType::F32 => "matmul_f_f32",
+        GgmlType::F16 => "matmul_f_f16",
+        GgmlType::BF16 => "matmul_f_bf16",
+        ty => return invalid(format!("no float matmul kernel for {ty}")),
+    };
+    if table.n_expert == 0 || table.cols == 0 || !x.len().is_multiple_of(table.cols) {
+        return invalid(format!("matmul_f: x of {} values", x.len()));
+    }
+    let n = x.len() / table.cols;
+    check_len("matmul_f y", y, n * table.rows)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let token_tiles = n.div_ceil(64);
+    if token_tiles > 65535 {
+        return invalid(format!("matmul_f: {n} tokens in one call"));
+    }
+    let (ncols, nrows, n_i) = (
+        as_i32("cols", table.cols)?,
+        as_i32("rows", table.rows)?,
+        as_i32("tokens", n)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (table.rows.div_ceil(64) as u32, token_tiles as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::MatvecF, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(table.addresses().slice())
+        .arg(x.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&n_i);
+    // SAFETY: the table's first address is a rows × cols matrix of its float type (StackedExperts checks
+    // the shape at upload); x holds n × cols and y n × rows floats (checked above); block (i, j) reads rows
+    // 64i.. and tokens 64j.. below those bounds only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
 /// A prompt's (token, expert) pairs sorted by expert: `rows[r]` is the token of sorted row `r`,
 /// `slot_row[t·k + j]` the sorted row of token `t`'s `j`-th choice, `tiles` the `(expert, first row, rows)`
 /// runs of at most `tile` rows, one expert each (the launch's table).
