@@ -707,7 +707,8 @@ fn float_prompt_matmul_matches_cpu() {
                 &format!("matmul_f {ty} {rows}x{cols} n {n}"),
                 &dev.download(&y).unwrap(),
                 &want,
-                1e-10,
+                // As the float matvec's bound in cuda_ops (f32 sums in another order than the CPU's).
+                1e-9,
             ));
         }
     }
