@@ -40,6 +40,16 @@ timeout 100 $C/gpu_forward --nocapture --test-threads 1 > /tmp/mmq_t.txt 2>&1
 echo "rc=$?" | tee -a "$S"
 grep -vE "^\s*$|^running|^stack|^ +[0-9]+:|^note:" /tmp/mmq_t.txt | tail -30 | cut -c1-400 | tee -a "$S"
 log gpu_forward /tmp/mmq_t.txt
+# Real widths (4 layers; qwen35moe: a delta-net and an attention layer): the tensor-core matmuls and the
+# head-128/256 attention inside the engine, against the CPU, with the 4-bit fixtures' gross bounds.
+mkdir -p /dev/shm/mmqsmall
+$C/poly-engine synth --arch qwen3moe --shape small --type Q4_K --seed 2 --route-skew 1 --out /dev/shm/mmqsmall/qwen3moe-small-q4k.gguf > /dev/null 2>&1
+$C/poly-engine synth --arch qwen35moe --shape small --type Q4_K --seed 2 --route-skew 1 --out /dev/shm/mmqsmall/qwen35moe-small-q4k.gguf > /dev/null 2>&1
+POLY_FIXTURES=/dev/shm/mmqsmall timeout 90 $C/gpu_forward --exact gpu_forward_stays_within_gross_bounds_on_the_4bit_fixtures --nocapture > /tmp/mmq_t.txt 2>&1
+echo "gpu_forward on small (real-width) synth models rc=$?" | tee -a "$S"
+grep -vE "^\s*$|^running|^stack|^ +[0-9]+:|^note:" /tmp/mmq_t.txt | tail -12 | cut -c1-400 | tee -a "$S"
+log gpu_forward_small /tmp/mmq_t.txt
+rm -rf /dev/shm/mmqsmall
 
 # bench <model> <prompt> <ubatch> [env...]: one line of tokens/s; with POLY_GPU_OPTIME=1 also the last
 # call's per-operation times.
@@ -70,6 +80,8 @@ stamp "model $M"
 bench $M 512 512 POLY_MMQ=on
 bench $M 4096 4096 POLY_MMQ=on
 bench $M 512 512 POLY_FA=off
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=16
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=64
 bench $M 512 512 POLY_GPU_OPTIME=1
 bench $M 4096 4096 POLY_GPU_OPTIME=1
 rm -f /dev/shm/mmq/q3.gguf
@@ -79,6 +91,7 @@ M=$(model q35 qwen35moe qwen3.6-35b-a3b)
 stamp "model $M"
 bench $M 512 512 POLY_MMQ=on
 bench $M 4096 4096 POLY_MMQ=on
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=32
 bench $M 512 512 POLY_GPU_OPTIME=1
 bench $M 4096 4096 POLY_GPU_OPTIME=1
 rm -f /dev/shm/mmq/q35.gguf

@@ -45,10 +45,14 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
 /// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 16, 32 or 64
 /// tokens per tile, the smallest that holds an expert's average share with some room; with fewer than
-/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less. `POLY_MMQ_EXPERT_TILE`
+/// (8, 16, 32 or 64) overrides the choice, to measure the others.
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
+    }
+    if let Some(tile) = mma::forced_expert_tile() {
+        return tile;
     }
     let per_expert = slots / n_expert.max(1);
     if per_expert < 4 {

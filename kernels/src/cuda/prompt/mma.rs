@@ -55,6 +55,17 @@ fn disabled() -> bool {
     *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
 }
 
+/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64), if any.
+pub fn forced_expert_tile() -> Option<usize> {
+    static TILE: OnceLock<Option<usize>> = OnceLock::new();
+    *TILE.get_or_init(|| {
+        std::env::var("POLY_MMQ_EXPERT_TILE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
+    })
+}
+
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
 pub fn takes(dev: &Device, ty: GgmlType, cols: usize) -> bool {
     kernels(ty).is_some()
