@@ -6,8 +6,10 @@
 // integer mma per 32 values (two of 16 for formats with a scale per 16 values), then
 //     acc += isum * scale_w * d_x - offset_w * s_x
 // in f32 (s_x = d_x * sum of the 32 quants, so the offset of Q4_K/Q5_K's minimum costs no integer work).
+// The next step's weights and tokens are loaded into registers while the current step multiplies (Q4_K and
+// Q5_K as raw 16-byte words, unpacked when stored to shared memory).
 //
-// Entry points (per format and token tile BN):
+// Entry points (per format and token tile BN: 16, 32 or 64):
 //   mmq_<fmt>_<BN>          : one matrix; grid (row tiles, token tiles); y [n_tokens, nrows].
 //   mmq_experts_<fmt>_<BN>  : tokens grouped by expert (prompt.rs ExpertGrouping); grid (row tiles, tiles);
 //                             tile t = (expert, first sorted row, rows <= BN) from device memory; x and y in
@@ -118,6 +120,168 @@ static __device__ __forceinline__ void mma_k16(const int (&a)[2], int b, int (&c
                  : "r"(a[0]), "r"(a[1]), "r"(b), "r"(0));
 }
 
+// ----- staging: global memory -> registers (fetch, before the previous step's products) -> shared memory
+// (store, after them), so the loads of step k+1 are in flight while step k multiplies.
+
+// Any format through F::quants / F::scale, without prefetch (holding 16 unpacked ints per thread across the
+// products costs more registers than it saves): fetch only notes the step, store reads and unpacks.
+template <typename F>
+struct a_stage_generic {
+    typedef typename F::block block;
+    const uint8_t * w;
+    int64_t row_bytes;
+    int nrows, row0, k0;
+    __device__ __forceinline__ void fetch(const uint8_t * __restrict__ w_, int64_t row_bytes_, int nrows_,
+                                          int row0_, int k0_, int) {
+        w = w_;
+        row_bytes = row_bytes_;
+        nrows = nrows_;
+        row0 = row0_;
+        k0 = k0_;
+    }
+    __device__ __forceinline__ void store(int * sa, float2 * sa_scale, int tid) const {
+#pragma unroll 4
+        for (int idx = tid; idx < MMQ_ROWS * (MMQ_K / 4); idx += MMQ_WARPS * WARP_SIZE) {
+            const int r = idx / (MMQ_K / 4), j = idx % (MMQ_K / 4);
+            const int row = min(row0 + r, nrows - 1);
+            const int v = k0 + 32 * (j / 8);
+            const block * b = (const block *) (w + row * row_bytes) + v / F::qk;
+            sa[r * MMQ_STRIDE + j] = F::quants(b, (v % F::qk) / 32, j % 8);
+        }
+        for (int idx = tid; idx < MMQ_ROWS * MMQ_SUBS; idx += MMQ_WARPS * WARP_SIZE) {
+            const int r = idx / MMQ_SUBS, s = idx % MMQ_SUBS;
+            const int row = min(row0 + r, nrows - 1);
+            const int v = k0 + 32 * s;
+            const block * b = (const block *) (w + row * row_bytes) + v / F::qk;
+            sa_scale[idx] = F::scale(b, (v % F::qk) / 32);
+        }
+    }
+};
+
+// Byte i (0..11) of the 12 scale bytes of a K-quant header held as an int4 (d/dmin in .x).
+static __device__ __forceinline__ int hdr_byte(const int4 & h, int i) {
+    const int word = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+    return (word >> (8 * (i & 3))) & 0xFF;
+}
+
+// Q4_K / Q5_K: a step (128 values) of a row is half a super-block: 64 bytes of nibbles (4 int4), the
+// 16-byte header (d, dmin, 12 scale bytes) and for Q5_K 32 bytes of fifth bits. Thread item (row r, part p)
+// loads nibble int4 p: values of sub-blocks 2(p/2) (low nibbles) and 2(p/2)+1 (high) of the step, ints
+// 4(p%2)..+3 of each; parts 0 and 2 also unpack those two sub-blocks' scales.
+template <bool Q5>
+struct a_stage_k4 {
+    static constexpr int items = MMQ_ROWS * 4 / (MMQ_WARPS * WARP_SIZE);
+    int4 q[items], hdr[items], qh[Q5 ? items : 1];
+    int half_;
+    __device__ __forceinline__ void fetch(const uint8_t * __restrict__ w, int64_t row_bytes, int nrows, int row0,
+                                          int k0, int tid) {
+        half_ = (k0 % QK_K) / 128;
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            const int r = idx / 4, p = idx % 4;
+            const int row = min(row0 + r, nrows - 1);
+            const uint8_t * b = w + row * row_bytes + (int64_t) (k0 / QK_K) * (Q5 ? sizeof(block_q5_K) : sizeof(block_q4_K));
+            const int qs_off = Q5 ? 48 : 16;
+            q[it] = *(const int4 *) (b + qs_off + 64 * half_ + 16 * p);
+            hdr[it] = *(const int4 *) b;
+            if constexpr (Q5) {
+                qh[it] = *(const int4 *) (b + 16 + 16 * (p % 2));
+            }
+        }
+    }
+    __device__ __forceinline__ void store(int * sa, float2 * sa_scale, int tid) const {
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            const int r = idx / 4, p = idx % 4;
+            const int sub = 2 * (p / 2);       // first of the two sub-blocks, within the step
+            const int sg = 4 * half_ + sub;    // ... within the super-block
+            const int qv[4] = {q[it].x, q[it].y, q[it].z, q[it].w};
+            int lo[4], hi[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                lo[i] = qv[i] & 0x0F0F0F0F;
+                hi[i] = (qv[i] >> 4) & 0x0F0F0F0F;
+            }
+            if constexpr (Q5) {
+                const int hv[4] = {qh[it].x, qh[it].y, qh[it].z, qh[it].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    lo[i] |= ((hv[i] >> sg) & 0x01010101) << 4;
+                    hi[i] |= ((hv[i] >> (sg + 1)) & 0x01010101) << 4;
+                }
+            }
+            int * dst = sa + r * MMQ_STRIDE + 8 * sub + 4 * (p % 2);
+            *(int4 *) dst = make_int4(lo[0], lo[1], lo[2], lo[3]);
+            *(int4 *) (dst + 8) = make_int4(hi[0], hi[1], hi[2], hi[3]);
+            if (p % 2 == 0) {
+                const int4 h = hdr[it];
+                const float d = f16_to_f32((uint16_t) (h.x & 0xFFFF));
+                const float dmin = f16_to_f32((uint16_t) ((uint32_t) h.x >> 16));
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = sg + e;
+                    int sc, m;
+                    if (j < 4) {
+                        sc = hdr_byte(h, j) & 63;
+                        m = hdr_byte(h, j + 4) & 63;
+                    } else {
+                        sc = (hdr_byte(h, j + 4) & 0xF) | ((hdr_byte(h, j - 4) >> 6) << 4);
+                        m = (hdr_byte(h, j + 4) >> 4) | ((hdr_byte(h, j) >> 6) << 4);
+                    }
+                    sa_scale[r * MMQ_SUBS + sub + e] = make_float2(d * (float) sc, dmin * (float) m);
+                }
+            }
+        }
+    }
+};
+
+template <typename F> struct a_stage_of { typedef a_stage_generic<F> type; };
+template <> struct a_stage_of<mmq_q4_K> { typedef a_stage_k4<false> type; };
+template <> struct a_stage_of<mmq_q5_K> { typedef a_stage_k4<true> type; };
+
+// Tokens: one q8_1 block (d, s, 32 quants: 9 words) per thread item; tokens past ncol are zeros.
+template <int BN>
+struct b_stage {
+    static constexpr int items = (BN * MMQ_SUBS + MMQ_WARPS * WARP_SIZE - 1) / (MMQ_WARPS * WARP_SIZE);
+    int words[items][9];
+    __device__ __forceinline__ void fetch(const block_q8_1 * __restrict__ x, int64_t x_stride, int ncol, int k0,
+                                          int tid) {
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            const int c = idx / MMQ_SUBS, blk = idx % MMQ_SUBS;
+            if (idx < BN * MMQ_SUBS && c < ncol) {
+                const int * src = (const int *) (x + c * x_stride + k0 / 32 + blk);
+#pragma unroll
+                for (int i = 0; i < 9; ++i) {
+                    words[it][i] = src[i];
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 9; ++i) {
+                    words[it][i] = 0;
+                }
+            }
+        }
+    }
+    __device__ __forceinline__ void store(int * sb, float2 * sb_ds, int tid) const {
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            if (idx < BN * MMQ_SUBS) {
+                const int c = idx / MMQ_SUBS, blk = idx % MMQ_SUBS;
+                int * dst = sb + c * MMQ_STRIDE + 8 * blk;
+                *(int4 *) dst = make_int4(words[it][1], words[it][2], words[it][3], words[it][4]);
+                *(int4 *) (dst + 4) = make_int4(words[it][5], words[it][6], words[it][7], words[it][8]);
+                sb_ds[idx] = make_float2(f16_to_f32((uint16_t) (words[it][0] & 0xFFFF)),
+                                         f16_to_f32((uint16_t) ((uint32_t) words[it][0] >> 16)));
+            }
+        }
+    }
+};
+
 // ----- one tile: MMQ_ROWS rows (from row0) x BN tokens ---------------------------------------------------
 
 // w: the matrix (rows of row_bytes); x: the tile's first token's q8_1 blocks, tokens x_stride blocks apart;
@@ -126,14 +290,12 @@ template <typename F, int BN>
 static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, int64_t row_bytes, int nrows,
                                                 int ncols, int row0, const block_q8_1 * __restrict__ x,
                                                 int64_t x_stride, int ncol, float * __restrict__ y) {
-    typedef typename F::block block;
-    __shared__ int sa[MMQ_ROWS * MMQ_STRIDE];
+    __shared__ __align__(16) int sa[MMQ_ROWS * MMQ_STRIDE];
     __shared__ float2 sa_scale[MMQ_ROWS * MMQ_SUBS];
-    __shared__ int sb[BN * MMQ_STRIDE];
+    __shared__ __align__(16) int sb[BN * MMQ_STRIDE];
     __shared__ float2 sb_ds[BN * MMQ_SUBS];
 
     const int tid = threadIdx.y * WARP_SIZE + threadIdx.x;
-    constexpr int threads = MMQ_WARPS * WARP_SIZE;
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int g = lane / 4, t = lane % 4;
     constexpr int nt_count = BN / 8;
@@ -147,44 +309,18 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
         }
     }
 
+    typename a_stage_of<F>::type a_stage;
+    b_stage<BN> b_st;
+    a_stage.fetch(w, row_bytes, nrows, row0, 0, tid);
+    b_st.fetch(x, x_stride, ncol, 0, tid);
     for (int k0 = 0; k0 < ncols; k0 += MMQ_K) {
-        // Weights: MMQ_ROWS rows x MMQ_K values as int8 (a warp takes one row's 32 ints at a time). Rows past
-        // the last repeat the last (their results are not stored).
-#pragma unroll 4
-        for (int idx = tid; idx < MMQ_ROWS * (MMQ_K / 4); idx += threads) {
-            const int r = idx / (MMQ_K / 4), j = idx % (MMQ_K / 4);
-            const int row = min(row0 + r, nrows - 1);
-            const int v = k0 + 32 * (j / 8); // first value of the sub-block
-            const block * b = (const block *) (w + row * row_bytes) + v / F::qk;
-            sa[r * MMQ_STRIDE + j] = F::quants(b, (v % F::qk) / 32, j % 8);
-        }
-        for (int idx = tid; idx < MMQ_ROWS * MMQ_SUBS; idx += threads) {
-            const int r = idx / MMQ_SUBS, s = idx % MMQ_SUBS;
-            const int row = min(row0 + r, nrows - 1);
-            const int v = k0 + 32 * s;
-            const block * b = (const block *) (w + row * row_bytes) + v / F::qk;
-            sa_scale[idx] = F::scale(b, (v % F::qk) / 32);
-        }
-        // Tokens: BN x MMQ_SUBS q8_1 blocks; tokens past ncol are zeros.
-#pragma unroll 4
-        for (int idx = tid; idx < BN * (MMQ_K / 4); idx += threads) {
-            const int c = idx / (MMQ_K / 4), j = idx % (MMQ_K / 4);
-            int q = 0;
-            if (c < ncol) {
-                q = get_int_b4(x[c * x_stride + k0 / 32 + j / 8].qs, j % 8);
-            }
-            sb[c * MMQ_STRIDE + j] = q;
-        }
-        for (int idx = tid; idx < BN * MMQ_SUBS; idx += threads) {
-            const int c = idx / MMQ_SUBS, s = idx % MMQ_SUBS;
-            float2 ds = make_float2(0.0f, 0.0f);
-            if (c < ncol) {
-                const block_q8_1 * xb = x + c * x_stride + k0 / 32 + s;
-                ds = make_float2(f16_to_f32(xb->d), f16_to_f32(xb->s));
-            }
-            sb_ds[idx] = ds;
-        }
+        a_stage.store(sa, sa_scale, tid);
+        b_st.store(sb, sb_ds, tid);
         __syncthreads();
+        if (k0 + MMQ_K < ncols) {
+            a_stage.fetch(w, row_bytes, nrows, row0, k0 + MMQ_K, tid);
+            b_st.fetch(x, x_stride, ncol, k0 + MMQ_K, tid);
+        }
 
         const int ra = 16 * warp + g;
 #pragma unroll
@@ -281,24 +417,30 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
     mmq_tile<F, BN>((const uint8_t *) base, row_bytes, nrows, ncols, row0, x + r0 * x_stride, x_stride, ncol, yt);
 }
 
-#define MMQ_ENTRY_POINTS(name, F, BN)                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS)                                        \
+// MIN_BLOCKS: blocks per SM the register allocation must allow (2 where the prefetch fits in 128
+// registers without much spilling).
+#define MMQ_ENTRY_POINTS(name, F, BN, MIN_BLOCKS)                                                              \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
         mmq_##name##_##BN(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x,                   \
                           float * __restrict__ y, int ncols, int nrows, int n_tokens) {                        \
         mmq<F, BN>(w, x, y, ncols, nrows, n_tokens);                                                           \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS)                                        \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
         mmq_experts_##name##_##BN(const uint64_t * __restrict__ expert_table, int n_expert,                    \
                                   const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,       \
                                   float * __restrict__ y, int ncols, int nrows) {                              \
         mmq_experts<F, BN>(expert_table, n_expert, tiles, x, y, ncols, nrows);                                 \
     }
 
-MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 32)
-MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 64)
-MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 32)
-MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 64)
-MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 32)
-MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 64)
-MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32)
-MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64)
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 16, 2)
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 32, 2)
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 64, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 16, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 32, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 64, 2)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 16, 1)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 32, 1)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 64, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 16, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64, 1)

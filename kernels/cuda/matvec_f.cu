@@ -12,6 +12,9 @@ struct load_f32 {
     static __device__ __forceinline__ float2 pair(const elem * w, int i) {
         return make_float2(w[i], w[i + 1]);
     }
+    static __device__ __forceinline__ float one(const elem * w, int64_t i) {
+        return w[i];
+    }
 };
 
 struct load_f16 {
@@ -20,6 +23,9 @@ struct load_f16 {
         const uint32_t both = *(const uint32_t *) (w + i);
         return make_float2(f16_to_f32((uint16_t) (both & 0xffff)), f16_to_f32((uint16_t) (both >> 16)));
     }
+    static __device__ __forceinline__ float one(const elem * w, int64_t i) {
+        return f16_to_f32(w[i]);
+    }
 };
 
 struct load_bf16 {
@@ -27,6 +33,9 @@ struct load_bf16 {
     static __device__ __forceinline__ float2 pair(const elem * w, int i) {
         const uint32_t both = *(const uint32_t *) (w + i);
         return make_float2(__uint_as_float(both << 16), __uint_as_float(both & 0xffff0000u));
+    }
+    static __device__ __forceinline__ float one(const elem * w, int64_t i) {
+        return __uint_as_float(((uint32_t) w[i]) << 16);
     }
 };
 
@@ -91,3 +100,80 @@ static __device__ __forceinline__ float row_dot_f(const typename L::elem * __res
 MATVEC_F_ENTRY_POINTS(f32, load_f32)
 MATVEC_F_ENTRY_POINTS(f16, load_f16)
 MATVEC_F_ENTRY_POINTS(bf16, load_bf16)
+
+// ----- matrix x matrix for prompt batches: y[n, nrows] = x[n, ncols] . W^T --------------------------------
+// A block of 256 threads computes 64 rows x 64 tokens (4 x 4 per thread), staging 16 columns of both in
+// shared memory per step; each product is summed over the columns in order, in f32. The matrix is expert 0
+// of an expert table (the engine keeps float matrices as one-expert tables).
+
+#define MMF_TILE 64
+#define MMF_K 16
+
+template <typename L>
+static __device__ __forceinline__ void matmul_f(const uint64_t * __restrict__ table, const float * __restrict__ x,
+                                                float * __restrict__ y, int ncols, int nrows, int n) {
+    const typename L::elem * w = (const typename L::elem *) table[0];
+    __shared__ float sw[MMF_K][MMF_TILE + 1];
+    __shared__ float sx[MMF_K][MMF_TILE + 1];
+    const int tid = threadIdx.x;
+    const int tr = tid / 16, tc = tid % 16;
+    const int r0 = blockIdx.x * MMF_TILE, t0 = blockIdx.y * MMF_TILE;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc[i][j] = 0.0f;
+        }
+    }
+    for (int k0 = 0; k0 < ncols; k0 += MMF_K) {
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {
+            const int idx = tid + 256 * it;
+            const int r = idx / MMF_K, kk = idx % MMF_K;
+            const int col = k0 + kk;
+            const int row = r0 + r, tok = t0 + r;
+            sw[kk][r] = row < nrows && col < ncols ? L::one(w, (int64_t) row * ncols + col) : 0.0f;
+            sx[kk][r] = tok < n && col < ncols ? x[(int64_t) tok * ncols + col] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MMF_K; ++kk) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                a[i] = sw[kk][4 * tr + i];
+                b[i] = sx[kk][4 * tc + i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int row = r0 + 4 * tr + i, tok = t0 + 4 * tc + j;
+            if (row < nrows && tok < n) {
+                y[(int64_t) tok * nrows + row] = acc[i][j];
+            }
+        }
+    }
+}
+
+#define MATMUL_F_ENTRY_POINT(name, L)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        matmul_f_##name(const uint64_t * __restrict__ table, const float * __restrict__ x, float * __restrict__ y, \
+                        int ncols, int nrows, int n) {                                                          \
+        matmul_f<L>(table, x, y, ncols, nrows, n);                                                              \
+    }
+
+MATMUL_F_ENTRY_POINT(f32, load_f32)
+MATMUL_F_ENTRY_POINT(f16, load_f16)
+MATMUL_F_ENTRY_POINT(bf16, load_bf16)

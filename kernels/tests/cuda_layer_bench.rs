@@ -7,7 +7,8 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::sys::CUevent_flags;
-use poly_kernels::cuda::attention::{attention_f16, AttnSplit};
+use poly_kernels::cuda::attention::{attention_f16, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention_mma::attention_prompt;
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs};
 use poly_kernels::cuda::sample;
@@ -76,6 +77,7 @@ fn bench_attention() {
         (1, 32768),
         (512, 512),
         (2048, 2048),
+        (4096, 4096),
     ] {
         let mut rng = Rng::new(1);
         let q: Vec<f32> = (0..n_q * 32 * 128).map(|_| rng.normal()).collect();
@@ -116,6 +118,21 @@ fn bench_attention() {
                 split.n_split(n_kv),
                 s * 1e6,
                 bytes as f64 / s / 1e9,
+                n_q as f64 / s
+            );
+        }
+        if n_q > 1 {
+            let cache = KvCacheView {
+                k: &kd,
+                v: &vd,
+                n_kv: Some(n_kv),
+            };
+            let s = time_calls(&dev, || {
+                attention_prompt(&dev, &qd, &posd, cache, &p, &mut out).unwrap()
+            });
+            println!(
+                "bench attention_mma n_q {n_q} n_kv {n_kv}: {:.1} us, {:.0} query tokens/s",
+                s * 1e6,
                 n_q as f64 / s
             );
         }
@@ -172,28 +189,33 @@ fn bench_prompt_matmul() {
         GgmlType::Q5_K,
         GgmlType::IQ4_XS,
     ] {
-        // A 2048x4096 attention projection (Qwen3-30B-A3B's q_proj shape) over 512 tokens.
-        let (rows, cols, n) = (4096usize, 2048usize, 512usize);
-        let mut rng = Rng::new(2);
-        let w = random_weights(ty, &mut rng, rows * cols);
-        let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
-        let xq = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
-        let mut y = dev.zeros::<f32>(n * rows).unwrap();
-        // matmul_q takes the tensor cores where a kernel exists; the dp4a kernel for comparison.
-        for (what, dp4a) in [("matmul", false), ("matmul dp4a", true)] {
-            let s = time_calls(&dev, || {
-                if dp4a {
-                    prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut y).unwrap()
-                } else {
-                    prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap()
+        // Qwen3-30B-A3B's q_proj (2048 -> 4096) and k_proj (2048 -> 512) shapes over 512 tokens.
+        for (rows, cols, n) in [(4096usize, 2048usize, 512usize), (512, 2048, 512)] {
+            let mut rng = Rng::new(2);
+            let w = random_weights(ty, &mut rng, rows * cols);
+            let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
+            let xq = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            // matmul_q's choice, each tensor-core tile, and the dp4a kernel.
+            let mut variants = vec![("matmul".to_string(), 0usize), ("dp4a".to_string(), 1)];
+            if prompt::has_mma(&dev, ty, cols) {
+                for tile in [16, 32, 64] {
+                    variants.push((format!("mma tile {tile}"), tile));
                 }
-            });
-            println!(
-                "bench {what} {ty} {rows}x{cols} n {n}: {:.1} us, {:.2} TFLOP/s, {:.0} tokens/s",
-                s * 1e6,
-                2.0 * (rows * cols * n) as f64 / s / 1e12,
-                n as f64 / s
-            );
+            }
+            for (what, v) in variants {
+                let s = time_calls(&dev, || match v {
+                    0 => prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap(),
+                    1 => prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut y).unwrap(),
+                    tile => prompt::matmul_q_mma(&dev, &wd, &xq, tile, &mut y).unwrap(),
+                });
+                println!(
+                    "bench {what} {ty} {rows}x{cols} n {n}: {:.1} us, {:.2} TFLOP/s, {:.0} tokens/s",
+                    s * 1e6,
+                    2.0 * (rows * cols * n) as f64 / s / 1e12,
+                    n as f64 / s
+                );
+            }
         }
     }
 }
@@ -202,33 +224,39 @@ fn bench_prompt_matmul() {
 #[ignore = "GPU benchmark"]
 fn bench_grouped_experts() {
     let Some(dev) = device() else { return };
-    // Qwen3-30B-A3B's gate/up projection (768 x 2048, 128 experts, 8 per token) over 512 tokens.
-    let (rows, cols, n_expert, k, n) = (768usize, 2048usize, 128usize, 8usize, 512usize);
-    let ty = GgmlType::Q4_K;
-    let mut rng = Rng::new(3);
-    let w = random_weights(ty, &mut rng, rows * cols * n_expert);
-    let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).unwrap();
-    let ids: Vec<i32> = (0..n * k)
-        .map(|_| rng.below(n_expert as u32) as i32)
-        .collect();
-    let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
-    let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
-    let chosen = prompt::expert_tile_rows(&dev, stacked.table(), n * k, n_expert);
-    for tile in [prompt::MATMUL_TILE, chosen] {
-        let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
-        let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
-        let tilesd = dev.upload(&tiles).unwrap();
-        let s = time_calls(&dev, || {
-            prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut y).unwrap()
-        });
-        println!(
-            "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} (tiles of {tile}: {}): {:.1} us, \
-             {:.0} tokens/s, {:.2} TFLOP/s",
-            g.tiles.len(),
-            s * 1e6,
-            n as f64 / s,
-            2.0 * (rows * cols * n * k) as f64 / s / 1e12
-        );
+    // Qwen3-30B-A3B's gate/up projection (768 x 2048, 128 experts, 8 per token) and Qwen3.6-35B-A3B's
+    // (512 x 2048, 256 experts) over 512 tokens: about 32 and 16 tokens per expert.
+    for (rows, cols, n_expert, k, n) in [
+        (768usize, 2048usize, 128usize, 8usize, 512usize),
+        (512, 2048, 256, 8, 512),
+    ] {
+        let ty = GgmlType::Q4_K;
+        let mut rng = Rng::new(3);
+        let w = random_weights(ty, &mut rng, rows * cols * n_expert);
+        let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).unwrap();
+        let ids: Vec<i32> = (0..n * k)
+            .map(|_| rng.below(n_expert as u32) as i32)
+            .collect();
+        let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+        let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
+        let chosen = prompt::expert_tile_rows(&dev, stacked.table(), n * k, n_expert);
+        for tile in [prompt::MATMUL_TILE, 16, 32, 64] {
+            let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+            let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
+            let tilesd = dev.upload(&tiles).unwrap();
+            let s = time_calls(&dev, || {
+                prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut y).unwrap()
+            });
+            println!(
+                "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} (tiles of {tile}{}: {}): {:.1} us, \
+                 {:.0} tokens/s, {:.2} TFLOP/s",
+                if tile == chosen { ", chosen" } else { "" },
+                g.tiles.len(),
+                s * 1e6,
+                n as f64 / s,
+                2.0 * (rows * cols * n * k) as f64 / s / 1e12
+            );
+        }
     }
 }
 

@@ -609,8 +609,8 @@ fn prompt_matmul_matches_cpu_and_equals_the_matvec() {
 
 /// The tensor-core kernels (`matmul_mma.cu`) of `matmul_q`: against the CPU and against the dp4a kernel
 /// (same q8_1 activations; they differ only by summation order and by taking the activations' sums from
-/// the blocks' f16 `s`), over row counts that leave a partial row tile and token counts that leave partial
-/// token tiles of 32 and 64.
+/// the blocks' f16 `s`), with token tiles of 16, 32 and 64, over row counts that leave a partial row tile
+/// and token counts that leave partial token tiles.
 #[test]
 fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     let Some(dev) = device() else { return };
@@ -641,22 +641,74 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
             let xd = dev.upload(&x).unwrap();
             let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).unwrap();
             ops::quantize_q8_1(&dev, &xd, &mut xq).unwrap();
-            let mut y = dev.zeros::<f32>(n * rows).unwrap();
-            prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap();
-            let got = dev.download(&y).unwrap();
-            failures.extend(nmse_check(
-                &format!("mma matmul {ty} {rows}x{cols} n {n}"),
-                &got,
-                &want,
-                5e-4,
-            ));
             let mut yd = dev.zeros::<f32>(n * rows).unwrap();
             prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut yd).unwrap();
+            let dp4a = dev.download(&yd).unwrap();
+            assert!(prompt::has_mma(&dev, ty, cols), "{ty}");
+            for tile in [16, 32, 64] {
+                let mut y = dev.zeros::<f32>(n * rows).unwrap();
+                prompt::matmul_q_mma(&dev, &wd, &xq, tile, &mut y).unwrap();
+                let got = dev.download(&y).unwrap();
+                failures.extend(nmse_check(
+                    &format!("mma matmul {ty} {rows}x{cols} n {n} tile {tile}"),
+                    &got,
+                    &want,
+                    5e-4,
+                ));
+                failures.extend(nmse_check(
+                    &format!("mma matmul {ty} {rows}x{cols} n {n} tile {tile} vs dp4a"),
+                    &got,
+                    &dp4a,
+                    1e-6,
+                ));
+            }
+            // What matmul_q picks.
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap();
             failures.extend(nmse_check(
-                &format!("mma matmul {ty} {rows}x{cols} n {n} vs dp4a"),
-                &got,
-                &dev.download(&yd).unwrap(),
+                &format!("matmul_q {ty} {rows}x{cols} n {n} vs dp4a"),
+                &dev.download(&y).unwrap(),
+                &dp4a,
                 1e-6,
+            ));
+        }
+    }
+    assert_no_failures(failures);
+}
+
+/// The float prompt matmul (`matmul_f`: F32, F16, BF16 weights, f32 activations) against the CPU, over
+/// shapes that leave partial tiles of rows, tokens and columns.
+#[test]
+fn float_prompt_matmul_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in [GgmlType::F32, GgmlType::F16, GgmlType::BF16]
+        .into_iter()
+        .enumerate()
+    {
+        for (rows, cols, n) in [(130, 200, 70), (128, 2048, 512)] {
+            let mut rng = Rng::new(470 + i as u64);
+            let w = random_weights(ty, &mut rng, rows * cols);
+            let x = normals(&mut rng, n * cols);
+            let m = QuantMatrix::new(ty, rows, cols, &w).unwrap();
+            let mut want = vec![0f32; n * rows];
+            for t in 0..n {
+                matvec(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &mut want[t * rows..(t + 1) * rows],
+                );
+            }
+            let stacked = StackedExperts::upload(&dev, ty, (rows, cols, 1), &w).unwrap();
+            let xd = dev.upload(&x).unwrap();
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_f(&dev, stacked.table(), &xd, &mut y).unwrap();
+            failures.extend(nmse_check(
+                &format!("matmul_f {ty} {rows}x{cols} n {n}"),
+                &dev.download(&y).unwrap(),
+                &want,
+                // As the float matvec's bound in cuda_ops (f32 sums in another order than the CPU's).
+                1e-9,
             ));
         }
     }
@@ -711,12 +763,10 @@ fn expert_grouped_matmul_matches_cpu() {
             }
         }
 
-        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 32 and 64 (padded with
-        // empty tiles as the engine pads them).
-        let mma = prompt::expert_tile_rows(&dev, stacked.table(), 64 * n_expert, n_expert)
-            != prompt::MATMUL_TILE;
-        let tile_sizes: &[usize] = if mma {
-            &[prompt::MATMUL_TILE, 32, 64]
+        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32 and 64 (padded
+        // with empty tiles as the engine pads them).
+        let tile_sizes: &[usize] = if prompt::has_mma(&dev, ty, cols) {
+            &[prompt::MATMUL_TILE, 16, 32, 64]
         } else {
             &[prompt::MATMUL_TILE]
         };

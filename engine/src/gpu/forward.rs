@@ -485,6 +485,9 @@ impl<'a> GpuForward<'a> {
                     }
                 })
             }
+            GpuWeight::Float(s) if x.rows > 1 => {
+                prompt::matmul_f(dev, s.table(), x.buf()?, y.buf_mut()?)
+            }
             GpuWeight::Float(s) => {
                 if x.rows > MAX_SLOTS {
                     return Err(CudaError::Invalid(format!("{} rows in one matmul", x.rows)));

@@ -7,11 +7,11 @@ cd "$(dirname "$0")/../../.."
 D=.carry/mmq
 mkdir -p $D
 {
-    cargo test --release -p poly-kernels --test cuda_layer_ops --test cuda_layer_bench --no-run --message-format=json 2>/dev/null
+    cargo test --release -p poly-kernels --test cuda_layer_ops --test cuda_layer_bench --test cuda_prompt_attention --no-run --message-format=json 2>/dev/null
     cargo test --release -p poly-engine --test gpu_forward --no-run --message-format=json 2>/dev/null
 } | python3 -c '
 import json, shutil, subprocess, sys
-want = {"cuda_layer_ops", "cuda_layer_bench", "gpu_forward"}
+want = {"cuda_layer_ops", "cuda_layer_bench", "cuda_prompt_attention", "gpu_forward"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:

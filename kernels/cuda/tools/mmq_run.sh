@@ -1,53 +1,98 @@
 #!/bin/bash
-# Runs on the GPU machine from the repository root (see make_mmq_carry.sh): the tensor-core matmul
-# tests against the CPU, their benchmarks, the engine's GPU forward test on the fixtures, and poly-engine
-# bench on synth models at real shapes (tensor cores on, and off with POLY_MMQ=off). Summary in
-# $OUT/summary.txt.
+# Runs on the GPU machine from the repository root (see make_mmq_carry.sh): the tensor-core matmul and
+# attention tests against the CPU, their benchmarks, the engine's GPU forward tests on the fixtures, and
+# poly-engine bench on synth models at real shapes (with the per-operation times of POLY_GPU_OPTIME=1).
+# Everything is summarized in $OUT/summary.txt (full logs: $OUT/logs.txt); at most a few minutes.
 set -u
 OUT=${OUT:-/tmp/poly-mmq-out}
 mkdir -p "$OUT"
 C=.carry/mmq
 S="$OUT/summary.txt"
+L="$OUT/logs.txt"
 : > "$S"
+: > "$L"
 export POLY_KERNEL_CACHE=/tmp/poly-kernel-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$S" 2>&1
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$S"; }
+log() { echo "===== $1" >> "$L"; cat "$2" >> "$L"; }
 
-stamp "== cuda_layer_ops (prompt matmul tests)"
-for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
-    timeout 120 $C/cuda_layer_ops --exact $t --nocapture > "$OUT/ops_$t.txt" 2>&1
+stamp "== kernel tests against the CPU"
+for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu float_prompt_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
+    timeout 100 $C/cuda_layer_ops --exact $t --nocapture > /tmp/mmq_t.txt 2>&1
     echo "$t rc=$?" | tee -a "$S"
-    grep -E "nmse|panicked|rror" "$OUT/ops_$t.txt" | head -40 | sed 's/^/    /' | tee -a "$S"
+    grep -E "nmse|panicked|rror" /tmp/mmq_t.txt | grep -vE "vs dp4a|vs matvec" | head -60 | sed 's/^/    /' | tee -a "$S"
+    log $t /tmp/mmq_t.txt
 done
-stamp "== cuda_layer_bench"
-timeout 90 $C/cuda_layer_bench --ignored --nocapture --test-threads 1 bench_prompt_matmul bench_grouped_experts > "$OUT/bench_kernels.txt" 2>&1
+timeout 60 $C/cuda_prompt_attention --nocapture > /tmp/mmq_t.txt 2>&1
+echo "cuda_prompt_attention rc=$?" | tee -a "$S"
+grep -E "nmse|panicked|rror" /tmp/mmq_t.txt | head -20 | sed 's/^/    /' | tee -a "$S"
+log attention /tmp/mmq_t.txt
+
+stamp "== kernel benchmarks"
+timeout 100 $C/cuda_layer_bench --ignored --nocapture --test-threads 1 bench_prompt_matmul bench_grouped_experts bench_attention > /tmp/mmq_t.txt 2>&1
 echo "rc=$?" | tee -a "$S"
-grep -E "^bench|panicked" "$OUT/bench_kernels.txt" | tee -a "$S"
+grep -E "^bench|panicked" /tmp/mmq_t.txt | grep -vE "IQ4_XS|Q5_K|Q8_0" | tee -a "$S"
+log bench /tmp/mmq_t.txt
 
-stamp "== synth + bench qwen3moe 30B-A3B shape"
-mkdir -p /dev/shm/m
-$C/poly-engine synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q3.gguf > "$OUT/synth_q3.txt" 2>&1 || echo "synth q3 failed" | tee -a "$S"
-for cfg in "512 512 on" "4096 4096 on" "512 512 off"; do
-    set -- $cfg
-    stamp "q3 pp$1 ubatch $2 mmq $3"
-    POLY_MMQ=$3 timeout 90 $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q3_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
-    tail -3 "$OUT/bench_q3_err.txt" | tee -a "$S"
-done
-rm -f /dev/shm/m/q3.gguf
-
-stamp "== gpu_forward (GPU vs CPU on every fixture)"
-timeout 120 $C/gpu_forward --exact gpu_forward_agrees_with_the_cpu_on_every_fixture --nocapture > "$OUT/gpu_forward.txt" 2>&1
+stamp "== gpu_forward (GPU vs CPU on every fixture and on F16 synth models)"
+timeout 100 $C/gpu_forward --nocapture --test-threads 1 > /tmp/mmq_t.txt 2>&1
 echo "rc=$?" | tee -a "$S"
-grep -vE "^\s*$|^running|^test result|^stack|^ +[0-9]+:|^note:" "$OUT/gpu_forward.txt" | tail -25 | tee -a "$S"
+grep -vE "^\s*$|^running|^stack|^ +[0-9]+:|^note:" /tmp/mmq_t.txt | tail -30 | cut -c1-400 | tee -a "$S"
+log gpu_forward /tmp/mmq_t.txt
+# Real widths (4 layers; qwen35moe: a delta-net and an attention layer): the tensor-core matmuls and the
+# head-128/256 attention inside the engine, against the CPU, with the 4-bit fixtures' gross bounds.
+mkdir -p /dev/shm/mmqsmall
+$C/poly-engine synth --arch qwen3moe --shape small --type Q4_K --seed 2 --route-skew 1 --out /dev/shm/mmqsmall/qwen3moe-small-q4k.gguf > /dev/null 2>&1
+$C/poly-engine synth --arch qwen35moe --shape small --type Q4_K --seed 2 --route-skew 1 --out /dev/shm/mmqsmall/qwen35moe-small-q4k.gguf > /dev/null 2>&1
+POLY_FIXTURES=/dev/shm/mmqsmall timeout 90 $C/gpu_forward --exact gpu_forward_stays_within_gross_bounds_on_the_4bit_fixtures --nocapture > /tmp/mmq_t.txt 2>&1
+echo "gpu_forward on small (real-width) synth models rc=$?" | tee -a "$S"
+grep -vE "^\s*$|^running|^stack|^ +[0-9]+:|^note:" /tmp/mmq_t.txt | tail -12 | cut -c1-400 | tee -a "$S"
+log gpu_forward_small /tmp/mmq_t.txt
+rm -rf /dev/shm/mmqsmall
 
-stamp "== synth + bench qwen35moe 35B-A3B shape"
-$C/poly-engine synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35.gguf > "$OUT/synth_q35.txt" 2>&1 || echo "synth q35 failed" | tee -a "$S"
-for cfg in "512 512 on" "4096 4096 on"; do
-    set -- $cfg
-    stamp "q35 pp$1 ubatch $2 mmq $3"
-    POLY_MMQ=$3 timeout 90 $C/poly-engine bench --model /dev/shm/m/q35.gguf --gpu 0 --prompt $1 --ubatch $2 --gen 0 --reps 2 2> "$OUT/bench_q35_err.txt" | python3 -c 'import json,sys; d=json.load(sys.stdin); p=d["pp"]; print("  pp avg_ts %.0f samples %s cpu/wall %.2f" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], p["cpu_per_wall"]))' 2>&1 | tee -a "$S"
-    tail -3 "$OUT/bench_q35_err.txt" | tee -a "$S"
-done
-rm -f /dev/shm/m/q35.gguf
+# bench <model> <prompt> <ubatch> [env...]: one line of tokens/s; with POLY_GPU_OPTIME=1 also the last
+# call's per-operation times.
+bench() {
+    local model=$1 pp=$2 ub=$3
+    shift 3
+    env "$@" timeout 100 $C/poly-engine bench --model "$model" --gpu 0 --prompt $pp --ubatch $ub --gen 0 --reps 2 \
+        > /tmp/mmq_b.txt 2> /tmp/mmq_e.txt
+    echo "  pp$pp ub$ub $*: $(python3 -c 'import json,sys; d=json.load(open("/tmp/mmq_b.txt")); p=d["pp"]; print("%.0f t/s samples %s wall/call %s" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], [round(x, 4) for x in p["samples_wall_s"]]))' 2>&1)" | tee -a "$S"
+    grep -E "optime" /tmp/mmq_e.txt | tail -1 | cut -c1-600 | sed 's/^/    /' | tee -a "$S"
+    grep -iE "error|panick" /tmp/mmq_e.txt | head -3 | tee -a "$S"
+    log "bench $model $pp $*" /tmp/mmq_e.txt
+}
+
+model() { # model <name> <arch> <shape>: an existing /dev/shm/m/<name>.gguf, else a new one in /dev/shm/mmq
+    if [ -f /dev/shm/m/$1.gguf ]; then
+        echo /dev/shm/m/$1.gguf
+    else
+        mkdir -p /dev/shm/mmq
+        $C/poly-engine synth --arch $2 --shape $3 --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/mmq/$1.gguf > /tmp/mmq_s.txt 2>&1
+        echo /dev/shm/mmq/$1.gguf
+    fi
+}
+
+stamp "== qwen3moe 30B-A3B shape"
+M=$(model q3 qwen3moe qwen3-30b-a3b)
+stamp "model $M"
+bench $M 512 512 POLY_MMQ=on
+bench $M 4096 4096 POLY_MMQ=on
+bench $M 512 512 POLY_FA=off
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=16
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=64
+bench $M 512 512 POLY_GPU_OPTIME=1
+bench $M 4096 4096 POLY_GPU_OPTIME=1
+rm -f /dev/shm/mmq/q3.gguf
+
+stamp "== qwen35moe 35B-A3B shape"
+M=$(model q35 qwen35moe qwen3.6-35b-a3b)
+stamp "model $M"
+bench $M 512 512 POLY_MMQ=on
+bench $M 4096 4096 POLY_MMQ=on
+bench $M 512 512 POLY_MMQ_EXPERT_TILE=32
+bench $M 512 512 POLY_GPU_OPTIME=1
+bench $M 4096 4096 POLY_GPU_OPTIME=1
+rm -f /dev/shm/mmq/q35.gguf
 stamp "== done"

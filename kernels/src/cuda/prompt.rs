@@ -43,16 +43,22 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 }
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
-/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 32 or 64
-/// tokens per tile (the larger when experts get about 48 tokens or more on average); with fewer than
-/// about 8 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 16, 32 or 64
+/// tokens per tile, the smallest that holds an expert's average share with some room; with fewer than
+/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less. `POLY_MMQ_EXPERT_TILE`
+/// (8, 16, 32 or 64) overrides the choice, to measure the others.
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
     }
+    if let Some(tile) = mma::forced_expert_tile() {
+        return tile;
+    }
     let per_expert = slots / n_expert.max(1);
-    if per_expert < 8 {
+    if per_expert < 4 {
         MATMUL_TILE
+    } else if per_expert < 24 {
+        16
     } else if per_expert < 48 {
         32
     } else {
@@ -78,6 +84,32 @@ pub fn matmul_q(
         return mma::matmul(dev, w, xq, n, y);
     }
     matmul_q_dp4a(dev, w, xq, y)
+}
+
+/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32 or 64), for formats and rows
+/// [`has_mma`] accepts: to test and measure each tile size.
+pub fn matmul_q_mma(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    tile: usize,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if !mma::takes(dev, w.ty, w.cols) {
+        return invalid(format!("no tensor-core matmul for {} × {}", w.ty, w.cols));
+    }
+    let per_token = w.cols / BlockQ8_1::ELEMS;
+    if per_token == 0 || !xq.len().is_multiple_of(per_token) {
+        return invalid(format!("matmul x: {} blocks", xq.len()));
+    }
+    let n = xq.len() / per_token;
+    check_len("matmul y", y, n * w.rows)?;
+    mma::matmul_tiled(dev, w, xq, n, tile, y)
+}
+
+/// Whether the tensor-core kernels take rows of `cols` values of `ty` on `dev`.
+pub fn has_mma(dev: &Device, ty: GgmlType, cols: usize) -> bool {
+    mma::takes(dev, ty, cols)
 }
 
 /// [`matmul_q`] on the CUDA cores (dp4a over tiles of [`MATMUL_TILE`] tokens), whatever the format: the
@@ -117,6 +149,58 @@ pub fn matmul_q_dp4a(
         .arg(&wpr);
     // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds n × cols/32 blocks
     // and y n × rows floats (checked above); tile t reads and writes tokens 8t .. 8t+7 below n only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// `y = x·Wᵀ` for `n` tokens and a float matrix (F32, F16 or BF16), the first expert of `table` (the engine
+/// keeps float matrices as one-expert tables): `x` `[n, cols]`, `y` `[n, rows]`. Tiles of 64 rows × 64
+/// tokens (`matmul_f_*` in `matvec_f.cu`), each weight read once per tile instead of once per token.
+pub fn matmul_f(
+    dev: &Device,
+    table: &ExpertTable,
+    x: &DeviceBuffer<f32>,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let name = match table.ty {
+        GgmlType::F32 => "matmul_f_f32",
+        GgmlType::F16 => "matmul_f_f16",
+        GgmlType::BF16 => "matmul_f_bf16",
+        ty => return invalid(format!("no float matmul kernel for {ty}")),
+    };
+    if table.n_expert == 0 || table.cols == 0 || !x.len().is_multiple_of(table.cols) {
+        return invalid(format!("matmul_f: x of {} values", x.len()));
+    }
+    let n = x.len() / table.cols;
+    check_len("matmul_f y", y, n * table.rows)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let token_tiles = n.div_ceil(64);
+    if token_tiles > 65535 {
+        return invalid(format!("matmul_f: {n} tokens in one call"));
+    }
+    let (ncols, nrows, n_i) = (
+        as_i32("cols", table.cols)?,
+        as_i32("rows", table.rows)?,
+        as_i32("tokens", n)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (table.rows.div_ceil(64) as u32, token_tiles as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::MatvecF, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(table.addresses().slice())
+        .arg(x.slice())
+        .arg(y.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&n_i);
+    // SAFETY: the table's first address is a rows × cols matrix of its float type (StackedExperts checks
+    // the shape at upload); x holds n × cols and y n × rows floats (checked above); block (i, j) reads rows
+    // 64i.. and tokens 64j.. below those bounds only.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }

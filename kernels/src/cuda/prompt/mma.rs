@@ -1,5 +1,5 @@
 //! Launchers of the tensor-core prompt kernels (`kernels/cuda/matmul_mma.cu`): int8 `mma.sync` over tiles
-//! of [`MMQ_ROWS`] weight rows × 32 or 64 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
+//! of [`MMQ_ROWS`] weight rows × 16, 32 or 64 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
 //! Q8_0) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose them.
 
 use super::super::module::KernelModule;
@@ -16,23 +16,32 @@ const MMQ_K: usize = 128;
 /// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less).
 pub const MIN_TOKENS: usize = 16;
 const BLOCK: (u32, u32, u32) = (32, 8, 1);
+/// Blocks that keep a large card busy (two per SM of an H100/H200, with two blocks resident per SM).
+const ENOUGH_BLOCKS: usize = 256;
 
-/// The kernels of a format: (plain, experts) for tiles of 32 and of 64 tokens.
-fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 2]> {
+/// The token tiles the kernels come in.
+pub const TILES: [usize; 3] = [16, 32, 64];
+
+/// The kernels of a format: (plain, experts) for tiles of 16, 32 and 64 tokens.
+fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 3]> {
     Some(match ty {
         GgmlType::Q4_K => [
+            ("mmq_q4_k_16", "mmq_experts_q4_k_16"),
             ("mmq_q4_k_32", "mmq_experts_q4_k_32"),
             ("mmq_q4_k_64", "mmq_experts_q4_k_64"),
         ],
         GgmlType::Q5_K => [
+            ("mmq_q5_k_16", "mmq_experts_q5_k_16"),
             ("mmq_q5_k_32", "mmq_experts_q5_k_32"),
             ("mmq_q5_k_64", "mmq_experts_q5_k_64"),
         ],
         GgmlType::Q6_K => [
+            ("mmq_q6_k_16", "mmq_experts_q6_k_16"),
             ("mmq_q6_k_32", "mmq_experts_q6_k_32"),
             ("mmq_q6_k_64", "mmq_experts_q6_k_64"),
         ],
         GgmlType::Q8_0 => [
+            ("mmq_q8_0_16", "mmq_experts_q8_0_16"),
             ("mmq_q8_0_32", "mmq_experts_q8_0_32"),
             ("mmq_q8_0_64", "mmq_experts_q8_0_64"),
         ],
@@ -44,6 +53,17 @@ fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 2]> {
 fn disabled() -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
+}
+
+/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64), if any.
+pub fn forced_expert_tile() -> Option<usize> {
+    static TILE: OnceLock<Option<usize>> = OnceLock::new();
+    *TILE.get_or_init(|| {
+        std::env::var("POLY_MMQ_EXPERT_TILE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
+    })
 }
 
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
@@ -59,11 +79,10 @@ fn kernel_name(ty: GgmlType, experts: bool, tile: usize) -> CudaResult<&'static 
     let Some(k) = kernels(ty) else {
         return invalid(format!("no tensor-core matmul for {ty}"));
     };
-    let (plain, exp) = match tile {
-        32 => k[0],
-        64 => k[1],
-        _ => return invalid(format!("tensor-core matmul: tiles of {tile} tokens")),
+    let Some(i) = TILES.iter().position(|&t| t == tile) else {
+        return invalid(format!("tensor-core matmul: tiles of {tile} tokens"));
     };
+    let (plain, exp) = k[i];
     Ok(if experts { exp } else { plain })
 }
 
@@ -75,7 +94,25 @@ pub fn matmul(
     n: usize,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let tile = if n <= 32 { 32 } else { 64 };
+    // The largest tile that still gives the card enough blocks (a 512-row projection over 512 tokens has
+    // only 32 blocks of 64 tokens); else the smallest.
+    let row_blocks = w.rows.div_ceil(MMQ_ROWS);
+    let tile = [64, 32]
+        .into_iter()
+        .find(|&t| n > t / 2 && row_blocks * n.div_ceil(t) >= ENOUGH_BLOCKS)
+        .unwrap_or(16);
+    matmul_tiled(dev, w, xq, n, tile, y)
+}
+
+/// [`matmul`] with tiles of `tile` tokens (one of [`TILES`]).
+pub fn matmul_tiled(
+    dev: &Device,
+    w: &DeviceMatrix,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    n: usize,
+    tile: usize,
+    y: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
     let name = kernel_name(w.ty, false, tile)?;
     check_len("mmq x", xq, n * (w.cols / BlockQ8_1::ELEMS))?;
     check_len("mmq y", y, n * w.rows)?;
@@ -171,17 +208,19 @@ mod tests {
         let src = KernelModule::MatmulMma.source();
         for &ty in crate::quant::WEIGHT_TYPES {
             let Some(k) = kernels(ty) else { continue };
-            for (tile, (plain, exp)) in [32, 64].into_iter().zip(k) {
-                // MMQ_ENTRY_POINTS(suffix, F, tile) makes mmq_<suffix>_<tile> and mmq_experts_<...>.
+            for (tile, (plain, exp)) in TILES.into_iter().zip(k) {
+                // MMQ_ENTRY_POINTS(suffix, F, tile, min_blocks) makes mmq_<suffix>_<tile> and
+                // mmq_experts_<suffix>_<tile>.
                 let suffix = plain
                     .trim_start_matches("mmq_")
                     .trim_end_matches(&format!("_{tile}"));
                 assert_eq!(exp, format!("mmq_experts_{suffix}_{tile}"));
                 assert!(
-                    src.contains(&format!("MMQ_ENTRY_POINTS({suffix}, ")),
+                    src.lines()
+                        .any(|l| l.starts_with(&format!("MMQ_ENTRY_POINTS({suffix}, "))
+                            && l.contains(&format!(", {tile}, "))),
                     "{plain}"
                 );
-                assert!(src.contains(&format!(", {tile})")), "{plain}");
             }
         }
     }

@@ -1,0 +1,27 @@
+#!/bin/bash
+# Builds what benchmarks/gpu_vs_llama.sh needs on the GPU machine into a git-ignored folder (default
+# .carry/final): poly-engine and the GPU test binaries (stripped, in bin.tar.xz), the llama.cpp source of the
+# pinned sdist (llama.cpp.tar.xz, from shared/device/make_llamacpp_carry.sh's folder .carry/llama.cpp) and
+# its CUDA build script. Run on the development machine; no GPU needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+D=${1:-.carry/final}
+mkdir -p "$D/bin"
+cargo build --release -p poly-engine --bin poly-engine
+cp target/release/poly-engine "$D/bin/"
+{
+    cargo test --release -p poly-tests --test witness_gpu --no-run --message-format=json
+    cargo test --release -p poly-engine --test gpu_forward --test gpu_expert_cache --no-run --message-format=json
+} 2>/dev/null | python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        shutil.copy(m["executable"], sys.argv[1] + "/bin/" + m["target"]["name"])
+' "$D"
+strip --strip-debug "$D"/bin/*
+tar cJf "$D/bin.tar.xz" -C "$D/bin" .
+rm -rf "$D/bin"
+[ -f "$D/llama.cpp.tar.xz" ] || tar cJf "$D/llama.cpp.tar.xz" -C .carry llama.cpp
+cp ../shared/device/llamacpp_build_cuda.sh "$D/" 2>/dev/null || cp .carry/llamacpp_build_cuda.sh "$D/"
+ls -la "$D"
