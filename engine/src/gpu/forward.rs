@@ -11,7 +11,9 @@ use std::sync::Arc;
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
-use poly_kernels::cuda::prompt::{gather_rows, matmul_q};
+use poly_kernels::cuda::prompt::{
+    gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
+};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
@@ -33,6 +35,13 @@ use crate::cpu::CpuWeights;
 const ATTN_TARGET_BLOCKS: usize = 264;
 /// Most expert slots (tokens × experts per token) of one expert launch.
 const MAX_SLOTS: usize = 65_535;
+
+/// `POLY_MOE_PER_SLOT=1`: a prompt's experts one matrix×vector per (token, expert) slot, as before the
+/// grouped path (a diagnosis switch).
+fn per_slot_prompts() -> bool {
+    static PER_SLOT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PER_SLOT.get_or_init(|| std::env::var_os("POLY_MOE_PER_SLOT").is_some_and(|v| v == "1"))
+}
 
 /// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
 pub struct DevAct {
@@ -354,21 +363,37 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
+        // A prompt's expert products are grouped by expert on the host (quantized experts): one launch
+        // per tensor reads each expert's weights once per 8 of its tokens.
+        let grouped = n > 1
+            && !per_slot_prompts()
+            && self
+                .expert_tables(m, cached)?
+                .iter()
+                .all(|t| ops::activation_form(t.ty) == Some(ops::ActivationForm::Q8_1));
+        let cache_partial = self.experts.as_deref().is_some_and(|c| !c.holds_all());
+        let host_ids = if grouped || (cached.is_some() && cache_partial) {
+            Some(dev.download(&ids)?)
+        } else {
+            None
+        };
         // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
-        let cpu_share = match (cached, self.experts.as_deref_mut()) {
-            (Some(layer), Some(cache)) if !cache.holds_all() => {
-                let host_ids = dev.download(&ids)?;
+        let cpu_share = match (cached, self.experts.as_deref_mut(), &host_ids) {
+            (Some(layer), Some(cache), Some(host_ids)) if !cache.holds_all() => {
                 let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
-                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+                cache.prepare(dev, self.cpu, layer, n, host_ids, fetch)?
             }
-            (Some(_), Some(cache)) => {
+            (Some(_), Some(cache), _) => {
                 cache.count_all_vram(slots);
                 None
             }
             _ => None,
         };
         let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
-        if card_computes {
+        if let (true, Some(host_ids)) = (grouped, &host_ids) {
+            // (A prompt has no CPU share: every expert is on the card.)
+            self.experts_grouped(x, m, cached, host_ids, &weights, out)?;
+        } else if card_computes {
             let h = self.experts_ffn(x, m, &ids, cached)?;
             let mut y = self.pool.f32(dev, slots * n_embd)?;
             let tables = self.expert_tables(m, cached)?;
@@ -396,6 +421,66 @@ impl<'a> GpuForward<'a> {
         }
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
+        Ok(())
+    }
+
+    /// The MoE block's experts for a prompt (`x` `[n, n_embd]`, quantized experts), grouped by expert:
+    /// the (token, expert) rows sorted by expert ([`ExpertGrouping`] of the host's copy of the routing
+    /// `ids`), each tensor one `matmul_experts_q` launch over tiles of one expert's rows, the outputs
+    /// summed back per token with `weights` into `out`.
+    fn experts_grouped(
+        &self,
+        x: &DevAct,
+        m: &Moe,
+        cached: Option<usize>,
+        ids: &[i32],
+        weights: &DeviceBuffer<f32>,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n_embd, k) = (x.cols, m.n_expert_used);
+        let slots = ids.len();
+        let [gate_t, up_t, down_t] = self.expert_tables(m, cached)?;
+        let n_ff = gate_t.rows;
+        let g = ExpertGrouping::new(ids, k, m.n_expert);
+        if g.rows.len() != slots || g.tiles.is_empty() {
+            return Err(CudaError::Invalid(
+                "a prompt's routing groups no row".into(),
+            ));
+        }
+        let upload = |v: &[i32]| -> CudaResult<DeviceBuffer<i32>> {
+            let mut b = self.pool.i32(dev, v.len())?;
+            dev.write(v, &mut b)?;
+            Ok(b)
+        };
+        let tiles_flat: Vec<i32> = g.tiles.iter().flatten().copied().collect();
+        let rows = upload(&g.rows)?;
+        let slot_row = upload(&g.slot_row)?;
+        let tiles = upload(&tiles_flat)?;
+        // [slots, n_embd] in expert order, quantized once for gate and up.
+        let mut xs = self.pool.f32(dev, slots * n_embd)?;
+        gather_rows(dev, x.buf()?, &rows, n_embd, &mut xs)?;
+        let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
+        ops::quantize_q8_1(dev, &xs, &mut xq)?;
+        self.pool.put_f32(xs);
+        let mut gate = self.pool.f32(dev, slots * n_ff)?;
+        let mut up = self.pool.f32(dev, slots * n_ff)?;
+        matmul_experts_q(dev, gate_t, &tiles, &xq, &mut gate)?;
+        matmul_experts_q(dev, up_t, &tiles, &xq, &mut up)?;
+        self.pool.put_q8(xq);
+        let h = self.gated_act(m, gate, up, n_ff)?;
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        ops::quantize_q8_1(dev, &h, &mut hq)?;
+        self.pool.put_f32(h);
+        // [slots, n_embd] in expert order.
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        matmul_experts_q(dev, down_t, &tiles, &hq, &mut y)?;
+        self.pool.put_q8(hq);
+        moe_combine_sorted(dev, &y, &slot_row, weights, k, false, out.buf_mut()?)?;
+        self.pool.put_f32(y);
+        self.pool.put_i32(rows);
+        self.pool.put_i32(slot_row);
+        self.pool.put_i32(tiles);
         Ok(())
     }
 
@@ -446,7 +531,19 @@ impl<'a> GpuForward<'a> {
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
-        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        self.gated_act(m, gate, up, n_ff)
+    }
+
+    /// `act(gate) ⊙ up` (rows of `n_ff`), giving `gate` and `up` back to the pool.
+    fn gated_act(
+        &self,
+        m: &Moe,
+        mut gate: DeviceBuffer<f32>,
+        up: DeviceBuffer<f32>,
+        n_ff: usize,
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let mut h = self.pool.f32(dev, gate.len())?;
         match m.act {
             Unary::Silu => ops::swiglu(dev, &gate, &up, &mut h)?,
             Unary::Gelu => ops::geglu(dev, &gate, &up, &mut h)?,
