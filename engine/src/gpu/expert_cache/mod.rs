@@ -28,6 +28,7 @@ use poly_kernels::cuda::expert_slots::{
     CopyEvent, CopyStream, HostRegistration, SlotPool, SlotRef, StagingBuffer,
 };
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
+use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Moe, WeightId};
 use rayon::prelude::*;
 
@@ -87,9 +88,16 @@ impl CpuShare {
     }
 
     /// `Σ weight · expert(x)` over the items, on the CPU (experts in parallel, summed in routing order).
+    /// For quantized experts `x` is first rounded to q8_1 as the card rounds it for its experts, so an
+    /// expert gives nearly the same output wherever it is computed (the answer does not depend on what
+    /// the cache holds beyond the CPU's own rounding of the inner activation).
     pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
         let n_embd = self.x.len();
-        let xs = Mat::from_vec(1, n_embd, self.x.clone());
+        let mut xs = Mat::from_vec(1, n_embd, self.x.clone());
+        let ty = cpu.info(m.gate_exps).ty;
+        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            xs = crate::gpu::reference::round_q8_1(&xs);
+        }
         let outs: Vec<Mat> = self
             .items
             .par_iter()
@@ -301,6 +309,8 @@ impl ExpertCache {
         };
         self.policy = CachePolicy::new(&sizes, want);
         self.pool = pool;
+        // The figures count from here (not the warm-up read's routings).
+        self.stats = CacheStats::default();
         let set = self.policy.initial_set(counts);
         for (slot, key) in set.iter().enumerate() {
             self.upload(cpu, *key, slot, true)?;

@@ -77,10 +77,12 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
         .collect();
     let xm = Mat::from_vec(1, n_embd, x.clone());
-    let whole = moe_with(&w, &xm, &m, Arithmetic::BatchInvariant);
-    let logits = mat_mul_with(&w.matrix(m.router), &xm, Arithmetic::BatchInvariant);
+    // All four routings on the CPU: the block's output on the card's rounding of x (routed as the
+    // block routes it), bit for bit (same products, same order).
+    let xq = crate::gpu::reference::round_q8_1(&xm);
+    let whole = moe_with(&w, &xq, &m, Arithmetic::BatchInvariant);
+    let logits = mat_mul_with(&w.matrix(m.router), &xq, Arithmetic::BatchInvariant);
     let routes = route(logits.row(0), KGating::Softmax, 4, true, 1.0);
-    // All four routings on the CPU: the block's output, bit for bit (same products, same order).
     let all = CpuShare {
         x: x.clone(),
         items: routes.iter().map(|&(e, p)| (e as usize, p)).collect(),
