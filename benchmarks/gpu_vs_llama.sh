@@ -14,7 +14,7 @@ set -u
 C=$1
 OUT=${OUT:-/tmp/gpu-vs-llama}
 R=/tmp/gvl; mkdir -p $R "$OUT"
-S=$R/summary.txt; : > $S
+S=$OUT/summary.txt; : > $S
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $S; }
 export POLY_KERNEL_CACHE=/tmp/pkc POLY_WITNESS_MODELS=/tmp/nogemma
@@ -41,6 +41,8 @@ grep -E "wrote" $R/synth.txt | tee -a $S
 bench() { # label, args...
     local label=$1; shift
     stamp "ours $label"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > $R/vram.txt 2>/dev/null &
+    local SMI=$!
     timeout 150 $E bench "$@" > $R/b.json 2> $R/b.err
     echo "rc=$?" >> $S
     python3 - "$label" $R/b.json >> $S 2>&1 <<'PY'
@@ -55,12 +57,15 @@ if "experts" in d:
     out.append("experts in VRAM %s/%s share %.3f" % (e.get("in_vram"), e.get("slots"), e.get("vram_share") or 0))
 print("  " + " | ".join(out))
 PY
+    kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+    echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" >> $S
     grep -E "expert cache:" $R/b.err | head -2 >> $S
     cat $R/b.json >> $R/ours_all.jsonl; echo >> $R/ours_all.jsonl
 }
 stamp "2. every weight in VRAM (ours)"
 for m in q3 q35; do
-    bench "$m full pp512 tg128" --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 3
+    POLY_GPU_PROFILE=1 bench "$m full pp512 tg128" --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 3
+    grep -E "decode \(1 token\)" $R/b.err | head -2 >> $S
     bench "$m full pp8000 ub4096" --model /dev/shm/m/$m.gguf --gpu 0 --prompt 8000 --gen 0 --reps 2 --ubatch 4096
 done
 nvidia-smi --query-gpu=memory.used --format=csv,noheader >> $S
@@ -84,15 +89,20 @@ for m in q3 q35; do
     timeout 120 $LB -m /dev/shm/m/$m.gguf -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o md 2>/dev/null | grep -E "pp|tg" | tee -a $S
     timeout 120 $LB -m /dev/shm/m/$m.gguf -ngl 99 -fa 1 -p 8000 -n 0 -ub 2048 -b 8192 -r 2 -o md 2>/dev/null | grep -E "pp" | tee -a $S
 done
-stamp "3. the card held to about 8 GB (qwen3moe 30B-A3B shape)"
-bench "q3 8GB pp512 tg64" --model /dev/shm/m/q3.gguf --gpu 0 --expert-budget-mib 6400 --prompt 512 --gen 64 --reps 2
-nvidia-smi --query-gpu=memory.used --format=csv,noheader >> $S
-bench "q3 8GB pp8000" --model /dev/shm/m/q3.gguf --gpu 0 --expert-budget-mib 6400 --prompt 8000 --gen 0 --reps 1 --ubatch 4096
-for ncmoe in 28; do
+stamp "3. the card held to 8 GB for the model (qwen3moe 30B-A3B shape)"
+TOTAL=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+RES=$(( TOTAL - 8192 ))
+bench "q3 8GB pp512 tg64" --model /dev/shm/m/q3.gguf --gpu 0 --vram-reserve-mib $RES --prompt 512 --gen 64 --reps 2
+bench "q3 8GB pp8000" --model /dev/shm/m/q3.gguf --gpu 0 --vram-reserve-mib $RES --prompt 8000 --gen 0 --reps 1 --ubatch 4096
+for ncmoe in 29; do
     stamp "llama.cpp --n-cpu-moe $ncmoe"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > $R/vram.txt 2>/dev/null &
+    SMI=$!
     timeout 120 $LB -m /dev/shm/m/q3.gguf -ngl 99 --n-cpu-moe $ncmoe -fa 1 -p 512 -n 64 -r 2 -o md 2>&1 | grep -E "pp|tg|error" | tee -a $S
     timeout 150 $LB -m /dev/shm/m/q3.gguf -ngl 99 --n-cpu-moe $ncmoe -fa 1 -p 8000 -n 0 -ub 2048 -b 8192 -r 1 -o md 2>&1 | grep -E "pp|error" | tee -a $S
+    kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+    echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" | tee -a $S
 done
 stamp "done"
-cp $S $OUT/summary.txt
+
 tar czf $OUT/results.tgz -C $R .
