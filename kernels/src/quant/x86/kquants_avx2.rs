@@ -30,6 +30,21 @@ unsafe fn scaled_dot(q: __m256i, q8: *const u8, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(scales, p)
 }
 
+/// `vpshufb` masks spreading i16 number `c` of a 128-bit half over the whole half (mask `c`).
+static SPLAT_I16: [[u8; 32]; 8] = {
+    let mut m = [[0u8; 32]; 8];
+    let mut i = 0;
+    while i < 8 {
+        let mut b = 0;
+        while b < 32 {
+            m[i][b] = (2 * i + b % 2) as u8;
+            b += 1;
+        }
+        i += 1;
+    }
+    m
+};
+
 /// The scale lanes and min lanes of one Q4_K (`FIVE = false`) or Q5_K super-block.
 ///
 /// The mins are applied as `madd(bsums, 1) · min` (no shuffle). Each sub-block scale is spread over a
@@ -65,20 +80,7 @@ unsafe fn sums_q45_k_with<const FIVE: bool>(
 
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
-    static MASKS: [[u8; 32]; 8] = {
-        let mut m = [[0u8; 32]; 8];
-        let mut i = 0;
-        while i < 8 {
-            let mut b = 0;
-            while b < 32 {
-                m[i][b] = (2 * i + b % 2) as u8;
-                b += 1;
-            }
-            i += 1;
-        }
-        m
-    };
-    let masks = core::hint::black_box(&MASKS);
+    let masks = core::hint::black_box(&SPLAT_I16);
     let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
     let sums32 = _mm256_madd_epi16(bsums, _mm256_set1_epi16(1));
     let mprod = _mm256_mullo_epi32(sums32, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64)));
@@ -629,22 +631,18 @@ unsafe fn q4k_row_lanes(xb: *const u8, q8: *const u8, bsums: __m256i) -> (__m256
     // Each sub-block's scale as 16 i16 lanes: the scales twice (both halves), then one shuffle each.
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
+    // The masks from a table the optimizer cannot see into, as in `sums_q45_k`.
+    let masks = core::hint::black_box(&SPLAT_I16);
+    let splat =
+        |c: usize| _mm256_shuffle_epi8(sc, _mm256_loadu_si256(masks[c].as_ptr() as *const __m256i));
     let m4 = _mm256_set1_epi8(0x0F);
     let mut sumi = _mm256_setzero_si256();
     for j in 0..4 {
         let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
         let lo = _mm256_and_si256(bits, m4);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-        let p_lo = scaled_dot(
-            lo,
-            q8.add(64 * j),
-            _mm256_shuffle_epi8(sc, pair_mask(2 * j as i16)),
-        );
-        let p_hi = scaled_dot(
-            hi,
-            q8.add(64 * j + 32),
-            _mm256_shuffle_epi8(sc, pair_mask(2 * j as i16 + 1)),
-        );
+        let p_lo = scaled_dot(lo, q8.add(64 * j), splat(2 * j));
+        let p_hi = scaled_dot(hi, q8.add(64 * j + 32), splat(2 * j + 1));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
     }
     (sumi, mprod)
