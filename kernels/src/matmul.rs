@@ -7,6 +7,7 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
+use crate::quant::kquants::Rows4;
 use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
@@ -64,7 +65,11 @@ fn rows_per_task(rows: usize, row_bytes: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     // At least 16 KiB of weights per task, and about 8 tasks per thread.
     let min_rows = (16 * 1024 / row_bytes.max(1)).max(1);
-    (rows / (threads * 8)).max(min_rows).min(rows.max(1))
+    // A multiple of four, for the kernels that take four weight rows at once.
+    (rows / (threads * 8))
+        .max(min_rows)
+        .next_multiple_of(4)
+        .min(rows.max(1))
 }
 
 /// `y = W·x` for one activation vector: `x` has `cols` values, `y` gets `rows`.
@@ -80,11 +85,109 @@ pub fn matvec(w: &QuantMatrix<'_>, x: &[f32], y: &mut [f32]) {
 /// `y = W·x` with `x` already quantized to the format's activation type.
 pub fn matvec_quantized(w: &QuantMatrix<'_>, act: &[u8], y: &mut [f32]) {
     let ops = w.ops();
+    let rows4 = single_row_rows4(w.ty);
     let chunk = rows_per_task(w.rows, w.row_bytes());
     y.par_chunks_mut(chunk).enumerate().for_each(|(c, ys)| {
         let first = c * chunk;
-        for (i, out) in ys.iter_mut().enumerate() {
-            *out = (ops.vec_dot)(w.cols, w.row(first + i), act);
+        let mut i = 0;
+        if let Some(rows4) = rows4 {
+            while i + 4 <= ys.len() {
+                let r = first + i;
+                let v = rows4(
+                    w.cols,
+                    [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+                    act,
+                );
+                ys[i..i + 4].copy_from_slice(&v);
+                i += 4;
+            }
+        }
+        for (k, out) in ys.iter_mut().enumerate().skip(i) {
+            *out = (ops.vec_dot)(w.cols, w.row(first + k), act);
+        }
+    });
+}
+
+/// One product of [`matvec_many`]: `y = W·x` for one activation row `act`, already quantized to the
+/// format's activation type, each dot product in the order `order` takes for a call of one row (the
+/// single-row order, [`QuantOps::vec_dot`], where it is `None` or does not apply to one row).
+pub struct MatvecJob<'a, 'y> {
+    pub w: QuantMatrix<'a>,
+    pub order: Option<&'static BatchDot>,
+    pub act: &'a [u8],
+    pub y: &'y mut [f32],
+}
+
+/// Several matrix×vector products in one parallel region (a decode step's expert products): every
+/// job's rows are cut into ranges and all ranges of all jobs share the pool, so the threads meet once for
+/// the lot instead of once per product. Each dot product is the one [`matmul_ordered`] computes for the
+/// same row in a call of one activation row.
+pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
+    struct Part<'a> {
+        w: QuantMatrix<'a>,
+        act: &'a [u8],
+        dot: fn(usize, &[u8], &[u8]) -> f32,
+        rows4: Option<Rows4>,
+        y: SharedOut,
+        first: usize,
+        last: usize,
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let total_bytes: usize = jobs.iter().map(|j| j.w.data.len()).sum();
+    // About four ranges per thread over all jobs, at least 16 KiB of weights each.
+    let part_bytes = (total_bytes / (threads * 4)).max(16 * 1024);
+    let mut parts: Vec<Part<'a>> = Vec::new();
+    for job in jobs.iter_mut() {
+        let w = job.w;
+        assert_eq!(
+            job.act.len(),
+            w.ops().act.bytes_for(w.cols),
+            "matvec_many: act length"
+        );
+        assert_eq!(job.y.len(), w.rows, "matvec_many: y has the wrong length");
+        let (dot, rows4) = match job.order {
+            Some(b) if (b.applies)(1, 0) => (b.dot, None),
+            _ => (w.ops().vec_dot, single_row_rows4(w.ty)),
+        };
+        let chunk = (part_bytes / w.row_bytes().max(1))
+            .max(1)
+            .next_multiple_of(4)
+            .min(w.rows.max(1));
+        for first in (0..w.rows).step_by(chunk) {
+            parts.push(Part {
+                w,
+                act: job.act,
+                dot,
+                rows4,
+                y: SharedOut(job.y.as_mut_ptr()),
+                first,
+                last: (first + chunk).min(w.rows),
+            });
+        }
+    }
+    parts.par_iter().for_each(|p| {
+        let row = |r: usize| p.w.row(r);
+        let put = |r: usize, v: f32| {
+            // SAFETY: `r < p.w.rows`, the length of this job's `y`, which outlives the parallel loop;
+            // each part alone writes its rows `first..last` of its job's output.
+            unsafe { *p.y.0.add(r) = v };
+        };
+        let mut r = p.first;
+        if let Some(rows4) = p.rows4 {
+            while r + 4 <= p.last {
+                let v = rows4(
+                    p.w.cols,
+                    [row(r), row(r + 1), row(r + 2), row(r + 3)],
+                    p.act,
+                );
+                for (k, &v) in v.iter().enumerate() {
+                    put(r + k, v);
+                }
+                r += 4;
+            }
+        }
+        for r in r..p.last {
+            put(r, (p.dot)(p.w.cols, row(r), p.act));
         }
     });
 }
@@ -102,6 +205,12 @@ pub fn matmul(w: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
 /// `ty`, where there is one.
 fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
     crate::quant::legacy::dot4(ty).or_else(|| crate::quant::kquants::single_row_dot4(ty))
+}
+
+/// The kernel taking four weight rows at once against one activation row in the single-row order of
+/// `ty`, where there is one.
+fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
+    crate::quant::kquants::single_row_rows4(ty)
 }
 
 /// [`matmul`] with the order chosen by the caller: `batch`'s ([`BatchDot::dot`]) for the rows of the batch
@@ -126,6 +235,7 @@ pub fn matmul_ordered(
     // Four activation rows per weight row at once where all four take one order that has such a kernel:
     // the batch order's four-row kernel, or the single-row order's.
     let single4 = single_row_dot4(w.ty);
+    let rows4 = single_row_rows4(w.ty);
     let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
     let group4 = |j: usize| -> Option<Dot4> {
         if (j..j + 4).all(applies) {
@@ -152,36 +262,59 @@ pub fn matmul_ordered(
         // Tokens in groups so the group's activations and the task's weight rows stay in cache together.
         for tokens in (0..n).step_by(16) {
             let tokens_end = (tokens + 16).min(n);
-            for r in first..last {
-                let row = w.row(r);
-                let put = |j: usize, v: f32| {
-                    // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
-                    // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no
-                    // two threads write the same element, and `y` outlives the parallel loop.
-                    unsafe { *out.0.add(j * w.rows + r) = v };
-                };
-                let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
+            let put = |j: usize, r: usize, v: f32| {
+                // SAFETY: `j < n` and `r < w.rows`, so `j * w.rows + r` is inside `y` (length
+                // `n * w.rows`, asserted above); task `t` alone writes the rows `first..last`, so no
+                // two threads write the same element, and `y` outlives the parallel loop.
+                unsafe { *out.0.add(j * w.rows + r) = v };
+            };
+            let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
+            // Weight rows four at a time where a four-row kernel exists (for the activation rows in
+            // the single-row order), else one at a time.
+            let mut r = first;
+            while r < last {
+                let quad = rows4.filter(|_| r + 4 <= last);
+                let span = if quad.is_some() { 4 } else { 1 };
                 let mut j = tokens;
                 while j < tokens_end {
-                    // Four rows at once where the order allows (16 is a multiple of 4, so groups never
-                    // straddle the token blocks).
+                    // Four activation rows at once where the order allows (16 is a multiple of 4, so
+                    // groups never straddle the token blocks).
                     if j + 4 <= tokens_end {
                         if let Some(dot4) = group4(j) {
-                            let v = dot4(
-                                w.cols,
-                                row,
-                                [act_row(j), act_row(j + 1), act_row(j + 2), act_row(j + 3)],
-                            );
-                            for (k, &v) in v.iter().enumerate() {
-                                put(j + k, v);
+                            for r in r..r + span {
+                                let v = dot4(
+                                    w.cols,
+                                    w.row(r),
+                                    [act_row(j), act_row(j + 1), act_row(j + 2), act_row(j + 3)],
+                                );
+                                for (k, &v) in v.iter().enumerate() {
+                                    put(j + k, r, v);
+                                }
                             }
                             j += 4;
                             continue;
                         }
                     }
-                    put(j, dot_of(j)(w.cols, row, act_row(j)));
+                    match quad {
+                        Some(rows4) if !applies(j) => {
+                            let v = rows4(
+                                w.cols,
+                                [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+                                act_row(j),
+                            );
+                            for (k, &v) in v.iter().enumerate() {
+                                put(j, r + k, v);
+                            }
+                        }
+                        _ => {
+                            for r in r..r + span {
+                                put(j, r, dot_of(j)(w.cols, w.row(r), act_row(j)));
+                            }
+                        }
+                    }
                     j += 1;
                 }
+                r += span;
             }
         }
     });
@@ -290,6 +423,38 @@ mod tests {
                     "token {j} row {r}"
                 );
                 assert_eq!(want.to_bits(), portable.to_bits(), "token {j} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn four_weight_row_kernel_equals_vec_dot_bit_for_bit() {
+        // `matvec` (and `matmul_ordered` for rows in the single-row order) take Q4_K weight rows four at
+        // a time through `kquants::single_row_rows4`, which must equal `vec_dot` exactly; 11 rows: two
+        // groups of four and a remainder, 3 activation rows: none through the four-activation kernel.
+        let (rows, cols, n) = (11, 1024, 3);
+        let mut rng = Rng::new(7);
+        let ty = GgmlType::Q4_K;
+        let data = matrix(ty, rows, cols);
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let mut y = vec![0f32; n * rows];
+        matmul_ordered(&w, &x, n, &mut y, None);
+        let ops = ty.ops().unwrap();
+        for j in 0..n {
+            let xj = &x[j * cols..(j + 1) * cols];
+            let mut one = vec![0f32; rows];
+            matvec(&w, xj, &mut one);
+            let mut act = vec![0u8; ops.act.bytes_for(cols)];
+            ops.act.quantize(xj, &mut act);
+            for r in 0..rows {
+                let want = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                assert_eq!(one[r].to_bits(), want.to_bits(), "matvec token {j} row {r}");
+                assert_eq!(
+                    y[j * rows + r].to_bits(),
+                    want.to_bits(),
+                    "token {j} row {r}"
+                );
             }
         }
     }

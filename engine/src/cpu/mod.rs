@@ -15,6 +15,7 @@
 //! ([`Arithmetic::BatchInvariant`]), so that any split of a prompt into calls gives the same bits.
 
 pub mod moe;
+pub mod profile;
 #[cfg(test)]
 mod tests;
 
@@ -101,6 +102,29 @@ fn par_zip(x: &[f32], out: &mut [f32], cols: usize, f: impl Fn(&[f32], &mut [f32
             .for_each(|(o, x)| f(x, o)),
         None => f(x, out),
     }
+}
+
+/// `f(r, x_row, out_row)` for every row `r` of `x` (`cols` wide) and of `out` (`out_cols` wide), in
+/// parallel for large outputs. Each output row depends only on its own input row.
+fn par_rows_map(
+    x: &[f32],
+    cols: usize,
+    out: &mut [f32],
+    out_cols: usize,
+    f: impl Fn(usize, &[f32], &mut [f32]) + Sync,
+) {
+    if out_cols == 0 || cols == 0 {
+        return;
+    }
+    let min_rows = match par_rows(out.len(), out_cols) {
+        Some(_) => (PAR_MIN_ELEMENTS / 4).div_ceil(out_cols),
+        None => usize::MAX,
+    };
+    out.par_chunks_mut(out_cols)
+        .zip(x.par_chunks(cols))
+        .enumerate()
+        .with_min_len(min_rows)
+        .for_each(|(r, (o, x))| f(r, x, o));
 }
 
 /// `f(a_rows, b_rows, out_rows)` over matching runs of whole rows, as [`par_zip`].
@@ -384,19 +408,25 @@ impl Compute for CpuForward<'_> {
     }
 
     fn embed(&mut self, table: WeightId, tokens: &[u32]) -> Mat {
+        let _span = profile::span("embed");
         let n_embd = self.weights.info(table).row_len() as usize;
         let mut out = Mat::zeros(tokens.len(), n_embd);
-        for (i, &t) in tokens.iter().enumerate() {
-            self.weights.row_into(table, t as usize, out.row_mut(i));
-        }
+        let weights = self.weights;
+        out.data
+            .par_chunks_mut(n_embd.max(1))
+            .zip(tokens)
+            .with_min_len(16)
+            .for_each(|(o, &t)| weights.row_into(table, t as usize, o));
         out
     }
 
     fn matmul(&mut self, w: WeightId, x: &Mat) -> Mat {
+        let _span = profile::span("matmul");
         mat_mul_with(&self.weights.matrix(w), x, self.arithmetic)
     }
 
     fn rms_norm(&mut self, x: &Mat, weight: Option<WeightId>, eps: f32, group: usize) -> Mat {
+        let _span = profile::span("rms_norm");
         let w = weight.map(|w| self.weights.f32(w));
         let mut out = Mat::zeros(x.rows, x.cols);
         par_zip(&x.data, &mut out.data, x.cols, |x, o| {
@@ -406,12 +436,14 @@ impl Compute for CpuForward<'_> {
     }
 
     fn l2_norm(&mut self, x: &Mat, eps: f32, group: usize) -> Mat {
+        let _span = profile::span("l2_norm");
         let mut out = Mat::zeros(x.rows, x.cols);
         norm::l2_norm(&x.data, group, eps, &mut out.data);
         out
     }
 
     fn add(&mut self, a: &Mat, b: &Mat) -> Mat {
+        let _span = profile::span("add");
         same_shape(a, b, "add");
         let mut out = Mat::zeros(a.rows, a.cols);
         par_zip2(&a.data, &b.data, &mut out.data, a.cols, |a, b, o| {
@@ -423,13 +455,14 @@ impl Compute for CpuForward<'_> {
     }
 
     fn mul(&mut self, a: &Mat, b: &Mat) -> Mat {
+        let _span = profile::span("mul");
         if b.cols == 1 && a.cols != 1 {
             assert_eq!(a.rows, b.rows, "mul: broadcast column of the wrong height");
-            let mut out = a.clone();
-            for r in 0..a.rows {
+            let mut out = Mat::zeros(a.rows, a.cols);
+            par_rows_map(&a.data, a.cols, &mut out.data, a.cols, |r, x, o| {
                 let s = b.data[r];
-                out.row_mut(r).iter_mut().for_each(|v| *v *= s);
-            }
+                o.iter_mut().zip(x).for_each(|(o, &v)| *o = v * s);
+            });
             return out;
         }
         same_shape(a, b, "mul");
@@ -443,6 +476,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn add_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
+        let _span = profile::span("add_weight");
         let w = self.weights.f32(w);
         assert_eq!(w.len(), x.cols, "add_weight: weight of the wrong width");
         let mut out = x.clone();
@@ -453,6 +487,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn mul_weight(&mut self, x: &Mat, w: WeightId) -> Mat {
+        let _span = profile::span("mul_weight");
         let w = self.weights.f32(w);
         assert_eq!(w.len(), x.cols, "mul_weight: weight of the wrong width");
         let mut out = x.clone();
@@ -463,15 +498,24 @@ impl Compute for CpuForward<'_> {
     }
 
     fn scale(&mut self, x: &Mat, s: f32) -> Mat {
+        let _span = profile::span("scale");
         x.map(|v| v * s)
     }
 
     fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
+        let _span = profile::span("unary");
         match f {
             // ggml's vectorized SiLU, row by row (its loop splits each row into groups of eight).
             Unary::Silu if x.cols > 0 => {
                 let mut out = x.clone();
-                act::silu_ggml_rows(&mut out.data, x.cols);
+                let cols = x.cols;
+                match par_rows(out.data.len(), cols) {
+                    Some(rows) => out
+                        .data
+                        .par_chunks_mut(rows * cols)
+                        .for_each(|o| act::silu_ggml_rows(o, cols)),
+                    None => act::silu_ggml_rows(&mut out.data, cols),
+                }
                 out
             }
             _ => x.map(|v| apply_unary(f, v)),
@@ -479,16 +523,17 @@ impl Compute for CpuForward<'_> {
     }
 
     fn cols(&mut self, x: &Mat, start: usize, len: usize) -> Mat {
+        let _span = profile::span("cols");
         assert!(start + len <= x.cols, "cols: range past the row");
         let mut out = Mat::zeros(x.rows, len);
-        for r in 0..x.rows {
-            out.row_mut(r)
-                .copy_from_slice(&x.row(r)[start..start + len]);
-        }
+        par_rows_map(&x.data, x.cols, &mut out.data, len, |_, x, o| {
+            o.copy_from_slice(&x[start..start + len])
+        });
         out
     }
 
     fn head_part(&mut self, x: &Mat, head: usize, parts: usize, part: usize) -> Mat {
+        let _span = profile::span("head_part");
         let group = head * parts;
         assert!(
             part < parts && head > 0 && x.cols.is_multiple_of(group),
@@ -496,20 +541,23 @@ impl Compute for CpuForward<'_> {
         );
         let n_heads = x.cols / group;
         let mut out = Mat::zeros(x.rows, n_heads * head);
-        for r in 0..x.rows {
-            let (src, dst) = (
-                x.row(r),
-                &mut out.data[r * n_heads * head..][..n_heads * head],
-            );
-            for h in 0..n_heads {
-                dst[h * head..(h + 1) * head]
-                    .copy_from_slice(&src[h * group + part * head..][..head]);
-            }
-        }
+        par_rows_map(
+            &x.data,
+            x.cols,
+            &mut out.data,
+            n_heads * head,
+            |_, src, dst| {
+                for h in 0..n_heads {
+                    dst[h * head..(h + 1) * head]
+                        .copy_from_slice(&src[h * group + part * head..][..head]);
+                }
+            },
+        );
         out
     }
 
     fn repeat_heads(&mut self, x: &Mat, head: usize, times: usize, interleave: bool) -> Mat {
+        let _span = profile::span("repeat_heads");
         assert!(
             head > 0 && x.cols.is_multiple_of(head),
             "repeat_heads: row is not whole heads"
@@ -517,9 +565,7 @@ impl Compute for CpuForward<'_> {
         let n_heads = x.cols / head;
         let width = n_heads * times * head;
         let mut out = Mat::zeros(x.rows, width);
-        for r in 0..x.rows {
-            let src = x.row(r);
-            let dst = &mut out.data[r * width..(r + 1) * width];
+        par_rows_map(&x.data, x.cols, &mut out.data, width, |_, src, dst| {
             for h in 0..n_heads {
                 for t in 0..times {
                     let slot = if interleave {
@@ -531,11 +577,12 @@ impl Compute for CpuForward<'_> {
                         .copy_from_slice(&src[h * head..(h + 1) * head]);
                 }
             }
-        }
+        });
         out
     }
 
     fn rows(&mut self, x: &Mat, rows: &[usize]) -> Mat {
+        let _span = profile::span("rows");
         let mut out = Mat::zeros(rows.len(), x.cols);
         for (i, &r) in rows.iter().enumerate() {
             out.row_mut(i).copy_from_slice(x.row(r));
@@ -544,6 +591,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn rope(&mut self, x: &Mat, r: &Rope) -> Mat {
+        let _span = profile::span("rope");
         let p = rope::RopeParams {
             mode: match r.kind {
                 RopeKind::Normal => rope::RopeMode::Normal,
@@ -567,6 +615,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
+        let _span = profile::span("attention");
         let pos0 = self.pos0() as usize;
         let LayerState::Kv(cache) = self.state.layer_mut(layer) else {
             panic!("attention on layer {layer}, whose state is not a KV cache");
@@ -637,10 +686,12 @@ impl Compute for CpuForward<'_> {
     }
 
     fn moe(&mut self, _layer: usize, x: &Mat, m: &Moe) -> Mat {
+        let _span = profile::span("moe");
         moe::moe_with(self.weights, x, m, self.arithmetic)
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {
+        let _span = profile::span("ssm_conv");
         let info = self.weights.info(kernel);
         let taps = info.row_len() as usize;
         let w = self.weights.f32(kernel);
@@ -657,6 +708,7 @@ impl Compute for CpuForward<'_> {
     }
 
     fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Mat>, net: &DeltaNet) -> Mat {
+        let _span = profile::span("gated_delta_net");
         let LayerState::Recurrent(s) = self.state.layer_mut(layer) else {
             panic!("gated_delta_net on layer {layer}, whose state is not recurrent");
         };

@@ -11,15 +11,15 @@
 //! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
 //! [`Arithmetic::BatchInvariant`]'s orders instead.
 
-use poly_kernels::matmul::matmul_ordered;
 use poly_kernels::matmul::QuantMatrix;
+use poly_kernels::matmul::{matmul_ordered, matvec_many, MatvecJob};
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
 
-use super::{apply_unary, llama_repacks, mat_mul_with, Arithmetic, CpuWeights, Mat};
+use super::{apply_unary, llama_repacks, mat_mul_with, profile, Arithmetic, CpuWeights, Mat};
 
 /// The block's output for `x` (`[n, n_embd]`), in llama.cpp's orders.
 pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
@@ -36,6 +36,7 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
     if n == 0 || k == 0 {
         return out;
     }
+    let router_span = profile::span("moe.router");
     let logits = mat_mul_with(&w.matrix(m.router), x, arith);
     assert_eq!(
         logits.cols, m.n_expert,
@@ -48,6 +49,13 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
     let routes: Vec<Vec<(u32, f32)>> = (0..n)
         .map(|t| route(logits.row(t), gating, k, m.norm_weights, m.weights_scale))
         .collect();
+
+    drop(router_span);
+    if n == 1 {
+        let _span = profile::span("moe.decode_experts");
+        return decode_experts(w, x, m, &routes[0]);
+    }
+    let experts_span = profile::span("moe.experts");
 
     // For every expert, the (token, slot) pairs routed to it.
     let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); m.n_expert];
@@ -74,21 +82,122 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
         })
         .collect();
 
-    // Each token's expert outputs, by routing slot, then summed in slot order.
-    let mut slots = vec![0f32; n * k * n_embd];
-    for (&e, y) in active.iter().zip(&outputs) {
+    drop(experts_span);
+    let _span = profile::span("moe.sum");
+    // Where each token's expert output for each routing slot is: (index in `active`, row of its output).
+    let mut at = vec![(0usize, 0usize); n * k];
+    for (a, &e) in active.iter().enumerate() {
         for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
-            slots[(t * k + slot) * n_embd..][..n_embd].copy_from_slice(y.row(i));
+            at[t * k + slot] = (a, i);
         }
     }
-    for (t, r) in routes.iter().enumerate() {
-        let o = out.row_mut(t);
-        for (slot, &(_, weight)) in r.iter().enumerate() {
-            let y = &slots[(t * k + slot) * n_embd..][..n_embd];
-            o.iter_mut().zip(y).for_each(|(a, b)| *a += weight * b);
+    // Each token's expert outputs summed in slot order; tokens in parallel.
+    out.data
+        .par_chunks_mut(n_embd)
+        .enumerate()
+        .with_min_len(16)
+        .for_each(|(t, o)| {
+            for (slot, &(_, weight)) in routes[t].iter().enumerate() {
+                let (a, i) = at[t * k + slot];
+                let y = outputs[a].row(i);
+                o.iter_mut().zip(y).for_each(|(a, b)| *a += weight * b);
+            }
+        });
+    out
+}
+
+/// The experts of one token (a decode step) routed as `route` (expert, weight): the gate and up
+/// products of all of them in one parallel region, then their down products in another, instead of a
+/// parallel region per product. Every dot product is the one [`expert`] computes for a single routed row
+/// (the activation quantized once per format, each product in its `MUL_MAT_ID` order for one row), and
+/// the outputs are summed in routing order, so the result is the same bits.
+fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
+    let n_embd = x.cols;
+    let k = route.len();
+    let mats = |id, e: u32| w.sub_matrix(id, e as usize);
+    let quantized = |mat: &QuantMatrix<'_>, v: &[f32]| {
+        let act = mat.ty.ops().expect("bound tensors compute").act;
+        let mut q = vec![0u8; act.bytes_for(mat.cols)];
+        act.quantize(v, &mut q);
+        q
+    };
+    let (gates, ups): (Vec<_>, Vec<_>) = route
+        .iter()
+        .map(|&(e, _)| (mats(m.gate_exps, e), mats(m.up_exps, e)))
+        .unzip();
+    let n_ff = gates[0].rows;
+    // [k, n_ff] each.
+    let mut gate = vec![0f32; k * n_ff];
+    let mut up = vec![0f32; k * n_ff];
+    {
+        // Experts of one tensor share the format, so one quantized activation per tensor.
+        let (xg, xu) = (quantized(&gates[0], &x.data), quantized(&ups[0], &x.data));
+        let mut jobs: Vec<MatvecJob<'_, '_>> = Vec::with_capacity(2 * k);
+        for ((g, u), (yg, yu)) in gates
+            .iter()
+            .zip(&ups)
+            .zip(gate.chunks_mut(n_ff).zip(up.chunks_mut(n_ff)))
+        {
+            jobs.push(MatvecJob {
+                w: *g,
+                order: mul_mat_id_order(g, 1),
+                act: &xg,
+                y: yg,
+            });
+            jobs.push(MatvecJob {
+                w: *u,
+                order: mul_mat_id_order(u, 1),
+                act: &xu,
+                y: yu,
+            });
         }
+        matvec_many(&mut jobs);
+    }
+    for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
+        activate(m.act, g, u);
+    }
+    let downs: Vec<_> = route.iter().map(|&(e, _)| mats(m.down_exps, e)).collect();
+    // [k, n_embd].
+    let mut down = vec![0f32; k * n_embd];
+    {
+        let hidden: Vec<Vec<u8>> = downs
+            .iter()
+            .zip(gate.chunks(n_ff))
+            .map(|(d, h)| quantized(d, h))
+            .collect();
+        let mut jobs: Vec<MatvecJob<'_, '_>> = downs
+            .iter()
+            .zip(&hidden)
+            .zip(down.chunks_mut(n_embd))
+            .map(|((d, h), y)| MatvecJob {
+                w: *d,
+                order: mul_mat_id_order(d, 1),
+                act: h,
+                y,
+            })
+            .collect();
+        matvec_many(&mut jobs);
+    }
+    let mut out = Mat::zeros(1, n_embd);
+    for (&(_, weight), y) in route.iter().zip(down.chunks(n_embd)) {
+        out.data
+            .iter_mut()
+            .zip(y)
+            .for_each(|(a, b)| *a += weight * b);
     }
     out
+}
+
+/// `gate ← act(gate) ⊙ up`, as ggml computes the expert's gated unit.
+fn activate(f: Unary, gate: &mut [f32], up: &[f32]) {
+    match f {
+        Unary::Silu => act::swiglu_ggml_rows(gate, up, gate.len()),
+        Unary::Gelu => act::geglu_in_place(gate, up),
+        f => gate
+            .iter_mut()
+            .zip(up)
+            .for_each(|(g, u)| *g = apply_unary(f, *g) * u),
+    }
 }
 
 /// The order llama.cpp's `MUL_MAT_ID` (AVX2 build) sums an expert's dot products in, for `rows_routed`
@@ -130,14 +239,9 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
 pub(crate) fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
     let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs, arith);
     let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs, arith);
-    match m.act {
-        Unary::Silu => act::swiglu_ggml_rows(&mut gate.data, &up.data, gate.cols),
-        Unary::Gelu => act::geglu_in_place(&mut gate.data, &up.data),
-        f => gate
-            .data
-            .iter_mut()
-            .zip(&up.data)
-            .for_each(|(g, u)| *g = apply_unary(f, *g) * u),
+    let cols = gate.cols;
+    for (g, u) in gate.data.chunks_mut(cols).zip(up.data.chunks(cols)) {
+        activate(m.act, g, u);
     }
     expert_mul(&w.sub_matrix(m.down_exps, e), &gate, arith)
 }

@@ -38,17 +38,32 @@ pub fn conv1d_causal(
     let mut buf = Vec::with_capacity(state.len() + x.len());
     buf.extend_from_slice(state);
     buf.extend_from_slice(x);
-    for t in 0..n {
-        let o = &mut out[t * channels..(t + 1) * channels];
-        for (c, oc) in o.iter_mut().enumerate() {
-            let taps = &weight[c * kernel..(c + 1) * kernel];
-            let mut s = 0f32;
-            for (i, &w) in taps.iter().enumerate() {
-                s += buf[(t + i) * channels + c] * w;
-            }
-            *oc = s;
+    // The taps by position: [kernel][channels], so each tap is one pass over a row.
+    let mut taps = vec![0f32; kernel * channels];
+    for (c, w) in weight.chunks(kernel).enumerate() {
+        for (i, &w) in w.iter().enumerate() {
+            taps[i * channels + c] = w;
         }
     }
+    // Output rows depend on input rows only: rows in parallel for long inputs. Each element still sums
+    // its products from zero in tap order.
+    let row = |t: usize, o: &mut [f32]| {
+        o.fill(0.0);
+        for i in 0..kernel {
+            let (xs, ws) = (
+                &buf[(t + i) * channels..(t + i + 1) * channels],
+                &taps[i * channels..(i + 1) * channels],
+            );
+            for ((o, &x), &w) in o.iter_mut().zip(xs).zip(ws) {
+                *o += x * w;
+            }
+        }
+    };
+    let min_rows = (1 << 15) / channels + 1;
+    out.par_chunks_mut(channels)
+        .enumerate()
+        .with_min_len(min_rows)
+        .for_each(|(t, o)| row(t, o));
     state.copy_from_slice(&buf[n * channels..]);
 }
 

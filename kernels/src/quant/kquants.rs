@@ -517,6 +517,34 @@ pub fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
     }
 }
 
+/// Four dot products of four weight rows with one activation row, each in the single-row order
+/// ([`QuantOps::vec_dot`]): what a matrix×vector product runs per group of four weight rows.
+pub type Rows4 = fn(n: usize, rows: [&[u8]; 4], act: &[u8]) -> [f32; 4];
+
+/// The single-row dot product ([`QuantOps::vec_dot`]) of four weight rows with one activation row at
+/// once, for the formats that have such a kernel (Q4_K): the same four results, the activation read once
+/// and the four rows' float steps side by side, as llama.cpp's repacked gemv (decode's products).
+pub fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
+    fn q4k(n: usize, rows: [&[u8]; 4], act: &[u8]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if super::has_avx2_fma() {
+            let nb = check_lengths(KKind::Q4K, n, rows[0], act);
+            for r in &rows[1..] {
+                check_lengths(KKind::Q4K, n, r, act);
+            }
+            // SAFETY: as in `vec_dot`, for each of the four weight rows.
+            return unsafe {
+                super::x86::kquants_avx2::q4k_rows_x4(nb, rows.map(|r| r.as_ptr()), act.as_ptr())
+            };
+        }
+        rows.map(|r| vec_dot_portable(KKind::Q4K, n, r, act))
+    }
+    match ty {
+        GgmlType::Q4_K => Some(q4k),
+        _ => None,
+    }
+}
+
 /// The Q4_K dot product in the order of llama.cpp's repacked gemm (`ggml_gemm_q4_K_8x8_q8_K`), which
 /// multiplies activation rows four at a time: what llama.cpp computes for the first `4·⌊n/4⌋` rows of a
 /// batch of `n > 3` (the rest go through the gemv order of the plain Q4_K dot product).

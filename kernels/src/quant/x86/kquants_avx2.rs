@@ -30,6 +30,21 @@ unsafe fn scaled_dot(q: __m256i, q8: *const u8, scales: __m256i) -> __m256i {
     _mm256_madd_epi16(scales, p)
 }
 
+/// `vpshufb` masks spreading i16 number `c` of a 128-bit half over the whole half (mask `c`).
+static SPLAT_I16: [[u8; 32]; 8] = {
+    let mut m = [[0u8; 32]; 8];
+    let mut i = 0;
+    while i < 8 {
+        let mut b = 0;
+        while b < 32 {
+            m[i][b] = (2 * i + b % 2) as u8;
+            b += 1;
+        }
+        i += 1;
+    }
+    m
+};
+
 /// The scale lanes and min lanes of one Q4_K (`FIVE = false`) or Q5_K super-block.
 ///
 /// The mins are applied as `madd(bsums, 1) · min` (no shuffle). Each sub-block scale is spread over a
@@ -65,20 +80,7 @@ unsafe fn sums_q45_k_with<const FIVE: bool>(
 
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
-    static MASKS: [[u8; 32]; 8] = {
-        let mut m = [[0u8; 32]; 8];
-        let mut i = 0;
-        while i < 8 {
-            let mut b = 0;
-            while b < 32 {
-                m[i][b] = (2 * i + b % 2) as u8;
-                b += 1;
-            }
-            i += 1;
-        }
-        m
-    };
-    let masks = core::hint::black_box(&MASKS);
+    let masks = core::hint::black_box(&SPLAT_I16);
     let bsums = _mm256_loadu_si256(y.add(260) as *const __m256i);
     let sums32 = _mm256_madd_epi16(bsums, _mm256_set1_epi16(1));
     let mprod = _mm256_mullo_epi32(sums32, _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins as i64)));
@@ -606,4 +608,106 @@ pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> 
     let mut out = [0f32; 4];
     _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
     out
+}
+
+/// The integer lanes of one Q4_K super-block `xb` against the activation bytes `q8`, and its minimum
+/// lanes against the activation's `bsums` (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
+#[inline(always)]
+unsafe fn q4k_row_lanes(xb: *const u8, q8: *const u8, bsums: __m256i) -> (__m256i, __m256i) {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let u = xb.add(4) as *const u32;
+    let (u0, u1, u2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales =
+        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins =
+        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mprod = _mm256_madd_epi16(bsums, min_pairs(mins));
+    // Each sub-block's scale as 16 i16 lanes: the scales twice (both halves), then one shuffle each.
+    let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
+    let sc = _mm256_set_m128i(sc16, sc16);
+    // The masks from a table the optimizer cannot see into, as in `sums_q45_k`.
+    let masks = core::hint::black_box(&SPLAT_I16);
+    let splat =
+        |c: usize| _mm256_shuffle_epi8(sc, _mm256_loadu_si256(masks[c].as_ptr() as *const __m256i));
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut sumi = _mm256_setzero_si256();
+    for j in 0..4 {
+        let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+        let lo = _mm256_and_si256(bits, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+        let p_lo = scaled_dot(lo, q8.add(64 * j), splat(2 * j));
+        let p_hi = scaled_dot(hi, q8.add(64 * j + 32), splat(2 * j + 1));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p_lo, p_hi));
+    }
+    (sumi, mprod)
+}
+
+/// [`dot`] for Q4_K (the repacked gemv order) of four weight rows `xs` with one activation row `y`, as
+/// llama.cpp's gemv runs its interleaved rows side by side: per super-block, each row's integer lanes and
+/// minimum lanes, their eight totals in one vector (lanes 0..4: the rows' totals, 4..8: their minimum
+/// totals; exact integer sums, so any grouping gives `hsum_i32`'s value), then one fused step for all of
+/// them (lane `r` < 4: `fma(total, xd_r·yd, acc_r)`, lane `4 + r`: the same with `xdmin_r`), which is each
+/// row's own sequence of float operations alone.
+///
+/// # Safety
+/// As [`dot`], for Q4_K, for each of the four weight rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_rows_x4(nb: usize, xs: [*const u8; 4], y: *const u8) -> [f32; 4] {
+    // The f16 pairs (d, dmin) of the four rows, read as four u32, to [d0 d1 d2 d3 dmin0 .. dmin3].
+    let scale_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    let mut acc = _mm256_setzero_ps();
+    let [x0, x1, x2, x3] = xs;
+    for i in 0..nb {
+        let yb = y.add(i * Q8K_BYTES);
+        let q8 = yb.add(4);
+        let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+        let yd = (yb as *const f32).read_unaligned();
+        let (b0, b1, b2, b3) = (
+            x0.add(i * 144),
+            x1.add(i * 144),
+            x2.add(i * 144),
+            x3.add(i * 144),
+        );
+        // The next four rows (where rows are consecutive, as in a matrix×vector product): short rows
+        // end before the hardware prefetchers ramp up on four interleaved streams, so fetch them a group
+        // ahead, 576 bytes (nine cache lines) per super-block. Prefetching never faults.
+        let ahead = x3.wrapping_add(nb * 144 + i * 576);
+        for line in 0..9 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8);
+        }
+        let (s0, m0) = q4k_row_lanes(b0, q8, bsums);
+        let (s1, m1) = q4k_row_lanes(b1, q8, bsums);
+        let (s2, m2) = q4k_row_lanes(b2, q8, bsums);
+        let (s3, m3) = q4k_row_lanes(b3, q8, bsums);
+        // [s0 s1 s2 s3 | s0' s1' s2' s3'] (halves' totals), the same for the minimums, then both halves.
+        let hs = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+        let hm = _mm256_hadd_epi32(_mm256_hadd_epi32(m0, m1), _mm256_hadd_epi32(m2, m3));
+        let totals = _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(hs, hm),
+            _mm256_permute2x128_si256::<0x31>(hs, hm),
+        );
+        let dpairs = _mm_setr_epi32(
+            (b0 as *const i32).read_unaligned(),
+            (b1 as *const i32).read_unaligned(),
+            (b2 as *const i32).read_unaligned(),
+            (b3 as *const i32).read_unaligned(),
+        );
+        let d16 = _mm_shuffle_epi8(dpairs, scale_order);
+        let scales = _mm256_mul_ps(_mm256_cvtph_ps(d16), _mm256_set1_ps(yd));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), scales, acc);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    [
+        lanes[0] - lanes[4],
+        lanes[1] - lanes[5],
+        lanes[2] - lanes[6],
+        lanes[3] - lanes[7],
+    ]
 }
