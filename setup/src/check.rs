@@ -118,8 +118,8 @@ pub fn line(name: &str, needs: &Needs, machine: &Machine) -> String {
     )
 }
 
-/// The machine's memory: given figures (MiB) where passed, else `/proc/meminfo`'s `MemTotal` and the first
-/// card's total from `nvidia-smi` (no `nvidia-smi` or no card: no GPU).
+/// The machine's memory: given figures (MiB) where passed, else the RAM sysinfo reports and the first
+/// card's total from `nvidia-smi` (NVML; no `nvidia-smi` or no card: no GPU).
 pub fn this_machine(vram_mib: Option<u64>, ram_mib: Option<u64>) -> Result<Machine, String> {
     let ram_bytes = match ram_mib {
         Some(m) => m * MIB,
@@ -137,16 +137,12 @@ pub fn this_machine(vram_mib: Option<u64>, ram_mib: Option<u64>) -> Result<Machi
 }
 
 fn total_ram() -> Result<u64, String> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|e| format!("cannot read /proc/meminfo ({e}); pass --ram-mib"))?;
-    parse_meminfo_total(&text).ok_or_else(|| "no MemTotal in /proc/meminfo; pass --ram-mib".into())
-}
-
-/// `MemTotal:  24576000 kB` → bytes.
-pub fn parse_meminfo_total(text: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    let mut sys = sysinfo::System::new();
+    sys.refresh_memory();
+    match sys.total_memory() {
+        0 => Err("this machine's RAM is unknown; pass --ram-mib".into()),
+        bytes => Ok(bytes),
+    }
 }
 
 fn first_gpu_vram() -> Option<u64> {
@@ -166,16 +162,4 @@ fn first_gpu_vram() -> Option<u64> {
 /// A figure for people: `12.3 GB`.
 pub fn gb(bytes: u64) -> String {
     format!("{:.1} GB", bytes as f64 / GB)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn meminfo_total() {
-        let text = "MemTotal:       24576000 kB\nMemFree:  100 kB\n";
-        assert_eq!(parse_meminfo_total(text), Some(24_576_000 * 1024));
-        assert_eq!(parse_meminfo_total("MemFree: 1 kB"), None);
-    }
 }

@@ -52,7 +52,7 @@ struct Args {
     /// VRAM of the card in MiB for --check (0: no GPU); default: nvidia-smi's figure.
     #[arg(long, value_name = "N")]
     vram_mib: Option<u64>,
-    /// RAM in MiB for --check and the default size; default: /proc/meminfo.
+    /// RAM in MiB for --check and the default size; default: what sysinfo reports.
     #[arg(long, value_name = "N")]
     ram_mib: Option<u64>,
     /// List the families and their sizes.
