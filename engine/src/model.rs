@@ -65,11 +65,50 @@ impl Model {
     /// Runs the model where `choice` says: on the CPU, or with every weight uploaded to a GPU
     /// ([`crate::gpu`]).
     pub fn use_device(&mut self, choice: crate::gpu::DeviceChoice) -> Result<(), EngineError> {
+        self.use_device_with(choice, &crate::gpu::Placement::new())
+    }
+
+    /// [`Model::use_device`] with the expert cache placed as `placement` says.
+    pub fn use_device_with(
+        &mut self,
+        choice: crate::gpu::DeviceChoice,
+        placement: &crate::gpu::Placement,
+    ) -> Result<(), EngineError> {
+        self.gpu = None;
         self.gpu = match choice.ordinal()? {
-            Some(n) => Some(crate::gpu::GpuBackend::load(n, &self.weights)?),
+            Some(n) => Some(crate::gpu::GpuBackend::load(
+                n,
+                &self.graph,
+                &self.weights,
+                placement,
+            )?),
             None => None,
         };
         Ok(())
+    }
+
+    /// The expert cache's figures when the model runs on a GPU and has routed experts.
+    pub fn expert_stats(&self) -> Option<crate::gpu::expert_cache::CacheStats> {
+        self.gpu.as_ref().and_then(|g| g.expert_stats())
+    }
+
+    /// Routed experts in VRAM now (0 on the CPU).
+    pub fn experts_in_vram(&self) -> usize {
+        self.gpu.as_ref().map_or(0, |g| g.experts_in_vram().0)
+    }
+
+    /// Bytes of weights on the GPU (`None` on the CPU).
+    pub fn gpu_weight_bytes(&self) -> Option<usize> {
+        self.gpu.as_ref().map(|g| g.weight_bytes())
+    }
+
+    /// Adds the routings of the answers since the last call to the expert profile beside the model and
+    /// saves it (nothing on the CPU or for a dense model).
+    pub fn save_expert_profile(&self) -> std::io::Result<()> {
+        match &self.gpu {
+            Some(g) => g.save_expert_profile(),
+            None => Ok(()),
+        }
     }
 
     /// Whether the model runs on a GPU.
@@ -155,6 +194,7 @@ impl Model {
                     .into(),
             ));
         }
+        cpu_state.sync().map_err(EngineError)?;
         let (gpu_logits, (cpu_out, ops)) =
             gpu.call(&self.weights, gpu_state, tokens, logits, |g| {
                 let cpu = CpuForward::new(&self.weights, cpu_state, tokens, logits);
@@ -190,6 +230,7 @@ impl Model {
                     .into(),
             ));
         }
+        state.sync().map_err(EngineError)?;
         let out = {
             let mut c = crate::gpu::reference::Q81Cpu {
                 cpu: CpuForward::new(&self.weights, state, tokens, logits),
@@ -235,6 +276,7 @@ impl Model {
         if let Some(gpu) = &self.gpu {
             return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
         }
+        state.sync().map_err(EngineError)?;
         let out = {
             let mut c = CpuForward::new(&self.weights, state, tokens, logits)
                 .with_arithmetic(self.arithmetic);

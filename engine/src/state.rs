@@ -5,12 +5,43 @@
 //! caches grow with the sequence (rows of f32 per position) up to the context size fixed at creation;
 //! recurrent states have a fixed size.
 //!
+//! A backend that keeps the state itself (the GPU) may leave the host's layers behind and attach a
+//! [`Deferred`] that brings them up to date: the state's own methods that read or change the layers do so
+//! first ([`SeqState::sync`]); [`SeqState::layer`] reads the host's copy as it is.
+//!
 //! Keys and values are stored as f32. By default they are first rounded to f16 precision
 //! ([`KvPrecision::F16`]), which is what llama.cpp's default cache type keeps: on quantized models, whose
 //! activation quantization turns small differences into rounding flips, this keeps results within
 //! llama.cpp's own run-to-run spread. (Storing them as f16 to halve the memory comes with the memory work.)
 
 use poly_models::arch::StateSpec;
+use std::sync::Arc;
+
+/// The newest part of a sequence's state, held outside its host layers by a backend that copies it back
+/// only when the host needs it (the GPU: `crate::gpu::seq`).
+pub trait DeferredState: Send + Sync {
+    /// Brings `layers` up to date: the KV rows past those the host holds, the recurrent states.
+    fn fetch_into(&self, layers: &mut [LayerState]) -> Result<(), String>;
+    /// The present states of the recurrent layers among `layers` (`(layer, state)`), which stay as they
+    /// are.
+    fn recurrent_now(&self, layers: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String>;
+}
+
+/// A state's [`DeferredState`]; copies of a state share it (equal when it is the same one).
+#[derive(Clone)]
+pub struct Deferred(pub Arc<dyn DeferredState>);
+
+impl PartialEq for Deferred {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Deferred")
+    }
+}
 
 /// The precision keys and values keep in a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -206,6 +237,8 @@ pub struct SeqState {
     layers: Vec<LayerState>,
     tokens: Vec<u32>,
     n_ctx: usize,
+    /// Where the layers' newest part is when the host's copy is behind.
+    deferred: Option<Deferred>,
 }
 
 impl SeqState {
@@ -226,6 +259,34 @@ impl SeqState {
                 .collect(),
             tokens: Vec::new(),
             n_ctx,
+            deferred: None,
+        }
+    }
+
+    /// What brings the host's layers up to date, if they are behind.
+    pub fn deferred(&self) -> Option<&Deferred> {
+        self.deferred.as_ref()
+    }
+
+    /// Marks the host's layers as behind, `d` bringing them up to date (a backend's call, after it
+    /// advanced the state it keeps).
+    pub fn set_deferred(&mut self, d: Option<Deferred>) {
+        self.deferred = d;
+    }
+
+    /// Brings the host's layers up to date (a no-op when they are). On an error (the backend lost the
+    /// state) the layers stay behind and the mark is dropped.
+    pub fn sync(&mut self) -> Result<(), String> {
+        match self.deferred.take() {
+            Some(d) => d.0.fetch_into(&mut self.layers),
+            None => Ok(()),
+        }
+    }
+
+    /// [`SeqState::sync`] for the methods that cannot return its error: it goes to stderr.
+    fn sync_or_log(&mut self) {
+        if let Err(e) = self.sync() {
+            eprintln!("poly-engine: a sequence state could not be brought back to the host: {e}");
         }
     }
 
@@ -249,13 +310,15 @@ impl SeqState {
         self.n_ctx.saturating_sub(self.tokens.len())
     }
 
-    /// The state of layer `il`.
+    /// The host's copy of layer `il` (behind while [`SeqState::deferred`] is set: [`SeqState::sync`]
+    /// first).
     pub fn layer(&self, il: usize) -> &LayerState {
         &self.layers[il]
     }
 
     /// The state of layer `il`, to advance.
     pub fn layer_mut(&mut self, il: usize) -> &mut LayerState {
+        self.sync_or_log();
         &mut self.layers[il]
     }
 
@@ -270,6 +333,7 @@ impl SeqState {
 
     /// Forgets everything: an empty sequence again.
     pub fn clear(&mut self) {
+        self.deferred = None;
         let precision = self.precision;
         self.layers = self
             .specs
@@ -293,6 +357,7 @@ impl SeqState {
         if n > self.n_past() || (n < self.n_past() && self.has_recurrent()) {
             return false;
         }
+        self.sync_or_log();
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
                 c.truncate(n);
@@ -305,6 +370,17 @@ impl SeqState {
     /// What going back to the present position needs later: the recurrent layers' states (KV caches
     /// are cut instead).
     pub fn checkpoint(&self) -> Checkpoint {
+        if let Some(d) = &self.deferred {
+            match d.0.recurrent_now(&self.layers) {
+                Ok(recurrent) => {
+                    return Checkpoint {
+                        n_past: self.n_past(),
+                        recurrent,
+                    }
+                }
+                Err(e) => eprintln!("poly-engine: a checkpoint of the host's copy (behind): {e}"),
+            }
+        }
         Checkpoint {
             n_past: self.n_past(),
             recurrent: self
@@ -338,6 +414,7 @@ impl SeqState {
         if !fits {
             return false;
         }
+        self.sync_or_log();
         for (il, r) in &cp.recurrent {
             self.layers[*il] = LayerState::Recurrent(r.clone());
         }
@@ -352,6 +429,7 @@ impl SeqState {
 
     /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked).
     pub fn shrink_to_fit(&mut self) {
+        self.sync_or_log();
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
                 c.k.shrink_to_fit();

@@ -97,3 +97,28 @@ extern "C" __global__ void kv_store_f16(const float * __restrict__ src, uint16_t
         dst[offset + i] = f32_to_f16(src[i]);
     }
 }
+
+// The KV store of a captured decode graph: row r of k_src / v_src goes to row positions[r] of the caches
+// (read on the card, so a replay stores at the new position); one launch stores keys and values. Rows whose
+// position lies outside the cache (n_ctx rows) are skipped.
+extern "C" __global__ void kv_store_f16_pos(const float * __restrict__ k_src, const float * __restrict__ v_src,
+                                            uint16_t * __restrict__ k_dst, uint16_t * __restrict__ v_dst,
+                                            const int * __restrict__ positions, int n_rows, int k_width,
+                                            int v_width, int n_ctx) {
+    const int r = blockIdx.y;
+    if (r >= n_rows) {
+        return;
+    }
+    const int p = positions[r];
+    if (p < 0 || p >= n_ctx) {
+        return;
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < k_width + v_width; i += gridDim.x * blockDim.x) {
+        if (i < k_width) {
+            k_dst[(int64_t) p * k_width + i] = f32_to_f16(k_src[(int64_t) r * k_width + i]);
+        } else {
+            const int j = i - k_width;
+            v_dst[(int64_t) p * v_width + j] = f32_to_f16(v_src[(int64_t) r * v_width + j]);
+        }
+    }
+}

@@ -238,3 +238,46 @@ fn attention_over_a_cache_prefix_equals_attention_over_exactly_those_rows() {
     .unwrap();
     assert_eq!(dev.download(&got).unwrap(), dev.download(&want).unwrap());
 }
+
+#[test]
+fn kv_store_at_device_positions_writes_those_rows_only() {
+    let Some(dev) = device() else { return };
+    let (kw, vw, n_ctx) = (24, 40, 16);
+    let mut k_cache = dev.zeros::<u16>(n_ctx * kw).unwrap();
+    let mut v_cache = dev.zeros::<u16>(n_ctx * vw).unwrap();
+    // Rows 0..3 to positions 5, 9, 2, and a fourth row past the cache (skipped).
+    let positions = [5i32, 9, 2, n_ctx as i32];
+    let k = random(4 * kw, 7);
+    let v = random(4 * vw, 8);
+    let (dk, dv) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+    let dpos = dev.upload(&positions).unwrap();
+    let dst = ew::KvDst {
+        k: &mut k_cache,
+        v: &mut v_cache,
+        k_width: kw,
+        v_width: vw,
+    };
+    ew::kv_store_f16_pos(&dev, &dk, &dv, &dpos, dst).unwrap();
+    let f16 = |x: &[f32]| -> Vec<u16> {
+        x.iter()
+            .map(|&y| half::f16::from_f32(y).to_bits())
+            .collect()
+    };
+    let mut want_k = vec![0u16; n_ctx * kw];
+    let mut want_v = vec![0u16; n_ctx * vw];
+    for (r, &p) in positions.iter().enumerate().take(3) {
+        let p = p as usize;
+        want_k[p * kw..(p + 1) * kw].copy_from_slice(&f16(&k[r * kw..(r + 1) * kw]));
+        want_v[p * vw..(p + 1) * vw].copy_from_slice(&f16(&v[r * vw..(r + 1) * vw]));
+    }
+    assert_eq!(dev.download(&k_cache).unwrap(), want_k);
+    assert_eq!(dev.download(&v_cache).unwrap(), want_v);
+    // Wrong lengths are refused.
+    let dst = ew::KvDst {
+        k: &mut k_cache,
+        v: &mut v_cache,
+        k_width: kw + 1,
+        v_width: vw,
+    };
+    assert!(ew::kv_store_f16_pos(&dev, &dk, &dv, &dpos, dst).is_err());
+}

@@ -4,7 +4,7 @@
 
 use crate::engine::process::EngineEvent;
 use crate::engine::supervisor::{Counters, Lease};
-use crate::model_text::{Decoder, ModelText, OutputParser, ParserSetup, Piece};
+use crate::model_text::{Decoder, ModelText, OutputParser, ParserSetup, Piece, Resume};
 use poly_protocol::{Gen, StopReason};
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,13 +102,25 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Sends the request to the engine.
+    /// Sends the request to the engine, with no conversation hints (completions, benchmarks).
     pub fn start(
         lease: Lease,
         id: String,
         prompt: Vec<u32>,
         sampling: &Sampling,
         output: Output,
+    ) -> Result<Generation, Failure> {
+        Generation::start_in(lease, id, prompt, sampling, output, Resume::default())
+    }
+
+    /// Sends the request to the engine as part of the conversation `resume` names.
+    pub fn start_in(
+        lease: Lease,
+        id: String,
+        prompt: Vec<u32>,
+        sampling: &Sampling,
+        output: Output,
+        resume: Resume,
     ) -> Result<Generation, Failure> {
         let text: Arc<ModelText> = lease.text();
         let ready = lease.engine().ready().clone();
@@ -167,8 +179,8 @@ impl Generation {
             seed: sampling.seed,
             stop_tokens: Some(stop_tokens),
             top_logprobs: sampling.top_logprobs,
-            conversation: None,
-            checkpoint_at: None,
+            conversation: resume.conversation,
+            checkpoint_at: resume.checkpoint_at,
         };
         let events = lease.engine().generate(gen).map_err(Failure::died)?;
         Ok(Generation {

@@ -7,8 +7,9 @@
 //! - [`model_text`]: a loaded model's text side as the HTTP layer uses it; [`generate`]: one generation.
 //! - [`http`]: the OpenAI, Anthropic and management APIs; [`client`]: a blocking client of them (the
 //!   terminal chat builds on it); [`web`]: the chat page served at `/`.
-//! - [`chat`]: the terminal chat (`polystrata --model NAME`).
+//! - [`chat`]: the terminal chat (`polystrata --model NAME`); [`bench`]: `polystrata benchmark`.
 
+pub mod bench;
 pub mod chat;
 pub mod client;
 pub mod engine;

@@ -6,8 +6,9 @@
 //! every byte of VRAM, pinned memory and mapping to the OS.
 //!
 //! Commands: `polystrata serve` (the server alone), `polystrata --list-models` (the registry),
-//! `polystrata tokenizer --gguf FILE --out DIR` (a model's tokenizer directory). The terminal
-//! chat (`polystrata --model NAME`) is a client of the HTTP API (`chat`).
+//! `polystrata tokenizer --gguf FILE --out DIR` (a model's tokenizer directory), `polystrata benchmark
+//! --model NAME` (prompt and answer speed through the supervisor, `bench`). The terminal chat
+//! (`polystrata --model NAME`) is a client of the HTTP API (`chat`).
 
 use clap::{Parser, Subcommand};
 use polystrata::engine::process::StopTimeouts;
@@ -56,6 +57,35 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Measure a model: a short prompt and long ones, each answered greedily, through the supervisor and
+    /// the engine as `serve` runs them (it starts the model's engine itself; stop a server that holds the
+    /// same GPU first).
+    Benchmark(BenchmarkArgs),
+}
+
+/// `--prompt-tokens` parsed whole (an alias, so clap does not read `Vec` as one value per flag).
+type PromptLengths = Vec<usize>;
+
+#[derive(clap::Args)]
+struct BenchmarkArgs {
+    /// The model (a registry id, alias or unique part of an id).
+    #[arg(long)]
+    model: String,
+    /// One JSON object on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// The long prompts' lengths in tokens, comma-separated (the short prompt always runs too).
+    #[arg(long, value_parser = polystrata::bench::parse_prompt_tokens, default_value = "2000,8000")]
+    prompt_tokens: PromptLengths,
+    /// How many times to send every prompt.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// Answer tokens per prompt (greedy; end tokens do not stop the answer).
+    #[arg(long, default_value_t = 256)]
+    answer_tokens: u32,
+    /// Seconds the engine may take to load before READY.
+    #[arg(long, default_value_t = 600)]
+    ready_timeout: u64,
 }
 
 #[derive(clap::Args)]
@@ -103,6 +133,17 @@ fn main() -> ExitCode {
     }
     match args.command {
         Some(Command::Serve(serve)) => run_server(registry, serve),
+        Some(Command::Benchmark(b)) => polystrata::bench::run(
+            registry,
+            polystrata::bench::BenchOptions {
+                model: b.model,
+                long_prompts: b.prompt_tokens,
+                runs: b.runs,
+                answer_tokens: b.answer_tokens,
+                json: b.json,
+                ready_timeout: std::time::Duration::from_secs(b.ready_timeout),
+            },
+        ),
         Some(Command::Tokenizer { gguf, out }) => {
             match polystrata::text::tokenizer_dir::tokenizer_command(&gguf, &out) {
                 Ok(cfg) => {
@@ -123,7 +164,7 @@ fn main() -> ExitCode {
             }
         }
         None => {
-            eprintln!("polystrata: say `serve` or `--list-models` (see --help)");
+            eprintln!("polystrata: say `serve`, `benchmark` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
     }

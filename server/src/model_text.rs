@@ -42,6 +42,14 @@ pub struct RenderedChat {
     pub parser: ParserSetup,
 }
 
+/// Where the engine keeps a chat's state between turns (the protocol's `conversation` and
+/// `checkpoint_at`; see [`ModelText::resume_hints`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Resume {
+    pub conversation: Option<String>,
+    pub checkpoint_at: Option<u32>,
+}
+
 /// How to parse a chat reply: its tools and whether the prompt left it inside reasoning.
 #[derive(Clone, Debug, Default)]
 pub struct ParserSetup {
@@ -136,6 +144,60 @@ impl ModelText {
                 starts_in_reasoning,
             },
         })
+    }
+
+    /// The engine's hints for a chat request whose prompt (ending with the assistant's turn opened) is
+    /// `prompt`:
+    /// - a conversation name from the chat's opening (the messages up to and including the first user
+    ///   message): the requests of one chat share it, so two chats used in turn each keep their state in
+    ///   the engine (parked in RAM) instead of each evicting the other;
+    /// - a checkpoint where the assistant's turn opens (the end of the same conversation rendered without
+    ///   the generation prompt): the next turn's prompt shares the text up to there, but templates drop
+    ///   the reasoning of earlier answers, so it may depart right after; a model with recurrent layers can
+    ///   only resume at a checkpoint.
+    pub fn resume_hints(&self, input: &ChatInput, prompt: &[u32]) -> Resume {
+        let opening = match input
+            .messages
+            .iter()
+            .position(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        {
+            Some(i) => &input.messages[..=i],
+            None => &input.messages[..],
+        };
+        let conversation = (!opening.is_empty()).then(|| {
+            let text = Value::Array(opening.to_vec()).to_string();
+            format!("chat-{:016x}", fnv1a64(text.as_bytes()))
+        });
+        Resume {
+            conversation,
+            checkpoint_at: self.turn_start(input, prompt).map(|n| n as u32),
+        }
+    }
+
+    /// How many tokens of `prompt` come before the assistant's opened turn (`None` when that cannot be
+    /// told, or when it is the whole prompt).
+    fn turn_start(&self, input: &ChatInput, prompt: &[u32]) -> Option<usize> {
+        let template = self.template.as_ref().ok()?;
+        let without = template
+            .render(
+                &TemplateInput {
+                    messages: input.messages.clone(),
+                    tools: input.tools.clone().unwrap_or_default(),
+                    add_generation_prompt: false,
+                    enable_thinking: input.enable_thinking,
+                    extra: input.extra.clone(),
+                    now: None,
+                },
+                self.tokenizer.config.add_bos,
+            )
+            .ok()?;
+        let tokens = self.encode(&without).ok()?;
+        let shared = tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        (shared > 0 && shared < prompt.len()).then_some(shared)
     }
 
     /// The ids of `text` with the model's BOS rule; special-token texts become those tokens (a rendered
@@ -255,4 +317,12 @@ impl OutputParser {
         }
         out
     }
+}
+
+/// FNV-1a, 64 bits: a stable name for a chat's opening (not a security hash: a collision only makes two
+/// chats share one kept state, which the engine handles by their common prefix).
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }

@@ -6,7 +6,9 @@
 //! - Writing (`tg`): from an empty state, `--gen` single-token forward calls, each asking for logits (the
 //!   next token is random, as llama-bench's, so no sampling is timed).
 //!
-//! `--gpu N` measures the card (every weight in VRAM); the CPU is the default.
+//! `--gpu N` measures the card (dense weights in VRAM, routed experts as `--vram-reserve-mib` and
+//! `--expert-budget-mib` place them; the JSON's `experts` says how many were in VRAM and how often they
+//! served); the CPU is the default.
 //!
 //! One warm-up of each (a whole prompt, one decode step) precedes the timed repetitions, as llama-bench
 //! does. Each repetition reports wall time and the CPU time of the whole process (all threads) over it:
@@ -57,6 +59,8 @@ pub struct BenchArgs {
     /// Compute in the serve mode's batch-invariant arithmetic instead of llama.cpp's orders.
     #[arg(long)]
     batch_invariant: bool,
+    #[command(flatten)]
+    placement: super::PlacementArgs,
 }
 
 /// CPU seconds (user + system) this process has used, all threads; `None` where /proc is missing.
@@ -156,7 +160,10 @@ pub fn run(args: BenchArgs) -> CliResult {
         Arithmetic::LlamaCpp
     };
     let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
-    model.use_device(DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?)?;
+    model.use_device_with(
+        DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
+        &args.placement.placement(args.prompt + args.gen),
+    )?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = Rng::new(args.seed);
 
@@ -197,6 +204,21 @@ pub fn run(args: BenchArgs) -> CliResult {
     }
     if !tg.is_empty() {
         out["tg"] = summary(args.gen, &tg);
+    }
+    if let Some(c) = model.expert_stats() {
+        out["experts"] = json!({
+            "in_vram": model.experts_in_vram(),
+            "cache_bytes": c.bytes,
+            "slots": c.policy.slots,
+            "occupied": c.policy.occupied,
+            "uploads": c.policy.uploads,
+            "evictions": c.policy.evictions,
+            "staged": c.staged,
+            "cpu_experts": c.cpu_experts,
+            "cpu_seconds": c.cpu_seconds,
+            "routed": c.routed,
+            "vram_share": if c.routed > 0 { c.routed_vram as f64 / c.routed as f64 } else { 1.0 },
+        });
     }
     println!("{out}");
     Ok(())

@@ -8,6 +8,7 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
+use poly_engine::gpu::Placement;
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -65,6 +66,43 @@ struct ServeArgs {
     /// count, gives the same results bit for bit.
     #[arg(long)]
     batch_invariant: bool,
+    #[command(flatten)]
+    placement: PlacementArgs,
+}
+
+/// Where a GPU run puts the routed experts (issue 8's VRAM expert cache).
+#[derive(Args, Clone, Debug)]
+pub struct PlacementArgs {
+    /// MiB of VRAM left free on the card (default: a 32nd of the card, 256 to 768 MiB).
+    #[arg(long, value_name = "MIB")]
+    vram_reserve_mib: Option<usize>,
+    /// MiB of VRAM for the routed-expert cache instead of all that is left (0: no expert in VRAM).
+    #[arg(long, value_name = "MIB")]
+    expert_budget_mib: Option<usize>,
+    /// Experts the cache may upload per MoE layer and generated token (0: the cache stays as placed).
+    #[arg(long, value_name = "N", default_value_t = Placement::DEFAULT_UPLOADS_PER_LAYER)]
+    expert_uploads: usize,
+    /// Neither read nor write the expert profile (`<model>.poly-profile.json`).
+    #[arg(long)]
+    no_expert_profile: bool,
+    /// Copy experts to the card through pinned staging buffers only (not straight from the model file's
+    /// mapping, page-locked).
+    #[arg(long)]
+    expert_staging_only: bool,
+}
+
+impl PlacementArgs {
+    /// The placement for sequences of `n_ctx` tokens (0: the model's training context).
+    pub fn placement(&self, n_ctx: usize) -> Placement {
+        Placement {
+            reserve_mib: self.vram_reserve_mib,
+            expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
+            uploads_per_layer: self.expert_uploads,
+            n_ctx,
+            no_profile: self.no_expert_profile,
+            staging_only: self.expert_staging_only,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -109,6 +147,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 park_bytes: a.park_mib.saturating_mul(1 << 20),
                 checkpoint_every: a.checkpoint_every,
                 device,
+                placement: a.placement.placement(a.max_context),
                 arithmetic: if a.llama_orders {
                     Arithmetic::LlamaCpp
                 } else {

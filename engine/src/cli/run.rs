@@ -85,6 +85,8 @@ pub struct RunArgs {
     /// and on any thread count (default: llama.cpp's orders, which depend on both).
     #[arg(long)]
     batch_invariant: bool,
+    #[command(flatten)]
+    placement: super::PlacementArgs,
 }
 
 /// Token ids separated by commas and/or white space.
@@ -145,9 +147,10 @@ pub fn run(args: RunArgs) -> CliResult {
         Arithmetic::LlamaCpp
     };
     let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
-    model.use_device(poly_engine::gpu::DeviceChoice::from_flags(
-        args.cpu, args.gpu,
-    )?)?;
+    model.use_device_with(
+        poly_engine::gpu::DeviceChoice::from_flags(args.cpu, args.gpu)?,
+        &args.placement.placement(args.n_ctx),
+    )?;
     eprintln!("running on {}", model.device_name());
     let loaded = start.elapsed();
     let precision = if args.kv_f32 {

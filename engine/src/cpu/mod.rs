@@ -193,6 +193,11 @@ impl CpuWeights {
         &self.file
     }
 
+    /// The file, shared (for users that must keep its mapping alive, e.g. the card's copies from it).
+    pub fn shared_file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
     /// The tensor's name, type and shape.
     pub fn info(&self, w: WeightId) -> &TensorInfo {
         &self.file.tensor_infos()[w.0 as usize]

@@ -127,7 +127,7 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
 }
 
 /// Expert `e` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`.
-fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
+pub(crate) fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
     let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs, arith);
     let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs, arith);
     match m.act {

@@ -8,7 +8,6 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Instant;
 
 use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::attention_mma;
@@ -18,7 +17,7 @@ use poly_kernels::cuda::prompt::{
     self, gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
 };
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
-use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
+use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::ops::recurrent::DeltaShape;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
@@ -28,7 +27,9 @@ use poly_models::compute::{
     Unary, WeightId,
 };
 
+use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
+use super::profile::CallMarks;
 use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
 use crate::cpu::CpuWeights;
@@ -38,10 +39,47 @@ const ATTN_TARGET_BLOCKS: usize = 264;
 /// Most expert slots (tokens × experts per token) of one expert launch.
 const MAX_SLOTS: usize = 65_535;
 
+/// The cache rows a one-token call at context length `n_kv` reads: the next power of two from 256, at most
+/// the cache's `n_ctx` rows. Positions past the token's own are masked, so one graph serves a whole bucket;
+/// the split of the context (and so the summation order) is the bucket's.
+pub fn decode_kv_rows(n_kv: usize, n_ctx: usize) -> usize {
+    n_kv.next_power_of_two().max(256).min(n_ctx).max(n_kv)
+}
+
+/// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
+/// `[n_embd]` and its position `[1]`.
+pub struct GraphInputs {
+    /// Made by the first (running) call, which learns the width.
+    pub row: Option<DeviceBuffer<f32>>,
+    pub positions: DeviceBuffer<i32>,
+}
+
+/// How a call takes part in a decode graph.
+pub struct GraphMode<'a> {
+    pub inputs: &'a mut GraphInputs,
+    /// Launches are being captured (nothing runs, the host writes no input).
+    pub capturing: bool,
+    /// The embedding table and width `embed` read, for the host's writes before replays.
+    pub embed: Option<(WeightId, usize)>,
+}
+
+/// What a call runs against: the device, the weights and the sequence on it, and the buffer pool.
+pub struct Backing<'a> {
+    pub dev: &'a Device,
+    pub weights: &'a GpuWeights,
+    pub cpu: &'a CpuWeights,
+    pub seq: &'a mut DeviceSeq,
+    pub pool: Rc<Pool>,
+    /// The routed experts' cache (holding every expert: a graph cannot wait for the CPU's share).
+    pub experts: Option<&'a mut ExpertCache>,
+}
+
 /// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
 pub struct DevAct {
     rows: usize,
     cols: usize,
+    /// Unique within the call: names the activation in the quantized-input cache.
+    id: u64,
     buf: Option<DeviceBuffer<f32>>,
     pool: Rc<Pool>,
 }
@@ -73,6 +111,14 @@ impl DevAct {
 }
 
 /// A prompt's routing grouped by expert, on the card ([`GpuForward::group_experts`]).
+/// The card's routed-expert outputs before they are summed per token.
+enum CardExperts {
+    /// `[slots, n_embd]` in expert order, with the grouping that sums them back.
+    Grouped(DeviceBuffer<f32>, ExpertGroups),
+    /// `[slots, n_embd]` in slot order.
+    Slots(DeviceBuffer<f32>),
+}
+
 struct ExpertGroups {
     /// `[slots]` the token of each sorted row.
     rows: DeviceBuffer<i32>,
@@ -103,48 +149,18 @@ pub struct GpuForward<'a> {
     logits: Logits,
     /// `[n]` positions of the batch's tokens.
     positions: Option<DeviceBuffer<i32>>,
+    /// Set when the call's launches are captured into (or prepared for) a decode graph.
+    graph: Option<GraphMode<'a>>,
     error: Option<CudaError>,
-    /// Per-operation times of a prompt call when `POLY_GPU_OPTIME=1` ([`OpTimes`]).
-    optime: Option<OpTimes>,
-}
-
-/// Wall time per kind of operation of one prompt call (64 tokens or more), when the environment has
-/// `POLY_GPU_OPTIME=1`: a diagnosis of prompt speed. Each timed operation waits for the card before and
-/// after, so the figures include launch and wait costs and the call runs slower than untimed; `finish`
-/// prints the table to stderr.
-struct OpTimes {
-    started: Instant,
-    by_op: RefCell<Vec<(&'static str, f64, u32)>>,
-}
-
-impl OpTimes {
-    fn wanted(n_tokens: usize) -> Option<OpTimes> {
-        let on = std::env::var("POLY_GPU_OPTIME").is_ok_and(|v| v == "1");
-        (on && n_tokens >= 64).then(|| OpTimes {
-            started: Instant::now(),
-            by_op: RefCell::new(Vec::new()),
-        })
-    }
-
-    fn add(&self, op: &'static str, seconds: f64) {
-        let mut v = self.by_op.borrow_mut();
-        match v.iter_mut().find(|e| e.0 == op) {
-            Some(e) => {
-                e.1 += seconds;
-                e.2 += 1;
-            }
-            None => v.push((op, seconds, 1)),
-        }
-    }
-
-    fn report(&self, n_tokens: usize) {
-        let total = self.started.elapsed().as_secs_f64();
-        let mut line = format!("optime n {n_tokens}: call {:.2} ms", total * 1e3);
-        for (op, s, count) in self.by_op.borrow().iter() {
-            line.push_str(&format!("; {op} {:.2} ms ({count})", s * 1e3));
-        }
-        eprintln!("{line}");
-    }
+    /// The next activation id.
+    next_id: std::cell::Cell<u64>,
+    /// The last one-row activation quantized for a quantized matrix×vector, by activation id: the q, k and
+    /// v projections (and an MoE layer's gate and up experts) read the same input, quantized once.
+    q8_cache: RefCell<Option<(u64, DeviceBuffer<BlockQ8_1>)>>,
+    /// `POLY_GPU_PROFILE`'s device marks, when profiling.
+    marks: RefCell<Option<CallMarks>>,
+    /// The routed experts' cache, when the model has some (their tables, the CPU's share, staging).
+    experts: Option<&'a mut ExpertCache>,
 }
 
 fn rope_params(r: &Rope) -> RopeParams {
@@ -188,9 +204,141 @@ impl<'a> GpuForward<'a> {
             pos0,
             logits,
             positions: Some(positions),
+            graph: None,
             error: None,
-            optime: OpTimes::wanted(tokens.len()),
+            next_id: std::cell::Cell::new(0),
+            q8_cache: RefCell::new(None),
+            marks: RefCell::new(None),
+            experts: None,
         })
+    }
+
+    /// The call with the routed experts found through `cache`.
+    pub fn with_expert_cache(mut self, cache: Option<&'a mut ExpertCache>) -> GpuForward<'a> {
+        self.experts = cache;
+        self
+    }
+
+    /// A one-token call whose changing inputs (the token's embedding row, its position) are `mode`'s
+    /// buffers, so its launches can be captured and replayed ([`super::decode_graph`]). Unless capturing,
+    /// the call runs as any other (it writes the row itself); the host writes the position before.
+    pub(super) fn for_graph(
+        backing: Backing<'a>,
+        tokens: &'a [u32],
+        pos0: usize,
+        mode: GraphMode<'a>,
+    ) -> GpuForward<'a> {
+        GpuForward {
+            dev: backing.dev,
+            weights: backing.weights,
+            cpu: backing.cpu,
+            seq: backing.seq,
+            pool: backing.pool,
+            tokens,
+            pos0,
+            logits: Logits::Last,
+            positions: None,
+            graph: Some(mode),
+            error: None,
+            next_id: std::cell::Cell::new(0),
+            q8_cache: RefCell::new(None),
+            marks: RefCell::new(None),
+            experts: backing.experts,
+        }
+    }
+
+    fn new_id(&self) -> u64 {
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        id
+    }
+
+    /// The embedding table and row width a graph call's `embed` read (the host writes the row before a
+    /// replay).
+    pub(super) fn graph_embed(&self) -> Option<(WeightId, usize)> {
+        self.graph.as_ref().and_then(|g| g.embed)
+    }
+
+    /// For a captured call: the buffer the logits land in (kept by the graph), or the call's first error.
+    pub(super) fn finish_captured(mut self, mut out: DevAct) -> CudaResult<DeviceBuffer<f32>> {
+        self.release_scratch();
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        out.buf
+            .take()
+            .ok_or_else(|| CudaError::Invalid("a captured call without logits".into()))
+    }
+
+    /// Gives the call's own buffers back to the pool.
+    fn release_scratch(&mut self) {
+        if let Some((_, q)) = self.q8_cache.get_mut().take() {
+            self.pool.put_q8(q);
+        }
+        if let Some(p) = self.positions.take() {
+            self.pool.put_i32(p);
+        }
+    }
+
+    /// Runs `f` on `x` quantized to q8_1 (one row: through the cache, by `id`).
+    fn with_q8<R>(
+        &self,
+        id: Option<u64>,
+        x: &DeviceBuffer<f32>,
+        f: impl FnOnce(&DeviceBuffer<BlockQ8_1>) -> CudaResult<R>,
+    ) -> CudaResult<R> {
+        let dev = self.dev;
+        let Some(id) = id else {
+            let mut xq = self.pool.q8(dev, x.len() / 32)?;
+            let r = ops::quantize_q8_1(dev, x, &mut xq).and_then(|_| f(&xq));
+            self.pool.put_q8(xq);
+            return r;
+        };
+        let mut cache = self.q8_cache.borrow_mut();
+        if cache.as_ref().map(|c| c.0) != Some(id) {
+            if let Some((_, old)) = cache.take() {
+                self.pool.put_q8(old);
+            }
+            let mut xq = self.pool.q8(dev, x.len() / 32)?;
+            if let Err(e) = ops::quantize_q8_1(dev, x, &mut xq) {
+                self.pool.put_q8(xq);
+                return Err(e);
+            }
+            *cache = Some((id, xq));
+        }
+        match cache.as_ref() {
+            Some((_, xq)) => f(xq),
+            None => Err(CudaError::Invalid(
+                "the quantized input went missing".into(),
+            )),
+        }
+    }
+
+    /// Profiles this call's operations into `marks`.
+    pub(super) fn set_marks(&mut self, marks: Option<CallMarks>) {
+        *self.marks.get_mut() = marks;
+    }
+
+    /// The profile marks, once the operations are queued.
+    pub(super) fn take_marks(&mut self) -> Option<CallMarks> {
+        self.marks.get_mut().take()
+    }
+
+    /// Starts timing an operation (when profiling operations).
+    fn op_begin(&self) -> Option<poly_kernels::cuda::TimingEvent> {
+        self.marks
+            .borrow_mut()
+            .as_mut()
+            .and_then(|m| m.op_begin(self.dev))
+    }
+
+    /// Ends timing the operation `begin` started, as `kind`.
+    fn op_end(&self, kind: &'static str, begin: Option<poly_kernels::cuda::TimingEvent>) {
+        if begin.is_some() {
+            if let Some(m) = self.marks.borrow_mut().as_mut() {
+                m.op_end(self.dev, kind, begin);
+            }
+        }
     }
 
     /// The logits `out` holds, downloaded; or the first error of the call.
@@ -200,20 +348,17 @@ impl<'a> GpuForward<'a> {
             None if out.len() == 0 => self.dev.synchronize().map(|_| Vec::new()),
             None => out.buf().and_then(|b| self.dev.download(b)),
         };
-        if let Some(t) = &self.optime {
-            t.report(self.tokens.len());
-        }
         drop(out);
-        if let Some(p) = self.positions.take() {
-            self.pool.put_i32(p);
-        }
+        self.release_scratch();
         result
     }
 
     /// An activation holding `data` (`[rows, cols]`), for the lockstep diagnosis ([`super::lockstep`]).
     pub(super) fn upload(&mut self, rows: usize, cols: usize, data: &[f32]) -> DevAct {
         let mut out = self.alloc(rows, cols);
-        self.run(data.is_empty(), |c| c.dev.write(data, out.buf_mut()?));
+        self.run("upload", data.is_empty(), |c| {
+            c.dev.write(data, out.buf_mut()?)
+        });
         out
     }
 
@@ -231,26 +376,14 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    /// The start of a timed operation (waits for the card) when times are kept.
-    fn op_begin(&self) -> Option<Instant> {
-        self.optime.as_ref()?;
-        self.dev.synchronize().ok()?;
-        Some(Instant::now())
-    }
-
-    /// The end of a timed operation begun at `t0` (waits for the card).
-    fn op_end(&self, op: &'static str, t0: Option<Instant>) {
-        if let (Some(t), Some(t0)) = (&self.optime, t0) {
-            if self.dev.synchronize().is_ok() {
-                t.add(op, t0.elapsed().as_secs_f64());
-            }
-        }
-    }
-
     fn positions(&self) -> CudaResult<&DeviceBuffer<i32>> {
-        self.positions
-            .as_ref()
-            .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))
+        match &self.graph {
+            Some(g) => Ok(&g.inputs.positions),
+            None => self
+                .positions
+                .as_ref()
+                .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into())),
+        }
     }
 
     /// A new activation of `rows × cols` (no buffer when empty or after an error).
@@ -269,17 +402,27 @@ impl<'a> GpuForward<'a> {
         DevAct {
             rows,
             cols,
+            id: self.new_id(),
             buf,
             pool: self.pool.clone(),
         }
     }
 
-    /// Runs `f` unless the call already failed or there is nothing to compute; records its error.
-    fn run(&mut self, empty: bool, f: impl FnOnce(&mut Self) -> CudaResult<()>) {
+    /// Runs `f` (operation `kind`) unless the call already failed or there is nothing to compute; records
+    /// its error.
+    fn run(
+        &mut self,
+        kind: &'static str,
+        empty: bool,
+        f: impl FnOnce(&mut Self) -> CudaResult<()>,
+    ) {
         if self.error.is_some() || empty {
             return;
         }
-        if let Err(e) = f(self) {
+        let t = self.op_begin();
+        let r = f(self);
+        self.op_end(kind, t);
+        if let Err(e) = r {
             self.error.get_or_insert(e);
         }
     }
@@ -293,16 +436,16 @@ impl<'a> GpuForward<'a> {
         let dev = self.dev;
         match self.weights.matrix(w)? {
             GpuWeight::Quant(m) => {
-                let mut xq = self.pool.q8(dev, x.len() / 32)?;
-                ops::quantize_q8_1(dev, x.buf()?, &mut xq)?;
-                let r = if x.rows == 1 {
-                    ops::matvec_q(dev, m, &xq, y.buf_mut()?)
-                } else {
-                    matmul_q(dev, m, &xq, y.buf_mut()?)
-                };
-                self.pool.put_q8(xq);
-                r
+                let id = (x.rows == 1).then_some(x.id);
+                self.with_q8(id, x.buf()?, |xq| {
+                    if x.rows == 1 {
+                        ops::matvec_q(dev, m, xq, y.buf_mut()?)
+                    } else {
+                        matmul_q(dev, m, xq, y.buf_mut()?)
+                    }
+                })
             }
+            // A prompt's float matrices (the router): tiles of 64 rows × 64 tokens.
             GpuWeight::Float(s) if x.rows > 1 => {
                 prompt::matmul_f(dev, s.table(), x.buf()?, y.buf_mut()?)
             }
@@ -333,7 +476,11 @@ impl<'a> GpuForward<'a> {
     fn binary(&mut self, a: &DevAct, b: &DevAct, op: BinaryOp, bc: Broadcast) -> DevAct {
         let mut out = self.alloc(a.rows, a.cols);
         let cols = a.cols;
-        self.run(a.len() == 0, |c| {
+        let kind = match op {
+            BinaryOp::Add => "add",
+            BinaryOp::Mul => "mul",
+        };
+        self.run(kind, a.len() == 0, |c| {
             ew::binary(c.dev, a.buf()?, b.buf()?, cols, op, bc, out.buf_mut()?)
         });
         out
@@ -342,7 +489,11 @@ impl<'a> GpuForward<'a> {
     fn weight_binary(&mut self, x: &DevAct, w: WeightId, op: BinaryOp) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let cols = x.cols;
-        self.run(x.len() == 0, |c| {
+        let kind = match op {
+            BinaryOp::Add => "add_weight",
+            BinaryOp::Mul => "mul_weight",
+        };
+        self.run(kind, x.len() == 0, |c| {
             let v = c.vector(w)?;
             ew::binary(
                 c.dev,
@@ -369,42 +520,44 @@ impl<'a> GpuForward<'a> {
     }
 
     /// `y = W[ids[s]]·x_s` for every slot, quantizing `x` first when the experts are quantized.
+    /// `x_id` names a one-row input shared by several expert tensors (quantized once).
     fn experts_mul(
         &self,
         table: &ExpertTable,
         ids: &DeviceBuffer<i32>,
-        x: &DeviceBuffer<f32>,
+        (x, x_id): (&DeviceBuffer<f32>, Option<u64>),
         input: ExpertInput,
         y: &mut DeviceBuffer<f32>,
     ) -> CudaResult<()> {
         match ops::activation_form(table.ty) {
-            Some(ops::ActivationForm::Q8_1) => {
-                let mut xq = self.pool.q8(self.dev, x.len() / 32)?;
-                ops::quantize_q8_1(self.dev, x, &mut xq)?;
-                let r = ops::matvec_experts_q(self.dev, table, ids, &xq, input, y);
-                self.pool.put_q8(xq);
-                r
-            }
+            Some(ops::ActivationForm::Q8_1) => self.with_q8(x_id, x, |xq| {
+                ops::matvec_experts_q(self.dev, table, ids, xq, input, y)
+            }),
             _ => ops::matvec_experts_f(self.dev, table, ids, x, input, y),
         }
     }
 
-    fn moe_into(&self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+    fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
+        if slots > MAX_SLOTS {
+            return Err(CudaError::Invalid(format!(
+                "{n} tokens × {k} experts in one call"
+            )));
+        }
+        let cached = self
+            .experts
+            .as_deref()
+            .and_then(|c| c.layer_of(m.gate_exps));
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
-        let t_route = self.op_begin();
+        let t = self.op_begin();
         let mut logits = self.pool.f32(dev, n * m.n_expert)?;
         {
             let mut la = DevAct {
                 rows: n,
                 cols: m.n_expert,
+                id: self.new_id(),
                 buf: Some(logits),
                 pool: self.pool.clone(),
             };
@@ -415,6 +568,8 @@ impl<'a> GpuForward<'a> {
                 .ok_or_else(|| CudaError::Invalid("router".into()))?;
             r?;
         }
+        self.op_end("moe.router", t);
+        let t = self.op_begin();
         let mut ids = self.pool.i32(dev, slots)?;
         let mut weights = self.pool.f32(dev, slots)?;
         let routing = Routing {
@@ -429,18 +584,92 @@ impl<'a> GpuForward<'a> {
         };
         ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
         self.pool.put_f32(logits);
-        self.op_end("moe route", t_route);
-        let grouped = n > 1
-            && [gate_t, up_t, down_t]
-                .iter()
-                .all(|t| prompt::has_matmul_experts(t.ty));
-        let r = if grouped {
-            self.moe_grouped(x, &ids, &weights, m, out)
-        } else {
-            self.moe_slots(x, &ids, &weights, m, out)
+        self.op_end("moe.route_topk", t);
+        // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
+        let cpu_share = match (cached, self.experts.as_deref_mut()) {
+            (Some(layer), Some(cache)) if !cache.holds_all() => {
+                let host_ids = dev.download(&ids)?;
+                let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
+                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+            }
+            (Some(_), Some(cache)) => {
+                cache.count_all_vram(slots);
+                None
+            }
+            _ => None,
         };
+        let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
+        let r = if card_computes {
+            let routing = (&ids, &weights);
+            self.moe_card_and_cpu(x, routing, m, (cached, cpu_share.as_ref()), out)
+        } else if let Some(share) = &cpu_share {
+            let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+            out.buf_mut().and_then(|o| dev.write(&sum, o))
+        } else {
+            Ok(())
+        };
+        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
+            cache.finish_layer(dev, layer)?;
+        }
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
+        r
+    }
+
+    /// The card's experts (grouped by expert for a prompt, slot by slot for one token) and, while the card
+    /// computes them, the CPU's share: its sum goes into `out` first and the card's weighted sum adds to it.
+    /// `routing` is the ids and weights `[n, k]`; `cache` the cache's layer and the CPU's share.
+    fn moe_card_and_cpu(
+        &mut self,
+        x: &DevAct,
+        (ids, weights): (&DeviceBuffer<i32>, &DeviceBuffer<f32>),
+        m: &Moe,
+        (cached, cpu_share): (Option<usize>, Option<&CpuShare>),
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, k) = (x.rows, m.n_expert_used);
+        let card = {
+            let tables = self.expert_tables(m, cached)?;
+            let grouped = n > 1 && tables.iter().all(|t| prompt::has_matmul_experts(t.ty));
+            if grouped {
+                let (y, g) = self.moe_grouped(x, ids, m, tables)?;
+                CardExperts::Grouped(y, g)
+            } else {
+                CardExperts::Slots(self.moe_slots(x, ids, m, tables)?)
+            }
+        };
+        let accumulate = match cpu_share {
+            Some(share) => {
+                let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+                dev.write(&sum, out.buf_mut()?)?;
+                true
+            }
+            None => false,
+        };
+        let t = self.op_begin();
+        let r = match card {
+            CardExperts::Grouped(y, g) => {
+                let r = moe_combine_sorted(
+                    dev,
+                    &y,
+                    &g.slot_row,
+                    weights,
+                    k,
+                    accumulate,
+                    out.buf_mut()?,
+                );
+                self.pool.put_f32(y);
+                g.give_back(&self.pool);
+                r
+            }
+            CardExperts::Slots(y) => {
+                let r = ops::moe_combine(dev, &y, weights, k, accumulate, out.buf_mut()?);
+                self.pool.put_f32(y);
+                r
+            }
+        };
+        self.op_end("moe.combine", t);
         r
     }
 
@@ -476,24 +705,18 @@ impl<'a> GpuForward<'a> {
     }
 
     /// The routed experts of a prompt grouped by expert: the rows gathered into expert order and
-    /// quantized once, gate and up as grouped matmuls, the activation, down, and the weighted sum back in
-    /// token order.
+    /// quantized once, gate and up as grouped matmuls, the activation, down. Returns the `[slots, n_embd]`
+    /// outputs in expert order and the grouping (whose `slot_row` sums them back per token).
     fn moe_grouped(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
-        weights: &DeviceBuffer<f32>,
         m: &Moe,
-        out: &mut DevAct,
-    ) -> CudaResult<()> {
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<(DeviceBuffer<f32>, ExpertGroups)> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
         let n_ff = gate_t.rows;
         let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
@@ -516,7 +739,7 @@ impl<'a> GpuForward<'a> {
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
         ops::quantize_q8_1(dev, &h, &mut hq)?;
         self.pool.put_f32(h);
-        // [slots, n_embd] in expert order, then summed per token with the routing weights.
+        // [slots, n_embd] in expert order.
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
         let r = if down_tile == g.tile_rows {
@@ -528,11 +751,12 @@ impl<'a> GpuForward<'a> {
             r
         };
         self.pool.put_q8(hq);
-        r?;
-        moe_combine_sorted(dev, &y, &g.slot_row, weights, k, false, out.buf_mut()?)?;
-        self.pool.put_f32(y);
-        g.give_back(&self.pool);
-        Ok(())
+        if let Err(e) = r {
+            self.pool.put_f32(y);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        Ok((y, g))
     }
 
     /// `h = act(gate) · up` over rows of `width`; `gate` may be overwritten.
@@ -557,30 +781,20 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take).
+    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
+    /// `[slots, n_embd]` outputs in slot order.
     fn moe_slots(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
-        weights: &DeviceBuffer<f32>,
         m: &Moe,
-        out: &mut DevAct,
-    ) -> CudaResult<()> {
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
-        // One launch's grid has a slot per block row.
-        if slots > MAX_SLOTS {
-            return Err(CudaError::Invalid(format!(
-                "{n} tokens × {k} experts in one call"
-            )));
-        }
-        let (gate_t, up_t, down_t) = (
-            self.table(m.gate_exps)?,
-            self.table(m.up_exps)?,
-            self.table(m.down_exps)?,
-        );
         let n_ff = gate_t.rows;
+        let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
             (ExpertInput::Shared, None)
@@ -595,21 +809,46 @@ impl<'a> GpuForward<'a> {
         };
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        self.experts_mul(gate_t, ids, x_in, input, &mut gate)?;
-        self.experts_mul(up_t, ids, x_in, input, &mut up)?;
+        let x_id = (n == 1).then_some(x.id);
+        self.experts_mul(gate_t, ids, (x_in, x_id), input, &mut gate)?;
+        self.experts_mul(up_t, ids, (x_in, x_id), input, &mut up)?;
         if let Some(r) = x_rep {
             self.pool.put_f32(r);
         }
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
         let mut h = self.pool.f32(dev, slots * n_ff)?;
         self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
         self.pool.put_f32(gate);
         self.pool.put_f32(up);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
         let mut y = self.pool.f32(dev, slots * n_embd)?;
-        self.experts_mul(down_t, ids, &h, ExpertInput::PerSlot, &mut y)?;
-        ops::moe_combine(dev, &y, weights, k, false, out.buf_mut()?)?;
+        let r = self.experts_mul(down_t, ids, (&h, None), ExpertInput::PerSlot, &mut y);
         self.pool.put_f32(h);
-        self.pool.put_f32(y);
-        Ok(())
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
+    /// The gate, up and down expert tables of `m`: the cache's for its layer, else the uploaded tensors'.
+    fn expert_tables(&self, m: &Moe, cached: Option<usize>) -> CudaResult<[&ExpertTable; 3]> {
+        match (cached, self.experts.as_deref()) {
+            (Some(layer), Some(cache)) => {
+                let [g, u, d] = cache.tables(layer)?;
+                Ok([g, u, d])
+            }
+            _ => Ok([
+                self.table(m.gate_exps)?,
+                self.table(m.up_exps)?,
+                self.table(m.down_exps)?,
+            ]),
+        }
     }
 
     fn unary_into(
@@ -640,15 +879,44 @@ impl Compute for GpuForward<'_> {
     fn embed(&mut self, table: WeightId, tokens: &[u32]) -> DevAct {
         let n_embd = self.cpu.info(table).row_len() as usize;
         let mut out = self.alloc(tokens.len(), n_embd);
-        self.run(tokens.is_empty(), |c| {
+        self.run("embed", tokens.is_empty(), |c| {
             // The rows are read from the mapped file and dequantized on the host: one small copy per
             // call, and no dequantization kernel per format.
-            let mut rows = vec![0f32; tokens.len() * n_embd];
-            for (i, &t) in tokens.iter().enumerate() {
-                c.cpu
-                    .row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
+            let mut rows = Vec::new();
+            let host_rows = |rows: &mut Vec<f32>| {
+                rows.resize(tokens.len() * n_embd, 0.0);
+                for (i, &t) in tokens.iter().enumerate() {
+                    c.cpu
+                        .row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
+                }
+            };
+            let Some(g) = c.graph.as_mut() else {
+                host_rows(&mut rows);
+                return c.dev.write(&rows, out.buf_mut()?);
+            };
+            // A graph reads the row from its input buffer, which the host fills before a replay (and this
+            // call itself when it runs rather than being captured).
+            g.embed = Some((table, n_embd));
+            if tokens.len() != 1 {
+                return Err(CudaError::Invalid(
+                    "a decode graph of several tokens".into(),
+                ));
             }
-            c.dev.write(&rows, out.buf_mut()?)
+            if !g.capturing {
+                if g.inputs.row.as_ref().map(|r| r.len()) != Some(n_embd) {
+                    g.inputs.row = Some(c.dev.zeros(n_embd)?);
+                }
+                host_rows(&mut rows);
+                if let Some(r) = g.inputs.row.as_mut() {
+                    c.dev.write(&rows, r)?;
+                }
+            }
+            match &g.inputs.row {
+                Some(r) if r.len() == n_embd => ew::scale(c.dev, r, 1.0, out.buf_mut()?),
+                _ => Err(CudaError::Invalid(
+                    "a decode graph captured before its embedding row was made".into(),
+                )),
+            }
         });
         out
     }
@@ -656,15 +924,13 @@ impl Compute for GpuForward<'_> {
     fn matmul(&mut self, w: WeightId, x: &DevAct) -> DevAct {
         let rows = self.out_rows(w);
         let mut y = self.alloc(x.rows, rows);
-        let t0 = self.op_begin();
-        self.run(x.len() == 0, |c| c.matmul_into(w, x, &mut y));
-        self.op_end("matmul", t0);
+        self.run("matmul", x.len() == 0, |c| c.matmul_into(w, x, &mut y));
         y
     }
 
     fn rms_norm(&mut self, x: &DevAct, weight: Option<WeightId>, eps: f32, group: usize) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("rms_norm", x.len() == 0, |c| {
             let w = weight.map(|w| c.vector(w)).transpose()?;
             ops::rms_norm(c.dev, x.buf()?, group, w.as_deref(), eps, out.buf_mut()?)
         });
@@ -673,7 +939,7 @@ impl Compute for GpuForward<'_> {
 
     fn l2_norm(&mut self, x: &DevAct, eps: f32, group: usize) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("l2_norm", x.len() == 0, |c| {
             recurrent::l2_norm(c.dev, x.buf()?, group, eps, L2Form::MaxEps, out.buf_mut()?)
         });
         out
@@ -702,7 +968,7 @@ impl Compute for GpuForward<'_> {
 
     fn scale(&mut self, x: &DevAct, s: f32) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| {
+        self.run("scale", x.len() == 0, |c| {
             ew::scale(c.dev, x.buf()?, s, out.buf_mut()?)
         });
         out
@@ -710,14 +976,16 @@ impl Compute for GpuForward<'_> {
 
     fn unary(&mut self, x: &DevAct, f: Unary) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        self.run(x.len() == 0, |c| c.unary_into(x.buf()?, f, out.buf_mut()?));
+        self.run("unary", x.len() == 0, |c| {
+            c.unary_into(x.buf()?, f, out.buf_mut()?)
+        });
         out
     }
 
     fn cols(&mut self, x: &DevAct, start: usize, len: usize) -> DevAct {
         let mut out = self.alloc(x.rows, len);
         let in_cols = x.cols;
-        self.run(x.rows * len == 0, |c| {
+        self.run("cols", x.rows * len == 0, |c| {
             ew::cols(c.dev, x.buf()?, in_cols, start, len, out.buf_mut()?)
         });
         out
@@ -727,7 +995,7 @@ impl Compute for GpuForward<'_> {
         let width = x.cols / parts.max(1);
         let mut out = self.alloc(x.rows, width);
         let rows = x.rows;
-        self.run(x.len() == 0, |c| {
+        self.run("head_part", x.len() == 0, |c| {
             ew::head_part(c.dev, x.buf()?, rows, head, parts, part, out.buf_mut()?)
         });
         out
@@ -736,7 +1004,7 @@ impl Compute for GpuForward<'_> {
     fn repeat_heads(&mut self, x: &DevAct, head: usize, times: usize, interleave: bool) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols * times);
         let rows = x.rows;
-        self.run(x.len() == 0, |c| {
+        self.run("repeat_heads", x.len() == 0, |c| {
             ew::repeat_heads(
                 c.dev,
                 x.buf()?,
@@ -753,7 +1021,7 @@ impl Compute for GpuForward<'_> {
     fn rows(&mut self, x: &DevAct, rows: &[usize]) -> DevAct {
         let mut out = self.alloc(rows.len(), x.cols);
         let width = x.cols;
-        self.run(rows.is_empty() || width == 0, |c| {
+        self.run("rows", rows.is_empty() || width == 0, |c| {
             let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             if rows.iter().any(|&r| r >= x.rows) {
                 return Err(CudaError::Invalid("rows: a row past the activation".into()));
@@ -770,7 +1038,7 @@ impl Compute for GpuForward<'_> {
     fn rope(&mut self, x: &DevAct, r: &Rope) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let p = rope_params(r);
-        self.run(x.len() == 0, |c| {
+        self.run("rope", x.len() == 0, |c| {
             let o = out.buf_mut()?;
             ew::scale(c.dev, x.buf()?, 1.0, o)?;
             ops::rope(c.dev, o, c.positions()?, &p)
@@ -788,8 +1056,7 @@ impl Compute for GpuForward<'_> {
     ) -> DevAct {
         let mut out = self.alloc(q.rows, a.n_head * a.head_dim_v);
         let (pos0, n) = (self.pos0, q.rows);
-        let t0 = self.op_begin();
-        self.run(q.len() == 0, |c| {
+        self.run("attention", q.len() == 0, |c| {
             let p = AttnParams {
                 n_head: a.n_head,
                 n_head_kv: a.n_head_kv,
@@ -800,10 +1067,13 @@ impl Compute for GpuForward<'_> {
                 softcap: a.softcap,
             };
             let dev = c.dev;
-            let positions = c
-                .positions
-                .as_ref()
-                .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))?;
+            let positions = match &c.graph {
+                Some(g) => &g.inputs.positions,
+                None => c
+                    .positions
+                    .as_ref()
+                    .ok_or_else(|| CudaError::Invalid("the call's positions are gone".into()))?,
+            };
             let Some(DeviceLayer::Kv {
                 k: kc,
                 v: vc,
@@ -815,28 +1085,42 @@ impl Compute for GpuForward<'_> {
                     "attention on layer {layer}, whose state is not a KV cache"
                 )));
             };
-            ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
-            ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
-            let n_kv = pos0 + n;
-            if n > 1 && attention_mma::takes(dev, &p, n) {
-                let cache = KvCacheView {
+            let (n_kv, split) = if n == 1 {
+                // One token: the store and the attention read the position on the card and the cache
+                // is read up to a bucket of the context ([`decode_kv_rows`]; the causal mask stops at
+                // the position), so the same launches serve every position of the bucket (a graph).
+                let dst = ew::KvDst {
                     k: kc,
                     v: vc,
-                    n_kv: Some(n_kv),
+                    k_width: *k_width,
+                    v_width: *v_width,
                 };
-                return attention_mma::attention_prompt(
-                    dev,
-                    q.buf()?,
-                    positions,
-                    cache,
-                    &p,
-                    out.buf_mut()?,
-                );
-            }
-            let split = if n == 1 {
-                AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS)
+                ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
+                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
+                (
+                    n_kv,
+                    AttnSplit::for_occupancy(&p, n, n_kv, ATTN_TARGET_BLOCKS),
+                )
             } else {
-                AttnSplit::none(n_kv)
+                ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
+                ew::kv_store_f16(dev, v.buf()?, vc, pos0 * *v_width)?;
+                let n_kv = pos0 + n;
+                if attention_mma::takes(dev, &p, n) {
+                    let cache = KvCacheView {
+                        k: kc,
+                        v: vc,
+                        n_kv: Some(n_kv),
+                    };
+                    return attention_mma::attention_prompt(
+                        dev,
+                        q.buf()?,
+                        positions,
+                        cache,
+                        &p,
+                        out.buf_mut()?,
+                    );
+                }
+                (n_kv, AttnSplit::none(n_kv))
             };
             let scratch_len = split.scratch_len(&p, n, n_kv);
             let mut scratch = if scratch_len > 0 {
@@ -864,24 +1148,21 @@ impl Compute for GpuForward<'_> {
             }
             r
         });
-        self.op_end("attention", t0);
         out
     }
 
     fn moe(&mut self, _layer: usize, x: &DevAct, m: &Moe) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
-        let t0 = self.op_begin();
-        self.run(x.len() == 0 || m.n_expert_used == 0, |c| {
+        self.run("moe", x.len() == 0 || m.n_expert_used == 0, |c| {
             c.moe_into(x, m, &mut out)
         });
-        self.op_end("moe all", t0);
         out
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         let taps = self.cpu.info(kernel).row_len() as usize;
-        self.run(x.len() == 0, |c| {
+        self.run("ssm_conv", x.len() == 0, |c| {
             let w = c.vector(kernel)?;
             let dev = c.dev;
             let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
@@ -901,8 +1182,7 @@ impl Compute for GpuForward<'_> {
         net: &DeltaNet,
     ) -> DevAct {
         let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
-        let t0 = self.op_begin();
-        self.run(x.v.len() == 0, |c| {
+        self.run("gated_delta_net", x.v.len() == 0, |c| {
             let dev = c.dev;
             let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
                 return Err(CudaError::Invalid(format!(
@@ -925,7 +1205,6 @@ impl Compute for GpuForward<'_> {
             };
             recurrent::gated_delta_rule(dev, &inputs, shape, delta, out.buf_mut()?)
         });
-        self.op_end("delta net", t0);
         out
     }
 

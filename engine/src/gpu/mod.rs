@@ -1,8 +1,11 @@
 //! The GPU backend: [`Compute`](poly_models::compute::Compute) on a CUDA card for models whose weights all
 //! fit in VRAM.
 //!
-//! - [`weights`]: every matrix of the file uploaded once in its own type (experts as [`StackedExperts`]
-//!   behind the expert table the cache of issue 8 will point elsewhere), small vectors as f32 on first use.
+//! - [`weights`]: every dense matrix of the file uploaded once in its own type, small vectors as f32 on
+//!   first use.
+//! - [`expert_cache`]: the routed experts (issue 8): as many as fit in a VRAM cache sized after a warm-up
+//!   call ([`Placement`]), the others staged through pinned memory for prompt calls or computed on the CPU
+//!   for single tokens; the cache follows what the answers route to.
 //! - [`forward`]: one forward call on the card ([`forward::GpuForward`]): activations are device buffers
 //!   from a [`pool`], every operation is queued on the device's compute stream with no host wait; the
 //!   logits are the one download of a call.
@@ -10,32 +13,44 @@
 //! - [`reference`]: the CPU with the card's activation rounding, the reference tests hold the card to.
 //! - [`seq`]: the sequence state on the card (KV caches in f16, recurrent states) and how it follows the
 //!   engine's host [`SeqState`], which stays the state the rest of the engine (conversations, checkpoints)
-//!   works with: after each call the new KV rows and the recurrent states are copied back to it, and a
-//!   state that is not the one on the card is uploaded before a call.
+//!   works with: after each call the host state is marked behind, the new KV rows and recurrent states
+//!   copied to it only when it is read; a state that is not the one on the card is uploaded before a call.
+//! - [`decode_graph`]: one-token calls captured as CUDA graphs and replayed.
+//! - [`profile`]: `POLY_GPU_PROFILE`, where a call's time goes.
 //!
 //! [`DeviceChoice`] says whether a model runs here: `Auto` takes GPU 0 when there is one, so a machine
 //! without a GPU (CI) runs on the CPU as before.
 
+pub mod decode_graph;
+pub mod expert_cache;
 pub mod forward;
 pub mod lockstep;
 pub mod pool;
+pub mod profile;
 pub mod reference;
 pub mod seq;
 pub mod weights;
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
-use poly_kernels::cuda::{CudaError, Device};
+use poly_kernels::cuda::{CudaError, CudaResult, Device};
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::Logits;
 
 use crate::cpu::CpuWeights;
 use crate::model::EngineError;
-use crate::state::SeqState;
+use crate::state::{KvPrecision, SeqState};
+
+pub use expert_cache::placement::Placement;
+use expert_cache::placement::{cache_bytes, state_bytes};
+use expert_cache::profile::{profile_path, Binding, ExpertProfile};
+use expert_cache::{CacheStats, ExpertCache};
 
 use forward::GpuForward;
 use pool::{Pool, PoolStore};
-use seq::DeviceSeq;
+use profile::{CallPhases, Profiler};
+use seq::{DeviceSeq, SeqSlot};
 use weights::GpuWeights;
 
 pub use poly_kernels::cuda::StackedExperts;
@@ -82,9 +97,23 @@ pub struct GpuBackend {
     dev: Arc<Device>,
     weights: GpuWeights,
     /// The sequence whose state is on the card now.
-    seq: Mutex<Option<DeviceSeq>>,
+    seq: SeqSlot,
     /// Buffers kept between calls.
     pool: Mutex<PoolStore>,
+    /// The routed experts, for a model that has some.
+    experts: Mutex<Option<ExpertCache>>,
+    /// `POLY_GPU_PROFILE`'s sums, printed when the backend is dropped.
+    profile: Option<Profiler>,
+    /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
+    graphs: bool,
+}
+
+impl Drop for GpuBackend {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", p.summary());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -94,16 +123,144 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl GpuBackend {
-    /// Opens GPU `ordinal` and uploads every weight of `cpu`'s file.
-    pub fn load(ordinal: usize, cpu: &CpuWeights) -> Result<GpuBackend, EngineError> {
+    /// Opens GPU `ordinal`, uploads the dense weights of `cpu`'s file and places its routed experts as
+    /// `placement` says.
+    pub fn load(
+        ordinal: usize,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        placement: &Placement,
+    ) -> Result<GpuBackend, EngineError> {
         let dev = Device::open(ordinal).map_err(cuda_err)?;
-        let weights = GpuWeights::upload(&dev, cpu).map_err(cuda_err)?;
-        Ok(GpuBackend {
+        let layers = expert_cache::layout::expert_layers(cpu);
+        let weights =
+            GpuWeights::upload(&dev, cpu, |w| layers.iter().any(|l| l.has(w))).map_err(cuda_err)?;
+        let cache = if layers.is_empty() {
+            None
+        } else {
+            Some(ExpertCache::new(&dev, cpu, layers, !placement.staging_only).map_err(cuda_err)?)
+        };
+        let backend = GpuBackend {
             dev,
             weights,
-            seq: Mutex::new(None),
+            seq: Arc::new(Mutex::new(None)),
             pool: Mutex::new(PoolStore::default()),
-        })
+            profile: Profiler::from_env(),
+            graphs: decode_graph::graphs_enabled(),
+            experts: Mutex::new(cache),
+        };
+        if lock(&backend.experts).is_some() {
+            backend.place_experts(graph, cpu, placement)?;
+        }
+        Ok(backend)
+    }
+
+    /// Sizes and fills the expert cache: a warm-up call (every expert staged) leaves the calls' scratch
+    /// allocated and counts routings; the free VRAM then measured, less the state and the reserve, is the
+    /// cache; it starts with the experts the profile (else the warm-up) routed to most.
+    fn place_experts(
+        &self,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        p: &Placement,
+    ) -> Result<(), EngineError> {
+        let info = graph.info();
+        let n_warm = crate::generate::DEFAULT_UBATCH.min(info.n_ctx_train.max(1) as usize);
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let tokens: Vec<u32> = (0..n_warm)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((seed >> 33) % info.n_vocab.max(1) as u64) as u32
+            })
+            .collect();
+        let specs = graph.layer_states();
+        let mut warm = SeqState::with_precision(&specs, n_warm, KvPrecision::default());
+        self.eval(graph, cpu, &mut warm, &tokens, Logits::Last)?;
+        // The warm-up's state goes; its scratch buffers stay in the pool.
+        *lock(&self.seq) = None;
+        self.dev.synchronize().map_err(cuda_err)?;
+        let (free, total) = self.dev.memory_info().map_err(cuda_err)?;
+        let n_ctx = if p.n_ctx == 0 {
+            info.n_ctx_train as usize
+        } else {
+            p.n_ctx
+        };
+        let budget = cache_bytes(p, free, total, state_bytes(&specs, n_ctx));
+        let mut guard = lock(&self.experts);
+        let Some(cache) = guard.as_mut() else {
+            return Ok(());
+        };
+        let warm_counts = cache.take_counts();
+        let binding = Binding::of(cpu.file());
+        let shape: Vec<(u32, usize)> = cache
+            .layers()
+            .iter()
+            .map(|l| (l.block, l.n_expert))
+            .collect();
+        let path = cpu.file().paths().first().map(|m| profile_path(m));
+        let stored = match (&path, p.no_profile) {
+            (Some(path), false) => ExpertProfile::load(path, binding, &shape),
+            _ => None,
+        };
+        let profiled = stored
+            .as_ref()
+            .is_some_and(|prof| prof.layers.iter().any(|(_, c)| c.iter().any(|&v| v > 0)));
+        let counts: Vec<Vec<u64>> = match &stored {
+            Some(prof) if profiled => prof.layers.iter().map(|(_, c)| c.clone()).collect(),
+            _ => warm_counts,
+        };
+        let n_slots = budget / cache.slot_bytes().max(1);
+        let from = if profiled {
+            "the profile"
+        } else {
+            "a warm-up read"
+        };
+        cache
+            .fill(&self.dev, cpu, n_slots, &counts)
+            .map_err(cuda_err)?;
+        cache.set_uploads_per_layer(p.uploads_per_layer);
+        if let (Some(path), false) = (path, p.no_profile) {
+            let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
+            cache.set_profile(path, prof);
+        }
+        eprintln!(
+            "expert cache: {} of {} experts in VRAM ({} MiB of slots of {} KiB; {} MiB free before, \
+             starting from {}; copies {})",
+            cache.experts_resident(),
+            cache.experts_total(),
+            cache.stats().bytes >> 20,
+            cache.slot_bytes() >> 10,
+            free >> 20,
+            from,
+            if cache.direct_copies() {
+                "straight from the page-locked file"
+            } else {
+                "through pinned staging buffers"
+            },
+        );
+        Ok(())
+    }
+
+    /// The expert cache's figures, for a model with routed experts.
+    pub fn expert_stats(&self) -> Option<CacheStats> {
+        lock(&self.experts).as_ref().map(ExpertCache::stats)
+    }
+
+    /// Routed experts in VRAM now and over all layers (0, 0 for a dense model).
+    pub fn experts_in_vram(&self) -> (usize, usize) {
+        lock(&self.experts)
+            .as_ref()
+            .map_or((0, 0), |c| (c.experts_resident(), c.experts_total()))
+    }
+
+    /// Adds the routings since the last save to the expert profile beside the model and writes it.
+    pub fn save_expert_profile(&self) -> std::io::Result<()> {
+        match lock(&self.experts).as_mut() {
+            Some(c) => c.save_profile(),
+            None => Ok(()),
+        }
     }
 
     /// `cuda:N <name>`, as READY says it.
@@ -116,9 +273,9 @@ impl GpuBackend {
         &self.dev
     }
 
-    /// Bytes of weights on the card.
+    /// Bytes of weights on the card (dense weights and the expert cache's slots).
     pub fn weight_bytes(&self) -> usize {
-        self.weights.bytes()
+        self.weights.bytes() + lock(&self.experts).as_ref().map_or(0, |c| c.device_bytes())
     }
 
     /// One forward call of `tokens` into `state` on the card (the caller checked tokens, room and layers);
@@ -131,8 +288,123 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
-        self.call(cpu, state, tokens, logits, |c| (graph.forward(c), ()))
-            .map(|(l, ())| l)
+        // One token through a decode graph, when every routed expert is on the card (the CPU's share of
+        // missing experts needs the host in the middle of a layer, which a graph cannot wait for).
+        if tokens.len() == 1 && logits == Logits::Last && self.graphs && self.experts_all_on_card()
+        {
+            return self.eval_decode(graph, cpu, state, tokens);
+        }
+        // A call the card has no memory for leaves the host state as it was: free the kept scratch,
+        // then give up expert slots, and try again.
+        for attempt in 0.. {
+            match self.call_inner(cpu, state, tokens, logits, |c| (graph.forward(c), ())) {
+                Ok((l, ())) => return Ok(l),
+                Err(e) if is_out_of_memory(&e) && attempt < 3 => {
+                    eprintln!(
+                        "poly-engine: out of VRAM in a call ({e}); freeing memory and retrying"
+                    );
+                    self.free_memory(cpu, attempt).map_err(cuda_err)?;
+                }
+                Err(e) => return Err(cuda_err(e)),
+            }
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Whether every routed expert is in VRAM (or the model has none).
+    fn experts_all_on_card(&self) -> bool {
+        lock(&self.experts).as_ref().is_none_or(|c| c.holds_all())
+    }
+
+    /// Frees VRAM after a call ran out of it: the kept scratch buffers first, then (`attempt` ≥ 1) a
+    /// quarter of the expert cache's slots.
+    fn free_memory(&self, cpu: &CpuWeights, attempt: usize) -> CudaResult<()> {
+        *lock(&self.pool) = PoolStore::default();
+        {
+            // Copies of the card's state that host states still point to go to host memory first.
+            let mut seq = lock(&self.seq);
+            if let Some(s) = seq.as_mut() {
+                s.settle(&self.dev, None)?;
+            }
+            *seq = None;
+        }
+        if attempt >= 1 {
+            if let Some(cache) = lock(&self.experts).as_mut() {
+                cache.shrink(&self.dev, cpu, 4)?;
+            }
+        }
+        self.dev.synchronize()
+    }
+
+    /// [`GpuBackend::eval`] of one token through a decode graph ([`decode_graph`]): replayed when this
+    /// context bucket has one, else run and captured.
+    fn eval_decode(
+        &self,
+        graph: &ModelGraph,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
+        let mut seq_slot = lock(&self.seq);
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred()).map_err(cuda_err)?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
+        let pos0 = state.n_past();
+        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        let result = if seq.graphs.has(rows) {
+            let r = decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            phases.queue = clock.elapsed();
+            r
+        } else if seq.graphs.failed() {
+            drop(seq_slot);
+            return self
+                .call(cpu, state, tokens, Logits::Last, |c| (graph.forward(c), ()))
+                .map(|(l, ())| l);
+        } else {
+            let mut experts = lock(&self.experts);
+            let backing = forward::Backing {
+                dev: &self.dev,
+                weights: &self.weights,
+                cpu,
+                seq,
+                pool: Pool::new(PoolStore::default()),
+                experts: experts.as_mut(),
+            };
+            decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
+        };
+        if let Some(m) = marks.as_mut() {
+            m.end(&self.dev);
+        }
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                *seq_slot = None;
+                return Err(cuda_err(e));
+            }
+        };
+        phases.finish = clock.elapsed().saturating_sub(phases.queue);
+        let clock = Instant::now();
+        self.after_call(&mut seq_slot, state, tokens);
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks);
+        }
+        Ok(logits)
+    }
+
+    /// After a call of `tokens`: the host state records them and is marked behind the card's.
+    fn after_call(&self, seq_slot: &mut Option<DeviceSeq>, state: &mut SeqState, tokens: &[u32]) {
+        state.push_tokens(tokens);
+        if let Some(s) = seq_slot.as_mut() {
+            let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
+            state.set_deferred(Some(pending));
+            s.set_tokens(state.tokens());
+        }
     }
 
     /// One forward call whose operations `run` queues on `c` (it returns the logits' activation and
@@ -145,50 +417,79 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), EngineError> {
+        self.call_inner(cpu, state, tokens, logits, run)
+            .map_err(cuda_err)
+    }
+
+    fn call_inner<R>(
+        &self,
+        cpu: &CpuWeights,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+        run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
+    ) -> Result<(Vec<f32>, R), CudaError> {
+        let mut phases = CallPhases::default();
+        let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
-        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state)?;
+        // The call changes the card's state: copies of it others may read go to host memory first.
+        seq.settle(&self.dev, state.deferred())?;
+        phases.follow = clock.elapsed();
+        let clock = Instant::now();
+        let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
         let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
-        let result = {
-            let mut c = GpuForward::new(
-                &self.dev,
-                &self.weights,
-                cpu,
-                seq,
-                pool.clone(),
-                tokens,
-                pos0,
-                logits,
-            )
-            .map_err(cuda_err)?;
+        let mut marks_out = None;
+        let mut experts = lock(&self.experts);
+        let result = GpuForward::new(
+            &self.dev,
+            &self.weights,
+            cpu,
+            seq,
+            pool.clone(),
+            tokens,
+            pos0,
+            logits,
+        )
+        .and_then(|c| {
+            let mut c = c.with_expert_cache(experts.as_mut());
+            c.set_marks(marks);
             let (out, extra) = run(&mut c);
-            c.finish(out).map(|l| (l, extra))
-        };
+            marks_out = c.take_marks();
+            if let Some(m) = marks_out.as_mut() {
+                m.end(&self.dev);
+            }
+            phases.queue = clock.elapsed();
+            let clock = Instant::now();
+            let r = c.finish(out).map(|l| (l, extra));
+            phases.finish = clock.elapsed();
+            r
+        });
+        drop(experts);
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
         }
         let (logits, extra) = match result {
             Ok(l) => l,
             Err(e) => {
-                // The card's state is in doubt: upload the host's next time.
+                // The card's state is in doubt: upload the host's next time. The host's is unchanged.
                 *seq_slot = None;
-                return Err(cuda_err(e));
+                return Err(e);
             }
         };
-        let copied = seq_slot
-            .as_mut()
-            .map(|s| s.copy_back(&self.dev, state, pos0, tokens.len()))
-            .unwrap_or(Ok(()));
-        if let Err(e) = copied {
-            *seq_slot = None;
-            return Err(cuda_err(e));
-        }
-        state.push_tokens(tokens);
-        if let Some(s) = seq_slot.as_mut() {
-            s.set_tokens(state.tokens());
+        let clock = Instant::now();
+        self.after_call(&mut seq_slot, state, tokens);
+        phases.copy_back = clock.elapsed();
+        if let Some(p) = &self.profile {
+            p.record(&self.dev, tokens.len(), phases, marks_out);
         }
         Ok((logits, extra))
     }
+}
+
+fn is_out_of_memory(e: &CudaError) -> bool {
+    e.is_out_of_memory()
 }
 
 /// Whether `graph` names layers the way `state` has them (a guard before the card's state is built).

@@ -4,8 +4,8 @@
 //!   matrix×matrix for a batch);
 //! - a float matrix (F32, F16, BF16) as a one-expert [`StackedExperts`], so one launch of the float
 //!   expert kernel multiplies every token of a batch by it (each token a slot of expert 0);
-//! - a 3-D expert tensor as [`StackedExperts`]: the kernels find each expert through its table, which the
-//!   VRAM expert cache (issue 8) will point at its slots instead;
+//! - a 3-D expert tensor as [`StackedExperts`]: the kernels find each expert through its table; the
+//!   routed experts of MoE layers are left to the VRAM expert cache ([`super::expert_cache`]) instead;
 //! - a matrix of a type the GPU does not compute yet, dequantized to F32 at upload;
 //! - the small vectors element-wise operations read (norm weights, biases, conv kernels) as f32 on first
 //!   use.
@@ -96,14 +96,22 @@ fn upload_one(dev: &Device, cpu: &CpuWeights, w: WeightId) -> CudaResult<Option<
 }
 
 impl GpuWeights {
-    /// Uploads every matrix of the file.
-    pub fn upload(dev: &Device, cpu: &CpuWeights) -> CudaResult<GpuWeights> {
+    /// Uploads every matrix of the file but those `skip` names (the expert cache's).
+    pub fn upload(
+        dev: &Device,
+        cpu: &CpuWeights,
+        skip: impl Fn(WeightId) -> bool,
+    ) -> CudaResult<GpuWeights> {
         let n = cpu.file().n_tensors();
         let mut mats = Vec::with_capacity(n);
         let mut bytes = 0usize;
         for i in 0..n {
             let w = WeightId(i as u32);
-            let g = upload_one(dev, cpu, w)?;
+            let g = if skip(w) {
+                None
+            } else {
+                upload_one(dev, cpu, w)?
+            };
             if g.is_some() {
                 bytes += cpu.info(w).n_bytes as usize;
             }

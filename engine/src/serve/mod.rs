@@ -45,6 +45,8 @@ pub struct ServeOptions {
     pub checkpoint_every: usize,
     /// Where the model runs (a GPU when there is one, unless asked otherwise).
     pub device: crate::gpu::DeviceChoice,
+    /// Where a GPU run puts the routed experts.
+    pub placement: crate::gpu::Placement,
     /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
     pub arithmetic: Arithmetic,
 }
@@ -65,6 +67,7 @@ struct Loaded {
 fn load(
     path: &PathBuf,
     device: crate::gpu::DeviceChoice,
+    placement: &crate::gpu::Placement,
     arithmetic: Arithmetic,
 ) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
@@ -81,7 +84,7 @@ fn load(
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
-    model.use_device(device)?;
+    model.use_device_with(device, placement)?;
     Ok(Loaded {
         model,
         experts_total,
@@ -119,7 +122,7 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         }
     }
     let started = std::time::Instant::now();
-    let loaded = match load(&opts.model, opts.device, opts.arithmetic) {
+    let loaded = match load(&opts.model, opts.device, &opts.placement, opts.arithmetic) {
         Ok(l) => l,
         Err(e) => {
             return fail(

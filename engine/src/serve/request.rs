@@ -145,7 +145,17 @@ impl<W: std::io::Write> Session<'_, W> {
             bytes: conv.bytes() as u64,
             checkpoints: conv.n_checkpoints() as u32,
         });
+        let experts_before = model.expert_stats();
         let result = self.generate(&mut conv, job);
+        let experts_vram_share = match (experts_before, model.expert_stats()) {
+            (Some(a), Some(b)) if b.routed > a.routed => {
+                Some((b.routed_vram - a.routed_vram) as f64 / (b.routed - a.routed) as f64)
+            }
+            _ => None,
+        };
+        if let Err(e) = model.save_expert_profile() {
+            eprintln!("poly-engine: the expert profile was not saved: {e}");
+        }
         let finished = match result {
             Ok(Ok(f)) if f.reason != StopReason::Cancel => {
                 self.store.publish(conv, origin);
@@ -165,7 +175,7 @@ impl<W: std::io::Write> Session<'_, W> {
             generated: f.generated as u32,
             prefill_ms: f.prefill_ms,
             decode_ms: f.decode_ms,
-            experts_vram_share: None,
+            experts_vram_share,
             draft_proposed: 0,
             draft_accepted: 0,
         }))

@@ -113,12 +113,7 @@ impl<'a, W: Write> Session<'a, W> {
             eos: info.stop_tokens(),
             device: self.model.device_name(),
             experts_total,
-            // With a GPU every expert is in VRAM (issue 7); the expert cache will count its own.
-            experts_vram: if self.model.on_gpu() {
-                experts_total
-            } else {
-                0
-            },
+            experts_vram: self.model.experts_in_vram() as u64,
         };
         self.send(&FromEngine::Ready(ready))?;
         loop {
@@ -321,9 +316,18 @@ impl<'a, W: Write> Session<'a, W> {
             "cached_tokens": t.cached_tokens,
             "generated": t.generated,
         });
+        let mut extra = extra;
+        if let (Some(c), serde_json::Value::Object(m)) = (self.model.expert_stats(), &mut extra) {
+            m.insert("expert_cache_bytes".into(), json!(c.bytes));
+            m.insert("expert_cache_slots".into(), json!(c.policy.slots));
+            m.insert("expert_cache_occupied".into(), json!(c.policy.occupied));
+            m.insert("expert_uploads".into(), json!(c.policy.uploads));
+            m.insert("expert_evictions".into(), json!(c.policy.evictions));
+            m.insert("experts_staged".into(), json!(c.staged));
+        }
         Stats {
             rss_bytes: rss.unwrap_or(0),
-            vram_bytes: None,
+            vram_bytes: self.model.gpu_weight_bytes().map(|b| b as u64),
             conversations,
             parked_bytes: self.store.parked_bytes() as u64,
             park_limit_bytes: self.store.park_limit() as u64,

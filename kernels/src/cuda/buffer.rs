@@ -200,7 +200,7 @@ pub struct ExpertTable {
     pub rows: usize,
     pub cols: usize,
     pub n_expert: usize,
-    addresses: DeviceBuffer<u64>,
+    pub(crate) addresses: DeviceBuffer<u64>,
 }
 
 impl ExpertTable {

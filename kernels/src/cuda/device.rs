@@ -14,6 +14,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Loaded modules and looked-up functions of one device.
@@ -32,6 +33,8 @@ pub struct Device {
     compute_capability: (i32, i32),
     total_memory: usize,
     sync_each_launch: bool,
+    /// Kernel launches queued so far (for profiles: launches per forward call).
+    launches: AtomicU64,
     loaded: Mutex<Loaded>,
 }
 
@@ -98,6 +101,7 @@ impl Device {
             compute_capability,
             total_memory,
             sync_each_launch,
+            launches: AtomicU64::new(0),
             loaded: Mutex::new(Loaded::default()),
         }))
     }
@@ -222,6 +226,11 @@ impl Device {
         Ok(f)
     }
 
+    /// Kernel launches queued on this device so far (every operation of this crate counts its launches).
+    pub fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+
     /// Whether `POLY_CUDA_SYNC=1` is in force.
     pub(crate) fn syncs_each_launch(&self) -> bool {
         self.sync_each_launch
@@ -229,6 +238,7 @@ impl Device {
 
     /// Called after every launch: with `POLY_CUDA_SYNC=1`, waits and reports the kernel's own fault.
     pub(crate) fn after_launch(&self, name: &str) -> CudaResult<()> {
+        self.launches.fetch_add(1, Ordering::Relaxed);
         if self.sync_each_launch {
             self.stream
                 .synchronize()

@@ -253,3 +253,65 @@ pub fn kv_store_f16(
     unsafe { l.launch(grid_1d(src.len(), 256)?) }?;
     dev.after_launch("kv_store_f16")
 }
+
+/// Where [`kv_store_f16_pos`] writes: the f16 caches of one layer, `[n_ctx, k_width]` and `[n_ctx, v_width]`.
+pub struct KvDst<'a> {
+    pub k: &'a mut DeviceBuffer<u16>,
+    pub v: &'a mut DeviceBuffer<u16>,
+    pub k_width: usize,
+    pub v_width: usize,
+}
+
+/// Row `r` of `k` (`[n, k_width]`) and `v` (`[n, v_width]`) into row `positions[r]` of the caches, as f16, in
+/// one launch. The positions are read on the card (a captured graph stores at each replay's position); a
+/// position outside the caches stores nothing.
+pub fn kv_store_f16_pos(
+    dev: &Device,
+    k: &DeviceBuffer<f32>,
+    v: &DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    dst: KvDst<'_>,
+) -> CudaResult<()> {
+    let n = positions.len();
+    let (kw, vw) = (dst.k_width, dst.v_width);
+    if kw == 0 || vw == 0 || n == 0 {
+        return invalid(format!("kv_store_pos: widths {kw}/{vw}, {n} rows"));
+    }
+    check_len("kv_store_pos k", k, n * kw)?;
+    check_len("kv_store_pos v", v, n * vw)?;
+    let n_ctx = dst.k.len() / kw;
+    if dst.k.len() != n_ctx * kw || dst.v.len() != n_ctx * vw {
+        return invalid(format!(
+            "kv_store_pos: caches of {} and {} values for widths {kw}/{vw}",
+            dst.k.len(),
+            dst.v.len()
+        ));
+    }
+    let (n_i, kw_i, vw_i, ctx_i) = (
+        as_i32("rows", n)?,
+        as_i32("k width", kw)?,
+        as_i32("v width", vw)?,
+        as_i32("n_ctx", n_ctx)?,
+    );
+    let blocks_x = (kw + vw).div_ceil(256).min(64) as u32;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (blocks_x, n as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::Elementwise, "kv_store_f16_pos")?;
+    let mut l = dev.stream().launch_builder(&f);
+    l.arg(k.slice())
+        .arg(v.slice())
+        .arg(dst.k.slice_mut())
+        .arg(dst.v.slice_mut())
+        .arg(positions.slice())
+        .arg(&n_i)
+        .arg(&kw_i)
+        .arg(&vw_i)
+        .arg(&ctx_i);
+    // SAFETY: k and v hold n rows of their widths, the caches n_ctx rows (checked above); the kernel writes
+    // only rows below n_ctx and reads n positions.
+    unsafe { l.launch(cfg) }?;
+    dev.after_launch("kv_store_f16_pos")
+}

@@ -19,6 +19,11 @@ impl std::fmt::Debug for LaunchGraph {
     }
 }
 
+// SAFETY: the graph's handles may be used from any thread (the launch binds the context first); CUDA
+// forbids only concurrent use of one graph, which `&mut`-free replays still allow, so holders keep a graph
+// behind a lock (the engine keeps it in its sequence slot's mutex) and it is not `Sync`.
+unsafe impl Send for LaunchGraph {}
+
 impl LaunchGraph {
     /// Queues one replay on the compute stream it was captured from.
     pub fn replay(&self) -> CudaResult<()> {

@@ -15,17 +15,20 @@ pub mod attention_mma;
 mod buffer;
 mod device;
 pub mod elementwise;
+pub mod expert_slots;
 mod graph;
 pub mod module;
 pub mod ops;
 pub mod prompt;
 pub mod recurrent;
 pub mod sample;
+mod timing;
 
 pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExperts};
 pub use device::Device;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
+pub use timing::TimingEvent;
 
 use cudarc::driver::DriverError;
 
@@ -57,6 +60,14 @@ impl std::fmt::Display for CudaError {
 }
 
 impl std::error::Error for CudaError {}
+
+impl CudaError {
+    /// Whether the driver ran out of device memory (an allocation that may succeed once some is freed).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, CudaError::Driver(d)
+            if d.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+}
 
 impl From<DriverError> for CudaError {
     fn from(e: DriverError) -> Self {

@@ -247,8 +247,16 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         gen_id: id.clone(),
         model: lease.model().id.clone(),
     };
-    let gen = Generation::start(lease, id, prompt, &sampling, Output::Chat(rendered.parser))
-        .map_err(ApiError::from)?;
+    let resume = text.resume_hints(&input, &prompt);
+    let gen = Generation::start_in(
+        lease,
+        id,
+        prompt,
+        &sampling,
+        Output::Chat(rendered.parser),
+        resume,
+    )
+    .map_err(ApiError::from)?;
     if stream {
         let (resp, tx) = channel_response("text/event-stream");
         tokio::spawn(stream_message(gen, meta, tx));

@@ -232,12 +232,14 @@ pub async fn chat_completions(
         .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
     let id = state.supervisor.next_request_id();
     let model = lease.model().id.clone();
-    let gen = Generation::start(
+    let resume = text.resume_hints(&req.input, &prompt);
+    let gen = Generation::start_in(
         lease,
         id.clone(),
         prompt,
         &req.sampling,
         Output::Chat(rendered.parser),
+        resume,
     )
     .map_err(ApiError::from)?;
     let meta = Meta {

@@ -1,0 +1,624 @@
+//! The VRAM expert cache (issue 8): which routed experts live on the card, and how a forward call gets
+//! the others.
+//!
+//! - [`layout`]: the file's expert tensors per MoE layer and where an expert's three matrices lie in a slot.
+//! - [`policy`]: the bookkeeping (initial set, admission, victims by recency and frequency); no device.
+//! - [`profile`]: the routing counts saved beside the model, bound to its file.
+//! - [`placement`]: how much VRAM the cache gets (`--vram-reserve-mib`, `--expert-budget-mib`).
+//! - this module: the device side. One [`SlotPool`] holds the cached experts; each layer's three
+//!   [`ExpertTable`]s point at its resident experts and are null elsewhere (the kernels give zeros there).
+//!   A second pool of one layer's worth of *scratch* slots receives a prompt call's uncached experts
+//!   through two pinned [`StagingBuffer`]s on a [`CopyStream`]: the host fills one while the other is
+//!   copied, the compute stream waits for the copies, the tables point at the scratch slots for that
+//!   layer's launches and back after. For a single token the uncached experts are computed on the CPU
+//!   ([`CpuShare`]) while the card computes the cached ones, and the policy may admit a few of them
+//!   (uploads on the copy stream; a slot's entry switched only after its copy completed).
+
+pub mod layout;
+pub mod placement;
+pub mod policy;
+pub mod profile;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use poly_kernels::cuda::expert_slots::{
+    CopyEvent, CopyStream, HostRegistration, SlotPool, SlotRef, StagingBuffer,
+};
+use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
+use poly_models::compute::{Moe, WeightId};
+use rayon::prelude::*;
+
+use crate::cpu::{Arithmetic, CpuWeights, Mat};
+use layout::ExpertLayer;
+use policy::{CachePolicy, ExpertKey, PolicyStats};
+use profile::ExpertProfile;
+
+/// An upload whose copy is in flight.
+struct Pending {
+    slot: usize,
+    key: ExpertKey,
+    done: CopyEvent,
+}
+
+/// Figures for DONE and STATS.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CacheStats {
+    /// Bytes of the cache's slots.
+    pub bytes: usize,
+    pub policy: PolicyStats,
+    /// Routings of all calls so far, and those whose expert was in VRAM.
+    pub routed: u64,
+    pub routed_vram: u64,
+    /// Experts copied to scratch slots for prompt calls.
+    pub staged: u64,
+    /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
+    /// computing its share meanwhile).
+    pub cpu_experts: u64,
+    pub cpu_seconds: f64,
+}
+
+/// The single-token share the CPU computes: the token's activation and the (expert, weight) pairs of
+/// its uncached routings.
+pub struct CpuShare {
+    pub x: Vec<f32>,
+    pub items: Vec<(usize, f32)>,
+    /// Every routing of the token is in it (the card has nothing to compute).
+    pub all: bool,
+}
+
+impl CpuShare {
+    /// [`CpuShare::compute`], its count and time added to `cache`'s figures.
+    pub fn compute_for(
+        &self,
+        cache: Option<&mut ExpertCache>,
+        cpu: &CpuWeights,
+        m: &Moe,
+    ) -> Vec<f32> {
+        let t = std::time::Instant::now();
+        let sum = self.compute(cpu, m);
+        if let Some(c) = cache {
+            c.stats.cpu_experts += self.items.len() as u64;
+            c.stats.cpu_seconds += t.elapsed().as_secs_f64();
+        }
+        sum
+    }
+
+    /// `Σ weight · expert(x)` over the items, on the CPU (experts in parallel, summed in routing order).
+    pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
+        let n_embd = self.x.len();
+        let xs = Mat::from_vec(1, n_embd, self.x.clone());
+        let outs: Vec<Mat> = self
+            .items
+            .par_iter()
+            .map(|&(e, _)| crate::cpu::moe::expert(cpu, m, e, &xs, Arithmetic::BatchInvariant))
+            .collect();
+        let mut sum = vec![0f32; n_embd];
+        for (&(_, w), y) in self.items.iter().zip(&outs) {
+            sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+        }
+        sum
+    }
+}
+
+/// The cache of one backend.
+pub struct ExpertCache {
+    layers: Vec<ExpertLayer>,
+    /// A layer's index by its gate tensor.
+    by_gate: HashMap<u32, usize>,
+    /// `[layer]`: gate, up, down tables.
+    tables: Vec<[ExpertTable; 3]>,
+    slot_bytes: usize,
+    pool: Option<SlotPool>,
+    /// One layer's experts: a prompt call's uncached experts, for that layer's launches.
+    scratch: SlotPool,
+    staging: [StagingBuffer; 2],
+    next_staging: usize,
+    /// `[part]`: the model file's mapping page-locked, when that worked: experts are copied straight
+    /// from it, without going through the staging buffers.
+    registered: Vec<Option<HostRegistration>>,
+    copy: CopyStream,
+    policy: CachePolicy,
+    pending: Vec<Pending>,
+    /// Uploads the policy may start per layer and token (0: the cache is frozen).
+    uploads_per_layer: usize,
+    /// Layers whose tables point at scratch slots until [`ExpertCache::finish_layer`].
+    staged_layer: Option<usize>,
+    stats: CacheStats,
+    profile: Option<(PathBuf, ExpertProfile)>,
+}
+
+impl ExpertCache {
+    /// A cache of no slots over `layers` of `cpu`'s file (every table null), with its scratch, staging
+    /// and copy stream; with `register`, the file's mapping is page-locked for direct copies unless it is
+    /// larger than half the host's memory.
+    pub fn new(
+        dev: &Device,
+        cpu: &CpuWeights,
+        layers: Vec<ExpertLayer>,
+        register: bool,
+    ) -> CudaResult<ExpertCache> {
+        let slot_bytes = layout::slot_bytes(&layers);
+        let max_experts = layers.iter().map(|l| l.n_expert).max().unwrap_or(0);
+        if slot_bytes == 0 || max_experts == 0 {
+            return Err(CudaError::Invalid("an expert cache without experts".into()));
+        }
+        let mut tables = Vec::with_capacity(layers.len());
+        for l in &layers {
+            let t = |i: usize| {
+                let m = &l.mats[i];
+                ExpertTable::empty(dev, m.ty, m.rows, m.cols, l.n_expert)
+            };
+            tables.push([t(0)?, t(1)?, t(2)?]);
+        }
+        let by_gate = layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.mats[0].weight.0, i))
+            .collect();
+        let counts: Vec<usize> = layers.iter().map(|l| l.n_expert).collect();
+        Ok(ExpertCache {
+            by_gate,
+            tables,
+            slot_bytes,
+            pool: None,
+            scratch: SlotPool::alloc(dev, slot_bytes, max_experts)?,
+            staging: [
+                StagingBuffer::new(dev, slot_bytes)?,
+                StagingBuffer::new(dev, slot_bytes)?,
+            ],
+            next_staging: 0,
+            registered: if register {
+                register_file(dev, cpu)
+            } else {
+                Vec::new()
+            },
+            copy: CopyStream::new(dev)?,
+            policy: CachePolicy::new(&counts, 0),
+            pending: Vec::new(),
+            uploads_per_layer: 0,
+            staged_layer: None,
+            stats: CacheStats::default(),
+            profile: None,
+            layers,
+        })
+    }
+
+    /// The MoE layers.
+    pub fn layers(&self) -> &[ExpertLayer] {
+        &self.layers
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Whether experts are copied straight from the page-locked file mapping (else through staging).
+    pub fn direct_copies(&self) -> bool {
+        self.registered.iter().any(Option::is_some)
+    }
+
+    /// Bytes of the cache's slots and the scratch slots and staging buffers.
+    pub fn device_bytes(&self) -> usize {
+        self.pool.as_ref().map_or(0, SlotPool::bytes) + self.scratch.bytes()
+    }
+
+    /// Experts over all layers.
+    pub fn experts_total(&self) -> usize {
+        self.layers.iter().map(|l| l.n_expert).sum()
+    }
+
+    /// Experts resident now.
+    pub fn experts_resident(&self) -> usize {
+        self.policy
+            .stats()
+            .occupied
+            .saturating_sub(self.pending.len())
+    }
+
+    /// Whether `w` is an expert tensor the cache handles.
+    pub fn covers(&self, w: WeightId) -> bool {
+        self.layers.iter().any(|l| l.has(w))
+    }
+
+    /// The cache's layer of the MoE block whose gate experts are `gate`.
+    pub fn layer_of(&self, gate: WeightId) -> Option<usize> {
+        self.by_gate.get(&gate.0).copied()
+    }
+
+    /// Gate, up and down tables of `layer`.
+    pub fn tables(&self, layer: usize) -> CudaResult<&[ExpertTable; 3]> {
+        self.tables
+            .get(layer)
+            .ok_or_else(|| CudaError::Invalid(format!("no expert layer {layer}")))
+    }
+
+    /// Whether every expert is in VRAM (no call needs host routing).
+    pub fn holds_all(&self) -> bool {
+        self.pending.is_empty() && self.policy.holds_all()
+    }
+
+    /// Uploads the policy may start per layer and token (0 freezes the cache).
+    pub fn set_uploads_per_layer(&mut self, n: usize) {
+        self.uploads_per_layer = n;
+    }
+
+    /// The profile to add routings to (and save at `path`).
+    pub fn set_profile(&mut self, path: PathBuf, profile: ExpertProfile) {
+        self.profile = Some((path, profile));
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            bytes: self.pool.as_ref().map_or(0, SlotPool::bytes),
+            policy: self.policy.stats(),
+            ..self.stats
+        }
+    }
+
+    /// Counts `n` routings served from VRAM without looking at them (a cache that holds everything).
+    pub fn count_all_vram(&mut self, n: usize) {
+        self.stats.routed += n as u64;
+        self.stats.routed_vram += n as u64;
+    }
+
+    /// The routings counted since the last call (`[layer][expert]`).
+    pub fn take_counts(&mut self) -> Vec<Vec<u64>> {
+        self.policy.take_counts()
+    }
+
+    /// Gives the cache `n_slots` slots (dropping what it held; `n_slots` 0: none) and fills them with the
+    /// experts of the highest `counts` (`[layer][expert]`). Copies complete before it returns.
+    pub fn fill(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        n_slots: usize,
+        counts: &[Vec<u64>],
+    ) -> CudaResult<()> {
+        self.copy.synchronize()?;
+        dev.synchronize()?;
+        self.pending.clear();
+        self.pool = None;
+        let sizes: Vec<usize> = self.layers.iter().map(|l| l.n_expert).collect();
+        self.policy = CachePolicy::new(&sizes, 0);
+        let total: usize = sizes.iter().sum();
+        let mut want = n_slots.min(total);
+        // An allocation that fails gives fewer slots, not an error.
+        let pool = loop {
+            if want == 0 {
+                break None;
+            }
+            match SlotPool::alloc(dev, self.slot_bytes, want) {
+                Ok(p) => break Some(p),
+                Err(CudaError::Driver(_)) => want -= want.div_ceil(8),
+                Err(e) => return Err(e),
+            }
+        };
+        self.policy = CachePolicy::new(&sizes, want);
+        self.pool = pool;
+        let set = self.policy.initial_set(counts);
+        for (slot, key) in set.iter().enumerate() {
+            self.upload(cpu, *key, slot, true)?;
+        }
+        self.copy.synchronize()?;
+        for (slot, key) in set.into_iter().enumerate() {
+            self.policy.place(slot, key);
+        }
+        for l in 0..self.layers.len() {
+            self.point_tables(dev, l, &[])?;
+        }
+        dev.synchronize()
+    }
+
+    /// Gives up `1/fraction` of the slots (at least one), keeping the experts of the highest scores: the
+    /// cache is allocated again, smaller, and filled (copies complete before it returns).
+    pub fn shrink(&mut self, dev: &Device, cpu: &CpuWeights, fraction: usize) -> CudaResult<()> {
+        let n = self.policy.n_slots();
+        if n == 0 {
+            return Ok(());
+        }
+        let keep = n - (n / fraction.max(1)).max(1);
+        let ranking = self.policy.score_counts();
+        let counts = self.policy.take_counts();
+        self.fill(dev, cpu, keep, &ranking)?;
+        // The routings not yet in the profile stay counted.
+        self.policy.add_counts(&counts);
+        Ok(())
+    }
+
+    /// Copies expert `key`'s three matrices from the mapped file into `slot` of the cache's pool
+    /// (`to_pool`) or of the scratch pool, through the next staging buffer.
+    fn upload(
+        &mut self,
+        cpu: &CpuWeights,
+        key: ExpertKey,
+        slot: usize,
+        to_pool: bool,
+    ) -> CudaResult<()> {
+        let layer = &self.layers[key.layer];
+        let pool = if to_pool {
+            self.pool
+                .as_ref()
+                .ok_or_else(|| CudaError::Invalid("an upload into a cache of no slots".into()))?
+        } else {
+            &self.scratch
+        };
+        let part = cpu.info(layer.mats[0].weight).part;
+        let direct = layer.mats.iter().all(|m| cpu.info(m.weight).part == part);
+        if let (true, Some(Some(reg))) = (direct, self.registered.get(part)) {
+            for m in &layer.mats {
+                let src = &cpu.bytes(m.weight)[key.expert * m.bytes..][..m.bytes];
+                let dst = SlotRef {
+                    pool,
+                    slot,
+                    offset: m.offset,
+                };
+                self.copy.copy_from_host(reg, src, dst)?;
+            }
+            return Ok(());
+        }
+        let i = self.next_staging;
+        self.next_staging = (i + 1) % self.staging.len();
+        let buf = &mut self.staging[i];
+        let host = buf.fill()?;
+        let mut end = 0;
+        for m in &layer.mats {
+            let src = &cpu.bytes(m.weight)[key.expert * m.bytes..][..m.bytes];
+            host[m.offset..m.offset + m.bytes].copy_from_slice(src);
+            end = m.offset + m.bytes;
+        }
+        self.copy.copy(
+            buf,
+            end,
+            SlotRef {
+                pool,
+                slot,
+                offset: 0,
+            },
+        )
+    }
+
+    /// Points `layer`'s tables at its resident experts, and at scratch slots for `staged`
+    /// (`(expert, scratch slot)`); null elsewhere. Queued on the compute stream.
+    fn point_tables(
+        &mut self,
+        dev: &Device,
+        layer: usize,
+        staged: &[(usize, usize)],
+    ) -> CudaResult<()> {
+        let l = &self.layers[layer];
+        for (i, m) in l.mats.iter().enumerate() {
+            let mut entries: Vec<Option<SlotRef<'_>>> = (0..l.n_expert)
+                .map(|expert| {
+                    let slot = self.policy.resident(ExpertKey { layer, expert })?;
+                    Some(SlotRef {
+                        pool: self.pool.as_ref()?,
+                        slot,
+                        offset: m.offset,
+                    })
+                })
+                .collect();
+            for &(expert, slot) in staged {
+                entries[expert] = Some(SlotRef {
+                    pool: &self.scratch,
+                    slot,
+                    offset: m.offset,
+                });
+            }
+            self.tables[layer][i].point(dev, &entries)?;
+        }
+        Ok(())
+    }
+
+    /// Makes visible the uploads into `layer` whose copies completed.
+    fn commit(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.pending[i].key.layer == layer && self.pending[i].done.is_complete() {
+                let p = self.pending.swap_remove(i);
+                dev.wait_for_copy(&p.done)?;
+                self.policy.complete(p.slot);
+                any = true;
+            } else {
+                i += 1;
+            }
+        }
+        if any {
+            self.point_tables(dev, layer, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Before `layer`'s expert launches of a call of `n_tokens` whose routing ids are `ids`
+    /// (`[n_tokens, k]`, on the host): counts the routings, and makes every routed expert computable:
+    /// - a prompt call (`n_tokens > 1`): the uncached ones are staged into scratch slots and the tables
+    ///   point there until [`ExpertCache::finish_layer`];
+    /// - a single token: returns the uncached routings for the CPU (`fetch` gives the token's activation
+    ///   and the routing weights), and starts the uploads the policy admits.
+    pub fn prepare(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        n_tokens: usize,
+        ids: &[i32],
+        fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
+    ) -> CudaResult<Option<CpuShare>> {
+        let n_expert = self.layers[layer].n_expert;
+        let routed: Vec<usize> = ids
+            .iter()
+            .map(|&e| e as usize)
+            .filter(|&e| e < n_expert)
+            .collect();
+        self.commit(dev, layer)?;
+        self.policy.record(layer, &routed, n_tokens.max(1));
+        let resident =
+            |p: &CachePolicy, e: usize| p.resident(ExpertKey { layer, expert: e }).is_some();
+        let hits = routed
+            .iter()
+            .filter(|&&e| resident(&self.policy, e))
+            .count();
+        self.stats.routed += ids.len() as u64;
+        self.stats.routed_vram += hits as u64;
+        if n_tokens > 1 {
+            let mut staged: Vec<usize> = routed
+                .iter()
+                .copied()
+                .filter(|&e| !resident(&self.policy, e))
+                .collect();
+            staged.sort_unstable();
+            staged.dedup();
+            if staged.is_empty() {
+                return Ok(None);
+            }
+            // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
+            self.copy.wait_for_compute(dev)?;
+            for (slot, &expert) in staged.iter().enumerate() {
+                self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
+            }
+            self.stats.staged += staged.len() as u64;
+            let copied = self.copy.record()?;
+            dev.wait_for_copy(&copied)?;
+            let map: Vec<(usize, usize)> =
+                staged.iter().enumerate().map(|(s, &e)| (e, s)).collect();
+            self.point_tables(dev, layer, &map)?;
+            self.staged_layer = Some(layer);
+            return Ok(None);
+        }
+        // One token: the CPU's share, likeliest first for admission.
+        let missing_slots: Vec<usize> = (0..ids.len())
+            .filter(|&j| (ids[j] as usize) < n_expert && !resident(&self.policy, ids[j] as usize))
+            .collect();
+        if missing_slots.is_empty() {
+            return Ok(None);
+        }
+        let (x, weights) = fetch()?;
+        if weights.len() != ids.len() {
+            return Err(CudaError::Invalid(
+                "routing ids and weights differ in length".into(),
+            ));
+        }
+        let mut items: Vec<(usize, f32)> = missing_slots
+            .iter()
+            .map(|&j| (ids[j] as usize, weights[j]))
+            .collect();
+        let share = CpuShare {
+            x,
+            all: items.len() == ids.len(),
+            items: items.clone(),
+        };
+        if self.uploads_per_layer > 0 && self.pool.is_some() {
+            items.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let missing: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
+            let plan = self
+                .policy
+                .plan(layer, &missing, &routed, self.uploads_per_layer);
+            self.start_uploads(dev, cpu, &plan)?;
+        }
+        Ok(Some(share))
+    }
+
+    /// Clears the victims' entries, then copies the newcomers (visible at a later [`commit`]).
+    fn start_uploads(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        plan: &[policy::Upload],
+    ) -> CudaResult<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let mut victim_layers: Vec<usize> = plan
+            .iter()
+            .filter_map(|u| u.victim.map(|v| v.layer))
+            .collect();
+        victim_layers.sort_unstable();
+        victim_layers.dedup();
+        for l in victim_layers {
+            self.point_tables(dev, l, &[])?;
+        }
+        // No launch queued after this reads the victims' slots; those before must finish before the copy.
+        self.copy.wait_for_compute(dev)?;
+        for u in plan {
+            if let Err(e) = self.upload(cpu, u.expert, u.slot, true) {
+                self.policy.abandon(u.slot);
+                return Err(e);
+            }
+            let done = self.copy.record()?;
+            self.pending.push(Pending {
+                slot: u.slot,
+                key: u.expert,
+                done,
+            });
+        }
+        Ok(())
+    }
+
+    /// After `layer`'s expert launches: tables that point at scratch slots point back.
+    pub fn finish_layer(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        if self.staged_layer == Some(layer) {
+            self.staged_layer = None;
+            self.point_tables(dev, layer, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Adds the routings counted since the last call to the profile and saves it.
+    pub fn save_profile(&mut self) -> std::io::Result<()> {
+        let counts = self.policy.take_counts();
+        let Some((path, profile)) = &mut self.profile else {
+            return Ok(());
+        };
+        if counts.iter().all(|c| c.iter().all(|&v| v == 0)) {
+            return Ok(());
+        }
+        profile.add(&counts);
+        profile.save(path)
+    }
+}
+
+/// Bytes of the host's memory (`/proc/meminfo`), if known.
+fn host_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Page-locks each part of `cpu`'s file for direct copies, where allowed and possible (see
+/// [`ExpertCache::new`]); a part that cannot be is copied through the staging buffers.
+fn register_file(dev: &Device, cpu: &CpuWeights) -> Vec<Option<HostRegistration>> {
+    let file = cpu.shared_file();
+    let limit = host_memory().map_or(0, |m| m / 2);
+    (0..file.n_parts())
+        .map(|part| {
+            let bytes = file.part_bytes(part)?;
+            if bytes.len() > limit {
+                return None;
+            }
+            let owner: std::sync::Arc<dyn std::any::Any + Send + Sync> = file.clone();
+            // SAFETY: the part's mapping is read-only and lives as long as the file, which `owner`
+            // keeps alive for the registration's life.
+            match unsafe { HostRegistration::new(dev, bytes, owner) } {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("expert cache: copying through staging buffers ({e})");
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
+impl Drop for ExpertCache {
+    fn drop(&mut self) {
+        // The staging buffers must outlive the copies reading them.
+        let _ = self.copy.synchronize();
+    }
+}

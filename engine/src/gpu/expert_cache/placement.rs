@@ -1,0 +1,142 @@
+//! How much VRAM the expert cache gets. Dense weights go first; then a warm-up call (which also leaves
+//! the forward calls' scratch buffers allocated) and a measurement of the free memory; the cache gets what
+//! is free less the sequence state for the context (allocated at the first call), the staging scratch
+//! (already allocated) and a reserve (`--vram-reserve-mib`, default a 32nd of the card clamped to
+//! 256–768 MiB). `--expert-budget-mib` sets the cache's size instead (still no more than what is free).
+
+use poly_models::arch::StateSpec;
+
+const MIB: usize = 1 << 20;
+
+/// The placement flags.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// VRAM left free, MiB (`None`: [`default_reserve`]).
+    pub reserve_mib: Option<usize>,
+    /// The cache's size, bytes (`None`: all that is left; `--expert-budget-mib` gives MiB).
+    pub expert_budget: Option<usize>,
+    /// Uploads the cache may start per layer and token while answering (0: frozen).
+    pub uploads_per_layer: usize,
+    /// The context the sequences will have (0: the model's training context).
+    pub n_ctx: usize,
+    /// Don't read or write the expert profile beside the model.
+    pub no_profile: bool,
+    /// Copy experts through the pinned staging buffers only, never straight from the page-locked file
+    /// mapping.
+    pub staging_only: bool,
+}
+
+impl Placement {
+    /// Uploads per layer and token unless set otherwise.
+    pub const DEFAULT_UPLOADS_PER_LAYER: usize = 2;
+
+    /// The defaults of the command line.
+    pub fn new() -> Placement {
+        Placement {
+            uploads_per_layer: Self::DEFAULT_UPLOADS_PER_LAYER,
+            ..Placement::default()
+        }
+    }
+}
+
+/// The default reserve of a card of `total` bytes: a 32nd, at least 256 MiB and at most 768 MiB.
+pub fn default_reserve(total: usize) -> usize {
+    (total / 32).clamp(256 * MIB, 768 * MIB)
+}
+
+/// Bytes the card's state of a sequence of `n_ctx` tokens takes (f16 KV rows, f32 recurrent states).
+pub fn state_bytes(specs: &[StateSpec], n_ctx: usize) -> usize {
+    specs
+        .iter()
+        .map(|s| match *s {
+            StateSpec::Kv {
+                n_head_kv,
+                head_dim_k,
+                head_dim_v,
+                ..
+            } => n_ctx.max(1) * n_head_kv * (head_dim_k + head_dim_v) * 2,
+            StateSpec::Recurrent {
+                conv_kernel,
+                conv_channels,
+                n_v_heads,
+                head_k,
+                head_v,
+            } => (conv_kernel.saturating_sub(1) * conv_channels + n_v_heads * head_v * head_k) * 4,
+        })
+        .sum()
+}
+
+/// The cache's bytes: `free` less `state` and the reserve, or the budget when one is given (at most that).
+pub fn cache_bytes(p: &Placement, free: usize, total: usize, state: usize) -> usize {
+    let reserve = p
+        .reserve_mib
+        .map_or_else(|| default_reserve(total), |m| m.saturating_mul(MIB));
+    let room = free.saturating_sub(reserve).saturating_sub(state);
+    match p.expert_budget {
+        Some(b) => b.min(free.saturating_sub(state)),
+        None => room,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_reserve_is_a_32nd_clamped() {
+        assert_eq!(default_reserve(4 << 30), 256 * MIB);
+        assert_eq!(default_reserve(16 << 30), 512 * MIB);
+        assert_eq!(default_reserve(141 << 30), 768 * MIB);
+    }
+
+    #[test]
+    fn state_counts_kv_rows_and_recurrent_states() {
+        let specs = [
+            StateSpec::Kv {
+                n_head_kv: 4,
+                head_dim_k: 128,
+                head_dim_v: 128,
+                window: None,
+            },
+            StateSpec::Recurrent {
+                conv_kernel: 4,
+                conv_channels: 10,
+                n_v_heads: 2,
+                head_k: 3,
+                head_v: 5,
+            },
+        ];
+        assert_eq!(
+            state_bytes(&specs, 100),
+            100 * 4 * 256 * 2 + (3 * 10 + 30) * 4
+        );
+    }
+
+    #[test]
+    fn budget_and_reserve() {
+        let p = Placement::new();
+        let total = 141 << 30;
+        // Free 10 GiB, state 1 GiB, reserve 768 MiB.
+        assert_eq!(
+            cache_bytes(&p, 10 << 30, total, 1 << 30),
+            (9 << 30) - 768 * MIB
+        );
+        let p = Placement {
+            reserve_mib: Some(2048),
+            ..Placement::new()
+        };
+        assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 7 << 30);
+        let p = Placement {
+            expert_budget: Some(100 * MIB),
+            ..Placement::new()
+        };
+        assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 100 * MIB);
+        let p = Placement {
+            expert_budget: Some(0),
+            ..Placement::new()
+        };
+        assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 0);
+        // Nothing free: nothing, never an underflow.
+        assert_eq!(cache_bytes(&Placement::new(), 1 << 20, total, 1 << 30), 0);
+    }
+}

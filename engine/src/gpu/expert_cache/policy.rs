@@ -1,0 +1,484 @@
+//! Which experts the VRAM cache holds: pure bookkeeping, no device (its tests run without a GPU).
+//!
+//! The cache has `n_slots` slots, each holding one (layer, expert) — the three matrices of a routed expert.
+//! Every expert has a score, the routings to it decayed by [`CachePolicy::decay`] per token (so it weighs
+//! frequency and recency together), and the token it was last routed at. The policy:
+//! - picks the initial set from counts (a profile or a warm-up read): the highest counts win;
+//! - follows the answer: [`CachePolicy::plan`] admits at most a bounded number of missing experts per layer
+//!   and token, each into a free slot or in place of the resident expert of the lowest score (older last
+//!   use breaking ties), only when the newcomer scores higher by a margin and the victim is not routed by
+//!   the token being computed;
+//! - a slot being filled is [`SlotState::Loading`]: its expert is not resident (not computed on the card)
+//!   until [`CachePolicy::complete`] says its copy finished.
+
+/// A routed expert: the cache's layer index (not the file's layer number) and the expert id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExpertKey {
+    pub layer: usize,
+    pub expert: usize,
+}
+
+/// What a slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    Free,
+    /// A copy into it is in flight; its expert is not visible yet.
+    Loading(ExpertKey),
+    Holds(ExpertKey),
+}
+
+/// An upload the policy decided: `expert` into `slot`, which held `victim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Upload {
+    pub expert: ExpertKey,
+    pub slot: usize,
+    pub victim: Option<ExpertKey>,
+}
+
+/// Counts the cache reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyStats {
+    pub slots: usize,
+    pub occupied: usize,
+    pub uploads: u64,
+    pub evictions: u64,
+}
+
+/// The cache's bookkeeping.
+pub struct CachePolicy {
+    slots: Vec<SlotState>,
+    /// `[layer][expert]`: the slot holding or loading it.
+    slot_of: Vec<Vec<Option<usize>>>,
+    /// `[layer][expert]`: routings, decayed per token of the layer.
+    score: Vec<Vec<f32>>,
+    /// `[layer][expert]`: the token it was last routed at (0: never).
+    last_use: Vec<Vec<u64>>,
+    /// `[layer][expert]`: routings counted since the counts were last taken (for the profile).
+    counts: Vec<Vec<u64>>,
+    /// Tokens seen, per layer.
+    tick: Vec<u64>,
+    decay: f32,
+    /// How much higher a newcomer's score must be than its victim's.
+    margin: f32,
+    uploads: u64,
+    evictions: u64,
+}
+
+impl CachePolicy {
+    /// Decay of the scores per token.
+    pub const DEFAULT_DECAY: f32 = 0.98;
+    /// A newcomer must score this much above its victim.
+    pub const DEFAULT_MARGIN: f32 = 0.5;
+
+    /// A cache of `n_slots` empty slots over layers of `experts_per_layer[l]` experts.
+    pub fn new(experts_per_layer: &[usize], n_slots: usize) -> CachePolicy {
+        CachePolicy {
+            slots: vec![SlotState::Free; n_slots],
+            slot_of: experts_per_layer.iter().map(|&n| vec![None; n]).collect(),
+            score: experts_per_layer.iter().map(|&n| vec![0.0; n]).collect(),
+            last_use: experts_per_layer.iter().map(|&n| vec![0; n]).collect(),
+            counts: experts_per_layer.iter().map(|&n| vec![0; n]).collect(),
+            tick: vec![0; experts_per_layer.len()],
+            decay: Self::DEFAULT_DECAY,
+            margin: Self::DEFAULT_MARGIN,
+            uploads: 0,
+            evictions: 0,
+        }
+    }
+
+    /// Decay per token.
+    pub fn decay(&self) -> f32 {
+        self.decay
+    }
+
+    /// Layers.
+    pub fn n_layers(&self) -> usize {
+        self.slot_of.len()
+    }
+
+    /// Experts of `layer`.
+    pub fn n_expert(&self, layer: usize) -> usize {
+        self.slot_of.get(layer).map_or(0, Vec::len)
+    }
+
+    /// Slots.
+    pub fn n_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// What slot `slot` holds.
+    pub fn slot(&self, slot: usize) -> SlotState {
+        self.slots.get(slot).copied().unwrap_or(SlotState::Free)
+    }
+
+    /// The slot of `key` when its matrices are on the card (not while loading).
+    pub fn resident(&self, key: ExpertKey) -> Option<usize> {
+        let s = (*self.slot_of.get(key.layer)?.get(key.expert)?)?;
+        matches!(self.slots[s], SlotState::Holds(k) if k == key).then_some(s)
+    }
+
+    /// Whether every expert of every layer is resident.
+    pub fn holds_all(&self) -> bool {
+        let total: usize = self.slot_of.iter().map(Vec::len).sum();
+        self.slots
+            .iter()
+            .filter(|s| matches!(s, SlotState::Holds(_)))
+            .count()
+            == total
+    }
+
+    /// The initial set: the experts of the highest `counts[layer][expert]`, as many as there are slots
+    /// (ties: lower layer, then lower id). Scores start at the counts scaled to at most 1 per expert.
+    pub fn initial_set(&mut self, counts: &[Vec<u64>]) -> Vec<ExpertKey> {
+        let mut all: Vec<(u64, ExpertKey)> = Vec::new();
+        for (layer, row) in self.slot_of.iter().enumerate() {
+            let max = counts
+                .get(layer)
+                .and_then(|c| c.iter().max().copied())
+                .unwrap_or(0);
+            for expert in 0..row.len() {
+                let c = counts
+                    .get(layer)
+                    .and_then(|c| c.get(expert))
+                    .copied()
+                    .unwrap_or(0);
+                if max > 0 {
+                    self.score[layer][expert] = c as f32 / max as f32;
+                }
+                all.push((c, ExpertKey { layer, expert }));
+            }
+        }
+        all.sort_by(|a, b| {
+            b.0.cmp(&a.0)
+                .then(a.1.layer.cmp(&b.1.layer))
+                .then(a.1.expert.cmp(&b.1.expert))
+        });
+        all.truncate(self.slots.len());
+        all.into_iter().map(|(_, k)| k).collect()
+    }
+
+    /// Puts `key` in slot `slot` at once (the initial fill, whose copies completed before any call).
+    pub fn place(&mut self, slot: usize, key: ExpertKey) {
+        if let Some(SlotState::Holds(old) | SlotState::Loading(old)) = self.slots.get(slot).copied()
+        {
+            self.slot_of[old.layer][old.expert] = None;
+        }
+        if let Some(s) = self.slots.get_mut(slot) {
+            *s = SlotState::Holds(key);
+            self.slot_of[key.layer][key.expert] = Some(slot);
+        }
+    }
+
+    /// Counts one token's (or a batch's) routings of `layer`: `routed` lists every routing (an expert
+    /// may repeat across tokens), `tokens` how many tokens they came from.
+    pub fn record(&mut self, layer: usize, routed: &[usize], tokens: usize) {
+        let Some(scores) = self.score.get_mut(layer) else {
+            return;
+        };
+        let d = self.decay.powi(tokens.min(i32::MAX as usize) as i32);
+        scores.iter_mut().for_each(|s| *s *= d);
+        self.tick[layer] += tokens as u64;
+        let now = self.tick[layer];
+        for &e in routed {
+            if e < scores.len() {
+                scores[e] += 1.0;
+                self.last_use[layer][e] = now;
+                self.counts[layer][e] += 1;
+            }
+        }
+    }
+
+    /// Decides up to `max` uploads among `missing` experts of `layer` (those its token routes to that are
+    /// not resident, likeliest first); `in_use` are the layer's experts the token routes to, never
+    /// evicted. The chosen slots become [`SlotState::Loading`], their victims leave at once.
+    pub fn plan(
+        &mut self,
+        layer: usize,
+        missing: &[usize],
+        in_use: &[usize],
+        max: usize,
+    ) -> Vec<Upload> {
+        let mut out = Vec::new();
+        for &e in missing {
+            if out.len() >= max {
+                break;
+            }
+            if self
+                .slot_of
+                .get(layer)
+                .and_then(|r| r.get(e))
+                .is_none_or(|s| s.is_some())
+            {
+                // Unknown, resident or already loading.
+                continue;
+            }
+            let score = self.score[layer][e];
+            let slot = match self.slots.iter().position(|s| *s == SlotState::Free) {
+                Some(free) => Some((free, None)),
+                None => self.victim(layer, in_use).and_then(|(slot, victim)| {
+                    let vs = self.score[victim.layer][victim.expert];
+                    (score > vs + self.margin).then_some((slot, Some(victim)))
+                }),
+            };
+            let Some((slot, victim)) = slot else {
+                // The weakest resident expert beats this one; the rest score no higher.
+                break;
+            };
+            if let Some(v) = victim {
+                self.slot_of[v.layer][v.expert] = None;
+                self.evictions += 1;
+            }
+            let key = ExpertKey { layer, expert: e };
+            self.slots[slot] = SlotState::Loading(key);
+            self.slot_of[layer][e] = Some(slot);
+            self.uploads += 1;
+            out.push(Upload {
+                expert: key,
+                slot,
+                victim,
+            });
+        }
+        out
+    }
+
+    /// The resident expert of the lowest score (then the oldest last use), not among `in_use` of `layer`.
+    fn victim(&self, layer: usize, in_use: &[usize]) -> Option<(usize, ExpertKey)> {
+        let mut best: Option<(f32, u64, usize, ExpertKey)> = None;
+        for (slot, s) in self.slots.iter().enumerate() {
+            let SlotState::Holds(k) = *s else { continue };
+            if k.layer == layer && in_use.contains(&k.expert) {
+                continue;
+            }
+            let (score, last) = (
+                self.score[k.layer][k.expert],
+                self.last_use[k.layer][k.expert],
+            );
+            let better = match best {
+                None => true,
+                Some((bs, bl, _, _)) => score < bs || (score == bs && last < bl),
+            };
+            if better {
+                best = Some((score, last, slot, k));
+            }
+        }
+        best.map(|(_, _, slot, k)| (slot, k))
+    }
+
+    /// The copy into `slot` completed: its expert is resident.
+    pub fn complete(&mut self, slot: usize) {
+        if let Some(SlotState::Loading(k)) = self.slots.get(slot).copied() {
+            self.slots[slot] = SlotState::Holds(k);
+        }
+    }
+
+    /// A planned upload failed: the slot is free again.
+    pub fn abandon(&mut self, slot: usize) {
+        if let Some(SlotState::Loading(k) | SlotState::Holds(k)) = self.slots.get(slot).copied() {
+            self.slot_of[k.layer][k.expert] = None;
+            self.slots[slot] = SlotState::Free;
+        }
+    }
+
+    /// The scores as counts (`[layer][expert]`, scaled to integers), to rank experts for a new fill.
+    pub fn score_counts(&self) -> Vec<Vec<u64>> {
+        self.score
+            .iter()
+            .map(|r| r.iter().map(|&s| (s.max(0.0) * 1e6) as u64).collect())
+            .collect()
+    }
+
+    /// The routings counted since the last call, `[layer][expert]`, and resets them.
+    pub fn take_counts(&mut self) -> Vec<Vec<u64>> {
+        self.counts
+            .iter_mut()
+            .map(|c| {
+                let taken = c.clone();
+                c.iter_mut().for_each(|v| *v = 0);
+                taken
+            })
+            .collect()
+    }
+
+    /// Adds `counts` (`[layer][expert]`) to the routings counted.
+    pub fn add_counts(&mut self, counts: &[Vec<u64>]) {
+        for (mine, add) in self.counts.iter_mut().zip(counts) {
+            mine.iter_mut().zip(add).for_each(|(a, b)| *a += b);
+        }
+    }
+
+    /// Slots, occupied slots, uploads and evictions so far.
+    pub fn stats(&self) -> PolicyStats {
+        PolicyStats {
+            slots: self.slots.len(),
+            occupied: self
+                .slots
+                .iter()
+                .filter(|s| !matches!(s, SlotState::Free))
+                .count(),
+            uploads: self.uploads,
+            evictions: self.evictions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(layer: usize, expert: usize) -> ExpertKey {
+        ExpertKey { layer, expert }
+    }
+
+    #[test]
+    fn initial_set_takes_the_highest_counts_across_layers() {
+        let mut p = CachePolicy::new(&[4, 4], 3);
+        let counts = vec![vec![5, 0, 9, 1], vec![7, 2, 0, 0]];
+        let set = p.initial_set(&counts);
+        assert_eq!(set, vec![key(0, 2), key(1, 0), key(0, 0)]);
+        for (slot, k) in set.iter().enumerate() {
+            p.place(slot, *k);
+        }
+        assert_eq!(p.resident(key(0, 2)), Some(0));
+        assert_eq!(p.resident(key(0, 1)), None);
+        assert!(!p.holds_all());
+        assert_eq!(p.stats().occupied, 3);
+    }
+
+    #[test]
+    fn holds_all_when_every_expert_fits() {
+        let mut p = CachePolicy::new(&[2, 3], 8);
+        let set = p.initial_set(&[]);
+        assert_eq!(set.len(), 5);
+        for (slot, k) in set.iter().enumerate() {
+            p.place(slot, *k);
+        }
+        assert!(p.holds_all());
+    }
+
+    #[test]
+    fn free_slots_are_filled_first_and_visible_only_after_completion() {
+        let mut p = CachePolicy::new(&[4], 2);
+        p.record(0, &[3], 1);
+        let ups = p.plan(0, &[3], &[3], 2);
+        assert_eq!(
+            ups,
+            vec![Upload {
+                expert: key(0, 3),
+                slot: 0,
+                victim: None
+            }]
+        );
+        assert_eq!(p.resident(key(0, 3)), None, "loading is not resident");
+        // Planning it again while loading does nothing.
+        assert!(p.plan(0, &[3], &[3], 2).is_empty());
+        p.complete(0);
+        assert_eq!(p.resident(key(0, 3)), Some(0));
+        assert_eq!(p.stats().uploads, 1);
+        assert_eq!(p.stats().evictions, 0);
+    }
+
+    #[test]
+    fn the_victim_is_the_coldest_and_never_in_use() {
+        let mut p = CachePolicy::new(&[6], 2);
+        p.place(0, key(0, 0));
+        p.place(1, key(0, 1));
+        // Expert 0 hot, expert 1 cold; then expert 5 routed often.
+        for _ in 0..10 {
+            p.record(0, &[0], 1);
+        }
+        for _ in 0..3 {
+            p.record(0, &[5], 1);
+        }
+        let ups = p.plan(0, &[5], &[5], 1);
+        assert_eq!(ups.len(), 1);
+        assert_eq!(ups[0].victim, Some(key(0, 1)));
+        assert_eq!(ups[0].slot, 1);
+        assert_eq!(p.resident(key(0, 1)), None, "the victim leaves at once");
+        assert_eq!(p.stats().evictions, 1);
+        // Protecting the cold expert moves the choice to the other one only if the newcomer beats it.
+        let mut q = CachePolicy::new(&[6], 2);
+        q.place(0, key(0, 0));
+        q.place(1, key(0, 1));
+        for _ in 0..3 {
+            q.record(0, &[0, 4], 1);
+        }
+        let ups = q.plan(0, &[4], &[1, 4], 1);
+        assert!(
+            ups.is_empty(),
+            "expert 0 scores as high as 4 and 1 is in use: {ups:?}"
+        );
+    }
+
+    #[test]
+    fn a_newcomer_needs_a_margin_and_uploads_are_bounded() {
+        let mut p = CachePolicy::new(&[8], 2);
+        p.place(0, key(0, 0));
+        p.place(1, key(0, 1));
+        p.record(0, &[0, 1], 1);
+        // One routing of 2 ties the residents' fresh scores: no churn.
+        p.record(0, &[2], 1);
+        assert!(p.plan(0, &[2], &[2], 4).is_empty());
+        // Many routings of 3, 4, 5: at most 1 upload per call.
+        for _ in 0..5 {
+            p.record(0, &[3, 4, 5], 1);
+        }
+        let ups = p.plan(0, &[3, 4, 5], &[3, 4, 5], 1);
+        assert_eq!(ups.len(), 1);
+        assert_eq!(ups[0].expert, key(0, 3));
+    }
+
+    #[test]
+    fn of_two_experts_routed_as_often_the_older_use_goes() {
+        let mut p = CachePolicy::new(&[4], 2);
+        p.place(0, key(0, 0));
+        p.place(1, key(0, 1));
+        p.record(0, &[0], 1);
+        for _ in 0..20 {
+            p.record(0, &[], 1);
+        }
+        p.record(0, &[1], 1);
+        for _ in 0..3 {
+            p.record(0, &[3], 1);
+        }
+        let ups = p.plan(0, &[3], &[3], 1);
+        assert_eq!(
+            ups[0].victim,
+            Some(key(0, 0)),
+            "0 was used 21 tokens before 1"
+        );
+    }
+
+    #[test]
+    fn counts_are_taken_and_reset() {
+        let mut p = CachePolicy::new(&[3, 2], 1);
+        p.record(0, &[0, 2, 2], 2);
+        p.record(1, &[1], 1);
+        assert_eq!(p.take_counts(), vec![vec![1, 0, 2], vec![0, 1]]);
+        assert_eq!(p.take_counts(), vec![vec![0, 0, 0], vec![0, 0]]);
+    }
+
+    #[test]
+    fn scores_rank_a_new_fill_and_counts_carry_over() {
+        let mut p = CachePolicy::new(&[3], 3);
+        for _ in 0..4 {
+            p.record(0, &[2], 1);
+        }
+        p.record(0, &[0], 1);
+        let counts = p.take_counts();
+        let mut q = CachePolicy::new(&[3], 1);
+        assert_eq!(q.initial_set(&p.score_counts()), vec![key(0, 2)]);
+        q.add_counts(&counts);
+        assert_eq!(q.take_counts(), vec![vec![1, 0, 4]]);
+    }
+
+    #[test]
+    fn abandon_frees_the_slot() {
+        let mut p = CachePolicy::new(&[3], 1);
+        p.record(0, &[2], 1);
+        let ups = p.plan(0, &[2], &[2], 1);
+        p.abandon(ups[0].slot);
+        assert_eq!(p.slot(0), SlotState::Free);
+        assert_eq!(p.resident(key(0, 2)), None);
+        assert_eq!(p.plan(0, &[2], &[2], 1).len(), 1);
+    }
+}

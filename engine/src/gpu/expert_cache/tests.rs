@@ -1,0 +1,108 @@
+//! CPU-side tests of the cache's pieces that need a model file but no GPU: the expert layout of the
+//! fixtures and the CPU's share of a token's experts against the CPU MoE block.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use poly_kernels::ops::topk::{route, Gating as KGating};
+use poly_models::compute::{Gating, Moe, Unary};
+use poly_models::gguf::GgufFile;
+
+use super::layout::{expert_layers, slot_bytes};
+use super::CpuShare;
+use crate::cpu::moe::moe_with;
+use crate::cpu::{mat_mul_with, Arithmetic, CpuWeights, Mat};
+
+fn fixture(name: &str) -> CpuWeights {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/models")
+        .join(name);
+    CpuWeights::new(Arc::new(GgufFile::open(&path).expect("fixture")))
+}
+
+#[test]
+fn the_fixtures_expert_layers_are_found_and_laid_out_in_slots() {
+    let w = fixture("qwen3moe-tiny-q4km.gguf");
+    let layers = expert_layers(&w);
+    assert!(!layers.is_empty());
+    let n_blocks = w
+        .file()
+        .tensor_infos()
+        .iter()
+        .filter(|t| t.name.ends_with(".ffn_gate_exps.weight"))
+        .count();
+    assert_eq!(layers.len(), n_blocks, "one cache layer per MoE block");
+    let slot = slot_bytes(&layers);
+    for l in &layers {
+        assert_eq!(l.n_expert, 16);
+        for m in &l.mats {
+            assert_eq!(m.bytes * l.n_expert, w.info(m.weight).n_bytes as usize);
+            assert_eq!(m.offset % 256, 0);
+        }
+        assert!(l.mats[0].offset + l.mats[0].bytes <= l.mats[1].offset);
+        assert!(l.mats[1].offset + l.mats[1].bytes <= l.mats[2].offset);
+        assert!(l.mats[2].offset + l.mats[2].bytes <= slot);
+    }
+    // A dense model has none.
+    assert!(expert_layers(&fixture("gemma3-tiny-q4km.gguf")).is_empty());
+}
+
+#[test]
+fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
+    let w = fixture("qwen3moe-tiny-q4km.gguf");
+    let layer = &expert_layers(&w)[0];
+    let id = |name: &str| {
+        let i = w
+            .file()
+            .tensor_infos()
+            .iter()
+            .position(|t| t.name == name)
+            .expect("tensor");
+        poly_models::compute::WeightId(i as u32)
+    };
+    let m = Moe {
+        router: id(&format!("blk.{}.ffn_gate_inp.weight", layer.block)),
+        gate_exps: layer.mats[0].weight,
+        up_exps: layer.mats[1].weight,
+        down_exps: layer.mats[2].weight,
+        n_expert: layer.n_expert,
+        n_expert_used: 4,
+        gating: Gating::Softmax,
+        norm_weights: true,
+        weights_scale: 1.0,
+        act: Unary::Silu,
+    };
+    let n_embd = layer.mats[0].cols;
+    let x: Vec<f32> = (0..n_embd)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
+        .collect();
+    let xm = Mat::from_vec(1, n_embd, x.clone());
+    let whole = moe_with(&w, &xm, &m, Arithmetic::BatchInvariant);
+    let logits = mat_mul_with(&w.matrix(m.router), &xm, Arithmetic::BatchInvariant);
+    let routes = route(logits.row(0), KGating::Softmax, 4, true, 1.0);
+    // All four routings on the CPU: the block's output, bit for bit (same products, same order).
+    let all = CpuShare {
+        x: x.clone(),
+        items: routes.iter().map(|&(e, p)| (e as usize, p)).collect(),
+        all: true,
+    };
+    assert_eq!(all.compute(&w, &m), whole.row(0));
+    // Two on the CPU, two elsewhere: the parts add up to the block (to rounding).
+    let part = |r: &[(u32, f32)]| {
+        CpuShare {
+            x: x.clone(),
+            items: r.iter().map(|&(e, p)| (e as usize, p)).collect(),
+            all: false,
+        }
+        .compute(&w, &m)
+    };
+    let (a, b) = (part(&routes[..2]), part(&routes[2..]));
+    let scale = whole.row(0).iter().fold(0f32, |s, v| s.max(v.abs()));
+    for ((p, q), r) in a.iter().zip(&b).zip(whole.row(0)) {
+        assert!(
+            (p + q - r).abs() <= 1e-5 * scale.max(1.0),
+            "{p} + {q} vs {r}"
+        );
+    }
+    assert!(a.iter().any(|v| *v != 0.0) && b.iter().any(|v| *v != 0.0));
+}

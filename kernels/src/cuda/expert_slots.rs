@@ -1,0 +1,362 @@
+//! The device pieces of the VRAM expert cache (issue 8): a [`SlotPool`] (one allocation cut into slots of
+//! one expert's matrices), expert tables whose entries point into slots or are null
+//! ([`ExpertTable::empty`], [`ExpertTable::point`]), pinned [`StagingBuffer`]s and a [`CopyStream`] that
+//! copies them into slots beside the compute stream, ordered against it with [`CopyEvent`]s.
+//!
+//! Ordering rules the engine's cache follows (see `kernels/cuda/README.md`):
+//! - a slot is written on the copy stream only after the compute stream passed every launch that may still
+//!   read it ([`CopyStream::wait_for_compute`]);
+//! - a table entry is pointed at a slot on the compute stream only after the slot's copy completed
+//!   ([`Device::wait_for_copy`] before [`ExpertTable::point`]);
+//! - a staging buffer is refilled by the host only after its last copy completed ([`StagingBuffer::fill`]
+//!   waits for it).
+//!
+//! A [`HostRegistration`] page-locks host memory the caller keeps mapped (the model file's mapping), so
+//! the copy stream reads experts straight from it ([`CopyStream::copy_from_host`]) at the pinned rate,
+//! without the host copying them into a staging buffer first.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaEvent, CudaStream, PinnedHostSlice};
+
+use super::buffer::check_shape;
+use super::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
+use crate::quant::GgmlType;
+
+/// One allocation of `n_slots` slots of `slot_bytes` each.
+pub struct SlotPool {
+    storage: DeviceBuffer<u8>,
+    slot_bytes: usize,
+    n_slots: usize,
+}
+
+impl std::fmt::Debug for SlotPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SlotPool[{} × {} B]", self.n_slots, self.slot_bytes)
+    }
+}
+
+impl SlotPool {
+    /// Allocates `n_slots` (≥ 1) slots of `slot_bytes` (≥ 1) on `dev`.
+    pub fn alloc(dev: &Device, slot_bytes: usize, n_slots: usize) -> CudaResult<SlotPool> {
+        let total = slot_bytes
+            .checked_mul(n_slots)
+            .filter(|&t| t > 0)
+            .ok_or_else(|| {
+                CudaError::Invalid(format!("slot pool of {n_slots} × {slot_bytes} bytes"))
+            })?;
+        Ok(SlotPool {
+            storage: dev.zeros(total)?,
+            slot_bytes,
+            n_slots,
+        })
+    }
+
+    /// Slots.
+    pub fn n_slots(&self) -> usize {
+        self.n_slots
+    }
+
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Bytes of the pool.
+    pub fn bytes(&self) -> usize {
+        self.storage.num_bytes()
+    }
+
+    /// The device address of `offset` in slot `slot`, for `len` bytes that must lie inside the slot.
+    fn address(&self, slot: usize, offset: usize, len: usize) -> CudaResult<u64> {
+        if slot >= self.n_slots || offset.checked_add(len).is_none_or(|e| e > self.slot_bytes) {
+            return Err(CudaError::Invalid(format!(
+                "slot {slot} bytes {offset}..+{len} outside a pool of {} × {} B",
+                self.n_slots, self.slot_bytes
+            )));
+        }
+        Ok(self.storage.address() + (slot * self.slot_bytes + offset) as u64)
+    }
+}
+
+/// Where one expert's matrix is: a slot of a pool and its offset there.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotRef<'p> {
+    pub pool: &'p SlotPool,
+    pub slot: usize,
+    pub offset: usize,
+}
+
+impl ExpertTable {
+    /// A table of `n_expert` experts of `rows × cols` of `ty` with every entry null (no expert on the card:
+    /// the kernels write zeros for their slots).
+    pub fn empty(
+        dev: &Device,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        n_expert: usize,
+    ) -> CudaResult<ExpertTable> {
+        check_shape(ty, rows, cols)?;
+        if n_expert == 0 || n_expert > i32::MAX as usize {
+            return Err(CudaError::Invalid(format!("a table of {n_expert} experts")));
+        }
+        Ok(ExpertTable {
+            ty,
+            rows,
+            cols,
+            n_expert,
+            addresses: dev.zeros(n_expert)?,
+        })
+    }
+
+    /// Rewrites the whole table in stream order on the compute stream: entry `e` points at `entries[e]`
+    /// or is null. Launches queued before read the old entries, launches queued after the new ones. The
+    /// pools must outlive every launch that reads the table while it points into them.
+    pub fn point(&mut self, dev: &Device, entries: &[Option<SlotRef<'_>>]) -> CudaResult<()> {
+        if entries.len() != self.n_expert {
+            return Err(CudaError::Invalid(format!(
+                "{} entries for a table of {} experts",
+                entries.len(),
+                self.n_expert
+            )));
+        }
+        let bytes = self.expert_bytes();
+        let mut addresses = Vec::with_capacity(entries.len());
+        for s in entries {
+            addresses.push(match s {
+                Some(s) => s.pool.address(s.slot, s.offset, bytes)?,
+                None => 0,
+            });
+        }
+        dev.write(&addresses, &mut self.addresses)
+    }
+}
+
+/// A point in the copy stream's work: waited on by the compute stream or the host.
+pub struct CopyEvent {
+    event: CudaEvent,
+}
+
+impl CopyEvent {
+    /// Whether the work before it completed (false on an error, which the next wait reports).
+    pub fn is_complete(&self) -> bool {
+        self.event.is_complete()
+    }
+
+    /// Blocks the calling thread (yielding, not spinning) until the work before it completed.
+    pub fn wait(&self) -> CudaResult<()> {
+        Ok(self.event.synchronize()?)
+    }
+}
+
+impl Device {
+    /// Makes the compute stream wait (on the card, without blocking the host) for `event`.
+    pub fn wait_for_copy(&self, event: &CopyEvent) -> CudaResult<()> {
+        Ok(self.stream().wait(&event.event)?)
+    }
+
+    /// An event after everything queued on the compute stream so far.
+    pub fn record_compute(&self) -> CudaResult<CopyEvent> {
+        let event = self
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        event.record(self.stream())?;
+        Ok(CopyEvent { event })
+    }
+}
+
+/// Page-locked host memory the copy stream reads from, with the event of its last copy.
+pub struct StagingBuffer {
+    host: PinnedHostSlice<u8>,
+    /// Recorded after the last copy out of `host`.
+    last_copy: Option<CudaEvent>,
+}
+
+impl StagingBuffer {
+    /// `bytes` (≥ 1) of pinned memory.
+    pub fn new(dev: &Device, bytes: usize) -> CudaResult<StagingBuffer> {
+        if bytes == 0 {
+            return Err(CudaError::Invalid("a staging buffer of 0 bytes".into()));
+        }
+        // Write-combined: the host only writes it and the card only reads it.
+        // SAFETY: the memory is uninitialized; `fill` hands it out only for writing first (callers write
+        // before a copy reads it, and a copy reads only the bytes asked for).
+        let host = unsafe {
+            dev.context()
+                .alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_WRITECOMBINED)
+        }?;
+        Ok(StagingBuffer {
+            host,
+            last_copy: None,
+        })
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Never empty.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// The buffer to write, once its last copy completed (the thread blocks until then).
+    pub fn fill(&mut self) -> CudaResult<&mut [u8]> {
+        if let Some(e) = self.last_copy.take() {
+            e.synchronize()?;
+        }
+        // cudarc's own event of the slice is never recorded (event tracking is off), so this does not
+        // wait; ours above did.
+        Ok(self.host.as_mut_slice()?)
+    }
+}
+
+/// Host memory page-locked for the card's copies (`cuMemHostRegister`, read-only), unregistered when
+/// dropped. It keeps `owner` (what keeps the memory mapped) alive as long as it lives.
+pub struct HostRegistration {
+    ptr: *const u8,
+    len: usize,
+    ctx: Arc<cudarc::driver::CudaContext>,
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+// SAFETY: the registration only holds the address of memory `owner` keeps mapped and unchanged (the
+// contract of `new`); reading it from any thread is sound.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as for Send: no interior mutability.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Page-locks `memory` for copies to `dev`.
+    ///
+    /// # Safety
+    /// `memory` must stay mapped, readable and unchanged as long as `owner` lives.
+    pub unsafe fn new(
+        dev: &Device,
+        memory: &[u8],
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> CudaResult<HostRegistration> {
+        if memory.is_empty() {
+            return Err(CudaError::Invalid("registering no memory".into()));
+        }
+        let ctx = dev.context().clone();
+        ctx.bind_to_thread()?;
+        // SAFETY: the range is mapped and readable (the caller's contract); the card only reads it.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                memory.as_ptr() as *mut std::ffi::c_void,
+                memory.len(),
+                sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+            .result()?;
+        }
+        Ok(HostRegistration {
+            ptr: memory.as_ptr(),
+            len: memory.len(),
+            ctx,
+            _owner: owner,
+        })
+    }
+
+    /// Whether `s` lies inside the registered memory.
+    pub fn contains(&self, s: &[u8]) -> bool {
+        let (a, b) = (self.ptr as usize, self.ptr as usize + self.len);
+        let (p, q) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
+        p >= a && q <= b
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // Copies from it were waited for by its user (see `CopyStream::copy_from_host`).
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` was registered by `new` and is still mapped (`owner` is dropped after this).
+        let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// A stream for copies into slots, beside the compute stream.
+pub struct CopyStream {
+    stream: Arc<CudaStream>,
+}
+
+impl CopyStream {
+    /// A new stream on `dev`'s context.
+    pub fn new(dev: &Device) -> CudaResult<CopyStream> {
+        Ok(CopyStream {
+            stream: dev.context().new_stream()?,
+        })
+    }
+
+    /// Makes the copies queued after this wait for everything queued on `dev`'s compute stream so far
+    /// (so a slot is overwritten only after the launches that read it).
+    pub fn wait_for_compute(&self, dev: &Device) -> CudaResult<()> {
+        let e = dev.record_compute()?;
+        Ok(self.stream.wait(&e.event)?)
+    }
+
+    /// Queues a copy of `src[..len]` into `dst` (`len` bytes inside one slot).
+    pub fn copy(&self, src: &mut StagingBuffer, len: usize, dst: SlotRef<'_>) -> CudaResult<()> {
+        if len > src.len() {
+            return Err(CudaError::Invalid(format!(
+                "a copy of {len} bytes from a staging buffer of {}",
+                src.len()
+            )));
+        }
+        let addr = dst.pool.address(dst.slot, dst.offset, len)?;
+        let ptr = src.host.as_ptr()?;
+        // SAFETY: `ptr[..len]` is pinned memory owned by `src` (len checked above), which is not written
+        // again before `last_copy` (recorded just below) completed (`fill` waits for it), and is freed only
+        // after it (PinnedHostSlice's drop synchronizes the context's work on it, and the buffer's owner
+        // drops the stream's work first, see `ExpertCache`); `addr..addr+len` lies in the pool's slot
+        // (checked by `address`).
+        unsafe {
+            let host = std::slice::from_raw_parts(ptr, len);
+            result::memcpy_htod_async(addr, host, self.stream.cu_stream())?;
+        }
+        let event = self
+            .stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        event.record(&self.stream)?;
+        src.last_copy = Some(event);
+        Ok(())
+    }
+
+    /// Queues a copy of `src` (inside `reg`) into `dst`. The caller keeps `reg` until the copy completed
+    /// (an event recorded after it, or [`CopyStream::synchronize`]).
+    pub fn copy_from_host(
+        &self,
+        reg: &HostRegistration,
+        src: &[u8],
+        dst: SlotRef<'_>,
+    ) -> CudaResult<()> {
+        if !reg.contains(src) {
+            return Err(CudaError::Invalid(
+                "a copy from memory outside its registration".into(),
+            ));
+        }
+        let addr = dst.pool.address(dst.slot, dst.offset, src.len())?;
+        // SAFETY: `src` lies in page-locked memory that stays mapped and unchanged while `reg` lives (its
+        // contract), which the caller keeps until the copy completed; `addr..addr+len` lies in the slot.
+        unsafe { result::memcpy_htod_async(addr, src, self.stream.cu_stream()) }?;
+        Ok(())
+    }
+
+    /// An event after every copy queued so far.
+    pub fn record(&self) -> CudaResult<CopyEvent> {
+        let event = self
+            .stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        event.record(&self.stream)?;
+        Ok(CopyEvent { event })
+    }
+
+    /// Waits for every copy queued so far.
+    pub fn synchronize(&self) -> CudaResult<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}

