@@ -485,6 +485,7 @@ impl<'a> GpuForward<'a> {
                     }
                 })
             }
+            // A prompt's float matrices (the router): tiles of 64 rows × 64 tokens.
             GpuWeight::Float(s) if x.rows > 1 => {
                 prompt::matmul_f(dev, s.table(), x.buf()?, y.buf_mut()?)
             }
