@@ -36,8 +36,8 @@ fn two_chats_in_turn_both_resume_from_kept_states() {
 
     let a1 = json!({"role": "user", "content": "Tell me about the sea and its tides."});
     let b1 = json!({"role": "user", "content": "Name three birds of the northern forests."});
-    let (a_reply, a_prompt, _) = ask(&server, &[a1.clone()]);
-    let (b_reply, b_prompt, _) = ask(&server, &[b1.clone()]);
+    let (a_reply, a_prompt, _) = ask(&server, std::slice::from_ref(&a1));
+    let (b_reply, b_prompt, _) = ask(&server, std::slice::from_ref(&b1));
 
     // Chat A again, after chat B: A's state was parked with a checkpoint where its first answer began.
     let a = [
