@@ -57,6 +57,10 @@ struct ServeArgs {
     /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked).
     #[arg(long, default_value_t = 2048)]
     checkpoint_every: usize,
+    /// Most prompt tokens per forward call (default: 512 on the CPU, 2048 on a GPU, whose grouped expert
+    /// kernels gain from more tokens per expert).
+    #[arg(long, value_name = "N")]
+    ubatch: Option<usize>,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -146,6 +150,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 threads: a.threads,
                 park_bytes: a.park_mib.saturating_mul(1 << 20),
                 checkpoint_every: a.checkpoint_every,
+                ubatch: a.ubatch,
                 device,
                 placement: a.placement.placement(a.max_context),
                 arithmetic: if a.llama_orders {

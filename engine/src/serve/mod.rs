@@ -43,6 +43,9 @@ pub struct ServeOptions {
     pub park_bytes: usize,
     /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none).
     pub checkpoint_every: usize,
+    /// Most prompt tokens per forward call (`None`: [`crate::generate::DEFAULT_UBATCH`] on the CPU,
+    /// [`GPU_UBATCH`] on a GPU).
+    pub ubatch: Option<usize>,
     /// Where the model runs (a GPU when there is one, unless asked otherwise).
     pub device: crate::gpu::DeviceChoice,
     /// Where a GPU run puts the routed experts.
@@ -50,6 +53,11 @@ pub struct ServeOptions {
     /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
     pub arithmetic: Arithmetic,
 }
+
+/// Prompt tokens per forward call on a GPU unless told otherwise: the grouped expert kernels read each
+/// expert's weights once per tile of its tokens, so more tokens per call means fewer weight reads (llama.cpp's
+/// best `-ub` for long prompts on the H200 was 2048 as well).
+pub const GPU_UBATCH: usize = 2048;
 
 /// The engine process's arithmetic by default: batch-invariant, so that a conversation continued from a
 /// kept state, a checkpoint or a parked copy, a prompt split at the ubatch, and a fresh read of the same

@@ -17,7 +17,6 @@ use poly_protocol::{Done, ErrorCode, FromEngine, Gen, StopReason, Tokens};
 
 use super::session::{Control, Session};
 use super::store::Conversation;
-use crate::generate::DEFAULT_UBATCH;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
 
@@ -211,7 +210,7 @@ impl<W: std::io::Write> Session<'_, W> {
                 .then(|| job.next_checkpoint(pos, end, every))
                 .flatten()
                 .unwrap_or(end)
-                .min(pos + DEFAULT_UBATCH);
+                .min(pos + self.ubatch);
             let want = if next == end {
                 Logits::Last
             } else {

@@ -43,6 +43,8 @@ pub struct Session<'a, W: Write> {
     pub(super) model: &'a Model,
     pub(super) n_ctx: usize,
     pub(super) checkpoint_every: usize,
+    /// Most prompt tokens per forward call.
+    pub(super) ubatch: usize,
     pub(super) store: Store,
     queue: VecDeque<Job>,
     inputs: Receiver<Input>,
@@ -71,6 +73,14 @@ impl<'a, W: Write> Session<'a, W> {
             model,
             n_ctx,
             checkpoint_every: opts.checkpoint_every,
+            ubatch: opts
+                .ubatch
+                .unwrap_or(if model.on_gpu() {
+                    super::GPU_UBATCH
+                } else {
+                    crate::generate::DEFAULT_UBATCH
+                })
+                .max(1),
             store: Store::new(opts.park_bytes),
             queue: VecDeque::new(),
             inputs,
