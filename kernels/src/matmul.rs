@@ -380,20 +380,30 @@ mod tests {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
             let mut y = vec![0f32; n * rows];
             matmul(&w, &x, n, &mut y);
-            let ops = ty.ops().unwrap();
-            for j in 0..n {
-                let mut act = vec![0u8; ops.act.bytes_for(cols)];
-                ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
-                for r in 0..rows {
-                    let want = (ops.vec_dot)(cols, w.row(r), &act);
-                    let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
-                    assert_eq!(
-                        y[j * rows + r].to_bits(),
-                        want.to_bits(),
-                        "{ty} token {j} row {r}"
-                    );
-                    assert_eq!(want.to_bits(), portable.to_bits(), "{ty} token {j} row {r}");
-                }
+            assert_equals_vec_dot(&w, &x, n, &y, &ty.to_string());
+        }
+    }
+
+    /// Every output of `y = x·Wᵀ` (`n` tokens) equals `vec_dot` (and its portable form) bit for bit.
+    fn assert_equals_vec_dot(w: &QuantMatrix, x: &[f32], n: usize, y: &[f32], what: &str) {
+        let (rows, cols) = (w.rows, w.cols);
+        let ops = w.ty.ops().unwrap();
+        for j in 0..n {
+            let mut act = vec![0u8; ops.act.bytes_for(cols)];
+            ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+            for r in 0..rows {
+                let want = (ops.vec_dot)(cols, w.row(r), &act);
+                let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
+                assert_eq!(
+                    y[j * rows + r].to_bits(),
+                    want.to_bits(),
+                    "{what} token {j} row {r}"
+                );
+                assert_eq!(
+                    want.to_bits(),
+                    portable.to_bits(),
+                    "{what} token {j} row {r}"
+                );
             }
         }
     }
@@ -410,21 +420,7 @@ mod tests {
         let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
         let mut y = vec![0f32; n * rows];
         matmul_ordered(&w, &x, n, &mut y, None);
-        let ops = ty.ops().unwrap();
-        for j in 0..n {
-            let mut act = vec![0u8; ops.act.bytes_for(cols)];
-            ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
-            for r in 0..rows {
-                let want = (ops.vec_dot)(cols, w.row(r), &act);
-                let portable = (ops.vec_dot_portable)(cols, w.row(r), &act);
-                assert_eq!(
-                    y[j * rows + r].to_bits(),
-                    want.to_bits(),
-                    "token {j} row {r}"
-                );
-                assert_eq!(want.to_bits(), portable.to_bits(), "token {j} row {r}");
-            }
-        }
+        assert_equals_vec_dot(&w, &x, n, &y, "Q4_K");
     }
 
     #[test]
