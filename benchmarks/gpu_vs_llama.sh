@@ -10,12 +10,18 @@
 #  3. the card held to 8 and 16 GB for the model: poly-engine --vram-reserve-mib against llama-bench
 #     --n-cpu-moe (several values; the peak VRAM of each is recorded, so the fewest CPU layers that fit
 #     the budget can be read off).
-# usage (repository root on the device): bash benchmarks/gpu_vs_llama.sh CARRY_DIR
+#  4. the CPU engine against llama.cpp's CPU (the same CUDA build with no GPU visible, native AVX-512) on
+#     the host's 16 cores, `small` synthetic qwen3moe and qwen35moe in Q4_K (issue 3's table).
+# usage (repository root on the device): bash benchmarks/gpu_vs_llama.sh CARRY_DIR [ours|llama|all]
+# Two calls fit the device's 10-minute limit: `ours` starts the llama.cpp build (its own session, so it
+# outlives the call) and runs steps 1-3 for our engine; `llama` (on the same machine, still warm) waits for
+# the build and runs llama.cpp's side, the CUDA references and witness_gpu, and step 4.
 # CARRY_DIR holds bin.tar.xz (poly-engine and the GPU test binaries, stripped; made by
 # benchmarks/make_gpu_carry.sh) and llama.cpp.tar.xz with llamacpp_build_cuda.sh (shared/device).
 # Results: $OUT/summary.txt, $OUT/results.tgz, $OUT/references-cuda.tgz. About 9 minutes.
 set -u
 C=$1
+PHASE=${2:-all}
 OUT=${OUT:-/tmp/gpu-vs-llama}
 R=/tmp/gvl; mkdir -p $R "$OUT"
 S=$OUT/summary.txt; : > $S
@@ -23,25 +29,34 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $S; }
 export POLY_KERNEL_CACHE=/tmp/pkc POLY_WITNESS_MODELS=/tmp/nogemma
 mkdir -p /tmp/bin /tmp/lsrc /tmp/lcb /dev/shm/m
-tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> $S
-stamp "build llama.cpp CUDA (background)"
-setsid bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > $R/llama_build.txt 2>&1 &
-BPID=$!
 E=/tmp/bin/poly-engine
-$E synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q3.gguf > $R/synth.txt 2>&1 &
-S1=$!
-$E synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35.gguf >> $R/synth.txt 2>&1 &
-S2=$!
+LB=/tmp/lcb/build/bin/llama-bench
+if [ ! -x $E ]; then
+    tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> $S
+    stamp "build llama.cpp CUDA (background, its own session)"
+    setsid bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > /tmp/lcb/llama_build.txt 2>&1 < /dev/null &
+    $E synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q3.gguf > $R/synth.txt 2>&1 &
+    S1=$!
+    $E synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35.gguf >> $R/synth.txt 2>&1 &
+    S2=$!
+    wait $S1 $S2
+    grep -E "wrote" $R/synth.txt | tee -a $S
+fi
+wait_llama() {
+    stamp "wait for the llama.cpp build"
+    while [ ! -e /tmp/lcb/build.done ] && [ ! -e /tmp/lcb/build.failed ]; do sleep 5; done
+    tail -2 /tmp/lcb/llama_build.txt | tee -a $S
+}
 
+if [ $PHASE = ours ] || [ $PHASE = all ]; then
 stamp "1. correctness"
 for t in cuda_ops cuda_elementwise cuda_layer_ops cuda_prompt_attention gpu_forward gpu_expert_cache; do
     [ -x /tmp/bin/$t ] || continue
     timeout 150 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1; echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a $S
     grep -E "^test .*FAILED$" $R/$t.txt | tee -a $S
 done
-wait $S1 $S2
-grep -E "wrote" $R/synth.txt | tee -a $S
+fi
 
 bench() { # label, args...
     local label=$1; shift
@@ -67,6 +82,7 @@ PY
     grep -E "expert cache:" $R/b.err | head -2 >> $S
     cat $R/b.json >> $R/ours_all.jsonl; echo >> $R/ours_all.jsonl
 }
+if [ $PHASE = ours ] || [ $PHASE = all ]; then
 stamp "2. every weight in VRAM (ours)"
 for m in q3 q35; do
     POLY_GPU_PROFILE=1 bench "$m full pp512 tg128" --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 3
@@ -85,10 +101,9 @@ for case in q3:8192 q3:16384 q35:8192; do
     bench "$m ${mib}MiB pp512 tg64" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 512 --gen 64 --reps 2
     bench "$m ${mib}MiB pp8000" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 8000 --gen 0 --reps 1 --ubatch 4096
 done
-stamp "wait for the llama.cpp build"
-wait $BPID
-tail -2 $R/llama_build.txt | tee -a $S
-LB=/tmp/lcb/build/bin/llama-bench
+fi
+if [ $PHASE = llama ] || [ $PHASE = all ]; then
+wait_llama
 stamp "CUDA references (tests/witness/cuda_references.cpp)"
 L=/tmp/lsrc/llama.cpp
 g++ -O2 -std=c++17 tests/witness/cuda_references.cpp -I$L/include -I$L/ggml/include -I$L/vendor \
@@ -117,6 +132,13 @@ for case in q3:29 q3:8 q35:29 q35:31; do
     kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
     echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" | tee -a $S
 done
+stamp "4. the CPU engine against llama.cpp's CPU (no GPU visible), 16 threads"
+$E synth --arch qwen3moe --shape small --type Q4_K --seed 1 --out /dev/shm/m/q3s.gguf > /dev/null 2>&1
+$E synth --arch qwen35moe --shape small --type Q4_K --seed 1 --out /dev/shm/m/q35s.gguf > /dev/null 2>&1
+CUDA_VISIBLE_DEVICES= timeout 200 python3 benchmarks/cpu_vs_llama.py --threads 16 --rounds 1 --reps 2 --engine $E \
+    --llama-bench $LB --model "qwen3moe small Q4_K=/dev/shm/m/q3s.gguf" \
+    --model "qwen35moe small Q4_K=/dev/shm/m/q35s.gguf" --out $R/cpu16 2>&1 | tail -8 | tee -a $S
+fi
 stamp "done"
 
-tar czf $OUT/results.tgz -C $R .
+tar czf $OUT/results-$PHASE.tgz -C $R .
