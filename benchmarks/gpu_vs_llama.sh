@@ -75,6 +75,9 @@ for k in ("pp", "tg"):
 if "experts" in d:
     e = d["experts"]
     out.append("experts in VRAM %s/%s share %.3f" % (e.get("in_vram"), e.get("slots"), e.get("vram_share") or 0))
+    if e.get("cpu_experts") or e.get("staged_decode"):
+        out.append("tokens' missing experts: %s copied, %s on the CPU (%.0f / %.0f us each)" % (
+            e.get("staged_decode"), e.get("cpu_experts"), e.get("copy_us_per_expert") or 0, e.get("cpu_us_per_expert") or 0))
 print("  " + " | ".join(out))
 PY
     kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
@@ -99,6 +102,9 @@ stamp "3. the card held to 8 / 16 GB (ours)"
 for case in q3:8192 q3:16384 q35:8192; do
     m=${case%%:*}; mib=${case##*:}
     bench "$m ${mib}MiB pp512 tg64" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 512 --gen 64 --reps 2
+    [ $case = q3:8192 ] && for mode in cpu card; do
+        bench "$m ${mib}MiB tg64 --missing-experts $mode" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 0 --gen 64 --reps 2 --missing-experts $mode
+    done
     bench "$m ${mib}MiB pp8000" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 8000 --gen 0 --reps 1 --ubatch 4096
 done
 fi

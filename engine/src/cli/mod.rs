@@ -8,7 +8,7 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::Placement;
+use poly_engine::gpu::{MissingExperts, Placement};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -93,6 +93,10 @@ pub struct PlacementArgs {
     /// mapping, page-locked).
     #[arg(long)]
     expert_staging_only: bool,
+    /// Where a single token's experts that are not in VRAM are computed: split between copies to the card
+    /// and the CPU by measured cost, all on the CPU, or all copied to the card.
+    #[arg(long, value_enum, default_value_t = MissingExperts::Split)]
+    missing_experts: MissingExperts,
 }
 
 impl PlacementArgs {
@@ -105,6 +109,7 @@ impl PlacementArgs {
             n_ctx,
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,
+            missing_experts: self.missing_experts,
         }
     }
 }

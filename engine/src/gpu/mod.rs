@@ -42,8 +42,8 @@ use crate::cpu::CpuWeights;
 use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
-pub use expert_cache::placement::Placement;
 use expert_cache::placement::{cache_bytes, state_bytes};
+pub use expert_cache::placement::{MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 use expert_cache::{CacheStats, ExpertCache};
 
@@ -221,6 +221,7 @@ impl GpuBackend {
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
         cache.set_uploads_per_layer(p.uploads_per_layer);
+        cache.set_missing_experts(p.missing_experts);
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);

@@ -10,9 +10,11 @@
 //!   A second pool of one layer's worth of *scratch* slots receives a prompt call's uncached experts
 //!   through two pinned [`StagingBuffer`]s on a [`CopyStream`]: the host fills one while the other is
 //!   copied, the compute stream waits for the copies, the tables point at the scratch slots for that
-//!   layer's launches and back after. For a single token the uncached experts are computed on the CPU
-//!   ([`CpuShare`]) while the card computes the cached ones, and the policy may admit a few of them
-//!   (uploads on the copy stream; a slot's entry switched only after its copy completed).
+//!   layer's launches and back after. For a single token the uncached experts are split two ways by
+//!   measured cost ([`split_missing`]): some are copied to scratch slots on demand (straight from the
+//!   page-locked file, as Krasis does) and computed by the card with the cached ones, the rest are
+//!   computed on the CPU ([`CpuShare`]) meanwhile; and the policy may admit a few of them (uploads on the
+//!   copy stream; a slot's entry switched only after its copy completed).
 
 pub mod layout;
 pub mod placement;
@@ -34,6 +36,7 @@ use rayon::prelude::*;
 
 use crate::cpu::{Arithmetic, CpuWeights, Mat};
 use layout::ExpertLayer;
+pub use placement::MissingExperts;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
 
@@ -59,6 +62,49 @@ pub struct CacheStats {
     /// computing its share meanwhile).
     pub cpu_experts: u64,
     pub cpu_seconds: f64,
+    /// Uncached experts of single tokens copied to scratch slots on demand and computed by the card.
+    pub staged_decode: u64,
+    /// The measured costs that split them ([`MissingCosts`]), microseconds per expert.
+    pub cpu_us_per_expert: f64,
+    pub copy_us_per_expert: f64,
+}
+
+/// What a single token's missing expert costs each way, measured: seconds for the CPU to compute one
+/// (a running mean over tokens) and for the copy stream to bring one to the card (from the bulk copy
+/// that filled the cache, plus a fixed latency per call).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MissingCosts {
+    pub cpu_per_expert: f64,
+    pub copy_per_expert: f64,
+    pub copy_latency: f64,
+}
+
+impl MissingCosts {
+    /// First guesses for experts of `slot_bytes` until measured: the CPU at 30 GB/s, copies at 25 GB/s.
+    fn guess(slot_bytes: usize) -> MissingCosts {
+        MissingCosts {
+            cpu_per_expert: slot_bytes as f64 / 30e9,
+            copy_per_expert: slot_bytes as f64 / 25e9,
+            copy_latency: 20e-6,
+        }
+    }
+}
+
+/// How many of a token's `missing` uncached experts to copy to the card (the rest go to the CPU) so that
+/// both sides finish soonest: the `j` minimizing `max((missing - j) · cpu, latency + j · copy)`.
+pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
+    let finish = |j: usize| {
+        let cpu = (missing - j) as f64 * costs.cpu_per_expert;
+        let copy = if j == 0 {
+            0.0
+        } else {
+            costs.copy_latency + j as f64 * costs.copy_per_expert
+        };
+        cpu.max(copy)
+    };
+    (0..=missing)
+        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
+        .unwrap_or(0)
 }
 
 /// The single-token share the CPU computes: the token's activation and the (expert, weight) pairs of
@@ -81,8 +127,14 @@ impl CpuShare {
         let t = std::time::Instant::now();
         let sum = self.compute(cpu, m);
         if let Some(c) = cache {
+            let seconds = t.elapsed().as_secs_f64();
             c.stats.cpu_experts += self.items.len() as u64;
-            c.stats.cpu_seconds += t.elapsed().as_secs_f64();
+            c.stats.cpu_seconds += seconds;
+            if !self.items.is_empty() {
+                // A running mean, so the split follows the machine's load.
+                let per = seconds / self.items.len() as f64;
+                c.costs.cpu_per_expert = 0.9 * c.costs.cpu_per_expert + 0.1 * per;
+            }
         }
         sum
     }
@@ -136,6 +188,9 @@ pub struct ExpertCache {
     staged_layer: Option<usize>,
     stats: CacheStats,
     profile: Option<(PathBuf, ExpertProfile)>,
+    /// Where a single token's missing experts are computed.
+    missing: MissingExperts,
+    costs: MissingCosts,
 }
 
 impl ExpertCache {
@@ -167,6 +222,11 @@ impl ExpertCache {
             .map(|(i, l)| (l.mats[0].weight.0, i))
             .collect();
         let counts: Vec<usize> = layers.iter().map(|l| l.n_expert).collect();
+        let registered = if register {
+            register_file(dev, cpu)
+        } else {
+            Vec::new()
+        };
         Ok(ExpertCache {
             by_gate,
             tables,
@@ -178,11 +238,7 @@ impl ExpertCache {
                 StagingBuffer::new(dev, slot_bytes)?,
             ],
             next_staging: 0,
-            registered: if register {
-                register_file(dev, cpu)
-            } else {
-                Vec::new()
-            },
+            registered,
             copy: CopyStream::new(dev)?,
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
@@ -190,6 +246,8 @@ impl ExpertCache {
             staged_layer: None,
             stats: CacheStats::default(),
             profile: None,
+            missing: MissingExperts::default(),
+            costs: MissingCosts::guess(slot_bytes),
             layers,
         })
     }
@@ -249,6 +307,16 @@ impl ExpertCache {
         self.pending.is_empty() && self.policy.holds_all()
     }
 
+    /// The measured costs of a single token's missing expert, each way.
+    pub fn missing_costs(&self) -> MissingCosts {
+        self.costs
+    }
+
+    /// Where a single token's missing experts are computed.
+    pub fn set_missing_experts(&mut self, missing: MissingExperts) {
+        self.missing = missing;
+    }
+
     /// Uploads the policy may start per layer and token (0 freezes the cache).
     pub fn set_uploads_per_layer(&mut self, n: usize) {
         self.uploads_per_layer = n;
@@ -264,6 +332,8 @@ impl ExpertCache {
         CacheStats {
             bytes: self.pool.as_ref().map_or(0, SlotPool::bytes),
             policy: self.policy.stats(),
+            cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
+            copy_us_per_expert: self.costs.copy_per_expert * 1e6,
             ..self.stats
         }
     }
@@ -312,10 +382,15 @@ impl ExpertCache {
         // The figures count from here (not the warm-up read's routings).
         self.stats = CacheStats::default();
         let set = self.policy.initial_set(counts);
+        let clock = std::time::Instant::now();
         for (slot, key) in set.iter().enumerate() {
             self.upload(cpu, *key, slot, true)?;
         }
         self.copy.synchronize()?;
+        // The copy rate, measured on a bulk copy large enough to mean something.
+        if set.len() >= 32 && self.direct_copies() {
+            self.costs.copy_per_expert = clock.elapsed().as_secs_f64() / set.len() as f64;
+        }
         for (slot, key) in set.into_iter().enumerate() {
             self.policy.place(slot, key);
         }
@@ -487,28 +562,45 @@ impl ExpertCache {
             if staged.is_empty() {
                 return Ok(None);
             }
-            // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
-            self.copy.wait_for_compute(dev)?;
-            for (slot, &expert) in staged.iter().enumerate() {
-                self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
-            }
+            self.stage(dev, cpu, layer, &staged)?;
             self.stats.staged += staged.len() as u64;
-            let copied = self.copy.record()?;
-            dev.wait_for_copy(&copied)?;
-            let map: Vec<(usize, usize)> =
-                staged.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-            self.point_tables(dev, layer, &map)?;
-            self.staged_layer = Some(layer);
             return Ok(None);
         }
-        // One token: the CPU's share, likeliest first for admission.
-        let missing_slots: Vec<usize> = (0..ids.len())
+        // One token: the missing experts split between on-demand copies (computed by the card with the
+        // cached ones) and the CPU's share.
+        let mut missing_slots: Vec<usize> = (0..ids.len())
             .filter(|&j| (ids[j] as usize) < n_expert && !resident(&self.policy, ids[j] as usize))
             .collect();
         if missing_slots.is_empty() {
             return Ok(None);
         }
-        let (x, weights) = fetch()?;
+        let n_copy = match self.missing {
+            // Through the staging buffers the host's own copy would compete with the CPU's share.
+            MissingExperts::Split if self.direct_copies() => {
+                split_missing(missing_slots.len(), &self.costs)
+            }
+            MissingExperts::Split | MissingExperts::Cpu => 0,
+            MissingExperts::Card => missing_slots.len(),
+        };
+        if n_copy > 0 {
+            let copied: Vec<usize> = missing_slots
+                .drain(..n_copy)
+                .map(|j| ids[j] as usize)
+                .collect();
+            self.stage(dev, cpu, layer, &copied)?;
+            self.stats.staged_decode += copied.len() as u64;
+            // An expert routed twice (never by one token, but kept correct) is on the card now.
+            missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
+        }
+        let (x, weights) = if missing_slots.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            fetch()?
+        };
+        if missing_slots.is_empty() {
+            self.admit(dev, cpu, layer, &routed, &[])?;
+            return Ok(None);
+        }
         if weights.len() != ids.len() {
             return Err(CudaError::Invalid(
                 "routing ids and weights differ in length".into(),
@@ -523,15 +615,62 @@ impl ExpertCache {
             all: items.len() == ids.len(),
             items: items.clone(),
         };
-        if self.uploads_per_layer > 0 && self.pool.is_some() {
-            items.sort_by(|a, b| b.1.total_cmp(&a.1));
-            let missing: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
-            let plan = self
-                .policy
-                .plan(layer, &missing, &routed, self.uploads_per_layer);
-            self.start_uploads(dev, cpu, &plan)?;
-        }
+        items.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let on_cpu: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
+        self.admit(dev, cpu, layer, &routed, &on_cpu)?;
         Ok(Some(share))
+    }
+
+    /// Copies `experts` of `layer` into scratch slots and points the layer's tables there until
+    /// [`ExpertCache::finish_layer`]; the compute stream waits for the copies.
+    fn stage(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        experts: &[usize],
+    ) -> CudaResult<()> {
+        // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
+        self.copy.wait_for_compute(dev)?;
+        for (slot, &expert) in experts.iter().enumerate() {
+            self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
+        }
+        let copied = self.copy.record()?;
+        dev.wait_for_copy(&copied)?;
+        let map: Vec<(usize, usize)> = experts.iter().enumerate().map(|(s, &e)| (e, s)).collect();
+        self.point_tables(dev, layer, &map)?;
+        self.staged_layer = Some(layer);
+        Ok(())
+    }
+
+    /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`; the CPU's
+    /// experts (`on_cpu`, likeliest first) are the candidates, then the ones copied on demand.
+    fn admit(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        routed: &[usize],
+        on_cpu: &[usize],
+    ) -> CudaResult<()> {
+        if self.uploads_per_layer == 0 || self.pool.is_none() {
+            return Ok(());
+        }
+        let mut missing = on_cpu.to_vec();
+        missing.extend(
+            routed
+                .iter()
+                .filter(|&&e| {
+                    self.policy
+                        .resident(ExpertKey { layer, expert: e })
+                        .is_none()
+                })
+                .filter(|e| !on_cpu.contains(e)),
+        );
+        let plan = self
+            .policy
+            .plan(layer, &missing, routed, self.uploads_per_layer);
+        self.start_uploads(dev, cpu, &plan)
     }
 
     /// Clears the victims' entries, then copies the newcomers (visible at a later [`commit`]).

@@ -108,3 +108,31 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
     }
     assert!(a.iter().any(|v| *v != 0.0) && b.iter().any(|v| *v != 0.0));
 }
+
+#[test]
+fn missing_experts_split_so_that_both_sides_finish_together() {
+    use super::{split_missing, MissingCosts};
+    let costs = |cpu: f64, copy: f64| MissingCosts {
+        cpu_per_expert: cpu,
+        copy_per_expert: copy,
+        copy_latency: 0.0,
+    };
+    // Equal costs: half each way (the odd one to either side).
+    assert_eq!(split_missing(4, &costs(1.0, 1.0)), 2);
+    assert!([2, 3].contains(&split_missing(5, &costs(1.0, 1.0))));
+    // A CPU three times slower than the copies: three of four copied.
+    assert_eq!(split_missing(4, &costs(3.0, 1.0)), 3);
+    // Copies far slower (staging through the host, a slow bus): everything on the CPU.
+    assert_eq!(split_missing(4, &costs(1.0, 100.0)), 0);
+    // A busy CPU: everything copied.
+    assert_eq!(split_missing(8, &costs(100.0, 1.0)), 8);
+    assert_eq!(split_missing(0, &costs(1.0, 1.0)), 0);
+    // The copy latency keeps a single missing expert on the CPU when the two rates are close.
+    let with_latency = MissingCosts {
+        cpu_per_expert: 60e-6,
+        copy_per_expert: 50e-6,
+        copy_latency: 20e-6,
+    };
+    assert_eq!(split_missing(1, &with_latency), 0);
+    assert_eq!(split_missing(4, &with_latency), 2);
+}
