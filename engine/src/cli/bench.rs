@@ -186,7 +186,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
         &args
             .placement
-            .placement(args.depth + args.prompt + args.gen),
+            .placement(args.depth + args.prompt + args.gen, args.ubatch),
     )?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = Rng::new(args.seed);

@@ -100,8 +100,9 @@ pub struct PlacementArgs {
 }
 
 impl PlacementArgs {
-    /// The placement for sequences of `n_ctx` tokens (0: the model's training context).
-    pub fn placement(&self, n_ctx: usize) -> Placement {
+    /// The placement for sequences of `n_ctx` tokens (0: the model's training context) read in forward
+    /// calls of at most `call_tokens`.
+    pub fn placement(&self, n_ctx: usize, call_tokens: usize) -> Placement {
         Placement {
             reserve_mib: self.vram_reserve_mib,
             expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
@@ -110,6 +111,7 @@ impl PlacementArgs {
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,
             missing_experts: self.missing_experts,
+            call_tokens,
         }
     }
 }
@@ -157,7 +159,10 @@ pub fn run(cli: Cli) -> ExitCode {
                 checkpoint_every: a.checkpoint_every,
                 ubatch: a.ubatch,
                 device,
-                placement: a.placement.placement(a.max_context),
+                placement: a.placement.placement(
+                    a.max_context,
+                    a.ubatch.unwrap_or(poly_engine::serve::GPU_UBATCH),
+                ),
                 arithmetic: if a.llama_orders {
                     Arithmetic::LlamaCpp
                 } else {

@@ -165,7 +165,16 @@ impl GpuBackend {
         p: &Placement,
     ) -> Result<(), EngineError> {
         let info = graph.info();
-        let n_warm = crate::generate::DEFAULT_UBATCH.min(info.n_ctx_train.max(1) as usize);
+        // The largest call's worth of tokens, so its scratch is allocated before the free VRAM is measured.
+        let call_tokens = match p.call_tokens {
+            0 => crate::generate::DEFAULT_UBATCH,
+            n => n,
+        };
+        let n_ctx_max = match p.n_ctx {
+            0 => info.n_ctx_train.max(1) as usize,
+            n => n,
+        };
+        let n_warm = call_tokens.min(n_ctx_max);
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let tokens: Vec<u32> = (0..n_warm)
             .map(|_| {

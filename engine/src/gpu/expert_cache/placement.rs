@@ -26,6 +26,10 @@ pub struct Placement {
     pub staging_only: bool,
     /// Where a single token's uncached experts are computed.
     pub missing_experts: MissingExperts,
+    /// The most tokens one forward call will carry (0: [`crate::generate::DEFAULT_UBATCH`]). The
+    /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
+    /// largest call needs and the budget holds with them.
+    pub call_tokens: usize,
 }
 
 /// Where a single token's uncached experts are computed (`--missing-experts`).
