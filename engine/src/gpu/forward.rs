@@ -633,7 +633,10 @@ impl<'a> GpuForward<'a> {
                 cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
             }
             (Some(_), Some(cache)) => {
-                cache.count_all_vram(slots);
+                // A capture is not a token (its replays are counted by the backend).
+                if !self.graph.as_ref().is_some_and(|g| g.capturing) {
+                    cache.count_all_vram(slots);
+                }
                 None
             }
             _ => None,

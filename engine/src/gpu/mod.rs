@@ -31,6 +31,7 @@ pub mod reference;
 pub mod seq;
 pub mod weights;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -106,6 +107,9 @@ pub struct GpuBackend {
     profile: Option<Profiler>,
     /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
     graphs: bool,
+    /// Routings of one token over all MoE layers, counted when a decode graph was captured: a replay
+    /// adds them to the expert cache's figures, which a graph cannot count itself.
+    routings_per_token: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for GpuBackend {
@@ -148,6 +152,7 @@ impl GpuBackend {
             profile: Profiler::from_env(),
             graphs: decode_graph::graphs_enabled(),
             experts: Mutex::new(cache),
+            routings_per_token: std::sync::atomic::AtomicU64::new(0),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -377,6 +382,10 @@ impl GpuBackend {
             if let Some(m) = marks.as_mut() {
                 m.end(&self.dev);
             }
+            if let Some(cache) = lock(&self.experts).as_mut() {
+                let n = self.routings_per_token.load(Ordering::Relaxed);
+                cache.count_all_vram(n as usize);
+            }
             queued.and_then(|()| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
         } else if seq.graphs.failed() {
             drop(seq_slot);
@@ -385,6 +394,7 @@ impl GpuBackend {
                 .map(|(l, ())| l);
         } else {
             let mut experts = lock(&self.experts);
+            let routed_before = experts.as_ref().map(|c| c.stats().routed);
             let backing = forward::Backing {
                 dev: &self.dev,
                 weights: &self.weights,
@@ -393,7 +403,12 @@ impl GpuBackend {
                 pool: Pool::new(PoolStore::default()),
                 experts: experts.as_mut(),
             };
-            decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
+            let result = decode_graph::run_and_capture(backing, graph, rows, tokens, pos0);
+            if let (Some(before), Some(c)) = (routed_before, experts.as_ref()) {
+                let per_token = c.stats().routed.saturating_sub(before);
+                self.routings_per_token.store(per_token, Ordering::Relaxed);
+            }
+            result
         };
         if phases.queue.is_zero() {
             // A run and capture: no phase split.
