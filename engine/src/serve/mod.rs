@@ -92,6 +92,7 @@ fn load(
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
+    model.populate_in_background();
     model.use_device_with(device, placement)?;
     Ok(Loaded {
         model,
