@@ -92,8 +92,11 @@ fn load(
         .unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
-    model.populate_in_background();
     model.use_device_with(device, placement)?;
+    // Only where the CPU will read weights: not for a card that holds every one.
+    if !model.on_gpu() || (model.experts_in_vram() as u64) < experts_total {
+        model.populate_in_background();
+    }
     Ok(Loaded {
         model,
         experts_total,
