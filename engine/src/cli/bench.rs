@@ -246,6 +246,7 @@ pub fn run(args: BenchArgs) -> CliResult {
             "evictions": c.policy.evictions,
             "staged": c.staged,
             "staged_decode": c.staged_decode,
+            "cpu_us_overhead": c.cpu_us_overhead,
             "cpu_us_per_expert": c.cpu_us_per_expert,
             "copy_us_per_expert": c.copy_us_per_expert,
             "cpu_experts": c.cpu_experts,

@@ -64,25 +64,31 @@ pub struct CacheStats {
     pub cpu_seconds: f64,
     /// Uncached experts of single tokens copied to scratch slots on demand and computed by the card.
     pub staged_decode: u64,
-    /// The measured costs that split them ([`MissingCosts`]), microseconds per expert.
+    /// The measured costs that split them ([`MissingCosts`]), microseconds: per call on the CPU, and per
+    /// expert each way.
+    pub cpu_us_overhead: f64,
     pub cpu_us_per_expert: f64,
     pub copy_us_per_expert: f64,
 }
 
-/// What a single token's missing expert costs each way, measured: seconds for the CPU to compute one
-/// (a running mean over tokens) and for the copy stream to bring one to the card (from the bulk copy
-/// that filled the cache, plus a fixed latency per call).
+/// What a single token's missing experts cost each way, measured: the CPU's time for `c` of them is
+/// `cpu_overhead + c · cpu_per_expert` (fitted over the tokens answered so far: fetching the activation,
+/// starting the thread pool and returning the sum cost the same for one expert as for eight), a copy's
+/// `copy_latency + j · copy_per_expert` (the rate from the bulk copy that filled the cache).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MissingCosts {
+    pub cpu_overhead: f64,
     pub cpu_per_expert: f64,
     pub copy_per_expert: f64,
     pub copy_latency: f64,
 }
 
 impl MissingCosts {
-    /// First guesses for experts of `slot_bytes` until measured: the CPU at 30 GB/s, copies at 25 GB/s.
+    /// First guesses for experts of `slot_bytes` until measured: the CPU at 30 GB/s after 50 µs, copies
+    /// at 25 GB/s after 20 µs.
     fn guess(slot_bytes: usize) -> MissingCosts {
         MissingCosts {
+            cpu_overhead: 50e-6,
             cpu_per_expert: slot_bytes as f64 / 30e9,
             copy_per_expert: slot_bytes as f64 / 25e9,
             copy_latency: 20e-6,
@@ -90,11 +96,59 @@ impl MissingCosts {
     }
 }
 
+/// A least-squares line `seconds = a + b · experts` over the CPU's calls, older calls fading (each new
+/// one weighs as much as the last ~50 together), so the split follows the machine's load.
+#[derive(Clone, Copy, Debug, Default)]
+struct CpuCostFit {
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl CpuCostFit {
+    const DECAY: f64 = 0.98;
+
+    fn add(&mut self, experts: usize, seconds: f64) {
+        let x = experts as f64;
+        let d = Self::DECAY;
+        self.n = self.n * d + 1.0;
+        self.sx = self.sx * d + x;
+        self.sy = self.sy * d + seconds;
+        self.sxx = self.sxx * d + x * x;
+        self.sxy = self.sxy * d + x * seconds;
+    }
+
+    /// `(overhead, per expert)`, once the calls seen vary enough to tell them apart; else the mean time
+    /// per expert alone.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.n < 4.0 || self.sx <= 0.0 {
+            return None;
+        }
+        let det = self.n * self.sxx - self.sx * self.sx;
+        if det > 1e-6 * self.n * self.n {
+            let b = (self.n * self.sxy - self.sx * self.sy) / det;
+            let a = (self.sy - b * self.sx) / self.n;
+            if b > 0.0 && a >= 0.0 {
+                return Some((a, b));
+            }
+        }
+        Some((0.0, self.sy / self.sx))
+    }
+}
+
 /// How many of a token's `missing` uncached experts to copy to the card (the rest go to the CPU) so that
-/// both sides finish soonest: the `j` minimizing `max((missing - j) · cpu, latency + j · copy)`.
+/// both sides finish soonest: the `j` minimizing the later of the CPU's time for `missing - j` and the
+/// copies' time for `j` (the card's own compute of them is small beside either).
 pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
     let finish = |j: usize| {
-        let cpu = (missing - j) as f64 * costs.cpu_per_expert;
+        let on_cpu = missing - j;
+        let cpu = if on_cpu == 0 {
+            0.0
+        } else {
+            costs.cpu_overhead + on_cpu as f64 * costs.cpu_per_expert
+        };
         let copy = if j == 0 {
             0.0
         } else {
@@ -131,9 +185,11 @@ impl CpuShare {
             c.stats.cpu_experts += self.items.len() as u64;
             c.stats.cpu_seconds += seconds;
             if !self.items.is_empty() {
-                // A running mean, so the split follows the machine's load.
-                let per = seconds / self.items.len() as f64;
-                c.costs.cpu_per_expert = 0.9 * c.costs.cpu_per_expert + 0.1 * per;
+                c.cpu_fit.add(self.items.len(), seconds);
+                if let Some((overhead, per_expert)) = c.cpu_fit.line() {
+                    c.costs.cpu_overhead = overhead;
+                    c.costs.cpu_per_expert = per_expert;
+                }
             }
         }
         sum
@@ -185,12 +241,15 @@ pub struct ExpertCache {
     /// Uploads the policy may start per layer and token (0: the cache is frozen).
     uploads_per_layer: usize,
     /// Layers whose tables point at scratch slots until [`ExpertCache::finish_layer`].
-    staged_layer: Option<usize>,
+    /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`], and its
+    /// `(expert, scratch slot)` pairs.
+    staged: Option<(usize, Vec<(usize, usize)>)>,
     stats: CacheStats,
     profile: Option<(PathBuf, ExpertProfile)>,
     /// Where a single token's missing experts are computed.
     missing: MissingExperts,
     costs: MissingCosts,
+    cpu_fit: CpuCostFit,
 }
 
 impl ExpertCache {
@@ -243,11 +302,12 @@ impl ExpertCache {
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
             uploads_per_layer: 0,
-            staged_layer: None,
+            staged: None,
             stats: CacheStats::default(),
             profile: None,
             missing: MissingExperts::default(),
             costs: MissingCosts::guess(slot_bytes),
+            cpu_fit: CpuCostFit::default(),
             layers,
         })
     }
@@ -332,6 +392,7 @@ impl ExpertCache {
         CacheStats {
             bytes: self.pool.as_ref().map_or(0, SlotPool::bytes),
             policy: self.policy.stats(),
+            cpu_us_overhead: self.costs.cpu_overhead * 1e6,
             cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
             copy_us_per_expert: self.costs.copy_per_expert * 1e6,
             ..self.stats
@@ -395,7 +456,7 @@ impl ExpertCache {
             self.policy.place(slot, key);
         }
         for l in 0..self.layers.len() {
-            self.point_tables(dev, l, &[])?;
+            self.point_tables(dev, l)?;
         }
         dev.synchronize()
     }
@@ -468,14 +529,13 @@ impl ExpertCache {
         )
     }
 
-    /// Points `layer`'s tables at its resident experts, and at scratch slots for `staged`
-    /// (`(expert, scratch slot)`); null elsewhere. Queued on the compute stream.
-    fn point_tables(
-        &mut self,
-        dev: &Device,
-        layer: usize,
-        staged: &[(usize, usize)],
-    ) -> CudaResult<()> {
+    /// Points `layer`'s tables at its resident experts, and at scratch slots for the experts staged for
+    /// it (while it is the staged layer); null elsewhere. Queued on the compute stream.
+    fn point_tables(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        let staged: &[(usize, usize)] = match &self.staged {
+            Some((l, map)) if *l == layer => map,
+            _ => &[],
+        };
         let l = &self.layers[layer];
         for (i, m) in l.mats.iter().enumerate() {
             let mut entries: Vec<Option<SlotRef<'_>>> = (0..l.n_expert)
@@ -515,7 +575,7 @@ impl ExpertCache {
             }
         }
         if any {
-            self.point_tables(dev, layer, &[])?;
+            self.point_tables(dev, layer)?;
         }
         Ok(())
     }
@@ -638,9 +698,8 @@ impl ExpertCache {
         let copied = self.copy.record()?;
         dev.wait_for_copy(&copied)?;
         let map: Vec<(usize, usize)> = experts.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-        self.point_tables(dev, layer, &map)?;
-        self.staged_layer = Some(layer);
-        Ok(())
+        self.staged = Some((layer, map));
+        self.point_tables(dev, layer)
     }
 
     /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`; the CPU's
@@ -690,7 +749,7 @@ impl ExpertCache {
         victim_layers.sort_unstable();
         victim_layers.dedup();
         for l in victim_layers {
-            self.point_tables(dev, l, &[])?;
+            self.point_tables(dev, l)?;
         }
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
         self.copy.wait_for_compute(dev)?;
@@ -711,9 +770,9 @@ impl ExpertCache {
 
     /// After `layer`'s expert launches: tables that point at scratch slots point back.
     pub fn finish_layer(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
-        if self.staged_layer == Some(layer) {
-            self.staged_layer = None;
-            self.point_tables(dev, layer, &[])?;
+        if self.staged.as_ref().is_some_and(|(l, _)| *l == layer) {
+            self.staged = None;
+            self.point_tables(dev, layer)?;
         }
         Ok(())
     }
