@@ -9,7 +9,7 @@
 // The next step's weights and tokens are loaded into registers while the current step multiplies (Q4_K and
 // Q5_K as raw 16-byte words, unpacked when stored to shared memory).
 //
-// Entry points (per format and token tile BN: 16, 32 or 64):
+// Entry points (per format and token tile BN: 16, 32, 64 or 128):
 //   mmq_<fmt>_<BN>          : one matrix; grid (row tiles, token tiles); y [n_tokens, nrows].
 //   mmq_experts_<fmt>_<BN>  : tokens grouped by expert (prompt.rs ExpertGrouping); grid (row tiles, tiles);
 //                             tile t = (expert, first sorted row, rows <= BN) from device memory; x and y in
@@ -285,8 +285,11 @@ struct b_stage {
 // ----- one tile: MMQ_ROWS rows (from row0) x BN tokens ---------------------------------------------------
 
 // w: the matrix (rows of row_bytes); x: the tile's first token's q8_1 blocks, tokens x_stride blocks apart;
-// y: the tile's first token's output row (nrows floats per token); ncol tokens valid.
-template <typename F, int BN>
+// y: the tile's first token's output row (nrows floats per token); ncol tokens valid. The products stop at
+// the last group of 32 tokens holding a valid one, so a tile larger than an expert's run costs the weights'
+// unpacking (once per tile) and little idle tensor-core work: a grouped launch takes one large tile per
+// expert.
+template <typename F, int BN, bool SKIP_EMPTY>
 static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, int64_t row_bytes, int nrows,
                                                 int ncols, int row0, const block_q8_1 * __restrict__ x,
                                                 int64_t x_stride, int ncol, float * __restrict__ y) {
@@ -299,6 +302,9 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int g = lane / 4, t = lane % 4;
     constexpr int nt_count = BN / 8;
+    // SKIP_EMPTY: products in groups of 4 token sub-tiles, a group without valid tokens skipped (grouped
+    // experts); else all at once (a plain matmul's tiles are full but the last).
+    constexpr int nt_group = SKIP_EMPTY && nt_count > 4 ? 4 : nt_count;
 
     float acc[nt_count][4];
 #pragma unroll
@@ -323,42 +329,51 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
         }
 
         const int ra = 16 * warp + g;
+        // Groups of up to 4 token sub-tiles (32 tokens): a group past the tile's valid tokens is skipped (an
+        // expert's short run in a large tile), while inside a group the products are independent of each
+        // other for the scheduler.
 #pragma unroll
-        for (int s = 0; s < MMQ_SUBS; ++s) {
-            const int * a_lo = sa + ra * MMQ_STRIDE + 8 * s;
-            const int * a_hi = a_lo + 8 * MMQ_STRIDE;
-            const float2 sc_lo = sa_scale[ra * MMQ_SUBS + s];
-            const float2 sc_hi = sa_scale[(ra + 8) * MMQ_SUBS + s];
-            if constexpr (!F::k16) {
-                const int a[4] = {a_lo[t], a_hi[t], a_lo[t + 4], a_hi[t + 4]};
+        for (int ng = 0; ng < nt_count; ng += nt_group) {
+            if (SKIP_EMPTY && 8 * ng >= ncol) {
+                continue;
+            }
 #pragma unroll
-                for (int nt = 0; nt < nt_count; ++nt) {
-                    const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
-                    const int b[2] = {bp[t], bp[t + 4]};
-                    int c[4];
-                    mma_k32(a, b, c);
-                    const float2 d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s];
-                    const float2 d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s];
-                    acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
-                    acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
-                    acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
-                    acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
-                }
-            } else {
-                const int a0[2] = {a_lo[t], a_hi[t]};
-                const int a1[2] = {a_lo[t + 4], a_hi[t + 4]};
+            for (int s = 0; s < MMQ_SUBS; ++s) {
+                const int * a_lo = sa + ra * MMQ_STRIDE + 8 * s;
+                const int * a_hi = a_lo + 8 * MMQ_STRIDE;
+                const float2 sc_lo = sa_scale[ra * MMQ_SUBS + s];
+                const float2 sc_hi = sa_scale[(ra + 8) * MMQ_SUBS + s];
+                if constexpr (!F::k16) {
+                    const int a[4] = {a_lo[t], a_hi[t], a_lo[t + 4], a_hi[t + 4]};
 #pragma unroll
-                for (int nt = 0; nt < nt_count; ++nt) {
-                    const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
-                    int c0[4], c1[4];
-                    mma_k16(a0, bp[t], c0);
-                    mma_k16(a1, bp[t + 4], c1);
-                    const float d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s].x;
-                    const float d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s].x;
-                    acc[nt][0] = fmaf((float) c0[0] * sc_lo.x + (float) c1[0] * sc_lo.y, d0, acc[nt][0]);
-                    acc[nt][1] = fmaf((float) c0[1] * sc_lo.x + (float) c1[1] * sc_lo.y, d1, acc[nt][1]);
-                    acc[nt][2] = fmaf((float) c0[2] * sc_hi.x + (float) c1[2] * sc_hi.y, d0, acc[nt][2]);
-                    acc[nt][3] = fmaf((float) c0[3] * sc_hi.x + (float) c1[3] * sc_hi.y, d1, acc[nt][3]);
+                    for (int nt = ng; nt < ng + nt_group; ++nt) {
+                        const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
+                        const int b[2] = {bp[t], bp[t + 4]};
+                        int c[4];
+                        mma_k32(a, b, c);
+                        const float2 d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s];
+                        const float2 d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s];
+                        acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
+                        acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
+                        acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
+                        acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
+                    }
+                } else {
+                    const int a0[2] = {a_lo[t], a_hi[t]};
+                    const int a1[2] = {a_lo[t + 4], a_hi[t + 4]};
+#pragma unroll
+                    for (int nt = ng; nt < ng + nt_group; ++nt) {
+                        const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
+                        int c0[4], c1[4];
+                        mma_k16(a0, bp[t], c0);
+                        mma_k16(a1, bp[t + 4], c1);
+                        const float d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s].x;
+                        const float d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s].x;
+                        acc[nt][0] = fmaf((float) c0[0] * sc_lo.x + (float) c1[0] * sc_lo.y, d0, acc[nt][0]);
+                        acc[nt][1] = fmaf((float) c0[1] * sc_lo.x + (float) c1[1] * sc_lo.y, d1, acc[nt][1]);
+                        acc[nt][2] = fmaf((float) c0[2] * sc_hi.x + (float) c1[2] * sc_hi.y, d0, acc[nt][2]);
+                        acc[nt][3] = fmaf((float) c0[3] * sc_hi.x + (float) c1[3] * sc_hi.y, d1, acc[nt][3]);
+                    }
                 }
             }
         }
@@ -384,7 +399,7 @@ static __device__ __forceinline__ void mmq(const uint8_t * __restrict__ w, const
     const int64_t x_stride = ncols / QK8_1;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
     const int t0 = blockIdx.y * BN;
-    mmq_tile<F, BN>(w, row_bytes, nrows, ncols, blockIdx.x * MMQ_ROWS, x + t0 * x_stride, x_stride,
+    mmq_tile<F, BN, false>(w, row_bytes, nrows, ncols, blockIdx.x * MMQ_ROWS, x + t0 * x_stride, x_stride,
                     min(BN, n_tokens - t0), y + (int64_t) t0 * nrows);
 }
 
@@ -414,7 +429,7 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
     }
     const int64_t x_stride = ncols / QK8_1;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-    mmq_tile<F, BN>((const uint8_t *) base, row_bytes, nrows, ncols, row0, x + r0 * x_stride, x_stride, ncol, yt);
+    mmq_tile<F, BN, true>((const uint8_t *) base, row_bytes, nrows, ncols, row0, x + r0 * x_stride, x_stride, ncol, yt);
 }
 
 // MIN_BLOCKS: blocks per SM the register allocation must allow (2 where the prefetch fits in 128
@@ -435,12 +450,16 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 16, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 32, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 64, 2)
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 128, 1)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 16, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 32, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 64, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 128, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 16, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 32, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 64, 1)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 128, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 16, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 128, 1)

@@ -44,6 +44,69 @@ extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const flo
     }
 }
 
+// The prompt form of conv1d_causal: the same sums (products rounded, added in tap order from zero: equal
+// results), every output independent of the others, so the tokens spread over the card instead of one thread
+// per channel walking them all (a latency-bound chain of 2,000 loads for a 2,000-token prompt). Output t reads
+// the window cat[t .. t+kernel) of cat = (state rows, then x rows); a thread computes CONV_TOKENS tokens of
+// one channel from one window in registers. The state is left for conv1d_state_advance (launched after it:
+// this kernel's first tokens read the old state). Grid (channels / 128 rounded up, n / CONV_TOKENS rounded
+// up); block 128.
+#define CONV_TOKENS 8
+
+extern "C" __global__ void conv1d_causal_tokens(const float * __restrict__ x, const float * __restrict__ weight,
+                                                const float * __restrict__ state, float * __restrict__ out,
+                                                int n, int channels, int kernel, int apply_silu) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t0 = blockIdx.y * CONV_TOKENS;
+    if (c >= channels) {
+        return;
+    }
+    float w[CONV_MAX_KERNEL];
+    for (int i = 0; i < kernel; ++i) {
+        w[i] = weight[(int64_t) c * kernel + i];
+    }
+    // cat[t0 + i] for i < kernel - 1 + CONV_TOKENS.
+    float win[CONV_MAX_KERNEL - 1 + CONV_TOKENS];
+#pragma unroll
+    for (int i = 0; i < CONV_MAX_KERNEL - 1 + CONV_TOKENS; ++i) {
+        const int p = t0 + i; // position in cat
+        float v = 0.0f;
+        if (i < kernel - 1 + CONV_TOKENS && p < n + kernel - 1) {
+            v = p < kernel - 1 ? state[(int64_t) p * channels + c] : x[(int64_t) (p - (kernel - 1)) * channels + c];
+        }
+        win[i] = v;
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_TOKENS; ++j) {
+        const int t = t0 + j;
+        if (t < n) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CONV_MAX_KERNEL; ++i) {
+                if (i < kernel) {
+                    s = __fadd_rn(s, __fmul_rn(win[j + i], w[i]));
+                }
+            }
+            out[(int64_t) t * channels + c] = apply_silu ? silu_f(s) : s;
+        }
+    }
+}
+
+// state <- cat[n .. n+kernel-1) (the last kernel-1 rows of state then x), after conv1d_causal_tokens. One
+// thread per channel, rows in ascending order: row i reads row n + i > i of the old state, not yet written.
+extern "C" __global__ void conv1d_state_advance(const float * __restrict__ x, float * __restrict__ state, int n,
+                                                int channels, int kernel) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) {
+        return;
+    }
+    for (int i = 0; i < kernel - 1; ++i) {
+        const int p = n + i;
+        state[(int64_t) i * channels + c] =
+            p < kernel - 1 ? state[(int64_t) p * channels + c] : x[(int64_t) (p - (kernel - 1)) * channels + c];
+    }
+}
+
 // Per group of `group` values: mode 0: x / max(|x|, eps) (ggml's l2_norm); mode 1: x / sqrt(|x|^2 + eps)
 // (llama.cpp's delta-net q/k norm, an rms_norm with eps/n times 1/sqrt(n)). One block per group.
 extern "C" __global__ void l2_norm(const float * __restrict__ x, float * __restrict__ out, int group, float eps,
@@ -113,34 +176,65 @@ extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
         s[t] = i < head_k ? srow[i] : 0.0f;
     }
     const float out_scale = rsqrtf((float) head_k);
-    for (int tok = 0; tok < n; ++tok) {
+    // A token's inputs (k, q, e^gate, beta, v_j), loaded one token ahead so the loads are in flight while the
+    // previous token's sums reduce: the loop is then a chain of reductions only.
+    float kv[DELTA_K_PER_LANE], qv[DELTA_K_PER_LANE];
+    float g = 0.0f, b = 0.0f, vj = 0.0f;
+    auto load = [&](int tok, float (&kd)[DELTA_K_PER_LANE], float (&qd)[DELTA_K_PER_LANE], float & gd,
+                    float & bd, float & vd) {
         const float * kt = k + ((int64_t) tok * n_k_heads + hq) * head_k;
         const float * qt = q + ((int64_t) tok * n_k_heads + hq) * head_k;
-        const float g = expf(gate[(int64_t) tok * n_v_heads + h]);
-        const float b = beta[(int64_t) tok * n_v_heads + h];
-        const float vj = v[((int64_t) tok * n_v_heads + h) * head_v + j];
-        float kv[DELTA_K_PER_LANE];
-        float sk = 0.0f;
 #pragma unroll
         for (int t = 0; t < DELTA_K_PER_LANE; ++t) {
             const int i = lane + t * WARP_SIZE;
-            kv[t] = i < head_k ? kt[i] : 0.0f;
+            kd[t] = i < head_k ? kt[i] : 0.0f;
+            qd[t] = i < head_k ? qt[i] : 0.0f;
+        }
+        gd = expf(gate[(int64_t) tok * n_v_heads + h]);
+        bd = beta[(int64_t) tok * n_v_heads + h];
+        vd = v[((int64_t) tok * n_v_heads + h) * head_v + j];
+    };
+    if (n > 0) {
+        load(0, kv, qv, g, b, vj);
+    }
+    for (int tok = 0; tok < n; ++tok) {
+        float kn[DELTA_K_PER_LANE], qn[DELTA_K_PER_LANE];
+        float gn = 0.0f, bn = 0.0f, vn = 0.0f;
+        if (tok + 1 < n) {
+            load(tok + 1, kn, qn, gn, bn, vn);
+        }
+        // With S' = g S: S'k, S'q and k.q in one reduction; then S'' = S' + delta k^T gives
+        // S''q = S'q + delta (k.q) without a second one.
+        float sk = 0.0f, sq = 0.0f, kq = 0.0f;
+#pragma unroll
+        for (int t = 0; t < DELTA_K_PER_LANE; ++t) {
             s[t] *= g;
             sk = fmaf(s[t], kv[t], sk);
+            sq = fmaf(s[t], qv[t], sq);
+            kq = fmaf(kv[t], qv[t], kq);
         }
-        sk = warp_sum(sk);
+#pragma unroll
+        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+            sk += __shfl_xor_sync(FULL_MASK, sk, offset);
+            sq += __shfl_xor_sync(FULL_MASK, sq, offset);
+            kq += __shfl_xor_sync(FULL_MASK, kq, offset);
+        }
         const float delta = (vj - sk) * b;
-        float sq = 0.0f;
 #pragma unroll
         for (int t = 0; t < DELTA_K_PER_LANE; ++t) {
-            const int i = lane + t * WARP_SIZE;
             s[t] = fmaf(kv[t], delta, s[t]);
-            sq = fmaf(s[t], i < head_k ? qt[i] : 0.0f, sq);
         }
-        sq = warp_sum(sq);
         if (lane == 0) {
-            out[((int64_t) tok * n_v_heads + h) * head_v + j] = sq * out_scale;
+            out[((int64_t) tok * n_v_heads + h) * head_v + j] = fmaf(delta, kq, sq) * out_scale;
         }
+#pragma unroll
+        for (int t = 0; t < DELTA_K_PER_LANE; ++t) {
+            kv[t] = kn[t];
+            qv[t] = qn[t];
+        }
+        g = gn;
+        b = bn;
+        vj = vn;
     }
 #pragma unroll
     for (int t = 0; t < DELTA_K_PER_LANE; ++t) {

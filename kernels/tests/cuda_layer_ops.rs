@@ -253,7 +253,8 @@ fn attention_matches_cpu_for_decode_and_prompts() {
 fn conv1d_matches_cpu_exactly_and_advances_the_state() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(200);
-    for (channels, kernel, n) in [(8192, 4, 1), (8192, 4, 37), (100, 3, 5)] {
+    // One token (the decode kernel), prompts (the token-parallel one), fewer tokens than the window.
+    for (channels, kernel, n) in [(8192, 4, 1), (8192, 4, 37), (100, 3, 5), (64, 4, 2), (8192, 4, 300)] {
         let x = normals(&mut rng, n * channels);
         let w = normals(&mut rng, channels * kernel);
         let state0 = normals(&mut rng, (kernel - 1) * channels);
@@ -609,7 +610,7 @@ fn prompt_matmul_matches_cpu_and_equals_the_matvec() {
 
 /// The tensor-core kernels (`matmul_mma.cu`) of `matmul_q`: against the CPU and against the dp4a kernel
 /// (same q8_1 activations; they differ only by summation order and by taking the activations' sums from
-/// the blocks' f16 `s`), with token tiles of 16, 32 and 64, over row counts that leave a partial row tile
+/// the blocks' f16 `s`), with token tiles of 16, 32, 64 and 128, over row counts that leave a partial row tile
 /// and token counts that leave partial token tiles.
 #[test]
 fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
@@ -624,7 +625,7 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     .into_iter()
     .enumerate()
     {
-        for (rows, cols, n) in [(200, 768, 21), (128, 512, 70), (64, 1024, 16)] {
+        for (rows, cols, n) in [(200, 768, 21), (128, 512, 70), (64, 1024, 16), (96, 256, 150)] {
             let mut rng = Rng::new(450 + i as u64);
             let w = random_weights(ty, &mut rng, rows * cols);
             let x = normals(&mut rng, n * cols);
@@ -645,7 +646,7 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
             prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut yd).unwrap();
             let dp4a = dev.download(&yd).unwrap();
             assert!(prompt::has_mma(&dev, ty, cols), "{ty}");
-            for tile in [16, 32, 64] {
+            for tile in [16, 32, 64, 128] {
                 let mut y = dev.zeros::<f32>(n * rows).unwrap();
                 prompt::matmul_q_mma(&dev, &wd, &xq, tile, &mut y).unwrap();
                 let got = dev.download(&y).unwrap();
@@ -763,10 +764,10 @@ fn expert_grouped_matmul_matches_cpu() {
             }
         }
 
-        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32 and 64 (padded
+        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32, 64 and 128 (padded
         // with empty tiles as the engine pads them).
         let tile_sizes: &[usize] = if prompt::has_mma(&dev, ty, cols) {
-            &[prompt::MATMUL_TILE, 16, 32, 64]
+            &[prompt::MATMUL_TILE, 16, 32, 64, 128]
         } else {
             &[prompt::MATMUL_TILE]
         };

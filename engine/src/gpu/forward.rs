@@ -759,19 +759,28 @@ impl<'a> GpuForward<'a> {
         let slots = n * k;
         let n_ff = gate_t.rows;
         let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        // Profiled as steps (moe.group: the ids to the host and the grouping back; moe.gather: the rows in
+        // expert order, quantized; moe.gate_up, moe.act, moe.down).
+        let t = self.op_begin();
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
+        self.op_end("moe.group", t);
+        let t = self.op_begin();
         // [slots, n_embd] in expert order, quantized once for gate and up.
         let mut xs = self.pool.f32(dev, slots * n_embd)?;
         gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
         let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
         ops::quantize_q8_1(dev, &xs, &mut xq)?;
         self.pool.put_f32(xs);
+        self.op_end("moe.gather", t);
+        let t = self.op_begin();
         // [slots, n_ff] each.
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
         matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
         matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
         self.pool.put_q8(xq);
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
         let mut h = self.pool.f32(dev, slots * n_ff)?;
         self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
         self.pool.put_f32(gate);
@@ -779,6 +788,8 @@ impl<'a> GpuForward<'a> {
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
         ops::quantize_q8_1(dev, &h, &mut hq)?;
         self.pool.put_f32(h);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
         // [slots, n_embd] in expert order.
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
@@ -791,6 +802,7 @@ impl<'a> GpuForward<'a> {
             r
         };
         self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
         if let Err(e) = r {
             self.pool.put_f32(y);
             g.give_back(&self.pool);

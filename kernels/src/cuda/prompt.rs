@@ -43,10 +43,13 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 }
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
-/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 16, 32 or 64
-/// tokens per tile, the smallest that holds an expert's average share with some room; with fewer than
-/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less. `POLY_MMQ_EXPERT_TILE`
-/// (8, 16, 32 or 64) overrides the choice, to measure the others.
+/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels unpack a tile's
+/// weights once and multiply only the tile's filled groups of 8 tokens, so the cost of a tile is the
+/// unpacking plus its tokens: the fewest tiles per expert win, i.e. the largest tile, 64 tokens (two
+/// blocks per SM) or, from about 96 tokens per expert, 128 (one block per SM, half the unpacking of 64).
+/// With fewer than about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+/// `POLY_MMQ_EXPERT_TILE` (8, 16, 32, 64 or 128) overrides the choice, to measure the others;
+/// `POLY_MMQ_EXPERT_TILES=old` takes the earlier choice (the smallest tile holding the average share).
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
@@ -56,13 +59,19 @@ pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_exper
     }
     let per_expert = slots / n_expert.max(1);
     if per_expert < 4 {
-        MATMUL_TILE
-    } else if per_expert < 24 {
-        16
-    } else if per_expert < 48 {
-        32
-    } else {
+        return MATMUL_TILE;
+    }
+    if mma::old_expert_tiles() {
+        return match per_expert {
+            0..24 => 16,
+            24..48 => 32,
+            _ => 64,
+        };
+    }
+    if per_expert < 96 {
         64
+    } else {
+        128
     }
 }
 
@@ -86,7 +95,7 @@ pub fn matmul_q(
     matmul_q_dp4a(dev, w, xq, y)
 }
 
-/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32 or 64), for formats and rows
+/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32, 64 or 128), for formats and rows
 /// [`has_mma`] accepts: to test and measure each tile size.
 pub fn matmul_q_mma(
     dev: &Device,

@@ -47,6 +47,9 @@ pub fn conv1d_causal(
         kernel as i32,
         silu as i32,
     );
+    if n > 1 {
+        return conv1d_prompt(dev, (x, weight), state, out, [n_i, c_i, k_i, s_i]);
+    }
     let f = dev.function(KernelModule::Recurrent, "conv1d_causal")?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.slice())
@@ -66,6 +69,60 @@ pub fn conv1d_causal(
     // (checked above); one thread per channel touches only its column.
     unsafe { b.launch(cfg) }?;
     dev.after_launch("conv1d_causal")
+}
+
+/// Tokens per thread of `conv1d_causal_tokens` (`CONV_TOKENS`).
+const CONV_TOKENS: usize = 8;
+
+/// [`conv1d_causal`] for a prompt (`n > 1`, lengths checked by the caller): the outputs of all tokens at
+/// once (`conv1d_causal_tokens`, the same sums), then the state advanced (`conv1d_state_advance`).
+fn conv1d_prompt(
+    dev: &Device,
+    (x, weight): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    state: &mut DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+    [n_i, c_i, k_i, s_i]: [i32; 4],
+) -> CudaResult<()> {
+    let (n, channels) = (n_i as usize, c_i as usize);
+    let token_blocks = n.div_ceil(CONV_TOKENS);
+    if token_blocks > 65535 {
+        return invalid(format!("conv1d: {n} tokens in one call"));
+    }
+    let f = dev.function(KernelModule::Recurrent, "conv1d_causal_tokens")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice())
+        .arg(weight.slice())
+        .arg(state.slice())
+        .arg(out.slice_mut())
+        .arg(&n_i)
+        .arg(&c_i)
+        .arg(&k_i)
+        .arg(&s_i);
+    let cfg = LaunchConfig {
+        grid_dim: (channels.div_ceil(128) as u32, token_blocks as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x and out hold n × channels floats, weight channels × kernel, state (kernel-1) × channels
+    // (checked by conv1d_causal); thread (c, block t) reads column c of state and of x rows below n and
+    // writes column c of out rows t·CONV_TOKENS.. below n.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("conv1d_causal_tokens")?;
+    let f = dev.function(KernelModule::Recurrent, "conv1d_state_advance")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice())
+        .arg(state.slice_mut())
+        .arg(&n_i)
+        .arg(&c_i)
+        .arg(&k_i);
+    let cfg = LaunchConfig {
+        grid_dim: (channels.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; one thread per channel rewrites column c of state from itself and from x.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("conv1d_state_advance")
 }
 
 /// How [`l2_norm`] divides.

@@ -1,5 +1,5 @@
 //! Launchers of the tensor-core prompt kernels (`kernels/cuda/matmul_mma.cu`): int8 `mma.sync` over tiles
-//! of [`MMQ_ROWS`] weight rows × 16, 32 or 64 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
+//! of [`MMQ_ROWS`] weight rows × 16, 32, 64 or 128 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
 //! Q8_0) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose them.
 
 use super::super::module::KernelModule;
@@ -20,30 +20,34 @@ const BLOCK: (u32, u32, u32) = (32, 8, 1);
 const ENOUGH_BLOCKS: usize = 256;
 
 /// The token tiles the kernels come in.
-pub const TILES: [usize; 3] = [16, 32, 64];
+pub const TILES: [usize; 4] = [16, 32, 64, 128];
 
-/// The kernels of a format: (plain, experts) for tiles of 16, 32 and 64 tokens.
-fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 3]> {
+/// The kernels of a format: (plain, experts) for tiles of 16, 32, 64 and 128 tokens.
+fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 4]> {
     Some(match ty {
         GgmlType::Q4_K => [
             ("mmq_q4_k_16", "mmq_experts_q4_k_16"),
             ("mmq_q4_k_32", "mmq_experts_q4_k_32"),
             ("mmq_q4_k_64", "mmq_experts_q4_k_64"),
+            ("mmq_q4_k_128", "mmq_experts_q4_k_128"),
         ],
         GgmlType::Q5_K => [
             ("mmq_q5_k_16", "mmq_experts_q5_k_16"),
             ("mmq_q5_k_32", "mmq_experts_q5_k_32"),
             ("mmq_q5_k_64", "mmq_experts_q5_k_64"),
+            ("mmq_q5_k_128", "mmq_experts_q5_k_128"),
         ],
         GgmlType::Q6_K => [
             ("mmq_q6_k_16", "mmq_experts_q6_k_16"),
             ("mmq_q6_k_32", "mmq_experts_q6_k_32"),
             ("mmq_q6_k_64", "mmq_experts_q6_k_64"),
+            ("mmq_q6_k_128", "mmq_experts_q6_k_128"),
         ],
         GgmlType::Q8_0 => [
             ("mmq_q8_0_16", "mmq_experts_q8_0_16"),
             ("mmq_q8_0_32", "mmq_experts_q8_0_32"),
             ("mmq_q8_0_64", "mmq_experts_q8_0_64"),
+            ("mmq_q8_0_128", "mmq_experts_q8_0_128"),
         ],
         _ => return None,
     })
@@ -55,7 +59,7 @@ fn disabled() -> bool {
     *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
 }
 
-/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64), if any.
+/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64, 128), if any.
 pub fn forced_expert_tile() -> Option<usize> {
     static TILE: OnceLock<Option<usize>> = OnceLock::new();
     *TILE.get_or_init(|| {
@@ -64,6 +68,13 @@ pub fn forced_expert_tile() -> Option<usize> {
             .and_then(|v| v.parse().ok())
             .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
     })
+}
+
+/// Whether `POLY_MMQ_EXPERT_TILES=old` asked for the tile sizes chosen before the kernels skipped a short
+/// tile's empty tokens (the smallest tile holding an expert's average share), to measure against them.
+pub fn old_expert_tiles() -> bool {
+    static OLD: OnceLock<bool> = OnceLock::new();
+    *OLD.get_or_init(|| std::env::var("POLY_MMQ_EXPERT_TILES").is_ok_and(|v| v == "old"))
 }
 
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
