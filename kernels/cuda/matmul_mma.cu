@@ -15,6 +15,8 @@
 //                             tile t = (expert, first sorted row, rows <= BN) from device memory; x and y in
 //                             sorted order. A null address or an id outside 0..n_expert writes zeros for
 //                             the tile's rows; an empty tile (rows 0) writes nothing.
+//   mmq_experts_pair_<fmt>_<BN>: two expert tensors of one shape over the same tiles and x (gate and up):
+//                             grid z 0 the first, 1 the second; one launch, so one tail instead of two.
 
 #define MMQ_WARPS 8
 #define MMQ_ROWS (16 * MMQ_WARPS)
@@ -445,6 +447,15 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
                                   const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,       \
                                   float * __restrict__ y, int ncols, int nrows) {                              \
         mmq_experts<F, BN>(expert_table, n_expert, tiles, x, y, ncols, nrows);                                 \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
+        mmq_experts_pair_##name##_##BN(const uint64_t * __restrict__ table_a,                                  \
+                                       const uint64_t * __restrict__ table_b, int n_expert,                    \
+                                       const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,  \
+                                       float * __restrict__ y_a, float * __restrict__ y_b, int ncols,          \
+                                       int nrows) {                                                            \
+        const bool second = blockIdx.z != 0;                                                                   \
+        mmq_experts<F, BN>(second ? table_b : table_a, n_expert, tiles, x, second ? y_b : y_a, ncols, nrows);  \
     }
 
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 16, 2)

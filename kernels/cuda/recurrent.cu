@@ -244,3 +244,107 @@ extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
         }
     }
 }
+
+#define DELTA_LPR 8
+#define DELTA_ROWS_PER_WARP (WARP_SIZE / DELTA_LPR)
+#define DELTA_SMALL_K 128
+#define DELTA_SMALL_KPL (DELTA_SMALL_K / DELTA_LPR)
+
+// gated_delta_rule for key heads of at most DELTA_SMALL_K (Qwen3.5/3.6: 128), over a prompt: DELTA_LPR lanes
+// per state row (DELTA_SMALL_KPL values each), DELTA_ROWS_PER_WARP rows per warp. A token then costs a warp
+// three butterfly steps for its sums instead of five per row, and no lane idles on values past head_k: the
+// prompt form is bound by those instructions (every row of a head repeats the token's loads and sums).
+// Same arithmetic as gated_delta_rule (its per-lane partial sums over other value sets). Grid (head_v /
+// (DELTA_WARPS * DELTA_ROWS_PER_WARP) rounded up, n_v_heads); block (32, DELTA_WARPS).
+extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
+    gated_delta_rule_k128(const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v,
+                          const float * __restrict__ gate, const float * __restrict__ beta,
+                          float * __restrict__ state, float * __restrict__ out, int n, int n_k_heads,
+                          int n_v_heads, int head_k, int head_v) {
+    const int h = blockIdx.y;
+    const int warp_row0 = (blockIdx.x * DELTA_WARPS + threadIdx.y) * DELTA_ROWS_PER_WARP;
+    if (warp_row0 >= head_v) {
+        return; // whole warps leave: no block-wide synchronization below
+    }
+    const int lane = threadIdx.x;
+    const int sub = lane % DELTA_LPR;
+    // A row past head_v (head_v not a multiple of the rows per warp) computes row head_v - 1 again, for the
+    // shuffles, and writes nothing.
+    const int j_raw = warp_row0 + lane / DELTA_LPR;
+    const bool valid = j_raw < head_v;
+    const int j = valid ? j_raw : head_v - 1;
+    const int hq = h % n_k_heads;
+    float * srow = state + ((int64_t) h * head_v + j) * head_k;
+    float s[DELTA_SMALL_KPL];
+#pragma unroll
+    for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+        const int i = sub + t * DELTA_LPR;
+        s[t] = i < head_k ? srow[i] : 0.0f;
+    }
+    const float out_scale = rsqrtf((float) head_k);
+    float kv[DELTA_SMALL_KPL], qv[DELTA_SMALL_KPL];
+    float g = 0.0f, b = 0.0f, vj = 0.0f;
+    auto load = [&](int tok, float (&kd)[DELTA_SMALL_KPL], float (&qd)[DELTA_SMALL_KPL], float & gd, float & bd,
+                    float & vd) {
+        const float * kt = k + ((int64_t) tok * n_k_heads + hq) * head_k;
+        const float * qt = q + ((int64_t) tok * n_k_heads + hq) * head_k;
+#pragma unroll
+        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+            const int i = sub + t * DELTA_LPR;
+            kd[t] = i < head_k ? kt[i] : 0.0f;
+            qd[t] = i < head_k ? qt[i] : 0.0f;
+        }
+        gd = expf(gate[(int64_t) tok * n_v_heads + h]);
+        bd = beta[(int64_t) tok * n_v_heads + h];
+        vd = v[((int64_t) tok * n_v_heads + h) * head_v + j];
+    };
+    if (n > 0) {
+        load(0, kv, qv, g, b, vj);
+    }
+    for (int tok = 0; tok < n; ++tok) {
+        float kn[DELTA_SMALL_KPL], qn[DELTA_SMALL_KPL];
+        float gn = 0.0f, bn = 0.0f, vn = 0.0f;
+        if (tok + 1 < n) {
+            load(tok + 1, kn, qn, gn, bn, vn);
+        }
+        float sk = 0.0f, sq = 0.0f, kq = 0.0f;
+#pragma unroll
+        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+            s[t] *= g;
+            sk = fmaf(s[t], kv[t], sk);
+            sq = fmaf(s[t], qv[t], sq);
+            kq = fmaf(kv[t], qv[t], kq);
+        }
+#pragma unroll
+        for (int offset = DELTA_LPR / 2; offset > 0; offset >>= 1) {
+            sk += __shfl_xor_sync(FULL_MASK, sk, offset);
+            sq += __shfl_xor_sync(FULL_MASK, sq, offset);
+            kq += __shfl_xor_sync(FULL_MASK, kq, offset);
+        }
+        const float delta = (vj - sk) * b;
+#pragma unroll
+        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+            s[t] = fmaf(kv[t], delta, s[t]);
+        }
+        if (sub == 0 && valid) {
+            out[((int64_t) tok * n_v_heads + h) * head_v + j] = fmaf(delta, kq, sq) * out_scale;
+        }
+#pragma unroll
+        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+            kv[t] = kn[t];
+            qv[t] = qn[t];
+        }
+        g = gn;
+        b = bn;
+        vj = vn;
+    }
+    if (valid) {
+#pragma unroll
+        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+            const int i = sub + t * DELTA_LPR;
+            if (i < head_k) {
+                srow[i] = s[t];
+            }
+        }
+    }
+}

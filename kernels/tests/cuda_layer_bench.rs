@@ -273,6 +273,22 @@ fn bench_grouped_experts() {
                     n as f64 / s,
                     2.0 * (rows * cols * n * k) as f64 / s / 1e12
                 );
+                if tile == chosen && tile != prompt::MATMUL_TILE {
+                    // Gate and up in one launch (the same table twice: the same work as two).
+                    let mut y2 = dev.zeros::<f32>(n * k * rows).unwrap();
+                    let t = stacked.table();
+                    let s = time_calls(&dev, || {
+                        prompt::matmul_experts_q_pair(&dev, [t, t], &tilesd, tile, &xq, [&mut y, &mut y2])
+                            .unwrap()
+                    });
+                    println!(
+                        "bench grouped experts pair {ty} {rows}x{cols} x{n_expert} k {k} n {n}{} (tiles of {tile}): \
+                         {:.1} us for two, {:.2} TFLOP/s",
+                        if skewed { " skewed" } else { "" },
+                        s * 1e6,
+                        4.0 * (rows * cols * n * k) as f64 / s / 1e12
+                    );
+                }
             }
         }
     }

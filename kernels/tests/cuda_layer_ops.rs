@@ -349,6 +349,8 @@ fn gated_delta_rule_matches_cpu_for_steps_and_prompts() {
         (2, 4, 128, 37),
         (16, 32, 128, 64),
         (3, 3, 64, 9),
+        // Rows that do not fill the prompt kernel's warps (4 rows each).
+        (2, 2, 40, 5),
     ]
     .into_iter()
     .enumerate()
@@ -786,6 +788,18 @@ fn expert_grouped_matmul_matches_cpu() {
             ops::quantize_q8_1(&dev, &xs, &mut xq).unwrap();
             let mut ys = dev.zeros::<f32>(n * k * rows).unwrap();
             prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut ys).unwrap();
+            // The pair form (gate and up in one launch) gives each table's products bit for bit.
+            let (mut ya, mut yb) = (
+                dev.zeros::<f32>(n * k * rows).unwrap(),
+                dev.zeros::<f32>(n * k * rows).unwrap(),
+            );
+            let t = stacked.table();
+            prompt::matmul_experts_q_pair(&dev, [t, t], &tilesd, tile, &xq, [&mut ya, &mut yb])
+                .unwrap();
+            let single = dev.download(&ys).unwrap();
+            if dev.download(&ya).unwrap() != single || dev.download(&yb).unwrap() != single {
+                failures.push(format!("grouped experts {ty} tiles of {tile}: pair differs"));
+            }
             let wd = dev.upload(&weights).unwrap();
             let mut out = dev.zeros::<f32>(n * rows).unwrap();
             prompt::moe_combine_sorted(&dev, &ys, &slotd, &wd, k, false, &mut out).unwrap();

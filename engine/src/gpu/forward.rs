@@ -776,8 +776,14 @@ impl<'a> GpuForward<'a> {
         // [slots, n_ff] each.
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
-        matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
+        prompt::matmul_experts_q_pair(
+            dev,
+            [gate_t, up_t],
+            &g.tiles,
+            g.tile_rows,
+            &xq,
+            [&mut gate, &mut up],
+        )?;
         self.pool.put_q8(xq);
         self.op_end("moe.gate_up", t);
         let t = self.op_begin();

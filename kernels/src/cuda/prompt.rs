@@ -235,9 +235,7 @@ impl ExpertGrouping {
     /// As [`ExpertGrouping::new`] with tiles of at most `tile` rows (what [`expert_tile_rows`] says the
     /// kernel of a format takes).
     pub fn with_tile(ids: &[i32], k: usize, n_expert: usize, tile: usize) -> Self {
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        // A stable sort keeps each expert's tokens in order.
-        order.sort_by_key(|&s| ids[s]);
+        let order = stable_order_by_id(ids, n_expert);
         let mut rows = Vec::with_capacity(ids.len());
         let mut slot_row = vec![0i32; ids.len()];
         let mut tiles: Vec<[i32; 3]> = Vec::new();
@@ -278,6 +276,39 @@ impl ExpertGrouping {
         }
         t
     }
+}
+
+/// The slots of `ids` ordered by id, each id's slots in their order (a stable sort): a counting sort over
+/// the ids below `n_expert` (linear: a prompt call groups tens of thousands of slots per layer while the
+/// card waits), the others (which get no tile) after them in a stable comparison sort.
+fn stable_order_by_id(ids: &[i32], n_expert: usize) -> Vec<usize> {
+    let in_range = |e: i32| e >= 0 && (e as usize) < n_expert;
+    let mut start = vec![0usize; n_expert + 1];
+    let mut others: Vec<usize> = Vec::new();
+    for (s, &e) in ids.iter().enumerate() {
+        if in_range(e) {
+            start[e as usize + 1] += 1;
+        } else {
+            others.push(s);
+        }
+    }
+    for e in 0..n_expert {
+        start[e + 1] += start[e];
+    }
+    let mut order = vec![0usize; ids.len()];
+    for (s, &e) in ids.iter().enumerate() {
+        if in_range(e) {
+            let at = &mut start[e as usize];
+            order[*at] = s;
+            *at += 1;
+        }
+    }
+    // Ids outside the experts: sorted among themselves, as a full sort would (negative ones first would
+    // change nothing the kernels see: they get no tile and their rows are not read).
+    others.sort_by_key(|&s| ids[s]);
+    let placed = ids.len() - others.len();
+    order[placed..].copy_from_slice(&others);
+    order
 }
 
 /// `y[r] = W_{e}·x[r]` for every sorted row `r` of every tile `(e, r0, n)` of `tiles` (`[n_tiles·3]` i32 in
@@ -341,6 +372,26 @@ pub fn matmul_experts_q(
     // rows (first row + count within n_sorted), which is what `tiles` documents. x and y are checked above.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
+}
+
+/// [`matmul_experts_q`] for two expert tables over the same tiles and `xq` (a MoE's gate and up): one
+/// launch on the tensor cores when both have the same format and shape, else one call each.
+pub fn matmul_experts_q_pair(
+    dev: &Device,
+    tables: [&ExpertTable; 2],
+    tiles: &DeviceBuffer<i32>,
+    tile_rows: usize,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    ys: [&mut DeviceBuffer<f32>; 2],
+) -> CudaResult<()> {
+    let [ta, tb] = tables;
+    let same = (ta.ty, ta.rows, ta.cols, ta.n_expert) == (tb.ty, tb.rows, tb.cols, tb.n_expert);
+    if same && tile_rows != MATMUL_TILE && mma::takes(dev, ta.ty, ta.cols) && !mma::pair_disabled() {
+        return mma::matmul_experts_pair(dev, tables, tiles, tile_rows, xq, ys);
+    }
+    let [ya, yb] = ys;
+    matmul_experts_q(dev, ta, tiles, tile_rows, xq, ya)?;
+    matmul_experts_q(dev, tb, tiles, tile_rows, xq, yb)
 }
 
 /// `dst[r] = src[rows[r]]` for rows of `width` values (activations into expert order).
@@ -460,5 +511,26 @@ mod tests {
         assert_eq!(g.tiles, vec![[5, 0, 8], [5, 8, 8], [5, 16, 4]]);
         // An id outside the experts gets no tile.
         assert!(ExpertGrouping::new(&[9, 9], 1, 8).tiles.is_empty());
+    }
+
+    #[test]
+    fn the_counting_sort_is_the_stable_sort() {
+        let mut rng = crate::rng::Rng::new(7);
+        for (n_expert, slots) in [(128usize, 4096usize), (8, 37), (1, 5)] {
+            let mut ids: Vec<i32> = (0..slots)
+                .map(|_| rng.below(n_expert as u32) as i32)
+                .collect();
+            let mut want: Vec<usize> = (0..slots).collect();
+            want.sort_by_key(|&s| ids[s]);
+            assert_eq!(stable_order_by_id(&ids, n_expert), want);
+            // Ids past the experts go last, in order among themselves.
+            ids[0] = n_expert as i32 + 1;
+            ids[slots - 1] = n_expert as i32;
+            let order = stable_order_by_id(&ids, n_expert);
+            assert_eq!(&order[slots - 2..], &[slots - 1, 0]);
+            let mut seen = order.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..slots).collect::<Vec<_>>());
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The gated delta-net pieces on the card (`kernels/cuda/recurrent.cu`): the causal depthwise convolution
-//! with its carried state, the L2 norm, the gated delta rule (decode and prompts: the state in registers for
-//! the whole batch) and the RMS norm gated by `silu(z)`. Layouts are those of the CPU ops in
+//! with its carried state (a prompt's tokens in parallel), the L2 norm, the gated delta rule (decode and
+//! prompts: the state in registers for the whole batch; a prompt with 8 lanes per state row) and the RMS
+//! norm gated by `silu(z)`. Layouts are those of the CPU ops in
 //! [`crate::ops::recurrent`] and [`crate::ops::norm`].
 
 use super::module::KernelModule;
@@ -13,7 +14,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 pub const CONV_MAX_KERNEL: usize = 8;
 /// Largest key head the delta-rule kernel holds in registers (`DELTA_MAX_K`).
 pub const DELTA_MAX_HEAD_K: usize = 256;
-/// Warps (state rows) per block of the delta rule (`DELTA_WARPS`).
+/// Largest key head of the prompt kernel with 8 lanes per state row (`DELTA_SMALL_K`).
+const DELTA_SMALL_HEAD_K: usize = 128;
+/// Warps per block of the delta rule (`DELTA_WARPS`): a state row each, or 4 in `gated_delta_rule_k128`.
 const DELTA_WARPS: u32 = 4;
 
 /// [`crate::ops::recurrent::conv1d_causal`] on the card: `x` `[n, channels]`, `weight` `[channels, kernel]`,
@@ -255,7 +258,14 @@ pub fn gated_delta_rule(
         head_k as i32,
         head_v as i32,
     ];
-    let f = dev.function(KernelModule::Recurrent, "gated_delta_rule")?;
+    // A prompt with key heads of at most 128: 8 lanes per state row (`gated_delta_rule_k128`); else (and
+    // for one token, the decode graphs' kernel) a warp per row.
+    let (name, rows_per_block) = if n > 1 && head_k <= DELTA_SMALL_HEAD_K {
+        ("gated_delta_rule_k128", DELTA_WARPS as usize * 4)
+    } else {
+        ("gated_delta_rule", DELTA_WARPS as usize)
+    };
+    let f = dev.function(KernelModule::Recurrent, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.q.slice())
         .arg(x.k.slice())
@@ -269,15 +279,15 @@ pub fn gated_delta_rule(
     }
     let cfg = LaunchConfig {
         grid_dim: (
-            head_v.div_ceil(DELTA_WARPS as usize) as u32,
+            head_v.div_ceil(rows_per_block) as u32,
             n_heads as u32,
             1,
         ),
         block_dim: (32, DELTA_WARPS, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: every buffer has the length checked above for n tokens; warp (h, j) touches state row j of
-    // head h and out column (h, j) only.
+    // SAFETY: every buffer has the length checked above for n tokens; the lanes of state row j of head h
+    // touch that row and out column (h, j) only (rows past head_v write nothing).
     unsafe { b.launch(cfg) }?;
-    dev.after_launch("gated_delta_rule")
+    dev.after_launch(name)
 }
