@@ -247,7 +247,11 @@ fn bench_grouped_experts() {
         for skewed in [false, true] {
             let ids: Vec<i32> = (0..n * k)
                 .map(|_| {
-                    let u = if skewed { rng.f32() * rng.f32() } else { rng.f32() };
+                    let u = if skewed {
+                        rng.f32() * rng.f32()
+                    } else {
+                        rng.f32()
+                    };
                     ((u * n_expert as f32) as i32).min(n_expert as i32 - 1)
                 })
                 .collect();
@@ -278,8 +282,15 @@ fn bench_grouped_experts() {
                     let mut y2 = dev.zeros::<f32>(n * k * rows).unwrap();
                     let t = stacked.table();
                     let s = time_calls(&dev, || {
-                        prompt::matmul_experts_q_pair(&dev, [t, t], &tilesd, tile, &xq, [&mut y, &mut y2])
-                            .unwrap()
+                        prompt::matmul_experts_q_pair(
+                            &dev,
+                            [t, t],
+                            &tilesd,
+                            tile,
+                            &xq,
+                            [&mut y, &mut y2],
+                        )
+                        .unwrap()
                     });
                     println!(
                         "bench grouped experts pair {ty} {rows}x{cols} x{n_expert} k {k} n {n}{} (tiles of {tile}): \

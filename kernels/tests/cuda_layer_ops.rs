@@ -254,7 +254,13 @@ fn conv1d_matches_cpu_exactly_and_advances_the_state() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(200);
     // One token (the decode kernel), prompts (the token-parallel one), fewer tokens than the window.
-    for (channels, kernel, n) in [(8192, 4, 1), (8192, 4, 37), (100, 3, 5), (64, 4, 2), (8192, 4, 300)] {
+    for (channels, kernel, n) in [
+        (8192, 4, 1),
+        (8192, 4, 37),
+        (100, 3, 5),
+        (64, 4, 2),
+        (8192, 4, 300),
+    ] {
         let x = normals(&mut rng, n * channels);
         let w = normals(&mut rng, channels * kernel);
         let state0 = normals(&mut rng, (kernel - 1) * channels);
@@ -627,7 +633,12 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     .into_iter()
     .enumerate()
     {
-        for (rows, cols, n) in [(200, 768, 21), (128, 512, 70), (64, 1024, 16), (96, 256, 150)] {
+        for (rows, cols, n) in [
+            (200, 768, 21),
+            (128, 512, 70),
+            (64, 1024, 16),
+            (96, 256, 150),
+        ] {
             let mut rng = Rng::new(450 + i as u64);
             let w = random_weights(ty, &mut rng, rows * cols);
             let x = normals(&mut rng, n * cols);
@@ -798,7 +809,9 @@ fn expert_grouped_matmul_matches_cpu() {
                 .unwrap();
             let single = dev.download(&ys).unwrap();
             if dev.download(&ya).unwrap() != single || dev.download(&yb).unwrap() != single {
-                failures.push(format!("grouped experts {ty} tiles of {tile}: pair differs"));
+                failures.push(format!(
+                    "grouped experts {ty} tiles of {tile}: pair differs"
+                ));
             }
             let wd = dev.upload(&weights).unwrap();
             let mut out = dev.zeros::<f32>(n * rows).unwrap();

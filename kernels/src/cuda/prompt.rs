@@ -386,7 +386,8 @@ pub fn matmul_experts_q_pair(
 ) -> CudaResult<()> {
     let [ta, tb] = tables;
     let same = (ta.ty, ta.rows, ta.cols, ta.n_expert) == (tb.ty, tb.rows, tb.cols, tb.n_expert);
-    if same && tile_rows != MATMUL_TILE && mma::takes(dev, ta.ty, ta.cols) && !mma::pair_disabled() {
+    if same && tile_rows != MATMUL_TILE && mma::takes(dev, ta.ty, ta.cols) && !mma::pair_disabled()
+    {
         return mma::matmul_experts_pair(dev, tables, tiles, tile_rows, xq, ys);
     }
     let [ya, yb] = ys;

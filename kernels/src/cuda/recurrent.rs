@@ -278,11 +278,7 @@ pub fn gated_delta_rule(
         b.arg(i);
     }
     let cfg = LaunchConfig {
-        grid_dim: (
-            head_v.div_ceil(rows_per_block) as u32,
-            n_heads as u32,
-            1,
-        ),
+        grid_dim: (head_v.div_ceil(rows_per_block) as u32, n_heads as u32, 1),
         block_dim: (32, DELTA_WARPS, 1),
         shared_mem_bytes: 0,
     };
