@@ -474,3 +474,99 @@ MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 16, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 128, 1)
+
+// ----- grouping a prompt's slots by expert on the card -----------------------------------------------------
+
+#define GROUP_THREADS 1024
+#define GROUP_MAX_EXPERTS 1024
+
+// What ExpertGrouping::with_tile computes on the host, without taking the ids there (a wait of the host on
+// the card per MoE layer): ids [n_slots] (token t's j-th choice at t*k + j); rows [n_slots] the token of
+// each sorted row; slot_row [n_slots] the sorted row of each slot; tiles [max_tiles*3] (expert, first row,
+// rows <= tile) per run of an expert's rows, experts in order, padded with (-1, 0, 0). The rows of an
+// expert come in the order the atomics hand out (not the slots' order as on the host): each output row is
+// computed from its own token only, so the results are the same. Ids outside 0..n_expert are placed after
+// every expert's rows and get no tile. One block of GROUP_THREADS; n_expert <= GROUP_MAX_EXPERTS, and
+// max_tiles at least ExpertGrouping::max_tiles.
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+    group_by_expert(const int32_t * __restrict__ ids, int n_slots, int k, int n_expert, int tile, int max_tiles,
+                    int32_t * __restrict__ rows, int32_t * __restrict__ slot_row, int32_t * __restrict__ tiles) {
+    // Per expert (and at n_expert the ids outside): rows, first sorted row, first tile.
+    __shared__ int count[GROUP_MAX_EXPERTS + 1];
+    __shared__ int start[GROUP_MAX_EXPERTS + 1];
+    __shared__ int tile0[GROUP_MAX_EXPERTS + 1];
+    __shared__ int n_tiles;
+    const int tid = threadIdx.x;
+    for (int e = tid; e <= n_expert; e += blockDim.x) {
+        count[e] = 0;
+    }
+    __syncthreads();
+    // Pass 1: each slot's place among its expert's rows, kept in slot_row until pass 2 (same thread, same slot).
+    for (int s = tid; s < n_slots; s += blockDim.x) {
+        int e = ids[s];
+        if (e < 0 || e >= n_expert) {
+            e = n_expert;
+        }
+        slot_row[s] = atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    // Exclusive prefix sums of rows and tiles over the experts: warp 0, each lane a run of entries.
+    if (tid < WARP_SIZE) {
+        const int per = (n_expert + 1 + WARP_SIZE - 1) / WARP_SIZE;
+        int rsum = 0, tsum = 0;
+        for (int i = 0; i < per; ++i) {
+            const int e = tid * per + i;
+            if (e <= n_expert) {
+                rsum += count[e];
+                tsum += e < n_expert ? (count[e] + tile - 1) / tile : 0;
+            }
+        }
+        int rinc = rsum, tinc = tsum;
+#pragma unroll
+        for (int o = 1; o < WARP_SIZE; o <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, rinc, o);
+            const int b = __shfl_up_sync(FULL_MASK, tinc, o);
+            if (tid >= o) {
+                rinc += a;
+                tinc += b;
+            }
+        }
+        int r = rinc - rsum, t = tinc - tsum;
+        for (int i = 0; i < per; ++i) {
+            const int e = tid * per + i;
+            if (e <= n_expert) {
+                start[e] = r;
+                tile0[e] = t;
+                r += count[e];
+                t += e < n_expert ? (count[e] + tile - 1) / tile : 0;
+            }
+        }
+        if (tid == WARP_SIZE - 1) {
+            n_tiles = tinc;
+        }
+    }
+    __syncthreads();
+    for (int s = tid; s < n_slots; s += blockDim.x) {
+        int e = ids[s];
+        if (e < 0 || e >= n_expert) {
+            e = n_expert;
+        }
+        const int r = start[e] + slot_row[s];
+        slot_row[s] = r;
+        rows[r] = s / k;
+    }
+    for (int e = tid; e < n_expert; e += blockDim.x) {
+        const int nt = (count[e] + tile - 1) / tile;
+        for (int i = 0; i < nt; ++i) {
+            int32_t * te = tiles + 3 * (tile0[e] + i);
+            te[0] = e;
+            te[1] = start[e] + i * tile;
+            te[2] = min(tile, count[e] - i * tile);
+        }
+    }
+    for (int i = n_tiles + tid; i < max_tiles; i += blockDim.x) {
+        tiles[3 * i] = -1;
+        tiles[3 * i + 1] = 0;
+        tiles[3 * i + 2] = 0;
+    }
+}

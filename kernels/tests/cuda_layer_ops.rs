@@ -729,6 +729,72 @@ fn float_prompt_matmul_matches_cpu() {
     assert_no_failures(failures);
 }
 
+/// `group_by_expert` (the grouping on the card) against the host's `ExpertGrouping`: the same tile table
+/// and, per expert, the same tokens (in any order), with `slot_row` the inverse of the sorted order.
+#[test]
+fn expert_grouping_on_the_card_matches_the_host() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(610);
+    for (n_expert, k, n, tile, skewed) in [
+        (128usize, 8usize, 512usize, 64usize, true),
+        (256, 8, 2048, 128, false),
+        (8, 3, 29, 8, true),
+        (1024, 2, 7, 16, false),
+    ] {
+        let ids: Vec<i32> = (0..n * k)
+            .map(|_| {
+                let u = if skewed {
+                    rng.f32() * rng.f32()
+                } else {
+                    rng.f32()
+                };
+                ((u * n_expert as f32) as i32).min(n_expert as i32 - 1)
+            })
+            .collect();
+        let want = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+        let max_tiles = ExpertGrouping::max_tiles(n * k, n_expert, tile);
+        let idsd = dev.upload(&ids).unwrap();
+        let mut rows = dev.zeros::<i32>(n * k).unwrap();
+        let mut slot_row = dev.zeros::<i32>(n * k).unwrap();
+        let mut tiles = dev.zeros::<i32>(3 * max_tiles).unwrap();
+        prompt::group_by_expert(
+            &dev,
+            &idsd,
+            (k, n_expert, tile),
+            &mut rows,
+            &mut slot_row,
+            &mut tiles,
+        )
+        .unwrap();
+        let what = format!("{n_expert} experts k {k} n {n} tile {tile}");
+        assert_eq!(
+            dev.download(&tiles).unwrap(),
+            want.tile_table(max_tiles),
+            "{what}: tiles"
+        );
+        let (rows, slot_row) = (
+            dev.download(&rows).unwrap(),
+            dev.download(&slot_row).unwrap(),
+        );
+        for (s, &r) in slot_row.iter().enumerate() {
+            assert_eq!(rows[r as usize] as usize, s / k, "{what}: slot {s}");
+        }
+        // Each expert's rows (the span of its tiles) hold the same tokens.
+        for e in 0..n_expert as i32 {
+            let of_e: Vec<&[i32; 3]> = want.tiles.iter().filter(|t| t[0] == e).collect();
+            let (Some(first), Some(last)) = (of_e.first(), of_e.last()) else {
+                continue;
+            };
+            let range = first[1] as usize..(last[1] + last[2]) as usize;
+            let mut got = rows[range.clone()].to_vec();
+            let mut exp = want.rows[range].to_vec();
+            got.sort_unstable();
+            exp.sort_unstable();
+            assert_eq!(got, exp, "{what}: tokens of expert {e}");
+        }
+    }
+}
+
 #[test]
 fn expert_grouped_matmul_matches_cpu() {
     let Some(dev) = device() else { return };

@@ -713,8 +713,9 @@ impl<'a> GpuForward<'a> {
         r
     }
 
-    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: the ids
-    /// come to the host (one small wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
+    /// card ([`prompt::group_by_expert`]); with `POLY_MOE_GROUP=host` (or more experts than it takes) the
+    /// ids come to the host (one wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
     /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
     /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
     /// expert a tile reads: an expert cache can rewrite the table here.
@@ -726,6 +727,35 @@ impl<'a> GpuForward<'a> {
         tile_rows: usize,
     ) -> CudaResult<ExpertGroups> {
         let dev = self.dev;
+        if n_expert <= prompt::GROUP_MAX_EXPERTS && !prompt::host_grouping() {
+            // On the card: the host queues on without waiting for the router.
+            let slots = ids.len();
+            let n_tiles = ExpertGrouping::max_tiles(slots, n_expert, tile_rows);
+            let mut rows = self.pool.i32(dev, slots)?;
+            let mut slot_row = self.pool.i32(dev, slots)?;
+            let mut tiles = self.pool.i32(dev, 3 * n_tiles)?;
+            let r = prompt::group_by_expert(
+                dev,
+                ids,
+                (k, n_expert, tile_rows),
+                &mut rows,
+                &mut slot_row,
+                &mut tiles,
+            );
+            let g = ExpertGroups {
+                rows,
+                slot_row,
+                tiles,
+                tile_rows,
+            };
+            return match r {
+                Ok(()) => Ok(g),
+                Err(e) => {
+                    g.give_back(&self.pool);
+                    Err(e)
+                }
+            };
+        }
         let host_ids = dev.download(ids)?;
         let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
         let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);

@@ -311,6 +311,78 @@ fn stable_order_by_id(ids: &[i32], n_expert: usize) -> Vec<usize> {
     order
 }
 
+/// Most experts [`group_by_expert`] takes (`GROUP_MAX_EXPERTS`).
+pub const GROUP_MAX_EXPERTS: usize = 1024;
+
+/// Whether `POLY_MOE_GROUP=host` asked for the grouping on the host ([`ExpertGrouping`] after a download
+/// of the ids: a wait per MoE layer) instead of [`group_by_expert`], to measure the two.
+pub fn host_grouping() -> bool {
+    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOST.get_or_init(|| std::env::var("POLY_MOE_GROUP").is_ok_and(|v| v == "host"))
+}
+
+/// [`ExpertGrouping::with_tile`] on the card (`group_by_expert` in `matmul_mma.cu`), so the host need not
+/// wait for the router: `ids` `[slots]` (`[n, k]`), `rows` and `slot_row` `[slots]`, `tiles` the padded
+/// tile table of at least [`ExpertGrouping::max_tiles`] entries (`[n_tiles·3]`). The same tiles as the
+/// host's; an expert's rows may come in another order (each output row depends on its own token only).
+pub fn group_by_expert(
+    dev: &Device,
+    ids: &DeviceBuffer<i32>,
+    (k, n_expert, tile): (usize, usize, usize),
+    rows: &mut DeviceBuffer<i32>,
+    slot_row: &mut DeviceBuffer<i32>,
+    tiles: &mut DeviceBuffer<i32>,
+) -> CudaResult<()> {
+    let slots = ids.len();
+    if k == 0 || tile == 0 || n_expert == 0 || n_expert > GROUP_MAX_EXPERTS {
+        return invalid(format!(
+            "group_by_expert: k {k}, tile {tile}, {n_expert} experts"
+        ));
+    }
+    if !slots.is_multiple_of(k) || !tiles.len().is_multiple_of(3) {
+        return invalid(format!(
+            "group_by_expert: {slots} ids for k {k}, {} tile ints",
+            tiles.len()
+        ));
+    }
+    check_len("group_by_expert rows", rows, slots)?;
+    check_len("group_by_expert slot_row", slot_row, slots)?;
+    let max_tiles = tiles.len() / 3;
+    if max_tiles < ExpertGrouping::max_tiles(slots, n_expert, tile) {
+        return invalid(format!(
+            "group_by_expert: room for {max_tiles} tiles of {tile} for {slots} slots"
+        ));
+    }
+    if slots == 0 {
+        return Ok(());
+    }
+    let ints = [
+        as_i32("slots", slots)?,
+        as_i32("k", k)?,
+        as_i32("experts", n_expert)?,
+        as_i32("tile", tile)?,
+        as_i32("tiles", max_tiles)?,
+    ];
+    let f = dev.function(KernelModule::MatmulMma, "group_by_expert")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(ids.slice());
+    for i in &ints {
+        b.arg(i);
+    }
+    b.arg(rows.slice_mut())
+        .arg(slot_row.slice_mut())
+        .arg(tiles.slice_mut());
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: ids, rows and slot_row hold `slots` ints, tiles max_tiles·3 (checked above, max_tiles at
+    // least the tiles any ids can make); the kernel writes rows below slots and tiles below max_tiles only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("group_by_expert")
+}
+
 /// `y[r] = W_{e}·x[r]` for every sorted row `r` of every tile `(e, r0, n)` of `tiles` (`[n_tiles·3]` i32 in
 /// device memory, as [`ExpertGrouping::tile_table`]; `n` at most `tile_rows`, which must be what
 /// [`expert_tile_rows`] gave for this table's format): `xq` `[n_sorted, cols/32]` blocks, `y` `[n_sorted,
