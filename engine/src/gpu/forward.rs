@@ -817,13 +817,20 @@ impl<'a> GpuForward<'a> {
         self.pool.put_q8(xq);
         self.op_end("moe.gate_up", t);
         let t = self.op_begin();
-        let mut h = self.pool.f32(dev, slots * n_ff)?;
-        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
-        self.pool.put_f32(gate);
-        self.pool.put_f32(up);
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
-        ops::quantize_q8_1(dev, &h, &mut hq)?;
-        self.pool.put_f32(h);
+        if matches!(m.act, Unary::Silu) {
+            // SwiGLU straight into the down experts' quantized input (the values of swiglu then quantize).
+            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+        } else {
+            let mut h = self.pool.f32(dev, slots * n_ff)?;
+            self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            ops::quantize_q8_1(dev, &h, &mut hq)?;
+            self.pool.put_f32(h);
+        }
         self.op_end("moe.act", t);
         let t = self.op_begin();
         // [slots, n_embd] in expert order.
