@@ -247,33 +247,98 @@ extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
 
 #define DELTA_LPR 8
 #define DELTA_ROWS_PER_WARP (WARP_SIZE / DELTA_LPR)
+#define DELTA_BLOCK_ROWS (DELTA_WARPS * DELTA_ROWS_PER_WARP)
 #define DELTA_SMALL_K 128
 #define DELTA_SMALL_KPL (DELTA_SMALL_K / DELTA_LPR)
+#define DELTA_CHUNK 16
+#define DELTA_THREADS (WARP_SIZE * DELTA_WARPS)
+// float4 loads per thread to stage a chunk's k (or q): DELTA_CHUNK x DELTA_SMALL_K floats.
+#define DELTA_KQ_ITEMS (DELTA_CHUNK * DELTA_SMALL_K / 4 / DELTA_THREADS)
 
-// gated_delta_rule for key heads of at most DELTA_SMALL_K (Qwen3.5/3.6: 128), over a prompt: DELTA_LPR lanes
-// per state row (DELTA_SMALL_KPL values each), DELTA_ROWS_PER_WARP rows per warp. A token then costs a warp
-// three butterfly steps for its sums instead of five per row, and no lane idles on values past head_k: the
-// prompt form is bound by those instructions (every row of a head repeats the token's loads and sums).
-// Same arithmetic as gated_delta_rule (its per-lane partial sums over other value sets). Grid (head_v /
-// (DELTA_WARPS * DELTA_ROWS_PER_WARP) rounded up, n_v_heads); block (32, DELTA_WARPS).
-extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
+// gated_delta_rule for key heads of at most DELTA_SMALL_K (Qwen3.5/3.6: 128), over a prompt. The rows
+// (DELTA_LPR lanes each, DELTA_SMALL_KPL values per lane) are cheap to advance; what bounds the prompt
+// form is the latency of each token's loads, which a row's chain of tokens waits for. So the block (the
+// DELTA_BLOCK_ROWS rows of one head, which all read the same k and q) stages DELTA_CHUNK tokens' k, q,
+// gate, beta and its rows' v in shared memory, the next chunk's loads in flight in registers while the
+// current one is advanced token by token from shared memory. Per token: S <- g S; S'k, S'q and k.q in one
+// reduction over the row's lanes; delta = beta (v - S'k); S <- S + delta k^T; out = (S'q + delta k.q) /
+// sqrt(dk) (the same value as S q after the update). Grid (head_v / DELTA_BLOCK_ROWS rounded up,
+// n_v_heads); block (32, DELTA_WARPS).
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS)
     gated_delta_rule_k128(const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v,
                           const float * __restrict__ gate, const float * __restrict__ beta,
                           float * __restrict__ state, float * __restrict__ out, int n, int n_k_heads,
                           int n_v_heads, int head_k, int head_v) {
+    __shared__ __align__(16) float sh_k[DELTA_CHUNK][DELTA_SMALL_K];
+    __shared__ __align__(16) float sh_q[DELTA_CHUNK][DELTA_SMALL_K];
+    __shared__ float sh_g[DELTA_CHUNK], sh_b[DELTA_CHUNK];
+    __shared__ float sh_v[DELTA_CHUNK][DELTA_BLOCK_ROWS];
     const int h = blockIdx.y;
-    const int warp_row0 = (blockIdx.x * DELTA_WARPS + threadIdx.y) * DELTA_ROWS_PER_WARP;
-    if (warp_row0 >= head_v) {
-        return; // whole warps leave: no block-wide synchronization below
-    }
+    const int tid = threadIdx.y * WARP_SIZE + threadIdx.x;
     const int lane = threadIdx.x;
     const int sub = lane % DELTA_LPR;
-    // A row past head_v (head_v not a multiple of the rows per warp) computes row head_v - 1 again, for the
-    // shuffles, and writes nothing.
-    const int j_raw = warp_row0 + lane / DELTA_LPR;
+    const int row_in_block = threadIdx.y * DELTA_ROWS_PER_WARP + lane / DELTA_LPR;
+    const int block_row0 = blockIdx.x * DELTA_BLOCK_ROWS;
+    // A row past head_v (head_v not a multiple of the block's rows) computes row head_v - 1 again, for the
+    // shuffles, and writes nothing. The block stays whole: it synchronizes.
+    const int j_raw = block_row0 + row_in_block;
     const bool valid = j_raw < head_v;
     const int j = valid ? j_raw : head_v - 1;
     const int hq = h % n_k_heads;
+    // head_k a multiple of 4 (the launcher checks) so k/q rows load as float4.
+    const int k4 = head_k / 4;
+
+    // The staging registers of one chunk: k and q (float4 items), gate/beta (thread < DELTA_CHUNK), v.
+    float4 rk[DELTA_KQ_ITEMS], rq[DELTA_KQ_ITEMS];
+    float rg = 0.0f, rb = 0.0f;
+    float rv[DELTA_CHUNK * DELTA_BLOCK_ROWS / DELTA_THREADS];
+    auto fetch = [&](int t0) {
+#pragma unroll
+        for (int it = 0; it < DELTA_KQ_ITEMS; ++it) {
+            const int idx = tid + it * DELTA_THREADS;
+            const int tt = idx / (DELTA_SMALL_K / 4), c4 = idx % (DELTA_SMALL_K / 4);
+            const int tok = t0 + tt;
+            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), qq = kk;
+            if (tok < n && c4 < k4) {
+                kk = *(const float4 *) (k + ((int64_t) tok * n_k_heads + hq) * head_k + 4 * c4);
+                qq = *(const float4 *) (q + ((int64_t) tok * n_k_heads + hq) * head_k + 4 * c4);
+            }
+            rk[it] = kk;
+            rq[it] = qq;
+        }
+        if (tid < DELTA_CHUNK) {
+            const int tok = t0 + tid;
+            rg = tok < n ? expf(gate[(int64_t) tok * n_v_heads + h]) : 1.0f;
+            rb = tok < n ? beta[(int64_t) tok * n_v_heads + h] : 0.0f;
+        }
+#pragma unroll
+        for (int it = 0; it < DELTA_CHUNK * DELTA_BLOCK_ROWS / DELTA_THREADS; ++it) {
+            const int idx = tid + it * DELTA_THREADS;
+            const int tt = idx / DELTA_BLOCK_ROWS, r = idx % DELTA_BLOCK_ROWS;
+            const int tok = t0 + tt;
+            const int jr = min(block_row0 + r, head_v - 1);
+            rv[it] = tok < n ? v[((int64_t) tok * n_v_heads + h) * head_v + jr] : 0.0f;
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int it = 0; it < DELTA_KQ_ITEMS; ++it) {
+            const int idx = tid + it * DELTA_THREADS;
+            const int tt = idx / (DELTA_SMALL_K / 4), c4 = idx % (DELTA_SMALL_K / 4);
+            *(float4 *) &sh_k[tt][4 * c4] = rk[it];
+            *(float4 *) &sh_q[tt][4 * c4] = rq[it];
+        }
+        if (tid < DELTA_CHUNK) {
+            sh_g[tid] = rg;
+            sh_b[tid] = rb;
+        }
+#pragma unroll
+        for (int it = 0; it < DELTA_CHUNK * DELTA_BLOCK_ROWS / DELTA_THREADS; ++it) {
+            const int idx = tid + it * DELTA_THREADS;
+            sh_v[idx / DELTA_BLOCK_ROWS][idx % DELTA_BLOCK_ROWS] = rv[it];
+        }
+    };
+
     float * srow = state + ((int64_t) h * head_v + j) * head_k;
     float s[DELTA_SMALL_KPL];
 #pragma unroll
@@ -282,61 +347,52 @@ extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
         s[t] = i < head_k ? srow[i] : 0.0f;
     }
     const float out_scale = rsqrtf((float) head_k);
-    float kv[DELTA_SMALL_KPL], qv[DELTA_SMALL_KPL];
-    float g = 0.0f, b = 0.0f, vj = 0.0f;
-    auto load = [&](int tok, float (&kd)[DELTA_SMALL_KPL], float (&qd)[DELTA_SMALL_KPL], float & gd, float & bd,
-                    float & vd) {
-        const float * kt = k + ((int64_t) tok * n_k_heads + hq) * head_k;
-        const float * qt = q + ((int64_t) tok * n_k_heads + hq) * head_k;
+
+    fetch(0);
+    store();
+    __syncthreads();
+    for (int t0 = 0; t0 < n; t0 += DELTA_CHUNK) {
+        const bool more = t0 + DELTA_CHUNK < n;
+        if (more) {
+            fetch(t0 + DELTA_CHUNK);
+        }
+        const int tn = min(DELTA_CHUNK, n - t0);
+        for (int tt = 0; tt < tn; ++tt) {
+            const float g = sh_g[tt];
+            float kv[DELTA_SMALL_KPL], qv[DELTA_SMALL_KPL];
 #pragma unroll
-        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
-            const int i = sub + t * DELTA_LPR;
-            kd[t] = i < head_k ? kt[i] : 0.0f;
-            qd[t] = i < head_k ? qt[i] : 0.0f;
-        }
-        gd = expf(gate[(int64_t) tok * n_v_heads + h]);
-        bd = beta[(int64_t) tok * n_v_heads + h];
-        vd = v[((int64_t) tok * n_v_heads + h) * head_v + j];
-    };
-    if (n > 0) {
-        load(0, kv, qv, g, b, vj);
-    }
-    for (int tok = 0; tok < n; ++tok) {
-        float kn[DELTA_SMALL_KPL], qn[DELTA_SMALL_KPL];
-        float gn = 0.0f, bn = 0.0f, vn = 0.0f;
-        if (tok + 1 < n) {
-            load(tok + 1, kn, qn, gn, bn, vn);
-        }
-        float sk = 0.0f, sq = 0.0f, kq = 0.0f;
+            for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+                kv[t] = sh_k[tt][sub + t * DELTA_LPR];
+                qv[t] = sh_q[tt][sub + t * DELTA_LPR];
+            }
+            float sk = 0.0f, sq = 0.0f, kq = 0.0f;
 #pragma unroll
-        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
-            s[t] *= g;
-            sk = fmaf(s[t], kv[t], sk);
-            sq = fmaf(s[t], qv[t], sq);
-            kq = fmaf(kv[t], qv[t], kq);
-        }
+            for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+                s[t] *= g;
+                sk = fmaf(s[t], kv[t], sk);
+                sq = fmaf(s[t], qv[t], sq);
+                kq = fmaf(kv[t], qv[t], kq);
+            }
 #pragma unroll
-        for (int offset = DELTA_LPR / 2; offset > 0; offset >>= 1) {
-            sk += __shfl_xor_sync(FULL_MASK, sk, offset);
-            sq += __shfl_xor_sync(FULL_MASK, sq, offset);
-            kq += __shfl_xor_sync(FULL_MASK, kq, offset);
-        }
-        const float delta = (vj - sk) * b;
+            for (int offset = DELTA_LPR / 2; offset > 0; offset >>= 1) {
+                sk += __shfl_xor_sync(FULL_MASK, sk, offset);
+                sq += __shfl_xor_sync(FULL_MASK, sq, offset);
+                kq += __shfl_xor_sync(FULL_MASK, kq, offset);
+            }
+            const float delta = (sh_v[tt][row_in_block] - sk) * sh_b[tt];
 #pragma unroll
-        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
-            s[t] = fmaf(kv[t], delta, s[t]);
+            for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
+                s[t] = fmaf(kv[t], delta, s[t]);
+            }
+            if (sub == 0 && valid) {
+                out[((int64_t) (t0 + tt) * n_v_heads + h) * head_v + j] = fmaf(delta, kq, sq) * out_scale;
+            }
         }
-        if (sub == 0 && valid) {
-            out[((int64_t) tok * n_v_heads + h) * head_v + j] = fmaf(delta, kq, sq) * out_scale;
+        __syncthreads();
+        if (more) {
+            store();
         }
-#pragma unroll
-        for (int t = 0; t < DELTA_SMALL_KPL; ++t) {
-            kv[t] = kn[t];
-            qv[t] = qn[t];
-        }
-        g = gn;
-        b = bn;
-        vj = vn;
+        __syncthreads();
     }
     if (valid) {
 #pragma unroll

@@ -44,9 +44,10 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
 /// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels unpack a tile's
-/// weights once and multiply only the tile's filled groups of 8 tokens, so the cost of a tile is the
-/// unpacking plus its tokens: the fewest tiles per expert win, i.e. the largest tile, 64 tokens (two
-/// blocks per SM) or, from about 96 tokens per expert, 128 (one block per SM, half the unpacking of 64).
+/// weights once and multiply only the tile's groups of 32 tokens holding one, so the cost of a tile is the
+/// unpacking plus its tokens: few tiles per expert win, but below about 48 tokens per expert the smaller
+/// tile of 32 keeps more blocks in flight; from there 128 (one block per SM, a quarter of the unpacking of
+/// 32).
 /// With fewer than about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
 /// `POLY_MMQ_EXPERT_TILE` (8, 16, 32, 64 or 128) overrides the choice, to measure the others;
 /// `POLY_MMQ_EXPERT_TILES=old` takes the earlier choice (the smallest tile holding the average share).
@@ -68,8 +69,10 @@ pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_exper
             _ => 64,
         };
     }
-    if per_expert < 96 {
-        64
+    // Measured on the H200 (cuda_layer_bench, Q4_K, uniform and skewed routing): with 16-32 tokens per
+    // expert tiles of 32 beat 64 by 5-10% (more blocks in flight), from 64 per expert 128 is best.
+    if per_expert < 48 {
+        32
     } else {
         128
     }

@@ -1,7 +1,7 @@
 //! The gated delta-net pieces on the card (`kernels/cuda/recurrent.cu`): the causal depthwise convolution
 //! with its carried state (a prompt's tokens in parallel), the L2 norm, the gated delta rule (decode and
-//! prompts: the state in registers for the whole batch; a prompt with 8 lanes per state row) and the RMS
-//! norm gated by `silu(z)`. Layouts are those of the CPU ops in
+//! prompts: the state in registers for the whole batch; a prompt with 8 lanes per state row and its
+//! tokens staged in shared memory a chunk at a time) and the RMS norm gated by `silu(z)`. Layouts are those of the CPU ops in
 //! [`crate::ops::recurrent`] and [`crate::ops::norm`].
 
 use super::module::KernelModule;
@@ -258,13 +258,15 @@ pub fn gated_delta_rule(
         head_k as i32,
         head_v as i32,
     ];
-    // A prompt with key heads of at most 128: 8 lanes per state row (`gated_delta_rule_k128`); else (and
-    // for one token, the decode graphs' kernel) a warp per row.
-    let (name, rows_per_block) = if n > 1 && head_k <= DELTA_SMALL_HEAD_K {
-        ("gated_delta_rule_k128", DELTA_WARPS as usize * 4)
-    } else {
-        ("gated_delta_rule", DELTA_WARPS as usize)
-    };
+    // A prompt with key heads of at most 128 (a multiple of 4): 8 lanes per state row, chunks of tokens
+    // staged in shared memory (`gated_delta_rule_k128`); else (and for one token, the decode graphs'
+    // kernel) a warp per row.
+    let (name, rows_per_block) =
+        if n > 1 && head_k <= DELTA_SMALL_HEAD_K && head_k.is_multiple_of(4) {
+            ("gated_delta_rule_k128", DELTA_WARPS as usize * 4)
+        } else {
+            ("gated_delta_rule", DELTA_WARPS as usize)
+        };
     let f = dev.function(KernelModule::Recurrent, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.q.slice())
