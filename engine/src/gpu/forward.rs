@@ -716,8 +716,9 @@ impl<'a> GpuForward<'a> {
         r
     }
 
-    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: the ids
-    /// come to the host (one small wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
+    /// card ([`prompt::group_by_expert`]); with `POLY_MOE_GROUP=host` (or more experts than it takes) the
+    /// ids come to the host (one wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
     /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
     /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
     /// expert a tile reads: an expert cache can rewrite the table here.
@@ -729,6 +730,35 @@ impl<'a> GpuForward<'a> {
         tile_rows: usize,
     ) -> CudaResult<ExpertGroups> {
         let dev = self.dev;
+        if n_expert <= prompt::GROUP_MAX_EXPERTS && !prompt::host_grouping() {
+            // On the card: the host queues on without waiting for the router.
+            let slots = ids.len();
+            let n_tiles = ExpertGrouping::max_tiles(slots, n_expert, tile_rows);
+            let mut rows = self.pool.i32(dev, slots)?;
+            let mut slot_row = self.pool.i32(dev, slots)?;
+            let mut tiles = self.pool.i32(dev, 3 * n_tiles)?;
+            let r = prompt::group_by_expert(
+                dev,
+                ids,
+                (k, n_expert, tile_rows),
+                &mut rows,
+                &mut slot_row,
+                &mut tiles,
+            );
+            let g = ExpertGroups {
+                rows,
+                slot_row,
+                tiles,
+                tile_rows,
+            };
+            return match r {
+                Ok(()) => Ok(g),
+                Err(e) => {
+                    g.give_back(&self.pool);
+                    Err(e)
+                }
+            };
+        }
         let host_ids = dev.download(ids)?;
         let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
         let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);
@@ -762,26 +792,50 @@ impl<'a> GpuForward<'a> {
         let slots = n * k;
         let n_ff = gate_t.rows;
         let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        // Profiled as steps (moe.group: the ids to the host and the grouping back; moe.gather: the rows in
+        // expert order, quantized; moe.gate_up, moe.act, moe.down).
+        let t = self.op_begin();
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
+        self.op_end("moe.group", t);
+        let t = self.op_begin();
         // [slots, n_embd] in expert order, quantized once for gate and up.
         let mut xs = self.pool.f32(dev, slots * n_embd)?;
         gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
         let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
         ops::quantize_q8_1(dev, &xs, &mut xq)?;
         self.pool.put_f32(xs);
+        self.op_end("moe.gather", t);
+        let t = self.op_begin();
         // [slots, n_ff] each.
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
-        matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
+        prompt::matmul_experts_q_pair(
+            dev,
+            [gate_t, up_t],
+            &g.tiles,
+            g.tile_rows,
+            &xq,
+            [&mut gate, &mut up],
+        )?;
         self.pool.put_q8(xq);
-        let mut h = self.pool.f32(dev, slots * n_ff)?;
-        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
-        self.pool.put_f32(gate);
-        self.pool.put_f32(up);
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
-        ops::quantize_q8_1(dev, &h, &mut hq)?;
-        self.pool.put_f32(h);
+        if matches!(m.act, Unary::Silu) {
+            // SwiGLU straight into the down experts' quantized input (the values of swiglu then quantize).
+            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+        } else {
+            let mut h = self.pool.f32(dev, slots * n_ff)?;
+            self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            ops::quantize_q8_1(dev, &h, &mut hq)?;
+            self.pool.put_f32(h);
+        }
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
         // [slots, n_embd] in expert order.
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
@@ -794,6 +848,7 @@ impl<'a> GpuForward<'a> {
             r
         };
         self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
         if let Err(e) = r {
             self.pool.put_f32(y);
             g.give_back(&self.pool);
