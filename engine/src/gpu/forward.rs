@@ -9,7 +9,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE};
+use poly_kernels::cuda::attention::{
+    self, attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE,
+};
 use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
@@ -57,6 +59,36 @@ fn decode_split(p: &AttnParams, n_kv: usize) -> AttnSplit {
         chunk: chunk.div_ceil(ATTN_KEY_TILE) * ATTN_KEY_TILE,
     }
 }
+
+/// Whether one-token attention uses the flash-decoding kernel (`attention_decode_f16`);
+/// `POLY_ATTN_DECODE=old` selects the split-K kernel of prompts instead (for before/after measurements).
+fn decode_kernel_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_ATTN_DECODE").map_or(true, |v| v.trim() != "old"))
+}
+
+/// Splits of the flash-decoding kernel over a bucket of `n_kv` cache rows: about
+/// [`ATTN_TARGET_BLOCKS`] blocks (`POLY_ATTN_BLOCKS` overrides it, for measurements) with at least
+/// [`DECODE_MIN_KEYS`] keys each when the bucket is full, at most [`attention::DECODE_MAX_SPLIT`]. The
+/// kernel cuts the keys the token sees (not the bucket) into that many parts, so the blocks stay busy
+/// anywhere in the bucket.
+fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
+    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let target = *TARGET.get_or_init(|| {
+        std::env::var("POLY_ATTN_BLOCKS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&b: &usize| b > 0)
+            .unwrap_or(ATTN_TARGET_BLOCKS)
+    });
+    let by_blocks = target.div_ceil(p.n_head_kv.max(1));
+    let by_keys = (n_kv / DECODE_MIN_KEYS).max(1);
+    by_blocks.min(by_keys).clamp(1, attention::DECODE_MAX_SPLIT)
+}
+
+/// The fewest keys a block of the flash-decoding kernel takes in a full bucket (below that the merge costs
+/// more than the blocks gain).
+const DECODE_MIN_KEYS: usize = 32;
 
 /// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
 /// `[n_embd]` and its position `[1]`.
@@ -1168,6 +1200,34 @@ impl Compute for GpuForward<'_> {
                 };
                 ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
                 let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
+                if decode_kernel_on() && attention::decode_takes(&p) {
+                    let n_split = decode_n_split(&p, n_kv);
+                    let scratch_len = attention::decode_scratch_len(&p, n_split);
+                    let mut scratch = if scratch_len > 0 {
+                        Some(c.pool.f32(dev, scratch_len)?)
+                    } else {
+                        None
+                    };
+                    let cache = KvCacheView {
+                        k: kc,
+                        v: vc,
+                        n_kv: Some(n_kv),
+                    };
+                    let r = attention::attention_decode_f16(
+                        dev,
+                        q.buf()?,
+                        positions,
+                        cache,
+                        &p,
+                        n_split,
+                        scratch.as_mut(),
+                        out.buf_mut()?,
+                    );
+                    if let Some(s) = scratch {
+                        c.pool.put_f32(s);
+                    }
+                    return r;
+                }
                 (n_kv, decode_split(&p, n_kv))
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;
