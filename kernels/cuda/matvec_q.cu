@@ -6,8 +6,9 @@
 // warps_per_row warps (1, 2 or 4: a launch argument the host picks so a short row, like the 768 columns of
 // an expert's down projection, does not leave most threads idle) per row. The QI/VDR threads that share one
 // weight block each take VDR ints of its quants (`iqs`), a row's threads stride over the row's blocks, then
-// the row's warps reduce through shared memory. Two entry points per format:
+// the row's warps reduce through shared memory. Entry points per format:
 //   matvec_<fmt>          : one matrix, one vector.
+//   matvec_experts_glu_<fmt>: gate and up experts of one token in one launch, writing silu(gate)*up.
 //   matvec_experts_<fmt>  : several experts of one stacked tensor in one launch. Slot s of the launch
 //                           (blockIdx.y) multiplies expert ids[s] (read from device memory, so a captured
 //                           CUDA graph replays with new routing) with activation vector s*x_stride_blocks,
@@ -397,6 +398,57 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
     }
 }
 
+// Gate and up projections of the same experts in one launch, for one token: slot s (blockIdx.y) multiplies
+// expert ids[s] of both tables with the shared x and writes h[s*nrows + row] = silu(gate . x) * (up . x).
+// Both rows go through the same loop (their weight loads in flight together) and each sum is formed in the
+// order of row_dot, so h is bit for bit swiglu_f32 of two matvec_experts launches. A missing expert
+// (address 0 in either table) writes 0.
+template <typename F>
+static __device__ __forceinline__ void matvec_experts_glu(const uint64_t * __restrict__ gate_table,
+                                                          const uint64_t * __restrict__ up_table,
+                                                          const int32_t * __restrict__ ids, int n_expert,
+                                                          const block_q8_1 * __restrict__ x, float * __restrict__ h,
+                                                          int ncols, int nrows, int wpr) {
+    constexpr int threads_per_block = F::qi / F::vdr;
+    const int row = group_row(wpr);
+    const int slot = blockIdx.y;
+    const int32_t expert = ids[slot];
+    const bool known = expert >= 0 && expert < n_expert;
+    const uint64_t base_g = known ? gate_table[expert] : 0;
+    const uint64_t base_u = known ? up_table[expert] : 0;
+    const bool active = row < nrows && base_g != 0 && base_u != 0;
+    const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
+    const typename F::block * wg = (const typename F::block *) (active ? (const uint8_t *) base_g + row * row_bytes : nullptr);
+    const typename F::block * wu = (const typename F::block *) (active ? (const uint8_t *) base_u + row * row_bytes : nullptr);
+    const int blocks_per_iter = F::vdr * wpr * WARP_SIZE / F::qi;
+    const int tid = WARP_SIZE * (threadIdx.y % wpr) + threadIdx.x;
+    const int blocks_per_row = active ? ncols / F::qk : 0;
+    const int iqs = F::vdr * (tid % threads_per_block);
+    float acc_g = 0.0f, acc_u = 0.0f;
+    for (int kb = tid / threads_per_block; kb < blocks_per_row; kb += blocks_per_iter) {
+        const block_q8_1 * xb = x + kb * (F::qk / QK8_1);
+        acc_g += F::dot(wg + kb, xb, iqs);
+        acc_u += F::dot(wu + kb, xb, iqs);
+    }
+    __shared__ float partial[2][MATVEC_WARPS];
+    acc_g = warp_sum(acc_g);
+    acc_u = warp_sum(acc_u);
+    if (threadIdx.x == 0) {
+        partial[0][threadIdx.y] = acc_g;
+        partial[1][threadIdx.y] = acc_u;
+    }
+    __syncthreads();
+    if (row < nrows && group_writer(wpr)) {
+        float g = 0.0f, u = 0.0f;
+        for (int w8 = 0; w8 < wpr; ++w8) {
+            g += partial[0][threadIdx.y + w8];
+            u += partial[1][threadIdx.y + w8];
+        }
+        const float silu = g / (1.0f + expf(-g)); // act.cu's silu
+        h[(int64_t) slot * nrows + row] = silu * u;
+    }
+}
+
 // ----- matrix x matrix for prompts (a tile of MATMUL_COLS tokens per block) ------------------------------
 // As matvec, but each thread block also takes up to MATMUL_COLS activation rows (tokens), so a weight block
 // is read once from memory for MATMUL_COLS tokens (the repeated reads hit L1): the mmvq-with-several-columns
@@ -504,6 +556,13 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
                               float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
         matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr);              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
+        matvec_experts_glu_##name(const uint64_t * __restrict__ gate_table, const uint64_t * __restrict__ up_table, \
+                                  const int32_t * __restrict__ ids, int n_expert,                              \
+                                  const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
+                                  int nrows, int wpr) {                                                        \
+        matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr);                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matmul_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \

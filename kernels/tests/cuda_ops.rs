@@ -243,6 +243,91 @@ fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
     failures
 }
 
+/// The fused gate-and-up launch: bit for bit the two expert launches and the SwiGLU (so a decode graph
+/// with it computes what the separate launches did), zeros for ids that name no expert, and close to the CPU's
+/// silu(gate·x)·(up·x). Shapes of an MoE expert with 2048 columns (4 warps per row) and 768 (2).
+fn check_experts_glu(dev: &Device, ty: GgmlType, cols: usize, seed: u64) -> Vec<String> {
+    let mut failures = Vec::new();
+    let (rows, n_expert) = (64, 6);
+    let mut rng = Rng::new(seed);
+    let wg = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let wu = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let gate = StackedExperts::upload(dev, ty, (rows, cols, n_expert), &wg).unwrap();
+    let up = StackedExperts::upload(dev, ty, (rows, cols, n_expert), &wu).unwrap();
+    let ids: Vec<i32> = vec![4, 0, 5, -1, 4, 6, 2, 1];
+    let idsd = dev.upload(&ids).unwrap();
+    let x = normals(&mut rng, cols);
+    let xd = dev.upload(&x).unwrap();
+    let mut xq = dev.zeros::<BlockQ8_1>(cols / 32).unwrap();
+    ops::quantize_q8_1(dev, &xd, &mut xq).unwrap();
+    let n = ids.len() * rows;
+    let mut hd = dev.zeros::<f32>(n).unwrap();
+    ops::matvec_experts_glu_q(dev, (gate.table(), up.table()), &idsd, &xq, &mut hd).unwrap();
+    let got = dev.download(&hd).unwrap();
+    let (mut gd, mut ud, mut sd) = (
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+    );
+    let shared = ExpertInput::Shared;
+    ops::matvec_experts_q(dev, gate.table(), &idsd, &xq, shared, &mut gd).unwrap();
+    ops::matvec_experts_q(dev, up.table(), &idsd, &xq, shared, &mut ud).unwrap();
+    ops::swiglu(dev, &gd, &ud, &mut sd).unwrap();
+    let separate = dev.download(&sd).unwrap();
+    let differ = got
+        .iter()
+        .zip(&separate)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if differ > 0 {
+        failures.push(format!(
+            "experts_glu {ty} cols {cols}: {differ} of {n} values differ from the separate launches"
+        ));
+    }
+    let expert_bytes = wg.len() / n_expert;
+    for (s, &e) in ids.iter().enumerate() {
+        let got_s = &got[s * rows..(s + 1) * rows];
+        if e < 0 || e as usize >= n_expert {
+            if got_s.iter().any(|&v| v != 0.0) {
+                failures.push(format!("experts_glu {ty} slot {s} (id {e}) not zero"));
+            }
+            continue;
+        }
+        let e = e as usize;
+        let part = |w: &[u8]| {
+            let m = QuantMatrix::new(ty, rows, cols, &w[e * expert_bytes..(e + 1) * expert_bytes])
+                .unwrap();
+            let mut y = vec![0f32; rows];
+            matvec(&m, &x, &mut y);
+            y
+        };
+        let mut want = part(&wg);
+        let u = part(&wu);
+        swiglu_in_place(&mut want, &u);
+        failures.extend(nmse_check(
+            &format!("experts_glu {ty} cols {cols} slot {s}"),
+            got_s,
+            &want,
+            4.0 * MATVEC_Q_NMSE,
+        ));
+    }
+    failures
+}
+
+#[test]
+fn fused_gate_up_experts_equal_the_separate_launches() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in QUANT_TYPES.iter().enumerate() {
+        for cols in [2048, 768] {
+            if cols % ty.block_elems() == 0 {
+                failures.extend(check_experts_glu(&dev, *ty, cols, 60 + i as u64));
+            }
+        }
+    }
+    assert_no_failures(failures);
+}
+
 #[test]
 fn expert_matvec_matches_cpu_per_slot() {
     let Some(dev) = device() else { return };
@@ -308,8 +393,22 @@ fn rope_matches_cpu_in_both_modes() {
             let mut xd = dev.upload(&x).unwrap();
             let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let posd = dev.upload(&pos).unwrap();
+            // Out of place (the engine's call) first: the same values as in place, bit for bit, with the
+            // dimensions past n_rot copied.
+            let mut outd = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
+            ops::rope_into(&dev, &xd, &posd, &p, &mut outd).unwrap();
+            let into = dev.download(&outd).unwrap();
             ops::rope(&dev, &mut xd, &posd, &p).unwrap();
             let got = dev.download(&xd).unwrap();
+            if into
+                .iter()
+                .zip(&got)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                failures.push(format!(
+                    "rope_into {mode:?} n_rot {n_rot} differs from rope in place"
+                ));
+            }
             // Same angles bit for bit; only sin/cos may round differently (a few ulp of angles up to 4e4).
             failures.extend(nmse_check(
                 &format!("rope {mode:?} n_rot {n_rot} base {base}"),

@@ -67,6 +67,13 @@ fn decode_kernel_on() -> bool {
     *ON.get_or_init(|| std::env::var("POLY_ATTN_DECODE").map_or(true, |v| v.trim() != "old"))
 }
 
+/// Whether one token's gate and up experts run as one fused launch (`POLY_MOE_GLU=off`: two launches and
+/// the SwiGLU, for before/after measurements).
+fn fused_glu_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_MOE_GLU").map_or(true, |v| v.trim() != "off"))
+}
+
 /// Splits of the flash-decoding kernel over a bucket of `n_kv` cache rows: about
 /// [`ATTN_TARGET_BLOCKS`] blocks (`POLY_ATTN_BLOCKS` overrides it, for measurements) with at least
 /// [`DECODE_MIN_KEYS`] keys each when the bucket is full, at most [`attention::DECODE_MAX_SPLIT`]. The
@@ -853,6 +860,45 @@ impl<'a> GpuForward<'a> {
         }
     }
 
+    /// One token's routed experts with SiLU and quantized experts: gate and up in one launch writing
+    /// `silu(gate)·up` `[k, n_ff]`, quantized for the down experts, which write the `[k, n_embd]` outputs in
+    /// slot order (the values of the separate launches bit for bit).
+    fn moe_token_fused(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let slots = ids.len();
+        let n_ff = gate_t.rows;
+        let t = self.op_begin();
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        let r = self.with_q8(Some(x.id), x.buf()?, |xq| {
+            ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h)
+        });
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        let r = r.and_then(|()| ops::quantize_q8_1(dev, &h, &mut hq));
+        self.pool.put_f32(h);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
+        let mut y = self.pool.f32(dev, slots * x.cols)?;
+        let r = r.and_then(|()| {
+            ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+        });
+        self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
     /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
     /// `[slots, n_embd]` outputs in slot order.
     fn moe_slots(
@@ -866,6 +912,16 @@ impl<'a> GpuForward<'a> {
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
         let n_ff = gate_t.rows;
+        let q8 = |ty| ops::activation_form(ty) == Some(ops::ActivationForm::Q8_1);
+        if n == 1
+            && matches!(m.act, Unary::Silu)
+            && gate_t.ty == up_t.ty
+            && q8(gate_t.ty)
+            && q8(down_t.ty)
+            && fused_glu_on()
+        {
+            return self.moe_token_fused(x, ids, [gate_t, up_t, down_t]);
+        }
         let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
@@ -1143,8 +1199,7 @@ impl Compute for GpuForward<'_> {
         let p = rope_params(r);
         self.run("rope", x.len() == 0, |c| {
             let o = out.buf_mut()?;
-            ew::scale(c.dev, x.buf()?, 1.0, o)?;
-            ops::rope(c.dev, o, c.positions()?, &p)
+            ops::rope_into(c.dev, x.buf()?, c.positions()?, &p, o)
         });
         out
     }
