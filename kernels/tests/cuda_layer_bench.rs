@@ -93,7 +93,7 @@ fn bench_attention_decode() {
             );
             let mut out = dev.zeros::<f32>(n_head * d).unwrap();
             let bytes = 2 * (position + 1) * row * 2;
-            for n_split in [1usize, 16, 32, 64, 128, 256] {
+            for n_split in [1usize, 4, 8, 16, 32, 64, 128, 256] {
                 let len = decode_scratch_len(&p, n_split);
                 let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
                 let mut layer = 0;

@@ -29,6 +29,8 @@ timeout 90 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward rc=$?"
 grep -E "^test |test result|panicked" $T | tail -8 >> $S
 timeout 30 $B/cuda_layer_bench bench_attention_decode --ignored --nocapture --test-threads 1 > $OUT/micro.log 2>&1; note "bench_attention_decode rc=$?"
 grep "^bench" $OUT/micro.log >> $S
+timeout 40 $B/cuda_bench bench_fused_gate_up --ignored --nocapture --test-threads 1 >> $OUT/micro.log 2>&1; note "bench_fused_gate_up rc=$?"
+grep "^bench gate" $OUT/micro.log >> $S
 wait # the models
 
 BL=$OUT/bench.log
@@ -55,6 +57,10 @@ serve q3 new POLY_X=1
 serve q35 new POLY_X=1
 left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off
 
+if left 150; then
+    timeout 25 $B/gpu_expert_cache --test-threads 1 >> $T 2>&1; note "gpu_expert_cache rc=$?"
+    grep -E "test result|panicked" $T | tail -2 >> $S
+fi
 if left 165; then
     echo "== q3 eager per-op profile (POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0), 2000:64" >> $S
     POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0 timeout 30 python3 $C/drive.py $E /dev/shm/m/q3.gguf 16384 2000:64 >> $S 2> $OUT/ops_q3.log

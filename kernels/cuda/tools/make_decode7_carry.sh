@@ -10,8 +10,8 @@ rm -rf "$D" && mkdir -p "$D/bin"
 cargo build --release -p poly-engine --bin poly-engine
 cp target/release/poly-engine "$D/bin/"
 {
-    cargo test --release -p poly-kernels --test cuda_ops --test cuda_layer_ops --test cuda_layer_bench --no-run --message-format=json
-    cargo test --release -p poly-engine --test gpu_forward --no-run --message-format=json
+    cargo test --release -p poly-kernels --test cuda_ops --test cuda_layer_ops --test cuda_layer_bench --test cuda_bench --no-run --message-format=json
+    cargo test --release -p poly-engine --test gpu_forward --test gpu_expert_cache --no-run --message-format=json
 } 2>/dev/null | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
