@@ -164,7 +164,8 @@ fn matvec_matches_cpu_for_quantized_formats() {
     let mut failures = Vec::new();
     for ty in QUANT_TYPES {
         // 768 columns: fewer weight blocks per row than threads (the expert down projection's shape).
-        for (rows, cols) in [(67, 2048), (130, 768), (5, 4096)] {
+        // 1027 and 2050 rows: launches with 4 rows per warp group, the last group short.
+        for (rows, cols) in [(67, 2048), (130, 768), (5, 4096), (1027, 2048), (2050, 768)] {
             failures.extend(check_matvec(&dev, ty, rows, cols, 10 + rows as u64));
         }
     }
@@ -185,9 +186,14 @@ fn matvec_matches_cpu_for_float_formats() {
 
 /// The expert kernels: slots with ids read on the card, shared and per-slot inputs, and ids that name no
 /// expert (negative, or past the last) giving zeros.
-fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
+fn check_experts(
+    dev: &Device,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    seed: u64,
+) -> Vec<String> {
     let mut failures = Vec::new();
-    let (rows, cols, n_expert) = (96, 512, 6);
+    let n_expert = 6;
     let mut rng = Rng::new(seed);
     let w = random_weights(ty, &mut rng, rows * cols * n_expert);
     let expert_bytes = w.len() / n_expert;
@@ -233,7 +239,7 @@ fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
             let mut want = vec![0f32; rows];
             matvec(&m, xs, &mut want);
             failures.extend(nmse_check(
-                &format!("experts {ty} {input:?} slot {s}"),
+                &format!("experts {ty} {rows}x{cols} {input:?} slot {s}"),
                 got_s,
                 &want,
                 bound,
@@ -245,10 +251,11 @@ fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
 
 /// The fused gate-and-up launch: bit for bit the two expert launches and the SwiGLU (so a decode graph
 /// with it computes what the separate launches did), zeros for ids that name no expert, and close to the CPU's
-/// silu(gate·x)·(up·x). Shapes of an MoE expert with 2048 columns (4 warps per row) and 768 (2).
+/// silu(gate·x)·(up·x). Rows of 2048 columns (4 warps per row) and of 768 (2).
 fn check_experts_glu(dev: &Device, ty: GgmlType, cols: usize, seed: u64) -> Vec<String> {
     let mut failures = Vec::new();
-    let (rows, n_expert) = (64, 6);
+    // 770 rows: 4 rows per warp group (8 slots), the last group short.
+    let (rows, n_expert) = (770, 6);
     let mut rng = Rng::new(seed);
     let wg = random_weights(ty, &mut rng, rows * cols * n_expert);
     let wu = random_weights(ty, &mut rng, rows * cols * n_expert);
@@ -333,7 +340,10 @@ fn expert_matvec_matches_cpu_per_slot() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
     for (i, ty) in QUANT_TYPES.iter().chain(FLOAT_TYPES.iter()).enumerate() {
-        failures.extend(check_experts(&dev, *ty, 30 + i as u64));
+        // 514 rows of 2048: 4 rows per warp group, the last group short.
+        for shape in [(96, 512), (514, 2048)] {
+            failures.extend(check_experts(&dev, *ty, shape, 30 + i as u64));
+        }
     }
     assert_no_failures(failures);
 }

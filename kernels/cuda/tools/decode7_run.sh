@@ -1,7 +1,7 @@
 #!/bin/bash
 # decode7's device run (from the repository root, on the GPU machine): the decode kernels' CUDA tests, the
 # engine's GPU forward test, the attention microbenchmark, `poly-engine bench` on q3 and q35 (new path and,
-# for q3, the old one: POLY_ATTN_DECODE=old POLY_MOE_GLU=off), serve-mode decode at depth and the eager per-op
+# for q3, the old one: POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1, and rows per group 1 alone), serve-mode decode at depth and the eager per-op
 # profile. Everything goes to $OUT/summary.txt (the tail of each log) and five logs; under ~3 minutes.
 set -u
 C=.carry/decode7
@@ -44,7 +44,8 @@ bench() { # name env...
 }
 bench q3 new POLY_X=1
 bench q35 new POLY_X=1
-bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off
+bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
+bench q3 rpg1 POLY_MATVEC_RPG=1
 
 SV=$OUT/serve.log
 serve() { # model tag env...
@@ -55,7 +56,7 @@ serve() { # model tag env...
 }
 serve q3 new POLY_X=1
 serve q35 new POLY_X=1
-left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off
+left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
 
 if left 150; then
     timeout 25 $B/gpu_expert_cache --test-threads 1 >> $T 2>&1; note "gpu_expert_cache rc=$?"

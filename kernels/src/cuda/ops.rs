@@ -202,6 +202,50 @@ pub(crate) fn q_matvec_config(
     (cfg, wpr as i32)
 }
 
+/// Most rows per warp group of the one-token matvec kernels (`MATVEC_MAX_RPG` in matvec_q.cu).
+const MATVEC_MAX_RPG: usize = 4;
+/// Fewest blocks a one-token matvec launch keeps when it gives each warp group more rows (about two per SM
+/// of a large card).
+const MATVEC_MIN_BLOCKS: usize = 256;
+
+/// `POLY_MATVEC_RPG` (1, 2 or 4, default 4): at most this many rows per warp group in the one-token matvec
+/// kernels (1: one row per group, the launch shape before rows were grouped). Every value computes every
+/// row's sum alike (the same values); a knob for measurements.
+fn max_rows_per_group() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("POLY_MATVEC_RPG").ok().as_deref() {
+        Some("1") => 1,
+        Some("2") => 2,
+        _ => MATVEC_MAX_RPG,
+    })
+}
+
+/// The launch shape of a one-token quantized matvec (the `matvec_*`, `matvec_experts_*` and
+/// `matvec_experts_glu_*` kernels) over `rows` rows and `slots` expert slots: warps per row as
+/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1) that leaves the launch
+/// [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
+pub(crate) fn q_matvec_rows_config(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+) -> (LaunchConfig, i32, i32) {
+    let wpr = warps_per_row(ty, cols);
+    let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
+    let blocks = |rpg: usize| rows.div_ceil(rows_per_block * rpg) * slots;
+    let rpg = [4, 2, 1]
+        .into_iter()
+        .filter(|&r| r <= max_rows_per_group())
+        .find(|&r| r == 1 || blocks(r) >= MATVEC_MIN_BLOCKS)
+        .unwrap_or(1);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block * rpg) as u32, slots as u32, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: 0,
+    };
+    (cfg, wpr as i32, rpg as i32)
+}
+
 /// `y = W·x` for a quantized `W`, with `x` already quantized ([`quantize_q8_1`]; `W.cols/32` blocks).
 pub fn matvec_q(
     dev: &Device,
@@ -213,7 +257,7 @@ pub fn matvec_q(
     check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
-    let (cfg, wpr) = q_matvec_config(w.ty, w.rows, w.cols, 1);
+    let (cfg, wpr, rpg) = q_matvec_rows_config(w.ty, w.rows, w.cols, 1);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(w.data().slice())
@@ -221,7 +265,8 @@ pub fn matvec_q(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows)
-        .arg(&wpr);
+        .arg(&wpr)
+        .arg(&rpg);
     // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds cols/32 blocks and y
     // rows floats (checked above); the kernel touches nothing else.
     unsafe { b.launch(cfg) }?;
@@ -341,7 +386,7 @@ pub fn matvec_experts_glu_q(
     check_len("matvec_experts_glu_q h", h, n_slots * gate.rows)?;
     let (ncols, nrows) = (as_i32("cols", gate.cols)?, as_i32("rows", gate.rows)?);
     let n_expert = as_i32("n_expert", gate.n_expert)?;
-    let (cfg, wpr) = q_matvec_config(gate.ty, gate.rows, gate.cols, n_slots);
+    let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(gate.addresses().slice())
@@ -352,7 +397,8 @@ pub fn matvec_experts_glu_q(
         .arg(h.slice_mut())
         .arg(&ncols)
         .arg(&nrows)
-        .arg(&wpr);
+        .arg(&wpr)
+        .arg(&rpg);
     // SAFETY: both tables hold n_expert addresses, each 0 or the start of a rows × cols matrix of their
     // (common) format that lives as long as the tables' owner; the kernel reads ids[0..n_slots] and gives
     // 0 for ids outside 0..n_expert; x holds cols/32 blocks and h n_slots × rows floats (checked above).
@@ -440,11 +486,12 @@ fn expert_launch<T>(
     check_len(&format!("{name} y"), y, n_slots * table.rows)?;
     let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
     let n_expert = as_i32("n_expert", table.n_expert)?;
-    // The quantized kernels take the warps per row as their last argument; the float ones one row per block.
+    // The quantized kernels take the warps per row and rows per group as their last arguments; the float
+    // ones one row per block.
     let (cfg, wpr) = match module {
         KernelModule::MatvecQ => {
-            let (cfg, wpr) = q_matvec_config(table.ty, table.rows, table.cols, n_slots);
-            (cfg, Some(wpr))
+            let (cfg, wpr, rpg) = q_matvec_rows_config(table.ty, table.rows, table.cols, n_slots);
+            (cfg, Some((wpr, rpg)))
         }
         _ => {
             let cfg = LaunchConfig {
@@ -465,8 +512,8 @@ fn expert_launch<T>(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows);
-    if let Some(wpr) = &wpr {
-        b.arg(wpr);
+    if let Some((wpr, rpg)) = &wpr {
+        b.arg(wpr).arg(rpg);
     }
     // SAFETY: the table holds n_expert addresses, each 0 or the start of a rows × cols matrix of the
     // table's format that lives as long as the table's owner; the kernel reads ids[0..n_slots] and gives 0
@@ -967,5 +1014,12 @@ mod tests {
         assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
         let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
         assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
+        // One token: 4 rows per group where 256 blocks remain, fewer where they would not.
+        let (cfg, wpr, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 768, 2048, 8);
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 4, 4));
+        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 512, 2048, 1);
+        assert_eq!((cfg.grid_dim.0, rpg), (256, 2));
+        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 128, 2048, 1);
+        assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
     }
 }
