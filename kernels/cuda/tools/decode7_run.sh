@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> $S
 
 T=$OUT/tests.log
 timeout 120 $B/cuda_layer_ops attention --test-threads 1 --nocapture >> $T 2>&1; note "cuda_layer_ops attention rc=$?"
-timeout 120 $B/cuda_ops --test-threads 1 --nocapture expert matvec fused >> $T 2>&1; note "cuda_ops expert/matvec/fused rc=$?"
+timeout 120 $B/cuda_ops --test-threads 1 --nocapture expert matvec fused rope >> $T 2>&1; note "cuda_ops expert/matvec/fused/rope rc=$?"
 grep -E "^test |test result|FAIL|panicked|differ|not zero|above" $T | grep -v " ok$" >> $S
 grep -E "attention_decode.*position (2000|8000|1999)" $T >> $S
 timeout 90 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward rc=$?"
@@ -38,7 +38,7 @@ bench() { # name env...
     local m=$1 tag=$2; shift 2
     env "$@" POLY_GPU_PROFILE=1 timeout 60 $E bench --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2 > /tmp/d7_${m}_${tag}.json 2> /tmp/d7_${m}_${tag}.err
     note "bench $m $tag rc=$?"
-    python3 -c "import json;d=json.load(open('/tmp/d7_${m}_${tag}.json'));print('  $m $tag', {k:(round(d[k]['avg_ts'],1),[round(x,1) for x in d[k]['samples_ts']]) for k in ('pp','tg') if k in d})" >> $S 2>&1
+    python3 -c "import json;d=json.load(open('/tmp/d7_${m}_${tag}.json'));print('  $m $tag', {k:(round(d[k]['avg_ts'],1),[round(x,1) for x in d[k]['samples_ts']]) for k in ('pp','tg') if k in d})" >> $S 2> /dev/null || echo "  $m $tag: no result" >> $S
     echo "== bench $m $tag" >> $BL; cat /tmp/d7_${m}_${tag}.err >> $BL
     grep -E "^decode" /tmp/d7_${m}_${tag}.err | head -2 >> $S
 }
