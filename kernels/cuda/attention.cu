@@ -257,10 +257,20 @@ static __device__ __forceinline__ void f16x8_to_f32(const uint4 u, float f[8]) {
     }
 }
 
+// 8 f32 -> 8 f16 (rounded to nearest even), packed for a 16-byte store.
+static __device__ __forceinline__ uint4 f32x8_to_f16(const float * f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = (uint32_t) f32_to_f16(f[2 * i]) | ((uint32_t) f32_to_f16(f[2 * i + 1]) << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 extern "C" __global__ void __launch_bounds__(ATD_THREADS)
-    attn_decode_f16(const float * __restrict__ q, const int32_t * __restrict__ positions,
-                    const uint16_t * __restrict__ k, const uint16_t * __restrict__ v, float * __restrict__ out,
-                    float * __restrict__ partial, AttnDecodeArgs a) {
+    attn_decode_f16(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
+                    uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
+                    float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {
     __shared__ float acc_s[ATD_THREADS * 8 * ATD_MAX_G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
     __shared__ float ml_s[32 * ATD_MAX_G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
     const int tid = threadIdx.x;
@@ -298,8 +308,12 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
         }
     }
     const int64_t row = (int64_t) a.n_head_kv * a.d; // f16 per cache row (k and v alike: dk = dv)
-    const uint16_t * kh = k + (int64_t) hk * a.d + sub * 8;
-    const uint16_t * vh = v + (int64_t) hk * a.d + sub * 8;
+    uint16_t * kh = k + (int64_t) hk * a.d + sub * 8;
+    uint16_t * vh = v + (int64_t) hk * a.d + sub * 8;
+    // With k_new/v_new (f32 [n_head_kv * d], the token's own key and value) the block whose part holds the
+    // position stores them into the cache row (as f16, as kv_store_f16_pos) and uses them from registers.
+    const float * kn = k_new ? k_new + (int64_t) hk * a.d + sub * 8 : nullptr;
+    const float * vn = v_new ? v_new + (int64_t) hk * a.d + sub * 8 : nullptr;
 
     // The loop is the same for every thread (shuffles inside); keys past hi are masked.
     for (int base = lo; base < hi; base += kps * ATD_UNROLL) {
@@ -307,7 +321,12 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
 #pragma unroll
         for (int u = 0; u < ATD_UNROLL; ++u) {
             const int j = base + u * kps + slot;
-            if (j < hi) {
+            if (kn != nullptr && j == p && j < hi) {
+                kk[u] = f32x8_to_f16(kn);
+                vv[u] = f32x8_to_f16(vn);
+                *(uint4 *) (kh + j * row) = kk[u];
+                *(uint4 *) (vh + j * row) = vv[u];
+            } else if (j < hi) {
                 kk[u] = *(const uint4 *) (kh + j * row);
                 vv[u] = *(const uint4 *) (vh + j * row);
             } else {

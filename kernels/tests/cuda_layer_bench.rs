@@ -8,7 +8,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use poly_kernels::cuda::attention::{
-    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, KvCacheView,
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
 };
 use poly_kernels::cuda::attention_mma::attention_prompt;
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
@@ -109,7 +109,7 @@ fn bench_attention_decode() {
                         &dev,
                         &qd,
                         &posd,
-                        cache,
+                        DecodeCache::Read(cache),
                         &p,
                         n_split,
                         scratch.as_mut(),

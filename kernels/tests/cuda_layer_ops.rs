@@ -11,7 +11,7 @@
 #![cfg(feature = "cuda")]
 
 use poly_kernels::cuda::attention::{
-    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, KvCacheView,
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
 };
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
@@ -258,6 +258,8 @@ struct DecodeCase {
     n_kv: usize,
     position: usize,
     n_split: usize,
+    /// The launch stores the token's key and value (the cache's row holds NaN before).
+    store: bool,
 }
 
 fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
@@ -279,19 +281,39 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
     let nan = half::f16::NAN.to_bits();
     kbits.resize(c.rows * row, nan);
     vbits.resize(c.rows * row, nan);
+    // With a store the token's own row is given as f32 (its f16 rounding is what the CPU reads) and the
+    // cache holds NaN there until the launch writes it.
+    let at = c.position * row..(c.position + 1) * row;
+    let (k_new, v_new) = (k[at.clone()].to_vec(), v[at.clone()].to_vec());
+    let (k_row_bits, v_row_bits) = (kbits[at.clone()].to_vec(), vbits[at.clone()].to_vec());
+    if c.store {
+        kbits[at.clone()].fill(nan);
+        vbits[at.clone()].fill(nan);
+    }
     let mut want = vec![0f32; p.n_head * d];
     attention(&q, &[c.position as u32], &k, &v, p, &mut want);
 
     let qd = dev.upload(&q).unwrap();
     let posd = dev.upload(&[c.position as i32]).unwrap();
-    let (kd, vd) = (dev.upload(&kbits).unwrap(), dev.upload(&vbits).unwrap());
+    let (mut kd, mut vd) = (dev.upload(&kbits).unwrap(), dev.upload(&vbits).unwrap());
+    let (knd, vnd) = (dev.upload(&k_new).unwrap(), dev.upload(&v_new).unwrap());
     let len = decode_scratch_len(p, c.n_split);
     let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
     let mut out = dev.zeros::<f32>(want.len()).unwrap();
-    let cache = KvCacheView {
-        k: &kd,
-        v: &vd,
-        n_kv: Some(c.n_kv),
+    let cache = if c.store {
+        DecodeCache::Store {
+            k_new: &knd,
+            v_new: &vnd,
+            k: &mut kd,
+            v: &mut vd,
+            n_kv: c.n_kv,
+        }
+    } else {
+        DecodeCache::Read(KvCacheView {
+            k: &kd,
+            v: &vd,
+            n_kv: Some(c.n_kv),
+        })
     };
     attention_decode_f16(
         dev,
@@ -305,15 +327,19 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
     )
     .unwrap();
     let got = dev.download(&out).unwrap();
-    nmse_check(
-        &format!(
-            "attention_decode heads {}/{} d {d} position {} of {} rows (cache {}) splits {} window {:?} softcap {:?}",
-            p.n_head, p.n_head_kv, c.position, c.n_kv, c.rows, c.n_split, p.window, p.softcap
-        ),
-        &got,
-        &want,
-        1e-9,
-    )
+    let what = format!(
+        "attention_decode heads {}/{} d {d} position {} of {} rows (cache {}) splits {} window {:?} softcap {:?} store {}",
+        p.n_head, p.n_head_kv, c.position, c.n_kv, c.rows, c.n_split, p.window, p.softcap, c.store
+    );
+    if c.store {
+        // The stored row is the f16 rounding of the given values, bit for bit (kv_store_f16_pos's values).
+        let (kc, vc) = (dev.download(&kd).unwrap(), dev.download(&vd).unwrap());
+        let at = c.position * row..(c.position + 1) * row;
+        if kc[at.clone()] != k_row_bits[..] || vc[at] != v_row_bits[..] {
+            return Some(format!("{what}: the stored row differs"));
+        }
+    }
+    nmse_check(&what, &got, &want, 1e-9)
 }
 
 #[test]
@@ -334,7 +360,9 @@ fn attention_decode_matches_cpu_and_reads_nothing_past_the_position() {
         n_kv,
         position,
         n_split,
+        store: false,
     };
+    let store = |c: DecodeCase| DecodeCase { store: true, ..c };
     let cases = [
         case(qwen3, 256, 256, 0, 1),
         case(qwen3, 256, 256, 0, 8),
@@ -349,6 +377,12 @@ fn attention_decode_matches_cpu_and_reads_nothing_past_the_position() {
         case(gemma, 4096, 4096, 3000, 16),
         case(gemma, 1024, 512, 300, 5),
         case(small, 64, 64, 63, 2),
+        // the token's key and value stored by the launch
+        store(case(qwen3, 4096, 2048, 2000, 64)),
+        store(case(qwen3, 256, 256, 0, 8)),
+        store(case(qwen35, 512, 512, 300, 256)),
+        store(case(gemma, 4096, 4096, 3000, 16)),
+        store(case(tiny, 300, 256, 100, 1)),
     ];
     let mut failures = Vec::new();
     for (i, c) in cases.iter().enumerate() {

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use poly_kernels::cuda::attention::{
-    self, attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE,
+    self, attention_f16_cache, AttnSplit, DecodeCache, KvCacheView, ATTN_KEY_TILE,
 };
 use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
@@ -72,6 +72,13 @@ fn decode_kernel_on() -> bool {
 fn fused_glu_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("POLY_MOE_GLU").map_or(true, |v| v.trim() != "off"))
+}
+
+/// Whether the flash-decoding kernel also stores the token's key and value into the cache
+/// (`POLY_ATTN_KV_STORE=fused`; default: `kv_store_f16_pos` first, one launch more).
+fn decode_store_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_ATTN_KV_STORE").is_ok_and(|v| v.trim() == "fused"))
 }
 
 /// Splits of the flash-decoding kernel over a bucket of `n_kv` cache rows: about
@@ -1247,15 +1254,9 @@ impl Compute for GpuForward<'_> {
                 // One token: the store and the attention read the position on the card and the cache
                 // is read up to a bucket of the context ([`decode_kv_rows`]; the causal mask stops at
                 // the position), so the same launches serve every position of the bucket (a graph).
-                let dst = ew::KvDst {
-                    k: kc,
-                    v: vc,
-                    k_width: *k_width,
-                    v_width: *v_width,
-                };
-                ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
-                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
-                if decode_kernel_on() && attention::decode_takes(&p) {
+                let (k_width, v_width) = (*k_width, *v_width);
+                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / k_width.max(1));
+                if decode_kernel_on() && attention::decode_takes(&p) && k_width == v_width {
                     let n_split = decode_n_split(&p, n_kv);
                     let scratch_len = attention::decode_scratch_len(&p, n_split);
                     let mut scratch = if scratch_len > 0 {
@@ -1263,10 +1264,27 @@ impl Compute for GpuForward<'_> {
                     } else {
                         None
                     };
-                    let cache = KvCacheView {
-                        k: kc,
-                        v: vc,
-                        n_kv: Some(n_kv),
+                    let cache = if decode_store_fused() {
+                        DecodeCache::Store {
+                            k_new: k.buf()?,
+                            v_new: v.buf()?,
+                            k: kc,
+                            v: vc,
+                            n_kv,
+                        }
+                    } else {
+                        let dst = ew::KvDst {
+                            k: kc,
+                            v: vc,
+                            k_width,
+                            v_width,
+                        };
+                        ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
+                        DecodeCache::Read(KvCacheView {
+                            k: kc,
+                            v: vc,
+                            n_kv: Some(n_kv),
+                        })
                     };
                     let r = attention::attention_decode_f16(
                         dev,
@@ -1283,6 +1301,13 @@ impl Compute for GpuForward<'_> {
                     }
                     return r;
                 }
+                let dst = ew::KvDst {
+                    k: kc,
+                    v: vc,
+                    k_width,
+                    v_width,
+                };
+                ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
                 (n_kv, decode_split(&p, n_kv))
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;

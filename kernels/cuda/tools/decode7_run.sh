@@ -27,6 +27,8 @@ grep -E "^test |test result|FAIL|panicked|differ|not zero|above" $T | grep -v " 
 grep -E "attention_decode.*position (2000|8000|1999)" $T >> $S
 timeout 90 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward rc=$?"
 grep -E "^test |test result|panicked" $T | tail -8 >> $S
+POLY_ATTN_KV_STORE=fused timeout 60 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward with POLY_ATTN_KV_STORE=fused rc=$?"
+grep -E "^test |test result|panicked" $T | tail -7 >> $S
 timeout 30 $B/cuda_layer_bench bench_attention_decode --ignored --nocapture --test-threads 1 > $OUT/micro.log 2>&1; note "bench_attention_decode rc=$?"
 grep "^bench" $OUT/micro.log >> $S
 timeout 40 $B/cuda_bench bench_fused_gate_up --ignored --nocapture --test-threads 1 >> $OUT/micro.log 2>&1; note "bench_fused_gate_up rc=$?"
@@ -46,6 +48,7 @@ bench q3 new POLY_X=1
 bench q35 new POLY_X=1
 bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
 bench q3 rpg1 POLY_MATVEC_RPG=1
+bench q3 kvfused POLY_ATTN_KV_STORE=fused
 
 SV=$OUT/serve.log
 serve() { # model tag env...
@@ -56,6 +59,7 @@ serve() { # model tag env...
 }
 serve q3 new POLY_X=1
 serve q35 new POLY_X=1
+left 140 && serve q3 kvfused POLY_ATTN_KV_STORE=fused
 left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
 
 if left 150; then

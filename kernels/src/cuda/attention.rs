@@ -307,7 +307,22 @@ pub fn decode_scratch_len(p: &AttnParams, n_split: usize) -> usize {
     }
 }
 
-/// Attention of one token's query over the first `cache.n_kv` rows of an f16 KV cache (flash decoding):
+/// The cache a one-token attention reads: the first `n_kv` rows of `k` and `v` as they are
+/// ([`DecodeCache::Read`]), or after storing the token's own key and value (`k_new`, `v_new`, f32
+/// `[n_head_kv·d]`) into the row of its position, as f16 ([`DecodeCache::Store`]: the store and the
+/// attention in one launch, the values `kv_store_f16_pos` would store).
+pub enum DecodeCache<'a> {
+    Read(KvCacheView<'a>),
+    Store {
+        k_new: &'a DeviceBuffer<f32>,
+        v_new: &'a DeviceBuffer<f32>,
+        k: &'a mut DeviceBuffer<u16>,
+        v: &'a mut DeviceBuffer<u16>,
+        n_kv: usize,
+    },
+}
+
+/// Attention of one token's query over the first `n_kv` rows of an f16 KV cache (flash decoding):
 /// `n_split` blocks per KV head each take an equal part of the keys the token sees, cut from its position
 /// read on the card (`positions` `[1]`), so a graph captured for a bucket of cache rows reads only the
 /// rows up to the position whatever the bucket; each block reads a key and value row once for all heads of
@@ -318,13 +333,12 @@ pub fn attention_decode_f16(
     dev: &Device,
     q: &DeviceBuffer<f32>,
     positions: &DeviceBuffer<i32>,
-    cache: KvCacheView<'_>,
+    cache: DecodeCache<'_>,
     p: &AttnParams,
     n_split: usize,
     scratch: Option<&mut DeviceBuffer<f32>>,
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let KvCacheView { k, v, n_kv } = cache;
     if !decode_takes(p) {
         return invalid(format!("attention_decode: heads {p:?}"));
     }
@@ -332,16 +346,27 @@ pub fn attention_decode_f16(
         return invalid(format!("attention_decode: {n_split} splits"));
     }
     let d = p.head_dim_k;
+    let row = p.n_head_kv * d;
+    let (k_len, v_len, n_kv) = match &cache {
+        DecodeCache::Read(c) => (c.k.len(), c.v.len(), c.n_kv.unwrap_or(c.k.len() / row)),
+        DecodeCache::Store {
+            k_new,
+            v_new,
+            k,
+            v,
+            n_kv,
+        } => {
+            check_len("attention_decode k_new", k_new, row)?;
+            check_len("attention_decode v_new", v_new, row)?;
+            (k.len(), v.len(), *n_kv)
+        }
+    };
     check_len("attention_decode positions", positions, 1)?;
     check_len("attention_decode q", q, p.n_head * d)?;
     check_len("attention_decode out", out, p.n_head * d)?;
-    let row = p.n_head_kv * d;
-    let n_kv = n_kv.unwrap_or(k.len() / row);
-    if n_kv == 0 || n_kv * row > k.len() || n_kv * row > v.len() {
+    if n_kv == 0 || n_kv * row > k_len || n_kv * row > v_len {
         return invalid(format!(
-            "attention_decode: {n_kv} cache rows of k {} / v {} values",
-            k.len(),
-            v.len()
+            "attention_decode: {n_kv} cache rows of k {k_len} / v {v_len} values"
         ));
     }
     let scratch = match scratch {
@@ -373,17 +398,30 @@ pub fn attention_decode_f16(
     };
     let f = dev.function(KernelModule::Attention, "attn_decode_f16")?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(q.slice())
-        .arg(positions.slice())
-        .arg(k.slice())
-        .arg(v.slice());
+    b.arg(q.slice()).arg(positions.slice());
+    // Without a store k_new and v_new go as null.
+    let null: u64 = 0;
+    match cache {
+        DecodeCache::Read(c) => {
+            b.arg(c.k.slice()).arg(c.v.slice()).arg(&null).arg(&null);
+        }
+        DecodeCache::Store {
+            k_new, v_new, k, v, ..
+        } => {
+            b.arg(k.slice_mut())
+                .arg(v.slice_mut())
+                .arg(k_new.slice())
+                .arg(v_new.slice());
+        }
+    }
     // `partial` goes as a device address: scratch with a split; without one the kernel never touches it.
     let partial_ptr: u64 = scratch.as_ref().map_or(out.address(), |s| s.address());
     b.arg(out.slice_mut()).arg(&partial_ptr).arg(&args);
-    // SAFETY: q and out hold n_head·d floats, positions one value, k and v at least n_kv rows (checked
-    // above); the kernel reads cache rows only up to min(position, n_kv − 1) with 16-byte loads (d a
-    // multiple of 8 and rows of n_head_kv·d f16 keep them aligned), and writes out (one split) or scratch
-    // (several: decode_scratch_len floats).
+    // SAFETY: q and out hold n_head·d floats, positions one value, k and v at least n_kv rows, k_new and
+    // v_new (with a store) n_head_kv·d floats (checked above); the kernel reads cache rows only up to
+    // min(position, n_kv − 1) with 16-byte loads (d a multiple of 8 and rows of n_head_kv·d f16 keep them
+    // aligned), writes the position's row only with a store (the caches then borrowed mutably), and writes
+    // out (one split) or scratch (several: decode_scratch_len floats).
     unsafe { b.launch(cfg) }?;
     dev.after_launch("attn_decode_f16")?;
     if let Some(scratch) = scratch {
