@@ -5,7 +5,8 @@
 # `bash .carry/decode7/run.sh` (summary.txt and logs in $OUT).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-D=.carry/decode7
+# Built beside the carried folder and moved in at the end, so a copy taken meanwhile is whole.
+D=.carry/decode7.new
 rm -rf "$D" && mkdir -p "$D/bin"
 cargo build --release -p poly-engine --bin poly-engine
 cp target/release/poly-engine "$D/bin/"
@@ -24,4 +25,5 @@ tar cJf "$D/bin.tar.xz" -C "$D/bin" .
 rm -rf "$D/bin"
 cp kernels/cuda/tools/decode7_run.sh "$D/run.sh"
 cp /work/main/.carry/d1/drive.py "$D/drive.py" # the lead's serve-mode driver (diag1)
-ls -la "$D"
+rm -rf .carry/decode7 && mv "$D" .carry/decode7
+ls -la .carry/decode7
