@@ -217,3 +217,289 @@ extern "C" __global__ void attn_reduce(const float * __restrict__ partial, float
         out[o * dv + d] = den > 0.0f ? num / den : 0.0f;
     }
 }
+
+// ----- one-token attention (flash decoding) -----------------------------------------------------------------
+// attn_decode_f16: the query of one token over a KV cache, for head dims d of 32, 64, 128, 256 (dk = dv) and
+// GQA groups of up to ATD_MAX_G heads. Grid: (n_split, n_head_kv); block: ATD_THREADS threads. The block
+// of split z serves every query head of KV head blockIdx.y (so each K and V row is read once for the whole
+// group) over the z-th of n_split equal parts of the keys the token sees. The parts are cut from the real
+// position read on the card, not from the launch's cache rows, so a graph captured for a bucket of rows
+// spends its blocks on the keys that exist and reads nothing past the position.
+//
+// Inside a block, d/8 consecutive threads hold one key: each loads 16 bytes (8 f16) of the key row and of
+// the value row, scores its 8 dimensions against every head of the group (queries in registers), and the
+// key's threads sum the scores with shuffles. The block's ATD_THREADS/(d/8) key slots walk the keys
+// ATD_UNROLL at a time (all loads of a step issued before any arithmetic), each slot keeping its own
+// running maximum, sum and accumulator (online softmax, f32); the slots merge through shared memory at the
+// end. One split writes the normalized output; several write (accumulator, max, sum) per head, merged by
+// attn_decode_reduce.
+
+#define ATD_THREADS 128
+#define ATD_MAX_G 8
+#define ATD_UNROLL 4
+#define ATD_MAX_SPLIT 256
+
+struct AttnDecodeArgs {
+    int n_kv;            // cache rows the launch may read
+    int n_head, n_head_kv, d;
+    float scale, softcap; // softcap 0: none
+    int window;           // 0: none
+    int n_split;
+};
+
+// 8 f16 (a 16-byte load) -> 8 f32.
+static __device__ __forceinline__ void f16x8_to_f32(const uint4 u, float f[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = f16_to_f32((uint16_t) (w[i] & 0xffff));
+        f[2 * i + 1] = f16_to_f32((uint16_t) (w[i] >> 16));
+    }
+}
+
+// 8 f32 -> 8 f16 (rounded to nearest even), packed for a 16-byte store.
+static __device__ __forceinline__ uint4 f32x8_to_f16(const float * f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = (uint32_t) f32_to_f16(f[2 * i]) | ((uint32_t) f32_to_f16(f[2 * i + 1]) << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(ATD_THREADS)
+    attn_decode_f16(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
+                    uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
+                    float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {
+    __shared__ float acc_s[ATD_THREADS * 8 * ATD_MAX_G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
+    __shared__ float ml_s[32 * ATD_MAX_G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
+    const int tid = threadIdx.x;
+    const int tpk = a.d / 8;            // threads per key
+    const int kps = ATD_THREADS / tpk;  // key slots of the block
+    const int slot = tid / tpk, sub = tid % tpk;
+    const int group = a.n_head / a.n_head_kv;
+    const int hk = blockIdx.y, z = blockIdx.x;
+
+    // The keys this split sees: its part of [first, last].
+    const int p = positions[0];
+    const int first = a.window > 0 ? max(0, p + 1 - a.window) : 0;
+    const int last = min(p, a.n_kv - 1);
+    const int n_vis = max(0, last - first + 1);
+    const int chunk = (n_vis + a.n_split - 1) / a.n_split;
+    const int lo = first + z * chunk;
+    const int hi = min(lo + chunk, last + 1); // exclusive
+
+    float qf[ATD_MAX_G][8];
+#pragma unroll
+    for (int h = 0; h < ATD_MAX_G; ++h) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            qf[h][i] = h < group ? q[(int64_t) (hk * group + h) * a.d + sub * 8 + i] : 0.0f;
+        }
+    }
+    float m[ATD_MAX_G], l[ATD_MAX_G], acc[ATD_MAX_G][8];
+#pragma unroll
+    for (int h = 0; h < ATD_MAX_G; ++h) {
+        m[h] = -POLY_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            acc[h][i] = 0.0f;
+        }
+    }
+    const int64_t row = (int64_t) a.n_head_kv * a.d; // f16 per cache row (k and v alike: dk = dv)
+    uint16_t * kh = k + (int64_t) hk * a.d + sub * 8;
+    uint16_t * vh = v + (int64_t) hk * a.d + sub * 8;
+    // With k_new/v_new (f32 [n_head_kv * d], the token's own key and value) the block whose part holds the
+    // position stores them into the cache row (as f16, as kv_store_f16_pos) and uses them from registers.
+    const float * kn = k_new ? k_new + (int64_t) hk * a.d + sub * 8 : nullptr;
+    const float * vn = v_new ? v_new + (int64_t) hk * a.d + sub * 8 : nullptr;
+
+    // The loop is the same for every thread (shuffles inside); keys past hi are masked.
+    for (int base = lo; base < hi; base += kps * ATD_UNROLL) {
+        uint4 kk[ATD_UNROLL], vv[ATD_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ATD_UNROLL; ++u) {
+            const int j = base + u * kps + slot;
+            if (kn != nullptr && j == p && j < hi) {
+                kk[u] = f32x8_to_f16(kn);
+                vv[u] = f32x8_to_f16(vn);
+                *(uint4 *) (kh + j * row) = kk[u];
+                *(uint4 *) (vh + j * row) = vv[u];
+            } else if (j < hi) {
+                kk[u] = *(const uint4 *) (kh + j * row);
+                vv[u] = *(const uint4 *) (vh + j * row);
+            } else {
+                kk[u] = make_uint4(0, 0, 0, 0);
+                vv[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        float s[ATD_UNROLL][ATD_MAX_G];
+#pragma unroll
+        for (int u = 0; u < ATD_UNROLL; ++u) {
+            float kf[8];
+            f16x8_to_f32(kk[u], kf);
+#pragma unroll
+            for (int h = 0; h < ATD_MAX_G; ++h) {
+                float d0 = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    d0 = fmaf(qf[h][i], kf[i], d0);
+                }
+                s[u][h] = d0;
+            }
+        }
+        // Sum over the key's threads (aligned groups of tpk lanes).
+        for (int off = tpk / 2; off > 0; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < ATD_UNROLL; ++u) {
+#pragma unroll
+                for (int h = 0; h < ATD_MAX_G; ++h) {
+                    s[u][h] += __shfl_xor_sync(FULL_MASK, s[u][h], off);
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < ATD_MAX_G; ++h) {
+            if (h >= group) {
+                continue;
+            }
+            float mx = m[h];
+#pragma unroll
+            for (int u = 0; u < ATD_UNROLL; ++u) {
+                float sc = s[u][h] * a.scale;
+                if (a.softcap != 0.0f) {
+                    sc = a.softcap * tanhf(sc / a.softcap);
+                }
+                sc = base + u * kps + slot < hi ? sc : -POLY_INF;
+                s[u][h] = sc;
+                mx = fmaxf(mx, sc);
+            }
+            const float mx_safe = mx == -POLY_INF ? 0.0f : mx;
+            const float keep = expf(m[h] - mx_safe);
+            m[h] = mx;
+            float lsum = l[h] * keep;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                acc[h][i] *= keep;
+            }
+#pragma unroll
+            for (int u = 0; u < ATD_UNROLL; ++u) {
+                const float pu = expf(s[u][h] - mx_safe);
+                lsum += pu;
+                float vf[8];
+                f16x8_to_f32(vv[u], vf);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    acc[h][i] = fmaf(pu, vf[i], acc[h][i]);
+                }
+            }
+            l[h] = lsum;
+        }
+    }
+
+    // Merge the key slots.
+#pragma unroll
+    for (int h = 0; h < ATD_MAX_G; ++h) {
+        if (h < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                acc_s[(slot * group + h) * a.d + sub * 8 + i] = acc[h][i];
+            }
+            if (sub == 0) {
+                ml_s[slot * group + h][0] = m[h];
+                ml_s[slot * group + h][1] = l[h];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < group * a.d; idx += ATD_THREADS) {
+        const int h = idx / a.d, dd = idx % a.d;
+        float big = -POLY_INF;
+        for (int sl = 0; sl < kps; ++sl) {
+            big = fmaxf(big, ml_s[sl * group + h][0]);
+        }
+        const float big_safe = big == -POLY_INF ? 0.0f : big;
+        float num = 0.0f, den = 0.0f;
+        for (int sl = 0; sl < kps; ++sl) {
+            const float w = expf(ml_s[sl * group + h][0] - big_safe);
+            num = fmaf(w, acc_s[(sl * group + h) * a.d + dd], num);
+            den = fmaf(w, ml_s[sl * group + h][1], den);
+        }
+        const int head = hk * group + h;
+        if (a.n_split == 1) {
+            out[(int64_t) head * a.d + dd] = den > 0.0f ? num / den : 0.0f;
+        } else {
+            // partial: accumulators [n_split][n_head][d], then (max, sum) [n_split][n_head][2].
+            partial[((int64_t) z * a.n_head + head) * a.d + dd] = num;
+            if (dd == 0) {
+                float * ml = partial + (int64_t) a.n_split * a.n_head * a.d;
+                ml[((int64_t) z * a.n_head + head) * 2] = big;
+                ml[((int64_t) z * a.n_head + head) * 2 + 1] = den;
+            }
+        }
+    }
+}
+
+// Merges the splits of attn_decode_f16. Grid: (n_head, d/32); block: (32, 8): lane = dimension, the 8 warps
+// stride over the splits and sum through shared memory.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_decode_reduce(const float * __restrict__ partial, float * __restrict__ out, int n_head, int d, int n_split) {
+    __shared__ float w_s[ATD_MAX_SPLIT];
+    __shared__ float num_s[8][33];
+    __shared__ float red[32];
+    const int head = blockIdx.x;
+    const int lane = threadIdx.x, wy = threadIdx.y;
+    const int tid = wy * WARP_SIZE + lane;
+    const float * ml = partial + (int64_t) n_split * n_head * d;
+    float big = -POLY_INF;
+    for (int s = tid; s < n_split; s += 256) {
+        big = fmaxf(big, ml[((int64_t) s * n_head + head) * 2]);
+    }
+    // block_max and block_sum take a one-dimensional block: use the flat index through a local copy.
+    {
+        float v0 = warp_max(big);
+        if (lane == 0) {
+            red[wy] = v0;
+        }
+        __syncthreads();
+        v0 = lane < 8 ? red[lane] : -POLY_INF;
+        big = warp_max(v0);
+        __syncthreads();
+    }
+    const float big_safe = big == -POLY_INF ? 0.0f : big;
+    float den = 0.0f;
+    for (int s = tid; s < n_split; s += 256) {
+        const float m = ml[((int64_t) s * n_head + head) * 2];
+        const float w = m == -POLY_INF ? 0.0f : expf(m - big_safe);
+        w_s[s] = w;
+        den = fmaf(w, ml[((int64_t) s * n_head + head) * 2 + 1], den);
+    }
+    {
+        float v0 = warp_sum(den);
+        if (lane == 0) {
+            red[wy] = v0;
+        }
+        __syncthreads();
+        v0 = lane < 8 ? red[lane] : 0.0f;
+        den = warp_sum(v0);
+    }
+    const int dd = blockIdx.y * WARP_SIZE + lane;
+    float num = 0.0f;
+    if (dd < d) {
+#pragma unroll 4
+        for (int s = wy; s < n_split; s += 8) {
+            num = fmaf(w_s[s], partial[((int64_t) s * n_head + head) * d + dd], num);
+        }
+    }
+    num_s[wy][lane] = num;
+    __syncthreads();
+    if (wy == 0 && dd < d) {
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            t += num_s[i][lane];
+        }
+        out[(int64_t) head * d + dd] = den > 0.0f ? t / den : 0.0f;
+    }
+}

@@ -6,8 +6,9 @@
 // warps_per_row warps (1, 2 or 4: a launch argument the host picks so a short row, like the 768 columns of
 // an expert's down projection, does not leave most threads idle) per row. The QI/VDR threads that share one
 // weight block each take VDR ints of its quants (`iqs`), a row's threads stride over the row's blocks, then
-// the row's warps reduce through shared memory. Two entry points per format:
+// the row's warps reduce through shared memory. Entry points per format:
 //   matvec_<fmt>          : one matrix, one vector.
+//   matvec_experts_glu_<fmt>: gate and up experts of one token in one launch, writing silu(gate)*up.
 //   matvec_experts_<fmt>  : several experts of one stacked tensor in one launch. Slot s of the launch
 //                           (blockIdx.y) multiplies expert ids[s] (read from device memory, so a captured
 //                           CUDA graph replays with new routing) with activation vector s*x_stride_blocks,
@@ -336,46 +337,86 @@ static __device__ __forceinline__ bool group_writer(int wpr) {
     return threadIdx.x == 0 && threadIdx.y % wpr == 0;
 }
 
-// Dot product of one weight row (ncols values) with x by the wpr warps of this thread's group; the result
-// is valid in the group's writer. Every thread of the block must call it (it synchronizes the block);
-// `active` false (a row past the last) contributes nothing.
-template <typename F>
-static __device__ __forceinline__ float row_dot(const uint8_t * __restrict__ w_row, const block_q8_1 * __restrict__ x,
-                                                int ncols, int wpr, bool active) {
+// Several consecutive rows per warp group (rpg <= MATVEC_MAX_RPG, a launch argument): the weight loads of
+// all of them are in flight together and the block's fixed costs (the expert lookup, the reduction) are
+// shared, so a launch needs fewer, longer blocks (one token's matvecs are short: with one row per group
+// they run as many waves of blocks whose lives are mostly waiting). Each row's sum is formed as row_dot
+// forms it, so the value of a row does not depend on rpg. Row r of the group is row0 + r; rows r >= nr
+// contribute nothing. The results are valid in the group's writer.
+#define MATVEC_MAX_RPG 4
+
+template <typename F, int N_MAT>
+static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_row0)[N_MAT], int64_t row_bytes,
+                                                    const block_q8_1 * __restrict__ x, int ncols, int wpr, int nr,
+                                                    float (&total)[N_MAT][MATVEC_MAX_RPG]) {
     constexpr int threads_per_block = F::qi / F::vdr;
     const int blocks_per_iter = F::vdr * wpr * WARP_SIZE / F::qi;
     const int tid = WARP_SIZE * (threadIdx.y % wpr) + threadIdx.x;
-    const int blocks_per_row = active ? ncols / F::qk : 0;
+    const int blocks_per_row = nr > 0 ? ncols / F::qk : 0;
     const int iqs = F::vdr * (tid % threads_per_block);
-    const typename F::block * w = (const typename F::block *) w_row;
-    float acc = 0.0f;
-    for (int kb = tid / threads_per_block; kb < blocks_per_row; kb += blocks_per_iter) {
-        acc += F::dot(w + kb, x + kb * (F::qk / QK8_1), iqs);
-    }
-    __shared__ float partial[MATVEC_WARPS];
-    acc = warp_sum(acc);
-    if (threadIdx.x == 0) {
-        partial[threadIdx.y] = acc;
-    }
-    __syncthreads();
-    float total = 0.0f;
-    if (group_writer(wpr)) {
-        for (int w8 = 0; w8 < wpr; ++w8) {
-            total += partial[threadIdx.y + w8];
+    float acc[N_MAT][MATVEC_MAX_RPG];
+#pragma unroll
+    for (int m = 0; m < N_MAT; ++m) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            acc[m][r] = 0.0f;
         }
     }
-    return total;
+    for (int kb = tid / threads_per_block; kb < blocks_per_row; kb += blocks_per_iter) {
+        const block_q8_1 * xb = x + kb * (F::qk / QK8_1);
+        // Rows past nr read the group's first row again (unconditional loads the compiler can issue
+        // together); their sums are never written.
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+#pragma unroll
+            for (int m = 0; m < N_MAT; ++m) {
+                const typename F::block * w = (const typename F::block *) (w_row0[m] + (r < nr ? r : 0) * row_bytes);
+                acc[m][r] += F::dot(w + kb, xb, iqs);
+            }
+        }
+    }
+    __shared__ float partial[N_MAT][MATVEC_MAX_RPG][MATVEC_WARPS];
+#pragma unroll
+    for (int m = 0; m < N_MAT; ++m) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            const float v = warp_sum(acc[m][r]);
+            if (threadIdx.x == 0) {
+                partial[m][r][threadIdx.y] = v;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < N_MAT; ++m) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            total[m][r] = 0.0f;
+            if (group_writer(wpr)) {
+                for (int w8 = 0; w8 < wpr; ++w8) {
+                    total[m][r] += partial[m][r][threadIdx.y + w8];
+                }
+            }
+        }
+    }
 }
 
 template <typename F>
 static __device__ __forceinline__ void matvec(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x,
-                                              float * __restrict__ y, int ncols, int nrows, int wpr) {
-    const int row = group_row(wpr);
-    const bool active = row < nrows;
+                                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) {
+    const int row0 = group_row(wpr) * rpg;
+    const int nr = max(0, min(rpg, nrows - row0));
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-    const float v = row_dot<F>(w + (active ? row : 0) * row_bytes, x, ncols, wpr, active);
-    if (active && group_writer(wpr)) {
-        y[row] = v;
+    const uint8_t * const w_row0[1] = {w + (nr > 0 ? row0 : 0) * row_bytes};
+    float total[1][MATVEC_MAX_RPG];
+    rows_dot_rpg<F, 1>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    if (group_writer(wpr)) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            if (r < nr) {
+                y[row0 + r] = total[0][r];
+            }
+        }
     }
 }
 
@@ -383,17 +424,60 @@ template <typename F>
 static __device__ __forceinline__ void matvec_experts(const uint64_t * __restrict__ expert_table,
                                                       const int32_t * __restrict__ ids, int n_expert,
                                                       const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,
-                                                      float * __restrict__ y, int ncols, int nrows, int wpr) {
-    const int row = group_row(wpr);
+                                                      float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) {
+    const int row0 = group_row(wpr) * rpg;
     const int slot = blockIdx.y;
     const int32_t expert = ids[slot];
     const uint64_t base = expert < 0 || expert >= n_expert ? 0 : expert_table[expert];
-    const bool active = row < nrows && base != 0;
+    const int n_out = max(0, min(rpg, nrows - row0));
+    const int nr = base != 0 ? n_out : 0;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-    const uint8_t * w_row = active ? (const uint8_t *) base + row * row_bytes : nullptr;
-    const float v = row_dot<F>(w_row, x + slot * x_stride_blocks, ncols, wpr, active);
-    if (row < nrows && group_writer(wpr)) {
-        y[(int64_t) slot * nrows + row] = v;
+    const uint8_t * const w_row0[1] = {nr > 0 ? (const uint8_t *) base + row0 * row_bytes : nullptr};
+    float total[1][MATVEC_MAX_RPG];
+    rows_dot_rpg<F, 1>(w_row0, row_bytes, x + slot * x_stride_blocks, ncols, wpr, nr, total);
+    if (group_writer(wpr)) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            if (r < n_out) {
+                y[(int64_t) slot * nrows + row0 + r] = total[0][r];
+            }
+        }
+    }
+}
+
+// Gate and up projections of the same experts in one launch, for one token: slot s (blockIdx.y) multiplies
+// expert ids[s] of both tables with the shared x and writes h[s*nrows + row] = silu(gate . x) * (up . x).
+// Both matrices' rows go through the same loop (their weight loads in flight together) and each sum is
+// formed in the order of row_dot, so h is bit for bit swiglu_f32 of two matvec_experts launches. A missing
+// expert (address 0 in either table) writes 0.
+template <typename F>
+static __device__ __forceinline__ void matvec_experts_glu(const uint64_t * __restrict__ gate_table,
+                                                          const uint64_t * __restrict__ up_table,
+                                                          const int32_t * __restrict__ ids, int n_expert,
+                                                          const block_q8_1 * __restrict__ x, float * __restrict__ h,
+                                                          int ncols, int nrows, int wpr, int rpg) {
+    const int row0 = group_row(wpr) * rpg;
+    const int slot = blockIdx.y;
+    const int32_t expert = ids[slot];
+    const bool known = expert >= 0 && expert < n_expert;
+    const uint64_t base_g = known ? gate_table[expert] : 0;
+    const uint64_t base_u = known ? up_table[expert] : 0;
+    const int n_out = max(0, min(rpg, nrows - row0));
+    const int nr = base_g != 0 && base_u != 0 ? n_out : 0;
+    const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
+    const uint8_t * const w_row0[2] = {nr > 0 ? (const uint8_t *) base_g + row0 * row_bytes : nullptr,
+                                       nr > 0 ? (const uint8_t *) base_u + row0 * row_bytes : nullptr};
+    float total[2][MATVEC_MAX_RPG];
+    rows_dot_rpg<F, 2>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    if (group_writer(wpr)) {
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            if (r < n_out) {
+                const float g = total[0][r], u = total[1][r];
+                const float silu = g / (1.0f + expf(-g)); // act.cu's silu
+                h[(int64_t) slot * nrows + row0 + r] = silu * u;
+            }
+        }
     }
 }
 
@@ -496,14 +580,21 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
 #define MATVEC_ENTRY_POINTS(name, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
-                      int ncols, int nrows, int wpr) {                                                         \
-        matvec<F>(w, x, y, ncols, nrows, wpr);                                                                 \
+                      int ncols, int nrows, int wpr, int rpg) {                                                \
+        matvec<F>(w, x, y, ncols, nrows, wpr, rpg);                                                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,   \
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
-                              float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
-        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr);              \
+                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) {                \
+        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr, rpg);         \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
+        matvec_experts_glu_##name(const uint64_t * __restrict__ gate_table, const uint64_t * __restrict__ up_table, \
+                                  const int32_t * __restrict__ ids, int n_expert,                              \
+                                  const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
+                                  int nrows, int wpr, int rpg) {                                               \
+        matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg);              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matmul_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \

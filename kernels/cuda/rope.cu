@@ -1,4 +1,4 @@
-// Rotary position embedding in place, ggml's rope_ext without YaRN: pair i of each head (i < n_rot/2) turns by
+// Rotary position embedding (in place or into another buffer), ggml's rope_ext without YaRN: pair i of each head (i < n_rot/2) turns by
 // pos * freq_scale * freq_base^(-2i/n_rot). NeoX pairs (i, i + n_rot/2), normal pairs (2i, 2i+1); dimensions
 // from n_rot on pass through. Positions come from device memory (one per row), so a captured graph replays
 // at new positions.
@@ -8,8 +8,9 @@
 // host, and each rotated value as fma(x0, cos, -(x1 sin)) / fma(x0, sin, x1 cos). So the GPU and CPU engines
 // rotate alike (up to sin/cos rounding), at any position.
 
-// x: [nrows, n_heads * head_dim]; positions: [nrows]. Grid (nrows, n_heads); block: n_rot/2 threads (<= 1024).
-extern "C" __global__ void rope(float * __restrict__ x, const int32_t * __restrict__ positions, int n_heads,
+// x, out: [nrows, n_heads * head_dim] (out may be x: in place); positions: [nrows]. Grid (nrows, n_heads);
+// block: n_rot/2 threads (<= 1024). Out of place the dimensions from n_rot on are copied.
+extern "C" __global__ void rope(const float * x, float * out, const int32_t * __restrict__ positions, int n_heads,
                                 int head_dim, int n_rot, int neox, float theta_scale, float freq_scale) {
     const int i = threadIdx.x;
     const int half = n_rot / 2;
@@ -17,7 +18,8 @@ extern "C" __global__ void rope(float * __restrict__ x, const int32_t * __restri
         return;
     }
     const int64_t row = blockIdx.x;
-    float * head = x + (row * n_heads + blockIdx.y) * head_dim;
+    const float * head = x + (row * n_heads + blockIdx.y) * head_dim;
+    float * head_out = out + (row * n_heads + blockIdx.y) * head_dim;
     float theta = (float) positions[row];
     for (int j = 0; j < i; ++j) {
         theta *= theta_scale;
@@ -28,6 +30,9 @@ extern "C" __global__ void rope(float * __restrict__ x, const int32_t * __restri
     const int b = neox ? i + half : 2 * i + 1;
     const float x0 = head[a];
     const float x1 = head[b];
-    head[a] = fmaf(x0, c, -(x1 * s));
-    head[b] = fmaf(x0, s, x1 * c);
+    for (int d = n_rot + i; d < head_dim; d += half) {
+        head_out[d] = head[d];
+    }
+    head_out[a] = fmaf(x0, c, -(x1 * s));
+    head_out[b] = fmaf(x0, s, x1 * c);
 }

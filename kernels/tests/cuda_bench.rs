@@ -252,6 +252,60 @@ fn bench_small_ops() {
     }
 }
 
+/// One token's gate and up experts at Qwen3-30B-A3B's shapes (8 experts of [768, 2048] Q4_K each),
+/// up to the down experts' quantized input: two expert launches and the SwiGLU-quantize (the old path)
+/// against the fused gate-up launch and a quantize. The calls rotate over 8 sets of 8 of 64 experts (113 MB
+/// in all, twice the L2), so the weights come mostly from memory.
+#[test]
+#[ignore = "benchmark for the GPU machine"]
+fn bench_fused_gate_up() {
+    let Some(dev) = device() else { return };
+    let (ty, n_embd, n_ff, n_expert, k) = (GgmlType::Q4_K, 2048, 768, 64, 8);
+    let mut rng = Rng::new(11);
+    let gate_w = random_weights(ty, &mut rng, n_ff * n_embd * n_expert);
+    let up_w = random_weights(ty, &mut rng, n_ff * n_embd * n_expert);
+    let gate = StackedExperts::upload(&dev, ty, (n_ff, n_embd, n_expert), &gate_w).expect("gate");
+    let up = StackedExperts::upload(&dev, ty, (n_ff, n_embd, n_expert), &up_w).expect("up");
+    let id_sets: Vec<_> = (0..8)
+        .map(|s| {
+            let ids: Vec<i32> = (0..k as i32).map(|i| s * 8 + i).collect();
+            dev.upload(&ids).expect("ids")
+        })
+        .collect();
+    let x: Vec<f32> = (0..n_embd).map(|_| rng.normal()).collect();
+    let xd = dev.upload(&x).expect("x");
+    let mut xq = dev.zeros::<BlockQ8_1>(n_embd / 32).expect("xq");
+    ops::quantize_q8_1(&dev, &xd, &mut xq).expect("quantize");
+    let mut g = dev.zeros::<f32>(k * n_ff).expect("g");
+    let mut u = dev.zeros::<f32>(k * n_ff).expect("u");
+    let mut h = dev.zeros::<f32>(k * n_ff).expect("h");
+    let mut hq = dev.zeros::<BlockQ8_1>(k * n_ff / 32).expect("hq");
+    let bytes = 2 * k * gate_w.len() / n_expert;
+    let shared = ExpertInput::Shared;
+    let mut set = 0;
+    let separate = time_launches(&dev, || {
+        let ids = &id_sets[set % 8];
+        set += 1;
+        ops::matvec_experts_q(&dev, gate.table(), ids, &xq, shared, &mut g).expect("gate");
+        ops::matvec_experts_q(&dev, up.table(), ids, &xq, shared, &mut u).expect("up");
+        ops::swiglu_quantize_q8_1(&dev, &g, &u, &mut hq).expect("swiglu");
+    });
+    report("gate+up separate (3 launches)", separate, bytes);
+    let fused = time_launches(&dev, || {
+        let ids = &id_sets[set % 8];
+        set += 1;
+        ops::matvec_experts_glu_q(&dev, (gate.table(), up.table()), ids, &xq, &mut h).expect("glu");
+        ops::quantize_q8_1(&dev, &h, &mut hq).expect("quantize");
+    });
+    report("gate+up fused (2 launches)", fused, bytes);
+    let glu_only = time_launches(&dev, || {
+        let ids = &id_sets[set % 8];
+        set += 1;
+        ops::matvec_experts_glu_q(&dev, (gate.table(), up.table()), ids, &xq, &mut h).expect("glu");
+    });
+    report("gate+up fused launch alone", glu_only, bytes);
+}
+
 /// One decode step of a MoE FFN at Qwen3-30B-A3B's shapes (2048 wide, 128 experts of 768, 8 chosen, Q4_K):
 /// quantize, route, gate and up experts, SwiGLU, quantize the 8 vectors, down experts, weighted sum into
 /// the residual: 8 launches, eagerly and as a replayed graph. Bytes: the 8 experts' three matrices.

@@ -7,7 +7,9 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::sys::CUevent_flags;
-use poly_kernels::cuda::attention::{attention_f16, AttnSplit, KvCacheView};
+use poly_kernels::cuda::attention::{
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
+};
 use poly_kernels::cuda::attention_mma::attention_prompt;
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs};
@@ -55,6 +57,110 @@ fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
     let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
     fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
     w
+}
+
+/// One token's attention with the flash-decoding kernel over caches of Qwen3-30B-A3B (32/4 heads of 128)
+/// and Qwen3.6-35B-A3B (16/2 of 256), at several split counts, against the split-K kernel. The calls rotate
+/// over enough separate caches (one per layer, as a forward pass) that the keys come from memory, not L2.
+#[test]
+#[ignore = "GPU benchmark"]
+fn bench_attention_decode() {
+    let Some(dev) = device() else { return };
+    for (n_head, n_head_kv, d) in [(32usize, 4usize, 128usize), (16, 2, 256)] {
+        let p = AttnParams {
+            n_head,
+            n_head_kv,
+            head_dim_k: d,
+            head_dim_v: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: None,
+            softcap: None,
+        };
+        for (position, n_kv) in [(100usize, 256usize), (2000, 2048), (8000, 8192)] {
+            let row = n_head_kv * d;
+            let layers = (256usize << 20).div_ceil(2 * 2 * n_kv * row).clamp(1, 48);
+            let mut rng = Rng::new(2);
+            let q: Vec<f32> = (0..n_head * d).map(|_| rng.normal()).collect();
+            let kv: Vec<u16> = (0..n_kv * row)
+                .map(|_| half::f16::from_f32(rng.normal()).to_bits())
+                .collect();
+            let caches: Vec<_> = (0..layers)
+                .map(|_| (dev.upload(&kv).unwrap(), dev.upload(&kv).unwrap()))
+                .collect();
+            let (qd, posd) = (
+                dev.upload(&q).unwrap(),
+                dev.upload(&[position as i32]).unwrap(),
+            );
+            let mut out = dev.zeros::<f32>(n_head * d).unwrap();
+            let bytes = 2 * (position + 1) * row * 2;
+            for n_split in [1usize, 4, 8, 16, 32, 64, 128, 256] {
+                let len = decode_scratch_len(&p, n_split);
+                let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
+                let mut layer = 0;
+                let s = time_calls(&dev, || {
+                    let (k, v) = &caches[layer % layers];
+                    layer += 1;
+                    let cache = KvCacheView {
+                        k,
+                        v,
+                        n_kv: Some(n_kv),
+                    };
+                    attention_decode_f16(
+                        &dev,
+                        &qd,
+                        &posd,
+                        DecodeCache::Read(cache),
+                        &p,
+                        n_split,
+                        scratch.as_mut(),
+                        &mut out,
+                    )
+                    .unwrap()
+                });
+                println!(
+                    "bench attention_decode heads {n_head}/{n_head_kv} d {d} position {position} (bucket {n_kv}) splits {n_split}: {:.2} us, KV {:.0} GB/s",
+                    s * 1e6,
+                    bytes as f64 / s / 1e9
+                );
+            }
+            // The split-K kernel as the engine called it before (264 blocks over the bucket).
+            let chunk = n_kv
+                .div_ceil(264usize.div_ceil(n_head_kv))
+                .max(32)
+                .div_ceil(32)
+                * 32;
+            let split = AttnSplit { chunk };
+            let len = split.scratch_len(&p, 1, n_kv);
+            let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
+            let mut layer = 0;
+            let s = time_calls(&dev, || {
+                let (k, v) = &caches[layer % layers];
+                layer += 1;
+                let cache = KvCacheView {
+                    k,
+                    v,
+                    n_kv: Some(n_kv),
+                };
+                poly_kernels::cuda::attention::attention_f16_cache(
+                    &dev,
+                    &qd,
+                    &posd,
+                    cache,
+                    &p,
+                    split,
+                    scratch.as_mut(),
+                    &mut out,
+                )
+                .unwrap()
+            });
+            println!(
+                "bench attention split-K heads {n_head}/{n_head_kv} d {d} position {position} (bucket {n_kv}) splits {}: {:.2} us, KV {:.0} GB/s",
+                split.n_split(n_kv),
+                s * 1e6,
+                bytes as f64 / s / 1e9
+            );
+        }
+    }
 }
 
 #[test]

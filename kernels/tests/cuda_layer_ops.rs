@@ -10,7 +10,9 @@
 
 #![cfg(feature = "cuda")]
 
-use poly_kernels::cuda::attention::{attention_f16, AttnSplit};
+use poly_kernels::cuda::attention::{
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
+};
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::sample::{self, DrawParams};
@@ -243,6 +245,148 @@ fn attention_matches_cpu_for_decode_and_prompts() {
     ];
     for (i, c) in cases.iter().enumerate() {
         failures.extend(check_attention(&dev, c, 100 + i as u64));
+    }
+    assert_no_failures(failures);
+}
+
+/// One case of the one-token kernel: the token at `position` in a cache allocated for `rows` rows of which
+/// the launch may read `n_kv`; rows past the position hold NaN, so a kernel that reads and masks them (instead
+/// of skipping them) gives NaN.
+struct DecodeCase {
+    p: AttnParams,
+    rows: usize,
+    n_kv: usize,
+    position: usize,
+    n_split: usize,
+    /// The launch stores the token's key and value (the cache's row holds NaN before).
+    store: bool,
+}
+
+fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
+    let p = &c.p;
+    let d = p.head_dim_k;
+    let mut rng = Rng::new(seed);
+    let q = normals(&mut rng, p.n_head * d);
+    let row = p.n_head_kv * d;
+    let seen = c.position + 1;
+    let f16 = |v: Vec<f32>| -> (Vec<f32>, Vec<u16>) {
+        let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+        (
+            h.iter().map(|x| x.to_f32()).collect(),
+            h.iter().map(|x| x.to_bits()).collect(),
+        )
+    };
+    let (k, mut kbits) = f16(normals(&mut rng, seen * row));
+    let (v, mut vbits) = f16(normals(&mut rng, seen * row));
+    let nan = half::f16::NAN.to_bits();
+    kbits.resize(c.rows * row, nan);
+    vbits.resize(c.rows * row, nan);
+    // With a store the token's own row is given as f32 (its f16 rounding is what the CPU reads) and the
+    // cache holds NaN there until the launch writes it.
+    let at = c.position * row..(c.position + 1) * row;
+    let (k_new, v_new) = (k[at.clone()].to_vec(), v[at.clone()].to_vec());
+    let (k_row_bits, v_row_bits) = (kbits[at.clone()].to_vec(), vbits[at.clone()].to_vec());
+    if c.store {
+        kbits[at.clone()].fill(nan);
+        vbits[at.clone()].fill(nan);
+    }
+    let mut want = vec![0f32; p.n_head * d];
+    attention(&q, &[c.position as u32], &k, &v, p, &mut want);
+
+    let qd = dev.upload(&q).unwrap();
+    let posd = dev.upload(&[c.position as i32]).unwrap();
+    let (mut kd, mut vd) = (dev.upload(&kbits).unwrap(), dev.upload(&vbits).unwrap());
+    let (knd, vnd) = (dev.upload(&k_new).unwrap(), dev.upload(&v_new).unwrap());
+    let len = decode_scratch_len(p, c.n_split);
+    let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
+    let mut out = dev.zeros::<f32>(want.len()).unwrap();
+    let cache = if c.store {
+        DecodeCache::Store {
+            k_new: &knd,
+            v_new: &vnd,
+            k: &mut kd,
+            v: &mut vd,
+            n_kv: c.n_kv,
+        }
+    } else {
+        DecodeCache::Read(KvCacheView {
+            k: &kd,
+            v: &vd,
+            n_kv: Some(c.n_kv),
+        })
+    };
+    attention_decode_f16(
+        dev,
+        &qd,
+        &posd,
+        cache,
+        p,
+        c.n_split,
+        scratch.as_mut(),
+        &mut out,
+    )
+    .unwrap();
+    let got = dev.download(&out).unwrap();
+    let what = format!(
+        "attention_decode heads {}/{} d {d} position {} of {} rows (cache {}) splits {} window {:?} softcap {:?} store {}",
+        p.n_head, p.n_head_kv, c.position, c.n_kv, c.rows, c.n_split, p.window, p.softcap, c.store
+    );
+    if c.store {
+        // The stored row is the f16 rounding of the given values, bit for bit (kv_store_f16_pos's values).
+        let (kc, vc) = (dev.download(&kd).unwrap(), dev.download(&vd).unwrap());
+        let at = c.position * row..(c.position + 1) * row;
+        if kc[at.clone()] != k_row_bits[..] || vc[at] != v_row_bits[..] {
+            return Some(format!("{what}: the stored row differs"));
+        }
+    }
+    nmse_check(&what, &got, &want, 1e-9)
+}
+
+#[test]
+fn attention_decode_matches_cpu_and_reads_nothing_past_the_position() {
+    let Some(dev) = device() else { return };
+    let qwen3 = attn_params(32, 4, 128);
+    let qwen35 = attn_params(16, 2, 256);
+    let tiny = attn_params(4, 2, 64);
+    let gemma = AttnParams {
+        window: Some(512),
+        softcap: Some(50.0),
+        ..attn_params(4, 1, 256)
+    };
+    let small = attn_params(8, 8, 32);
+    let case = |p, rows, n_kv, position, n_split| DecodeCase {
+        p,
+        rows,
+        n_kv,
+        position,
+        n_split,
+        store: false,
+    };
+    let store = |c: DecodeCase| DecodeCase { store: true, ..c };
+    let cases = [
+        case(qwen3, 256, 256, 0, 1),
+        case(qwen3, 256, 256, 0, 8),
+        case(qwen3, 1024, 1024, 777, 1),
+        case(qwen3, 4096, 2048, 2000, 64),
+        case(qwen3, 16384, 8192, 8000, 66),
+        case(qwen3, 16384, 8192, 4100, 256),
+        case(qwen3, 512, 512, 10, 256),
+        case(qwen35, 4096, 2048, 1999, 128),
+        case(qwen35, 256, 256, 40, 3),
+        case(tiny, 300, 256, 100, 8),
+        case(gemma, 4096, 4096, 3000, 16),
+        case(gemma, 1024, 512, 300, 5),
+        case(small, 64, 64, 63, 2),
+        // the token's key and value stored by the launch
+        store(case(qwen3, 4096, 2048, 2000, 64)),
+        store(case(qwen3, 256, 256, 0, 8)),
+        store(case(qwen35, 512, 512, 300, 256)),
+        store(case(gemma, 4096, 4096, 3000, 16)),
+        store(case(tiny, 300, 256, 100, 1)),
+    ];
+    let mut failures = Vec::new();
+    for (i, c) in cases.iter().enumerate() {
+        failures.extend(check_decode(&dev, c, 300 + i as u64));
     }
     assert_no_failures(failures);
 }

@@ -164,7 +164,8 @@ fn matvec_matches_cpu_for_quantized_formats() {
     let mut failures = Vec::new();
     for ty in QUANT_TYPES {
         // 768 columns: fewer weight blocks per row than threads (the expert down projection's shape).
-        for (rows, cols) in [(67, 2048), (130, 768), (5, 4096)] {
+        // 1027 and 2050 rows: launches with 4 rows per warp group, the last group short.
+        for (rows, cols) in [(67, 2048), (130, 768), (5, 4096), (1027, 2048), (2050, 768)] {
             failures.extend(check_matvec(&dev, ty, rows, cols, 10 + rows as u64));
         }
     }
@@ -185,9 +186,14 @@ fn matvec_matches_cpu_for_float_formats() {
 
 /// The expert kernels: slots with ids read on the card, shared and per-slot inputs, and ids that name no
 /// expert (negative, or past the last) giving zeros.
-fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
+fn check_experts(
+    dev: &Device,
+    ty: GgmlType,
+    (rows, cols): (usize, usize),
+    seed: u64,
+) -> Vec<String> {
     let mut failures = Vec::new();
-    let (rows, cols, n_expert) = (96, 512, 6);
+    let n_expert = 6;
     let mut rng = Rng::new(seed);
     let w = random_weights(ty, &mut rng, rows * cols * n_expert);
     let expert_bytes = w.len() / n_expert;
@@ -233,7 +239,7 @@ fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
             let mut want = vec![0f32; rows];
             matvec(&m, xs, &mut want);
             failures.extend(nmse_check(
-                &format!("experts {ty} {input:?} slot {s}"),
+                &format!("experts {ty} {rows}x{cols} {input:?} slot {s}"),
                 got_s,
                 &want,
                 bound,
@@ -243,12 +249,101 @@ fn check_experts(dev: &Device, ty: GgmlType, seed: u64) -> Vec<String> {
     failures
 }
 
+/// The fused gate-and-up launch: bit for bit the two expert launches and the SwiGLU (so a decode graph
+/// with it computes what the separate launches did), zeros for ids that name no expert, and close to the CPU's
+/// silu(gate·x)·(up·x). Rows of 2048 columns (4 warps per row) and of 768 (2).
+fn check_experts_glu(dev: &Device, ty: GgmlType, cols: usize, seed: u64) -> Vec<String> {
+    let mut failures = Vec::new();
+    // 770 rows: 4 rows per warp group (8 slots), the last group short.
+    let (rows, n_expert) = (770, 6);
+    let mut rng = Rng::new(seed);
+    let wg = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let wu = random_weights(ty, &mut rng, rows * cols * n_expert);
+    let gate = StackedExperts::upload(dev, ty, (rows, cols, n_expert), &wg).unwrap();
+    let up = StackedExperts::upload(dev, ty, (rows, cols, n_expert), &wu).unwrap();
+    let ids: Vec<i32> = vec![4, 0, 5, -1, 4, 6, 2, 1];
+    let idsd = dev.upload(&ids).unwrap();
+    let x = normals(&mut rng, cols);
+    let xd = dev.upload(&x).unwrap();
+    let mut xq = dev.zeros::<BlockQ8_1>(cols / 32).unwrap();
+    ops::quantize_q8_1(dev, &xd, &mut xq).unwrap();
+    let n = ids.len() * rows;
+    let mut hd = dev.zeros::<f32>(n).unwrap();
+    ops::matvec_experts_glu_q(dev, (gate.table(), up.table()), &idsd, &xq, &mut hd).unwrap();
+    let got = dev.download(&hd).unwrap();
+    let (mut gd, mut ud, mut sd) = (
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+    );
+    let shared = ExpertInput::Shared;
+    ops::matvec_experts_q(dev, gate.table(), &idsd, &xq, shared, &mut gd).unwrap();
+    ops::matvec_experts_q(dev, up.table(), &idsd, &xq, shared, &mut ud).unwrap();
+    ops::swiglu(dev, &gd, &ud, &mut sd).unwrap();
+    let separate = dev.download(&sd).unwrap();
+    let differ = got
+        .iter()
+        .zip(&separate)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if differ > 0 {
+        failures.push(format!(
+            "experts_glu {ty} cols {cols}: {differ} of {n} values differ from the separate launches"
+        ));
+    }
+    let expert_bytes = wg.len() / n_expert;
+    for (s, &e) in ids.iter().enumerate() {
+        let got_s = &got[s * rows..(s + 1) * rows];
+        if e < 0 || e as usize >= n_expert {
+            if got_s.iter().any(|&v| v != 0.0) {
+                failures.push(format!("experts_glu {ty} slot {s} (id {e}) not zero"));
+            }
+            continue;
+        }
+        let e = e as usize;
+        let part = |w: &[u8]| {
+            let m = QuantMatrix::new(ty, rows, cols, &w[e * expert_bytes..(e + 1) * expert_bytes])
+                .unwrap();
+            let mut y = vec![0f32; rows];
+            matvec(&m, &x, &mut y);
+            y
+        };
+        let mut want = part(&wg);
+        let u = part(&wu);
+        swiglu_in_place(&mut want, &u);
+        failures.extend(nmse_check(
+            &format!("experts_glu {ty} cols {cols} slot {s}"),
+            got_s,
+            &want,
+            4.0 * MATVEC_Q_NMSE,
+        ));
+    }
+    failures
+}
+
+#[test]
+fn fused_gate_up_experts_equal_the_separate_launches() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in QUANT_TYPES.iter().enumerate() {
+        for cols in [2048, 768] {
+            if cols % ty.block_elems() == 0 {
+                failures.extend(check_experts_glu(&dev, *ty, cols, 60 + i as u64));
+            }
+        }
+    }
+    assert_no_failures(failures);
+}
+
 #[test]
 fn expert_matvec_matches_cpu_per_slot() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
     for (i, ty) in QUANT_TYPES.iter().chain(FLOAT_TYPES.iter()).enumerate() {
-        failures.extend(check_experts(&dev, *ty, 30 + i as u64));
+        // 514 rows of 2048: 4 rows per warp group, the last group short.
+        for shape in [(96, 512), (514, 2048)] {
+            failures.extend(check_experts(&dev, *ty, shape, 30 + i as u64));
+        }
     }
     assert_no_failures(failures);
 }
@@ -308,8 +403,22 @@ fn rope_matches_cpu_in_both_modes() {
             let mut xd = dev.upload(&x).unwrap();
             let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let posd = dev.upload(&pos).unwrap();
+            // Out of place (the engine's call) first: the same values as in place, bit for bit, with the
+            // dimensions past n_rot copied.
+            let mut outd = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
+            ops::rope_into(&dev, &xd, &posd, &p, &mut outd).unwrap();
+            let into = dev.download(&outd).unwrap();
             ops::rope(&dev, &mut xd, &posd, &p).unwrap();
             let got = dev.download(&xd).unwrap();
+            if into
+                .iter()
+                .zip(&got)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                failures.push(format!(
+                    "rope_into {mode:?} n_rot {n_rot} differs from rope in place"
+                ));
+            }
             // Same angles bit for bit; only sin/cos may round differently (a few ulp of angles up to 4e4).
             failures.extend(nmse_check(
                 &format!("rope {mode:?} n_rot {n_rot} base {base}"),

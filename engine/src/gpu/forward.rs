@@ -9,7 +9,9 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use poly_kernels::cuda::attention::{attention_f16_cache, AttnSplit, KvCacheView, ATTN_KEY_TILE};
+use poly_kernels::cuda::attention::{
+    self, attention_f16_cache, AttnSplit, DecodeCache, KvCacheView, ATTN_KEY_TILE,
+};
 use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
@@ -57,6 +59,50 @@ fn decode_split(p: &AttnParams, n_kv: usize) -> AttnSplit {
         chunk: chunk.div_ceil(ATTN_KEY_TILE) * ATTN_KEY_TILE,
     }
 }
+
+/// Whether one-token attention uses the flash-decoding kernel (`attention_decode_f16`);
+/// `POLY_ATTN_DECODE=old` selects the split-K kernel of prompts instead (for before/after measurements).
+fn decode_kernel_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_ATTN_DECODE").map_or(true, |v| v.trim() != "old"))
+}
+
+/// Whether one token's gate and up experts run as one fused launch (`POLY_MOE_GLU=off`: two launches and
+/// the SwiGLU, for before/after measurements).
+fn fused_glu_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_MOE_GLU").map_or(true, |v| v.trim() != "off"))
+}
+
+/// Whether the flash-decoding kernel also stores the token's key and value into the cache
+/// (`POLY_ATTN_KV_STORE=fused`; default: `kv_store_f16_pos` first, one launch more).
+fn decode_store_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_ATTN_KV_STORE").is_ok_and(|v| v.trim() == "fused"))
+}
+
+/// Splits of the flash-decoding kernel over a bucket of `n_kv` cache rows: about
+/// [`ATTN_TARGET_BLOCKS`] blocks (`POLY_ATTN_BLOCKS` overrides it, for measurements) with at least
+/// [`DECODE_MIN_KEYS`] keys each when the bucket is full, at most [`attention::DECODE_MAX_SPLIT`]. The
+/// kernel cuts the keys the token sees (not the bucket) into that many parts, so the blocks stay busy
+/// anywhere in the bucket.
+fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
+    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let target = *TARGET.get_or_init(|| {
+        std::env::var("POLY_ATTN_BLOCKS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&b: &usize| b > 0)
+            .unwrap_or(ATTN_TARGET_BLOCKS)
+    });
+    let by_blocks = target.div_ceil(p.n_head_kv.max(1));
+    let by_keys = (n_kv / DECODE_MIN_KEYS).max(1);
+    by_blocks.min(by_keys).clamp(1, attention::DECODE_MAX_SPLIT)
+}
+
+/// The fewest keys a block of the flash-decoding kernel takes in a full bucket (below that the merge costs
+/// more than the blocks gain).
+const DECODE_MIN_KEYS: usize = 32;
 
 /// The changing inputs of a decode graph, in buffers its launches read: the token's embedding row
 /// `[n_embd]` and its position `[1]`.
@@ -879,6 +925,45 @@ impl<'a> GpuForward<'a> {
         }
     }
 
+    /// One token's routed experts with SiLU and quantized experts: gate and up in one launch writing
+    /// `silu(gate)·up` `[k, n_ff]`, quantized for the down experts, which write the `[k, n_embd]` outputs in
+    /// slot order (the values of the separate launches bit for bit).
+    fn moe_token_fused(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let slots = ids.len();
+        let n_ff = gate_t.rows;
+        let t = self.op_begin();
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        let r = self.with_q8(Some(x.id), x.buf()?, |xq| {
+            ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h)
+        });
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        let r = r.and_then(|()| ops::quantize_q8_1(dev, &h, &mut hq));
+        self.pool.put_f32(h);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
+        let mut y = self.pool.f32(dev, slots * x.cols)?;
+        let r = r.and_then(|()| {
+            ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+        });
+        self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
     /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
     /// `[slots, n_embd]` outputs in slot order.
     fn moe_slots(
@@ -892,6 +977,16 @@ impl<'a> GpuForward<'a> {
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
         let n_ff = gate_t.rows;
+        let q8 = |ty| ops::activation_form(ty) == Some(ops::ActivationForm::Q8_1);
+        if n == 1
+            && matches!(m.act, Unary::Silu)
+            && gate_t.ty == up_t.ty
+            && q8(gate_t.ty)
+            && q8(down_t.ty)
+            && fused_glu_on()
+        {
+            return self.moe_token_fused(x, ids, [gate_t, up_t, down_t]);
+        }
         let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
         let (input, x_rep) = if n == 1 {
@@ -1169,8 +1264,7 @@ impl Compute for GpuForward<'_> {
         let p = rope_params(r);
         self.run("rope", x.len() == 0, |c| {
             let o = out.buf_mut()?;
-            ew::scale(c.dev, x.buf()?, 1.0, o)?;
-            ops::rope(c.dev, o, c.positions()?, &p)
+            ops::rope_into(c.dev, x.buf()?, c.positions()?, &p, o)
         });
         out
     }
@@ -1218,14 +1312,60 @@ impl Compute for GpuForward<'_> {
                 // One token: the store and the attention read the position on the card and the cache
                 // is read up to a bucket of the context ([`decode_kv_rows`]; the causal mask stops at
                 // the position), so the same launches serve every position of the bucket (a graph).
+                let (k_width, v_width) = (*k_width, *v_width);
+                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / k_width.max(1));
+                if decode_kernel_on() && attention::decode_takes(&p) && k_width == v_width {
+                    let n_split = decode_n_split(&p, n_kv);
+                    let scratch_len = attention::decode_scratch_len(&p, n_split);
+                    let mut scratch = if scratch_len > 0 {
+                        Some(c.pool.f32(dev, scratch_len)?)
+                    } else {
+                        None
+                    };
+                    let cache = if decode_store_fused() {
+                        DecodeCache::Store {
+                            k_new: k.buf()?,
+                            v_new: v.buf()?,
+                            k: kc,
+                            v: vc,
+                            n_kv,
+                        }
+                    } else {
+                        let dst = ew::KvDst {
+                            k: kc,
+                            v: vc,
+                            k_width,
+                            v_width,
+                        };
+                        ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
+                        DecodeCache::Read(KvCacheView {
+                            k: kc,
+                            v: vc,
+                            n_kv: Some(n_kv),
+                        })
+                    };
+                    let r = attention::attention_decode_f16(
+                        dev,
+                        q.buf()?,
+                        positions,
+                        cache,
+                        &p,
+                        n_split,
+                        scratch.as_mut(),
+                        out.buf_mut()?,
+                    );
+                    if let Some(s) = scratch {
+                        c.pool.put_f32(s);
+                    }
+                    return r;
+                }
                 let dst = ew::KvDst {
                     k: kc,
                     v: vc,
-                    k_width: *k_width,
-                    v_width: *v_width,
+                    k_width,
+                    v_width,
                 };
                 ew::kv_store_f16_pos(dev, k.buf()?, v.buf()?, positions, dst)?;
-                let n_kv = decode_kv_rows(pos0 + 1, kc.len() / (*k_width).max(1));
                 (n_kv, decode_split(&p, n_kv))
             } else {
                 ew::kv_store_f16(dev, k.buf()?, kc, pos0 * *k_width)?;

@@ -1,7 +1,8 @@
 //! Attention over an f16 KV cache on the card (`kernels/cuda/attention.cu`): one launch for a decode step or
 //! a prompt batch, the context optionally split into chunks (split-K) whose partial results a second launch
-//! merges. The arithmetic is the CPU's [`crate::ops::attention::attention`] (f32 scores and an online
-//! softmax in f32) over keys and values stored as f16.
+//! merges, and a flash-decoding launch for one token ([`attention_decode_f16`]). The arithmetic is the
+//! CPU's [`crate::ops::attention::attention`] (f32 scores and an online softmax in f32) over keys and values
+//! stored as f16.
 
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
@@ -265,6 +266,185 @@ pub fn attention_f16_cache(
     Ok(())
 }
 
+/// Most splits of a one-token attention ([`attention_decode_f16`], `ATD_MAX_SPLIT`).
+pub const DECODE_MAX_SPLIT: usize = 256;
+/// Largest GQA group (query heads per KV head) the one-token kernel takes (`ATD_MAX_G`).
+const DECODE_MAX_GROUP: usize = 8;
+
+/// The one-token kernel's argument struct (`AttnDecodeArgs` in attention.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttnDecodeArgs {
+    n_kv: i32,
+    n_head: i32,
+    n_head_kv: i32,
+    d: i32,
+    scale: f32,
+    softcap: f32,
+    window: i32,
+    n_split: i32,
+}
+
+// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnDecodeArgs`.
+unsafe impl DeviceRepr for AttnDecodeArgs {}
+
+/// Whether [`attention_decode_f16`] takes these heads: equal key and value dims of 32, 64, 128 or 256 and
+/// at most 8 query heads per KV head (other shapes use [`attention_f16_cache`]).
+pub fn decode_takes(p: &AttnParams) -> bool {
+    p.head_dim_k == p.head_dim_v
+        && matches!(p.head_dim_k, 32 | 64 | 128 | 256)
+        && p.n_head_kv > 0
+        && p.n_head.is_multiple_of(p.n_head_kv)
+        && p.n_head / p.n_head_kv <= DECODE_MAX_GROUP
+}
+
+/// Floats of the scratch [`attention_decode_f16`] needs with `n_split` splits (0 for one).
+pub fn decode_scratch_len(p: &AttnParams, n_split: usize) -> usize {
+    if n_split <= 1 {
+        0
+    } else {
+        n_split * p.n_head * (p.head_dim_v + 2)
+    }
+}
+
+/// The cache a one-token attention reads: the first `n_kv` rows of `k` and `v` as they are
+/// ([`DecodeCache::Read`]), or after storing the token's own key and value (`k_new`, `v_new`, f32
+/// `[n_head_kv·d]`) into the row of its position, as f16 ([`DecodeCache::Store`]: the store and the
+/// attention in one launch, the values `kv_store_f16_pos` would store).
+pub enum DecodeCache<'a> {
+    Read(KvCacheView<'a>),
+    Store {
+        k_new: &'a DeviceBuffer<f32>,
+        v_new: &'a DeviceBuffer<f32>,
+        k: &'a mut DeviceBuffer<u16>,
+        v: &'a mut DeviceBuffer<u16>,
+        n_kv: usize,
+    },
+}
+
+/// Attention of one token's query over the first `n_kv` rows of an f16 KV cache (flash decoding):
+/// `n_split` blocks per KV head each take an equal part of the keys the token sees, cut from its position
+/// read on the card (`positions` `[1]`), so a graph captured for a bucket of cache rows reads only the
+/// rows up to the position whatever the bucket; each block reads a key and value row once for all heads of
+/// its group. `q` `[n_head·d]`, `out` `[n_head·d]`; `scratch` holds [`decode_scratch_len`] floats when
+/// `n_split > 1` (a second launch merges the splits). The shapes must pass [`decode_takes`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_f16(
+    dev: &Device,
+    q: &DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    cache: DecodeCache<'_>,
+    p: &AttnParams,
+    n_split: usize,
+    scratch: Option<&mut DeviceBuffer<f32>>,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if !decode_takes(p) {
+        return invalid(format!("attention_decode: heads {p:?}"));
+    }
+    if n_split == 0 || n_split > DECODE_MAX_SPLIT {
+        return invalid(format!("attention_decode: {n_split} splits"));
+    }
+    let d = p.head_dim_k;
+    let row = p.n_head_kv * d;
+    let (k_len, v_len, n_kv) = match &cache {
+        DecodeCache::Read(c) => (c.k.len(), c.v.len(), c.n_kv.unwrap_or(c.k.len() / row)),
+        DecodeCache::Store {
+            k_new,
+            v_new,
+            k,
+            v,
+            n_kv,
+        } => {
+            check_len("attention_decode k_new", k_new, row)?;
+            check_len("attention_decode v_new", v_new, row)?;
+            (k.len(), v.len(), *n_kv)
+        }
+    };
+    check_len("attention_decode positions", positions, 1)?;
+    check_len("attention_decode q", q, p.n_head * d)?;
+    check_len("attention_decode out", out, p.n_head * d)?;
+    if n_kv == 0 || n_kv * row > k_len || n_kv * row > v_len {
+        return invalid(format!(
+            "attention_decode: {n_kv} cache rows of k {k_len} / v {v_len} values"
+        ));
+    }
+    let scratch = match scratch {
+        Some(s) if n_split > 1 => {
+            check_len(
+                "attention_decode scratch",
+                s,
+                decode_scratch_len(p, n_split),
+            )?;
+            Some(s)
+        }
+        _ if n_split > 1 => return invalid("attention_decode: a split needs scratch".to_string()),
+        _ => None,
+    };
+    let args = AttnDecodeArgs {
+        n_kv: as_i32("n_kv", n_kv)?,
+        n_head: as_i32("n_head", p.n_head)?,
+        n_head_kv: as_i32("n_head_kv", p.n_head_kv)?,
+        d: d as i32,
+        scale: p.scale,
+        softcap: p.softcap.unwrap_or(0.0),
+        window: p.window.map_or(Ok(0), |w| as_i32("window", w as usize))?,
+        n_split: n_split as i32,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (n_split as u32, p.n_head_kv as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::Attention, "attn_decode_f16")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(q.slice()).arg(positions.slice());
+    // Without a store k_new and v_new go as null.
+    let null: u64 = 0;
+    match cache {
+        DecodeCache::Read(c) => {
+            b.arg(c.k.slice()).arg(c.v.slice()).arg(&null).arg(&null);
+        }
+        DecodeCache::Store {
+            k_new, v_new, k, v, ..
+        } => {
+            b.arg(k.slice_mut())
+                .arg(v.slice_mut())
+                .arg(k_new.slice())
+                .arg(v_new.slice());
+        }
+    }
+    // `partial` goes as a device address: scratch with a split; without one the kernel never touches it.
+    let partial_ptr: u64 = scratch.as_ref().map_or(out.address(), |s| s.address());
+    b.arg(out.slice_mut()).arg(&partial_ptr).arg(&args);
+    // SAFETY: q and out hold n_head·d floats, positions one value, k and v at least n_kv rows, k_new and
+    // v_new (with a store) n_head_kv·d floats (checked above); the kernel reads cache rows only up to
+    // min(position, n_kv − 1) with 16-byte loads (d a multiple of 8 and rows of n_head_kv·d f16 keep them
+    // aligned), writes the position's row only with a store (the caches then borrowed mutably), and writes
+    // out (one split) or scratch (several: decode_scratch_len floats).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("attn_decode_f16")?;
+    if let Some(scratch) = scratch {
+        let f = dev.function(KernelModule::Attention, "attn_decode_reduce")?;
+        let mut b = dev.stream().launch_builder(&f);
+        let (heads, d_i, split_i) = (p.n_head as i32, d as i32, n_split as i32);
+        b.arg(scratch.slice())
+            .arg(out.slice_mut())
+            .arg(&heads)
+            .arg(&d_i)
+            .arg(&split_i);
+        let cfg = LaunchConfig {
+            grid_dim: (p.n_head as u32, d.div_ceil(32) as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: scratch holds n_split × n_head × (d + 2) floats and out n_head × d (checked above).
+        unsafe { b.launch(cfg) }?;
+        dev.after_launch("attn_decode_reduce")?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,5 +479,17 @@ mod tests {
         assert!(s.n_split(8000) * s.chunk >= 8000 && s.n_split(8000) > 1);
         assert_eq!(AttnSplit::none(100).n_split(100), 1);
         assert_eq!(s.scratch_len(&p, 1, 8000), s.n_split(8000) * 32 * 130);
+    }
+
+    #[test]
+    fn the_decode_kernel_takes_the_shapes_of_its_launch_geometry() {
+        assert!(decode_takes(&params(32, 4, 128)));
+        assert!(decode_takes(&params(16, 2, 256)));
+        assert!(decode_takes(&params(4, 2, 64)));
+        assert!(!decode_takes(&params(6, 3, 80)), "d not a power of two");
+        assert!(!decode_takes(&params(32, 2, 128)), "group of 16");
+        assert!(!decode_takes(&params(8, 2, 512)), "d over 256");
+        assert_eq!(decode_scratch_len(&params(32, 4, 128), 1), 0);
+        assert_eq!(decode_scratch_len(&params(32, 4, 128), 64), 64 * 32 * 130);
     }
 }

@@ -202,6 +202,50 @@ pub(crate) fn q_matvec_config(
     (cfg, wpr as i32)
 }
 
+/// Most rows per warp group of the one-token matvec kernels (`MATVEC_MAX_RPG` in matvec_q.cu).
+const MATVEC_MAX_RPG: usize = 4;
+/// Fewest blocks a one-token matvec launch keeps when it gives each warp group more rows (about two per SM
+/// of a large card).
+const MATVEC_MIN_BLOCKS: usize = 256;
+
+/// `POLY_MATVEC_RPG` (1, 2 or 4, default 4): at most this many rows per warp group in the one-token matvec
+/// kernels (1: one row per group, the launch shape before rows were grouped). Every value computes every
+/// row's sum alike (the same values); a knob for measurements.
+fn max_rows_per_group() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("POLY_MATVEC_RPG").ok().as_deref() {
+        Some("1") => 1,
+        Some("2") => 2,
+        _ => MATVEC_MAX_RPG,
+    })
+}
+
+/// The launch shape of a one-token quantized matvec (the `matvec_*`, `matvec_experts_*` and
+/// `matvec_experts_glu_*` kernels) over `rows` rows and `slots` expert slots: warps per row as
+/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1) that leaves the launch
+/// [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
+pub(crate) fn q_matvec_rows_config(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    slots: usize,
+) -> (LaunchConfig, i32, i32) {
+    let wpr = warps_per_row(ty, cols);
+    let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
+    let blocks = |rpg: usize| rows.div_ceil(rows_per_block * rpg) * slots;
+    let rpg = [4, 2, 1]
+        .into_iter()
+        .filter(|&r| r <= max_rows_per_group())
+        .find(|&r| r == 1 || blocks(r) >= MATVEC_MIN_BLOCKS)
+        .unwrap_or(1);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block * rpg) as u32, slots as u32, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: 0,
+    };
+    (cfg, wpr as i32, rpg as i32)
+}
+
 /// `y = W·x` for a quantized `W`, with `x` already quantized ([`quantize_q8_1`]; `W.cols/32` blocks).
 pub fn matvec_q(
     dev: &Device,
@@ -213,7 +257,7 @@ pub fn matvec_q(
     check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
-    let (cfg, wpr) = q_matvec_config(w.ty, w.rows, w.cols, 1);
+    let (cfg, wpr, rpg) = q_matvec_rows_config(w.ty, w.rows, w.cols, 1);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(w.data().slice())
@@ -221,7 +265,8 @@ pub fn matvec_q(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows)
-        .arg(&wpr);
+        .arg(&wpr)
+        .arg(&rpg);
     // SAFETY: the matrix holds rows × cols of its format (checked at upload); x holds cols/32 blocks and y
     // rows floats (checked above); the kernel touches nothing else.
     unsafe { b.launch(cfg) }?;
@@ -311,6 +356,78 @@ pub fn matvec_experts_q(
     )
 }
 
+/// The gate and up experts of one token in one launch: for slot `s` of `ids.len()`,
+/// `h[s·rows..][..rows] = silu(G[ids[s]]·x) ⊙ (U[ids[s]]·x)` with `xq` the token's quantized input (shared by
+/// every slot). Bit for bit [`matvec_experts_q`] of each table then `swiglu`; the two weight rows are read
+/// in one loop. Both tables must have the same quantized format and shape; a slot whose expert has no
+/// address in either table gives zeros.
+pub fn matvec_experts_glu_q(
+    dev: &Device,
+    (gate, up): (&ExpertTable, &ExpertTable),
+    ids: &DeviceBuffer<i32>,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    h: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if (gate.ty, gate.rows, gate.cols, gate.n_expert) != (up.ty, up.rows, up.cols, up.n_expert) {
+        return invalid(format!(
+            "matvec_experts_glu_q: gate {} [{}, {}] × {} and up {} [{}, {}] × {} differ",
+            gate.ty, gate.rows, gate.cols, gate.n_expert, up.ty, up.rows, up.cols, up.n_expert
+        ));
+    }
+    let name = glu_kernel(gate.ty)?;
+    check_shape(gate.ty, gate.rows, gate.cols)?;
+    check_len("matvec_experts_glu_q x", xq, gate.cols / BlockQ8_1::ELEMS)?;
+    let n_slots = ids.len();
+    if n_slots > 65_535 {
+        return invalid(format!(
+            "{name}: {n_slots} slots (at most 65535 per launch)"
+        ));
+    }
+    check_len("matvec_experts_glu_q h", h, n_slots * gate.rows)?;
+    let (ncols, nrows) = (as_i32("cols", gate.cols)?, as_i32("rows", gate.rows)?);
+    let n_expert = as_i32("n_expert", gate.n_expert)?;
+    let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
+    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(gate.addresses().slice())
+        .arg(up.addresses().slice())
+        .arg(ids.slice())
+        .arg(&n_expert)
+        .arg(xq.slice())
+        .arg(h.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows)
+        .arg(&wpr)
+        .arg(&rpg);
+    // SAFETY: both tables hold n_expert addresses, each 0 or the start of a rows × cols matrix of their
+    // (common) format that lives as long as the tables' owner; the kernel reads ids[0..n_slots] and gives
+    // 0 for ids outside 0..n_expert; x holds cols/32 blocks and h n_slots × rows floats (checked above).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// The fused gate-and-up kernel of a quantized format (`matvec_experts_glu_<fmt>` in matvec_q.cu).
+pub(crate) fn glu_kernel(ty: GgmlType) -> CudaResult<&'static str> {
+    const GLU: [(GgmlType, &str); 12] = [
+        (GgmlType::Q4_0, "matvec_experts_glu_q4_0"),
+        (GgmlType::Q4_1, "matvec_experts_glu_q4_1"),
+        (GgmlType::Q5_0, "matvec_experts_glu_q5_0"),
+        (GgmlType::Q5_1, "matvec_experts_glu_q5_1"),
+        (GgmlType::Q8_0, "matvec_experts_glu_q8_0"),
+        (GgmlType::Q2_K, "matvec_experts_glu_q2_k"),
+        (GgmlType::Q3_K, "matvec_experts_glu_q3_k"),
+        (GgmlType::Q4_K, "matvec_experts_glu_q4_k"),
+        (GgmlType::Q5_K, "matvec_experts_glu_q5_k"),
+        (GgmlType::Q6_K, "matvec_experts_glu_q6_k"),
+        (GgmlType::IQ4_NL, "matvec_experts_glu_iq4_nl"),
+        (GgmlType::IQ4_XS, "matvec_experts_glu_iq4_xs"),
+    ];
+    GLU.iter()
+        .find(|(t, _)| *t == ty)
+        .map(|(_, name)| *name)
+        .ok_or_else(|| CudaError::Invalid(format!("no fused gate-up kernel for {ty}")))
+}
+
 /// [`matvec_experts_q`] for float expert tensors (F32, F16, BF16), with f32 input.
 pub fn matvec_experts_f(
     dev: &Device,
@@ -369,11 +486,12 @@ fn expert_launch<T>(
     check_len(&format!("{name} y"), y, n_slots * table.rows)?;
     let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
     let n_expert = as_i32("n_expert", table.n_expert)?;
-    // The quantized kernels take the warps per row as their last argument; the float ones one row per block.
+    // The quantized kernels take the warps per row and rows per group as their last arguments; the float
+    // ones one row per block.
     let (cfg, wpr) = match module {
         KernelModule::MatvecQ => {
-            let (cfg, wpr) = q_matvec_config(table.ty, table.rows, table.cols, n_slots);
-            (cfg, Some(wpr))
+            let (cfg, wpr, rpg) = q_matvec_rows_config(table.ty, table.rows, table.cols, n_slots);
+            (cfg, Some((wpr, rpg)))
         }
         _ => {
             let cfg = LaunchConfig {
@@ -394,8 +512,8 @@ fn expert_launch<T>(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows);
-    if let Some(wpr) = &wpr {
-        b.arg(wpr);
+    if let Some((wpr, rpg)) = &wpr {
+        b.arg(wpr).arg(rpg);
     }
     // SAFETY: the table holds n_expert addresses, each 0 or the start of a rows × cols matrix of the
     // table's format that lives as long as the table's owner; the kernel reads ids[0..n_slots] and gives 0
@@ -507,48 +625,103 @@ pub fn rope(
     positions: &DeviceBuffer<i32>,
     p: &RopeParams,
 ) -> CudaResult<()> {
-    if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
-        return invalid(format!(
-            "rope: n_rot {} with head_dim {}",
-            p.n_rot, p.head_dim
-        ));
-    }
-    let n_rows = positions.len();
-    if !x.len().is_multiple_of(n_rows) || !(x.len() / n_rows).is_multiple_of(p.head_dim) {
-        return invalid(format!(
-            "rope: {} values are not {n_rows} rows of whole heads of {}",
-            x.len(),
-            p.head_dim
-        ));
-    }
-    let n_heads = x.len() / n_rows / p.head_dim;
-    let (n_heads_i, head_dim, n_rot) = (
-        as_i32("heads", n_heads)?,
-        as_i32("head_dim", p.head_dim)?,
-        as_i32("n_rot", p.n_rot)?,
-    );
-    let neox: i32 = (p.mode == RopeMode::Neox) as i32;
-    // As the CPU path computes it (f32 powf on the host), so both form the same angles.
-    let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+    let shape = RopeShape::new(x.len(), positions.len(), p)?;
     let f = dev.function(KernelModule::Rope, "rope")?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.slice_mut())
-        .arg(positions.slice())
-        .arg(&n_heads_i)
-        .arg(&head_dim)
-        .arg(&n_rot)
-        .arg(&neox)
-        .arg(&theta_scale)
-        .arg(&p.freq_scale);
-    let cfg = LaunchConfig {
-        grid_dim: (n_rows as u32, n_heads as u32, 1),
-        block_dim: ((p.n_rot / 2) as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: x holds n_rows × n_heads × head_dim floats and positions n_rows ints (checked above); each
-    // thread touches two values of its own head.
-    unsafe { b.launch(cfg) }?;
+    // In place: the kernel reads and writes x (its input goes as x's device address).
+    let src: u64 = x.address();
+    b.arg(&src).arg(x.slice_mut());
+    shape.push_args(&mut b, positions);
+    // SAFETY: x holds n_rows × n_heads × head_dim floats and positions n_rows ints (checked by
+    // RopeShape::new); each thread reads and writes values of its own head only.
+    unsafe { b.launch(shape.config()) }?;
     dev.after_launch("rope")
+}
+
+/// [`rope`] of `x` into `out` (same length), one launch instead of a copy and the rotation.
+pub fn rope_into(
+    dev: &Device,
+    x: &DeviceBuffer<f32>,
+    positions: &DeviceBuffer<i32>,
+    p: &RopeParams,
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    check_len("rope out", out, x.len())?;
+    let shape = RopeShape::new(x.len(), positions.len(), p)?;
+    let f = dev.function(KernelModule::Rope, "rope")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice()).arg(out.slice_mut());
+    shape.push_args(&mut b, positions);
+    // SAFETY: x and out hold n_rows × n_heads × head_dim floats and positions n_rows ints (checked above);
+    // each thread reads its head of x and writes the same head of out.
+    unsafe { b.launch(shape.config()) }?;
+    dev.after_launch("rope")
+}
+
+/// The checked shape and scalar arguments of a rope launch.
+struct RopeShape {
+    n_rows: usize,
+    n_heads: usize,
+    half: usize,
+    args: (i32, i32, i32, i32, f32, f32),
+}
+
+impl RopeShape {
+    fn new(len: usize, n_rows: usize, p: &RopeParams) -> CudaResult<RopeShape> {
+        if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
+            return invalid(format!(
+                "rope: n_rot {} with head_dim {}",
+                p.n_rot, p.head_dim
+            ));
+        }
+        if n_rows == 0 || !len.is_multiple_of(n_rows) || !(len / n_rows).is_multiple_of(p.head_dim)
+        {
+            return invalid(format!(
+                "rope: {len} values are not {n_rows} rows of whole heads of {}",
+                p.head_dim
+            ));
+        }
+        let n_heads = len / n_rows / p.head_dim;
+        let neox: i32 = (p.mode == RopeMode::Neox) as i32;
+        // As the CPU path computes it (f32 powf on the host), so both form the same angles.
+        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
+        Ok(RopeShape {
+            n_rows,
+            n_heads,
+            half: p.n_rot / 2,
+            args: (
+                as_i32("heads", n_heads)?,
+                as_i32("head_dim", p.head_dim)?,
+                as_i32("n_rot", p.n_rot)?,
+                neox,
+                theta_scale,
+                p.freq_scale,
+            ),
+        })
+    }
+
+    fn push_args<'a>(
+        &'a self,
+        b: &mut cudarc::driver::LaunchArgs<'a>,
+        positions: &'a DeviceBuffer<i32>,
+    ) {
+        let (n_heads, head_dim, n_rot, neox, theta_scale, freq_scale) = &self.args;
+        b.arg(positions.slice())
+            .arg(n_heads)
+            .arg(head_dim)
+            .arg(n_rot)
+            .arg(neox)
+            .arg(theta_scale)
+            .arg(freq_scale);
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.n_rows as u32, self.n_heads as u32, 1),
+            block_dim: (self.half as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
 }
 
 /// `out = silu(gate)·up`, element-wise.
@@ -799,6 +972,8 @@ mod tests {
                             .iter()
                             .find(|(n, _)| n == suffix)
                             .unwrap_or_else(|| panic!("{name} has no entry point in matvec_q.cu"));
+                        let glu = glu_kernel(ty).unwrap();
+                        assert_eq!(glu.trim_start_matches("matvec_experts_glu_"), suffix);
                         let (qi, vdr) = qi_vdr(&q_src, fmt);
                         assert_eq!(threads_per_weight_block(ty), qi / vdr, "{ty}");
                         assert_eq!(
@@ -839,5 +1014,12 @@ mod tests {
         assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
         let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
         assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
+        // One token: 4 rows per group where 256 blocks remain, fewer where they would not.
+        let (cfg, wpr, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 768, 2048, 8);
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 4, 4));
+        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 512, 2048, 1);
+        assert_eq!((cfg.grid_dim.0, rpg), (256, 2));
+        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 128, 2048, 1);
+        assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
     }
 }
