@@ -25,6 +25,8 @@ pub trait DeferredState: Send + Sync {
     /// The present states of the recurrent layers among `layers` (`(layer, state)`), which stay as they
     /// are.
     fn recurrent_now(&self, layers: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String>;
+    /// Bytes the host layers will gain when brought up to date (the KV rows they lack).
+    fn pending_bytes(&self) -> usize;
 }
 
 /// A state's [`DeferredState`]; copies of a state share it (equal when it is the same one).
@@ -127,6 +129,24 @@ impl KvCache {
                 self.v.extend(v.iter().map(round));
             }
         }
+    }
+
+    /// Appends rows given as f16 bits (what a GPU's cache holds; exact in either precision).
+    pub fn append_f16(&mut self, k: &[u16], v: &[u16]) {
+        use half::slice::HalfFloatSliceExt;
+        let widen = |dst: &mut Vec<f32>, src: &[u16]| {
+            let at = dst.len();
+            dst.resize(at + src.len(), 0.0);
+            let src: &[half::f16] = half::slice::HalfBitsSliceExt::reinterpret_cast(src);
+            src.convert_to_f32_slice(&mut dst[at..]);
+        };
+        assert_eq!(
+            k.len() / self.k_width().max(1) * self.v_width(),
+            v.len(),
+            "KV cache: keys and values differ in rows"
+        );
+        widen(&mut self.k, k);
+        widen(&mut self.v, v);
     }
 
     /// Every key row, position 0 first.
@@ -427,9 +447,9 @@ impl SeqState {
         true
     }
 
-    /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked).
+    /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked). A
+    /// state whose host layers are behind stays so: parking it copies nothing.
     pub fn shrink_to_fit(&mut self) {
-        self.sync_or_log();
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
                 c.k.shrink_to_fit();
@@ -439,15 +459,18 @@ impl SeqState {
         self.tokens.shrink_to_fit();
     }
 
-    /// Bytes of state held (KV rows and recurrent states).
+    /// Bytes of state held (KV rows and recurrent states), counting those a backend holds for the host
+    /// layers as the host will.
     pub fn bytes(&self) -> usize {
-        self.layers
+        self.deferred.as_ref().map_or(0, |d| d.0.pending_bytes())
+            + self
+                .layers
             .iter()
             .map(|l| match l {
                 LayerState::Kv(c) => c.bytes(),
                 LayerState::Recurrent(r) => r.bytes(),
             })
-            .sum()
+            .sum::<usize>()
     }
 }
 
