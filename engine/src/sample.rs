@@ -555,7 +555,12 @@ mod tests {
 
     #[test]
     fn log_sum_exp_matches_f64_over_a_vocabulary() {
-        for (n, scale, seed) in [(151_936, 3.0, 1), (262_144, 8.0, 2), (1, 1.0, 3), (17, 30.0, 4)] {
+        for (n, scale, seed) in [
+            (151_936, 3.0, 1),
+            (262_144, 8.0, 2),
+            (1, 1.0, 3),
+            (17, 30.0, 4),
+        ] {
             let x = vocab_logits(n, scale, seed);
             let (got, want) = (log_sum_exp(&x), log_sum_exp_f64(&x));
             assert!((got - want).abs() < 2e-6, "n {n}: {got} vs {want}");
@@ -628,12 +633,18 @@ mod tests {
         for _ in 0..reps {
             sink += max_logit(&x) * 1e-30;
         }
-        eprintln!("max {:.0} us", t.elapsed().as_secs_f64() / reps as f64 * 1e6);
+        eprintln!(
+            "max {:.0} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
         let t = std::time::Instant::now();
         for _ in 0..reps {
             sink += log_sum_exp(&x) as f32 * 1e-30;
         }
-        eprintln!("lse {:.0} us", t.elapsed().as_secs_f64() / reps as f64 * 1e6);
+        eprintln!(
+            "lse {:.0} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
         eprintln!("per token: old {old:.0} us, new {new:.0} us (difference of the sums {sink:e})");
         assert!(sink.abs() < 1e-3 * reps as f32);
     }

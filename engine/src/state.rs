@@ -465,12 +465,12 @@ impl SeqState {
         self.deferred.as_ref().map_or(0, |d| d.0.pending_bytes())
             + self
                 .layers
-            .iter()
-            .map(|l| match l {
-                LayerState::Kv(c) => c.bytes(),
-                LayerState::Recurrent(r) => r.bytes(),
-            })
-            .sum::<usize>()
+                .iter()
+                .map(|l| match l {
+                    LayerState::Kv(c) => c.bytes(),
+                    LayerState::Recurrent(r) => r.bytes(),
+                })
+                .sum::<usize>()
     }
 }
 
@@ -577,5 +577,66 @@ mod tests {
         assert!(!h.restore(&ahead), "a checkpoint ahead of the state");
         assert_eq!(h, h2);
         assert!(!a.restore(&at2), "a checkpoint of other layers");
+    }
+
+    /// Stands in for a backend holding the newest rows: appends `rows` rows of ones to every KV layer.
+    struct Behind {
+        rows: usize,
+    }
+
+    impl DeferredState for Behind {
+        fn fetch_into(&self, layers: &mut [LayerState]) -> Result<(), String> {
+            for l in layers {
+                if let LayerState::Kv(c) = l {
+                    let (k, v) = (
+                        vec![0x3c00u16; self.rows * c.k_width()],
+                        vec![0x3c00u16; self.rows * c.v_width()],
+                    );
+                    c.append_f16(&k, &v);
+                }
+            }
+            Ok(())
+        }
+        fn recurrent_now(&self, _: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String> {
+            Ok(Vec::new())
+        }
+        fn pending_bytes(&self) -> usize {
+            self.rows * (8 + 6) * 4
+        }
+    }
+
+    #[test]
+    fn a_state_behind_counts_its_pending_rows_and_parks_without_fetching() {
+        let kv = StateSpec::Kv {
+            n_head_kv: 2,
+            head_dim_k: 4,
+            head_dim_v: 3,
+            window: None,
+        };
+        let mut s = SeqState::with_precision(&[kv], 16, KvPrecision::F16);
+        s.push_tokens(&[1, 2, 3]);
+        s.set_deferred(Some(Deferred(Arc::new(Behind { rows: 3 }))));
+        assert_eq!(s.bytes(), 3 * 14 * 4);
+        s.shrink_to_fit();
+        assert!(s.deferred().is_some(), "parking leaves the host behind");
+        s.sync().unwrap();
+        assert!(s.deferred().is_none());
+        let LayerState::Kv(c) = s.layer(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        assert_eq!(c.len(), 3);
+        assert!(c.keys().iter().chain(c.values()).all(|&x| x == 1.0));
+        assert_eq!(s.bytes(), 3 * 14 * 4);
+        // f16 bits widen exactly, whatever the precision.
+        let mut f = SeqState::with_precision(&[kv], 16, KvPrecision::F32);
+        let LayerState::Kv(c) = f.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        let bits: Vec<u16> = (0..8)
+            .map(|i| half::f16::from_f32(0.1 * i as f32).to_bits())
+            .collect();
+        c.append_f16(&bits, &bits[..6]);
+        assert_eq!(c.keys()[3], half::f16::from_f32(0.3).to_f32());
+        assert_eq!(c.values().len(), 6);
     }
 }

@@ -324,6 +324,9 @@ fn host_kv_rows(state: &SeqState) -> usize {
         .unwrap_or(0)
 }
 
+/// `(layer, conv, delta)`: one recurrent layer's states.
+type RecurrentCopy = (usize, Vec<f32>, Vec<f32>);
+
 /// The part of a pending copy saved in host memory.
 #[derive(Default)]
 struct Saved {
@@ -332,7 +335,7 @@ struct Saved {
     /// KV rows saved up to (the rest, to `n_past`, is on the card).
     saved_hi: usize,
     /// `(layer, conv, delta)` of every recurrent layer, once saved.
-    recurrent: Option<Vec<(usize, Vec<f32>, Vec<f32>)>>,
+    recurrent: Option<Vec<RecurrentCopy>>,
     /// The card's part went (a failed call) before it was saved.
     lost: bool,
 }
@@ -369,7 +372,13 @@ impl PendingCopy {
 
     /// Saves from `seq` (the card's sequence, its slot locked by the caller) the KV rows up to `to`
     /// (at most `n_past`) not saved yet, and with `recurrent` the recurrent states.
-    fn save_from(&self, dev: &Device, seq: &DeviceSeq, to: usize, recurrent: bool) -> CudaResult<()> {
+    fn save_from(
+        &self,
+        dev: &Device,
+        seq: &DeviceSeq,
+        to: usize,
+        recurrent: bool,
+    ) -> CudaResult<()> {
         let mut s = self.saved();
         let want_recurrent = recurrent && self.recurrent && s.recurrent.is_none();
         let (lo, hi) = (s.saved_hi, to.min(self.n_past));
