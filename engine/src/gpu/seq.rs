@@ -20,7 +20,8 @@
 //! nothing else holds it (the call supersedes it). Buffers are only dropped after every copy of them is
 //! saved whole ([`DeviceSeq::settle_all`]). So writing a token moves no state over the bus, and a new
 //! conversation after a long one copies only the rows it overwrites of the kept one (which a cancelled
-//! request would need back), not the whole context.
+//! request would need back), not the whole context. A conversation switched back onto the card whose
+//! copy still has rows there gets only the overwritten rows uploaded again (its host layers stay behind).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -158,9 +159,31 @@ impl DeviceSeq {
             seq.tokens.truncate(host.len());
             return Ok(seq);
         }
-        // Another sequence: its host copy must be complete (its own pending copy's card part, if it is
-        // of these buffers, is read from them now: the host cannot reach for the locked slot), and
-        // whatever others may read of the rows and states the upload overwrites saved first.
+        // Another sequence whose pending copy still has its newest rows here (a conversation switched
+        // back): only what was overwritten since goes up again, from the host's rows and the copy's
+        // saved part; the host stays behind.
+        let back = state.deferred().and_then(|own| {
+            seq.issued
+                .iter()
+                .filter_map(Weak::upgrade)
+                .find(|p| is_same(own, p))
+        });
+        if let Some(p) = back.filter(|p| p.seq_id == seq.id && host_kv_rows(state) == p.host_rows) {
+            let (saved_hi, lost, recurrent_saved) = {
+                let s = p.saved();
+                (s.saved_hi, s.lost, s.recurrent.is_some())
+            };
+            if !lost {
+                // The recurrent states on the card are the copy's unless it saved them.
+                let write_recurrent = p.recurrent && recurrent_saved;
+                seq.protect(dev, 0..saved_hi, write_recurrent, None)?;
+                seq.upload_behind(dev, state, &p, write_recurrent)?;
+                return Ok(seq);
+            }
+        }
+        // Else its host copy must be complete (its own pending copy's card part, if it is of these
+        // buffers, is read from them now: the host cannot reach for the locked slot), and whatever
+        // others may read of the rows and states the upload overwrites saved first.
         if let Some(own) = state.deferred() {
             for weak in &seq.issued {
                 if let Some(p) = weak.upgrade().filter(|p| is_same(own, p)) {
@@ -296,6 +319,54 @@ impl DeviceSeq {
                     }
                 }
                 // `fits` checked the kinds.
+                _ => {}
+            }
+        }
+        self.tokens = state.tokens().to_vec();
+        Ok(())
+    }
+
+    /// Writes onto the card what of `state` it lacks while `p`, the state's pending copy of these
+    /// buffers, still has its unsaved rows here: the host's KV rows, the copy's saved rows after them,
+    /// and (with `recurrent`) the copy's saved recurrent states.
+    fn upload_behind(
+        &mut self,
+        dev: &Device,
+        state: &SeqState,
+        p: &PendingCopy,
+        recurrent: bool,
+    ) -> CudaResult<()> {
+        self.tokens.clear();
+        let saved = p.saved();
+        for (il, layer) in self.layers.iter_mut().enumerate() {
+            match (layer, state.layer(il)) {
+                (
+                    DeviceLayer::Kv {
+                        k,
+                        v,
+                        k_width,
+                        v_width,
+                    },
+                    LayerState::Kv(c),
+                ) => {
+                    dev.write_at(&to_f16(c.keys()), k, 0)?;
+                    dev.write_at(&to_f16(c.values()), v, 0)?;
+                    if let Some((_, ks, vs)) = saved.kv.iter().find(|(l, _, _)| *l == il) {
+                        dev.write_at(ks, k, p.host_rows * *k_width)?;
+                        dev.write_at(vs, v, p.host_rows * *v_width)?;
+                    }
+                }
+                (DeviceLayer::Recurrent { conv, delta }, LayerState::Recurrent(_)) if recurrent => {
+                    let states = saved.recurrent.iter().flatten();
+                    if let Some((_, c, d)) = states.into_iter().find(|(l, _, _)| *l == il) {
+                        if !c.is_empty() {
+                            dev.write_at(c, conv, 0)?;
+                        }
+                        if !d.is_empty() {
+                            dev.write_at(d, delta, 0)?;
+                        }
+                    }
+                }
                 _ => {}
             }
         }
