@@ -209,10 +209,14 @@ impl DeviceSeq {
         recurrent: bool,
         own: Option<&Deferred>,
     ) -> CudaResult<()> {
+        // A copy that could not be saved stays listed (with those not reached), so that it is never
+        // read from rows overwritten since.
+        let mut result = Ok(());
         for weak in std::mem::take(&mut self.issued) {
             let Some(p) = weak.upgrade() else { continue };
             // Held by the state and by `p` here: nobody else reads it.
-            if own.is_some_and(|d| is_same(d, &p)) && Arc::strong_count(&p) <= 2 {
+            let kept_own = own.is_some_and(|d| is_same(d, &p)) && Arc::strong_count(&p) <= 2;
+            if kept_own || result.is_err() {
                 self.issued.push(weak);
                 continue;
             }
@@ -225,28 +229,36 @@ impl DeviceSeq {
                 } else {
                     saved_hi
                 };
-                p.save_from(dev, self, to, recurrent)?;
+                result = p.save_from(dev, self, to, recurrent);
             }
-            if !p.complete(true) {
+            if result.is_err() || !p.complete(true) {
                 self.issued.push(weak);
             }
         }
-        Ok(())
+        result
     }
 
     /// Saves every pending copy of these buffers whole, before they are dropped. After a failed call
     /// (`failed`), a copy whose recurrent states were not saved before the call (the caller's own) is
     /// lost instead: the call may have advanced them half way (KV rows it wrote lie past every copy's).
     pub fn settle_all(&mut self, dev: &Device, failed: bool) -> CudaResult<()> {
+        let mut result = Ok(());
         for weak in std::mem::take(&mut self.issued) {
             let Some(p) = weak.upgrade() else { continue };
+            if result.is_err() {
+                self.issued.push(weak);
+                continue;
+            }
             if failed && p.recurrent && p.saved().recurrent.is_none() {
                 p.saved().lost = true;
                 continue;
             }
-            p.save_from(dev, self, usize::MAX, true)?;
+            result = p.save_from(dev, self, usize::MAX, true);
+            if result.is_err() {
+                self.issued.push(weak);
+            }
         }
-        Ok(())
+        result
     }
 
     /// After a failed call, before these buffers are dropped: [`DeviceSeq::settle_all`], its errors
