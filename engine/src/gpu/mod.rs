@@ -426,7 +426,7 @@ impl GpuBackend {
         if let Some(s) = seq_slot.as_mut() {
             let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
             state.set_deferred(Some(pending));
-            s.set_tokens(state.tokens());
+            s.push_tokens(tokens);
         }
     }
 

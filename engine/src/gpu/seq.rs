@@ -386,9 +386,10 @@ impl DeviceSeq {
         Ok(())
     }
 
-    /// Records the tokens the card's state has read.
-    pub fn set_tokens(&mut self, tokens: &[u32]) {
-        self.tokens = tokens.to_vec();
+    /// Records the tokens a call has just read (after [`DeviceSeq::follow`] made the card's tokens the
+    /// calling state's).
+    pub fn push_tokens(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
     }
 }
 
