@@ -531,6 +531,16 @@ fn a_kept_state_survives_other_sequences_written_over_it_bit_for_bit() {
         let mut fresh = gpu.new_state(1024);
         run_kept(&mut fresh);
         let l_fresh = gpu.eval(&mut fresh, &[steps[3]], Logits::Last).unwrap();
+        let worst = l_undo
+            .iter()
+            .zip(&l_fresh)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{arch}: kept state continued vs the same calls alone: logits differ by {worst:e}, \
+             states by {:e}",
+            state_diff(&undo, &fresh)
+        );
         assert_eq!(
             l_undo, l_fresh,
             "{arch}: logits after the kept state came back"
