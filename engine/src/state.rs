@@ -27,6 +27,8 @@ pub trait DeferredState: Send + Sync {
     fn recurrent_now(&self, layers: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String>;
     /// Bytes the host layers will gain when brought up to date (the KV rows they lack).
     fn pending_bytes(&self) -> usize;
+    /// The backend's own type (it may take its state back from it without the host's copy).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// A state's [`DeferredState`]; copies of a state share it (equal when it is the same one).
@@ -602,6 +604,9 @@ mod tests {
         }
         fn pending_bytes(&self) -> usize {
             self.rows * (8 + 6) * 4
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
         }
     }
 

@@ -159,25 +159,27 @@ impl DeviceSeq {
             seq.tokens.truncate(host.len());
             return Ok(seq);
         }
-        // Another sequence whose pending copy still has its newest rows here (a conversation switched
-        // back): only what was overwritten since goes up again, from the host's rows and the copy's
-        // saved part; the host stays behind.
-        let back = state.deferred().and_then(|own| {
-            seq.issued
-                .iter()
-                .filter_map(Weak::upgrade)
-                .find(|p| is_same(own, p))
-        });
-        if let Some(p) = back.filter(|p| p.seq_id == seq.id && host_kv_rows(state) == p.host_rows) {
+        // Another sequence whose pending copy is whole in host memory or still has its unsaved rows
+        // here (a conversation switched back): only what the card lacks goes up, from the host's rows
+        // and the copy's saved part (f16, as the card keeps it); the host stays behind.
+        let back = state
+            .deferred()
+            .and_then(|d| d.0.as_any().downcast_ref::<PendingCopy>());
+        if let Some(p) = back.filter(|p| host_kv_rows(state) == p.host_rows) {
             let (saved_hi, lost, recurrent_saved) = {
                 let s = p.saved();
                 (s.saved_hi, s.lost, s.recurrent.is_some())
             };
-            if !lost {
+            let here = p.seq_id == seq.id
+                && seq
+                    .issued
+                    .iter()
+                    .any(|w| std::ptr::eq(w.as_ptr(), p as *const PendingCopy));
+            if !lost && (here || p.complete(true)) {
                 // The recurrent states on the card are the copy's unless it saved them.
                 let write_recurrent = p.recurrent && recurrent_saved;
                 seq.protect(dev, 0..saved_hi, write_recurrent, None)?;
-                seq.upload_behind(dev, state, &p, write_recurrent)?;
+                seq.upload_behind(dev, state, p, write_recurrent)?;
                 return Ok(seq);
             }
         }
@@ -570,6 +572,10 @@ impl DeferredState for PendingCopy {
             }
         }
         Ok(out)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn pending_bytes(&self) -> usize {
