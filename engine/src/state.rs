@@ -29,6 +29,11 @@ pub trait DeferredState: Send + Sync {
     fn pending_bytes(&self) -> usize;
     /// The backend's own type (it may take its state back from it without the host's copy).
     fn as_any(&self) -> &dyn std::any::Any;
+    /// The state cut to its first `n` positions (at or past those the host holds, KV layers only)
+    /// without bringing it back, if the backend can; `None` has the caller bring it back first.
+    fn truncated(&self, _n: usize) -> Option<Deferred> {
+        None
+    }
 }
 
 /// A state's [`DeferredState`]; copies of a state share it (equal when it is the same one).
@@ -378,6 +383,15 @@ impl SeqState {
     pub fn truncate(&mut self, n: usize) -> bool {
         if n > self.n_past() || (n < self.n_past() && self.has_recurrent()) {
             return false;
+        }
+        if n == self.n_past() {
+            return true;
+        }
+        // A backend holding the rows past the host's cuts its copy instead of bringing it back.
+        if let Some(cut) = self.deferred.as_ref().and_then(|d| d.0.truncated(n)) {
+            self.deferred = Some(cut);
+            self.tokens.truncate(n);
+            return true;
         }
         self.sync_or_log();
         for layer in &mut self.layers {

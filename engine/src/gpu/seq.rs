@@ -578,6 +578,54 @@ impl DeferredState for PendingCopy {
         self
     }
 
+    fn truncated(&self, n: usize) -> Option<Deferred> {
+        if self.recurrent || n < self.host_rows || n > self.n_past {
+            return None;
+        }
+        let s = self.saved();
+        if s.lost {
+            return None;
+        }
+        // The saved rows up to `n` (each layer's row width from what it saved).
+        let saved_rows = s.saved_hi - self.host_rows;
+        let keep = n.min(s.saved_hi) - self.host_rows;
+        let kv =
+            s.kv.iter()
+                .map(|(il, k, v)| {
+                    let (kw, vw) = (k.len() / saved_rows.max(1), v.len() / saved_rows.max(1));
+                    (*il, k[..keep * kw].to_vec(), v[..keep * vw].to_vec())
+                })
+                .collect();
+        let cut = Arc::new(PendingCopy {
+            dev: self.dev.clone(),
+            slot: self.slot.clone(),
+            seq_id: self.seq_id,
+            host_rows: self.host_rows,
+            n_past: n,
+            recurrent: false,
+            kv_row_elems: self.kv_row_elems,
+            saved: Mutex::new(Saved {
+                kv,
+                saved_hi: self.host_rows + keep,
+                recurrent: None,
+                lost: false,
+            }),
+        });
+        drop(s);
+        if !cut.complete(true) {
+            // Its card part is this copy's: listed beside it, so that writes save it too.
+            let slot = self.slot.upgrade()?;
+            let mut guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+            let seq = guard.as_mut().filter(|seq| seq.id == self.seq_id)?;
+            let me: *const PendingCopy = self;
+            if !seq.issued.iter().any(|w| std::ptr::eq(w.as_ptr(), me)) {
+                return None;
+            }
+            seq.issued.push(Arc::downgrade(&cut));
+        }
+        Some(Deferred(cut))
+    }
+
     fn pending_bytes(&self) -> usize {
         // What the host will hold once it reads the copy (f32 rows), less what it holds already.
         self.kv_row_elems * 4 * (self.n_past - self.host_rows)
