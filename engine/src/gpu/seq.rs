@@ -168,7 +168,7 @@ impl DeviceSeq {
         if let Some(p) = back.filter(|p| host_kv_rows(state) == p.host_rows) {
             let (saved_hi, lost, recurrent_saved) = {
                 let s = p.saved();
-                (s.saved_hi, s.lost, s.recurrent.is_some())
+                (s.hi, s.lost, s.recurrent.is_some())
             };
             let here = p.seq_id == seq.id
                 && seq
@@ -176,9 +176,16 @@ impl DeviceSeq {
                     .iter()
                     .any(|w| std::ptr::eq(w.as_ptr(), p as *const PendingCopy));
             if !lost && (here || p.complete(true)) {
-                // The recurrent states on the card are the copy's unless it saved them.
+                // The recurrent states on the card are the copy's unless it saved them. The upload
+                // writes the host's rows and the saved ones, all below `saved_hi`.
                 let write_recurrent = p.recurrent && recurrent_saved;
-                seq.protect(dev, 0..saved_hi, write_recurrent, None)?;
+                // The copy itself is not saved from what is its own.
+                let me: *const PendingCopy = p;
+                let listed = seq.issued.iter().position(|w| std::ptr::eq(w.as_ptr(), me));
+                let mine = listed.map(|i| seq.issued.swap_remove(i));
+                let protected = seq.protect(dev, 0..saved_hi, write_recurrent, None);
+                seq.issued.extend(mine);
+                protected?;
                 seq.upload_behind(dev, state, p, write_recurrent)?;
                 return Ok(seq);
             }
@@ -189,7 +196,7 @@ impl DeviceSeq {
         if let Some(own) = state.deferred() {
             for weak in &seq.issued {
                 if let Some(p) = weak.upgrade().filter(|p| is_same(own, p)) {
-                    p.save_from(dev, seq, usize::MAX, true)?;
+                    p.save_from(dev, seq, 0..usize::MAX, true)?;
                 }
             }
         }
@@ -222,16 +229,20 @@ impl DeviceSeq {
                 self.issued.push(weak);
                 continue;
             }
-            let saved_hi = p.saved().saved_hi;
-            let kv_hit = rows.start < p.n_past && rows.end > saved_hi;
+            let (lo, hi) = {
+                let s = p.saved();
+                (s.lo, s.hi)
+            };
+            // The copy's rows the write reaches; a hit unless they are saved already.
+            let (a, b) = (rows.start.max(p.host_rows), rows.end.min(p.n_past));
+            let kv_hit = a < b && !(lo <= a && b <= hi);
             if kv_hit || recurrent {
-                let to = if kv_hit {
-                    let chunk = SAVE_CHUNK_ROWS.max(saved_hi - p.host_rows);
-                    rows.end.max(saved_hi + chunk)
+                let want = if kv_hit {
+                    a..b.max(a + SAVE_CHUNK_ROWS.max(hi - lo))
                 } else {
-                    saved_hi
+                    0..0
                 };
-                result = p.save_from(dev, self, to, recurrent);
+                result = p.save_from(dev, self, want, recurrent);
             }
             if result.is_err() || !p.complete(true) {
                 self.issued.push(weak);
@@ -255,7 +266,7 @@ impl DeviceSeq {
                 p.saved().lost = true;
                 continue;
             }
-            result = p.save_from(dev, self, usize::MAX, true);
+            result = p.save_from(dev, self, 0..usize::MAX, true);
             if result.is_err() {
                 self.issued.push(weak);
             }
@@ -307,7 +318,8 @@ impl DeviceSeq {
                 })
                 .sum(),
             saved: Mutex::new(Saved {
-                saved_hi: host_rows.min(n_past),
+                lo: host_rows.min(n_past),
+                hi: host_rows.min(n_past),
                 ..Saved::default()
             }),
         });
@@ -366,8 +378,8 @@ impl DeviceSeq {
                     dev.write_at(&to_f16(c.keys()), k, 0)?;
                     dev.write_at(&to_f16(c.values()), v, 0)?;
                     if let Some((_, ks, vs)) = saved.kv.iter().find(|(l, _, _)| *l == il) {
-                        dev.write_at(ks, k, p.host_rows * *k_width)?;
-                        dev.write_at(vs, v, p.host_rows * *v_width)?;
+                        dev.write_at(ks, k, saved.lo * *k_width)?;
+                        dev.write_at(vs, v, saved.lo * *v_width)?;
                     }
                 }
                 (DeviceLayer::Recurrent { conv, delta }, LayerState::Recurrent(_)) if recurrent => {
@@ -416,10 +428,13 @@ type RecurrentCopy = (usize, Vec<f32>, Vec<f32>);
 /// The part of a pending copy saved in host memory.
 #[derive(Default)]
 struct Saved {
-    /// `(layer, keys, values)` as f16 bits: rows `host_rows..saved_hi` of every KV layer.
+    /// `(layer, keys, values)` as f16 bits: rows `lo..hi` of every KV layer.
     kv: Vec<(usize, Vec<u16>, Vec<u16>)>,
-    /// KV rows saved up to (the rest, to `n_past`, is on the card).
-    saved_hi: usize,
+    /// The KV rows saved (the copy's others, `host_rows..lo` and `hi..n_past`, are on the card; rows
+    /// below a write's that it does not reach stay there: a fork sharing a prefix saves none of it).
+    /// Empty as `lo == hi == host_rows`.
+    lo: usize,
+    hi: usize,
     /// `(layer, conv, delta)` of every recurrent layer, once saved.
     recurrent: Option<Vec<RecurrentCopy>>,
     /// The card's part went (a failed call) before it was saved.
@@ -453,22 +468,35 @@ impl PendingCopy {
     /// Whether host memory holds all of it (the KV rows only when `kv`).
     fn complete(&self, kv: bool) -> bool {
         let s = self.saved();
-        (!kv || s.saved_hi >= self.n_past) && (!self.recurrent || s.recurrent.is_some())
+        (!kv || (s.lo <= self.host_rows && s.hi >= self.n_past))
+            && (!self.recurrent || s.recurrent.is_some())
     }
 
-    /// Saves from `seq` (the card's sequence, its slot locked by the caller) the KV rows up to `to`
-    /// (at most `n_past`) not saved yet, and with `recurrent` the recurrent states.
+    /// Saves from `seq` (the card's sequence, its slot locked by the caller) the KV rows of `want`
+    /// (within `host_rows..n_past`) not saved yet, with those between them and the saved ones (the saved
+    /// rows stay one range), and with `recurrent` the recurrent states.
     fn save_from(
         &self,
         dev: &Device,
         seq: &DeviceSeq,
-        to: usize,
+        want: Range<usize>,
         recurrent: bool,
     ) -> CudaResult<()> {
         let mut s = self.saved();
         let want_recurrent = recurrent && self.recurrent && s.recurrent.is_none();
-        let (lo, hi) = (s.saved_hi, to.min(self.n_past));
-        if hi <= lo && !want_recurrent {
+        let want = want.start.max(self.host_rows)..want.end.min(self.n_past);
+        let (lo, hi) = if s.lo == s.hi {
+            (want.start, want.start)
+        } else {
+            (s.lo, s.hi)
+        };
+        let (new_lo, new_hi) = if want.is_empty() {
+            (lo, hi)
+        } else {
+            (lo.min(want.start), hi.max(want.end))
+        };
+        let kv_needed = !want.is_empty() && (new_lo < lo || new_hi > hi);
+        if !kv_needed && !want_recurrent {
             return Ok(());
         }
         if s.lost || seq.id != self.seq_id {
@@ -476,7 +504,7 @@ impl PendingCopy {
                 "a pending state copy outlived the card's buffers".into(),
             ));
         }
-        if hi > lo {
+        if kv_needed {
             for (il, layer) in seq.layers.iter().enumerate() {
                 if let DeviceLayer::Kv {
                     k,
@@ -485,18 +513,34 @@ impl PendingCopy {
                     v_width,
                 } = layer
                 {
-                    let keys = dev.download_range(k, lo * k_width, (hi - lo) * k_width)?;
-                    let values = dev.download_range(v, lo * v_width, (hi - lo) * v_width)?;
-                    match s.kv.iter_mut().find(|(l, _, _)| *l == il) {
-                        Some((_, ks, vs)) => {
-                            ks.extend_from_slice(&keys);
-                            vs.extend_from_slice(&values);
+                    let fetch = |buf: &DeviceBuffer<u16>, w: usize, r: Range<usize>| {
+                        dev.download_range(buf, r.start * w, r.len() * w)
+                    };
+                    let (k_below, v_below) = (
+                        fetch(k, *k_width, new_lo..lo)?,
+                        fetch(v, *v_width, new_lo..lo)?,
+                    );
+                    let (k_above, v_above) = (
+                        fetch(k, *k_width, hi..new_hi)?,
+                        fetch(v, *v_width, hi..new_hi)?,
+                    );
+                    let at = match s.kv.iter().position(|(l, _, _)| *l == il) {
+                        Some(at) => at,
+                        None => {
+                            s.kv.push((il, Vec::new(), Vec::new()));
+                            s.kv.len() - 1
                         }
-                        None => s.kv.push((il, keys, values)),
+                    };
+                    let (_, ks, vs) = &mut s.kv[at];
+                    for (saved, below, above) in [(ks, k_below, k_above), (vs, v_below, v_above)] {
+                        let mut rows = below;
+                        rows.extend_from_slice(saved);
+                        rows.extend_from_slice(&above);
+                        *saved = rows;
                     }
                 }
             }
-            s.saved_hi = hi;
+            (s.lo, s.hi) = (new_lo, new_hi);
         }
         if want_recurrent {
             let mut states = Vec::new();
@@ -523,7 +567,7 @@ impl PendingCopy {
             let guard = slot.lock().unwrap_or_else(|p| p.into_inner());
             match guard.as_ref() {
                 Some(seq) if seq.id == self.seq_id => self
-                    .save_from(&self.dev, seq, if kv { usize::MAX } else { 0 }, true)
+                    .save_from(&self.dev, seq, if kv { 0..usize::MAX } else { 0..0 }, true)
                     .map_err(|e| format!("GPU: {e}"))?,
                 // Saved while this waited for the lock?
                 _ if self.complete(kv) => {}
@@ -586,11 +630,17 @@ impl DeferredState for PendingCopy {
         if s.lost {
             return None;
         }
-        // The saved rows up to `n` (each layer's row width from what it saved).
-        let saved_rows = s.saved_hi - self.host_rows;
-        let keep = n.min(s.saved_hi) - self.host_rows;
+        // The saved rows below `n` (each layer's row width from what it saved).
+        let saved_rows = s.hi - s.lo;
+        let keep = n.min(s.hi).saturating_sub(s.lo);
+        let (lo, hi) = if keep == 0 {
+            (self.host_rows, self.host_rows)
+        } else {
+            (s.lo, s.lo + keep)
+        };
         let kv =
             s.kv.iter()
+                .filter(|_| keep > 0)
                 .map(|(il, k, v)| {
                     let (kw, vw) = (k.len() / saved_rows.max(1), v.len() / saved_rows.max(1));
                     (*il, k[..keep * kw].to_vec(), v[..keep * vw].to_vec())
@@ -606,7 +656,8 @@ impl DeferredState for PendingCopy {
             kv_row_elems: self.kv_row_elems,
             saved: Mutex::new(Saved {
                 kv,
-                saved_hi: self.host_rows + keep,
+                lo,
+                hi,
                 recurrent: None,
                 lost: false,
             }),
