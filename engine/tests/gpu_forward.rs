@@ -564,6 +564,23 @@ fn a_kept_state_survives_other_sequences_written_over_it_bit_for_bit() {
         assert_eq!(l_other, l_again, "{arch}: the other conversation");
         assert_eq!(state_diff(&kept, &again), 0.0, "{arch}: other states");
         if kv_only {
+            // A fork cut back and written on (an answer regenerated): the kept state saves only the
+            // rows past the cut, and comes back with them.
+            let mut forked = gpu.new_state(1024);
+            run_kept(&mut forked);
+            let mut before = forked.clone();
+            assert!(forked.truncate(550));
+            for i in 0..10u32 {
+                gpu.eval(&mut forked, &[(i * 17 + 3) % n_vocab as u32], Logits::Last)
+                    .unwrap();
+            }
+            let l_before = gpu.eval(&mut before, &[steps[3]], Logits::Last).unwrap();
+            assert_eq!(l_before, l_fresh, "{arch}: a fork's kept state");
+            assert_eq!(
+                state_diff(&before, &fresh),
+                0.0,
+                "{arch}: a fork's kept state"
+            );
             let l_cut = gpu.eval(&mut cut, &[steps[3]], Logits::Last).unwrap();
             let mut whole = gpu.new_state(1024);
             run_kept(&mut whole);
