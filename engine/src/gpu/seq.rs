@@ -166,9 +166,9 @@ impl DeviceSeq {
             .deferred()
             .and_then(|d| d.0.as_any().downcast_ref::<PendingCopy>());
         if let Some(p) = back.filter(|p| host_kv_rows(state) == p.host_rows) {
-            let (saved_hi, lost, recurrent_saved) = {
+            let (saved, lost, recurrent_saved) = {
                 let s = p.saved();
-                (s.hi, s.lost, s.recurrent.is_some())
+                (s.lo..s.hi, s.lost, s.recurrent.is_some())
             };
             let here = p.seq_id == seq.id
                 && seq
@@ -177,13 +177,15 @@ impl DeviceSeq {
                     .any(|w| std::ptr::eq(w.as_ptr(), p as *const PendingCopy));
             if !lost && (here || p.complete(true)) {
                 // The recurrent states on the card are the copy's unless it saved them. The upload
-                // writes the host's rows and the saved ones, all below `saved_hi`.
+                // writes the host's rows and the saved ones.
                 let write_recurrent = p.recurrent && recurrent_saved;
                 // The copy itself is not saved from what is its own.
                 let me: *const PendingCopy = p;
                 let listed = seq.issued.iter().position(|w| std::ptr::eq(w.as_ptr(), me));
                 let mine = listed.map(|i| seq.issued.swap_remove(i));
-                let protected = seq.protect(dev, 0..saved_hi, write_recurrent, None);
+                let protected = seq
+                    .protect(dev, 0..p.host_rows, write_recurrent, None)
+                    .and_then(|()| seq.protect(dev, saved, false, None));
                 seq.issued.extend(mine);
                 protected?;
                 seq.upload_behind(dev, state, p, write_recurrent)?;
