@@ -9,6 +9,9 @@
 //!   cancellation between tokens);
 //! - [`store`]: the conversations kept between requests;
 //! - [`memory`]: the process's resident memory for STATS.
+//!
+//! On a GPU, a short read and a few tokens before READY ([`warm_up`], `POLY_WARMUP=0` skips it) load the
+//! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
 mod input;
 mod memory;
