@@ -307,7 +307,7 @@ impl<'a> TopLogprobs<'a> {
 /// Lanes of the vocabulary passes below: independent accumulators the compiler keeps in vector registers.
 const LANES: usize = 16;
 
-/// The largest of `x` (NaN ignored; −∞ for none), in [`LANES`] independent lanes.
+/// The largest of `x` (NaN ignored; −∞ for none), in `LANES` independent lanes.
 pub fn max_logit(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
