@@ -322,7 +322,7 @@ pub fn max_logit(x: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
-/// `log Σ exp(x)`: the max, then one pass of exponentials ([`exp_le0`], to about 2e-7 relative) summed
+/// `log Σ exp(x)`: the max, then one pass of exponentials (`exp_le0`, to about 2e-7 relative) summed
 /// in f32 lanes per block and f64 across blocks.
 pub fn log_sum_exp(x: &[f32]) -> f64 {
     let max = max_logit(x);
