@@ -192,7 +192,9 @@ impl GpuBackend {
         let specs = graph.layer_states();
         let mut warm = SeqState::with_precision(&specs, n_warm, KvPrecision::default());
         self.eval(graph, cpu, &mut warm, &tokens, Logits::Last)?;
-        // The warm-up's state goes; its scratch buffers stay in the pool.
+        // The warm-up's state goes (its pending copy first: nothing is saved); its scratch buffers stay
+        // in the pool.
+        drop(warm);
         *lock(&self.seq) = None;
         self.dev.synchronize().map_err(cuda_err)?;
         let (free, total) = self.dev.memory_info().map_err(cuda_err)?;
@@ -339,7 +341,7 @@ impl GpuBackend {
             // Copies of the card's state that host states still point to go to host memory first.
             let mut seq = lock(&self.seq);
             if let Some(s) = seq.as_mut() {
-                s.settle(&self.dev, None)?;
+                s.settle_all(&self.dev, false)?;
             }
             *seq = None;
         }
@@ -366,12 +368,18 @@ impl GpuBackend {
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
-        // The call changes the card's state: copies of it others may read go to host memory first; the
-        // caller's own too when the call builds a graph (it allocates, so it may fail half way with
-        // recurrent states half advanced; KV-only states are rescued on failure instead).
+        // The call writes KV row `pos0` and the recurrent states: what copies of the card's state others
+        // may read hold there goes to host memory first; the caller's own recurrent states too when the
+        // call builds a graph (it allocates, so it may fail half way with them half advanced; KV rows
+        // are rescued on failure instead).
         let keep_own = !state.has_recurrent() || seq.graphs.has(rows);
-        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))
-            .map_err(cuda_err)?;
+        seq.protect(
+            &self.dev,
+            pos0..pos0 + 1,
+            true,
+            state.deferred().filter(|_| keep_own),
+        )
+        .map_err(cuda_err)?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
@@ -420,8 +428,8 @@ impl GpuBackend {
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
-                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
-                    s.rescue_kv(&self.dev);
+                if let Some(s) = seq_slot.as_mut() {
+                    s.rescue(&self.dev);
                 }
                 *seq_slot = None;
                 return Err(cuda_err(e));
@@ -443,7 +451,7 @@ impl GpuBackend {
         if let Some(s) = seq_slot.as_mut() {
             let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
             state.set_deferred(Some(pending));
-            s.set_tokens(state.tokens());
+            s.push_tokens(tokens);
         }
     }
 
@@ -473,15 +481,21 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state)?;
-        // The call changes the card's state: copies of it others may read go to host memory first.
-        // A prompt call may fail half way (out of memory) with recurrent states half advanced: the
-        // caller's own copy goes to host memory first (KV-only states are rescued on failure instead).
+        // The call writes KV rows `pos0..pos0 + n` and the recurrent states: what copies of the card's
+        // state others may read hold there goes to host memory first. A prompt call may fail half way
+        // (out of memory) with recurrent states half advanced: the caller's own recurrent states are
+        // saved first too (KV rows are rescued on failure instead).
         let keep_own = !(state.has_recurrent() && tokens.len() > 1);
-        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))?;
+        let pos0 = state.n_past();
+        seq.protect(
+            &self.dev,
+            pos0..pos0 + tokens.len(),
+            true,
+            state.deferred().filter(|_| keep_own),
+        )?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
-        let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
         let mut marks_out = None;
         let mut experts = lock(&self.experts);
@@ -517,9 +531,9 @@ impl GpuBackend {
             Ok(l) => l,
             Err(e) => {
                 // The card's state is in doubt: upload the host's next time. The host's is unchanged
-                // (its copy on the card fetched first where that is safe).
-                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
-                    s.rescue_kv(&self.dev);
+                // (its copy on the card saved first where that is safe).
+                if let Some(s) = seq_slot.as_mut() {
+                    s.rescue(&self.dev);
                 }
                 *seq_slot = None;
                 return Err(e);
