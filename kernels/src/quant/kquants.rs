@@ -483,6 +483,13 @@ fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         return super::kquants_ggml::q5k_vec_dot(n, row, act);
     }
     #[cfg(target_arch = "x86_64")]
+    if kind == KKind::Q4K && super::has_avx512_vnni() {
+        let nb = check_lengths(kind, n, row, act);
+        // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C at run time;
+        // `check_lengths` showed that `row` and `act` hold `nb` blocks each, all the kernel reads.
+        return unsafe { super::x86::kquants_avx512::q4k_dot(nb, row.as_ptr(), act.as_ptr()) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
         let nb = check_lengths(kind, n, row, act);
         // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
@@ -531,6 +538,17 @@ pub fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
             let nb = check_lengths(KKind::Q4K, n, rows[0], act);
             for r in &rows[1..] {
                 check_lengths(KKind::Q4K, n, r, act);
+            }
+            if super::has_avx512_vnni() {
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
+                // the four rows and `act` hold `nb` blocks each.
+                return unsafe {
+                    super::x86::kquants_avx512::q4k_rows_x4(
+                        nb,
+                        rows.map(|r| r.as_ptr()),
+                        act.as_ptr(),
+                    )
+                };
             }
             // SAFETY: as in `vec_dot`, for each of the four weight rows.
             return unsafe {

@@ -1,0 +1,379 @@
+//! AVX-512 VNNI dot products of Q4_K rows with Q8_K activations (the decode expert products), equal bit for
+//! bit to the AVX2 and portable code.
+//!
+//! The integer work is exact whatever its grouping, so it is done the cheapest way 512-bit registers allow:
+//! a super-block's 128 quant bytes are two `zmm` loads whose low and high nibbles are four vectors of two
+//! 32-value sub-blocks each; `vpdpbusd` multiplies them with the activation bytes (rearranged once per
+//! super-block to match, shared by the four rows) into sums of four products (at most 4·15·128, so they
+//! fit i16); `vpackssdw` packs two such vectors into one of i16 and `vpdpwssd` multiplies by the sub-block
+//! scales and accumulates: 8 multiply µops per row and super-block where AVX2 needs 16. The float work is
+//! the same fused step per super-block as `kquants_avx2::q4k_rows_x4` (lane `r`: row `r`'s total, lane
+//! `4 + r` its minimum total), so results are the same bits.
+//!
+//! Callers check `super::super::has_avx512_vnni()` first.
+
+use core::arch::x86_64::*;
+
+use crate::quant::kquants::Q8K_BYTES;
+
+/// `vpshufb` masks building the i16 scale vectors of the packed sums from the eight 6-bit scales
+/// broadcast as one u64 (bytes 0..8 of each 128-bit lane; index `0x80` writes zero, the high byte).
+///
+/// `vpackssdw(D0, D1)` holds, in 128-bit lane `k`, four sums of `D0` then four of `D1` from the same lane;
+/// `D0`'s lanes 0..8 are its first sub-block, 8..16 its second. So mask `h` (0: sub-blocks 0..4, 1: 4..8)
+/// gives lane `k` slots 0..4 the scale of sub-block `4h + 2·(k / 2)` and slots 4..8 that of the next one.
+static SCALE_MASKS: [[u8; 64]; 2] = {
+    let mut m = [[0u8; 64]; 2];
+    let mut h = 0;
+    while h < 2 {
+        let mut b = 0;
+        while b < 64 {
+            let (lane, slot) = (b / 16, (b % 16) / 2);
+            let sub = 4 * h + 2 * (lane / 2) + slot / 4;
+            m[h][b] = if b % 2 == 0 { sub as u8 } else { 0x80 };
+            b += 1;
+        }
+        h += 1;
+    }
+    m
+};
+
+/// `vpshufb` mask spreading the eight minimums (a u64 broadcast) as i16 pairs `[m0 m0 m1 m1 .. | m4 m4 ..]`,
+/// for `vpmaddwd` with the activation's sixteen `bsums` (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
+static MIN_MASK: [u8; 32] = {
+    let mut m = [0u8; 32];
+    let mut b = 0;
+    while b < 32 {
+        let c = 4 * (b / 16) + (b % 16) / 4;
+        m[b] = if b % 2 == 0 { c as u8 } else { 0x80 };
+        b += 1;
+    }
+    m
+};
+
+/// The scales and minimums of a Q4_K super-block, as eight bytes each (u64, little-endian).
+#[inline(always)]
+unsafe fn scales_mins(xb: *const u8) -> (u64, u64) {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let u = xb.add(4) as *const u32;
+    let (u0, u1, u2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales =
+        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins =
+        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    (scales, mins)
+}
+
+/// The activation bytes of one Q8_K block rearranged to the nibble vectors' order: vector `v` holds
+/// sub-blocks `(v % 2) + 4·(v / 2)` and the one two after it.
+#[inline(always)]
+unsafe fn act_vectors(q8: *const u8) -> [__m512i; 4] {
+    let pair = |a: usize, b: usize| {
+        let lo = _mm512_castsi256_si512(_mm256_loadu_si256(q8.add(a) as *const __m256i));
+        _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(q8.add(b) as *const __m256i))
+    };
+    [pair(0, 64), pair(32, 96), pair(128, 192), pair(160, 224)]
+}
+
+/// The per-block constants the row kernels share.
+struct Consts {
+    m4: __m512i,
+    scale_masks: [__m512i; 2],
+    min_mask: __m256i,
+}
+
+#[inline(always)]
+unsafe fn consts() -> Consts {
+    Consts {
+        m4: _mm512_set1_epi8(0x0F),
+        scale_masks: [
+            _mm512_loadu_si512(SCALE_MASKS[0].as_ptr() as *const __m512i),
+            _mm512_loadu_si512(SCALE_MASKS[1].as_ptr() as *const __m512i),
+        ],
+        min_mask: _mm256_loadu_si256(MIN_MASK.as_ptr() as *const __m256i),
+    }
+}
+
+/// The integer lanes of one Q4_K super-block `xb` against the rearranged activation `a` (eight i32
+/// lanes whose sum is `Σ_c scale_c · Σ q·q8` over the super-block), and its minimum lanes against `bsums`
+/// (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
+#[inline(always)]
+unsafe fn row_lanes(
+    xb: *const u8,
+    a: &[__m512i; 4],
+    bsums: __m256i,
+    k: &Consts,
+) -> (__m256i, __m256i) {
+    let (scales, mins) = scales_mins(xb);
+    let mprod = _mm256_madd_epi16(
+        bsums,
+        _mm256_shuffle_epi8(_mm256_set1_epi64x(mins as i64), k.min_mask),
+    );
+    let sc = _mm512_set1_epi64(scales as i64);
+    let s01 = _mm512_shuffle_epi8(sc, k.scale_masks[0]);
+    let s23 = _mm512_shuffle_epi8(sc, k.scale_masks[1]);
+    let bits01 = _mm512_loadu_si512(xb.add(16) as *const __m512i);
+    let bits23 = _mm512_loadu_si512(xb.add(80) as *const __m512i);
+    let zero = _mm512_setzero_si512();
+    let d0 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(bits01, k.m4), a[0]);
+    let d1 = _mm512_dpbusd_epi32(
+        zero,
+        _mm512_and_si512(_mm512_srli_epi16::<4>(bits01), k.m4),
+        a[1],
+    );
+    let d2 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(bits23, k.m4), a[2]);
+    let d3 = _mm512_dpbusd_epi32(
+        zero,
+        _mm512_and_si512(_mm512_srli_epi16::<4>(bits23), k.m4),
+        a[3],
+    );
+    // Sums of four products are at most 4·15·128 in magnitude: the packs are exact.
+    let acc = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(d0, d1), s01);
+    let acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(d2, d3), s23);
+    let lanes = _mm256_add_epi32(
+        _mm512_castsi512_si256(acc),
+        _mm512_extracti64x4_epi64::<1>(acc),
+    );
+    (lanes, mprod)
+}
+
+/// The Q4_K dot product (the repacked gemv order: `kquants_avx2::q4k_rows_x4`) of four weight rows `xs`
+/// with one activation row `y`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C; each row must be readable for `nb`
+/// Q4_K blocks and `y` for `nb` Q8_K blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4k_rows_x4(nb: usize, xs: [*const u8; 4], y: *const u8) -> [f32; 4] {
+    let k = consts();
+    // The f16 pairs (d, dmin) of the four rows, read as four u32, to [d0 d1 d2 d3 dmin0 .. dmin3].
+    let scale_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    let mut acc = _mm256_setzero_ps();
+    let [x0, x1, x2, x3] = xs;
+    for i in 0..nb {
+        let yb = y.add(i * Q8K_BYTES);
+        let a = act_vectors(yb.add(4));
+        let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+        let yd = (yb as *const f32).read_unaligned();
+        let (b0, b1, b2, b3) = (
+            x0.add(i * 144),
+            x1.add(i * 144),
+            x2.add(i * 144),
+            x3.add(i * 144),
+        );
+        // The next four rows, a group ahead, as the AVX2 kernel does (prefetching never faults).
+        let ahead = x3.wrapping_add(nb * 144 + i * 576);
+        for line in 0..9 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line) as *const i8);
+        }
+        let (s0, m0) = row_lanes(b0, &a, bsums, &k);
+        let (s1, m1) = row_lanes(b1, &a, bsums, &k);
+        let (s2, m2) = row_lanes(b2, &a, bsums, &k);
+        let (s3, m3) = row_lanes(b3, &a, bsums, &k);
+        let hs = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+        let hm = _mm256_hadd_epi32(_mm256_hadd_epi32(m0, m1), _mm256_hadd_epi32(m2, m3));
+        let totals = _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(hs, hm),
+            _mm256_permute2x128_si256::<0x31>(hs, hm),
+        );
+        let dpairs = _mm_setr_epi32(
+            (b0 as *const i32).read_unaligned(),
+            (b1 as *const i32).read_unaligned(),
+            (b2 as *const i32).read_unaligned(),
+            (b3 as *const i32).read_unaligned(),
+        );
+        let d16 = _mm_shuffle_epi8(dpairs, scale_order);
+        let scales = _mm256_mul_ps(_mm256_cvtph_ps(d16), _mm256_set1_ps(yd));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), scales, acc);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    [
+        lanes[0] - lanes[4],
+        lanes[1] - lanes[5],
+        lanes[2] - lanes[6],
+        lanes[3] - lanes[7],
+    ]
+}
+
+/// The Q4_K dot product of one row `x` with one activation row `y` (the repacked gemv order: one fused
+/// step per super-block on its integer totals, as `kquants_avx2::dot` for Q4_K).
+///
+/// # Safety
+/// As [`q4k_rows_x4`], for one row.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let k = consts();
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * 144), y.add(i * Q8K_BYTES));
+        let a = act_vectors(yb.add(4));
+        let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+        let (s, m) = row_lanes(xb, &a, bsums, &k);
+        // Both totals at once: [s halves | m halves] then pairwise adds (exact integers).
+        let h = _mm256_hadd_epi32(s, m);
+        let h = _mm256_hadd_epi32(h, h);
+        let t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let (total, min_total) = (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t));
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((xb as *const i32).read_unaligned()));
+        let (xd, xdmin) = (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)));
+        let yd = (yb as *const f32).read_unaligned();
+        acc = (total as f32).mul_add(xd * yd, acc);
+        acc_min = (min_total as f32).mul_add(xdmin * yd, acc_min);
+    }
+    acc - acc_min
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::quant::kquants::Q8K_BYTES;
+    use crate::quant::{fill_random, has_avx512_vnni, ActType, GgmlType};
+    use crate::rng::Rng;
+
+    /// Random Q4_K rows (`rows × n` values, several scale ranges) and a random Q8_K activation row.
+    fn case(rng: &mut Rng, rows: usize, n: usize, rms: f32) -> (Vec<u8>, Vec<u8>) {
+        let mut w = vec![0u8; rows * n / 256 * 144];
+        fill_random(GgmlType::Q4_K, rng, rms, &mut w).expect("fill");
+        // Activations with outliers, so the Q8_K bytes reach ±127.
+        let x: Vec<f32> = (0..n)
+            .map(|i| rng.normal() * if i % 37 == 0 { 20.0 } else { 1.0 })
+            .collect();
+        let mut act = vec![0u8; n / 256 * Q8K_BYTES];
+        ActType::Q8_K.quantize(&x, &mut act);
+        (w, act)
+    }
+
+    /// The kernel's data layout (rearranged activations, nibble vectors, packs, scale and minimum masks),
+    /// replayed with the instructions' definitions on plain arrays, gives the exact integer totals of the
+    /// portable code: checks the layout on CPUs without AVX-512 too.
+    #[test]
+    fn q4k_layout_model_gives_exact_totals() {
+        use crate::quant::kquants::scales_mins_k4;
+        let mut rng = Rng::new(3);
+        let (w, act) = case(&mut rng, 8, 256, 0.05);
+        let shuffle = |src: &[u8], mask: &[u8]| -> Vec<u8> {
+            (0..mask.len())
+                .map(|b| {
+                    let m = mask[b];
+                    if m & 0x80 != 0 {
+                        0
+                    } else {
+                        src[16 * (b / 16) + (m & 15) as usize]
+                    }
+                })
+                .collect()
+        };
+        let i16s = |v: &[u8]| -> Vec<i32> {
+            v.chunks_exact(2)
+                .map(|p| i16::from_le_bytes([p[0], p[1]]) as i32)
+                .collect()
+        };
+        let q8 = &act[4..260];
+        let bsums: Vec<i32> = i16s(&act[260..292]);
+        for xb in w.chunks_exact(144) {
+            // SAFETY: `xb` holds one Q4_K block (reads bytes 4..16).
+            let (scales, mins) = unsafe { super::scales_mins(xb.as_ptr()) };
+            let (sc, mn) = scales_mins_k4(&xb[4..16]);
+            assert_eq!(scales.to_le_bytes(), sc);
+            assert_eq!(mins.to_le_bytes(), mn);
+            let a: Vec<Vec<u8>> = [(0, 64), (32, 96), (128, 192), (160, 224)]
+                .iter()
+                .map(|&(p, q)| [&q8[p..p + 32], &q8[q..q + 32]].concat())
+                .collect();
+            let qs = &xb[16..144];
+            let nib = |h: usize, hi: bool| -> Vec<u8> {
+                qs[64 * h..64 * h + 64]
+                    .iter()
+                    .map(|&b| if hi { b >> 4 } else { b & 15 })
+                    .collect()
+            };
+            let dpbusd = |u: &[u8], s: &[u8]| -> Vec<i32> {
+                (0..16)
+                    .map(|l| (0..4).map(|j| u[4 * l + j] as i32 * s[4 * l + j] as i8 as i32).sum())
+                    .collect()
+            };
+            let d = [
+                dpbusd(&nib(0, false), &a[0]),
+                dpbusd(&nib(0, true), &a[1]),
+                dpbusd(&nib(1, false), &a[2]),
+                dpbusd(&nib(1, true), &a[3]),
+            ];
+            let packs = |d0: &[i32], d1: &[i32]| -> Vec<i32> {
+                (0..32)
+                    .map(|i| {
+                        let (k, t) = (i / 8, i % 8);
+                        let v = if t < 4 { d0[4 * k + t] } else { d1[4 * k + t - 4] };
+                        assert!(v.abs() < 32768, "pack saturates");
+                        v
+                    })
+                    .collect()
+            };
+            let bcast: Vec<u8> = (0..64).map(|b| scales.to_le_bytes()[b % 8]).collect();
+            let mut total = 0i32;
+            for h in 0..2 {
+                let p = packs(&d[2 * h], &d[2 * h + 1]);
+                let s = i16s(&shuffle(&bcast, &super::SCALE_MASKS[h]));
+                total += p.iter().zip(&s).map(|(a, b)| a * b).sum::<i32>();
+            }
+            let mbcast: Vec<u8> = (0..32).map(|b| mins.to_le_bytes()[b % 8]).collect();
+            let mpairs = i16s(&shuffle(&mbcast, &super::MIN_MASK));
+            let min_total: i32 = mpairs.iter().zip(&bsums).map(|(a, b)| a * b).sum();
+            let want: i32 = (0..8)
+                .map(|c| {
+                    let dot: i32 = (0..32)
+                        .map(|e| {
+                            let v = 32 * c + e;
+                            let q = (qs[32 * (c / 2) + e] >> (4 * (c % 2))) & 15;
+                            q as i32 * q8[v] as i8 as i32
+                        })
+                        .sum();
+                    sc[c] as i32 * dot
+                })
+                .sum();
+            let want_min: i32 = (0..8)
+                .map(|c| mn[c] as i32 * (bsums[2 * c] + bsums[2 * c + 1]))
+                .sum();
+            assert_eq!((total, min_total), (want, want_min));
+        }
+    }
+
+    /// The AVX-512 kernels give the portable code's bits on random blocks (skipped without AVX-512 VNNI).
+    #[test]
+    fn q4k_avx512_equals_portable() {
+        if !has_avx512_vnni() {
+            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or POLY_CPU_AVX512=0)");
+            return;
+        }
+        let ops = GgmlType::Q4_K.ops().expect("Q4_K computes");
+        let mut rng = Rng::new(17);
+        for (n, rms) in [(256, 0.02f32), (2048, 1.0), (768, 1e-3), (4096, 0.05)] {
+            let rows = 16;
+            let (w, act) = case(&mut rng, rows, n, rms);
+            let rb = n / 256 * 144;
+            let row = |r: usize| &w[r * rb..(r + 1) * rb];
+            for r in (0..rows).step_by(4) {
+                // SAFETY: AVX-512 VNNI checked above; rows and activation hold n / 256 blocks each.
+                let got = unsafe {
+                    super::q4k_rows_x4(
+                        n / 256,
+                        [row(r), row(r + 1), row(r + 2), row(r + 3)].map(|x| x.as_ptr()),
+                        act.as_ptr(),
+                    )
+                };
+                for (j, &g) in got.iter().enumerate() {
+                    let want = (ops.vec_dot_portable)(n, row(r + j), &act);
+                    assert_eq!(g.to_bits(), want.to_bits(), "rows_x4 n {n} row {}", r + j);
+                    // SAFETY: as above.
+                    let one = unsafe { super::q4k_dot(n / 256, row(r + j).as_ptr(), act.as_ptr()) };
+                    assert_eq!(one.to_bits(), want.to_bits(), "dot n {n} row {}", r + j);
+                }
+            }
+        }
+    }
+}
