@@ -30,9 +30,8 @@ use poly_kernels::cuda::expert_slots::{
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Moe, WeightId};
-use rayon::prelude::*;
 
-use crate::cpu::{Arithmetic, CpuWeights, Mat};
+use crate::cpu::{CpuWeights, Mat};
 use layout::ExpertLayer;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
@@ -98,16 +97,12 @@ impl CpuShare {
         if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             xs = crate::gpu::reference::round_q8_1(&xs);
         }
-        let outs: Vec<Mat> = self
-            .items
-            .par_iter()
-            .map(|&(e, _)| crate::cpu::moe::expert(cpu, m, e, &xs, Arithmetic::BatchInvariant))
-            .collect();
-        let mut sum = vec![0f32; n_embd];
-        for (&(_, w), y) in self.items.iter().zip(&outs) {
-            sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
-        }
-        sum
+        // The decode step's expert path: the gate and up products of all items in one parallel region
+        // and their down products in another, rows split over the pool (a parallel region per expert
+        // left threads idle when fewer experts than threads were missing). Its dot products are those
+        // of `expert` with `Arithmetic::BatchInvariant` for one row, summed in routing order: the same bits.
+        let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
+        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
     }
 }
 
