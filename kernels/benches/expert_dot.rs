@@ -125,7 +125,8 @@ fn main() {
     println!("|---|---:|---:|---:|---:|---:|");
     let mut rng = Rng::new(5);
     for &ty in &a.types {
-        let (Some(up_row), Some(down_row)) = (ty.bytes_for(n_embd as u64), ty.bytes_for(n_ff as u64))
+        let (Some(up_row), Some(down_row)) =
+            (ty.bytes_for(n_embd as u64), ty.bytes_for(n_ff as u64))
         else {
             println!("| {ty} | rows not whole blocks | | | | |");
             continue;

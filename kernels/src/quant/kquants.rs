@@ -483,11 +483,17 @@ fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         return super::kquants_ggml::q5k_vec_dot(n, row, act);
     }
     #[cfg(target_arch = "x86_64")]
-    if kind == KKind::Q4K && super::has_avx512_vnni() {
+    if matches!(kind, KKind::Q4K | KKind::Q6K) && super::has_avx512_vnni() {
         let nb = check_lengths(kind, n, row, act);
         // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C at run time;
         // `check_lengths` showed that `row` and `act` hold `nb` blocks each, all the kernel reads.
-        return unsafe { super::x86::kquants_avx512::q4k_dot(nb, row.as_ptr(), act.as_ptr()) };
+        return unsafe {
+            if kind == KKind::Q4K {
+                super::x86::kquants_avx512::q4k_dot(nb, row.as_ptr(), act.as_ptr())
+            } else {
+                super::x86::kquants_avx512::q6k_dot(nb, row.as_ptr(), act.as_ptr())
+            }
+        };
     }
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {

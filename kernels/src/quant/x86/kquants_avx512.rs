@@ -14,6 +14,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::quant::float::sum_lanes8;
 use crate::quant::kquants::Q8K_BYTES;
 
 /// `vpshufb` masks building the i16 scale vectors of the packed sums from the eight 6-bit scales
@@ -230,6 +231,93 @@ pub(crate) unsafe fn q4k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
     acc - acc_min
 }
 
+/// `vpermw` indices of the Q6_K scale vectors: vector `m` (chunks `2m`, `2m + 1` of 32 values) gives i32
+/// lane `L` the scale of 16-value group `4m + L/4` in its low i16 (even slots; the odd ones are zeroed by
+/// the mask, so `vpdpwssd` multiplies the lane's sum, which fits i16, by its scale).
+static Q6K_SCALE_IDX: [[u16; 32]; 4] = {
+    let mut m = [[0u16; 32]; 4];
+    let mut v = 0;
+    while v < 4 {
+        let mut t = 0;
+        while t < 32 {
+            m[v][t] = (4 * v + t / 8) as u16;
+            t += 1;
+        }
+        v += 1;
+    }
+    m
+};
+
+/// The Q6_K dot product of one row `x` with one activation row `y`, with the lanes of
+/// `kquants_avx2::dot` (lane `l`: `Σ_c scale · Σ_{4l..4l+4} q·q8` less `32·Σ scale·bsum` of groups `2l`,
+/// `2l + 1`) and its fused float step per super-block into eight lanes, so the same bits.
+///
+/// A 64-byte load of `ql` holds chunks `4j`, `4j + 1` (low nibbles) and `4j + 2`, `4j + 3` (high); their
+/// two high bits come from the 32 `qh` bytes, in both halves, masked and shifted per half. `vpdpbusd`
+/// sums four products (at most 4·63·128: fits i16), `vpdpwssd` scales them; the two halves of the sum
+/// are the two chunks' lanes, added as the AVX2 code adds its chunks.
+///
+/// # Safety
+/// As [`q4k_rows_x4`], for one Q6_K row.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q6k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
+    let m15 = _mm512_set1_epi8(15);
+    // Per 256-bit half: the qh bits of the low-nibble chunks (0x03, then 0x0C) and of the high ones
+    // (0x30, then 0xC0), and the shifts bringing them to bits 4..6.
+    let half = |lo: i64, hi: i64| _mm512_setr_epi64(lo, lo, lo, lo, hi, hi, hi, hi);
+    let mask_lo = half(0x0303_0303_0303_0303, 0x0C0C_0C0C_0C0C_0C0C);
+    let mask_hi = half(0x3030_3030_3030_3030, 0xC0C0_C0C0_C0C0_C0C0_u64 as i64);
+    let shl_lo = half(0x0004_0004_0004_0004, 0x0002_0002_0002_0002);
+    let shr_hi = half(0, 0x0002_0002_0002_0002);
+    let idx: [__m512i; 4] =
+        core::array::from_fn(|m| _mm512_loadu_si512(Q6K_SCALE_IDX[m].as_ptr() as *const __m512i));
+    let zero = _mm512_setzero_si512();
+    let mut acc = _mm256_setzero_ps();
+    for i in 0..nb {
+        let (xb, yb) = (x.add(i * 210), y.add(i * Q8K_BYTES));
+        let q8 = yb.add(4);
+        let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xb.add(192) as *const __m128i));
+        let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, sc16));
+        let sc = _mm512_castsi256_si512(sc16);
+        let mut sum = zero;
+        for j in 0..2 {
+            let ql = _mm512_loadu_si512(xb.add(64 * j) as *const __m512i);
+            let qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(xb.add(128 + 32 * j) as *const __m256i));
+            let q_lo = _mm512_or_si512(
+                _mm512_and_si512(ql, m15),
+                _mm512_sllv_epi16(_mm512_and_si512(qh, mask_lo), shl_lo),
+            );
+            let q_hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m15),
+                _mm512_srlv_epi16(_mm512_and_si512(qh, mask_hi), shr_hi),
+            );
+            for (h, q) in [q_lo, q_hi].into_iter().enumerate() {
+                let a = _mm512_loadu_si512(q8.add(128 * j + 64 * h) as *const __m512i);
+                let d = _mm512_dpbusd_epi32(zero, q, a);
+                let s = _mm512_maskz_permutexvar_epi16(0x5555_5555, idx[2 * j + h], sc);
+                sum = _mm512_dpwssd_epi32(sum, d, s);
+            }
+        }
+        let lanes = _mm256_sub_epi32(
+            _mm256_add_epi32(
+                _mm512_castsi512_si256(sum),
+                _mm512_extracti64x4_epi64::<1>(sum),
+            ),
+            offset,
+        );
+        let xd = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            (xb.add(208) as *const u16).read_unaligned() as i32,
+        )));
+        let yd = (yb as *const f32).read_unaligned();
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * xd), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    let mut a = [0f32; 8];
+    _mm256_storeu_ps(a.as_mut_ptr(), acc);
+    sum_lanes8(&a) - sum_lanes8(&[0f32; 8])
+}
+
 #[cfg(test)]
 mod tests {
     use crate::quant::kquants::Q8K_BYTES;
@@ -295,7 +383,11 @@ mod tests {
             };
             let dpbusd = |u: &[u8], s: &[u8]| -> Vec<i32> {
                 (0..16)
-                    .map(|l| (0..4).map(|j| u[4 * l + j] as i32 * s[4 * l + j] as i8 as i32).sum())
+                    .map(|l| {
+                        (0..4)
+                            .map(|j| u[4 * l + j] as i32 * s[4 * l + j] as i8 as i32)
+                            .sum()
+                    })
                     .collect()
             };
             let d = [
@@ -308,7 +400,11 @@ mod tests {
                 (0..32)
                     .map(|i| {
                         let (k, t) = (i / 8, i % 8);
-                        let v = if t < 4 { d0[4 * k + t] } else { d1[4 * k + t - 4] };
+                        let v = if t < 4 {
+                            d0[4 * k + t]
+                        } else {
+                            d1[4 * k + t - 4]
+                        };
                         assert!(v.abs() < 32768, "pack saturates");
                         v
                     })
@@ -374,6 +470,88 @@ mod tests {
                     assert_eq!(one.to_bits(), want.to_bits(), "dot n {n} row {}", r + j);
                 }
             }
+        }
+    }
+
+    /// The Q6_K kernel gives the portable code's bits on random blocks (skipped without AVX-512 VNNI).
+    #[test]
+    fn q6k_avx512_equals_portable() {
+        if !has_avx512_vnni() {
+            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or POLY_CPU_AVX512=0)");
+            return;
+        }
+        let ops = GgmlType::Q6_K.ops().expect("Q6_K computes");
+        let mut rng = Rng::new(19);
+        for (n, rms) in [(256, 0.02f32), (2048, 1.0), (768, 1e-3), (4096, 0.05)] {
+            let mut w = vec![0u8; 8 * n / 256 * 210];
+            fill_random(GgmlType::Q6_K, &mut rng, rms, &mut w).expect("fill");
+            let x: Vec<f32> = (0..n)
+                .map(|i| rng.normal() * if i % 41 == 0 { 20.0 } else { 1.0 })
+                .collect();
+            let mut act = vec![0u8; n / 256 * Q8K_BYTES];
+            ActType::Q8_K.quantize(&x, &mut act);
+            for row in w.chunks_exact(n / 256 * 210) {
+                let want = (ops.vec_dot_portable)(n, row, &act);
+                // SAFETY: AVX-512 VNNI checked above; the row and activation hold n / 256 blocks each.
+                let got = unsafe { super::q6k_dot(n / 256, row.as_ptr(), act.as_ptr()) };
+                assert_eq!(got.to_bits(), want.to_bits(), "n {n}: {got} vs {want}");
+            }
+        }
+    }
+
+    /// The Q6_K kernel's layout (per-half qh masks and shifts, the `vpermw` scale vectors, the halves'
+    /// fold), replayed with the instructions' definitions on plain arrays, gives the portable lanes.
+    #[test]
+    fn q6k_layout_model_gives_exact_lanes() {
+        use crate::quant::kquants::{block_lanes, KKind};
+        let mut rng = Rng::new(23);
+        let mut w = vec![0u8; 4 * 210];
+        fill_random(GgmlType::Q6_K, &mut rng, 0.05, &mut w).expect("fill");
+        let x: Vec<f32> = (0..256).map(|_| rng.normal()).collect();
+        let mut act = vec![0u8; Q8K_BYTES];
+        ActType::Q8_K.quantize(&x, &mut act);
+        let q8 = &act[4..260];
+        let bsums: Vec<i32> = (0..16)
+            .map(|k| i16::from_le_bytes([act[260 + 2 * k], act[261 + 2 * k]]) as i32)
+            .collect();
+        for xb in w.chunks_exact(210) {
+            let sc: Vec<i32> = xb[192..208].iter().map(|&b| b as i8 as i32).collect();
+            let mut sum = [0i32; 16];
+            for j in 0..2 {
+                let ql = &xb[64 * j..64 * j + 64];
+                let qh = &xb[128 + 32 * j..160 + 32 * j];
+                for h in 0..2 {
+                    // Byte b: half b / 32; masks 0x03/0x0C (h = 0, shifted left 4/2), 0x30/0xC0 (right 0/2).
+                    let q: Vec<u8> = (0..64)
+                        .map(|b| {
+                            let (half, hb) = (b / 32, qh[b % 32]);
+                            let high = if h == 0 {
+                                (hb & [0x03, 0x0C][half]) << [4, 2][half]
+                            } else {
+                                (hb & [0x30, 0xC0][half]) >> [0, 2][half]
+                            };
+                            let low = if h == 0 { ql[b] & 15 } else { ql[b] >> 4 };
+                            low | high
+                        })
+                        .collect();
+                    let a = &q8[128 * j + 64 * h..128 * j + 64 * h + 64];
+                    let idx = &super::Q6K_SCALE_IDX[2 * j + h];
+                    for (l, s) in sum.iter_mut().enumerate() {
+                        let d: i32 = (0..4)
+                            .map(|k| q[4 * l + k] as i32 * a[4 * l + k] as i8 as i32)
+                            .sum();
+                        assert!(d.abs() < 32768);
+                        *s += d * sc[idx[2 * l] as usize];
+                    }
+                }
+            }
+            let lanes: Vec<i32> = (0..8)
+                .map(|l| {
+                    let off = sc[2 * l] * bsums[2 * l] + sc[2 * l + 1] * bsums[2 * l + 1];
+                    sum[l] + sum[l + 8] - 32 * off
+                })
+                .collect();
+            assert_eq!(lanes, block_lanes(KKind::Q6K, xb, &act).0.to_vec());
         }
     }
 }
