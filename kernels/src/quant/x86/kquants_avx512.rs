@@ -101,9 +101,57 @@ unsafe fn consts() -> Consts {
     }
 }
 
-/// The integer lanes of one Q4_K super-block `xb` against the rearranged activation `a` (eight i32
-/// lanes whose sum is `Σ_c scale_c · Σ q·q8` over the super-block), and its minimum lanes against `bsums`
-/// (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
+/// One Q4_K super-block unpacked: its four nibble vectors (two sub-blocks each, in [`act_vectors`]'
+/// order), its two i16 scale vectors for the packed sums, and its minimums as i16 pairs.
+struct Q4kBlock {
+    q: [__m512i; 4],
+    scales: [__m512i; 2],
+    min_pairs: __m256i,
+}
+
+#[inline(always)]
+unsafe fn unpack_q4k(xb: *const u8, k: &Consts) -> Q4kBlock {
+    let (scales, mins) = scales_mins(xb);
+    let sc = _mm512_set1_epi64(scales as i64);
+    let bits01 = _mm512_loadu_si512(xb.add(16) as *const __m512i);
+    let bits23 = _mm512_loadu_si512(xb.add(80) as *const __m512i);
+    Q4kBlock {
+        q: [
+            _mm512_and_si512(bits01, k.m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(bits01), k.m4),
+            _mm512_and_si512(bits23, k.m4),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(bits23), k.m4),
+        ],
+        scales: [
+            _mm512_shuffle_epi8(sc, k.scale_masks[0]),
+            _mm512_shuffle_epi8(sc, k.scale_masks[1]),
+        ],
+        min_pairs: _mm256_shuffle_epi8(_mm256_set1_epi64x(mins as i64), k.min_mask),
+    }
+}
+
+/// The integer lanes of an unpacked Q4_K super-block `b` against the rearranged activation `a` (eight
+/// i32 lanes whose sum is `Σ_c scale_c · Σ q·q8` over the super-block), and its minimum lanes against
+/// `bsums` (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
+#[inline(always)]
+unsafe fn block_lanes(b: &Q4kBlock, a: &[__m512i; 4], bsums: __m256i) -> (__m256i, __m256i) {
+    let mprod = _mm256_madd_epi16(bsums, b.min_pairs);
+    let zero = _mm512_setzero_si512();
+    let d0 = _mm512_dpbusd_epi32(zero, b.q[0], a[0]);
+    let d1 = _mm512_dpbusd_epi32(zero, b.q[1], a[1]);
+    let d2 = _mm512_dpbusd_epi32(zero, b.q[2], a[2]);
+    let d3 = _mm512_dpbusd_epi32(zero, b.q[3], a[3]);
+    // Sums of four products are at most 4·15·128 in magnitude: the packs are exact.
+    let acc = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(d0, d1), b.scales[0]);
+    let acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(d2, d3), b.scales[1]);
+    let lanes = _mm256_add_epi32(
+        _mm512_castsi512_si256(acc),
+        _mm512_extracti64x4_epi64::<1>(acc),
+    );
+    (lanes, mprod)
+}
+
+/// [`block_lanes`] of the Q4_K super-block at `xb`.
 #[inline(always)]
 unsafe fn row_lanes(
     xb: *const u8,
@@ -111,37 +159,48 @@ unsafe fn row_lanes(
     bsums: __m256i,
     k: &Consts,
 ) -> (__m256i, __m256i) {
-    let (scales, mins) = scales_mins(xb);
-    let mprod = _mm256_madd_epi16(
-        bsums,
-        _mm256_shuffle_epi8(_mm256_set1_epi64x(mins as i64), k.min_mask),
-    );
-    let sc = _mm512_set1_epi64(scales as i64);
-    let s01 = _mm512_shuffle_epi8(sc, k.scale_masks[0]);
-    let s23 = _mm512_shuffle_epi8(sc, k.scale_masks[1]);
-    let bits01 = _mm512_loadu_si512(xb.add(16) as *const __m512i);
-    let bits23 = _mm512_loadu_si512(xb.add(80) as *const __m512i);
-    let zero = _mm512_setzero_si512();
-    let d0 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(bits01, k.m4), a[0]);
-    let d1 = _mm512_dpbusd_epi32(
-        zero,
-        _mm512_and_si512(_mm512_srli_epi16::<4>(bits01), k.m4),
-        a[1],
-    );
-    let d2 = _mm512_dpbusd_epi32(zero, _mm512_and_si512(bits23, k.m4), a[2]);
-    let d3 = _mm512_dpbusd_epi32(
-        zero,
-        _mm512_and_si512(_mm512_srli_epi16::<4>(bits23), k.m4),
-        a[3],
-    );
-    // Sums of four products are at most 4·15·128 in magnitude: the packs are exact.
-    let acc = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(d0, d1), s01);
-    let acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(d2, d3), s23);
-    let lanes = _mm256_add_epi32(
-        _mm512_castsi512_si256(acc),
-        _mm512_extracti64x4_epi64::<1>(acc),
-    );
-    (lanes, mprod)
+    block_lanes(&unpack_q4k(xb, k), a, bsums)
+}
+
+/// The Q4_K dot product of one row `x` with four activation rows `ys` (as `kquants_avx2::q4k_dot_x4`:
+/// each super-block unpacked once for the four, their fused steps side by side in one vector, lane `k`
+/// the same operations on the same exact totals as row `ys[k]` alone).
+///
+/// # Safety
+/// As [`q4k_rows_x4`], for one row and each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    let k = consts();
+    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    for i in 0..nb {
+        let xb = x.add(i * 144);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((xb as *const i32).read_unaligned()));
+        let (xd, xdmin) = (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)));
+        let b = unpack_q4k(xb, &k);
+        let mut sums = [_mm256_setzero_si256(); 4];
+        let mut mprods = [_mm256_setzero_si256(); 4];
+        let mut yd = [0f32; 4];
+        for (r, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            (sums[r], mprods[r]) = block_lanes(&b, &act_vectors(yb.add(4)), bsums);
+            yd[r] = (yb as *const f32).read_unaligned();
+        }
+        // The four totals side by side (exact integer sums, so any grouping gives the same value).
+        let totals = |v: [__m256i; 4]| {
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            _mm_cvtepi32_ps(_mm_add_epi32(
+                _mm256_castsi256_si128(h),
+                _mm256_extracti128_si256::<1>(h),
+            ))
+        };
+        let ydv = _mm_loadu_ps(yd.as_ptr());
+        acc = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc);
+        acc_min = _mm_fmadd_ps(totals(mprods), _mm_mul_ps(_mm_set1_ps(xdmin), ydv), acc_min);
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
+    out
 }
 
 /// The Q4_K dot product (the repacked gemv order: `kquants_avx2::q4k_rows_x4`) of four weight rows `xs`
@@ -468,6 +527,22 @@ mod tests {
                     // SAFETY: as above.
                     let one = unsafe { super::q4k_dot(n / 256, row(r + j).as_ptr(), act.as_ptr()) };
                     assert_eq!(one.to_bits(), want.to_bits(), "dot n {n} row {}", r + j);
+                }
+            }
+            // One row against four activation rows: the Q8_K rows of four random vectors.
+            let acts: Vec<Vec<u8>> = (0..4).map(|_| case(&mut rng, 0, n, 1.0).1).collect();
+            for r in 0..rows {
+                // SAFETY: as above, for each of the four activation rows.
+                let got = unsafe {
+                    super::q4k_dot_x4(
+                        n / 256,
+                        row(r).as_ptr(),
+                        std::array::from_fn(|k| acts[k].as_ptr()),
+                    )
+                };
+                for (k, &g) in got.iter().enumerate() {
+                    let want = (ops.vec_dot_portable)(n, row(r), &acts[k]);
+                    assert_eq!(g.to_bits(), want.to_bits(), "dot_x4 n {n} row {r} act {k}");
                 }
             }
         }
