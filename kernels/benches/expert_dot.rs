@@ -117,9 +117,11 @@ fn parse_args() -> Args {
 fn main() {
     let a = parse_args();
     let (n_embd, n_ff) = (a.n_embd, a.n_ff);
+    let rows4 = std::env::var("POLY_CPU_ROWS4").map_or(true, |v| v != "0");
     println!(
-        "kernels: {}; expert gate/up {n_embd}->{n_ff}, down {n_ff}->{n_embd}; GB/s = weight bytes / median time",
-        simd_level()
+        "kernels: {}, Q4_K four-row kernel {}; expert gate/up {n_embd}->{n_ff}, down {n_ff}->{n_embd}; GB/s = weight bytes / median time",
+        simd_level(),
+        if rows4 { "on" } else { "off" }
     );
     println!("| type | threads | row dots, in cache GB/s | matvec from memory GB/s | decode experts (8x gate+up, 8x down) GB/s | per step us |");
     println!("|---|---:|---:|---:|---:|---:|");
