@@ -622,6 +622,17 @@ fn q4k_vec_dot_gemm4_x4(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
         for a in &acts[1..] {
             check_lengths(KKind::Q4K, n, row, a);
         }
+        if super::has_avx512_vnni() {
+            // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C; the row
+            // and the four activation rows hold `nb` blocks each.
+            return unsafe {
+                super::x86::kquants_avx512::q4k_dot_gemm4_x4(
+                    nb,
+                    row.as_ptr(),
+                    acts.map(|a| a.as_ptr()),
+                )
+            };
+        }
         // SAFETY: as in `vec_dot`, for each of the four activation rows.
         return unsafe {
             super::x86::kquants_avx2::q4k_dot_gemm4_x4(nb, row.as_ptr(), acts.map(|a| a.as_ptr()))

@@ -290,6 +290,85 @@ pub(crate) unsafe fn q4k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
     acc - acc_min
 }
 
+/// The Q4_K dot product in llama.cpp's repacked gemm order (`kquants_avx2::q4k_dot_gemm4_x4`: one fused
+/// step per pair of 32-value sub-blocks, on its integer totals) of one row `x` with four activation rows
+/// `ys`. The two scaled vectors of a super-block hold one pair per 256-bit half (`vpackssdw` keeps 128-bit
+/// lanes 0, 1 for the first sub-blocks of its inputs and 2, 3 for the second ones), so the halves are the
+/// four pairs' lanes.
+///
+/// # Safety
+/// As [`q4k_dot_x4`].
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    let k = consts();
+    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    let zero = _mm512_setzero_si512();
+    for i in 0..nb {
+        let xb = x.add(i * 144);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128((xb as *const i32).read_unaligned()));
+        let (xd, xdmin) = (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)));
+        let b = unpack_q4k(xb, &k);
+        // Per activation row: its four pair totals, and its minimum products summed per pair.
+        let mut t = [_mm_setzero_si128(); 4];
+        let mut m = [_mm_setzero_si128(); 4];
+        let mut yd = [0f32; 4];
+        for (r, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let a = act_vectors(yb.add(4));
+            let d: [__m512i; 4] = core::array::from_fn(|v| _mm512_dpbusd_epi32(zero, b.q[v], a[v]));
+            let acc01 = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(d[0], d[1]), b.scales[0]);
+            let acc23 = _mm512_dpwssd_epi32(zero, _mm512_packs_epi32(d[2], d[3]), b.scales[1]);
+            let p = [
+                _mm512_castsi512_si256(acc01),
+                _mm512_extracti64x4_epi64::<1>(acc01),
+                _mm512_castsi512_si256(acc23),
+                _mm512_extracti64x4_epi64::<1>(acc23),
+            ];
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            t[r] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            let mprod = _mm256_madd_epi16(bsums, b.min_pairs);
+            // [m0+m1, m2+m3, ..] per half: pairs 0, 1 low, pairs 2, 3 high.
+            let mh = _mm256_hadd_epi32(mprod, mprod);
+            m[r] = _mm_unpacklo_epi64(
+                _mm256_castsi256_si128(mh),
+                _mm256_extracti128_si256::<1>(mh),
+            );
+            yd[r] = (yb as *const f32).read_unaligned();
+        }
+        // Transpose so vector p holds pair p of the four rows.
+        let tr = |v: [__m128i; 4]| -> [__m128; 4] {
+            let (a, b, c, d) = (
+                _mm_castsi128_ps(v[0]),
+                _mm_castsi128_ps(v[1]),
+                _mm_castsi128_ps(v[2]),
+                _mm_castsi128_ps(v[3]),
+            );
+            let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
+            let (cd_lo, cd_hi) = (_mm_unpacklo_ps(c, d), _mm_unpackhi_ps(c, d));
+            [
+                _mm_movelh_ps(ab_lo, cd_lo),
+                _mm_movehl_ps(cd_lo, ab_lo),
+                _mm_movelh_ps(ab_hi, cd_hi),
+                _mm_movehl_ps(cd_hi, ab_hi),
+            ]
+        };
+        let (tp, mp) = (tr(t), tr(m));
+        let ydv = _mm_loadu_ps(yd.as_ptr());
+        let (d, dmin) = (
+            _mm_mul_ps(_mm_set1_ps(xd), ydv),
+            _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
+        );
+        for p in 0..4 {
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(tp[p])), d, acc);
+            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(mp[p])), dmin, acc_min);
+        }
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
+    out
+}
+
 /// `vpermw` indices of the Q6_K scale vectors: vector `m` (chunks `2m`, `2m + 1` of 32 values) gives i32
 /// lane `L` the scale of 16-value group `4m + L/4` in its low i16 (even slots; the odd ones are zeroed by
 /// the mask, so `vpdpwssd` multiplies the lane's sum, which fits i16, by its scale).
@@ -471,14 +550,30 @@ mod tests {
             };
             let bcast: Vec<u8> = (0..64).map(|b| scales.to_le_bytes()[b % 8]).collect();
             let mut total = 0i32;
+            // Pair totals from the 256-bit halves (i16 slots 0..16 and 16..32) of the two scaled vectors.
+            let mut pairs = [0i32; 4];
             for h in 0..2 {
                 let p = packs(&d[2 * h], &d[2 * h + 1]);
                 let s = i16s(&shuffle(&bcast, &super::SCALE_MASKS[h]));
-                total += p.iter().zip(&s).map(|(a, b)| a * b).sum::<i32>();
+                for (i, (a, b)) in p.iter().zip(&s).enumerate() {
+                    total += a * b;
+                    pairs[2 * h + i / 16] += a * b;
+                }
             }
             let mbcast: Vec<u8> = (0..32).map(|b| mins.to_le_bytes()[b % 8]).collect();
             let mpairs = i16s(&shuffle(&mbcast, &super::MIN_MASK));
             let min_total: i32 = mpairs.iter().zip(&bsums).map(|(a, b)| a * b).sum();
+            let sub = |c: usize| -> i32 {
+                let dot: i32 = (0..32)
+                    .map(|e| {
+                        let q = (qs[32 * (c / 2) + e] >> (4 * (c % 2))) & 15;
+                        q as i32 * q8[32 * c + e] as i8 as i32
+                    })
+                    .sum();
+                sc[c] as i32 * dot
+            };
+            let want_pairs: Vec<i32> = (0..4).map(|p| sub(2 * p) + sub(2 * p + 1)).collect();
+            assert_eq!(pairs.to_vec(), want_pairs, "pair totals per 256-bit half");
             let want: i32 = (0..8)
                 .map(|c| {
                     let dot: i32 = (0..32)
@@ -543,6 +638,24 @@ mod tests {
                 for (k, &g) in got.iter().enumerate() {
                     let want = (ops.vec_dot_portable)(n, row(r), &acts[k]);
                     assert_eq!(g.to_bits(), want.to_bits(), "dot_x4 n {n} row {r} act {k}");
+                }
+                // The repacked gemm order.
+                let gemm4 = crate::quant::batch_dot(GgmlType::Q4_K).expect("Q4_K batch order");
+                // SAFETY: as above.
+                let got = unsafe {
+                    super::q4k_dot_gemm4_x4(
+                        n / 256,
+                        row(r).as_ptr(),
+                        std::array::from_fn(|k| acts[k].as_ptr()),
+                    )
+                };
+                for (k, &g) in got.iter().enumerate() {
+                    let want = (gemm4.portable)(n, row(r), &acts[k]);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "gemm4_x4 n {n} row {r} act {k}"
+                    );
                 }
             }
         }
