@@ -101,6 +101,25 @@ impl CpuShare {
         // and their down products in another, rows split over the pool (a parallel region per expert
         // left threads idle when fewer experts than threads were missing). Its dot products are those
         // of `expert` with `Arithmetic::BatchInvariant` for one row, summed in routing order: the same bits.
+        // `POLY_CPU_SHARE=per-expert` keeps the former path (a parallel region per expert), to compare.
+        static PER_EXPERT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let per_expert = *PER_EXPERT
+            .get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "per-expert"));
+        if per_expert {
+            use rayon::prelude::*;
+            let outs: Vec<Mat> = self
+                .items
+                .par_iter()
+                .map(|&(e, _)| {
+                    crate::cpu::moe::expert(cpu, m, e, &xs, crate::cpu::Arithmetic::BatchInvariant)
+                })
+                .collect();
+            let mut sum = vec![0f32; n_embd];
+            for (&(_, w), y) in self.items.iter().zip(&outs) {
+                sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+            }
+            return sum;
+        }
         let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
         crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
     }
