@@ -411,8 +411,16 @@ pub(crate) unsafe fn q6k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
         core::array::from_fn(|m| _mm512_loadu_si512(Q6K_SCALE_IDX[m].as_ptr() as *const __m512i));
     let zero = _mm512_setzero_si512();
     let mut acc = _mm256_setzero_ps();
+    // Rows of a matrix×vector product are consecutive: fetch the row about 4 KiB ahead at the pace of
+    // this one (the hardware prefetchers ramp up too late on rows of a few cache lines; measured on the
+    // Xeon host: single-row Q4_K decode products 48 GB/s on 16 threads without, 72 with the four-row
+    // kernel's prefetch). Prefetching never faults.
+    let ahead = x.wrapping_add((4096 / (nb * 210)).max(1) * nb * 210);
     for i in 0..nb {
         let (xb, yb) = (x.add(i * 210), y.add(i * Q8K_BYTES));
+        for off in [0, 64, 128, 192, 209] {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(i * 210 + off) as *const i8);
+        }
         let q8 = yb.add(4);
         let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xb.add(192) as *const __m128i));
         let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
