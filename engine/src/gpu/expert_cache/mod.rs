@@ -32,9 +32,8 @@ use poly_kernels::cuda::expert_slots::{
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Moe, WeightId};
-use rayon::prelude::*;
 
-use crate::cpu::{Arithmetic, CpuWeights, Mat};
+use crate::cpu::{CpuWeights, Mat};
 use layout::ExpertLayer;
 pub use placement::MissingExperts;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
@@ -206,16 +205,31 @@ impl CpuShare {
         if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             xs = crate::gpu::reference::round_q8_1(&xs);
         }
-        let outs: Vec<Mat> = self
-            .items
-            .par_iter()
-            .map(|&(e, _)| crate::cpu::moe::expert(cpu, m, e, &xs, Arithmetic::BatchInvariant))
-            .collect();
-        let mut sum = vec![0f32; n_embd];
-        for (&(_, w), y) in self.items.iter().zip(&outs) {
-            sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+        // The decode step's expert path: the gate and up products of all items in one parallel region
+        // and their down products in another, rows split over the pool (a parallel region per expert
+        // left threads idle when fewer experts than threads were missing). Its dot products are those
+        // of `expert` with `Arithmetic::BatchInvariant` for one row, summed in routing order: the same bits.
+        // `POLY_CPU_SHARE=per-expert` keeps the former path (a parallel region per expert), to compare.
+        static PER_EXPERT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let per_expert = *PER_EXPERT
+            .get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "per-expert"));
+        if per_expert {
+            use rayon::prelude::*;
+            let outs: Vec<Mat> = self
+                .items
+                .par_iter()
+                .map(|&(e, _)| {
+                    crate::cpu::moe::expert(cpu, m, e, &xs, crate::cpu::Arithmetic::BatchInvariant)
+                })
+                .collect();
+            let mut sum = vec![0f32; n_embd];
+            for (&(_, w), y) in self.items.iter().zip(&outs) {
+                sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+            }
+            return sum;
         }
-        sum
+        let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
+        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
     }
 }
 
