@@ -535,10 +535,17 @@ impl PendingCopy {
                     };
                     let (_, ks, vs) = &mut s.kv[at];
                     for (saved, below, above) in [(ks, k_below, k_above), (vs, v_below, v_above)] {
-                        let mut rows = below;
-                        rows.extend_from_slice(saved);
-                        rows.extend_from_slice(&above);
-                        *saved = rows;
+                        if saved.is_empty() && below.is_empty() {
+                            // The first rows saved: the download itself, not a copy of it.
+                            *saved = above;
+                        } else if below.is_empty() {
+                            saved.extend_from_slice(&above);
+                        } else {
+                            let mut rows = below;
+                            rows.extend_from_slice(saved);
+                            rows.extend_from_slice(&above);
+                            *saved = rows;
+                        }
                     }
                 }
             }
