@@ -134,7 +134,8 @@ fn main() {
             continue;
         };
         // One expert's three matrices; sets of 8 experts rotating over `rotate_mb` of weights.
-        let expert_bytes = n_ff * (2 * up_row as usize + down_row as usize);
+        // gate and up: n_ff rows of n_embd values; down: n_embd rows of n_ff values.
+        let expert_bytes = 2 * n_ff * up_row as usize + n_embd * down_row as usize;
         let sets = ((a.rotate_mb << 20) / (8 * expert_bytes)).max(2);
         let ups = matrices(&mut rng, ty, n_ff, n_embd, 16 * sets);
         let downs = matrices(&mut rng, ty, n_embd, n_ff, 8 * sets);

@@ -415,7 +415,7 @@ pub(crate) unsafe fn q6k_dot(nb: usize, x: *const u8, y: *const u8) -> f32 {
     // this one (the hardware prefetchers ramp up too late on rows of a few cache lines; measured on the
     // Xeon host: single-row Q4_K decode products 48 GB/s on 16 threads without, 72 with the four-row
     // kernel's prefetch). Prefetching never faults.
-    let ahead = x.wrapping_add((4096 / (nb * 210)).max(1) * nb * 210);
+    let ahead = x.wrapping_add((4096 / (nb * 210).max(1)).max(1) * nb * 210);
     for i in 0..nb {
         let (xb, yb) = (x.add(i * 210), y.add(i * Q8K_BYTES));
         for off in [0, 64, 128, 192, 209] {
