@@ -14,7 +14,8 @@ use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
 use poly_kernels::cuda::prompt::{
-    self, gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
+    self, gather_rows, gather_rows_q8_1, matmul_experts_q, matmul_q, moe_combine_sorted,
+    ExpertGrouping,
 };
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
@@ -795,12 +796,17 @@ impl<'a> GpuForward<'a> {
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
         self.op_end("moe.group", t);
         let t = self.op_begin();
-        // [slots, n_embd] in expert order, quantized once for gate and up.
-        let mut xs = self.pool.f32(dev, slots * n_embd)?;
-        gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
+        // The tokens quantized once ([n, n_embd/32] blocks), then put in expert order for gate and up:
+        // [slots, n_embd/32] (the blocks gathering the f32 rows and quantizing them would give).
         let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
-        ops::quantize_q8_1(dev, &xs, &mut xq)?;
-        self.pool.put_f32(xs);
+        let r = self.with_q8(None, x.buf()?, |xq_tokens| {
+            gather_rows_q8_1(dev, xq_tokens, &g.rows, n_embd / 32, &mut xq)
+        });
+        if let Err(e) = r {
+            self.pool.put_q8(xq);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
         self.op_end("moe.gather", t);
         let t = self.op_begin();
         // [slots, n_ff] each.
