@@ -1007,6 +1007,17 @@ fn expert_grouped_matmul_matches_cpu() {
             prompt::gather_rows(&dev, &xd, &rowsd, cols, &mut xs).unwrap();
             let mut xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
             ops::quantize_q8_1(&dev, &xs, &mut xq).unwrap();
+            // The engine's order: the tokens quantized once, their blocks gathered: the same blocks.
+            let mut xq_tokens = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
+            ops::quantize_q8_1(&dev, &xd, &mut xq_tokens).unwrap();
+            let mut xq_gathered = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+            prompt::gather_rows_q8_1(&dev, &xq_tokens, &rowsd, cols / 32, &mut xq_gathered)
+                .unwrap();
+            if dev.download(&xq_gathered).unwrap() != dev.download(&xq).unwrap() {
+                failures.push(format!(
+                    "grouped experts {ty} tiles of {tile}: q8_1 gather differs"
+                ));
+            }
             let mut ys = dev.zeros::<f32>(n * k * rows).unwrap();
             prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut ys).unwrap();
             // The pair form (gate and up in one launch) gives each table's products bit for bit.

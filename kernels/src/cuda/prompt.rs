@@ -503,6 +503,44 @@ pub fn gather_rows(
     dev.after_launch("gather_rows")
 }
 
+/// `dst[r] = src[rows[r]]` for rows of `blocks` q8_1 blocks (a prompt's quantized tokens into expert
+/// order: the same blocks as [`gather_rows`] then quantizing, with a quarter of the bytes moved).
+pub fn gather_rows_q8_1(
+    dev: &Device,
+    src: &DeviceBuffer<BlockQ8_1>,
+    rows: &DeviceBuffer<i32>,
+    blocks: usize,
+    dst: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
+    check_len("gather_rows_q8_1 dst", dst, rows.len() * blocks)?;
+    if blocks == 0 || !src.len().is_multiple_of(blocks) {
+        return invalid(format!("gather_rows_q8_1: src of {} blocks", src.len()));
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    if rows.len() > i32::MAX as usize {
+        return invalid(format!("gather_rows_q8_1: {} rows", rows.len()));
+    }
+    let words = as_i32("words", blocks * std::mem::size_of::<BlockQ8_1>() / 4)?;
+    let f = dev.function(KernelModule::MatmulMma, "gather_rows_words")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(src.slice())
+        .arg(rows.slice())
+        .arg(dst.slice_mut())
+        .arg(&words);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.len() as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: a block is 36 bytes (9 words, 4-aligned), so a row is `words` words; dst holds rows × blocks
+    // blocks (checked); the row ids are read on the card and must be below src.len()/blocks, which the
+    // grouping guarantees for the tokens it was built from.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("gather_rows_words")
+}
+
 /// `out[t] (+)= Σ_j weights[t, j] · y_sorted[slot_row[t·k + j]]`: the weighted sum of each token's `k`
 /// expert outputs from expert order (`y_sorted` `[n_sorted, width]`, `out` `[n_tokens, width]`).
 pub fn moe_combine_sorted(
