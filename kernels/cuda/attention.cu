@@ -257,12 +257,14 @@ static __device__ __forceinline__ void f16x8_to_f32(const uint4 u, float f[8]) {
     }
 }
 
-// 8 f32 -> 8 f16 (rounded to nearest even), packed for a 16-byte store.
+// 8 f32 (32-byte aligned) -> 8 f16 (rounded to nearest even), packed for a 16-byte store.
 static __device__ __forceinline__ uint4 f32x8_to_f16(const float * f) {
+    const float4 a = ((const float4 *) f)[0], b = ((const float4 *) f)[1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        w[i] = (uint32_t) f32_to_f16(f[2 * i]) | ((uint32_t) f32_to_f16(f[2 * i + 1]) << 16);
+        w[i] = (uint32_t) f32_to_f16(v[2 * i]) | ((uint32_t) f32_to_f16(v[2 * i + 1]) << 16);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -292,10 +294,15 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
     float qf[ATD_MAX_G][8];
 #pragma unroll
     for (int h = 0; h < ATD_MAX_G; ++h) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            qf[h][i] = h < group ? q[(int64_t) (hk * group + h) * a.d + sub * 8 + i] : 0.0f;
+        // 8 consecutive floats (32-byte aligned: d and the offset are multiples of 8) as two 16-byte loads.
+        float4 lo4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi4 = lo4;
+        if (h < group) {
+            const float4 * qh = (const float4 *) (q + (int64_t) (hk * group + h) * a.d + sub * 8);
+            lo4 = qh[0];
+            hi4 = qh[1];
         }
+        qf[h][0] = lo4.x, qf[h][1] = lo4.y, qf[h][2] = lo4.z, qf[h][3] = lo4.w;
+        qf[h][4] = hi4.x, qf[h][5] = hi4.y, qf[h][6] = hi4.z, qf[h][7] = hi4.w;
     }
     float m[ATD_MAX_G], l[ATD_MAX_G], acc[ATD_MAX_G][8];
 #pragma unroll
@@ -376,7 +383,9 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
                 mx = fmaxf(mx, sc);
             }
             const float mx_safe = mx == -POLY_INF ? 0.0f : mx;
-            const float keep = expf(m[h] - mx_safe);
+            // __expf (ex2.approx): arguments are <= 0 and the weights' relative error ~1e-6 is far below the
+            // f16 rounding of the values they weigh.
+            const float keep = __expf(m[h] - mx_safe);
             m[h] = mx;
             float lsum = l[h] * keep;
 #pragma unroll
@@ -385,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
             }
 #pragma unroll
             for (int u = 0; u < ATD_UNROLL; ++u) {
-                const float pu = expf(s[u][h] - mx_safe);
+                const float pu = __expf(s[u][h] - mx_safe);
                 lsum += pu;
                 float vf[8];
                 f16x8_to_f32(vv[u], vf);
@@ -413,18 +422,31 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < group * a.d; idx += ATD_THREADS) {
-        const int h = idx / a.d, dd = idx % a.d;
+    // Per head: the largest slot maximum, each slot's weight (in place of its maximum) and the merged sum.
+    __shared__ float big_s[ATD_MAX_G], den_s[ATD_MAX_G];
+    if (tid < group) {
+        const int h = tid;
         float big = -POLY_INF;
         for (int sl = 0; sl < kps; ++sl) {
             big = fmaxf(big, ml_s[sl * group + h][0]);
         }
         const float big_safe = big == -POLY_INF ? 0.0f : big;
-        float num = 0.0f, den = 0.0f;
+        float den = 0.0f;
         for (int sl = 0; sl < kps; ++sl) {
-            const float w = expf(ml_s[sl * group + h][0] - big_safe);
-            num = fmaf(w, acc_s[(sl * group + h) * a.d + dd], num);
+            const float w = __expf(ml_s[sl * group + h][0] - big_safe);
+            ml_s[sl * group + h][0] = w;
             den = fmaf(w, ml_s[sl * group + h][1], den);
+        }
+        big_s[h] = big;
+        den_s[h] = den;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < group * a.d; idx += ATD_THREADS) {
+        const int h = idx / a.d, dd = idx % a.d;
+        const float big = big_s[h], den = den_s[h];
+        float num = 0.0f;
+        for (int sl = 0; sl < kps; ++sl) {
+            num = fmaf(ml_s[sl * group + h][0], acc_s[(sl * group + h) * a.d + dd], num);
         }
         const int head = hk * group + h;
         if (a.n_split == 1) {
@@ -471,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(256)
     float den = 0.0f;
     for (int s = tid; s < n_split; s += 256) {
         const float m = ml[((int64_t) s * n_head + head) * 2];
-        const float w = m == -POLY_INF ? 0.0f : expf(m - big_safe);
+        const float w = m == -POLY_INF ? 0.0f : __expf(m - big_safe);
         w_s[s] = w;
         den = fmaf(w, ml[((int64_t) s * n_head + head) * 2 + 1], den);
     }

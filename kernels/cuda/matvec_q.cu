@@ -345,20 +345,20 @@ static __device__ __forceinline__ bool group_writer(int wpr) {
 // contribute nothing. The results are valid in the group's writer.
 #define MATVEC_MAX_RPG 4
 
-template <typename F, int N_MAT>
-static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_row0)[N_MAT], int64_t row_bytes,
-                                                    const block_q8_1 * __restrict__ x, int ncols, int wpr, int nr,
-                                                    float (&total)[N_MAT][MATVEC_MAX_RPG]) {
+template <typename F, int N_MAT, int RPG>
+static __device__ __forceinline__ void rows_dot_n(const uint8_t * const (&w_row0)[N_MAT], int64_t row_bytes,
+                                                  const block_q8_1 * __restrict__ x, int ncols, int wpr, int nr,
+                                                  float (&total)[N_MAT][MATVEC_MAX_RPG]) {
     constexpr int threads_per_block = F::qi / F::vdr;
     const int blocks_per_iter = F::vdr * wpr * WARP_SIZE / F::qi;
     const int tid = WARP_SIZE * (threadIdx.y % wpr) + threadIdx.x;
     const int blocks_per_row = nr > 0 ? ncols / F::qk : 0;
     const int iqs = F::vdr * (tid % threads_per_block);
-    float acc[N_MAT][MATVEC_MAX_RPG];
+    float acc[N_MAT][RPG];
 #pragma unroll
     for (int m = 0; m < N_MAT; ++m) {
 #pragma unroll
-        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+        for (int r = 0; r < RPG; ++r) {
             acc[m][r] = 0.0f;
         }
     }
@@ -367,7 +367,7 @@ static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_ro
         // Rows past nr read the group's first row again (unconditional loads the compiler can issue
         // together); their sums are never written.
 #pragma unroll
-        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+        for (int r = 0; r < RPG; ++r) {
 #pragma unroll
             for (int m = 0; m < N_MAT; ++m) {
                 const typename F::block * w = (const typename F::block *) (w_row0[m] + (r < nr ? r : 0) * row_bytes);
@@ -375,11 +375,11 @@ static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_ro
             }
         }
     }
-    __shared__ float partial[N_MAT][MATVEC_MAX_RPG][MATVEC_WARPS];
+    __shared__ float partial[N_MAT][RPG][MATVEC_WARPS];
 #pragma unroll
     for (int m = 0; m < N_MAT; ++m) {
 #pragma unroll
-        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+        for (int r = 0; r < RPG; ++r) {
             const float v = warp_sum(acc[m][r]);
             if (threadIdx.x == 0) {
                 partial[m][r][threadIdx.y] = v;
@@ -392,12 +392,27 @@ static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_ro
 #pragma unroll
         for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
             total[m][r] = 0.0f;
-            if (group_writer(wpr)) {
+            if (r < RPG && group_writer(wpr)) {
                 for (int w8 = 0; w8 < wpr; ++w8) {
                     total[m][r] += partial[m][r][threadIdx.y + w8];
                 }
             }
         }
+    }
+}
+
+// rows_dot_n for the launch's rpg (1, 2 or 4; uniform over the launch, so one branch per block): each
+// variant keeps exactly its rows' loads in flight.
+template <typename F, int N_MAT>
+static __device__ __forceinline__ void rows_dot_rpg(const uint8_t * const (&w_row0)[N_MAT], int64_t row_bytes,
+                                                    const block_q8_1 * __restrict__ x, int ncols, int wpr, int rpg,
+                                                    int nr, float (&total)[N_MAT][MATVEC_MAX_RPG]) {
+    if (rpg >= 4) {
+        rows_dot_n<F, N_MAT, 4>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    } else if (rpg == 2) {
+        rows_dot_n<F, N_MAT, 2>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    } else {
+        rows_dot_n<F, N_MAT, 1>(w_row0, row_bytes, x, ncols, wpr, nr, total);
     }
 }
 
@@ -409,7 +424,7 @@ static __device__ __forceinline__ void matvec(const uint8_t * __restrict__ w, co
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
     const uint8_t * const w_row0[1] = {w + (nr > 0 ? row0 : 0) * row_bytes};
     float total[1][MATVEC_MAX_RPG];
-    rows_dot_rpg<F, 1>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    rows_dot_rpg<F, 1>(w_row0, row_bytes, x, ncols, wpr, rpg, nr, total);
     if (group_writer(wpr)) {
 #pragma unroll
         for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
@@ -434,7 +449,7 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
     const uint8_t * const w_row0[1] = {nr > 0 ? (const uint8_t *) base + row0 * row_bytes : nullptr};
     float total[1][MATVEC_MAX_RPG];
-    rows_dot_rpg<F, 1>(w_row0, row_bytes, x + slot * x_stride_blocks, ncols, wpr, nr, total);
+    rows_dot_rpg<F, 1>(w_row0, row_bytes, x + slot * x_stride_blocks, ncols, wpr, rpg, nr, total);
     if (group_writer(wpr)) {
 #pragma unroll
         for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
@@ -468,7 +483,7 @@ static __device__ __forceinline__ void matvec_experts_glu(const uint64_t * __res
     const uint8_t * const w_row0[2] = {nr > 0 ? (const uint8_t *) base_g + row0 * row_bytes : nullptr,
                                        nr > 0 ? (const uint8_t *) base_u + row0 * row_bytes : nullptr};
     float total[2][MATVEC_MAX_RPG];
-    rows_dot_rpg<F, 2>(w_row0, row_bytes, x, ncols, wpr, nr, total);
+    rows_dot_rpg<F, 2>(w_row0, row_bytes, x, ncols, wpr, rpg, nr, total);
     if (group_writer(wpr)) {
 #pragma unroll
         for (int r = 0; r < MATVEC_MAX_RPG; ++r) {

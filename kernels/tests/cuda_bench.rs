@@ -304,6 +304,28 @@ fn bench_fused_gate_up() {
         ops::matvec_experts_glu_q(&dev, (gate.table(), up.table()), ids, &xq, &mut h).expect("glu");
     });
     report("gate+up fused launch alone", glu_only, bytes);
+    // The same calls replayed from graphs (the device's time without the host's launch cost).
+    let mut graph_of = |fused: bool| {
+        dev.capture(|dv| {
+            for ids in id_sets.iter().cycle().take(ITERS) {
+                if fused {
+                    ops::matvec_experts_glu_q(dv, (gate.table(), up.table()), ids, &xq, &mut h)?;
+                    ops::quantize_q8_1(dv, &h, &mut hq)?;
+                } else {
+                    ops::matvec_experts_q(dv, gate.table(), ids, &xq, shared, &mut g)?;
+                    ops::matvec_experts_q(dv, up.table(), ids, &xq, shared, &mut u)?;
+                    ops::swiglu_quantize_q8_1(dv, &g, &u, &mut hq)?;
+                }
+            }
+            Ok(())
+        })
+        .expect("capture")
+    };
+    for (fused, name) in [(false, "separate"), (true, "fused")] {
+        let graph = graph_of(fused);
+        let secs = time_launches(&dev, || graph.replay().expect("replay")) / ITERS as f64;
+        report(&format!("gate+up {name}, graph"), secs, bytes);
+    }
 }
 
 /// One decode step of a MoE FFN at Qwen3-30B-A3B's shapes (2048 wide, 128 experts of 768, 8 chosen, Q4_K):

@@ -1,7 +1,7 @@
 #!/bin/bash
 # decode7's device run (from the repository root, on the GPU machine): the decode kernels' CUDA tests, the
 # engine's GPU forward test, the attention microbenchmark, `poly-engine bench` on q3 and q35 (new path and,
-# for q3, the old one: POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1, and rows per group 1 alone), serve-mode decode at depth and the eager per-op
+# the old paths: POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate, and rows per group 1 alone), serve-mode decode at depth and the eager per-op
 # profile. Everything goes to $OUT/summary.txt (the tail of each log) and five logs; under ~3 minutes.
 set -u
 C=.carry/decode7
@@ -27,12 +27,12 @@ grep -E "^test |test result|FAIL|panicked|differ|not zero|above" $T | grep -v " 
 grep -E "attention_decode.*position (2000|8000|1999)" $T >> $S
 timeout 90 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward rc=$?"
 grep -E "^test |test result|panicked" $T | tail -8 >> $S
-POLY_ATTN_KV_STORE=fused timeout 60 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward with POLY_ATTN_KV_STORE=fused rc=$?"
+POLY_ATTN_KV_STORE=separate timeout 60 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward with POLY_ATTN_KV_STORE=separate rc=$?"
 grep -E "^test |test result|panicked" $T | tail -7 >> $S
 timeout 30 $B/cuda_layer_bench bench_attention_decode --ignored --nocapture --test-threads 1 > $OUT/micro.log 2>&1; note "bench_attention_decode rc=$?"
 grep "^bench" $OUT/micro.log >> $S
 timeout 40 $B/cuda_bench bench_fused_gate_up --ignored --nocapture --test-threads 1 >> $OUT/micro.log 2>&1; note "bench_fused_gate_up rc=$?"
-grep "^bench gate" $OUT/micro.log >> $S
+grep "bench gate" $OUT/micro.log >> $S
 wait # the models
 
 BL=$OUT/bench.log
@@ -46,9 +46,9 @@ bench() { # name env...
 }
 bench q3 new POLY_X=1
 bench q35 new POLY_X=1
-bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
+bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate
 bench q3 rpg1 POLY_MATVEC_RPG=1
-bench q3 kvfused POLY_ATTN_KV_STORE=fused
+bench q35 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate
 
 SV=$OUT/serve.log
 serve() { # model tag env...
@@ -59,8 +59,7 @@ serve() { # model tag env...
 }
 serve q3 new POLY_X=1
 serve q35 new POLY_X=1
-left 140 && serve q3 kvfused POLY_ATTN_KV_STORE=fused
-left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1
+left 150 && serve q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate
 
 if left 150; then
     timeout 25 $B/gpu_expert_cache --test-threads 1 >> $T 2>&1; note "gpu_expert_cache rc=$?"
@@ -71,6 +70,12 @@ if left 165; then
     POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0 timeout 30 python3 $C/drive.py $E /dev/shm/m/q3.gguf 16384 2000:64 >> $S 2> $OUT/ops_q3.log
     note "profile q3 rc=$?"
     grep -A16 "^decode" $OUT/ops_q3.log | head -18 >> $S
+fi
+if left 160; then
+    echo "== q35 eager per-op profile, 2000:64" >> $S
+    POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0 timeout 25 python3 $C/drive.py $E /dev/shm/m/q35.gguf 16384 2000:64 >> $S 2> $OUT/ops_q35.log
+    note "profile q35 rc=$?"
+    grep -A24 "^decode" $OUT/ops_q35.log | head -26 >> $S
 fi
 note "end"
 cat $S
