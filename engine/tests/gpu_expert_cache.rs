@@ -228,13 +228,15 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
     // token's missing experts split by cost, all on the CPU, or all copied to the card.
     let half = Some(slot_bytes * total_slots / 2);
     let eighth = Some(slot_bytes * total_slots.div_ceil(8));
-    use MissingExperts::{Card, Cpu, Split};
+    use MissingExperts::{Card, Cpu, Mapped, Split};
     let cases = [
         ("none", Some(0), 0, false, Split),
         ("none", Some(0), 0, false, Cpu),
         ("none", Some(0), 0, false, Card),
+        ("none", Some(0), 0, false, Mapped),
         ("none", Some(0), 0, true, Split),
         ("half frozen", half, 0, false, Split),
+        ("half frozen", half, 0, false, Mapped),
         ("half following", half, 2, false, Split),
         ("half following", half, 2, false, Card),
         ("half following", half, 2, true, Split),
@@ -290,6 +292,7 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
         let where_ok = match missing {
             Card => st.cpu_experts == 0 && st.staged_decode > 0,
             Cpu => st.staged_decode == 0 && st.cpu_experts > 0,
+            Mapped => st.staged_decode == 0 && st.cpu_experts == 0,
             Split => true,
         };
         if !where_ok {

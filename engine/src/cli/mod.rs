@@ -94,7 +94,8 @@ pub struct PlacementArgs {
     #[arg(long)]
     expert_staging_only: bool,
     /// Where a single token's experts that are not in VRAM are computed: split between copies to the card
-    /// and the CPU by measured cost, all on the CPU, or all copied to the card.
+    /// and the CPU by measured cost, all on the CPU, all copied to the card, or read by the card's
+    /// kernels from the page-locked file over the bus (`mapped`: no host work, decode graphs).
     #[arg(long, value_enum, default_value_t = MissingExperts::Split)]
     missing_experts: MissingExperts,
 }

@@ -679,14 +679,18 @@ impl<'a> GpuForward<'a> {
         self.op_end("moe.route_topk", t);
         // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
         let cpu_share = match (cached, self.experts.as_deref_mut()) {
-            (Some(layer), Some(cache)) if !cache.holds_all() => {
+            // A single token whose missing experts the kernels read from the mapped file needs nothing.
+            (Some(layer), Some(cache))
+                if !cache.holds_all() && (n > 1 || !cache.reads_mapped()) =>
+            {
                 let host_ids = dev.download(&ids)?;
                 let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
                 cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
             }
             (Some(_), Some(cache)) => {
-                // A capture is not a token (its replays are counted by the backend).
-                if !self.graph.as_ref().is_some_and(|g| g.capturing) {
+                // A capture is not a token (its replays are counted by the backend); experts read from
+                // the mapped file are not counted at all (a graph cannot tell which were).
+                if !self.graph.as_ref().is_some_and(|g| g.capturing) && cache.holds_all() {
                     cache.count_all_vram(slots);
                 }
                 None

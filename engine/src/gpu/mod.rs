@@ -237,7 +237,9 @@ impl GpuBackend {
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
         cache.set_uploads_per_layer(p.uploads_per_layer);
-        cache.set_missing_experts(p.missing_experts);
+        cache
+            .set_missing_experts(&self.dev, p.missing_experts)
+            .map_err(cuda_err)?;
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);
@@ -328,9 +330,12 @@ impl GpuBackend {
         unreachable!("the loop returns")
     }
 
-    /// Whether every routed expert is in VRAM (or the model has none).
+    /// Whether a token computes every routed expert on the card without the host: all in VRAM, read
+    /// from the mapped file, or the model has none.
     fn experts_all_on_card(&self) -> bool {
-        lock(&self.experts).as_ref().is_none_or(|c| c.holds_all())
+        lock(&self.experts)
+            .as_ref()
+            .is_none_or(|c| c.decode_on_card())
     }
 
     /// Frees VRAM after a call ran out of it: the kept scratch buffers first, then (`attempt` ≥ 1) a

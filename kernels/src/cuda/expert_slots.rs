@@ -87,6 +87,14 @@ pub struct SlotRef<'p> {
     pub offset: usize,
 }
 
+/// Where the card reads one expert's matrix: a slot in VRAM, or host memory mapped into the card's
+/// address space (page-locked, read over the bus at the link's rate by the kernels themselves).
+#[derive(Clone, Copy, Debug)]
+pub enum ExpertSource<'p> {
+    Slot(SlotRef<'p>),
+    Mapped(u64),
+}
+
 impl ExpertTable {
     /// A table of `n_expert` experts of `rows × cols` of `ty` with every entry null (no expert on the card:
     /// the kernels write zeros for their slots).
@@ -108,6 +116,32 @@ impl ExpertTable {
             n_expert,
             addresses: dev.zeros(n_expert)?,
         })
+    }
+
+    /// [`ExpertTable::point`] where an entry may also be a host address the card reads over the bus
+    /// (`ExpertSource::Mapped`, from [`HostRegistration::device_address`]).
+    pub fn point_sources(
+        &mut self,
+        dev: &Device,
+        entries: &[Option<ExpertSource<'_>>],
+    ) -> CudaResult<()> {
+        if entries.len() != self.n_expert {
+            return Err(CudaError::Invalid(format!(
+                "{} entries for a table of {} experts",
+                entries.len(),
+                self.n_expert
+            )));
+        }
+        let bytes = self.expert_bytes();
+        let mut addresses = Vec::with_capacity(entries.len());
+        for s in entries {
+            addresses.push(match s {
+                Some(ExpertSource::Slot(s)) => s.pool.address(s.slot, s.offset, bytes)?,
+                Some(ExpertSource::Mapped(a)) => *a,
+                None => 0,
+            });
+        }
+        dev.write(&addresses, &mut self.addresses)
     }
 
     /// Rewrites the whole table in stream order on the compute stream: entry `e` points at `entries[e]`
@@ -213,11 +247,14 @@ impl StagingBuffer {
     }
 }
 
-/// Host memory page-locked for the card's copies (`cuMemHostRegister`, read-only), unregistered when
-/// dropped. It keeps `owner` (what keeps the memory mapped) alive as long as it lives.
+/// Host memory page-locked for the card's copies (`cuMemHostRegister`, read-only) and mapped into the
+/// card's address space (kernels may read it over the bus), unregistered when dropped. It keeps `owner`
+/// (what keeps the memory mapped) alive as long as it lives.
 pub struct HostRegistration {
     ptr: *const u8,
     len: usize,
+    /// The card's address of `ptr`.
+    device_ptr: u64,
     ctx: Arc<cudarc::driver::CudaContext>,
     _owner: Arc<dyn std::any::Any + Send + Sync>,
 }
@@ -248,13 +285,31 @@ impl HostRegistration {
             sys::cuMemHostRegister_v2(
                 memory.as_ptr() as *mut std::ffi::c_void,
                 memory.len(),
-                sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE,
+                sys::CU_MEMHOSTREGISTER_READ_ONLY
+                    | sys::CU_MEMHOSTREGISTER_PORTABLE
+                    | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
             )
             .result()?;
+        }
+        let mut device_ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the range was registered just above with DEVICEMAP; the call only writes `device_ptr`.
+        let mapped = unsafe {
+            sys::cuMemHostGetDevicePointer_v2(
+                &mut device_ptr,
+                memory.as_ptr() as *mut std::ffi::c_void,
+                0,
+            )
+            .result()
+        };
+        if let Err(e) = mapped {
+            // SAFETY: registered above, not used since.
+            let _ = unsafe { sys::cuMemHostUnregister(memory.as_ptr() as *mut std::ffi::c_void) };
+            return Err(e.into());
         }
         Ok(HostRegistration {
             ptr: memory.as_ptr(),
             len: memory.len(),
+            device_ptr,
             ctx,
             _owner: owner,
         })
@@ -265,6 +320,12 @@ impl HostRegistration {
         let (a, b) = (self.ptr as usize, self.ptr as usize + self.len);
         let (p, q) = (s.as_ptr() as usize, s.as_ptr() as usize + s.len());
         p >= a && q <= b
+    }
+
+    /// The card's address of `s` (inside the registered memory), which kernels may read over the bus.
+    pub fn device_address(&self, s: &[u8]) -> Option<u64> {
+        self.contains(s)
+            .then(|| self.device_ptr + (s.as_ptr() as usize - self.ptr as usize) as u64)
     }
 }
 

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use poly_kernels::cuda::expert_slots::{
-    CopyEvent, CopyStream, HostRegistration, SlotPool, SlotRef, StagingBuffer,
+    CopyEvent, CopyStream, ExpertSource, HostRegistration, SlotPool, SlotRef, StagingBuffer,
 };
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
 use poly_kernels::quant::GgmlType;
@@ -264,6 +264,9 @@ pub struct ExpertCache {
     missing: MissingExperts,
     costs: MissingCosts,
     cpu_fit: CpuCostFit,
+    /// `[layer][matrix][expert]`: the card's address of each expert matrix in the page-locked file
+    /// (empty when the file is not page-locked whole), for [`MissingExperts::Mapped`].
+    mapped: Vec<[Vec<u64>; 3]>,
 }
 
 impl ExpertCache {
@@ -300,6 +303,7 @@ impl ExpertCache {
         } else {
             Vec::new()
         };
+        let mapped = mapped_addresses(cpu, &layers, &registered).unwrap_or_default();
         Ok(ExpertCache {
             by_gate,
             tables,
@@ -322,6 +326,7 @@ impl ExpertCache {
             missing: MissingExperts::default(),
             costs: MissingCosts::guess(slot_bytes),
             cpu_fit: CpuCostFit::default(),
+            mapped,
             layers,
         })
     }
@@ -386,9 +391,24 @@ impl ExpertCache {
         self.costs
     }
 
-    /// Where a single token's missing experts are computed.
-    pub fn set_missing_experts(&mut self, missing: MissingExperts) {
+    /// Where a single token's missing experts are computed (tables pointed again: mapped entries).
+    pub fn set_missing_experts(&mut self, dev: &Device, missing: MissingExperts) -> CudaResult<()> {
         self.missing = missing;
+        for l in 0..self.layers.len() {
+            self.point_tables(dev, l)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the card reads the experts it lacks from the mapped file (`MissingExperts::Mapped`).
+    pub fn reads_mapped(&self) -> bool {
+        self.missing == MissingExperts::Mapped && !self.mapped.is_empty()
+    }
+
+    /// Whether a single token computes every routed expert on the card without the host: all of them in
+    /// VRAM, or the missing ones read from the mapped file (a decode graph may then run the token).
+    pub fn decode_on_card(&self) -> bool {
+        self.holds_all() || (self.reads_mapped() && self.pending.is_empty())
     }
 
     /// Uploads the policy may start per layer and token (0 freezes the cache).
@@ -551,25 +571,30 @@ impl ExpertCache {
             _ => &[],
         };
         let l = &self.layers[layer];
+        let mapped = self.reads_mapped();
         for (i, m) in l.mats.iter().enumerate() {
-            let mut entries: Vec<Option<SlotRef<'_>>> = (0..l.n_expert)
+            let mut entries: Vec<Option<ExpertSource<'_>>> = (0..l.n_expert)
                 .map(|expert| {
-                    let slot = self.policy.resident(ExpertKey { layer, expert })?;
-                    Some(SlotRef {
-                        pool: self.pool.as_ref()?,
-                        slot,
-                        offset: m.offset,
-                    })
+                    let slot = self.policy.resident(ExpertKey { layer, expert });
+                    match (slot, self.pool.as_ref()) {
+                        (Some(slot), Some(pool)) => Some(ExpertSource::Slot(SlotRef {
+                            pool,
+                            slot,
+                            offset: m.offset,
+                        })),
+                        _ if mapped => Some(ExpertSource::Mapped(self.mapped[layer][i][expert])),
+                        _ => None,
+                    }
                 })
                 .collect();
             for &(expert, slot) in staged {
-                entries[expert] = Some(SlotRef {
+                entries[expert] = Some(ExpertSource::Slot(SlotRef {
                     pool: &self.scratch,
                     slot,
                     offset: m.offset,
-                });
+                }));
             }
-            self.tables[layer][i].point(dev, &entries)?;
+            self.tables[layer][i].point_sources(dev, &entries)?;
         }
         Ok(())
     }
@@ -654,7 +679,7 @@ impl ExpertCache {
                 split_missing(missing_slots.len(), &self.costs)
             }
             MissingExperts::Split | MissingExperts::Cpu => 0,
-            MissingExperts::Card => missing_slots.len(),
+            MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),
         };
         if n_copy > 0 {
             let copied: Vec<usize> = missing_slots
@@ -811,6 +836,29 @@ fn host_memory() -> Option<usize> {
     let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// The card's address of every expert matrix of `layers` in the page-locked file, when every part
+/// holding one is page-locked.
+fn mapped_addresses(
+    cpu: &CpuWeights,
+    layers: &[ExpertLayer],
+    registered: &[Option<HostRegistration>],
+) -> Option<Vec<[Vec<u64>; 3]>> {
+    layers
+        .iter()
+        .map(|l| {
+            let per_matrix = |i: usize| -> Option<Vec<u64>> {
+                let m = &l.mats[i];
+                let reg = registered.get(cpu.info(m.weight).part)?.as_ref()?;
+                let bytes = cpu.bytes(m.weight);
+                (0..l.n_expert)
+                    .map(|e| reg.device_address(bytes.get(e * m.bytes..(e + 1) * m.bytes)?))
+                    .collect()
+            };
+            Some([per_matrix(0)?, per_matrix(1)?, per_matrix(2)?])
+        })
+        .collect()
 }
 
 /// Page-locks each part of `cpu`'s file for direct copies, where allowed and possible (see

@@ -43,6 +43,10 @@ pub enum MissingExperts {
     Cpu,
     /// All copied to the card on demand and computed there.
     Card,
+    /// Read by the card's kernels straight from the page-locked model file over the bus: no copy, no
+    /// CPU, so a token's whole forward pass stays on the card (decode graphs); prompts still stage
+    /// them. The cache stays as placed while answering. Needs the file page-locked (else: `split`).
+    Mapped,
 }
 
 impl Placement {
