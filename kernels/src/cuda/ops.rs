@@ -208,34 +208,45 @@ const MATVEC_MAX_RPG: usize = 4;
 /// of a large card).
 const MATVEC_MIN_BLOCKS: usize = 256;
 
-/// `POLY_MATVEC_RPG` (1, 2 or 4, default 4): at most this many rows per warp group in the one-token matvec
-/// kernels (1: one row per group, the launch shape before rows were grouped). Every value computes every
-/// row's sum alike (the same values); a knob for measurements.
+/// `POLY_MATVEC_RPG` (1, 2 or 4, default 1): at most this many rows per warp group in the one-token matvec
+/// kernels. Every value computes every row's sum alike (the same values). One row per group is the
+/// default because it measured fastest end to end: on the H200, q3 `bench` tg128 242.4 t/s with 1 against
+/// 231.4 with 4 (the grouped launches have fewer, longer blocks; the decode graph overlaps short ones
+/// better). A knob for measurements on other cards.
 fn max_rows_per_group() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("POLY_MATVEC_RPG").ok().as_deref() {
-        Some("1") => 1,
+        Some("4") => MATVEC_MAX_RPG,
         Some("2") => 2,
-        _ => MATVEC_MAX_RPG,
+        _ => 1,
     })
 }
 
 /// The launch shape of a one-token quantized matvec (the `matvec_*`, `matvec_experts_*` and
 /// `matvec_experts_glu_*` kernels) over `rows` rows and `slots` expert slots: warps per row as
-/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1) that leaves the launch
-/// [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
+/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1, at most `POLY_MATVEC_RPG`) that leaves
+/// the launch [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
 pub(crate) fn q_matvec_rows_config(
     ty: GgmlType,
     rows: usize,
     cols: usize,
     slots: usize,
 ) -> (LaunchConfig, i32, i32) {
+    rows_config_capped(ty, (rows, cols, slots), max_rows_per_group())
+}
+
+/// [`q_matvec_rows_config`] with at most `max_rpg` rows per group.
+fn rows_config_capped(
+    ty: GgmlType,
+    (rows, cols, slots): (usize, usize, usize),
+    max_rpg: usize,
+) -> (LaunchConfig, i32, i32) {
     let wpr = warps_per_row(ty, cols);
     let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
     let blocks = |rpg: usize| rows.div_ceil(rows_per_block * rpg) * slots;
     let rpg = [4, 2, 1]
         .into_iter()
-        .filter(|&r| r <= max_rows_per_group())
+        .filter(|&r| r <= max_rpg)
         .find(|&r| r == 1 || blocks(r) >= MATVEC_MIN_BLOCKS)
         .unwrap_or(1);
     let cfg = LaunchConfig {
@@ -1014,12 +1025,16 @@ mod tests {
         assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
         let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
         assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
-        // One token: 4 rows per group where 256 blocks remain, fewer where they would not.
-        let (cfg, wpr, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 768, 2048, 8);
+        // One token, rows grouped up to 4: 4 rows per group where 256 blocks remain, fewer where they
+        // would not; with the cap at 1, the shape of q_matvec_config.
+        let q4k = GgmlType::Q4_K;
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (768, 2048, 8), 4);
         assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 4, 4));
-        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 512, 2048, 1);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (512, 2048, 1), 4);
         assert_eq!((cfg.grid_dim.0, rpg), (256, 2));
-        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 128, 2048, 1);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (128, 2048, 1), 4);
         assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1);
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((385, 8, 1), 2, 1));
     }
 }
