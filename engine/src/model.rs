@@ -62,6 +62,33 @@ impl Model {
         })
     }
 
+    /// Maps the model file's pages in a background thread ([`GgufFile::populate`]), so that the first
+    /// answers do not pay a page fault per 4 KiB of the weights the CPU reads; skipped when the file is
+    /// larger than three quarters of the memory available (it would push other pages out).
+    pub fn populate_in_background(&self) {
+        let file = Arc::clone(self.weights.shared_file());
+        let bytes = file.file_bytes();
+        if available_memory().is_none_or(|m| bytes > m / 4 * 3) {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("populate".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                match file.populate() {
+                    Ok(()) => eprintln!(
+                        "poly-engine: the model file's {} MiB mapped in {:.1} s",
+                        bytes >> 20,
+                        t.elapsed().as_secs_f64()
+                    ),
+                    Err(e) => eprintln!("poly-engine: the model file was not mapped ahead: {e}"),
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("poly-engine: no thread to map the model file ahead: {e}");
+        }
+    }
+
     /// Runs the model where `choice` says: on the CPU, or with every weight uploaded to a GPU
     /// ([`crate::gpu`]).
     pub fn use_device(&mut self, choice: crate::gpu::DeviceChoice) -> Result<(), EngineError> {
@@ -285,4 +312,12 @@ impl Model {
         state.push_tokens(tokens);
         Ok(out.data)
     }
+}
+
+/// Bytes of memory available for new pages (`MemAvailable` of `/proc/meminfo`), if known.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

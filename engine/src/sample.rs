@@ -14,7 +14,6 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use poly_kernels::ops::softmax::log_softmax;
 use poly_kernels::rng::Rng;
 
 /// What the sampler does.
@@ -130,6 +129,11 @@ impl Sampler {
 
     /// Chooses the next token from `logits` (one per vocabulary entry; `-∞` excludes a token).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.cfg.temperature <= 0.0 && !self.penalties_on() {
+            // Greedy: the first of the largest, without a candidate list.
+            let max = max_logit(logits);
+            return logits.iter().position(|&v| v == max).unwrap_or(0) as u32;
+        }
         let mut cands: Vec<Candidate> = logits
             .iter()
             .enumerate()
@@ -145,10 +149,12 @@ impl Sampler {
         if c.temperature <= 0.0 {
             return argmax(&cands);
         }
-        sort_desc(&mut cands);
-        if c.top_k > 0 {
+        if c.top_k > 0 && c.top_k < cands.len() {
+            // The k likeliest first, then only they are sorted (the order is total: the same k).
+            cands.select_nth_unstable_by(c.top_k - 1, desc);
             cands.truncate(c.top_k);
         }
+        sort_desc(&mut cands);
         if c.top_p < 1.0 {
             let probs = probabilities(&cands);
             let mut cum = 0f32;
@@ -235,7 +241,12 @@ fn argmax(cands: &[Candidate]) -> u32 {
 
 /// Sorts by logit, largest first (ids ascending among equals).
 fn sort_desc(cands: &mut [Candidate]) {
-    cands.sort_by(|a, b| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id)));
+    cands.sort_by(desc);
+}
+
+/// Larger logit first, then the lower id.
+fn desc(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+    b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
 /// Softmax of the candidates' logits.
@@ -249,33 +260,117 @@ fn probabilities(cands: &[Candidate]) -> Vec<f32> {
     e.into_iter().map(|v| v / sum).collect()
 }
 
-/// The log-probabilities of one step: the log-softmax of the raw logits.
+/// The log-probabilities of one step: the log-softmax of the raw logits, each `logit - log Σ exp`.
+/// Only the normalizer is computed up front (one pass over the vocabulary); a token's log-probability
+/// and the top `n` are read from the logits when asked.
 #[derive(Clone, Debug)]
-pub struct TopLogprobs {
-    logprobs: Vec<f32>,
+pub struct TopLogprobs<'a> {
+    logits: &'a [f32],
+    /// `log Σ exp(logit)` (−∞ when every logit is).
+    log_z: f64,
 }
 
-impl TopLogprobs {
-    pub fn new(logits: &[f32]) -> TopLogprobs {
-        let mut logprobs = vec![0f32; logits.len()];
-        log_softmax(logits, &mut logprobs);
-        TopLogprobs { logprobs }
+impl<'a> TopLogprobs<'a> {
+    pub fn new(logits: &'a [f32]) -> TopLogprobs<'a> {
+        TopLogprobs {
+            logits,
+            log_z: log_sum_exp(logits),
+        }
     }
 
     /// The log-probability of `token`.
     pub fn of(&self, token: u32) -> f32 {
-        self.logprobs
+        self.logits
             .get(token as usize)
-            .copied()
-            .unwrap_or(f32::NEG_INFINITY)
+            .map_or(f32::NEG_INFINITY, |&v| self.logprob(v))
+    }
+
+    fn logprob(&self, logit: f32) -> f32 {
+        if self.log_z == f64::NEG_INFINITY {
+            return logit;
+        }
+        (logit as f64 - self.log_z) as f32
     }
 
     /// The `n` likeliest tokens and their log-probabilities, likeliest first.
     pub fn top(&self, n: usize) -> Vec<(u32, f32)> {
-        poly_kernels::ops::topk::top_k(&self.logprobs, n)
+        if n == 0 {
+            return Vec::new();
+        }
+        poly_kernels::ops::topk::top_k(self.logits, n)
             .into_iter()
-            .map(|i| (i as u32, self.logprobs[i]))
+            .map(|i| (i as u32, self.logprob(self.logits[i])))
             .collect()
+    }
+}
+
+/// Lanes of the vocabulary passes below: independent accumulators the compiler keeps in vector registers.
+const LANES: usize = 16;
+
+/// The largest of `x` (NaN ignored; −∞ for none), in `LANES` independent lanes.
+pub fn max_logit(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    rest.iter()
+        .chain(acc.iter())
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// `log Σ exp(x)`: the max, then one pass of exponentials (`exp_le0`, to about 2e-7 relative) summed
+/// in f32 lanes per block and f64 across blocks.
+pub fn log_sum_exp(x: &[f32]) -> f64 {
+    let max = max_logit(x);
+    if max == f32::NEG_INFINITY || max.is_nan() {
+        return f64::NEG_INFINITY;
+    }
+    let mut total = 0f64;
+    for block in x.chunks(4096) {
+        let mut acc = [0f32; LANES];
+        let chunks = block.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += exp_le0(v - max);
+            }
+        }
+        let tail: f32 = rest.iter().map(|&v| exp_le0(v - max)).sum();
+        total += acc.iter().map(|&a| a as f64).sum::<f64>() + tail as f64;
+    }
+    max as f64 + total.ln()
+}
+
+/// `exp(x)` for `x ≤ 0` (a NaN gives 0; below −80, where it is under 2e-35, 0 too): `2^n · p(r)` with
+/// `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, `p` the degree-6 Taylor polynomial (relative error about 2e-7).
+/// Branch-free so that a loop of it is vectorized.
+#[inline(always)]
+fn exp_le0(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5·2^23: adding it rounds to an integer, whose value sits in the low mantissa bits.
+    const SHIFTER: f32 = 12_582_912.0;
+    let live = x >= -80.0;
+    let x = if live { x } else { -80.0 };
+    let t = x * LOG2E + SHIFTER;
+    let n = t - SHIFTER;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // n in [-116, 0]: 2^n is an exponent shift of p (in [0.7, 1.42]), a normal number.
+    let shift = (t.to_bits() as i32).wrapping_sub(SHIFTER.to_bits() as i32);
+    let e = f32::from_bits((p.to_bits() as i32).wrapping_add(shift << 23) as u32);
+    if live {
+        e
+    } else {
+        0.0
     }
 }
 
@@ -421,5 +516,136 @@ mod tests {
         assert!((top[0].1 as f64 - (3.0 - z)).abs() < 1e-6);
         assert!((lp.of(0) as f64 - (1.0 - z)).abs() < 1e-6);
         assert_eq!(lp.of(7), f32::NEG_INFINITY);
+    }
+
+    /// `log Σ exp` by f64 exponentials, the reference.
+    fn log_sum_exp_f64(x: &[f32]) -> f64 {
+        let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        max + x.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln()
+    }
+
+    /// A vocabulary of logits like a model's: normals times `scale`, a few large ones.
+    fn vocab_logits(n: usize, scale: f32, seed: u64) -> Vec<f32> {
+        let mut rng = poly_kernels::rng::Rng::new(seed);
+        (0..n)
+            .map(|i| {
+                let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                let w = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                let z = (-2.0 * (u + 1e-7).ln()).sqrt() * (std::f32::consts::TAU * w).cos();
+                z * scale + if i % 9973 == 0 { 12.0 } else { 0.0 }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_fast_exponential_is_close_to_exp() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 80.0 / 200_000.0;
+            let want = (x as f64).exp();
+            let got = exp_le0(x) as f64;
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert_eq!(exp_le0(-100.0), 0.0);
+        assert_eq!(exp_le0(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_le0(f32::NAN), 0.0);
+        assert_eq!(exp_le0(0.0), 1.0);
+    }
+
+    #[test]
+    fn log_sum_exp_matches_f64_over_a_vocabulary() {
+        for (n, scale, seed) in [
+            (151_936, 3.0, 1),
+            (262_144, 8.0, 2),
+            (1, 1.0, 3),
+            (17, 30.0, 4),
+        ] {
+            let x = vocab_logits(n, scale, seed);
+            let (got, want) = (log_sum_exp(&x), log_sum_exp_f64(&x));
+            assert!((got - want).abs() < 2e-6, "n {n}: {got} vs {want}");
+            let lp = TopLogprobs::new(&x);
+            let t = (n / 2) as u32;
+            assert!((lp.of(t) as f64 - (x[t as usize] as f64 - want)).abs() < 4e-6);
+        }
+        let mut x = vec![f32::NEG_INFINITY; 40];
+        assert_eq!(log_sum_exp(&x), f64::NEG_INFINITY);
+        x[33] = 2.0;
+        assert!((log_sum_exp(&x) - 2.0).abs() < 1e-12);
+        assert_eq!(TopLogprobs::new(&x).of(33), 0.0);
+    }
+
+    #[test]
+    fn greedy_without_a_candidate_list_takes_the_first_largest() {
+        let mut x = vocab_logits(151_936, 3.0, 5);
+        x[70_001] = 40.0;
+        x[90_000] = 40.0;
+        x[3] = f32::NAN;
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        assert_eq!(s.sample(&x), 70_001);
+        let cands: Vec<Candidate> = x
+            .iter()
+            .enumerate()
+            .map(|(id, &logit)| Candidate {
+                id: id as u32,
+                logit,
+            })
+            .collect();
+        assert_eq!(argmax(&cands), 70_001);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3]), 0);
+    }
+
+    /// The per-token host work of a greedy answer with logprobs over a 151,936-token vocabulary, the old
+    /// way (a full f64 log-softmax into a new vector, a candidate list) and now. A measurement, not a
+    /// check: `cargo test --release -p poly-engine --lib sample -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn per_token_host_work() {
+        use poly_kernels::ops::softmax::log_softmax;
+        let x = vocab_logits(151_936, 3.0, 6);
+        let reps = 200;
+        let t = std::time::Instant::now();
+        let mut sink = 0f32;
+        for _ in 0..reps {
+            let mut lp = vec![0f32; x.len()];
+            log_softmax(&x, &mut lp);
+            let cands: Vec<Candidate> = x
+                .iter()
+                .enumerate()
+                .map(|(id, &logit)| Candidate {
+                    id: id as u32,
+                    logit,
+                })
+                .collect();
+            let tok = argmax(&cands);
+            sink += lp[tok as usize];
+        }
+        let old = t.elapsed().as_secs_f64() / reps as f64 * 1e6;
+        let t = std::time::Instant::now();
+        let mut s = Sampler::new(SamplerConfig::greedy());
+        for _ in 0..reps {
+            let lp = TopLogprobs::new(&x);
+            let tok = s.sample(&x);
+            sink -= lp.of(tok);
+        }
+        let new = t.elapsed().as_secs_f64() / reps as f64 * 1e6;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            sink += max_logit(&x) * 1e-30;
+        }
+        eprintln!(
+            "max {:.0} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            sink += log_sum_exp(&x) as f32 * 1e-30;
+        }
+        eprintln!(
+            "lse {:.0} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
+        eprintln!("per token: old {old:.0} us, new {new:.0} us (difference of the sums {sink:e})");
+        assert!(sink.abs() < 1e-3 * reps as f32);
     }
 }

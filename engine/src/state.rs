@@ -25,6 +25,15 @@ pub trait DeferredState: Send + Sync {
     /// The present states of the recurrent layers among `layers` (`(layer, state)`), which stay as they
     /// are.
     fn recurrent_now(&self, layers: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String>;
+    /// Bytes the host layers will gain when brought up to date (the KV rows they lack).
+    fn pending_bytes(&self) -> usize;
+    /// The backend's own type (it may take its state back from it without the host's copy).
+    fn as_any(&self) -> &dyn std::any::Any;
+    /// The state cut to its first `n` positions (at or past those the host holds, KV layers only)
+    /// without bringing it back, if the backend can; `None` has the caller bring it back first.
+    fn truncated(&self, _n: usize) -> Option<Deferred> {
+        None
+    }
 }
 
 /// A state's [`DeferredState`]; copies of a state share it (equal when it is the same one).
@@ -127,6 +136,24 @@ impl KvCache {
                 self.v.extend(v.iter().map(round));
             }
         }
+    }
+
+    /// Appends rows given as f16 bits (what a GPU's cache holds; exact in either precision).
+    pub fn append_f16(&mut self, k: &[u16], v: &[u16]) {
+        use half::slice::HalfFloatSliceExt;
+        let widen = |dst: &mut Vec<f32>, src: &[u16]| {
+            let at = dst.len();
+            dst.resize(at + src.len(), 0.0);
+            let src: &[half::f16] = half::slice::HalfBitsSliceExt::reinterpret_cast(src);
+            src.convert_to_f32_slice(&mut dst[at..]);
+        };
+        assert_eq!(
+            k.len() / self.k_width().max(1) * self.v_width(),
+            v.len(),
+            "KV cache: keys and values differ in rows"
+        );
+        widen(&mut self.k, k);
+        widen(&mut self.v, v);
     }
 
     /// Every key row, position 0 first.
@@ -357,6 +384,15 @@ impl SeqState {
         if n > self.n_past() || (n < self.n_past() && self.has_recurrent()) {
             return false;
         }
+        if n == self.n_past() {
+            return true;
+        }
+        // A backend holding the rows past the host's cuts its copy instead of bringing it back.
+        if let Some(cut) = self.deferred.as_ref().and_then(|d| d.0.truncated(n)) {
+            self.deferred = Some(cut);
+            self.tokens.truncate(n);
+            return true;
+        }
         self.sync_or_log();
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
@@ -427,9 +463,9 @@ impl SeqState {
         true
     }
 
-    /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked).
+    /// Gives back memory the KV caches reserved beyond what they hold (before a state is parked). A
+    /// state whose host layers are behind stays so: parking it copies nothing.
     pub fn shrink_to_fit(&mut self) {
-        self.sync_or_log();
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
                 c.k.shrink_to_fit();
@@ -439,15 +475,18 @@ impl SeqState {
         self.tokens.shrink_to_fit();
     }
 
-    /// Bytes of state held (KV rows and recurrent states).
+    /// Bytes of state held (KV rows and recurrent states), counting those a backend holds for the host
+    /// layers as the host will.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| match l {
-                LayerState::Kv(c) => c.bytes(),
-                LayerState::Recurrent(r) => r.bytes(),
-            })
-            .sum()
+        self.deferred.as_ref().map_or(0, |d| d.0.pending_bytes())
+            + self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Kv(c) => c.bytes(),
+                    LayerState::Recurrent(r) => r.bytes(),
+                })
+                .sum::<usize>()
     }
 }
 
@@ -554,5 +593,69 @@ mod tests {
         assert!(!h.restore(&ahead), "a checkpoint ahead of the state");
         assert_eq!(h, h2);
         assert!(!a.restore(&at2), "a checkpoint of other layers");
+    }
+
+    /// Stands in for a backend holding the newest rows: appends `rows` rows of ones to every KV layer.
+    struct Behind {
+        rows: usize,
+    }
+
+    impl DeferredState for Behind {
+        fn fetch_into(&self, layers: &mut [LayerState]) -> Result<(), String> {
+            for l in layers {
+                if let LayerState::Kv(c) = l {
+                    let (k, v) = (
+                        vec![0x3c00u16; self.rows * c.k_width()],
+                        vec![0x3c00u16; self.rows * c.v_width()],
+                    );
+                    c.append_f16(&k, &v);
+                }
+            }
+            Ok(())
+        }
+        fn recurrent_now(&self, _: &[LayerState]) -> Result<Vec<(usize, RecurrentState)>, String> {
+            Ok(Vec::new())
+        }
+        fn pending_bytes(&self) -> usize {
+            self.rows * (8 + 6) * 4
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn a_state_behind_counts_its_pending_rows_and_parks_without_fetching() {
+        let kv = StateSpec::Kv {
+            n_head_kv: 2,
+            head_dim_k: 4,
+            head_dim_v: 3,
+            window: None,
+        };
+        let mut s = SeqState::with_precision(&[kv], 16, KvPrecision::F16);
+        s.push_tokens(&[1, 2, 3]);
+        s.set_deferred(Some(Deferred(Arc::new(Behind { rows: 3 }))));
+        assert_eq!(s.bytes(), 3 * 14 * 4);
+        s.shrink_to_fit();
+        assert!(s.deferred().is_some(), "parking leaves the host behind");
+        s.sync().unwrap();
+        assert!(s.deferred().is_none());
+        let LayerState::Kv(c) = s.layer(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        assert_eq!(c.len(), 3);
+        assert!(c.keys().iter().chain(c.values()).all(|&x| x == 1.0));
+        assert_eq!(s.bytes(), 3 * 14 * 4);
+        // f16 bits widen exactly, whatever the precision.
+        let mut f = SeqState::with_precision(&[kv], 16, KvPrecision::F32);
+        let LayerState::Kv(c) = f.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        let bits: Vec<u16> = (0..8)
+            .map(|i| half::f16::from_f32(0.1 * i as f32).to_bits())
+            .collect();
+        c.append_f16(&bits, &bits[..6]);
+        assert_eq!(c.keys()[3], half::f16::from_f32(0.3).to_f32());
+        assert_eq!(c.values().len(), 6);
     }
 }

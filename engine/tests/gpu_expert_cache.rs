@@ -19,7 +19,7 @@
 
 use std::path::PathBuf;
 
-use poly_engine::gpu::{DeviceChoice, Placement};
+use poly_engine::gpu::{DeviceChoice, MissingExperts, Placement};
 use poly_engine::state::SeqState;
 use poly_engine::Model;
 use poly_kernels::cuda::Device;
@@ -182,12 +182,18 @@ fn on_gpu(path: &PathBuf, placement: Placement) -> Model {
     m
 }
 
-fn placement(budget: Option<usize>, uploads: usize, staging_only: bool) -> Placement {
+fn placement(
+    budget: Option<usize>,
+    uploads: usize,
+    staging_only: bool,
+    missing_experts: MissingExperts,
+) -> Placement {
     Placement {
         expert_budget: budget,
         uploads_per_layer: uploads,
         no_profile: true,
         staging_only,
+        missing_experts,
         ..Placement::new()
     }
 }
@@ -197,7 +203,7 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
     let (prompt_bound, decode_bound) = bounds;
     let name = path.file_name().unwrap().to_string_lossy().to_string();
     let mut failures = Vec::new();
-    let all = on_gpu(path, placement(None, 0, false));
+    let all = on_gpu(path, placement(None, 0, false, MissingExperts::Split));
     let stats = all.expert_stats();
     let (reference, fed) = run(&all, &[]);
     let Some(stats) = stats else {
@@ -218,19 +224,24 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
             all.experts_in_vram()
         ));
     }
-    // Direct copies from the page-locked file, and through the staging buffers ("staged").
+    // Direct copies from the page-locked file, and through the staging buffers ("staged"); a single
+    // token's missing experts split by cost, all on the CPU, or all copied to the card.
     let half = Some(slot_bytes * total_slots / 2);
     let eighth = Some(slot_bytes * total_slots.div_ceil(8));
+    use MissingExperts::{Card, Cpu, Split};
     let cases = [
-        ("none", Some(0), 0, false),
-        ("none", Some(0), 0, true),
-        ("half frozen", half, 0, false),
-        ("half following", half, 2, false),
-        ("half following", half, 2, true),
-        ("eighth following", eighth, 2, false),
+        ("none", Some(0), 0, false, Split),
+        ("none", Some(0), 0, false, Cpu),
+        ("none", Some(0), 0, false, Card),
+        ("none", Some(0), 0, true, Split),
+        ("half frozen", half, 0, false, Split),
+        ("half following", half, 2, false, Split),
+        ("half following", half, 2, false, Card),
+        ("half following", half, 2, true, Split),
+        ("eighth following", eighth, 2, false, Split),
     ];
-    for (what, budget, uploads, staging_only) in cases {
-        let m = on_gpu(path, placement(budget, uploads, staging_only));
+    for (what, budget, uploads, staging_only, missing) in cases {
+        let m = on_gpu(path, placement(budget, uploads, staging_only, missing));
         let (r, _) = run(&m, &fed);
         let mut prompt_agree = Agreement::default();
         prompt_agree.add(&reference.prompt_one, &r.prompt_one);
@@ -241,8 +252,9 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
         }
         let st = m.expert_stats().unwrap_or_default();
         eprintln!(
-            "{name} {what}{}: resident at load {}, share {:?} (decode {:?}); prompt top5 {:.2e}; \
-             decode top5 {:.4} greedy mismatches {}; uploads {} evictions {} staged {}",
+            "{name} {what}{} missing {missing:?}: resident at load {}, share {:?} (decode {:?}); \
+             prompt top5 {:.2e}; decode top5 {:.4} greedy mismatches {}; uploads {} evictions {} \
+             staged {} staged for tokens {} on the CPU {}",
             if staging_only { " (staging only)" } else { "" },
             m.experts_in_vram(),
             r.share,
@@ -252,7 +264,9 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
             decode.greedy_mismatch,
             st.policy.uploads,
             st.policy.evictions,
-            st.staged
+            st.staged,
+            st.staged_decode,
+            st.cpu_experts
         );
         if prompt_agree.top5 > prompt_bound || (greedy && prompt_agree.greedy_mismatch > 0) {
             failures.push(format!("{name} {what}: prompt {prompt_agree:?}"));
@@ -271,6 +285,17 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
         if what == "eighth following" && st.policy.uploads == 0 {
             failures.push(format!(
                 "{name} {what}: the cache never followed the answer"
+            ));
+        }
+        let where_ok = match missing {
+            Card => st.cpu_experts == 0 && st.staged_decode > 0,
+            Cpu => st.staged_decode == 0 && st.cpu_experts > 0,
+            Split => true,
+        };
+        if !where_ok {
+            failures.push(format!(
+                "{name} {what} {missing:?}: {} experts copied for tokens, {} on the CPU",
+                st.staged_decode, st.cpu_experts
             ));
         }
         if uploads == 0 && st.policy.uploads > 0 {

@@ -9,12 +9,14 @@
 // The next step's weights and tokens are loaded into registers while the current step multiplies (Q4_K and
 // Q5_K as raw 16-byte words, unpacked when stored to shared memory).
 //
-// Entry points (per format and token tile BN: 16, 32 or 64):
+// Entry points (per format and token tile BN: 16, 32, 64 or 128):
 //   mmq_<fmt>_<BN>          : one matrix; grid (row tiles, token tiles); y [n_tokens, nrows].
 //   mmq_experts_<fmt>_<BN>  : tokens grouped by expert (prompt.rs ExpertGrouping); grid (row tiles, tiles);
 //                             tile t = (expert, first sorted row, rows <= BN) from device memory; x and y in
 //                             sorted order. A null address or an id outside 0..n_expert writes zeros for
 //                             the tile's rows; an empty tile (rows 0) writes nothing.
+//   mmq_experts_pair_<fmt>_<BN>: two expert tensors of one shape over the same tiles and x (gate and up):
+//                             grid z 0 the first, 1 the second; one launch, so one tail instead of two.
 
 #define MMQ_WARPS 8
 #define MMQ_ROWS (16 * MMQ_WARPS)
@@ -285,8 +287,11 @@ struct b_stage {
 // ----- one tile: MMQ_ROWS rows (from row0) x BN tokens ---------------------------------------------------
 
 // w: the matrix (rows of row_bytes); x: the tile's first token's q8_1 blocks, tokens x_stride blocks apart;
-// y: the tile's first token's output row (nrows floats per token); ncol tokens valid.
-template <typename F, int BN>
+// y: the tile's first token's output row (nrows floats per token); ncol tokens valid. The products stop at
+// the last group of 32 tokens holding a valid one, so a tile larger than an expert's run costs the weights'
+// unpacking (once per tile) and little idle tensor-core work: a grouped launch takes one large tile per
+// expert.
+template <typename F, int BN, bool SKIP_EMPTY>
 static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, int64_t row_bytes, int nrows,
                                                 int ncols, int row0, const block_q8_1 * __restrict__ x,
                                                 int64_t x_stride, int ncol, float * __restrict__ y) {
@@ -299,6 +304,9 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int g = lane / 4, t = lane % 4;
     constexpr int nt_count = BN / 8;
+    // SKIP_EMPTY: products in groups of 4 token sub-tiles, a group without valid tokens skipped (grouped
+    // experts); else all at once (a plain matmul's tiles are full but the last).
+    constexpr int nt_group = SKIP_EMPTY && nt_count > 4 ? 4 : nt_count;
 
     float acc[nt_count][4];
 #pragma unroll
@@ -323,42 +331,51 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
         }
 
         const int ra = 16 * warp + g;
+        // Groups of up to 4 token sub-tiles (32 tokens): a group past the tile's valid tokens is skipped (an
+        // expert's short run in a large tile), while inside a group the products are independent of each
+        // other for the scheduler.
 #pragma unroll
-        for (int s = 0; s < MMQ_SUBS; ++s) {
-            const int * a_lo = sa + ra * MMQ_STRIDE + 8 * s;
-            const int * a_hi = a_lo + 8 * MMQ_STRIDE;
-            const float2 sc_lo = sa_scale[ra * MMQ_SUBS + s];
-            const float2 sc_hi = sa_scale[(ra + 8) * MMQ_SUBS + s];
-            if constexpr (!F::k16) {
-                const int a[4] = {a_lo[t], a_hi[t], a_lo[t + 4], a_hi[t + 4]};
+        for (int ng = 0; ng < nt_count; ng += nt_group) {
+            if (SKIP_EMPTY && 8 * ng >= ncol) {
+                continue;
+            }
 #pragma unroll
-                for (int nt = 0; nt < nt_count; ++nt) {
-                    const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
-                    const int b[2] = {bp[t], bp[t + 4]};
-                    int c[4];
-                    mma_k32(a, b, c);
-                    const float2 d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s];
-                    const float2 d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s];
-                    acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
-                    acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
-                    acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
-                    acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
-                }
-            } else {
-                const int a0[2] = {a_lo[t], a_hi[t]};
-                const int a1[2] = {a_lo[t + 4], a_hi[t + 4]};
+            for (int s = 0; s < MMQ_SUBS; ++s) {
+                const int * a_lo = sa + ra * MMQ_STRIDE + 8 * s;
+                const int * a_hi = a_lo + 8 * MMQ_STRIDE;
+                const float2 sc_lo = sa_scale[ra * MMQ_SUBS + s];
+                const float2 sc_hi = sa_scale[(ra + 8) * MMQ_SUBS + s];
+                if constexpr (!F::k16) {
+                    const int a[4] = {a_lo[t], a_hi[t], a_lo[t + 4], a_hi[t + 4]};
 #pragma unroll
-                for (int nt = 0; nt < nt_count; ++nt) {
-                    const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
-                    int c0[4], c1[4];
-                    mma_k16(a0, bp[t], c0);
-                    mma_k16(a1, bp[t + 4], c1);
-                    const float d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s].x;
-                    const float d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s].x;
-                    acc[nt][0] = fmaf((float) c0[0] * sc_lo.x + (float) c1[0] * sc_lo.y, d0, acc[nt][0]);
-                    acc[nt][1] = fmaf((float) c0[1] * sc_lo.x + (float) c1[1] * sc_lo.y, d1, acc[nt][1]);
-                    acc[nt][2] = fmaf((float) c0[2] * sc_hi.x + (float) c1[2] * sc_hi.y, d0, acc[nt][2]);
-                    acc[nt][3] = fmaf((float) c0[3] * sc_hi.x + (float) c1[3] * sc_hi.y, d1, acc[nt][3]);
+                    for (int nt = ng; nt < ng + nt_group; ++nt) {
+                        const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
+                        const int b[2] = {bp[t], bp[t + 4]};
+                        int c[4];
+                        mma_k32(a, b, c);
+                        const float2 d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s];
+                        const float2 d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s];
+                        acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
+                        acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
+                        acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
+                        acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
+                    }
+                } else {
+                    const int a0[2] = {a_lo[t], a_hi[t]};
+                    const int a1[2] = {a_lo[t + 4], a_hi[t + 4]};
+#pragma unroll
+                    for (int nt = ng; nt < ng + nt_group; ++nt) {
+                        const int * bp = sb + (8 * nt + g) * MMQ_STRIDE + 8 * s;
+                        int c0[4], c1[4];
+                        mma_k16(a0, bp[t], c0);
+                        mma_k16(a1, bp[t + 4], c1);
+                        const float d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s].x;
+                        const float d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s].x;
+                        acc[nt][0] = fmaf((float) c0[0] * sc_lo.x + (float) c1[0] * sc_lo.y, d0, acc[nt][0]);
+                        acc[nt][1] = fmaf((float) c0[1] * sc_lo.x + (float) c1[1] * sc_lo.y, d1, acc[nt][1]);
+                        acc[nt][2] = fmaf((float) c0[2] * sc_hi.x + (float) c1[2] * sc_hi.y, d0, acc[nt][2]);
+                        acc[nt][3] = fmaf((float) c0[3] * sc_hi.x + (float) c1[3] * sc_hi.y, d1, acc[nt][3]);
+                    }
                 }
             }
         }
@@ -384,7 +401,7 @@ static __device__ __forceinline__ void mmq(const uint8_t * __restrict__ w, const
     const int64_t x_stride = ncols / QK8_1;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
     const int t0 = blockIdx.y * BN;
-    mmq_tile<F, BN>(w, row_bytes, nrows, ncols, blockIdx.x * MMQ_ROWS, x + t0 * x_stride, x_stride,
+    mmq_tile<F, BN, false>(w, row_bytes, nrows, ncols, blockIdx.x * MMQ_ROWS, x + t0 * x_stride, x_stride,
                     min(BN, n_tokens - t0), y + (int64_t) t0 * nrows);
 }
 
@@ -414,7 +431,7 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
     }
     const int64_t x_stride = ncols / QK8_1;
     const int64_t row_bytes = (int64_t) (ncols / F::qk) * sizeof(typename F::block);
-    mmq_tile<F, BN>((const uint8_t *) base, row_bytes, nrows, ncols, row0, x + r0 * x_stride, x_stride, ncol, yt);
+    mmq_tile<F, BN, true>((const uint8_t *) base, row_bytes, nrows, ncols, row0, x + r0 * x_stride, x_stride, ncol, yt);
 }
 
 // MIN_BLOCKS: blocks per SM the register allocation must allow (2 where the prefetch fits in 128
@@ -430,17 +447,138 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
                                   const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,       \
                                   float * __restrict__ y, int ncols, int nrows) {                              \
         mmq_experts<F, BN>(expert_table, n_expert, tiles, x, y, ncols, nrows);                                 \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
+        mmq_experts_pair_##name##_##BN(const uint64_t * __restrict__ table_a,                                  \
+                                       const uint64_t * __restrict__ table_b, int n_expert,                    \
+                                       const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,  \
+                                       float * __restrict__ y_a, float * __restrict__ y_b, int ncols,          \
+                                       int nrows) {                                                            \
+        const bool second = blockIdx.z != 0;                                                                   \
+        mmq_experts<F, BN>(second ? table_b : table_a, n_expert, tiles, x, second ? y_b : y_a, ncols, nrows);  \
     }
 
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 16, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 32, 2)
 MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 64, 2)
+MMQ_ENTRY_POINTS(q4_k, mmq_q4_K, 128, 1)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 16, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 32, 2)
 MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 64, 2)
+MMQ_ENTRY_POINTS(q5_k, mmq_q5_K, 128, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 16, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 32, 1)
 MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 64, 1)
+MMQ_ENTRY_POINTS(q6_k, mmq_q6_K, 128, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 16, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 32, 1)
 MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 64, 1)
+MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 128, 1)
+
+// ----- grouping a prompt's slots by expert on the card -----------------------------------------------------
+
+#define GROUP_THREADS 1024
+#define GROUP_MAX_EXPERTS 1024
+
+// What ExpertGrouping::with_tile computes on the host, without taking the ids there (a wait of the host on
+// the card per MoE layer): ids [n_slots] (token t's j-th choice at t*k + j); rows [n_slots] the token of
+// each sorted row; slot_row [n_slots] the sorted row of each slot; tiles [max_tiles*3] (expert, first row,
+// rows <= tile) per run of an expert's rows, experts in order, padded with (-1, 0, 0). The rows of an
+// expert come in the order the atomics hand out (not the slots' order as on the host): each output row is
+// computed from its own token only, so the results are the same. Ids outside 0..n_expert are placed after
+// every expert's rows and get no tile. One block of GROUP_THREADS; n_expert <= GROUP_MAX_EXPERTS, and
+// max_tiles at least ExpertGrouping::max_tiles.
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+    group_by_expert(const int32_t * __restrict__ ids, int n_slots, int k, int n_expert, int tile, int max_tiles,
+                    int32_t * __restrict__ rows, int32_t * __restrict__ slot_row, int32_t * __restrict__ tiles) {
+    // Per expert (and at n_expert the ids outside): rows, first sorted row, first tile.
+    __shared__ int count[GROUP_MAX_EXPERTS + 1];
+    __shared__ int start[GROUP_MAX_EXPERTS + 1];
+    __shared__ int tile0[GROUP_MAX_EXPERTS + 1];
+    __shared__ int n_tiles;
+    const int tid = threadIdx.x;
+    for (int e = tid; e <= n_expert; e += blockDim.x) {
+        count[e] = 0;
+    }
+    __syncthreads();
+    // Pass 1: each slot's place among its expert's rows, kept in slot_row until pass 2 (same thread, same slot).
+    for (int s = tid; s < n_slots; s += blockDim.x) {
+        int e = ids[s];
+        if (e < 0 || e >= n_expert) {
+            e = n_expert;
+        }
+        slot_row[s] = atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    // Exclusive prefix sums of rows and tiles over the experts: warp 0, each lane a run of entries.
+    if (tid < WARP_SIZE) {
+        const int per = (n_expert + 1 + WARP_SIZE - 1) / WARP_SIZE;
+        int rsum = 0, tsum = 0;
+        for (int i = 0; i < per; ++i) {
+            const int e = tid * per + i;
+            if (e <= n_expert) {
+                rsum += count[e];
+                tsum += e < n_expert ? (count[e] + tile - 1) / tile : 0;
+            }
+        }
+        int rinc = rsum, tinc = tsum;
+#pragma unroll
+        for (int o = 1; o < WARP_SIZE; o <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, rinc, o);
+            const int b = __shfl_up_sync(FULL_MASK, tinc, o);
+            if (tid >= o) {
+                rinc += a;
+                tinc += b;
+            }
+        }
+        int r = rinc - rsum, t = tinc - tsum;
+        for (int i = 0; i < per; ++i) {
+            const int e = tid * per + i;
+            if (e <= n_expert) {
+                start[e] = r;
+                tile0[e] = t;
+                r += count[e];
+                t += e < n_expert ? (count[e] + tile - 1) / tile : 0;
+            }
+        }
+        if (tid == WARP_SIZE - 1) {
+            n_tiles = tinc;
+        }
+    }
+    __syncthreads();
+    for (int s = tid; s < n_slots; s += blockDim.x) {
+        int e = ids[s];
+        if (e < 0 || e >= n_expert) {
+            e = n_expert;
+        }
+        const int r = start[e] + slot_row[s];
+        slot_row[s] = r;
+        rows[r] = s / k;
+    }
+    for (int e = tid; e < n_expert; e += blockDim.x) {
+        const int nt = (count[e] + tile - 1) / tile;
+        for (int i = 0; i < nt; ++i) {
+            int32_t * te = tiles + 3 * (tile0[e] + i);
+            te[0] = e;
+            te[1] = start[e] + i * tile;
+            te[2] = min(tile, count[e] - i * tile);
+        }
+    }
+    for (int i = n_tiles + tid; i < max_tiles; i += blockDim.x) {
+        tiles[3 * i] = -1;
+        tiles[3 * i + 1] = 0;
+        tiles[3 * i + 2] = 0;
+    }
+}
+
+// dst[r] = src[rows[r]] for rows of `words` 32-bit words (a row of q8_1 blocks is 9 words a block): a
+// prompt's tokens quantized once, then put in expert order, instead of gathering the f32 rows (4.5x the
+// bytes) and quantizing every (token, expert) row. Grid (n_rows); block 256.
+extern "C" __global__ void gather_rows_words(const int32_t * __restrict__ src, const int32_t * __restrict__ rows,
+                                             int32_t * __restrict__ dst, int words) {
+    const int64_t r = blockIdx.x;
+    const int64_t from = rows[r];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        dst[r * words + i] = src[from * words + i];
+    }
+}

@@ -325,8 +325,13 @@ fn bench_prompt_matmul() {
         GgmlType::Q5_K,
         GgmlType::IQ4_XS,
     ] {
-        // Qwen3-30B-A3B's q_proj (2048 -> 4096) and k_proj (2048 -> 512) shapes over 512 tokens.
-        for (rows, cols, n) in [(4096usize, 2048usize, 512usize), (512, 2048, 512)] {
+        // Qwen3-30B-A3B's q_proj (2048 -> 4096) and k_proj (2048 -> 512) shapes over 512 tokens, q_proj over
+        // 4,096 (a long prompt's ubatch).
+        for (rows, cols, n) in [
+            (4096usize, 2048usize, 512usize),
+            (512, 2048, 512),
+            (4096, 2048, 4096),
+        ] {
             let mut rng = Rng::new(2);
             let w = random_weights(ty, &mut rng, rows * cols);
             let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
@@ -335,7 +340,7 @@ fn bench_prompt_matmul() {
             // matmul_q's choice, each tensor-core tile, and the dp4a kernel.
             let mut variants = vec![("matmul".to_string(), 0usize), ("dp4a".to_string(), 1)];
             if prompt::has_mma(&dev, ty, cols) {
-                for tile in [16, 32, 64] {
+                for tile in [16, 32, 64, 128] {
                     variants.push((format!("mma tile {tile}"), tile));
                 }
             }
@@ -360,38 +365,78 @@ fn bench_prompt_matmul() {
 #[ignore = "GPU benchmark"]
 fn bench_grouped_experts() {
     let Some(dev) = device() else { return };
-    // Qwen3-30B-A3B's gate/up projection (768 x 2048, 128 experts, 8 per token) and Qwen3.6-35B-A3B's
-    // (512 x 2048, 256 experts) over 512 tokens: about 32 and 16 tokens per expert.
+    // Qwen3-30B-A3B's gate/up (768 x 2048, 128 experts, 8 per token) and down (2048 x 768) projections and
+    // Qwen3.6-35B-A3B's gate/up (512 x 2048, 256 experts) over 512 and 2,048 tokens: 32-128 and 16-64
+    // tokens per expert on average; routing uniform or skewed toward some experts (as real routers are).
     for (rows, cols, n_expert, k, n) in [
         (768usize, 2048usize, 128usize, 8usize, 512usize),
+        (768, 2048, 128, 8, 2048),
+        (2048, 768, 128, 8, 512),
+        (2048, 768, 128, 8, 2048),
         (512, 2048, 256, 8, 512),
+        (512, 2048, 256, 8, 2048),
     ] {
         let ty = GgmlType::Q4_K;
         let mut rng = Rng::new(3);
         let w = random_weights(ty, &mut rng, rows * cols * n_expert);
         let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).unwrap();
-        let ids: Vec<i32> = (0..n * k)
-            .map(|_| rng.below(n_expert as u32) as i32)
-            .collect();
-        let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
-        let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
-        let chosen = prompt::expert_tile_rows(&dev, stacked.table(), n * k, n_expert);
-        for tile in [prompt::MATMUL_TILE, 16, 32, 64] {
-            let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
-            let tiles: Vec<i32> = g.tiles.iter().flatten().copied().collect();
-            let tilesd = dev.upload(&tiles).unwrap();
-            let s = time_calls(&dev, || {
-                prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut y).unwrap()
-            });
-            println!(
-                "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n} (tiles of {tile}{}: {}): {:.1} us, \
-                 {:.0} tokens/s, {:.2} TFLOP/s",
-                if tile == chosen { ", chosen" } else { "" },
-                g.tiles.len(),
-                s * 1e6,
-                n as f64 / s,
-                2.0 * (rows * cols * n * k) as f64 / s / 1e12
-            );
+        for skewed in [false, true] {
+            let ids: Vec<i32> = (0..n * k)
+                .map(|_| {
+                    let u = if skewed {
+                        rng.f32() * rng.f32()
+                    } else {
+                        rng.f32()
+                    };
+                    ((u * n_expert as f32) as i32).min(n_expert as i32 - 1)
+                })
+                .collect();
+            let xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+            let mut y = dev.zeros::<f32>(n * k * rows).unwrap();
+            let chosen = prompt::expert_tile_rows(&dev, stacked.table(), n * k, n_expert);
+            for tile in [prompt::MATMUL_TILE, 16, 32, 64, 128] {
+                let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+                // Padded as the engine pads the table (empty tiles cost a block that returns at once).
+                let tiles = g.tile_table(ExpertGrouping::max_tiles(n * k, n_expert, tile));
+                let tilesd = dev.upload(&tiles).unwrap();
+                let s = time_calls(&dev, || {
+                    prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut y)
+                        .unwrap()
+                });
+                println!(
+                    "bench grouped experts {ty} {rows}x{cols} x{n_expert} k {k} n {n}{} (tiles of {tile}{}: {}): \
+                     {:.1} us, {:.0} tokens/s, {:.2} TFLOP/s",
+                    if skewed { " skewed" } else { "" },
+                    if tile == chosen { ", chosen" } else { "" },
+                    g.tiles.len(),
+                    s * 1e6,
+                    n as f64 / s,
+                    2.0 * (rows * cols * n * k) as f64 / s / 1e12
+                );
+                if tile == chosen && tile != prompt::MATMUL_TILE {
+                    // Gate and up in one launch (the same table twice: the same work as two).
+                    let mut y2 = dev.zeros::<f32>(n * k * rows).unwrap();
+                    let t = stacked.table();
+                    let s = time_calls(&dev, || {
+                        prompt::matmul_experts_q_pair(
+                            &dev,
+                            [t, t],
+                            &tilesd,
+                            tile,
+                            &xq,
+                            [&mut y, &mut y2],
+                        )
+                        .unwrap()
+                    });
+                    println!(
+                        "bench grouped experts pair {ty} {rows}x{cols} x{n_expert} k {k} n {n}{} (tiles of {tile}): \
+                         {:.1} us for two, {:.2} TFLOP/s",
+                        if skewed { " skewed" } else { "" },
+                        s * 1e6,
+                        4.0 * (rows * cols * n * k) as f64 / s / 1e12
+                    );
+                }
+            }
         }
     }
 }

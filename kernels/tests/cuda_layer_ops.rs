@@ -397,7 +397,14 @@ fn attention_decode_matches_cpu_and_reads_nothing_past_the_position() {
 fn conv1d_matches_cpu_exactly_and_advances_the_state() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(200);
-    for (channels, kernel, n) in [(8192, 4, 1), (8192, 4, 37), (100, 3, 5)] {
+    // One token (the decode kernel), prompts (the token-parallel one), fewer tokens than the window.
+    for (channels, kernel, n) in [
+        (8192, 4, 1),
+        (8192, 4, 37),
+        (100, 3, 5),
+        (64, 4, 2),
+        (8192, 4, 300),
+    ] {
         let x = normals(&mut rng, n * channels);
         let w = normals(&mut rng, channels * kernel);
         let state0 = normals(&mut rng, (kernel - 1) * channels);
@@ -492,6 +499,8 @@ fn gated_delta_rule_matches_cpu_for_steps_and_prompts() {
         (2, 4, 128, 37),
         (16, 32, 128, 64),
         (3, 3, 64, 9),
+        // Rows that do not fill the prompt kernel's warps (4 rows each).
+        (2, 2, 40, 5),
     ]
     .into_iter()
     .enumerate()
@@ -753,7 +762,7 @@ fn prompt_matmul_matches_cpu_and_equals_the_matvec() {
 
 /// The tensor-core kernels (`matmul_mma.cu`) of `matmul_q`: against the CPU and against the dp4a kernel
 /// (same q8_1 activations; they differ only by summation order and by taking the activations' sums from
-/// the blocks' f16 `s`), with token tiles of 16, 32 and 64, over row counts that leave a partial row tile
+/// the blocks' f16 `s`), with token tiles of 16, 32, 64 and 128, over row counts that leave a partial row tile
 /// and token counts that leave partial token tiles.
 #[test]
 fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
@@ -768,7 +777,12 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     .into_iter()
     .enumerate()
     {
-        for (rows, cols, n) in [(200, 768, 21), (128, 512, 70), (64, 1024, 16)] {
+        for (rows, cols, n) in [
+            (200, 768, 21),
+            (128, 512, 70),
+            (64, 1024, 16),
+            (96, 256, 150),
+        ] {
             let mut rng = Rng::new(450 + i as u64);
             let w = random_weights(ty, &mut rng, rows * cols);
             let x = normals(&mut rng, n * cols);
@@ -789,7 +803,7 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
             prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut yd).unwrap();
             let dp4a = dev.download(&yd).unwrap();
             assert!(prompt::has_mma(&dev, ty, cols), "{ty}");
-            for tile in [16, 32, 64] {
+            for tile in [16, 32, 64, 128] {
                 let mut y = dev.zeros::<f32>(n * rows).unwrap();
                 prompt::matmul_q_mma(&dev, &wd, &xq, tile, &mut y).unwrap();
                 let got = dev.download(&y).unwrap();
@@ -859,6 +873,72 @@ fn float_prompt_matmul_matches_cpu() {
     assert_no_failures(failures);
 }
 
+/// `group_by_expert` (the grouping on the card) against the host's `ExpertGrouping`: the same tile table
+/// and, per expert, the same tokens (in any order), with `slot_row` the inverse of the sorted order.
+#[test]
+fn expert_grouping_on_the_card_matches_the_host() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(610);
+    for (n_expert, k, n, tile, skewed) in [
+        (128usize, 8usize, 512usize, 64usize, true),
+        (256, 8, 2048, 128, false),
+        (8, 3, 29, 8, true),
+        (1024, 2, 7, 16, false),
+    ] {
+        let ids: Vec<i32> = (0..n * k)
+            .map(|_| {
+                let u = if skewed {
+                    rng.f32() * rng.f32()
+                } else {
+                    rng.f32()
+                };
+                ((u * n_expert as f32) as i32).min(n_expert as i32 - 1)
+            })
+            .collect();
+        let want = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
+        let max_tiles = ExpertGrouping::max_tiles(n * k, n_expert, tile);
+        let idsd = dev.upload(&ids).unwrap();
+        let mut rows = dev.zeros::<i32>(n * k).unwrap();
+        let mut slot_row = dev.zeros::<i32>(n * k).unwrap();
+        let mut tiles = dev.zeros::<i32>(3 * max_tiles).unwrap();
+        prompt::group_by_expert(
+            &dev,
+            &idsd,
+            (k, n_expert, tile),
+            &mut rows,
+            &mut slot_row,
+            &mut tiles,
+        )
+        .unwrap();
+        let what = format!("{n_expert} experts k {k} n {n} tile {tile}");
+        assert_eq!(
+            dev.download(&tiles).unwrap(),
+            want.tile_table(max_tiles),
+            "{what}: tiles"
+        );
+        let (rows, slot_row) = (
+            dev.download(&rows).unwrap(),
+            dev.download(&slot_row).unwrap(),
+        );
+        for (s, &r) in slot_row.iter().enumerate() {
+            assert_eq!(rows[r as usize] as usize, s / k, "{what}: slot {s}");
+        }
+        // Each expert's rows (the span of its tiles) hold the same tokens.
+        for e in 0..n_expert as i32 {
+            let of_e: Vec<&[i32; 3]> = want.tiles.iter().filter(|t| t[0] == e).collect();
+            let (Some(first), Some(last)) = (of_e.first(), of_e.last()) else {
+                continue;
+            };
+            let range = first[1] as usize..(last[1] + last[2]) as usize;
+            let mut got = rows[range.clone()].to_vec();
+            let mut exp = want.rows[range].to_vec();
+            got.sort_unstable();
+            exp.sort_unstable();
+            assert_eq!(got, exp, "{what}: tokens of expert {e}");
+        }
+    }
+}
+
 #[test]
 fn expert_grouped_matmul_matches_cpu() {
     let Some(dev) = device() else { return };
@@ -907,10 +987,10 @@ fn expert_grouped_matmul_matches_cpu() {
             }
         }
 
-        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32 and 64 (padded
+        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32, 64 and 128 (padded
         // with empty tiles as the engine pads them).
         let tile_sizes: &[usize] = if prompt::has_mma(&dev, ty, cols) {
-            &[prompt::MATMUL_TILE, 16, 32, 64]
+            &[prompt::MATMUL_TILE, 16, 32, 64, 128]
         } else {
             &[prompt::MATMUL_TILE]
         };
@@ -927,8 +1007,33 @@ fn expert_grouped_matmul_matches_cpu() {
             prompt::gather_rows(&dev, &xd, &rowsd, cols, &mut xs).unwrap();
             let mut xq = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
             ops::quantize_q8_1(&dev, &xs, &mut xq).unwrap();
+            // The engine's order: the tokens quantized once, their blocks gathered: the same blocks.
+            let mut xq_tokens = dev.zeros::<BlockQ8_1>(n * cols / 32).unwrap();
+            ops::quantize_q8_1(&dev, &xd, &mut xq_tokens).unwrap();
+            let mut xq_gathered = dev.zeros::<BlockQ8_1>(n * k * cols / 32).unwrap();
+            prompt::gather_rows_q8_1(&dev, &xq_tokens, &rowsd, cols / 32, &mut xq_gathered)
+                .unwrap();
+            if dev.download(&xq_gathered).unwrap() != dev.download(&xq).unwrap() {
+                failures.push(format!(
+                    "grouped experts {ty} tiles of {tile}: q8_1 gather differs"
+                ));
+            }
             let mut ys = dev.zeros::<f32>(n * k * rows).unwrap();
             prompt::matmul_experts_q(&dev, stacked.table(), &tilesd, tile, &xq, &mut ys).unwrap();
+            // The pair form (gate and up in one launch) gives each table's products bit for bit.
+            let (mut ya, mut yb) = (
+                dev.zeros::<f32>(n * k * rows).unwrap(),
+                dev.zeros::<f32>(n * k * rows).unwrap(),
+            );
+            let t = stacked.table();
+            prompt::matmul_experts_q_pair(&dev, [t, t], &tilesd, tile, &xq, [&mut ya, &mut yb])
+                .unwrap();
+            let single = dev.download(&ys).unwrap();
+            if dev.download(&ya).unwrap() != single || dev.download(&yb).unwrap() != single {
+                failures.push(format!(
+                    "grouped experts {ty} tiles of {tile}: pair differs"
+                ));
+            }
             let wd = dev.upload(&weights).unwrap();
             let mut out = dev.zeros::<f32>(n * rows).unwrap();
             prompt::moe_combine_sorted(&dev, &ys, &slotd, &wd, k, false, &mut out).unwrap();

@@ -10,6 +10,9 @@
 //! `--expert-budget-mib` place them; the JSON's `experts` says how many were in VRAM and how often they
 //! served); the CPU is the default.
 //!
+//! `--depth N` (llama-bench's `-d`): each repetition of either test first reads N random tokens, untimed,
+//! so the timed prompt or tokens attend to a context of N (answers late in a long conversation).
+//!
 //! One warm-up of each (a whole prompt, one decode step) precedes the timed repetitions, as llama-bench
 //! does. Each repetition reports wall time and the CPU time of the whole process (all threads) over it:
 //! CPU seconds over wall seconds near the thread count means the threads ran; well below it means the
@@ -20,6 +23,7 @@ use clap::Args;
 use poly_engine::generate::{prefill, DEFAULT_UBATCH};
 use poly_engine::gpu::DeviceChoice;
 use poly_engine::model::Arithmetic;
+use poly_engine::state::SeqState;
 use poly_engine::{EngineError, Model};
 use poly_kernels::rng::Rng;
 use poly_models::compute::Logits;
@@ -38,6 +42,9 @@ pub struct BenchArgs {
     /// Tokens written per repetition (0: skip the writing test).
     #[arg(long, default_value_t = 128)]
     gen: usize,
+    /// Tokens of context read (untimed) before each repetition of either test, as llama-bench's `-d`.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
     /// Worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
@@ -100,24 +107,39 @@ fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize, bos: Option<u32>) -> V
         .collect()
 }
 
-fn read_prompt(model: &Model, rng: &mut Rng, args: &BenchArgs) -> Result<(), EngineError> {
+/// A fresh state with room for the depth, the prompt and the tokens, holding `--depth` random tokens.
+fn state_at_depth(model: &Model, rng: &mut Rng, args: &BenchArgs) -> Result<SeqState, EngineError> {
     let info = model.info();
-    let tokens = random_tokens(rng, args.prompt, info.n_vocab, info.bos);
-    let mut state = model.new_state(args.prompt + args.gen);
-    prefill(model, &mut state, &tokens, args.ubatch).map(|_| ())
+    let mut state = model.new_state(args.depth + args.prompt + args.gen);
+    if args.depth > 0 {
+        let context = random_tokens(rng, args.depth, info.n_vocab, info.bos);
+        prefill(model, &mut state, &context, args.ubatch)?;
+    }
+    Ok(state)
+}
+
+fn read_prompt(
+    model: &Model,
+    state: &mut SeqState,
+    rng: &mut Rng,
+    args: &BenchArgs,
+) -> Result<(), EngineError> {
+    let info = model.info();
+    let bos = info.bos.filter(|_| args.depth == 0);
+    let tokens = random_tokens(rng, args.prompt, info.n_vocab, bos);
+    prefill(model, state, &tokens, args.ubatch).map(|_| ())
 }
 
 fn write_tokens(
     model: &Model,
+    state: &mut SeqState,
     rng: &mut Rng,
     n: usize,
-    args: &BenchArgs,
 ) -> Result<(), EngineError> {
     let info = model.info();
-    let mut state = model.new_state(args.prompt + args.gen);
     let mut token = info.bos.unwrap_or(0);
     for _ in 0..n {
-        model.eval(&mut state, &[token], Logits::Last)?;
+        model.eval(state, &[token], Logits::Last)?;
         token = rng.below(info.n_vocab as u32);
     }
     Ok(())
@@ -162,7 +184,9 @@ pub fn run(args: BenchArgs) -> CliResult {
     let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
     model.use_device_with(
         DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
-        &args.placement.placement(args.prompt + args.gen),
+        &args
+            .placement
+            .placement(args.depth + args.prompt + args.gen, args.ubatch),
     )?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = Rng::new(args.seed);
@@ -172,18 +196,24 @@ pub fn run(args: BenchArgs) -> CliResult {
         let mut tg = Vec::new();
         if args.prompt > 0 {
             if !args.no_warmup {
-                read_prompt(&model, &mut rng, &args)?;
+                let mut state = state_at_depth(&model, &mut rng, &args)?;
+                read_prompt(&model, &mut state, &mut rng, &args)?;
             }
             for _ in 0..args.reps {
-                pp.push(timed(|| read_prompt(&model, &mut rng, &args))?);
+                let mut state = state_at_depth(&model, &mut rng, &args)?;
+                pp.push(timed(|| read_prompt(&model, &mut state, &mut rng, &args))?);
             }
         }
         if args.gen > 0 {
             if !args.no_warmup {
-                write_tokens(&model, &mut rng, 1, &args)?;
+                let mut state = state_at_depth(&model, &mut rng, &args)?;
+                write_tokens(&model, &mut state, &mut rng, 1)?;
             }
             for _ in 0..args.reps {
-                tg.push(timed(|| write_tokens(&model, &mut rng, args.gen, &args))?);
+                let mut state = state_at_depth(&model, &mut rng, &args)?;
+                tg.push(timed(|| {
+                    write_tokens(&model, &mut state, &mut rng, args.gen)
+                })?);
             }
         }
         Ok((pp, tg))
@@ -196,6 +226,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         "batch_invariant": args.batch_invariant,
         "threads": threads,
         "ubatch": args.ubatch,
+        "depth": args.depth,
         "reps": args.reps,
         "load_s": load_s,
     });
@@ -214,6 +245,10 @@ pub fn run(args: BenchArgs) -> CliResult {
             "uploads": c.policy.uploads,
             "evictions": c.policy.evictions,
             "staged": c.staged,
+            "staged_decode": c.staged_decode,
+            "cpu_us_overhead": c.cpu_us_overhead,
+            "cpu_us_per_expert": c.cpu_us_per_expert,
+            "copy_us_per_expert": c.copy_us_per_expert,
             "cpu_experts": c.cpu_experts,
             "cpu_seconds": c.cpu_seconds,
             "routed": c.routed,

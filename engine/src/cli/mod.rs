@@ -8,7 +8,7 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::Placement;
+use poly_engine::gpu::{MissingExperts, Placement};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -93,11 +93,16 @@ pub struct PlacementArgs {
     /// mapping, page-locked).
     #[arg(long)]
     expert_staging_only: bool,
+    /// Where a single token's experts that are not in VRAM are computed: split between copies to the card
+    /// and the CPU by measured cost, all on the CPU, or all copied to the card.
+    #[arg(long, value_enum, default_value_t = MissingExperts::Split)]
+    missing_experts: MissingExperts,
 }
 
 impl PlacementArgs {
-    /// The placement for sequences of `n_ctx` tokens (0: the model's training context).
-    pub fn placement(&self, n_ctx: usize) -> Placement {
+    /// The placement for sequences of `n_ctx` tokens (0: the model's training context) read in forward
+    /// calls of at most `call_tokens`.
+    pub fn placement(&self, n_ctx: usize, call_tokens: usize) -> Placement {
         Placement {
             reserve_mib: self.vram_reserve_mib,
             expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
@@ -105,6 +110,8 @@ impl PlacementArgs {
             n_ctx,
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,
+            missing_experts: self.missing_experts,
+            call_tokens,
         }
     }
 }
@@ -152,7 +159,10 @@ pub fn run(cli: Cli) -> ExitCode {
                 checkpoint_every: a.checkpoint_every,
                 ubatch: a.ubatch,
                 device,
-                placement: a.placement.placement(a.max_context),
+                placement: a.placement.placement(
+                    a.max_context,
+                    a.ubatch.unwrap_or(poly_engine::serve::GPU_UBATCH),
+                ),
                 arithmetic: if a.llama_orders {
                     Arithmetic::LlamaCpp
                 } else {

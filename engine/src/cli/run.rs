@@ -149,7 +149,7 @@ pub fn run(args: RunArgs) -> CliResult {
     let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
     model.use_device_with(
         poly_engine::gpu::DeviceChoice::from_flags(args.cpu, args.gpu)?,
-        &args.placement.placement(args.n_ctx),
+        &args.placement.placement(args.n_ctx, args.ubatch),
     )?;
     eprintln!("running on {}", model.device_name());
     let loaded = start.elapsed();

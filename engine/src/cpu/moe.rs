@@ -111,9 +111,12 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
 /// parallel region per product. Every dot product is the one [`expert`] computes for a single routed row
 /// (the activation quantized once per format, each product in its `MUL_MAT_ID` order for one row), and
 /// the outputs are summed in routing order, so the result is the same bits.
-fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
+pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
     let n_embd = x.cols;
     let k = route.len();
+    if k == 0 {
+        return Mat::zeros(1, n_embd);
+    }
     let mats = |id, e: u32| w.sub_matrix(id, e as usize);
     let quantized = |mat: &QuantMatrix<'_>, v: &[f32]| {
         let act = mat.ty.ops().expect("bound tensors compute").act;

@@ -16,7 +16,8 @@ use poly_kernels::cuda::attention_mma;
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops::{self, ExpertInput, Routing};
 use poly_kernels::cuda::prompt::{
-    self, gather_rows, matmul_experts_q, matmul_q, moe_combine_sorted, ExpertGrouping,
+    self, gather_rows, gather_rows_q8_1, matmul_experts_q, matmul_q, moe_combine_sorted,
+    ExpertGrouping,
 };
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
@@ -28,6 +29,7 @@ use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, RopeKind,
     Unary, WeightId,
 };
+use rayon::prelude::*;
 
 use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
@@ -40,6 +42,9 @@ use crate::cpu::CpuWeights;
 const ATTN_TARGET_BLOCKS: usize = 264;
 /// Most expert slots (tokens × experts per token) of one expert launch.
 const MAX_SLOTS: usize = 65_535;
+
+/// Fewest tokens whose embedding rows the host makes on several threads.
+const PARALLEL_EMBED_ROWS: usize = 64;
 
 /// The cache rows a one-token call at context length `n_kv` reads: the next power of two from 256, at most
 /// the cache's `n_ctx` rows. Positions past the token's own are masked, so one graph serves a whole bucket;
@@ -680,7 +685,10 @@ impl<'a> GpuForward<'a> {
                 cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
             }
             (Some(_), Some(cache)) => {
-                cache.count_all_vram(slots);
+                // A capture is not a token (its replays are counted by the backend).
+                if !self.graph.as_ref().is_some_and(|g| g.capturing) {
+                    cache.count_all_vram(slots);
+                }
                 None
             }
             _ => None,
@@ -760,8 +768,9 @@ impl<'a> GpuForward<'a> {
         r
     }
 
-    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: the ids
-    /// come to the host (one small wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
+    /// card ([`prompt::group_by_expert`]); with `POLY_MOE_GROUP=host` (or more experts than it takes) the
+    /// ids come to the host (one wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
     /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
     /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
     /// expert a tile reads: an expert cache can rewrite the table here.
@@ -773,6 +782,35 @@ impl<'a> GpuForward<'a> {
         tile_rows: usize,
     ) -> CudaResult<ExpertGroups> {
         let dev = self.dev;
+        if n_expert <= prompt::GROUP_MAX_EXPERTS && !prompt::host_grouping() {
+            // On the card: the host queues on without waiting for the router.
+            let slots = ids.len();
+            let n_tiles = ExpertGrouping::max_tiles(slots, n_expert, tile_rows);
+            let mut rows = self.pool.i32(dev, slots)?;
+            let mut slot_row = self.pool.i32(dev, slots)?;
+            let mut tiles = self.pool.i32(dev, 3 * n_tiles)?;
+            let r = prompt::group_by_expert(
+                dev,
+                ids,
+                (k, n_expert, tile_rows),
+                &mut rows,
+                &mut slot_row,
+                &mut tiles,
+            );
+            let g = ExpertGroups {
+                rows,
+                slot_row,
+                tiles,
+                tile_rows,
+            };
+            return match r {
+                Ok(()) => Ok(g),
+                Err(e) => {
+                    g.give_back(&self.pool);
+                    Err(e)
+                }
+            };
+        }
         let host_ids = dev.download(ids)?;
         let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
         let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);
@@ -806,26 +844,55 @@ impl<'a> GpuForward<'a> {
         let slots = n * k;
         let n_ff = gate_t.rows;
         let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        // Profiled as steps (moe.group: the ids to the host and the grouping back; moe.gather: the rows in
+        // expert order, quantized; moe.gate_up, moe.act, moe.down).
+        let t = self.op_begin();
         let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
-        // [slots, n_embd] in expert order, quantized once for gate and up.
-        let mut xs = self.pool.f32(dev, slots * n_embd)?;
-        gather_rows(dev, x.buf()?, &g.rows, n_embd, &mut xs)?;
+        self.op_end("moe.group", t);
+        let t = self.op_begin();
+        // The tokens quantized once ([n, n_embd/32] blocks), then put in expert order for gate and up:
+        // [slots, n_embd/32] (the blocks gathering the f32 rows and quantizing them would give).
         let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
-        ops::quantize_q8_1(dev, &xs, &mut xq)?;
-        self.pool.put_f32(xs);
+        let r = self.with_q8(None, x.buf()?, |xq_tokens| {
+            gather_rows_q8_1(dev, xq_tokens, &g.rows, n_embd / 32, &mut xq)
+        });
+        if let Err(e) = r {
+            self.pool.put_q8(xq);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        self.op_end("moe.gather", t);
+        let t = self.op_begin();
         // [slots, n_ff] each.
         let mut gate = self.pool.f32(dev, slots * n_ff)?;
         let mut up = self.pool.f32(dev, slots * n_ff)?;
-        matmul_experts_q(dev, gate_t, &g.tiles, g.tile_rows, &xq, &mut gate)?;
-        matmul_experts_q(dev, up_t, &g.tiles, g.tile_rows, &xq, &mut up)?;
+        prompt::matmul_experts_q_pair(
+            dev,
+            [gate_t, up_t],
+            &g.tiles,
+            g.tile_rows,
+            &xq,
+            [&mut gate, &mut up],
+        )?;
         self.pool.put_q8(xq);
-        let mut h = self.pool.f32(dev, slots * n_ff)?;
-        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
-        self.pool.put_f32(gate);
-        self.pool.put_f32(up);
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
         let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
-        ops::quantize_q8_1(dev, &h, &mut hq)?;
-        self.pool.put_f32(h);
+        if matches!(m.act, Unary::Silu) {
+            // SwiGLU straight into the down experts' quantized input (the values of swiglu then quantize).
+            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+        } else {
+            let mut h = self.pool.f32(dev, slots * n_ff)?;
+            self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            ops::quantize_q8_1(dev, &h, &mut hq)?;
+            self.pool.put_f32(h);
+        }
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
         // [slots, n_embd] in expert order.
         let mut y = self.pool.f32(dev, slots * n_embd)?;
         let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
@@ -838,6 +905,7 @@ impl<'a> GpuForward<'a> {
             r
         };
         self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
         if let Err(e) = r {
             self.pool.put_f32(y);
             g.give_back(&self.pool);
@@ -1045,11 +1113,19 @@ impl Compute for GpuForward<'_> {
             // The rows are read from the mapped file and dequantized on the host: one small copy per
             // call, and no dequantization kernel per format.
             let mut rows = Vec::new();
+            let cpu = c.cpu;
             let host_rows = |rows: &mut Vec<f32>| {
                 rows.resize(tokens.len() * n_embd, 0.0);
+                if tokens.len() >= PARALLEL_EMBED_ROWS {
+                    // A prompt's rows on the pool's threads: 4,096 rows on one thread took about 20 ms
+                    // of each prompt call on the H200 host (5% of a 4,096-token call).
+                    rows.par_chunks_mut(n_embd)
+                        .zip(tokens.par_iter())
+                        .for_each(|(row, &t)| cpu.row_into(table, t as usize, row));
+                    return;
+                }
                 for (i, &t) in tokens.iter().enumerate() {
-                    c.cpu
-                        .row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
+                    cpu.row_into(table, t as usize, &mut rows[i * n_embd..(i + 1) * n_embd]);
                 }
             };
             let Some(g) = c.graph.as_mut() else {

@@ -31,6 +31,7 @@ pub mod reference;
 pub mod seq;
 pub mod weights;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -42,8 +43,8 @@ use crate::cpu::CpuWeights;
 use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
-pub use expert_cache::placement::Placement;
 use expert_cache::placement::{cache_bytes, state_bytes};
+pub use expert_cache::placement::{MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 use expert_cache::{CacheStats, ExpertCache};
 
@@ -106,6 +107,9 @@ pub struct GpuBackend {
     profile: Option<Profiler>,
     /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
     graphs: bool,
+    /// Routings of one token over all MoE layers, counted when a decode graph was captured: a replay
+    /// adds them to the expert cache's figures, which a graph cannot count itself.
+    routings_per_token: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for GpuBackend {
@@ -148,6 +152,7 @@ impl GpuBackend {
             profile: Profiler::from_env(),
             graphs: decode_graph::graphs_enabled(),
             experts: Mutex::new(cache),
+            routings_per_token: std::sync::atomic::AtomicU64::new(0),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -165,7 +170,16 @@ impl GpuBackend {
         p: &Placement,
     ) -> Result<(), EngineError> {
         let info = graph.info();
-        let n_warm = crate::generate::DEFAULT_UBATCH.min(info.n_ctx_train.max(1) as usize);
+        // The largest call's worth of tokens, so its scratch is allocated before the free VRAM is measured.
+        let call_tokens = match p.call_tokens {
+            0 => crate::generate::DEFAULT_UBATCH,
+            n => n,
+        };
+        let n_ctx_max = match p.n_ctx {
+            0 => info.n_ctx_train.max(1) as usize,
+            n => n,
+        };
+        let n_warm = call_tokens.min(n_ctx_max);
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let tokens: Vec<u32> = (0..n_warm)
             .map(|_| {
@@ -178,7 +192,9 @@ impl GpuBackend {
         let specs = graph.layer_states();
         let mut warm = SeqState::with_precision(&specs, n_warm, KvPrecision::default());
         self.eval(graph, cpu, &mut warm, &tokens, Logits::Last)?;
-        // The warm-up's state goes; its scratch buffers stay in the pool.
+        // The warm-up's state goes (its pending copy first: nothing is saved); its scratch buffers stay
+        // in the pool.
+        drop(warm);
         *lock(&self.seq) = None;
         self.dev.synchronize().map_err(cuda_err)?;
         let (free, total) = self.dev.memory_info().map_err(cuda_err)?;
@@ -221,6 +237,7 @@ impl GpuBackend {
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
         cache.set_uploads_per_layer(p.uploads_per_layer);
+        cache.set_missing_experts(p.missing_experts);
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);
@@ -324,7 +341,7 @@ impl GpuBackend {
             // Copies of the card's state that host states still point to go to host memory first.
             let mut seq = lock(&self.seq);
             if let Some(s) = seq.as_mut() {
-                s.settle(&self.dev, None)?;
+                s.settle_all(&self.dev, false)?;
             }
             *seq = None;
         }
@@ -351,12 +368,18 @@ impl GpuBackend {
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
-        // The call changes the card's state: copies of it others may read go to host memory first; the
-        // caller's own too when the call builds a graph (it allocates, so it may fail half way with
-        // recurrent states half advanced; KV-only states are rescued on failure instead).
+        // The call writes KV row `pos0` and the recurrent states: what copies of the card's state others
+        // may read hold there goes to host memory first; the caller's own recurrent states too when the
+        // call builds a graph (it allocates, so it may fail half way with them half advanced; KV rows
+        // are rescued on failure instead).
         let keep_own = !state.has_recurrent() || seq.graphs.has(rows);
-        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))
-            .map_err(cuda_err)?;
+        seq.protect(
+            &self.dev,
+            pos0..pos0 + 1,
+            true,
+            state.deferred().filter(|_| keep_own),
+        )
+        .map_err(cuda_err)?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
@@ -367,6 +390,10 @@ impl GpuBackend {
             if let Some(m) = marks.as_mut() {
                 m.end(&self.dev);
             }
+            if let Some(cache) = lock(&self.experts).as_mut() {
+                let n = self.routings_per_token.load(Ordering::Relaxed);
+                cache.count_all_vram(n as usize);
+            }
             queued.and_then(|()| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
         } else if seq.graphs.failed() {
             drop(seq_slot);
@@ -375,6 +402,7 @@ impl GpuBackend {
                 .map(|(l, ())| l);
         } else {
             let mut experts = lock(&self.experts);
+            let routed_before = experts.as_ref().map(|c| c.stats().routed);
             let backing = forward::Backing {
                 dev: &self.dev,
                 weights: &self.weights,
@@ -383,7 +411,12 @@ impl GpuBackend {
                 pool: Pool::new(PoolStore::default()),
                 experts: experts.as_mut(),
             };
-            decode_graph::run_and_capture(backing, graph, rows, tokens, pos0)
+            let result = decode_graph::run_and_capture(backing, graph, rows, tokens, pos0);
+            if let (Some(before), Some(c)) = (routed_before, experts.as_ref()) {
+                let per_token = c.stats().routed.saturating_sub(before);
+                self.routings_per_token.store(per_token, Ordering::Relaxed);
+            }
+            result
         };
         if phases.queue.is_zero() {
             // A run and capture: no phase split.
@@ -395,8 +428,8 @@ impl GpuBackend {
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
-                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
-                    s.rescue_kv(&self.dev);
+                if let Some(s) = seq_slot.as_mut() {
+                    s.rescue(&self.dev);
                 }
                 *seq_slot = None;
                 return Err(cuda_err(e));
@@ -418,7 +451,7 @@ impl GpuBackend {
         if let Some(s) = seq_slot.as_mut() {
             let pending = s.defer(&self.dev, &self.seq, state, state.n_past());
             state.set_deferred(Some(pending));
-            s.set_tokens(state.tokens());
+            s.push_tokens(tokens);
         }
     }
 
@@ -448,15 +481,21 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state)?;
-        // The call changes the card's state: copies of it others may read go to host memory first.
-        // A prompt call may fail half way (out of memory) with recurrent states half advanced: the
-        // caller's own copy goes to host memory first (KV-only states are rescued on failure instead).
+        // The call writes KV rows `pos0..pos0 + n` and the recurrent states: what copies of the card's
+        // state others may read hold there goes to host memory first. A prompt call may fail half way
+        // (out of memory) with recurrent states half advanced: the caller's own recurrent states are
+        // saved first too (KV rows are rescued on failure instead).
         let keep_own = !(state.has_recurrent() && tokens.len() > 1);
-        seq.settle(&self.dev, state.deferred().filter(|_| keep_own))?;
+        let pos0 = state.n_past();
+        seq.protect(
+            &self.dev,
+            pos0..pos0 + tokens.len(),
+            true,
+            state.deferred().filter(|_| keep_own),
+        )?;
         phases.follow = clock.elapsed();
         let clock = Instant::now();
         let marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
-        let pos0 = state.n_past();
         let pool = Pool::new(std::mem::take(&mut *lock(&self.pool)));
         let mut marks_out = None;
         let mut experts = lock(&self.experts);
@@ -492,9 +531,9 @@ impl GpuBackend {
             Ok(l) => l,
             Err(e) => {
                 // The card's state is in doubt: upload the host's next time. The host's is unchanged
-                // (its copy on the card fetched first where that is safe).
-                if let Some(s) = seq_slot.as_mut().filter(|_| !state.has_recurrent()) {
-                    s.rescue_kv(&self.dev);
+                // (its copy on the card saved first where that is safe).
+                if let Some(s) = seq_slot.as_mut() {
+                    s.rescue(&self.dev);
                 }
                 *seq_slot = None;
                 return Err(e);

@@ -9,6 +9,9 @@
 //!   cancellation between tokens);
 //! - [`store`]: the conversations kept between requests;
 //! - [`memory`]: the process's resident memory for STATS.
+//!
+//! On a GPU, a short read and a few tokens before READY ([`warm_up`], `POLY_WARMUP=0` skips it) load the
+//! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
 mod input;
 mod memory;
@@ -21,6 +24,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
 use poly_models::summary::is_routed_expert;
 use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
@@ -93,10 +97,54 @@ fn load(
     let experts_total = per_layer * expert_blocks.len() as u64;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
     model.use_device_with(device, placement)?;
+    // Only where the CPU will read weights: not for a card that holds every one.
+    if !model.on_gpu() || (model.experts_in_vram() as u64) < experts_total {
+        model.populate_in_background();
+    }
     Ok(Loaded {
         model,
         experts_total,
     })
+}
+
+/// Prompt tokens and written tokens of the warm-up before READY.
+const WARM_PROMPT: usize = 16;
+const WARM_TOKENS: usize = 4;
+
+/// Before READY on a GPU: a short read and a few tokens written into a state of the serve context, so
+/// that the first request does not pay the kernels' first loads (NVRTC compiles or cache reads) and the
+/// capture of the shallow decode graph. The card keeps the state's buffers and their graphs, which the
+/// first request's state (of the same context) reuses. Bounded: [`WARM_PROMPT`] + [`WARM_TOKENS`]
+/// tokens; a failure is logged and changes nothing (the request would meet it again).
+fn warm_up(model: &Model, n_ctx: usize) {
+    let started = std::time::Instant::now();
+    let n_vocab = model.info().n_vocab.max(1);
+    let mut state = model.new_state(n_ctx);
+    let prompt: Vec<u32> = (0..WARM_PROMPT)
+        .map(|i| ((i * 7919 + 13) % n_vocab) as u32)
+        .collect();
+    let mut written = 0;
+    let result = (|| -> Result<(), EngineError> {
+        if state.room() <= WARM_PROMPT + WARM_TOKENS {
+            return Ok(());
+        }
+        let mut logits = model.eval(&mut state, &prompt, Logits::Last)?;
+        for _ in 0..WARM_TOKENS {
+            let token = crate::sample::max_logit(&logits);
+            let token = logits.iter().position(|&v| v == token).unwrap_or(0) as u32;
+            logits = model.eval(&mut state, &[token], Logits::Last)?;
+            written += 1;
+        }
+        Ok(())
+    })();
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(()) => eprintln!(
+            "poly-engine: warm-up before READY: a {WARM_PROMPT}-token read and {written} tokens written \
+             (kernels loaded, the shallow decode graph captured) in {ms:.0} ms"
+        ),
+        Err(e) => eprintln!("poly-engine: warm-up before READY failed after {ms:.0} ms: {e}"),
+    }
 }
 
 /// Writes one protocol line to stdout and flushes it (the server reads line by line).
@@ -147,6 +195,14 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         loaded.model.device_name(),
         opts.arithmetic
     );
+    if loaded.model.on_gpu() && std::env::var("POLY_WARMUP").as_deref() != Ok("0") {
+        let n_ctx = if opts.max_context == 0 {
+            loaded.model.info().n_ctx_train as usize
+        } else {
+            opts.max_context
+        };
+        warm_up(&loaded.model, n_ctx);
+    }
     let inputs = input::spawn_reader(std::io::stdin());
     let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);
     match session.run(&opts.model, loaded.experts_total) {

@@ -43,10 +43,14 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 }
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
-/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels take 16, 32 or 64
-/// tokens per tile, the smallest that holds an expert's average share with some room; with fewer than
-/// about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less. `POLY_MMQ_EXPERT_TILE`
-/// (8, 16, 32 or 64) overrides the choice, to measure the others.
+/// over `n_expert` experts: build the [`ExpertGrouping`] with it. The tensor-core kernels unpack a tile's
+/// weights once and multiply only the tile's groups of 32 tokens holding one, so the cost of a tile is the
+/// unpacking plus its tokens: few tiles per expert win, but below about 48 tokens per expert the smaller
+/// tile of 32 keeps more blocks in flight; from there 128 (one block per SM, a quarter of the unpacking of
+/// 32).
+/// With fewer than about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
+/// `POLY_MMQ_EXPERT_TILE` (8, 16, 32, 64 or 128) overrides the choice, to measure the others;
+/// `POLY_MMQ_EXPERT_TILES=old` takes the earlier choice (the smallest tile holding the average share).
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
@@ -56,13 +60,21 @@ pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_exper
     }
     let per_expert = slots / n_expert.max(1);
     if per_expert < 4 {
-        MATMUL_TILE
-    } else if per_expert < 24 {
-        16
-    } else if per_expert < 48 {
+        return MATMUL_TILE;
+    }
+    if mma::old_expert_tiles() {
+        return match per_expert {
+            0..24 => 16,
+            24..48 => 32,
+            _ => 64,
+        };
+    }
+    // Measured on the H200 (cuda_layer_bench, Q4_K, uniform and skewed routing): with 16-32 tokens per
+    // expert tiles of 32 beat 64 by 5-10% (more blocks in flight), from 64 per expert 128 is best.
+    if per_expert < 48 {
         32
     } else {
-        64
+        128
     }
 }
 
@@ -86,7 +98,7 @@ pub fn matmul_q(
     matmul_q_dp4a(dev, w, xq, y)
 }
 
-/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32 or 64), for formats and rows
+/// [`matmul_q`] on the tensor cores with tiles of `tile` tokens (16, 32, 64 or 128), for formats and rows
 /// [`has_mma`] accepts: to test and measure each tile size.
 pub fn matmul_q_mma(
     dev: &Device,
@@ -226,9 +238,7 @@ impl ExpertGrouping {
     /// As [`ExpertGrouping::new`] with tiles of at most `tile` rows (what [`expert_tile_rows`] says the
     /// kernel of a format takes).
     pub fn with_tile(ids: &[i32], k: usize, n_expert: usize, tile: usize) -> Self {
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        // A stable sort keeps each expert's tokens in order.
-        order.sort_by_key(|&s| ids[s]);
+        let order = stable_order_by_id(ids, n_expert);
         let mut rows = Vec::with_capacity(ids.len());
         let mut slot_row = vec![0i32; ids.len()];
         let mut tiles: Vec<[i32; 3]> = Vec::new();
@@ -269,6 +279,111 @@ impl ExpertGrouping {
         }
         t
     }
+}
+
+/// The slots of `ids` ordered by id, each id's slots in their order (a stable sort): a counting sort over
+/// the ids below `n_expert` (linear: a prompt call groups tens of thousands of slots per layer while the
+/// card waits), the others (which get no tile) after them in a stable comparison sort.
+fn stable_order_by_id(ids: &[i32], n_expert: usize) -> Vec<usize> {
+    let in_range = |e: i32| e >= 0 && (e as usize) < n_expert;
+    let mut start = vec![0usize; n_expert + 1];
+    let mut others: Vec<usize> = Vec::new();
+    for (s, &e) in ids.iter().enumerate() {
+        if in_range(e) {
+            start[e as usize + 1] += 1;
+        } else {
+            others.push(s);
+        }
+    }
+    for e in 0..n_expert {
+        start[e + 1] += start[e];
+    }
+    let mut order = vec![0usize; ids.len()];
+    for (s, &e) in ids.iter().enumerate() {
+        if in_range(e) {
+            let at = &mut start[e as usize];
+            order[*at] = s;
+            *at += 1;
+        }
+    }
+    // Ids outside the experts: sorted among themselves, as a full sort would (negative ones first would
+    // change nothing the kernels see: they get no tile and their rows are not read).
+    others.sort_by_key(|&s| ids[s]);
+    let placed = ids.len() - others.len();
+    order[placed..].copy_from_slice(&others);
+    order
+}
+
+/// Most experts [`group_by_expert`] takes (`GROUP_MAX_EXPERTS`).
+pub const GROUP_MAX_EXPERTS: usize = 1024;
+
+/// Whether `POLY_MOE_GROUP=host` asked for the grouping on the host ([`ExpertGrouping`] after a download
+/// of the ids: a wait per MoE layer) instead of [`group_by_expert`], to measure the two.
+pub fn host_grouping() -> bool {
+    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOST.get_or_init(|| std::env::var("POLY_MOE_GROUP").is_ok_and(|v| v == "host"))
+}
+
+/// [`ExpertGrouping::with_tile`] on the card (`group_by_expert` in `matmul_mma.cu`), so the host need not
+/// wait for the router: `ids` `[slots]` (`[n, k]`), `rows` and `slot_row` `[slots]`, `tiles` the padded
+/// tile table of at least [`ExpertGrouping::max_tiles`] entries (`[n_tiles·3]`). The same tiles as the
+/// host's; an expert's rows may come in another order (each output row depends on its own token only).
+pub fn group_by_expert(
+    dev: &Device,
+    ids: &DeviceBuffer<i32>,
+    (k, n_expert, tile): (usize, usize, usize),
+    rows: &mut DeviceBuffer<i32>,
+    slot_row: &mut DeviceBuffer<i32>,
+    tiles: &mut DeviceBuffer<i32>,
+) -> CudaResult<()> {
+    let slots = ids.len();
+    if k == 0 || tile == 0 || n_expert == 0 || n_expert > GROUP_MAX_EXPERTS {
+        return invalid(format!(
+            "group_by_expert: k {k}, tile {tile}, {n_expert} experts"
+        ));
+    }
+    if !slots.is_multiple_of(k) || !tiles.len().is_multiple_of(3) {
+        return invalid(format!(
+            "group_by_expert: {slots} ids for k {k}, {} tile ints",
+            tiles.len()
+        ));
+    }
+    check_len("group_by_expert rows", rows, slots)?;
+    check_len("group_by_expert slot_row", slot_row, slots)?;
+    let max_tiles = tiles.len() / 3;
+    if max_tiles < ExpertGrouping::max_tiles(slots, n_expert, tile) {
+        return invalid(format!(
+            "group_by_expert: room for {max_tiles} tiles of {tile} for {slots} slots"
+        ));
+    }
+    if slots == 0 {
+        return Ok(());
+    }
+    let ints = [
+        as_i32("slots", slots)?,
+        as_i32("k", k)?,
+        as_i32("experts", n_expert)?,
+        as_i32("tile", tile)?,
+        as_i32("tiles", max_tiles)?,
+    ];
+    let f = dev.function(KernelModule::MatmulMma, "group_by_expert")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(ids.slice());
+    for i in &ints {
+        b.arg(i);
+    }
+    b.arg(rows.slice_mut())
+        .arg(slot_row.slice_mut())
+        .arg(tiles.slice_mut());
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: ids, rows and slot_row hold `slots` ints, tiles max_tiles·3 (checked above, max_tiles at
+    // least the tiles any ids can make); the kernel writes rows below slots and tiles below max_tiles only.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("group_by_expert")
 }
 
 /// `y[r] = W_{e}·x[r]` for every sorted row `r` of every tile `(e, r0, n)` of `tiles` (`[n_tiles·3]` i32 in
@@ -334,6 +449,27 @@ pub fn matmul_experts_q(
     dev.after_launch(name)
 }
 
+/// [`matmul_experts_q`] for two expert tables over the same tiles and `xq` (a MoE's gate and up): one
+/// launch on the tensor cores when both have the same format and shape, else one call each.
+pub fn matmul_experts_q_pair(
+    dev: &Device,
+    tables: [&ExpertTable; 2],
+    tiles: &DeviceBuffer<i32>,
+    tile_rows: usize,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    ys: [&mut DeviceBuffer<f32>; 2],
+) -> CudaResult<()> {
+    let [ta, tb] = tables;
+    let same = (ta.ty, ta.rows, ta.cols, ta.n_expert) == (tb.ty, tb.rows, tb.cols, tb.n_expert);
+    if same && tile_rows != MATMUL_TILE && mma::takes(dev, ta.ty, ta.cols) && !mma::pair_disabled()
+    {
+        return mma::matmul_experts_pair(dev, tables, tiles, tile_rows, xq, ys);
+    }
+    let [ya, yb] = ys;
+    matmul_experts_q(dev, ta, tiles, tile_rows, xq, ya)?;
+    matmul_experts_q(dev, tb, tiles, tile_rows, xq, yb)
+}
+
 /// `dst[r] = src[rows[r]]` for rows of `width` values (activations into expert order).
 pub fn gather_rows(
     dev: &Device,
@@ -365,6 +501,44 @@ pub fn gather_rows(
     // below src.len()/width, which ExpertGrouping guarantees for the tokens it was built from.
     unsafe { b.launch(cfg) }?;
     dev.after_launch("gather_rows")
+}
+
+/// `dst[r] = src[rows[r]]` for rows of `blocks` q8_1 blocks (a prompt's quantized tokens into expert
+/// order: the same blocks as [`gather_rows`] then quantizing, with a quarter of the bytes moved).
+pub fn gather_rows_q8_1(
+    dev: &Device,
+    src: &DeviceBuffer<BlockQ8_1>,
+    rows: &DeviceBuffer<i32>,
+    blocks: usize,
+    dst: &mut DeviceBuffer<BlockQ8_1>,
+) -> CudaResult<()> {
+    check_len("gather_rows_q8_1 dst", dst, rows.len() * blocks)?;
+    if blocks == 0 || !src.len().is_multiple_of(blocks) {
+        return invalid(format!("gather_rows_q8_1: src of {} blocks", src.len()));
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    if rows.len() > i32::MAX as usize {
+        return invalid(format!("gather_rows_q8_1: {} rows", rows.len()));
+    }
+    let words = as_i32("words", blocks * std::mem::size_of::<BlockQ8_1>() / 4)?;
+    let f = dev.function(KernelModule::MatmulMma, "gather_rows_words")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(src.slice())
+        .arg(rows.slice())
+        .arg(dst.slice_mut())
+        .arg(&words);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.len() as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: a block is 36 bytes (9 words, 4-aligned), so a row is `words` words; dst holds rows × blocks
+    // blocks (checked); the row ids are read on the card and must be below src.len()/blocks, which the
+    // grouping guarantees for the tokens it was built from.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("gather_rows_words")
 }
 
 /// `out[t] (+)= Σ_j weights[t, j] · y_sorted[slot_row[t·k + j]]`: the weighted sum of each token's `k`
@@ -451,5 +625,26 @@ mod tests {
         assert_eq!(g.tiles, vec![[5, 0, 8], [5, 8, 8], [5, 16, 4]]);
         // An id outside the experts gets no tile.
         assert!(ExpertGrouping::new(&[9, 9], 1, 8).tiles.is_empty());
+    }
+
+    #[test]
+    fn the_counting_sort_is_the_stable_sort() {
+        let mut rng = crate::rng::Rng::new(7);
+        for (n_expert, slots) in [(128usize, 4096usize), (8, 37), (1, 5)] {
+            let mut ids: Vec<i32> = (0..slots)
+                .map(|_| rng.below(n_expert as u32) as i32)
+                .collect();
+            let mut want: Vec<usize> = (0..slots).collect();
+            want.sort_by_key(|&s| ids[s]);
+            assert_eq!(stable_order_by_id(&ids, n_expert), want);
+            // Ids past the experts go last, in order among themselves.
+            ids[0] = n_expert as i32 + 1;
+            ids[slots - 1] = n_expert as i32;
+            let order = stable_order_by_id(&ids, n_expert);
+            assert_eq!(&order[slots - 2..], &[slots - 1, 0]);
+            let mut seen = order.clone();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..slots).collect::<Vec<_>>());
+        }
     }
 }

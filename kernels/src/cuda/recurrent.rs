@@ -1,6 +1,7 @@
 //! The gated delta-net pieces on the card (`kernels/cuda/recurrent.cu`): the causal depthwise convolution
-//! with its carried state, the L2 norm, the gated delta rule (decode and prompts: the state in registers for
-//! the whole batch) and the RMS norm gated by `silu(z)`. Layouts are those of the CPU ops in
+//! with its carried state (a prompt's tokens in parallel), the L2 norm, the gated delta rule (decode and
+//! prompts: the state in registers for the whole batch; a prompt with 8 lanes per state row and its
+//! tokens staged in shared memory a chunk at a time) and the RMS norm gated by `silu(z)`. Layouts are those of the CPU ops in
 //! [`crate::ops::recurrent`] and [`crate::ops::norm`].
 
 use super::module::KernelModule;
@@ -13,7 +14,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 pub const CONV_MAX_KERNEL: usize = 8;
 /// Largest key head the delta-rule kernel holds in registers (`DELTA_MAX_K`).
 pub const DELTA_MAX_HEAD_K: usize = 256;
-/// Warps (state rows) per block of the delta rule (`DELTA_WARPS`).
+/// Largest key head of the prompt kernel with 8 lanes per state row (`DELTA_SMALL_K`).
+const DELTA_SMALL_HEAD_K: usize = 128;
+/// Warps per block of the delta rule (`DELTA_WARPS`): a state row each, or 4 in `gated_delta_rule_k128`.
 const DELTA_WARPS: u32 = 4;
 
 /// [`crate::ops::recurrent::conv1d_causal`] on the card: `x` `[n, channels]`, `weight` `[channels, kernel]`,
@@ -47,6 +50,9 @@ pub fn conv1d_causal(
         kernel as i32,
         silu as i32,
     );
+    if n > 1 {
+        return conv1d_prompt(dev, (x, weight), state, out, [n_i, c_i, k_i, s_i]);
+    }
     let f = dev.function(KernelModule::Recurrent, "conv1d_causal")?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.slice())
@@ -66,6 +72,60 @@ pub fn conv1d_causal(
     // (checked above); one thread per channel touches only its column.
     unsafe { b.launch(cfg) }?;
     dev.after_launch("conv1d_causal")
+}
+
+/// Tokens per thread of `conv1d_causal_tokens` (`CONV_TOKENS`).
+const CONV_TOKENS: usize = 8;
+
+/// [`conv1d_causal`] for a prompt (`n > 1`, lengths checked by the caller): the outputs of all tokens at
+/// once (`conv1d_causal_tokens`, the same sums), then the state advanced (`conv1d_state_advance`).
+fn conv1d_prompt(
+    dev: &Device,
+    (x, weight): (&DeviceBuffer<f32>, &DeviceBuffer<f32>),
+    state: &mut DeviceBuffer<f32>,
+    out: &mut DeviceBuffer<f32>,
+    [n_i, c_i, k_i, s_i]: [i32; 4],
+) -> CudaResult<()> {
+    let (n, channels) = (n_i as usize, c_i as usize);
+    let token_blocks = n.div_ceil(CONV_TOKENS);
+    if token_blocks > 65535 {
+        return invalid(format!("conv1d: {n} tokens in one call"));
+    }
+    let f = dev.function(KernelModule::Recurrent, "conv1d_causal_tokens")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice())
+        .arg(weight.slice())
+        .arg(state.slice())
+        .arg(out.slice_mut())
+        .arg(&n_i)
+        .arg(&c_i)
+        .arg(&k_i)
+        .arg(&s_i);
+    let cfg = LaunchConfig {
+        grid_dim: (channels.div_ceil(128) as u32, token_blocks as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x and out hold n × channels floats, weight channels × kernel, state (kernel-1) × channels
+    // (checked by conv1d_causal); thread (c, block t) reads column c of state and of x rows below n and
+    // writes column c of out rows t·CONV_TOKENS.. below n.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("conv1d_causal_tokens")?;
+    let f = dev.function(KernelModule::Recurrent, "conv1d_state_advance")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice())
+        .arg(state.slice_mut())
+        .arg(&n_i)
+        .arg(&c_i)
+        .arg(&k_i);
+    let cfg = LaunchConfig {
+        grid_dim: (channels.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; one thread per channel rewrites column c of state from itself and from x.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("conv1d_state_advance")
 }
 
 /// How [`l2_norm`] divides.
@@ -198,7 +258,16 @@ pub fn gated_delta_rule(
         head_k as i32,
         head_v as i32,
     ];
-    let f = dev.function(KernelModule::Recurrent, "gated_delta_rule")?;
+    // A prompt with key heads of at most 128 (a multiple of 4): 8 lanes per state row, chunks of tokens
+    // staged in shared memory (`gated_delta_rule_k128`); else (and for one token, the decode graphs'
+    // kernel) a warp per row.
+    let (name, rows_per_block) =
+        if n > 1 && head_k <= DELTA_SMALL_HEAD_K && head_k.is_multiple_of(4) {
+            ("gated_delta_rule_k128", DELTA_WARPS as usize * 4)
+        } else {
+            ("gated_delta_rule", DELTA_WARPS as usize)
+        };
+    let f = dev.function(KernelModule::Recurrent, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.q.slice())
         .arg(x.k.slice())
@@ -211,16 +280,12 @@ pub fn gated_delta_rule(
         b.arg(i);
     }
     let cfg = LaunchConfig {
-        grid_dim: (
-            head_v.div_ceil(DELTA_WARPS as usize) as u32,
-            n_heads as u32,
-            1,
-        ),
+        grid_dim: (head_v.div_ceil(rows_per_block) as u32, n_heads as u32, 1),
         block_dim: (32, DELTA_WARPS, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: every buffer has the length checked above for n tokens; warp (h, j) touches state row j of
-    // head h and out column (h, j) only.
+    // SAFETY: every buffer has the length checked above for n tokens; the lanes of state row j of head h
+    // touch that row and out column (h, j) only (rows past head_v write nothing).
     unsafe { b.launch(cfg) }?;
-    dev.after_launch("gated_delta_rule")
+    dev.after_launch(name)
 }

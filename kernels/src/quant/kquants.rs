@@ -483,6 +483,19 @@ fn vec_dot(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
         return super::kquants_ggml::q5k_vec_dot(n, row, act);
     }
     #[cfg(target_arch = "x86_64")]
+    if matches!(kind, KKind::Q4K | KKind::Q6K) && super::has_avx512_vnni() {
+        let nb = check_lengths(kind, n, row, act);
+        // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C at run time;
+        // `check_lengths` showed that `row` and `act` hold `nb` blocks each, all the kernel reads.
+        return unsafe {
+            if kind == KKind::Q4K {
+                super::x86::kquants_avx512::q4k_dot(nb, row.as_ptr(), act.as_ptr())
+            } else {
+                super::x86::kquants_avx512::q6k_dot(nb, row.as_ptr(), act.as_ptr())
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
         let nb = check_lengths(kind, n, row, act);
         // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `check_lengths` showed that
@@ -503,6 +516,17 @@ pub fn single_row_dot4(ty: GgmlType) -> Option<Dot4> {
             let nb = check_lengths(KKind::Q4K, n, row, acts[0]);
             for a in &acts[1..] {
                 check_lengths(KKind::Q4K, n, row, a);
+            }
+            if super::has_avx512_vnni() {
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
+                // the row and the four activation rows hold `nb` blocks each.
+                return unsafe {
+                    super::x86::kquants_avx512::q4k_dot_x4(
+                        nb,
+                        row.as_ptr(),
+                        acts.map(|a| a.as_ptr()),
+                    )
+                };
             }
             // SAFETY: as in `vec_dot`, for each of the four activation rows.
             return unsafe {
@@ -532,6 +556,17 @@ pub fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
             for r in &rows[1..] {
                 check_lengths(KKind::Q4K, n, r, act);
             }
+            if super::has_avx512_vnni() {
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
+                // the four rows and `act` hold `nb` blocks each.
+                return unsafe {
+                    super::x86::kquants_avx512::q4k_rows_x4(
+                        nb,
+                        rows.map(|r| r.as_ptr()),
+                        act.as_ptr(),
+                    )
+                };
+            }
             // SAFETY: as in `vec_dot`, for each of the four weight rows.
             return unsafe {
                 super::x86::kquants_avx2::q4k_rows_x4(nb, rows.map(|r| r.as_ptr()), act.as_ptr())
@@ -539,8 +574,12 @@ pub fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
         }
         rows.map(|r| vec_dot_portable(KKind::Q4K, n, r, act))
     }
+    // `POLY_CPU_ROWS4=0` turns the four-row kernel off (each row alone, the same bits): an A/B switch
+    // for its speed on a new CPU.
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("POLY_CPU_ROWS4").map_or(true, |v| v != "0"));
     match ty {
-        GgmlType::Q4_K => Some(q4k),
+        GgmlType::Q4_K if on => Some(q4k),
         _ => None,
     }
 }
@@ -582,6 +621,17 @@ fn q4k_vec_dot_gemm4_x4(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
         let nb = check_lengths(KKind::Q4K, n, row, acts[0]);
         for a in &acts[1..] {
             check_lengths(KKind::Q4K, n, row, a);
+        }
+        if super::has_avx512_vnni() {
+            // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C; the row
+            // and the four activation rows hold `nb` blocks each.
+            return unsafe {
+                super::x86::kquants_avx512::q4k_dot_gemm4_x4(
+                    nb,
+                    row.as_ptr(),
+                    acts.map(|a| a.as_ptr()),
+                )
+            };
         }
         // SAFETY: as in `vec_dot`, for each of the four activation rows.
         return unsafe {

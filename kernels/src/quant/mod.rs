@@ -301,3 +301,37 @@ pub(crate) fn has_avx2_fma() -> bool {
         false
     }
 }
+
+/// Whether the AVX-512 kernels (F, BW, VL, VNNI, with AVX2/FMA/F16C) may be used: checked once, at run
+/// time; `POLY_CPU_AVX512=0` (or `POLY_NO_SIMD`) turns them off, for comparisons and tests.
+#[inline]
+pub(crate) fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            has_avx2_fma()
+                && std::env::var("POLY_CPU_AVX512").map_or(true, |v| v != "0")
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The SIMD level the CPU kernels run at in this process: `"avx512-vnni"`, `"avx2"` or `"portable"`.
+pub fn simd_level() -> &'static str {
+    if has_avx512_vnni() {
+        "avx512-vnni"
+    } else if has_avx2_fma() {
+        "avx2"
+    } else {
+        "portable"
+    }
+}

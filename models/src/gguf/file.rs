@@ -242,6 +242,21 @@ impl GgufFile {
         self.parts.get(part).map(|p| &p.map[..])
     }
 
+    /// Asks the kernel to map every page of every part now, so that the first reads of the weights (the
+    /// CPU computing experts the card lacks, say) do not fault page by page: `MADV_POPULATE_READ` (Linux
+    /// 5.14 and later; it returns when the pages are mapped), else `MADV_WILLNEED` (read-ahead started in
+    /// the background). Reads nothing itself.
+    pub fn populate(&self) -> std::io::Result<()> {
+        for p in &self.parts {
+            #[cfg(target_os = "linux")]
+            if p.map.advise(memmap2::Advice::PopulateRead).is_ok() {
+                continue;
+            }
+            p.map.advise(memmap2::Advice::WillNeed)?;
+        }
+        Ok(())
+    }
+
     /// Number of tensors in all parts.
     pub fn n_tensors(&self) -> usize {
         self.tensors.len()

@@ -10,9 +10,11 @@
 //!   A second pool of one layer's worth of *scratch* slots receives a prompt call's uncached experts
 //!   through two pinned [`StagingBuffer`]s on a [`CopyStream`]: the host fills one while the other is
 //!   copied, the compute stream waits for the copies, the tables point at the scratch slots for that
-//!   layer's launches and back after. For a single token the uncached experts are computed on the CPU
-//!   ([`CpuShare`]) while the card computes the cached ones, and the policy may admit a few of them
-//!   (uploads on the copy stream; a slot's entry switched only after its copy completed).
+//!   layer's launches and back after. For a single token the uncached experts are split two ways by
+//!   measured cost ([`split_missing`]): some are copied to scratch slots on demand (straight from the
+//!   page-locked file, as Krasis does) and computed by the card with the cached ones, the rest are
+//!   computed on the CPU ([`CpuShare`]) meanwhile; and the policy may admit a few of them (uploads on the
+//!   copy stream; a slot's entry switched only after its copy completed).
 
 pub mod layout;
 pub mod placement;
@@ -30,10 +32,10 @@ use poly_kernels::cuda::expert_slots::{
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Moe, WeightId};
-use rayon::prelude::*;
 
-use crate::cpu::{Arithmetic, CpuWeights, Mat};
+use crate::cpu::{CpuWeights, Mat};
 use layout::ExpertLayer;
+pub use placement::MissingExperts;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
 
@@ -59,6 +61,103 @@ pub struct CacheStats {
     /// computing its share meanwhile).
     pub cpu_experts: u64,
     pub cpu_seconds: f64,
+    /// Uncached experts of single tokens copied to scratch slots on demand and computed by the card.
+    pub staged_decode: u64,
+    /// The measured costs that split them ([`MissingCosts`]), microseconds: per call on the CPU, and per
+    /// expert each way.
+    pub cpu_us_overhead: f64,
+    pub cpu_us_per_expert: f64,
+    pub copy_us_per_expert: f64,
+}
+
+/// What a single token's missing experts cost each way, measured: the CPU's time for `c` of them is
+/// `cpu_overhead + c · cpu_per_expert` (fitted over the tokens answered so far: fetching the activation,
+/// starting the thread pool and returning the sum cost the same for one expert as for eight), a copy's
+/// `copy_latency + j · copy_per_expert` (the rate from the bulk copy that filled the cache).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MissingCosts {
+    pub cpu_overhead: f64,
+    pub cpu_per_expert: f64,
+    pub copy_per_expert: f64,
+    pub copy_latency: f64,
+}
+
+impl MissingCosts {
+    /// First guesses for experts of `slot_bytes` until measured: the CPU at 30 GB/s after 50 µs, copies
+    /// at 25 GB/s after 20 µs.
+    fn guess(slot_bytes: usize) -> MissingCosts {
+        MissingCosts {
+            cpu_overhead: 50e-6,
+            cpu_per_expert: slot_bytes as f64 / 30e9,
+            copy_per_expert: slot_bytes as f64 / 25e9,
+            copy_latency: 20e-6,
+        }
+    }
+}
+
+/// A least-squares line `seconds = a + b · experts` over the CPU's calls, older calls fading (each new
+/// one weighs as much as the last ~50 together), so the split follows the machine's load.
+#[derive(Clone, Copy, Debug, Default)]
+struct CpuCostFit {
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl CpuCostFit {
+    const DECAY: f64 = 0.98;
+
+    fn add(&mut self, experts: usize, seconds: f64) {
+        let x = experts as f64;
+        let d = Self::DECAY;
+        self.n = self.n * d + 1.0;
+        self.sx = self.sx * d + x;
+        self.sy = self.sy * d + seconds;
+        self.sxx = self.sxx * d + x * x;
+        self.sxy = self.sxy * d + x * seconds;
+    }
+
+    /// `(overhead, per expert)`, once the calls seen vary enough to tell them apart; else the mean time
+    /// per expert alone.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.n < 4.0 || self.sx <= 0.0 {
+            return None;
+        }
+        let det = self.n * self.sxx - self.sx * self.sx;
+        if det > 1e-6 * self.n * self.n {
+            let b = (self.n * self.sxy - self.sx * self.sy) / det;
+            let a = (self.sy - b * self.sx) / self.n;
+            if b > 0.0 && a >= 0.0 {
+                return Some((a, b));
+            }
+        }
+        Some((0.0, self.sy / self.sx))
+    }
+}
+
+/// How many of a token's `missing` uncached experts to copy to the card (the rest go to the CPU) so that
+/// both sides finish soonest: the `j` minimizing the later of the CPU's time for `missing - j` and the
+/// copies' time for `j` (the card's own compute of them is small beside either).
+pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
+    let finish = |j: usize| {
+        let on_cpu = missing - j;
+        let cpu = if on_cpu == 0 {
+            0.0
+        } else {
+            costs.cpu_overhead + on_cpu as f64 * costs.cpu_per_expert
+        };
+        let copy = if j == 0 {
+            0.0
+        } else {
+            costs.copy_latency + j as f64 * costs.copy_per_expert
+        };
+        cpu.max(copy)
+    };
+    (0..=missing)
+        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
+        .unwrap_or(0)
 }
 
 /// The single-token share the CPU computes: the token's activation and the (expert, weight) pairs of
@@ -81,8 +180,16 @@ impl CpuShare {
         let t = std::time::Instant::now();
         let sum = self.compute(cpu, m);
         if let Some(c) = cache {
+            let seconds = t.elapsed().as_secs_f64();
             c.stats.cpu_experts += self.items.len() as u64;
-            c.stats.cpu_seconds += t.elapsed().as_secs_f64();
+            c.stats.cpu_seconds += seconds;
+            if !self.items.is_empty() {
+                c.cpu_fit.add(self.items.len(), seconds);
+                if let Some((overhead, per_expert)) = c.cpu_fit.line() {
+                    c.costs.cpu_overhead = overhead;
+                    c.costs.cpu_per_expert = per_expert;
+                }
+            }
         }
         sum
     }
@@ -98,16 +205,31 @@ impl CpuShare {
         if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             xs = crate::gpu::reference::round_q8_1(&xs);
         }
-        let outs: Vec<Mat> = self
-            .items
-            .par_iter()
-            .map(|&(e, _)| crate::cpu::moe::expert(cpu, m, e, &xs, Arithmetic::BatchInvariant))
-            .collect();
-        let mut sum = vec![0f32; n_embd];
-        for (&(_, w), y) in self.items.iter().zip(&outs) {
-            sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+        // The decode step's expert path: the gate and up products of all items in one parallel region
+        // and their down products in another, rows split over the pool (a parallel region per expert
+        // left threads idle when fewer experts than threads were missing). Its dot products are those
+        // of `expert` with `Arithmetic::BatchInvariant` for one row, summed in routing order: the same bits.
+        // `POLY_CPU_SHARE=per-expert` keeps the former path (a parallel region per expert), to compare.
+        static PER_EXPERT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let per_expert = *PER_EXPERT
+            .get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "per-expert"));
+        if per_expert {
+            use rayon::prelude::*;
+            let outs: Vec<Mat> = self
+                .items
+                .par_iter()
+                .map(|&(e, _)| {
+                    crate::cpu::moe::expert(cpu, m, e, &xs, crate::cpu::Arithmetic::BatchInvariant)
+                })
+                .collect();
+            let mut sum = vec![0f32; n_embd];
+            for (&(_, w), y) in self.items.iter().zip(&outs) {
+                sum.iter_mut().zip(y.row(0)).for_each(|(a, b)| *a += w * b);
+            }
+            return sum;
         }
-        sum
+        let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
+        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
     }
 }
 
@@ -133,9 +255,15 @@ pub struct ExpertCache {
     /// Uploads the policy may start per layer and token (0: the cache is frozen).
     uploads_per_layer: usize,
     /// Layers whose tables point at scratch slots until [`ExpertCache::finish_layer`].
-    staged_layer: Option<usize>,
+    /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`], and its
+    /// `(expert, scratch slot)` pairs.
+    staged: Option<(usize, Vec<(usize, usize)>)>,
     stats: CacheStats,
     profile: Option<(PathBuf, ExpertProfile)>,
+    /// Where a single token's missing experts are computed.
+    missing: MissingExperts,
+    costs: MissingCosts,
+    cpu_fit: CpuCostFit,
 }
 
 impl ExpertCache {
@@ -167,6 +295,11 @@ impl ExpertCache {
             .map(|(i, l)| (l.mats[0].weight.0, i))
             .collect();
         let counts: Vec<usize> = layers.iter().map(|l| l.n_expert).collect();
+        let registered = if register {
+            register_file(dev, cpu)
+        } else {
+            Vec::new()
+        };
         Ok(ExpertCache {
             by_gate,
             tables,
@@ -178,18 +311,17 @@ impl ExpertCache {
                 StagingBuffer::new(dev, slot_bytes)?,
             ],
             next_staging: 0,
-            registered: if register {
-                register_file(dev, cpu)
-            } else {
-                Vec::new()
-            },
+            registered,
             copy: CopyStream::new(dev)?,
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
             uploads_per_layer: 0,
-            staged_layer: None,
+            staged: None,
             stats: CacheStats::default(),
             profile: None,
+            missing: MissingExperts::default(),
+            costs: MissingCosts::guess(slot_bytes),
+            cpu_fit: CpuCostFit::default(),
             layers,
         })
     }
@@ -249,6 +381,16 @@ impl ExpertCache {
         self.pending.is_empty() && self.policy.holds_all()
     }
 
+    /// The measured costs of a single token's missing expert, each way.
+    pub fn missing_costs(&self) -> MissingCosts {
+        self.costs
+    }
+
+    /// Where a single token's missing experts are computed.
+    pub fn set_missing_experts(&mut self, missing: MissingExperts) {
+        self.missing = missing;
+    }
+
     /// Uploads the policy may start per layer and token (0 freezes the cache).
     pub fn set_uploads_per_layer(&mut self, n: usize) {
         self.uploads_per_layer = n;
@@ -264,6 +406,9 @@ impl ExpertCache {
         CacheStats {
             bytes: self.pool.as_ref().map_or(0, SlotPool::bytes),
             policy: self.policy.stats(),
+            cpu_us_overhead: self.costs.cpu_overhead * 1e6,
+            cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
+            copy_us_per_expert: self.costs.copy_per_expert * 1e6,
             ..self.stats
         }
     }
@@ -312,15 +457,20 @@ impl ExpertCache {
         // The figures count from here (not the warm-up read's routings).
         self.stats = CacheStats::default();
         let set = self.policy.initial_set(counts);
+        let clock = std::time::Instant::now();
         for (slot, key) in set.iter().enumerate() {
             self.upload(cpu, *key, slot, true)?;
         }
         self.copy.synchronize()?;
+        // The copy rate, measured on a bulk copy large enough to mean something.
+        if set.len() >= 32 && self.direct_copies() {
+            self.costs.copy_per_expert = clock.elapsed().as_secs_f64() / set.len() as f64;
+        }
         for (slot, key) in set.into_iter().enumerate() {
             self.policy.place(slot, key);
         }
         for l in 0..self.layers.len() {
-            self.point_tables(dev, l, &[])?;
+            self.point_tables(dev, l)?;
         }
         dev.synchronize()
     }
@@ -393,14 +543,13 @@ impl ExpertCache {
         )
     }
 
-    /// Points `layer`'s tables at its resident experts, and at scratch slots for `staged`
-    /// (`(expert, scratch slot)`); null elsewhere. Queued on the compute stream.
-    fn point_tables(
-        &mut self,
-        dev: &Device,
-        layer: usize,
-        staged: &[(usize, usize)],
-    ) -> CudaResult<()> {
+    /// Points `layer`'s tables at its resident experts, and at scratch slots for the experts staged for
+    /// it (while it is the staged layer); null elsewhere. Queued on the compute stream.
+    fn point_tables(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        let staged: &[(usize, usize)] = match &self.staged {
+            Some((l, map)) if *l == layer => map,
+            _ => &[],
+        };
         let l = &self.layers[layer];
         for (i, m) in l.mats.iter().enumerate() {
             let mut entries: Vec<Option<SlotRef<'_>>> = (0..l.n_expert)
@@ -440,7 +589,7 @@ impl ExpertCache {
             }
         }
         if any {
-            self.point_tables(dev, layer, &[])?;
+            self.point_tables(dev, layer)?;
         }
         Ok(())
     }
@@ -487,28 +636,45 @@ impl ExpertCache {
             if staged.is_empty() {
                 return Ok(None);
             }
-            // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
-            self.copy.wait_for_compute(dev)?;
-            for (slot, &expert) in staged.iter().enumerate() {
-                self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
-            }
+            self.stage(dev, cpu, layer, &staged)?;
             self.stats.staged += staged.len() as u64;
-            let copied = self.copy.record()?;
-            dev.wait_for_copy(&copied)?;
-            let map: Vec<(usize, usize)> =
-                staged.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-            self.point_tables(dev, layer, &map)?;
-            self.staged_layer = Some(layer);
             return Ok(None);
         }
-        // One token: the CPU's share, likeliest first for admission.
-        let missing_slots: Vec<usize> = (0..ids.len())
+        // One token: the missing experts split between on-demand copies (computed by the card with the
+        // cached ones) and the CPU's share.
+        let mut missing_slots: Vec<usize> = (0..ids.len())
             .filter(|&j| (ids[j] as usize) < n_expert && !resident(&self.policy, ids[j] as usize))
             .collect();
         if missing_slots.is_empty() {
             return Ok(None);
         }
-        let (x, weights) = fetch()?;
+        let n_copy = match self.missing {
+            // Through the staging buffers the host's own copy would compete with the CPU's share.
+            MissingExperts::Split if self.direct_copies() => {
+                split_missing(missing_slots.len(), &self.costs)
+            }
+            MissingExperts::Split | MissingExperts::Cpu => 0,
+            MissingExperts::Card => missing_slots.len(),
+        };
+        if n_copy > 0 {
+            let copied: Vec<usize> = missing_slots
+                .drain(..n_copy)
+                .map(|j| ids[j] as usize)
+                .collect();
+            self.stage(dev, cpu, layer, &copied)?;
+            self.stats.staged_decode += copied.len() as u64;
+            // An expert routed twice (never by one token, but kept correct) is on the card now.
+            missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
+        }
+        let (x, weights) = if missing_slots.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            fetch()?
+        };
+        if missing_slots.is_empty() {
+            self.admit(dev, cpu, layer, &routed, &[])?;
+            return Ok(None);
+        }
         if weights.len() != ids.len() {
             return Err(CudaError::Invalid(
                 "routing ids and weights differ in length".into(),
@@ -523,15 +689,61 @@ impl ExpertCache {
             all: items.len() == ids.len(),
             items: items.clone(),
         };
-        if self.uploads_per_layer > 0 && self.pool.is_some() {
-            items.sort_by(|a, b| b.1.total_cmp(&a.1));
-            let missing: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
-            let plan = self
-                .policy
-                .plan(layer, &missing, &routed, self.uploads_per_layer);
-            self.start_uploads(dev, cpu, &plan)?;
-        }
+        items.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let on_cpu: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
+        self.admit(dev, cpu, layer, &routed, &on_cpu)?;
         Ok(Some(share))
+    }
+
+    /// Copies `experts` of `layer` into scratch slots and points the layer's tables there until
+    /// [`ExpertCache::finish_layer`]; the compute stream waits for the copies.
+    fn stage(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        experts: &[usize],
+    ) -> CudaResult<()> {
+        // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
+        self.copy.wait_for_compute(dev)?;
+        for (slot, &expert) in experts.iter().enumerate() {
+            self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
+        }
+        let copied = self.copy.record()?;
+        dev.wait_for_copy(&copied)?;
+        let map: Vec<(usize, usize)> = experts.iter().enumerate().map(|(s, &e)| (e, s)).collect();
+        self.staged = Some((layer, map));
+        self.point_tables(dev, layer)
+    }
+
+    /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`; the CPU's
+    /// experts (`on_cpu`, likeliest first) are the candidates, then the ones copied on demand.
+    fn admit(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        routed: &[usize],
+        on_cpu: &[usize],
+    ) -> CudaResult<()> {
+        if self.uploads_per_layer == 0 || self.pool.is_none() {
+            return Ok(());
+        }
+        let mut missing = on_cpu.to_vec();
+        missing.extend(
+            routed
+                .iter()
+                .filter(|&&e| {
+                    self.policy
+                        .resident(ExpertKey { layer, expert: e })
+                        .is_none()
+                })
+                .filter(|e| !on_cpu.contains(e)),
+        );
+        let plan = self
+            .policy
+            .plan(layer, &missing, routed, self.uploads_per_layer);
+        self.start_uploads(dev, cpu, &plan)
     }
 
     /// Clears the victims' entries, then copies the newcomers (visible at a later [`commit`]).
@@ -551,7 +763,7 @@ impl ExpertCache {
         victim_layers.sort_unstable();
         victim_layers.dedup();
         for l in victim_layers {
-            self.point_tables(dev, l, &[])?;
+            self.point_tables(dev, l)?;
         }
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
         self.copy.wait_for_compute(dev)?;
@@ -572,9 +784,9 @@ impl ExpertCache {
 
     /// After `layer`'s expert launches: tables that point at scratch slots point back.
     pub fn finish_layer(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
-        if self.staged_layer == Some(layer) {
-            self.staged_layer = None;
-            self.point_tables(dev, layer, &[])?;
+        if self.staged.as_ref().is_some_and(|(l, _)| *l == layer) {
+            self.staged = None;
+            self.point_tables(dev, layer)?;
         }
         Ok(())
     }

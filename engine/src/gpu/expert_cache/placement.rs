@@ -24,6 +24,25 @@ pub struct Placement {
     /// Copy experts through the pinned staging buffers only, never straight from the page-locked file
     /// mapping.
     pub staging_only: bool,
+    /// Where a single token's uncached experts are computed.
+    pub missing_experts: MissingExperts,
+    /// The most tokens one forward call will carry (0: [`crate::generate::DEFAULT_UBATCH`]). The
+    /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
+    /// largest call needs and the budget holds with them.
+    pub call_tokens: usize,
+}
+
+/// Where a single token's uncached experts are computed (`--missing-experts`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MissingExperts {
+    /// Split by measured cost: some copied to the card on demand, the rest on the CPU meanwhile (the
+    /// CPU alone when experts can only be copied through the staging buffers).
+    #[default]
+    Split,
+    /// All on the CPU, from the mapped file.
+    Cpu,
+    /// All copied to the card on demand and computed there.
+    Card,
 }
 
 impl Placement {

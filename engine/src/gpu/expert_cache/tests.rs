@@ -108,3 +108,69 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
     }
     assert!(a.iter().any(|v| *v != 0.0) && b.iter().any(|v| *v != 0.0));
 }
+
+#[test]
+fn missing_experts_split_so_that_both_sides_finish_together() {
+    use super::{split_missing, MissingCosts};
+    let costs = |cpu: f64, copy: f64| MissingCosts {
+        cpu_overhead: 0.0,
+        cpu_per_expert: cpu,
+        copy_per_expert: copy,
+        copy_latency: 0.0,
+    };
+    // Equal costs: half each way (the odd one to either side).
+    assert_eq!(split_missing(4, &costs(1.0, 1.0)), 2);
+    assert!([2, 3].contains(&split_missing(5, &costs(1.0, 1.0))));
+    // A CPU three times slower than the copies: three of four copied.
+    assert_eq!(split_missing(4, &costs(3.0, 1.0)), 3);
+    // Copies far slower (staging through the host, a slow bus): everything on the CPU.
+    assert_eq!(split_missing(4, &costs(1.0, 100.0)), 0);
+    // A busy CPU: everything copied.
+    assert_eq!(split_missing(8, &costs(100.0, 1.0)), 8);
+    assert_eq!(split_missing(0, &costs(1.0, 1.0)), 0);
+    // The copy latency keeps a single missing expert on the CPU when the two rates are close.
+    let with_latency = MissingCosts {
+        cpu_overhead: 0.0,
+        cpu_per_expert: 60e-6,
+        copy_per_expert: 50e-6,
+        copy_latency: 20e-6,
+    };
+    assert_eq!(split_missing(1, &with_latency), 0);
+    assert_eq!(split_missing(4, &with_latency), 2);
+    // What the H200 host measured: a CPU call costing ~150 µs before its first expert makes copies win
+    // until many experts are missing, and then the CPU takes a share.
+    let measured = MissingCosts {
+        cpu_overhead: 150e-6,
+        cpu_per_expert: 40e-6,
+        copy_per_expert: 58e-6,
+        copy_latency: 20e-6,
+    };
+    assert_eq!(split_missing(2, &measured), 2);
+    // Four: three copied (194 µs) while the CPU computes one (190 µs).
+    assert_eq!(split_missing(4, &measured), 3);
+    let j = split_missing(8, &measured);
+    assert!((4..=5).contains(&j), "{j}");
+}
+
+#[test]
+fn the_cpu_cost_line_separates_the_overhead_from_the_per_expert_time() {
+    let mut fit = super::CpuCostFit::default();
+    assert_eq!(fit.line(), None);
+    for i in 0..40 {
+        let c = 1 + i % 6;
+        fit.add(c, 150e-6 + c as f64 * 40e-6);
+    }
+    let (a, b) = fit.line().expect("a line");
+    assert!(
+        (a - 150e-6).abs() < 1e-9 && (b - 40e-6).abs() < 1e-9,
+        "{a} {b}"
+    );
+    // Calls of one size only: the mean per expert.
+    let mut one = super::CpuCostFit::default();
+    for _ in 0..10 {
+        one.add(2, 100e-6);
+    }
+    let (a, b) = one.line().expect("a line");
+    assert_eq!(a, 0.0);
+    assert!((b - 50e-6).abs() < 1e-12);
+}

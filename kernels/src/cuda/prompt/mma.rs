@@ -1,5 +1,5 @@
 //! Launchers of the tensor-core prompt kernels (`kernels/cuda/matmul_mma.cu`): int8 `mma.sync` over tiles
-//! of [`MMQ_ROWS`] weight rows × 16, 32 or 64 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
+//! of [`MMQ_ROWS`] weight rows × 16, 32, 64 or 128 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
 //! Q8_0) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose them.
 
 use super::super::module::KernelModule;
@@ -20,30 +20,34 @@ const BLOCK: (u32, u32, u32) = (32, 8, 1);
 const ENOUGH_BLOCKS: usize = 256;
 
 /// The token tiles the kernels come in.
-pub const TILES: [usize; 3] = [16, 32, 64];
+pub const TILES: [usize; 4] = [16, 32, 64, 128];
 
-/// The kernels of a format: (plain, experts) for tiles of 16, 32 and 64 tokens.
-fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 3]> {
+/// The kernels of a format: (plain, experts) for tiles of 16, 32, 64 and 128 tokens.
+fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 4]> {
     Some(match ty {
         GgmlType::Q4_K => [
             ("mmq_q4_k_16", "mmq_experts_q4_k_16"),
             ("mmq_q4_k_32", "mmq_experts_q4_k_32"),
             ("mmq_q4_k_64", "mmq_experts_q4_k_64"),
+            ("mmq_q4_k_128", "mmq_experts_q4_k_128"),
         ],
         GgmlType::Q5_K => [
             ("mmq_q5_k_16", "mmq_experts_q5_k_16"),
             ("mmq_q5_k_32", "mmq_experts_q5_k_32"),
             ("mmq_q5_k_64", "mmq_experts_q5_k_64"),
+            ("mmq_q5_k_128", "mmq_experts_q5_k_128"),
         ],
         GgmlType::Q6_K => [
             ("mmq_q6_k_16", "mmq_experts_q6_k_16"),
             ("mmq_q6_k_32", "mmq_experts_q6_k_32"),
             ("mmq_q6_k_64", "mmq_experts_q6_k_64"),
+            ("mmq_q6_k_128", "mmq_experts_q6_k_128"),
         ],
         GgmlType::Q8_0 => [
             ("mmq_q8_0_16", "mmq_experts_q8_0_16"),
             ("mmq_q8_0_32", "mmq_experts_q8_0_32"),
             ("mmq_q8_0_64", "mmq_experts_q8_0_64"),
+            ("mmq_q8_0_128", "mmq_experts_q8_0_128"),
         ],
         _ => return None,
     })
@@ -55,7 +59,7 @@ fn disabled() -> bool {
     *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
 }
 
-/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64), if any.
+/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64, 128), if any.
 pub fn forced_expert_tile() -> Option<usize> {
     static TILE: OnceLock<Option<usize>> = OnceLock::new();
     *TILE.get_or_init(|| {
@@ -64,6 +68,19 @@ pub fn forced_expert_tile() -> Option<usize> {
             .and_then(|v| v.parse().ok())
             .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
     })
+}
+
+/// Whether `POLY_MMQ_EXPERT_TILES=old` asked for the tile sizes chosen before the kernels skipped a short
+/// tile's empty tokens (the smallest tile holding an expert's average share), to measure against them.
+pub fn old_expert_tiles() -> bool {
+    static OLD: OnceLock<bool> = OnceLock::new();
+    *OLD.get_or_init(|| std::env::var("POLY_MMQ_EXPERT_TILES").is_ok_and(|v| v == "old"))
+}
+
+/// Whether `POLY_MMQ_PAIR=off` asked for gate and up as two launches (to measure the pair kernel).
+pub fn pair_disabled() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("POLY_MMQ_PAIR").is_ok_and(|v| v == "off"))
 }
 
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
@@ -95,12 +112,18 @@ pub fn matmul(
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     // The largest tile that still gives the card enough blocks (a 512-row projection over 512 tokens has
-    // only 32 blocks of 64 tokens); else the smallest.
+    // only 32 blocks of 64 tokens); else the smallest. Tiles of 128 run one block per SM, so about one
+    // block per SM is enough for them (H200: 4096×2048 Q4_K over 512 tokens, 128 blocks of 128 tokens:
+    // 108 TFLOP/s against 96 with tiles of 64; Q6_K/Q8_0 85 against 68).
     let row_blocks = w.rows.div_ceil(MMQ_ROWS);
-    let tile = [64, 32]
-        .into_iter()
-        .find(|&t| n > t / 2 && row_blocks * n.div_ceil(t) >= ENOUGH_BLOCKS)
-        .unwrap_or(16);
+    let tile = if n > 64 && row_blocks * n.div_ceil(128) >= ENOUGH_BLOCKS / 2 {
+        128
+    } else {
+        [64, 32]
+            .into_iter()
+            .find(|&t| n > t / 2 && row_blocks * n.div_ceil(t) >= ENOUGH_BLOCKS)
+            .unwrap_or(16)
+    };
     matmul_tiled(dev, w, xq, n, tile, y)
 }
 
@@ -143,6 +166,95 @@ pub fn matmul_tiled(
     // Block (i, t) reads rows below `rows` (clamped) and tokens t·tile.. below n, and writes those only.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
+}
+
+/// [`matmul_experts`] for two tables of one format and shape over the same tiles and `xq` (gate and up),
+/// in one launch (`mmq_experts_pair_*`: grid z 0 the first table into `ys[0]`, 1 the second into `ys[1]`).
+pub fn matmul_experts_pair(
+    dev: &Device,
+    tables: [&ExpertTable; 2],
+    tiles: &DeviceBuffer<i32>,
+    tile: usize,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    ys: [&mut DeviceBuffer<f32>; 2],
+) -> CudaResult<()> {
+    let [ta, tb] = tables;
+    if (ta.ty, ta.rows, ta.cols, ta.n_expert) != (tb.ty, tb.rows, tb.cols, tb.n_expert) {
+        return invalid("mmq_experts_pair: tables of different shapes".to_string());
+    }
+    let name = kernel_name(ta.ty, true, tile)?;
+    let name = pair_name(name)?;
+    let per_row = ta.cols / BlockQ8_1::ELEMS;
+    if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
+        return invalid(format!(
+            "mmq_experts_pair: {} blocks, {} tile ints",
+            xq.len(),
+            tiles.len()
+        ));
+    }
+    let n_sorted = xq.len() / per_row;
+    let [ya, yb] = ys;
+    check_len("mmq_experts_pair y", ya, n_sorted * ta.rows)?;
+    check_len("mmq_experts_pair y", yb, n_sorted * ta.rows)?;
+    let n_tiles = tiles.len() / 3;
+    if n_tiles == 0 {
+        return Ok(());
+    }
+    if n_tiles > 65535 {
+        return invalid(format!("mmq_experts_pair: {n_tiles} tiles in one call"));
+    }
+    let (ncols, nrows, n_exp) = (
+        as_i32("cols", ta.cols)?,
+        as_i32("rows", ta.rows)?,
+        as_i32("experts", ta.n_expert)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (ta.rows.div_ceil(MMQ_ROWS) as u32, n_tiles as u32, 2),
+        block_dim: BLOCK,
+        shared_mem_bytes: 0,
+    };
+    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(ta.addresses().slice())
+        .arg(tb.addresses().slice())
+        .arg(&n_exp)
+        .arg(tiles.slice())
+        .arg(xq.slice())
+        .arg(ya.slice_mut())
+        .arg(yb.slice_mut())
+        .arg(&ncols)
+        .arg(&nrows);
+    // SAFETY: as matmul_experts, for each of the two tables (same shape, checked above) and its output.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
+}
+
+/// The pair kernel of an experts kernel (`mmq_experts_q4_k_64` -> `mmq_experts_pair_q4_k_64`).
+fn pair_name(experts: &str) -> CudaResult<&'static str> {
+    const PAIRS: [&str; 16] = [
+        "mmq_experts_pair_q4_k_16",
+        "mmq_experts_pair_q4_k_32",
+        "mmq_experts_pair_q4_k_64",
+        "mmq_experts_pair_q4_k_128",
+        "mmq_experts_pair_q5_k_16",
+        "mmq_experts_pair_q5_k_32",
+        "mmq_experts_pair_q5_k_64",
+        "mmq_experts_pair_q5_k_128",
+        "mmq_experts_pair_q6_k_16",
+        "mmq_experts_pair_q6_k_32",
+        "mmq_experts_pair_q6_k_64",
+        "mmq_experts_pair_q6_k_128",
+        "mmq_experts_pair_q8_0_16",
+        "mmq_experts_pair_q8_0_32",
+        "mmq_experts_pair_q8_0_64",
+        "mmq_experts_pair_q8_0_128",
+    ];
+    let suffix = experts.trim_start_matches("mmq_experts_");
+    PAIRS
+        .iter()
+        .find(|p| p.trim_start_matches("mmq_experts_pair_") == suffix)
+        .copied()
+        .ok_or_else(|| super::super::CudaError::Invalid(format!("no pair kernel for {experts}")))
 }
 
 /// `y[r] = W_e·x[r]` over the tiles of `tiles` (`(expert, first row, rows ≤ tile)`, as
@@ -215,6 +327,10 @@ mod tests {
                     .trim_start_matches("mmq_")
                     .trim_end_matches(&format!("_{tile}"));
                 assert_eq!(exp, format!("mmq_experts_{suffix}_{tile}"));
+                assert_eq!(
+                    pair_name(exp).unwrap(),
+                    format!("mmq_experts_pair_{suffix}_{tile}")
+                );
                 assert!(
                     src.lines()
                         .any(|l| l.starts_with(&format!("MMQ_ENTRY_POINTS({suffix}, "))
