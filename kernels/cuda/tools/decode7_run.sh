@@ -1,7 +1,7 @@
 #!/bin/bash
 # decode7's device run (from the repository root, on the GPU machine): the decode kernels' CUDA tests, the
 # engine's GPU forward test, the attention microbenchmark, `poly-engine bench` on q3 and q35 (new path and,
-# the old paths: POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate, and rows per group 1 alone), serve-mode decode at depth and the eager per-op
+# the old paths: POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate, and 4 rows per group), serve-mode decode at depth and the eager per-op
 # profile. Everything goes to $OUT/summary.txt (the tail of each log) and five logs; under ~3 minutes.
 set -u
 C=.carry/decode7
@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> $S
 T=$OUT/tests.log
 timeout 120 $B/cuda_layer_ops attention --test-threads 1 --nocapture >> $T 2>&1; note "cuda_layer_ops attention rc=$?"
 timeout 120 $B/cuda_ops --test-threads 1 --nocapture expert matvec fused rope >> $T 2>&1; note "cuda_ops expert/matvec/fused/rope rc=$?"
+POLY_MATVEC_RPG=4 timeout 120 $B/cuda_ops --test-threads 1 --nocapture expert matvec fused >> $T 2>&1; note "cuda_ops expert/matvec/fused with POLY_MATVEC_RPG=4 rc=$?"
 grep -E "^test |test result|FAIL|panicked|differ|not zero|above" $T | grep -v " ok$" >> $S
 grep -E "attention_decode.*position (2000|8000|1999)" $T >> $S
 timeout 90 $B/gpu_forward --test-threads 1 >> $T 2>&1; note "gpu_forward rc=$?"
@@ -47,7 +48,7 @@ bench() { # name env...
 bench q3 new POLY_X=1
 bench q35 new POLY_X=1
 bench q3 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate
-bench q3 rpg1 POLY_MATVEC_RPG=1
+bench q3 rpg4 POLY_MATVEC_RPG=4
 bench q35 old POLY_ATTN_DECODE=old POLY_MOE_GLU=off POLY_MATVEC_RPG=1 POLY_ATTN_KV_STORE=separate
 
 SV=$OUT/serve.log

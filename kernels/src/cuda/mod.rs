@@ -22,6 +22,7 @@ pub mod ops;
 mod pinned;
 pub mod prompt;
 pub mod recurrent;
+mod rope;
 pub mod sample;
 mod timing;
 

@@ -4,8 +4,8 @@
 
 use super::buffer::{check_shape, gpu_act, GpuAct};
 use super::module::KernelModule;
+pub use super::rope::{rope, rope_into};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
-use crate::ops::rope::{RopeMode, RopeParams};
 use crate::ops::topk::Gating;
 use crate::quant::GgmlType;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -208,34 +208,45 @@ const MATVEC_MAX_RPG: usize = 4;
 /// of a large card).
 const MATVEC_MIN_BLOCKS: usize = 256;
 
-/// `POLY_MATVEC_RPG` (1, 2 or 4, default 4): at most this many rows per warp group in the one-token matvec
-/// kernels (1: one row per group, the launch shape before rows were grouped). Every value computes every
-/// row's sum alike (the same values); a knob for measurements.
+/// `POLY_MATVEC_RPG` (1, 2 or 4, default 1): at most this many rows per warp group in the one-token matvec
+/// kernels. Every value computes every row's sum alike (the same values). One row per group is the
+/// default because it measured fastest end to end: on the H200, q3 `bench` tg128 242.4 t/s with 1 against
+/// 231.4 with 4 (the grouped launches have fewer, longer blocks; the decode graph overlaps short ones
+/// better). A knob for measurements on other cards.
 fn max_rows_per_group() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("POLY_MATVEC_RPG").ok().as_deref() {
-        Some("1") => 1,
+        Some("4") => MATVEC_MAX_RPG,
         Some("2") => 2,
-        _ => MATVEC_MAX_RPG,
+        _ => 1,
     })
 }
 
 /// The launch shape of a one-token quantized matvec (the `matvec_*`, `matvec_experts_*` and
 /// `matvec_experts_glu_*` kernels) over `rows` rows and `slots` expert slots: warps per row as
-/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1) that leaves the launch
-/// [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
+/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1, at most `POLY_MATVEC_RPG`) that leaves
+/// the launch [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
 pub(crate) fn q_matvec_rows_config(
     ty: GgmlType,
     rows: usize,
     cols: usize,
     slots: usize,
 ) -> (LaunchConfig, i32, i32) {
+    rows_config_capped(ty, (rows, cols, slots), max_rows_per_group())
+}
+
+/// [`q_matvec_rows_config`] with at most `max_rpg` rows per group.
+fn rows_config_capped(
+    ty: GgmlType,
+    (rows, cols, slots): (usize, usize, usize),
+    max_rpg: usize,
+) -> (LaunchConfig, i32, i32) {
     let wpr = warps_per_row(ty, cols);
     let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
     let blocks = |rpg: usize| rows.div_ceil(rows_per_block * rpg) * slots;
     let rpg = [4, 2, 1]
         .into_iter()
-        .filter(|&r| r <= max_rows_per_group())
+        .filter(|&r| r <= max_rpg)
         .find(|&r| r == 1 || blocks(r) >= MATVEC_MIN_BLOCKS)
         .unwrap_or(1);
     let cfg = LaunchConfig {
@@ -618,112 +629,6 @@ pub fn rms_norm_quantize_q8_1(
     dev.after_launch("rms_norm_quantize_q8_1")
 }
 
-/// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card).
-pub fn rope(
-    dev: &Device,
-    x: &mut DeviceBuffer<f32>,
-    positions: &DeviceBuffer<i32>,
-    p: &RopeParams,
-) -> CudaResult<()> {
-    let shape = RopeShape::new(x.len(), positions.len(), p)?;
-    let f = dev.function(KernelModule::Rope, "rope")?;
-    let mut b = dev.stream().launch_builder(&f);
-    // In place: the kernel reads and writes x (its input goes as x's device address).
-    let src: u64 = x.address();
-    b.arg(&src).arg(x.slice_mut());
-    shape.push_args(&mut b, positions);
-    // SAFETY: x holds n_rows × n_heads × head_dim floats and positions n_rows ints (checked by
-    // RopeShape::new); each thread reads and writes values of its own head only.
-    unsafe { b.launch(shape.config()) }?;
-    dev.after_launch("rope")
-}
-
-/// [`rope`] of `x` into `out` (same length), one launch instead of a copy and the rotation.
-pub fn rope_into(
-    dev: &Device,
-    x: &DeviceBuffer<f32>,
-    positions: &DeviceBuffer<i32>,
-    p: &RopeParams,
-    out: &mut DeviceBuffer<f32>,
-) -> CudaResult<()> {
-    check_len("rope out", out, x.len())?;
-    let shape = RopeShape::new(x.len(), positions.len(), p)?;
-    let f = dev.function(KernelModule::Rope, "rope")?;
-    let mut b = dev.stream().launch_builder(&f);
-    b.arg(x.slice()).arg(out.slice_mut());
-    shape.push_args(&mut b, positions);
-    // SAFETY: x and out hold n_rows × n_heads × head_dim floats and positions n_rows ints (checked above);
-    // each thread reads its head of x and writes the same head of out.
-    unsafe { b.launch(shape.config()) }?;
-    dev.after_launch("rope")
-}
-
-/// The checked shape and scalar arguments of a rope launch.
-struct RopeShape {
-    n_rows: usize,
-    n_heads: usize,
-    half: usize,
-    args: (i32, i32, i32, i32, f32, f32),
-}
-
-impl RopeShape {
-    fn new(len: usize, n_rows: usize, p: &RopeParams) -> CudaResult<RopeShape> {
-        if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
-            return invalid(format!(
-                "rope: n_rot {} with head_dim {}",
-                p.n_rot, p.head_dim
-            ));
-        }
-        if n_rows == 0 || !len.is_multiple_of(n_rows) || !(len / n_rows).is_multiple_of(p.head_dim)
-        {
-            return invalid(format!(
-                "rope: {len} values are not {n_rows} rows of whole heads of {}",
-                p.head_dim
-            ));
-        }
-        let n_heads = len / n_rows / p.head_dim;
-        let neox: i32 = (p.mode == RopeMode::Neox) as i32;
-        // As the CPU path computes it (f32 powf on the host), so both form the same angles.
-        let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
-        Ok(RopeShape {
-            n_rows,
-            n_heads,
-            half: p.n_rot / 2,
-            args: (
-                as_i32("heads", n_heads)?,
-                as_i32("head_dim", p.head_dim)?,
-                as_i32("n_rot", p.n_rot)?,
-                neox,
-                theta_scale,
-                p.freq_scale,
-            ),
-        })
-    }
-
-    fn push_args<'a>(
-        &'a self,
-        b: &mut cudarc::driver::LaunchArgs<'a>,
-        positions: &'a DeviceBuffer<i32>,
-    ) {
-        let (n_heads, head_dim, n_rot, neox, theta_scale, freq_scale) = &self.args;
-        b.arg(positions.slice())
-            .arg(n_heads)
-            .arg(head_dim)
-            .arg(n_rot)
-            .arg(neox)
-            .arg(theta_scale)
-            .arg(freq_scale);
-    }
-
-    fn config(&self) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (self.n_rows as u32, self.n_heads as u32, 1),
-            block_dim: (self.half as u32, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-}
-
 /// `out = silu(gate)·up`, element-wise.
 pub fn swiglu(
     dev: &Device,
@@ -1014,12 +919,16 @@ mod tests {
         assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
         let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
         assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
-        // One token: 4 rows per group where 256 blocks remain, fewer where they would not.
-        let (cfg, wpr, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 768, 2048, 8);
+        // One token, rows grouped up to 4: 4 rows per group where 256 blocks remain, fewer where they
+        // would not; with the cap at 1, the shape of q_matvec_config.
+        let q4k = GgmlType::Q4_K;
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (768, 2048, 8), 4);
         assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 4, 4));
-        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 512, 2048, 1);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (512, 2048, 1), 4);
         assert_eq!((cfg.grid_dim.0, rpg), (256, 2));
-        let (cfg, _, rpg) = q_matvec_rows_config(GgmlType::Q4_K, 128, 2048, 1);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (128, 2048, 1), 4);
         assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1);
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((385, 8, 1), 2, 1));
     }
 }
