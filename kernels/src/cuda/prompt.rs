@@ -1,8 +1,10 @@
 //! Matrix×matrix for prompt batches (`matmul_*` in `kernels/cuda/matvec_q.cu`): the matvec kernels'
 //! integer dot products over tiles of [`MATMUL_TILE`] tokens, so each weight block comes from memory once
-//! per tile; and the expert-grouped form for MoE prompts: the (token, expert) pairs sorted by expert
-//! ([`ExpertGrouping`]), the activations gathered into that order, each tile one expert's run of rows, the
-//! outputs combined back per token with the routing weights.
+//! per tile (the tensor-core kernels of `matmul_mma.cu` where the format has one: module `mma`); and the
+//! expert-grouped form for MoE prompts: the (token, expert) pairs sorted by expert ([`group_by_expert`] on
+//! the card, [`ExpertGrouping`] on the host), the quantized activations gathered into that order, each
+//! tile one expert's run of rows (gate and up in one launch), the outputs combined back per token with the
+//! routing weights.
 
 mod mma;
 
