@@ -1,0 +1,522 @@
+//! The MoE layer of a forward call on the card: routing, the expert cache's share (staged or on the CPU),
+//! the card's experts (grouped by expert for a prompt on the tensor cores, slot by slot for one token) and
+//! their weighted sum.
+
+use super::*;
+
+/// The card's routed-expert outputs before they are summed per token.
+pub(super) enum CardExperts {
+    /// `[slots, n_embd]` in expert order, with the grouping that sums them back.
+    Grouped(DeviceBuffer<f32>, ExpertGroups),
+    /// `[slots, n_embd]` in slot order.
+    Slots(DeviceBuffer<f32>),
+}
+
+pub(super) struct ExpertGroups {
+    /// `[slots]` the token of each sorted row.
+    rows: DeviceBuffer<i32>,
+    /// `[slots]` the sorted row of each (token, choice).
+    slot_row: DeviceBuffer<i32>,
+    /// `[n_tiles·3]` (expert, first row, rows) tiles of at most `tile_rows` rows, padded with empty ones.
+    tiles: DeviceBuffer<i32>,
+    tile_rows: usize,
+}
+
+impl ExpertGroups {
+    fn give_back(self, pool: &Pool) {
+        pool.put_i32(self.rows);
+        pool.put_i32(self.slot_row);
+        pool.put_i32(self.tiles);
+    }
+}
+
+impl<'a> GpuForward<'a> {
+    /// The experts of `w` as the kernels see them.
+    pub(super) fn table(&self, w: WeightId) -> CudaResult<&'a ExpertTable> {
+        match self.weights.matrix(w)? {
+            GpuWeight::Experts(s) => Ok(s.table()),
+            _ => Err(CudaError::Invalid(format!(
+                "weight {} is not an expert tensor",
+                w.0
+            ))),
+        }
+    }
+
+    /// `y = W[ids[s]]·x_s` for every slot, quantizing `x` first when the experts are quantized.
+    /// `x_id` names a one-row input shared by several expert tensors (quantized once).
+    pub(super) fn experts_mul(
+        &self,
+        table: &ExpertTable,
+        ids: &DeviceBuffer<i32>,
+        (x, x_id): (&DeviceBuffer<f32>, Option<u64>),
+        input: ExpertInput,
+        y: &mut DeviceBuffer<f32>,
+    ) -> CudaResult<()> {
+        match ops::activation_form(table.ty) {
+            Some(ops::ActivationForm::Q8_1) => self.with_q8(x_id, x, |xq| {
+                ops::matvec_experts_q(self.dev, table, ids, xq, input, y)
+            }),
+            _ => ops::matvec_experts_f(self.dev, table, ids, x, input, y),
+        }
+    }
+
+    pub(super) fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, k) = (x.rows, m.n_expert_used);
+        let slots = n * k;
+        if slots > MAX_SLOTS {
+            return Err(CudaError::Invalid(format!(
+                "{n} tokens × {k} experts in one call"
+            )));
+        }
+        let cached = self
+            .experts
+            .as_deref()
+            .and_then(|c| c.layer_of(m.gate_exps));
+        // Router logits [n, n_expert], then ids and weights [n, k] on the card.
+        let t = self.op_begin();
+        let mut logits = self.pool.f32(dev, n * m.n_expert)?;
+        {
+            let mut la = DevAct {
+                rows: n,
+                cols: m.n_expert,
+                id: self.new_id(),
+                buf: Some(logits),
+                pool: self.pool.clone(),
+            };
+            let r = self.matmul_into(m.router, x, &mut la);
+            logits = la
+                .buf
+                .take()
+                .ok_or_else(|| CudaError::Invalid("router".into()))?;
+            r?;
+        }
+        self.op_end("moe.router", t);
+        let t = self.op_begin();
+        let mut ids = self.pool.i32(dev, slots)?;
+        let mut weights = self.pool.f32(dev, slots)?;
+        let routing = Routing {
+            n_expert: m.n_expert,
+            k,
+            gating: match m.gating {
+                Gating::Softmax => KGating::Softmax,
+                Gating::Sigmoid => KGating::Sigmoid,
+            },
+            norm: m.norm_weights,
+            scale: m.weights_scale,
+        };
+        ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
+        self.pool.put_f32(logits);
+        self.op_end("moe.route_topk", t);
+        // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
+        let cpu_share = match (cached, self.experts.as_deref_mut()) {
+            // A single token whose missing experts the kernels read from the mapped file needs nothing.
+            (Some(layer), Some(cache))
+                if !cache.holds_all() && (n > 1 || !cache.reads_mapped()) =>
+            {
+                let host_ids = dev.download(&ids)?;
+                let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
+                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+            }
+            (Some(_), Some(cache)) => {
+                // A capture is not a token (its replays are counted by the backend); experts read from
+                // the mapped file are not counted at all (a graph cannot tell which were).
+                if !self.graph.as_ref().is_some_and(|g| g.capturing) && cache.holds_all() {
+                    cache.count_all_vram(slots);
+                }
+                None
+            }
+            _ => None,
+        };
+        let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
+        let r = if card_computes {
+            let routing = (&ids, &weights);
+            self.moe_card_and_cpu(x, routing, m, (cached, cpu_share.as_ref()), out)
+        } else if let Some(share) = &cpu_share {
+            let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+            out.buf_mut().and_then(|o| dev.write(&sum, o))
+        } else {
+            Ok(())
+        };
+        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
+            cache.finish_layer(dev, layer)?;
+        }
+        self.pool.put_i32(ids);
+        self.pool.put_f32(weights);
+        r
+    }
+
+    /// The card's experts (grouped by expert for a prompt, slot by slot for one token) and, while the card
+    /// computes them, the CPU's share: its sum goes into `out` first and the card's weighted sum adds to it.
+    /// `routing` is the ids and weights `[n, k]`; `cache` the cache's layer and the CPU's share.
+    pub(super) fn moe_card_and_cpu(
+        &mut self,
+        x: &DevAct,
+        (ids, weights): (&DeviceBuffer<i32>, &DeviceBuffer<f32>),
+        m: &Moe,
+        (cached, cpu_share): (Option<usize>, Option<&CpuShare>),
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let (n, k) = (x.rows, m.n_expert_used);
+        let card = {
+            let tables = self.expert_tables(m, cached)?;
+            let grouped = n > 1 && tables.iter().all(|t| prompt::has_matmul_experts(t.ty));
+            if grouped {
+                let (y, g) = self.moe_grouped(x, ids, m, tables)?;
+                CardExperts::Grouped(y, g)
+            } else {
+                CardExperts::Slots(self.moe_slots(x, ids, m, tables)?)
+            }
+        };
+        let accumulate = match cpu_share {
+            Some(share) => {
+                let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
+                dev.write(&sum, out.buf_mut()?)?;
+                true
+            }
+            None => false,
+        };
+        let t = self.op_begin();
+        let r = match card {
+            CardExperts::Grouped(y, g) => {
+                let r = moe_combine_sorted(
+                    dev,
+                    &y,
+                    &g.slot_row,
+                    weights,
+                    k,
+                    accumulate,
+                    out.buf_mut()?,
+                );
+                self.pool.put_f32(y);
+                g.give_back(&self.pool);
+                r
+            }
+            CardExperts::Slots(y) => {
+                let r = ops::moe_combine(dev, &y, weights, k, accumulate, out.buf_mut()?);
+                self.pool.put_f32(y);
+                r
+            }
+        };
+        self.op_end("moe.combine", t);
+        r
+    }
+
+    /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
+    /// card ([`prompt::group_by_expert`]); with `POLY_MOE_GROUP=host` (or more experts than it takes) the
+    /// ids come to the host (one wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
+    /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
+    /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
+    /// expert a tile reads: an expert cache can rewrite the table here.
+    pub(super) fn group_experts(
+        &self,
+        ids: &DeviceBuffer<i32>,
+        k: usize,
+        n_expert: usize,
+        tile_rows: usize,
+    ) -> CudaResult<ExpertGroups> {
+        let dev = self.dev;
+        if n_expert <= prompt::GROUP_MAX_EXPERTS && !prompt::host_grouping() {
+            // On the card: the host queues on without waiting for the router.
+            let slots = ids.len();
+            let n_tiles = ExpertGrouping::max_tiles(slots, n_expert, tile_rows);
+            let mut rows = self.pool.i32(dev, slots)?;
+            let mut slot_row = self.pool.i32(dev, slots)?;
+            let mut tiles = self.pool.i32(dev, 3 * n_tiles)?;
+            let r = prompt::group_by_expert(
+                dev,
+                ids,
+                (k, n_expert, tile_rows),
+                &mut rows,
+                &mut slot_row,
+                &mut tiles,
+            );
+            let g = ExpertGroups {
+                rows,
+                slot_row,
+                tiles,
+                tile_rows,
+            };
+            return match r {
+                Ok(()) => Ok(g),
+                Err(e) => {
+                    g.give_back(&self.pool);
+                    Err(e)
+                }
+            };
+        }
+        let host_ids = dev.download(ids)?;
+        let g = ExpertGrouping::with_tile(&host_ids, k, n_expert, tile_rows);
+        let n_tiles = ExpertGrouping::max_tiles(host_ids.len(), n_expert, tile_rows);
+        let mut rows = self.pool.i32(dev, g.rows.len())?;
+        dev.write(&g.rows, &mut rows)?;
+        let mut slot_row = self.pool.i32(dev, g.slot_row.len())?;
+        dev.write(&g.slot_row, &mut slot_row)?;
+        let table = g.tile_table(n_tiles);
+        let mut tiles = self.pool.i32(dev, table.len())?;
+        dev.write(&table, &mut tiles)?;
+        Ok(ExpertGroups {
+            rows,
+            slot_row,
+            tiles,
+            tile_rows,
+        })
+    }
+
+    /// The routed experts of a prompt grouped by expert: the rows gathered into expert order and
+    /// quantized once, gate and up as grouped matmuls, the activation, down. Returns the `[slots, n_embd]`
+    /// outputs in expert order and the grouping (whose `slot_row` sums them back per token).
+    pub(super) fn moe_grouped(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        m: &Moe,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<(DeviceBuffer<f32>, ExpertGroups)> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let n_ff = gate_t.rows;
+        let tile_rows = prompt::expert_tile_rows(dev, gate_t, slots, m.n_expert);
+        // Profiled as steps (moe.group: the ids to the host and the grouping back; moe.gather: the rows in
+        // expert order, quantized; moe.gate_up, moe.act, moe.down).
+        let t = self.op_begin();
+        let g = self.group_experts(ids, k, m.n_expert, tile_rows)?;
+        self.op_end("moe.group", t);
+        let t = self.op_begin();
+        // The tokens quantized once ([n, n_embd/32] blocks), then put in expert order for gate and up:
+        // [slots, n_embd/32] (the blocks gathering the f32 rows and quantizing them would give).
+        let mut xq = self.pool.q8(dev, slots * n_embd / 32)?;
+        let r = self.with_q8(None, x.buf()?, |xq_tokens| {
+            gather_rows_q8_1(dev, xq_tokens, &g.rows, n_embd / 32, &mut xq)
+        });
+        if let Err(e) = r {
+            self.pool.put_q8(xq);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        self.op_end("moe.gather", t);
+        let t = self.op_begin();
+        // [slots, n_ff] each.
+        let mut gate = self.pool.f32(dev, slots * n_ff)?;
+        let mut up = self.pool.f32(dev, slots * n_ff)?;
+        prompt::matmul_experts_q_pair(
+            dev,
+            [gate_t, up_t],
+            &g.tiles,
+            g.tile_rows,
+            &xq,
+            [&mut gate, &mut up],
+        )?;
+        self.pool.put_q8(xq);
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        if matches!(m.act, Unary::Silu) {
+            // SwiGLU straight into the down experts' quantized input (the values of swiglu then quantize).
+            ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+        } else {
+            let mut h = self.pool.f32(dev, slots * n_ff)?;
+            self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            ops::quantize_q8_1(dev, &h, &mut hq)?;
+            self.pool.put_f32(h);
+        }
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
+        // [slots, n_embd] in expert order.
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        let down_tile = prompt::expert_tile_rows(dev, down_t, slots, m.n_expert);
+        let r = if down_tile == g.tile_rows {
+            matmul_experts_q(dev, down_t, &g.tiles, g.tile_rows, &hq, &mut y)
+        } else {
+            let gd = self.group_experts(ids, k, m.n_expert, down_tile)?;
+            let r = matmul_experts_q(dev, down_t, &gd.tiles, gd.tile_rows, &hq, &mut y);
+            gd.give_back(&self.pool);
+            r
+        };
+        self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
+        if let Err(e) = r {
+            self.pool.put_f32(y);
+            g.give_back(&self.pool);
+            return Err(e);
+        }
+        Ok((y, g))
+    }
+
+    /// `h = act(gate) · up` over rows of `width`; `gate` may be overwritten.
+    pub(super) fn glu(
+        &self,
+        act: Unary,
+        width: usize,
+        gate: &mut DeviceBuffer<f32>,
+        up: &DeviceBuffer<f32>,
+        h: &mut DeviceBuffer<f32>,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        match act {
+            Unary::Silu => ops::swiglu(dev, gate, up, h),
+            Unary::Gelu => ops::geglu(dev, gate, up, h),
+            f => {
+                self.unary_into(gate, f, h)?;
+                ew::binary(dev, h, up, width, BinaryOp::Mul, Broadcast::None, gate)?;
+                std::mem::swap(h, gate);
+                Ok(())
+            }
+        }
+    }
+
+    /// One token's routed experts with SiLU and quantized experts: gate and up in one launch writing
+    /// `silu(gate)·up` `[k, n_ff]`, quantized for the down experts, which write the `[k, n_embd]` outputs in
+    /// slot order (the values of the separate launches bit for bit).
+    pub(super) fn moe_token_fused(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let slots = ids.len();
+        let n_ff = gate_t.rows;
+        let t = self.op_begin();
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        let r = self.with_q8(Some(x.id), x.buf()?, |xq| {
+            ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h)
+        });
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        let r = r.and_then(|()| ops::quantize_q8_1(dev, &h, &mut hq));
+        self.pool.put_f32(h);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
+        let mut y = self.pool.f32(dev, slots * x.cols)?;
+        let r = r.and_then(|()| {
+            ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+        });
+        self.pool.put_q8(hq);
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
+    /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
+    /// `[slots, n_embd]` outputs in slot order.
+    pub(super) fn moe_slots(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        m: &Moe,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+    ) -> CudaResult<DeviceBuffer<f32>> {
+        let dev = self.dev;
+        let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
+        let slots = n * k;
+        let n_ff = gate_t.rows;
+        let q8 = |ty| ops::activation_form(ty) == Some(ops::ActivationForm::Q8_1);
+        if n == 1
+            && matches!(m.act, Unary::Silu)
+            && gate_t.ty == up_t.ty
+            && q8(gate_t.ty)
+            && q8(down_t.ty)
+            && fused_glu_on()
+        {
+            return self.moe_token_fused(x, ids, [gate_t, up_t, down_t]);
+        }
+        let t = self.op_begin();
+        // Each slot's input: one token's row for all its experts (a single token shares it).
+        let (input, x_rep) = if n == 1 {
+            (ExpertInput::Shared, None)
+        } else {
+            let mut rep = self.pool.f32(dev, slots * n_embd)?;
+            ew::repeat_heads(dev, x.buf()?, n, n_embd, k, true, &mut rep)?;
+            (ExpertInput::PerSlot, Some(rep))
+        };
+        let x_in = match &x_rep {
+            Some(r) => r,
+            None => x.buf()?,
+        };
+        let mut gate = self.pool.f32(dev, slots * n_ff)?;
+        let mut up = self.pool.f32(dev, slots * n_ff)?;
+        let x_id = (n == 1).then_some(x.id);
+        self.experts_mul(gate_t, ids, (x_in, x_id), input, &mut gate)?;
+        self.experts_mul(up_t, ids, (x_in, x_id), input, &mut up)?;
+        if let Some(r) = x_rep {
+            self.pool.put_f32(r);
+        }
+        self.op_end("moe.gate_up", t);
+        let t = self.op_begin();
+        // One token with SiLU and quantized down experts: the SwiGLU goes straight into the down experts'
+        // quantized input (the same values as swiglu then quantize, one launch fewer).
+        if n == 1
+            && matches!(m.act, Unary::Silu)
+            && ops::activation_form(down_t.ty) == Some(ops::ActivationForm::Q8_1)
+        {
+            let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+            let r = ops::swiglu_quantize_q8_1(dev, &gate, &up, &mut hq);
+            self.pool.put_f32(gate);
+            self.pool.put_f32(up);
+            self.op_end("moe.act", t);
+            let t = self.op_begin();
+            let mut y = self.pool.f32(dev, slots * n_embd)?;
+            let r = r.and_then(|()| {
+                ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+            });
+            self.pool.put_q8(hq);
+            self.op_end("moe.down", t);
+            return match r {
+                Ok(()) => Ok(y),
+                Err(e) => {
+                    self.pool.put_f32(y);
+                    Err(e)
+                }
+            };
+        }
+        let mut h = self.pool.f32(dev, slots * n_ff)?;
+        self.glu(m.act, n_ff, &mut gate, &up, &mut h)?;
+        self.pool.put_f32(gate);
+        self.pool.put_f32(up);
+        self.op_end("moe.act", t);
+        let t = self.op_begin();
+        let mut y = self.pool.f32(dev, slots * n_embd)?;
+        let r = self.experts_mul(down_t, ids, (&h, None), ExpertInput::PerSlot, &mut y);
+        self.pool.put_f32(h);
+        self.op_end("moe.down", t);
+        match r {
+            Ok(()) => Ok(y),
+            Err(e) => {
+                self.pool.put_f32(y);
+                Err(e)
+            }
+        }
+    }
+
+    /// The gate, up and down expert tables of `m`: the cache's for its layer, else the uploaded tensors'.
+    pub(super) fn expert_tables(
+        &self,
+        m: &Moe,
+        cached: Option<usize>,
+    ) -> CudaResult<[&ExpertTable; 3]> {
+        match (cached, self.experts.as_deref()) {
+            (Some(layer), Some(cache)) => {
+                let [g, u, d] = cache.tables(layer)?;
+                Ok([g, u, d])
+            }
+            _ => Ok([
+                self.table(m.gate_exps)?,
+                self.table(m.up_exps)?,
+                self.table(m.down_exps)?,
+            ]),
+        }
+    }
+}
