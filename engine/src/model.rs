@@ -68,7 +68,8 @@ impl Model {
     pub fn populate_in_background(&self) {
         let file = Arc::clone(self.weights.shared_file());
         let bytes = file.file_bytes();
-        if available_memory().is_none_or(|m| bytes > m / 4 * 3) {
+        let available = crate::serve::memory::host_bytes("MemAvailable:");
+        if available.is_none_or(|m| bytes > m / 4 * 3) {
             return;
         }
         let spawned = std::thread::Builder::new()
@@ -312,12 +313,4 @@ impl Model {
         state.push_tokens(tokens);
         Ok(out.data)
     }
-}
-
-/// Bytes of memory available for new pages (`MemAvailable` of `/proc/meminfo`), if known.
-fn available_memory() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

@@ -1,4 +1,5 @@
-//! The process's memory as the kernel counts it (`/proc/self/status`), for STATS.
+//! Memory as the kernel counts it: the process's (`/proc/self/status`, for STATS) and the host's
+//! (`/proc/meminfo`, for what the engine may lock or map ahead).
 
 /// Resident and peak resident bytes of this process (`VmRSS`, `VmHWM`); `None` where the system has no
 /// `/proc` (or does not say).
@@ -7,6 +8,12 @@ pub fn resident_bytes() -> (Option<u64>, Option<u64>) {
         Ok(status) => (field_kib(&status, "VmRSS:"), field_kib(&status, "VmHWM:")),
         Err(_) => (None, None),
     }
+}
+
+/// The `name` line of `/proc/meminfo` (`"MemTotal:"`, `"MemAvailable:"`), in bytes; `None` where the
+/// system has no `/proc` (or does not say).
+pub fn host_bytes(name: &str) -> Option<u64> {
+    field_kib(&std::fs::read_to_string("/proc/meminfo").ok()?, name)
 }
 
 /// The value of a `Name:   1234 kB` line of `/proc/self/status`, in bytes.

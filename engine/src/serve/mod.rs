@@ -14,7 +14,7 @@
 //! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
 mod input;
-mod memory;
+pub(crate) mod memory;
 mod request;
 mod session;
 pub mod store;

@@ -705,18 +705,20 @@ impl ExpertCache {
                 "routing ids and weights differ in length".into(),
             ));
         }
-        let mut items: Vec<(usize, f32)> = missing_slots
+        let items: Vec<(usize, f32)> = missing_slots
             .iter()
             .map(|&j| (ids[j] as usize, weights[j]))
             .collect();
+        // Admission candidates: the CPU's experts, likeliest first.
+        let mut on_cpu: Vec<usize> = (0..items.len()).collect();
+        on_cpu.sort_by(|&a, &b| items[b].1.total_cmp(&items[a].1));
+        let on_cpu: Vec<usize> = on_cpu.into_iter().map(|i| items[i].0).collect();
+        self.admit(dev, cpu, layer, &routed, &on_cpu)?;
         let share = CpuShare {
             x,
             all: items.len() == ids.len(),
-            items: items.clone(),
+            items,
         };
-        items.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let on_cpu: Vec<usize> = items.iter().map(|&(e, _)| e).collect();
-        self.admit(dev, cpu, layer, &routed, &on_cpu)?;
         Ok(Some(share))
     }
 
@@ -830,14 +832,6 @@ impl ExpertCache {
     }
 }
 
-/// Bytes of the host's memory (`/proc/meminfo`), if known.
-fn host_memory() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// The card's address of every expert matrix of `layers` in the page-locked file, when every part
 /// holding one is page-locked.
 fn mapped_addresses(
@@ -865,7 +859,7 @@ fn mapped_addresses(
 /// [`ExpertCache::new`]); a part that cannot be is copied through the staging buffers.
 fn register_file(dev: &Device, cpu: &CpuWeights) -> Vec<Option<HostRegistration>> {
     let file = cpu.shared_file();
-    let limit = host_memory().map_or(0, |m| m / 2);
+    let limit = crate::serve::memory::host_bytes("MemTotal:").map_or(0, |m| m as usize / 2);
     (0..file.n_parts())
         .map(|part| {
             let bytes = file.part_bytes(part)?;
