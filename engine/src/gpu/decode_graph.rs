@@ -12,13 +12,23 @@
 //! The first token of a bucket runs as an ordinary call in graph mode (its results are the token's), which
 //! fills the graph's pool and the weights' vectors, and then the same launches are captured (nothing runs).
 //! A capture that fails turns graphs off for that sequence; `POLY_GPU_GRAPHS=0` turns them off entirely.
+//!
+//! When the expert cache lacks experts, an MoE layer needs the host in its middle: the token's routing
+//! decides which experts are copied to the card and which the CPU computes. Such a token's graph is
+//! *segmented* ([`MoeSteps`]): the capture is cut after each MoE layer's router (the host reads the ids and
+//! makes every routed expert computable) and after the card's experts (the host computes the CPU's share
+//! while the card computes its own, and writes the sum), so a token costs some 2 graph launches and one
+//! wait per MoE layer instead of ~25 kernel launches per layer. `POLY_GPU_SEGMENTS=0` runs such tokens
+//! without graphs, as before.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, LaunchGraph, PinnedHost};
 use poly_models::arch::{Forward, ModelGraph};
-use poly_models::compute::WeightId;
+use poly_models::compute::{Moe, WeightId};
 
+use super::expert_cache::{CpuShare, ExpertCache};
 use super::forward::{Backing, GpuForward, GraphInputs, GraphMode};
 use super::pool::{Pool, PoolStore};
 use crate::cpu::CpuWeights;
@@ -26,6 +36,179 @@ use crate::cpu::CpuWeights;
 /// Whether decode graphs are on (`POLY_GPU_GRAPHS=0` turns them off).
 pub fn graphs_enabled() -> bool {
     std::env::var("POLY_GPU_GRAPHS").map_or(true, |v| v.trim() != "0")
+}
+
+/// Whether tokens whose MoE layers need the host (an expert cache lacking experts) go through segmented
+/// graphs (`POLY_GPU_SEGMENTS=0` runs them without graphs).
+pub fn segments_enabled() -> bool {
+    std::env::var("POLY_GPU_SEGMENTS").map_or(true, |v| v.trim() != "0")
+}
+
+/// Where a segmented graph hands over to the host after one of its graphs.
+#[derive(Clone, Copy, Debug)]
+pub enum HostPoint {
+    /// Step `i`'s router ran: the host reads the ids and makes every routed expert computable.
+    Route(usize),
+    /// Step `i`'s card experts are queued: the host computes the CPU's share and writes its sum.
+    CpuShare(usize),
+}
+
+/// The buffers of one MoE layer of a segmented graph, which the host reads and writes between its graphs.
+/// The running call makes them; the capture and every replay use the same ones.
+pub struct MoeStep {
+    /// The expert cache's layer.
+    pub layer: usize,
+    pub moe: Moe,
+    /// `[k]` the token's routed experts and their weights, written by the router.
+    pub ids: DeviceBuffer<i32>,
+    pub weights: DeviceBuffer<f32>,
+    /// `[n_embd]` the layer's input (a copy, for the CPU's share).
+    pub x: DeviceBuffer<f32>,
+    /// `[n_embd]` the CPU's weighted sum, which the card's sum adds to.
+    pub cpu_sum: DeviceBuffer<f32>,
+    /// `cpu_sum` holds zeros (the host skips writing them again).
+    sum_is_zero: bool,
+}
+
+impl MoeStep {
+    /// Buffers for layer `layer` of `moe` with rows of `n_embd`.
+    pub fn new(dev: &Device, layer: usize, moe: &Moe, n_embd: usize) -> CudaResult<MoeStep> {
+        let k = moe.n_expert_used;
+        Ok(MoeStep {
+            layer,
+            moe: *moe,
+            ids: dev.zeros(k)?,
+            weights: dev.zeros(k)?,
+            x: dev.zeros(n_embd)?,
+            cpu_sum: dev.zeros(n_embd)?,
+            sum_is_zero: true,
+        })
+    }
+
+    /// At the route point: the routings counted and every routed expert made computable by the cache
+    /// (copies queued before the card's experts, tables rewritten in stream order); returns the CPU's share.
+    /// Waits for the router.
+    pub fn route(
+        &self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        times: &mut HostTimes,
+    ) -> CudaResult<Option<CpuShare>> {
+        let clock = Instant::now();
+        let ids = dev.download(&self.ids)?;
+        times.route_wait += clock.elapsed();
+        let clock = Instant::now();
+        let fetch = || Ok((dev.download(&self.x)?, dev.download(&self.weights)?));
+        cache.take_host_phases();
+        let share = cache.prepare(dev, cpu, self.layer, 1, &ids, fetch);
+        times.prepare += clock.elapsed();
+        let parts = cache.take_host_phases();
+        times.stage += parts.stage;
+        times.admit += parts.admit;
+        times.tables += parts.tables;
+        times.steps += 1;
+        share
+    }
+
+    /// At the CPU-share point: the CPU's sum (zeros without a share) into `cpu_sum` while the card computes
+    /// its experts, then the layer finished in the cache.
+    pub fn cpu_share(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        share: Option<CpuShare>,
+        times: &mut HostTimes,
+    ) -> CudaResult<()> {
+        let clock = Instant::now();
+        match share {
+            Some(share) => {
+                let sum = share.compute_for(Some(&mut *cache), cpu, &self.moe);
+                dev.write(&sum, &mut self.cpu_sum)?;
+                self.sum_is_zero = false;
+            }
+            None if !self.sum_is_zero => {
+                dev.write(&vec![0f32; self.cpu_sum.len()], &mut self.cpu_sum)?;
+                self.sum_is_zero = true;
+            }
+            None => {}
+        }
+        times.cpu_share += clock.elapsed();
+        let clock = Instant::now();
+        let r = cache.finish_layer(dev, self.layer);
+        times.finish += clock.elapsed();
+        r
+    }
+}
+
+/// The host's time at a segmented graph's host points, summed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostTimes {
+    /// MoE steps run.
+    pub steps: u64,
+    /// Waiting for the router's ids (the card's work before them).
+    pub route_wait: Duration,
+    /// The cache's decisions and the copies queued ([`ExpertCache::prepare`]).
+    pub prepare: Duration,
+    /// The CPU's share computed and written.
+    pub cpu_share: Duration,
+    /// [`ExpertCache::finish_layer`].
+    pub finish: Duration,
+    /// Parts of `prepare`: the copies on demand queued, admissions, table rewrites.
+    pub stage: Duration,
+    pub admit: Duration,
+    pub tables: Duration,
+}
+
+impl HostTimes {
+    /// Adds `o`.
+    pub fn add(&mut self, o: &HostTimes) {
+        self.steps += o.steps;
+        self.route_wait += o.route_wait;
+        self.prepare += o.prepare;
+        self.cpu_share += o.cpu_share;
+        self.finish += o.finish;
+        self.stage += o.stage;
+        self.admit += o.admit;
+        self.tables += o.tables;
+    }
+}
+
+/// The MoE steps of a segmented graph: their buffers, and the graphs captured before each host point.
+#[derive(Default)]
+pub struct MoeSteps {
+    /// In the order the call reaches them (taken out while a call works on one).
+    pub steps: Vec<Option<MoeStep>>,
+    /// The step the call reaches next.
+    pub next: usize,
+    /// The graphs cut so far, each followed by its host point.
+    pub segments: Vec<(LaunchGraph, HostPoint)>,
+    /// The host points' time since [`DecodeGraphs::take_host_times`].
+    times: HostTimes,
+}
+
+impl MoeSteps {
+    /// Runs `point` (a replay's host work between two graphs); `share` carries the CPU's share of a step
+    /// from its route point to its CPU-share point.
+    fn host(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        point: HostPoint,
+        share: &mut Option<CpuShare>,
+    ) -> CudaResult<()> {
+        let (HostPoint::Route(i) | HostPoint::CpuShare(i)) = point;
+        let step = self
+            .steps
+            .get_mut(i)
+            .and_then(|s| s.as_mut())
+            .ok_or_else(|| CudaError::Invalid(format!("a segmented graph without step {i}")))?;
+        let times = &mut self.times;
+        match point {
+            HostPoint::Route(_) => *share = step.route((dev, cpu), cache, times)?,
+            HostPoint::CpuShare(_) => step.cpu_share((dev, cpu), cache, share.take(), times)?,
+        }
+        Ok(())
+    }
 }
 
 /// One captured decode call.
@@ -40,6 +223,15 @@ pub struct DecodeGraph {
     embed: (WeightId, usize),
     /// The activations' buffers the launches use (kept for their addresses).
     _store: PoolStore,
+    /// A segmented graph's steps (`graph` is then its last segment); empty for a whole-token graph.
+    steps: MoeSteps,
+}
+
+impl DecodeGraph {
+    /// Whether the token's MoE layers hand over to the host between graphs.
+    pub fn segmented(&self) -> bool {
+        !self.steps.segments.is_empty()
+    }
 }
 
 /// The graphs of one sequence's buffers, by the context rows their attention reads.
@@ -70,17 +262,30 @@ impl DecodeGraphs {
     pub fn is_empty(&self) -> bool {
         self.by_rows.is_empty()
     }
+
+    /// The host points' time of the graph of `rows` since the last call, if it is segmented.
+    pub fn take_host_times(&mut self, rows: usize) -> Option<HostTimes> {
+        let g = self.by_rows.get_mut(&rows)?;
+        g.segmented().then(|| std::mem::take(&mut g.steps.times))
+    }
+
+    /// Drops the graphs whose kind (segmented or whole) is not `segmented`: what the expert cache needs
+    /// changed since they were captured.
+    pub fn keep_kind(&mut self, segmented: bool) {
+        self.by_rows.retain(|_, g| g.segmented() == segmented);
+    }
 }
 
 /// Queues a replay of the graph of `rows` for `token` at `pos0` (the caller checked [`DecodeGraphs::has`]);
-/// [`logits`] waits for it.
+/// [`logits`] waits for it. A segmented graph's host points run with `experts`, the cache. Returns whether
+/// the graph was segmented (its routings counted by the cache; a whole graph's are the caller's to count).
 pub fn replay(
     (dev, cpu): (&Device, &CpuWeights),
     graphs: &mut DecodeGraphs,
     rows: usize,
-    token: u32,
-    pos0: usize,
-) -> CudaResult<()> {
+    (token, pos0): (u32, usize),
+    experts: Option<&mut ExpertCache>,
+) -> CudaResult<bool> {
     let g = graphs
         .by_rows
         .get_mut(&rows)
@@ -95,7 +300,26 @@ pub fn replay(
         .ok_or_else(|| CudaError::Invalid("a decode graph without its row".into()))?;
     dev.write(&row, r)?;
     dev.write(&[pos0 as i32], &mut g.inputs.positions)?;
-    g.graph.replay()
+    if !g.segmented() {
+        g.graph.replay()?;
+        return Ok(false);
+    }
+    let cache = experts.ok_or_else(|| {
+        CudaError::Invalid("a segmented decode graph without its expert cache".into())
+    })?;
+    let mut share = None;
+    let DecodeGraph { steps, graph, .. } = g;
+    let segments = std::mem::take(&mut steps.segments);
+    let mut run = || -> CudaResult<()> {
+        for (segment, point) in &segments {
+            segment.replay()?;
+            steps.host((dev, cpu), cache, *point, &mut share)?;
+        }
+        graph.replay()
+    };
+    let r = run();
+    steps.segments = segments;
+    r.map(|()| true)
 }
 
 /// The logits of the last replay of `rows` (waits for it).
@@ -131,11 +355,16 @@ pub fn run_and_capture(
     };
     dev.write(&[pos0 as i32], &mut inputs.positions)?;
     let pool = Pool::new(PoolStore::default());
+    let mut steps = MoeSteps::default();
+    // Decided once for the call and its capture (uploads completing during the call must not change it).
+    let segmented = experts.as_deref().is_some_and(|c| !c.decode_on_card());
     let (logits, embed) = {
         let mode = GraphMode {
             inputs: &mut inputs,
             capturing: false,
             embed: None,
+            segmented,
+            steps: &mut steps,
         };
         let b = Backing {
             dev,
@@ -162,7 +391,7 @@ pub fn run_and_capture(
             },
             graph,
             (token, pos0),
-            inputs,
+            (inputs, steps, segmented),
             embed,
         ),
         _ => Err(CudaError::Invalid(
@@ -185,7 +414,7 @@ fn capture(
     backing: Backing<'_>,
     graph: &ModelGraph,
     (token, pos0): (&[u32], usize),
-    mut inputs: GraphInputs,
+    (mut inputs, mut steps, segmented): (GraphInputs, MoeSteps, bool),
     embed: (WeightId, usize),
 ) -> CudaResult<DecodeGraph> {
     let Backing {
@@ -197,11 +426,15 @@ fn capture(
         mut experts,
     } = backing;
     let mut logits = None;
+    let made_steps = steps.steps.len();
+    steps.next = 0;
     let launch_graph = dev.capture(|_| {
         let mode = GraphMode {
             inputs: &mut inputs,
             capturing: true,
             embed: None,
+            segmented,
+            steps: &mut steps,
         };
         let b = Backing {
             dev,
@@ -217,6 +450,12 @@ fn capture(
         Ok(())
     })?;
     let logits = logits.ok_or_else(|| CudaError::Invalid("the capture left no logits".into()))?;
+    if steps.next != made_steps || steps.segments.len() != 2 * made_steps {
+        return Err(CudaError::Invalid(format!(
+            "the capture reached {} of the call's {made_steps} MoE steps",
+            steps.next
+        )));
+    }
     let store = Pool::into_store(pool)
         .ok_or_else(|| CudaError::Invalid("a captured activation outlived the call".into()))?;
     let host_logits = dev.pinned(logits.len())?;
@@ -227,5 +466,6 @@ fn capture(
         inputs,
         embed,
         _store: store,
+        steps,
     })
 }

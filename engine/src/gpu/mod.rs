@@ -107,6 +107,9 @@ pub struct GpuBackend {
     profile: Option<Profiler>,
     /// Whether one-token calls go through decode graphs ([`decode_graph::graphs_enabled`]).
     graphs: bool,
+    /// Whether they do when the expert cache needs the host, as segmented graphs
+    /// ([`decode_graph::segments_enabled`]).
+    segments: bool,
     /// Routings of one token over all MoE layers, counted when a decode graph was captured: a replay
     /// adds them to the expert cache's figures, which a graph cannot count itself.
     routings_per_token: std::sync::atomic::AtomicU64,
@@ -151,6 +154,7 @@ impl GpuBackend {
             pool: Mutex::new(PoolStore::default()),
             profile: Profiler::from_env(),
             graphs: decode_graph::graphs_enabled(),
+            segments: decode_graph::segments_enabled(),
             experts: Mutex::new(cache),
             routings_per_token: std::sync::atomic::AtomicU64::new(0),
         };
@@ -307,9 +311,13 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
-        // One token through a decode graph, when every routed expert is on the card (the CPU's share of
-        // missing experts needs the host in the middle of a layer, which a graph cannot wait for).
-        if tokens.len() == 1 && logits == Logits::Last && self.graphs && self.experts_all_on_card()
+        // One token through a decode graph: a whole one when every routed expert is on the card, else
+        // (the cache's copies and the CPU's share need the host in the middle of each MoE layer) one cut
+        // into segments at those points.
+        if tokens.len() == 1
+            && logits == Logits::Last
+            && self.graphs
+            && (self.segments || self.experts_all_on_card())
         {
             return self.eval_decode(graph, cpu, state, tokens);
         }
@@ -373,6 +381,18 @@ impl GpuBackend {
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        {
+            // A whole graph holds only while every routed expert is on the card; a segmented one always
+            // computes right, and gives way to a whole one once the cache holds every expert.
+            let experts = lock(&self.experts);
+            let on_card = experts.as_ref().is_none_or(|c| c.decode_on_card());
+            let holds_all = experts.as_ref().is_none_or(|c| c.holds_all());
+            if !on_card {
+                seq.graphs.keep_kind(true);
+            } else if holds_all {
+                seq.graphs.keep_kind(false);
+            }
+        }
         // The call writes KV row `pos0` and the recurrent states: what copies of the card's state others
         // may read hold there goes to host memory first; the caller's own recurrent states too when the
         // call builds a graph (it allocates, so it may fail half way with them half advanced; KV rows
@@ -389,17 +409,31 @@ impl GpuBackend {
         let clock = Instant::now();
         let mut marks = self.profile.as_ref().and_then(|p| p.begin(&self.dev));
         let result = if seq.graphs.has(rows) {
-            let queued =
-                decode_graph::replay((&self.dev, cpu), &mut seq.graphs, rows, tokens[0], pos0);
+            let mut experts = lock(&self.experts);
+            let queued = decode_graph::replay(
+                (&self.dev, cpu),
+                &mut seq.graphs,
+                rows,
+                (tokens[0], pos0),
+                experts.as_mut(),
+            );
             phases.queue = clock.elapsed();
             if let Some(m) = marks.as_mut() {
                 m.end(&self.dev);
             }
-            if let Some(cache) = lock(&self.experts).as_mut() {
+            if let (Ok(false), Some(cache)) = (&queued, experts.as_mut()) {
+                // A whole graph's routings: all from VRAM (a segmented one's were counted at its host
+                // points).
                 let n = self.routings_per_token.load(Ordering::Relaxed);
                 cache.count_all_vram(n as usize);
             }
-            queued.and_then(|()| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
+            drop(experts);
+            if let Some(p) = &self.profile {
+                if let Some(t) = seq.graphs.take_host_times(rows) {
+                    p.add_host_points(&t);
+                }
+            }
+            queued.and_then(|_| decode_graph::logits(&self.dev, &mut seq.graphs, rows))
         } else if seq.graphs.failed() {
             drop(seq_slot);
             return self

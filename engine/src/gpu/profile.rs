@@ -17,6 +17,8 @@ use std::time::Duration;
 
 use poly_kernels::cuda::{CudaResult, Device, TimingEvent};
 
+use super::decode_graph::HostTimes;
+
 /// Which profile, from `POLY_GPU_PROFILE`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ProfileLevel {
@@ -70,6 +72,8 @@ struct OpTotals {
 
 #[derive(Default)]
 struct Totals {
+    /// Segmented decode graphs' host points.
+    host_points: HostTimes,
     decode: CallTotals,
     prompt: CallTotals,
     decode_ops: BTreeMap<&'static str, OpTotals>,
@@ -216,10 +220,32 @@ impl Profiler {
         }
     }
 
+    /// Adds the host points of segmented decode graphs' replays.
+    pub fn add_host_points(&self, times: &HostTimes) {
+        self.totals().host_points.add(times);
+    }
+
     /// The summary, one table per kind of call.
     pub fn summary(&self) -> String {
         let t = self.totals();
         let mut s = String::from("POLY_GPU_PROFILE summary (per call, milliseconds)\n");
+        let h = &t.host_points;
+        if h.steps > 0 && t.decode.calls > 0 {
+            let n = t.decode.calls as f64;
+            s += &format!(
+                "segmented decode graphs, host per call: {:.1} MoE steps; waiting for the router {:.3} + \
+                 the cache's decisions and copies {:.3} (copies on demand {:.3}, admissions {:.3}, \
+                 tables {:.3}) + the CPU's share {:.3} + finishing layers {:.3}\n",
+                h.steps as f64 / n,
+                ms(h.route_wait) / n,
+                ms(h.prepare) / n,
+                ms(h.stage) / n,
+                ms(h.admit) / n,
+                ms(h.tables) / n,
+                ms(h.cpu_share) / n,
+                ms(h.finish) / n,
+            );
+        }
         for (name, c, ops) in [
             ("decode (1 token)", &t.decode, &t.decode_ops),
             ("prompt (>1 token)", &t.prompt, &t.prompt_ops),

@@ -280,6 +280,23 @@ impl Device {
         Ok(())
     }
 
+    /// Overwrites `dst` with the device buffer `src` (same length), in stream order (a graph captures it).
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &DeviceBuffer<T>,
+        dst: &mut DeviceBuffer<T>,
+    ) -> CudaResult<()> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "copy of {} elements into a buffer of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.stream.memcpy_dtod(src.slice(), dst.slice_mut())?;
+        Ok(())
+    }
+
     /// Overwrites `dst[offset..offset + src.len()]` with `src`, in stream order.
     pub fn write_at<T: DeviceRepr>(
         &self,

@@ -59,4 +59,20 @@ impl Device {
             None => Err(CudaError::Invalid("the capture recorded nothing".into())),
         }
     }
+
+    /// Inside [`Device::capture`]'s `record`: ends the graph captured so far (returned) and starts the
+    /// next one, so a sequence of operations with host work between some of them becomes consecutive
+    /// graphs (the last is `capture`'s own). When the next capture cannot start, the stream is left
+    /// outside capture and `capture` reports the failure.
+    pub fn cut_capture(&self) -> CudaResult<LaunchGraph> {
+        let ended = self.stream().end_capture(CUgraphInstantiate_flags(0))?;
+        self.stream()
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        match ended {
+            Some(graph) => Ok(LaunchGraph { graph }),
+            None => Err(CudaError::Invalid(
+                "a capture segment recorded nothing".into(),
+            )),
+        }
+    }
 }

@@ -267,6 +267,22 @@ pub struct ExpertCache {
     /// `[layer][matrix][expert]`: the card's address of each expert matrix in the page-locked file
     /// (empty when the file is not page-locked whole), for [`MissingExperts::Mapped`].
     mapped: Vec<[Vec<u64>; 3]>,
+    /// The host's time in copies on demand, admissions and table rewrites since [`ExpertCache::take_host_phases`].
+    host_phases: HostPhases,
+    /// Layers whose tables [`ExpertCache::prepare`] changed and rewrites once, at its end (or before the
+    /// copy stream waits for the compute stream, when a victim's entry must be cleared first).
+    dirty: Vec<usize>,
+}
+
+/// The host's time in parts of a single token's [`ExpertCache::prepare`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostPhases {
+    /// Queueing the copies on demand ([`ExpertCache::stage`], tables included).
+    pub stage: std::time::Duration,
+    /// Choosing and starting uploads.
+    pub admit: std::time::Duration,
+    /// Rewriting tables ([`ExpertCache::point_tables`], wherever called).
+    pub tables: std::time::Duration,
 }
 
 impl ExpertCache {
@@ -328,6 +344,8 @@ impl ExpertCache {
             cpu_fit: CpuCostFit::default(),
             mapped,
             layers,
+            host_phases: HostPhases::default(),
+            dirty: Vec::new(),
         })
     }
 
@@ -431,6 +449,11 @@ impl ExpertCache {
             copy_us_per_expert: self.costs.copy_per_expert * 1e6,
             ..self.stats
         }
+    }
+
+    /// The host's time in parts of single tokens' `prepare` since the last take.
+    pub fn take_host_phases(&mut self) -> HostPhases {
+        std::mem::take(&mut self.host_phases)
     }
 
     /// Counts `n` routings served from VRAM without looking at them (a cache that holds everything).
@@ -566,16 +589,27 @@ impl ExpertCache {
     /// Points `layer`'s tables at its resident experts, and at scratch slots for the experts staged for
     /// it (while it is the staged layer); null elsewhere. Queued on the compute stream.
     fn point_tables(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        let clock = std::time::Instant::now();
+        let r = self.point_tables_now(dev, layer);
+        self.host_phases.tables += clock.elapsed();
+        r
+    }
+
+    fn point_tables_now(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
         let staged: &[(usize, usize)] = match &self.staged {
             Some((l, map)) if *l == layer => map,
             _ => &[],
         };
         let l = &self.layers[layer];
         let mapped = self.reads_mapped();
+        // Each expert's slot looked up once for the three matrices.
+        let resident: Vec<Option<usize>> = (0..l.n_expert)
+            .map(|expert| self.policy.resident(ExpertKey { layer, expert }))
+            .collect();
         for (i, m) in l.mats.iter().enumerate() {
             let mut entries: Vec<Option<ExpertSource<'_>>> = (0..l.n_expert)
                 .map(|expert| {
-                    let slot = self.policy.resident(ExpertKey { layer, expert });
+                    let slot = resident[expert];
                     match (slot, self.pool.as_ref()) {
                         (Some(slot), Some(pool)) => Some(ExpertSource::Slot(SlotRef {
                             pool,
@@ -614,6 +648,21 @@ impl ExpertCache {
             }
         }
         if any {
+            self.mark_tables(layer);
+        }
+        Ok(())
+    }
+
+    /// Marks `layer`'s tables for the next [`ExpertCache::flush_tables`].
+    fn mark_tables(&mut self, layer: usize) {
+        if !self.dirty.contains(&layer) {
+            self.dirty.push(layer);
+        }
+    }
+
+    /// Rewrites the marked tables (queued on the compute stream).
+    fn flush_tables(&mut self, dev: &Device) -> CudaResult<()> {
+        while let Some(layer) = self.dirty.pop() {
             self.point_tables(dev, layer)?;
         }
         Ok(())
@@ -632,6 +681,20 @@ impl ExpertCache {
         layer: usize,
         n_tokens: usize,
         ids: &[i32],
+        fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
+    ) -> CudaResult<Option<CpuShare>> {
+        let share = self.prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch);
+        // The tables it changed, rewritten once before the layer's launches.
+        let flushed = self.flush_tables(dev);
+        let share = share?;
+        flushed.map(|()| share)
+    }
+
+    fn prepare_routing(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        (layer, n_tokens, ids): (usize, usize, &[i32]),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<Option<CpuShare>> {
         let n_expert = self.layers[layer].n_expert;
@@ -681,23 +744,28 @@ impl ExpertCache {
             MissingExperts::Split | MissingExperts::Cpu => 0,
             MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),
         };
+        // The CPU's inputs come first: once the copies below are queued, a download waits for them.
+        let (x, weights) = if missing_slots.len() > n_copy {
+            fetch()?
+        } else {
+            (Vec::new(), Vec::new())
+        };
         if n_copy > 0 {
             let copied: Vec<usize> = missing_slots
                 .drain(..n_copy)
                 .map(|j| ids[j] as usize)
                 .collect();
+            let clock = std::time::Instant::now();
             self.stage(dev, cpu, layer, &copied)?;
+            self.host_phases.stage += clock.elapsed();
             self.stats.staged_decode += copied.len() as u64;
             // An expert routed twice (never by one token, but kept correct) is on the card now.
             missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
         }
-        let (x, weights) = if missing_slots.is_empty() {
-            (Vec::new(), Vec::new())
-        } else {
-            fetch()?
-        };
         if missing_slots.is_empty() {
+            let clock = std::time::Instant::now();
             self.admit(dev, cpu, layer, &routed, &[])?;
+            self.host_phases.admit += clock.elapsed();
             return Ok(None);
         }
         if weights.len() != ids.len() {
@@ -713,7 +781,9 @@ impl ExpertCache {
         let mut on_cpu: Vec<usize> = (0..items.len()).collect();
         on_cpu.sort_by(|&a, &b| items[b].1.total_cmp(&items[a].1));
         let on_cpu: Vec<usize> = on_cpu.into_iter().map(|i| items[i].0).collect();
+        let clock = std::time::Instant::now();
         self.admit(dev, cpu, layer, &routed, &on_cpu)?;
+        self.host_phases.admit += clock.elapsed();
         let share = CpuShare {
             x,
             all: items.len() == ids.len(),
@@ -740,7 +810,8 @@ impl ExpertCache {
         dev.wait_for_copy(&copied)?;
         let map: Vec<(usize, usize)> = experts.iter().enumerate().map(|(s, &e)| (e, s)).collect();
         self.staged = Some((layer, map));
-        self.point_tables(dev, layer)
+        self.mark_tables(layer);
+        Ok(())
     }
 
     /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`; the CPU's
@@ -790,8 +861,9 @@ impl ExpertCache {
         victim_layers.sort_unstable();
         victim_layers.dedup();
         for l in victim_layers {
-            self.point_tables(dev, l)?;
+            self.mark_tables(l);
         }
+        self.flush_tables(dev)?;
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
         self.copy.wait_for_compute(dev)?;
         for u in plan {

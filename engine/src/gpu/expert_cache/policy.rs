@@ -62,6 +62,13 @@ pub struct CachePolicy {
     margin: f32,
     uploads: u64,
     evictions: u64,
+    /// Slots in [`SlotState::Free`].
+    n_free: usize,
+    /// A lower bound of every resident expert's score: the lowest at the last full scan and each layer's
+    /// tick then. Scores only fall by decay and newcomers enter above their victims, so the bound decayed
+    /// by the ticks since holds; a missing expert at or below it plus the margin cannot be admitted, and
+    /// [`CachePolicy::plan`] stops before scanning every slot (thousands, up to twice per layer and token).
+    coldest: Option<(f32, Vec<u64>)>,
 }
 
 impl CachePolicy {
@@ -83,6 +90,8 @@ impl CachePolicy {
             margin: Self::DEFAULT_MARGIN,
             uploads: 0,
             evictions: 0,
+            n_free: n_slots,
+            coldest: None,
         }
     }
 
@@ -163,7 +172,12 @@ impl CachePolicy {
         {
             self.slot_of[old.layer][old.expert] = None;
         }
+        // A placed expert may score below the bound.
+        self.coldest = None;
         if let Some(s) = self.slots.get_mut(slot) {
+            if *s == SlotState::Free {
+                self.n_free -= 1;
+            }
             *s = SlotState::Holds(key);
             self.slot_of[key.layer][key.expert] = Some(slot);
         }
@@ -213,7 +227,20 @@ impl CachePolicy {
                 continue;
             }
             let score = self.score[layer][e];
-            let slot = match self.slots.iter().position(|s| *s == SlotState::Free) {
+            if self.n_free == 0
+                && self
+                    .coldest_bound()
+                    .is_some_and(|b| score <= b + self.margin)
+            {
+                // No resident expert scores low enough for this one to replace it.
+                break;
+            }
+            let free = if self.n_free > 0 {
+                self.slots.iter().position(|s| *s == SlotState::Free)
+            } else {
+                None
+            };
+            let slot = match free {
                 Some(free) => Some((free, None)),
                 None => self.victim(layer, in_use).and_then(|(slot, victim)| {
                     let vs = self.score[victim.layer][victim.expert];
@@ -224,9 +251,12 @@ impl CachePolicy {
                 // The weakest resident expert beats this one; the rest score no higher.
                 break;
             };
-            if let Some(v) = victim {
-                self.slot_of[v.layer][v.expert] = None;
-                self.evictions += 1;
+            match victim {
+                Some(v) => {
+                    self.slot_of[v.layer][v.expert] = None;
+                    self.evictions += 1;
+                }
+                None => self.n_free -= 1,
             }
             let key = ExpertKey { layer, expert: e };
             self.slots[slot] = SlotState::Loading(key);
@@ -241,18 +271,34 @@ impl CachePolicy {
         out
     }
 
-    /// The resident expert of the lowest score (then the oldest last use), not among `in_use` of `layer`.
-    fn victim(&self, layer: usize, in_use: &[usize]) -> Option<(usize, ExpertKey)> {
+    /// [`CachePolicy::coldest`] decayed to now.
+    fn coldest_bound(&self) -> Option<f32> {
+        let (lowest, ticks) = self.coldest.as_ref()?;
+        let since = self
+            .tick
+            .iter()
+            .zip(ticks)
+            .map(|(now, then)| now.saturating_sub(*then))
+            .max()
+            .unwrap_or(0);
+        Some(lowest * self.decay.powi(since.min(i32::MAX as u64) as i32))
+    }
+
+    /// The resident expert of the lowest score (then the oldest last use), not among `in_use` of `layer`;
+    /// the scan also renews [`CachePolicy::coldest`].
+    fn victim(&mut self, layer: usize, in_use: &[usize]) -> Option<(usize, ExpertKey)> {
         let mut best: Option<(f32, u64, usize, ExpertKey)> = None;
+        let mut lowest = f32::INFINITY;
         for (slot, s) in self.slots.iter().enumerate() {
             let SlotState::Holds(k) = *s else { continue };
-            if k.layer == layer && in_use.contains(&k.expert) {
-                continue;
-            }
             let (score, last) = (
                 self.score[k.layer][k.expert],
                 self.last_use[k.layer][k.expert],
             );
+            lowest = lowest.min(score);
+            if k.layer == layer && in_use.contains(&k.expert) {
+                continue;
+            }
             let better = match best {
                 None => true,
                 Some((bs, bl, _, _)) => score < bs || (score == bs && last < bl),
@@ -261,6 +307,8 @@ impl CachePolicy {
                 best = Some((score, last, slot, k));
             }
         }
+        // Slots still loading hold experts that entered above their victims: above this bound too.
+        self.coldest = lowest.is_finite().then(|| (lowest, self.tick.clone()));
         best.map(|(_, _, slot, k)| (slot, k))
     }
 
@@ -276,6 +324,7 @@ impl CachePolicy {
         if let Some(SlotState::Loading(k) | SlotState::Holds(k)) = self.slots.get(slot).copied() {
             self.slot_of[k.layer][k.expert] = None;
             self.slots[slot] = SlotState::Free;
+            self.n_free += 1;
         }
     }
 
@@ -407,6 +456,61 @@ mod tests {
             ups.is_empty(),
             "expert 0 scores as high as 4 and 1 is in use: {ups:?}"
         );
+    }
+
+    /// Over a long run of skewed routings with admissions, the uploads planned with the bound equal those
+    /// a plan that scans every slot for every candidate would choose (the bound only skips scans).
+    #[test]
+    fn the_coldest_bound_changes_no_decision() {
+        let (layers, experts, slots) = (4, 32, 40);
+        let run = |bounded: bool| {
+            let mut p = CachePolicy::new(&vec![experts; layers], slots);
+            for (slot, k) in p
+                .initial_set(&vec![vec![1; experts]; layers])
+                .into_iter()
+                .enumerate()
+            {
+                p.place(slot, k);
+            }
+            let mut state = 12345u64;
+            let mut next = move |n: usize| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                // Skewed: the square of a uniform draw favours low ids.
+                let u = ((state >> 33) as f64) / (1u64 << 31) as f64;
+                ((u * u) * n as f64) as usize
+            };
+            let mut planned = Vec::new();
+            for _token in 0..300 {
+                for layer in 0..layers {
+                    let mut routed: Vec<usize> = (0..4).map(|_| next(experts)).collect();
+                    routed.sort_unstable();
+                    routed.dedup();
+                    p.record(layer, &routed, 1);
+                    if !bounded {
+                        p.coldest = None;
+                    }
+                    let missing: Vec<usize> = routed
+                        .iter()
+                        .copied()
+                        .filter(|&e| p.resident(key(layer, e)).is_none())
+                        .collect();
+                    for u in p.plan(layer, &missing, &routed, 2) {
+                        p.complete(u.slot);
+                        planned.push(u);
+                    }
+                }
+            }
+            planned
+        };
+        let (with, without) = (run(true), run(false));
+        assert!(
+            with.len() > 50,
+            "{} uploads: the run admitted too little",
+            with.len()
+        );
+        assert_eq!(with, without);
     }
 
     #[test]

@@ -31,6 +31,7 @@ use poly_models::compute::{
 };
 use rayon::prelude::*;
 
+use super::decode_graph::{HostPoint, HostTimes, MoeStep, MoeSteps};
 use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
 use super::profile::CallMarks;
@@ -127,6 +128,10 @@ pub struct GraphMode<'a> {
     pub capturing: bool,
     /// The embedding table and width `embed` read, for the host's writes before replays.
     pub embed: Option<(WeightId, usize)>,
+    /// The expert cache needs the host in each MoE layer: the graph is cut there ([`MoeSteps`]).
+    pub segmented: bool,
+    /// A segmented graph's MoE steps (made by the running call, reused by the capture).
+    pub steps: &'a mut MoeSteps,
 }
 
 /// What a call runs against: the device, the weights and the sequence on it, and the buffer pool.
@@ -136,7 +141,7 @@ pub struct Backing<'a> {
     pub cpu: &'a CpuWeights,
     pub seq: &'a mut DeviceSeq,
     pub pool: Rc<Pool>,
-    /// The routed experts' cache (holding every expert: a graph cannot wait for the CPU's share).
+    /// The routed experts' cache.
     pub experts: Option<&'a mut ExpertCache>,
 }
 

@@ -73,41 +73,15 @@ impl<'a> GpuForward<'a> {
             .experts
             .as_deref()
             .and_then(|c| c.layer_of(m.gate_exps));
-        // Router logits [n, n_expert], then ids and weights [n, k] on the card.
-        let t = self.op_begin();
-        let mut logits = self.pool.f32(dev, n * m.n_expert)?;
-        {
-            let mut la = DevAct {
-                rows: n,
-                cols: m.n_expert,
-                id: self.new_id(),
-                buf: Some(logits),
-                pool: self.pool.clone(),
-            };
-            let r = self.matmul_into(m.router, x, &mut la);
-            logits = la
-                .buf
-                .take()
-                .ok_or_else(|| CudaError::Invalid("router".into()))?;
-            r?;
+        if let (Some(layer), Some(g)) = (cached, self.graph.as_ref()) {
+            if g.segmented {
+                return self.moe_segmented(x, m, layer, out);
+            }
         }
-        self.op_end("moe.router", t);
-        let t = self.op_begin();
+        // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let mut ids = self.pool.i32(dev, slots)?;
         let mut weights = self.pool.f32(dev, slots)?;
-        let routing = Routing {
-            n_expert: m.n_expert,
-            k,
-            gating: match m.gating {
-                Gating::Softmax => KGating::Softmax,
-                Gating::Sigmoid => KGating::Sigmoid,
-            },
-            norm: m.norm_weights,
-            scale: m.weights_scale,
-        };
-        ops::route_topk(dev, &logits, &routing, &mut ids, &mut weights)?;
-        self.pool.put_f32(logits);
-        self.op_end("moe.route_topk", t);
+        self.route(x, m, &mut ids, &mut weights)?;
         // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
         let cpu_share = match (cached, self.experts.as_deref_mut()) {
             // A single token whose missing experts the kernels read from the mapped file needs nothing.
@@ -144,6 +118,140 @@ impl<'a> GpuForward<'a> {
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
         r
+    }
+
+    /// The router's logits `[n, n_expert]` of `x`, then each token's experts and weights `[n, k]` on the card.
+    fn route(
+        &self,
+        x: &DevAct,
+        m: &Moe,
+        ids: &mut DeviceBuffer<i32>,
+        weights: &mut DeviceBuffer<f32>,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let t = self.op_begin();
+        let mut la = DevAct {
+            rows: x.rows,
+            cols: m.n_expert,
+            id: self.new_id(),
+            buf: Some(self.pool.f32(dev, x.rows * m.n_expert)?),
+            pool: self.pool.clone(),
+        };
+        self.matmul_into(m.router, x, &mut la)?;
+        self.op_end("moe.router", t);
+        let t = self.op_begin();
+        let routing = Routing {
+            n_expert: m.n_expert,
+            k: m.n_expert_used,
+            gating: match m.gating {
+                Gating::Softmax => KGating::Softmax,
+                Gating::Sigmoid => KGating::Sigmoid,
+            },
+            norm: m.norm_weights,
+            scale: m.weights_scale,
+        };
+        ops::route_topk(dev, la.buf()?, &routing, ids, weights)?;
+        self.op_end("moe.route_topk", t);
+        Ok(())
+    }
+
+    /// One token's MoE layer of a segmented decode graph ([`super::super::decode_graph`]): the router
+    /// into the step's buffers, a host point (the cache makes the routed experts computable), the card's
+    /// experts, a host point (the CPU's share summed into the step's `cpu_sum`), then the card's weighted
+    /// sum added to it. Running, the host points run here; capturing, the capture is cut there and a
+    /// replay runs them.
+    fn moe_segmented(
+        &mut self,
+        x: &DevAct,
+        m: &Moe,
+        layer: usize,
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        let g = self
+            .graph
+            .as_mut()
+            .ok_or_else(|| CudaError::Invalid("a segmented MoE step outside a graph".into()))?;
+        let (i, capturing) = (g.steps.next, g.capturing);
+        g.steps.next += 1;
+        if !capturing && i == g.steps.steps.len() {
+            g.steps
+                .steps
+                .push(Some(MoeStep::new(dev, layer, m, x.cols)?));
+        }
+        let mut step = g
+            .steps
+            .steps
+            .get_mut(i)
+            .and_then(Option::take)
+            .ok_or_else(|| CudaError::Invalid(format!("MoE step {i} was not made")))?;
+        let r = self.moe_step(x, m, (i, &mut step, capturing), out);
+        if let Some(slot) = self.graph.as_mut().and_then(|g| g.steps.steps.get_mut(i)) {
+            *slot = Some(step);
+        }
+        r
+    }
+
+    fn moe_step(
+        &mut self,
+        x: &DevAct,
+        m: &Moe,
+        (i, step, capturing): (usize, &mut MoeStep, bool),
+        out: &mut DevAct,
+    ) -> CudaResult<()> {
+        let dev = self.dev;
+        self.route(x, m, &mut step.ids, &mut step.weights)?;
+        dev.copy(x.buf()?, &mut step.x)?;
+        let share = if capturing {
+            self.cut(HostPoint::Route(i))?;
+            None
+        } else {
+            let cache = self.experts.as_deref_mut().ok_or_else(|| {
+                CudaError::Invalid("a segmented MoE step without its cache".into())
+            })?;
+            step.route((dev, self.cpu), cache, &mut HostTimes::default())?
+        };
+        let tables = self.expert_tables(m, Some(step.layer))?;
+        let y = self.moe_slots(x, &step.ids, m, tables)?;
+        let r = if capturing {
+            self.cut(HostPoint::CpuShare(i))
+        } else {
+            match self.experts.as_deref_mut() {
+                Some(cache) => {
+                    step.cpu_share((dev, self.cpu), cache, share, &mut HostTimes::default())
+                }
+                None => Err(CudaError::Invalid(
+                    "a segmented MoE step without its cache".into(),
+                )),
+            }
+        };
+        let t = self.op_begin();
+        let r = r
+            .and_then(|()| dev.copy(&step.cpu_sum, out.buf_mut()?))
+            .and_then(|()| {
+                ops::moe_combine(
+                    dev,
+                    &y,
+                    &step.weights,
+                    m.n_expert_used,
+                    true,
+                    out.buf_mut()?,
+                )
+            });
+        self.pool.put_f32(y);
+        self.op_end("moe.combine", t);
+        r
+    }
+
+    /// Ends the graph captured so far as a segment followed by the host's `point`.
+    fn cut(&mut self, point: HostPoint) -> CudaResult<()> {
+        let segment = self.dev.cut_capture()?;
+        let g = self
+            .graph
+            .as_mut()
+            .ok_or_else(|| CudaError::Invalid("a capture cut outside a graph".into()))?;
+        g.steps.segments.push((segment, point));
+        Ok(())
     }
 
     /// The card's experts (grouped by expert for a prompt, slot by slot for one token) and, while the card
