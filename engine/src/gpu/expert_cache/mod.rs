@@ -167,6 +167,9 @@ pub struct CpuShare {
     pub items: Vec<(usize, f32)>,
     /// Every routing of the token is in it (the card has nothing to compute).
     pub all: bool,
+    /// The host's time fetching `x` and the weights from the card: part of the CPU's cost (the card
+    /// waits meanwhile), counted with its compute time in the split's measured costs.
+    pub fetch_seconds: f64,
 }
 
 impl CpuShare {
@@ -180,7 +183,7 @@ impl CpuShare {
         let t = std::time::Instant::now();
         let sum = self.compute(cpu, m);
         if let Some(c) = cache {
-            let seconds = t.elapsed().as_secs_f64();
+            let seconds = t.elapsed().as_secs_f64() + self.fetch_seconds;
             c.stats.cpu_experts += self.items.len() as u64;
             c.stats.cpu_seconds += seconds;
             if !self.items.is_empty() {
@@ -745,11 +748,13 @@ impl ExpertCache {
             MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),
         };
         // The CPU's inputs come first: once the copies below are queued, a download waits for them.
+        let fetching = std::time::Instant::now();
         let (x, weights) = if missing_slots.len() > n_copy {
             fetch()?
         } else {
             (Vec::new(), Vec::new())
         };
+        let fetch_seconds = fetching.elapsed().as_secs_f64();
         if n_copy > 0 {
             let copied: Vec<usize> = missing_slots
                 .drain(..n_copy)
@@ -788,6 +793,7 @@ impl ExpertCache {
             x,
             all: items.len() == ids.len(),
             items,
+            fetch_seconds,
         };
         Ok(Some(share))
     }

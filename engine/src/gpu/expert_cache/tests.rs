@@ -87,6 +87,7 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
         x: x.clone(),
         items: routes.iter().map(|&(e, p)| (e as usize, p)).collect(),
         all: true,
+        fetch_seconds: 0.0,
     };
     assert_eq!(all.compute(&w, &m), whole.row(0));
     // Two on the CPU, two elsewhere: the parts add up to the block (to rounding).
@@ -95,6 +96,7 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
             x: x.clone(),
             items: r.iter().map(|&(e, p)| (e as usize, p)).collect(),
             all: false,
+            fetch_seconds: 0.0,
         }
         .compute(&w, &m)
     };
