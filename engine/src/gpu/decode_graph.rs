@@ -104,7 +104,6 @@ impl MoeStep {
         times.prepare += clock.elapsed();
         let parts = cache.take_host_phases();
         times.stage += parts.stage;
-        times.admit += parts.admit;
         times.tables += parts.tables;
         times.steps += 1;
         share
@@ -134,7 +133,9 @@ impl MoeStep {
         }
         times.cpu_share += clock.elapsed();
         let clock = Instant::now();
-        let r = cache.finish_layer(dev, self.layer);
+        cache.take_host_phases();
+        let r = cache.finish_layer(dev, cpu, self.layer);
+        times.admit += cache.take_host_phases().admit;
         times.finish += clock.elapsed();
         r
     }
@@ -153,7 +154,8 @@ pub struct HostTimes {
     pub cpu_share: Duration,
     /// [`ExpertCache::finish_layer`].
     pub finish: Duration,
-    /// Parts of `prepare`: the copies on demand queued, admissions, table rewrites.
+    /// Parts: the copies on demand queued and the table rewrites of `prepare`, the admissions (started
+    /// when the layer finishes, within `finish`).
     pub stage: Duration,
     pub admit: Duration,
     pub tables: Duration,

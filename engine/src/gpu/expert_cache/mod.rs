@@ -272,6 +272,11 @@ pub struct ExpertCache {
     mapped: Vec<[Vec<u64>; 3]>,
     /// The host's time in copies on demand, admissions and table rewrites since [`ExpertCache::take_host_phases`].
     host_phases: HostPhases,
+    /// A single token's admission (its layer, routed experts and the CPU's experts, likeliest first),
+    /// started at [`ExpertCache::finish_layer`]: the uploads are for later tokens, so their host work
+    /// (choosing victims, queueing copies, clearing table entries) overlaps the card's experts instead of
+    /// delaying them.
+    admission: Option<(usize, Vec<usize>, Vec<usize>)>,
     /// Layers whose tables [`ExpertCache::prepare`] changed and rewrites once, at its end (or before the
     /// copy stream waits for the compute stream, when a victim's entry must be cleared first).
     dirty: Vec<usize>,
@@ -348,6 +353,7 @@ impl ExpertCache {
             mapped,
             layers,
             host_phases: HostPhases::default(),
+            admission: None,
             dirty: Vec::new(),
         })
     }
@@ -768,9 +774,7 @@ impl ExpertCache {
             missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
         }
         if missing_slots.is_empty() {
-            let clock = std::time::Instant::now();
-            self.admit(dev, cpu, layer, &routed, &[])?;
-            self.host_phases.admit += clock.elapsed();
+            self.admission = Some((layer, routed, Vec::new()));
             return Ok(None);
         }
         if weights.len() != ids.len() {
@@ -786,9 +790,7 @@ impl ExpertCache {
         let mut on_cpu: Vec<usize> = (0..items.len()).collect();
         on_cpu.sort_by(|&a, &b| items[b].1.total_cmp(&items[a].1));
         let on_cpu: Vec<usize> = on_cpu.into_iter().map(|i| items[i].0).collect();
-        let clock = std::time::Instant::now();
-        self.admit(dev, cpu, layer, &routed, &on_cpu)?;
-        self.host_phases.admit += clock.elapsed();
+        self.admission = Some((layer, routed, on_cpu));
         let share = CpuShare {
             x,
             all: items.len() == ids.len(),
@@ -888,7 +890,14 @@ impl ExpertCache {
     }
 
     /// After `layer`'s expert launches: tables that point at scratch slots point back.
-    pub fn finish_layer(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+    pub fn finish_layer(&mut self, dev: &Device, cpu: &CpuWeights, layer: usize) -> CudaResult<()> {
+        if let Some((l, routed, on_cpu)) = self.admission.take() {
+            if l == layer {
+                let clock = std::time::Instant::now();
+                self.admit(dev, cpu, layer, &routed, &on_cpu)?;
+                self.host_phases.admit += clock.elapsed();
+            }
+        }
         if self.staged.as_ref().is_some_and(|(l, _)| *l == layer) {
             self.staged = None;
             self.point_tables(dev, layer)?;

@@ -113,7 +113,7 @@ impl<'a> GpuForward<'a> {
             Ok(())
         };
         if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
-            cache.finish_layer(dev, layer)?;
+            cache.finish_layer(dev, self.cpu, layer)?;
         }
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
