@@ -260,4 +260,82 @@ pub trait Compute {
 
     /// The batch this forward call runs.
     fn batch(&self) -> Batch<'_>;
+
+    // ----- Compound operations ------------------------------------------------------------------------
+    // Sequences of the operations above that an architecture runs on every layer. Their default bodies are
+    // exactly those sequences (see [`composed`]), so a backend computes the same values whether it fuses
+    // them or not; the GPU backend overrides them with one launch each where the shapes allow, to save the
+    // launches of one token's forward call.
+
+    /// `a + b` and the RMS norm of that sum (see [`Compute::rms_norm`]): the residual add at the end of a
+    /// block and the norm at the start of the next. Returns `(sum, normed)`.
+    fn add_rms_norm(
+        &mut self,
+        a: &Self::Act,
+        b: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (Self::Act, Self::Act) {
+        composed::add_rms_norm(self, a, b, weight, eps, group)
+    }
+
+    /// The RMS norm of each head (`rope.head_dim` columns) times `weight`, then RoPE: the per-head Q or K
+    /// norm of Qwen3 and Gemma 3 followed by the rotation.
+    fn rms_norm_rope(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        rope: &Rope,
+    ) -> Self::Act {
+        composed::rms_norm_rope(self, x, weight, eps, rope)
+    }
+
+    /// `x·Wᵀ` for each of several matrices of the same input (the q, k and v projections), in order.
+    fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &Self::Act) -> [Self::Act; N] {
+        composed::matmul_many(self, ws, x)
+    }
+}
+
+/// The compound operations of [`Compute`] as the sequences of primitive operations they stand for: the
+/// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
+/// kernel (or fusion is switched off).
+pub mod composed {
+    use super::{Compute, Rope, WeightId};
+
+    /// [`Compute::add_rms_norm`]: `add` then `rms_norm`.
+    pub fn add_rms_norm<C: Compute + ?Sized>(
+        c: &mut C,
+        a: &C::Act,
+        b: &C::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (C::Act, C::Act) {
+        let sum = c.add(a, b);
+        let normed = c.rms_norm(&sum, weight, eps, group);
+        (sum, normed)
+    }
+
+    /// [`Compute::rms_norm_rope`]: `rms_norm` over each head then `rope`.
+    pub fn rms_norm_rope<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        rope: &Rope,
+    ) -> C::Act {
+        let normed = c.rms_norm(x, weight, eps, rope.head_dim);
+        c.rope(&normed, rope)
+    }
+
+    /// [`Compute::matmul_many`]: one `matmul` per matrix, in order.
+    pub fn matmul_many<C: Compute + ?Sized, const N: usize>(
+        c: &mut C,
+        ws: [WeightId; N],
+        x: &C::Act,
+    ) -> [C::Act; N] {
+        ws.map(|w| c.matmul(w, x))
+    }
 }

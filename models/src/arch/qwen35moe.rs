@@ -669,12 +669,9 @@ impl Qwen35MoeGraph {
         let (n_k, n_v, head) = self.delta_dims();
         let (key_dim, value_dim) = (n_k * head, n_v * head);
 
-        let qkv = c.matmul(m.qkv, x);
-        let z = c.matmul(m.z, x);
-        let beta = c.matmul(m.beta, x);
+        let [qkv, z, beta, alpha] = c.matmul_many([m.qkv, m.z, m.beta, m.alpha], x);
         let beta = c.unary(&beta, Unary::Sigmoid);
         // gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
-        let alpha = c.matmul(m.alpha, x);
         let alpha = c.add_weight(&alpha, m.dt_bias);
         let alpha = c.unary(&alpha, Unary::Softplus);
         let gate = c.mul_weight(&alpha, m.a);
@@ -746,15 +743,11 @@ impl Qwen35MoeGraph {
             window: None,
             softcap: None,
         };
-        let q_gate = c.matmul(m.wq_gate, x);
+        let [q_gate, k, v] = c.matmul_many([m.wq_gate, m.wk, m.wv], x);
         let q = c.head_part(&q_gate, head_dim, 2, 0);
         let gate = c.head_part(&q_gate, head_dim, 2, 1);
-        let k = c.matmul(m.wk, x);
-        let v = c.matmul(m.wv, x);
-        let q = c.rms_norm(&q, Some(m.q_norm), eps, head_dim);
-        let k = c.rms_norm(&k, Some(m.k_norm), eps, head_dim);
-        let q = c.rope(&q, &rope);
-        let k = c.rope(&k, &rope);
+        let q = c.rms_norm_rope(&q, Some(m.q_norm), eps, &rope);
+        let k = c.rms_norm_rope(&k, Some(m.k_norm), eps, &rope);
         let out = c.attention(il, &q, &k, &v, &attn);
         let gate = c.unary(&gate, Unary::Sigmoid);
         let out = c.mul(&out, &gate);
@@ -765,12 +758,10 @@ impl Qwen35MoeGraph {
     fn ffn<C: Compute>(&self, c: &mut C, il: usize, b: &Block, x: &C::Act) -> C::Act {
         let moe_out = c.moe(il, x, &b.moe);
         let s = &b.shexp;
-        let gate = c.matmul(s.gate, x);
+        let [gate, up, scale] = c.matmul_many([s.gate, s.up, s.gate_inp], x);
         let gate = c.unary(&gate, Unary::Silu);
-        let up = c.matmul(s.up, x);
         let h = c.mul(&gate, &up);
         let shared = c.matmul(s.down, &h);
-        let scale = c.matmul(s.gate_inp, x);
         let scale = c.unary(&scale, Unary::Sigmoid);
         let shared = c.mul(&shared, &scale);
         c.add(&moe_out, &shared)
@@ -814,23 +805,27 @@ impl Forward for Qwen35MoeGraph {
         };
 
         let mut inp = c.embed(self.tok_embd, &tokens);
+        // The normed input of the next block (or of the output): each block's closing residual add comes
+        // with it (`add_rms_norm`), so only the first block's norm stands alone.
+        let mut cur = c.rms_norm(&inp, Some(self.blocks[0].attn_norm), eps, n_embd);
         for (il, b) in self.blocks.iter().enumerate() {
-            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
-            let cur = match &b.mixer {
+            let mixed = match &b.mixer {
                 Mixer::DeltaNet(m) => self.delta_net(c, il, m, &cur),
                 Mixer::Attention(m) => self.attention(c, il, m, &cur),
             };
             // Every row goes through the last block too: llama.cpp keeps them all (its MTP head reads the
             // final hidden states; `embeddings_nextn_masked` is off) and picks the wanted rows only after
             // the output norm, and a batch of one row would sum some products in other orders.
-            let ffn_residual = c.add(&cur, &inp);
-
             // The post-attention norm is the FFN's input norm.
-            let cur = c.rms_norm(&ffn_residual, Some(b.post_attn_norm), eps, n_embd);
-            let ffn_out = self.ffn(c, il, b, &cur);
-            inp = c.add(&ffn_out, &ffn_residual);
+            let (ffn_residual, ffn_in) =
+                c.add_rms_norm(&mixed, &inp, Some(b.post_attn_norm), eps, n_embd);
+            let ffn_out = self.ffn(c, il, b, &ffn_in);
+            let next_norm = match self.blocks.get(il + 1) {
+                Some(next) => next.attn_norm,
+                None => self.output_norm,
+            };
+            (inp, cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(next_norm), eps, n_embd);
         }
-        let mut cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
         if out_rows.len() < tokens.len() {
             cur = c.rows(&cur, &out_rows);
         }

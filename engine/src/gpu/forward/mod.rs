@@ -38,6 +38,7 @@ use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
 use crate::cpu::CpuWeights;
 
+mod fused;
 mod moe;
 
 /// Blocks the split-K attention aims for on one token (a few per SM of a large card).
@@ -993,5 +994,25 @@ impl Compute for GpuForward<'_> {
             pos0: self.pos0 as u32,
             logits: self.logits,
         }
+    }
+
+    // The compound operations as fused kernels (`fused.rs`).
+    fn add_rms_norm(
+        &mut self,
+        a: &DevAct,
+        b: &DevAct,
+        w: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (DevAct, DevAct) {
+        self.fused_add_rms_norm((a, b), w, eps, group)
+    }
+
+    fn rms_norm_rope(&mut self, x: &DevAct, w: Option<WeightId>, eps: f32, r: &Rope) -> DevAct {
+        self.fused_rms_norm_rope(x, w, eps, r)
+    }
+
+    fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &DevAct) -> [DevAct; N] {
+        self.fused_matmul_many(ws, x)
     }
 }

@@ -1,0 +1,158 @@
+//! The compound operations of [`Compute`] on the card ([`poly_kernels::cuda::fused`]): the residual add with
+//! the norm after it, the per-head norm with the RoPE after it, and one token's projections of one input in
+//! one launch. Each fused kernel gives the values of the launches it replaces, so only the launch count
+//! changes. `POLY_FUSE=off` runs the primitive sequences instead ([`poly_models::compute::composed`]), for
+//! before/after measurements; so does any shape a fused kernel does not take.
+
+use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
+use poly_kernels::cuda::{BlockQ8_1, CudaResult, DeviceBuffer, DeviceMatrix};
+use poly_models::compute::{composed, Rope, WeightId};
+
+use super::{rope_params, DevAct, GpuForward};
+use crate::gpu::weights::GpuWeight;
+
+/// Whether the compound operations run as fused kernels (`POLY_FUSE=off`: as their primitive operations).
+pub fn fuse_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("POLY_FUSE").map_or(true, |v| v.trim() != "off"))
+}
+
+impl GpuForward<'_> {
+    /// [`poly_models::compute::Compute::add_rms_norm`]: one launch. One token's whole-row norm also
+    /// writes its quantized copy for the matrices it feeds (as `rms_norm` does).
+    pub(super) fn fused_add_rms_norm(
+        &mut self,
+        (a, b): (&DevAct, &DevAct),
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (DevAct, DevAct) {
+        let fits = a.rows == b.rows && a.cols == b.cols && group > 0;
+        if !fuse_on() || !fits {
+            return composed::add_rms_norm(self, a, b, weight, eps, group);
+        }
+        let mut sum = self.alloc(a.rows, a.cols);
+        let mut out = self.alloc(a.rows, a.cols);
+        self.run("add_rms_norm", a.len() == 0, |c| {
+            let w = weight.map(|w| c.vector(w)).transpose()?;
+            let inputs = (a.buf()?, b.buf()?);
+            if a.rows == 1 && group == a.cols && group.is_multiple_of(BlockQ8_1::ELEMS) {
+                let out_id = out.id;
+                let outs = (sum.buf_mut()?, out.buf_mut()?);
+                return c.with_new_q8(out_id, a.len() / BlockQ8_1::ELEMS, |q| {
+                    fused::add_rms_norm(c.dev, inputs, group, w.as_deref(), eps, outs, Some(q))
+                });
+            }
+            let outs = (sum.buf_mut()?, out.buf_mut()?);
+            fused::add_rms_norm(c.dev, inputs, group, w.as_deref(), eps, outs, None)
+        });
+        (sum, out)
+    }
+
+    /// [`poly_models::compute::Compute::rms_norm_rope`]: one launch.
+    pub(super) fn fused_rms_norm_rope(
+        &mut self,
+        x: &DevAct,
+        weight: Option<WeightId>,
+        eps: f32,
+        rope: &Rope,
+    ) -> DevAct {
+        let fits = rope.head_dim > 0
+            && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
+            && x.cols.is_multiple_of(rope.head_dim);
+        if !fuse_on() || !fits {
+            return composed::rms_norm_rope(self, x, weight, eps, rope);
+        }
+        let mut out = self.alloc(x.rows, x.cols);
+        let p = rope_params(rope);
+        self.run("rms_norm_rope", x.len() == 0, |c| {
+            let w = weight.map(|w| c.vector(w)).transpose()?;
+            let o = out.buf_mut()?;
+            fused::rms_norm_rope(c.dev, (x.buf()?, w.as_deref()), eps, c.positions()?, &p, o)
+        });
+        out
+    }
+
+    /// [`poly_models::compute::Compute::matmul_many`]: for one token, the quantized matrices of one format
+    /// and width in one launch (up to [`MATVEC_MANY_MAX`]), the others one by one; a prompt's one by one.
+    pub(super) fn fused_matmul_many<const N: usize>(
+        &mut self,
+        ws: [WeightId; N],
+        x: &DevAct,
+    ) -> [DevAct; N] {
+        if !fuse_on() || x.rows != 1 || N < 2 {
+            return composed::matmul_many(self, ws, x);
+        }
+        let rows = ws.map(|w| self.out_rows(w));
+        let mut ys: [DevAct; N] = std::array::from_fn(|i| self.alloc(x.rows, rows[i]));
+        self.run("matmul_many", x.len() == 0, |c| {
+            let weights = c.weights;
+            // Groups of matrices one launch takes (indices into ws, in order); the rest alone.
+            let mut groups: Vec<Vec<(usize, &DeviceMatrix)>> = Vec::new();
+            let mut alone = Vec::new();
+            for (i, &w) in ws.iter().enumerate() {
+                match weights.matrix(w)? {
+                    GpuWeight::Quant(m) if fused::many_takes(m.ty) => {
+                        let same = |g: &&mut Vec<(usize, &DeviceMatrix)>| {
+                            g.len() < MATVEC_MANY_MAX
+                                && g.first()
+                                    .is_some_and(|(_, f)| f.ty == m.ty && f.cols == m.cols)
+                        };
+                        match groups.iter_mut().find(same) {
+                            Some(g) => g.push((i, m)),
+                            None => groups.push(vec![(i, m)]),
+                        }
+                    }
+                    _ => alone.push(i),
+                }
+            }
+            for group in &groups {
+                if let [(i, _)] = group.as_slice() {
+                    alone.push(*i);
+                    continue;
+                }
+                let mats: Vec<&DeviceMatrix> = group.iter().map(|(_, m)| *m).collect();
+                let mut outs = ys
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| group.iter().any(|(g, _)| g == i))
+                    .map(|(_, y)| y.buf_mut())
+                    .collect::<CudaResult<Vec<_>>>()?;
+                let dev = c.dev;
+                c.with_q8(Some(x.id), x.buf()?, |xq| {
+                    fused::matvec_q_many(dev, &mats, xq, &mut outs)
+                })?;
+            }
+            for i in alone {
+                c.matmul_into(ws[i], x, &mut ys[i])?;
+            }
+            Ok(())
+        });
+        ys
+    }
+
+    /// Runs `f` on a new quantized-input buffer of `blocks` blocks and keeps it in the cache as the
+    /// quantized copy of activation `id` (the buffer `rms_norm_quantized` keeps).
+    fn with_new_q8(
+        &self,
+        id: u64,
+        blocks: usize,
+        f: impl FnOnce(&mut DeviceBuffer<BlockQ8_1>) -> CudaResult<()>,
+    ) -> CudaResult<()> {
+        let mut cache = self.q8_cache.borrow_mut();
+        if let Some((_, old)) = cache.take() {
+            self.pool.put_q8(old);
+        }
+        let mut q = self.pool.q8(self.dev, blocks)?;
+        match f(&mut q) {
+            Ok(()) => {
+                *cache = Some((id, q));
+                Ok(())
+            }
+            Err(e) => {
+                self.pool.put_q8(q);
+                Err(e)
+            }
+        }
+    }
+}
