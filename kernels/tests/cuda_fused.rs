@@ -1,0 +1,389 @@
+//! The fused kernels of `poly_kernels::cuda::fused` against the CPU operations they stand for, on random
+//! inputs (normalized error, as `cuda_ops.rs`), and against the GPU launches they replace, bit for bit (a
+//! fused forward pass must give the unfused pass's values): the residual add with the RMS norm (and its
+//! quantized copy), the per-head RMS norm with RoPE, and several quantized matrices times one vector.
+//!
+//! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
+//! passes. Cost: a few seconds on an H200 (NVRTC compiling three modules, or reading them from the cache).
+
+#![cfg(feature = "cuda")]
+
+use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast};
+use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX};
+use poly_kernels::cuda::ops;
+use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix};
+use poly_kernels::matmul::{matvec, QuantMatrix};
+use poly_kernels::ops::norm::rms_norm;
+use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
+use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::rng::Rng;
+use std::sync::Arc;
+
+fn device() -> Option<Arc<Device>> {
+    match Device::open(0) {
+        Ok(d) => Some(d),
+        Err(CudaError::NoDevice(why)) => {
+            println!("skipped: no CUDA device ({why})");
+            None
+        }
+        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
+    }
+}
+
+fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.normal()).collect()
+}
+
+/// NMSE = Σ(gpu − cpu)² / Σ cpu².
+fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
+    assert_eq!(gpu.len(), cpu.len());
+    let err: f64 = gpu
+        .iter()
+        .zip(cpu)
+        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
+        .sum();
+    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
+    err / norm.max(f64::MIN_POSITIVE)
+}
+
+fn check_nmse(failures: &mut Vec<String>, what: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
+    let e = nmse(gpu, cpu);
+    println!("{what}: nmse {e:.3e} (bound {bound:.0e})");
+    if e.is_nan() || e > bound {
+        failures.push(format!("{what}: nmse {e:.3e} above {bound:.0e}"));
+    }
+}
+
+fn check_bits(failures: &mut Vec<String>, what: &str, fused: &[f32], separate: &[f32]) {
+    let differ = fused
+        .iter()
+        .zip(separate)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if differ > 0 || fused.len() != separate.len() {
+        failures.push(format!(
+            "{what}: {differ} of {} values differ from the separate launches",
+            separate.len()
+        ));
+    }
+}
+
+fn assert_no_failures(failures: Vec<String>) {
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn add_rms_norm_matches_the_cpu_and_the_two_launches() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(70);
+    let mut failures = Vec::new();
+    // (group, rows, weighted): a qwen3moe row, heads, a group past 1024 threads, an odd group.
+    for (group, rows, weighted) in [
+        (2048, 3, true),
+        (128, 16, false),
+        (5120, 2, true),
+        (100, 7, true),
+    ] {
+        let n = group * rows;
+        let a: Vec<f32> = normals(&mut rng, n).iter().map(|v| v * 3.0).collect();
+        let b = normals(&mut rng, n);
+        let w = normals(&mut rng, group);
+        let sum_cpu: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        let mut want = vec![0f32; n];
+        rms_norm(&sum_cpu, group, weighted.then_some(&w[..]), 1e-6, &mut want);
+
+        let (ad, bd, wd) = (
+            dev.upload(&a).unwrap(),
+            dev.upload(&b).unwrap(),
+            dev.upload(&w).unwrap(),
+        );
+        let wopt = weighted.then_some(&wd);
+        let mut sum = dev.zeros::<f32>(n).unwrap();
+        let mut out = dev.zeros::<f32>(n).unwrap();
+        fused::add_rms_norm(
+            &dev,
+            (&ad, &bd),
+            group,
+            wopt,
+            1e-6,
+            (&mut sum, &mut out),
+            None,
+        )
+        .unwrap();
+        let (got_sum, got) = (dev.download(&sum).unwrap(), dev.download(&out).unwrap());
+        let what = format!("add_rms_norm group {group} rows {rows}");
+        check_nmse(
+            &mut failures,
+            &format!("{what} sum"),
+            &got_sum,
+            &sum_cpu,
+            0.0,
+        );
+        check_nmse(&mut failures, &what, &got, &want, 1e-11);
+
+        // The launches it replaces: ew add, then rms_norm.
+        let mut sum2 = dev.zeros::<f32>(n).unwrap();
+        let mut out2 = dev.zeros::<f32>(n).unwrap();
+        ew::binary(
+            &dev,
+            &ad,
+            &bd,
+            group,
+            BinaryOp::Add,
+            Broadcast::None,
+            &mut sum2,
+        )
+        .unwrap();
+        ops::rms_norm(&dev, &sum2, group, wopt, 1e-6, &mut out2).unwrap();
+        check_bits(&mut failures, &what, &got, &dev.download(&out2).unwrap());
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn add_rms_norm_quantized_copy_equals_rms_norm_quantize() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(71);
+    let mut failures = Vec::new();
+    // One token's row (the decode path), and several rows.
+    for (group, rows) in [(2048, 1), (4096, 1), (1024, 3), (64, 5)] {
+        let n = group * rows;
+        let a = normals(&mut rng, n);
+        let b = normals(&mut rng, n);
+        let w = normals(&mut rng, group);
+        let (ad, bd, wd) = (
+            dev.upload(&a).unwrap(),
+            dev.upload(&b).unwrap(),
+            dev.upload(&w).unwrap(),
+        );
+        let mut sum = dev.zeros::<f32>(n).unwrap();
+        let mut out = dev.zeros::<f32>(n).unwrap();
+        let mut q = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+        fused::add_rms_norm(
+            &dev,
+            (&ad, &bd),
+            group,
+            Some(&wd),
+            1e-6,
+            (&mut sum, &mut out),
+            Some(&mut q),
+        )
+        .unwrap();
+        let mut out2 = dev.zeros::<f32>(n).unwrap();
+        let mut q2 = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+        ops::rms_norm_quantize_q8_1(&dev, &sum, group, Some(&wd), 1e-6, (&mut out2, &mut q2))
+            .unwrap();
+        let what = format!("add_rms_norm q8_1 group {group} rows {rows}");
+        check_bits(
+            &mut failures,
+            &what,
+            &dev.download(&out).unwrap(),
+            &dev.download(&out2).unwrap(),
+        );
+        let (got_q, want_q) = (dev.download(&q).unwrap(), dev.download(&q2).unwrap());
+        let same = got_q
+            .iter()
+            .zip(&want_q)
+            .all(|(x, y)| x.d() == y.d() && x.s() == y.s() && (0..32).all(|i| x.q(i) == y.q(i)));
+        if !same {
+            failures.push(format!("{what}: the quantized copy differs"));
+        }
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn rms_norm_rope_matches_the_cpu_and_the_two_launches() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(72);
+    let positions: Vec<u32> = vec![0, 1, 7, 100, 2047, 40_000];
+    let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let posd = dev.upload(&pos).unwrap();
+    let mut failures = Vec::new();
+    // (mode, head_dim, n_rot, base, n_heads, weighted): Qwen3 (128, whole head), Qwen3.5 (256, 64 rotated),
+    // Gemma 3 270M (256), a head past 1024 threads, the normal pairing.
+    for (mode, head_dim, n_rot, base, n_heads, weighted) in [
+        (RopeMode::Neox, 128, 128, 1.0e6f32, 4, true),
+        (RopeMode::Neox, 256, 64, 1.0e7, 2, true),
+        (RopeMode::Neox, 256, 256, 1.0e4, 1, false),
+        (RopeMode::Neox, 2048, 2048, 1.0e4, 1, true),
+        (RopeMode::Normal, 64, 32, 1.0e4, 3, true),
+    ] {
+        let p = RopeParams {
+            mode,
+            head_dim,
+            n_rot,
+            freq_base: base,
+            freq_scale: 1.0,
+        };
+        let x: Vec<f32> = normals(&mut rng, positions.len() * n_heads * head_dim)
+            .iter()
+            .map(|v| v * 2.0 + 0.3)
+            .collect();
+        let w = normals(&mut rng, head_dim);
+        let wopt = weighted.then_some(&w[..]);
+        let mut want = vec![0f32; x.len()];
+        rms_norm(&x, head_dim, wopt, 1e-6, &mut want);
+        rope(&mut want, &positions, &p);
+
+        let xd = dev.upload(&x).unwrap();
+        let wd = dev.upload(&w).unwrap();
+        let wdopt = weighted.then_some(&wd);
+        let mut out = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
+        fused::rms_norm_rope(&dev, (&xd, wdopt), 1e-6, &posd, &p, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        let what = format!("rms_norm_rope {mode:?} head {head_dim} n_rot {n_rot}");
+        // The rope test's bound (sin/cos of large angles round differently on the two sides).
+        check_nmse(&mut failures, &what, &got, &want, 1e-10);
+
+        let mut normed = dev.zeros::<f32>(x.len()).unwrap();
+        ops::rms_norm(&dev, &xd, head_dim, wdopt, 1e-6, &mut normed).unwrap();
+        let mut out2 = dev.zeros::<f32>(x.len()).unwrap();
+        ops::rope_into(&dev, &normed, &posd, &p, &mut out2).unwrap();
+        check_bits(&mut failures, &what, &got, &dev.download(&out2).unwrap());
+    }
+    assert_no_failures(failures);
+}
+
+fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
+    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
+    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
+    w
+}
+
+/// Bound of a quantized matrix×vector against the CPU (as `cuda_ops.rs`): the two sides quantize the
+/// activation to different formats.
+const MATVEC_Q_NMSE: f64 = 5e-4;
+
+/// `rows` matrices of `ty` and `cols` columns times one vector in one launch, against the CPU and against
+/// one `matvec_q` per matrix.
+fn check_many(dev: &Device, ty: GgmlType, rows: &[usize], cols: usize, seed: u64) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut rng = Rng::new(seed);
+    let x = normals(&mut rng, cols);
+    let host: Vec<Vec<u8>> = rows
+        .iter()
+        .map(|&r| random_weights(ty, &mut rng, r * cols))
+        .collect();
+    let mats: Vec<DeviceMatrix> = rows
+        .iter()
+        .zip(&host)
+        .map(|(&r, w)| DeviceMatrix::upload(dev, ty, r, cols, w).unwrap())
+        .collect();
+    let xd = dev.upload(&x).unwrap();
+    let mut xq = dev.zeros::<BlockQ8_1>(cols / 32).unwrap();
+    ops::quantize_q8_1(dev, &xd, &mut xq).unwrap();
+    let mut ys: Vec<_> = rows
+        .iter()
+        .map(|&r| dev.upload(&vec![f32::NAN; r]).unwrap())
+        .collect();
+    {
+        let refs: Vec<&DeviceMatrix> = mats.iter().collect();
+        let mut outs: Vec<_> = ys.iter_mut().collect();
+        fused::matvec_q_many(dev, &refs, &xq, &mut outs).unwrap();
+    }
+    for (m, (&r, w)) in rows.iter().zip(&host).enumerate() {
+        let what = format!("matvec_many {ty} matrix {m} of {rows:?} x {cols}");
+        let got = dev.download(&ys[m]).unwrap();
+        let mut want = vec![0f32; r];
+        matvec(&QuantMatrix::new(ty, r, cols, w).unwrap(), &x, &mut want);
+        check_nmse(&mut failures, &what, &got, &want, MATVEC_Q_NMSE);
+        let mut alone = dev.zeros::<f32>(r).unwrap();
+        ops::matvec_q(dev, &mats[m], &xq, &mut alone).unwrap();
+        check_bits(&mut failures, &what, &got, &dev.download(&alone).unwrap());
+    }
+    failures
+}
+
+#[test]
+fn matvec_many_matches_the_cpu_and_one_launch_per_matrix() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    let types = [
+        GgmlType::Q4_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+    ];
+    for (i, ty) in types.into_iter().enumerate() {
+        // qwen3moe's q, k, v (4096, 512, 512 rows of 2048); Qwen3.5's delta-net inputs (qkv, z, beta,
+        // alpha: 8192, 4096, 32, 32 rows); rows that end inside a block; two matrices of 768 columns.
+        let shapes: [(&[usize], usize); 4] = [
+            (&[4096, 512, 512], 2048),
+            (&[8192, 4096, 32, 32], 2048),
+            (&[67, 5, 130], 1024),
+            (&[1027, 2050], 768),
+        ];
+        for (j, (rows, cols)) in shapes.into_iter().enumerate() {
+            failures.extend(check_many(
+                &dev,
+                ty,
+                rows,
+                cols,
+                100 + 10 * i as u64 + j as u64,
+            ));
+        }
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn fused_ops_refuse_bad_arguments() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(73);
+    let cols = 256;
+    let a = dev.upload(&normals(&mut rng, 2 * cols)).unwrap();
+    let short = dev.upload(&normals(&mut rng, cols)).unwrap();
+    let mut s = dev.zeros::<f32>(2 * cols).unwrap();
+    let mut o = dev.zeros::<f32>(2 * cols).unwrap();
+    // b of another length; a group that does not divide the row; a quantized copy of groups of 100.
+    let r = fused::add_rms_norm(&dev, (&a, &short), cols, None, 1e-6, (&mut s, &mut o), None);
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+    let r = fused::add_rms_norm(&dev, (&a, &a), 300, None, 1e-6, (&mut s, &mut o), None);
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+    let a100 = dev.upload(&normals(&mut rng, 200)).unwrap();
+    let (mut s100, mut o100) = (
+        dev.zeros::<f32>(200).unwrap(),
+        dev.zeros::<f32>(200).unwrap(),
+    );
+    let mut q = dev.zeros::<BlockQ8_1>(200 / 32).unwrap();
+    let r = fused::add_rms_norm(
+        &dev,
+        (&a100, &a100),
+        100,
+        None,
+        1e-6,
+        (&mut s100, &mut o100),
+        Some(&mut q),
+    );
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+
+    // Matrices of two formats, or too many, in one launch.
+    let mk = |ty: GgmlType, rows: usize, rng: &mut Rng| {
+        DeviceMatrix::upload(&dev, ty, rows, cols, &random_weights(ty, rng, rows * cols)).unwrap()
+    };
+    let m4 = mk(GgmlType::Q4_K, 8, &mut rng);
+    let m6 = mk(GgmlType::Q6_K, 8, &mut rng);
+    let xq = dev.zeros::<BlockQ8_1>(cols / 32).unwrap();
+    let mut y1 = dev.zeros::<f32>(8).unwrap();
+    let mut y2 = dev.zeros::<f32>(8).unwrap();
+    let r = fused::matvec_q_many(&dev, &[&m4, &m6], &xq, &mut [&mut y1, &mut y2]);
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+    let many = vec![&m4; MATVEC_MANY_MAX + 1];
+    let mut bufs: Vec<_> = (0..MATVEC_MANY_MAX + 1)
+        .map(|_| dev.zeros::<f32>(8).unwrap())
+        .collect();
+    let mut outs: Vec<_> = bufs.iter_mut().collect();
+    let r = fused::matvec_q_many(&dev, &many, &xq, &mut outs);
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+    // A result of the wrong length.
+    let mut y_short = dev.zeros::<f32>(7).unwrap();
+    let r = fused::matvec_q_many(&dev, &[&m4, &m4], &xq, &mut [&mut y1, &mut y_short]);
+    assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
+    // The device still works after the refusals.
+    dev.synchronize().unwrap();
+}
