@@ -1,7 +1,9 @@
 //! The fused kernels of `poly_kernels::cuda::fused` against the CPU operations they stand for, on random
 //! inputs (normalized error, as `cuda_ops.rs`), and against the GPU launches they replace, bit for bit (a
 //! fused forward pass must give the unfused pass's values): the residual add with the RMS norm (and its
-//! quantized copy), the per-head RMS norm with RoPE, and several quantized matrices times one vector.
+//! quantized copy), the per-head RMS norm with RoPE, and several quantized matrices times one vector; and
+//! that the existing kernels the engine uses for op sequences (gated norm, SwiGLU/GeGLU, convolution with
+//! SiLU) equal those sequences.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
 //! passes. Cost: a few seconds on an H200 (NVRTC compiling three modules, or reading them from the cache).
@@ -10,8 +12,8 @@
 
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast};
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX};
-use poly_kernels::cuda::ops;
-use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix};
+use poly_kernels::cuda::{ops, recurrent};
+use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceBuffer, DeviceMatrix};
 use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
@@ -386,4 +388,93 @@ fn fused_ops_refuse_bad_arguments() {
     assert!(matches!(r, Err(CudaError::Invalid(_))), "{r:?}");
     // The device still works after the refusals.
     dev.synchronize().unwrap();
+}
+
+/// The existing kernels the engine's compound operations use in place of several launches give the values
+/// of those launches bit for bit: `rms_norm_gated` (groups up to its 128 threads: qwen3.6's heads of 128)
+/// against rms_norm, SiLU and the product; `swiglu_f32` / `geglu_f32` against the activation and the
+/// product; the convolution with its SiLU against the convolution then SiLU. (Each is checked against the
+/// CPU in cuda_layer_ops.rs / cuda_ops.rs.)
+#[test]
+fn kernels_standing_for_op_sequences_equal_those_sequences() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(74);
+    let mut failures = Vec::new();
+    let mul = |a: &DeviceBuffer<f32>, b: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>| {
+        ew::binary(&dev, a, b, 1, BinaryOp::Mul, Broadcast::None, out).unwrap();
+    };
+    for (group, rows) in [(128, 32), (64, 5)] {
+        let n = group * rows;
+        let x = dev.upload(&normals(&mut rng, n)).unwrap();
+        let z = dev.upload(&normals(&mut rng, n)).unwrap();
+        let w = dev.upload(&normals(&mut rng, group)).unwrap();
+        let mut fused_out = dev.zeros::<f32>(n).unwrap();
+        recurrent::rms_norm_gated(&dev, &x, &w, &z, 1e-6, &mut fused_out).unwrap();
+        let mut normed = dev.zeros::<f32>(n).unwrap();
+        ops::rms_norm(&dev, &x, group, Some(&w), 1e-6, &mut normed).unwrap();
+        let mut zs = dev.zeros::<f32>(n).unwrap();
+        ops::silu(&dev, &z, &mut zs).unwrap();
+        let mut seq = dev.zeros::<f32>(n).unwrap();
+        mul(&normed, &zs, &mut seq);
+        check_bits(
+            &mut failures,
+            &format!("rms_norm_gated group {group}"),
+            &dev.download(&fused_out).unwrap(),
+            &dev.download(&seq).unwrap(),
+        );
+    }
+    let n = 3 * 768;
+    let g = dev.upload(&normals(&mut rng, n)).unwrap();
+    let u = dev.upload(&normals(&mut rng, n)).unwrap();
+    let (mut fused_out, mut act, mut seq) = (
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+        dev.zeros::<f32>(n).unwrap(),
+    );
+    ops::swiglu(&dev, &g, &u, &mut fused_out).unwrap();
+    ops::silu(&dev, &g, &mut act).unwrap();
+    mul(&act, &u, &mut seq);
+    check_bits(
+        &mut failures,
+        "swiglu",
+        &dev.download(&fused_out).unwrap(),
+        &dev.download(&seq).unwrap(),
+    );
+    ops::geglu(&dev, &g, &u, &mut fused_out).unwrap();
+    ops::gelu(&dev, &g, &mut act).unwrap();
+    mul(&act, &u, &mut seq);
+    check_bits(
+        &mut failures,
+        "geglu",
+        &dev.download(&fused_out).unwrap(),
+        &dev.download(&seq).unwrap(),
+    );
+    // The convolution over one token (decode) and a prompt, from the same state.
+    let (channels, kernel) = (96, 4);
+    let w = dev.upload(&normals(&mut rng, channels * kernel)).unwrap();
+    let state0 = normals(&mut rng, (kernel - 1) * channels);
+    for n_tok in [1, 20] {
+        let x = dev.upload(&normals(&mut rng, n_tok * channels)).unwrap();
+        let mut s1 = dev.upload(&state0).unwrap();
+        let mut s2 = dev.upload(&state0).unwrap();
+        let mut fused_out = dev.zeros::<f32>(n_tok * channels).unwrap();
+        recurrent::conv1d_causal(&dev, &x, &w, kernel, &mut s1, true, &mut fused_out).unwrap();
+        let mut conv = dev.zeros::<f32>(n_tok * channels).unwrap();
+        recurrent::conv1d_causal(&dev, &x, &w, kernel, &mut s2, false, &mut conv).unwrap();
+        let mut seq = dev.zeros::<f32>(n_tok * channels).unwrap();
+        ops::silu(&dev, &conv, &mut seq).unwrap();
+        check_bits(
+            &mut failures,
+            &format!("conv1d with SiLU, {n_tok} tokens"),
+            &dev.download(&fused_out).unwrap(),
+            &dev.download(&seq).unwrap(),
+        );
+        check_bits(
+            &mut failures,
+            &format!("conv1d state after {n_tok} tokens"),
+            &dev.download(&s1).unwrap(),
+            &dev.download(&s2).unwrap(),
+        );
+    }
+    assert_no_failures(failures);
 }

@@ -296,13 +296,36 @@ pub trait Compute {
     fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &Self::Act) -> [Self::Act; N] {
         composed::matmul_many(self, ws, x)
     }
+
+    /// `act(gate) ⊙ up` (SwiGLU, GeGLU): a dense feed-forward block's gated activation.
+    fn glu(&mut self, gate: &Self::Act, up: &Self::Act, act: Unary) -> Self::Act {
+        composed::glu(self, gate, up, act)
+    }
+
+    /// [`Compute::ssm_conv`] then SiLU (the delta-net block's convolution).
+    fn ssm_conv_silu(&mut self, layer: usize, x: &Self::Act, kernel: WeightId) -> Self::Act {
+        composed::ssm_conv_silu(self, layer, x, kernel)
+    }
+
+    /// The RMS norm of `x` (groups of `group`, times `weight`) gated by `silu(z)` (same shape as `x`): the
+    /// delta-net block's output norm.
+    fn rms_norm_gated(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+        z: &Self::Act,
+    ) -> Self::Act {
+        composed::rms_norm_gated(self, x, (weight, eps, group), z)
+    }
 }
 
 /// The compound operations of [`Compute`] as the sequences of primitive operations they stand for: the
 /// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
 /// kernel (or fusion is switched off).
 pub mod composed {
-    use super::{Compute, Rope, WeightId};
+    use super::{Compute, Rope, Unary, WeightId};
 
     /// [`Compute::add_rms_norm`]: `add` then `rms_norm`.
     pub fn add_rms_norm<C: Compute + ?Sized>(
@@ -337,5 +360,35 @@ pub mod composed {
         x: &C::Act,
     ) -> [C::Act; N] {
         ws.map(|w| c.matmul(w, x))
+    }
+
+    /// [`Compute::glu`]: `unary` then `mul`.
+    pub fn glu<C: Compute + ?Sized>(c: &mut C, gate: &C::Act, up: &C::Act, act: Unary) -> C::Act {
+        let gate = c.unary(gate, act);
+        c.mul(&gate, up)
+    }
+
+    /// [`Compute::ssm_conv_silu`]: `ssm_conv` then `unary` SiLU.
+    pub fn ssm_conv_silu<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: &C::Act,
+        kernel: WeightId,
+    ) -> C::Act {
+        let conv = c.ssm_conv(layer, x, kernel);
+        c.unary(&conv, Unary::Silu)
+    }
+
+    /// [`Compute::rms_norm_gated`]: `rms_norm`, `unary` SiLU of `z`, then `mul`; `norm` is
+    /// `(weight, eps, group)`.
+    pub fn rms_norm_gated<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        (weight, eps, group): (Option<WeightId>, f32, usize),
+        z: &C::Act,
+    ) -> C::Act {
+        let normed = c.rms_norm(x, weight, eps, group);
+        let z = c.unary(z, Unary::Silu);
+        c.mul(&normed, &z)
     }
 }

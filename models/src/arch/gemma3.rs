@@ -483,8 +483,7 @@ impl Forward for Gemma3Graph {
 
             // Feed-forward: GELU(gate)·up, down, then its post-norm.
             let [gate, up] = c.matmul_many([b.ffn_gate, b.ffn_up], &ffn_in);
-            let gate = c.unary(&gate, Unary::Gelu);
-            let ffn_out = c.mul(&gate, &up);
+            let ffn_out = c.glu(&gate, &up, Unary::Gelu);
             let ffn_out = c.matmul(b.ffn_down, &ffn_out);
             let ffn_out = c.rms_norm(&ffn_out, Some(b.ffn_post_norm), eps, n_embd);
             let next_norm = match self.blocks.get(il + 1) {

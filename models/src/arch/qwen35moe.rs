@@ -677,8 +677,7 @@ impl Qwen35MoeGraph {
         let gate = c.mul_weight(&alpha, m.a);
 
         // Causal conv1d over time (the state holds the previous kernel - 1 inputs), then SiLU.
-        let conv = c.ssm_conv(il, &qkv, m.conv1d);
-        let conv = c.unary(&conv, Unary::Silu);
+        let conv = c.ssm_conv_silu(il, &qkv, m.conv1d);
         let q = c.cols(&conv, 0, key_dim);
         let k = c.cols(&conv, key_dim, key_dim);
         let v = c.cols(&conv, 2 * key_dim, value_dim);
@@ -710,9 +709,7 @@ impl Qwen35MoeGraph {
         let out = c.gated_delta_net(il, inputs, &net);
 
         // Gated RMS norm per value head: norm(out) ⊙ silu(z).
-        let out = c.rms_norm(&out, Some(m.norm), eps, head);
-        let z = c.unary(&z, Unary::Silu);
-        let out = c.mul(&out, &z);
+        let out = c.rms_norm_gated(&out, Some(m.norm), eps, head, &z);
         c.matmul(m.out, &out)
     }
 
@@ -759,8 +756,7 @@ impl Qwen35MoeGraph {
         let moe_out = c.moe(il, x, &b.moe);
         let s = &b.shexp;
         let [gate, up, scale] = c.matmul_many([s.gate, s.up, s.gate_inp], x);
-        let gate = c.unary(&gate, Unary::Silu);
-        let h = c.mul(&gate, &up);
+        let h = c.glu(&gate, &up, Unary::Silu);
         let shared = c.matmul(s.down, &h);
         let scale = c.unary(&scale, Unary::Sigmoid);
         let shared = c.mul(&shared, &scale);

@@ -1,12 +1,14 @@
 //! The compound operations of [`Compute`] on the card ([`poly_kernels::cuda::fused`]): the residual add with
-//! the norm after it, the per-head norm with the RoPE after it, and one token's projections of one input in
-//! one launch. Each fused kernel gives the values of the launches it replaces, so only the launch count
+//! the norm after it, the per-head norm with the RoPE after it, one token's projections of one input in
+//! one launch; and, with kernels that already existed, the gated activation (SwiGLU, GeGLU), the
+//! delta net's convolution with its SiLU and its gated output norm. Each fused kernel gives the values of the launches it replaces, so only the launch count
 //! changes. `POLY_FUSE=off` runs the primitive sequences instead ([`poly_models::compute::composed`]), for
 //! before/after measurements; so does any shape a fused kernel does not take.
 
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
-use poly_kernels::cuda::{BlockQ8_1, CudaResult, DeviceBuffer, DeviceMatrix};
-use poly_models::compute::{composed, Rope, WeightId};
+use poly_kernels::cuda::recurrent;
+use poly_kernels::cuda::{ops, BlockQ8_1, CudaResult, DeviceBuffer, DeviceMatrix};
+use poly_models::compute::{composed, Rope, Unary, WeightId};
 
 use super::{rope_params, DevAct, GpuForward};
 use crate::gpu::weights::GpuWeight;
@@ -129,6 +131,62 @@ impl GpuForward<'_> {
             Ok(())
         });
         ys
+    }
+
+    /// [`poly_models::compute::Compute::glu`]: one launch for SiLU (`swiglu_f32`) and GELU (`geglu_f32`),
+    /// the values of the activation's launch then the multiplication.
+    pub(super) fn fused_glu(&mut self, gate: &DevAct, up: &DevAct, act: Unary) -> DevAct {
+        let fits = gate.rows == up.rows && gate.cols == up.cols;
+        if !fuse_on() || !fits || !matches!(act, Unary::Silu | Unary::Gelu) {
+            return composed::glu(self, gate, up, act);
+        }
+        let mut out = self.alloc(gate.rows, gate.cols);
+        self.run("glu", gate.len() == 0, |c| {
+            let (g, u, o) = (gate.buf()?, up.buf()?, out.buf_mut()?);
+            match act {
+                Unary::Gelu => ops::geglu(c.dev, g, u, o),
+                _ => ops::swiglu(c.dev, g, u, o),
+            }
+        });
+        out
+    }
+
+    /// [`poly_models::compute::Compute::ssm_conv_silu`]: the convolution kernel with its SiLU on (the same
+    /// expression as the SiLU launch).
+    pub(super) fn fused_ssm_conv_silu(
+        &mut self,
+        layer: usize,
+        x: &DevAct,
+        kernel: WeightId,
+    ) -> DevAct {
+        if !fuse_on() {
+            return composed::ssm_conv_silu(self, layer, x, kernel);
+        }
+        self.ssm_conv_with(layer, x, kernel, true)
+    }
+
+    /// [`poly_models::compute::Compute::rms_norm_gated`]: `rms_norm_gated` of recurrent.cu, one launch
+    /// (blocks of 128 threads: the values of `rms_norm` then SiLU and the product for groups up to 128).
+    pub(super) fn fused_rms_norm_gated(
+        &mut self,
+        x: &DevAct,
+        (weight, eps, group): (Option<WeightId>, f32, usize),
+        z: &DevAct,
+    ) -> DevAct {
+        let fits = x.rows == z.rows
+            && x.cols == z.cols
+            && group > 0
+            && x.cols.is_multiple_of(group)
+            && weight.is_some_and(|w| self.cpu.info(w).n_elements() == group as u64);
+        let (Some(w), true) = (weight, fits && fuse_on()) else {
+            return composed::rms_norm_gated(self, x, (weight, eps, group), z);
+        };
+        let mut out = self.alloc(x.rows, x.cols);
+        self.run("rms_norm_gated", x.len() == 0, |c| {
+            let wv = c.vector(w)?;
+            recurrent::rms_norm_gated(c.dev, x.buf()?, &wv, z.buf()?, eps, out.buf_mut()?)
+        });
+        out
     }
 
     /// Runs `f` on a new quantized-input buffer of `blocks` blocks and keeps it in the cache as the

@@ -38,8 +38,11 @@ use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
 use crate::cpu::CpuWeights;
 
+mod act;
 mod fused;
 mod moe;
+
+pub use act::DevAct;
 
 /// Blocks the split-K attention aims for on one token (a few per SM of a large card).
 const ATTN_TARGET_BLOCKS: usize = 264;
@@ -139,42 +142,6 @@ pub struct Backing<'a> {
     pub pool: Rc<Pool>,
     /// The routed experts' cache (holding every expert: a graph cannot wait for the CPU's share).
     pub experts: Option<&'a mut ExpertCache>,
-}
-
-/// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
-pub struct DevAct {
-    rows: usize,
-    cols: usize,
-    /// Unique within the call: names the activation in the quantized-input cache.
-    id: u64,
-    buf: Option<DeviceBuffer<f32>>,
-    pool: Rc<Pool>,
-}
-
-impl Drop for DevAct {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.pool.put_f32(b);
-        }
-    }
-}
-
-impl DevAct {
-    fn len(&self) -> usize {
-        self.rows * self.cols
-    }
-
-    fn buf(&self) -> CudaResult<&DeviceBuffer<f32>> {
-        self.buf
-            .as_ref()
-            .ok_or_else(|| CudaError::Invalid("an activation without data".into()))
-    }
-
-    fn buf_mut(&mut self) -> CudaResult<&mut DeviceBuffer<f32>> {
-        self.buf
-            .as_mut()
-            .ok_or_else(|| CudaError::Invalid("an activation without data".into()))
-    }
 }
 
 /// One forward call on the card.
@@ -592,6 +559,23 @@ impl<'a> GpuForward<'a> {
             Unary::Exp => ew::unary(dev, x, UnaryFn::Exp, out),
         }
     }
+
+    /// [`Compute::ssm_conv`], with SiLU on its output when `silu`.
+    fn ssm_conv_with(&mut self, layer: usize, x: &DevAct, kernel: WeightId, silu: bool) -> DevAct {
+        let mut out = self.alloc(x.rows, x.cols);
+        let taps = self.cpu.info(kernel).row_len() as usize;
+        self.run("ssm_conv", x.len() == 0, |c| {
+            let w = c.vector(kernel)?;
+            let dev = c.dev;
+            let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
+                return Err(CudaError::Invalid(format!(
+                    "ssm_conv on layer {layer}, whose state is not recurrent"
+                )));
+            };
+            recurrent::conv1d_causal(dev, x.buf()?, &w, taps, conv, silu, out.buf_mut()?)
+        });
+        out
+    }
 }
 
 impl Compute for GpuForward<'_> {
@@ -940,19 +924,7 @@ impl Compute for GpuForward<'_> {
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
-        let mut out = self.alloc(x.rows, x.cols);
-        let taps = self.cpu.info(kernel).row_len() as usize;
-        self.run("ssm_conv", x.len() == 0, |c| {
-            let w = c.vector(kernel)?;
-            let dev = c.dev;
-            let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
-                return Err(CudaError::Invalid(format!(
-                    "ssm_conv on layer {layer}, whose state is not recurrent"
-                )));
-            };
-            recurrent::conv1d_causal(dev, x.buf()?, &w, taps, conv, false, out.buf_mut()?)
-        });
-        out
+        self.ssm_conv_with(layer, x, kernel, false)
     }
 
     fn gated_delta_net(
@@ -1014,5 +986,24 @@ impl Compute for GpuForward<'_> {
 
     fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &DevAct) -> [DevAct; N] {
         self.fused_matmul_many(ws, x)
+    }
+
+    fn glu(&mut self, gate: &DevAct, up: &DevAct, act: Unary) -> DevAct {
+        self.fused_glu(gate, up, act)
+    }
+
+    fn ssm_conv_silu(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
+        self.fused_ssm_conv_silu(layer, x, kernel)
+    }
+
+    fn rms_norm_gated(
+        &mut self,
+        x: &DevAct,
+        w: Option<WeightId>,
+        eps: f32,
+        g: usize,
+        z: &DevAct,
+    ) -> DevAct {
+        self.fused_rms_norm_gated(x, (w, eps, g), z)
     }
 }
