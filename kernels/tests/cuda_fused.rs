@@ -3,18 +3,19 @@
 //! fused forward pass must give the unfused pass's values): the residual add with the RMS norm (and its
 //! quantized copy), the per-head RMS norm with RoPE, and several quantized matrices times one vector; and
 //! that the existing kernels the engine uses for op sequences (gated norm, SwiGLU/GeGLU, convolution with
-//! SiLU) equal those sequences.
+//! SiLU) equal those sequences; Qwen3.5's L2 norm of q and k on the convolution's columns, and its gates.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
 //! passes. Cost: a few seconds on an H200 (NVRTC compiling three modules, or reading them from the cache).
 
 #![cfg(feature = "cuda")]
 
-use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast};
+use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX};
 use poly_kernels::cuda::{ops, recurrent};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceBuffer, DeviceMatrix};
 use poly_kernels::matmul::{matvec, QuantMatrix};
+use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
 use poly_kernels::quant::{fill_random, GgmlType};
@@ -474,6 +475,136 @@ fn kernels_standing_for_op_sequences_equal_those_sequences() {
             &format!("conv1d state after {n_tok} tokens"),
             &dev.download(&s1).unwrap(),
             &dev.download(&s2).unwrap(),
+        );
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn cols_rms_norm_scale_matches_the_cpu_and_the_three_launches() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(75);
+    let mut failures = Vec::new();
+    // Qwen3.6's conv output (q, k of 16 heads of 128, v of 32 heads), one token and a prompt; the tiny
+    // fixture's (heads of 64).
+    for (rows, head, n_k, n_v) in [(1, 128, 16, 32), (9, 128, 16, 32), (3, 64, 2, 4)] {
+        let key_dim = n_k * head;
+        let in_cols = 2 * key_dim + n_v * head;
+        let x = normals(&mut rng, rows * in_cols);
+        let (eps, s) = (1e-6 / head as f32, 1.0 / (head as f32).sqrt());
+        let xd = dev.upload(&x).unwrap();
+        for start in [0, key_dim] {
+            let part: Vec<f32> = x
+                .chunks_exact(in_cols)
+                .flat_map(|r| r[start..start + key_dim].to_vec())
+                .collect();
+            let mut want = vec![0f32; part.len()];
+            rms_norm(&part, head, None, eps, &mut want);
+            want.iter_mut().for_each(|v| *v *= s);
+            let mut out = dev.upload(&vec![f32::NAN; rows * key_dim]).unwrap();
+            fused::rms_norm_cols_scale(
+                &dev,
+                (&xd, in_cols),
+                (start, key_dim),
+                (head, eps, s),
+                &mut out,
+            )
+            .unwrap();
+            let got = dev.download(&out).unwrap();
+            let what = format!("cols_rms_norm_scale rows {rows} head {head} from column {start}");
+            check_nmse(&mut failures, &what, &got, &want, 1e-11);
+
+            let mut cols = dev.zeros::<f32>(rows * key_dim).unwrap();
+            ew::cols(&dev, &xd, in_cols, start, key_dim, &mut cols).unwrap();
+            let mut normed = dev.zeros::<f32>(rows * key_dim).unwrap();
+            ops::rms_norm(&dev, &cols, head, None, eps, &mut normed).unwrap();
+            let mut seq = dev.zeros::<f32>(rows * key_dim).unwrap();
+            ew::scale(&dev, &normed, s, &mut seq).unwrap();
+            check_bits(&mut failures, &what, &got, &dev.download(&seq).unwrap());
+        }
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn delta_gates_match_the_cpu_and_the_four_launches() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(76);
+    let mut failures = Vec::new();
+    for (rows, n_heads) in [(1, 32), (17, 32), (4, 4)] {
+        let n = rows * n_heads;
+        // Wide enough that softplus takes both branches (above 20 it passes).
+        let beta: Vec<f32> = normals(&mut rng, n).iter().map(|v| v * 4.0).collect();
+        let alpha: Vec<f32> = normals(&mut rng, n).iter().map(|v| v * 12.0).collect();
+        let dt_bias = normals(&mut rng, n_heads);
+        let a: Vec<f32> = normals(&mut rng, n_heads)
+            .iter()
+            .map(|v| -v.abs())
+            .collect();
+        let want_beta: Vec<f32> = beta.iter().map(|&b| sigmoid(b)).collect();
+        let want_gate: Vec<f32> = (0..n)
+            .map(|i| softplus(alpha[i] + dt_bias[i % n_heads]) * a[i % n_heads])
+            .collect();
+        let (bd, ad) = (dev.upload(&beta).unwrap(), dev.upload(&alpha).unwrap());
+        let (biasd, decayd) = (dev.upload(&dt_bias).unwrap(), dev.upload(&a).unwrap());
+        let inputs = fused::DeltaGateInputs {
+            beta: &bd,
+            alpha: &ad,
+            dt_bias: &biasd,
+            a: &decayd,
+        };
+        let mut beta_out = dev.zeros::<f32>(n).unwrap();
+        let mut gate = dev.zeros::<f32>(n).unwrap();
+        fused::delta_gates(&dev, &inputs, &mut beta_out, &mut gate).unwrap();
+        let (got_beta, got_gate) = (
+            dev.download(&beta_out).unwrap(),
+            dev.download(&gate).unwrap(),
+        );
+        let what = format!("delta_gates rows {rows} heads {n_heads}");
+        check_nmse(
+            &mut failures,
+            &format!("{what} beta"),
+            &got_beta,
+            &want_beta,
+            1e-12,
+        );
+        check_nmse(
+            &mut failures,
+            &format!("{what} gate"),
+            &got_gate,
+            &want_gate,
+            1e-12,
+        );
+
+        let mut seq_beta = dev.zeros::<f32>(n).unwrap();
+        ew::unary(&dev, &bd, UnaryFn::Sigmoid, &mut seq_beta).unwrap();
+        let mut t1 = dev.zeros::<f32>(n).unwrap();
+        let col = Broadcast::PerColumn;
+        ew::binary(&dev, &ad, &biasd, n_heads, BinaryOp::Add, col, &mut t1).unwrap();
+        let mut t2 = dev.zeros::<f32>(n).unwrap();
+        ew::unary(&dev, &t1, UnaryFn::Softplus, &mut t2).unwrap();
+        let mut seq_gate = dev.zeros::<f32>(n).unwrap();
+        ew::binary(
+            &dev,
+            &t2,
+            &decayd,
+            n_heads,
+            BinaryOp::Mul,
+            col,
+            &mut seq_gate,
+        )
+        .unwrap();
+        check_bits(
+            &mut failures,
+            &format!("{what} beta"),
+            &got_beta,
+            &dev.download(&seq_beta).unwrap(),
+        );
+        check_bits(
+            &mut failures,
+            &format!("{what} gate"),
+            &got_gate,
+            &dev.download(&seq_gate).unwrap(),
         );
     }
     assert_no_failures(failures);

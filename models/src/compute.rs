@@ -319,13 +319,52 @@ pub trait Compute {
     ) -> Self::Act {
         composed::rms_norm_gated(self, x, (weight, eps, group), z)
     }
+
+    /// Columns `cols.0..cols.0+cols.1` of every row, RMS-normed in groups of `group` columns (no weight)
+    /// and times `s`: Qwen3.5's L2 norm of q and k (llama.cpp's `build_gdn_l2_norm`) on their columns of
+    /// the convolution's output.
+    fn cols_rms_norm_scale(
+        &mut self,
+        x: &Self::Act,
+        cols: (usize, usize),
+        eps: f32,
+        group: usize,
+        s: f32,
+    ) -> Self::Act {
+        composed::cols_rms_norm_scale(self, x, cols, (eps, group), s)
+    }
+
+    /// Qwen3.5's delta-net gates from the `beta` and `alpha` projections (`[n, n_v_heads]`):
+    /// `(sigmoid(beta), softplus(alpha + dt_bias)·a)`, the second the log of the state's decay.
+    fn delta_gates(
+        &mut self,
+        beta: &Self::Act,
+        alpha: &Self::Act,
+        dt_bias: WeightId,
+        a: WeightId,
+    ) -> (Self::Act, Self::Act) {
+        composed::delta_gates(self, (beta, alpha), dt_bias, a)
+    }
+
+    /// [`Compute::gated_delta_net`] with `q` and `k` of `n_k_heads` heads (`[n, n_k_heads·head_k]`): value
+    /// head `h` reads key head `h mod n_k_heads` (ggml_repeat's tiling, as [`Compute::repeat_heads`]
+    /// without `interleave` makes it).
+    fn gated_delta_net_grouped(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Self::Act>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> Self::Act {
+        composed::gated_delta_net_grouped(self, layer, x, net, n_k_heads)
+    }
 }
 
 /// The compound operations of [`Compute`] as the sequences of primitive operations they stand for: the
 /// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
 /// kernel (or fusion is switched off).
 pub mod composed {
-    use super::{Compute, Rope, Unary, WeightId};
+    use super::{Compute, DeltaNet, DeltaNetInputs, Rope, Unary, WeightId};
 
     /// [`Compute::add_rms_norm`]: `add` then `rms_norm`.
     pub fn add_rms_norm<C: Compute + ?Sized>(
@@ -390,5 +429,52 @@ pub mod composed {
         let normed = c.rms_norm(x, weight, eps, group);
         let z = c.unary(z, Unary::Silu);
         c.mul(&normed, &z)
+    }
+
+    /// [`Compute::cols_rms_norm_scale`]: `cols`, `rms_norm` without weight, then `scale`.
+    pub fn cols_rms_norm_scale<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        (start, len): (usize, usize),
+        (eps, group): (f32, usize),
+        s: f32,
+    ) -> C::Act {
+        let part = c.cols(x, start, len);
+        let normed = c.rms_norm(&part, None, eps, group);
+        c.scale(&normed, s)
+    }
+
+    /// [`Compute::delta_gates`]: `unary` sigmoid of beta; `add_weight`, `unary` softplus and `mul_weight`
+    /// of alpha.
+    pub fn delta_gates<C: Compute + ?Sized>(
+        c: &mut C,
+        (beta, alpha): (&C::Act, &C::Act),
+        dt_bias: WeightId,
+        a: WeightId,
+    ) -> (C::Act, C::Act) {
+        let beta = c.unary(beta, Unary::Sigmoid);
+        let alpha = c.add_weight(alpha, dt_bias);
+        let alpha = c.unary(&alpha, Unary::Softplus);
+        let gate = c.mul_weight(&alpha, a);
+        (beta, gate)
+    }
+
+    /// [`Compute::gated_delta_net_grouped`]: `repeat_heads` of q and k to the value heads (tiled), then
+    /// `gated_delta_net`.
+    pub fn gated_delta_net_grouped<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: DeltaNetInputs<'_, C::Act>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> C::Act {
+        if n_k_heads == net.n_v_heads || n_k_heads == 0 {
+            return c.gated_delta_net(layer, x, net);
+        }
+        let times = net.n_v_heads / n_k_heads;
+        let q = c.repeat_heads(x.q, net.head_k, times, false);
+        let k = c.repeat_heads(x.k, net.head_k, times, false);
+        let inputs = DeltaNetInputs { q: &q, k: &k, ..x };
+        c.gated_delta_net(layer, inputs, net)
     }
 }

@@ -1,12 +1,14 @@
 //! Compound operations on the card, one launch where a forward pass ran two or three: the residual add with
 //! the RMS norm after it ([`add_rms_norm`], `quantize.cu`), the per-head RMS norm with the RoPE after it
-//! ([`rms_norm_rope`], `rope.cu`), and several quantized matrices times one vector ([`matvec_q_many`],
-//! `matvec_q.cu`). Each gives bit for bit the values of the launches it replaces (the kernels keep their
+//! ([`rms_norm_rope`], `rope.cu`), several quantized matrices times one vector ([`matvec_q_many`],
+//! `matvec_q.cu`), and Qwen3.5's delta-net pieces: the L2 norm of q and k on their columns of the
+//! convolution's output ([`rms_norm_cols_scale`], `norm.cu`) and the gates ([`delta_gates`],
+//! `elementwise.cu`). Each gives bit for bit the values of the launches it replaces (the kernels keep their
 //! loops, thread counts and summation orders), so fusing changes no result; `kernels/tests/cuda_fused.rs`
 //! checks them against the CPU's operations.
 
 use super::module::KernelModule;
-use super::ops::{as_i32, check_len, invalid, q_matvec_rows_config};
+use super::ops::{as_i32, check_len, grid_1d, invalid, q_matvec_rows_config};
 use super::rope::RopeShape;
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix};
 use crate::ops::rope::RopeParams;
@@ -236,4 +238,99 @@ pub fn matvec_q_many(
     // are borrowed mutably for the launch, and the kernel writes only y[m][0..rows_m].
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
+}
+
+/// Columns `start..start+len` of every row of `x` (`[rows, in_cols]`), RMS-normed in groups of `group`
+/// values (no weight) and times `s`, into `out` (`[rows, len]`): the values of `elementwise::cols`,
+/// `ops::rms_norm` and `elementwise::scale`, in one launch (Qwen3.5's L2 norm of q and k).
+pub fn rms_norm_cols_scale(
+    dev: &Device,
+    (x, in_cols): (&DeviceBuffer<f32>, usize),
+    (start, len): (usize, usize),
+    (group, eps, s): (usize, f32, f32),
+    out: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    if in_cols == 0 || !x.len().is_multiple_of(in_cols) || start + len > in_cols {
+        return invalid(format!(
+            "rms_norm_cols_scale: columns {start}..{} of {} values in rows of {in_cols}",
+            start + len,
+            x.len()
+        ));
+    }
+    if group == 0 || len == 0 || !len.is_multiple_of(group) {
+        return invalid(format!(
+            "rms_norm_cols_scale: {len} columns are not groups of {group}"
+        ));
+    }
+    let rows = x.len() / in_cols;
+    check_len("rms_norm_cols_scale out", out, rows * len)?;
+    let blocks = u32::try_from(rows * (len / group))
+        .map_err(|_| CudaError::Invalid("rms_norm_cols_scale groups".into()))?;
+    let (in_i, start_i, len_i, group_i) = (
+        as_i32("in_cols", in_cols)?,
+        as_i32("start", start)?,
+        as_i32("len", len)?,
+        as_i32("group", group)?,
+    );
+    let f = dev.function(KernelModule::Norm, "rms_norm_cols_scale")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.slice())
+        .arg(out.slice_mut())
+        .arg(&in_i)
+        .arg(&start_i)
+        .arg(&len_i)
+        .arg(&group_i)
+        .arg(&eps)
+        .arg(&s);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (norm_threads(group), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds rows × in_cols floats and start + len <= in_cols, out rows × len floats, len a whole
+    // number of groups (checked above); a block reads and writes one group.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("rms_norm_cols_scale")
+}
+
+/// The inputs of [`delta_gates`]: `beta` and `alpha` `[rows, n_heads]`, `dt_bias` and `a` `[n_heads]`.
+pub struct DeltaGateInputs<'a> {
+    pub beta: &'a DeviceBuffer<f32>,
+    pub alpha: &'a DeviceBuffer<f32>,
+    pub dt_bias: &'a DeviceBuffer<f32>,
+    pub a: &'a DeviceBuffer<f32>,
+}
+
+/// Qwen3.5's delta-net gates: `beta_out = sigmoid(beta)` and `gate = softplus(alpha + dt_bias)·a` (per
+/// head), the values of the four element-wise launches they replace, in one.
+pub fn delta_gates(
+    dev: &Device,
+    x: &DeltaGateInputs<'_>,
+    beta_out: &mut DeviceBuffer<f32>,
+    gate: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    let (n, n_heads) = (x.beta.len(), x.dt_bias.len());
+    if n_heads == 0 || !n.is_multiple_of(n_heads) {
+        return invalid(format!(
+            "delta_gates: {n} values are not rows of {n_heads} heads"
+        ));
+    }
+    check_len("delta_gates alpha", x.alpha, n)?;
+    check_len("delta_gates a", x.a, n_heads)?;
+    check_len("delta_gates beta out", beta_out, n)?;
+    check_len("delta_gates gate", gate, n)?;
+    let (n_i, heads_i) = (n as i64, as_i32("heads", n_heads)?);
+    let f = dev.function(KernelModule::Elementwise, "delta_gates")?;
+    let mut b = dev.stream().launch_builder(&f);
+    b.arg(x.beta.slice())
+        .arg(x.alpha.slice())
+        .arg(x.dt_bias.slice())
+        .arg(x.a.slice())
+        .arg(beta_out.slice_mut())
+        .arg(gate.slice_mut())
+        .arg(&n_i)
+        .arg(&heads_i);
+    // SAFETY: beta, alpha and both outputs hold n floats, dt_bias and a n_heads (checked above).
+    unsafe { b.launch(grid_1d(n, 256)?) }?;
+    dev.after_launch("delta_gates")
 }

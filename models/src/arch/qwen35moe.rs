@@ -670,30 +670,17 @@ impl Qwen35MoeGraph {
         let (key_dim, value_dim) = (n_k * head, n_v * head);
 
         let [qkv, z, beta, alpha] = c.matmul_many([m.qkv, m.z, m.beta, m.alpha], x);
-        let beta = c.unary(&beta, Unary::Sigmoid);
-        // gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
-        let alpha = c.add_weight(&alpha, m.dt_bias);
-        let alpha = c.unary(&alpha, Unary::Softplus);
-        let gate = c.mul_weight(&alpha, m.a);
+        // beta = sigmoid(beta); gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
+        let (beta, gate) = c.delta_gates(&beta, &alpha, m.dt_bias, m.a);
 
         // Causal conv1d over time (the state holds the previous kernel - 1 inputs), then SiLU.
         let conv = c.ssm_conv_silu(il, &qkv, m.conv1d);
-        let q = c.cols(&conv, 0, key_dim);
-        let k = c.cols(&conv, key_dim, key_dim);
+        // q and k L2-normed as llama.cpp's `build_gdn_l2_norm`: rms_norm with eps/n, times 1/√n, i.e.
+        // x / √(‖x‖² + eps).
+        let l2 = (eps / head as f32, 1.0 / (head as f32).sqrt());
+        let q = c.cols_rms_norm_scale(&conv, (0, key_dim), l2.0, head, l2.1);
+        let k = c.cols_rms_norm_scale(&conv, (key_dim, key_dim), l2.0, head, l2.1);
         let v = c.cols(&conv, 2 * key_dim, value_dim);
-
-        // llama.cpp's `build_gdn_l2_norm`: rms_norm with eps/n, times 1/√n, i.e. x / √(‖x‖² + eps).
-        let l2 = |c: &mut C, a: &C::Act| {
-            let normed = c.rms_norm(a, None, eps / head as f32, head);
-            c.scale(&normed, 1.0 / (head as f32).sqrt())
-        };
-        let mut q = l2(c, &q);
-        let mut k = l2(c, &k);
-        // Value head h reads key head h mod n_k (ggml_repeat's tiling; the fused op indexes the same).
-        if n_v != n_k {
-            q = c.repeat_heads(&q, head, n_v / n_k, false);
-            k = c.repeat_heads(&k, head, n_v / n_k, false);
-        }
         let net = DeltaNet {
             n_v_heads: n_v,
             head_k: head,
@@ -706,7 +693,8 @@ impl Qwen35MoeGraph {
             gate: &gate,
             beta: &beta,
         };
-        let out = c.gated_delta_net(il, inputs, &net);
+        // Value head h reads key head h mod n_k (ggml_repeat's tiling; the fused op indexes the same).
+        let out = c.gated_delta_net_grouped(il, inputs, &net, n_k);
 
         // Gated RMS norm per value head: norm(out) ⊙ silu(z).
         let out = c.rms_norm_gated(&out, Some(m.norm), eps, head, &z);

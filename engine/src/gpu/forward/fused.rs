@@ -7,10 +7,12 @@
 
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
 use poly_kernels::cuda::recurrent;
-use poly_kernels::cuda::{ops, BlockQ8_1, CudaResult, DeviceBuffer, DeviceMatrix};
-use poly_models::compute::{composed, Rope, Unary, WeightId};
+use poly_kernels::cuda::recurrent::DeltaInputs;
+use poly_kernels::cuda::{ops, BlockQ8_1, CudaError, CudaResult, DeviceBuffer, DeviceMatrix};
+use poly_kernels::ops::recurrent::DeltaShape;
+use poly_models::compute::{composed, DeltaNet, DeltaNetInputs, Rope, Unary, WeightId};
 
-use super::{rope_params, DevAct, GpuForward};
+use super::{rope_params, DevAct, DeviceLayer, GpuForward};
 use crate::gpu::weights::GpuWeight;
 
 /// Whether the compound operations run as fused kernels (`POLY_FUSE=off`: as their primitive operations).
@@ -185,6 +187,136 @@ impl GpuForward<'_> {
         self.run("rms_norm_gated", x.len() == 0, |c| {
             let wv = c.vector(w)?;
             recurrent::rms_norm_gated(c.dev, x.buf()?, &wv, z.buf()?, eps, out.buf_mut()?)
+        });
+        out
+    }
+
+    /// [`poly_models::compute::Compute::cols_rms_norm_scale`]: one launch.
+    pub(super) fn fused_cols_rms_norm_scale(
+        &mut self,
+        x: &DevAct,
+        (start, len): (usize, usize),
+        (eps, group): (f32, usize),
+        s: f32,
+    ) -> DevAct {
+        let fits = group > 0 && len.is_multiple_of(group) && start + len <= x.cols;
+        if !fuse_on() || !fits {
+            return composed::cols_rms_norm_scale(self, x, (start, len), (eps, group), s);
+        }
+        let mut out = self.alloc(x.rows, len);
+        let in_cols = x.cols;
+        self.run("cols_rms_norm_scale", x.rows * len == 0, |c| {
+            let part = (start, len);
+            fused::rms_norm_cols_scale(
+                c.dev,
+                (x.buf()?, in_cols),
+                part,
+                (group, eps, s),
+                out.buf_mut()?,
+            )
+        });
+        out
+    }
+
+    /// [`poly_models::compute::Compute::delta_gates`]: one launch.
+    pub(super) fn fused_delta_gates(
+        &mut self,
+        (beta, alpha): (&DevAct, &DevAct),
+        dt_bias: WeightId,
+        a: WeightId,
+    ) -> (DevAct, DevAct) {
+        let fits = beta.rows == alpha.rows && beta.cols == alpha.cols;
+        if !fuse_on() || !fits {
+            return composed::delta_gates(self, (beta, alpha), dt_bias, a);
+        }
+        let mut beta_out = self.alloc(beta.rows, beta.cols);
+        let mut gate = self.alloc(beta.rows, beta.cols);
+        self.run("delta_gates", beta.len() == 0, |c| {
+            let (bias, decay) = (c.vector(dt_bias)?, c.vector(a)?);
+            let inputs = fused::DeltaGateInputs {
+                beta: beta.buf()?,
+                alpha: alpha.buf()?,
+                dt_bias: &bias,
+                a: &decay,
+            };
+            fused::delta_gates(c.dev, &inputs, beta_out.buf_mut()?, gate.buf_mut()?)
+        });
+        (beta_out, gate)
+    }
+
+    /// [`poly_models::compute::Compute::gated_delta_net_grouped`]: the delta-rule kernel reads key head
+    /// `h mod n_k_heads` itself, so q and k are not repeated.
+    pub(super) fn fused_gated_delta_net_grouped(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, DevAct>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> DevAct {
+        let fits = n_k_heads > 0
+            && net.n_v_heads.is_multiple_of(n_k_heads)
+            && x.q.cols == n_k_heads * net.head_k
+            && x.k.cols == n_k_heads * net.head_k;
+        if !fuse_on() || !fits {
+            return composed::gated_delta_net_grouped(self, layer, x, net, n_k_heads);
+        }
+        self.delta_net_with(layer, x, net, n_k_heads)
+    }
+
+    /// [`poly_models::compute::Compute::gated_delta_net`] with q and k of `n_k_heads` heads (the delta-rule
+    /// kernel's value head `h` reads key head `h mod n_k_heads`).
+    pub(super) fn delta_net_with(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, DevAct>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> DevAct {
+        let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
+        self.run("gated_delta_net", x.v.len() == 0, |c| {
+            let dev = c.dev;
+            let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
+                return Err(CudaError::Invalid(format!(
+                    "gated_delta_net on layer {layer}, whose state is not recurrent"
+                )));
+            };
+            let inputs = DeltaInputs {
+                q: x.q.buf()?,
+                k: x.k.buf()?,
+                v: x.v.buf()?,
+                gate: x.gate.buf()?,
+                beta: x.beta.buf()?,
+                n_k_heads,
+            };
+            let shape = DeltaShape {
+                n_heads: net.n_v_heads,
+                head_k: net.head_k,
+                head_v: net.head_v,
+            };
+            recurrent::gated_delta_rule(dev, &inputs, shape, delta, out.buf_mut()?)
+        });
+        out
+    }
+
+    /// [`poly_models::compute::Compute::ssm_conv`], with SiLU on its output when `silu`.
+    pub(super) fn ssm_conv_with(
+        &mut self,
+        layer: usize,
+        x: &DevAct,
+        kernel: WeightId,
+        silu: bool,
+    ) -> DevAct {
+        let mut out = self.alloc(x.rows, x.cols);
+        let taps = self.cpu.info(kernel).row_len() as usize;
+        self.run("ssm_conv", x.len() == 0, |c| {
+            let w = c.vector(kernel)?;
+            let dev = c.dev;
+            let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
+                return Err(CudaError::Invalid(format!(
+                    "ssm_conv on layer {layer}, whose state is not recurrent"
+                )));
+            };
+            recurrent::conv1d_causal(dev, x.buf()?, &w, taps, conv, silu, out.buf_mut()?)
         });
         out
     }

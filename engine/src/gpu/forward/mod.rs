@@ -19,10 +19,9 @@ use poly_kernels::cuda::prompt::{
     self, gather_rows, gather_rows_q8_1, matmul_experts_q, matmul_q, moe_combine_sorted,
     ExpertGrouping,
 };
-use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
+use poly_kernels::cuda::recurrent::{self, L2Form};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
-use poly_kernels::ops::recurrent::DeltaShape;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
@@ -559,23 +558,6 @@ impl<'a> GpuForward<'a> {
             Unary::Exp => ew::unary(dev, x, UnaryFn::Exp, out),
         }
     }
-
-    /// [`Compute::ssm_conv`], with SiLU on its output when `silu`.
-    fn ssm_conv_with(&mut self, layer: usize, x: &DevAct, kernel: WeightId, silu: bool) -> DevAct {
-        let mut out = self.alloc(x.rows, x.cols);
-        let taps = self.cpu.info(kernel).row_len() as usize;
-        self.run("ssm_conv", x.len() == 0, |c| {
-            let w = c.vector(kernel)?;
-            let dev = c.dev;
-            let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
-                return Err(CudaError::Invalid(format!(
-                    "ssm_conv on layer {layer}, whose state is not recurrent"
-                )));
-            };
-            recurrent::conv1d_causal(dev, x.buf()?, &w, taps, conv, silu, out.buf_mut()?)
-        });
-        out
-    }
 }
 
 impl Compute for GpuForward<'_> {
@@ -933,31 +915,7 @@ impl Compute for GpuForward<'_> {
         x: DeltaNetInputs<'_, DevAct>,
         net: &DeltaNet,
     ) -> DevAct {
-        let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
-        self.run("gated_delta_net", x.v.len() == 0, |c| {
-            let dev = c.dev;
-            let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
-                return Err(CudaError::Invalid(format!(
-                    "gated_delta_net on layer {layer}, whose state is not recurrent"
-                )));
-            };
-            let inputs = DeltaInputs {
-                q: x.q.buf()?,
-                k: x.k.buf()?,
-                v: x.v.buf()?,
-                gate: x.gate.buf()?,
-                beta: x.beta.buf()?,
-                // The graph repeats q and k to the value heads.
-                n_k_heads: net.n_v_heads,
-            };
-            let shape = DeltaShape {
-                n_heads: net.n_v_heads,
-                head_k: net.head_k,
-                head_v: net.head_v,
-            };
-            recurrent::gated_delta_rule(dev, &inputs, shape, delta, out.buf_mut()?)
-        });
-        out
+        self.delta_net_with(layer, x, net, net.n_v_heads)
     }
 
     fn batch(&self) -> Batch<'_> {
@@ -1005,5 +963,36 @@ impl Compute for GpuForward<'_> {
         z: &DevAct,
     ) -> DevAct {
         self.fused_rms_norm_gated(x, (w, eps, g), z)
+    }
+
+    fn cols_rms_norm_scale(
+        &mut self,
+        x: &DevAct,
+        cols: (usize, usize),
+        eps: f32,
+        g: usize,
+        s: f32,
+    ) -> DevAct {
+        self.fused_cols_rms_norm_scale(x, cols, (eps, g), s)
+    }
+
+    fn delta_gates(
+        &mut self,
+        b: &DevAct,
+        a: &DevAct,
+        bias: WeightId,
+        w: WeightId,
+    ) -> (DevAct, DevAct) {
+        self.fused_delta_gates((b, a), bias, w)
+    }
+
+    fn gated_delta_net_grouped(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, DevAct>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> DevAct {
+        self.fused_gated_delta_net_grouped(layer, x, net, n_k_heads)
     }
 }
