@@ -10,6 +10,10 @@
 //! Stateful operations ([`Compute::attention`], [`Compute::ssm_conv`], [`Compute::gated_delta_net`]) read
 //! and extend the state of the layer they are given, at the positions of the current [`Batch`]; the
 //! backend owns that state (KV cache, recurrent states) so it can keep, park and restore it.
+//!
+//! Compound operations (a residual add with the next norm, a head norm with RoPE, several projections of one
+//! input, ...) have default bodies made of the primitive operations ([`composed`]): a backend overrides them
+//! only to run them in fewer launches, with the same values.
 
 /// A weight tensor of the loaded file: its index in [`crate::gguf::GgufFile::tensor_infos`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
