@@ -456,25 +456,35 @@ template <typename F>
 static __device__ __forceinline__ void matvec_many(const MatvecManyArgs & p, const block_q8_1 * __restrict__ x) {
     const int rows_per_block = MATVEC_WARPS / p.wpr;
     const int rows_per_launch_block = rows_per_block * p.rpg;
-    // Which matrix this block serves, and its block index within that matrix's launch.
+    // Which matrix this block serves (w, y, nrows), and its block index within that matrix's launch. The
+    // loop is unrolled so every field is read at a constant offset of the parameter space (an index known
+    // only at run time would copy the struct to each thread's local memory).
     int block = blockIdx.x;
-    int m = 0;
-    for (; m < p.n_mat - 1; ++m) {
-        const int blocks_m = (p.nrows[m] + rows_per_launch_block - 1) / rows_per_launch_block;
-        if (block < blocks_m) {
-            break;
+    uint64_t w = p.w[0], y_addr = p.y[0];
+    int nrows = p.nrows[0];
+    bool found = false;
+#pragma unroll
+    for (int m = 0; m < MATVEC_MANY_MAX; ++m) {
+        if (!found && m < p.n_mat) {
+            const int blocks_m = (p.nrows[m] + rows_per_launch_block - 1) / rows_per_launch_block;
+            w = p.w[m];
+            y_addr = p.y[m];
+            nrows = p.nrows[m];
+            if (block < blocks_m || m == p.n_mat - 1) {
+                found = true;
+            } else {
+                block -= blocks_m;
+            }
         }
-        block -= blocks_m;
     }
-    const int nrows = p.nrows[m];
     const int row0 = (block * rows_per_block + threadIdx.y / p.wpr) * p.rpg;
     const int nr = max(0, min(p.rpg, nrows - row0));
     const int64_t row_bytes = (int64_t) (p.ncols / F::qk) * sizeof(typename F::block);
-    const uint8_t * const w_row0[1] = {(const uint8_t *) p.w[m] + (nr > 0 ? row0 : 0) * row_bytes};
+    const uint8_t * const w_row0[1] = {(const uint8_t *) w + (nr > 0 ? row0 : 0) * row_bytes};
     float total[1][MATVEC_MAX_RPG];
     rows_dot_rpg<F, 1>(w_row0, row_bytes, x, p.ncols, p.wpr, p.rpg, nr, total);
     if (group_writer(p.wpr)) {
-        float * y = (float *) p.y[m];
+        float * y = (float *) y_addr;
 #pragma unroll
         for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
             if (r < nr) {
