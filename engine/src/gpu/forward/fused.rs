@@ -1,9 +1,11 @@
 //! The compound operations of [`Compute`] on the card ([`poly_kernels::cuda::fused`]): the residual add with
 //! the norm after it, the per-head norm with the RoPE after it, one token's projections of one input in
-//! one launch; and, with kernels that already existed, the gated activation (SwiGLU, GeGLU), the
-//! delta net's convolution with its SiLU and its gated output norm. Each fused kernel gives the values of the launches it replaces, so only the launch count
-//! changes. `POLY_FUSE=off` runs the primitive sequences instead ([`poly_models::compute::composed`]), for
-//! before/after measurements; so does any shape a fused kernel does not take.
+//! one launch; Qwen3.5's delta-net pieces (q/k L2 norms on the convolution's columns, the gates, the delta
+//! rule reading unrepeated key heads); and, with kernels that already existed, the gated activation
+//! (SwiGLU, GeGLU), the convolution with its SiLU and the gated output norm. Each gives the values of the
+//! launches it replaces, so only the launch count changes. `POLY_FUSE=off` runs the primitive sequences
+//! instead ([`poly_models::compute::composed`]) and `POLY_FUSE=no-many,no-norm-rope,...` turns single
+//! fusions off ([`Fusion`]), for before/after measurements; so does any shape a fused kernel does not take.
 
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
 use poly_kernels::cuda::recurrent;
@@ -15,10 +17,84 @@ use poly_models::compute::{composed, DeltaNet, DeltaNetInputs, Rope, Unary, Weig
 use super::{rope_params, DevAct, DeviceLayer, GpuForward};
 use crate::gpu::weights::GpuWeight;
 
-/// Whether the compound operations run as fused kernels (`POLY_FUSE=off`: as their primitive operations).
-pub fn fuse_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("POLY_FUSE").map_or(true, |v| v.trim() != "off"))
+/// One fused kernel (or kernel standing for an op sequence) of this module, by its `POLY_FUSE` name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fusion {
+    /// `add_rms_norm`: `add-norm`.
+    AddNorm,
+    /// `rms_norm_rope`: `norm-rope`.
+    NormRope,
+    /// `matmul_many`: `many`.
+    Many,
+    /// `glu`: `glu`.
+    Glu,
+    /// `ssm_conv_silu`: `conv-silu`.
+    ConvSilu,
+    /// `rms_norm_gated`: `gated-norm`.
+    GatedNorm,
+    /// `cols_rms_norm_scale`: `cols-norm`.
+    ColsNorm,
+    /// `delta_gates`: `gates`.
+    Gates,
+    /// `gated_delta_net_grouped`: `delta`.
+    DeltaGrouped,
+}
+
+impl Fusion {
+    const ALL: [Fusion; 9] = [
+        Fusion::AddNorm,
+        Fusion::NormRope,
+        Fusion::Many,
+        Fusion::Glu,
+        Fusion::ConvSilu,
+        Fusion::GatedNorm,
+        Fusion::ColsNorm,
+        Fusion::Gates,
+        Fusion::DeltaGrouped,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Fusion::AddNorm => "add-norm",
+            Fusion::NormRope => "norm-rope",
+            Fusion::Many => "many",
+            Fusion::Glu => "glu",
+            Fusion::ConvSilu => "conv-silu",
+            Fusion::GatedNorm => "gated-norm",
+            Fusion::ColsNorm => "cols-norm",
+            Fusion::Gates => "gates",
+            Fusion::DeltaGrouped => "delta",
+        }
+    }
+}
+
+/// The fusions `POLY_FUSE` leaves on: all by default; `off` none; a comma-separated list of `no-NAME`
+/// (names of [`Fusion`]) turns those off, for measuring each one.
+fn fusions(setting: Option<&str>) -> [bool; Fusion::ALL.len()] {
+    let mut on = [true; Fusion::ALL.len()];
+    let Some(setting) = setting else { return on };
+    for part in setting.split(',').map(str::trim) {
+        if part == "off" {
+            on = [false; Fusion::ALL.len()];
+        } else if let Some(name) = part.strip_prefix("no-") {
+            for (i, f) in Fusion::ALL.iter().enumerate() {
+                if f.name() == name {
+                    on[i] = false;
+                }
+            }
+        }
+    }
+    on
+}
+
+/// Whether fusion `f` runs as its fused kernel (see [`fusions`]).
+pub fn fuse_on(f: Fusion) -> bool {
+    static ON: std::sync::OnceLock<[bool; Fusion::ALL.len()]> = std::sync::OnceLock::new();
+    let on = ON.get_or_init(|| fusions(std::env::var("POLY_FUSE").ok().as_deref()));
+    Fusion::ALL
+        .iter()
+        .position(|&g| g == f)
+        .is_some_and(|i| on[i])
 }
 
 impl GpuForward<'_> {
@@ -32,7 +108,7 @@ impl GpuForward<'_> {
         group: usize,
     ) -> (DevAct, DevAct) {
         let fits = a.rows == b.rows && a.cols == b.cols && group > 0;
-        if !fuse_on() || !fits {
+        if !fuse_on(Fusion::AddNorm) || !fits {
             return composed::add_rms_norm(self, a, b, weight, eps, group);
         }
         let mut sum = self.alloc(a.rows, a.cols);
@@ -64,7 +140,7 @@ impl GpuForward<'_> {
         let fits = rope.head_dim > 0
             && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
             && x.cols.is_multiple_of(rope.head_dim);
-        if !fuse_on() || !fits {
+        if !fuse_on(Fusion::NormRope) || !fits {
             return composed::rms_norm_rope(self, x, weight, eps, rope);
         }
         let mut out = self.alloc(x.rows, x.cols);
@@ -84,7 +160,7 @@ impl GpuForward<'_> {
         ws: [WeightId; N],
         x: &DevAct,
     ) -> [DevAct; N] {
-        if !fuse_on() || x.rows != 1 || N < 2 {
+        if !fuse_on(Fusion::Many) || x.rows != 1 || N < 2 {
             return composed::matmul_many(self, ws, x);
         }
         let rows = ws.map(|w| self.out_rows(w));
@@ -139,7 +215,7 @@ impl GpuForward<'_> {
     /// the values of the activation's launch then the multiplication.
     pub(super) fn fused_glu(&mut self, gate: &DevAct, up: &DevAct, act: Unary) -> DevAct {
         let fits = gate.rows == up.rows && gate.cols == up.cols;
-        if !fuse_on() || !fits || !matches!(act, Unary::Silu | Unary::Gelu) {
+        if !fuse_on(Fusion::Glu) || !fits || !matches!(act, Unary::Silu | Unary::Gelu) {
             return composed::glu(self, gate, up, act);
         }
         let mut out = self.alloc(gate.rows, gate.cols);
@@ -161,7 +237,7 @@ impl GpuForward<'_> {
         x: &DevAct,
         kernel: WeightId,
     ) -> DevAct {
-        if !fuse_on() {
+        if !fuse_on(Fusion::ConvSilu) {
             return composed::ssm_conv_silu(self, layer, x, kernel);
         }
         self.ssm_conv_with(layer, x, kernel, true)
@@ -180,7 +256,7 @@ impl GpuForward<'_> {
             && group > 0
             && x.cols.is_multiple_of(group)
             && weight.is_some_and(|w| self.cpu.info(w).n_elements() == group as u64);
-        let (Some(w), true) = (weight, fits && fuse_on()) else {
+        let (Some(w), true) = (weight, fits && fuse_on(Fusion::GatedNorm)) else {
             return composed::rms_norm_gated(self, x, (weight, eps, group), z);
         };
         let mut out = self.alloc(x.rows, x.cols);
@@ -200,7 +276,7 @@ impl GpuForward<'_> {
         s: f32,
     ) -> DevAct {
         let fits = group > 0 && len.is_multiple_of(group) && start + len <= x.cols;
-        if !fuse_on() || !fits {
+        if !fuse_on(Fusion::ColsNorm) || !fits {
             return composed::cols_rms_norm_scale(self, x, (start, len), (eps, group), s);
         }
         let mut out = self.alloc(x.rows, len);
@@ -226,7 +302,7 @@ impl GpuForward<'_> {
         a: WeightId,
     ) -> (DevAct, DevAct) {
         let fits = beta.rows == alpha.rows && beta.cols == alpha.cols;
-        if !fuse_on() || !fits {
+        if !fuse_on(Fusion::Gates) || !fits {
             return composed::delta_gates(self, (beta, alpha), dt_bias, a);
         }
         let mut beta_out = self.alloc(beta.rows, beta.cols);
@@ -257,7 +333,7 @@ impl GpuForward<'_> {
             && net.n_v_heads.is_multiple_of(n_k_heads)
             && x.q.cols == n_k_heads * net.head_k
             && x.k.cols == n_k_heads * net.head_k;
-        if !fuse_on() || !fits {
+        if !fuse_on(Fusion::DeltaGrouped) || !fits {
             return composed::gated_delta_net_grouped(self, layer, x, net, n_k_heads);
         }
         self.delta_net_with(layer, x, net, n_k_heads)
@@ -344,5 +420,22 @@ impl GpuForward<'_> {
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poly_fuse_turns_all_or_named_fusions_off() {
+        assert!(fusions(None).iter().all(|&on| on));
+        assert!(fusions(Some("off")).iter().all(|&on| !on));
+        let some = fusions(Some("no-many, no-norm-rope"));
+        for (f, on) in Fusion::ALL.iter().zip(some) {
+            assert_eq!(on, !matches!(f, Fusion::Many | Fusion::NormRope), "{f:?}");
+        }
+        // Unknown names change nothing.
+        assert!(fusions(Some("no-such,fast")).iter().all(|&on| on));
     }
 }
