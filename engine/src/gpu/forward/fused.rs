@@ -68,14 +68,19 @@ impl Fusion {
     }
 }
 
-/// The fusions `POLY_FUSE` leaves on: all by default; `off` none; a comma-separated list of `no-NAME`
-/// (names of [`Fusion`]) turns those off, for measuring each one.
+/// Fusions left off unless `POLY_FUSE` names them (see [`fusions`]).
+const DEFAULT_OFF: &[Fusion] = &[];
+
+/// The fusions `POLY_FUSE` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
+/// comma-separated list of `no-NAME` (names of [`Fusion`]) turns those off, for measuring each one.
 fn fusions(setting: Option<&str>) -> [bool; Fusion::ALL.len()] {
-    let mut on = [true; Fusion::ALL.len()];
+    let mut on = Fusion::ALL.map(|f| !DEFAULT_OFF.contains(&f));
     let Some(setting) = setting else { return on };
     for part in setting.split(',').map(str::trim) {
         if part == "off" {
             on = [false; Fusion::ALL.len()];
+        } else if part == "all" {
+            on = [true; Fusion::ALL.len()];
         } else if let Some(name) = part.strip_prefix("no-") {
             for (i, f) in Fusion::ALL.iter().enumerate() {
                 if f.name() == name {
@@ -429,13 +434,17 @@ mod tests {
 
     #[test]
     fn poly_fuse_turns_all_or_named_fusions_off() {
-        assert!(fusions(None).iter().all(|&on| on));
+        let default = fusions(None);
+        for (f, on) in Fusion::ALL.iter().zip(default) {
+            assert_eq!(on, !DEFAULT_OFF.contains(f), "{f:?}");
+        }
+        assert!(fusions(Some("all")).iter().all(|&on| on));
         assert!(fusions(Some("off")).iter().all(|&on| !on));
-        let some = fusions(Some("no-many, no-norm-rope"));
+        let some = fusions(Some("all, no-many, no-norm-rope"));
         for (f, on) in Fusion::ALL.iter().zip(some) {
             assert_eq!(on, !matches!(f, Fusion::Many | Fusion::NormRope), "{f:?}");
         }
         // Unknown names change nothing.
-        assert!(fusions(Some("no-such,fast")).iter().all(|&on| on));
+        assert_eq!(fusions(Some("no-such,fast")), default);
     }
 }
