@@ -68,8 +68,14 @@ impl Fusion {
     }
 }
 
-/// Fusions left off unless `POLY_FUSE` names them (see [`fusions`]).
-const DEFAULT_OFF: &[Fusion] = &[];
+/// Fusions left off unless `POLY_FUSE=all` turns them on (see [`fusions`]). `delta`: on the H200 (device
+/// run 2, 14:20 UTC) gpu_forward's `decode_graph_replays_equal_the_eager_calls_and_follow_switched_sequences`
+/// failed once on qwen35moe with every fusion on (two sequences alternating over one decode graph: the
+/// second sequence's greedy tokens left the CPU's); in run 3 the same test passed with each single fusion
+/// off in turn, so no fusion was shown guilty and the cause is not known. The setting verified whole there
+/// (gpu_forward 6/6, witness_gpu as main) is every fusion but this one, which costs nothing measurable
+/// (q35 tg128 236.0 against 236.6 t/s); `POLY_FUSE=all` turns it back on for whoever looks further.
+const DEFAULT_OFF: &[Fusion] = &[Fusion::DeltaGrouped];
 
 /// The fusions `POLY_FUSE` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
 /// comma-separated list of `no-NAME` (names of [`Fusion`]) turns those off, for measuring each one.
