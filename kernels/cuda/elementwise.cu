@@ -122,3 +122,23 @@ extern "C" __global__ void kv_store_f16_pos(const float * __restrict__ k_src, co
         }
     }
 }
+
+// Qwen3.5's delta-net gates in one launch, per value i of beta, alpha [rows, n_heads] (head h = i % n_heads):
+// beta_out = sigmoid(beta) and gate = softplus(alpha + dt_bias[h]) * a[h] (the log of the state's decay).
+// The expressions of ew_unary (sigmoid, softplus) and ew_binary (the per-column add and multiply), so the
+// values are those of the four launches, bit for bit.
+extern "C" __global__ void delta_gates(const float * __restrict__ beta, const float * __restrict__ alpha,
+                                       const float * __restrict__ dt_bias, const float * __restrict__ a,
+                                       float * __restrict__ beta_out, float * __restrict__ gate_out, int64_t n,
+                                       int n_heads) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const int h = (int) (i % n_heads);
+    const float b = beta[i];
+    beta_out[i] = 1.0f / (1.0f + expf(-b));
+    const float v = alpha[i] + dt_bias[h];
+    const float sp = v > 20.0f ? v : logf(1.0f + expf(v));
+    gate_out[i] = sp * a[h];
+}

@@ -8,6 +8,7 @@
 // weight block each take VDR ints of its quants (`iqs`), a row's threads stride over the row's blocks, then
 // the row's warps reduce through shared memory. Entry points per format:
 //   matvec_<fmt>          : one matrix, one vector.
+//   matvec_many_<fmt>     : up to MATVEC_MANY_MAX matrices of one width times one vector (q, k, v).
 //   matvec_experts_glu_<fmt>: gate and up experts of one token in one launch, writing silu(gate)*up.
 //   matvec_experts_<fmt>  : several experts of one stacked tensor in one launch. Slot s of the launch
 //                           (blockIdx.y) multiplies expert ids[s] (read from device memory, so a captured
@@ -435,6 +436,64 @@ static __device__ __forceinline__ void matvec(const uint8_t * __restrict__ w, co
     }
 }
 
+// Several matrices of one format and width times the same x in one launch (one token's q, k and v
+// projections): the launch's blocks are those of a matvec launch of each matrix (same rpg) back to back, and
+// each block does what that launch's block would, so every y is bit for bit matvec's. Matrix m's rows go to
+// y[m]. Up to MATVEC_MANY_MAX matrices; the argument struct is MatvecManyArgs in kernels/src/cuda/fused.rs.
+#define MATVEC_MANY_MAX 4
+
+struct MatvecManyArgs {
+    uint64_t w[MATVEC_MANY_MAX]; // each matrix's address
+    uint64_t y[MATVEC_MANY_MAX]; // each result's address (nrows[m] floats)
+    int nrows[MATVEC_MANY_MAX];
+    int n_mat;
+    int ncols;
+    int wpr;
+    int rpg;
+};
+
+template <typename F>
+static __device__ __forceinline__ void matvec_many(const MatvecManyArgs & p, const block_q8_1 * __restrict__ x) {
+    const int rows_per_block = MATVEC_WARPS / p.wpr;
+    const int rows_per_launch_block = rows_per_block * p.rpg;
+    // Which matrix this block serves (w, y, nrows), and its block index within that matrix's launch. The
+    // loop is unrolled so every field is read at a constant offset of the parameter space (an index known
+    // only at run time would copy the struct to each thread's local memory).
+    int block = blockIdx.x;
+    uint64_t w = p.w[0], y_addr = p.y[0];
+    int nrows = p.nrows[0];
+    bool found = false;
+#pragma unroll
+    for (int m = 0; m < MATVEC_MANY_MAX; ++m) {
+        if (!found && m < p.n_mat) {
+            const int blocks_m = (p.nrows[m] + rows_per_launch_block - 1) / rows_per_launch_block;
+            w = p.w[m];
+            y_addr = p.y[m];
+            nrows = p.nrows[m];
+            if (block < blocks_m || m == p.n_mat - 1) {
+                found = true;
+            } else {
+                block -= blocks_m;
+            }
+        }
+    }
+    const int row0 = (block * rows_per_block + threadIdx.y / p.wpr) * p.rpg;
+    const int nr = max(0, min(p.rpg, nrows - row0));
+    const int64_t row_bytes = (int64_t) (p.ncols / F::qk) * sizeof(typename F::block);
+    const uint8_t * const w_row0[1] = {(const uint8_t *) w + (nr > 0 ? row0 : 0) * row_bytes};
+    float total[1][MATVEC_MAX_RPG];
+    rows_dot_rpg<F, 1>(w_row0, row_bytes, x, p.ncols, p.wpr, p.rpg, nr, total);
+    if (group_writer(p.wpr)) {
+        float * y = (float *) y_addr;
+#pragma unroll
+        for (int r = 0; r < MATVEC_MAX_RPG; ++r) {
+            if (r < nr) {
+                y[row0 + r] = total[0][r];
+            }
+        }
+    }
+}
+
 template <typename F>
 static __device__ __forceinline__ void matvec_experts(const uint64_t * __restrict__ expert_table,
                                                       const int32_t * __restrict__ ids, int n_expert,
@@ -597,6 +656,10 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
                       int ncols, int nrows, int wpr, int rpg) {                                                \
         matvec<F>(w, x, y, ncols, nrows, wpr, rpg);                                                            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
+        matvec_many_##name(const MatvecManyArgs p, const block_q8_1 * __restrict__ x) {                      \
+        matvec_many<F>(p, x);                                                                                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,   \

@@ -71,3 +71,38 @@ extern "C" __global__ void rms_norm_quantize_q8_1(const float * __restrict__ x, 
         quantize_value(o, y, row * ncols + i);
     }
 }
+
+// The residual add and the RMS norm after it, in one launch (the end of a block and the start of the next):
+// sum = a + b (as elementwise.cu's ew_binary adds), out = rms_norm(sum) * weight (weight may be null) with
+// norm.cu's loops and reduction, and, when y is not null, out quantized into y as rms_norm_quantize_q8_1
+// does. So sum, out and y are bit for bit those of ew_binary then rms_norm (or rms_norm_quantize_q8_1), in
+// one launch instead of two. One block per row of ncols values; with y, ncols and blockDim.x are multiples
+// of 32 (each warp quantizes whole blocks of 32 values; y null or not is uniform over the launch).
+extern "C" __global__ void add_rms_norm_q8_1(const float * __restrict__ a, const float * __restrict__ b,
+                                             const float * __restrict__ weight, float * __restrict__ sum_out,
+                                             float * __restrict__ out, block_q8_1 * __restrict__ y, int ncols,
+                                             float eps) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float * ar = a + row * ncols;
+    const float * br = b + row * ncols;
+    float * sr = sum_out + row * ncols;
+    float * outr = out + row * ncols;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        const float s = ar[i] + br[i];
+        sr[i] = s;
+        sum = fmaf(s, s, sum);
+    }
+    sum = block_sum(sum, scratch);
+    const float scale = rsqrtf(sum / (float) ncols + eps);
+    // Each thread reads back only the values it wrote itself.
+    for (int i = threadIdx.x; i < ncols; i += blockDim.x) {
+        const float v = sr[i] * scale;
+        const float o = weight ? v * weight[i] : v;
+        outr[i] = o;
+        if (y) {
+            quantize_value(o, y, row * ncols + i);
+        }
+    }
+}

@@ -36,3 +36,52 @@ extern "C" __global__ void rope(const float * x, float * out, const int32_t * __
     head_out[a] = fmaf(x0, c, -(x1 * s));
     head_out[b] = fmaf(x0, s, x1 * c);
 }
+
+// The per-head RMS norm (Qwen3's and Gemma 3's Q and K norms) and the rotation after it, in one launch: each
+// head is normed as norm.cu's rms_norm norms a row of head_dim values (the same loops over the same number
+// of threads, so the same sums) times weight (head_dim values, may be null), kept in shared memory, then
+// rotated as rope() above rotates it. The result is bit for bit rms_norm then rope, without the round trip
+// of the normed values through global memory and one launch instead of two.
+//
+// x, out: [nrows, n_heads * head_dim] (distinct); positions: [nrows]. Grid (nrows, n_heads); block: head_dim
+// rounded up to a multiple of 32 threads, at most 1024 (rms_norm's count for a group of head_dim); dynamic
+// shared memory: head_dim floats.
+extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const float * __restrict__ weight,
+                                         float * __restrict__ out, const int32_t * __restrict__ positions,
+                                         int n_heads, int head_dim, int n_rot, int neox, float theta_scale,
+                                         float freq_scale, float eps) {
+    extern __shared__ float normed[];
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float * head = x + (row * n_heads + blockIdx.y) * head_dim;
+    float * head_out = out + (row * n_heads + blockIdx.y) * head_dim;
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        sum = fmaf(head[i], head[i], sum);
+    }
+    sum = block_sum(sum, scratch);
+    const float scale = rsqrtf(sum / (float) head_dim + eps);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        const float v = head[i] * scale;
+        normed[i] = weight ? v * weight[i] : v;
+    }
+    __syncthreads();
+    const int half = n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float theta = (float) positions[row];
+        for (int j = 0; j < i; ++j) {
+            theta *= theta_scale;
+        }
+        float s, c;
+        sincosf(freq_scale * theta, &s, &c);
+        const int a = neox ? i : 2 * i;
+        const int b = neox ? i + half : 2 * i + 1;
+        const float x0 = normed[a];
+        const float x1 = normed[b];
+        head_out[a] = fmaf(x0, c, -(x1 * s));
+        head_out[b] = fmaf(x0, s, x1 * c);
+    }
+    for (int d = n_rot + threadIdx.x; d < head_dim; d += blockDim.x) {
+        head_out[d] = normed[d];
+    }
+}

@@ -10,6 +10,10 @@
 //! Stateful operations ([`Compute::attention`], [`Compute::ssm_conv`], [`Compute::gated_delta_net`]) read
 //! and extend the state of the layer they are given, at the positions of the current [`Batch`]; the
 //! backend owns that state (KV cache, recurrent states) so it can keep, park and restore it.
+//!
+//! Compound operations (a residual add with the next norm, a head norm with RoPE, several projections of one
+//! input, ...) have default bodies made of the primitive operations ([`composed`]): a backend overrides them
+//! only to run them in fewer launches, with the same values.
 
 /// A weight tensor of the loaded file: its index in [`crate::gguf::GgufFile::tensor_infos`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -260,4 +264,221 @@ pub trait Compute {
 
     /// The batch this forward call runs.
     fn batch(&self) -> Batch<'_>;
+
+    // ----- Compound operations ------------------------------------------------------------------------
+    // Sequences of the operations above that an architecture runs on every layer. Their default bodies are
+    // exactly those sequences (see [`composed`]), so a backend computes the same values whether it fuses
+    // them or not; the GPU backend overrides them with one launch each where the shapes allow, to save the
+    // launches of one token's forward call.
+
+    /// `a + b` and the RMS norm of that sum (see [`Compute::rms_norm`]): the residual add at the end of a
+    /// block and the norm at the start of the next. Returns `(sum, normed)`.
+    fn add_rms_norm(
+        &mut self,
+        a: &Self::Act,
+        b: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (Self::Act, Self::Act) {
+        composed::add_rms_norm(self, a, b, weight, eps, group)
+    }
+
+    /// The RMS norm of each head (`rope.head_dim` columns) times `weight`, then RoPE: the per-head Q or K
+    /// norm of Qwen3 and Gemma 3 followed by the rotation.
+    fn rms_norm_rope(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        rope: &Rope,
+    ) -> Self::Act {
+        composed::rms_norm_rope(self, x, weight, eps, rope)
+    }
+
+    /// `x·Wᵀ` for each of several matrices of the same input (the q, k and v projections), in order.
+    fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &Self::Act) -> [Self::Act; N] {
+        composed::matmul_many(self, ws, x)
+    }
+
+    /// `act(gate) ⊙ up` (SwiGLU, GeGLU): a dense feed-forward block's gated activation.
+    fn glu(&mut self, gate: &Self::Act, up: &Self::Act, act: Unary) -> Self::Act {
+        composed::glu(self, gate, up, act)
+    }
+
+    /// [`Compute::ssm_conv`] then SiLU (the delta-net block's convolution).
+    fn ssm_conv_silu(&mut self, layer: usize, x: &Self::Act, kernel: WeightId) -> Self::Act {
+        composed::ssm_conv_silu(self, layer, x, kernel)
+    }
+
+    /// The RMS norm of `x` (groups of `group`, times `weight`) gated by `silu(z)` (same shape as `x`): the
+    /// delta-net block's output norm.
+    fn rms_norm_gated(
+        &mut self,
+        x: &Self::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+        z: &Self::Act,
+    ) -> Self::Act {
+        composed::rms_norm_gated(self, x, (weight, eps, group), z)
+    }
+
+    /// Columns `cols.0..cols.0+cols.1` of every row, RMS-normed in groups of `group` columns (no weight)
+    /// and times `s`: Qwen3.5's L2 norm of q and k (llama.cpp's `build_gdn_l2_norm`) on their columns of
+    /// the convolution's output.
+    fn cols_rms_norm_scale(
+        &mut self,
+        x: &Self::Act,
+        cols: (usize, usize),
+        eps: f32,
+        group: usize,
+        s: f32,
+    ) -> Self::Act {
+        composed::cols_rms_norm_scale(self, x, cols, (eps, group), s)
+    }
+
+    /// Qwen3.5's delta-net gates from the `beta` and `alpha` projections (`[n, n_v_heads]`):
+    /// `(sigmoid(beta), softplus(alpha + dt_bias)·a)`, the second the log of the state's decay.
+    fn delta_gates(
+        &mut self,
+        beta: &Self::Act,
+        alpha: &Self::Act,
+        dt_bias: WeightId,
+        a: WeightId,
+    ) -> (Self::Act, Self::Act) {
+        composed::delta_gates(self, (beta, alpha), dt_bias, a)
+    }
+
+    /// [`Compute::gated_delta_net`] with `q` and `k` of `n_k_heads` heads (`[n, n_k_heads·head_k]`): value
+    /// head `h` reads key head `h mod n_k_heads` (ggml_repeat's tiling, as [`Compute::repeat_heads`]
+    /// without `interleave` makes it).
+    fn gated_delta_net_grouped(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Self::Act>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> Self::Act {
+        composed::gated_delta_net_grouped(self, layer, x, net, n_k_heads)
+    }
+}
+
+/// The compound operations of [`Compute`] as the sequences of primitive operations they stand for: the
+/// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
+/// kernel (or fusion is switched off).
+pub mod composed {
+    use super::{Compute, DeltaNet, DeltaNetInputs, Rope, Unary, WeightId};
+
+    /// [`Compute::add_rms_norm`]: `add` then `rms_norm`.
+    pub fn add_rms_norm<C: Compute + ?Sized>(
+        c: &mut C,
+        a: &C::Act,
+        b: &C::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (C::Act, C::Act) {
+        let sum = c.add(a, b);
+        let normed = c.rms_norm(&sum, weight, eps, group);
+        (sum, normed)
+    }
+
+    /// [`Compute::rms_norm_rope`]: `rms_norm` over each head then `rope`.
+    pub fn rms_norm_rope<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        weight: Option<WeightId>,
+        eps: f32,
+        rope: &Rope,
+    ) -> C::Act {
+        let normed = c.rms_norm(x, weight, eps, rope.head_dim);
+        c.rope(&normed, rope)
+    }
+
+    /// [`Compute::matmul_many`]: one `matmul` per matrix, in order.
+    pub fn matmul_many<C: Compute + ?Sized, const N: usize>(
+        c: &mut C,
+        ws: [WeightId; N],
+        x: &C::Act,
+    ) -> [C::Act; N] {
+        ws.map(|w| c.matmul(w, x))
+    }
+
+    /// [`Compute::glu`]: `unary` then `mul`.
+    pub fn glu<C: Compute + ?Sized>(c: &mut C, gate: &C::Act, up: &C::Act, act: Unary) -> C::Act {
+        let gate = c.unary(gate, act);
+        c.mul(&gate, up)
+    }
+
+    /// [`Compute::ssm_conv_silu`]: `ssm_conv` then `unary` SiLU.
+    pub fn ssm_conv_silu<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: &C::Act,
+        kernel: WeightId,
+    ) -> C::Act {
+        let conv = c.ssm_conv(layer, x, kernel);
+        c.unary(&conv, Unary::Silu)
+    }
+
+    /// [`Compute::rms_norm_gated`]: `rms_norm`, `unary` SiLU of `z`, then `mul`; `norm` is
+    /// `(weight, eps, group)`.
+    pub fn rms_norm_gated<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        (weight, eps, group): (Option<WeightId>, f32, usize),
+        z: &C::Act,
+    ) -> C::Act {
+        let normed = c.rms_norm(x, weight, eps, group);
+        let z = c.unary(z, Unary::Silu);
+        c.mul(&normed, &z)
+    }
+
+    /// [`Compute::cols_rms_norm_scale`]: `cols`, `rms_norm` without weight, then `scale`.
+    pub fn cols_rms_norm_scale<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        (start, len): (usize, usize),
+        (eps, group): (f32, usize),
+        s: f32,
+    ) -> C::Act {
+        let part = c.cols(x, start, len);
+        let normed = c.rms_norm(&part, None, eps, group);
+        c.scale(&normed, s)
+    }
+
+    /// [`Compute::delta_gates`]: `unary` sigmoid of beta; `add_weight`, `unary` softplus and `mul_weight`
+    /// of alpha.
+    pub fn delta_gates<C: Compute + ?Sized>(
+        c: &mut C,
+        (beta, alpha): (&C::Act, &C::Act),
+        dt_bias: WeightId,
+        a: WeightId,
+    ) -> (C::Act, C::Act) {
+        let beta = c.unary(beta, Unary::Sigmoid);
+        let alpha = c.add_weight(alpha, dt_bias);
+        let alpha = c.unary(&alpha, Unary::Softplus);
+        let gate = c.mul_weight(&alpha, a);
+        (beta, gate)
+    }
+
+    /// [`Compute::gated_delta_net_grouped`]: `repeat_heads` of q and k to the value heads (tiled), then
+    /// `gated_delta_net`.
+    pub fn gated_delta_net_grouped<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: DeltaNetInputs<'_, C::Act>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> C::Act {
+        if n_k_heads == net.n_v_heads || n_k_heads == 0 {
+            return c.gated_delta_net(layer, x, net);
+        }
+        let times = net.n_v_heads / n_k_heads;
+        let q = c.repeat_heads(x.q, net.head_k, times, false);
+        let k = c.repeat_heads(x.k, net.head_k, times, false);
+        let inputs = DeltaNetInputs { q: &q, k: &k, ..x };
+        c.gated_delta_net(layer, inputs, net)
+    }
 }

@@ -49,7 +49,7 @@ pub fn rope_into(
 }
 
 /// The checked shape and scalar arguments of a rope launch.
-struct RopeShape {
+pub(super) struct RopeShape {
     n_rows: usize,
     n_heads: usize,
     half: usize,
@@ -57,7 +57,7 @@ struct RopeShape {
 }
 
 impl RopeShape {
-    fn new(len: usize, n_rows: usize, p: &RopeParams) -> CudaResult<RopeShape> {
+    pub(super) fn new(len: usize, n_rows: usize, p: &RopeParams) -> CudaResult<RopeShape> {
         if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
             return invalid(format!(
                 "rope: n_rot {} with head_dim {}",
@@ -90,7 +90,7 @@ impl RopeShape {
         })
     }
 
-    fn push_args<'a>(
+    pub(super) fn push_args<'a>(
         &'a self,
         b: &mut cudarc::driver::LaunchArgs<'a>,
         positions: &'a DeviceBuffer<i32>,
@@ -105,7 +105,7 @@ impl RopeShape {
             .arg(freq_scale);
     }
 
-    fn config(&self) -> LaunchConfig {
+    pub(super) fn config(&self) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (self.n_rows as u32, self.n_heads as u32, 1),
             block_dim: (self.half as u32, 1, 1),

@@ -449,6 +449,9 @@ impl Forward for Gemma3Graph {
 
         let inp = c.embed(self.tok_embd, &tokens);
         let mut inp = c.scale(&inp, (n_embd as f32).sqrt());
+        // The normed input of the next block (or of the output): each block's closing residual add comes
+        // with it (`add_rms_norm`), so only the first block's norm stands alone.
+        let mut cur = c.rms_norm(&inp, Some(self.blocks[0].attn_norm), eps, n_embd);
         for (il, b) in self.blocks.iter().enumerate() {
             let rope = self.rope(il as u32);
             let attn = Attention {
@@ -461,39 +464,34 @@ impl Forward for Gemma3Graph {
                 window: self.window(il as u32),
                 softcap: None,
             };
-            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
 
             // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head, Q scaled.
-            let q = c.matmul(b.wq, &cur);
-            let k = c.matmul(b.wk, &cur);
-            let v = c.matmul(b.wv, &cur);
-            let q = c.rms_norm(&q, Some(b.q_norm), eps, head_dim);
-            let q = c.rope(&q, rope);
-            let k = c.rms_norm(&k, Some(b.k_norm), eps, head_dim);
-            let k = c.rope(&k, rope);
+            let [q, k, v] = c.matmul_many([b.wq, b.wk, b.wv], &cur);
+            let q = c.rms_norm_rope(&q, Some(b.q_norm), eps, rope);
+            let k = c.rms_norm_rope(&k, Some(b.k_norm), eps, rope);
             let q = c.scale(&q, self.q_scale);
             let att = c.attention(il, &q, &k, &v, &attn);
-            let mut cur = c.matmul(b.wo, &att);
+            let mut att_out = c.matmul(b.wo, &att);
 
             // After the last block's attention only the rows whose logits are wanted go on.
             if il == last && out_rows.len() < tokens.len() {
-                cur = c.rows(&cur, &out_rows);
+                att_out = c.rows(&att_out, &out_rows);
                 inp = c.rows(&inp, &out_rows);
             }
-            let cur = c.rms_norm(&cur, Some(b.attn_post_norm), eps, n_embd);
-            let sa_out = c.add(&cur, &inp);
+            let att_out = c.rms_norm(&att_out, Some(b.attn_post_norm), eps, n_embd);
+            let (sa_out, ffn_in) = c.add_rms_norm(&att_out, &inp, Some(b.ffn_norm), eps, n_embd);
 
             // Feed-forward: GELU(gate)·up, down, then its post-norm.
-            let cur = c.rms_norm(&sa_out, Some(b.ffn_norm), eps, n_embd);
-            let gate = c.matmul(b.ffn_gate, &cur);
-            let up = c.matmul(b.ffn_up, &cur);
-            let gate = c.unary(&gate, Unary::Gelu);
-            let cur = c.mul(&gate, &up);
-            let cur = c.matmul(b.ffn_down, &cur);
-            let cur = c.rms_norm(&cur, Some(b.ffn_post_norm), eps, n_embd);
-            inp = c.add(&cur, &sa_out);
+            let [gate, up] = c.matmul_many([b.ffn_gate, b.ffn_up], &ffn_in);
+            let ffn_out = c.glu(&gate, &up, Unary::Gelu);
+            let ffn_out = c.matmul(b.ffn_down, &ffn_out);
+            let ffn_out = c.rms_norm(&ffn_out, Some(b.ffn_post_norm), eps, n_embd);
+            let next_norm = match self.blocks.get(il + 1) {
+                Some(next) => next.attn_norm,
+                None => self.output_norm,
+            };
+            (inp, cur) = c.add_rms_norm(&ffn_out, &sa_out, Some(next_norm), eps, n_embd);
         }
-        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
         let logits = c.matmul(self.output, &cur);
         match hp.final_logit_softcapping {
             Some(cap) => {

@@ -669,35 +669,18 @@ impl Qwen35MoeGraph {
         let (n_k, n_v, head) = self.delta_dims();
         let (key_dim, value_dim) = (n_k * head, n_v * head);
 
-        let qkv = c.matmul(m.qkv, x);
-        let z = c.matmul(m.z, x);
-        let beta = c.matmul(m.beta, x);
-        let beta = c.unary(&beta, Unary::Sigmoid);
-        // gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
-        let alpha = c.matmul(m.alpha, x);
-        let alpha = c.add_weight(&alpha, m.dt_bias);
-        let alpha = c.unary(&alpha, Unary::Softplus);
-        let gate = c.mul_weight(&alpha, m.a);
+        let [qkv, z, beta, alpha] = c.matmul_many([m.qkv, m.z, m.beta, m.alpha], x);
+        // beta = sigmoid(beta); gate = softplus(alpha + dt_bias) · A: the log of the per-head state decay.
+        let (beta, gate) = c.delta_gates(&beta, &alpha, m.dt_bias, m.a);
 
         // Causal conv1d over time (the state holds the previous kernel - 1 inputs), then SiLU.
-        let conv = c.ssm_conv(il, &qkv, m.conv1d);
-        let conv = c.unary(&conv, Unary::Silu);
-        let q = c.cols(&conv, 0, key_dim);
-        let k = c.cols(&conv, key_dim, key_dim);
+        let conv = c.ssm_conv_silu(il, &qkv, m.conv1d);
+        // q and k L2-normed as llama.cpp's `build_gdn_l2_norm`: rms_norm with eps/n, times 1/√n, i.e.
+        // x / √(‖x‖² + eps).
+        let l2 = (eps / head as f32, 1.0 / (head as f32).sqrt());
+        let q = c.cols_rms_norm_scale(&conv, (0, key_dim), l2.0, head, l2.1);
+        let k = c.cols_rms_norm_scale(&conv, (key_dim, key_dim), l2.0, head, l2.1);
         let v = c.cols(&conv, 2 * key_dim, value_dim);
-
-        // llama.cpp's `build_gdn_l2_norm`: rms_norm with eps/n, times 1/√n, i.e. x / √(‖x‖² + eps).
-        let l2 = |c: &mut C, a: &C::Act| {
-            let normed = c.rms_norm(a, None, eps / head as f32, head);
-            c.scale(&normed, 1.0 / (head as f32).sqrt())
-        };
-        let mut q = l2(c, &q);
-        let mut k = l2(c, &k);
-        // Value head h reads key head h mod n_k (ggml_repeat's tiling; the fused op indexes the same).
-        if n_v != n_k {
-            q = c.repeat_heads(&q, head, n_v / n_k, false);
-            k = c.repeat_heads(&k, head, n_v / n_k, false);
-        }
         let net = DeltaNet {
             n_v_heads: n_v,
             head_k: head,
@@ -710,12 +693,11 @@ impl Qwen35MoeGraph {
             gate: &gate,
             beta: &beta,
         };
-        let out = c.gated_delta_net(il, inputs, &net);
+        // Value head h reads key head h mod n_k (ggml_repeat's tiling; the fused op indexes the same).
+        let out = c.gated_delta_net_grouped(il, inputs, &net, n_k);
 
         // Gated RMS norm per value head: norm(out) ⊙ silu(z).
-        let out = c.rms_norm(&out, Some(m.norm), eps, head);
-        let z = c.unary(&z, Unary::Silu);
-        let out = c.mul(&out, &z);
+        let out = c.rms_norm_gated(&out, Some(m.norm), eps, head, &z);
         c.matmul(m.out, &out)
     }
 
@@ -746,15 +728,11 @@ impl Qwen35MoeGraph {
             window: None,
             softcap: None,
         };
-        let q_gate = c.matmul(m.wq_gate, x);
+        let [q_gate, k, v] = c.matmul_many([m.wq_gate, m.wk, m.wv], x);
         let q = c.head_part(&q_gate, head_dim, 2, 0);
         let gate = c.head_part(&q_gate, head_dim, 2, 1);
-        let k = c.matmul(m.wk, x);
-        let v = c.matmul(m.wv, x);
-        let q = c.rms_norm(&q, Some(m.q_norm), eps, head_dim);
-        let k = c.rms_norm(&k, Some(m.k_norm), eps, head_dim);
-        let q = c.rope(&q, &rope);
-        let k = c.rope(&k, &rope);
+        let q = c.rms_norm_rope(&q, Some(m.q_norm), eps, &rope);
+        let k = c.rms_norm_rope(&k, Some(m.k_norm), eps, &rope);
         let out = c.attention(il, &q, &k, &v, &attn);
         let gate = c.unary(&gate, Unary::Sigmoid);
         let out = c.mul(&out, &gate);
@@ -765,12 +743,9 @@ impl Qwen35MoeGraph {
     fn ffn<C: Compute>(&self, c: &mut C, il: usize, b: &Block, x: &C::Act) -> C::Act {
         let moe_out = c.moe(il, x, &b.moe);
         let s = &b.shexp;
-        let gate = c.matmul(s.gate, x);
-        let gate = c.unary(&gate, Unary::Silu);
-        let up = c.matmul(s.up, x);
-        let h = c.mul(&gate, &up);
+        let [gate, up, scale] = c.matmul_many([s.gate, s.up, s.gate_inp], x);
+        let h = c.glu(&gate, &up, Unary::Silu);
         let shared = c.matmul(s.down, &h);
-        let scale = c.matmul(s.gate_inp, x);
         let scale = c.unary(&scale, Unary::Sigmoid);
         let shared = c.mul(&shared, &scale);
         c.add(&moe_out, &shared)
@@ -814,23 +789,27 @@ impl Forward for Qwen35MoeGraph {
         };
 
         let mut inp = c.embed(self.tok_embd, &tokens);
+        // The normed input of the next block (or of the output): each block's closing residual add comes
+        // with it (`add_rms_norm`), so only the first block's norm stands alone.
+        let mut cur = c.rms_norm(&inp, Some(self.blocks[0].attn_norm), eps, n_embd);
         for (il, b) in self.blocks.iter().enumerate() {
-            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
-            let cur = match &b.mixer {
+            let mixed = match &b.mixer {
                 Mixer::DeltaNet(m) => self.delta_net(c, il, m, &cur),
                 Mixer::Attention(m) => self.attention(c, il, m, &cur),
             };
             // Every row goes through the last block too: llama.cpp keeps them all (its MTP head reads the
             // final hidden states; `embeddings_nextn_masked` is off) and picks the wanted rows only after
             // the output norm, and a batch of one row would sum some products in other orders.
-            let ffn_residual = c.add(&cur, &inp);
-
             // The post-attention norm is the FFN's input norm.
-            let cur = c.rms_norm(&ffn_residual, Some(b.post_attn_norm), eps, n_embd);
-            let ffn_out = self.ffn(c, il, b, &cur);
-            inp = c.add(&ffn_out, &ffn_residual);
+            let (ffn_residual, ffn_in) =
+                c.add_rms_norm(&mixed, &inp, Some(b.post_attn_norm), eps, n_embd);
+            let ffn_out = self.ffn(c, il, b, &ffn_in);
+            let next_norm = match self.blocks.get(il + 1) {
+                Some(next) => next.attn_norm,
+                None => self.output_norm,
+            };
+            (inp, cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(next_norm), eps, n_embd);
         }
-        let mut cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
         if out_rows.len() < tokens.len() {
             cur = c.rows(&cur, &out_rows);
         }

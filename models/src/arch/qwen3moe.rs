@@ -365,33 +365,32 @@ impl Forward for Qwen3MoeGraph {
         let last = self.blocks.len() - 1;
 
         let mut inp = c.embed(self.tok_embd, &tokens);
+        // The normed input of the next block (or of the output): each block's closing residual add comes
+        // with it (`add_rms_norm`), so only the first block's norm stands alone.
+        let mut cur = c.rms_norm(&inp, Some(self.blocks[0].attn_norm), eps, n_embd);
         for (il, b) in self.blocks.iter().enumerate() {
-            let cur = c.rms_norm(&inp, Some(b.attn_norm), eps, n_embd);
-
             // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head.
-            let q = c.matmul(b.wq, &cur);
-            let k = c.matmul(b.wk, &cur);
-            let v = c.matmul(b.wv, &cur);
-            let q = c.rms_norm(&q, Some(b.q_norm), eps, head_dim);
-            let q = c.rope(&q, &rope);
-            let k = c.rms_norm(&k, Some(b.k_norm), eps, head_dim);
-            let k = c.rope(&k, &rope);
+            let [q, k, v] = c.matmul_many([b.wq, b.wk, b.wv], &cur);
+            let q = c.rms_norm_rope(&q, Some(b.q_norm), eps, &rope);
+            let k = c.rms_norm_rope(&k, Some(b.k_norm), eps, &rope);
             let att = c.attention(il, &q, &k, &v, &attn);
-            let mut cur = c.matmul(b.wo, &att);
+            let mut att_out = c.matmul(b.wo, &att);
 
             // After the last block's attention only the rows whose logits are wanted go on.
             if il == last && out_rows.len() < tokens.len() {
-                cur = c.rows(&cur, &out_rows);
+                att_out = c.rows(&att_out, &out_rows);
                 inp = c.rows(&inp, &out_rows);
             }
-            let ffn_inp = c.add(&cur, &inp);
 
-            // Mixture of experts.
-            let cur = c.rms_norm(&ffn_inp, Some(b.ffn_norm), eps, n_embd);
-            let moe_out = c.moe(il, &cur, &b.moe);
-            inp = c.add(&moe_out, &ffn_inp);
+            // Mixture of experts on the normed residual.
+            let (ffn_inp, ffn_in) = c.add_rms_norm(&att_out, &inp, Some(b.ffn_norm), eps, n_embd);
+            let moe_out = c.moe(il, &ffn_in, &b.moe);
+            let next_norm = match self.blocks.get(il + 1) {
+                Some(next) => next.attn_norm,
+                None => self.output_norm,
+            };
+            (inp, cur) = c.add_rms_norm(&moe_out, &ffn_inp, Some(next_norm), eps, n_embd);
         }
-        let cur = c.rms_norm(&inp, Some(self.output_norm), eps, n_embd);
         c.matmul(self.output, &cur)
     }
 }

@@ -19,10 +19,9 @@ use poly_kernels::cuda::prompt::{
     self, gather_rows, gather_rows_q8_1, matmul_experts_q, matmul_q, moe_combine_sorted,
     ExpertGrouping,
 };
-use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
+use poly_kernels::cuda::recurrent::{self, L2Form};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
 use poly_kernels::ops::attention::AttnParams;
-use poly_kernels::ops::recurrent::DeltaShape;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
@@ -39,7 +38,11 @@ use super::seq::{DeviceLayer, DeviceSeq};
 use super::weights::{GpuWeight, GpuWeights};
 use crate::cpu::CpuWeights;
 
+mod act;
+mod fused;
 mod moe;
+
+pub use act::DevAct;
 
 /// Blocks the split-K attention aims for on one token (a few per SM of a large card).
 const ATTN_TARGET_BLOCKS: usize = 264;
@@ -143,42 +146,6 @@ pub struct Backing<'a> {
     pub pool: Rc<Pool>,
     /// The routed experts' cache.
     pub experts: Option<&'a mut ExpertCache>,
-}
-
-/// A `[rows, cols]` f32 activation on the card; its buffer goes back to the pool when dropped.
-pub struct DevAct {
-    rows: usize,
-    cols: usize,
-    /// Unique within the call: names the activation in the quantized-input cache.
-    id: u64,
-    buf: Option<DeviceBuffer<f32>>,
-    pool: Rc<Pool>,
-}
-
-impl Drop for DevAct {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            self.pool.put_f32(b);
-        }
-    }
-}
-
-impl DevAct {
-    fn len(&self) -> usize {
-        self.rows * self.cols
-    }
-
-    fn buf(&self) -> CudaResult<&DeviceBuffer<f32>> {
-        self.buf
-            .as_ref()
-            .ok_or_else(|| CudaError::Invalid("an activation without data".into()))
-    }
-
-    fn buf_mut(&mut self) -> CudaResult<&mut DeviceBuffer<f32>> {
-        self.buf
-            .as_mut()
-            .ok_or_else(|| CudaError::Invalid("an activation without data".into()))
-    }
 }
 
 /// One forward call on the card.
@@ -944,19 +911,7 @@ impl Compute for GpuForward<'_> {
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
-        let mut out = self.alloc(x.rows, x.cols);
-        let taps = self.cpu.info(kernel).row_len() as usize;
-        self.run("ssm_conv", x.len() == 0, |c| {
-            let w = c.vector(kernel)?;
-            let dev = c.dev;
-            let Some(DeviceLayer::Recurrent { conv, .. }) = c.seq.layers.get_mut(layer) else {
-                return Err(CudaError::Invalid(format!(
-                    "ssm_conv on layer {layer}, whose state is not recurrent"
-                )));
-            };
-            recurrent::conv1d_causal(dev, x.buf()?, &w, taps, conv, false, out.buf_mut()?)
-        });
-        out
+        self.ssm_conv_with(layer, x, kernel, false)
     }
 
     fn gated_delta_net(
@@ -965,31 +920,7 @@ impl Compute for GpuForward<'_> {
         x: DeltaNetInputs<'_, DevAct>,
         net: &DeltaNet,
     ) -> DevAct {
-        let mut out = self.alloc(x.v.rows, net.n_v_heads * net.head_v);
-        self.run("gated_delta_net", x.v.len() == 0, |c| {
-            let dev = c.dev;
-            let Some(DeviceLayer::Recurrent { delta, .. }) = c.seq.layers.get_mut(layer) else {
-                return Err(CudaError::Invalid(format!(
-                    "gated_delta_net on layer {layer}, whose state is not recurrent"
-                )));
-            };
-            let inputs = DeltaInputs {
-                q: x.q.buf()?,
-                k: x.k.buf()?,
-                v: x.v.buf()?,
-                gate: x.gate.buf()?,
-                beta: x.beta.buf()?,
-                // The graph repeats q and k to the value heads.
-                n_k_heads: net.n_v_heads,
-            };
-            let shape = DeltaShape {
-                n_heads: net.n_v_heads,
-                head_k: net.head_k,
-                head_v: net.head_v,
-            };
-            recurrent::gated_delta_rule(dev, &inputs, shape, delta, out.buf_mut()?)
-        });
-        out
+        self.delta_net_with(layer, x, net, net.n_v_heads)
     }
 
     fn batch(&self) -> Batch<'_> {
@@ -998,5 +929,75 @@ impl Compute for GpuForward<'_> {
             pos0: self.pos0 as u32,
             logits: self.logits,
         }
+    }
+
+    // The compound operations as fused kernels (`fused.rs`).
+    fn add_rms_norm(
+        &mut self,
+        a: &DevAct,
+        b: &DevAct,
+        w: Option<WeightId>,
+        eps: f32,
+        group: usize,
+    ) -> (DevAct, DevAct) {
+        self.fused_add_rms_norm((a, b), w, eps, group)
+    }
+
+    fn rms_norm_rope(&mut self, x: &DevAct, w: Option<WeightId>, eps: f32, r: &Rope) -> DevAct {
+        self.fused_rms_norm_rope(x, w, eps, r)
+    }
+
+    fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &DevAct) -> [DevAct; N] {
+        self.fused_matmul_many(ws, x)
+    }
+
+    fn glu(&mut self, gate: &DevAct, up: &DevAct, act: Unary) -> DevAct {
+        self.fused_glu(gate, up, act)
+    }
+
+    fn ssm_conv_silu(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
+        self.fused_ssm_conv_silu(layer, x, kernel)
+    }
+
+    fn rms_norm_gated(
+        &mut self,
+        x: &DevAct,
+        w: Option<WeightId>,
+        eps: f32,
+        g: usize,
+        z: &DevAct,
+    ) -> DevAct {
+        self.fused_rms_norm_gated(x, (w, eps, g), z)
+    }
+
+    fn cols_rms_norm_scale(
+        &mut self,
+        x: &DevAct,
+        cols: (usize, usize),
+        eps: f32,
+        g: usize,
+        s: f32,
+    ) -> DevAct {
+        self.fused_cols_rms_norm_scale(x, cols, (eps, g), s)
+    }
+
+    fn delta_gates(
+        &mut self,
+        b: &DevAct,
+        a: &DevAct,
+        bias: WeightId,
+        w: WeightId,
+    ) -> (DevAct, DevAct) {
+        self.fused_delta_gates((b, a), bias, w)
+    }
+
+    fn gated_delta_net_grouped(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, DevAct>,
+        net: &DeltaNet,
+        n_k_heads: usize,
+    ) -> DevAct {
+        self.fused_gated_delta_net_grouped(layer, x, net, n_k_heads)
     }
 }
