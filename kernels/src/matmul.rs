@@ -8,6 +8,7 @@
 //! streams its own part of the weights once.
 
 use crate::quant::kquants::Rows4;
+use crate::quant::legacy::{TILE_ACTS, TILE_ROWS};
 use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
@@ -236,6 +237,7 @@ pub fn matmul_ordered(
     // the batch order's four-row kernel, or the single-row order's.
     let single4 = single_row_dot4(w.ty);
     let rows4 = single_row_rows4(w.ty);
+    let tile = crate::quant::legacy::tile(w.ty);
     let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
     let group4 = |j: usize| -> Option<Dot4> {
         if (j..j + 4).all(applies) {
@@ -273,6 +275,27 @@ pub fn matmul_ordered(
             // the single-row order), else one at a time.
             let mut r = first;
             while r < last {
+                // Legacy formats: tiles of two weight rows by four activation rows.
+                if let Some(tile) = tile.filter(|_| r + TILE_ROWS <= last) {
+                    let rows: [&[u8]; TILE_ROWS] = std::array::from_fn(|i| w.row(r + i));
+                    let mut j = tokens;
+                    while j < tokens_end {
+                        if j + TILE_ACTS <= tokens_end && !(j..j + TILE_ACTS).any(applies) {
+                            let v = tile(w.cols, rows, std::array::from_fn(|t| act_row(j + t)));
+                            for (i, &v) in v.iter().enumerate() {
+                                put(j + i % TILE_ACTS, r + i / TILE_ACTS, v);
+                            }
+                            j += TILE_ACTS;
+                        } else {
+                            for (i, row) in rows.iter().enumerate() {
+                                put(j, r + i, dot_of(j)(w.cols, row, act_row(j)));
+                            }
+                            j += 1;
+                        }
+                    }
+                    r += TILE_ROWS;
+                    continue;
+                }
                 let quad = rows4.filter(|_| r + 4 <= last);
                 let span = if quad.is_some() { 4 } else { 1 };
                 let mut j = tokens;

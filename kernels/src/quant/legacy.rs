@@ -334,6 +334,73 @@ pub fn dot4(ty: GgmlType) -> Option<Dot4> {
     }
 }
 
+/// Weight rows of a [`Tile`].
+pub const TILE_ROWS: usize = 2;
+/// Activation rows of a [`Tile`].
+pub const TILE_ACTS: usize = 4;
+
+/// The dot products of [`TILE_ROWS`] weight rows with [`TILE_ACTS`] activation rows, each equal to
+/// [`QuantOps::vec_dot`] bit for bit: `out[r·TILE_ACTS + t]` for weight row `r`, activation row `t`.
+pub type Tile = fn(
+    n: usize,
+    rows: [&[u8]; TILE_ROWS],
+    acts: [&[u8]; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS];
+
+#[inline(always)]
+fn vec_dot_tile(
+    kind: LegacyKind,
+    n: usize,
+    rows: [&[u8]; TILE_ROWS],
+    acts: [&[u8]; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS] {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let mut nb = 0;
+        for row in rows {
+            for act in acts {
+                nb = check_lengths(kind, n, row, act);
+            }
+        }
+        // SAFETY: as in `vec_dot`, for each pair of a weight row and an activation row (all checked).
+        return unsafe {
+            super::x86::legacy_avx2::tile(
+                kind,
+                nb,
+                rows.map(|r| r.as_ptr()),
+                acts.map(|a| a.as_ptr()),
+            )
+        };
+    }
+    std::array::from_fn(|i| vec_dot_portable(kind, n, rows[i / TILE_ACTS], acts[i % TILE_ACTS]))
+}
+
+/// The [`Tile`] kernel of the formats of this family: [`TILE_ROWS`] weight rows times [`TILE_ACTS`]
+/// activation rows in the single-row order (llama.cpp's order for their batches too, see [`dot4`]), each
+/// weight block decoded once for all activation rows and the lane sums done together.
+pub fn tile(ty: GgmlType) -> Option<Tile> {
+    macro_rules! tile_fn {
+        ($kind:expr) => {{
+            fn f(
+                n: usize,
+                rows: [&[u8]; TILE_ROWS],
+                acts: [&[u8]; TILE_ACTS],
+            ) -> [f32; TILE_ROWS * TILE_ACTS] {
+                vec_dot_tile($kind, n, rows, acts)
+            }
+            f as Tile
+        }};
+    }
+    match ty {
+        GgmlType::Q4_0 => Some(tile_fn!(LegacyKind::Q4_0)),
+        GgmlType::Q4_1 => Some(tile_fn!(LegacyKind::Q4_1)),
+        GgmlType::Q5_0 => Some(tile_fn!(LegacyKind::Q5_0)),
+        GgmlType::Q5_1 => Some(tile_fn!(LegacyKind::Q5_1)),
+        GgmlType::Q8_0 => Some(tile_fn!(LegacyKind::Q8_0)),
+        _ => None,
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Random blocks.
 
