@@ -3,12 +3,16 @@
 //! in cache. Prints the minimum time of a call over the runs (min-of-N: the figure least disturbed by
 //! other work on a shared machine) and the multiply-adds per nanosecond.
 //!
-//! `cargo bench -p poly-kernels --bench prompt_matmul [-- TYPE:ROWSxCOLS,... ] [--tokens N] [--runs N]`
+//! `cargo bench -p poly-kernels --bench prompt_matmul [-- TYPE:ROWSxCOLS,... ] [--tokens N] [--runs N]
+//! [--single]`
+//!
+//! `--single`: every row in the format's single-row order (`matmul_ordered` without a batch order), as
+//! llama.cpp's `MUL_MAT_ID` over repacked Q4_K weights computes a prompt's expert products.
 //!
 //! Defaults: Gemma 3 270M's prompt products (Q5_0 640→2048 and 640→1024, Q8_0 640→256, Q4_K 1024→640,
 //! Q6_K 2048→640) and a Qwen3 MoE expert's (Q4_K 2048→768, 768→2048), 512 tokens (64 for the expert).
 
-use poly_kernels::matmul::{matmul, QuantMatrix};
+use poly_kernels::matmul::{matmul, matmul_ordered, QuantMatrix};
 use poly_kernels::quant::{fill_random, GgmlType};
 use poly_kernels::rng::Rng;
 use std::time::{Duration, Instant};
@@ -48,6 +52,7 @@ fn min_time(runs: usize, mut f: impl FnMut()) -> Duration {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mut tokens, mut runs, mut list) = (512usize, 20usize, None::<String>);
+    let mut single = false;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -59,6 +64,7 @@ fn main() {
                 runs = args[i + 1].parse().expect("--runs N");
                 i += 1;
             }
+            "--single" => single = true,
             "--bench" => {}
             l => list = Some(l.to_string()),
         }
@@ -89,7 +95,12 @@ fn main() {
         .num_threads(1)
         .build()
         .expect("thread pool");
-    println!("one thread, min of {runs} runs");
+    let order = if single {
+        "single-row order"
+    } else {
+        "batch order"
+    };
+    println!("one thread, min of {runs} runs, {order}");
     println!("| type | rows x cols | tokens | ms | MAC/ns |");
     println!("|---|---|---:|---:|---:|");
     let mut rng = Rng::new(17);
@@ -100,7 +111,15 @@ fn main() {
         let w = QuantMatrix::new(c.ty, c.rows, c.cols, &data).expect("matrix");
         let x: Vec<f32> = (0..c.tokens * c.cols).map(|_| rng.normal()).collect();
         let mut y = vec![0f32; c.tokens * c.rows];
-        let t = one.install(|| min_time(runs, || matmul(&w, &x, c.tokens, &mut y)));
+        let t = one.install(|| {
+            min_time(runs, || {
+                if single {
+                    matmul_ordered(&w, &x, c.tokens, &mut y, None)
+                } else {
+                    matmul(&w, &x, c.tokens, &mut y)
+                }
+            })
+        });
         let macs = (c.rows * c.cols * c.tokens) as f64;
         println!(
             "| {} | {}x{} | {} | {:.3} | {:.2} |",

@@ -338,18 +338,20 @@ unsafe fn tile_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bo
                 _mm256_storeu_ps(scales[r * TILE_ACTS + t].as_mut_ptr(), _mm256_mul_ps(dx, d));
             }
         }
+        // `b` indexes the inner dimension of `scales` (one block of every pair of rows).
+        #[allow(clippy::needless_range_loop)]
         for b in 0..count {
-            for r in 0..TILE_ROWS {
-                let qx = block_quants::<K>(xs[r]);
-                for t in 0..TILE_ACTS {
+            for (r, x) in xs.iter_mut().enumerate() {
+                let qx = block_quants::<K>(*x);
+                for (t, &y) in ys.iter().enumerate() {
                     let i = r * TILE_ACTS + t;
-                    let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, ys[t]));
+                    let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, y));
                     acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scales[i][b]), sums, acc[i]);
                     if MIN {
-                        mins[i] = f16(xs[r].add(2)).mul_add(f16(ys[t].add(2)), mins[i]);
+                        mins[i] = f16(x.add(2)).mul_add(f16(y.add(2)), mins[i]);
                     }
                 }
-                xs[r] = xs[r].add(XB);
+                *x = x.add(XB);
             }
             for y in ys.iter_mut() {
                 *y = y.add(YB);
