@@ -397,6 +397,80 @@ pub(crate) unsafe fn dot_tiled(kind: KKind, nb: usize, x: *const u8, y: *const u
     }
 }
 
+/// [`dot_tiled`] for Q6_K of one row `x` with four activation rows `ys`: each super-block's quants and
+/// scales are unpacked once for the four, and their fused steps run side by side in one vector (lane
+/// `k`: row `ys[k]`, `fma(xd · total, yd, acc)` on the same exact totals as alone).
+///
+/// # Safety
+/// As [`dot`], for Q6_K, for each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6k_dot_tiled_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = _mm_setzero_ps();
+    for i in 0..nb {
+        let xb = x.add(i * 210);
+        let (ql, qh) = (xb, xb.add(128));
+        let (xd, _) = scales_f16::<false>(xb.add(208));
+        let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xb.add(192) as *const __m128i));
+        // The 256 quants (0..63) as eight vectors of 32 (c = 4j + k: values 128j + 32k ..), and each
+        // one's 16-value scales as i16 pairs, as `sums_q6_k` forms them.
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut s = [_mm256_setzero_si256(); 8];
+        for j in 0..2 {
+            let sc = if j == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+            };
+            let bits1 = _mm256_loadu_si256(ql.add(64 * j) as *const __m256i);
+            let bits2 = _mm256_loadu_si256(ql.add(64 * j + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(qh.add(32 * j) as *const __m256i);
+            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+            let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+            let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+            let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+            q[4 * j] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
+            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
+            q[4 * j + 2] =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2);
+            q[4 * j + 3] =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3);
+            for k in 0..4 {
+                s[4 * j + k] = _mm256_shuffle_epi8(sc, pair_mask(k as i16));
+            }
+        }
+        let mut sums = [_mm256_setzero_si256(); 4];
+        let mut yd = [0f32; 4];
+        for (k, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let q8 = yb.add(4);
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales16));
+            let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+            for c in 0..8 {
+                sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+            }
+            sums[k] = sumi;
+            yd[k] = (yb as *const f32).read_unaligned();
+        }
+        // The four totals side by side (exact integer sums, so any grouping gives hsum_i32's value).
+        let h = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(sums[0], sums[1]),
+            _mm256_hadd_epi32(sums[2], sums[3]),
+        );
+        let totals = _mm_cvtepi32_ps(_mm_add_epi32(
+            _mm256_castsi256_si128(h),
+            _mm256_extracti128_si256::<1>(h),
+        ));
+        let r = _mm_mul_ps(_mm_set1_ps(xd), totals);
+        acc = _mm_fmadd_ps(r, _mm_loadu_ps(yd.as_ptr()), acc);
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
 /// The Q4_K dot product in llama.cpp's repacked gemm order: one fused step per pair of 32-value
 /// sub-blocks, on its integer totals.
 ///
