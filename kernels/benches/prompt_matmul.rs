@@ -4,7 +4,10 @@
 //! other work on a shared machine) and the multiply-adds per nanosecond.
 //!
 //! `cargo bench -p poly-kernels --bench prompt_matmul [-- TYPE:ROWSxCOLS,... ] [--tokens N] [--runs N]
-//! [--single]`
+//! [--single] [--copies N]`
+//!
+//! `--copies N`: each call takes the next of N copies of the weights (a prompt's expert products stream
+//! every expert's weights from memory once: `--copies 128 --tokens 32` for a Qwen3 MoE layer's experts).
 //!
 //! `--single`: every row in the format's single-row order (`matmul_ordered` without a batch order), as
 //! llama.cpp's `MUL_MAT_ID` over repacked Q4_K weights computes a prompt's expert products.
@@ -53,6 +56,7 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mut tokens, mut runs, mut list) = (512usize, 20usize, None::<String>);
     let mut single = false;
+    let mut copies = 1usize;
     let mut i = 0;
     while i < args.len() {
         match args[i].as_str() {
@@ -65,6 +69,10 @@ fn main() {
                 i += 1;
             }
             "--single" => single = true,
+            "--copies" => {
+                copies = args[i + 1].parse().expect("--copies N");
+                i += 1;
+            }
             "--bench" => {}
             l => list = Some(l.to_string()),
         }
@@ -108,15 +116,22 @@ fn main() {
         let bytes = c.rows * c.ty.bytes_for(c.cols as u64).expect("whole blocks") as usize;
         let mut data = vec![0u8; bytes];
         fill_random(c.ty, &mut rng, 0.05, &mut data).expect("fill");
-        let w = QuantMatrix::new(c.ty, c.rows, c.cols, &data).expect("matrix");
+        let datas: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
+        let ws: Vec<QuantMatrix> = datas
+            .iter()
+            .map(|d| QuantMatrix::new(c.ty, c.rows, c.cols, d).expect("matrix"))
+            .collect();
+        let mut next = 0;
         let x: Vec<f32> = (0..c.tokens * c.cols).map(|_| rng.normal()).collect();
         let mut y = vec![0f32; c.tokens * c.rows];
         let t = one.install(|| {
             min_time(runs, || {
+                let w = &ws[next % copies];
+                next += 1;
                 if single {
-                    matmul_ordered(&w, &x, c.tokens, &mut y, None)
+                    matmul_ordered(w, &x, c.tokens, &mut y, None)
                 } else {
-                    matmul(&w, &x, c.tokens, &mut y)
+                    matmul(w, &x, c.tokens, &mut y)
                 }
             })
         });
