@@ -506,7 +506,6 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
     let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
-        prefetch_next_row(xb, nb * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
         let (q, s, mins16) = q4k_unpack(xb, masks);
         // Per activation row k: the lanes of the four 64-value pairs (p[k][j]) and of the minimums.
@@ -576,18 +575,6 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
     out
 }
 
-/// Prefetches the super-block of `row_bytes` bytes after `xb` (three cache lines): the same super-block
-/// of the next weight row, where rows are consecutive (a matrix's rows are). A prompt's products stream
-/// each expert's weights from memory once, and four-activation kernels walk a row four times slower than
-/// the hardware prefetchers expect a stream to advance. Prefetching never faults.
-#[inline(always)]
-unsafe fn prefetch_next_row(xb: *const u8, row_bytes: usize) {
-    let next = xb.wrapping_add(row_bytes);
-    for line in 0..3 {
-        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line) as *const i8);
-    }
-}
-
 /// One Q4_K super-block's weights unpacked for several activation rows: the quants of sub-block
 /// `c = 2j + h` (low nibbles for h = 0, high for h = 1), each sub-block's scale spread over 16 i16
 /// lanes, and the minimums each twice as i16 ([`min_pairs`]). `masks` is [`SPLAT_I16`] behind
@@ -654,7 +641,6 @@ pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> 
     let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
-        prefetch_next_row(xb, nb * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
         let (q, s, mins16) = q4k_unpack(xb, masks);
         // Per activation row: the integer lanes of the whole super-block and of its minimums.
