@@ -895,6 +895,19 @@ fn fill_random(kind: KKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 /// nearest with ties to even, and `d = 1 / iscale`; we store the same values with the sign of `d` and of
 /// every `q` flipped when `max` is positive (`d·q`, all the dot products read, is unchanged bit for bit).
 pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = (x.len() / 256).min(out.len() / 292);
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `x` holds `256·nb` values and
+        // `out` `292·nb` bytes.
+        unsafe { super::x86::act_avx2::quantize_q8_k(nb, x.as_ptr(), out.as_mut_ptr()) };
+        return;
+    }
+    quantize_q8_k_portable(x, out)
+}
+
+/// [`quantize_q8_k`] in portable code (the AVX2 code computes the same bytes).
+pub(crate) fn quantize_q8_k_portable(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let iscale = if amax != 0.0 { 127.0 / amax } else { 0.0 };

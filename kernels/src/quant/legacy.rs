@@ -474,6 +474,19 @@ fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 /// multiplies by `1/d` and rounds ties away from zero; the two differ on a few values per million, which
 /// sensitive models turn into visible differences.)
 pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = (x.len() / 32).min(out.len() / 34);
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `x` holds `32·nb` values and
+        // `out` `34·nb` bytes.
+        unsafe { super::x86::act_avx2::quantize_q8_0(nb, x.as_ptr(), out.as_mut_ptr()) };
+        return;
+    }
+    quantize_q8_0_portable(x, out)
+}
+
+/// [`quantize_q8_0`] in portable code (the AVX2 code computes the same bytes).
+pub(crate) fn quantize_q8_0_portable(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
