@@ -228,10 +228,12 @@ pub fn matmul_ordered(
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
     let ops = w.ops();
     let act_bytes = ops.act.bytes_for(w.cols);
-    let mut act = vec![0u8; n * act_bytes];
+    let mut act_buf = ActBuffer::take(n * act_bytes);
+    let act = act_buf.get();
     act.par_chunks_mut(act_bytes)
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
+    let act = &*act;
 
     // Four activation rows per weight row at once where all four take one order that has such a kernel:
     // the batch order's four-row kernel, or the single-row order's.
@@ -341,6 +343,46 @@ pub fn matmul_ordered(
             }
         }
     });
+}
+
+/// A thread's buffer for a product's quantized activations, kept between calls: a prompt's products
+/// each need up to a few MB, which a fresh allocation zeroes (or faults in page by page) only for the
+/// quantizer to overwrite every byte. Taken out of the thread's slot for the call and put back after,
+/// so a product started on the same thread meanwhile (rayon runs other tasks while one waits) gets a
+/// buffer of its own. At most [`ACT_BUFFER_KEEP`] bytes stay with a thread.
+struct ActBuffer {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+thread_local! {
+    static ACT_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl ActBuffer {
+    fn take(len: usize) -> ActBuffer {
+        let mut buf = ACT_BUFFER.take();
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        ActBuffer { buf, len }
+    }
+
+    /// The first `len` bytes (stale contents: the caller overwrites them all).
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// The largest buffer a thread keeps (a long prompt's larger one is freed after its call).
+const ACT_BUFFER_KEEP: usize = 16 << 20;
+
+impl Drop for ActBuffer {
+    fn drop(&mut self) {
+        if self.buf.len() <= ACT_BUFFER_KEEP {
+            ACT_BUFFER.set(std::mem::take(&mut self.buf));
+        }
+    }
 }
 
 /// The output pointer shared by the tasks of [`matmul`], which write disjoint elements.
