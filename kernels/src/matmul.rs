@@ -7,7 +7,7 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
-use crate::quant::kquants::Rows4;
+use crate::quant::kquants::{Dot8, Rows4};
 use crate::quant::legacy::{TILE_ACTS, TILE_ROWS};
 use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
@@ -250,6 +250,20 @@ pub fn matmul_ordered(
             None
         }
     };
+    // Eight activation rows at once where all eight take one order that has such a kernel.
+    let (batch8, single8) = (
+        batch.and_then(|b| crate::quant::kquants::dot8(w.ty, Some(b))),
+        crate::quant::kquants::dot8(w.ty, None),
+    );
+    let group8 = |j: usize| -> Option<Dot8> {
+        if (j..j + 8).all(applies) {
+            batch8
+        } else if !(j..j + 8).any(applies) {
+            single8
+        } else {
+            None
+        }
+    };
     let dot_of = |j: usize| match batch {
         Some(b) if (b.applies)(n, j) => b.dot,
         _ => ops.vec_dot,
@@ -302,8 +316,21 @@ pub fn matmul_ordered(
                 let span = if quad.is_some() { 4 } else { 1 };
                 let mut j = tokens;
                 while j < tokens_end {
-                    // Four activation rows at once where the order allows (16 is a multiple of 4, so
-                    // groups never straddle the token blocks).
+                    // Eight (else four) activation rows at once where the order allows (16 is a
+                    // multiple of 8, so groups never straddle the token blocks).
+                    if j + 8 <= tokens_end {
+                        if let Some(dot8) = group8(j) {
+                            for r in r..r + span {
+                                let acts: [&[u8]; 8] = std::array::from_fn(|k| act_row(j + k));
+                                let v = dot8(w.cols, w.row(r), acts);
+                                for (k, &v) in v.iter().enumerate() {
+                                    put(j + k, r, v);
+                                }
+                            }
+                            j += 8;
+                            continue;
+                        }
+                    }
                     if j + 4 <= tokens_end {
                         if let Some(dot4) = group4(j) {
                             for r in r..r + span {

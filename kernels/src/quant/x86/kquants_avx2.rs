@@ -502,77 +502,107 @@ pub(crate) unsafe fn q4k_dot_gemm4(nb: usize, x: *const u8, y: *const u8) -> f32
 /// As [`q4k_dot_gemm4`], for each of the four activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
-    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    q4k_dot_gemm4_groups::<1>(nb, x, [ys])[0]
+}
+
+/// [`q4k_dot_gemm4_x4`] for eight activation rows (two groups of four), each super-block unpacked once
+/// for the eight.
+///
+/// # Safety
+/// As [`q4k_dot_gemm4`], for each of the eight activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_gemm4_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
+    let [a, b] = q4k_dot_gemm4_groups::<2>(
+        nb,
+        x,
+        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
+    );
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// [`q4k_dot_gemm4_x4`] for `G` groups of four activation rows, the super-block unpacked once for all.
+#[inline(always)]
+unsafe fn q4k_dot_gemm4_groups<const G: usize>(
+    nb: usize,
+    x: *const u8,
+    ys: [[*const u8; 4]; G],
+) -> [[f32; 4]; G] {
+    let mut acc = [_mm_setzero_ps(); G];
+    let mut acc_min = [_mm_setzero_ps(); G];
     let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
         let (q, s, mins16) = q4k_unpack(xb, masks);
-        // Per activation row k: the lanes of the four 64-value pairs (p[k][j]) and of the minimums.
-        let mut p = [[_mm256_setzero_si256(); 4]; 4];
-        let mut mprod = [_mm256_setzero_si256(); 4];
-        let mut yd = [0f32; 4];
-        for (k, &y) in ys.iter().enumerate() {
-            let yb = y.add(i * Q8K_BYTES);
-            let q8 = yb.add(4);
-            for (j, pj) in p[k].iter_mut().enumerate() {
-                *pj = _mm256_add_epi32(
-                    scaled_dot(q[2 * j], q8.add(64 * j), s[2 * j]),
-                    scaled_dot(q[2 * j + 1], q8.add(64 * j + 32), s[2 * j + 1]),
-                );
+        for (g, ys) in ys.iter().enumerate() {
+            // Per activation row k: the lanes of the four 64-value pairs (p[k][j]) and of the minimums.
+            let mut p = [[_mm256_setzero_si256(); 4]; 4];
+            let mut mprod = [_mm256_setzero_si256(); 4];
+            let mut yd = [0f32; 4];
+            for (k, &y) in ys.iter().enumerate() {
+                let yb = y.add(i * Q8K_BYTES);
+                let q8 = yb.add(4);
+                for (j, pj) in p[k].iter_mut().enumerate() {
+                    *pj = _mm256_add_epi32(
+                        scaled_dot(q[2 * j], q8.add(64 * j), s[2 * j]),
+                        scaled_dot(q[2 * j + 1], q8.add(64 * j + 32), s[2 * j + 1]),
+                    );
+                }
+                let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                mprod[k] = _mm256_madd_epi16(bsums, mins16);
+                yd[k] = (yb as *const f32).read_unaligned();
             }
-            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
-            mprod[k] = _mm256_madd_epi16(bsums, mins16);
-            yd[k] = (yb as *const f32).read_unaligned();
-        }
-        // Pair j's totals of the four rows side by side (lane k: row k; exact integer sums, so any
-        // grouping gives the same totals): pairwise adds down to one vector per half, then the halves.
-        let pair_totals = |j: usize| {
-            let h = _mm256_hadd_epi32(
-                _mm256_hadd_epi32(p[0][j], p[1][j]),
-                _mm256_hadd_epi32(p[2][j], p[3][j]),
+            // Pair j's totals of the four rows side by side (lane k: row k; exact integer sums, so any
+            // grouping gives the same totals): pairwise adds down to one vector per half, then the halves.
+            let pair_totals = |j: usize| {
+                let h = _mm256_hadd_epi32(
+                    _mm256_hadd_epi32(p[0][j], p[1][j]),
+                    _mm256_hadd_epi32(p[2][j], p[3][j]),
+                );
+                _mm_cvtepi32_ps(_mm_add_epi32(
+                    _mm256_castsi256_si128(h),
+                    _mm256_extracti128_si256::<1>(h),
+                ))
+            };
+            // The minimum totals per pair: lane c of mprod is sub-block c, so one round of pairwise adds
+            // gives [k0: pairs 0 1, k1: pairs 0 1 | k0: pairs 2 3, k1: pairs 2 3] (rows 2, 3 likewise),
+            // and two shuffles put the four rows of pairs 0 (2) and 1 (3) side by side.
+            let (h01, h23) = (
+                _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[0], mprod[1])),
+                _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[2], mprod[3])),
             );
-            _mm_cvtepi32_ps(_mm_add_epi32(
-                _mm256_castsi256_si128(h),
-                _mm256_extracti128_si256::<1>(h),
-            ))
-        };
-        // The minimum totals per pair: lane c of mprod is sub-block c, so one round of pairwise adds
-        // gives [k0: pairs 0 1, k1: pairs 0 1 | k0: pairs 2 3, k1: pairs 2 3] (rows 2, 3 likewise),
-        // and two shuffles put the four rows of pairs 0 (2) and 1 (3) side by side.
-        let (h01, h23) = (
-            _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[0], mprod[1])),
-            _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[2], mprod[3])),
-        );
-        let m02 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
-            h01,
-            h23,
-            0b10_00_10_00,
-        )));
-        let m13 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
-            h01,
-            h23,
-            0b11_01_11_01,
-        )));
-        let mins = [
-            _mm256_castps256_ps128(m02),
-            _mm256_castps256_ps128(m13),
-            _mm256_extractf128_ps::<1>(m02),
-            _mm256_extractf128_ps::<1>(m13),
-        ];
-        let ydv = _mm_loadu_ps(yd.as_ptr());
-        let (d, dmin) = (
-            _mm_mul_ps(_mm_set1_ps(xd), ydv),
-            _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
-        );
-        for (j, &m) in mins.iter().enumerate() {
-            acc = _mm_fmadd_ps(pair_totals(j), d, acc);
-            acc_min = _mm_fmadd_ps(m, dmin, acc_min);
+            let m02 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
+                h01,
+                h23,
+                0b10_00_10_00,
+            )));
+            let m13 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
+                h01,
+                h23,
+                0b11_01_11_01,
+            )));
+            let mins = [
+                _mm256_castps256_ps128(m02),
+                _mm256_castps256_ps128(m13),
+                _mm256_extractf128_ps::<1>(m02),
+                _mm256_extractf128_ps::<1>(m13),
+            ];
+            let ydv = _mm_loadu_ps(yd.as_ptr());
+            let (d, dmin) = (
+                _mm_mul_ps(_mm_set1_ps(xd), ydv),
+                _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
+            );
+            for (j, &m) in mins.iter().enumerate() {
+                acc[g] = _mm_fmadd_ps(pair_totals(j), d, acc[g]);
+                acc_min[g] = _mm_fmadd_ps(m, dmin, acc_min[g]);
+            }
         }
     }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
-    out
+    std::array::from_fn(|g| {
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc[g], acc_min[g]));
+        out
+    })
 }
 
 /// One Q4_K super-block's weights unpacked for several activation rows: the quants of sub-block
@@ -637,43 +667,78 @@ unsafe fn q4k_pair_sums(x: *const u8, y: *const u8) -> ([i32; 4], __m256i) {
 /// As [`dot`], for Q4_K, for each of the four activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
-    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
+    q4k_dot_groups::<1>(nb, x, [ys])[0]
+}
+
+/// [`q4k_dot_x4`] for eight activation rows (two groups of four), each super-block unpacked once for
+/// the eight.
+///
+/// # Safety
+/// As [`dot`], for Q4_K, for each of the eight activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
+    let [a, b] = q4k_dot_groups::<2>(
+        nb,
+        x,
+        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
+    );
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// [`q4k_dot_x4`] for `G` groups of four activation rows, the super-block unpacked once for all.
+#[inline(always)]
+unsafe fn q4k_dot_groups<const G: usize>(
+    nb: usize,
+    x: *const u8,
+    ys: [[*const u8; 4]; G],
+) -> [[f32; 4]; G] {
+    let mut acc = [_mm_setzero_ps(); G];
+    let mut acc_min = [_mm_setzero_ps(); G];
     let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
         let (q, s, mins16) = q4k_unpack(xb, masks);
-        // Per activation row: the integer lanes of the whole super-block and of its minimums.
-        let mut sums = [_mm256_setzero_si256(); 4];
-        let mut mprods = [_mm256_setzero_si256(); 4];
-        let mut yd = [0f32; 4];
-        for (k, &y) in ys.iter().enumerate() {
-            let yb = y.add(i * Q8K_BYTES);
-            let q8 = yb.add(4);
-            let mut sumi = _mm256_setzero_si256();
-            for c in 0..8 {
-                sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+        for (g, ys) in ys.iter().enumerate() {
+            // Per activation row: the integer lanes of the whole super-block and of its minimums.
+            let mut sums = [_mm256_setzero_si256(); 4];
+            let mut mprods = [_mm256_setzero_si256(); 4];
+            let mut yd = [0f32; 4];
+            for (k, &y) in ys.iter().enumerate() {
+                let yb = y.add(i * Q8K_BYTES);
+                let q8 = yb.add(4);
+                let mut sumi = _mm256_setzero_si256();
+                for c in 0..8 {
+                    sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+                }
+                sums[k] = sumi;
+                let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                mprods[k] = _mm256_madd_epi16(bsums, mins16);
+                yd[k] = (yb as *const f32).read_unaligned();
             }
-            sums[k] = sumi;
-            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
-            mprods[k] = _mm256_madd_epi16(bsums, mins16);
-            yd[k] = (yb as *const f32).read_unaligned();
+            // The four totals side by side (exact integer sums: any grouping gives hsum_i32's value).
+            let totals = |v: [__m256i; 4]| {
+                let h =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                _mm_cvtepi32_ps(_mm_add_epi32(
+                    _mm256_castsi256_si128(h),
+                    _mm256_extracti128_si256::<1>(h),
+                ))
+            };
+            let ydv = _mm_loadu_ps(yd.as_ptr());
+            acc[g] = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc[g]);
+            acc_min[g] = _mm_fmadd_ps(
+                totals(mprods),
+                _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
+                acc_min[g],
+            );
         }
-        // The four totals side by side (exact integer sums, so any grouping gives hsum_i32's value).
-        let totals = |v: [__m256i; 4]| {
-            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-            _mm_cvtepi32_ps(_mm_add_epi32(
-                _mm256_castsi256_si128(h),
-                _mm256_extracti128_si256::<1>(h),
-            ))
-        };
-        let ydv = _mm_loadu_ps(yd.as_ptr());
-        acc = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc);
-        acc_min = _mm_fmadd_ps(totals(mprods), _mm_mul_ps(_mm_set1_ps(xdmin), ydv), acc_min);
     }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
-    out
+    std::array::from_fn(|g| {
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc[g], acc_min[g]));
+        out
+    })
 }
 
 /// The integer lanes of one Q4_K super-block `xb` against the activation bytes `q8`, and its minimum
