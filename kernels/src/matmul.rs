@@ -240,7 +240,11 @@ pub fn matmul_ordered(
     let single4 = single_row_dot4(w.ty);
     let rows4 = single_row_rows4(w.ty);
     let tile = crate::quant::legacy::tile(w.ty);
-    let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
+    // Which activation rows take the batch order, looked up once (the loops below ask per kernel call).
+    let batch_rows: Vec<bool> = (0..n)
+        .map(|j| batch.is_some_and(|b| (b.applies)(n, j)))
+        .collect();
+    let applies = |j: usize| batch_rows[j];
     let group4 = |j: usize| -> Option<Dot4> {
         if (j..j + 4).all(applies) {
             batch.and_then(|b| b.dot4)
