@@ -356,13 +356,15 @@ fn vec_dot_tile(
 ) -> [f32; TILE_ROWS * TILE_ACTS] {
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
-        let mut nb = 0;
-        for row in rows {
-            for act in acts {
-                nb = check_lengths(kind, n, row, act);
-            }
-        }
-        // SAFETY: as in `vec_dot`, for each pair of a weight row and an activation row (all checked).
+        let nb = n / QK;
+        let rows_ok = rows.iter().all(|r| r.len() >= nb * kind.block_bytes());
+        let acts_ok = acts.iter().all(|a| a.len() >= nb * kind.act_bytes());
+        assert!(
+            rows_ok && acts_ok,
+            "{kind:?} rows or activations shorter than {n} values"
+        );
+        // SAFETY: as in `vec_dot`, for each pair of a weight row and an activation row (each row and
+        // each activation row holds `nb` blocks, asserted above).
         return unsafe {
             super::x86::legacy_avx2::tile(
                 kind,

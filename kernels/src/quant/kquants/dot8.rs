@@ -1,6 +1,8 @@
 //! Q4_K's kernels taking eight activation rows per weight row ([`dot8`]), for the orders that have them.
 
-use super::{check_lengths, q4k_vec_dot_gemm4_portable, vec_dot_portable, KKind, Q4K_GEMM4};
+use super::{
+    check_lengths, q4k_vec_dot_gemm4_portable, vec_dot_portable, KKind, Q4K_GEMM4, Q8K_BYTES,
+};
 use crate::quant::{BatchDot, GgmlType};
 
 /// Eight dot products of one weight row with eight activation rows, each in one order.
@@ -23,11 +25,13 @@ pub fn dot8(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<Dot8> {
 }
 
 /// The block count of a Q4_K row and eight activation rows of `n` values (checked).
+#[inline(always)]
 fn q4k_blocks8(n: usize, row: &[u8], acts: &[&[u8]; 8]) -> usize {
-    let mut nb = 0;
-    for a in acts {
-        nb = check_lengths(KKind::Q4K, n, row, a);
-    }
+    let nb = check_lengths(KKind::Q4K, n, row, acts[0]);
+    assert!(
+        acts.iter().all(|a| a.len() >= nb * Q8K_BYTES),
+        "Q4_K activations shorter than {n} values"
+    );
     nb
 }
 
