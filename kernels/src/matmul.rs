@@ -7,7 +7,8 @@
 //! call runs in (`ThreadPool::install` chooses the thread count) by ranges of weight rows, so every thread
 //! streams its own part of the weights once.
 
-use crate::quant::kquants::Rows4;
+use crate::quant::kquants::{Dot8, Rows4};
+use crate::quant::legacy::{TILE_ACTS, TILE_ROWS};
 use crate::quant::{BatchDot, Dot4, GgmlType, QuantError, QuantOps};
 use rayon::prelude::*;
 
@@ -227,21 +228,42 @@ pub fn matmul_ordered(
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
     let ops = w.ops();
     let act_bytes = ops.act.bytes_for(w.cols);
-    let mut act = vec![0u8; n * act_bytes];
+    let mut act_buf = ActBuffer::take(n * act_bytes);
+    let act = act_buf.get();
     act.par_chunks_mut(act_bytes)
         .zip(x.par_chunks(w.cols))
         .for_each(|(a, xs)| ops.act.quantize(xs, a));
+    let act = &*act;
 
     // Four activation rows per weight row at once where all four take one order that has such a kernel:
     // the batch order's four-row kernel, or the single-row order's.
     let single4 = single_row_dot4(w.ty);
     let rows4 = single_row_rows4(w.ty);
-    let applies = |j: usize| batch.is_some_and(|b| (b.applies)(n, j));
+    let tile = crate::quant::legacy::tile(w.ty);
+    // Which activation rows take the batch order, looked up once (the loops below ask per kernel call).
+    let batch_rows: Vec<bool> = (0..n)
+        .map(|j| batch.is_some_and(|b| (b.applies)(n, j)))
+        .collect();
+    let applies = |j: usize| batch_rows[j];
     let group4 = |j: usize| -> Option<Dot4> {
         if (j..j + 4).all(applies) {
             batch.and_then(|b| b.dot4)
         } else if !(j..j + 4).any(applies) {
             single4
+        } else {
+            None
+        }
+    };
+    // Eight activation rows at once where all eight take one order that has such a kernel.
+    let (batch8, single8) = (
+        batch.and_then(|b| crate::quant::kquants::dot8(w.ty, Some(b))),
+        crate::quant::kquants::dot8(w.ty, None),
+    );
+    let group8 = |j: usize| -> Option<Dot8> {
+        if (j..j + 8).all(applies) {
+            batch8
+        } else if !(j..j + 8).any(applies) {
+            single8
         } else {
             None
         }
@@ -273,12 +295,46 @@ pub fn matmul_ordered(
             // the single-row order), else one at a time.
             let mut r = first;
             while r < last {
+                // Legacy formats: tiles of two weight rows by four activation rows.
+                if let Some(tile) = tile.filter(|_| r + TILE_ROWS <= last) {
+                    let rows: [&[u8]; TILE_ROWS] = std::array::from_fn(|i| w.row(r + i));
+                    let mut j = tokens;
+                    while j < tokens_end {
+                        if j + TILE_ACTS <= tokens_end && !(j..j + TILE_ACTS).any(applies) {
+                            let v = tile(w.cols, rows, std::array::from_fn(|t| act_row(j + t)));
+                            for (i, &v) in v.iter().enumerate() {
+                                put(j + i % TILE_ACTS, r + i / TILE_ACTS, v);
+                            }
+                            j += TILE_ACTS;
+                        } else {
+                            for (i, row) in rows.iter().enumerate() {
+                                put(j, r + i, dot_of(j)(w.cols, row, act_row(j)));
+                            }
+                            j += 1;
+                        }
+                    }
+                    r += TILE_ROWS;
+                    continue;
+                }
                 let quad = rows4.filter(|_| r + 4 <= last);
                 let span = if quad.is_some() { 4 } else { 1 };
                 let mut j = tokens;
                 while j < tokens_end {
-                    // Four activation rows at once where the order allows (16 is a multiple of 4, so
-                    // groups never straddle the token blocks).
+                    // Eight (else four) activation rows at once where the order allows (16 is a
+                    // multiple of 8, so groups never straddle the token blocks).
+                    if j + 8 <= tokens_end {
+                        if let Some(dot8) = group8(j) {
+                            for r in r..r + span {
+                                let acts: [&[u8]; 8] = std::array::from_fn(|k| act_row(j + k));
+                                let v = dot8(w.cols, w.row(r), acts);
+                                for (k, &v) in v.iter().enumerate() {
+                                    put(j + k, r, v);
+                                }
+                            }
+                            j += 8;
+                            continue;
+                        }
+                    }
                     if j + 4 <= tokens_end {
                         if let Some(dot4) = group4(j) {
                             for r in r..r + span {
@@ -318,6 +374,46 @@ pub fn matmul_ordered(
             }
         }
     });
+}
+
+/// A thread's buffer for a product's quantized activations, kept between calls: a prompt's products
+/// each need up to a few MB, which a fresh allocation zeroes (or faults in page by page) only for the
+/// quantizer to overwrite every byte. Taken out of the thread's slot for the call and put back after,
+/// so a product started on the same thread meanwhile (rayon runs other tasks while one waits) gets a
+/// buffer of its own. At most [`ACT_BUFFER_KEEP`] bytes stay with a thread.
+struct ActBuffer {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+thread_local! {
+    static ACT_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl ActBuffer {
+    fn take(len: usize) -> ActBuffer {
+        let mut buf = ACT_BUFFER.take();
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        ActBuffer { buf, len }
+    }
+
+    /// The first `len` bytes (stale contents: the caller overwrites them all).
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+/// The largest buffer a thread keeps (a long prompt's larger one is freed after its call).
+const ACT_BUFFER_KEEP: usize = 16 << 20;
+
+impl Drop for ActBuffer {
+    fn drop(&mut self) {
+        if self.buf.len() <= ACT_BUFFER_KEEP {
+            ACT_BUFFER.set(std::mem::take(&mut self.buf));
+        }
+    }
 }
 
 /// The output pointer shared by the tasks of [`matmul`], which write disjoint elements.

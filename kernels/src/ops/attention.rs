@@ -352,6 +352,9 @@ fn vector_query<F: F16Steps>(
 /// Keys per tile of llama.cpp's tiled CPU flash attention (`GGML_FA_TILE_KV`).
 const FA_TILE_KV: usize = 64;
 
+/// Output values per chunk of the tiled path's value sums: eight AVX2 registers, held over a tile's keys.
+const V_CHUNK: usize = 64;
+
 /// llama.cpp's CPU flash attention over an F16 KV cache for batches of at least [`GGML_FA_TILE_Q`]
 /// queries (`ggml_compute_forward_flash_attn_ext_tiled`), step for step. Shapes and visibility as in
 /// [`attention`]; `k` and `v` must hold f16 values. Per query and head, over the positions in tiles of 64
@@ -502,9 +505,26 @@ fn tiled_task(
                 sum += super::super::quant::float::sum_lanes8(&lanes) as f64;
             }
             s[r] = (s[r] as f64 + sum) as f32;
+            // Values: each output element takes its fused steps key after key; chunks of the output
+            // stay in registers over the keys (instead of a load and a store per key and element).
+            let v_head = &v[t0 * v_row + hk * dv..];
+            let mut chunks = o.chunks_exact_mut(V_CHUNK);
+            for (c, oc) in chunks.by_ref().enumerate() {
+                let mut acc = [0f32; V_CHUNK];
+                acc.copy_from_slice(oc);
+                for (t, &wt) in w.iter().enumerate().take(b).skip(a) {
+                    let vj = &v_head[t * v_row + c * V_CHUNK..][..V_CHUNK];
+                    for (x, &vv) in acc.iter_mut().zip(vj) {
+                        *x = vv.mul_add(wt, *x);
+                    }
+                }
+                oc.copy_from_slice(&acc);
+            }
+            let tail = chunks.into_remainder();
+            let done = dv - tail.len();
             for (t, &wt) in w.iter().enumerate().take(b).skip(a) {
-                let vj = &v[(t0 + t) * v_row + hk * dv..][..dv];
-                for (x, &vv) in o.iter_mut().zip(vj) {
+                let vj = &v_head[t * v_row + done..][..tail.len()];
+                for (x, &vv) in tail.iter_mut().zip(vj) {
                     *x = vv.mul_add(wt, *x);
                 }
             }

@@ -106,7 +106,7 @@ pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
 /// become infinity, NaN stays NaN); inline, because `half`'s conversion is a call through a run-time
 /// dispatch, too slow for writing gigabytes of random weights.
 #[inline(always)]
-pub(crate) fn f32_to_f16_bits(v: f32) -> u16 {
+pub fn f32_to_f16_bits(v: f32) -> u16 {
     let x = v.to_bits();
     let sign = ((x >> 16) & 0x8000) as u16;
     let abs = x & 0x7FFF_FFFF;

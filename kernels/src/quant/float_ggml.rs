@@ -23,6 +23,59 @@ fn dot_tinyblas(x: &[f32], y: &[f32]) -> f32 {
     sum_lanes8(&lanes)
 }
 
+/// [`dot_tinyblas`] of one row `x` with four rows `ys` at once: four independent chains of fused steps
+/// (one alone waits on the latency of each multiply-add; tinyBLAS's tiles also run several), each the
+/// same operations as alone.
+#[inline(always)]
+fn dot_tinyblas_x4(x: &[f32], ys: [&[f32]; 4]) -> [f32; 4] {
+    let mut lanes = [[0f32; 8]; 4];
+    let n8 = x.len() / 8 * 8;
+    for i in (0..n8).step_by(8) {
+        let a = &x[i..i + 8];
+        for (lk, y) in lanes.iter_mut().zip(&ys) {
+            let b = &y[i..i + 8];
+            for l in 0..8 {
+                lk[l] = a[l].mul_add(b[l], lk[l]);
+            }
+        }
+    }
+    lanes.map(|l| sum_lanes8(&l))
+}
+
+/// [`dot_tinyblas_x4`] compiled with FMA instructions.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_tinyblas_x4_fma(x: &[f32], ys: [&[f32]; 4]) -> [f32; 4] {
+    dot_tinyblas_x4(x, ys)
+}
+
+/// [`F32_TINYBLAS`]'s dot product of one row with four activation rows (rows of a multiple of 8 values;
+/// others take [`tinyblas_f32`] one by one).
+fn tinyblas_f32_x4(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+    if !n.is_multiple_of(8) {
+        return acts.map(|a| tinyblas_f32(n, row, a));
+    }
+    let mut bx = Vec::new();
+    let mut bys: [Vec<f32>; 4] = Default::default();
+    let x = as_f32(row, n, &mut bx);
+    let [b0, b1, b2, b3] = &mut bys;
+    let ys = [
+        as_f32(acts[0], n, b0),
+        as_f32(acts[1], n, b1),
+        as_f32(acts[2], n, b2),
+        as_f32(acts[3], n, b3),
+    ];
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
+        return unsafe { dot_tinyblas_x4_fma(x, ys) };
+    }
+    dot_tinyblas_x4(x, ys)
+}
+
 /// Which of the two orders.
 #[derive(Clone, Copy)]
 enum Order {
@@ -100,7 +153,7 @@ pub(crate) static F32_TINYBLAS: BatchDot = BatchDot {
     dot: tinyblas_f32,
     portable: tinyblas_f32_portable,
     applies: |n, _| n >= 2,
-    dot4: None,
+    dot4: Some(tinyblas_f32_x4),
 };
 
 #[cfg(test)]
@@ -132,6 +185,18 @@ mod tests {
             tinyblas_f32_portable(n, &bx, &by).to_bits(),
             expect.to_bits()
         );
+        // Four activation rows at once: each the same bits as alone.
+        let ys: Vec<Vec<u8>> = (0..4)
+            .map(|k| bytes(&y.iter().map(|v| v * (k as f32 + 0.5)).collect::<Vec<f32>>()))
+            .collect();
+        let four = tinyblas_f32_x4(n, &bx, [&ys[0], &ys[1], &ys[2], &ys[3]]);
+        for (k, yk) in ys.iter().enumerate() {
+            assert_eq!(
+                four[k].to_bits(),
+                tinyblas_f32(n, &bx, yk).to_bits(),
+                "row {k}"
+            );
+        }
         assert_eq!(
             vec_dot_f32(n, &bx, &by).to_bits(),
             dot_ggml(&x, &y).to_bits()

@@ -31,6 +31,9 @@ use super::float::sum_lanes8;
 use super::{f16_at, put_f16, ActType, BatchDot, Dot4, GgmlType, QuantOps};
 use crate::rng::Rng;
 
+mod dot8;
+pub use dot8::{dot8, Dot8};
+
 /// Values per super-block.
 pub(crate) const QK_K: usize = 256;
 /// Bytes per Q8_K activation block.
@@ -700,7 +703,7 @@ fn tiled(kind: KKind, n: usize, row: &[u8], act: &[u8]) -> f32 {
 }
 
 macro_rules! tiled_batch_dot {
-    ($name:ident, $kind:expr, $dot:ident, $portable:ident) => {
+    ($name:ident, $kind:expr, $dot:ident, $portable:ident, $dot4:expr) => {
         fn $dot(n: usize, row: &[u8], act: &[u8]) -> f32 {
             tiled($kind, n, row, act)
         }
@@ -712,16 +715,40 @@ macro_rules! tiled_batch_dot {
             dot: $dot,
             portable: $portable,
             applies: |n, _| n >= 8,
-            dot4: None,
+            dot4: $dot4,
         };
     };
 }
 
-tiled_batch_dot!(Q2K_TILED, KKind::Q2K, q2k_tiled, q2k_tiled_portable);
-tiled_batch_dot!(Q3K_TILED, KKind::Q3K, q3k_tiled, q3k_tiled_portable);
-tiled_batch_dot!(Q4K_TILED, KKind::Q4K, q4k_tiled, q4k_tiled_portable);
-tiled_batch_dot!(Q5K_TILED, KKind::Q5K, q5k_tiled, q5k_tiled_portable);
-tiled_batch_dot!(Q6K_TILED, KKind::Q6K, q6k_tiled, q6k_tiled_portable);
+tiled_batch_dot!(Q2K_TILED, KKind::Q2K, q2k_tiled, q2k_tiled_portable, None);
+tiled_batch_dot!(Q3K_TILED, KKind::Q3K, q3k_tiled, q3k_tiled_portable, None);
+tiled_batch_dot!(Q4K_TILED, KKind::Q4K, q4k_tiled, q4k_tiled_portable, None);
+tiled_batch_dot!(Q5K_TILED, KKind::Q5K, q5k_tiled, q5k_tiled_portable, None);
+tiled_batch_dot!(
+    Q6K_TILED,
+    KKind::Q6K,
+    q6k_tiled,
+    q6k_tiled_portable,
+    Some(q6k_tiled_x4)
+);
+
+/// [`Q6K_TILED`]'s dot product of one row with four activation rows at once (the same four results, each
+/// super-block unpacked once).
+fn q6k_tiled_x4(n: usize, row: &[u8], acts: [&[u8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let mut nb = 0;
+        for a in acts {
+            nb = check_lengths(KKind::Q6K, n, row, a);
+        }
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; the row and the four
+        // activation rows hold `nb` blocks each (checked above), all the kernel reads.
+        return unsafe {
+            super::x86::kquants_avx2::q6k_dot_tiled_x4(nb, row.as_ptr(), acts.map(|a| a.as_ptr()))
+        };
+    }
+    acts.map(|a| tiled_portable(KKind::Q6K, n, row, a))
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Random blocks.
@@ -871,6 +898,19 @@ fn fill_random(kind: KKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 /// nearest with ties to even, and `d = 1 / iscale`; we store the same values with the sign of `d` and of
 /// every `q` flipped when `max` is positive (`d·q`, all the dot products read, is unchanged bit for bit).
 pub(crate) fn quantize_q8_k(x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = (x.len() / 256).min(out.len() / 292);
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `x` holds `256·nb` values and
+        // `out` `292·nb` bytes.
+        unsafe { super::x86::act_avx2::quantize_q8_k(nb, x.as_ptr(), out.as_mut_ptr()) };
+        return;
+    }
+    quantize_q8_k_portable(x, out)
+}
+
+/// [`quantize_q8_k`] in portable code (the AVX2 code computes the same bytes).
+pub(crate) fn quantize_q8_k_portable(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(256).zip(out.chunks_exact_mut(292)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let iscale = if amax != 0.0 { 127.0 / amax } else { 0.0 };

@@ -334,6 +334,75 @@ pub fn dot4(ty: GgmlType) -> Option<Dot4> {
     }
 }
 
+/// Weight rows of a [`Tile`].
+pub const TILE_ROWS: usize = 2;
+/// Activation rows of a [`Tile`].
+pub const TILE_ACTS: usize = 4;
+
+/// The dot products of [`TILE_ROWS`] weight rows with [`TILE_ACTS`] activation rows, each equal to
+/// [`QuantOps::vec_dot`] bit for bit: `out[r·TILE_ACTS + t]` for weight row `r`, activation row `t`.
+pub type Tile = fn(
+    n: usize,
+    rows: [&[u8]; TILE_ROWS],
+    acts: [&[u8]; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS];
+
+#[inline(always)]
+fn vec_dot_tile(
+    kind: LegacyKind,
+    n: usize,
+    rows: [&[u8]; TILE_ROWS],
+    acts: [&[u8]; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS] {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = n / QK;
+        let rows_ok = rows.iter().all(|r| r.len() >= nb * kind.block_bytes());
+        let acts_ok = acts.iter().all(|a| a.len() >= nb * kind.act_bytes());
+        assert!(
+            rows_ok && acts_ok,
+            "{kind:?} rows or activations shorter than {n} values"
+        );
+        // SAFETY: as in `vec_dot`, for each pair of a weight row and an activation row (each row and
+        // each activation row holds `nb` blocks, asserted above).
+        return unsafe {
+            super::x86::legacy_avx2::tile(
+                kind,
+                nb,
+                rows.map(|r| r.as_ptr()),
+                acts.map(|a| a.as_ptr()),
+            )
+        };
+    }
+    std::array::from_fn(|i| vec_dot_portable(kind, n, rows[i / TILE_ACTS], acts[i % TILE_ACTS]))
+}
+
+/// The [`Tile`] kernel of the formats of this family: [`TILE_ROWS`] weight rows times [`TILE_ACTS`]
+/// activation rows in the single-row order (llama.cpp's order for their batches too, see [`dot4`]), each
+/// weight block decoded once for all activation rows and the lane sums done together.
+pub fn tile(ty: GgmlType) -> Option<Tile> {
+    macro_rules! tile_fn {
+        ($kind:expr) => {{
+            fn f(
+                n: usize,
+                rows: [&[u8]; TILE_ROWS],
+                acts: [&[u8]; TILE_ACTS],
+            ) -> [f32; TILE_ROWS * TILE_ACTS] {
+                vec_dot_tile($kind, n, rows, acts)
+            }
+            f as Tile
+        }};
+    }
+    match ty {
+        GgmlType::Q4_0 => Some(tile_fn!(LegacyKind::Q4_0)),
+        GgmlType::Q4_1 => Some(tile_fn!(LegacyKind::Q4_1)),
+        GgmlType::Q5_0 => Some(tile_fn!(LegacyKind::Q5_0)),
+        GgmlType::Q5_1 => Some(tile_fn!(LegacyKind::Q5_1)),
+        GgmlType::Q8_0 => Some(tile_fn!(LegacyKind::Q8_0)),
+        _ => None,
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Random blocks.
 
@@ -407,6 +476,19 @@ fn fill_random(kind: LegacyKind, rng: &mut Rng, rms: f32, dst: &mut [u8]) {
 /// multiplies by `1/d` and rounds ties away from zero; the two differ on a few values per million, which
 /// sensitive models turn into visible differences.)
 pub(crate) fn quantize_q8_0(x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2_fma() {
+        let nb = (x.len() / 32).min(out.len() / 34);
+        // SAFETY: `has_avx2_fma` confirmed AVX2, FMA and F16C at run time; `x` holds `32·nb` values and
+        // `out` `34·nb` bytes.
+        unsafe { super::x86::act_avx2::quantize_q8_0(nb, x.as_ptr(), out.as_mut_ptr()) };
+        return;
+    }
+    quantize_q8_0_portable(x, out)
+}
+
+/// [`quantize_q8_0`] in portable code (the AVX2 code computes the same bytes).
+pub(crate) fn quantize_q8_0_portable(x: &[f32], out: &mut [u8]) {
     for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(34)) {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;

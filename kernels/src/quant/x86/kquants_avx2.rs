@@ -397,6 +397,80 @@ pub(crate) unsafe fn dot_tiled(kind: KKind, nb: usize, x: *const u8, y: *const u
     }
 }
 
+/// [`dot_tiled`] for Q6_K of one row `x` with four activation rows `ys`: each super-block's quants and
+/// scales are unpacked once for the four, and their fused steps run side by side in one vector (lane
+/// `k`: row `ys[k]`, `fma(xd · total, yd, acc)` on the same exact totals as alone).
+///
+/// # Safety
+/// As [`dot`], for Q6_K, for each of the four activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6k_dot_tiled_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = _mm_setzero_ps();
+    for i in 0..nb {
+        let xb = x.add(i * 210);
+        let (ql, qh) = (xb, xb.add(128));
+        let (xd, _) = scales_f16::<false>(xb.add(208));
+        let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(xb.add(192) as *const __m128i));
+        // The 256 quants (0..63) as eight vectors of 32 (c = 4j + k: values 128j + 32k ..), and each
+        // one's 16-value scales as i16 pairs, as `sums_q6_k` forms them.
+        let mut q = [_mm256_setzero_si256(); 8];
+        let mut s = [_mm256_setzero_si256(); 8];
+        for j in 0..2 {
+            let sc = if j == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales16, scales16)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales16, scales16)
+            };
+            let bits1 = _mm256_loadu_si256(ql.add(64 * j) as *const __m256i);
+            let bits2 = _mm256_loadu_si256(ql.add(64 * j + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(qh.add(32 * j) as *const __m256i);
+            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m3));
+            let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(12)));
+            let h2 = _mm256_and_si256(h, _mm256_set1_epi8(48));
+            let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(h, _mm256_set1_epi8(-64)));
+            q[4 * j] = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
+            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
+            q[4 * j + 2] =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2);
+            q[4 * j + 3] =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3);
+            for k in 0..4 {
+                s[4 * j + k] = _mm256_shuffle_epi8(sc, pair_mask(k as i16));
+            }
+        }
+        let mut sums = [_mm256_setzero_si256(); 4];
+        let mut yd = [0f32; 4];
+        for (k, &y) in ys.iter().enumerate() {
+            let yb = y.add(i * Q8K_BYTES);
+            let q8 = yb.add(4);
+            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+            let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales16));
+            let mut sumi = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+            for c in 0..8 {
+                sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+            }
+            sums[k] = sumi;
+            yd[k] = (yb as *const f32).read_unaligned();
+        }
+        // The four totals side by side (exact integer sums, so any grouping gives hsum_i32's value).
+        let h = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(sums[0], sums[1]),
+            _mm256_hadd_epi32(sums[2], sums[3]),
+        );
+        let totals = _mm_cvtepi32_ps(_mm_add_epi32(
+            _mm256_castsi256_si128(h),
+            _mm256_extracti128_si256::<1>(h),
+        ));
+        let r = _mm_mul_ps(_mm_set1_ps(xd), totals);
+        acc = _mm_fmadd_ps(r, _mm_loadu_ps(yd.as_ptr()), acc);
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
 /// The Q4_K dot product in llama.cpp's repacked gemm order: one fused step per pair of 32-value
 /// sub-blocks, on its integer totals.
 ///
@@ -428,98 +502,145 @@ pub(crate) unsafe fn q4k_dot_gemm4(nb: usize, x: *const u8, y: *const u8) -> f32
 /// As [`q4k_dot_gemm4`], for each of the four activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
-    let m4 = _mm256_set1_epi8(0x0F);
+    q4k_dot_gemm4_groups::<1>(nb, x, [ys])[0]
+}
+
+/// [`q4k_dot_gemm4_x4`] for eight activation rows (two groups of four), each super-block unpacked once
+/// for the eight.
+///
+/// # Safety
+/// As [`q4k_dot_gemm4`], for each of the eight activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_gemm4_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
+    let [a, b] = q4k_dot_gemm4_groups::<2>(
+        nb,
+        x,
+        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
+    );
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// [`q4k_dot_gemm4_x4`] for `G` groups of four activation rows, the super-block unpacked once for all.
+#[inline(always)]
+unsafe fn q4k_dot_gemm4_groups<const G: usize>(
+    nb: usize,
+    x: *const u8,
+    ys: [[*const u8; 4]; G],
+) -> [[f32; 4]; G] {
+    let mut acc = [_mm_setzero_ps(); G];
+    let mut acc_min = [_mm_setzero_ps(); G];
+    let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
-        let u = xb.add(4) as *const u32;
-        let (u0, u1, u2) = (
-            u.read_unaligned(),
-            u.add(1).read_unaligned(),
-            u.add(2).read_unaligned(),
-        );
-        let sc: [i16; 8] = {
-            let lo = u0 & KMASK1;
-            let hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-            let (lo, hi) = (lo.to_le_bytes(), hi.to_le_bytes());
-            std::array::from_fn(|k| if k < 4 { lo[k] } else { hi[k - 4] } as i16)
-        };
-        let mins = (u1 & KMASK1) as u64
-            | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
-        let mins16 = min_pairs(mins);
-        // The super-block's quants (sub-block c = 2j + h: low nibbles for h = 0, high for h = 1) and
-        // each sub-block's scale spread over a vector.
-        let mut q = [_mm256_setzero_si256(); 8];
-        let mut s = [_mm256_setzero_si256(); 8];
-        for j in 0..4 {
-            let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
-            q[2 * j] = _mm256_and_si256(bits, m4);
-            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-            s[2 * j] = _mm256_set1_epi16(sc[2 * j]);
-            s[2 * j + 1] = _mm256_set1_epi16(sc[2 * j + 1]);
-        }
-        // Per activation row: the four pair vectors, reduced to their totals in one pass; the min
-        // products per sub-block, summed per pair.
-        let mut t = [_mm_setzero_si128(); 4];
-        let mut m = [_mm_setzero_si128(); 4];
-        let mut yd = [0f32; 4];
-        for (k, &y) in ys.iter().enumerate() {
-            let yb = y.add(i * Q8K_BYTES);
-            let q8 = yb.add(4);
-            let mut p = [_mm256_setzero_si256(); 4];
-            for (j, pj) in p.iter_mut().enumerate() {
-                *pj = _mm256_add_epi32(
-                    scaled_dot(q[2 * j], q8.add(64 * j), s[2 * j]),
-                    scaled_dot(q[2 * j + 1], q8.add(64 * j + 32), s[2 * j + 1]),
-                );
+        let (q, s, mins16) = q4k_unpack(xb, masks);
+        for (g, ys) in ys.iter().enumerate() {
+            // Per activation row k: the lanes of the four 64-value pairs (p[k][j]) and of the minimums.
+            let mut p = [[_mm256_setzero_si256(); 4]; 4];
+            let mut mprod = [_mm256_setzero_si256(); 4];
+            let mut yd = [0f32; 4];
+            for (k, &y) in ys.iter().enumerate() {
+                let yb = y.add(i * Q8K_BYTES);
+                let q8 = yb.add(4);
+                for (j, pj) in p[k].iter_mut().enumerate() {
+                    *pj = _mm256_add_epi32(
+                        scaled_dot(q[2 * j], q8.add(64 * j), s[2 * j]),
+                        scaled_dot(q[2 * j + 1], q8.add(64 * j + 32), s[2 * j + 1]),
+                    );
+                }
+                let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                mprod[k] = _mm256_madd_epi16(bsums, mins16);
+                yd[k] = (yb as *const f32).read_unaligned();
             }
-            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            t[k] = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
-            let mprod = _mm256_madd_epi16(bsums, mins16);
-            // [m0+m1, m2+m3, ..] per half: pairs 0, 1 low, pairs 2, 3 high.
-            let mh = _mm256_hadd_epi32(mprod, mprod);
-            m[k] = _mm_unpacklo_epi64(
-                _mm256_castsi256_si128(mh),
-                _mm256_extracti128_si256::<1>(mh),
+            // Pair j's totals of the four rows side by side (lane k: row k; exact integer sums, so any
+            // grouping gives the same totals): pairwise adds down to one vector per half, then the halves.
+            let pair_totals = |j: usize| {
+                let h = _mm256_hadd_epi32(
+                    _mm256_hadd_epi32(p[0][j], p[1][j]),
+                    _mm256_hadd_epi32(p[2][j], p[3][j]),
+                );
+                _mm_cvtepi32_ps(_mm_add_epi32(
+                    _mm256_castsi256_si128(h),
+                    _mm256_extracti128_si256::<1>(h),
+                ))
+            };
+            // The minimum totals per pair: lane c of mprod is sub-block c, so one round of pairwise adds
+            // gives [k0: pairs 0 1, k1: pairs 0 1 | k0: pairs 2 3, k1: pairs 2 3] (rows 2, 3 likewise),
+            // and two shuffles put the four rows of pairs 0 (2) and 1 (3) side by side.
+            let (h01, h23) = (
+                _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[0], mprod[1])),
+                _mm256_castsi256_ps(_mm256_hadd_epi32(mprod[2], mprod[3])),
             );
-            yd[k] = (yb as *const f32).read_unaligned();
-        }
-        // Transpose so vector p holds pair p of the four rows.
-        let tr = |v: [__m128i; 4]| -> [__m128; 4] {
-            let (a, b, c, d) = (
-                _mm_castsi128_ps(v[0]),
-                _mm_castsi128_ps(v[1]),
-                _mm_castsi128_ps(v[2]),
-                _mm_castsi128_ps(v[3]),
+            let m02 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
+                h01,
+                h23,
+                0b10_00_10_00,
+            )));
+            let m13 = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(
+                h01,
+                h23,
+                0b11_01_11_01,
+            )));
+            let mins = [
+                _mm256_castps256_ps128(m02),
+                _mm256_castps256_ps128(m13),
+                _mm256_extractf128_ps::<1>(m02),
+                _mm256_extractf128_ps::<1>(m13),
+            ];
+            let ydv = _mm_loadu_ps(yd.as_ptr());
+            let (d, dmin) = (
+                _mm_mul_ps(_mm_set1_ps(xd), ydv),
+                _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
             );
-            let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
-            let (cd_lo, cd_hi) = (_mm_unpacklo_ps(c, d), _mm_unpackhi_ps(c, d));
-            [
-                _mm_movelh_ps(ab_lo, cd_lo),
-                _mm_movehl_ps(cd_lo, ab_lo),
-                _mm_movelh_ps(ab_hi, cd_hi),
-                _mm_movehl_ps(cd_hi, ab_hi),
-            ]
-        };
-        let (tp, mp) = (tr(t), tr(m));
-        let ydv = _mm_loadu_ps(yd.as_ptr());
-        let (d, dmin) = (
-            _mm_mul_ps(_mm_set1_ps(xd), ydv),
-            _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
-        );
-        for p in 0..4 {
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(tp[p])), d, acc);
-            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_castps_si128(mp[p])), dmin, acc_min);
+            for (j, &m) in mins.iter().enumerate() {
+                acc[g] = _mm_fmadd_ps(pair_totals(j), d, acc[g]);
+                acc_min[g] = _mm_fmadd_ps(m, dmin, acc_min[g]);
+            }
         }
     }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
-    out
+    std::array::from_fn(|g| {
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc[g], acc_min[g]));
+        out
+    })
+}
+
+/// One Q4_K super-block's weights unpacked for several activation rows: the quants of sub-block
+/// `c = 2j + h` (low nibbles for h = 0, high for h = 1), each sub-block's scale spread over 16 i16
+/// lanes, and the minimums each twice as i16 ([`min_pairs`]). `masks` is [`SPLAT_I16`] behind
+/// `black_box` (see [`sums_q45_k`]).
+#[inline(always)]
+unsafe fn q4k_unpack(
+    xb: *const u8,
+    masks: &[[u8; 32]; 8],
+) -> ([__m256i; 8], [__m256i; 8], __m256i) {
+    const KMASK1: u32 = 0x3f3f3f3f;
+    const KMASK2: u32 = 0x0f0f0f0f;
+    const KMASK3: u32 = 0x03030303;
+    let u = xb.add(4) as *const u32;
+    let (u0, u1, u2) = (
+        u.read_unaligned(),
+        u.add(1).read_unaligned(),
+        u.add(2).read_unaligned(),
+    );
+    let scales =
+        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let mins =
+        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
+    let sc = _mm256_set_m128i(sc16, sc16);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut q = [_mm256_setzero_si256(); 8];
+    let mut s = [_mm256_setzero_si256(); 8];
+    for j in 0..4 {
+        let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
+        q[2 * j] = _mm256_and_si256(bits, m4);
+        q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+    }
+    for (c, sc_c) in s.iter_mut().enumerate() {
+        *sc_c = _mm256_shuffle_epi8(sc, _mm256_loadu_si256(masks[c].as_ptr() as *const __m256i));
+    }
+    (q, s, min_pairs(mins))
 }
 
 /// The integer totals of the four 64-value pairs of sub-blocks of one Q4_K super-block, and its min
@@ -546,68 +667,78 @@ unsafe fn q4k_pair_sums(x: *const u8, y: *const u8) -> ([i32; 4], __m256i) {
 /// As [`dot`], for Q4_K, for each of the four activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> [f32; 4] {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let (mut acc, mut acc_min) = (_mm_setzero_ps(), _mm_setzero_ps());
-    let m4 = _mm256_set1_epi8(0x0F);
+    q4k_dot_groups::<1>(nb, x, [ys])[0]
+}
+
+/// [`q4k_dot_x4`] for eight activation rows (two groups of four), each super-block unpacked once for
+/// the eight.
+///
+/// # Safety
+/// As [`dot`], for Q4_K, for each of the eight activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4k_dot_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
+    let [a, b] = q4k_dot_groups::<2>(
+        nb,
+        x,
+        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
+    );
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// [`q4k_dot_x4`] for `G` groups of four activation rows, the super-block unpacked once for all.
+#[inline(always)]
+unsafe fn q4k_dot_groups<const G: usize>(
+    nb: usize,
+    x: *const u8,
+    ys: [[*const u8; 4]; G],
+) -> [[f32; 4]; G] {
+    let mut acc = [_mm_setzero_ps(); G];
+    let mut acc_min = [_mm_setzero_ps(); G];
+    let masks = core::hint::black_box(&SPLAT_I16);
     for i in 0..nb {
         let xb = x.add(i * 144);
         let (xd, xdmin) = scales_f16::<true>(xb);
-        let u = xb.add(4) as *const u32;
-        let (u0, u1, u2) = (
-            u.read_unaligned(),
-            u.add(1).read_unaligned(),
-            u.add(2).read_unaligned(),
-        );
-        let (lo, hi) = (
-            (u0 & KMASK1).to_le_bytes(),
-            ((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)).to_le_bytes(),
-        );
-        let mins = (u1 & KMASK1) as u64
-            | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
-        let mins16 = min_pairs(mins);
-        let mut q = [_mm256_setzero_si256(); 8];
-        let mut s = [_mm256_setzero_si256(); 8];
-        for j in 0..4 {
-            let bits = _mm256_loadu_si256(xb.add(16 + 32 * j) as *const __m256i);
-            q[2 * j] = _mm256_and_si256(bits, m4);
-            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-            let sc = |c: usize| if c < 4 { lo[c] } else { hi[c - 4] } as i16;
-            s[2 * j] = _mm256_set1_epi16(sc(2 * j));
-            s[2 * j + 1] = _mm256_set1_epi16(sc(2 * j + 1));
-        }
-        // Per activation row: the integer lanes of the whole super-block and of its minimums.
-        let mut sums = [_mm256_setzero_si256(); 4];
-        let mut mprods = [_mm256_setzero_si256(); 4];
-        let mut yd = [0f32; 4];
-        for (k, &y) in ys.iter().enumerate() {
-            let yb = y.add(i * Q8K_BYTES);
-            let q8 = yb.add(4);
-            let mut sumi = _mm256_setzero_si256();
-            for c in 0..8 {
-                sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+        let (q, s, mins16) = q4k_unpack(xb, masks);
+        for (g, ys) in ys.iter().enumerate() {
+            // Per activation row: the integer lanes of the whole super-block and of its minimums.
+            let mut sums = [_mm256_setzero_si256(); 4];
+            let mut mprods = [_mm256_setzero_si256(); 4];
+            let mut yd = [0f32; 4];
+            for (k, &y) in ys.iter().enumerate() {
+                let yb = y.add(i * Q8K_BYTES);
+                let q8 = yb.add(4);
+                let mut sumi = _mm256_setzero_si256();
+                for c in 0..8 {
+                    sumi = _mm256_add_epi32(sumi, scaled_dot(q[c], q8.add(32 * c), s[c]));
+                }
+                sums[k] = sumi;
+                let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
+                mprods[k] = _mm256_madd_epi16(bsums, mins16);
+                yd[k] = (yb as *const f32).read_unaligned();
             }
-            sums[k] = sumi;
-            let bsums = _mm256_loadu_si256(yb.add(260) as *const __m256i);
-            mprods[k] = _mm256_madd_epi16(bsums, mins16);
-            yd[k] = (yb as *const f32).read_unaligned();
+            // The four totals side by side (exact integer sums: any grouping gives hsum_i32's value).
+            let totals = |v: [__m256i; 4]| {
+                let h =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                _mm_cvtepi32_ps(_mm_add_epi32(
+                    _mm256_castsi256_si128(h),
+                    _mm256_extracti128_si256::<1>(h),
+                ))
+            };
+            let ydv = _mm_loadu_ps(yd.as_ptr());
+            acc[g] = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc[g]);
+            acc_min[g] = _mm_fmadd_ps(
+                totals(mprods),
+                _mm_mul_ps(_mm_set1_ps(xdmin), ydv),
+                acc_min[g],
+            );
         }
-        // The four totals side by side (exact integer sums, so any grouping gives hsum_i32's value).
-        let totals = |v: [__m256i; 4]| {
-            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-            _mm_cvtepi32_ps(_mm_add_epi32(
-                _mm256_castsi256_si128(h),
-                _mm256_extracti128_si256::<1>(h),
-            ))
-        };
-        let ydv = _mm_loadu_ps(yd.as_ptr());
-        acc = _mm_fmadd_ps(totals(sums), _mm_mul_ps(_mm_set1_ps(xd), ydv), acc);
-        acc_min = _mm_fmadd_ps(totals(mprods), _mm_mul_ps(_mm_set1_ps(xdmin), ydv), acc_min);
     }
-    let mut out = [0f32; 4];
-    _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc, acc_min));
-    out
+    std::array::from_fn(|g| {
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), _mm_sub_ps(acc[g], acc_min[g]));
+        out
+    })
 }
 
 /// The integer lanes of one Q4_K super-block `xb` against the activation bytes `q8`, and its minimum

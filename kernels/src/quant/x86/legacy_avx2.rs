@@ -7,7 +7,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::quant::legacy::LegacyKind;
+use crate::quant::legacy::{LegacyKind, TILE_ACTS, TILE_ROWS};
 
 /// `Σ x·y` of signed bytes, as eight i32 sums of four neighbours (llama.cpp's sign trick: `|x|` is
 /// unsigned for `maddubs`, the sign moves to `y`; exact because `y` is never −128).
@@ -271,5 +271,124 @@ pub(crate) unsafe fn dot4(
         LegacyKind::Q5_0 => dot4_impl::<2, 22, 34, false>(nb, x, ys),
         LegacyKind::Q5_1 => dot4_impl::<3, 24, 36, true>(nb, x, ys),
         LegacyKind::Q8_0 => dot4_impl::<4, 34, 34, false>(nb, x, ys),
+    }
+}
+
+/// The f16 at `p + k·stride` for `k < count` (at most 8) as f32, zero in the lanes above.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16xn(p: *const u8, stride: usize, count: usize) -> __m256 {
+    if count == 8 {
+        return f16x8(p, stride);
+    }
+    let mut h = [0u16; 8];
+    for (k, v) in h.iter_mut().enumerate().take(count) {
+        *v = (p.add(k * stride) as *const u16).read_unaligned();
+    }
+    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
+}
+
+/// The eight sums of lanes of `acc`, each in ggml's `hsum_float_8` order (the order of
+/// [`crate::quant::float::sum_lanes8`]: `((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7))`), as lane `i` of
+/// the result for `acc[i]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum8x8(acc: &[__m256; 8]) -> __m256 {
+    // Per 128-bit half, `l_k + l_{k+4}` (k = 0..4) of acc[i] (low half) and acc[i + 4] (high half).
+    let halves = |i: usize| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(acc[i], acc[i + 4], 0x20),
+            _mm256_permute2f128_ps(acc[i], acc[i + 4], 0x31),
+        )
+    };
+    let (u0, u1, u2, u3) = (halves(0), halves(1), halves(2), halves(3));
+    // Per half: `[v0+v2, v1+v3]` of two accumulators side by side (ggml's movehl step).
+    let pairs = |a: __m256, b: __m256| {
+        _mm256_add_ps(
+            _mm256_shuffle_ps(a, b, 0b01_00_01_00),
+            _mm256_shuffle_ps(a, b, 0b11_10_11_10),
+        )
+    };
+    let (z01, z23) = (pairs(u0, u1), pairs(u2, u3));
+    // `(v0+v2) + (v1+v3)` (ggml's movehdup step; the two terms swap places, which addition allows).
+    _mm256_add_ps(
+        _mm256_shuffle_ps(z01, z23, 0b10_00_10_00),
+        _mm256_shuffle_ps(z01, z23, 0b11_01_11_01),
+    )
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_impl<const K: u8, const XB: usize, const YB: usize, const MIN: bool>(
+    nb: usize,
+    mut xs: [*const u8; TILE_ROWS],
+    mut ys: [*const u8; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS] {
+    // acc[r·TILE_ACTS + t]: weight row r with activation row t, each the lanes of `dot_impl`.
+    let mut acc = [_mm256_setzero_ps(); TILE_ROWS * TILE_ACTS];
+    let mut mins = [0f32; TILE_ROWS * TILE_ACTS];
+    // The scale products `dx·dy` of up to eight blocks: scales[r·TILE_ACTS + t][block].
+    let mut scales = [[0f32; 8]; TILE_ROWS * TILE_ACTS];
+    let mut first = 0;
+    while first < nb {
+        let count = (nb - first).min(8);
+        let dy: [__m256; TILE_ACTS] = std::array::from_fn(|t| f16xn(ys[t], YB, count));
+        for (r, &x) in xs.iter().enumerate() {
+            let dx = f16xn(x, XB, count);
+            for (t, &d) in dy.iter().enumerate() {
+                _mm256_storeu_ps(scales[r * TILE_ACTS + t].as_mut_ptr(), _mm256_mul_ps(dx, d));
+            }
+        }
+        // `b` indexes the inner dimension of `scales` (one block of every pair of rows).
+        #[allow(clippy::needless_range_loop)]
+        for b in 0..count {
+            for (r, x) in xs.iter_mut().enumerate() {
+                let qx = block_quants::<K>(*x);
+                for (t, &y) in ys.iter().enumerate() {
+                    let i = r * TILE_ACTS + t;
+                    let sums = _mm256_cvtepi32_ps(mul_sums::<K>(qx, y));
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(scales[i][b]), sums, acc[i]);
+                    if MIN {
+                        mins[i] = f16(x.add(2)).mul_add(f16(y.add(2)), mins[i]);
+                    }
+                }
+                *x = x.add(XB);
+            }
+            for y in ys.iter_mut() {
+                *y = y.add(YB);
+            }
+        }
+        first += count;
+    }
+    let mut out = [0f32; TILE_ROWS * TILE_ACTS];
+    _mm256_storeu_ps(out.as_mut_ptr(), hsum8x8(&acc));
+    if MIN {
+        for (o, m) in out.iter_mut().zip(mins) {
+            *o += m;
+        }
+    }
+    out
+}
+
+/// The dot products of [`TILE_ROWS`] weight rows `xs` with [`TILE_ACTS`] activation rows `ys`, each
+/// equal to [`dot`]'s lanes summed by `sum_lanes8` plus its minimum terms (the single-row result, bit for
+/// bit): `out[r·TILE_ACTS + t]` for row `r` and activation row `t`. Each weight block is decoded once for
+/// all activation rows and each activation block loaded once for all weight rows; the eight lane sums
+/// are done together.
+///
+/// # Safety
+/// As [`dot`], for each pair of a weight row and an activation row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile(
+    kind: LegacyKind,
+    nb: usize,
+    xs: [*const u8; TILE_ROWS],
+    ys: [*const u8; TILE_ACTS],
+) -> [f32; TILE_ROWS * TILE_ACTS] {
+    match kind {
+        LegacyKind::Q4_0 => tile_impl::<0, 18, 34, false>(nb, xs, ys),
+        LegacyKind::Q4_1 => tile_impl::<1, 20, 36, true>(nb, xs, ys),
+        LegacyKind::Q5_0 => tile_impl::<2, 22, 34, false>(nb, xs, ys),
+        LegacyKind::Q5_1 => tile_impl::<3, 24, 36, true>(nb, xs, ys),
+        LegacyKind::Q8_0 => tile_impl::<4, 34, 34, false>(nb, xs, ys),
     }
 }

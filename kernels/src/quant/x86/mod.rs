@@ -4,6 +4,7 @@
 //! check `super::has_avx2_fma()` first. The AVX-512 kernels (`*_avx512`) add `avx512f,avx512bw,avx512vl,
 //! avx512vnni`; callers check `super::has_avx512_vnni()`.
 
+pub(crate) mod act_avx2;
 pub(crate) mod float_avx2;
 pub(crate) mod iquants_avx2;
 pub(crate) mod kquants_avx2;
