@@ -8,25 +8,16 @@
 use cudarc::driver::sys::CUevent_flags;
 use poly_kernels::cuda::ops::{self, ExpertInput};
 use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
-use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
+
+mod common;
+use common::{device, random_weights};
 
 /// The H200's measured device memory rate (`shared/device/README.md`).
 const CARD_GBPS: f64 = 4300.0;
 const WARMUP: usize = 5;
 const ITERS: usize = 50;
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
 
 /// Mean seconds per call of `launch` on the compute stream, by CUDA events.
 fn time_launches(dev: &Device, mut launch: impl FnMut()) -> f64 {
@@ -55,12 +46,6 @@ fn report(name: &str, seconds: f64, bytes: usize) {
         bytes as f64 / 1e6,
         100.0 * gbps / CARD_GBPS
     );
-}
-
-fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
-    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
-    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
-    w
 }
 
 /// Several experts of one format in one launch, at the expert shapes of a Qwen3-30B-A3B-like model: one

@@ -12,37 +12,17 @@
 use poly_kernels::cuda::attention::{attention_f16, attention_f16_cache, AttnSplit, KvCacheView};
 use poly_kernels::cuda::elementwise::{self as ew, BinaryOp, Broadcast, UnaryFn};
 use poly_kernels::cuda::ops;
-use poly_kernels::cuda::{BlockQ8_1, CudaError, Device};
+use poly_kernels::cuda::BlockQ8_1;
 use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
 
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
+mod common;
+use common::{device, nmse};
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Rng::new(seed);
     (0..n).map(|_| r.f32() * 4.0 - 2.0).collect()
-}
-
-fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let err: f64 = gpu
-        .iter()
-        .zip(cpu)
-        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
-        .sum();
-    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
-    err / norm.max(f64::MIN_POSITIVE)
 }
 
 #[test]

@@ -18,36 +18,11 @@ use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
-use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
 
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
-
-fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.normal()).collect()
-}
-
-/// NMSE = Σ(gpu − cpu)² / Σ cpu².
-fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let err: f64 = gpu
-        .iter()
-        .zip(cpu)
-        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
-        .sum();
-    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
-    err / norm.max(f64::MIN_POSITIVE)
-}
+mod common;
+use common::{device, nmse, normals, random_weights};
 
 fn check_nmse(failures: &mut Vec<String>, what: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
     let e = nmse(gpu, cpu);
@@ -246,12 +221,6 @@ fn rms_norm_rope_matches_the_cpu_and_the_two_launches() {
         check_bits(&mut failures, &what, &got, &dev.download(&out2).unwrap());
     }
     assert_no_failures(failures);
-}
-
-fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
-    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
-    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
-    w
 }
 
 /// Bound of a quantized matrix×vector against the CPU (as `cuda_ops.rs`): the two sides quantize the

@@ -17,23 +17,14 @@ use poly_kernels::cuda::sample;
 use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
 use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::ops::recurrent::DeltaShape;
-use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
+
+mod common;
+use common::{device, random_weights};
 
 const WARMUP: usize = 3;
 const ITERS: usize = 20;
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
 
 fn time_calls(dev: &Device, mut call: impl FnMut()) -> f64 {
     for _ in 0..WARMUP {
@@ -61,12 +52,6 @@ fn time_graph(dev: &Device, mut call: impl FnMut(&Device, usize) -> Result<(), C
         .capture(|dv| (0..ITERS).try_for_each(|i| call(dv, i)))
         .expect("capture");
     time_calls(dev, || graph.replay().expect("replay")) / ITERS as f64
-}
-
-fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
-    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
-    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
-    w
 }
 
 /// One token's attention with the flash-decoding kernel over caches of Qwen3-30B-A3B (32/4 heads of 128)

@@ -16,37 +16,17 @@ use poly_kernels::cuda::attention::{
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::sample::{self, DrawParams};
-use poly_kernels::cuda::{ops, BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
+use poly_kernels::cuda::{ops, BlockQ8_1, Device, DeviceMatrix, StackedExperts};
 use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::act::{geglu_in_place, gelu_ggml, silu};
 use poly_kernels::ops::attention::{attention, AttnParams};
 use poly_kernels::ops::norm::{l2_norm, rms_norm};
 use poly_kernels::ops::recurrent::{conv1d_causal, gated_delta_rule, DeltaShape};
-use poly_kernels::quant::{dequantize, fill_random, GgmlType};
+use poly_kernels::quant::{dequantize, GgmlType};
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
 
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
-
-fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let err: f64 = gpu
-        .iter()
-        .zip(cpu)
-        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
-        .sum();
-    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
-    err / norm.max(f64::MIN_POSITIVE)
-}
+mod common;
+use common::{device, nmse, normals, random_weights};
 
 fn nmse_check(what: &str, gpu: &[f32], cpu: &[f32], bound: f64) -> Option<String> {
     let e = nmse(gpu, cpu);
@@ -65,16 +45,6 @@ fn assert_no_failures(failures: Vec<String>) {
         failures.len(),
         failures.join("\n")
     );
-}
-
-fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.normal()).collect()
-}
-
-fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
-    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
-    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
-    w
 }
 
 // ----- attention ----------------------------------------------------------------------------------------

@@ -17,32 +17,11 @@ use poly_kernels::ops::act::{silu, swiglu_in_place};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
 use poly_kernels::ops::topk::{route, Gating};
-use poly_kernels::quant::{fill_random, GgmlType};
+use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
 
-/// Device 0, or `None` (after saying so) when this machine has none.
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
-
-fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let err: f64 = gpu
-        .iter()
-        .zip(cpu)
-        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
-        .sum();
-    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
-    err / norm.max(f64::MIN_POSITIVE)
-}
+mod common;
+use common::{device, nmse, normals, random_weights};
 
 /// Prints the NMSE of one comparison and returns a failure message when it is above `bound` (or the GPU
 /// output is not finite), so a test checks every case before it fails and the log shows all of them.
@@ -70,16 +49,6 @@ fn assert_no_failures(failures: Vec<String>) {
         failures.len(),
         failures.join("\n")
     );
-}
-
-fn normals(rng: &mut Rng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.normal()).collect()
-}
-
-fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
-    let mut w = vec![0u8; ty.bytes_for(n_values as u64).expect("whole blocks") as usize];
-    fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
-    w
 }
 
 /// Bound of the quantized matrix×vector: the GPU quantizes activations to Q8_1 blocks of 32, the CPU to its

@@ -10,32 +10,11 @@
 
 use poly_kernels::cuda::attention::{attention_f16, AttnSplit, KvCacheView};
 use poly_kernels::cuda::attention_mma::{attention_prompt, takes};
-use poly_kernels::cuda::{CudaError, Device};
 use poly_kernels::ops::attention::{attention, AttnParams};
 use poly_kernels::rng::Rng;
-use std::sync::Arc;
 
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(d),
-        Err(CudaError::NoDevice(why)) => {
-            println!("skipped: no CUDA device ({why})");
-            None
-        }
-        Err(e) => panic!("CUDA device 0 is present but does not open: {e}"),
-    }
-}
-
-fn nmse(gpu: &[f32], cpu: &[f32]) -> f64 {
-    assert_eq!(gpu.len(), cpu.len());
-    let err: f64 = gpu
-        .iter()
-        .zip(cpu)
-        .map(|(&g, &c)| (g as f64 - c as f64).powi(2))
-        .sum();
-    let norm: f64 = cpu.iter().map(|&c| (c as f64).powi(2)).sum();
-    err / norm.max(f64::MIN_POSITIVE)
-}
+mod common;
+use common::{device, nmse};
 
 fn params(n_head: usize, n_head_kv: usize, d: usize) -> AttnParams {
     AttnParams {
