@@ -189,27 +189,34 @@ pub struct MoeSteps {
 }
 
 impl MoeSteps {
-    /// Runs `point` (a replay's host work between two graphs); `share` carries the CPU's share of a step
+    /// Replays the segments, each followed by its host point, then `last`; the CPU's share of a step goes
     /// from its route point to its CPU-share point.
-    fn host(
+    fn replay(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         cache: &mut ExpertCache,
-        point: HostPoint,
-        share: &mut Option<CpuShare>,
+        last: &LaunchGraph,
     ) -> CudaResult<()> {
-        let (HostPoint::Route(i) | HostPoint::CpuShare(i)) = point;
-        let step = self
-            .steps
-            .get_mut(i)
-            .and_then(|s| s.as_mut())
-            .ok_or_else(|| CudaError::Invalid(format!("a segmented graph without step {i}")))?;
-        let times = &mut self.times;
-        match point {
-            HostPoint::Route(_) => *share = step.route((dev, cpu), cache, times)?,
-            HostPoint::CpuShare(_) => step.cpu_share((dev, cpu), cache, share.take(), times)?,
+        let MoeSteps {
+            steps,
+            segments,
+            times,
+            ..
+        } = self;
+        let mut share = None;
+        for (segment, point) in segments.iter() {
+            segment.replay()?;
+            let (HostPoint::Route(i) | HostPoint::CpuShare(i)) = *point;
+            let step = steps
+                .get_mut(i)
+                .and_then(Option::as_mut)
+                .ok_or_else(|| CudaError::Invalid(format!("a segmented graph without step {i}")))?;
+            match point {
+                HostPoint::Route(_) => share = step.route((dev, cpu), cache, times)?,
+                HostPoint::CpuShare(_) => step.cpu_share((dev, cpu), cache, share.take(), times)?,
+            }
         }
-        Ok(())
+        last.replay()
     }
 }
 
@@ -223,6 +230,8 @@ pub struct DecodeGraph {
     inputs: GraphInputs,
     /// The embedding table and width the host fills `inputs.row` from.
     embed: (WeightId, usize),
+    /// The host's copy of the token's row, kept between replays.
+    host_row: Vec<f32>,
     /// The activations' buffers the launches use (kept for their addresses).
     _store: PoolStore,
     /// A segmented graph's steps (`graph` is then its last segment); empty for a whole-token graph.
@@ -293,14 +302,14 @@ pub fn replay(
         .get_mut(&rows)
         .ok_or_else(|| CudaError::Invalid(format!("no decode graph for {rows} rows")))?;
     let (table, n_embd) = g.embed;
-    let mut row = vec![0f32; n_embd];
-    cpu.row_into(table, token as usize, &mut row);
+    g.host_row.resize(n_embd, 0.0);
+    cpu.row_into(table, token as usize, &mut g.host_row);
     let r = g
         .inputs
         .row
         .as_mut()
         .ok_or_else(|| CudaError::Invalid("a decode graph without its row".into()))?;
-    dev.write(&row, r)?;
+    dev.write(&g.host_row, r)?;
     dev.write(&[pos0 as i32], &mut g.inputs.positions)?;
     if !g.segmented() {
         g.graph.replay()?;
@@ -309,19 +318,8 @@ pub fn replay(
     let cache = experts.ok_or_else(|| {
         CudaError::Invalid("a segmented decode graph without its expert cache".into())
     })?;
-    let mut share = None;
-    let DecodeGraph { steps, graph, .. } = g;
-    let segments = std::mem::take(&mut steps.segments);
-    let mut run = || -> CudaResult<()> {
-        for (segment, point) in &segments {
-            segment.replay()?;
-            steps.host((dev, cpu), cache, *point, &mut share)?;
-        }
-        graph.replay()
-    };
-    let r = run();
-    steps.segments = segments;
-    r.map(|()| true)
+    g.steps.replay((dev, cpu), cache, &g.graph)?;
+    Ok(true)
 }
 
 /// The logits of the last replay of `rows` (waits for it).
@@ -467,6 +465,7 @@ fn capture(
         host_logits,
         inputs,
         embed,
+        host_row: Vec::new(),
         _store: store,
         steps,
     })

@@ -62,8 +62,12 @@ pub struct CachePolicy {
     margin: f32,
     uploads: u64,
     evictions: u64,
-    /// Slots in [`SlotState::Free`].
+    /// Slots in [`SlotState::Free`] and in [`SlotState::Holds`], kept by [`CachePolicy::set`] (asked per
+    /// token, where counting thousands of slots would cost more than the question).
     n_free: usize,
+    n_holding: usize,
+    /// Experts of every layer.
+    n_experts: usize,
     /// A lower bound of every resident expert's score: the lowest at the last full scan and each layer's
     /// tick then. Scores only fall by decay and newcomers enter above their victims, so the bound decayed
     /// by the ticks since holds; a missing expert at or below it plus the margin cannot be admitted, and
@@ -91,6 +95,8 @@ impl CachePolicy {
             uploads: 0,
             evictions: 0,
             n_free: n_slots,
+            n_holding: 0,
+            n_experts: experts_per_layer.iter().sum(),
             coldest: None,
         }
     }
@@ -128,12 +134,17 @@ impl CachePolicy {
 
     /// Whether every expert of every layer is resident.
     pub fn holds_all(&self) -> bool {
-        let total: usize = self.slot_of.iter().map(Vec::len).sum();
-        self.slots
-            .iter()
-            .filter(|s| matches!(s, SlotState::Holds(_)))
-            .count()
-            == total
+        self.n_holding == self.n_experts
+    }
+
+    /// Puts `slot` in `state`, keeping the counts of free and holding slots.
+    fn set(&mut self, slot: usize, state: SlotState) {
+        let holds = |s: SlotState| matches!(s, SlotState::Holds(_));
+        let old = self.slots[slot];
+        self.n_free = self.n_free + usize::from(state == SlotState::Free)
+            - usize::from(old == SlotState::Free);
+        self.n_holding = self.n_holding + usize::from(holds(state)) - usize::from(holds(old));
+        self.slots[slot] = state;
     }
 
     /// The initial set: the experts of the highest `counts[layer][expert]`, as many as there are slots
@@ -174,11 +185,8 @@ impl CachePolicy {
         }
         // A placed expert may score below the bound.
         self.coldest = None;
-        if let Some(s) = self.slots.get_mut(slot) {
-            if *s == SlotState::Free {
-                self.n_free -= 1;
-            }
-            *s = SlotState::Holds(key);
+        if slot < self.slots.len() {
+            self.set(slot, SlotState::Holds(key));
             self.slot_of[key.layer][key.expert] = Some(slot);
         }
     }
@@ -251,15 +259,12 @@ impl CachePolicy {
                 // The weakest resident expert beats this one; the rest score no higher.
                 break;
             };
-            match victim {
-                Some(v) => {
-                    self.slot_of[v.layer][v.expert] = None;
-                    self.evictions += 1;
-                }
-                None => self.n_free -= 1,
+            if let Some(v) = victim {
+                self.slot_of[v.layer][v.expert] = None;
+                self.evictions += 1;
             }
             let key = ExpertKey { layer, expert: e };
-            self.slots[slot] = SlotState::Loading(key);
+            self.set(slot, SlotState::Loading(key));
             self.slot_of[layer][e] = Some(slot);
             self.uploads += 1;
             out.push(Upload {
@@ -315,7 +320,7 @@ impl CachePolicy {
     /// The copy into `slot` completed: its expert is resident.
     pub fn complete(&mut self, slot: usize) {
         if let Some(SlotState::Loading(k)) = self.slots.get(slot).copied() {
-            self.slots[slot] = SlotState::Holds(k);
+            self.set(slot, SlotState::Holds(k));
         }
     }
 
@@ -323,8 +328,7 @@ impl CachePolicy {
     pub fn abandon(&mut self, slot: usize) {
         if let Some(SlotState::Loading(k) | SlotState::Holds(k)) = self.slots.get(slot).copied() {
             self.slot_of[k.layer][k.expert] = None;
-            self.slots[slot] = SlotState::Free;
-            self.n_free += 1;
+            self.set(slot, SlotState::Free);
         }
     }
 

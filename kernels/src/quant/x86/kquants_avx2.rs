@@ -57,17 +57,17 @@ unsafe fn sums_q45_k<const FIVE: bool>(x: *const u8, y: *const u8) -> (__m256i, 
     sums_q45_k_with::<FIVE>(x, y, |_, _| {})
 }
 
-/// [`sums_q45_k`], also handing `pair(j, v)` the scale lanes of the `j`-th pair of 32-value sub-blocks.
+/// The eight 6-bit scales and eight 6-bit minimums of the Q4_K/Q5_K super-block at `xb` (bytes 4..16), as
+/// eight bytes each (u64, little-endian), unpacked as ggml's `get_scale_min_k4` does for all eight at once.
+///
+/// # Safety
+/// `xb` must be readable for 16 bytes.
 #[inline(always)]
-unsafe fn sums_q45_k_with<const FIVE: bool>(
-    x: *const u8,
-    y: *const u8,
-    mut pair: impl FnMut(usize, __m256i),
-) -> (__m256i, __m256i) {
+pub(super) unsafe fn q4k_scales_mins(xb: *const u8) -> (u64, u64) {
     const KMASK1: u32 = 0x3f3f3f3f;
     const KMASK2: u32 = 0x0f0f0f0f;
     const KMASK3: u32 = 0x03030303;
-    let u = x.add(4) as *const u32;
+    let u = xb.add(4) as *const u32;
     let (u0, u1, u2) = (
         u.read_unaligned(),
         u.add(1).read_unaligned(),
@@ -77,6 +77,17 @@ unsafe fn sums_q45_k_with<const FIVE: bool>(
         (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
     let mins =
         (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    (scales, mins)
+}
+
+/// [`sums_q45_k`], also handing `pair(j, v)` the scale lanes of the `j`-th pair of 32-value sub-blocks.
+#[inline(always)]
+unsafe fn sums_q45_k_with<const FIVE: bool>(
+    x: *const u8,
+    y: *const u8,
+    mut pair: impl FnMut(usize, __m256i),
+) -> (__m256i, __m256i) {
+    let (scales, mins) = q4k_scales_mins(x);
 
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
@@ -614,19 +625,7 @@ unsafe fn q4k_unpack(
     xb: *const u8,
     masks: &[[u8; 32]; 8],
 ) -> ([__m256i; 8], [__m256i; 8], __m256i) {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let u = xb.add(4) as *const u32;
-    let (u0, u1, u2) = (
-        u.read_unaligned(),
-        u.add(1).read_unaligned(),
-        u.add(2).read_unaligned(),
-    );
-    let scales =
-        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
-    let mins =
-        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let (scales, mins) = q4k_scales_mins(xb);
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
     let sc = _mm256_set_m128i(sc16, sc16);
     let m4 = _mm256_set1_epi8(0x0F);
@@ -745,19 +744,7 @@ unsafe fn q4k_dot_groups<const G: usize>(
 /// lanes against the activation's `bsums` (lane `c`: `min_c · (bsum_2c + bsum_2c+1)`).
 #[inline(always)]
 unsafe fn q4k_row_lanes(xb: *const u8, q8: *const u8, bsums: __m256i) -> (__m256i, __m256i) {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let u = xb.add(4) as *const u32;
-    let (u0, u1, u2) = (
-        u.read_unaligned(),
-        u.add(1).read_unaligned(),
-        u.add(2).read_unaligned(),
-    );
-    let scales =
-        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
-    let mins =
-        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
+    let (scales, mins) = q4k_scales_mins(xb);
     let mprod = _mm256_madd_epi16(bsums, min_pairs(mins));
     // Each sub-block's scale as 16 i16 lanes: the scales twice (both halves), then one shuffle each.
     let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));

@@ -17,6 +17,8 @@ use core::arch::x86_64::*;
 use crate::quant::float::sum_lanes8;
 use crate::quant::kquants::Q8K_BYTES;
 
+use super::kquants_avx2::q4k_scales_mins as scales_mins;
+
 /// `vpshufb` masks building the i16 scale vectors of the packed sums from the eight 6-bit scales
 /// broadcast as one u64 (bytes 0..8 of each 128-bit lane; index `0x80` writes zero, the high byte).
 ///
@@ -51,25 +53,6 @@ static MIN_MASK: [u8; 32] = {
     }
     m
 };
-
-/// The scales and minimums of a Q4_K super-block, as eight bytes each (u64, little-endian).
-#[inline(always)]
-unsafe fn scales_mins(xb: *const u8) -> (u64, u64) {
-    const KMASK1: u32 = 0x3f3f3f3f;
-    const KMASK2: u32 = 0x0f0f0f0f;
-    const KMASK3: u32 = 0x03030303;
-    let u = xb.add(4) as *const u32;
-    let (u0, u1, u2) = (
-        u.read_unaligned(),
-        u.add(1).read_unaligned(),
-        u.add(2).read_unaligned(),
-    );
-    let scales =
-        (u0 & KMASK1) as u64 | (((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32;
-    let mins =
-        (u1 & KMASK1) as u64 | ((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32;
-    (scales, mins)
-}
 
 /// The activation bytes of one Q8_K block rearranged to the nibble vectors' order: vector `v` holds
 /// sub-blocks `(v % 2) + 4·(v / 2)` and the one two after it.
