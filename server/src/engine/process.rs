@@ -203,6 +203,11 @@ impl EngineProcess {
         self.dead.clone()
     }
 
+    /// A receiver that turns `Some(description)` once the process has been reaped.
+    pub fn exit_watch(&self) -> watch::Receiver<Option<String>> {
+        self.exited.clone()
+    }
+
     /// Whether the engine has died (its stdout ended).
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)

@@ -96,12 +96,25 @@ struct Slot {
     text: Option<Arc<ModelText>>,
 }
 
+/// How long a shutdown waits for an engine it killed to be reaped.
+const KILL_REAP_WAIT: Duration = Duration::from_secs(30);
+
+/// The running engine, as the view holds it.
+#[derive(Clone, Debug)]
+struct EngineView {
+    pid: i32,
+    /// Set when the engine's stdout ends.
+    dead: Arc<std::sync::atomic::AtomicBool>,
+    /// `Some(description)` once the process has been reaped.
+    exited: tokio::sync::watch::Receiver<Option<String>>,
+}
+
 /// What can be read without waiting for the running request.
 #[derive(Clone, Debug, Default)]
 struct View {
     current: Option<String>,
-    /// The current engine's pid and its dead flag.
-    engine: Option<(i32, Arc<std::sync::atomic::AtomicBool>)>,
+    /// The current engine, as seen without taking the slot.
+    engine: Option<EngineView>,
     ready: Option<poly_protocol::Ready>,
     text: Option<Arc<ModelText>>,
 }
@@ -219,7 +232,7 @@ impl Supervisor {
     pub fn current(&self) -> CurrentModel {
         let view = lock(&self.view).clone();
         let loaded = view_engine_alive(&view);
-        let pid = view.engine.as_ref().filter(|_| loaded).map(|(pid, _)| *pid);
+        let pid = view.engine.as_ref().filter(|_| loaded).map(|e| e.pid);
         CurrentModel {
             model: view.current.clone(),
             loaded,
@@ -347,13 +360,24 @@ impl Supervisor {
                 self.publish(&guard);
             }
             Err(_) => {
-                let pid = lock(&self.view).engine.as_ref().map(|(pid, _)| *pid);
-                if let Some(pid) = pid {
+                let engine = lock(&self.view).engine.clone();
+                if let Some(EngineView {
+                    pid, mut exited, ..
+                }) = engine
+                {
                     eprintln!("polystrata: a request is still running; killing engine {pid}");
                     let _ = nix::sys::signal::killpg(
                         nix::unistd::Pid::from_raw(pid),
                         nix::sys::signal::Signal::SIGKILL,
                     );
+                    // SIGKILL is delivered asynchronously: the server waits until the engine has been
+                    // reaped, so that no engine (and none of its VRAM) outlives the server's exit.
+                    let reaped =
+                        tokio::time::timeout(KILL_REAP_WAIT, exited.wait_for(Option::is_some))
+                            .await;
+                    if !matches!(reaped, Ok(Ok(_))) {
+                        eprintln!("polystrata: engine {pid} did not end after SIGKILL");
+                    }
                 }
             }
         }
@@ -517,7 +541,11 @@ impl Supervisor {
     fn publish(&self, slot: &Slot) {
         let mut view = lock(&self.view);
         view.current = slot.model.as_ref().map(|m| m.id.clone());
-        view.engine = slot.engine.as_ref().map(|e| (e.pid(), e.dead_flag()));
+        view.engine = slot.engine.as_ref().map(|e| EngineView {
+            pid: e.pid(),
+            dead: e.dead_flag(),
+            exited: e.exit_watch(),
+        });
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
         view.text = slot.text.clone();
     }
@@ -526,7 +554,7 @@ impl Supervisor {
 fn view_engine_alive(view: &View) -> bool {
     view.engine
         .as_ref()
-        .is_some_and(|(_, dead)| !dead.load(Ordering::SeqCst))
+        .is_some_and(|e| !e.dead.load(Ordering::SeqCst))
 }
 
 fn engine_label(slot: &Slot) -> String {
