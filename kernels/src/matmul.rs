@@ -274,13 +274,36 @@ pub fn matmul_ordered(
     };
 
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
-    let chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
+    // Eight-row kernels (Q4_K on AVX2) take a task's rows in groups of eight, laid out once per task
+    // for all its tokens, when there are enough tokens to repay the copy.
+    let rows8 = crate::quant::kquants::rows8(w.ty) && n >= ROWS8_MIN_TOKENS;
+    let mut chunk = rows_per_task(w.rows, w.row_bytes()).min(64);
+    if rows8 {
+        chunk = chunk.next_multiple_of(8);
+    }
     let n_tasks = w.rows.div_ceil(chunk);
     let out = SharedOut(y.as_mut_ptr());
     (0..n_tasks).into_par_iter().for_each(|t| {
         let out = &out;
         let first = t * chunk;
         let last = (first + chunk).min(w.rows);
+        let groups = if rows8 { (last - first) / 8 } else { 0 };
+        let mut packed =
+            PackBuffer::take(groups * crate::quant::kquants::rows8_bytes(w.cols / 256));
+        let packed: Vec<crate::quant::kquants::Rows8<'_>> = packed
+            .get()
+            .chunks_exact_mut(crate::quant::kquants::rows8_bytes(w.cols / 256).max(1))
+            .take(groups)
+            .enumerate()
+            .map(|(g, buf)| {
+                let r = first + 8 * g;
+                crate::quant::kquants::Rows8::pack(
+                    w.cols,
+                    std::array::from_fn(|i| w.row(r + i)),
+                    buf,
+                )
+            })
+            .collect();
         // Tokens in groups so the group's activations and the task's weight rows stay in cache together.
         for tokens in (0..n).step_by(16) {
             let tokens_end = (tokens + 16).min(n);
@@ -291,9 +314,30 @@ pub fn matmul_ordered(
                 unsafe { *out.0.add(j * w.rows + r) = v };
             };
             let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
+            for (g, rows) in packed.iter().enumerate() {
+                let mut j = tokens;
+                while j < tokens_end {
+                    // Two activation rows at once where both take one order.
+                    if j + 2 <= tokens_end && applies(j) == applies(j + 1) {
+                        let v = rows.dot(applies(j), [act_row(j), act_row(j + 1)]);
+                        for (t, v) in v.iter().enumerate() {
+                            for (i, &v) in v.iter().enumerate() {
+                                put(j + t, first + 8 * g + i, v);
+                            }
+                        }
+                        j += 2;
+                    } else {
+                        let [v] = rows.dot(applies(j), [act_row(j)]);
+                        for (i, &v) in v.iter().enumerate() {
+                            put(j, first + 8 * g + i, v);
+                        }
+                        j += 1;
+                    }
+                }
+            }
             // Weight rows four at a time where a four-row kernel exists (for the activation rows in
             // the single-row order), else one at a time.
-            let mut r = first;
+            let mut r = first + 8 * packed.len();
             while r < last {
                 // Legacy formats: tiles of two weight rows by four activation rows.
                 if let Some(tile) = tile.filter(|_| r + TILE_ROWS <= last) {
@@ -416,6 +460,42 @@ impl Drop for ActBuffer {
     }
 }
 
+/// Fewest tokens for which [`matmul_ordered`] lays out a task's rows for the eight-row kernels.
+const ROWS8_MIN_TOKENS: usize = 8;
+
+/// A thread's buffer for a task's laid-out weight rows, kept between tasks as [`ActBuffer`] is.
+struct PackBuffer {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+thread_local! {
+    static PACK_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl PackBuffer {
+    fn take(len: usize) -> PackBuffer {
+        let mut buf = PACK_BUFFER.take();
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        PackBuffer { buf, len }
+    }
+
+    /// The first `len` bytes (stale contents: packing overwrites them all).
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+}
+
+impl Drop for PackBuffer {
+    fn drop(&mut self) {
+        if self.buf.len() <= ACT_BUFFER_KEEP {
+            PACK_BUFFER.set(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
 /// The output pointer shared by the tasks of [`matmul`], which write disjoint elements.
 struct SharedOut(*mut f32);
 // SAFETY: the tasks holding it write disjoint elements of one live buffer (see `matmul`).
@@ -517,6 +597,44 @@ mod tests {
         let mut y = vec![0f32; n * rows];
         matmul_ordered(&w, &x, n, &mut y, None);
         assert_equals_vec_dot(&w, &x, n, &y, "Q4_K");
+    }
+
+    #[test]
+    fn eight_row_q4k_kernels_equal_both_orders_bit_for_bit() {
+        // Q4_K batches of 8 or more tokens go eight weight rows at a time through a laid-out copy
+        // (`kquants::Rows8`, on AVX2 machines without AVX-512 VNNI; elsewhere this checks the other
+        // kernels): every output must equal its order's dot product exactly. 21 rows: two groups of
+        // eight and a remainder; 13 tokens: three groups of four in the gemm order, one in the
+        // single-row order; then every token in the single-row order.
+        let (rows, cols, n) = (21, 768, 13);
+        let mut rng = Rng::new(8);
+        let ty = GgmlType::Q4_K;
+        let data = matrix(ty, rows, cols);
+        let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normal()).collect();
+        let ops = ty.ops().unwrap();
+        let batch = crate::quant::batch_dot(ty).unwrap();
+        for order in [Some(batch), None] {
+            let mut y = vec![f32::NAN; n * rows];
+            matmul_ordered(&w, &x, n, &mut y, order);
+            for j in 0..n {
+                let mut act = vec![0u8; ops.act.bytes_for(cols)];
+                ops.act.quantize(&x[j * cols..(j + 1) * cols], &mut act);
+                let gemm = order.is_some_and(|b| (b.applies)(n, j));
+                for r in 0..rows {
+                    let want = if gemm {
+                        crate::quant::kquants::q4k_vec_dot_gemm4_portable(cols, w.row(r), &act)
+                    } else {
+                        (ops.vec_dot_portable)(cols, w.row(r), &act)
+                    };
+                    assert_eq!(
+                        y[j * rows + r].to_bits(),
+                        want.to_bits(),
+                        "gemm order {gemm}, token {j} row {r}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

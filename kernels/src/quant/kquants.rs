@@ -32,7 +32,9 @@ use super::{f16_at, put_f16, ActType, BatchDot, Dot4, GgmlType, QuantOps};
 use crate::rng::Rng;
 
 mod dot8;
+mod rows8;
 pub use dot8::{dot8, Dot8};
+pub use rows8::{rows8, rows8_bytes, Rows8};
 
 /// Values per super-block.
 pub(crate) const QK_K: usize = 256;
@@ -600,7 +602,7 @@ fn q4k_vec_dot_gemm4(n: usize, row: &[u8], act: &[u8]) -> f32 {
     q4k_vec_dot_gemm4_portable(n, row, act)
 }
 
-fn q4k_vec_dot_gemm4_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
+pub(crate) fn q4k_vec_dot_gemm4_portable(n: usize, row: &[u8], act: &[u8]) -> f32 {
     let nb = check_lengths(KKind::Q4K, n, row, act);
     q4k_portable::<true>(
         row.chunks_exact(144)
