@@ -461,7 +461,7 @@ impl Drop for ActBuffer {
 }
 
 /// Fewest tokens for which [`matmul_ordered`] lays out a task's rows for the eight-row kernels.
-const ROWS8_MIN_TOKENS: usize = 8;
+const ROWS8_MIN_TOKENS: usize = 16;
 
 /// A thread's buffer for a task's laid-out weight rows, kept between tasks as [`ActBuffer`] is.
 struct PackBuffer {
@@ -601,12 +601,13 @@ mod tests {
 
     #[test]
     fn eight_row_q4k_kernels_equal_both_orders_bit_for_bit() {
-        // Q4_K batches of 8 or more tokens go eight weight rows at a time through a laid-out copy
-        // (`kquants::Rows8`, on AVX2 machines without AVX-512 VNNI; elsewhere this checks the other
-        // kernels): every output must equal its order's dot product exactly. 21 rows: two groups of
-        // eight and a remainder; 13 tokens: three groups of four in the gemm order, one in the
-        // single-row order; then every token in the single-row order.
-        let (rows, cols, n) = (21, 768, 13);
+        // Q4_K batches of `ROWS8_MIN_TOKENS` or more tokens go eight weight rows at a time through a
+        // laid-out copy (`kquants::Rows8`, on AVX2 machines without AVX-512 VNNI; elsewhere this checks
+        // the other kernels): every output must equal its order's dot product exactly. 21 rows: two
+        // groups of eight and a remainder; 19 tokens: four groups of four in the gemm order, three in
+        // the single-row order (pairs and a single); then every token in the single-row order.
+        let (rows, cols, n) = (21, 768, 19);
+        assert!(n >= ROWS8_MIN_TOKENS);
         let mut rng = Rng::new(8);
         let ty = GgmlType::Q4_K;
         let data = matrix(ty, rows, cols);

@@ -2,19 +2,23 @@
 //! for it ([`repack`]): llama.cpp's repacked-Q4_K idea, with the same results as the row-by-row kernels.
 //!
 //! Why: in the row-by-row layout a sub-block of 32 values is one 32-byte vector, so every `maddubs`
-//! (32 products) needs its own `madd` with the sub-block's scale — two multiplies per 32 products, and
-//! this machine's multiply ports bound the kernels there. With eight rows interleaved in chunks of eight
-//! bytes, one vector holds the same eight positions of four rows; four `maddubs` over the sub-block's
-//! four chunks add up in i16 (|sum| ≤ 4 · 2 · 15 · 128 = 15,360) before one `madd` applies the four rows'
-//! scales: ten multiplies per 256 products instead of sixteen.
+//! (32 products) needs its own `madd` with the sub-block's scale, and each token reloads the weights it
+//! multiplies. With eight rows interleaved in chunks of eight bytes, one vector holds the same eight
+//! positions of four rows: four `maddubs` over the sub-block's four chunks add up in i16
+//! (|sum| ≤ 4 · 2 · 15 · 128 = 15,360) before one `madd` applies the four rows' scales (ten multiplies per
+//! 256 products instead of sixteen), and each weight vector, loaded once, serves two activation rows.
+//! Measured on the development machine (Zen 3, one thread, `cargo bench -p poly-kernels --bench
+//! prompt_matmul`): the one-activation-row form alone was no faster than the row-by-row kernels; with two
+//! rows per load a 768×2048 product of 512 tokens took 18–21 ms against 26–50 ms.
 //!
 //! The integer totals are exact, so regrouping them changes nothing, and each row's float steps are those
 //! of the order asked for: the single-row order (one fused step per super-block on its integer total,
 //! [`super::kquants_avx2::q4k_dot_x4`]) or the repacked-gemm order (one per pair of sub-blocks,
 //! [`super::kquants_avx2::q4k_dot_gemm4`]). Results equal those kernels' bit for bit (tested).
 //!
-//! The copy is made per product by the task that owns the rows (a pass over weights each token block
-//! then reads many times); the nibbles are unpacked to bytes there, so the inner loop only loads.
+//! The copy is made per product by the task that owns the rows (one pass over its weights, which the
+//! token blocks then read many times); the nibbles are unpacked to bytes there, so the inner loop only
+//! loads.
 
 use core::arch::x86_64::*;
 
