@@ -69,30 +69,30 @@ pub(crate) unsafe fn repack(nb: usize, rows: [&[u8]; 8], out: &mut [u8]) {
     );
     let m4 = _mm256_set1_epi8(0x0F);
     for b in 0..nb {
+        // Every write below lands in super-block b's PACKED_BYTES of `out` (each offset is below
+        // PACKED_BYTES), every read in row r's super-block b (both lengths asserted above).
         let o = out[b * PACKED_BYTES..(b + 1) * PACKED_BYTES].as_mut_ptr();
-        // [c][h][row of the half][lane]: each row's scale in its four i16 lanes; [j][row][2]: minimums.
-        let mut scales = [[[[0i16; 4]; 4]; 2]; 8];
-        let mut mins = [[[0i16; 2]; 8]; 4];
-        let mut d = [0f32; 8];
-        let mut dmin = [0f32; 8];
         for (r, row) in rows.iter().enumerate() {
-            let x = &row[b * Q4K_BYTES..(b + 1) * Q4K_BYTES];
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
-                (x.as_ptr() as *const i32).read_unaligned(),
-            ));
-            d[r] = _mm_cvtss_f32(dd);
-            dmin[r] = _mm_cvtss_f32(_mm_movehdup_ps(dd));
-            let (sc, m) = scales_mins(x);
+            let block = &row[b * Q4K_BYTES..(b + 1) * Q4K_BYTES];
+            let x = block.as_ptr();
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((x as *const i32).read_unaligned()));
+            (o.add(4 * r) as *mut f32).write_unaligned(_mm_cvtss_f32(dd));
+            (o.add(32 + 4 * r) as *mut f32).write_unaligned(_mm_cvtss_f32(_mm_movehdup_ps(dd)));
+            let (sc, m) = scales_mins(block);
             let (h, rr) = (r / 4, r % 4);
-            for c in 0..8 {
-                scales[c][h][rr] = [sc[c] as i16; 4];
+            for (c, &sc) in sc.iter().enumerate() {
+                // Sub-block c, half h: row rr's scale in its four i16 lanes.
+                let at = OFF_SCALES + (c * 2 + h) * 32 + rr * 8;
+                (o.add(at) as *mut u64).write_unaligned(sc as u64 * 0x0001_0001_0001_0001);
             }
             for j in 0..4 {
-                mins[j][r] = [m[2 * j] as i16, m[2 * j + 1] as i16];
+                // Pair j: row r's (min 2j, min 2j+1) as two i16 lanes.
+                let pair = m[2 * j] as u32 | (m[2 * j + 1] as u32) << 16;
+                (o.add(OFF_MINS + j * 32 + r * 4) as *mut u32).write_unaligned(pair);
             }
             // Pair j's 32 quant bytes: chunk k (8 bytes) of each nibble plane goes to its slot.
             for j in 0..4 {
-                let bits = _mm256_loadu_si256(x.as_ptr().add(16 + 32 * j) as *const __m256i);
+                let bits = _mm256_loadu_si256(x.add(16 + 32 * j) as *const __m256i);
                 let planes = [
                     _mm256_and_si256(bits, m4),
                     _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4),
@@ -115,14 +115,6 @@ pub(crate) unsafe fn repack(nb: usize, rows: [&[u8]; 8], out: &mut [u8]) {
                 }
             }
         }
-        std::ptr::copy_nonoverlapping(d.as_ptr() as *const u8, o, 32);
-        std::ptr::copy_nonoverlapping(dmin.as_ptr() as *const u8, o.add(32), 32);
-        std::ptr::copy_nonoverlapping(
-            scales.as_ptr() as *const u8,
-            o.add(OFF_SCALES),
-            SCALES_BYTES,
-        );
-        std::ptr::copy_nonoverlapping(mins.as_ptr() as *const u8, o.add(OFF_MINS), MINS_BYTES);
     }
 }
 
