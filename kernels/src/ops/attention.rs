@@ -578,6 +578,24 @@ fn round_f16(x: f32) -> f32 {
 /// does; a tail (length not a multiple of 32) added one by one after.
 #[inline]
 fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::has_avx2_fma() {
+        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
+        return unsafe { dot_f16_ggml_fma(a, b) };
+    }
+    dot_f16_ggml_body(a, b)
+}
+
+/// [`dot_f16_ggml`] compiled with FMA: `mul_add` becomes one instruction instead of a call to the
+/// software `fmaf` (the same exactly rounded result).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f16_ggml_fma(a: &[f32], b: &[f32]) -> f32 {
+    dot_f16_ggml_body(a, b)
+}
+
+#[inline(always)]
+fn dot_f16_ggml_body(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [[0f32; 8]; 4];
     let n32 = a.len() / 32 * 32;
     for (xa, xb) in a[..n32].chunks_exact(32).zip(b[..n32].chunks_exact(32)) {
