@@ -228,7 +228,7 @@ pub fn matmul_ordered(
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
     let ops = w.ops();
     let act_bytes = ops.act.bytes_for(w.cols);
-    let mut act_buf = ActBuffer::take(n * act_bytes);
+    let mut act_buf = KeptBuffer::take(&ACT_BUFFER, n * act_bytes);
     let act = act_buf.get();
     act.par_chunks_mut(act_bytes)
         .zip(x.par_chunks(w.cols))
@@ -269,7 +269,7 @@ pub fn matmul_ordered(
         }
     };
     let dot_of = |j: usize| match batch {
-        Some(b) if (b.applies)(n, j) => b.dot,
+        Some(b) if applies(j) => b.dot,
         _ => ops.vec_dot,
     };
 
@@ -288,22 +288,14 @@ pub fn matmul_ordered(
         let first = t * chunk;
         let last = (first + chunk).min(w.rows);
         let groups = if rows8 { (last - first) / 8 } else { 0 };
-        let mut packed =
-            PackBuffer::take(groups * crate::quant::kquants::rows8_bytes(w.cols / 256));
-        let packed: Vec<crate::quant::kquants::Rows8<'_>> = packed
-            .get()
-            .chunks_exact_mut(crate::quant::kquants::rows8_bytes(w.cols / 256).max(1))
-            .take(groups)
-            .enumerate()
-            .map(|(g, buf)| {
-                let r = first + 8 * g;
-                crate::quant::kquants::Rows8::pack(
-                    w.cols,
-                    std::array::from_fn(|i| w.row(r + i)),
-                    buf,
-                )
-            })
-            .collect();
+        let group_bytes = crate::quant::kquants::rows8_bytes(w.cols);
+        let mut packed = KeptBuffer::take(&PACK_BUFFER, groups * group_bytes);
+        let packed = packed.get();
+        for (g, out) in packed.chunks_exact_mut(group_bytes.max(1)).enumerate() {
+            let r = first + 8 * g;
+            crate::quant::kquants::Rows8::pack(w.cols, std::array::from_fn(|i| w.row(r + i)), out);
+        }
+        let packed = &*packed;
         // Tokens in groups so the group's activations and the task's weight rows stay in cache together.
         for tokens in (0..n).step_by(16) {
             let tokens_end = (tokens + 16).min(n);
@@ -314,7 +306,11 @@ pub fn matmul_ordered(
                 unsafe { *out.0.add(j * w.rows + r) = v };
             };
             let act_row = |j: usize| &act[j * act_bytes..(j + 1) * act_bytes];
-            for (g, rows) in packed.iter().enumerate() {
+            for g in 0..groups {
+                let rows = crate::quant::kquants::Rows8::new(
+                    w.cols,
+                    &packed[g * group_bytes..(g + 1) * group_bytes],
+                );
                 let mut j = tokens;
                 while j < tokens_end {
                     // Two activation rows at once where both take one order.
@@ -337,7 +333,7 @@ pub fn matmul_ordered(
             }
             // Weight rows four at a time where a four-row kernel exists (for the activation rows in
             // the single-row order), else one at a time.
-            let mut r = first + 8 * packed.len();
+            let mut r = first + 8 * groups;
             while r < last {
                 // Legacy formats: tiles of two weight rows by four activation rows.
                 if let Some(tile) = tile.filter(|_| r + TILE_ROWS <= last) {
@@ -420,27 +416,34 @@ pub fn matmul_ordered(
     });
 }
 
-/// A thread's buffer for a product's quantized activations, kept between calls: a prompt's products
-/// each need up to a few MB, which a fresh allocation zeroes (or faults in page by page) only for the
-/// quantizer to overwrite every byte. Taken out of the thread's slot for the call and put back after,
-/// so a product started on the same thread meanwhile (rayon runs other tasks while one waits) gets a
-/// buffer of its own. At most [`ACT_BUFFER_KEEP`] bytes stay with a thread.
-struct ActBuffer {
+/// A thread's scratch buffer kept between calls in a thread-local slot: a prompt's products each need
+/// up to a few MB (quantized activations, laid-out weight rows), which a fresh allocation zeroes (or
+/// faults in page by page) only for the caller to overwrite every byte. Taken out of the slot for the call
+/// and put back after, so a product started on the same thread meanwhile (rayon runs other tasks while
+/// one waits) gets a buffer of its own. At most [`KEEP_BYTES`] stay with a thread.
+struct KeptBuffer {
     buf: Vec<u8>,
     len: usize,
+    slot: &'static std::thread::LocalKey<std::cell::Cell<Vec<u8>>>,
 }
 
 thread_local! {
+    /// [`matmul_ordered`]'s quantized activations.
     static ACT_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A [`matmul_ordered`] task's laid-out weight rows ([`crate::quant::kquants::Rows8`]).
+    static PACK_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-impl ActBuffer {
-    fn take(len: usize) -> ActBuffer {
-        let mut buf = ACT_BUFFER.take();
+impl KeptBuffer {
+    fn take(
+        slot: &'static std::thread::LocalKey<std::cell::Cell<Vec<u8>>>,
+        len: usize,
+    ) -> KeptBuffer {
+        let mut buf = slot.take();
         if buf.len() < len {
             buf.resize(len, 0);
         }
-        ActBuffer { buf, len }
+        KeptBuffer { buf, len, slot }
     }
 
     /// The first `len` bytes (stale contents: the caller overwrites them all).
@@ -450,51 +453,18 @@ impl ActBuffer {
 }
 
 /// The largest buffer a thread keeps (a long prompt's larger one is freed after its call).
-const ACT_BUFFER_KEEP: usize = 16 << 20;
+const KEEP_BYTES: usize = 16 << 20;
 
-impl Drop for ActBuffer {
+impl Drop for KeptBuffer {
     fn drop(&mut self) {
-        if self.buf.len() <= ACT_BUFFER_KEEP {
-            ACT_BUFFER.set(std::mem::take(&mut self.buf));
+        if self.buf.len() <= KEEP_BYTES {
+            self.slot.set(std::mem::take(&mut self.buf));
         }
     }
 }
 
 /// Fewest tokens for which [`matmul_ordered`] lays out a task's rows for the eight-row kernels.
 const ROWS8_MIN_TOKENS: usize = 16;
-
-/// A thread's buffer for a task's laid-out weight rows, kept between tasks as [`ActBuffer`] is.
-struct PackBuffer {
-    buf: Vec<u8>,
-    len: usize,
-}
-
-thread_local! {
-    static PACK_BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-impl PackBuffer {
-    fn take(len: usize) -> PackBuffer {
-        let mut buf = PACK_BUFFER.take();
-        if buf.len() < len {
-            buf.resize(len, 0);
-        }
-        PackBuffer { buf, len }
-    }
-
-    /// The first `len` bytes (stale contents: packing overwrites them all).
-    fn get(&mut self) -> &mut [u8] {
-        &mut self.buf[..self.len]
-    }
-}
-
-impl Drop for PackBuffer {
-    fn drop(&mut self) {
-        if self.buf.len() <= ACT_BUFFER_KEEP {
-            PACK_BUFFER.set(std::mem::take(&mut self.buf));
-        }
-    }
-}
 
 /// The output pointer shared by the tasks of [`matmul`], which write disjoint elements.
 struct SharedOut(*mut f32);

@@ -22,7 +22,7 @@ use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
 mod common;
-use common::{device, nmse, normals, random_weights};
+use common::{assert_no_failures, device, nmse, normals, random_weights};
 
 fn check_nmse(failures: &mut Vec<String>, what: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
     let e = nmse(gpu, cpu);
@@ -44,10 +44,6 @@ fn check_bits(failures: &mut Vec<String>, what: &str, fused: &[f32], separate: &
             separate.len()
         ));
     }
-}
-
-fn assert_no_failures(failures: Vec<String>) {
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

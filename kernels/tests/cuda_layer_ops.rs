@@ -26,7 +26,7 @@ use poly_kernels::quant::{dequantize, GgmlType};
 use poly_kernels::rng::Rng;
 
 mod common;
-use common::{device, nmse, normals, random_weights};
+use common::{assert_no_failures, device, nmse, normals, random_weights};
 
 fn nmse_check(what: &str, gpu: &[f32], cpu: &[f32], bound: f64) -> Option<String> {
     let e = nmse(gpu, cpu);
@@ -36,15 +36,6 @@ fn nmse_check(what: &str, gpu: &[f32], cpu: &[f32], bound: f64) -> Option<String
         if finite { "" } else { " NOT FINITE" }
     );
     (!finite || e > bound || e.is_nan()).then(|| format!("{what}: nmse {e:.3e} above {bound:.0e}"))
-}
-
-fn assert_no_failures(failures: Vec<String>) {
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
 }
 
 // ----- attention ----------------------------------------------------------------------------------------

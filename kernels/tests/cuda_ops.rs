@@ -21,7 +21,7 @@ use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
 mod common;
-use common::{device, nmse, normals, random_weights};
+use common::{assert_no_failures, device, nmse, normals, random_weights};
 
 /// Prints the NMSE of one comparison and returns a failure message when it is above `bound` (or the GPU
 /// output is not finite), so a test checks every case before it fails and the log shows all of them.
@@ -40,15 +40,6 @@ fn assert_nmse(what: &str, gpu: &[f32], cpu: &[f32], bound: f64) {
     if let Some(failure) = nmse_check(what, gpu, cpu, bound) {
         panic!("{failure}");
     }
-}
-
-fn assert_no_failures(failures: Vec<String>) {
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
 }
 
 /// Bound of the quantized matrix×vector: the GPU quantizes activations to Q8_1 blocks of 32, the CPU to its

@@ -576,26 +576,10 @@ fn round_f16(x: f32) -> f32 {
 /// `ggml_vec_dot_f16` on AVX2 for f16 values held in f32: four 8-lane accumulators over steps of 32 with
 /// fused multiply-add, reduced `(a0+a2)+(a1+a3)`, then the 8 lanes `(l0+l4)`… pairwise as `_mm_hadd_ps`
 /// does; a tail (length not a multiple of 32) added one by one after.
-#[inline]
-fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::quant::has_avx2_fma() {
-        // SAFETY: `has_avx2_fma` confirmed AVX2 and FMA at run time.
-        return unsafe { dot_f16_ggml_fma(a, b) };
-    }
-    dot_f16_ggml_body(a, b)
-}
-
-/// [`dot_f16_ggml`] compiled with FMA: `mul_add` becomes one instruction instead of a call to the
-/// software `fmaf` (the same exactly rounded result).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_f16_ggml_fma(a: &[f32], b: &[f32]) -> f32 {
-    dot_f16_ggml_body(a, b)
-}
-
+// Always inlined: in `vector_query_fma` its `mul_add` then compiles to FMA instructions (a separate
+// copy, built without FMA, called the software `fmaf` for each one).
 #[inline(always)]
-fn dot_f16_ggml_body(a: &[f32], b: &[f32]) -> f32 {
+fn dot_f16_ggml(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [[0f32; 8]; 4];
     let n32 = a.len() / 32 * 32;
     for (xa, xb) in a[..n32].chunks_exact(32).zip(b[..n32].chunks_exact(32)) {

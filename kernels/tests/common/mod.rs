@@ -42,3 +42,13 @@ pub fn random_weights(ty: GgmlType, rng: &mut Rng, n_values: usize) -> Vec<u8> {
     fill_random(ty, rng, 0.05, &mut w).expect("a weight format");
     w
 }
+
+/// Fails the test with every collected failure, one per line, if there is any.
+pub fn assert_no_failures(failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

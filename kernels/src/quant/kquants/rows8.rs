@@ -27,22 +27,23 @@ pub fn rows8(ty: GgmlType) -> bool {
     }
 }
 
-/// Bytes [`Rows8::pack`] needs for rows of `nb` super-blocks.
-pub fn rows8_bytes(nb: usize) -> usize {
+/// Bytes [`Rows8::pack`] writes for eight rows of `n` values.
+pub fn rows8_bytes(n: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
-        nb * crate::quant::x86::q4k_rows8::PACKED_BYTES
+        n / 256 * crate::quant::x86::q4k_rows8::PACKED_BYTES
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = nb;
+        let _ = n;
         0
     }
 }
 
 impl<'a> Rows8<'a> {
-    /// Lays out `rows` (eight Q4_K rows of `n` values) in `out` (at least [`rows8_bytes`]).
-    pub fn pack(n: usize, rows: [&[u8]; 8], out: &'a mut [u8]) -> Rows8<'a> {
+    /// Lays out `rows` (eight Q4_K rows of `n` values) in `out` ([`rows8_bytes`] bytes), for
+    /// [`Rows8::new`].
+    pub fn pack(n: usize, rows: [&[u8]; 8], out: &mut [u8]) {
         let nb = n / 256;
         assert!(n.is_multiple_of(256), "Q4_K rows of {n} values");
         assert!(
@@ -55,7 +56,15 @@ impl<'a> Rows8<'a> {
         unsafe {
             crate::quant::x86::q4k_rows8::repack(nb, rows, out)
         };
-        Rows8 { nb, packed: out }
+    }
+
+    /// Eight rows of `n` values that [`Rows8::pack`] laid out in `packed`.
+    pub fn new(n: usize, packed: &'a [u8]) -> Rows8<'a> {
+        assert!(packed.len() >= rows8_bytes(n), "packed rows too short");
+        Rows8 {
+            nb: n / 256,
+            packed,
+        }
     }
 
     /// The eight rows' dot products with the Q8_K activation rows `acts`, each in Q4_K's repacked-gemm
@@ -64,10 +73,6 @@ impl<'a> Rows8<'a> {
         assert!(
             acts.iter().all(|a| a.len() >= self.nb * Q8K_BYTES),
             "Q8_K activations too short"
-        );
-        assert!(
-            self.packed.len() >= rows8_bytes(self.nb),
-            "packed rows too short"
         );
         #[cfg(target_arch = "x86_64")]
         if rows8(GgmlType::Q4_K) {

@@ -523,11 +523,18 @@ pub(crate) unsafe fn q4k_dot_gemm4_x4(nb: usize, x: *const u8, ys: [*const u8; 4
 /// As [`q4k_dot_gemm4`], for each of the eight activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_gemm4_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
-    let [a, b] = q4k_dot_gemm4_groups::<2>(
-        nb,
-        x,
-        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
-    );
+    join_fours(q4k_dot_gemm4_groups::<2>(nb, x, fours(ys)))
+}
+
+/// Eight activation rows as two groups of four (the `G = 2` form of the group kernels).
+#[inline(always)]
+fn fours(ys: [*const u8; 8]) -> [[*const u8; 4]; 2] {
+    [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]]
+}
+
+/// Two groups' four results as the eight, in order.
+#[inline(always)]
+fn join_fours([a, b]: [[f32; 4]; 2]) -> [f32; 8] {
     [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
 }
 
@@ -676,12 +683,7 @@ pub(crate) unsafe fn q4k_dot_x4(nb: usize, x: *const u8, ys: [*const u8; 4]) -> 
 /// As [`dot`], for Q4_K, for each of the eight activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn q4k_dot_x8(nb: usize, x: *const u8, ys: [*const u8; 8]) -> [f32; 8] {
-    let [a, b] = q4k_dot_groups::<2>(
-        nb,
-        x,
-        [[ys[0], ys[1], ys[2], ys[3]], [ys[4], ys[5], ys[6], ys[7]]],
-    );
-    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    join_fours(q4k_dot_groups::<2>(nb, x, fours(ys)))
 }
 
 /// [`q4k_dot_x4`] for `G` groups of four activation rows, the super-block unpacked once for all.

@@ -20,6 +20,7 @@
 //! token blocks then read many times); the nibbles are unpacked to bytes there, so the inner loop only
 //! loads.
 
+use super::kquants_avx2::q4k_scales_mins;
 use core::arch::x86_64::*;
 
 /// Bytes of one repacked super-block of eight rows: `xd`, `xdmin` (8 f32 each), the scales spread for
@@ -37,23 +38,6 @@ const OFF_HI: usize = OFF_LO + QUANT_BYTES;
 /// Q4_K super-block bytes and Q8_K activation block bytes.
 const Q4K_BYTES: usize = 144;
 const Q8K_BYTES: usize = 292;
-
-/// The six-bit scales and minimums of the eight sub-blocks of a Q4_K super-block (ggml's `get_scale_min_k4`).
-fn scales_mins(b: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let q = &b[4..16];
-    let mut sc = [0u8; 8];
-    let mut m = [0u8; 8];
-    for j in 0..8 {
-        if j < 4 {
-            sc[j] = q[j] & 63;
-            m[j] = q[j + 4] & 63;
-        } else {
-            sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-            m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-    }
-    (sc, m)
-}
 
 /// Lays out eight Q4_K rows (`rows[r]`: `nb` super-blocks each) for [`q4k_rows8`], into `out`
 /// (`nb · PACKED_BYTES` bytes).
@@ -73,12 +57,12 @@ pub(crate) unsafe fn repack(nb: usize, rows: [&[u8]; 8], out: &mut [u8]) {
         // PACKED_BYTES), every read in row r's super-block b (both lengths asserted above).
         let o = out[b * PACKED_BYTES..(b + 1) * PACKED_BYTES].as_mut_ptr();
         for (r, row) in rows.iter().enumerate() {
-            let block = &row[b * Q4K_BYTES..(b + 1) * Q4K_BYTES];
-            let x = block.as_ptr();
+            let x = row[b * Q4K_BYTES..(b + 1) * Q4K_BYTES].as_ptr();
             let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((x as *const i32).read_unaligned()));
             (o.add(4 * r) as *mut f32).write_unaligned(_mm_cvtss_f32(dd));
             (o.add(32 + 4 * r) as *mut f32).write_unaligned(_mm_cvtss_f32(_mm_movehdup_ps(dd)));
-            let (sc, m) = scales_mins(block);
+            let (sc, m) = q4k_scales_mins(x);
+            let (sc, m) = (sc.to_le_bytes(), m.to_le_bytes());
             let (h, rr) = (r / 4, r % 4);
             for (c, &sc) in sc.iter().enumerate() {
                 // Sub-block c, half h: row rr's scale in its four i16 lanes.
