@@ -6,6 +6,8 @@
 //!
 //! - [`quant`]: every GGML block format the engine reads (layout, dequantization, activation quantization,
 //!   dot products with run-time chosen AVX2/FMA code and a portable fallback, random valid blocks).
+//! - [`hot_pool`]: worker threads that spin between jobs for a bounded time (a token's CPU share of
+//!   experts, which must start within microseconds).
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
@@ -13,6 +15,8 @@
 //!   `compute` feature, for readers of GGUF files that never compute (the server).
 
 pub mod ggml_type;
+#[cfg(feature = "compute")]
+pub mod hot_pool;
 #[cfg(feature = "compute")]
 pub mod matmul;
 #[cfg(feature = "compute")]

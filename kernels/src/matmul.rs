@@ -124,6 +124,12 @@ pub struct MatvecJob<'a, 'y> {
 /// the lot instead of once per product. Each dot product is the one [`matmul_ordered`] computes for the
 /// same row in a call of one activation row.
 pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
+    matvec_many_in(jobs, None)
+}
+
+/// [`matvec_many`] on `pool`'s threads (which start within microseconds of the call, see
+/// [`crate::hot_pool`]) instead of rayon's, when given; the same results.
+pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::hot_pool::HotPool>) {
     struct Part<'a> {
         w: QuantMatrix<'a>,
         act: &'a [u8],
@@ -133,7 +139,9 @@ pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
         first: usize,
         last: usize,
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool
+        .map_or_else(rayon::current_num_threads, |p| p.threads())
+        .max(1);
     let total_bytes: usize = jobs.iter().map(|j| j.w.data.len()).sum();
     // About four ranges per thread over all jobs, at least 16 KiB of weights each.
     let part_bytes = (total_bytes / (threads * 4)).max(16 * 1024);
@@ -166,7 +174,7 @@ pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
             });
         }
     }
-    parts.par_iter().for_each(|p| {
+    let run_part = |p: &Part<'_>| {
         let row = |r: usize| p.w.row(r);
         let put = |r: usize, v: f32| {
             // SAFETY: `r < p.w.rows`, the length of this job's `y`, which outlives the parallel loop;
@@ -190,7 +198,11 @@ pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
         for r in r..p.last {
             put(r, (p.dot)(p.w.cols, row(r), p.act));
         }
-    });
+    };
+    match pool {
+        Some(pool) => pool.run(parts.len(), &|i| run_part(&parts[i])),
+        None => parts.par_iter().for_each(run_part),
+    }
 }
 
 /// `Y = X·Wᵀ` for `n` activation vectors: `x` is `n × cols` (row-major), `y` gets `n × rows`.

@@ -246,6 +246,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             "evictions": c.policy.evictions,
             "staged": c.staged,
             "staged_decode": c.staged_decode,
+            "admitted_on_card": c.admitted_on_card,
+            "route_top10_share": c.route_top10_share,
             "cpu_us_overhead": c.cpu_us_overhead,
             "cpu_us_per_expert": c.cpu_us_per_expert,
             "copy_us_per_expert": c.copy_us_per_expert,

@@ -11,8 +11,9 @@
 //! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
 //! [`Arithmetic::BatchInvariant`]'s orders instead.
 
+use poly_kernels::hot_pool::HotPool;
 use poly_kernels::matmul::QuantMatrix;
-use poly_kernels::matmul::{matmul_ordered, matvec_many, MatvecJob};
+use poly_kernels::matmul::{matmul_ordered, matvec_many_in, MatvecJob};
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
@@ -112,6 +113,18 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
 /// (the activation quantized once per format, each product in its `MUL_MAT_ID` order for one row), and
 /// the outputs are summed in routing order, so the result is the same bits.
 pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
+    decode_experts_in(w, x, m, route, None)
+}
+
+/// [`decode_experts`] on `pool`'s threads when given (a partly resident model's share of a token, which
+/// must start within microseconds); the same bits.
+pub(crate) fn decode_experts_in(
+    w: &CpuWeights,
+    x: &Mat,
+    m: &Moe,
+    route: &[(u32, f32)],
+    pool: Option<&HotPool>,
+) -> Mat {
     let n_embd = x.cols;
     let k = route.len();
     if k == 0 {
@@ -154,7 +167,7 @@ pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f3
                 y: yu,
             });
         }
-        matvec_many(&mut jobs);
+        matvec_many_in(&mut jobs, pool);
     }
     for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
         activate(m.act, g, u);
@@ -179,7 +192,7 @@ pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f3
                 y,
             })
             .collect();
-        matvec_many(&mut jobs);
+        matvec_many_in(&mut jobs, pool);
     }
     let mut out = Mat::zeros(1, n_embd);
     for (&(_, weight), y) in route.iter().zip(down.chunks(n_embd)) {

@@ -66,6 +66,12 @@ pub struct MoeStep {
     pub x: DeviceBuffer<f32>,
     /// `[n_embd]` the CPU's weighted sum, which the card's sum adds to.
     pub cpu_sum: DeviceBuffer<f32>,
+    /// Host copies of `ids`, `weights` and `x`, queued behind the router (a graph's nodes, so a replay
+    /// leaves them there): the route point waits for the card once and reads all three, where three
+    /// synchronous downloads cost a round trip each.
+    host_ids: PinnedHost<i32>,
+    host_weights: PinnedHost<f32>,
+    host_x: PinnedHost<f32>,
     /// `cpu_sum` holds zeros (the host skips writing them again).
     sum_is_zero: bool,
 }
@@ -81,8 +87,25 @@ impl MoeStep {
             weights: dev.zeros(k)?,
             x: dev.zeros(n_embd)?,
             cpu_sum: dev.zeros(n_embd)?,
+            host_ids: dev.pinned(k)?,
+            host_weights: dev.pinned(k)?,
+            host_x: dev.pinned(n_embd)?,
             sum_is_zero: true,
         })
+    }
+
+    /// Queues the host copies of the router's ids and weights and of the layer's input (after the
+    /// router and the input's copy into `x`, in stream order; captured, every replay makes them).
+    pub fn queue_downloads(&mut self, dev: &Device) -> CudaResult<()> {
+        // SAFETY: the host reads the pinned copies only in `route`, after synchronizing with the stream
+        // that ran them; the step owns them for as long as the graph holding the copies (the decode
+        // graph drops its segments before its steps).
+        unsafe {
+            dev.queue_download(&self.ids, &mut self.host_ids)?;
+            dev.queue_download(&self.weights, &mut self.host_weights)?;
+            dev.queue_download(&self.x, &mut self.host_x)?;
+        }
+        Ok(())
     }
 
     /// At the route point: the routings counted and every routed expert made computable by the cache
@@ -95,10 +118,16 @@ impl MoeStep {
         times: &mut HostTimes,
     ) -> CudaResult<Option<CpuShare>> {
         let clock = Instant::now();
-        let ids = dev.download(&self.ids)?;
+        dev.synchronize()?;
+        let ids = self.host_ids.as_slice()?.to_vec();
         times.route_wait += clock.elapsed();
         let clock = Instant::now();
-        let fetch = || Ok((dev.download(&self.x)?, dev.download(&self.weights)?));
+        let fetch = || {
+            Ok((
+                self.host_x.as_slice()?.to_vec(),
+                self.host_weights.as_slice()?.to_vec(),
+            ))
+        };
         cache.take_host_phases();
         let share = cache.prepare(dev, cpu, self.layer, 1, &ids, fetch);
         times.prepare += clock.elapsed();
@@ -178,12 +207,13 @@ impl HostTimes {
 /// The MoE steps of a segmented graph: their buffers, and the graphs captured before each host point.
 #[derive(Default)]
 pub struct MoeSteps {
+    /// The graphs cut so far, each followed by its host point (before `steps`: dropped first, as they
+    /// copy into the steps' pinned buffers).
+    pub segments: Vec<(LaunchGraph, HostPoint)>,
     /// In the order the call reaches them (taken out while a call works on one).
     pub steps: Vec<Option<MoeStep>>,
     /// The step the call reaches next.
     pub next: usize,
-    /// The graphs cut so far, each followed by its host point.
-    pub segments: Vec<(LaunchGraph, HostPoint)>,
     /// The host points' time since [`DecodeGraphs::take_host_times`].
     times: HostTimes,
 }

@@ -198,6 +198,35 @@ impl Device {
         event.record(self.stream())?;
         Ok(CopyEvent { event })
     }
+
+    /// Queues on the compute stream a copy of slot `src.1` of pool `src.0` into slot `dst.1` of `dst.0`
+    /// (pools of one slot size): after the launches queued before it, which may still read either, and
+    /// before those queued after, which see the copy (an expert the card holds in a scratch slot admitted
+    /// into the cache at the card's memory rate instead of over the bus again).
+    pub fn copy_slot(
+        &self,
+        (src_pool, src_slot): (&SlotPool, usize),
+        (dst_pool, dst_slot): (&SlotPool, usize),
+    ) -> CudaResult<()> {
+        if src_pool.slot_bytes != dst_pool.slot_bytes {
+            return Err(CudaError::Invalid(format!(
+                "a slot copy between pools of {} and {} B slots",
+                src_pool.slot_bytes, dst_pool.slot_bytes
+            )));
+        }
+        let len = src_pool.slot_bytes;
+        let from = src_pool.address(src_slot, 0, len)?;
+        let to = dst_pool.address(dst_slot, 0, len)?;
+        if src_pool.storage.address() == dst_pool.storage.address() && src_slot == dst_slot {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live allocations (checked by `address`) and are distinct slots
+        // (one slot never overlaps another); stream order on the compute stream orders the copy against
+        // every launch reading or writing them, and the copy stream writes a slot only after waiting for
+        // the compute stream (the module's ordering rules).
+        unsafe { result::memcpy_dtod_async(to, from, len, self.stream().cu_stream()) }?;
+        Ok(())
+    }
 }
 
 /// Page-locked host memory the copy stream reads from, with the event of its last copy.

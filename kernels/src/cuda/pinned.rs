@@ -55,3 +55,62 @@ impl Device {
         Ok(dst.slice.as_slice()?)
     }
 }
+
+impl<T: ValidAsZeroBits> PinnedHost<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// Whether it holds none (never: allocations are of at least one element).
+    pub fn is_empty(&self) -> bool {
+        self.slice.is_empty()
+    }
+
+    /// The host's view. After [`Device::queue_download`] into it, read only once the stream passed the
+    /// copy (a synchronize).
+    pub fn as_slice(&self) -> CudaResult<&[T]> {
+        Ok(self.slice.as_slice()?)
+    }
+
+    /// The host's view, to write. After [`Device::queue_upload`] from it, write only once the stream
+    /// passed the copy.
+    pub fn as_mut_slice(&mut self) -> CudaResult<&mut [T]> {
+        Ok(self.slice.as_mut_slice()?)
+    }
+}
+
+impl Device {
+    /// Queues a copy of `src` into `dst` (the same length) on the compute stream and returns at once; a
+    /// graph being captured records it as a node, so every replay repeats it.
+    ///
+    /// # Safety
+    /// The host must not touch `dst`'s elements until the stream passed the copy (a synchronize after
+    /// the call, or after the replay of the graph that holds it), and must keep `dst` alive as long as a
+    /// queued copy or a graph holding it may still run.
+    pub unsafe fn queue_download<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &DeviceBuffer<T>,
+        dst: &mut PinnedHost<T>,
+    ) -> CudaResult<()> {
+        if src.len() != dst.slice.len() {
+            return Err(CudaError::Invalid(format!(
+                "queued download of {} elements into {} pinned",
+                src.len(),
+                dst.slice.len()
+            )));
+        }
+        let ptr = dst.slice.as_mut_ptr()?;
+        // SAFETY: `ptr[..len]` is page-locked memory of this context of the same length as `src`; the
+        // caller keeps it alive and untouched until the copy ran (this function's contract).
+        unsafe {
+            let host = std::slice::from_raw_parts_mut(ptr, src.len());
+            cudarc::driver::result::memcpy_dtoh_async(
+                host,
+                src.address(),
+                self.stream().cu_stream(),
+            )?;
+        }
+        Ok(())
+    }
+}

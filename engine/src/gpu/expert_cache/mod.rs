@@ -25,11 +25,13 @@ mod tests;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use poly_kernels::cuda::expert_slots::{
     CopyEvent, CopyStream, ExpertSource, HostRegistration, SlotPool, SlotRef, StagingBuffer,
 };
 use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
+use poly_kernels::hot_pool::HotPool;
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Moe, WeightId};
 
@@ -63,11 +65,33 @@ pub struct CacheStats {
     pub cpu_seconds: f64,
     /// Uncached experts of single tokens copied to scratch slots on demand and computed by the card.
     pub staged_decode: u64,
+    /// Admissions made from a scratch slot by a copy on the card (of the policy's uploads; the others
+    /// went over the bus).
+    pub admitted_on_card: u64,
     /// The measured costs that split them ([`MissingCosts`]), microseconds: per call on the CPU, and per
     /// expert each way.
     pub cpu_us_overhead: f64,
     pub cpu_us_per_expert: f64,
     pub copy_us_per_expert: f64,
+    /// The measured skew of the routing: the share of the routings counted that went to each layer's
+    /// most-routed tenth of its experts (0.1 for perfectly even routing; 0 before any).
+    pub route_top10_share: f64,
+}
+
+/// The share of `counts` (`[layer][expert]`) in each layer's most-counted tenth of experts (rounded up).
+pub fn top_tenth_share(counts: &[Vec<u64>]) -> f64 {
+    let (mut top, mut all) = (0u64, 0u64);
+    for layer in counts {
+        let mut c = layer.clone();
+        c.sort_unstable_by(|a, b| b.cmp(a));
+        top += c.iter().take(c.len().div_ceil(10)).sum::<u64>();
+        all += c.iter().sum::<u64>();
+    }
+    if all == 0 {
+        0.0
+    } else {
+        top as f64 / all as f64
+    }
 }
 
 /// What a single token's missing experts cost each way, measured: the CPU's time for `c` of them is
@@ -170,6 +194,28 @@ pub struct CpuShare {
     /// The host's time fetching `x` and the weights from the card: part of the CPU's cost (the card
     /// waits meanwhile), counted with its compute time in the split's measured costs.
     pub fetch_seconds: f64,
+    /// The threads that compute it ([`share_pool`]); rayon's when `None`.
+    pub pool: Option<Arc<HotPool>>,
+}
+
+/// How long the CPU share's workers spin after a share before they park: a token's MoE layers come every
+/// 100–400 µs and the gap between tokens (sampling, the next token's dense layers) is under a
+/// millisecond, so they stay awake through an answer and sleep soon after it.
+const SHARE_SPIN: std::time::Duration = std::time::Duration::from_millis(3);
+
+/// The CPU share's threads, started at the first share: as many as rayon's pool (`--threads`).
+/// `POLY_CPU_SHARE=rayon` (diagnosis: to compare) leaves the share on rayon's pool.
+fn share_pool(slot: &mut Option<Arc<HotPool>>) -> Option<Arc<HotPool>> {
+    static RAYON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *RAYON.get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "rayon")) {
+        return None;
+    }
+    Some(
+        slot.get_or_insert_with(|| {
+            Arc::new(HotPool::new(rayon::current_num_threads(), SHARE_SPIN))
+        })
+        .clone(),
+    )
 }
 
 impl CpuShare {
@@ -232,7 +278,7 @@ impl CpuShare {
             return sum;
         }
         let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
-        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
+        crate::cpu::moe::decode_experts_in(cpu, &xs, m, &route, self.pool.as_deref()).data
     }
 }
 
@@ -280,6 +326,10 @@ pub struct ExpertCache {
     /// Layers whose tables [`ExpertCache::prepare`] changed and rewrites once, at its end (or before the
     /// copy stream waits for the compute stream, when a victim's entry must be cleared first).
     dirty: Vec<usize>,
+    /// The threads of single tokens' CPU shares, once one was computed.
+    cpu_pool: Option<Arc<HotPool>>,
+    /// `[layer][expert]` routings counted since the cache was filled, for the measured skew.
+    routed_counts: Vec<Vec<u64>>,
 }
 
 /// The host's time in parts of a single token's [`ExpertCache::prepare`].
@@ -355,6 +405,8 @@ impl ExpertCache {
             host_phases: HostPhases::default(),
             admission: None,
             dirty: Vec::new(),
+            cpu_pool: None,
+            routed_counts: counts.iter().map(|&n| vec![0; n]).collect(),
         })
     }
 
@@ -456,6 +508,7 @@ impl ExpertCache {
             cpu_us_overhead: self.costs.cpu_overhead * 1e6,
             cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
             copy_us_per_expert: self.costs.copy_per_expert * 1e6,
+            route_top10_share: top_tenth_share(&self.routed_counts),
             ..self.stats
         }
     }
@@ -508,6 +561,7 @@ impl ExpertCache {
         self.pool = pool;
         // The figures count from here (not the warm-up read's routings).
         self.stats = CacheStats::default();
+        self.routed_counts.iter_mut().for_each(|c| c.fill(0));
         let set = self.policy.initial_set(counts);
         let clock = std::time::Instant::now();
         for (slot, key) in set.iter().enumerate() {
@@ -714,6 +768,9 @@ impl ExpertCache {
             .collect();
         self.commit(dev, layer)?;
         self.policy.record(layer, &routed, n_tokens.max(1));
+        for &e in &routed {
+            self.routed_counts[layer][e] += 1;
+        }
         let resident =
             |p: &CachePolicy, e: usize| p.resident(ExpertKey { layer, expert: e }).is_some();
         let hits = routed
@@ -796,6 +853,7 @@ impl ExpertCache {
             all: items.len() == ids.len(),
             items,
             fetch_seconds,
+            pool: share_pool(&mut self.cpu_pool),
         };
         Ok(Some(share))
     }
@@ -822,8 +880,11 @@ impl ExpertCache {
         Ok(())
     }
 
-    /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`; the CPU's
-    /// experts (`on_cpu`, likeliest first) are the candidates, then the ones copied on demand.
+    /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`. The experts
+    /// copied on demand for this token are the first candidates: they sit in scratch slots, so admitting
+    /// one is a copy on the card at its memory rate (microseconds) rather than another trip over the bus,
+    /// which would queue before the next layer's copies on demand. The CPU's experts (`on_cpu`) come
+    /// after them, over the bus. Each group is offered highest score first.
     fn admit(
         &mut self,
         dev: &Device,
@@ -835,8 +896,22 @@ impl ExpertCache {
         if self.uploads_per_layer == 0 || self.pool.is_none() {
             return Ok(());
         }
-        let mut missing = on_cpu.to_vec();
-        missing.extend(
+        let staged: Vec<(usize, usize)> = match &self.staged {
+            Some((l, map)) if *l == layer => map.clone(),
+            _ => Vec::new(),
+        };
+        let mut on_card: Vec<usize> = staged.iter().map(|&(e, _)| e).collect();
+        self.policy.sort_by_score(layer, &mut on_card);
+        let plan = self
+            .policy
+            .plan(layer, &on_card, routed, self.uploads_per_layer);
+        self.admit_on_card(dev, &plan, &staged)?;
+        let left = self.uploads_per_layer - plan.len();
+        if left == 0 {
+            return Ok(());
+        }
+        let mut over_bus: Vec<usize> = on_cpu.to_vec();
+        over_bus.extend(
             routed
                 .iter()
                 .filter(|&&e| {
@@ -844,12 +919,55 @@ impl ExpertCache {
                         .resident(ExpertKey { layer, expert: e })
                         .is_none()
                 })
-                .filter(|e| !on_cpu.contains(e)),
+                .filter(|e| !on_cpu.contains(e) && !on_card.contains(e)),
         );
-        let plan = self
-            .policy
-            .plan(layer, &missing, routed, self.uploads_per_layer);
+        self.policy.sort_by_score(layer, &mut over_bus);
+        let plan = self.policy.plan(layer, &over_bus, routed, left);
         self.start_uploads(dev, cpu, &plan)
+    }
+
+    /// Admits the experts of `plan` from their scratch slots (`staged`: (expert, scratch slot)) by copies
+    /// on the compute stream, after the victims' entries were cleared there: the launches before read the
+    /// victims, those after see the newcomers once the staged layer's tables are pointed again
+    /// ([`ExpertCache::finish_layer`]).
+    fn admit_on_card(
+        &mut self,
+        dev: &Device,
+        plan: &[policy::Upload],
+        staged: &[(usize, usize)],
+    ) -> CudaResult<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        for l in plan.iter().filter_map(|u| u.victim.map(|v| v.layer)) {
+            self.mark_tables(l);
+        }
+        self.flush_tables(dev)?;
+        let pool = self
+            .pool
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("an admission into a cache of no slots".into()))?;
+        for u in plan {
+            let from = staged
+                .iter()
+                .find(|&&(e, _)| e == u.expert.expert)
+                .map(|&(_, s)| s);
+            let r = match from {
+                Some(s) => dev.copy_slot((&self.scratch, s), (pool, u.slot)),
+                None => Err(CudaError::Invalid(format!(
+                    "expert {} of layer {} is in no scratch slot",
+                    u.expert.expert, u.expert.layer
+                ))),
+            };
+            if let Err(e) = r {
+                self.policy.abandon(u.slot);
+                return Err(e);
+            }
+            // In stream order every later launch sees the copy: resident at once.
+            self.policy.complete(u.slot);
+            self.stats.admitted_on_card += 1;
+        }
+        Ok(())
     }
 
     /// Clears the victims' entries, then copies the newcomers (visible at a later [`commit`]).

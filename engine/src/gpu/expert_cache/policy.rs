@@ -317,6 +317,18 @@ impl CachePolicy {
         best.map(|(_, _, slot, k)| (slot, k))
     }
 
+    /// Orders `experts` of `layer` by score, highest first (the order [`CachePolicy::plan`] wants).
+    pub fn sort_by_score(&self, layer: usize, experts: &mut [usize]) {
+        let score = |e: usize| {
+            self.score
+                .get(layer)
+                .and_then(|r| r.get(e))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        experts.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+    }
+
     /// The copy into `slot` completed: its expert is resident.
     pub fn complete(&mut self, slot: usize) {
         if let Some(SlotState::Loading(k)) = self.slots.get(slot).copied() {

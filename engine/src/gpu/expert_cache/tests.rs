@@ -88,8 +88,18 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
         items: routes.iter().map(|&(e, p)| (e as usize, p)).collect(),
         all: true,
         fetch_seconds: 0.0,
+        pool: None,
     };
     assert_eq!(all.compute(&w, &m), whole.row(0));
+    // On the spinning share pool: the same bits.
+    let hot = CpuShare {
+        pool: Some(std::sync::Arc::new(poly_kernels::hot_pool::HotPool::new(
+            3,
+            std::time::Duration::from_millis(1),
+        ))),
+        ..all
+    };
+    assert_eq!(hot.compute(&w, &m), whole.row(0));
     // Two on the CPU, two elsewhere: the parts add up to the block (to rounding).
     let part = |r: &[(u32, f32)]| {
         CpuShare {
@@ -97,6 +107,7 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
             items: r.iter().map(|&(e, p)| (e as usize, p)).collect(),
             all: false,
             fetch_seconds: 0.0,
+            pool: None,
         }
         .compute(&w, &m)
     };
@@ -175,4 +186,17 @@ fn the_cpu_cost_line_separates_the_overhead_from_the_per_expert_time() {
     let (a, b) = one.line().expect("a line");
     assert_eq!(a, 0.0);
     assert!((b - 50e-6).abs() < 1e-12);
+}
+
+#[test]
+fn the_measured_skew_is_the_share_of_each_layers_top_tenth() {
+    use super::top_tenth_share;
+    // Even routing over 20 experts: the top two hold a tenth.
+    assert!((top_tenth_share(&[vec![5; 20]]) - 0.1).abs() < 1e-12);
+    // One expert of ten takes everything.
+    assert_eq!(top_tenth_share(&[vec![0, 0, 7, 0, 0, 0, 0, 0, 0, 0]]), 1.0);
+    // Two layers add up: top tenths 9 of 18 and 1 of 2 (rounded up: one of three experts).
+    let s = top_tenth_share(&[vec![9, 9, 0, 0, 0, 0, 0, 0, 0, 0], vec![1, 1, 0]]);
+    assert!((s - 10.0 / 20.0).abs() < 1e-12);
+    assert_eq!(top_tenth_share(&[vec![0; 8]]), 0.0);
 }

@@ -202,6 +202,7 @@ impl<'a> GpuForward<'a> {
         let dev = self.dev;
         self.route(x, m, &mut step.ids, &mut step.weights)?;
         dev.copy(x.buf()?, &mut step.x)?;
+        step.queue_downloads(dev)?;
         let share = if capturing {
             self.cut(HostPoint::Route(i))?;
             None
