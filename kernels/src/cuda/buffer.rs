@@ -200,12 +200,36 @@ pub struct ExpertTable {
     pub rows: usize,
     pub cols: usize,
     pub n_expert: usize,
-    pub(crate) addresses: DeviceBuffer<u64>,
+    /// The device array of addresses: `storage[offset..offset + n_expert]` (the tables of one cache
+    /// layer share one array, so one write repoints all three).
+    pub(crate) storage: std::sync::Arc<DeviceBuffer<u64>>,
+    pub(crate) offset: usize,
+    /// The array's device address, as the kernels take it.
+    pub(crate) address: u64,
 }
 
 impl ExpertTable {
-    pub(crate) fn addresses(&self) -> &DeviceBuffer<u64> {
-        &self.addresses
+    /// A table over `storage[offset..offset + n_expert]`.
+    pub(crate) fn over(
+        (ty, rows, cols, n_expert): (GgmlType, usize, usize, usize),
+        storage: std::sync::Arc<DeviceBuffer<u64>>,
+        offset: usize,
+    ) -> ExpertTable {
+        let address = storage.address() + (offset * std::mem::size_of::<u64>()) as u64;
+        ExpertTable {
+            ty,
+            rows,
+            cols,
+            n_expert,
+            storage,
+            offset,
+            address,
+        }
+    }
+
+    /// The address array's device address, the kernels' argument.
+    pub(crate) fn table_address(&self) -> &u64 {
+        &self.address
     }
 
     /// Bytes of one expert's matrix.
@@ -248,13 +272,11 @@ impl StackedExperts {
         let addresses: Vec<u64> = (0..n_expert)
             .map(|e| base + (e * expert_bytes) as u64)
             .collect();
-        let table = ExpertTable {
-            ty,
-            rows,
-            cols,
-            n_expert,
-            addresses: dev.upload(&addresses)?,
-        };
+        let table = ExpertTable::over(
+            (ty, rows, cols, n_expert),
+            std::sync::Arc::new(dev.upload(&addresses)?),
+            0,
+        );
         Ok(StackedExperts {
             table,
             _storage: storage,

@@ -105,25 +105,43 @@ impl ExpertTable {
         cols: usize,
         n_expert: usize,
     ) -> CudaResult<ExpertTable> {
-        check_shape(ty, rows, cols)?;
-        if n_expert == 0 || n_expert > i32::MAX as usize {
-            return Err(CudaError::Invalid(format!("a table of {n_expert} experts")));
-        }
-        Ok(ExpertTable {
-            ty,
-            rows,
-            cols,
-            n_expert,
-            addresses: dev.zeros(n_expert)?,
-        })
+        let [t] = ExpertTable::empty_group(dev, [(ty, rows, cols)], n_expert)?;
+        Ok(t)
     }
 
-    /// [`ExpertTable::point`] where an entry may also be a host address the card reads over the bus
-    /// (`ExpertSource::Mapped`, from [`HostRegistration::device_address`]).
-    pub fn point_sources(
-        &mut self,
+    /// `N` tables of `n_expert` experts each (`(ty, rows, cols)` per table), every entry null, over one
+    /// device array, so [`ExpertTable::point_group`] repoints them all with one copy (a cache layer's
+    /// gate, up and down tables change together).
+    pub fn empty_group<const N: usize>(
         dev: &Device,
+        specs: [(GgmlType, usize, usize); N],
+        n_expert: usize,
+    ) -> CudaResult<[ExpertTable; N]> {
+        for &(ty, rows, cols) in &specs {
+            check_shape(ty, rows, cols)?;
+        }
+        if n_expert == 0 || n_expert > i32::MAX as usize || N == 0 {
+            return Err(CudaError::Invalid(format!(
+                "{N} tables of {n_expert} experts"
+            )));
+        }
+        let storage = Arc::new(dev.zeros::<u64>(N * n_expert)?);
+        let tables: Vec<ExpertTable> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows, cols))| {
+                ExpertTable::over((ty, rows, cols, n_expert), storage.clone(), i * n_expert)
+            })
+            .collect();
+        <[ExpertTable; N]>::try_from(tables)
+            .map_err(|_| CudaError::Invalid("a table group of the wrong size".into()))
+    }
+
+    /// The device addresses of `entries` (one per expert) for this table's matrices.
+    fn entry_addresses(
+        &self,
         entries: &[Option<ExpertSource<'_>>],
+        out: &mut Vec<u64>,
     ) -> CudaResult<()> {
         if entries.len() != self.n_expert {
             return Err(CudaError::Invalid(format!(
@@ -133,37 +151,82 @@ impl ExpertTable {
             )));
         }
         let bytes = self.expert_bytes();
-        let mut addresses = Vec::with_capacity(entries.len());
         for s in entries {
-            addresses.push(match s {
+            out.push(match s {
                 Some(ExpertSource::Slot(s)) => s.pool.address(s.slot, s.offset, bytes)?,
                 Some(ExpertSource::Mapped(a)) => *a,
                 None => 0,
             });
         }
-        dev.write(&addresses, &mut self.addresses)
+        Ok(())
+    }
+
+    /// Writes `addresses` over `storage[offset..]` in stream order on the compute stream.
+    fn write_addresses(&self, dev: &Device, addresses: &[u64]) -> CudaResult<()> {
+        if self.offset + addresses.len() > self.storage.len() {
+            return Err(CudaError::Invalid(format!(
+                "{} addresses at {} of a table array of {}",
+                addresses.len(),
+                self.offset,
+                self.storage.len()
+            )));
+        }
+        // SAFETY: the range lies inside the table's live array (checked above); `addresses` is pageable
+        // host memory, which the driver copies out before this returns; stream order on the compute
+        // stream orders the write against every launch that reads the table.
+        unsafe { result::memcpy_htod_async(self.address, addresses, dev.stream().cu_stream()) }?;
+        Ok(())
+    }
+
+    /// [`ExpertTable::point`] where an entry may also be a host address the card reads over the bus
+    /// (`ExpertSource::Mapped`, from [`HostRegistration::device_address`]).
+    pub fn point_sources(
+        &mut self,
+        dev: &Device,
+        entries: &[Option<ExpertSource<'_>>],
+    ) -> CudaResult<()> {
+        let mut addresses = Vec::with_capacity(entries.len());
+        self.entry_addresses(entries, &mut addresses)?;
+        self.write_addresses(dev, &addresses)
+    }
+
+    /// Repoints a group of tables made by [`ExpertTable::empty_group`] (`tables` in its order, with
+    /// `entries[i]` for `tables[i]`) with one copy; tables of separate arrays get one copy each.
+    pub fn point_group(
+        dev: &Device,
+        tables: &mut [ExpertTable],
+        entries: &[Vec<Option<ExpertSource<'_>>>],
+    ) -> CudaResult<()> {
+        if tables.len() != entries.len() || tables.is_empty() {
+            return Err(CudaError::Invalid(format!(
+                "{} entry lists for {} tables",
+                entries.len(),
+                tables.len()
+            )));
+        }
+        let contiguous = tables.windows(2).all(|w| {
+            Arc::ptr_eq(&w[0].storage, &w[1].storage) && w[1].offset == w[0].offset + w[0].n_expert
+        });
+        if !contiguous {
+            for (t, e) in tables.iter_mut().zip(entries) {
+                t.point_sources(dev, e)?;
+            }
+            return Ok(());
+        }
+        let mut addresses = Vec::with_capacity(entries.iter().map(Vec::len).sum());
+        for (t, e) in tables.iter().zip(entries) {
+            t.entry_addresses(e, &mut addresses)?;
+        }
+        tables[0].write_addresses(dev, &addresses)
     }
 
     /// Rewrites the whole table in stream order on the compute stream: entry `e` points at `entries[e]`
     /// or is null. Launches queued before read the old entries, launches queued after the new ones. The
     /// pools must outlive every launch that reads the table while it points into them.
     pub fn point(&mut self, dev: &Device, entries: &[Option<SlotRef<'_>>]) -> CudaResult<()> {
-        if entries.len() != self.n_expert {
-            return Err(CudaError::Invalid(format!(
-                "{} entries for a table of {} experts",
-                entries.len(),
-                self.n_expert
-            )));
-        }
-        let bytes = self.expert_bytes();
-        let mut addresses = Vec::with_capacity(entries.len());
-        for s in entries {
-            addresses.push(match s {
-                Some(s) => s.pool.address(s.slot, s.offset, bytes)?,
-                None => 0,
-            });
-        }
-        dev.write(&addresses, &mut self.addresses)
+        let sources: Vec<Option<ExpertSource<'_>>> =
+            entries.iter().map(|e| e.map(ExpertSource::Slot)).collect();
+        self.point_sources(dev, &sources)
     }
 }
 

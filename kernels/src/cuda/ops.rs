@@ -400,8 +400,8 @@ pub fn matvec_experts_glu_q(
     let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(gate.addresses().slice())
-        .arg(up.addresses().slice())
+    b.arg(gate.table_address())
+        .arg(up.table_address())
         .arg(ids.slice())
         .arg(&n_expert)
         .arg(xq.slice())
@@ -515,7 +515,7 @@ fn expert_launch<T>(
     };
     let f = dev.function(module, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(table.addresses().slice())
+    b.arg(table.table_address())
         .arg(ids.slice())
         .arg(&n_expert)
         .arg(x.slice())

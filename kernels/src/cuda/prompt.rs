@@ -206,7 +206,7 @@ pub fn matmul_f(
     };
     let f = dev.function(KernelModule::MatvecF, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(table.addresses().slice())
+    b.arg(table.table_address())
         .arg(x.slice())
         .arg(y.slice_mut())
         .arg(&ncols)
@@ -436,7 +436,7 @@ pub fn matmul_experts_q(
     );
     let f = dev.function(KernelModule::MatvecQ, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(table.addresses().slice())
+    b.arg(table.table_address())
         .arg(&n_exp)
         .arg(tiles.slice())
         .arg(xq.slice())

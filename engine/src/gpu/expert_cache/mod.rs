@@ -360,11 +360,13 @@ impl ExpertCache {
         }
         let mut tables = Vec::with_capacity(layers.len());
         for l in &layers {
-            let t = |i: usize| {
-                let m = &l.mats[i];
-                ExpertTable::empty(dev, m.ty, m.rows, m.cols, l.n_expert)
-            };
-            tables.push([t(0)?, t(1)?, t(2)?]);
+            // One address array for the layer's three tables: a repoint is one copy.
+            let spec = |i: usize| (l.mats[i].ty, l.mats[i].rows, l.mats[i].cols);
+            tables.push(ExpertTable::empty_group(
+                dev,
+                [spec(0), spec(1), spec(2)],
+                l.n_expert,
+            )?);
         }
         let by_gate = layers
             .iter()
@@ -669,6 +671,7 @@ impl ExpertCache {
         let resident: Vec<Option<usize>> = (0..l.n_expert)
             .map(|expert| self.policy.resident(ExpertKey { layer, expert }))
             .collect();
+        let mut all: Vec<Vec<Option<ExpertSource<'_>>>> = Vec::with_capacity(3);
         for (i, m) in l.mats.iter().enumerate() {
             let mut entries: Vec<Option<ExpertSource<'_>>> = (0..l.n_expert)
                 .map(|expert| {
@@ -691,9 +694,9 @@ impl ExpertCache {
                     offset: m.offset,
                 }));
             }
-            self.tables[layer][i].point_sources(dev, &entries)?;
+            all.push(entries);
         }
-        Ok(())
+        ExpertTable::point_group(dev, &mut self.tables[layer], &all)
     }
 
     /// Makes visible the uploads into `layer` whose copies completed.

@@ -215,8 +215,8 @@ pub fn matmul_experts_pair(
     };
     let f = dev.function(KernelModule::MatmulMma, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(ta.addresses().slice())
-        .arg(tb.addresses().slice())
+    b.arg(ta.table_address())
+        .arg(tb.table_address())
         .arg(&n_exp)
         .arg(tiles.slice())
         .arg(xq.slice())
@@ -297,7 +297,7 @@ pub fn matmul_experts(
     };
     let f = dev.function(KernelModule::MatmulMma, name)?;
     let mut b = dev.stream().launch_builder(&f);
-    b.arg(table.addresses().slice())
+    b.arg(table.table_address())
         .arg(&n_exp)
         .arg(tiles.slice())
         .arg(xq.slice())

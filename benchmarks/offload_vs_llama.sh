@@ -1,0 +1,158 @@
+#!/bin/bash
+# Issue 15's comparison in one stay on the H200 machine: the card held to a budget (8 GB by default) and
+# every weight in VRAM, ours (poly-engine bench, and the server through `polystrata benchmark`) against
+# llama.cpp CUDA built there from the pinned sdist (`-ngl 99 -fa 1 --n-cpu-moe N`), on synthetic models at
+# the real shapes written there, with uniform routing AND with skew (synth prints the routing's estimated
+# top-10% share; bench's JSON the measured one, `route_top10_share`).
+#
+# usage (repository root on the device): bash benchmarks/offload_vs_llama.sh CARRY_DIR prep|ours|llama
+#   prep   unpacks, starts the llama.cpp build in its own session, writes the models to /dev/shm, runs the
+#          GPU correctness tests (gpu_expert_cache: every placement and --missing-experts mode against
+#          every expert in VRAM; gpu_forward), then waits for the build so the later phases run on a quiet
+#          host (the CPU share of a token is host work).
+#   ours   poly-engine bench at the budget for every model, the binary before the change
+#          (bin/poly-engine-base, when carried) beside this one; every weight in VRAM; one-call pp8000;
+#          polystrata benchmark through the server (prompts of 2,000 / 8,000 / 30,000 tokens).
+#   llama  llama-bench at the budget (N from BUDGET_NCMOE, the fewest CPU layers whose measured peak fits
+#          8 GB, shared/device/README.md) and every layer on the card, peaks measured the same way.
+# CARRY_DIR holds bin.tar.xz (poly-engine, poly-engine-base, polystrata, the GPU test binaries),
+# llama.cpp.tar.xz and llamacpp_build_cuda.sh. Results: $OUT/summary-PHASE.txt and raw files.
+set -u
+C=$1
+PHASE=$2
+OUT=${OUT:-/tmp/offload-out}
+R=/tmp/ovl; mkdir -p $R "$OUT" /tmp/bin /tmp/lsrc /tmp/lcb /dev/shm/m
+S=$OUT/summary-$PHASE.txt; : > "$S"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$S"; }
+export POLY_KERNEL_CACHE=/tmp/pkc
+E=/tmp/bin/poly-engine
+LB=/tmp/lcb/build/bin/llama-bench
+BUDGET=${BUDGET:-8192}
+TOTAL=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+RESERVE=$(( TOTAL - BUDGET ))
+MODELS=${MODELS:-"q3u q3s q35s q35u"}
+# llama.cpp's --n-cpu-moe at 8 GB per model (measured 2026-12-01: 33 for qwen3moe, 31 for qwen35moe).
+ncmoe() { case $1 in q35*) echo 31 ;; q3*) echo 33 ;; esac; }
+
+smi_start() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > $R/vram.txt 2>/dev/null & SMI=$!; }
+smi_stop() { kill $SMI 2>/dev/null; wait $SMI 2>/dev/null; echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" | tee -a "$S"; }
+
+if [ "$PHASE" = prep ]; then
+    tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$S"
+    # LLAMA=0: a stay that measures ours only (no build).
+    [ "${LLAMA:-1}" = 1 ] && stamp "build llama.cpp CUDA (background, its own session)" && setsid bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > /tmp/lcb/llama_build.txt 2>&1 < /dev/null &
+    synth() { $E synth --arch $1 --shape $2 --type Q4_K --seed 1 --route-skew $3 --out /dev/shm/m/$4.gguf > $R/synth-$4.txt 2>&1; }
+    P=()
+    for m in $MODELS; do
+        case $m in
+            q3u) synth qwen3moe qwen3-30b-a3b 0 q3u & P+=($!) ;;
+            q3s) synth qwen3moe qwen3-30b-a3b 1 q3s & P+=($!) ;;
+            q35s) synth qwen35moe qwen3.6-35b-a3b 1 q35s & P+=($!) ;;
+            q35u) synth qwen35moe qwen3.6-35b-a3b 0 q35u & P+=($!) ;;
+        esac
+    done
+    wait "${P[@]}"  # the writers, not the build
+    grep -hE "routing|wrote" $R/synth-*.txt | tee -a "$S"
+    stamp "correctness"
+    for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops; do
+        [ -x /tmp/bin/$t ] || continue
+        timeout 200 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
+        echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a "$S"
+        grep -E "^test .*FAILED$|panicked" $R/$t.txt | head -5 | tee -a "$S"
+    done
+    stamp "wait for the llama.cpp build"
+    [ "${LLAMA:-1}" = 1 ] && while [ ! -e /tmp/lcb/build.done ] && [ ! -e /tmp/lcb/build.failed ]; do sleep 2; done
+    tail -2 /tmp/lcb/llama_build.txt | tee -a "$S"
+    cp $R/*.txt "$OUT/" 2>/dev/null
+    stamp done
+fi
+
+bench() { # label, engine, args...
+    local label=$1 eng=$2; shift 2
+    smi_start
+    timeout 200 $eng bench "$@" > $R/b.json 2> $R/b.err
+    local rc=$?
+    python3 - "$label" $R/b.json >> "$S" 2>&1 <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[2]))
+except Exception as e:
+    print("  %s: no result (%s)" % (sys.argv[1], e)); sys.exit()
+out = [sys.argv[1]]
+for k in ("pp", "tg"):
+    if k in d:
+        out.append("%s%d %.1f t/s (%s)" % (k, d[k]["n_tokens"], d[k]["avg_ts"], ", ".join("%.1f" % x for x in d[k]["samples_ts"])))
+e = d.get("experts")
+if e:
+    out.append("VRAM share %.3f, %s/%s in VRAM, top10 %.3f" % (e.get("vram_share") or 0, e.get("in_vram"), e.get("slots"), e.get("route_top10_share") or 0))
+    out.append("decode: %s copied, %s on CPU (cpu %.0f us + %.0f us/expert, copy %.0f us/expert), uploads %s (on card %s)" % (
+        e.get("staged_decode"), e.get("cpu_experts"), e.get("cpu_us_overhead") or 0, e.get("cpu_us_per_expert") or 0,
+        e.get("copy_us_per_expert") or 0, e.get("uploads"), e.get("admitted_on_card", "-")))
+print("  " + " | ".join(out))
+PY
+    [ $rc = 0 ] || { echo "  rc=$rc: $(tail -2 $R/b.err)" | tee -a "$S"; }
+    smi_stop
+    grep -E "expert cache:|segmented|host points" $R/b.err | head -3 >> "$S"
+    { echo "## $label"; cat $R/b.json; grep -E "POLY_GPU_PROFILE|host|decode" $R/b.err | head -20; } >> "$OUT/ours-raw.txt"
+}
+
+if [ "$PHASE" = ours ]; then
+    stamp "ours at ${BUDGET} MiB (reserve $RESERVE of $TOTAL MiB)"
+    for m in $MODELS; do
+        F=/dev/shm/m/$m.gguf
+        [ -x /tmp/bin/poly-engine-base ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+        POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+        grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
+    done
+    # LEAN=1: the budget's before/after alone.
+    [ "${LEAN:-0}" = 1 ] && { stamp done; exit 0; }
+    for m in q3u q35s; do
+        F=/dev/shm/m/$m.gguf
+        bench "$m ${BUDGET}MiB NEW tg64 --missing-experts card" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --missing-experts card
+        POLY_CPU_SHARE=rayon bench "$m ${BUDGET}MiB NEW tg64 POLY_CPU_SHARE=rayon" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
+        bench "$m ${BUDGET}MiB NEW pp8000 one call" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 8000 --gen 0 --reps 1 --ubatch 8000 --no-expert-profile
+    done
+    stamp "ours, every weight in VRAM"
+    for m in q3u q35s; do
+        bench "$m full pp512 tg128" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
+    done
+    stamp "ours through the server (polystrata benchmark)"
+    H=/tmp/home; mkdir -p $H
+    for m in q35s q3u; do
+        /tmp/bin/polystrata tokenizer --gguf /dev/shm/m/$m.gguf --out $H/packs/$m/tokenizer > /dev/null 2>&1
+        cat > $H/strata-$m-8gb.json <<J
+{"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb"}
+J
+        smi_start
+        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb --prompt-tokens 2000,8000,30000 --answer-tokens 128 > $OUT/server-$m.txt 2> $R/server-$m.err
+        echo "  polystrata benchmark $m-8gb rc=$?" | tee -a "$S"
+        smi_stop
+        cat $OUT/server-$m.txt >> "$S"; tail -3 $R/server-$m.err >> "$S"
+    done
+    stamp done
+fi
+
+if [ "$PHASE" = llama ]; then
+    [ -x $LB ] || { echo "no llama-bench: $(tail -3 /tmp/lcb/llama_build.txt)" | tee -a "$S"; exit 1; }
+    for m in $MODELS; do
+        N=$(ncmoe $m)
+        stamp "llama.cpp $m --n-cpu-moe $N"
+        smi_start
+        timeout 150 $LB -m /dev/shm/m/$m.gguf -ngl 99 --n-cpu-moe $N -fa 1 -p 512 -n 64 -r 2 -o md 2>&1 | grep -E "pp|tg|error" | tee -a "$S"
+        case $m in q3u|q35s)
+            timeout 150 $LB -m /dev/shm/m/$m.gguf -ngl 99 --n-cpu-moe $N -fa 1 -p 8000 -n 0 -ub 2048 -b 8192 -r 1 -o md 2>&1 | grep -E "pp|error" | tee -a "$S" ;;
+        esac
+        smi_stop
+    done
+    stamp "llama.cpp, every layer on the card"
+    for m in q3u q35s; do
+        timeout 150 $LB -m /dev/shm/m/$m.gguf -ngl 99 -fa 1 -p 512 -n 128 -r 2 -o md 2>&1 | grep -E "pp|tg|error" | tee -a "$S"
+    done
+    if [ "${PP30000:-1}" = 1 ]; then
+        stamp "llama.cpp q35s pp30000 at the budget"
+        timeout 120 $LB -m /dev/shm/m/q35s.gguf -ngl 99 --n-cpu-moe 31 -fa 1 -p 30000 -n 0 -ub 2048 -b 8192 -r 1 -o md 2>&1 | grep -E "pp|error" | tee -a "$S"
+    fi
+    stamp done
+fi
