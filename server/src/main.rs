@@ -355,6 +355,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
                 api_key: args.api_key.clone(),
             },
             limits: conn_limits,
+            text_work: http::prepare::TextWork::for_this_machine(),
         });
         http::serve(listener, state, shutdown_signal()).await;
         eprintln!("polystrata: shutting down");

@@ -395,3 +395,76 @@ fn at_the_descriptor_limit_accept_backs_off_and_serving_resumes() {
     assert!(log_len < 4096, "{log_len} bytes of log in 3 s: {text}");
     assert_eq!(r.status, 200);
 }
+
+#[test]
+fn a_large_prompt_is_refused_by_its_context_without_stalling_the_server() {
+    let home = Home::new("large");
+    let gguf = common::fixture("qwen3moe-tiny-q4km.gguf");
+    home.add_model(
+        "wide",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"args": ["--model", gguf, "--max-context", "65536", "--threads", "1"]}),
+    );
+    let server = Server::start(&home, &["--load", "wide"]);
+    // 7 MB of text cannot be 65,536 tokens of this vocabulary: refused before it is tokenized.
+    let words: String = (0..2_000_000).map(|i| format!("w{} ", i % 997)).collect();
+    let huge = &words[..7_000_000];
+    let body = json!({"prompt": huge, "max_tokens": 1}).to_string();
+    let addr = server.addr.clone();
+    let senders: Vec<_> = (0..3)
+        .map(|_| {
+            let (addr, body) = (addr.clone(), body.clone());
+            std::thread::spawn(move || {
+                common::request(&addr, "POST", "/v1/completions", Some(body.as_bytes()), &[])
+            })
+        })
+        .collect();
+    // Meanwhile the server answers at once, and a small generation is not held up.
+    let t = Instant::now();
+    assert_eq!(server.get("/health").status, 200);
+    let health = t.elapsed();
+    let small = server.post(
+        "/v1/completions",
+        &json!({"prompt": "hello", "max_tokens": 2}),
+    );
+    assert_eq!(small.status, 200, "{}", small.text());
+    assert!(health < Duration::from_secs(1), "/health took {health:?}");
+    for s in senders {
+        let r = s.join().expect("sender");
+        assert_eq!(r.status, 400, "{}", r.text());
+        let m = r.json()["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(
+            m.contains("bytes) is longer than the model's context of 65536 tokens"),
+            "{m}"
+        );
+    }
+    // 300 kB fits by bytes but not by tokens: counted piece by piece and refused once surely over.
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": &words[..300_000]}], "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    let m = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        m.contains("tokens) is longer than the model's context"),
+        "{m}"
+    );
+    // Anthropic's count uses the same bound.
+    let r = server.post(
+        "/v1/messages/count_tokens",
+        &json!({"messages": [{"role": "user", "content": huge}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    // A prompt that fits is served as before.
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": &words[..2000]}], "max_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+}

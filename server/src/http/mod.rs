@@ -7,6 +7,7 @@ pub mod anthropic;
 pub mod body;
 pub mod errors;
 pub mod openai;
+pub mod prepare;
 mod sampling;
 
 use crate::engine::supervisor::Supervisor;
@@ -56,6 +57,8 @@ pub struct AppState {
     /// Host, origin, content-type and key rules.
     pub access: access::Access,
     pub limits: ConnLimits,
+    /// Rendering and tokenizing off the runtime, a bounded number at once.
+    pub text_work: prepare::TextWork,
 }
 
 /// A connection's place under the cap; its drop wakes an accept loop waiting for a descriptor.
@@ -253,7 +256,7 @@ async fn route_checked(
             openai::completions(state.clone(), read_json(&state, req).await?).await
         }
         (_, true, "/v1/messages/count_tokens") => {
-            anthropic::count_tokens(&state, read_json(&state, req).await?)
+            anthropic::count_tokens(&state, read_json(&state, req).await?).await
         }
         (_, true, "/v1/messages") => {
             anthropic::messages(state.clone(), read_json(&state, req).await?).await
