@@ -468,3 +468,59 @@ fn a_large_prompt_is_refused_by_its_context_without_stalling_the_server() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+#[test]
+fn a_model_file_with_an_absurd_block_count_is_unavailable_with_the_reason() {
+    let home = home_with_model("blocks");
+    // The fixture with its block_count (a u32 after the key and its type) set to 2^32-1.
+    let mut bytes = std::fs::read(common::fixture("qwen3moe-tiny-q4km.gguf")).expect("fixture");
+    let key = b"qwen3moe.block_count";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("block_count key")
+        + key.len()
+        + 4;
+    bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let broken = home.dir.join("broken.gguf");
+    std::fs::write(&broken, &bytes).expect("write");
+    home.write_config(
+        "broken",
+        &json!({"exe": common::engine_bin(), "args": ["--model", broken, "--max-context", "512"],
+                "tokenizer": "packs/qwen3/tokenizer"}),
+    );
+    let server = Server::start(&home, &[]);
+    let models = server.get("/api/models").json();
+    let entry = models["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .find(|m| m["id"] == "broken")
+        .cloned()
+        .expect("broken listed");
+    assert_eq!(entry["status"], "unavailable", "{entry}");
+    assert!(
+        entry["problem"]
+            .as_str()
+            .is_some_and(|p| p.contains("block_count")),
+        "{entry}"
+    );
+    // The engine itself refuses it with an error, not an abort.
+    let out = std::process::Command::new(common::engine_bin())
+        .arg("--model")
+        .arg(&broken)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run the engine");
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.code().is_some(), "ended by a signal: {all}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("ERR "),
+        "an ERR line: {all}"
+    );
+    assert!(all.contains("block_count"), "{all}");
+}
