@@ -269,6 +269,11 @@ impl Registry {
 }
 
 /// Finds `name` among `entries`: an exact id or alias first, else the only id containing it.
+/// How much of an unknown model name an error repeats.
+const NAME_ECHO_BYTES: usize = 100;
+/// How many installed ids an unknown-model error lists.
+const IDS_LISTED: usize = 8;
+
 pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEntry, String> {
     if let Some(e) = entries.iter().find(|e| e.answers_to(name)) {
         return Ok(e);
@@ -280,10 +285,23 @@ pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEnt
         .collect();
     match partial.as_slice() {
         [one] => Ok(one),
+        // The name is the client's: echoed cut short, and the installed ids listed up to a few (the
+        // whole list is GET /v1/models).
         [] => Err(format!(
-            "model {name:?} not found (installed: {})",
+            "model {:?} not found (installed: {})",
+            crate::http::access::truncate(name, NAME_ECHO_BYTES),
             if entries.is_empty() {
                 "none".to_string()
+            } else if entries.len() > IDS_LISTED {
+                format!(
+                    "{}, and {} more; see GET /v1/models",
+                    entries[..IDS_LISTED]
+                        .iter()
+                        .map(|e| e.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    entries.len() - IDS_LISTED
+                )
             } else {
                 entries
                     .iter()
@@ -293,7 +311,8 @@ pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEnt
             }
         )),
         many => Err(format!(
-            "model {name:?} is ambiguous: {}",
+            "model {:?} is ambiguous: {}",
+            crate::http::access::truncate(name, NAME_ECHO_BYTES),
             many.iter()
                 .map(|e| e.id.as_str())
                 .collect::<Vec<_>>()
@@ -454,5 +473,15 @@ mod tests {
         assert!(find_in(&entries, "llama")
             .unwrap_err()
             .contains("not found"));
+    }
+
+    #[test]
+    fn an_unknown_name_is_echoed_short_and_few_ids_are_listed() {
+        let entries: Vec<ModelEntry> = (0..20).map(|i| entry(&format!("model-{i:02}"))).collect();
+        let long = "x".repeat(100_000);
+        let e = find_in(&entries, &long).unwrap_err();
+        assert!(e.len() < 400, "{} bytes", e.len());
+        assert!(e.contains("and 12 more; see GET /v1/models"), "{e}");
+        assert!(!e.contains("model-19"), "{e}");
     }
 }

@@ -487,10 +487,31 @@ fn completion_prompt(body: &Value, text: &ModelText, n_ctx: u32) -> Result<Vec<u
     }
 }
 
+/// The legacy completion fields that change the answer and are not supported: refused, as chat refuses
+/// `n`, rather than silently ignored.
+fn refuse_unsupported_completion_fields(body: &Value) -> Result<(), ApiError> {
+    for key in ["n", "best_of"] {
+        if integer(body, key, 1, 128)?.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_request(format!(
+                "only `{key}` = 1 is supported"
+            )));
+        }
+    }
+    if bool_field(body, "echo")? {
+        return Err(ApiError::bad_request("`echo` is not supported"));
+    }
+    match body.get("suffix") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if s.is_empty() => Ok(()),
+        Some(_) => Err(ApiError::bad_request("`suffix` is not supported")),
+    }
+}
+
 pub async fn completions(
     state: Arc<AppState>,
     body: Value,
 ) -> Result<Response<RespBody>, ApiError> {
+    refuse_unsupported_completion_fields(&body)?;
     let model = model_field(&body)?;
     let mut sampling = sampling(&body, &["max_tokens"], "stop")?;
     let logprobs = integer(&body, "logprobs", 0, 20)?;
@@ -700,6 +721,21 @@ async fn stream_completion(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unsupported_completion_fields_are_refused() {
+        let ok = json!({"prompt": "x", "n": 1, "best_of": 1, "echo": false, "suffix": ""});
+        assert!(refuse_unsupported_completion_fields(&ok).is_ok());
+        for bad in [
+            json!({"prompt": "x", "n": 2}),
+            json!({"prompt": "x", "best_of": 3}),
+            json!({"prompt": "x", "echo": true}),
+            json!({"prompt": "x", "suffix": "tail"}),
+        ] {
+            let e = refuse_unsupported_completion_fields(&bad).expect_err("refused");
+            assert_eq!(e.kind, Kind::BadRequest, "{bad}");
+        }
+    }
 
     #[test]
     fn chat_requests_are_checked() {
