@@ -150,22 +150,35 @@ impl Registry {
     fn summary(&self, path: &Path) -> Result<ModelSummary, String> {
         let meta =
             std::fs::metadata(path).map_err(|e| format!("model file {}: {e}", path.display()))?;
+        // Opening a FIFO (or a device) blocks until someone writes to it: it froze every request.
+        if !meta.is_file() {
+            return Err(format!(
+                "model file {} is not a regular file",
+                path.display()
+            ));
+        }
         let stamp = FileStamp {
             len: meta.len(),
             modified: meta.modified().ok(),
         };
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((s, result)) = cache.get(path) {
-            if *s == stamp {
-                return result.clone();
+        {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((s, result)) = cache.get(path) {
+                if *s == stamp {
+                    return result.clone();
+                }
             }
         }
+        // Read without the cache's lock: a slow file (a network mount) delays only its own scan.
         let result = GgufFile::open(path)
             .map_err(|e| format!("model file {}: {e}", path.display()))
             .and_then(|f| {
                 ModelSummary::of(&f).map_err(|e| format!("model file {}: {e}", path.display()))
             });
-        cache.insert(path.to_path_buf(), (stamp, result.clone()));
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(path.to_path_buf(), (stamp, result.clone()));
         result
     }
 

@@ -524,3 +524,44 @@ fn a_model_file_with_an_absurd_block_count_is_unavailable_with_the_reason() {
     );
     assert!(all.contains("block_count"), "{all}");
 }
+
+#[test]
+fn a_model_path_that_is_a_fifo_is_unavailable_and_freezes_nothing() {
+    let home = home_with_model("fifo");
+    let fifo = home.dir.join("model.gguf");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    home.write_config(
+        "piped",
+        &json!({"exe": common::engine_bin(), "args": ["--model", fifo],
+                "tokenizer": "packs/qwen3/tokenizer"}),
+    );
+    let server = Server::start(&home, &[]);
+    // Opening the FIFO for reading would block until a writer comes: the listing must not wait.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let addr = server.addr.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(common::request(&addr, "GET", "/api/models", None, &[]));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("/api/models answered while a model path is a FIFO");
+    let models = r.json();
+    let entry = models["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .find(|m| m["id"] == "piped")
+        .cloned()
+        .expect("piped listed");
+    assert_eq!(entry["status"], "unavailable", "{entry}");
+    assert!(
+        entry["problem"]
+            .as_str()
+            .is_some_and(|p| p.contains("not a regular file")),
+        "{entry}"
+    );
+}
