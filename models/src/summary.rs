@@ -60,6 +60,8 @@ impl ModelSummary {
     pub fn of(file: &GgufFile) -> Result<ModelSummary, crate::gguf::GgufError> {
         let md = file.metadata();
         let architecture = md.architecture()?.to_string();
+        // Refused here too, so `inspect`, the server's registry and the engine's load all say so.
+        file.check_counts()?;
         let mut types: BTreeMap<GgmlType, TypeShare> = BTreeMap::new();
         let mut expert_types: BTreeMap<GgmlType, u64> = BTreeMap::new();
         let (mut expert_bytes, mut other_bytes, mut n_elements) = (0u64, 0u64, 0u64);

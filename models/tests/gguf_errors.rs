@@ -569,3 +569,31 @@ fn invalid_utf8_strings() {
         ErrorKind::InvalidUtf8 { .. }
     ));
 }
+
+/// Issue 17: a `block_count` of 2^32-1 made the engine size per-layer tables by it (16 GiB) and abort;
+/// `inspect` and the server's registry read the file as fine. It is an error wherever the file is used
+/// as a model.
+#[test]
+fn a_block_count_above_the_tensor_count_is_an_error() {
+    let mut bytes = good_file();
+    let at = value_field(&bytes, "llama.block_count") + 4;
+    put_u32(&mut bytes, at, u32::MAX);
+    let dir = TempDir::new("block-count");
+    let path = dir.0.join("blocks.gguf");
+    std::fs::write(&path, &bytes).expect("write");
+    let file = GgufFile::open(&path).expect("the file itself reads");
+    let e = file.check_counts().expect_err("too many blocks");
+    assert!(
+        e.to_string()
+            .contains("4294967295 (more blocks than the file's 3 tensors)"),
+        "{e}"
+    );
+    let e = poly_models::summary::ModelSummary::of(&file).expect_err("the summary refuses it");
+    assert!(e.to_string().contains("llama.block_count"), "{e}");
+    // Within the tensor count it is fine.
+    let good = dir.0.join("good.gguf");
+    std::fs::write(&good, good_file()).expect("write");
+    let f = GgufFile::open(&good).expect("open");
+    assert!(f.check_counts().is_ok());
+    assert!(poly_models::summary::ModelSummary::of(&f).is_ok());
+}

@@ -95,8 +95,16 @@ struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every API request.
-    #[arg(long)]
+    #[arg(long, value_parser = non_empty_key)]
     api_key: Option<String>,
+    /// A web origin (`scheme://host[:port]`, or `*` for any) whose pages may use the API, with CORS;
+    /// repeatable. Other sites' pages cannot change anything (their POSTs are refused).
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
+    /// A `Host` name (or `NAME:PORT`, or `*`) the server answers to besides localhost and IP addresses;
+    /// repeatable. Other names are refused (DNS rebinding).
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    allowed_hosts: Vec<String>,
     /// Load this model at start (else the first request or /api/models/load chooses).
     #[arg(long)]
     load: Option<String>,
@@ -115,6 +123,46 @@ struct ServeArgs {
     /// Seconds a stopping engine gets after SIGTERM before SIGKILL.
     #[arg(long, default_value_t = 5)]
     term_timeout: u64,
+    /// Connections served at once (more wait until one closes); default: what the descriptor limit
+    /// leaves after a reserve for engines and files, at most 4096.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: Option<u32>,
+    /// Seconds a connection may take to send a request's head, also while idle between requests.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    header_timeout: u64,
+    /// Seconds a request's body may take to arrive.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    body_timeout: u64,
+    /// The largest request body, in MiB.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    max_body_mib: u64,
+}
+
+/// Descriptors kept for what is not a connection: engine pipes, model and tokenizer files, the log.
+const FD_RESERVE: u64 = 64;
+
+/// Raises the soft descriptor limit to the hard one (connections are descriptors) and returns the
+/// connection cap it leaves room for.
+fn connection_cap() -> usize {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let soft = match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => hard,
+            Err(_) => soft,
+        },
+        Ok((soft, _)) => soft,
+        Err(_) => 1024,
+    };
+    soft.saturating_sub(FD_RESERVE).clamp(16, 4096) as usize
+}
+
+/// `--api-key`: an empty key would let an empty `x-api-key` in.
+fn non_empty_key(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("the API key must not be empty".into())
+    } else {
+        Ok(s.to_string())
+    }
 }
 
 fn main() -> ExitCode {
@@ -263,6 +311,15 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
                 after_term: std::time::Duration::from_secs(args.term_timeout),
             },
         };
+        // Always raised; an explicit --max-connections is taken as given (above the limit, accept fails
+        // and backs off instead).
+        let cap = connection_cap();
+        let conn_limits = http::ConnLimits {
+            max_connections: args.max_connections.map_or(cap, |n| n as usize),
+            header_timeout: std::time::Duration::from_secs(args.header_timeout),
+            body_timeout: std::time::Duration::from_secs(args.body_timeout),
+            max_body_bytes: (args.max_body_mib as usize) << 20,
+        };
         let supervisor = Arc::new(Supervisor::new(registry, limits));
         let addr = format!("{}:{}", args.host, args.port);
         let listener = match tokio::net::TcpListener::bind(&addr).await {
@@ -272,6 +329,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or(args.port);
         let bound = listener.local_addr().map(|a| a.to_string()).unwrap_or(addr);
         // The one line on stdout: scripts and tests read the address from it (port 0 picks a free one).
         println!("polystrata listening on http://{bound}");
@@ -282,7 +340,22 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
         }
         let state = Arc::new(http::AppState {
             supervisor: supervisor.clone(),
-            api_key: args.api_key.clone(),
+            access: http::access::Access {
+                port,
+                allowed_hosts: args
+                    .allowed_hosts
+                    .iter()
+                    .map(|h| h.trim().to_ascii_lowercase())
+                    .collect(),
+                cors_origins: args
+                    .cors_origins
+                    .iter()
+                    .map(|o| o.trim().trim_end_matches('/').to_ascii_lowercase())
+                    .collect(),
+                api_key: args.api_key.clone(),
+            },
+            limits: conn_limits,
+            text_work: http::prepare::TextWork::for_this_machine(),
         });
         http::serve(listener, state, shutdown_signal()).await;
         eprintln!("polystrata: shutting down");

@@ -64,7 +64,26 @@ pub struct ModelText {
     /// `Err(reason)` when the model has no chat template: chat requests are refused, completions work.
     template: Result<ChatTemplate, String>,
     family: Family,
+    /// The longest token in bytes ([`TextTokenizer::max_piece_len`]).
+    max_piece_len: usize,
 }
+
+/// Why a prompt could not be tokenized within its context.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EncodeError {
+    /// The text cannot fit in the context (the request is wrong).
+    TooLong(String),
+    /// The tokenizer failed.
+    Failed(String),
+}
+
+/// Texts above this are counted in pieces of about this size before the whole is tokenized: the
+/// tokenizer's memory grows with the tokens it makes (hundreds of bytes each), so a text that may be far
+/// over the context is refused before it is tokenized whole.
+const COUNT_PIECE_BYTES: usize = 256 << 10;
+/// Tokens a cut between two counted pieces may add or remove (a merge across the cut); a count over the
+/// context by more than this per cut cannot fit.
+const CUT_SLACK_TOKENS: usize = 8;
 
 impl ModelText {
     /// Loads the model's tokenizer directory and template (the run config's `chat_template` names a
@@ -112,10 +131,12 @@ impl ModelText {
             .and_then(Value::as_str)
             .and_then(Family::from_name)
             .unwrap_or(tokenizer.config.family);
+        let max_piece_len = tokenizer.max_piece_len();
         Ok(ModelText {
             tokenizer: Arc::new(tokenizer),
             template,
             family,
+            max_piece_len,
         })
     }
 
@@ -206,6 +227,38 @@ impl ModelText {
         self.tokenizer
             .encode(text, true, true)
             .map_err(|e| e.to_string())
+    }
+
+    /// [`ModelText::encode`] for a prompt that must fit in `n_ctx` tokens, with memory bounded by the
+    /// context instead of the text: a text longer than `n_ctx` times the longest token is refused
+    /// without tokenizing; a long text is counted piece by piece (stopping once it is surely over)
+    /// before it is tokenized whole. A prompt that is over by less than the counting can tell is left for
+    /// the engine to refuse.
+    pub fn encode_within(&self, text: &str, n_ctx: u32) -> Result<Vec<u32>, EncodeError> {
+        let n_ctx = n_ctx as usize;
+        let too_long = |what: String| {
+            EncodeError::TooLong(format!(
+                "the prompt ({what}) is longer than the model's context of {n_ctx} tokens"
+            ))
+        };
+        if text.len() > n_ctx.saturating_mul(self.max_piece_len) {
+            return Err(too_long(format!("{} bytes", text.len())));
+        }
+        if text.len() > COUNT_PIECE_BYTES {
+            let mut counted = 0usize;
+            // `cuts`: the cuts before this piece's end.
+            for (cuts, piece) in pieces_of(text, COUNT_PIECE_BYTES).enumerate() {
+                counted += self
+                    .tokenizer
+                    .encode(piece, false, true)
+                    .map_err(|e| EncodeError::Failed(e.to_string()))?
+                    .len();
+                if counted > n_ctx + cuts * CUT_SLACK_TOKENS {
+                    return Err(too_long(format!("over {counted} tokens")));
+                }
+            }
+        }
+        self.encode(text).map_err(EncodeError::Failed)
     }
 
     /// Token `id` as text (for log-probabilities), special tokens included.
@@ -319,10 +372,56 @@ impl OutputParser {
     }
 }
 
+/// `text` in pieces of about `size` bytes, each cut after a newline (else a space, else any character)
+/// so that few tokens straddle a cut.
+fn pieces_of(text: &str, size: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        if rest.len() <= size {
+            return Some(std::mem::take(&mut rest));
+        }
+        let mut end = size;
+        while !rest.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end == 0 {
+            // A character wider than `size`: it is one piece.
+            end = rest.chars().next().map_or(rest.len(), char::len_utf8);
+        }
+        let window = &rest[..end];
+        let cut = window
+            .rfind('\n')
+            .or_else(|| window.rfind(' '))
+            .map(|i| i + 1)
+            .filter(|&i| i > size / 2)
+            .unwrap_or(end);
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
 /// FNV-1a, 64 bits: a stable name for a chat's opening (not a security hash: a collision only makes two
 /// chats share one kept state, which the engine handles by their common prefix).
 fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pieces_cover_the_text_and_cut_at_newlines() {
+        let text = "ab\ncd ef\ngh".repeat(100);
+        let pieces: Vec<&str> = super::pieces_of(&text, 64).collect();
+        assert_eq!(pieces.concat(), text);
+        assert!(pieces.iter().all(|p| p.len() <= 64));
+        assert!(pieces[..pieces.len() - 1].iter().all(|p| p.ends_with('\n')));
+        let wide = "é".repeat(100);
+        assert_eq!(super::pieces_of(&wide, 7).collect::<String>(), wide);
+    }
 }

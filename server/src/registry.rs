@@ -150,22 +150,35 @@ impl Registry {
     fn summary(&self, path: &Path) -> Result<ModelSummary, String> {
         let meta =
             std::fs::metadata(path).map_err(|e| format!("model file {}: {e}", path.display()))?;
+        // Opening a FIFO (or a device) blocks until someone writes to it: it froze every request.
+        if !meta.is_file() {
+            return Err(format!(
+                "model file {} is not a regular file",
+                path.display()
+            ));
+        }
         let stamp = FileStamp {
             len: meta.len(),
             modified: meta.modified().ok(),
         };
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((s, result)) = cache.get(path) {
-            if *s == stamp {
-                return result.clone();
+        {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((s, result)) = cache.get(path) {
+                if *s == stamp {
+                    return result.clone();
+                }
             }
         }
+        // Read without the cache's lock: a slow file (a network mount) delays only its own scan.
         let result = GgufFile::open(path)
             .map_err(|e| format!("model file {}: {e}", path.display()))
             .and_then(|f| {
                 ModelSummary::of(&f).map_err(|e| format!("model file {}: {e}", path.display()))
             });
-        cache.insert(path.to_path_buf(), (stamp, result.clone()));
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(path.to_path_buf(), (stamp, result.clone()));
         result
     }
 
@@ -269,6 +282,11 @@ impl Registry {
 }
 
 /// Finds `name` among `entries`: an exact id or alias first, else the only id containing it.
+/// How much of an unknown model name an error repeats.
+const NAME_ECHO_BYTES: usize = 100;
+/// How many installed ids an unknown-model error lists.
+const IDS_LISTED: usize = 8;
+
 pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEntry, String> {
     if let Some(e) = entries.iter().find(|e| e.answers_to(name)) {
         return Ok(e);
@@ -280,10 +298,23 @@ pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEnt
         .collect();
     match partial.as_slice() {
         [one] => Ok(one),
+        // The name is the client's: echoed cut short, and the installed ids listed up to a few (the
+        // whole list is GET /v1/models).
         [] => Err(format!(
-            "model {name:?} not found (installed: {})",
+            "model {:?} not found (installed: {})",
+            crate::http::access::truncate(name, NAME_ECHO_BYTES),
             if entries.is_empty() {
                 "none".to_string()
+            } else if entries.len() > IDS_LISTED {
+                format!(
+                    "{}, and {} more; see GET /v1/models",
+                    entries[..IDS_LISTED]
+                        .iter()
+                        .map(|e| e.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    entries.len() - IDS_LISTED
+                )
             } else {
                 entries
                     .iter()
@@ -293,7 +324,8 @@ pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEnt
             }
         )),
         many => Err(format!(
-            "model {name:?} is ambiguous: {}",
+            "model {:?} is ambiguous: {}",
+            crate::http::access::truncate(name, NAME_ECHO_BYTES),
             many.iter()
                 .map(|e| e.id.as_str())
                 .collect::<Vec<_>>()
@@ -454,5 +486,15 @@ mod tests {
         assert!(find_in(&entries, "llama")
             .unwrap_err()
             .contains("not found"));
+    }
+
+    #[test]
+    fn an_unknown_name_is_echoed_short_and_few_ids_are_listed() {
+        let entries: Vec<ModelEntry> = (0..20).map(|i| entry(&format!("model-{i:02}"))).collect();
+        let long = "x".repeat(100_000);
+        let e = find_in(&entries, &long).unwrap_err();
+        assert!(e.len() < 400, "{} bytes", e.len());
+        assert!(e.contains("and 12 more; see GET /v1/models"), "{e}");
+        assert!(!e.contains("model-19"), "{e}");
     }
 }

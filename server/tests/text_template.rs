@@ -111,6 +111,28 @@ fn templates_are_sandboxed_and_raise() {
 }
 
 #[test]
+fn a_template_printing_without_end_is_stopped_at_the_output_limit() {
+    // 1 GB of output (issue 17 killed the server at the first chat with this): refused at 64 MiB.
+    let t = ChatTemplate::new(
+        "{% set s = 'x' * 1000000 %}{% for i in range(1000) %}{{ s }}{% endfor %}",
+        "",
+        "",
+    )
+    .expect("compiles (the capability probe's renders fail, they do not abort)");
+    let e = t
+        .render(&ChatInput::default(), false)
+        .expect_err("over the limit");
+    assert!(e.to_string().contains("output is over"), "{e}");
+    let t = ChatTemplate::new("{{ 'y' * 1000 }}", "", "").expect("compiles");
+    assert_eq!(
+        t.render(&ChatInput::default(), false)
+            .expect("renders")
+            .len(),
+        1000
+    );
+}
+
+#[test]
 fn families_and_open_reasoning_from_real_templates() {
     use polystrata::text::family::Family;
     use polystrata::text::parse::prompt_opens_reasoning;

@@ -205,6 +205,7 @@ impl ModelGraph {
     /// Reads the file's architecture and builds its forward pass; an error for an unknown architecture,
     /// one whose forward pass is not implemented yet, or a file that does not match its architecture.
     pub fn from_file(file: &GgufFile) -> Result<ModelGraph, ArchError> {
+        file.check_counts()?;
         let hp = ModelHparams::from_metadata(file.metadata())?;
         let tensors = bind_tensors(hp.as_dyn(), file)?;
         match hp {

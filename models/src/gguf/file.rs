@@ -202,6 +202,31 @@ impl GgufFile {
         })
     }
 
+    /// Checks the counts that size per-layer tables against what the file holds: every block has at least
+    /// one tensor, so a `block_count` above the tensor count is a broken file (2^32-1 made readers build
+    /// 16 GiB tables and abort). Files without an architecture are not models and pass.
+    pub fn check_counts(&self) -> Result<()> {
+        let Ok(Some(blocks)) = self.metadata.arch_u64_opt("block_count") else {
+            return Ok(());
+        };
+        if blocks > self.tensors.len() as u64 {
+            return Err(GgufError::new(
+                self.metadata.source(),
+                ErrorKind::OutOfRange {
+                    key: self
+                        .metadata
+                        .arch_key("block_count")
+                        .unwrap_or_else(|_| "block_count".into()),
+                    value: format!(
+                        "{blocks} (more blocks than the file's {} tensors)",
+                        self.tensors.len()
+                    ),
+                },
+            ));
+        }
+        Ok(())
+    }
+
     /// The model's metadata (the first part's, for a split model).
     pub fn metadata(&self) -> &Metadata {
         &self.metadata

@@ -253,6 +253,19 @@ impl Supervisor {
         Some((view.current.clone()?, view.text.clone()?))
     }
 
+    /// The text side and context of the model in use when a request naming `model` will be served by it
+    /// without a switch (no name, or its exact id) and its engine has announced READY: the request's
+    /// prompt can then be prepared before it takes the lease. `None` when that cannot be told cheaply
+    /// (an alias, another model, nothing loaded): the prompt is prepared under the lease.
+    pub fn text_for(&self, model: Option<&str>) -> Option<(Arc<ModelText>, u32)> {
+        let view = lock(&self.view);
+        let current = view.current.as_deref()?;
+        if model.is_some_and(|m| !m.is_empty() && m != current) {
+            return None;
+        }
+        Some((view.text.clone()?, view.ready.as_ref()?.n_ctx))
+    }
+
     /// The id of the model in use, if any (for requests that name none).
     pub fn current_id(&self) -> Option<String> {
         lock(&self.view).current.clone()
@@ -261,12 +274,13 @@ impl Supervisor {
     fn enter_queue(&self) -> Result<QueueTicket, ServeError> {
         let before = self.waiting.fetch_add(1, Ordering::SeqCst);
         let ticket = QueueTicket(self.waiting.clone());
-        // One request runs and `queue` wait.
+        // One request runs and `queue` wait: `before` counts the running one too.
         if before > self.limits.queue {
             Counters::add(&self.counters.refused_busy);
             return Err(ServeError::Busy(format!(
-                "{} requests are waiting; try again shortly",
-                before
+                "{} requests are waiting behind the running one (the queue holds {}); try again shortly",
+                before - 1,
+                self.limits.queue
             )));
         }
         Ok(ticket)
@@ -562,4 +576,32 @@ fn engine_label(slot: &Slot) -> String {
         .as_ref()
         .map(|m| m.id.clone())
         .unwrap_or_else(|| "engine".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_says_how_many_wait() {
+        let registry = Arc::new(Registry::new(
+            std::env::temp_dir().join("polystrata-no-home"),
+        ));
+        let limits = Limits {
+            queue: 2,
+            ..Limits::default()
+        };
+        let supervisor = Supervisor::new(registry, limits);
+        // One runs, two wait; the fourth is refused.
+        let held: Vec<QueueTicket> = (0..3)
+            .map(|_| supervisor.enter_queue().expect("room"))
+            .collect();
+        let refused = supervisor.enter_queue().err().expect("full");
+        assert_eq!(
+            refused.message(),
+            "2 requests are waiting behind the running one (the queue holds 2); try again shortly"
+        );
+        drop(held);
+        assert!(supervisor.enter_queue().is_ok());
+    }
 }

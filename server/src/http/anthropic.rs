@@ -5,6 +5,7 @@
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Flavor, Kind};
 use super::openai::{next_or_gone, CANCEL_WAIT};
+use super::prepare::{encode_error, leased_with, off_runtime};
 use super::sampling::sampling;
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Step};
@@ -233,21 +234,25 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         Some(_) => return Err(ApiError::bad_request("`model` must be a string")),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let lease = state.supervisor.lease(model.as_deref()).await?;
-    let text = lease.text();
-    let rendered = text
-        .render_chat(&input)
-        .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-    let prompt = text
-        .encode(&rendered.prompt)
-        .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
+    let chat = Arc::new(input);
+    let (lease, (rendered, prompt, resume)) =
+        leased_with(&state, model.as_deref(), move |text, n_ctx| {
+            let rendered = text
+                .render_chat(&chat)
+                .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
+            let prompt = text
+                .encode_within(&rendered.prompt, n_ctx)
+                .map_err(encode_error)?;
+            let resume = text.resume_hints(&chat, &prompt);
+            Ok((rendered, prompt, resume))
+        })
+        .await?;
     let id = state.supervisor.next_request_id();
     let meta = Meta {
         id: format!("msg_{id}"),
         gen_id: id.clone(),
         model: lease.model().id.clone(),
     };
-    let resume = text.resume_hints(&input, &prompt);
     let gen = Generation::start_in(
         lease,
         id,
@@ -273,7 +278,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
 
 /// `POST /v1/messages/count_tokens`: the prompt's length under the model in use (agents size their
 /// context with it). Needs no engine, only the model's tokenizer and template.
-pub fn count_tokens(state: &AppState, body: Value) -> Result<Response<RespBody>, ApiError> {
+pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<RespBody>, ApiError> {
     let input = to_chat_input(&body)?;
     let Some((current, text)) = state.supervisor.current_text() else {
         return Err(ApiError::new(
@@ -292,15 +297,26 @@ pub fn count_tokens(state: &AppState, body: Value) -> Result<Response<RespBody>,
             ));
         }
     }
-    let rendered = text
-        .render_chat(&input)
-        .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-    let tokens = text
-        .encode(&rendered.prompt)
-        .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
+    // Counted as a prompt is (off the runtime, bounded by the context when one is known).
+    let n_ctx = state.supervisor.text_for(None).map(|(_, n)| n);
+    let n_tokens = off_runtime(state, move || {
+        let rendered = text
+            .render_chat(&input)
+            .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
+        match n_ctx {
+            Some(n) => text
+                .encode_within(&rendered.prompt, n)
+                .map_err(encode_error),
+            None => text.encode(&rendered.prompt).map_err(|e| {
+                ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}"))
+            }),
+        }
+        .map(|t| t.len())
+    })
+    .await?;
     Ok(json_response(
         StatusCode::OK,
-        &json!({"input_tokens": tokens.len()}),
+        &json!({"input_tokens": n_tokens}),
     ))
 }
 

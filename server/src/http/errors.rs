@@ -19,10 +19,15 @@ pub enum Flavor {
 pub enum Kind {
     BadRequest,
     Unauthorized,
+    /// A foreign `Host` or web origin.
+    Forbidden,
     NotFound,
     ModelNotFound,
     MethodNotAllowed,
     PayloadTooLarge,
+    UnsupportedMediaType,
+    /// A request that did not arrive in time.
+    Timeout,
     Busy,
     Conflict,
     Internal,
@@ -34,6 +39,9 @@ impl Kind {
         match self {
             Kind::BadRequest => StatusCode::BAD_REQUEST,
             Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::Forbidden => StatusCode::FORBIDDEN,
+            Kind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Kind::Timeout => StatusCode::REQUEST_TIMEOUT,
             Kind::NotFound | Kind::ModelNotFound => StatusCode::NOT_FOUND,
             Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Kind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -50,16 +58,24 @@ impl Kind {
             | Kind::ModelNotFound
             | Kind::MethodNotAllowed
             | Kind::PayloadTooLarge
+            | Kind::UnsupportedMediaType
+            | Kind::Timeout
             | Kind::Conflict => "invalid_request_error",
             Kind::Unauthorized => "authentication_error",
+            Kind::Forbidden => "permission_error",
             Kind::Busy | Kind::Unavailable | Kind::Internal => "server_error",
         }
     }
 
     fn anthropic_type(self) -> &'static str {
         match self {
-            Kind::BadRequest | Kind::MethodNotAllowed | Kind::Conflict => "invalid_request_error",
+            Kind::BadRequest
+            | Kind::MethodNotAllowed
+            | Kind::Conflict
+            | Kind::UnsupportedMediaType
+            | Kind::Timeout => "invalid_request_error",
             Kind::Unauthorized => "authentication_error",
+            Kind::Forbidden => "permission_error",
             Kind::NotFound | Kind::ModelNotFound => "not_found_error",
             Kind::PayloadTooLarge => "request_too_large",
             Kind::Busy | Kind::Unavailable => "overloaded_error",
@@ -71,6 +87,9 @@ impl Kind {
         match self {
             Kind::BadRequest => "bad_request",
             Kind::Unauthorized => "invalid_api_key",
+            Kind::Forbidden => "forbidden",
+            Kind::UnsupportedMediaType => "unsupported_media_type",
+            Kind::Timeout => "request_timeout",
             Kind::NotFound => "not_found",
             Kind::ModelNotFound => "model_not_found",
             Kind::MethodNotAllowed => "method_not_allowed",

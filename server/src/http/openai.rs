@@ -4,6 +4,7 @@
 
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Kind};
+use super::prepare::{encode_error, leased_with};
 use super::sampling::{integer, sampling};
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Sampling, Step, TokenLogprob};
@@ -222,17 +223,23 @@ pub async fn chat_completions(
     body: Value,
 ) -> Result<Response<RespBody>, ApiError> {
     let req = parse_chat(&body)?;
-    let lease = state.supervisor.lease(req.model.as_deref()).await?;
+    let input = Arc::new(req.input);
+    let chat = input.clone();
+    let (lease, (rendered, prompt, resume)) =
+        leased_with(&state, req.model.as_deref(), move |text, n_ctx| {
+            let rendered = text
+                .render_chat(&chat)
+                .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
+            let prompt = text
+                .encode_within(&rendered.prompt, n_ctx)
+                .map_err(encode_error)?;
+            let resume = text.resume_hints(&chat, &prompt);
+            Ok((rendered, prompt, resume))
+        })
+        .await?;
     let text = lease.text();
-    let rendered = text
-        .render_chat(&req.input)
-        .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-    let prompt = text
-        .encode(&rendered.prompt)
-        .map_err(|e| ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}")))?;
     let id = state.supervisor.next_request_id();
     let model = lease.model().id.clone();
-    let resume = text.resume_hints(&req.input, &prompt);
     let gen = Generation::start_in(
         lease,
         id.clone(),
@@ -452,16 +459,13 @@ async fn stream_chat(
 }
 
 /// A completions prompt: text, or token ids (a one-element batch of either is accepted).
-fn completion_prompt(body: &Value, text: &ModelText) -> Result<Vec<u32>, ApiError> {
+fn completion_prompt(body: &Value, text: &ModelText, n_ctx: u32) -> Result<Vec<u32>, ApiError> {
     fn ids(a: &[Value]) -> Option<Vec<u32>> {
         a.iter()
             .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
             .collect()
     }
-    let encode = |s: &str| {
-        text.encode(s)
-            .map_err(|e| ApiError::bad_request(format!("cannot tokenize the prompt: {e}")))
-    };
+    let encode = |s: &str| text.encode_within(s, n_ctx).map_err(encode_error);
     match body.get("prompt") {
         Some(Value::String(s)) => encode(s),
         Some(Value::Array(a)) if a.is_empty() => Err(ApiError::bad_request("`prompt` is empty")),
@@ -483,10 +487,31 @@ fn completion_prompt(body: &Value, text: &ModelText) -> Result<Vec<u32>, ApiErro
     }
 }
 
+/// The legacy completion fields that change the answer and are not supported: refused, as chat refuses
+/// `n`, rather than silently ignored.
+fn refuse_unsupported_completion_fields(body: &Value) -> Result<(), ApiError> {
+    for key in ["n", "best_of"] {
+        if integer(body, key, 1, 128)?.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad_request(format!(
+                "only `{key}` = 1 is supported"
+            )));
+        }
+    }
+    if bool_field(body, "echo")? {
+        return Err(ApiError::bad_request("`echo` is not supported"));
+    }
+    match body.get("suffix") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if s.is_empty() => Ok(()),
+        Some(_) => Err(ApiError::bad_request("`suffix` is not supported")),
+    }
+}
+
 pub async fn completions(
     state: Arc<AppState>,
     body: Value,
 ) -> Result<Response<RespBody>, ApiError> {
+    refuse_unsupported_completion_fields(&body)?;
     let model = model_field(&body)?;
     let mut sampling = sampling(&body, &["max_tokens"], "stop")?;
     let logprobs = integer(&body, "logprobs", 0, 20)?;
@@ -505,9 +530,13 @@ pub async fn completions(
             "`prompt` (text or an array of token ids) is required",
         ));
     }
-    let lease = state.supervisor.lease(model.as_deref()).await?;
+    let body = Arc::new(body);
+    let request = body.clone();
+    let (lease, prompt) = leased_with(&state, model.as_deref(), move |text, n_ctx| {
+        completion_prompt(&request, text, n_ctx)
+    })
+    .await?;
     let text = lease.text();
-    let prompt = completion_prompt(&body, &text)?;
     let n_vocab = lease.engine().ready().n_vocab;
     if let Some(bad) = prompt.iter().find(|&&t| t >= n_vocab) {
         return Err(ApiError::bad_request(format!(
@@ -692,6 +721,21 @@ async fn stream_completion(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unsupported_completion_fields_are_refused() {
+        let ok = json!({"prompt": "x", "n": 1, "best_of": 1, "echo": false, "suffix": ""});
+        assert!(refuse_unsupported_completion_fields(&ok).is_ok());
+        for bad in [
+            json!({"prompt": "x", "n": 2}),
+            json!({"prompt": "x", "best_of": 3}),
+            json!({"prompt": "x", "echo": true}),
+            json!({"prompt": "x", "suffix": "tail"}),
+        ] {
+            let e = refuse_unsupported_completion_fields(&bad).expect_err("refused");
+            assert_eq!(e.kind, Kind::BadRequest, "{bad}");
+        }
+    }
 
     #[test]
     fn chat_requests_are_checked() {

@@ -186,7 +186,42 @@ impl ChatTemplate {
         let clock = JValue::from_function(move |fmt: String| strftime(now, &fmt));
         env_ctx = minijinja::context! { strftime_now => clock, ..env_ctx };
         let tmpl = self.env.get_template(NAME)?;
-        tmpl.render(env_ctx)
+        let mut out = BoundedOutput::default();
+        match tmpl.render_captured_to(env_ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.bytes)
+                .map_err(|_| Error::new(ErrorKind::InvalidOperation, "the output is not UTF-8")),
+            Err(_) if out.over => Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("the template's output is over {MAX_OUTPUT_BYTES} bytes"),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The most a render may write: a template printing without end is stopped here instead of growing the
+/// server's memory until it aborts (a prompt this long could not fit any context anyway).
+const MAX_OUTPUT_BYTES: usize = 64 << 20;
+
+/// The render's output, failing the write that would pass [`MAX_OUTPUT_BYTES`].
+#[derive(Default)]
+struct BoundedOutput {
+    bytes: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_OUTPUT_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("the template's output limit"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -397,6 +397,17 @@ impl TextTokenizer {
         }
     }
 
+    /// The most bytes one token stands for: a text longer than `n` times this cannot be `n` tokens or
+    /// fewer, which bounds a prompt by its context before it is tokenized.
+    pub fn max_piece_len(&self) -> usize {
+        self.pieces
+            .iter()
+            .map(|(b, _)| b.len())
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// The text of `ids` (lossy where they end inside a character).
     pub fn decode(&self, ids: &[u32], render_special: bool) -> String {
         let mut bytes = Vec::new();

@@ -331,19 +331,18 @@ fn read_chunk(reader: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
     Some(chunk)
 }
 
-pub fn request(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    headers: &[(&str, &str)],
-) -> Response {
+/// Sends `raw` (a whole request as written, any headers) and reads the answer (the connection is closed
+/// by the request's `Connection: close` or by the server).
+pub fn raw_request(addr: &str, raw: &[u8]) -> Response {
     let mut stream = TcpStream::connect(addr).expect("connect");
     stream
-        .set_read_timeout(Some(Duration::from_secs(300)))
+        .set_read_timeout(Some(Duration::from_secs(60)))
         .expect("timeout");
-    write_request(&mut stream, addr, method, path, body, headers);
-    let mut reader = BufReader::new(stream);
+    stream.write_all(raw).expect("write request");
+    read_response(BufReader::new(stream))
+}
+
+fn read_response(mut reader: BufReader<TcpStream>) -> Response {
     let (status, headers) = read_head(&mut reader);
     let chunked = headers
         .iter()
@@ -368,6 +367,21 @@ pub fn request(
         headers,
         body,
     }
+}
+
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    headers: &[(&str, &str)],
+) -> Response {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(300)))
+        .expect("timeout");
+    write_request(&mut stream, addr, method, path, body, headers);
+    read_response(BufReader::new(stream))
 }
 
 /// A streaming response read event by event.

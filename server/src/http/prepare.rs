@@ -1,0 +1,87 @@
+//! Preparing a request's prompt (rendering the chat template, tokenizing) off the async runtime and,
+//! where it can be, before the request takes the engine's lease.
+//!
+//! Rendering and tokenizing a large request take seconds of CPU: on the runtime they stalled every other
+//! connection (`/health` took 19.8 s), and under the lease they stalled every generation. So they run
+//! in `spawn_blocking`, at most [`TextWork`]'s permits at once (more wait their turn instead of taking
+//! every core), and for the model in use before the lease; only when the request needs a switch (or its
+//! model changed meanwhile) is the prompt prepared again under the lease, with the new model's text side.
+
+use super::errors::{ApiError, Kind};
+use super::AppState;
+use crate::engine::supervisor::Lease;
+use crate::model_text::{EncodeError, ModelText};
+use std::sync::Arc;
+use tokio::sync::Semaphore;
+
+/// The permits for text work off the runtime.
+pub struct TextWork {
+    slots: Semaphore,
+}
+
+impl TextWork {
+    /// `n` preparations at once (at least one).
+    pub fn new(n: usize) -> TextWork {
+        TextWork {
+            slots: Semaphore::new(n.max(1)),
+        }
+    }
+
+    /// Half the cores: the engine computes on the same machine.
+    pub fn for_this_machine() -> TextWork {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        TextWork::new(cores.div_ceil(2))
+    }
+}
+
+/// Runs `work` on a blocking thread once a permit is free.
+pub async fn off_runtime<T: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _permit = state
+        .text_work
+        .slots
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(Kind::Internal, "the server is shutting down"))?;
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::new(Kind::Internal, format!("preparing the prompt failed: {e}")))?
+}
+
+/// The lease for `model` with `prepare`'s result for the lease's text side and context: prepared before
+/// the lease when the model in use serves the request, else (or when the model changed meanwhile) under
+/// it.
+pub async fn leased_with<T: Send + 'static>(
+    state: &AppState,
+    model: Option<&str>,
+    prepare: impl Fn(&ModelText, u32) -> Result<T, ApiError> + Send + Sync + 'static,
+) -> Result<(Lease, T), ApiError> {
+    let prepare = Arc::new(prepare);
+    let early = match state.supervisor.text_for(model) {
+        Some((text, n_ctx)) => {
+            let (f, t) = (prepare.clone(), text.clone());
+            Some((text, n_ctx, off_runtime(state, move || f(&t, n_ctx)).await?))
+        }
+        None => None,
+    };
+    let lease = state.supervisor.lease(model).await?;
+    let text = lease.text();
+    let n_ctx = lease.engine().ready().n_ctx;
+    let prepared = match early {
+        Some((t, c, p)) if Arc::ptr_eq(&t, &text) && c == n_ctx => p,
+        _ => off_runtime(state, move || prepare(&text, n_ctx)).await?,
+    };
+    Ok((lease, prepared))
+}
+
+/// The `ApiError` of a prompt that cannot be tokenized.
+pub fn encode_error(e: EncodeError) -> ApiError {
+    match e {
+        EncodeError::TooLong(m) => ApiError::bad_request(m),
+        EncodeError::Failed(m) => {
+            ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {m}"))
+        }
+    }
+}
