@@ -297,7 +297,7 @@ impl ArchHparams for Qwen35MoeHparams {
             SsmValueDim => value_dim,
             SsmVHeads => self.ssm_time_step_rank as u64,
             SsmHeadDim => self.ssm_state_size as u64,
-            Ff => return None,
+            Ff | RopeHalf => return None,
         };
         Some(v)
     }
