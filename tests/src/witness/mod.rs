@@ -247,31 +247,6 @@ impl Default for Rule {
     }
 }
 
-/// The `llama` architecture's references (synthetic fixtures and the real SmolLM2-135M) are judged within
-/// llama.cpp's own spread instead: our CPU engine does not yet compute these files op for op as llama.cpp
-/// does (the other architectures match to 0.0000), and llama.cpp itself, with flash attention off against
-/// on, moved these references' probabilities by up to 0.0719 (SmolLM2 text-t010; 0.0457 and 0.0465 on two
-/// tiny fixtures, 2026-12-01, tests/witness/witness_spread.py --variants no_fa). Tokens may part at a
-/// near tie of that size too, since a wobble within the spread can swap two such tokens.
-pub const LLAMA_SPREAD_RULE: Rule = Rule {
-    near_tie: 0.08,
-    max_prob_diff: 0.08,
-};
-
-impl Rule {
-    /// The rule for `reference`: this one, widened to [`LLAMA_SPREAD_RULE`] for `llama` references.
-    pub fn for_reference(self, reference: &Reference) -> Rule {
-        if reference.arch == "llama" {
-            Rule {
-                near_tie: self.near_tie.max(LLAMA_SPREAD_RULE.near_tie),
-                max_prob_diff: self.max_prob_diff.max(LLAMA_SPREAD_RULE.max_prob_diff),
-            }
-        } else {
-            self
-        }
-    }
-}
-
 /// The first step where our token is not llama.cpp's, with both tokens' probabilities on both sides.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Departure {

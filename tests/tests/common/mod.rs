@@ -245,7 +245,7 @@ pub fn run_witness(
             });
             match runs {
                 Ok((steps, seconds, reference)) => {
-                    let c = compare(&reference, &steps, &r.eog, rule.for_reference(r));
+                    let c = compare(&reference, &steps, &r.eog, rule);
                     report += &table_row(&r.prompt_name, r.prompt.len(), &c, Some(seconds));
                     if c.passed() {
                         passed += 1;
