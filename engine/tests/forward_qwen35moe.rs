@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use poly_engine::generate::prefill;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
-use poly_models::arch::{Forward, StateSpec};
+use poly_models::arch::{Forward, ModelHparams, StateSpec};
 use poly_models::compute::Logits;
 use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
@@ -22,13 +22,25 @@ use common::{max_diff, random_tokens, softmax};
 /// loaded once; the file is removed once mapped.
 fn model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| {
+    MODEL.get_or_init(|| tiny_model(None))
+}
+
+/// The tiny shape's model, with other `rope.dimension_sections` when given (same seed, same tensors).
+fn tiny_model(sections: Option<[u32; 4]>) -> Model {
+    {
+        let tag = sections.map_or("default".to_string(), |s| {
+            format!("{s:?}").replace(", ", "-")
+        });
         let dir: PathBuf =
-            std::env::temp_dir().join(format!("poly-engine-q35-{}", std::process::id()));
+            std::env::temp_dir().join(format!("poly-engine-q35-{}-{tag}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("qwen35moe-q8_0.gguf");
+        let mut shape = find_shape("qwen35moe", "tiny").expect("a tiny shape");
+        if let (Some(s), ModelHparams::Qwen35Moe(h)) = (sections, &mut shape.hparams) {
+            h.rope_sections = s;
+        }
         let opts = SynthOptions {
-            shape: find_shape("qwen35moe", "tiny").expect("a tiny shape"),
+            shape,
             types: TypeChoice {
                 default: GgmlType::Q8_0,
                 overrides: Vec::new(),
@@ -43,7 +55,24 @@ fn model() -> &'static Model {
         let model = Model::load(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         model
-    })
+    }
+}
+
+/// llama.cpp runs a file whose `rope.dimension_sections` do not sum to `rope.dimension_count / 2`: ggml's
+/// interleaved multi-section RoPE takes rotated pair i's sector as i mod the sections' sum. For the tiny
+/// shape's 8 rotated pairs, [2, 2, 2, 0] (sum 6) puts every pair in a text section, as [3, 3, 2, 0] does,
+/// so with text positions both are NeoX RoPE over the same pairs and the logits are the same.
+#[test]
+fn rope_sections_that_do_not_sum_to_the_rotated_pairs_run_as_in_llama_cpp() {
+    let odd = tiny_model(Some([2, 2, 2, 0]));
+    let base = model();
+    let n_vocab = base.info().n_vocab;
+    let prompt = random_tokens(20, n_vocab, 4);
+    let logits = |m: &Model| {
+        let mut state = m.new_state(64);
+        prefill(m, &mut state, &prompt, 512).unwrap()
+    };
+    assert_eq!(logits(&odd), logits(base));
 }
 
 #[test]

@@ -173,6 +173,14 @@ fn real_shapes_have_the_published_sizes() {
         0.0,
     );
     assert_eq!(g.size_label, "268M");
+    let smol = prepare(
+        "llama",
+        "smollm2-135m",
+        default_types("llama", "smollm2-135m"),
+        0.0,
+    );
+    // SmolLM2-135M's 134,515,008 parameters: the output tied to the embedding.
+    assert_eq!(smol.size_label, "134M");
     // Every listed shape plans.
-    assert_eq!(all_shapes().len(), 9);
+    assert_eq!(all_shapes().len(), 11);
 }

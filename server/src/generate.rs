@@ -139,7 +139,6 @@ impl Generation {
                 ready.n_ctx
             )));
         }
-        let max_tokens = sampling.max_tokens.unwrap_or(room).min(room);
         let mut stop_tokens = ready.eos.clone();
         for t in text.stop_tokens() {
             if !stop_tokens.contains(&t) {
@@ -153,6 +152,17 @@ impl Generation {
             .map(|c| c.sampling.clone())
             .unwrap_or_default();
         let default_f32 = |k: &str| defaults.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+        // The run config's default answer length (a small demo model should not ramble until the context
+        // is full); a request's own max_tokens wins, and neither may exceed the room left.
+        let default_max = defaults
+            .get("max_tokens")
+            .and_then(|v| v.as_u64())
+            .map(|v| v.min(u32::MAX as u64) as u32);
+        let max_tokens = sampling
+            .max_tokens
+            .or(default_max)
+            .unwrap_or(room)
+            .min(room);
         let gen = Gen {
             id: id.clone(),
             tokens: prompt,

@@ -145,7 +145,7 @@ fn the_builtin_table_is_assessed_and_an_installed_model_is_measured() {
     }
     // The demo is dense and small: whole in an 8 GiB card.
     assert!(
-        line(&out, "demo Q4_K_M").contains("runs whole in VRAM"),
+        line(&out, "demo Q4_1").contains("runs whole in VRAM"),
         "{out}"
     );
     // A 35B-A3B size does not fit 8 GiB whole: a share of its experts.

@@ -30,7 +30,7 @@ fn every_reference_matches_a_committed_or_fetchable_model() {
         );
         if let Some(fetch) = &r.model_fetch {
             assert!(
-                fetch.contains("fetch_gemma.sh"),
+                fetch.contains("fetch_gemma.sh") || fetch.contains("fetch_smollm2.sh"),
                 "{}: fetch command {fetch}",
                 r.label()
             );
@@ -57,7 +57,7 @@ fn every_reference_matches_a_committed_or_fetchable_model() {
     for r in refs.iter().filter(|r| r.model_fetch.is_none()) {
         per_arch.entry(&r.arch).or_default().insert(&r.model);
     }
-    for arch in ["qwen3moe", "qwen35moe", "gemma3"] {
+    for arch in ["qwen3moe", "qwen35moe", "gemma3", "llama"] {
         let models = per_arch.get(arch).cloned().unwrap_or_default();
         assert!(models.len() >= 2, "{arch}: {models:?}");
         for m in models {
@@ -69,11 +69,14 @@ fn every_reference_matches_a_committed_or_fetchable_model() {
             assert_eq!(lens, SYNTH_PROMPT_LENGTHS, "{m}: prompt lengths");
         }
     }
-    let gemma: Vec<usize> = refs
-        .iter()
-        .filter(|r| r.model_fetch.is_some())
-        .map(|r| r.prompt.len())
-        .collect();
+    let real = |arch: &str| -> Vec<usize> {
+        refs.iter()
+            .filter(|r| r.model_fetch.is_some() && r.arch == arch)
+            .map(|r| r.prompt.len())
+            .collect()
+    };
+    assert_eq!(real("llama").len(), 5, "five SmolLM2-135M text prompts");
+    let gemma = real("gemma3");
     assert_eq!(gemma.len(), 5, "five Gemma 3 270M text prompts");
     assert!(
         gemma.iter().any(|&n| n > 512 + 64),
@@ -112,7 +115,7 @@ fn fixture_models_open_and_have_the_promised_types() {
                 .collect()
         };
         if name.ends_with("-q4k-q8.gguf") {
-            let big = if arch == "gemma3" {
+            let big = if arch == "gemma3" || arch == "llama" {
                 "ffn_up"
             } else {
                 "ffn_up_exps"
@@ -138,7 +141,7 @@ fn fixture_models_open_and_have_the_promised_types() {
             panic!("unexpected fixture model {name}");
         }
     }
-    assert!(seen >= 6, "expected six fixture models, found {seen}");
+    assert!(seen >= 8, "expected eight fixture models, found {seen}");
     assert!(
         total <= MAX_FIXTURE_MODEL_BYTES,
         "fixture models take {total} bytes"

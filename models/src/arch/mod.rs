@@ -11,9 +11,11 @@
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
 //!   shared experts, one MTP (next-token prediction) block.
 //! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
+//! - [`llama`]: dense Llama-family models (Llama 2/3, Mistral, SmolLM2): GQA, normal RoPE, SwiGLU.
 
 pub mod gemma3;
 pub mod graph;
+pub mod llama;
 pub mod qwen35moe;
 pub mod qwen3moe;
 
@@ -21,6 +23,7 @@ use crate::gguf::{GgufError, Metadata, Value};
 
 pub use gemma3::Gemma3Hparams;
 pub use graph::{bind_tensors, Forward, ModelGraph, ModelInfo, StateSpec, TensorMap};
+pub use llama::LlamaHparams;
 pub use qwen35moe::Qwen35MoeHparams;
 pub use qwen3moe::Qwen3MoeHparams;
 
@@ -144,6 +147,8 @@ impl TensorClass {
 pub enum Role {
     TokenEmbd,
     OutputNorm,
+    /// RoPE frequency factors (`rope_freqs.weight`, Llama 3.1+).
+    RopeFreqs,
     Output,
     AttnNorm,
     AttnQ,
@@ -191,6 +196,7 @@ impl Role {
         match self {
             Role::TokenEmbd => "token_embd.weight",
             Role::OutputNorm => "output_norm.weight",
+            Role::RopeFreqs => "rope_freqs.weight",
             Role::Output => "output.weight",
             Role::AttnNorm => "blk.{}.attn_norm.weight",
             Role::AttnQ => "blk.{}.attn_q.weight",
@@ -256,6 +262,8 @@ pub enum Dim {
     Expert,
     /// Key head dimension (Q/K norm length).
     HeadK,
+    /// Half the rotated dimensions (`n_rot / 2`): one RoPE frequency factor per rotated pair.
+    RopeHalf,
     /// `n_head * head_k`: the query projection (and attention output input).
     QProj,
     /// `2 * n_head * head_k`: query and output gate together (Qwen3.5 gated attention).
@@ -440,10 +448,11 @@ pub enum ModelHparams {
     Qwen3Moe(Qwen3MoeHparams),
     Qwen35Moe(Qwen35MoeHparams),
     Gemma3(Gemma3Hparams),
+    Llama(LlamaHparams),
 }
 
 /// The architectures this crate knows, by `general.architecture`.
-pub const ARCH_NAMES: &[&str] = &[qwen3moe::ARCH, qwen35moe::ARCH, gemma3::ARCH];
+pub const ARCH_NAMES: &[&str] = &[qwen3moe::ARCH, qwen35moe::ARCH, gemma3::ARCH, llama::ARCH];
 
 impl ModelHparams {
     /// Reads the hyperparameters of the file's architecture from its metadata.
@@ -455,6 +464,7 @@ impl ModelHparams {
                 md,
             )?)),
             gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
+            llama::ARCH => Ok(ModelHparams::Llama(LlamaHparams::from_metadata(md)?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
                 ARCH_NAMES.join(", ")
@@ -468,6 +478,7 @@ impl ModelHparams {
             ModelHparams::Qwen3Moe(h) => h,
             ModelHparams::Qwen35Moe(h) => h,
             ModelHparams::Gemma3(h) => h,
+            ModelHparams::Llama(h) => h,
         }
     }
 }

@@ -47,7 +47,8 @@ pub struct Qwen35MoeHparams {
     pub head_dim: u32,
     /// `rope.dimension_count`: rotated dimensions of a head (a quarter of it in the real models).
     pub rope_dim: u32,
-    /// `rope.dimension_sections`: multi-section RoPE pairs per section (sum = `rope_dim / 2`).
+    /// `rope.dimension_sections`: multi-section RoPE pairs per section (normally summing to `rope_dim / 2`;
+    /// ggml takes each rotated pair's section modulo their sum, so other sums run too).
     pub rope_sections: [u32; 4],
     /// `rope.freq_base`.
     pub rope_freq_base: f32,
@@ -297,7 +298,7 @@ impl ArchHparams for Qwen35MoeHparams {
             SsmValueDim => value_dim,
             SsmVHeads => self.ssm_time_step_rank as u64,
             SsmHeadDim => self.ssm_state_size as u64,
-            Ff => return None,
+            Ff | RopeHalf => return None,
         };
         Some(v)
     }
@@ -379,10 +380,14 @@ impl ArchHparams for Qwen35MoeHparams {
             self.rope_dim <= self.head_dim && self.rope_dim.is_multiple_of(2),
             "rope.dimension_count must be even and at most key_length",
         )?;
+        // llama.cpp does not ask the sections to sum to rope.dimension_count / 2: ggml's multi-section RoPE
+        // takes pair i's sector as i mod their sum. It only asserts the sum is at most the head size
+        // (GGML_ASSERT(sect_dims <= ne0) in ggml_mrope_cache_init), and a sum of 0 would divide by zero.
+        let sect_dims: u32 = self.rope_sections.iter().sum();
         check(
             ARCH,
-            self.rope_sections.iter().sum::<u32>() * 2 == self.rope_dim,
-            "rope.dimension_sections must sum to rope.dimension_count / 2",
+            sect_dims > 0 && sect_dims <= self.head_dim,
+            "rope.dimension_sections must sum to more than 0 and at most key_length (ggml asserts it)",
         )?;
         check(
             ARCH,
@@ -446,19 +451,24 @@ impl ArchHparams for Qwen35MoeHparams {
 }
 
 /// Whether interleaved multi-section RoPE (ggml's `GGML_ROPE_TYPE_IMROPE`, which llama.cpp uses for
-/// `qwen35moe`) rotates every pair of the `sections.sum()` rotated pairs by the token's position when
+/// `qwen35moe`) rotates every one of the `n_pairs` rotated pairs by the token's position when
 /// the positions are text positions. llama.cpp gives a text token the position `p` in the first three
 /// sections and 0 in the fourth; pair `i` (sector `i mod Σ sections`) reads section `i mod 3` while the
 /// sector is below three times that section's size, and the fourth otherwise — and a pair at position 0
 /// is not rotated. When every pair reads one of the first three, the rotation is plain NeoX RoPE over
 /// the rotated dimensions (same angles, same pairing).
-fn imrope_text_is_neox(sections: [u32; 4]) -> bool {
+fn imrope_text_is_neox(sections: [u32; 4], n_pairs: u32) -> bool {
     let sect_dims: u32 = sections.iter().sum();
-    (0..sect_dims).all(|sector| match sector % 3 {
-        0 => sector < 3 * sections[0],
-        1 => sector < 3 * sections[1],
-        _ => sector < 3 * sections[2],
-    })
+    if sect_dims == 0 {
+        return false;
+    }
+    (0..n_pairs)
+        .map(|i| i % sect_dims)
+        .all(|sector| match sector % 3 {
+            0 => sector < 3 * sections[0],
+            1 => sector < 3 * sections[1],
+            _ => sector < 3 * sections[2],
+        })
 }
 
 /// The token mixer of a gated delta-net block.
@@ -560,7 +570,7 @@ impl Qwen35MoeGraph {
     ) -> Result<Qwen35MoeGraph, ArchError> {
         check(
             ARCH,
-            imrope_text_is_neox(hp.rope_sections),
+            imrope_text_is_neox(hp.rope_sections, hp.rope_dim / 2),
             "rope.dimension_sections leave rotated pairs at position 0, which is not implemented",
         )?;
         let attention = |il: u32| -> Result<AttentionMixer, ArchError> {
@@ -824,11 +834,55 @@ mod tests {
     #[test]
     fn imrope_sections_of_released_models_rotate_every_text_pair() {
         // Qwen3.5/3.6 (64 rotated dims) and the tiny fixtures (16).
-        assert!(imrope_text_is_neox([11, 11, 10, 0]));
-        assert!(imrope_text_is_neox([3, 3, 2, 0]));
+        assert!(imrope_text_is_neox([11, 11, 10, 0], 32));
+        assert!(imrope_text_is_neox([3, 3, 2, 0], 8));
         // Sector 7 of [4, 2, 2, 0] is 7 mod 3 = 1 but not below 3·2: it reads the fourth section.
-        assert!(!imrope_text_is_neox([4, 2, 2, 0]));
+        assert!(!imrope_text_is_neox([4, 2, 2, 0], 8));
         // A fourth section of its own always reads position 0.
-        assert!(!imrope_text_is_neox([2, 2, 2, 2]));
+        assert!(!imrope_text_is_neox([2, 2, 2, 2], 8));
+        // Sections that do not sum to the pairs: pair i reads sector i mod 6, and sectors 0..6 of
+        // [2, 2, 2, 0] are all text sections, so every pair of 8 is rotated (pairs 6, 7 as sectors 0, 1).
+        assert!(imrope_text_is_neox([2, 2, 2, 0], 8));
+        // [1, 1, 1, 0]: pairs take i mod 3, so the sectors stay 0..2, each below 3 times its section.
+        assert!(imrope_text_is_neox([1, 1, 1, 0], 8));
+        assert!(!imrope_text_is_neox([0, 0, 0, 0], 8));
+    }
+
+    /// The tiny shape's metadata with other `rope.dimension_sections`.
+    fn tiny_with_sections(sections: [i32; 4]) -> Metadata {
+        let crate::arch::ModelHparams::Qwen35Moe(h) =
+            crate::synth::shapes::find_shape(ARCH, "tiny")
+                .expect("tiny")
+                .hparams
+        else {
+            unreachable!("a qwen35moe shape")
+        };
+        let mut m = Metadata::new("test");
+        assert!(m.insert_new("general.architecture".into(), Value::String(ARCH.into())));
+        for (k, v) in h.to_metadata() {
+            let v = if k.ends_with("rope.dimension_sections") {
+                Value::i32_array(sections)
+            } else {
+                v
+            };
+            assert!(m.insert_new(k, v));
+        }
+        assert!(m.insert_new(format!("{ARCH}.vocab_size"), Value::U32(h.n_vocab as u32)));
+        m
+    }
+
+    #[test]
+    fn sections_that_do_not_sum_to_the_rotated_pairs_load_as_in_llama_cpp() {
+        // The tiny shape rotates 16 dimensions (8 pairs); [2, 2, 2, 0] sums to 6, which llama.cpp runs
+        // (pair i in section i mod 6) and which used to be refused ("must sum to ...").
+        let hp = Qwen35MoeHparams::from_metadata(&tiny_with_sections([2, 2, 2, 0])).expect("loads");
+        assert_eq!(hp.rope_sections, [2, 2, 2, 0]);
+        assert!(imrope_text_is_neox(hp.rope_sections, hp.rope_dim / 2));
+        // What ggml cannot run is still refused with the reason: a sum of 0 (a division by zero) and a
+        // sum above the head size (its GGML_ASSERT).
+        for bad in [[0, 0, 0, 0], [40, 40, 0, 0]] {
+            let e = Qwen35MoeHparams::from_metadata(&tiny_with_sections(bad)).expect_err("refused");
+            assert!(e.0.contains("at most key_length"), "{e}");
+        }
     }
 }

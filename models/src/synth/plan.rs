@@ -129,6 +129,11 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
     let sigma = target_logit_sigma(n_vocab);
     let (emb_rms, out_norm) = match hp {
         ModelHparams::Gemma3(g) => tied_embedding_scales(n_embd, g.n_layer, n_vocab),
+        // Llama does not scale its embedding by sqrt(n_embd): divide that factor out of the rows' RMS.
+        ModelHparams::Llama(l) if l.tied_output => {
+            let (rms, norm) = tied_embedding_scales(n_embd, l.n_layer, n_vocab);
+            (rms * (n_embd as f32).sqrt(), norm)
+        }
         _ => (1.0, 1.0),
     };
     descs

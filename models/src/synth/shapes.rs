@@ -5,7 +5,8 @@
 use poly_kernels::quant::GgmlType;
 
 use crate::arch::{
-    gemma3, qwen35moe, qwen3moe, Gemma3Hparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+    gemma3, llama, qwen35moe, qwen3moe, Gemma3Hparams, LlamaHparams, ModelHparams,
+    Qwen35MoeHparams, Qwen3MoeHparams,
 };
 
 use super::vocab::SMALL_VOCAB_SIZE;
@@ -98,6 +99,23 @@ fn gemma3_270m() -> Gemma3Hparams {
         sliding_window: 512,
         swa_pattern: 6,
         final_logit_softcapping: None,
+    }
+}
+
+fn smollm2_135m() -> LlamaHparams {
+    // HuggingFaceTB/SmolLM2-135M-Instruct config.json.
+    LlamaHparams {
+        n_vocab: 49_152,
+        n_ctx_train: 8192,
+        n_embd: 576,
+        n_layer: 30,
+        n_ff: 1536,
+        n_head: 9,
+        n_head_kv: 3,
+        head_dim: 64,
+        rms_eps: 1e-5,
+        rope_freq_base: 100_000.0,
+        tied_output: true,
     }
 }
 
@@ -244,6 +262,35 @@ pub fn all_shapes() -> Vec<Shape> {
             description: "Gemma-3-270M: 18 layers, 640 wide, FFN 2048, 4/1 heads of 256, sliding window 512, vocabulary 262144",
             default_type: GgmlType::Q8_0,
             hparams: ModelHparams::Gemma3(gemma3_270m()),
+        },
+        Shape {
+            arch: llama::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "4 layers, 256 wide, FFN 512, 4/2 heads of 64, separate output, small BPE vocabulary",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Llama(LlamaHparams {
+                n_vocab: v,
+                n_ctx_train: TINY_CONTEXT,
+                n_embd: 256,
+                n_layer: 4,
+                n_ff: 512,
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                rms_eps: 1e-5,
+                rope_freq_base: 10_000.0,
+                // A separate output matrix, whose logit scale synth sets apart from the embedding's.
+                tied_output: false,
+            }),
+        },
+        Shape {
+            arch: llama::ARCH,
+            name: "smollm2-135m",
+            aliases: &["135m"],
+            description: "SmolLM2-135M: 30 layers, 576 wide, FFN 1536, 9/3 heads of 64, tied output, vocabulary 49152",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Llama(smollm2_135m()),
         },
     ]
 }

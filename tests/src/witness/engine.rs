@@ -50,7 +50,7 @@ pub fn engine_binary() -> Result<PathBuf, String> {
 
 /// The model file of `reference`, verified against its SHA-256. Committed fixtures are in
 /// `tests/fixtures/models/`; a model with a fetch command lives in the folder that command fills,
-/// `target/gemma3-270m/`, and is fetched there when missing (`$POLY_WITNESS_MODELS` names another folder
+/// its first argument (`target/gemma3-270m`, `target/smollm2`), and is fetched there when missing (`$POLY_WITNESS_MODELS` names another folder
 /// to take it from, with no fetching). `verified` caches the paths already hashed, since five
 /// references share one model.
 pub fn ensure_model(reference: &Reference, verified: &mut Vec<PathBuf>) -> Result<PathBuf, String> {
@@ -61,7 +61,11 @@ pub fn ensure_model(reference: &Reference, verified: &mut Vec<PathBuf>) -> Resul
             // the fetch command fills, so only it is fetched into.
             let (dir, may_fetch) = match std::env::var_os("POLY_WITNESS_MODELS") {
                 Some(d) => (PathBuf::from(d), false),
-                None => (workspace_dir().join("target").join("gemma3-270m"), true),
+                // `bash tests/witness/fetch_X.sh OUT_DIR ...`: the models land in OUT_DIR.
+                None => match fetch.split_whitespace().nth(2) {
+                    Some(out) => (workspace_dir().join(out), true),
+                    None => (workspace_dir().join("target").join("gemma3-270m"), true),
+                },
             };
             let path = dir.join(&reference.model);
             if !path.is_file() && !may_fetch {
