@@ -62,11 +62,9 @@ pub struct MoeStep {
     /// `[k]` the token's routed experts and their weights, written by the router.
     pub ids: DeviceBuffer<i32>,
     pub weights: DeviceBuffer<f32>,
-    /// `[n_embd]` the layer's input (a copy, for the CPU's share).
-    pub x: DeviceBuffer<f32>,
     /// `[n_embd]` the CPU's weighted sum, which the card's sum adds to.
     pub cpu_sum: DeviceBuffer<f32>,
-    /// Host copies of `ids`, `weights` and `x`, queued behind the router (a graph's nodes, so a replay
+    /// Host copies of `ids`, `weights` and the layer's input, queued behind the router (a graph's nodes, so a replay
     /// leaves them there): the route point waits for the card once and reads all three, where three
     /// synchronous downloads cost a round trip each.
     host_ids: PinnedHost<i32>,
@@ -85,7 +83,6 @@ impl MoeStep {
             moe: *moe,
             ids: dev.zeros(k)?,
             weights: dev.zeros(k)?,
-            x: dev.zeros(n_embd)?,
             cpu_sum: dev.zeros(n_embd)?,
             host_ids: dev.pinned(k)?,
             host_weights: dev.pinned(k)?,
@@ -94,16 +91,17 @@ impl MoeStep {
         })
     }
 
-    /// Queues the host copies of the router's ids and weights and of the layer's input (after the
-    /// router and the input's copy into `x`, in stream order; captured, every replay makes them).
-    pub fn queue_downloads(&mut self, dev: &Device) -> CudaResult<()> {
+    /// Queues the host copies of the router's ids and weights and of the layer's input `x` (after the
+    /// router, in stream order; captured, every replay makes them: a graph's activations keep their
+    /// addresses).
+    pub fn queue_downloads(&mut self, dev: &Device, x: &DeviceBuffer<f32>) -> CudaResult<()> {
         // SAFETY: the host reads the pinned copies only in `route`, after synchronizing with the stream
         // that ran them; the step owns them for as long as the graph holding the copies (the decode
         // graph drops its segments before its steps).
         unsafe {
             dev.queue_download(&self.ids, &mut self.host_ids)?;
             dev.queue_download(&self.weights, &mut self.host_weights)?;
-            dev.queue_download(&self.x, &mut self.host_x)?;
+            dev.queue_download(x, &mut self.host_x)?;
         }
         Ok(())
     }
@@ -119,7 +117,7 @@ impl MoeStep {
     ) -> CudaResult<Option<CpuShare>> {
         let clock = Instant::now();
         dev.synchronize()?;
-        let ids = self.host_ids.as_slice()?.to_vec();
+        let ids = self.host_ids.as_slice()?;
         times.route_wait += clock.elapsed();
         let clock = Instant::now();
         let fetch = || {
@@ -129,7 +127,7 @@ impl MoeStep {
             ))
         };
         cache.take_host_phases();
-        let share = cache.prepare(dev, cpu, self.layer, 1, &ids, fetch);
+        let share = cache.prepare(dev, cpu, self.layer, 1, ids, fetch);
         times.prepare += clock.elapsed();
         let parts = cache.take_host_phases();
         times.stage += parts.stage;

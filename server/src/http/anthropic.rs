@@ -5,7 +5,7 @@
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Flavor, Kind};
 use super::openai::{next_or_gone, CANCEL_WAIT};
-use super::prepare::{encode_error, leased_with, off_runtime};
+use super::prepare::{chat_prompt, encode_error, leased_with, off_runtime};
 use super::sampling::sampling;
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Step};
@@ -237,14 +237,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
     let chat = Arc::new(input);
     let (lease, (rendered, prompt, resume)) =
         leased_with(&state, model.as_deref(), move |text, n_ctx| {
-            let rendered = text
-                .render_chat(&chat)
-                .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-            let prompt = text
-                .encode_within(&rendered.prompt, n_ctx)
-                .map_err(encode_error)?;
-            let resume = text.resume_hints(&chat, &prompt);
-            Ok((rendered, prompt, resume))
+            chat_prompt(text, &chat, n_ctx)
         })
         .await?;
     let id = state.supervisor.next_request_id();

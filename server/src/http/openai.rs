@@ -4,7 +4,7 @@
 
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Kind};
-use super::prepare::{encode_error, leased_with};
+use super::prepare::{chat_prompt, encode_error, leased_with};
 use super::sampling::{integer, sampling};
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Sampling, Step, TokenLogprob};
@@ -227,14 +227,7 @@ pub async fn chat_completions(
     let chat = input.clone();
     let (lease, (rendered, prompt, resume)) =
         leased_with(&state, req.model.as_deref(), move |text, n_ctx| {
-            let rendered = text
-                .render_chat(&chat)
-                .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-            let prompt = text
-                .encode_within(&rendered.prompt, n_ctx)
-                .map_err(encode_error)?;
-            let resume = text.resume_hints(&chat, &prompt);
-            Ok((rendered, prompt, resume))
+            chat_prompt(text, &chat, n_ctx)
         })
         .await?;
     let text = lease.text();

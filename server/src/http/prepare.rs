@@ -10,7 +10,7 @@
 use super::errors::{ApiError, Kind};
 use super::AppState;
 use crate::engine::supervisor::Lease;
-use crate::model_text::{EncodeError, ModelText};
+use crate::model_text::{ChatInput, EncodeError, ModelText, RenderedChat, Resume};
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 
@@ -84,4 +84,22 @@ pub fn encode_error(e: EncodeError) -> ApiError {
             ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {m}"))
         }
     }
+}
+
+/// A chat request's prompt: the conversation rendered by the model's template, tokenized within `n_ctx`,
+/// and the hints for resuming a kept conversation (the one preparation of the OpenAI and Anthropic chat
+/// routes, run by [`leased_with`] off the runtime).
+pub fn chat_prompt(
+    text: &ModelText,
+    chat: &ChatInput,
+    n_ctx: u32,
+) -> Result<(RenderedChat, Vec<u32>, Resume), ApiError> {
+    let rendered = text
+        .render_chat(chat)
+        .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
+    let prompt = text
+        .encode_within(&rendered.prompt, n_ctx)
+        .map_err(encode_error)?;
+    let resume = text.resume_hints(chat, &prompt);
+    Ok((rendered, prompt, resume))
 }

@@ -884,7 +884,7 @@ impl ExpertCache {
     }
 
     /// Starts the uploads the policy admits for a token of `layer` that routed to `routed`. The experts
-    /// copied on demand for this token are the first candidates: they sit in scratch slots, so admitting
+    /// copied on demand for this token (`staged`: expert, scratch slot) are the first candidates: they sit in scratch slots, so admitting
     /// one is a copy on the card at its memory rate (microseconds) rather than another trip over the bus,
     /// which would queue before the next layer's copies on demand. The CPU's experts (`on_cpu`) come
     /// after them, over the bus. Each group is offered highest score first.
@@ -892,23 +892,19 @@ impl ExpertCache {
         &mut self,
         dev: &Device,
         cpu: &CpuWeights,
-        layer: usize,
-        routed: &[usize],
+        (layer, routed): (usize, &[usize]),
+        staged: &[(usize, usize)],
         on_cpu: &[usize],
     ) -> CudaResult<()> {
         if self.uploads_per_layer == 0 || self.pool.is_none() {
             return Ok(());
         }
-        let staged: Vec<(usize, usize)> = match &self.staged {
-            Some((l, map)) if *l == layer => map.clone(),
-            _ => Vec::new(),
-        };
         let mut on_card: Vec<usize> = staged.iter().map(|&(e, _)| e).collect();
         self.policy.sort_by_score(layer, &mut on_card);
         let plan = self
             .policy
             .plan(layer, &on_card, routed, self.uploads_per_layer);
-        self.admit_on_card(dev, &plan, &staged)?;
+        self.admit_on_card(dev, &plan, staged)?;
         let left = self.uploads_per_layer - plan.len();
         if left == 0 {
             return Ok(());
@@ -1012,15 +1008,23 @@ impl ExpertCache {
 
     /// After `layer`'s expert launches: tables that point at scratch slots point back.
     pub fn finish_layer(&mut self, dev: &Device, cpu: &CpuWeights, layer: usize) -> CudaResult<()> {
+        // The layer's launches are queued: its tables may lose the scratch entries from here on.
+        let staged = match self.staged.take() {
+            Some((l, map)) if l == layer => Some(map),
+            other => {
+                self.staged = other;
+                None
+            }
+        };
         if let Some((l, routed, on_cpu)) = self.admission.take() {
             if l == layer {
                 let clock = std::time::Instant::now();
-                self.admit(dev, cpu, layer, &routed, &on_cpu)?;
+                let on_card = staged.as_deref().unwrap_or(&[]);
+                self.admit(dev, cpu, (layer, &routed), on_card, &on_cpu)?;
                 self.host_phases.admit += clock.elapsed();
             }
         }
-        if self.staged.as_ref().is_some_and(|(l, _)| *l == layer) {
-            self.staged = None;
+        if staged.is_some() {
             self.point_tables(dev, layer)?;
         }
         Ok(())

@@ -201,8 +201,7 @@ impl<'a> GpuForward<'a> {
     ) -> CudaResult<()> {
         let dev = self.dev;
         self.route(x, m, &mut step.ids, &mut step.weights)?;
-        dev.copy(x.buf()?, &mut step.x)?;
-        step.queue_downloads(dev)?;
+        step.queue_downloads(dev, x.buf()?)?;
         let share = if capturing {
             self.cut(HostPoint::Route(i))?;
             None
