@@ -100,14 +100,15 @@ PY
 
 if [ "$PHASE" = ours ]; then
     stamp "ours at ${BUDGET} MiB (reserve $RESERVE of $TOTAL MiB)"
-    for m in $MODELS; do
+    # BENCH=0: not the budget's bench runs (a call that measures the server alone).
+    for m in $( [ "${BENCH:-1}" = 1 ] && echo $MODELS ); do
         F=/dev/shm/m/$m.gguf
         [ -x /tmp/bin/poly-engine-base ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
-    # LEAN=1: the budget's before/after alone.
-    [ "${LEAN:-0}" = 1 ] && { stamp done; exit 0; }
+    # LEAN=1: the budget's before/after and the server alone (SERVER=0: not the server either).
+    if [ "${LEAN:-0}" != 1 ]; then
     for m in q3u q35s; do
         F=/dev/shm/m/$m.gguf
         bench "$m ${BUDGET}MiB NEW tg64 --missing-experts card" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --missing-experts card
@@ -118,9 +119,11 @@ if [ "$PHASE" = ours ]; then
     for m in q3u q35s; do
         bench "$m full pp512 tg128" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
     done
+    fi
+    [ "${SERVER:-1}" = 1 ] || { stamp done; exit 0; }
     stamp "ours through the server (polystrata benchmark)"
     H=/tmp/home; mkdir -p $H
-    for m in q35s q3u; do
+    for m in ${SERVER_MODELS:-q35s q3u}; do
         /tmp/bin/polystrata tokenizer --gguf /dev/shm/m/$m.gguf --out $H/packs/$m/tokenizer > /dev/null 2>&1
         cat > $H/strata-$m-8gb.json <<J
 {"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb"}
@@ -129,7 +132,7 @@ J
         timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb --prompt-tokens 2000,8000,30000 --answer-tokens 128 > $OUT/server-$m.txt 2> $R/server-$m.err
         echo "  polystrata benchmark $m-8gb rc=$?" | tee -a "$S"
         smi_stop
-        cat $OUT/server-$m.txt >> "$S"; tail -3 $R/server-$m.err >> "$S"
+        cat $OUT/server-$m.txt >> "$S"; tail -3 $R/server-$m.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m.err | tail -6 >> "$S"
     done
     stamp done
 fi

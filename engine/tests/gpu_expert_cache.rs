@@ -12,7 +12,9 @@
 //!   activation (the CPU rounds their input to q8_1 as the card does): on float models top-5 within 0.01
 //!   and the same greedy tokens (measured: < 1e-4), on the 4-bit fixtures top-5 within 0.3.
 //!
-//! `experts_vram_share` is checked: 1 with every expert in VRAM, 0 with none, strictly between for half.
+//! `experts_vram_share` is checked: 1 with every expert in VRAM, 0 with none, strictly between for half;
+//! and that the one-call prompt copied its next layers' experts ahead (issue 15 §3) exactly when the
+//! copies go straight from the page-locked file.
 //!
 //! Needs a CUDA device: without one (CI) each test prints why it is skipped and passes. Cost on the H200:
 //! seconds (tiny models; the CPU's experts dominate).
@@ -256,7 +258,7 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
         eprintln!(
             "{name} {what}{} missing {missing:?}: resident at load {}, share {:?} (decode {:?}); \
              prompt top5 {:.2e}; decode top5 {:.4} greedy mismatches {}; uploads {} evictions {} \
-             staged {} staged for tokens {} on the CPU {}",
+             staged {} (ahead {}) staged for tokens {} on the CPU {}",
             if staging_only { " (staging only)" } else { "" },
             m.experts_in_vram(),
             r.share,
@@ -267,6 +269,7 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
             st.policy.uploads,
             st.policy.evictions,
             st.staged,
+            st.prefetched,
             st.staged_decode,
             st.cpu_experts
         );
@@ -299,6 +302,14 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
             failures.push(format!(
                 "{name} {what} {missing:?}: {} experts copied for tokens, {} on the CPU",
                 st.staged_decode, st.cpu_experts
+            ));
+        }
+        // The one-call prompt routes often enough per expert to copy each next layer ahead, but only
+        // straight from the page-locked file.
+        if staging_only != (st.prefetched == 0) {
+            failures.push(format!(
+                "{name} {what}: {} experts copied ahead (staging only: {staging_only})",
+                st.prefetched
             ));
         }
         if uploads == 0 && st.policy.uploads > 0 {

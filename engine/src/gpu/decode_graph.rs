@@ -137,7 +137,7 @@ impl MoeStep {
     }
 
     /// At the CPU-share point: the CPU's sum (zeros without a share) into `cpu_sum` while the card computes
-    /// its experts, then the layer finished in the cache.
+    /// its experts. [`MoeStep::finish`] finishes the layer in the cache after it.
     pub fn cpu_share(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
@@ -159,6 +159,18 @@ impl MoeStep {
             None => {}
         }
         times.cpu_share += clock.elapsed();
+        Ok(())
+    }
+
+    /// The layer finished in the cache (its tables pointed back, the admissions it earned started). A
+    /// replay does it after queueing the next segment: nothing in that segment reads this layer's experts,
+    /// and the host's choices then overlap the card's next dense layer instead of delaying its launch.
+    pub fn finish(
+        &self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        times: &mut HostTimes,
+    ) -> CudaResult<()> {
         let clock = Instant::now();
         cache.take_host_phases();
         let r = cache.finish_layer(dev, cpu, self.layer);
@@ -232,20 +244,37 @@ impl MoeSteps {
             ..
         } = self;
         let mut share = None;
+        // The step whose layer is finished once the next segment is queued.
+        let mut unfinished: Option<usize> = None;
         for (segment, point) in segments.iter() {
             segment.replay()?;
+            if let Some(j) = unfinished.take() {
+                step_at(steps, j)?.finish((dev, cpu), cache, times)?;
+            }
             let (HostPoint::Route(i) | HostPoint::CpuShare(i)) = *point;
-            let step = steps
-                .get_mut(i)
-                .and_then(Option::as_mut)
-                .ok_or_else(|| CudaError::Invalid(format!("a segmented graph without step {i}")))?;
+            let step = step_at(steps, i)?;
             match point {
                 HostPoint::Route(_) => share = step.route((dev, cpu), cache, times)?,
-                HostPoint::CpuShare(_) => step.cpu_share((dev, cpu), cache, share.take(), times)?,
+                HostPoint::CpuShare(_) => {
+                    step.cpu_share((dev, cpu), cache, share.take(), times)?;
+                    unfinished = Some(i);
+                }
             }
         }
-        last.replay()
+        last.replay()?;
+        match unfinished {
+            Some(j) => step_at(steps, j)?.finish((dev, cpu), cache, times),
+            None => Ok(()),
+        }
     }
+}
+
+/// Step `i` of a segmented graph.
+fn step_at(steps: &mut [Option<MoeStep>], i: usize) -> CudaResult<&mut MoeStep> {
+    steps
+        .get_mut(i)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| CudaError::Invalid(format!("a segmented graph without step {i}")))
 }
 
 /// One captured decode call.

@@ -113,6 +113,8 @@ pub struct GpuBackend {
     /// Routings of one token over all MoE layers, counted when a decode graph was captured: a replay
     /// adds them to the expert cache's figures, which a graph cannot count itself.
     routings_per_token: std::sync::atomic::AtomicU64,
+    /// The most memory in use on the card seen after a prompt call ([`GpuBackend::note_vram`]).
+    vram_high: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for GpuBackend {
@@ -157,6 +159,7 @@ impl GpuBackend {
             segments: decode_graph::segments_enabled(),
             experts: Mutex::new(cache),
             routings_per_token: std::sync::atomic::AtomicU64::new(0),
+            vram_high: std::sync::atomic::AtomicUsize::new(0),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -200,6 +203,8 @@ impl GpuBackend {
         // in the pool.
         drop(warm);
         *lock(&self.seq) = None;
+        // Later calls keep their scratch within what the warm-up's took (the budget counts it).
+        lock(&self.pool).cap_at_current();
         self.dev.synchronize().map_err(cuda_err)?;
         let (free, total) = self.dev.memory_info().map_err(cuda_err)?;
         let n_ctx = if p.n_ctx == 0 {
@@ -349,7 +354,8 @@ impl GpuBackend {
     /// Frees VRAM after a call ran out of it: the kept scratch buffers first, then (`attempt` ≥ 1) a
     /// quarter of the expert cache's slots.
     fn free_memory(&self, cpu: &CpuWeights, attempt: usize) -> CudaResult<()> {
-        *lock(&self.pool) = PoolStore::default();
+        let emptied = lock(&self.pool).emptied();
+        *lock(&self.pool) = emptied;
         {
             // Copies of the card's state that host states still point to go to host memory first.
             let mut seq = lock(&self.seq);
@@ -566,6 +572,9 @@ impl GpuBackend {
         if let Some(store) = Pool::into_store(pool) {
             *lock(&self.pool) = store;
         }
+        if tokens.len() > 1 && result.is_ok() {
+            self.note_vram(tokens.len(), pos0);
+        }
         let (logits, extra) = match result {
             Ok(l) => l,
             Err(e) => {
@@ -585,6 +594,29 @@ impl GpuBackend {
             p.record(&self.dev, tokens.len(), phases, marks_out);
         }
         Ok((logits, extra))
+    }
+}
+
+impl GpuBackend {
+    /// Logs the card's memory in use after a prompt call when it is the highest seen (stderr): where a
+    /// budget's excess comes from, call by call (nvidia-smi sees the same figure, CUDA context and other
+    /// programs included).
+    fn note_vram(&self, n_tokens: usize, pos0: usize) {
+        let Ok((free, total)) = self.dev.memory_info() else {
+            return;
+        };
+        let used = total.saturating_sub(free);
+        let before = self
+            .vram_high
+            .fetch_max(used, std::sync::atomic::Ordering::Relaxed);
+        if used > before {
+            eprintln!(
+                "vram: {} MiB in use on the card after a call of {n_tokens} tokens at position {pos0} \
+                 (scratch kept {} MiB)",
+                used >> 20,
+                lock(&self.pool).bytes() >> 20
+            );
+        }
     }
 }
 

@@ -447,7 +447,13 @@ impl CopyStream {
     /// (so a slot is overwritten only after the launches that read it).
     pub fn wait_for_compute(&self, dev: &Device) -> CudaResult<()> {
         let e = dev.record_compute()?;
-        Ok(self.stream.wait(&e.event)?)
+        self.wait_for(&e)
+    }
+
+    /// Makes the copies queued from here on wait for `event` (a point of the compute stream recorded
+    /// earlier by [`Device::record_compute`]: the launches before it, not those queued since).
+    pub fn wait_for(&self, event: &CopyEvent) -> CudaResult<()> {
+        Ok(self.stream.wait(&event.event)?)
     }
 
     /// Queues a copy of `src[..len]` into `dst` (`len` bytes inside one slot).

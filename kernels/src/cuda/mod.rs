@@ -28,6 +28,8 @@ pub mod sample;
 mod timing;
 
 pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExperts};
+/// The element traits of device buffers (for code generic over what a buffer holds).
+pub use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 pub use device::Device;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};

@@ -305,9 +305,10 @@ impl Bench<'_> {
         })
     }
 
-    /// The engine's VRAM at its highest and where the figure comes from: its STATS when it reports
-    /// VRAM, else the driver's count for its process, else the card's peak less what was in use before
-    /// the engine started. Nothing on the CPU.
+    /// The engine's VRAM at its highest and where the figure comes from, as nvidia-smi sees it: the
+    /// card's sampled peak less what was in use before the engine started (the CUDA context, scratch and
+    /// caches included: what a budget is about), else the driver's count for its process at the end,
+    /// else the engine's STATS (its weights only: a lower bound). Nothing on the CPU.
     fn vram(
         &self,
         stats: Option<&poly_protocol::Stats>,
@@ -316,18 +317,18 @@ impl Bench<'_> {
         if self.gpu.is_none() {
             return (None, None);
         }
-        if let Some(v) = stats.and_then(|s| s.vram_bytes) {
-            return (Some(v), Some("stats".into()));
+        if let (Some(peak), Some(base)) = (readings.card_memory_peak_mib, self.card_baseline_mib) {
+            return (
+                Some(peak.saturating_sub(base) << 20),
+                Some("nvidia-smi card".into()),
+            );
         }
         if let Some(v) = probe::process_vram_bytes(self.engine.pid()) {
             return (Some(v), Some("nvidia-smi pid".into()));
         }
-        match (readings.card_memory_peak_mib, self.card_baseline_mib) {
-            (Some(peak), Some(base)) => (
-                Some(peak.saturating_sub(base) << 20),
-                Some("nvidia-smi card".into()),
-            ),
-            _ => (None, None),
+        match stats.and_then(|s| s.vram_bytes) {
+            Some(v) => (Some(v), Some("stats (weights only)".into())),
+            None => (None, None),
         }
     }
 

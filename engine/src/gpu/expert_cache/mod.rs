@@ -19,6 +19,7 @@
 pub mod layout;
 pub mod placement;
 pub mod policy;
+mod prefetch;
 pub mod profile;
 #[cfg(test)]
 mod tests;
@@ -41,6 +42,23 @@ pub use placement::MissingExperts;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
 
+/// Where an upload goes.
+#[derive(Clone, Copy, Debug)]
+enum Dest {
+    /// The cache's pool.
+    Cache,
+    /// Scratch pool `i`.
+    Scratch(usize),
+}
+
+/// The layer whose tables point at scratch slots: its `(expert, scratch slot)` pairs in scratch pool
+/// `pool`.
+struct Staged {
+    layer: usize,
+    pool: usize,
+    map: Vec<(usize, usize)>,
+}
+
 /// An upload whose copy is in flight.
 struct Pending {
     slot: usize,
@@ -59,6 +77,8 @@ pub struct CacheStats {
     pub routed_vram: u64,
     /// Experts copied to scratch slots for prompt calls.
     pub staged: u64,
+    /// Of those, copied ahead into the second scratch pool while the card computed the layer before.
+    pub prefetched: u64,
     /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
     /// computing its share meanwhile).
     pub cpu_experts: u64,
@@ -291,8 +311,10 @@ pub struct ExpertCache {
     tables: Vec<[ExpertTable; 3]>,
     slot_bytes: usize,
     pool: Option<SlotPool>,
-    /// One layer's experts: a prompt call's uncached experts, for that layer's launches.
-    scratch: SlotPool,
+    /// One layer's experts each: a prompt call's uncached experts, for that layer's launches. A second
+    /// pool is allocated at the first large prompt call, so the next layer's experts are copied into one
+    /// while the card computes this layer's from the other ([`prefetch`]).
+    scratch: Vec<SlotPool>,
     staging: [StagingBuffer; 2],
     next_staging: usize,
     /// `[part]`: the model file's mapping page-locked, when that worked: experts are copied straight
@@ -303,10 +325,14 @@ pub struct ExpertCache {
     pending: Vec<Pending>,
     /// Uploads the policy may start per layer and token (0: the cache is frozen).
     uploads_per_layer: usize,
-    /// Layers whose tables point at scratch slots until [`ExpertCache::finish_layer`].
-    /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`], and its
-    /// `(expert, scratch slot)` pairs.
-    staged: Option<(usize, Vec<(usize, usize)>)>,
+    /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`].
+    staged: Option<Staged>,
+    /// A layer's uncached experts being copied into a scratch pool ahead of its launches, and the
+    /// plan for the next one ([`prefetch`]).
+    prefetch: Option<prefetch::Prefetched>,
+    prefetch_plan: Option<prefetch::Plan>,
+    /// The cache was sized ([`ExpertCache::fill`]): no scratch is allocated from here on.
+    filled: bool,
     stats: CacheStats,
     profile: Option<(PathBuf, ExpertProfile)>,
     /// Where a single token's missing experts are computed.
@@ -385,7 +411,7 @@ impl ExpertCache {
             tables,
             slot_bytes,
             pool: None,
-            scratch: SlotPool::alloc(dev, slot_bytes, max_experts)?,
+            scratch: vec![SlotPool::alloc(dev, slot_bytes, max_experts)?],
             staging: [
                 StagingBuffer::new(dev, slot_bytes)?,
                 StagingBuffer::new(dev, slot_bytes)?,
@@ -397,6 +423,9 @@ impl ExpertCache {
             pending: Vec::new(),
             uploads_per_layer: 0,
             staged: None,
+            prefetch: None,
+            prefetch_plan: None,
+            filled: false,
             stats: CacheStats::default(),
             profile: None,
             missing: MissingExperts::default(),
@@ -429,7 +458,8 @@ impl ExpertCache {
 
     /// Bytes of the cache's slots and the scratch slots and staging buffers.
     pub fn device_bytes(&self) -> usize {
-        self.pool.as_ref().map_or(0, SlotPool::bytes) + self.scratch.bytes()
+        self.pool.as_ref().map_or(0, SlotPool::bytes)
+            + self.scratch.iter().map(SlotPool::bytes).sum::<usize>()
     }
 
     /// Experts over all layers.
@@ -543,6 +573,10 @@ impl ExpertCache {
         self.copy.synchronize()?;
         dev.synchronize()?;
         self.pending.clear();
+        self.staged = None;
+        self.prefetch = None;
+        self.prefetch_plan = None;
+        self.filled = true;
         self.pool = None;
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.n_expert).collect();
         self.policy = CachePolicy::new(&sizes, 0);
@@ -567,7 +601,7 @@ impl ExpertCache {
         let set = self.policy.initial_set(counts);
         let clock = std::time::Instant::now();
         for (slot, key) in set.iter().enumerate() {
-            self.upload(cpu, *key, slot, true)?;
+            self.upload(cpu, *key, slot, Dest::Cache)?;
         }
         self.copy.synchronize()?;
         // The copy rate, measured on a bulk copy large enough to mean something.
@@ -599,22 +633,25 @@ impl ExpertCache {
         Ok(())
     }
 
-    /// Copies expert `key`'s three matrices from the mapped file into `slot` of the cache's pool
-    /// (`to_pool`) or of the scratch pool, through the next staging buffer.
+    /// Copies expert `key`'s three matrices from the mapped file into `slot` of the cache's pool or of
+    /// a scratch pool (straight from the page-locked file, else through the next staging buffer).
     fn upload(
         &mut self,
         cpu: &CpuWeights,
         key: ExpertKey,
         slot: usize,
-        to_pool: bool,
+        to: Dest,
     ) -> CudaResult<()> {
         let layer = &self.layers[key.layer];
-        let pool = if to_pool {
-            self.pool
+        let pool = match to {
+            Dest::Cache => self
+                .pool
                 .as_ref()
-                .ok_or_else(|| CudaError::Invalid("an upload into a cache of no slots".into()))?
-        } else {
-            &self.scratch
+                .ok_or_else(|| CudaError::Invalid("an upload into a cache of no slots".into()))?,
+            Dest::Scratch(i) => self
+                .scratch
+                .get(i)
+                .ok_or_else(|| CudaError::Invalid(format!("no scratch pool {i}")))?,
         };
         let part = cpu.info(layer.mats[0].weight).part;
         let direct = layer.mats.iter().all(|m| cpu.info(m.weight).part == part);
@@ -661,9 +698,9 @@ impl ExpertCache {
     }
 
     fn point_tables_now(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
-        let staged: &[(usize, usize)] = match &self.staged {
-            Some((l, map)) if *l == layer => map,
-            _ => &[],
+        let (staged, scratch): (&[(usize, usize)], &SlotPool) = match &self.staged {
+            Some(s) if s.layer == layer => (&s.map, &self.scratch[s.pool]),
+            _ => (&[], &self.scratch[0]),
         };
         let l = &self.layers[layer];
         let mapped = self.reads_mapped();
@@ -689,7 +726,7 @@ impl ExpertCache {
                 .collect();
             for &(expert, slot) in staged {
                 entries[expert] = Some(ExpertSource::Slot(SlotRef {
-                    pool: &self.scratch,
+                    pool: scratch,
                     slot,
                     offset: m.offset,
                 }));
@@ -770,6 +807,8 @@ impl ExpertCache {
             .filter(|&e| e < n_expert)
             .collect();
         self.commit(dev, layer)?;
+        // Experts copied ahead for this layer are on the card now (a prefetch for another layer is stale).
+        self.take_prefetch(dev, layer)?;
         self.policy.record(layer, &routed, n_tokens.max(1));
         for &e in &routed {
             self.routed_counts[layer][e] += 1;
@@ -782,25 +821,33 @@ impl ExpertCache {
             .count();
         self.stats.routed += ids.len() as u64;
         self.stats.routed_vram += hits as u64;
+        let in_scratch: Vec<bool> = {
+            let mut v = vec![false; n_expert];
+            if let Some(s) = self.staged.as_ref().filter(|s| s.layer == layer) {
+                s.map.iter().for_each(|&(e, _)| v[e] = true);
+            }
+            v
+        };
+        let on_card = |p: &CachePolicy, e: usize| in_scratch[e] || resident(p, e);
         if n_tokens > 1 {
             let mut staged: Vec<usize> = routed
                 .iter()
                 .copied()
-                .filter(|&e| !resident(&self.policy, e))
+                .filter(|&e| !on_card(&self.policy, e))
                 .collect();
             staged.sort_unstable();
             staged.dedup();
-            if staged.is_empty() {
-                return Ok(None);
+            if !staged.is_empty() {
+                self.stage(dev, cpu, layer, &staged)?;
+                self.stats.staged += staged.len() as u64;
             }
-            self.stage(dev, cpu, layer, &staged)?;
-            self.stats.staged += staged.len() as u64;
+            self.plan_prefetch(dev, layer, ids.len())?;
             return Ok(None);
         }
         // One token: the missing experts split between on-demand copies (computed by the card with the
         // cached ones) and the CPU's share.
         let mut missing_slots: Vec<usize> = (0..ids.len())
-            .filter(|&j| (ids[j] as usize) < n_expert && !resident(&self.policy, ids[j] as usize))
+            .filter(|&j| (ids[j] as usize) < n_expert && !on_card(&self.policy, ids[j] as usize))
             .collect();
         if missing_slots.is_empty() {
             return Ok(None);
@@ -862,7 +909,8 @@ impl ExpertCache {
     }
 
     /// Copies `experts` of `layer` into scratch slots and points the layer's tables there until
-    /// [`ExpertCache::finish_layer`]; the compute stream waits for the copies.
+    /// [`ExpertCache::finish_layer`]; the compute stream waits for the copies. They go after the
+    /// layer's experts already in a scratch pool (copied ahead), else into the first pool.
     fn stage(
         &mut self,
         dev: &Device,
@@ -870,15 +918,43 @@ impl ExpertCache {
         layer: usize,
         experts: &[usize],
     ) -> CudaResult<()> {
+        let Staged { pool, mut map, .. } = match self.staged.take() {
+            Some(s) if s.layer == layer => s,
+            other => {
+                // A layer left pointing at scratch slots (a call that failed before finishing it)
+                // points back at its own experts.
+                if let Some(s) = other {
+                    self.mark_tables(s.layer);
+                }
+                Staged {
+                    layer,
+                    pool: 0,
+                    map: Vec::new(),
+                }
+            }
+        };
+        if map.len() + experts.len() > self.scratch[pool].n_slots() {
+            return Err(CudaError::Invalid(format!(
+                "{} experts of layer {layer} for {} scratch slots",
+                map.len() + experts.len(),
+                self.scratch[pool].n_slots()
+            )));
+        }
         // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
         self.copy.wait_for_compute(dev)?;
-        for (slot, &expert) in experts.iter().enumerate() {
-            self.upload(cpu, ExpertKey { layer, expert }, slot, false)?;
+        let first = map.len();
+        for (i, &expert) in experts.iter().enumerate() {
+            self.upload(
+                cpu,
+                ExpertKey { layer, expert },
+                first + i,
+                Dest::Scratch(pool),
+            )?;
+            map.push((expert, first + i));
         }
         let copied = self.copy.record()?;
         dev.wait_for_copy(&copied)?;
-        let map: Vec<(usize, usize)> = experts.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-        self.staged = Some((layer, map));
+        self.staged = Some(Staged { layer, pool, map });
         self.mark_tables(layer);
         Ok(())
     }
@@ -893,13 +969,14 @@ impl ExpertCache {
         dev: &Device,
         cpu: &CpuWeights,
         (layer, routed): (usize, &[usize]),
-        staged: &[(usize, usize)],
+        staged: Option<&Staged>,
         on_cpu: &[usize],
     ) -> CudaResult<()> {
         if self.uploads_per_layer == 0 || self.pool.is_none() {
             return Ok(());
         }
-        let mut on_card: Vec<usize> = staged.iter().map(|&(e, _)| e).collect();
+        let mut on_card: Vec<usize> =
+            staged.map_or(Vec::new(), |s| s.map.iter().map(|&(e, _)| e).collect());
         self.policy.sort_by_score(layer, &mut on_card);
         let plan = self
             .policy
@@ -925,7 +1002,7 @@ impl ExpertCache {
         self.start_uploads(dev, cpu, &plan)
     }
 
-    /// Admits the experts of `plan` from their scratch slots (`staged`: (expert, scratch slot)) by copies
+    /// Admits the experts of `plan` from their scratch slots (`staged`) by copies
     /// on the compute stream, after the victims' entries were cleared there: the launches before read the
     /// victims, those after see the newcomers once the staged layer's tables are pointed again
     /// ([`ExpertCache::finish_layer`]).
@@ -933,11 +1010,11 @@ impl ExpertCache {
         &mut self,
         dev: &Device,
         plan: &[policy::Upload],
-        staged: &[(usize, usize)],
+        staged: Option<&Staged>,
     ) -> CudaResult<()> {
-        if plan.is_empty() {
+        let Some(staged) = staged.filter(|_| !plan.is_empty()) else {
             return Ok(());
-        }
+        };
         for l in plan.iter().filter_map(|u| u.victim.map(|v| v.layer)) {
             self.mark_tables(l);
         }
@@ -948,11 +1025,12 @@ impl ExpertCache {
             .ok_or_else(|| CudaError::Invalid("an admission into a cache of no slots".into()))?;
         for u in plan {
             let from = staged
+                .map
                 .iter()
                 .find(|&&(e, _)| e == u.expert.expert)
                 .map(|&(_, s)| s);
             let r = match from {
-                Some(s) => dev.copy_slot((&self.scratch, s), (pool, u.slot)),
+                Some(s) => dev.copy_slot((&self.scratch[staged.pool], s), (pool, u.slot)),
                 None => Err(CudaError::Invalid(format!(
                     "expert {} of layer {} is in no scratch slot",
                     u.expert.expert, u.expert.layer
@@ -992,7 +1070,7 @@ impl ExpertCache {
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
         self.copy.wait_for_compute(dev)?;
         for u in plan {
-            if let Err(e) = self.upload(cpu, u.expert, u.slot, true) {
+            if let Err(e) = self.upload(cpu, u.expert, u.slot, Dest::Cache) {
                 self.policy.abandon(u.slot);
                 return Err(e);
             }
@@ -1010,7 +1088,7 @@ impl ExpertCache {
     pub fn finish_layer(&mut self, dev: &Device, cpu: &CpuWeights, layer: usize) -> CudaResult<()> {
         // The layer's launches are queued: its tables may lose the scratch entries from here on.
         let staged = match self.staged.take() {
-            Some((l, map)) if l == layer => Some(map),
+            Some(s) if s.layer == layer => Some(s),
             other => {
                 self.staged = other;
                 None
@@ -1019,15 +1097,15 @@ impl ExpertCache {
         if let Some((l, routed, on_cpu)) = self.admission.take() {
             if l == layer {
                 let clock = std::time::Instant::now();
-                let on_card = staged.as_deref().unwrap_or(&[]);
-                self.admit(dev, cpu, (layer, &routed), on_card, &on_cpu)?;
+                self.admit(dev, cpu, (layer, &routed), staged.as_ref(), &on_cpu)?;
                 self.host_phases.admit += clock.elapsed();
             }
         }
         if staged.is_some() {
             self.point_tables(dev, layer)?;
         }
-        Ok(())
+        // The next layer's experts copied while the card computes this one's.
+        self.start_prefetch(cpu, layer)
     }
 
     /// Adds the routings counted since the last call to the profile and saves it.

@@ -218,7 +218,9 @@ impl<'a> GpuForward<'a> {
         } else {
             match self.experts.as_deref_mut() {
                 Some(cache) => {
-                    step.cpu_share((dev, self.cpu), cache, share, &mut HostTimes::default())
+                    let mut times = HostTimes::default();
+                    step.cpu_share((dev, self.cpu), cache, share, &mut times)
+                        .and_then(|()| step.finish((dev, self.cpu), cache, &mut times))
                 }
                 None => Err(CudaError::Invalid(
                     "a segmented MoE step without its cache".into(),

@@ -1,0 +1,178 @@
+//! A prompt call's next layer copied ahead (issue 15 §3).
+//!
+//! A call of many tokens routes to most experts of a layer (2,048 tokens × 8 choices over 256 experts:
+//! 64 routings per expert on even routing), so which of the next layer's uncached experts it needs is
+//! largely known before its router runs: those whose share of the layer's routings so far predicts at
+//! least one routing in this call (on skewed routing many get none, and copying them would cost the bus
+//! what it saves; with no routings counted yet, all). While the card computes layer `L`'s experts from
+//! one scratch pool, the copy stream fills the other with layer `L+1`'s; at `L+1`'s route point the
+//! compute stream waits only for those copies, and the routed experts the prediction missed are staged
+//! there as before. Without it a layer's copies and its launches alternate, and a prompt call is bound
+//! by their sum instead of the larger of the two.
+//!
+//! Ordering: the plan is made at `L`'s route point, before `L`'s expert launches, with an event on the
+//! compute stream there: the other pool's last readers (layer `L−1`'s launches) were queued before it.
+//! The copies are queued when `L` finishes ([`ExpertCache::finish_layer`]), after `L`'s launches, so the
+//! host queues them while the card computes; the copy stream waits for the event, not for `L`'s
+//! launches. A prefetch that its call never reaches (a call that ended or failed first) is dropped at
+//! the next route point; a later copy into its pool is queued after its copies on the one copy stream.
+
+use poly_kernels::cuda::expert_slots::{CopyEvent, SlotPool};
+use poly_kernels::cuda::{CudaError, CudaResult, Device};
+
+use super::policy::ExpertKey;
+use super::{Dest, ExpertCache, Staged};
+use crate::cpu::CpuWeights;
+
+/// Copy ahead when a call routes at least this many times per expert of the next layer: at 4 the chance
+/// that a given expert goes unrouted is under 2% (`(1 − k/n)^(n_tokens)` ≈ `e^−4`), so few copies are
+/// wasted; smaller calls stage what they route.
+const ROUTINGS_PER_EXPERT: usize = 4;
+
+/// An expert is copied ahead when the routings counted so far predict at least this many of the call's
+/// routings for it (a chance of ~63% that it is routed at all).
+const MIN_EXPECTED_ROUTINGS: f64 = 1.0;
+
+/// The next layer to copy ahead, into which scratch pool, once the current one (`from`) finishes.
+pub(super) struct Plan {
+    from: usize,
+    layer: usize,
+    pool: usize,
+    /// The call's routings (tokens × experts per token).
+    n_routings: usize,
+    /// The compute stream's point after which the pool is no longer read.
+    free: CopyEvent,
+}
+
+/// A layer's uncached experts being copied into scratch pool `pool`: `(expert, slot)` pairs.
+pub(super) struct Prefetched {
+    layer: usize,
+    pool: usize,
+    map: Vec<(usize, usize)>,
+    done: CopyEvent,
+}
+
+impl ExpertCache {
+    /// At `layer`'s route point of a call with `n_routings` routings: plans to copy the next layer's
+    /// uncached experts ahead when the call is large enough and the copies go straight from the
+    /// page-locked file (through the staging buffers the host would copy them itself, serially).
+    pub(super) fn plan_prefetch(
+        &mut self,
+        dev: &Device,
+        layer: usize,
+        n_routings: usize,
+    ) -> CudaResult<()> {
+        let next = layer + 1;
+        let Some(n_expert) = self.layers.get(next).map(|l| l.n_expert) else {
+            return Ok(());
+        };
+        if !self.direct_copies() || n_routings < ROUTINGS_PER_EXPERT * n_expert {
+            return Ok(());
+        }
+        if self.scratch.len() < 2 {
+            // Only before the cache is sized (the warm-up reads a call of the largest size), so the
+            // second pool counts against the budget like every other scratch buffer.
+            if self.filled {
+                return Ok(());
+            }
+            let n_slots = self.scratch[0].n_slots();
+            match SlotPool::alloc(dev, self.slot_bytes, n_slots) {
+                Ok(p) => self.scratch.push(p),
+                Err(CudaError::Driver(e)) => {
+                    eprintln!(
+                        "expert cache: no second scratch pool ({e}); prompts stage per layer"
+                    );
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let current = self
+            .staged
+            .as_ref()
+            .filter(|s| s.layer == layer)
+            .map_or(0, |s| s.pool);
+        self.prefetch_plan = Some(Plan {
+            from: layer,
+            layer: next,
+            pool: 1 - current,
+            n_routings,
+            free: dev.record_compute()?,
+        });
+        Ok(())
+    }
+
+    /// When `layer` finishes (its launches queued): queues the planned copies of the next layer's
+    /// uncached experts.
+    pub(super) fn start_prefetch(&mut self, cpu: &CpuWeights, layer: usize) -> CudaResult<()> {
+        let Some(plan) = self.prefetch_plan.take() else {
+            return Ok(());
+        };
+        if plan.from != layer {
+            return Ok(());
+        }
+        let l = plan.layer;
+        let capacity = self.scratch[plan.pool].n_slots();
+        let counts = &self.routed_counts[l];
+        let counted: u64 = counts.iter().sum();
+        let expected = |e: usize| match counted {
+            0 => f64::INFINITY,
+            n => plan.n_routings as f64 * counts[e] as f64 / n as f64,
+        };
+        let experts: Vec<usize> = (0..self.layers[l].n_expert)
+            .filter(|&expert| {
+                expected(expert) >= MIN_EXPECTED_ROUTINGS
+                    && self
+                        .policy
+                        .resident(ExpertKey { layer: l, expert })
+                        .is_none()
+            })
+            .take(capacity)
+            .collect();
+        if experts.is_empty() {
+            return Ok(());
+        }
+        self.copy.wait_for(&plan.free)?;
+        let mut map = Vec::with_capacity(experts.len());
+        for (slot, &expert) in experts.iter().enumerate() {
+            self.upload(
+                cpu,
+                ExpertKey { layer: l, expert },
+                slot,
+                Dest::Scratch(plan.pool),
+            )?;
+            map.push((expert, slot));
+        }
+        self.stats.staged += map.len() as u64;
+        self.stats.prefetched += map.len() as u64;
+        self.prefetch = Some(Prefetched {
+            layer: l,
+            pool: plan.pool,
+            map,
+            done: self.copy.record()?,
+        });
+        Ok(())
+    }
+
+    /// At `layer`'s route point: the experts copied ahead for it become the layer's staged ones (the
+    /// compute stream waits for their copies); a prefetch for another layer is dropped.
+    pub(super) fn take_prefetch(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
+        let Some(p) = self.prefetch.take() else {
+            return Ok(());
+        };
+        if p.layer != layer {
+            return Ok(());
+        }
+        dev.wait_for_copy(&p.done)?;
+        if let Some(old) = self.staged.take() {
+            self.mark_tables(old.layer);
+        }
+        self.staged = Some(Staged {
+            layer,
+            pool: p.pool,
+            map: p.map,
+        });
+        self.mark_tables(layer);
+        Ok(())
+    }
+}
