@@ -43,7 +43,7 @@ use crate::cpu::CpuWeights;
 use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
-use expert_cache::placement::{cache_bytes, state_bytes};
+use expert_cache::placement::{cache_bytes, default_reserve, state_bytes};
 pub use expert_cache::placement::{MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 use expert_cache::{CacheStats, ExpertCache};
@@ -113,8 +113,10 @@ pub struct GpuBackend {
     /// Routings of one token over all MoE layers, counted when a decode graph was captured: a replay
     /// adds them to the expert cache's figures, which a graph cannot count itself.
     routings_per_token: std::sync::atomic::AtomicU64,
-    /// The most memory in use on the card seen after a prompt call ([`GpuBackend::note_vram`]).
+    /// The most memory in use on the card seen after a prompt call ([`GpuBackend::keep_budget`]).
     vram_high: std::sync::atomic::AtomicUsize,
+    /// Bytes the card keeps free when the expert cache was sized by a reserve (`--vram-reserve-mib`).
+    reserve: std::sync::OnceLock<usize>,
 }
 
 impl Drop for GpuBackend {
@@ -160,6 +162,7 @@ impl GpuBackend {
             experts: Mutex::new(cache),
             routings_per_token: std::sync::atomic::AtomicU64::new(0),
             vram_high: std::sync::atomic::AtomicUsize::new(0),
+            reserve: std::sync::OnceLock::new(),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -213,6 +216,12 @@ impl GpuBackend {
             p.n_ctx
         };
         let budget = cache_bytes(p, free, total, state_bytes(&specs, n_ctx));
+        if p.expert_budget.is_none() {
+            let reserve = p
+                .reserve_mib
+                .map_or_else(|| default_reserve(total), |m| m.saturating_mul(1 << 20));
+            let _ = self.reserve.set(reserve);
+        }
         let mut guard = lock(&self.experts);
         let Some(cache) = guard.as_mut() else {
             return Ok(());
@@ -461,6 +470,10 @@ impl GpuBackend {
                 let per_token = c.stats().routed.saturating_sub(before);
                 self.routings_per_token.store(per_token, Ordering::Relaxed);
             }
+            drop(experts);
+            if result.is_ok() {
+                self.keep_budget(cpu, 1, pos0);
+            }
             result
         };
         if phases.queue.is_zero() {
@@ -573,7 +586,7 @@ impl GpuBackend {
             *lock(&self.pool) = store;
         }
         if tokens.len() > 1 && result.is_ok() {
-            self.note_vram(tokens.len(), pos0);
+            self.keep_budget(cpu, tokens.len(), pos0);
         }
         let (logits, extra) = match result {
             Ok(l) => l,
@@ -598,13 +611,35 @@ impl GpuBackend {
 }
 
 impl GpuBackend {
-    /// Logs the card's memory in use after a prompt call when it is the highest seen (stderr): where a
-    /// budget's excess comes from, call by call (nvidia-smi sees the same figure, CUDA context and other
-    /// programs included).
-    fn note_vram(&self, n_tokens: usize, pos0: usize) {
+    /// After a prompt call or a decode graph's capture (where the card's memory grows: scratch of
+    /// another size, attention over a longer context, a graph's nodes): when less than the reserve is
+    /// free, the expert cache gives up the excess (and a margin) so the budget holds whatever else grew;
+    /// another program's use of the card counts the same. Logs the memory in use when it is the highest
+    /// seen (stderr), so a budget's excess can be traced call by call (nvidia-smi sees the same figure).
+    fn keep_budget(&self, cpu: &CpuWeights, n_tokens: usize, pos0: usize) {
+        /// Given up beyond the excess, so the next growth does not shrink the cache again at once.
+        const MARGIN: usize = 96 << 20;
         let Ok((free, total)) = self.dev.memory_info() else {
             return;
         };
+        if let Some(&reserve) = self.reserve.get() {
+            if free < reserve {
+                let excess = reserve - free + MARGIN;
+                if let Some(cache) = lock(&self.experts).as_mut() {
+                    let n = excess.div_ceil(cache.slot_bytes().max(1));
+                    match cache.give_up(&self.dev, cpu, n) {
+                        Ok(()) => eprintln!(
+                            "expert cache: gave up {n} experts ({} MiB) to keep {} MiB free; {} in VRAM",
+                            (n * cache.slot_bytes()) >> 20,
+                            reserve >> 20,
+                            cache.experts_resident()
+                        ),
+                        Err(e) => eprintln!("expert cache: could not give up experts ({e})"),
+                    }
+                }
+            }
+        }
+        let (free, total) = self.dev.memory_info().unwrap_or((free, total));
         let used = total.saturating_sub(free);
         let before = self
             .vram_high

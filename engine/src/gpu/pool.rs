@@ -111,21 +111,29 @@ impl PoolStore {
         self.made
     }
 
-    /// Makes room for a new buffer of `bytes` under the cap by freeing kept buffers, largest first.
-    fn make_room(&mut self, bytes: usize) {
+    /// Makes room for a new buffer of `bytes` under the cap by freeing kept buffers, largest first. The
+    /// frees are stream-ordered into the driver's pool, which returns memory to the card only at a
+    /// synchronization: without one here the new buffer would come on top of the freed ones.
+    fn make_room(&mut self, dev: &Device, bytes: usize) -> CudaResult<()> {
         let Some(cap) = self.cap else {
-            return;
+            return Ok(());
         };
+        let mut freed_any = false;
         while self.made + bytes > cap {
             let sizes = [self.f32.largest(), self.i32.largest(), self.q8.largest()];
             let freed = match largest_of(sizes) {
                 Some((0, len)) => self.f32.free_one(len),
                 Some((1, len)) => self.i32.free_one(len),
                 Some((_, len)) => self.q8.free_one(len),
-                None => return,
+                None => break,
             };
+            freed_any = true;
             self.made = self.made.saturating_sub(freed);
         }
+        if freed_any {
+            dev.synchronize()?;
+        }
+        Ok(())
     }
 }
 
@@ -163,7 +171,7 @@ impl PoolStore {
             return Ok(b);
         }
         let bytes = len * std::mem::size_of::<T>();
-        self.make_room(bytes);
+        self.make_room(dev, bytes)?;
         let b = dev.zeros(len)?;
         self.made += bytes;
         Ok(b)

@@ -621,10 +621,17 @@ impl ExpertCache {
     /// cache is allocated again, smaller, and filled (copies complete before it returns).
     pub fn shrink(&mut self, dev: &Device, cpu: &CpuWeights, fraction: usize) -> CudaResult<()> {
         let n = self.policy.n_slots();
-        if n == 0 {
+        self.give_up(dev, cpu, (n / fraction.max(1)).max(1))
+    }
+
+    /// Gives up `n_slots` slots (all it has at most), keeping the experts of the highest scores, as
+    /// [`ExpertCache::shrink`].
+    pub fn give_up(&mut self, dev: &Device, cpu: &CpuWeights, n_slots: usize) -> CudaResult<()> {
+        let n = self.policy.n_slots();
+        if n == 0 || n_slots == 0 {
             return Ok(());
         }
-        let keep = n - (n / fraction.max(1)).max(1);
+        let keep = n.saturating_sub(n_slots);
         let ranking = self.policy.score_counts();
         let counts = self.policy.take_counts();
         self.fill(dev, cpu, keep, &ranking)?;
