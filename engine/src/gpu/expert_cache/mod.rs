@@ -21,6 +21,7 @@ pub mod placement;
 pub mod policy;
 mod prefetch;
 pub mod profile;
+mod prompt_share;
 #[cfg(test)]
 mod tests;
 
@@ -204,11 +205,15 @@ pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
         .unwrap_or(0)
 }
 
-/// The single-token share the CPU computes: the token's activation and the (expert, weight) pairs of
-/// its uncached routings.
+/// The share the CPU computes: for a single token its activation and the (expert, weight) pairs of its
+/// uncached routings (`items`); for a small prompt call ([`prompt_share`]) the call's activations
+/// `[n_rows, n_embd]` and the `(row, expert, weight)` routings of its least-chosen uncached experts
+/// (`rows`).
 pub struct CpuShare {
     pub x: Vec<f32>,
     pub items: Vec<(usize, f32)>,
+    pub n_rows: usize,
+    pub rows: Vec<(usize, usize, f32)>,
     /// Every routing of the token is in it (the card has nothing to compute).
     pub all: bool,
     /// The host's time fetching `x` and the weights from the card: part of the CPU's cost (the card
@@ -247,6 +252,17 @@ impl CpuShare {
         m: &Moe,
     ) -> Vec<f32> {
         let t = std::time::Instant::now();
+        if !self.rows.is_empty() {
+            let sum = self.compute_rows(cpu, m);
+            if let Some(c) = cache {
+                let mut experts: Vec<usize> = self.rows.iter().map(|&(_, e, _)| e).collect();
+                experts.sort_unstable();
+                experts.dedup();
+                c.stats.cpu_experts += experts.len() as u64;
+                c.stats.cpu_seconds += t.elapsed().as_secs_f64() + self.fetch_seconds;
+            }
+            return sum;
+        }
         let sum = self.compute(cpu, m);
         if let Some(c) = cache {
             let seconds = t.elapsed().as_secs_f64() + self.fetch_seconds;
@@ -844,12 +860,49 @@ impl ExpertCache {
                 .collect();
             staged.sort_unstable();
             staged.dedup();
+            // A small call's least-chosen uncached experts on the CPU, the rest copied.
+            let small = ids.len() < prefetch::ROUTINGS_PER_EXPERT * n_expert;
+            let on_cpu = match self.missing {
+                MissingExperts::Split if small && self.direct_copies() && !staged.is_empty() => {
+                    let mut rows = vec![0usize; n_expert];
+                    routed.iter().for_each(|&e| rows[e] += 1);
+                    prompt_share::split_prompt(&staged, &rows, &self.costs)
+                }
+                _ => Vec::new(),
+            };
+            // The CPU's inputs come first: once the copies below are queued, a download waits for them.
+            let share = if on_cpu.is_empty() {
+                None
+            } else {
+                let fetching = std::time::Instant::now();
+                let (x, weights) = fetch()?;
+                if weights.len() != ids.len() {
+                    return Err(CudaError::Invalid(
+                        "routing ids and weights differ in length".into(),
+                    ));
+                }
+                let k = ids.len() / n_tokens.max(1);
+                let rows: Vec<(usize, usize, f32)> = (0..ids.len())
+                    .filter(|&j| on_cpu.binary_search(&(ids[j] as usize)).is_ok())
+                    .map(|j| (j / k.max(1), ids[j] as usize, weights[j]))
+                    .collect();
+                staged.retain(|e| on_cpu.binary_search(e).is_err());
+                Some(CpuShare {
+                    x,
+                    items: Vec::new(),
+                    n_rows: n_tokens,
+                    rows,
+                    all: false,
+                    fetch_seconds: fetching.elapsed().as_secs_f64(),
+                    pool: None,
+                })
+            };
             if !staged.is_empty() {
                 self.stage(dev, cpu, layer, &staged)?;
                 self.stats.staged += staged.len() as u64;
             }
             self.plan_prefetch(dev, layer, ids.len())?;
-            return Ok(None);
+            return Ok(share);
         }
         // One token: the missing experts split between on-demand copies (computed by the card with the
         // cached ones) and the CPU's share.
@@ -909,6 +962,8 @@ impl ExpertCache {
             x,
             all: items.len() == ids.len(),
             items,
+            n_rows: 1,
+            rows: Vec::new(),
             fetch_seconds,
             pool: share_pool(&mut self.cpu_pool),
         };

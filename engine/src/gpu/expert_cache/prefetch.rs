@@ -27,7 +27,7 @@ use crate::cpu::CpuWeights;
 /// Copy ahead when a call routes at least this many times per expert of the next layer: at 4 the chance
 /// that a given expert goes unrouted is under 2% (`(1 − k/n)^(n_tokens)` ≈ `e^−4`), so few copies are
 /// wasted; smaller calls stage what they route.
-const ROUTINGS_PER_EXPERT: usize = 4;
+pub(super) const ROUTINGS_PER_EXPERT: usize = 4;
 
 /// An expert is copied ahead when the routings counted so far predict at least this many of the call's
 /// routings for it (a chance of ~63% that it is routed at all).

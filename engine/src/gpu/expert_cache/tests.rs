@@ -86,6 +86,8 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
     let all = CpuShare {
         x: x.clone(),
         items: routes.iter().map(|&(e, p)| (e as usize, p)).collect(),
+        n_rows: 1,
+        rows: Vec::new(),
         all: true,
         fetch_seconds: 0.0,
         pool: None,
@@ -105,6 +107,8 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
         CpuShare {
             x: x.clone(),
             items: r.iter().map(|&(e, p)| (e as usize, p)).collect(),
+            n_rows: 1,
+            rows: Vec::new(),
             all: false,
             fetch_seconds: 0.0,
             pool: None,
@@ -199,4 +203,92 @@ fn the_measured_skew_is_the_share_of_each_layers_top_tenth() {
     let s = top_tenth_share(&[vec![9, 9, 0, 0, 0, 0, 0, 0, 0, 0], vec![1, 1, 0]]);
     assert!((s - 10.0 / 20.0).abs() < 1e-12);
     assert_eq!(top_tenth_share(&[vec![0; 8]]), 0.0);
+}
+
+#[test]
+fn a_small_prompts_least_chosen_experts_go_to_the_cpu_until_both_sides_finish_together() {
+    use super::prompt_share::{split_prompt, MAX_ROWS};
+    use super::MissingCosts;
+    let costs = |cpu: f64, copy: f64| MissingCosts {
+        cpu_overhead: 0.0,
+        cpu_per_expert: cpu,
+        copy_per_expert: copy,
+        copy_latency: 0.0,
+    };
+    // Experts 0..8 needed, routed to 1, 1, 1, 1, 2, 2, 3, 9 tokens.
+    let needed: Vec<usize> = (0..8).collect();
+    let rows = [1, 1, 1, 1, 2, 2, 3, 9];
+    // Equal costs per expert and row: the CPU takes the one-row experts first, never one of more than
+    // MAX_ROWS rows, and stops where its time passes the copies'.
+    let c = split_prompt(&needed, &rows, &costs(1.0, 1.0));
+    assert!(c.iter().all(|&e| rows[e] <= MAX_ROWS), "{c:?}");
+    assert_eq!(c, vec![0, 1, 2, 3], "4 rows on the CPU beside 4 copies");
+    // A slow CPU: nothing; a slow bus: every expert of at most MAX_ROWS rows.
+    assert!(split_prompt(&needed, &rows, &costs(100.0, 1.0)).is_empty());
+    assert_eq!(
+        split_prompt(&needed, &rows, &costs(1.0, 100.0)),
+        vec![0, 1, 2, 3, 4, 5]
+    );
+    assert!(split_prompt(&[], &rows, &costs(1.0, 1.0)).is_empty());
+}
+
+#[test]
+fn a_prompt_calls_cpu_share_adds_up_to_the_cpu_moe_block_row_by_row() {
+    let w = fixture("qwen3moe-tiny-q4km.gguf");
+    let layer = &expert_layers(&w)[0];
+    let id = |name: &str| {
+        let i = w
+            .file()
+            .tensor_infos()
+            .iter()
+            .position(|t| t.name == name)
+            .expect("tensor");
+        poly_models::compute::WeightId(i as u32)
+    };
+    let m = Moe {
+        router: id(&format!("blk.{}.ffn_gate_inp.weight", layer.block)),
+        gate_exps: layer.mats[0].weight,
+        up_exps: layer.mats[1].weight,
+        down_exps: layer.mats[2].weight,
+        n_expert: layer.n_expert,
+        n_expert_used: 4,
+        gating: Gating::Softmax,
+        norm_weights: true,
+        weights_scale: 1.0,
+        act: Unary::Silu,
+    };
+    let (n_embd, n_rows) = (layer.mats[0].cols, 3);
+    let x: Vec<f32> = (0..n_rows * n_embd)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0 + (i / n_embd) as f32 * 0.1)
+        .collect();
+    let xq = crate::gpu::reference::round_q8_1(&Mat::from_vec(n_rows, n_embd, x.clone()));
+    let whole = moe_with(&w, &xq, &m, Arithmetic::BatchInvariant);
+    let logits = mat_mul_with(&w.matrix(m.router), &xq, Arithmetic::BatchInvariant);
+    // Every routing of the three rows on the CPU, as a prompt call's share.
+    let mut rows = Vec::new();
+    for r in 0..n_rows {
+        for (e, p) in route(logits.row(r), KGating::Softmax, 4, true, 1.0) {
+            rows.push((r, e as usize, p));
+        }
+    }
+    let share = CpuShare {
+        x,
+        items: Vec::new(),
+        n_rows,
+        rows,
+        all: false,
+        fetch_seconds: 0.0,
+        pool: None,
+    };
+    let sum = share.compute_rows(&w, &m);
+    assert_eq!(sum.len(), n_rows * n_embd);
+    for r in 0..n_rows {
+        let got = &sum[r * n_embd..(r + 1) * n_embd];
+        let want = whole.row(r);
+        let scale = want.iter().fold(0f32, |s, v| s.max(v.abs())).max(1.0);
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() <= 1e-5 * scale, "row {r}: {a} vs {b}");
+        }
+        assert!(got.iter().any(|v| *v != 0.0));
+    }
 }

@@ -1,0 +1,104 @@
+//! A small prompt call's least-chosen uncached experts on the CPU (issue 15 §4).
+//!
+//! A call of a few dozen to a few hundred tokens (a conversation's turn) routes to most of a layer's
+//! experts, many of them for one or two tokens. Staging every uncached one costs a copy each (~40 µs for
+//! 1.7 MB), so a 40-token turn of a 256-expert model paid ~100 copies a layer, 4 ms, for a few hundred µs
+//! of the card's compute. The CPU computes an expert for one or two rows at about a copy's cost, and at
+//! the same time as the copies: the least-chosen uncached experts (those routed to the fewest tokens,
+//! at most [`MAX_ROWS`]) go to the CPU and the rest are copied, so that both finish together by the
+//! single tokens' measured costs ([`MissingCosts`]). Their table entries stay null, so the card's kernels
+//! give zeros for them and the CPU's sum is added to the card's ([`super::CpuShare::rows`]).
+//!
+//! Large calls copy every layer's experts ahead instead ([`super::prefetch`]): for them copying is
+//! hidden behind the card's compute, and the CPU's per-row cost grows with the rows.
+
+use std::collections::BTreeMap;
+
+use poly_kernels::quant::GgmlType;
+use poly_models::compute::Moe;
+
+use super::{CpuShare, MissingCosts};
+use crate::cpu::{CpuWeights, Mat};
+
+/// Experts routed to more tokens than this stay on the card: the CPU's cost grows with the rows, a copy's
+/// does not.
+pub const MAX_ROWS: usize = 2;
+
+/// Which of a prompt call's `needed` uncached experts (with `rows[e]` routings each) the CPU computes:
+/// the least-routed ones (at most [`MAX_ROWS`] each), as many as make the CPU's time (its overhead, then
+/// a single token's cost per expert and row) and the copies' time for the others finish soonest.
+pub fn split_prompt(needed: &[usize], rows: &[usize], costs: &MissingCosts) -> Vec<usize> {
+    let mut candidates: Vec<usize> = needed
+        .iter()
+        .copied()
+        .filter(|&e| rows[e] <= MAX_ROWS)
+        .collect();
+    candidates.sort_by_key(|&e| (rows[e], e));
+    let finish = |c: usize| {
+        let cpu = match c {
+            0 => 0.0,
+            _ => {
+                costs.cpu_overhead
+                    + candidates[..c]
+                        .iter()
+                        .map(|&e| rows[e] as f64 * costs.cpu_per_expert)
+                        .sum::<f64>()
+            }
+        };
+        let copies = needed.len() - c;
+        let copy = match copies {
+            0 => 0.0,
+            j => costs.copy_latency + j as f64 * costs.copy_per_expert,
+        };
+        cpu.max(copy)
+    };
+    let best = (0..=candidates.len())
+        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
+        .unwrap_or(0);
+    candidates.truncate(best);
+    candidates.sort_unstable();
+    candidates
+}
+
+impl CpuShare {
+    /// A prompt call's share: `Σ weight · expert(x_row)` per row over the `(row, expert, weight)`
+    /// routings of [`CpuShare::rows`], `[n_rows, n_embd]`. The experts run in parallel, each on the rows
+    /// routed to it (rounded to q8_1 first for quantized experts, as the card rounds them); each row's
+    /// products are summed in expert order.
+    pub(super) fn compute_rows(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
+        use rayon::prelude::*;
+        let n_rows = self.n_rows.max(1);
+        let n_embd = self.x.len() / n_rows;
+        let mut xs = Mat::from_vec(n_rows, n_embd, self.x.clone());
+        let ty = cpu.info(m.gate_exps).ty;
+        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            xs = crate::gpu::reference::round_q8_1(&xs);
+        }
+        let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for &(row, e, w) in &self.rows {
+            by_expert.entry(e).or_default().push((row, w));
+        }
+        let groups: Vec<(usize, Vec<(usize, f32)>)> = by_expert.into_iter().collect();
+        let outs: Vec<Mat> = groups
+            .par_iter()
+            .map(|(e, routed)| {
+                let mut data = Vec::with_capacity(routed.len() * n_embd);
+                for &(row, _) in routed {
+                    data.extend_from_slice(xs.row(row));
+                }
+                let x_e = Mat::from_vec(routed.len(), n_embd, data);
+                crate::cpu::moe::expert(cpu, m, *e, &x_e, crate::cpu::Arithmetic::BatchInvariant)
+            })
+            .collect();
+        let mut sum = vec![0f32; n_rows * n_embd];
+        for ((_, routed), y) in groups.iter().zip(&outs) {
+            for (i, &(row, w)) in routed.iter().enumerate() {
+                sum[row * n_embd..(row + 1) * n_embd]
+                    .iter_mut()
+                    .zip(y.row(i))
+                    .for_each(|(a, b)| *a += w * b);
+            }
+        }
+        sum
+    }
+}
