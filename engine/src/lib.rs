@@ -1,7 +1,9 @@
 //! The PolyStrata engine as a library: a loaded model ([`model`]), its CPU backend ([`cpu`]), sequence
 //! state ([`state`]), sampling ([`sample`]), the generation loop ([`generate`]) and the engine process
-//! serving the line protocol ([`serve`]). The `poly-engine` binary's command line is built on it.
+//! serving the line protocol ([`serve`]), and the calibration of synthetic models' routers on their own
+//! forward pass ([`calibrate`]). The `poly-engine` binary's command line is built on it.
 
+pub mod calibrate;
 pub mod cpu;
 pub mod generate;
 pub mod gpu;

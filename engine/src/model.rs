@@ -8,8 +8,9 @@ use poly_models::arch::{Forward, ModelGraph, ModelInfo};
 use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
 
+use crate::cpu::moe::RouteCounts;
 pub use crate::cpu::Arithmetic;
-use crate::cpu::{CpuForward, CpuWeights};
+use crate::cpu::{CpuForward, CpuWeights, RouterSource};
 use crate::state::{KvPrecision, SeqState};
 
 /// An error of the engine: a message for people.
@@ -43,6 +44,8 @@ pub struct Model {
     /// The GPU backend, when the model runs on a card.
     gpu: Option<crate::gpu::GpuBackend>,
     arithmetic: Arithmetic,
+    /// Routings of the CPU backend's forward calls, per (layer, expert).
+    routes: RouteCounts,
 }
 
 impl Model {
@@ -59,6 +62,7 @@ impl Model {
             weights: CpuWeights::new(file),
             gpu: None,
             arithmetic: Arithmetic::default(),
+            routes: RouteCounts::default(),
         })
     }
 
@@ -137,6 +141,48 @@ impl Model {
             Some(g) => g.save_expert_profile(),
             None => Ok(()),
         }
+    }
+
+    /// `[layer][expert]` routings of the CPU backend's forward calls since load or the last
+    /// [`Model::reset_route_counts`] (a layer without experts has an empty row; nothing on a GPU, whose
+    /// expert cache counts its own: [`Model::expert_stats`]).
+    pub fn route_counts(&self) -> Vec<Vec<u64>> {
+        self.routes.counts()
+    }
+
+    /// Forgets the routings counted.
+    pub fn reset_route_counts(&self) {
+        self.routes.reset()
+    }
+
+    /// [`Model::eval`] on the CPU, routing with `routers`' rows where it gives them (a calibration of
+    /// the routers on the model's own hidden states). An error on a GPU.
+    pub fn eval_with_routers(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        logits: Logits,
+        routers: &mut dyn RouterSource,
+    ) -> Result<Vec<f32>, EngineError> {
+        if self.gpu.is_some() {
+            return Err(EngineError(
+                "replacing routers runs on the CPU backend only".into(),
+            ));
+        }
+        self.check_call(state, tokens)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        state.sync().map_err(EngineError)?;
+        let out = {
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic)
+                .with_route_counts(&self.routes)
+                .with_routers(routers);
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
     }
 
     /// Whether the model runs on a GPU.
@@ -279,6 +325,27 @@ impl Model {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        self.check_call(state, tokens)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        if let Some(gpu) = &self.gpu {
+            return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
+        }
+        state.sync().map_err(EngineError)?;
+        let out = {
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic)
+                .with_route_counts(&self.routes);
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
+    }
+
+    /// Checks that `tokens` are in the vocabulary, fit in `state`'s context and that the state belongs
+    /// to this model.
+    fn check_call(&self, state: &SeqState, tokens: &[u32]) -> Result<(), EngineError> {
         let n_vocab = self.info().n_vocab;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(EngineError(format!(
@@ -298,19 +365,6 @@ impl Model {
                 "the sequence state was made for another model".into(),
             ));
         }
-        if tokens.is_empty() {
-            return Ok(Vec::new());
-        }
-        if let Some(gpu) = &self.gpu {
-            return gpu.eval(&self.graph, &self.weights, state, tokens, logits);
-        }
-        state.sync().map_err(EngineError)?;
-        let out = {
-            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
-                .with_arithmetic(self.arithmetic);
-            self.graph.forward(&mut c)
-        };
-        state.push_tokens(tokens);
-        Ok(out.data)
+        Ok(())
     }
 }

@@ -8,7 +8,9 @@
 //!
 //! `--gpu N` measures the card (dense weights in VRAM, routed experts as `--vram-reserve-mib` and
 //! `--expert-budget-mib` place them; the JSON's `experts` says how many were in VRAM and how often they
-//! served); the CPU is the default.
+//! served); the CPU is the default. On the CPU the JSON's `route_top10_share` is the measured skew of the
+//! routing over every call of the run (the expert cache's definition: the share of routings that went to
+//! each MoE layer's most-routed tenth of its experts); `--route-report` adds it per layer.
 //!
 //! `--depth N` (llama-bench's `-d`): each repetition of either test first reads N random tokens, untimed,
 //! so the timed prompt or tokens attend to a context of N (answers late in a long conversation).
@@ -20,6 +22,7 @@
 
 use super::CliResult;
 use clap::Args;
+use poly_engine::cpu::moe::top_tenth_share;
 use poly_engine::generate::{prefill, DEFAULT_UBATCH};
 use poly_engine::gpu::DeviceChoice;
 use poly_engine::model::Arithmetic;
@@ -66,6 +69,9 @@ pub struct BenchArgs {
     /// Compute in the serve mode's batch-invariant arithmetic instead of llama.cpp's orders.
     #[arg(long)]
     batch_invariant: bool,
+    /// Also print each MoE layer's measured top-tenth share (CPU: `route_top10_by_layer` in the JSON).
+    #[arg(long)]
+    route_report: bool,
     #[command(flatten)]
     placement: super::PlacementArgs,
 }
@@ -235,6 +241,25 @@ pub fn run(args: BenchArgs) -> CliResult {
     }
     if !tg.is_empty() {
         out["tg"] = summary(args.gen, &tg);
+    }
+    // The CPU backend's measured routing, the GPU expert cache's definition (`route_top10_share`): the
+    // share of the routings of every call above (warm-ups included) that went to each layer's
+    // most-routed tenth of its experts.
+    let counts = model.route_counts();
+    if counts.iter().any(|l| !l.is_empty()) {
+        out["route_top10_share"] = json!(top_tenth_share(&counts));
+        out["routed"] = json!(counts.iter().flatten().sum::<u64>());
+        if args.route_report {
+            let by_layer: Vec<serde_json::Value> = counts
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| !c.is_empty())
+                .map(|(layer, c)| {
+                    json!({"layer": layer, "top10_share": top_tenth_share(std::slice::from_ref(c))})
+                })
+                .collect();
+            out["route_top10_by_layer"] = json!(by_layer);
+        }
     }
     if let Some(c) = model.expert_stats() {
         out["experts"] = json!({

@@ -1,16 +1,24 @@
 //! `poly-engine synth`: writes a synthetic model of a real layout (random weights in their target types)
 //! and reports its plan, the routing estimate and the write speed.
+//!
+//! With `--route-skew` given (or `--calibrate-routers true`), the token-mixing outputs are written at a
+//! lower gain and the MoE routers are then calibrated on the model's own forward pass
+//! ([`poly_engine::calibrate`]) so that the routing a forward pass does is the one the skew asks for,
+//! and synth reports the routing it measured over fresh random tokens. Without it the file is byte for
+//! byte what synth always wrote (the committed test fixtures were written so).
 
 use super::CliResult;
 use clap::Args;
+use poly_engine::calibrate;
+use poly_engine::cpu::moe::top_tenth_share;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{TensorClass, ARCH_NAMES};
-use poly_models::synth::plan::TypeChoice;
+use poly_models::synth::plan::{TypeChoice, CALIBRATED_MIXING_GAIN};
 use poly_models::synth::shapes::{all_shapes, find_shape};
 use poly_models::synth::{check_class_type, SynthError, SynthOptions, Synthesis};
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args)]
@@ -31,9 +39,27 @@ pub struct SynthArgs {
     /// Seed of every random value (the file depends on nothing else).
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Expert popularity skew: 0 = uniform; 1 ≈ real models (the top 10% of experts take ~25-35%).
-    #[arg(long, default_value_t = 0.0)]
-    route_skew: f32,
+    /// Expert popularity skew: 0 = uniform (default); 1 ≈ real models (the top 10% of experts take
+    /// ~25-35%). Given, the routers are calibrated on the model's forward pass (--calibrate-routers).
+    #[arg(long)]
+    route_skew: Option<f32>,
+    /// Write the model so that its forward pass routes as the skew says: attention and delta-net outputs
+    /// at gain 0.3 (random attention otherwise collapses each sequence onto a common vector that picks
+    /// its experts), then the MoE routers calibrated on the model's own hidden states; and report the
+    /// routing measured on fresh tokens (default: true when --route-skew is given, false otherwise:
+    /// what synth always wrote, routers drawn for random isotropic states).
+    #[arg(long, value_name = "BOOL")]
+    calibrate_routers: Option<bool>,
+    /// Measure the routing of a forward pass over fresh random tokens after writing (default: when
+    /// calibrating; with --calibrate-routers false it measures the routers as drawn).
+    #[arg(long, value_name = "BOOL")]
+    measure_routing: Option<bool>,
+    /// Random tokens of the calibration's forward call.
+    #[arg(long, default_value_t = poly_engine::calibrate::DEFAULT_CALIBRATION_TOKENS)]
+    calibration_tokens: usize,
+    /// Fresh random prompt tokens of the routing measured after calibration (then 32 single tokens).
+    #[arg(long, default_value_t = poly_engine::calibrate::DEFAULT_MEASURE_TOKENS)]
+    measure_tokens: usize,
     /// Output file.
     #[arg(long, required_unless_present = "list_shapes")]
     out: Option<PathBuf>,
@@ -199,16 +225,22 @@ pub fn run(args: SynthArgs) -> CliResult {
         Some(s) => parse_types(s)?,
         None => Vec::new(),
     };
+    let skew = args.route_skew.unwrap_or(0.0);
     let opts = SynthOptions {
         shape,
         types: TypeChoice { default, overrides },
         seed: args.seed,
-        route_skew: args.route_skew,
+        route_skew: skew,
     };
     let t0 = Instant::now();
-    let s = Synthesis::prepare(&opts)?;
+    let calibrate = args.calibrate_routers.unwrap_or(args.route_skew.is_some());
+    let mut s = Synthesis::prepare(&opts)?;
+    let calibrate = calibrate && !s.routing.is_empty();
+    if calibrate {
+        s = s.with_mixing_gain(CALIBRATED_MIXING_GAIN);
+    }
     print_plan(&s);
-    print_routing(&s, args.route_skew);
+    print_routing(&s, skew);
     eprintln!("  planned in {:.2} s", t0.elapsed().as_secs_f64());
     if args.dry_run {
         return Ok(());
@@ -234,6 +266,65 @@ pub fn run(args: SynthArgs) -> CliResult {
         gb(stats.file_bytes),
         stats.seconds,
         stats.mb_per_s()
+    );
+    if s.routing.is_empty() {
+        return Ok(());
+    }
+    if calibrate {
+        let t = Instant::now();
+        match calibrate::calibrate_file(&out, &s.router_parts(), args.calibration_tokens, s.seed) {
+            Ok(n) => eprintln!(
+                "  calibrated {n} routers on the model's own hidden states ({} random tokens, one forward call; attention and delta-net outputs written at gain {CALIBRATED_MIXING_GAIN}) in {:.2} s",
+                args.calibration_tokens,
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                // A file whose routers are half rewritten is not the model asked for.
+                let _ = std::fs::remove_file(&out);
+                return Err(e.into());
+            }
+        }
+    }
+    if args.measure_routing.unwrap_or(calibrate) {
+        print_measured_routing(&s, &out, args.measure_tokens, skew, calibrate)?;
+    }
+    Ok(())
+}
+
+/// Reports the routing of a forward pass over `measure` fresh random tokens through the written file.
+fn print_measured_routing(
+    s: &Synthesis,
+    out: &Path,
+    measure: usize,
+    skew: f32,
+    calibrated: bool,
+) -> CliResult {
+    let t = Instant::now();
+    let counts = calibrate::measure_routing(out, measure, s.seed)?;
+    let layers: Vec<f64> = counts
+        .iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| top_tenth_share(std::slice::from_ref(l)))
+        .collect();
+    let (min, max) = layers
+        .iter()
+        .fold((f64::MAX, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let n_used = s.shape.hparams.as_dyn().n_expert_used() as usize;
+    let routed: u64 = counts.iter().flatten().sum();
+    eprintln!(
+        "  routing measured in a forward pass ({}skew {skew}; {} fresh random tokens + {} answered one by one, {routed} routings): top 10% of experts take {:.1}% of routings (layers {:.1}–{:.1}%; perfectly even routing would read {:.1}% at this count) in {:.2} s",
+        if calibrated {
+            "quiet mixing and calibrated routers, "
+        } else {
+            "full mixing and routers as drawn, "
+        },
+        measure,
+        calibrate::MEASURE_DECODE,
+        top_tenth_share(&counts) * 100.0,
+        min * 100.0,
+        max * 100.0,
+        calibrate::even_routing_share(&counts, n_used, s.seed) * 100.0,
+        t.elapsed().as_secs_f64()
     );
     Ok(())
 }

@@ -358,6 +358,18 @@ pub struct CpuForward<'a> {
     logits: Logits,
     positions: Vec<u32>,
     arithmetic: Arithmetic,
+    /// Where the call counts its routings, when someone measures them.
+    routes: Option<&'a moe::RouteCounts>,
+    /// Routers that replace the file's for this call (a calibration).
+    routers: Option<&'a mut dyn RouterSource>,
+}
+
+/// Routers a forward call uses instead of the file's: `poly-engine synth` calibrates each MoE layer's
+/// router on the hidden states that reach it, layer after layer within one call.
+pub trait RouterSource {
+    /// The f32 rows (`n_expert × n_embd`) to route MoE layer `layer`'s input `x` with (the file's router
+    /// is `router`), or `None` for the file's.
+    fn router(&mut self, layer: usize, router: &TensorInfo, x: &Mat) -> Option<Vec<f32>>;
 }
 
 impl<'a> CpuForward<'a> {
@@ -377,7 +389,21 @@ impl<'a> CpuForward<'a> {
             logits,
             positions: (0..tokens.len() as u32).map(|i| pos0 + i).collect(),
             arithmetic: Arithmetic::default(),
+            routes: None,
+            routers: None,
         }
+    }
+
+    /// The same call counting its routings in `routes`.
+    pub fn with_route_counts(mut self, routes: &'a moe::RouteCounts) -> CpuForward<'a> {
+        self.routes = Some(routes);
+        self
+    }
+
+    /// The same call routing with `routers`' rows where it gives them.
+    pub fn with_routers(mut self, routers: &'a mut dyn RouterSource) -> CpuForward<'a> {
+        self.routers = Some(routers);
+        self
     }
 
     /// The same call in the orders `arithmetic` chooses.
@@ -689,9 +715,27 @@ impl Compute for CpuForward<'_> {
         out
     }
 
-    fn moe(&mut self, _layer: usize, x: &Mat, m: &Moe) -> Mat {
+    fn moe(&mut self, layer: usize, x: &Mat, m: &Moe) -> Mat {
         let _span = profile::span("moe");
-        moe::moe_with(self.weights, x, m, self.arithmetic)
+        let replaced = self
+            .routers
+            .as_mut()
+            .and_then(|r| r.router(layer, self.weights.info(m.router), x))
+            .map(|rows| {
+                rows.iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>()
+            });
+        let router = replaced.as_ref().map(|bytes| {
+            QuantMatrix::new(GgmlType::F32, m.n_expert, x.cols, bytes)
+                .expect("a replacement router is n_expert rows of the layer's width")
+        });
+        let routes = self.routes;
+        moe::moe_observed(self.weights, x, m, self.arithmetic, router.as_ref(), |r| {
+            if let Some(c) = routes {
+                c.record(layer, m.n_expert, r);
+            }
+        })
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {

@@ -19,6 +19,7 @@ use poly_kernels::ops::topk::{route, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
+use std::sync::Mutex;
 
 use super::{apply_unary, llama_repacks, mat_mul_with, profile, Arithmetic, CpuWeights, Mat};
 
@@ -31,6 +32,20 @@ pub fn moe(w: &CpuWeights, x: &Mat, m: &Moe) -> Mat {
 /// router and every expert product in the order of one routed row, so a token's result depends neither
 /// on how many tokens the call has nor on how many of them share its experts.
 pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
+    moe_observed(w, x, m, arith, None, |_| {})
+}
+
+/// [`moe_with`], routing with `router` (`n_expert` rows of `n_embd`) instead of the file's when given (a
+/// router being calibrated), and showing `observe` every token's route (expert, weight) before the
+/// experts run.
+pub fn moe_observed(
+    w: &CpuWeights,
+    x: &Mat,
+    m: &Moe,
+    arith: Arithmetic,
+    router: Option<&QuantMatrix<'_>>,
+    observe: impl FnOnce(&[Vec<(u32, f32)>]),
+) -> Mat {
     let (n, n_embd) = (x.rows, x.cols);
     let k = m.n_expert_used;
     let mut out = Mat::zeros(n, n_embd);
@@ -38,7 +53,10 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
         return out;
     }
     let router_span = profile::span("moe.router");
-    let logits = mat_mul_with(&w.matrix(m.router), x, arith);
+    let logits = match router {
+        Some(r) => mat_mul_with(r, x, arith),
+        None => mat_mul_with(&w.matrix(m.router), x, arith),
+    };
     assert_eq!(
         logits.cols, m.n_expert,
         "moe: router width differs from n_expert"
@@ -50,6 +68,7 @@ pub fn moe_with(w: &CpuWeights, x: &Mat, m: &Moe, arith: Arithmetic) -> Mat {
     let routes: Vec<Vec<(u32, f32)>> = (0..n)
         .map(|t| route(logits.row(t), gating, k, m.norm_weights, m.weights_scale))
         .collect();
+    observe(&routes);
 
     drop(router_span);
     if n == 1 {
@@ -260,4 +279,57 @@ pub(crate) fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithme
         activate(m.act, g, u);
     }
     expert_mul(&w.sub_matrix(m.down_exps, e), &gate, arith)
+}
+
+/// Routings counted per (layer, expert) over the forward calls that were given it: the measured skew of a
+/// model's routing on the CPU ([`top_tenth_share`]). One lock and one pass over the call's routes per MoE
+/// layer and call, beside the layer's matrix products.
+#[derive(Debug, Default)]
+pub struct RouteCounts(Mutex<Vec<Vec<u64>>>);
+
+impl RouteCounts {
+    /// Adds `routes` (each token's (expert, weight) list) of MoE layer `layer` of `n_expert` experts.
+    pub fn record(&self, layer: usize, n_expert: usize, routes: &[Vec<(u32, f32)>]) {
+        // A panic elsewhere while counting leaves counts that are still counts.
+        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if c.len() <= layer {
+            c.resize(layer + 1, Vec::new());
+        }
+        let layer = &mut c[layer];
+        if layer.len() < n_expert {
+            layer.resize(n_expert, 0);
+        }
+        for &(e, _) in routes.iter().flatten() {
+            if let Some(n) = layer.get_mut(e as usize) {
+                *n += 1;
+            }
+        }
+    }
+
+    /// `[layer][expert]` routings so far (an empty row for a layer without experts).
+    pub fn counts(&self) -> Vec<Vec<u64>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Forgets the counts.
+    pub fn reset(&self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// The share of `counts` (`[layer][expert]`) in each layer's most-counted tenth of experts (rounded up):
+/// 0.1 for perfectly even routing (plus the sampling noise of few routings), 0 before any.
+pub fn top_tenth_share(counts: &[Vec<u64>]) -> f64 {
+    let (mut top, mut all) = (0u64, 0u64);
+    for layer in counts {
+        let mut c = layer.clone();
+        c.sort_unstable_by(|a, b| b.cmp(a));
+        top += c.iter().take(c.len().div_ceil(10)).sum::<u64>();
+        all += c.iter().sum::<u64>();
+    }
+    if all == 0 {
+        0.0
+    } else {
+        top as f64 / all as f64
+    }
 }

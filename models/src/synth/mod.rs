@@ -8,7 +8,9 @@
 //!
 //! - [`shapes`]: the named shapes (`tiny`, `small`, the real ones) of each architecture.
 //! - [`plan`]: each tensor's type (with llama.cpp's fallback) and how its values are drawn (the scaling).
-//! - [`route`]: router weights with a popularity skew, and the routing estimate on random hidden states.
+//! - [`route`]: router weights with a popularity skew, their calibration on the hidden states of a forward
+//!   pass (run by `poly-engine synth`, which has the forward pass), and the routing estimate on random
+//!   hidden states.
 //! - [`fill`]: filling a tensor's bytes in parallel, deterministically for a seed.
 //! - [`vocab`]: the small byte-level BPE vocabulary and chat template.
 //!
@@ -31,7 +33,7 @@ use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
-use crate::arch::{resolve_tensors, ArchHparams, Dim, ModelHparams, TensorClass};
+use crate::arch::{resolve_tensors, ArchHparams, Dim, ModelHparams, Role, TensorClass};
 use crate::gguf::{GgufWriter, Value};
 
 use plan::{Init, PlannedTensor, TypeChoice};
@@ -61,6 +63,21 @@ pub struct SynthOptions {
     pub route_skew: f32,
 }
 
+/// One block's router, before calibration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockRouter {
+    pub layer: u32,
+    /// The tensor's name (`blk.N.ffn_gate_inp.weight`) and type.
+    pub name: String,
+    pub ty: GgmlType,
+    pub parts: route::RouterParts,
+}
+
+/// The seed of block `layer`'s router draws.
+fn router_seed(seed: u64, layer: u32) -> u64 {
+    fill::stream_seed(seed, u64::MAX, layer as u64)
+}
+
 /// The routing estimate of one MoE block.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockRouting {
@@ -73,6 +90,8 @@ pub struct BlockRouting {
 pub struct Synthesis {
     pub shape: Shape,
     pub seed: u64,
+    /// `--route-skew`.
+    pub route_skew: f32,
     pub tensors: Vec<PlannedTensor>,
     pub vocab: Vocab,
     /// Router bytes per block (`None` for blocks without a router), as the file holds them.
@@ -141,6 +160,7 @@ impl Synthesis {
         let mut s = Synthesis {
             shape: opts.shape.clone(),
             seed: opts.seed,
+            route_skew: opts.route_skew,
             tensors,
             vocab,
             routers,
@@ -153,6 +173,53 @@ impl Synthesis {
         };
         s.metadata = s.build_metadata();
         Ok(s)
+    }
+
+    /// The same model with the outputs of its token-mixing blocks (attention's `attn_output`, the
+    /// delta-net's `ssm_out`) drawn at `gain` times their usual scale.
+    ///
+    /// Random attention averages the values of the whole context, so every token of a sequence gets the
+    /// same vector added; the residual stream sums it layer after layer and the blocks after it feed it
+    /// back (random transformers' rank collapse): deep in the qwen3moe 30B-A3B shape a sequence's router
+    /// inputs share a common part that differs from sequence to sequence, and a few experts, different
+    /// in each sequence, take most of its routings whatever the router. No router can undo that (the
+    /// common part is new in every sequence), so a model meant to route as its skew says is written with
+    /// quieter mixing ([`plan::CALIBRATED_MIXING_GAIN`]) and the token's own part leads the stream, as in
+    /// trained models. The shapes, types and the work of every block are unchanged.
+    pub fn with_mixing_gain(mut self, gain: f32) -> Synthesis {
+        for t in &mut self.tensors {
+            if let (Role::AttnOut | Role::SsmOut, Init::Random { rms }) = (t.desc.role, &mut t.init)
+            {
+                *rms *= gain;
+            }
+        }
+        self
+    }
+
+    /// Every block's router as its parts (the same draws as the file's routers), for a calibration on
+    /// the model's own hidden states ([`route::calibrate`]).
+    pub fn router_parts(&self) -> Vec<BlockRouter> {
+        let n_used = self.shape.hparams.as_dyn().n_expert_used() as usize;
+        self.tensors
+            .iter()
+            .filter(|t| matches!(t.init, Init::Router { .. }))
+            .map(|t| {
+                let layer = t.desc.layer.unwrap_or(0);
+                let spec = RouterSpec {
+                    n_embd: t.desc.dims[0] as usize,
+                    n_expert: t.desc.dims[1] as usize,
+                    n_used,
+                    skew: self.route_skew,
+                };
+                let mut rng = Rng::new(router_seed(self.seed, layer));
+                BlockRouter {
+                    layer,
+                    name: t.desc.name.clone(),
+                    ty: t.ty,
+                    parts: route::router_parts(&spec, &mut rng),
+                }
+            })
+            .collect()
     }
 
     /// Bytes of tensor data.
@@ -433,7 +500,7 @@ fn make_routers(
             n_used,
             skew,
         };
-        let mut rng = Rng::new(fill::stream_seed(seed, u64::MAX, layer as u64));
+        let mut rng = Rng::new(router_seed(seed, layer));
         let bytes =
             fill::encode_floats(t.ty, &route::router_weights(&spec, &mut rng), &t.desc.name)?;
         let m = QuantMatrix::new(t.ty, n_expert, n_embd, &bytes)

@@ -1,4 +1,5 @@
-//! Router weights of synthetic MoE blocks, and the estimate of how tokens spread over experts.
+//! Router weights of synthetic MoE blocks, their calibration on a forward pass's hidden states, and the
+//! estimate of how tokens spread over experts.
 //!
 //! Row `e` of a router (`ffn_gate_inp`, `[n_embd, n_expert]`) scores expert `e`: `logit_e = w_e · x`. With
 //! no skew every row is Gaussian of RMS `λ/sqrt(n_embd)`, so on any hidden state of unit RMS the logits are
@@ -12,7 +13,13 @@
 //!
 //! With `S = 1` the top 10% of 128 or 256 experts take about 25–32% of the routings, as in real models
 //! (measured by simulation). [`simulate`] measures the spread on random unit-RMS hidden states, which is
-//! an estimate: the real forward pass feeds states that are not isotropic.
+//! an estimate: the real forward pass feeds states that are not isotropic. A forward pass's states share
+//! a common part (the mean over all sequences, and one of each sequence that grows with depth through
+//! attention's averaging), so the drawn routers alone do not route as the skew says in a forward pass
+//! (the qwen3moe 30B-A3B shape written with skew 0 sent 52% of its routings to each layer's top tenth).
+//! `poly-engine synth --route-skew S` therefore writes the model with quieter token mixing
+//! ([`super::Synthesis::with_mixing_gain`]) and then re-aims each router at the states the model feeds it
+//! ([`calibrate`], from [`RouterParts`]), and reports the routing it measures in a forward pass.
 
 use poly_kernels::matmul::{matmul, QuantMatrix};
 use poly_kernels::quant::{dequantize, QuantError};
@@ -32,8 +39,44 @@ pub struct RouterSpec {
     pub skew: f32,
 }
 
-/// Router rows (`n_expert` rows of `n_embd` values, row `e` for expert `e`), drawn from `rng`.
-pub fn router_weights(spec: &RouterSpec, rng: &mut Rng) -> Vec<f32> {
+/// A router before it is put together: the draws of [`router_weights`], kept apart so that
+/// [`calibrate`] can re-aim them at the hidden states a forward pass actually feeds the router.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterParts {
+    pub n_embd: usize,
+    pub n_expert: usize,
+    /// `n_expert` rows of `n_embd` standard normal values (row `e` for expert `e`).
+    pub noise: Vec<f32>,
+    /// Each expert's logit spread before normalization (`(x + 0.03)^(-0.15 S)`), and their RMS.
+    pub raw_scale: Vec<f32>,
+    pub scale_rms: f32,
+    /// The skew `S` and each expert's `ln(1.05 / (x + 0.05))`: its weight on the shared bias direction is
+    /// `S` times that, in units of [`LOGIT_SCALE`].
+    pub skew: f32,
+    pub bias_log: Vec<f32>,
+    /// The block's shared bias direction (unit vector).
+    pub direction: Vec<f32>,
+}
+
+impl RouterParts {
+    /// The rows for random unit-RMS hidden states: `λ · scale_e / sqrt(n_embd) · noise_e + λ · bias_e · u`.
+    pub fn weights(&self) -> Vec<f32> {
+        let n = self.n_embd;
+        let mut w = self.noise.clone();
+        for (e, row) in w.chunks_exact_mut(n).enumerate() {
+            // The same operations in the same order as ever: the files' bytes do not change.
+            let row_rms = LOGIT_SCALE * self.raw_scale[e] / self.scale_rms / (n as f32).sqrt();
+            let bias = LOGIT_SCALE * self.skew * self.bias_log[e];
+            row.iter_mut()
+                .zip(&self.direction)
+                .for_each(|(v, &ui)| *v = *v * row_rms + bias * ui);
+        }
+        w
+    }
+}
+
+/// The parts of a router of `spec`, drawn from `rng` (the draws [`router_weights`] makes, in its order).
+pub fn router_parts(spec: &RouterSpec, rng: &mut Rng) -> RouterParts {
     let (n, m) = (spec.n_embd, spec.n_expert);
     // Popularity rank of each expert: a random permutation, so each block favours different experts.
     let mut rank_of: Vec<usize> = (0..m).collect();
@@ -54,16 +97,108 @@ pub fn router_weights(spec: &RouterSpec, rng: &mut Rng) -> Vec<f32> {
         .sqrt()
         .max(f32::MIN_POSITIVE);
     u.iter_mut().for_each(|v| *v /= norm);
-    let mut w = vec![0f32; n * m];
-    for (e, row) in w.chunks_exact_mut(n).enumerate() {
-        let row_rms = LOGIT_SCALE * raw_scale[e] / ms / (n as f32).sqrt();
-        let bias = LOGIT_SCALE * s * (1.05 / (x(e) + 0.05)).ln();
+    let mut noise = vec![0f32; n * m];
+    for row in noise.chunks_exact_mut(n) {
         fill_normal(rng, row);
-        row.iter_mut()
-            .zip(&u)
-            .for_each(|(v, &ui)| *v = *v * row_rms + bias * ui);
     }
-    w
+    RouterParts {
+        n_embd: n,
+        n_expert: m,
+        noise,
+        raw_scale,
+        scale_rms: ms,
+        skew: s,
+        bias_log: (0..m).map(|e| (1.05 / (x(e) + 0.05)).ln()).collect(),
+        direction: u,
+    }
+}
+
+/// Router rows (`n_expert` rows of `n_embd` values, row `e` for expert `e`), drawn from `rng`.
+pub fn router_weights(spec: &RouterSpec, rng: &mut Rng) -> Vec<f32> {
+    router_parts(spec, rng).weights()
+}
+
+/// The router `parts` re-aimed at `states` (`n_states` rows of `n_embd`: what a forward pass feeds this
+/// router), so that its logits have, on the model's own states, the spread and skew [`router_weights`]
+/// gives on random isotropic ones.
+///
+/// The states share a mean (the norm's weights, attention's averaging), and `w_e · mean` is a
+/// per-expert offset every token shares, so the experts whose rows happen to lean along it win most
+/// tokens. So:
+/// - the states' mean direction is projected out of every row and of the bias direction: the logits
+///   depend on the token-specific part of the state (the calibration states' mean logit is 0 for every
+///   expert);
+/// - one factor common to all rows sets their logits' mean variance over the states to `λ²` times the
+///   skew's `scale_e²` (the rows keep the relative spreads they were drawn with: a factor per row,
+///   measured on a few hundred states, would add its own noise to the routing), and the bias direction
+///   is scaled to unit deviation, so the logits are `λ · scale_e · z_e + λ · bias_e · ζ` with `z_e`, `ζ`
+///   of unit variance on average, as on isotropic states.
+///
+/// Sums are in f64 and in a fixed order, so the result depends only on the states' values.
+pub fn calibrate(parts: &RouterParts, states: &[f32], n_states: usize) -> Vec<f32> {
+    let n = parts.n_embd;
+    assert_eq!(
+        states.len(),
+        n_states * n,
+        "calibrate: states are not n_states × n_embd"
+    );
+    let count = n_states.max(1) as f64;
+    let mut mean = vec![0f64; n];
+    for x in states.chunks_exact(n) {
+        mean.iter_mut().zip(x).for_each(|(a, &v)| *a += v as f64);
+    }
+    mean.iter_mut().for_each(|a| *a /= count);
+    let mean_norm = mean.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let mean_dir: Vec<f64> = mean
+        .iter()
+        .map(|v| if mean_norm > 0.0 { v / mean_norm } else { 0.0 })
+        .collect();
+    // The token-specific parts of the states, to measure deviations on.
+    let centered: Vec<f64> = states
+        .chunks_exact(n)
+        .flat_map(|x| x.iter().zip(&mean).map(|(&v, &mu)| v as f64 - mu))
+        .collect();
+    // `v` without its component along the mean, and the variance of `v · (x − mean)` over the states.
+    let project = |v: &[f32]| -> (Vec<f64>, f64) {
+        let along: f64 = v.iter().zip(&mean_dir).map(|(&a, &b)| a as f64 * b).sum();
+        let p: Vec<f64> = v
+            .iter()
+            .zip(&mean_dir)
+            .map(|(&a, &b)| a as f64 - along * b)
+            .collect();
+        let var = centered
+            .chunks_exact(n)
+            .map(|d| d.iter().zip(&p).map(|(a, b)| a * b).sum::<f64>().powi(2))
+            .sum::<f64>()
+            / count;
+        (p, var)
+    };
+    let lambda = LOGIT_SCALE as f64;
+    let (direction, dir_var) = project(&parts.direction);
+    let dir_k = if dir_var > 0.0 {
+        1.0 / dir_var.sqrt()
+    } else {
+        1.0
+    };
+    let rows: Vec<(Vec<f64>, f64)> = parts.noise.par_chunks_exact(n).map(project).collect();
+    let mean_var = rows.iter().map(|(_, v)| v).sum::<f64>() / rows.len().max(1) as f64;
+    // Unit-variance noise rows on average (left as drawn if the states do not vary, e.g. one state).
+    let row_k = if mean_var > 0.0 {
+        1.0 / mean_var.sqrt()
+    } else {
+        1.0 / (n as f64).sqrt()
+    };
+    rows.into_iter()
+        .enumerate()
+        .flat_map(|(e, (row, _))| {
+            let scale = lambda * row_k * parts.raw_scale[e] as f64 / parts.scale_rms as f64;
+            let bias = lambda * dir_k * parts.skew as f64 * parts.bias_log[e] as f64;
+            row.into_iter()
+                .zip(&direction)
+                .map(move |(v, &u)| (v * scale + bias * u) as f32)
+                .collect::<Vec<f32>>()
+        })
+        .collect()
 }
 
 /// Fills `dst` with standard normal values (Box-Muller in f32, both values of each pair used: cheaper

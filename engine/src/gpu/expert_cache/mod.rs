@@ -99,21 +99,8 @@ pub struct CacheStats {
     pub route_top10_share: f64,
 }
 
-/// The share of `counts` (`[layer][expert]`) in each layer's most-counted tenth of experts (rounded up).
-pub fn top_tenth_share(counts: &[Vec<u64>]) -> f64 {
-    let (mut top, mut all) = (0u64, 0u64);
-    for layer in counts {
-        let mut c = layer.clone();
-        c.sort_unstable_by(|a, b| b.cmp(a));
-        top += c.iter().take(c.len().div_ceil(10)).sum::<u64>();
-        all += c.iter().sum::<u64>();
-    }
-    if all == 0 {
-        0.0
-    } else {
-        top as f64 / all as f64
-    }
-}
+/// The measured skew's definition, shared with the CPU backend's counts.
+pub use crate::cpu::moe::top_tenth_share;
 
 /// What a single token's missing experts cost each way, measured: the CPU's time for `c` of them is
 /// `cpu_overhead + c · cpu_per_expert` (fitted over the tokens answered so far: fetching the activation,
