@@ -41,6 +41,9 @@ pub struct RunConfig {
     /// A draft (MTP) model the config names.
     pub draft: Option<String>,
     pub memory_debug: bool,
+    /// Seconds this model's engine may owe an answer and send nothing before it is killed and replaced
+    /// (0: never); else the server's `--stall-timeout`.
+    pub stall_timeout_s: Option<u64>,
     /// Sampling defaults for this model (`temperature`, `top_p`, `top_k`, `min_p`, ...), applied where a
     /// request leaves a field out.
     pub sampling: Map<String, Value>,
@@ -69,6 +72,8 @@ struct RunConfigFile {
     draft: Option<String>,
     #[serde(default)]
     memory_debug: bool,
+    #[serde(default)]
+    stall_timeout_s: Option<u64>,
     #[serde(default)]
     sampling: Map<String, Value>,
     #[serde(default)]
@@ -219,6 +224,7 @@ fn parse_config(
         chat_template: parsed.chat_template,
         draft: parsed.draft,
         memory_debug: parsed.memory_debug,
+        stall_timeout_s: parsed.stall_timeout_s,
         sampling: parsed.sampling,
         aliases: parsed.aliases,
         raw,

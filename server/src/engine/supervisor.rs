@@ -8,7 +8,7 @@
 //! is started again by the next request.
 
 use super::memory;
-use super::process::{EngineProcess, Launch, StopTimeouts};
+use super::process::{Activity, EngineProcess, Launch, Monitor, StopTimeouts};
 use crate::model_text::ModelText;
 use crate::registry::{find_in, ModelEntry, Registry, Status};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -55,8 +55,16 @@ pub struct Limits {
     pub switch_wait: Duration,
     /// How long an engine may take to load before READY.
     pub ready_timeout: Duration,
+    /// How long an engine that owes an answer may send nothing before it is killed and replaced
+    /// (`None`: never). A model's run config may set its own (`stall_timeout_s`).
+    pub stall: Option<Duration>,
     pub stop: StopTimeouts,
 }
+
+/// The stall bound by default: long enough for one forward call of a long prompt on a slow CPU (the
+/// engine reports progress between calls, not within one), short enough that a stopped engine is
+/// replaced within minutes.
+pub const DEFAULT_STALL: Duration = Duration::from_secs(300);
 
 impl Default for Limits {
     fn default() -> Self {
@@ -64,6 +72,7 @@ impl Default for Limits {
             queue: 64,
             switch_wait: Duration::from_secs(120),
             ready_timeout: Duration::from_secs(600),
+            stall: Some(DEFAULT_STALL),
             stop: StopTimeouts::default(),
         }
     }
@@ -107,6 +116,7 @@ struct EngineView {
     dead: Arc<std::sync::atomic::AtomicBool>,
     /// `Some(description)` once the process has been reaped.
     exited: tokio::sync::watch::Receiver<Option<String>>,
+    monitor: Monitor,
 }
 
 /// What can be read without waiting for the running request.
@@ -118,6 +128,20 @@ struct View {
     ready: Option<poly_protocol::Ready>,
     text: Option<Arc<ModelText>>,
 }
+
+/// How the engine is doing, for `/health`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineHealth {
+    /// No engine runs (none loaded yet, unloaded, or it died and the next request starts it).
+    NotRunning,
+    /// It answers (idle, it answered a STATS; working, its last line is within the stall bound).
+    Ok,
+    /// It owes an answer and has been silent too long, or it left a STATS unanswered: the message.
+    Stalled(String),
+}
+
+/// How long `/health` waits for an idle engine's STATS before calling it stalled.
+const HEALTH_PROBE: Duration = Duration::from_secs(2);
 
 /// What `/api/models/current` shows.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -226,6 +250,48 @@ impl Supervisor {
             }
         }
         entries
+    }
+
+    /// Whether the engine answers: an idle one is asked for its STATS (at most [`HEALTH_PROBE`]); a
+    /// working one is judged by its last line against the stall bound (a request in flight is not
+    /// disturbed). A stalled engine is killed by its watchdog at the bound; this only reports it.
+    pub async fn engine_health(&self) -> EngineHealth {
+        let Some(engine) = lock(&self.view).engine.clone() else {
+            return EngineHealth::NotRunning;
+        };
+        let stalled_for = |quiet: Duration| {
+            EngineHealth::Stalled(format!(
+                "the engine (pid {}) owes an answer and has sent nothing for {} s",
+                engine.pid,
+                quiet.as_secs()
+            ))
+        };
+        match engine.monitor.activity() {
+            Activity::Ended => EngineHealth::NotRunning,
+            Activity::Working { quiet } => match engine.monitor.stall() {
+                Some(bound) if quiet >= bound => stalled_for(quiet),
+                // A STATS left unanswered by an earlier probe also counts as owed: it is the probe's
+                // answer that tells, not the clock.
+                _ if quiet >= HEALTH_PROBE && !self.slot_busy() => stalled_for(quiet),
+                _ => EngineHealth::Ok,
+            },
+            Activity::Idle => match engine.monitor.stats(HEALTH_PROBE).await {
+                Some(_) => EngineHealth::Ok,
+                // A request may have started meanwhile: its engine answers STATS only between
+                // forward calls.
+                None if self.slot_busy() => EngineHealth::Ok,
+                None => EngineHealth::Stalled(format!(
+                    "the engine (pid {}) answered no STATS within {} s",
+                    engine.pid,
+                    HEALTH_PROBE.as_secs()
+                )),
+            },
+        }
+    }
+
+    /// Whether a request holds the engine now.
+    fn slot_busy(&self) -> bool {
+        self.slot.try_lock().is_err()
     }
 
     /// The model in use.
@@ -541,7 +607,13 @@ impl Supervisor {
             entry.id,
             config.exe.display()
         );
-        let engine = EngineProcess::start(&launch, self.limits.ready_timeout).await?;
+        // A run config's own bound wins (0 turns the watchdog off for that model).
+        let stall = match config.stall_timeout_s {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => self.limits.stall,
+        };
+        let engine = EngineProcess::start(&launch, self.limits.ready_timeout, stall).await?;
         eprintln!(
             "polystrata: {} ready (pid {}, {}, n_ctx {})",
             entry.id,
@@ -559,6 +631,7 @@ impl Supervisor {
             pid: e.pid(),
             dead: e.dead_flag(),
             exited: e.exit_watch(),
+            monitor: e.monitor(),
         });
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
         view.text = slot.text.clone();

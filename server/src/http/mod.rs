@@ -244,7 +244,7 @@ async fn route_checked(
     }
     let state = state.clone();
     match (get, method == Method::POST, path) {
-        (true, _, "/health") => Ok(admin::health(&state)),
+        (true, _, "/health") => Ok(admin::health(&state).await),
         (true, _, "/v1/models") => Ok(openai::models(&state)),
         (true, _, p) if p.starts_with("/v1/models/") => {
             openai::model(&state, &p["/v1/models/".len()..])
