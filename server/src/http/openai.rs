@@ -169,6 +169,7 @@ fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
             tools,
             enable_thinking,
             extra,
+            parse_special: bool_field(body, "parse_special")?,
         },
         sampling,
         stream: bool_field(body, "stream")?,
