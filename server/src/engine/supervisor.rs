@@ -236,10 +236,23 @@ impl Supervisor {
         format!("r{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// The registry's scan, on a blocking thread: it reads the home and model files, and a slow or
+    /// hung path (a network mount) must hold up only this scan, never the runtime's threads.
+    async fn scan(&self) -> Vec<ModelEntry> {
+        let registry = self.registry.clone();
+        match tokio::task::spawn_blocking(move || registry.scan()).await {
+            Ok(entries) => entries,
+            Err(e) => {
+                eprintln!("polystrata: the registry scan failed: {e}");
+                Vec::new()
+            }
+        }
+    }
+
     /// Every model, the one in use marked `loaded` (engine up) or `unloaded`.
-    pub fn models(&self) -> Vec<ModelEntry> {
+    pub async fn models(&self) -> Vec<ModelEntry> {
+        let mut entries = self.scan().await;
         let view = lock(&self.view).clone();
-        let mut entries = self.registry.scan();
         for e in &mut entries {
             if view.current.as_deref() == Some(e.id.as_str()) {
                 e.status = if view_engine_alive(&view) {
@@ -358,7 +371,7 @@ impl Supervisor {
     pub async fn lease(&self, model: Option<&str>) -> Result<Lease, ServeError> {
         let ticket = self.enter_queue()?;
         let wanted = match model.filter(|m| !m.is_empty()) {
-            Some(name) => Some(self.resolve(name)?),
+            Some(name) => Some(self.resolve(name).await?),
             None => None,
         };
         let mut guard = self.slot.clone().lock_owned().await;
@@ -366,7 +379,7 @@ impl Supervisor {
             Some(entry) => entry,
             None => match &guard.model {
                 Some(m) => m.clone(),
-                None => self.default_model()?,
+                None => self.default_model().await?,
             },
         };
         let same = guard.model.as_ref().is_some_and(|m| m.id == target.id);
@@ -385,7 +398,7 @@ impl Supervisor {
 
     /// The one switch path: HTTP, the terminal chat and the web page all come here.
     pub async fn switch(&self, name: &str) -> Result<CurrentModel, ServeError> {
-        let target = self.resolve(name)?;
+        let target = self.resolve(name).await?;
         let mut guard =
             tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
                 .await
@@ -463,8 +476,8 @@ impl Supervisor {
         }
     }
 
-    fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
-        let entries = self.registry.scan();
+    async fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
+        let entries = self.scan().await;
         let entry = find_in(&entries, name)
             .map_err(ServeError::ModelNotFound)?
             .clone();
@@ -477,8 +490,8 @@ impl Supervisor {
         }
     }
 
-    fn default_model(&self) -> Result<ModelEntry, ServeError> {
-        let entries = self.registry.scan();
+    async fn default_model(&self) -> Result<ModelEntry, ServeError> {
+        let entries = self.scan().await;
         let runnable: Vec<&ModelEntry> = entries.iter().filter(|e| e.is_runnable()).collect();
         match runnable.as_slice() {
             [one] => Ok((*one).clone()),
@@ -511,7 +524,8 @@ impl Supervisor {
         }
         // Checked before anything stops: a model whose tokenizer or template cannot be read is refused
         // while the old one still runs.
-        let text = ModelText::load(&target)
+        let text = load_text(&target)
+            .await
             .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", target.id)))?;
         let previous = slot.model.clone();
         if let Some(mut engine) = slot.engine.take() {
@@ -540,7 +554,7 @@ impl Supervisor {
             Err(e) => {
                 let back = match previous {
                     Some(prev) => {
-                        let restarted = match (ModelText::load(&prev), self.start(&prev).await) {
+                        let restarted = match (load_text(&prev).await, self.start(&prev).await) {
                             (Ok(text), Ok(engine)) => {
                                 slot.engine = Some(engine);
                                 slot.text = Some(Arc::new(text));
@@ -576,7 +590,8 @@ impl Supervisor {
             );
         }
         if slot.text.is_none() {
-            let text = ModelText::load(&model)
+            let text = load_text(&model)
+                .await
                 .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", model.id)))?;
             slot.text = Some(Arc::new(text));
         }
@@ -636,6 +651,14 @@ impl Supervisor {
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
         view.text = slot.text.clone();
     }
+}
+
+/// A model's tokenizer and template, read on a blocking thread (files, and the template's probe).
+async fn load_text(entry: &ModelEntry) -> Result<ModelText, String> {
+    let entry = entry.clone();
+    tokio::task::spawn_blocking(move || ModelText::load(&entry))
+        .await
+        .map_err(|e| format!("loading the text side failed: {e}"))?
 }
 
 fn view_engine_alive(view: &View) -> bool {

@@ -29,11 +29,12 @@ pub async fn health(state: &AppState) -> Response<RespBody> {
     json_response(code, &body)
 }
 
-pub fn models(state: &AppState) -> Response<RespBody> {
+pub async fn models(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current_id();
     let models: Vec<Value> = state
         .supervisor
         .models()
+        .await
         .into_iter()
         .map(|m| {
             let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
@@ -52,12 +53,17 @@ pub fn models(state: &AppState) -> Response<RespBody> {
     )
 }
 
-pub fn current(state: &AppState) -> Response<RespBody> {
+pub async fn current(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current();
-    let entry = current
-        .model
-        .as_ref()
-        .and_then(|id| state.supervisor.models().into_iter().find(|m| &m.id == id));
+    let entry = match &current.model {
+        Some(id) => state
+            .supervisor
+            .models()
+            .await
+            .into_iter()
+            .find(|m| &m.id == id),
+        None => None,
+    };
     let mut v = serde_json::to_value(&current).unwrap_or(Value::Null);
     if let (Value::Object(o), Some(e)) = (&mut v, entry) {
         o.insert(

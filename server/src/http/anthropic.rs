@@ -281,7 +281,7 @@ pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<Resp
         ));
     };
     if let Some(name) = body.get("model").and_then(Value::as_str) {
-        let entries = state.supervisor.models();
+        let entries = state.supervisor.models().await;
         let named = crate::registry::find_in(&entries, name)
             .map_err(|e| ApiError::new(Kind::ModelNotFound, e))?;
         if named.id != current {
