@@ -225,3 +225,45 @@ fn a_run_config_sets_its_own_stall_bound() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
 }
+
+/// A GGUF whose `context_length` is 0: the engine refuses it with an ERR naming the key unless
+/// `--max-context` gives one (as llama.cpp refuses "n_ctx and n_ctx_train cannot both be zero"),
+/// instead of announcing `n_ctx` 0 and refusing every request.
+#[test]
+fn a_model_file_with_context_length_0_needs_max_context() {
+    let home = Home::new("ctx0");
+    let mut bytes = std::fs::read(common::fixture("qwen3moe-tiny-q4km.gguf")).expect("fixture");
+    let key = b"qwen3moe.context_length";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("context_length key")
+        + key.len();
+    assert_eq!(bytes[at..at + 4], 4u32.to_le_bytes(), "a u32 value");
+    bytes[at + 4..at + 8].copy_from_slice(&0u32.to_le_bytes());
+    let file = home.dir.join("ctx0.gguf");
+    std::fs::write(&file, &bytes).expect("write");
+    let run = |args: &[&str]| {
+        std::process::Command::new(common::engine_bin())
+            .arg("--model")
+            .arg(&file)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run the engine")
+    };
+    let out = run(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(
+        stdout.starts_with("ERR ") && stdout.contains("context_length is 0"),
+        "{stdout}"
+    );
+    let out = run(&["--max-context", "64"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.starts_with("READY ") && stdout.contains("\"n_ctx\":64"),
+        "{stdout}"
+    );
+}
