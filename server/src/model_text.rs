@@ -518,20 +518,6 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn pieces_cover_the_text_and_cut_at_newlines() {
-        let text = "ab\ncd ef\ngh".repeat(100);
-        let pieces: Vec<&str> = super::pieces_of(&text, 64).collect();
-        assert_eq!(pieces.concat(), text);
-        assert!(pieces.iter().all(|p| p.len() <= 64));
-        assert!(pieces[..pieces.len() - 1].iter().all(|p| p.ends_with('\n')));
-        let wide = "é".repeat(100);
-        assert_eq!(super::pieces_of(&wide, 7).collect::<String>(), wide);
-    }
-}
-
 /// A matcher of the tokenizer's special-token texts (control and user-defined tokens, which the
 /// tokenizer splits out of text), or `None` when it has none.
 fn special_finder(tokenizer: &TextTokenizer) -> Option<aho_corasick::AhoCorasick> {
@@ -603,4 +589,18 @@ fn fill_holes(skeleton: &str, holes: &[String]) -> (String, Vec<std::ops::Range<
     }
     out.push_str(rest);
     (out, ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pieces_cover_the_text_and_cut_at_newlines() {
+        let text = "ab\ncd ef\ngh".repeat(100);
+        let pieces: Vec<&str> = super::pieces_of(&text, 64).collect();
+        assert_eq!(pieces.concat(), text);
+        assert!(pieces.iter().all(|p| p.len() <= 64));
+        assert!(pieces[..pieces.len() - 1].iter().all(|p| p.ends_with('\n')));
+        let wide = "é".repeat(100);
+        assert_eq!(super::pieces_of(&wide, 7).collect::<String>(), wide);
+    }
 }
