@@ -25,5 +25,7 @@ echo "== cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test --workspace --release"
 cargo test --workspace --release
+echo "== every fuzz target for 25 s on the stable toolchain (tests/src/bin/fuzz_smoke.rs; fuzz/README.md)"
+cargo run --release -p poly-tests --bin fuzz_smoke -- --seconds 25
 echo "== ./setup.sh --yes into a temporary home, a chat completion through it (tests/setup_smoke.sh)"
 bash tests/setup_smoke.sh

@@ -243,3 +243,37 @@ fn quit_and_end_of_input_exit_with_success() {
     let (status, rest) = e.close();
     assert!(status.success() && rest.is_empty(), "{rest:?}");
 }
+
+/// A prompt read in several forward calls says how far it got after each but the last (`PROGRESS`), so
+/// that the server can tell a long read from a stopped engine; then its answer comes as usual.
+#[test]
+fn a_long_read_sends_progress_between_its_forward_calls() {
+    let mut e = Engine::start(MODEL, &["--ubatch", "8"]);
+    let n_vocab = e.n_vocab();
+    let prompt = Rng::new(17).tokens(30, n_vocab);
+    e.send(&ToEngine::Gen(Gen {
+        max_tokens: Some(2),
+        ..Gen::new("long", prompt)
+    }));
+    let mut progress = Vec::new();
+    loop {
+        let line = e.next_line().expect("an answer");
+        match FromEngine::parse(&line).unwrap() {
+            FromEngine::Progress(p) => {
+                assert_eq!((p.id.as_str(), p.prompt_tokens), ("long", 30), "{line}");
+                progress.push(p.prompt_read);
+            }
+            FromEngine::Tokens(t) => assert_eq!(t.id, "long"),
+            FromEngine::Done(d) => {
+                assert_eq!(d.generated, 2);
+                break;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(
+        progress,
+        vec![8, 16, 24],
+        "one line after each call but the last"
+    );
+}

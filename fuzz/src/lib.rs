@@ -14,7 +14,7 @@ pub fn check_parsed(data: &[u8], h: &ParsedHeader) {
         assert_eq!(t.offset % h.alignment, 0, "aligned");
         assert_eq!(t.ty.bytes_for(t.n_elements()), Some(t.n_bytes));
         assert!(t.dims.len() <= 4 && t.name.len() < 64);
-        expected = (end + h.alignment - 1) / h.alignment * h.alignment;
+        expected = end.div_ceil(h.alignment) * h.alignment;
     }
 
     let mut w = GgufWriter::new();

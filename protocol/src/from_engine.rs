@@ -1,4 +1,4 @@
-//! Messages the engine sends to the server: `READY`, `T`, `DONE`, `ERR`, `STATS`.
+//! Messages the engine sends to the server: `READY`, `T`, `DONE`, `ERR`, `STATS`, `PROGRESS`.
 
 use serde::{Deserialize, Serialize, Serializer};
 
@@ -18,6 +18,19 @@ pub enum FromEngine {
     Err(ErrorReply),
     /// `STATS {...}`: the answer to `STATS`.
     Stats(Stats),
+    /// `PROGRESS {...}`: how far a long prompt has been read (between its forward calls), so that the
+    /// server can tell a slow read from a stopped engine.
+    Progress(Progress),
+}
+
+/// `PROGRESS`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    pub id: String,
+    /// Prompt tokens read so far (kept-state tokens included).
+    pub prompt_read: u32,
+    /// The prompt's length.
+    pub prompt_tokens: u32,
 }
 
 /// `READY`.
@@ -146,7 +159,7 @@ impl FromEngine {
     pub fn parse(line: &str) -> Result<FromEngine, ProtocolError> {
         let (verb, body) = split_verb(line);
         let value = match verb {
-            "READY" | "T" | "DONE" | "ERR" | "STATS" => parse_object(verb, body)?,
+            "READY" | "T" | "DONE" | "ERR" | "STATS" | "PROGRESS" => parse_object(verb, body)?,
             _ => {
                 return Err(ProtocolError::bad_request(
                     None,
@@ -167,6 +180,7 @@ impl FromEngine {
             "T" => FromEngine::Tokens(read(verb, value)?),
             "DONE" => FromEngine::Done(read(verb, value)?),
             "ERR" => FromEngine::Err(read(verb, value)?),
+            "PROGRESS" => FromEngine::Progress(read(verb, value)?),
             _ => FromEngine::Stats(read(verb, value)?),
         })
     }
@@ -179,6 +193,7 @@ impl FromEngine {
             FromEngine::Done(m) => format_line("DONE", m),
             FromEngine::Err(m) => format_line("ERR", m),
             FromEngine::Stats(m) => format_line("STATS", m),
+            FromEngine::Progress(m) => format_line("PROGRESS", m),
         }
     }
 
@@ -188,6 +203,7 @@ impl FromEngine {
             FromEngine::Tokens(m) => Some(&m.id),
             FromEngine::Done(m) => Some(&m.id),
             FromEngine::Err(m) => m.id.as_deref(),
+            FromEngine::Progress(m) => Some(&m.id),
             FromEngine::Ready(_) | FromEngine::Stats(_) => None,
         }
     }
@@ -269,6 +285,11 @@ mod tests {
             id: None,
             code: ErrorCode::ContextOverflow,
             message: "a \"quoted\"\nmessage".into(),
+        }));
+        round_trip(FromEngine::Progress(Progress {
+            id: "r1".into(),
+            prompt_read: 512,
+            prompt_tokens: 3000,
         }));
         let mut extra = serde_json::Map::new();
         extra.insert("cache".into(), serde_json::json!({"hits": 3}));

@@ -140,20 +140,18 @@ impl Gen {
                 self.top_logprobs()
             ));
         }
-        let ranges: [(&str, Option<f32>, f32, f32); 7] = [
+        // top_k is an integer, compared and printed as one (as an f32, 4294967295 read 4294967300).
+        let top_k = self.top_k();
+        if top_k > MAX_TOP_K {
+            return bad(format!("GEN: top_k {top_k} is outside [0, {MAX_TOP_K}]"));
+        }
+        let ranges: [(&str, Option<f32>, f32, f32); 6] = [
             ("temperature", self.temperature, 0.0, 100.0),
             ("top_p", self.top_p, 0.0, 1.0),
             ("min_p", self.min_p, 0.0, 1.0),
             ("repeat_penalty", self.repeat_penalty, 0.0, 100.0),
             ("presence_penalty", self.presence_penalty, -100.0, 100.0),
             ("frequency_penalty", self.frequency_penalty, -100.0, 100.0),
-            // top_k is an integer; its bound is here so the message has the same shape.
-            (
-                "top_k",
-                self.top_k.map(|k| k as f32),
-                0.0,
-                (1u32 << 24) as f32,
-            ),
         ];
         for (name, value, lo, hi) in ranges {
             if let Some(v) = value {
@@ -168,6 +166,9 @@ impl Gen {
         Ok(())
     }
 }
+
+/// The largest `top_k` a GEN may ask for.
+pub const MAX_TOP_K: u32 = 1 << 24;
 
 /// `CANCEL`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -372,6 +373,18 @@ mod tests {
         assert_eq!(
             ToEngine::parse(r#"CANCEL {"id":"r1"}"#).unwrap(),
             ToEngine::Cancel(Cancel { id: "r1".into() })
+        );
+    }
+
+    #[test]
+    fn top_k_out_of_range_is_printed_exactly() {
+        let e = ToEngine::parse(r#"GEN {"id":"r1","tokens":[1],"top_k":4294967295}"#)
+            .expect_err("over the bound");
+        assert!(
+            e.message
+                .contains("top_k 4294967295 is outside [0, 16777216]"),
+            "{}",
+            e.message
         );
     }
 }

@@ -41,6 +41,9 @@ pub struct RunConfig {
     /// A draft (MTP) model the config names.
     pub draft: Option<String>,
     pub memory_debug: bool,
+    /// Seconds this model's engine may owe an answer and send nothing before it is killed and replaced
+    /// (0: never); else the server's `--stall-timeout`.
+    pub stall_timeout_s: Option<u64>,
     /// Sampling defaults for this model (`temperature`, `top_p`, `top_k`, `min_p`, ...), applied where a
     /// request leaves a field out.
     pub sampling: Map<String, Value>,
@@ -69,6 +72,8 @@ struct RunConfigFile {
     draft: Option<String>,
     #[serde(default)]
     memory_debug: bool,
+    #[serde(default)]
+    stall_timeout_s: Option<u64>,
     #[serde(default)]
     sampling: Map<String, Value>,
     #[serde(default)]
@@ -158,9 +163,19 @@ pub fn read_home(home: &Path) -> HomeContents {
     out
 }
 
+/// Reads a file that must be a regular one: opening a FIFO (or a device) for reading blocks until a
+/// writer comes, which froze every scan of the home.
+pub fn read_regular(path: &Path) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    std::fs::read_to_string(path)
+}
+
 fn read_models_json(home: &Path) -> Result<Map<String, Value>, String> {
     let path = home.join("models.json");
-    let text = match std::fs::read_to_string(&path) {
+    let text = match read_regular(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Map::new()),
         Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -188,7 +203,7 @@ fn parse_config(
     stem: &str,
     overrides: &Map<String, Value>,
 ) -> Result<RunConfig, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read: {e}"))?;
+    let text = read_regular(file).map_err(|e| format!("cannot read: {e}"))?;
     let mut raw: Map<String, Value> = match serde_json::from_str(&text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err("not a JSON object".into()),
@@ -219,6 +234,7 @@ fn parse_config(
         chat_template: parsed.chat_template,
         draft: parsed.draft,
         memory_debug: parsed.memory_debug,
+        stall_timeout_s: parsed.stall_timeout_s,
         sampling: parsed.sampling,
         aliases: parsed.aliases,
         raw,

@@ -117,6 +117,12 @@ struct ServeArgs {
     /// Seconds an engine may take to load before READY.
     #[arg(long, default_value_t = 600)]
     ready_timeout: u64,
+    /// Seconds an engine that owes an answer (a request or a STATS in flight) may send no protocol line
+    /// before it is killed and started again, its requests answered with the cause (0: never). A long
+    /// prompt reports progress after each forward call, so this bounds one call, not a whole read. A
+    /// model's run config may set its own (`stall_timeout_s`).
+    #[arg(long, default_value_t = polystrata::engine::supervisor::DEFAULT_STALL.as_secs())]
+    stall_timeout: u64,
     /// Seconds a stopping engine gets after QUIT before SIGTERM.
     #[arg(long, default_value_t = 10)]
     quit_timeout: u64,
@@ -306,6 +312,8 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
             queue: args.queue,
             switch_wait: std::time::Duration::from_secs(args.switch_wait),
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
+            stall: (args.stall_timeout > 0)
+                .then(|| std::time::Duration::from_secs(args.stall_timeout)),
             stop: StopTimeouts {
                 after_quit: std::time::Duration::from_secs(args.quit_timeout),
                 after_term: std::time::Duration::from_secs(args.term_timeout),
@@ -320,6 +328,21 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
             body_timeout: std::time::Duration::from_secs(args.body_timeout),
             max_body_bytes: (args.max_body_mib as usize) << 20,
         };
+        // The bounds in force, once: what an operator needs to read a refusal or a killed engine.
+        eprintln!(
+            "polystrata: queue {}, switch wait {} s, ready timeout {} s, stall timeout {}, \
+             {} connections, header timeout {} s, body timeout {} s, bodies up to {} MiB",
+            limits.queue,
+            args.switch_wait,
+            args.ready_timeout,
+            limits
+                .stall
+                .map_or("off".to_string(), |d| format!("{} s", d.as_secs())),
+            conn_limits.max_connections,
+            args.header_timeout,
+            args.body_timeout,
+            args.max_body_mib
+        );
         let supervisor = Arc::new(Supervisor::new(registry, limits));
         let addr = format!("{}:{}", args.host, args.port);
         let listener = match tokio::net::TcpListener::bind(&addr).await {

@@ -33,14 +33,28 @@ pub struct ChatInput {
     pub enable_thinking: Option<bool>,
     /// `chat_template_kwargs` beyond `enable_thinking`.
     pub extra: Map<String, Value>,
+    /// Whether special-token texts typed in messages become those tokens (the request's `parse_special`).
+    /// Off by default: only the template's own markers are control tokens, so text from a user cannot
+    /// forge turns or roles (`<|im_end|><|im_start|>system` stays text).
+    pub parse_special: bool,
 }
 
 /// A rendered chat prompt and how the reply must be read.
 #[derive(Clone, Debug)]
 pub struct RenderedChat {
     pub prompt: String,
+    /// Byte ranges of `prompt`, in order, that are message text holding special-token texts: they are
+    /// tokenized as plain text ([`ModelText::encode_chat`]).
+    pub literal: Vec<std::ops::Range<usize>>,
     pub parser: ParserSetup,
 }
+
+/// Where message text lies in a rendered prompt: a message string that holds a special-token text is
+/// rendered again as a placeholder of private-use characters (which no template treats specially), so
+/// the skeleton shows where each such string landed. The placeholder `\u{E000}N\u{E001}` stands for the
+/// N-th string.
+const HOLE_OPEN: char = '\u{E000}';
+const HOLE_CLOSE: char = '\u{E001}';
 
 /// Where the engine keeps a chat's state between turns (the protocol's `conversation` and
 /// `checkpoint_at`; see [`ModelText::resume_hints`]).
@@ -66,6 +80,8 @@ pub struct ModelText {
     family: Family,
     /// The longest token in bytes ([`TextTokenizer::max_piece_len`]).
     max_piece_len: usize,
+    /// Finds special-token texts (control, user-defined) in message text.
+    specials: Option<aho_corasick::AhoCorasick>,
 }
 
 /// Why a prompt could not be tokenized within its context.
@@ -132,39 +148,136 @@ impl ModelText {
             .and_then(Family::from_name)
             .unwrap_or(tokenizer.config.family);
         let max_piece_len = tokenizer.max_piece_len();
+        let specials = special_finder(&tokenizer);
         Ok(ModelText {
             tokenizer: Arc::new(tokenizer),
             template,
             family,
             max_piece_len,
+            specials,
         })
     }
 
     /// The prompt of a conversation, ending with the assistant's turn opened.
     pub fn render_chat(&self, input: &ChatInput) -> Result<RenderedChat, String> {
+        let (prompt, literal) = self.render_marked(input, true)?;
+        let starts_in_reasoning = prompt_opens_reasoning(self.family, &prompt);
+        Ok(RenderedChat {
+            prompt,
+            literal,
+            parser: ParserSetup {
+                tools: input.tools.clone().unwrap_or_default(),
+                starts_in_reasoning,
+            },
+        })
+    }
+
+    fn render_with(
+        &self,
+        messages: Vec<Value>,
+        input: &ChatInput,
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let template = self.template.as_ref().map_err(Clone::clone)?;
-        let tools = input.tools.clone().unwrap_or_default();
-        let prompt = template
+        template
             .render(
                 &TemplateInput {
-                    messages: input.messages.clone(),
-                    tools: tools.clone(),
-                    add_generation_prompt: true,
+                    messages,
+                    tools: input.tools.clone().unwrap_or_default(),
+                    add_generation_prompt,
                     enable_thinking: input.enable_thinking,
                     extra: input.extra.clone(),
                     now: None,
                 },
                 self.tokenizer.config.add_bos,
             )
-            .map_err(|e| e.to_string())?;
-        let starts_in_reasoning = prompt_opens_reasoning(self.family, &prompt);
-        Ok(RenderedChat {
-            prompt,
-            parser: ParserSetup {
-                tools,
-                starts_in_reasoning,
-            },
-        })
+            .map_err(|e| e.to_string())
+    }
+
+    /// The rendered prompt and where the message strings that hold special-token texts lie in it (none
+    /// when no message holds one, or when the request asked for `parse_special`). A template that
+    /// changes such a string (so that it cannot be found again) is refused rather than guessed at.
+    fn render_marked(
+        &self,
+        input: &ChatInput,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
+        let prompt = self.render_with(input.messages.clone(), input, add_generation_prompt)?;
+        let Some(finder) = self.specials.as_ref().filter(|_| !input.parse_special) else {
+            return Ok((prompt, Vec::new()));
+        };
+        let mut holes: Vec<String> = Vec::new();
+        let mut skeleton = input.messages.clone();
+        for message in &mut skeleton {
+            punch_holes(message, finder, &mut holes);
+        }
+        if holes.is_empty() {
+            return Ok((prompt, Vec::new()));
+        }
+        let skeleton = self.render_with(skeleton, input, add_generation_prompt)?;
+        let (filled, literal) = fill_holes(&skeleton, &holes);
+        if filled == prompt {
+            return Ok((prompt, literal));
+        }
+        // Many templates trim message text (Gemma's, Llama 3's): the strings trimmed may fill the
+        // skeleton exactly.
+        let trimmed: Vec<String> = holes.iter().map(|h| h.trim().to_string()).collect();
+        let (filled, literal) = fill_holes(&skeleton, &trimmed);
+        if filled != prompt {
+            let found = finder
+                .find_iter(holes.concat().as_str())
+                .next()
+                .map(|m| holes.concat()[m.range()].to_string())
+                .unwrap_or_default();
+            return Err(format!(
+                "a message holds the text of the control token {found:?}, and this model's template \
+                 changes message text, so it cannot be kept as plain text; remove it, or send \
+                 \"parse_special\": true to have it read as the token"
+            ));
+        }
+        Ok((prompt, literal))
+    }
+
+    /// The ids of a rendered chat within `n_ctx`: the template's text with special-token texts read as
+    /// those tokens, the ranges of `literal` as plain text.
+    pub fn encode_chat(&self, chat: &RenderedChat, n_ctx: u32) -> Result<Vec<u32>, EncodeError> {
+        if chat.literal.is_empty() {
+            return self.encode_within(&chat.prompt, n_ctx);
+        }
+        self.check_size(&chat.prompt, n_ctx)?;
+        self.encode_segments(&chat.prompt, &chat.literal)
+            .map_err(EncodeError::Failed)
+    }
+
+    /// `text` tokenized in segments: the ranges of `literal` as plain text, the rest with special-token
+    /// texts as tokens; BOS and EOS as the model adds them to a whole text.
+    fn encode_segments(
+        &self,
+        text: &str,
+        literal: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, String> {
+        let tok = &self.tokenizer;
+        let err = |e: crate::text::TextError| e.to_string();
+        let mut ids = Vec::new();
+        let config = &tok.config;
+        if config.add_bos {
+            ids.extend(config.bos.as_ref().map(|t| t.id));
+        }
+        let mut at = 0;
+        for r in literal {
+            if r.start > at {
+                ids.extend(tok.encode(&text[at..r.start], false, true).map_err(err)?);
+            }
+            ids.extend(tok.encode(&text[r.clone()], false, false).map_err(err)?);
+            at = r.end;
+        }
+        if at < text.len() {
+            ids.extend(tok.encode(&text[at..], false, true).map_err(err)?);
+        }
+        if config.add_eos {
+            ids.extend(config.eos.as_ref().map(|t| t.id));
+        }
+        Ok(ids)
     }
 
     /// The engine's hints for a chat request whose prompt (ending with the assistant's turn opened) is
@@ -198,21 +311,8 @@ impl ModelText {
     /// How many tokens of `prompt` come before the assistant's opened turn (`None` when that cannot be
     /// told, or when it is the whole prompt).
     fn turn_start(&self, input: &ChatInput, prompt: &[u32]) -> Option<usize> {
-        let template = self.template.as_ref().ok()?;
-        let without = template
-            .render(
-                &TemplateInput {
-                    messages: input.messages.clone(),
-                    tools: input.tools.clone().unwrap_or_default(),
-                    add_generation_prompt: false,
-                    enable_thinking: input.enable_thinking,
-                    extra: input.extra.clone(),
-                    now: None,
-                },
-                self.tokenizer.config.add_bos,
-            )
-            .ok()?;
-        let tokens = self.encode(&without).ok()?;
+        let (without, literal) = self.render_marked(input, false).ok()?;
+        let tokens = self.encode_segments(&without, &literal).ok()?;
         let shared = tokens
             .iter()
             .zip(prompt)
@@ -235,6 +335,12 @@ impl ModelText {
     /// before it is tokenized whole. A prompt that is over by less than the counting can tell is left for
     /// the engine to refuse.
     pub fn encode_within(&self, text: &str, n_ctx: u32) -> Result<Vec<u32>, EncodeError> {
+        self.check_size(text, n_ctx)?;
+        self.encode(text).map_err(EncodeError::Failed)
+    }
+
+    /// [`ModelText::encode_within`]'s bounds: refuses a text that surely cannot fit in `n_ctx` tokens.
+    fn check_size(&self, text: &str, n_ctx: u32) -> Result<(), EncodeError> {
         let n_ctx = n_ctx as usize;
         let too_long = |what: String| {
             EncodeError::TooLong(format!(
@@ -258,7 +364,7 @@ impl ModelText {
                 }
             }
         }
-        self.encode(text).map_err(EncodeError::Failed)
+        Ok(())
     }
 
     /// Token `id` as text (for log-probabilities), special tokens included.
@@ -410,6 +516,79 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// A matcher of the tokenizer's special-token texts (control and user-defined tokens, which the
+/// tokenizer splits out of text), or `None` when it has none.
+fn special_finder(tokenizer: &TextTokenizer) -> Option<aho_corasick::AhoCorasick> {
+    let texts: Vec<&str> = tokenizer
+        .config
+        .special_tokens
+        .iter()
+        .map(|(t, _)| t.text.as_str())
+        .filter(|t| !t.is_empty())
+        .collect();
+    if texts.is_empty() {
+        return None;
+    }
+    aho_corasick::AhoCorasick::new(texts).ok()
+}
+
+/// Replaces every string of `message`'s text (its content, text parts, reasoning, name) that holds a
+/// special-token text with a placeholder, keeping the string in `holes`.
+fn punch_holes(message: &mut Value, finder: &aho_corasick::AhoCorasick, holes: &mut Vec<String>) {
+    let Value::Object(fields) = message else {
+        return;
+    };
+    for key in ["content", "reasoning_content", "name"] {
+        match fields.get_mut(key) {
+            Some(Value::String(text)) => punch(text, finder, holes),
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    if let Some(Value::String(text)) = part.get_mut("text") {
+                        punch(text, finder, holes);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn punch(text: &mut String, finder: &aho_corasick::AhoCorasick, holes: &mut Vec<String>) {
+    if finder.is_match(text.as_str()) {
+        let hole = format!("{HOLE_OPEN}{}{HOLE_CLOSE}", holes.len());
+        holes.push(std::mem::replace(text, hole));
+    }
+}
+
+/// The skeleton with each placeholder replaced by its string, and the ranges those strings took.
+fn fill_holes(skeleton: &str, holes: &[String]) -> (String, Vec<std::ops::Range<usize>>) {
+    let mut out =
+        String::with_capacity(skeleton.len() + holes.iter().map(String::len).sum::<usize>());
+    let mut ranges = Vec::new();
+    let mut rest = skeleton;
+    while let Some(open) = rest.find(HOLE_OPEN) {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + HOLE_OPEN.len_utf8()..];
+        let index = after
+            .find(HOLE_CLOSE)
+            .and_then(|close| after[..close].parse::<usize>().ok().map(|n| (n, close)));
+        match index.and_then(|(n, close)| holes.get(n).map(|h| (h, close))) {
+            Some((hole, close)) => {
+                ranges.push(out.len()..out.len() + hole.len());
+                out.push_str(hole);
+                rest = &after[close + HOLE_CLOSE.len_utf8()..];
+            }
+            None => {
+                // Not a placeholder of ours (a message's own private-use character): kept as is.
+                out.push(HOLE_OPEN);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    (out, ranges)
 }
 
 #[cfg(test)]

@@ -565,3 +565,63 @@ fn a_model_path_that_is_a_fifo_is_unavailable_and_freezes_nothing() {
         "{entry}"
     );
 }
+
+#[test]
+fn a_run_config_or_models_json_that_is_a_fifo_freezes_no_request() {
+    let home = home_with_model("fifo-config");
+    for name in ["strata-piped.json", "models.json"] {
+        let made = std::process::Command::new("mkfifo")
+            .arg(home.dir.join(name))
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+    }
+    let server = Server::start(&home, &[]);
+    // Every route that scans the home, and a generation, at once: none may wait on the FIFOs (opening
+    // one for reading blocks until a writer comes), nor on each other.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let requests: Vec<(&str, &str, Option<serde_json::Value>)> = vec![
+        ("GET", "/api/models", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/api/models/current", None),
+        ("GET", "/health", None),
+        (
+            "POST",
+            "/v1/completions",
+            Some(json!({"model": "qwen3", "prompt": [1, 2, 3], "max_tokens": 2})),
+        ),
+    ];
+    for (method, path, body) in requests {
+        let (tx, addr) = (tx.clone(), server.addr.clone());
+        std::thread::spawn(move || {
+            let body = body.map(|b| b.to_string());
+            let r = common::request(&addr, method, path, body.as_deref().map(str::as_bytes), &[]);
+            let _ = tx.send((path, r));
+        });
+    }
+    let started = Instant::now();
+    for _ in 0..5 {
+        let (path, r) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every request answered while the home holds FIFOs");
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        if path == "/api/models" {
+            let models = r.json();
+            let piped = models["models"]
+                .as_array()
+                .expect("models")
+                .iter()
+                .find(|m| m["id"] == "piped")
+                .cloned()
+                .expect("the FIFO config is listed");
+            assert_eq!(piped["status"], "unavailable", "{piped}");
+            assert!(
+                piped["problem"]
+                    .as_str()
+                    .is_some_and(|p| p.contains("not a regular file")),
+                "{piped}"
+            );
+        }
+    }
+    eprintln!("five requests answered in {:?}", started.elapsed());
+}

@@ -51,6 +51,9 @@ pub struct Installed {
 /// What `setup` records beside an installed file, so a run again can keep it without hashing it.
 #[derive(serde::Serialize, serde::Deserialize, PartialEq, Eq, Debug)]
 struct Stamp {
+    /// The file, relative to the models directory when it lies there (so a copied or moved home keeps
+    /// pointing at its own copy); absolute otherwise (a `--gguf-dir` file used in place). Stamps of
+    /// earlier setups hold absolute paths everywhere.
     path: PathBuf,
     bytes: u64,
     mtime_ns: u128,
@@ -77,7 +80,9 @@ fn write_stamp(
 ) -> Result<(), SetupError> {
     let meta = std::fs::metadata(path).map_err(|e| SetupError::io(path, e))?;
     let stamp = Stamp {
-        path: path.to_path_buf(),
+        path: path
+            .strip_prefix(models)
+            .map_or_else(|_| path.to_path_buf(), Path::to_path_buf),
         bytes: meta.len(),
         mtime_ns: mtime_ns(&meta),
         sha256: sha256.to_string(),
@@ -92,10 +97,20 @@ fn write_stamp(
 fn stamped(models: &Path, file_name: &str, expected: Option<&str>) -> Option<PathBuf> {
     let text = std::fs::read_to_string(stamp_path(models, file_name)).ok()?;
     let stamp: Stamp = serde_json::from_str(&text).ok()?;
-    let meta = std::fs::metadata(&stamp.path).ok()?;
+    let local = models.join(file_name);
+    let path = if stamp.path.is_relative() {
+        models.join(&stamp.path)
+    } else if stamp.path != local && local.is_file() {
+        // An absolute stamp naming another home's file (an earlier setup's stamp in a copied home):
+        // this home has its own copy, which the stamp's size and time must describe.
+        local
+    } else {
+        stamp.path.clone()
+    };
+    let meta = std::fs::metadata(&path).ok()?;
     let same = meta.len() == stamp.bytes && mtime_ns(&meta) == stamp.mtime_ns;
     let hash_ok = expected.is_none_or(|h| h.eq_ignore_ascii_case(&stamp.sha256));
-    (same && hash_ok).then_some(stamp.path)
+    (same && hash_ok).then_some(path)
 }
 
 /// Finds files' expected hashes and URLs for one size, asking the host once where the table does not pin.

@@ -189,6 +189,90 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     assert_eq!(std::fs::read(&model).expect("model"), data, "fetched again");
 }
 
+/// A home copied elsewhere (`cp -a`) and set up again keeps its own copy of the model: the stamp names
+/// the file relative to the models directory. An earlier setup's stamp (an absolute path into the old
+/// home) is still read, and points at the copy too.
+#[test]
+fn a_copied_home_points_at_its_own_model_file() {
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let server = FileServer::start();
+    serve_hf(&server, &data, &sha256_hex(&data));
+    let tmp = TempDir::new("copied");
+    let first = tmp.path().join("first");
+    let families = hf_table(tmp.path(), None);
+    let args = |home: &Path| -> Vec<String> {
+        [
+            "--family",
+            "tiny",
+            "--home",
+            &home.to_string_lossy(),
+            "--families",
+            &families,
+            "--hf-url",
+            &server.base,
+            "--yes",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = |home: &Path| {
+        let a = args(home);
+        run_setup(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let out = run(&first);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stamp_file = format!("models/{FILE}.stamp.json");
+    let stamp: Value =
+        serde_json::from_str(&std::fs::read_to_string(first.join(&stamp_file)).expect("stamp"))
+            .expect("stamp json");
+    assert_eq!(stamp["path"], FILE, "relative to the models directory");
+
+    let copy = tmp.path().join("copy");
+    let copied = Command::new("cp")
+        .arg("-a")
+        .arg(&first)
+        .arg(&copy)
+        .status()
+        .expect("cp -a");
+    assert!(copied.success());
+    let requests = server.seen().len();
+    let check_copy = |what: &str| {
+        let out = run(&copy);
+        assert!(out.status.success(), "{what}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("installed and unchanged, kept"),
+            "{what}: {}",
+            stderr(&out)
+        );
+        assert!(
+            !stderr(&out).contains(&first.to_string_lossy().into_owned()),
+            "{what}: the first home is not named: {}",
+            stderr(&out)
+        );
+        let config: Value = serde_json::from_str(
+            &std::fs::read_to_string(copy.join("strata-tiny.json")).expect("config"),
+        )
+        .expect("json");
+        assert_eq!(
+            config["args"][1],
+            format!("models/{FILE}"),
+            "{what}: {config}"
+        );
+    };
+    check_copy("a stamp of this setup");
+    // An earlier setup's stamp: the absolute path of the first home's file.
+    let mut old = stamp.clone();
+    old["path"] = json!(first.join("models").join(FILE));
+    std::fs::write(copy.join(&stamp_file), old.to_string()).expect("old stamp");
+    check_copy("an earlier setup's stamp");
+    assert_eq!(
+        server.seen().len(),
+        requests,
+        "nothing fetched for the copy"
+    );
+}
+
 #[test]
 fn wrong_bytes_from_the_host_install_nothing() {
     let data = std::fs::read(fixture_gguf()).expect("fixture");

@@ -195,12 +195,23 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         loaded.model.device_name(),
         opts.arithmetic
     );
+    let n_ctx = if opts.max_context == 0 {
+        loaded.model.info().n_ctx_train as usize
+    } else {
+        opts.max_context
+    };
+    // A file whose `context_length` is 0 with no --max-context would announce n_ctx 0 and refuse
+    // every GEN; llama.cpp refuses it the same way ("n_ctx and n_ctx_train cannot both be zero").
+    if n_ctx == 0 {
+        return fail(
+            &mut out,
+            format!(
+                "cannot serve {}: its context_length is 0; give --max-context N",
+                opts.model.display()
+            ),
+        );
+    }
     if loaded.model.on_gpu() && std::env::var("POLY_WARMUP").as_deref() != Ok("0") {
-        let n_ctx = if opts.max_context == 0 {
-            loaded.model.info().n_ctx_train as usize
-        } else {
-            opts.max_context
-        };
         warm_up(&loaded.model, n_ctx);
     }
     let inputs = input::spawn_reader(std::io::stdin());

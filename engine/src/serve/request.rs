@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use poly_models::arch::ModelInfo;
 use poly_models::compute::Logits;
-use poly_protocol::{Done, ErrorCode, FromEngine, Gen, StopReason, Tokens};
+use poly_protocol::{Done, ErrorCode, FromEngine, Gen, Progress, StopReason, Tokens};
 
 use super::session::{Control, Session};
 use super::store::Conversation;
@@ -221,8 +221,17 @@ impl<W: std::io::Write> Session<'_, W> {
                 Err(e) => return Ok(Err(e)),
             };
             pos = next;
-            if pos < end && self.poll()? == Control::Cancel {
-                return cancelled(0, ms(started), 0.0);
+            if pos < end {
+                // A long read sends nothing else until its first token: this line tells the server the
+                // engine is working, not stopped (its stall bound counts from the last line).
+                self.send(&FromEngine::Progress(Progress {
+                    id: job.id.clone(),
+                    prompt_read: pos as u32,
+                    prompt_tokens: end as u32,
+                }))?;
+                if self.poll()? == Control::Cancel {
+                    return cancelled(0, ms(started), 0.0);
+                }
             }
         }
         if recurrent && job.checkpoint_here(end, every) {

@@ -126,9 +126,16 @@ impl Engine {
     }
 
     /// The next message (every line must parse).
+    /// `PROGRESS` lines of long reads are skipped ([`Engine::next_line`] sees them).
     pub fn next(&mut self) -> FromEngine {
-        let line = self.next_line().expect("the engine ended its output");
-        FromEngine::parse(&line).unwrap_or_else(|e| panic!("unparsable line {line:?}: {e}"))
+        loop {
+            let line = self.next_line().expect("the engine ended its output");
+            match FromEngine::parse(&line) {
+                Ok(FromEngine::Progress(_)) => continue,
+                Ok(m) => return m,
+                Err(e) => panic!("unparsable line {line:?}: {e}"),
+            }
+        }
     }
 
     /// The next message, which must be an ERR.

@@ -4,7 +4,14 @@
 //! Three threads serve a child: a writer (protocol lines to stdin, so a full pipe never blocks a caller),
 //! a reader (stdout lines, routed to the request they belong to by id) and a log forwarder (stderr, kept as
 //! a short tail for error messages). When stdout ends the engine is dead: every request in flight gets an
-//! error at once and the process is marked dead, so the next request starts a new one.
+//! error naming how the process ended, and the process is marked dead, so the next request starts a new
+//! one.
+//!
+//! A fourth, the watchdog, catches an engine that is alive but stuck (stopped with SIGSTOP, hung in a
+//! kernel call or a deadlock): while the engine owes an answer (a request or a STATS in flight) and sends
+//! no line at all for the stall bound, it kills the process group. Its death then takes the usual path,
+//! with a message that names the stall. An engine reading a long prompt is not stuck: it sends a
+//! `PROGRESS` line after each forward call.
 
 use poly_protocol::{read_line_bounded, FromEngine, LineRead, Ready, ToEngine, MAX_LINE_BYTES};
 use std::collections::{HashMap, VecDeque};
@@ -13,8 +20,8 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// What a request receives from its engine.
@@ -54,7 +61,113 @@ impl Default for StopTimeouts {
     }
 }
 
-type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<EngineEvent>>>>;
+/// What the reader, the request side and the watchdog share about one engine.
+struct Shared {
+    table: Mutex<Table>,
+    /// Notified when the engine comes to owe an answer, when its stdout ends and when it is reaped: the
+    /// watchdog and the reader wait on it instead of polling.
+    changed: Condvar,
+}
+
+struct Table {
+    /// The requests in flight, by id.
+    routes: HashMap<String, mpsc::UnboundedSender<EngineEvent>>,
+    /// STATS answers owed, in order.
+    stats_waiters: VecDeque<oneshot::Sender<poly_protocol::Stats>>,
+    /// When the engine last wrote a line (or, if it owed nothing then, when it came to owe an answer).
+    last_line: Instant,
+    /// The engine's stdout ended.
+    ended: bool,
+    /// How the process ended, once reaped.
+    exit: Option<String>,
+    /// Why the watchdog killed the engine, if it did.
+    stalled: Option<String>,
+}
+
+impl Table {
+    fn owes_answer(&self) -> bool {
+        !self.routes.is_empty() || !self.stats_waiters.is_empty()
+    }
+
+    /// Called before a request or a STATS is added: an engine that owed nothing starts its clock now
+    /// (its last line may be minutes old).
+    fn start_owing(&mut self) {
+        if !self.owes_answer() {
+            self.last_line = Instant::now();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        lock(&self.table)
+    }
+}
+
+/// How a running engine is doing, as `/health` reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Activity {
+    /// Nothing in flight.
+    Idle,
+    /// Answers are owed; the engine's last line was this long ago.
+    Working { quiet: Duration },
+    /// Its stdout ended.
+    Ended,
+}
+
+/// A handle on a running engine that the supervisor's view keeps (no lease needed): its activity, and a
+/// STATS probe.
+#[derive(Clone)]
+pub struct Monitor {
+    shared: Arc<Shared>,
+    writer: std::sync::mpsc::Sender<String>,
+    stall: Option<Duration>,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor")
+            .field("stall", &self.stall)
+            .finish()
+    }
+}
+
+impl Monitor {
+    pub fn activity(&self) -> Activity {
+        let t = self.shared.lock();
+        if t.ended {
+            Activity::Ended
+        } else if t.owes_answer() {
+            Activity::Working {
+                quiet: t.last_line.elapsed(),
+            }
+        } else {
+            Activity::Idle
+        }
+    }
+
+    /// The stall bound the watchdog applies (`None`: off).
+    pub fn stall(&self) -> Option<Duration> {
+        self.stall
+    }
+
+    /// Asks the engine for its STATS (at most `timeout`). An unanswered STATS stays owed: the watchdog
+    /// kills an engine that never answers it.
+    pub async fn stats(&self, timeout: Duration) -> Option<poly_protocol::Stats> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut t = self.shared.lock();
+            if t.ended {
+                return None;
+            }
+            t.start_owing();
+            t.stats_waiters.push_back(tx);
+        }
+        self.shared.changed.notify_all();
+        self.writer.send(ToEngine::Stats.to_line()).ok()?;
+        tokio::time::timeout(timeout, rx).await.ok()?.ok()
+    }
+}
 
 /// A running engine child.
 pub struct EngineProcess {
@@ -62,8 +175,8 @@ pub struct EngineProcess {
     label: String,
     ready: Ready,
     writer: std::sync::mpsc::Sender<String>,
-    routes: Routes,
-    stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>>,
+    shared: Arc<Shared>,
+    stall: Option<Duration>,
     dead: Arc<AtomicBool>,
     /// `Some(description)` once the process has exited.
     exited: watch::Receiver<Option<String>>,
@@ -78,8 +191,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl EngineProcess {
     /// Starts the engine and waits for its READY (at most `ready_timeout`). A child that exits, sends an
-    /// ERR or says nothing in time is stopped and the reason returned, with the tail of its log.
-    pub async fn start(launch: &Launch, ready_timeout: Duration) -> Result<EngineProcess, String> {
+    /// ERR or says nothing in time is stopped and the reason returned, with the tail of its log. Once
+    /// ready, an engine that owes an answer and writes nothing for `stall` is killed (`None`: never).
+    pub async fn start(
+        launch: &Launch,
+        ready_timeout: Duration,
+        stall: Option<Duration>,
+    ) -> Result<EngineProcess, String> {
         let mut child = Command::new(&launch.exe)
             .args(&launch.args)
             .current_dir(&launch.cwd)
@@ -110,27 +228,39 @@ impl EngineProcess {
             });
         }
 
-        let (exit_tx, exited) = watch::channel(None);
-        std::thread::spawn(move || {
-            let description = match child.wait() {
-                Ok(status) => status.to_string(),
-                Err(e) => format!("wait failed: {e}"),
-            };
-            let _ = exit_tx.send(Some(description));
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table {
+                routes: HashMap::new(),
+                stats_waiters: VecDeque::new(),
+                last_line: Instant::now(),
+                ended: false,
+                exit: None,
+                stalled: None,
+            }),
+            changed: Condvar::new(),
         });
+        let (exit_tx, exited) = watch::channel(None);
+        {
+            let shared = shared.clone();
+            std::thread::spawn(move || {
+                let description = match child.wait() {
+                    Ok(status) => status.to_string(),
+                    Err(e) => format!("wait failed: {e}"),
+                };
+                shared.lock().exit = Some(description.clone());
+                shared.changed.notify_all();
+                let _ = exit_tx.send(Some(description));
+            });
+        }
 
         let (writer, lines) = std::sync::mpsc::channel::<String>();
         std::thread::spawn(move || write_lines(stdin, lines));
 
-        let routes: Routes = Arc::default();
-        let stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>> =
-            Arc::default();
         let dead = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = oneshot::channel::<Result<Ready, String>>();
         {
             let reader = Reader {
-                routes: routes.clone(),
-                stats_waiters: stats_waiters.clone(),
+                shared: shared.clone(),
                 dead: dead.clone(),
                 label: launch.label.clone(),
             };
@@ -153,8 +283,8 @@ impl EngineProcess {
                 experts_vram: 0,
             },
             writer,
-            routes,
-            stats_waiters,
+            shared: shared.clone(),
+            stall,
             dead,
             exited,
             stderr_tail,
@@ -173,6 +303,11 @@ impl EngineProcess {
         match outcome {
             Ok(ready) => {
                 process.ready = ready;
+                // Loading is bounded by `ready_timeout`; the watchdog guards what comes after.
+                if let Some(stall) = stall {
+                    let label = launch.label.clone();
+                    std::thread::spawn(move || watchdog(&shared, stall, pid, &label));
+                }
                 Ok(process)
             }
             Err(e) => {
@@ -196,6 +331,15 @@ impl EngineProcess {
 
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// A handle for the supervisor's view: activity and STATS without the lease.
+    pub fn monitor(&self) -> Monitor {
+        Monitor {
+            shared: self.shared.clone(),
+            writer: self.writer.clone(),
+            stall: self.stall,
+        }
     }
 
     /// The flag the reader sets when the engine's stdout ends.
@@ -230,16 +374,20 @@ impl EngineProcess {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = gen.id.clone();
         {
-            let mut routes = lock(&self.routes);
-            // Checked under the routes lock: the reader marks the engine dead and drains the routes
+            let mut table = self.shared.lock();
+            // Checked under the table's lock: the reader marks the engine ended and drains the routes
             // under the same lock, so a request is either drained or refused here, never lost.
-            if self.is_dead() {
+            if table.ended {
+                drop(table);
                 return Err(self.death_message());
             }
-            routes.insert(id.clone(), tx);
+            table.start_owing();
+            table.routes.insert(id.clone(), tx);
         }
+        // The watchdog waits without a deadline while nothing is owed: wake it.
+        self.shared.changed.notify_all();
         if self.writer.send(ToEngine::Gen(gen).to_line()).is_err() {
-            lock(&self.routes).remove(&id);
+            self.shared.lock().routes.remove(&id);
             return Err(self.death_message());
         }
         Ok(rx)
@@ -254,18 +402,19 @@ impl EngineProcess {
 
     /// Asks the engine for its STATS (at most `timeout`).
     pub async fn stats(&self, timeout: Duration) -> Option<poly_protocol::Stats> {
-        let (tx, rx) = oneshot::channel();
-        lock(&self.stats_waiters).push_back(tx);
-        self.writer.send(ToEngine::Stats.to_line()).ok()?;
-        tokio::time::timeout(timeout, rx).await.ok()?.ok()
+        self.monitor().stats(timeout).await
     }
 
     fn death_message(&self) -> String {
-        let status = self.exited.borrow().clone();
+        let (status, stalled) = {
+            let t = self.shared.lock();
+            (t.exit.clone(), t.stalled.clone())
+        };
         let tail = self.stderr_tail();
         format!(
-            "the engine of {} died{}{}",
+            "the engine of {} {}{}{}",
             self.label,
+            stalled.unwrap_or_else(|| "died".into()),
             status.map(|s| format!(" ({s})")).unwrap_or_default(),
             if tail.is_empty() {
                 String::new()
@@ -296,6 +445,9 @@ impl EngineProcess {
         }
         eprintln!("polystrata: engine {} did not quit; SIGTERM", self.label);
         self.signal_group(nix::sys::signal::Signal::SIGTERM);
+        // A stopped engine (SIGSTOP) would hold SIGTERM pending until continued: continue it so that it
+        // ends now rather than at SIGKILL.
+        self.signal_group(nix::sys::signal::Signal::SIGCONT);
         if let Some(s) = self.wait_exit(timeouts.after_term).await {
             return format!("{s} after SIGTERM");
         }
@@ -349,9 +501,49 @@ fn forward_stderr(stderr: std::process::ChildStderr, label: &str, tail: &Mutex<V
     }
 }
 
+/// How long the reader, once stdout has ended, waits for the exit status to quote it.
+const EXIT_STATUS_WAIT: Duration = Duration::from_secs(2);
+
+/// The watchdog of one engine: returns when its stdout ends, or kills it after `stall` of silence while
+/// it owes an answer.
+fn watchdog(shared: &Shared, stall: Duration, pid: i32, label: &str) {
+    let mut t = shared.lock();
+    loop {
+        if t.ended {
+            return;
+        }
+        if !t.owes_answer() {
+            t = shared.changed.wait(t).unwrap_or_else(|p| p.into_inner());
+            continue;
+        }
+        let quiet = t.last_line.elapsed();
+        if quiet >= stall {
+            break;
+        }
+        // Woken early by any change; the loop then looks at the clock again.
+        t = shared
+            .changed
+            .wait_timeout(t, stall - quiet)
+            .map(|(g, _)| g)
+            .unwrap_or_else(|p| p.into_inner().0);
+    }
+    let cause = format!(
+        "made no progress for {} s (no protocol line while a request was in flight) and was killed",
+        stall.as_secs()
+    );
+    eprintln!("polystrata: engine {label} (pid {pid}) {cause}");
+    t.stalled = Some(cause);
+    drop(t);
+    // The whole group, as `stop` does; SIGKILL also ends a stopped process. Its stdout then closes and
+    // the reader answers every request in flight with the cause.
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
 struct Reader {
-    routes: Routes,
-    stats_waiters: Arc<Mutex<VecDeque<oneshot::Sender<poly_protocol::Stats>>>>,
+    shared: Arc<Shared>,
     dead: Arc<AtomicBool>,
     label: String,
 }
@@ -377,6 +569,8 @@ impl Reader {
                 }
                 Ok(LineRead::Eof) | Err(_) => break,
             }
+            // Any line is progress, even one this server cannot read.
+            self.shared.lock().last_line = Instant::now();
             let text = String::from_utf8_lossy(&buf);
             if text.trim().is_empty() {
                 continue;
@@ -405,10 +599,13 @@ impl Reader {
                     }
                 }
                 FromEngine::Stats(stats) => {
-                    if let Some(tx) = lock(&self.stats_waiters).pop_front() {
+                    let waiter = self.shared.lock().stats_waiters.pop_front();
+                    if let Some(tx) = waiter {
                         let _ = tx.send(stats);
                     }
                 }
+                // Progress only (the line's time was noted above).
+                FromEngine::Progress(_) => {}
                 FromEngine::Tokens(t) => self.route(&t.id.clone(), EngineEvent::Tokens(t), false),
                 FromEngine::Done(d) => self.route(&d.id.clone(), EngineEvent::Done(d), true),
                 FromEngine::Err(e) => {
@@ -417,28 +614,46 @@ impl Reader {
                 }
             }
         }
-        // stdout ended: the engine is gone (or going). Everyone waiting hears it now.
-        let mut routes = lock(&self.routes);
+        // stdout ended: the engine is gone (or going). No request is taken from here on; everyone
+        // waiting hears how it ended, once the process is reaped (a moment after its stdout closes).
+        let mut t = self.shared.lock();
+        t.ended = true;
         self.dead.store(true, Ordering::SeqCst);
-        for (_, tx) in routes.drain() {
-            let _ = tx.send(EngineEvent::Died(format!(
-                "the engine of {} ended",
-                self.label
-            )));
+        self.shared.changed.notify_all();
+        let deadline = Instant::now() + EXIT_STATUS_WAIT;
+        while t.exit.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            t = self
+                .shared
+                .changed
+                .wait_timeout(t, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
         }
-        drop(routes);
+        let how = t.exit.clone().unwrap_or_else(|| "its output closed".into());
+        let message = match &t.stalled {
+            Some(cause) => format!("the engine of {} {cause} ({how})", self.label),
+            None => format!("the engine of {} ended ({how})", self.label),
+        };
+        for (_, tx) in t.routes.drain() {
+            let _ = tx.send(EngineEvent::Died(message.clone()));
+        }
+        t.stats_waiters.clear();
+        drop(t);
         if let Some(tx) = ready_tx.take() {
-            let _ = tx.send(Err("the engine exited before READY".into()));
+            let _ = tx.send(Err(format!("the engine exited before READY ({how})")));
         }
-        lock(&self.stats_waiters).clear();
     }
 
     fn route(&self, id: &str, event: EngineEvent, last: bool) {
-        let mut routes = lock(&self.routes);
+        let mut t = self.shared.lock();
         let tx = if last {
-            routes.remove(id)
+            t.routes.remove(id)
         } else {
-            routes.get(id).cloned()
+            t.routes.get(id).cloned()
         };
         if let Some(tx) = tx {
             let _ = tx.send(event);

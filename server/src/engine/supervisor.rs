@@ -8,7 +8,7 @@
 //! is started again by the next request.
 
 use super::memory;
-use super::process::{EngineProcess, Launch, StopTimeouts};
+use super::process::{Activity, EngineProcess, Launch, Monitor, StopTimeouts};
 use crate::model_text::ModelText;
 use crate::registry::{find_in, ModelEntry, Registry, Status};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -55,8 +55,16 @@ pub struct Limits {
     pub switch_wait: Duration,
     /// How long an engine may take to load before READY.
     pub ready_timeout: Duration,
+    /// How long an engine that owes an answer may send nothing before it is killed and replaced
+    /// (`None`: never). A model's run config may set its own (`stall_timeout_s`).
+    pub stall: Option<Duration>,
     pub stop: StopTimeouts,
 }
+
+/// The stall bound by default: long enough for one forward call of a long prompt on a slow CPU (the
+/// engine reports progress between calls, not within one), short enough that a stopped engine is
+/// replaced within minutes.
+pub const DEFAULT_STALL: Duration = Duration::from_secs(300);
 
 impl Default for Limits {
     fn default() -> Self {
@@ -64,6 +72,7 @@ impl Default for Limits {
             queue: 64,
             switch_wait: Duration::from_secs(120),
             ready_timeout: Duration::from_secs(600),
+            stall: Some(DEFAULT_STALL),
             stop: StopTimeouts::default(),
         }
     }
@@ -107,6 +116,7 @@ struct EngineView {
     dead: Arc<std::sync::atomic::AtomicBool>,
     /// `Some(description)` once the process has been reaped.
     exited: tokio::sync::watch::Receiver<Option<String>>,
+    monitor: Monitor,
 }
 
 /// What can be read without waiting for the running request.
@@ -118,6 +128,20 @@ struct View {
     ready: Option<poly_protocol::Ready>,
     text: Option<Arc<ModelText>>,
 }
+
+/// How the engine is doing, for `/health`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineHealth {
+    /// No engine runs (none loaded yet, unloaded, or it died and the next request starts it).
+    NotRunning,
+    /// It answers (idle, it answered a STATS; working, its last line is within the stall bound).
+    Ok,
+    /// It owes an answer and has been silent too long, or it left a STATS unanswered: the message.
+    Stalled(String),
+}
+
+/// How long `/health` waits for an idle engine's STATS before calling it stalled.
+const HEALTH_PROBE: Duration = Duration::from_secs(2);
 
 /// What `/api/models/current` shows.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -212,10 +236,23 @@ impl Supervisor {
         format!("r{}", self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// The registry's scan, on a blocking thread: it reads the home and model files, and a slow or
+    /// hung path (a network mount) must hold up only this scan, never the runtime's threads.
+    async fn scan(&self) -> Vec<ModelEntry> {
+        let registry = self.registry.clone();
+        match tokio::task::spawn_blocking(move || registry.scan()).await {
+            Ok(entries) => entries,
+            Err(e) => {
+                eprintln!("polystrata: the registry scan failed: {e}");
+                Vec::new()
+            }
+        }
+    }
+
     /// Every model, the one in use marked `loaded` (engine up) or `unloaded`.
-    pub fn models(&self) -> Vec<ModelEntry> {
+    pub async fn models(&self) -> Vec<ModelEntry> {
+        let mut entries = self.scan().await;
         let view = lock(&self.view).clone();
-        let mut entries = self.registry.scan();
         for e in &mut entries {
             if view.current.as_deref() == Some(e.id.as_str()) {
                 e.status = if view_engine_alive(&view) {
@@ -226,6 +263,48 @@ impl Supervisor {
             }
         }
         entries
+    }
+
+    /// Whether the engine answers: an idle one is asked for its STATS (at most [`HEALTH_PROBE`]); a
+    /// working one is judged by its last line against the stall bound (a request in flight is not
+    /// disturbed). A stalled engine is killed by its watchdog at the bound; this only reports it.
+    pub async fn engine_health(&self) -> EngineHealth {
+        let Some(engine) = lock(&self.view).engine.clone() else {
+            return EngineHealth::NotRunning;
+        };
+        let stalled_for = |quiet: Duration| {
+            EngineHealth::Stalled(format!(
+                "the engine (pid {}) owes an answer and has sent nothing for {} s",
+                engine.pid,
+                quiet.as_secs()
+            ))
+        };
+        match engine.monitor.activity() {
+            Activity::Ended => EngineHealth::NotRunning,
+            Activity::Working { quiet } => match engine.monitor.stall() {
+                Some(bound) if quiet >= bound => stalled_for(quiet),
+                // A STATS left unanswered by an earlier probe also counts as owed: it is the probe's
+                // answer that tells, not the clock.
+                _ if quiet >= HEALTH_PROBE && !self.slot_busy() => stalled_for(quiet),
+                _ => EngineHealth::Ok,
+            },
+            Activity::Idle => match engine.monitor.stats(HEALTH_PROBE).await {
+                Some(_) => EngineHealth::Ok,
+                // A request may have started meanwhile: its engine answers STATS only between
+                // forward calls.
+                None if self.slot_busy() => EngineHealth::Ok,
+                None => EngineHealth::Stalled(format!(
+                    "the engine (pid {}) answered no STATS within {} s",
+                    engine.pid,
+                    HEALTH_PROBE.as_secs()
+                )),
+            },
+        }
+    }
+
+    /// Whether a request holds the engine now.
+    fn slot_busy(&self) -> bool {
+        self.slot.try_lock().is_err()
     }
 
     /// The model in use.
@@ -292,7 +371,7 @@ impl Supervisor {
     pub async fn lease(&self, model: Option<&str>) -> Result<Lease, ServeError> {
         let ticket = self.enter_queue()?;
         let wanted = match model.filter(|m| !m.is_empty()) {
-            Some(name) => Some(self.resolve(name)?),
+            Some(name) => Some(self.resolve(name).await?),
             None => None,
         };
         let mut guard = self.slot.clone().lock_owned().await;
@@ -300,7 +379,7 @@ impl Supervisor {
             Some(entry) => entry,
             None => match &guard.model {
                 Some(m) => m.clone(),
-                None => self.default_model()?,
+                None => self.default_model().await?,
             },
         };
         let same = guard.model.as_ref().is_some_and(|m| m.id == target.id);
@@ -319,7 +398,7 @@ impl Supervisor {
 
     /// The one switch path: HTTP, the terminal chat and the web page all come here.
     pub async fn switch(&self, name: &str) -> Result<CurrentModel, ServeError> {
-        let target = self.resolve(name)?;
+        let target = self.resolve(name).await?;
         let mut guard =
             tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
                 .await
@@ -397,8 +476,8 @@ impl Supervisor {
         }
     }
 
-    fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
-        let entries = self.registry.scan();
+    async fn resolve(&self, name: &str) -> Result<ModelEntry, ServeError> {
+        let entries = self.scan().await;
         let entry = find_in(&entries, name)
             .map_err(ServeError::ModelNotFound)?
             .clone();
@@ -411,8 +490,8 @@ impl Supervisor {
         }
     }
 
-    fn default_model(&self) -> Result<ModelEntry, ServeError> {
-        let entries = self.registry.scan();
+    async fn default_model(&self) -> Result<ModelEntry, ServeError> {
+        let entries = self.scan().await;
         let runnable: Vec<&ModelEntry> = entries.iter().filter(|e| e.is_runnable()).collect();
         match runnable.as_slice() {
             [one] => Ok((*one).clone()),
@@ -445,7 +524,8 @@ impl Supervisor {
         }
         // Checked before anything stops: a model whose tokenizer or template cannot be read is refused
         // while the old one still runs.
-        let text = ModelText::load(&target)
+        let text = load_text(&target)
+            .await
             .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", target.id)))?;
         let previous = slot.model.clone();
         if let Some(mut engine) = slot.engine.take() {
@@ -474,7 +554,7 @@ impl Supervisor {
             Err(e) => {
                 let back = match previous {
                     Some(prev) => {
-                        let restarted = match (ModelText::load(&prev), self.start(&prev).await) {
+                        let restarted = match (load_text(&prev).await, self.start(&prev).await) {
                             (Ok(text), Ok(engine)) => {
                                 slot.engine = Some(engine);
                                 slot.text = Some(Arc::new(text));
@@ -510,7 +590,8 @@ impl Supervisor {
             );
         }
         if slot.text.is_none() {
-            let text = ModelText::load(&model)
+            let text = load_text(&model)
+                .await
                 .map_err(|e| ServeError::ModelUnavailable(format!("model {}: {e}", model.id)))?;
             slot.text = Some(Arc::new(text));
         }
@@ -541,7 +622,13 @@ impl Supervisor {
             entry.id,
             config.exe.display()
         );
-        let engine = EngineProcess::start(&launch, self.limits.ready_timeout).await?;
+        // A run config's own bound wins (0 turns the watchdog off for that model).
+        let stall = match config.stall_timeout_s {
+            Some(0) => None,
+            Some(s) => Some(Duration::from_secs(s)),
+            None => self.limits.stall,
+        };
+        let engine = EngineProcess::start(&launch, self.limits.ready_timeout, stall).await?;
         eprintln!(
             "polystrata: {} ready (pid {}, {}, n_ctx {})",
             entry.id,
@@ -559,10 +646,19 @@ impl Supervisor {
             pid: e.pid(),
             dead: e.dead_flag(),
             exited: e.exit_watch(),
+            monitor: e.monitor(),
         });
         view.ready = slot.engine.as_ref().map(|e| e.ready().clone());
         view.text = slot.text.clone();
     }
+}
+
+/// A model's tokenizer and template, read on a blocking thread (files, and the template's probe).
+async fn load_text(entry: &ModelEntry) -> Result<ModelText, String> {
+    let entry = entry.clone();
+    tokio::task::spawn_blocking(move || ModelText::load(&entry))
+        .await
+        .map_err(|e| format!("loading the text side failed: {e}"))?
 }
 
 fn view_engine_alive(view: &View) -> bool {

@@ -4,27 +4,37 @@
 use super::body::{json_response, RespBody};
 use super::errors::ApiError;
 use super::AppState;
+use crate::engine::supervisor::EngineHealth;
 use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
 
-pub fn health(state: &AppState) -> Response<RespBody> {
+/// `/health`: 200 `ok`, or 503 `stalled` with the reason while the engine is stuck (its watchdog
+/// replaces it at the stall bound).
+pub async fn health(state: &AppState) -> Response<RespBody> {
+    let engine = state.supervisor.engine_health().await;
     let current = state.supervisor.current();
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "status": "ok",
-            "model": current.model,
-            "loaded": current.loaded,
-            "requests": state.supervisor.counters(),
-        }),
-    )
+    let (code, status, problem) = match engine {
+        EngineHealth::Stalled(why) => (StatusCode::SERVICE_UNAVAILABLE, "stalled", Some(why)),
+        EngineHealth::Ok | EngineHealth::NotRunning => (StatusCode::OK, "ok", None),
+    };
+    let mut body = json!({
+        "status": status,
+        "model": current.model,
+        "loaded": current.loaded,
+        "requests": state.supervisor.counters(),
+    });
+    if let (Some(p), Some(o)) = (problem, body.as_object_mut()) {
+        o.insert("problem".into(), json!(p));
+    }
+    json_response(code, &body)
 }
 
-pub fn models(state: &AppState) -> Response<RespBody> {
+pub async fn models(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current_id();
     let models: Vec<Value> = state
         .supervisor
         .models()
+        .await
         .into_iter()
         .map(|m| {
             let mut v = serde_json::to_value(&m).unwrap_or(Value::Null);
@@ -43,12 +53,17 @@ pub fn models(state: &AppState) -> Response<RespBody> {
     )
 }
 
-pub fn current(state: &AppState) -> Response<RespBody> {
+pub async fn current(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current();
-    let entry = current
-        .model
-        .as_ref()
-        .and_then(|id| state.supervisor.models().into_iter().find(|m| &m.id == id));
+    let entry = match &current.model {
+        Some(id) => state
+            .supervisor
+            .models()
+            .await
+            .into_iter()
+            .find(|m| &m.id == id),
+        None => None,
+    };
     let mut v = serde_json::to_value(&current).unwrap_or(Value::Null);
     if let (Value::Object(o), Some(e)) = (&mut v, entry) {
         o.insert(

@@ -183,6 +183,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         tools,
         enable_thinking,
         extra: Default::default(),
+        parse_special: body.get("parse_special").and_then(Value::as_bool) == Some(true),
     })
 }
 
@@ -280,7 +281,7 @@ pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<Resp
         ));
     };
     if let Some(name) = body.get("model").and_then(Value::as_str) {
-        let entries = state.supervisor.models();
+        let entries = state.supervisor.models().await;
         let named = crate::registry::find_in(&entries, name)
             .map_err(|e| ApiError::new(Kind::ModelNotFound, e))?;
         if named.id != current {
@@ -296,15 +297,10 @@ pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<Resp
         let rendered = text
             .render_chat(&input)
             .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-        match n_ctx {
-            Some(n) => text
-                .encode_within(&rendered.prompt, n)
-                .map_err(encode_error),
-            None => text.encode(&rendered.prompt).map_err(|e| {
-                ApiError::new(Kind::Internal, format!("cannot tokenize the prompt: {e}"))
-            }),
-        }
-        .map(|t| t.len())
+        // Without a context (no engine yet) the count is bounded by the body only, as before.
+        text.encode_chat(&rendered, n_ctx.unwrap_or(u32::MAX))
+            .map_err(encode_error)
+            .map(|t| t.len())
     })
     .await?;
     Ok(json_response(

@@ -244,10 +244,10 @@ async fn route_checked(
     }
     let state = state.clone();
     match (get, method == Method::POST, path) {
-        (true, _, "/health") => Ok(admin::health(&state)),
-        (true, _, "/v1/models") => Ok(openai::models(&state)),
+        (true, _, "/health") => Ok(admin::health(&state).await),
+        (true, _, "/v1/models") => Ok(openai::models(&state).await),
         (true, _, p) if p.starts_with("/v1/models/") => {
-            openai::model(&state, &p["/v1/models/".len()..])
+            openai::model(&state, &p["/v1/models/".len()..]).await
         }
         (_, true, "/v1/chat/completions") => {
             openai::chat_completions(state.clone(), read_json(&state, req).await?).await
@@ -261,8 +261,8 @@ async fn route_checked(
         (_, true, "/v1/messages") => {
             anthropic::messages(state.clone(), read_json(&state, req).await?).await
         }
-        (true, _, "/api/models") => Ok(admin::models(&state)),
-        (true, _, "/api/models/current") => Ok(admin::current(&state)),
+        (true, _, "/api/models") => Ok(admin::models(&state).await),
+        (true, _, "/api/models/current") => Ok(admin::current(&state).await),
         (_, true, "/api/models/load") => admin::load(&state, read_json(&state, req).await?).await,
         (_, true, "/api/models/unload") => admin::unload(&state).await,
         (_, _, p) if ROUTES.contains(&p) => Err(ApiError::new(

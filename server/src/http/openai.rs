@@ -37,10 +37,11 @@ fn model_object(m: &crate::registry::ModelEntry) -> Value {
     })
 }
 
-pub fn models(state: &AppState) -> Response<RespBody> {
+pub async fn models(state: &AppState) -> Response<RespBody> {
     let data: Vec<Value> = state
         .supervisor
         .models()
+        .await
         .iter()
         .filter(|m| m.is_runnable())
         .map(model_object)
@@ -49,8 +50,8 @@ pub fn models(state: &AppState) -> Response<RespBody> {
 }
 
 /// `GET /v1/models/{id}`: one runnable model, by id or alias.
-pub fn model(state: &AppState, id: &str) -> Result<Response<RespBody>, ApiError> {
-    let models = state.supervisor.models();
+pub async fn model(state: &AppState, id: &str) -> Result<Response<RespBody>, ApiError> {
+    let models = state.supervisor.models().await;
     models
         .iter()
         .find(|m| m.is_runnable() && m.answers_to(id))
@@ -169,6 +170,7 @@ fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
             tools,
             enable_thinking,
             extra,
+            parse_special: bool_field(body, "parse_special")?,
         },
         sampling,
         stream: bool_field(body, "stream")?,

@@ -97,9 +97,7 @@ pub fn chat_prompt(
     let rendered = text
         .render_chat(chat)
         .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-    let prompt = text
-        .encode_within(&rendered.prompt, n_ctx)
-        .map_err(encode_error)?;
+    let prompt = text.encode_chat(&rendered, n_ctx).map_err(encode_error)?;
     let resume = text.resume_hints(chat, &prompt);
     Ok((rendered, prompt, resume))
 }

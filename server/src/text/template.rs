@@ -1,7 +1,10 @@
 //! Chat templates: the model's Jinja template rendered with minijinja, the way llama.cpp renders it.
 //!
 //! - Sandboxed: no loader (no `include` / `import` of files), a fuel limit on instructions and the
-//!   default recursion limit, so a template cannot read files or run away.
+//!   default recursion limit, so a template cannot read files or run away; memory is bounded too: the
+//!   output at [`MAX_OUTPUT_BYTES`], and every string a template builds (operators, filters, captures:
+//!   the vendored minijinja's `MAX_STRING_LEN`, vendor/README.md; Python string methods here), so a
+//!   template that doubles a string fails with an error instead of aborting the server.
 //! - Jinja as HF templates need it: `trim_blocks` / `lstrip_blocks` (as transformers and llama.cpp set
 //!   them), loop controls, Python string and dict methods (minijinja-contrib's pycompat),
 //!   `raise_exception`, `strftime_now`, and `tojson` as Python's `json.dumps` writes it (`", "` and
@@ -84,7 +87,7 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_fuel(Some(FUEL));
         minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(bounded_methods);
         env.add_function("raise_exception", raise_exception);
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_string())
@@ -195,6 +198,90 @@ impl ChatTemplate {
                 format!("the template's output is over {MAX_OUTPUT_BYTES} bytes"),
             )),
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// minijinja-contrib's Python string methods, with the ones that can build a long string (`join`,
+/// `replace`, `format`) checked against minijinja's `MAX_STRING_LEN` first.
+fn bounded_methods(
+    state: &minijinja::State,
+    value: &JValue,
+    method: &str,
+    args: &[JValue],
+) -> std::result::Result<JValue, Error> {
+    use std::fmt::Write;
+    if let Some(s) = value.as_str() {
+        let limit = minijinja::value::ops_max_string_len();
+        let too_long = || {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                format!("the template built a string over {limit} bytes (str.{method})"),
+            )
+        };
+        // The text of a value, or an error once it passes the limit (a lazily concatenated list may
+        // print far longer than it takes in memory).
+        let len_of = |v: &JValue| -> std::result::Result<usize, Error> {
+            let mut w = CountTo { n: 0, limit };
+            match v.as_str() {
+                Some(t) => Ok(t.len()),
+                None => write!(w, "{v}").map(|_| w.n).map_err(|_| too_long()),
+            }
+        };
+        let total = match method {
+            "replace" => match (args.first().and_then(JValue::as_str), args.get(1)) {
+                (Some(from), Some(to)) => {
+                    let hits = s.matches(from).count();
+                    Some(s.len().saturating_add(hits.saturating_mul(len_of(to)?)))
+                }
+                _ => None,
+            },
+            "join" => match args.first() {
+                Some(items) => {
+                    let mut n = 0usize;
+                    for (i, item) in items.try_iter()?.enumerate() {
+                        n = n.saturating_add(len_of(&item)?).saturating_add(if i > 0 {
+                            s.len()
+                        } else {
+                            0
+                        });
+                        if n > limit {
+                            return Err(too_long());
+                        }
+                    }
+                    Some(n)
+                }
+                None => None,
+            },
+            "format" => {
+                let mut n = s.len();
+                for a in args {
+                    n = n.saturating_add(len_of(a)?);
+                }
+                Some(n)
+            }
+            _ => None,
+        };
+        if total.is_some_and(|n| n > limit) {
+            return Err(too_long());
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Counts what is written, failing past `limit`.
+struct CountTo {
+    n: usize,
+    limit: usize,
+}
+
+impl std::fmt::Write for CountTo {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.n = self.n.saturating_add(s.len());
+        if self.n > self.limit {
+            Err(std::fmt::Error)
+        } else {
+            Ok(())
         }
     }
 }
