@@ -285,6 +285,13 @@ pub fn matmul_ordered(
         _ => ops.vec_dot,
     };
 
+    // The K-quant batch orders sixteen weight rows at a time where the tile kernel exists (every row of
+    // the batch takes the order: it applies to whole batches).
+    if let Some(kt) = crate::quant::kquants::ktile(w.ty, batch).filter(|_| (0..n).all(applies)) {
+        matmul_tiles(w, kt, act, act_bytes, n, y);
+        return;
+    }
+
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
     // Eight-row kernels (Q4_K on AVX2) take a task's rows in groups of eight, laid out once per task
     // for all its tokens, when there are enough tokens to repay the copy.
@@ -423,6 +430,53 @@ pub fn matmul_ordered(
                     j += 1;
                 }
                 r += span;
+            }
+        }
+    });
+}
+
+/// [`matmul_ordered`] with the tile kernel `kt`: tasks own ranges of weight rows (multiples of 16), unpack
+/// them sixteen at a time once and run every activation row against them, 64 at a time (so their blocks
+/// stay in cache with the tile). `act` holds the `n` quantized activation rows, `act_bytes` each.
+fn matmul_tiles(
+    w: &QuantMatrix<'_>,
+    kt: crate::quant::kquants::KTile,
+    act: &[u8],
+    act_bytes: usize,
+    n: usize,
+    y: &mut [f32],
+) {
+    use crate::quant::kquants::{Tiles, TILE_ROWS};
+    const TOKENS: usize = 64;
+    let chunk = rows_per_task(w.rows, w.row_bytes())
+        .min(64)
+        .next_multiple_of(TILE_ROWS);
+    let n_tasks = w.rows.div_ceil(chunk);
+    let out = SharedOut(y.as_mut_ptr());
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        let out = &out;
+        let first = t * chunk;
+        let last = (first + chunk).min(w.rows);
+        let mut tiles = Tiles::default();
+        let mut res = vec![[0f32; TILE_ROWS]; TOKENS.min(n)];
+        for r0 in (first..last).step_by(TILE_ROWS) {
+            let rows: Vec<&[u8]> = (r0..(r0 + TILE_ROWS).min(last)).map(|r| w.row(r)).collect();
+            kt.unpack(w.cols, &rows, &mut tiles);
+            for j0 in (0..n).step_by(TOKENS) {
+                let j1 = (j0 + TOKENS).min(n);
+                let acts: Vec<&[u8]> = (j0..j1)
+                    .map(|j| &act[j * act_bytes..(j + 1) * act_bytes])
+                    .collect();
+                let res = &mut res[..j1 - j0];
+                kt.dot(&tiles, &acts, res);
+                for (jj, v) in res.iter().enumerate() {
+                    for (i, &v) in v[..rows.len()].iter().enumerate() {
+                        // SAFETY: `j0 + jj < n` and `r0 + i < last <= w.rows`, so the element is inside
+                        // `y` (length `n * w.rows`, asserted by the caller); task `t` alone writes rows
+                        // `first..last`, and `y` outlives the parallel loop.
+                        unsafe { *out.0.add((j0 + jj) * w.rows + r0 + i) = v };
+                    }
+                }
             }
         }
     });

@@ -1,0 +1,181 @@
+//! The K-quant batch order (ggml's tiled matmul, [`super::tiled_step`]) sixteen weight rows at a time on
+//! AVX-512 VNNI machines: [`KTile`] wraps `x86::ktile_avx512`, whose results equal the row-by-row kernels'
+//! bit for bit (tested below against the portable code).
+
+use super::{KKind, Q2K_TILED, Q3K_TILED, Q4K_TILED, Q5K_TILED, Q6K_TILED, Q8K_BYTES, QK_K};
+use crate::quant::{BatchDot, GgmlType};
+
+#[cfg(target_arch = "x86_64")]
+use crate::quant::x86::ktile_avx512 as imp;
+
+/// Rows of one tile.
+pub const TILE_ROWS: usize = 16;
+
+/// The tile kernel of one format's batch order.
+#[derive(Clone, Copy, Debug)]
+pub struct KTile {
+    kind: KKind,
+}
+
+/// Sixteen weight rows unpacked for [`KTile::dot`], one tile per super-block; kept between calls to save
+/// the allocation.
+#[derive(Default)]
+pub struct Tiles {
+    #[cfg(target_arch = "x86_64")]
+    tiles: Vec<imp::Tile>,
+    rows: usize,
+}
+
+impl Tiles {
+    /// Rows unpacked by the last [`KTile::unpack`].
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// The tile kernel for products of `ty` in batch order `order` on this machine: Q2_K, Q3_K, Q4_K (its
+/// unrepacked order), Q5_K and Q6_K in their tiled orders, with AVX-512 VNNI. `POLY_CPU_KTILE=0` turns
+/// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
+pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("POLY_CPU_KTILE").map_or(true, |v| v != "0"));
+    if !on || !crate::quant::has_avx512_vnni() {
+        return None;
+    }
+    let order = order?;
+    // The statics are the orders themselves, so their addresses identify them.
+    let kind = [
+        (&Q2K_TILED, GgmlType::Q2_K, KKind::Q2K),
+        (&Q3K_TILED, GgmlType::Q3_K, KKind::Q3K),
+        (&Q4K_TILED, GgmlType::Q4_K, KKind::Q4K),
+        (&Q5K_TILED, GgmlType::Q5_K, KKind::Q5K),
+        (&Q6K_TILED, GgmlType::Q6_K, KKind::Q6K),
+    ]
+    .into_iter()
+    .find(|(o, t, _)| std::ptr::eq(*o, order) && *t == ty)?
+    .2;
+    Some(KTile { kind })
+}
+
+impl KTile {
+    /// Unpacks `rows` (1 to 16 weight rows of `n` values, whole super-blocks) into `tiles`; missing rows
+    /// repeat the last one (their results are for the caller to ignore).
+    pub fn unpack(&self, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
+        assert!(n.is_multiple_of(QK_K), "{:?} rows of {n} values", self.kind);
+        assert!(
+            (1..=TILE_ROWS).contains(&rows.len()),
+            "{} rows in a tile",
+            rows.len()
+        );
+        let nb = n / QK_K;
+        let bb = self.kind.block_bytes();
+        assert!(
+            rows.iter().all(|r| r.len() >= nb * bb),
+            "{:?} rows shorter than {n} values",
+            self.kind
+        );
+        tiles.rows = rows.len();
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(
+                crate::quant::has_avx512_vnni(),
+                "KTile without AVX-512 VNNI"
+            );
+            let ptrs: [*const u8; TILE_ROWS] =
+                std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
+            tiles.tiles.truncate(nb);
+            while tiles.tiles.len() < nb {
+                tiles.tiles.push(imp::Tile::zeroed());
+            }
+            for (b, tile) in tiles.tiles.iter_mut().enumerate() {
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
+                // every row holds `nb > b` blocks (asserted).
+                unsafe { imp::unpack(self.kind, &ptrs, b, tile) };
+            }
+        }
+    }
+
+    /// `out[t][r]`: the batch-order dot product of row `r` of `tiles` with activation row `acts[t]`
+    /// (Q8_K, at least as many values as the rows); `out.len() == acts.len()`.
+    pub fn dot(&self, tiles: &Tiles, acts: &[&[u8]], out: &mut [[f32; TILE_ROWS]]) {
+        assert_eq!(out.len(), acts.len(), "one output per activation row");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let nb = tiles.tiles.len();
+            assert!(
+                acts.iter().all(|a| a.len() >= nb * Q8K_BYTES),
+                "Q8_K activations shorter than the tiles"
+            );
+            let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
+            // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
+            // `nb` Q8_K blocks (asserted) and `out` one entry per row.
+            unsafe { imp::dot(self.kind, &tiles.tiles, &ptrs, out) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (tiles, acts, out);
+            unreachable!("KTile exists only on x86-64");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{batch_dot, fill_random, ActType};
+    use crate::rng::Rng;
+
+    /// Every row of every tile equals the portable batch-order dot product bit for bit, for row counts
+    /// below 16 and activation counts that exercise the 8-, 4- and 1-row steps.
+    #[test]
+    fn tiles_equal_the_portable_batch_order() {
+        let types = [
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        let mut rng = Rng::new(24);
+        for ty in types {
+            let order = match ty {
+                GgmlType::Q4_K => &Q4K_TILED,
+                _ => batch_dot(ty).expect("K-quants have a batch order"),
+            };
+            let Some(kt) = ktile(ty, Some(order)) else {
+                eprintln!("no AVX-512 VNNI: {ty} tile kernel not tested");
+                continue;
+            };
+            for (n, n_rows, n_acts) in [(256, 16, 13), (768, 11, 8), (2048, 5, 3)] {
+                let row_bytes = ty.bytes_for(n as u64).unwrap() as usize;
+                let mut rows = vec![0u8; n_rows * row_bytes];
+                fill_random(ty, &mut rng, 0.05, &mut rows).unwrap();
+                let acts: Vec<Vec<u8>> = (0..n_acts)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
+                        let mut a = vec![0u8; ActType::Q8_K.bytes_for(n)];
+                        ActType::Q8_K.quantize(&x, &mut a);
+                        a
+                    })
+                    .collect();
+                let row_refs: Vec<&[u8]> = rows.chunks_exact(row_bytes).collect();
+                let act_refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+                let mut tiles = Tiles::default();
+                kt.unpack(n, &row_refs, &mut tiles);
+                let mut out = vec![[0f32; TILE_ROWS]; n_acts];
+                kt.dot(&tiles, &act_refs, &mut out);
+                for (t, a) in act_refs.iter().enumerate() {
+                    for (r, row) in row_refs.iter().enumerate() {
+                        let want = (order.portable)(n, row, a);
+                        assert_eq!(
+                            out[t][r].to_bits(),
+                            want.to_bits(),
+                            "{ty} n {n} row {r} act {t}: {} vs {want}",
+                            out[t][r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
