@@ -167,6 +167,7 @@ pub(crate) fn decode_experts_in(
                 y: yu,
             });
         }
+        let _span = profile::span(profile::typed("moe.decode gate+up", gates[0].ty));
         matvec_many_in(&mut jobs, pool);
     }
     for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
@@ -192,6 +193,7 @@ pub(crate) fn decode_experts_in(
                 y,
             })
             .collect();
+        let _span = profile::span(profile::typed("moe.decode down", downs[0].ty));
         matvec_many_in(&mut jobs, pool);
     }
     let mut out = Mat::zeros(1, n_embd);
@@ -242,6 +244,7 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
         x.cols, m.cols,
         "moe: activation width differs from the expert's rows"
     );
+    let _span = profile::span(profile::typed("moe.expert", m.ty));
     let mut y = Mat::zeros(x.rows, m.rows);
     let routed = match arith {
         Arithmetic::LlamaCpp => x.rows,
