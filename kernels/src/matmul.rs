@@ -285,10 +285,18 @@ pub fn matmul_ordered(
         _ => ops.vec_dot,
     };
 
-    // The K-quant batch orders sixteen weight rows at a time where the tile kernel exists (every row of
-    // the batch takes the order: it applies to whole batches).
-    if let Some(kt) = crate::quant::kquants::ktile(w.ty, batch).filter(|_| (0..n).all(applies)) {
-        matmul_tiles(w, kt, act, act_bytes, n, y);
+    // Sixteen weight rows at a time where the tile kernel exists for the order of every activation row
+    // (the K-quants' batch orders, Q4_K's single-row one) and there are enough rows to repay unpacking.
+    let tile_single = crate::quant::kquants::ktile(w.ty, None);
+    let tile_batch = batch.and_then(|b| crate::quant::kquants::ktile(w.ty, Some(b)));
+    let tile_of = |j: usize| if applies(j) { tile_batch } else { tile_single };
+    if n >= TILE_MIN_TOKENS && (0..n).all(|j| tile_of(j).is_some()) {
+        let (batch_rows, single_rows): (Vec<usize>, Vec<usize>) = (0..n).partition(|&j| applies(j));
+        let groups: Vec<_> = [(tile_batch, batch_rows), (tile_single, single_rows)]
+            .into_iter()
+            .filter_map(|(kt, js)| Some((kt?, js)).filter(|(_, js)| !js.is_empty()))
+            .collect();
+        matmul_tiles(w, &groups, act, act_bytes, y);
         return;
     }
 
@@ -435,15 +443,19 @@ pub fn matmul_ordered(
     });
 }
 
-/// [`matmul_ordered`] with the tile kernel `kt`: tasks own ranges of weight rows (multiples of 16), unpack
-/// them sixteen at a time once and run every activation row against them, 64 at a time (so their blocks
-/// stay in cache with the tile). `act` holds the `n` quantized activation rows, `act_bytes` each.
+/// Fewest activation rows for which [`matmul_ordered`] takes the tile kernel: below, unpacking sixteen
+/// weight rows costs more than the row-by-row kernels lose.
+const TILE_MIN_TOKENS: usize = 8;
+
+/// [`matmul_ordered`] with tile kernels: `groups` pairs a kernel with the activation rows (indices into
+/// `act`, `act_bytes` each) that take its order. Tasks own ranges of weight rows (multiples of 16),
+/// unpack them sixteen at a time once and run every activation row against them, 64 at a time (so their
+/// blocks stay in cache with the tile).
 fn matmul_tiles(
     w: &QuantMatrix<'_>,
-    kt: crate::quant::kquants::KTile,
+    groups: &[(crate::quant::kquants::KTile, Vec<usize>)],
     act: &[u8],
     act_bytes: usize,
-    n: usize,
     y: &mut [f32],
 ) {
     use crate::quant::kquants::{Tiles, TILE_ROWS};
@@ -458,23 +470,26 @@ fn matmul_tiles(
         let first = t * chunk;
         let last = (first + chunk).min(w.rows);
         let mut tiles = Tiles::default();
-        let mut res = vec![[0f32; TILE_ROWS]; TOKENS.min(n)];
+        let mut res = vec![[0f32; TILE_ROWS]; TOKENS];
         for r0 in (first..last).step_by(TILE_ROWS) {
             let rows: Vec<&[u8]> = (r0..(r0 + TILE_ROWS).min(last)).map(|r| w.row(r)).collect();
-            kt.unpack(w.cols, &rows, &mut tiles);
-            for j0 in (0..n).step_by(TOKENS) {
-                let j1 = (j0 + TOKENS).min(n);
-                let acts: Vec<&[u8]> = (j0..j1)
-                    .map(|j| &act[j * act_bytes..(j + 1) * act_bytes])
-                    .collect();
-                let res = &mut res[..j1 - j0];
-                kt.dot(&tiles, &acts, res);
-                for (jj, v) in res.iter().enumerate() {
-                    for (i, &v) in v[..rows.len()].iter().enumerate() {
-                        // SAFETY: `j0 + jj < n` and `r0 + i < last <= w.rows`, so the element is inside
-                        // `y` (length `n * w.rows`, asserted by the caller); task `t` alone writes rows
-                        // `first..last`, and `y` outlives the parallel loop.
-                        unsafe { *out.0.add((j0 + jj) * w.rows + r0 + i) = v };
+            // The orders share the unpacking (it depends on the format only).
+            groups[0].0.unpack(w.cols, &rows, &mut tiles);
+            for (kt, js) in groups {
+                for block in js.chunks(TOKENS) {
+                    let acts: Vec<&[u8]> = block
+                        .iter()
+                        .map(|&j| &act[j * act_bytes..(j + 1) * act_bytes])
+                        .collect();
+                    let res = &mut res[..block.len()];
+                    kt.dot(&tiles, &acts, res);
+                    for (&j, v) in block.iter().zip(res.iter()) {
+                        for (i, &v) in v[..rows.len()].iter().enumerate() {
+                            // SAFETY: `j < n` and `r0 + i < last <= w.rows`, so the element is inside
+                            // `y` (length `n * w.rows`, asserted by the caller); task `t` alone writes
+                            // rows `first..last`, and `y` outlives the parallel loop.
+                            unsafe { *out.0.add(j * w.rows + r0 + i) = v };
+                        }
                     }
                 }
             }

@@ -15,6 +15,8 @@ pub const TILE_ROWS: usize = 16;
 #[derive(Clone, Copy, Debug)]
 pub struct KTile {
     kind: KKind,
+    #[cfg(target_arch = "x86_64")]
+    order: imp::Order,
 }
 
 /// Sixteen weight rows unpacked for [`KTile::dot`], one tile per super-block; kept between calls to save
@@ -33,14 +35,37 @@ impl Tiles {
     }
 }
 
-/// The tile kernel for products of `ty` in batch order `order` on this machine: Q2_K, Q3_K, Q4_K (its
-/// unrepacked order), Q5_K and Q6_K in their tiled orders, with AVX-512 VNNI. `POLY_CPU_KTILE=0` turns
+/// The tile kernel for products of `ty` in batch order `order` (`None`: the single-row order) on this
+/// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K and Q6_K in their tiled
+/// orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
 pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("POLY_CPU_KTILE").map_or(true, |v| v != "0"));
     if !on || !crate::quant::has_avx512_vnni() {
         return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use imp::Order;
+        // Q4_K's repacked orders: the single-row (gemv) one and the gemm's.
+        if ty == GgmlType::Q4_K {
+            match order {
+                None => {
+                    return Some(KTile {
+                        kind: KKind::Q4K,
+                        order: Order::Q4kGemv,
+                    })
+                }
+                Some(o) if std::ptr::eq(o, &super::Q4K_GEMM4) => {
+                    return Some(KTile {
+                        kind: KKind::Q4K,
+                        order: Order::Q4kGemm4,
+                    })
+                }
+                _ => {}
+            }
+        }
     }
     let order = order?;
     // The statics are the orders themselves, so their addresses identify them.
@@ -54,7 +79,11 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     .into_iter()
     .find(|(o, t, _)| std::ptr::eq(*o, order) && *t == ty)?
     .2;
-    Some(KTile { kind })
+    Some(KTile {
+        kind,
+        #[cfg(target_arch = "x86_64")]
+        order: imp::Order::Tiled,
+    })
 }
 
 impl KTile {
@@ -109,7 +138,7 @@ impl KTile {
             let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
             // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
             // `nb` Q8_K blocks (asserted) and `out` one entry per row.
-            unsafe { imp::dot(self.kind, &tiles.tiles, &ptrs, out) };
+            unsafe { imp::dot(self.kind, self.order, &tiles.tiles, &ptrs, out) };
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -137,12 +166,25 @@ mod tests {
             GgmlType::Q6_K,
         ];
         let mut rng = Rng::new(24);
+        type Portable = fn(usize, &[u8], &[u8]) -> f32;
+        let q4k = &super::super::Q4K_GEMM4;
+        let mut cases: Vec<(GgmlType, Option<&'static BatchDot>, Portable)> = vec![
+            (
+                GgmlType::Q4_K,
+                None,
+                GgmlType::Q4_K.ops().unwrap().vec_dot_portable,
+            ),
+            (GgmlType::Q4_K, Some(q4k), q4k.portable),
+            (GgmlType::Q4_K, Some(&Q4K_TILED), Q4K_TILED.portable),
+        ];
         for ty in types {
-            let order = match ty {
-                GgmlType::Q4_K => &Q4K_TILED,
-                _ => batch_dot(ty).expect("K-quants have a batch order"),
-            };
-            let Some(kt) = ktile(ty, Some(order)) else {
+            if ty != GgmlType::Q4_K {
+                let order = batch_dot(ty).expect("K-quants have a batch order");
+                cases.push((ty, Some(order), order.portable));
+            }
+        }
+        for (ty, order, portable) in cases {
+            let Some(kt) = ktile(ty, order) else {
                 eprintln!("no AVX-512 VNNI: {ty} tile kernel not tested");
                 continue;
             };
@@ -166,11 +208,11 @@ mod tests {
                 kt.dot(&tiles, &act_refs, &mut out);
                 for (t, a) in act_refs.iter().enumerate() {
                     for (r, row) in row_refs.iter().enumerate() {
-                        let want = (order.portable)(n, row, a);
+                        let want = portable(n, row, a);
                         assert_eq!(
                             out[t][r].to_bits(),
                             want.to_bits(),
-                            "{ty} n {n} row {r} act {t}: {} vs {want}",
+                            "{ty} {kt:?} n {n} row {r} act {t}: {} vs {want}",
                             out[t][r]
                         );
                     }

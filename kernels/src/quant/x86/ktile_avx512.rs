@@ -210,13 +210,27 @@ pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize
     }
 }
 
+/// The float orders [`dot`] finishes the exact totals in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// ggml's tiled matmul (`kquants::tiled_step`), every format.
+    Tiled,
+    /// Q4_K's repacked gemv (the single-row order): per super-block `acc = fma(T, xd·yd, acc)`,
+    /// `accm = fma(M, xdmin·yd, accm)`, the result `acc − accm`.
+    Q4kGemv,
+    /// Q4_K's repacked gemm: the gemv's steps per pair of 32-value sub-blocks.
+    Q4kGemm4,
+}
+
 /// Adds super-block `tile`'s step to the accumulators of `NT` activation rows: `acc[t]` (sixteen f32,
-/// one per row of the tile) for the Q8_K block at `ys[t]`.
+/// one per row of the tile, then for the Q4_K orders sixteen of the minimums) for the Q8_K block at
+/// `ys[t]`.
 ///
-/// `K`: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K.
+/// `K`: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K. `ORD`: 0 [`Order::Tiled`], 1 [`Order::Q4kGemv`],
+/// 2 [`Order::Q4kGemm4`] (Q4_K only).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn step<const K: u8, const NT: usize>(
+unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
     tile: &Tile,
     ys: [*const u8; NT],
     acc: [*mut f32; NT],
@@ -227,7 +241,15 @@ unsafe fn step<const K: u8, const NT: usize>(
     let (groups, per_group) = if sub32 { (8, 8) } else { (16, 4) };
     let dpw = K <= 1;
     let zero = _mm512_setzero_si512();
+    let xd = _mm512_load_ps(tile.xd.as_ptr());
+    let xdmin = _mm512_load_ps(tile.xdmin.as_ptr());
+    let yd: [__m512; NT] =
+        core::array::from_fn(|t| _mm512_set1_ps((ys[t] as *const f32).read_unaligned()));
+    // The Q4_K orders: `xd·yd` and `xdmin·yd` per row, rounded as the scalar code rounds them.
+    let d: [__m512; NT] = core::array::from_fn(|t| _mm512_mul_ps(xd, yd[t]));
+    let dmin: [__m512; NT] = core::array::from_fn(|t| _mm512_mul_ps(xdmin, yd[t]));
     let mut tot = [zero; NT];
+    let mut m = [zero; NT];
     for g in 0..groups {
         let mut a = [zero; NT];
         for k in 0..per_group {
@@ -246,8 +268,30 @@ unsafe fn step<const K: u8, const NT: usize>(
                 _mm512_add_epi32(tot[t], _mm512_mullo_epi32(a[t], s))
             };
         }
+        if ORD == 2 {
+            // Sub-block g's minimum term, and after each pair of sub-blocks the pair's fused steps.
+            let pr = _mm512_load_si512(tile.pair[g].as_ptr() as *const __m512i);
+            for t in 0..NT {
+                let bs = (ys[t].add(260 + 4 * g) as *const i32).read_unaligned();
+                m[t] = _mm512_dpwssd_epi32(m[t], pr, _mm512_set1_epi32(bs));
+            }
+            if g % 2 == 1 {
+                for t in 0..NT {
+                    let a = _mm512_loadu_ps(acc[t]);
+                    let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
+                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
+                    let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
+                    _mm512_storeu_ps(acc[t], a);
+                    _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+                    tot[t] = zero;
+                    m[t] = zero;
+                }
+            }
+        }
     }
-    let mut m = [zero; NT];
+    if ORD == 2 {
+        return;
+    }
     for p in 0..8 {
         let pr = _mm512_load_si512(tile.pair[p].as_ptr() as *const __m512i);
         for t in 0..NT {
@@ -255,9 +299,16 @@ unsafe fn step<const K: u8, const NT: usize>(
             m[t] = _mm512_dpwssd_epi32(m[t], pr, _mm512_set1_epi32(bs));
         }
     }
-    let xd = _mm512_load_ps(tile.xd.as_ptr());
-    let xdmin = _mm512_load_ps(tile.xdmin.as_ptr());
     for t in 0..NT {
+        if ORD == 1 {
+            let a = _mm512_loadu_ps(acc[t]);
+            let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
+            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
+            let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
+            _mm512_storeu_ps(acc[t], a);
+            _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+            continue;
+        }
         let total = match K {
             1 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<2>(m[t])),
             4 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<5>(m[t])),
@@ -268,62 +319,75 @@ unsafe fn step<const K: u8, const NT: usize>(
             // fma(−xdmin, M, r), as `tiled_step`.
             r = _mm512_fnmadd_ps(xdmin, _mm512_cvtepi32_ps(m[t]), r);
         }
-        let yd = _mm512_set1_ps((ys[t] as *const f32).read_unaligned());
         let a = _mm512_loadu_ps(acc[t]);
-        _mm512_storeu_ps(acc[t], _mm512_fmadd_ps(r, yd, a));
+        _mm512_storeu_ps(acc[t], _mm512_fmadd_ps(r, yd[t], a));
     }
 }
 
+/// The accumulators of one activation row: sixteen rows' sums, then (Q4_K orders) their minimum sums.
+type Acc = [f32; 2 * TILE_ROWS];
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn steps<const K: u8>(
+unsafe fn steps<const K: u8, const ORD: u8>(
     tile: &Tile,
     b: usize,
     acts: &[*const u8],
-    out: &mut [[f32; TILE_ROWS]],
+    accs: &mut [Acc],
 ) {
     let y = |t: usize| acts[t].add(b * Q8K_BYTES);
     let mut t = 0;
     while t + 8 <= acts.len() {
-        let acc: [*mut f32; 8] = core::array::from_fn(|i| out[t + i].as_mut_ptr());
-        step::<K, 8>(tile, core::array::from_fn(|i| y(t + i)), acc);
+        let acc: [*mut f32; 8] = core::array::from_fn(|i| accs[t + i].as_mut_ptr());
+        step::<K, ORD, 8>(tile, core::array::from_fn(|i| y(t + i)), acc);
         t += 8;
     }
     if t + 4 <= acts.len() {
-        let acc: [*mut f32; 4] = core::array::from_fn(|i| out[t + i].as_mut_ptr());
-        step::<K, 4>(tile, core::array::from_fn(|i| y(t + i)), acc);
+        let acc: [*mut f32; 4] = core::array::from_fn(|i| accs[t + i].as_mut_ptr());
+        step::<K, ORD, 4>(tile, core::array::from_fn(|i| y(t + i)), acc);
         t += 4;
     }
     while t < acts.len() {
-        step::<K, 1>(tile, [y(t)], [out[t].as_mut_ptr()]);
+        step::<K, ORD, 1>(tile, [y(t)], [accs[t].as_mut_ptr()]);
         t += 1;
     }
 }
 
-/// `out[t][r]` = the batch-order dot product of tile row `r` with activation row `acts[t]`, over the
-/// `tiles.len()` unpacked super-blocks in order (each super-block's step added to the running sum from
-/// 0.0, as `kquants::tiled_portable`).
+/// `out[t][r]` = the dot product in `order` of tile row `r` with activation row `acts[t]`, over the
+/// `tiles.len()` unpacked super-blocks in order (each super-block's steps added to running sums from
+/// 0.0, as the portable code of each order).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI with AVX2, FMA and F16C; each of `acts` must be
-/// readable for `tiles.len()` Q8_K blocks; `out.len() == acts.len()`.
+/// readable for `tiles.len()` Q8_K blocks; `out.len() == acts.len()`; the Q4_K orders only with Q4_K
+/// tiles.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn dot(
     kind: KKind,
+    order: Order,
     tiles: &[Tile],
     acts: &[*const u8],
     out: &mut [[f32; TILE_ROWS]],
 ) {
-    for o in out.iter_mut() {
-        *o = [0.0; TILE_ROWS];
-    }
+    let mut accs = vec![[0f32; 2 * TILE_ROWS]; acts.len()];
     for (b, tile) in tiles.iter().enumerate() {
-        match kind {
-            KKind::Q2K => steps::<0>(tile, b, acts, out),
-            KKind::Q3K => steps::<1>(tile, b, acts, out),
-            KKind::Q4K => steps::<2>(tile, b, acts, out),
-            KKind::Q5K => steps::<3>(tile, b, acts, out),
-            KKind::Q6K => steps::<4>(tile, b, acts, out),
+        match (kind, order) {
+            (KKind::Q2K, _) => steps::<0, 0>(tile, b, acts, &mut accs),
+            (KKind::Q3K, _) => steps::<1, 0>(tile, b, acts, &mut accs),
+            (KKind::Q4K, Order::Tiled) => steps::<2, 0>(tile, b, acts, &mut accs),
+            (KKind::Q4K, Order::Q4kGemv) => steps::<2, 1>(tile, b, acts, &mut accs),
+            (KKind::Q4K, Order::Q4kGemm4) => steps::<2, 2>(tile, b, acts, &mut accs),
+            (KKind::Q5K, _) => steps::<3, 0>(tile, b, acts, &mut accs),
+            (KKind::Q6K, _) => steps::<4, 0>(tile, b, acts, &mut accs),
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&accs) {
+        for r in 0..TILE_ROWS {
+            o[r] = if order == Order::Tiled {
+                a[r]
+            } else {
+                a[r] - a[TILE_ROWS + r]
+            };
         }
     }
 }
