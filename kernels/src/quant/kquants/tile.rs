@@ -3,6 +3,7 @@
 //! bit for bit (tested below against the portable code).
 
 use super::{KKind, Q2K_TILED, Q3K_TILED, Q4K_TILED, Q5K_TILED, Q6K_TILED, Q8K_BYTES, QK_K};
+use crate::quant::iquants::tiled::IqKind;
 use crate::quant::{BatchDot, GgmlType};
 
 #[cfg(target_arch = "x86_64")]
@@ -14,7 +15,9 @@ pub const TILE_ROWS: usize = 16;
 /// The tile kernel of one format's batch order.
 #[derive(Clone, Copy, Debug)]
 pub struct KTile {
+    /// The K-quant, or `iq` for the IQ formats.
     kind: KKind,
+    iq: Option<IqKind>,
     #[cfg(target_arch = "x86_64")]
     order: imp::Order,
 }
@@ -36,8 +39,8 @@ impl Tiles {
 }
 
 /// The tile kernel for products of `ty` in batch order `order` (`None`: the single-row order) on this
-/// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K and Q6_K in their tiled
-/// orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
+/// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K, Q6_K, IQ2_XS, IQ3_XXS and
+/// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
 pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -54,12 +57,14 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
                 None => {
                     return Some(KTile {
                         kind: KKind::Q4K,
+                        iq: None,
                         order: Order::Q4kGemv,
                     })
                 }
                 Some(o) if std::ptr::eq(o, &super::Q4K_GEMM4) => {
                     return Some(KTile {
                         kind: KKind::Q4K,
+                        iq: None,
                         order: Order::Q4kGemm4,
                     })
                 }
@@ -68,6 +73,16 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
         }
     }
     let order = order?;
+    if let Some(iq) = IqKind::of(ty) {
+        return crate::quant::iquants::tiled::batch_dot(ty)
+            .filter(|o| std::ptr::eq(*o, order))
+            .map(|_| KTile {
+                kind: KKind::Q4K,
+                iq: Some(iq),
+                #[cfg(target_arch = "x86_64")]
+                order: imp::Order::Tiled,
+            });
+    }
     // The statics are the orders themselves, so their addresses identify them.
     let kind = [
         (&Q2K_TILED, GgmlType::Q2_K, KKind::Q2K),
@@ -81,6 +96,7 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     .2;
     Some(KTile {
         kind,
+        iq: None,
         #[cfg(target_arch = "x86_64")]
         order: imp::Order::Tiled,
     })
@@ -97,11 +113,14 @@ impl KTile {
             rows.len()
         );
         let nb = n / QK_K;
-        let bb = self.kind.block_bytes();
+        let bb = self
+            .iq
+            .map_or(self.kind.block_bytes(), |iq| iq.block_bytes());
         assert!(
             rows.iter().all(|r| r.len() >= nb * bb),
             "{:?} rows shorter than {n} values",
-            self.kind
+            self.iq
+                .map_or(format!("{:?}", self.kind), |iq| format!("{iq:?}"))
         );
         tiles.rows = rows.len();
         #[cfg(target_arch = "x86_64")]
@@ -119,7 +138,12 @@ impl KTile {
             for (b, tile) in tiles.tiles.iter_mut().enumerate() {
                 // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
                 // every row holds `nb > b` blocks (asserted).
-                unsafe { imp::unpack(self.kind, &ptrs, b, tile) };
+                unsafe {
+                    match self.iq {
+                        Some(iq) => imp::unpack_iq(iq, &ptrs, b, tile),
+                        None => imp::unpack(self.kind, &ptrs, b, tile),
+                    }
+                };
             }
         }
     }
@@ -138,7 +162,15 @@ impl KTile {
             let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
             // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
             // `nb` Q8_K blocks (asserted) and `out` one entry per row.
-            unsafe { imp::dot(self.kind, self.order, &tiles.tiles, &ptrs, out) };
+            unsafe {
+                imp::dot(
+                    self.iq.is_none().then_some(self.kind),
+                    self.order,
+                    &tiles.tiles,
+                    &ptrs,
+                    out,
+                )
+            };
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -177,6 +209,10 @@ mod tests {
             (GgmlType::Q4_K, Some(q4k), q4k.portable),
             (GgmlType::Q4_K, Some(&Q4K_TILED), Q4K_TILED.portable),
         ];
+        for ty in [GgmlType::IQ2_XS, GgmlType::IQ3_XXS, GgmlType::IQ4_XS] {
+            let order = batch_dot(ty).expect("IQ batch order");
+            cases.push((ty, Some(order), order.portable));
+        }
         for ty in types {
             if ty != GgmlType::Q4_K {
                 let order = batch_dot(ty).expect("K-quants have a batch order");

@@ -1,5 +1,7 @@
 //! AVX-512 VNNI tile kernel of the K-quant batch order (ggml's tiled matmul, `kquants::tiled_step`):
-//! sixteen weight rows against many activation rows, for Q2_K, Q3_K, Q5_K and Q6_K.
+//! sixteen weight rows against many activation rows, for Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and for IQ2_XS,
+//! IQ3_XXS and IQ4_XS (`iquants::tiled`: their signed values as codes `value + 128`, the offset taken off
+//! with the activation sums as for Q6_K).
 //!
 //! The row-by-row batch kernels unpack a weight super-block once per activation row and reduce each dot
 //! product across a vector's lanes; here one super-block of sixteen rows is unpacked once for all the
@@ -17,6 +19,7 @@
 
 use core::arch::x86_64::*;
 
+use crate::quant::iquants::tiled::{block as iq_block, IqKind};
 use crate::quant::kquants::{block_scales, scales_mins_k4, scales_q3_k, KKind, Q8K_BYTES, QK_K};
 
 /// Rows of a tile (the lanes of a `zmm` of i32).
@@ -197,7 +200,46 @@ pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize
             }
         }
     }
-    // Transpose to four codes per row and lane: lane r of vector k = dword k of row r.
+    transpose(&all, tile);
+}
+
+/// Unpacks super-block `b` of sixteen rows of an IQ format into `tile`: codes `value + 128`, the 16-value
+/// groups' scales, the offset's pairs (`128·Σ scale·bsum` is taken off) and `xd`.
+///
+/// # Safety
+/// As [`unpack`], for blocks of `kind`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn unpack_iq(
+    kind: IqKind,
+    rows: &[*const u8; TILE_ROWS],
+    b: usize,
+    tile: &mut Tile,
+) {
+    let bb = kind.block_bytes();
+    let mut all = [[0u8; QK_K]; TILE_ROWS];
+    for (r, &row) in rows.iter().enumerate() {
+        // SAFETY (of the slice): row `r` holds block `b` of `bb` bytes.
+        let xs = core::slice::from_raw_parts(row.add(b * bb), bb);
+        let (v, sc, xd) = iq_block(kind, xs);
+        for (c, &v) in all[r].iter_mut().zip(&v) {
+            *c = (v as i32 + 128) as u8;
+        }
+        for (t, &s) in tile.sc.iter_mut().zip(&sc) {
+            t[r] = s;
+        }
+        for p in 0..8 {
+            tile.pair[p][r] = pair16(sc[2 * p], sc[2 * p + 1]);
+        }
+        tile.xd[r] = xd;
+        tile.xdmin[r] = 0.0;
+    }
+    transpose(&all, tile);
+}
+
+/// `tile.w` from the sixteen rows' codes: lane `r` of vector `k` = dword `k` of row `r`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn transpose(all: &[[u8; QK_K]; TILE_ROWS], tile: &mut Tile) {
     let idx = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32((QK_K / 4) as i32),
@@ -226,7 +268,7 @@ pub(crate) enum Order {
 /// one per row of the tile, then for the Q4_K orders sixteen of the minimums) for the Q8_K block at
 /// `ys[t]`.
 ///
-/// `K`: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K. `ORD`: 0 [`Order::Tiled`], 1 [`Order::Q4kGemv`],
+/// `K`: 0 Q2_K, 1 Q3_K, 2 Q4_K, 3 Q5_K, 4 Q6_K, 5 the IQ formats. `ORD`: 0 [`Order::Tiled`], 1 [`Order::Q4kGemv`],
 /// 2 [`Order::Q4kGemm4`] (Q4_K only).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -237,6 +279,7 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
 ) {
     // Q4_K/Q5_K: eight sub-blocks of 32, sums up to 32·31·128 (scaled by `vpmulld`); the others sixteen
     // groups of 16; Q2_K and Q3_K sums fit i16 (16·7·128), so `vpdpwssd` scales them.
+    // K = 5: the IQ formats (codes `value + 128`, sums up to 16·255·128: `vpmulld`).
     let sub32 = K == 2 || K == 3;
     let (groups, per_group) = if sub32 { (8, 8) } else { (16, 4) };
     let dpw = K <= 1;
@@ -312,6 +355,7 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
         let total = match K {
             1 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<2>(m[t])),
             4 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<5>(m[t])),
+            5 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<7>(m[t])),
             _ => tot[t],
         };
         let mut r = _mm512_mul_ps(xd, _mm512_cvtepi32_ps(total));
@@ -360,10 +404,10 @@ unsafe fn steps<const K: u8, const ORD: u8>(
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI with AVX2, FMA and F16C; each of `acts` must be
 /// readable for `tiles.len()` Q8_K blocks; `out.len() == acts.len()`; the Q4_K orders only with Q4_K
-/// tiles.
+/// tiles; `kind` `None` for tiles of [`unpack_iq`] (their order is the tiled one).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn dot(
-    kind: KKind,
+    kind: Option<KKind>,
     order: Order,
     tiles: &[Tile],
     acts: &[*const u8],
@@ -371,6 +415,10 @@ pub(crate) unsafe fn dot(
 ) {
     let mut accs = vec![[0f32; 2 * TILE_ROWS]; acts.len()];
     for (b, tile) in tiles.iter().enumerate() {
+        let Some(kind) = kind else {
+            steps::<5, 0>(tile, b, acts, &mut accs);
+            continue;
+        };
         match (kind, order) {
             (KKind::Q2K, _) => steps::<0, 0>(tile, b, acts, &mut accs),
             (KKind::Q3K, _) => steps::<1, 0>(tile, b, acts, &mut accs),
