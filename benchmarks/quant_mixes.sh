@@ -13,6 +13,7 @@
 #   ENGINE      poly-engine binary                                      [target/release/poly-engine]
 #   WORK        where the F32 and quantized files go (not the repo)     [/tmp/qmix]
 #   THREADS     threads of both engines                                 [2]
+#   QUANT_THREADS  llama-quantize's threads                             [nproc]
 #   SHAPES      ARCH:SHAPE ... (see `poly-engine synth --list-shapes`)  [qwen3moe:mix]
 #   MIXES       Q4_K_M Q5_K_M Q3_K_M Q2_K IQ4_XS UD_Q2_K_XL              [all six]
 #   ROUNDS      rounds per file (each: both engines, pp then tg)        [3]
@@ -31,6 +32,7 @@ LLAMA_BIN=${LLAMA_BIN:-/tmp/llama-tools/bin}
 ENGINE=${ENGINE:-$ROOT/target/release/poly-engine}
 WORK=${WORK:-/tmp/qmix}
 THREADS=${THREADS:-2}
+QUANT_THREADS=${QUANT_THREADS:-$(nproc)}
 SHAPES=${SHAPES:-qwen3moe:mix}
 MIXES=${MIXES:-Q4_K_M Q5_K_M Q3_K_M Q2_K IQ4_XS UD_Q2_K_XL}
 ROUNDS=${ROUNDS:-3}
@@ -104,7 +106,7 @@ quantize() { # F32 OUT MIX
         ftype=Q4_K_M
     fi
     echo "== llama-quantize $mix -> $out" >&2
-    "$LLAMA_BIN/llama-quantize" "${args[@]}" "$f32" "$out.tmp" "$ftype" "$THREADS" > "$out.log" 2>&1 \
+    "$LLAMA_BIN/llama-quantize" "${args[@]}" "$f32" "$out.tmp" "$ftype" "$QUANT_THREADS" > "$out.log" 2>&1 \
         || { tail -20 "$out.log" >&2; exit 1; }
     mv "$out.tmp" "$out"
 }
