@@ -10,7 +10,8 @@
 
 use super::iq2::IQ2_XS_BYTES;
 use super::iq3::IQ3_XXS_BYTES;
-use super::iq4::{iq4xs_scale, IQ4_XS_BYTES};
+pub(crate) use super::iq4::iq4xs_scale;
+use super::iq4::IQ4_XS_BYTES;
 use super::tables::{IQ2XS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
 use super::{q8k_d, u16_at, u32_at, Q8K_BYTES, QK_K};
 use crate::quant::{f16_at, BatchDot, GgmlType};

@@ -19,7 +19,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::quant::iquants::tiled::{block as iq_block, IqKind};
+use crate::quant::iquants::tiled::IqKind;
 use crate::quant::kquants::{block_scales, scales_mins_k4, scales_q3_k, KKind, Q8K_BYTES, QK_K};
 
 /// Rows of a tile (the lanes of a `zmm` of i32).
@@ -220,10 +220,7 @@ pub(crate) unsafe fn unpack_iq(
     for (r, &row) in rows.iter().enumerate() {
         // SAFETY (of the slice): row `r` holds block `b` of `bb` bytes.
         let xs = core::slice::from_raw_parts(row.add(b * bb), bb);
-        let (v, sc, xd) = iq_block(kind, xs);
-        for (c, &v) in all[r].iter_mut().zip(&v) {
-            *c = (v as i32 + 128) as u8;
-        }
+        let (sc, xd) = iq_codes(kind, xs, &mut all[r]);
         for (t, &s) in tile.sc.iter_mut().zip(&sc) {
             t[r] = s;
         }
@@ -234,6 +231,86 @@ pub(crate) unsafe fn unpack_iq(
         tile.xdmin[r] = 0.0;
     }
     transpose(&all, tile);
+}
+
+/// 32 codes `value + 128` from four grid entries of eight magnitudes (`g[l]`: values `8l .. 8l + 8`) and
+/// their four sign bytes (bit `j` of `signs[l]`: value `8l + j` negative), as `iquants::tiled::block`
+/// signs them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn signed32(g: [u64; 4], signs: [u8; 4], out: *mut u8) {
+    let v = _mm256_set_epi64x(g[3] as i64, g[2] as i64, g[1] as i64, g[0] as i64);
+    // Byte `8l + j` of the mask: bit `j` of sign byte `l`.
+    let mask: __mmask32 = u32::from_le_bytes(signs);
+    let neg = _mm256_sub_epi8(_mm256_setzero_si256(), v);
+    let signed = _mm256_mask_blend_epi8(mask, v, neg);
+    _mm256_storeu_si256(
+        out as *mut __m256i,
+        _mm256_add_epi8(signed, _mm256_set1_epi8(-128)),
+    );
+}
+
+/// The codes `value + 128` of IQ super-block `b` into `out`, and the 16-value groups' scales and `xd`:
+/// the values, scales and `xd` of `iquants::tiled::block` (its tests compare the two through the tile
+/// kernel), with the sign and level lookups in vectors.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], f32) {
+    use crate::quant::iquants::tables::{IQ2XS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
+    let o = out.as_mut_ptr();
+    let mut sc = [0i32; 16];
+    let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let f16 = crate::quant::f16_at(b);
+    match kind {
+        IqKind::Iq2Xs => {
+            for ib in 0..8 {
+                let q: [u16; 4] = core::array::from_fn(|l| u16_at(2 + 8 * ib + 2 * l));
+                let g = q.map(|q| IQ2XS_GRID[(q & 511) as usize]);
+                let signs = q.map(|q| KSIGNS_IQ2XS[(q >> 9) as usize]);
+                signed32(g, signs, o.add(32 * ib));
+                sc[2 * ib] = 2 * (b[66 + ib] & 15) as i32 + 1;
+                sc[2 * ib + 1] = 2 * (b[66 + ib] >> 4) as i32 + 1;
+            }
+            (sc, f16 * 0.125)
+        }
+        IqKind::Iq3Xxs => {
+            for ib in 0..8 {
+                let aux = u32_at(66 + 4 * ib);
+                let ls = 2 * (aux >> 28) as i32 + 1;
+                sc[2 * ib] = ls;
+                sc[2 * ib + 1] = ls;
+                let g: [u64; 4] = core::array::from_fn(|l| {
+                    let g1 = IQ3XXS_GRID[b[2 + 8 * ib + 2 * l] as usize] as u64;
+                    let g2 = IQ3XXS_GRID[b[3 + 8 * ib + 2 * l] as usize] as u64;
+                    g1 | g2 << 32
+                });
+                let signs: [u8; 4] =
+                    core::array::from_fn(|l| KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize]);
+                signed32(g, signs, o.add(32 * ib));
+            }
+            (sc, f16 * 0.25)
+        }
+        IqKind::Iq4Xs => {
+            let mut lut = [0u8; 16];
+            for (l, &v) in lut.iter_mut().zip(&KVALUES_IQ4NL) {
+                *l = (v as i32 + 128) as u8;
+            }
+            let lut = _mm_loadu_si128(lut.as_ptr() as *const __m128i);
+            let m15 = _mm_set1_epi8(15);
+            for ib in 0..8 {
+                let ls = crate::quant::iquants::tiled::iq4xs_scale(b, ib);
+                sc[2 * ib] = ls;
+                sc[2 * ib + 1] = ls;
+                let q = _mm_loadu_si128(b.as_ptr().add(8 + 16 * ib) as *const __m128i);
+                let lo = _mm_shuffle_epi8(lut, _mm_and_si128(q, m15));
+                let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(q), m15));
+                _mm_storeu_si128(o.add(32 * ib) as *mut __m128i, lo);
+                _mm_storeu_si128(o.add(32 * ib + 16) as *mut __m128i, hi);
+            }
+            (sc, f16)
+        }
+    }
 }
 
 /// `tile.w` from the sixteen rows' codes: lane `r` of vector `k` = dword `k` of row `r`.
