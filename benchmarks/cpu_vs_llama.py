@@ -121,6 +121,9 @@ def main():
                 ts = [t for x in res for t in x["samples_ts"]]
                 row[f"{engine}_{test}"] = statistics.mean(ts)
                 row[f"{engine}_{test}_sd"] = statistics.stdev(ts) if len(ts) > 1 else 0.0
+                # The spread of the rounds: each round's mean, lowest and highest.
+                means = [statistics.mean(x["samples_ts"]) for x in res]
+                row[f"{engine}_{test}_min"], row[f"{engine}_{test}_max"] = min(means), max(means)
                 row[f"{engine}_{test}_cpu_per_wall"] = (
                     sum(x["cpu_s"] for x in res) / sum(x["wall_s"] for x in res))
                 # Tokens per CPU second of the whole process (loading and the one warm-up included,
@@ -129,6 +132,10 @@ def main():
                 row[f"{engine}_{test}_per_cpu"] = (
                     n_tok * args.reps * len(res) / sum(x["cpu_s"] for x in res))
             row[f"ratio_{test}"] = row[f"ours_{test}"] / row[f"llama_{test}"]
+            # Per round (both engines of one round ran minutes apart at most): lowest and highest ratio.
+            ratios = [statistics.mean(o["samples_ts"]) / statistics.mean(l["samples_ts"])
+                      for o, l in zip(runs[("ours", test)], runs[("llama", test)])]
+            row[f"ratio_{test}_min"], row[f"ratio_{test}_max"] = min(ratios), max(ratios)
         rows.append(row)
         raw["models"][name] = {"path": path, "runs": {f"{e}_{t}": v for (e, t), v in runs.items()},
                                "summary": row}
@@ -153,6 +160,20 @@ def main():
             f"{r['llama_pp_cpu_per_wall']:.2f}, {r['llama_tg_cpu_per_wall']:.2f} | "
             f"{r['others_cores']:.2f} | {r['ours_pp_per_cpu']:.1f} / {r['llama_pp_per_cpu']:.1f}, "
             f"{r['ours_tg_per_cpu']:.1f} / {r['llama_tg_per_cpu']:.1f} |")
+    lines += [
+        "",
+        "Rounds (each round's mean; ratio: ours / llama.cpp of the same round), lowest – highest:",
+        "",
+        f"| model | pp{args.prompt} ours | pp llama.cpp | pp ratio | tg{args.gen} ours | tg llama.cpp | tg ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = []
+        for test in ("pp", "tg"):
+            for e in ("ours", "llama"):
+                cells.append(f"{r[f'{e}_{test}_min']:.1f}–{r[f'{e}_{test}_max']:.1f}")
+            cells.append(f"**{r[f'ratio_{test}_min']:.2f}–{r[f'ratio_{test}_max']:.2f}**")
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:

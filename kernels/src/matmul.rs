@@ -285,6 +285,21 @@ pub fn matmul_ordered(
         _ => ops.vec_dot,
     };
 
+    // Sixteen weight rows at a time where the tile kernel exists for the order of every activation row
+    // (the K-quants' batch orders, Q4_K's single-row one) and there are enough rows to repay unpacking.
+    let tile_single = crate::quant::kquants::ktile(w.ty, None);
+    let tile_batch = batch.and_then(|b| crate::quant::kquants::ktile(w.ty, Some(b)));
+    let tile_of = |j: usize| if applies(j) { tile_batch } else { tile_single };
+    if n >= TILE_MIN_TOKENS && (0..n).all(|j| tile_of(j).is_some()) {
+        let (batch_rows, single_rows): (Vec<usize>, Vec<usize>) = (0..n).partition(|&j| applies(j));
+        let groups: Vec<_> = [(tile_batch, batch_rows), (tile_single, single_rows)]
+            .into_iter()
+            .filter_map(|(kt, js)| Some((kt?, js)).filter(|(_, js)| !js.is_empty()))
+            .collect();
+        matmul_tiles(w, &groups, act, act_bytes, y);
+        return;
+    }
+
     // Tasks own ranges of weight rows; each writes its columns of y, so tasks write disjoint elements.
     // Eight-row kernels (Q4_K on AVX2) take a task's rows in groups of eight, laid out once per task
     // for all its tokens, when there are enough tokens to repay the copy.
@@ -423,6 +438,60 @@ pub fn matmul_ordered(
                     j += 1;
                 }
                 r += span;
+            }
+        }
+    });
+}
+
+/// Fewest activation rows for which [`matmul_ordered`] takes the tile kernel: below, unpacking sixteen
+/// weight rows costs more than the row-by-row kernels lose.
+const TILE_MIN_TOKENS: usize = 8;
+
+/// [`matmul_ordered`] with tile kernels: `groups` pairs a kernel with the activation rows (indices into
+/// `act`, `act_bytes` each) that take its order. Tasks own ranges of weight rows (multiples of 16),
+/// unpack them sixteen at a time once and run every activation row against them, 64 at a time (so their
+/// blocks stay in cache with the tile).
+fn matmul_tiles(
+    w: &QuantMatrix<'_>,
+    groups: &[(crate::quant::kquants::KTile, Vec<usize>)],
+    act: &[u8],
+    act_bytes: usize,
+    y: &mut [f32],
+) {
+    use crate::quant::kquants::{Tiles, TILE_ROWS};
+    const TOKENS: usize = 64;
+    let chunk = rows_per_task(w.rows, w.row_bytes())
+        .min(64)
+        .next_multiple_of(TILE_ROWS);
+    let n_tasks = w.rows.div_ceil(chunk);
+    let out = SharedOut(y.as_mut_ptr());
+    (0..n_tasks).into_par_iter().for_each(|t| {
+        let out = &out;
+        let first = t * chunk;
+        let last = (first + chunk).min(w.rows);
+        let mut tiles = Tiles::default();
+        let mut res = vec![[0f32; TILE_ROWS]; TOKENS];
+        for r0 in (first..last).step_by(TILE_ROWS) {
+            let rows: Vec<&[u8]> = (r0..(r0 + TILE_ROWS).min(last)).map(|r| w.row(r)).collect();
+            // The orders share the unpacking (it depends on the format only).
+            groups[0].0.unpack(w.cols, &rows, &mut tiles);
+            for (kt, js) in groups {
+                for block in js.chunks(TOKENS) {
+                    let acts: Vec<&[u8]> = block
+                        .iter()
+                        .map(|&j| &act[j * act_bytes..(j + 1) * act_bytes])
+                        .collect();
+                    let res = &mut res[..block.len()];
+                    kt.dot(&tiles, &acts, res);
+                    for (&j, v) in block.iter().zip(res.iter()) {
+                        for (i, &v) in v[..rows.len()].iter().enumerate() {
+                            // SAFETY: `j < n` and `r0 + i < last <= w.rows`, so the element is inside
+                            // `y` (length `n * w.rows`, asserted by the caller); task `t` alone writes
+                            // rows `first..last`, and `y` outlives the parallel loop.
+                            unsafe { *out.0.add(j * w.rows + r0 + i) = v };
+                        }
+                    }
+                }
             }
         }
     });

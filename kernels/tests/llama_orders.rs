@@ -79,6 +79,10 @@ fn matmul_takes_llama_cpps_order_for_each_row_of_a_batch() {
         (GgmlType::Q6_K, 8, 0..8),
         (GgmlType::Q6_K, 7, 0..0),
         (GgmlType::Q5_K, 9, 0..9),
+        // Batches of 8 or more take the tile kernel on AVX-512 VNNI machines (Q4_K: both its orders).
+        (GgmlType::Q4_K, 10, 0..8),
+        (GgmlType::Q2_K, 12, 0..12),
+        (GgmlType::Q3_K, 8, 0..8),
     ] {
         let data: Vec<u8> = (0..rows).flat_map(|_| row(ty, &mut rng, cols)).collect();
         let w = QuantMatrix::new(ty, rows, cols, &data).unwrap();

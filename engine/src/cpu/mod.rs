@@ -449,8 +449,10 @@ impl Compute for CpuForward<'_> {
     }
 
     fn matmul(&mut self, w: WeightId, x: &Mat) -> Mat {
-        let _span = profile::span("matmul");
-        mat_mul_with(&self.weights.matrix(w), x, self.arithmetic)
+        let m = self.weights.matrix(w);
+        let op = if x.rows == 1 { "matvec" } else { "matmul" };
+        let _span = profile::span(profile::typed(op, m.ty));
+        mat_mul_with(&m, x, self.arithmetic)
     }
 
     fn rms_norm(&mut self, x: &Mat, weight: Option<WeightId>, eps: f32, group: usize) -> Mat {

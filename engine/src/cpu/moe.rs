@@ -186,6 +186,7 @@ pub(crate) fn decode_experts_in(
                 y: yu,
             });
         }
+        let _span = profile::span(profile::typed("moe.decode gate+up", gates[0].ty));
         matvec_many_in(&mut jobs, pool);
     }
     for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
@@ -211,6 +212,7 @@ pub(crate) fn decode_experts_in(
                 y,
             })
             .collect();
+        let _span = profile::span(profile::typed("moe.decode down", downs[0].ty));
         matvec_many_in(&mut jobs, pool);
     }
     let mut out = Mat::zeros(1, n_embd);
@@ -238,7 +240,8 @@ fn activate(f: Unary, gate: &mut [f32], up: &[f32]) {
 /// The order llama.cpp's `MUL_MAT_ID` (AVX2 build) sums an expert's dot products in, for `rows_routed`
 /// activation rows routed to it: weights it repacks go through the repacked gemv, one row at a time, which
 /// is the format's single-row order (`None`); the K-quants it does not repack take the tiled matmul for 8
-/// routed rows or more (Q4_K: [`unrepacked_order`]); everything else the single-row order.
+/// routed rows or more (Q4_K: [`unrepacked_order`]), as do IQ2_XS, IQ3_XXS and IQ4_XS; everything else
+/// the single-row order.
 pub fn mul_mat_id_order(m: &QuantMatrix<'_>, rows_routed: usize) -> Option<&'static BatchDot> {
     if llama_repacks(m.ty, m.rows) {
         return None;
@@ -247,7 +250,15 @@ pub fn mul_mat_id_order(m: &QuantMatrix<'_>, rows_routed: usize) -> Option<&'sta
         return Some(order);
     }
     match m.ty {
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q5_K | GgmlType::Q6_K if rows_routed >= 8 => {
+        GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::Q5_K
+        | GgmlType::Q6_K
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ4_XS
+            if rows_routed >= 8 =>
+        {
             batch_dot(m.ty)
         }
         _ => None,
@@ -261,6 +272,7 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
         x.cols, m.cols,
         "moe: activation width differs from the expert's rows"
     );
+    let _span = profile::span(profile::typed("moe.expert", m.ty));
     let mut y = Mat::zeros(x.rows, m.rows);
     let routed = match arith {
         Arithmetic::LlamaCpp => x.rows,

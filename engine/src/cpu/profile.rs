@@ -17,6 +17,24 @@ fn totals() -> &'static Mutex<BTreeMap<&'static str, (u64, Duration)>> {
     TOTALS.get_or_init(|| Mutex::new(BTreeMap::new()))
 }
 
+/// The span name `"{op} {ty}"` (one leaked string per pair, made only when profiling is on; `op` alone when
+/// it is off), so the totals say which weight formats a mix spends its time in.
+pub fn typed(op: &'static str, ty: poly_kernels::quant::GgmlType) -> &'static str {
+    if !enabled() {
+        return op;
+    }
+    type Names = Mutex<BTreeMap<(&'static str, String), &'static str>>;
+    static NAMES: OnceLock<Names> = OnceLock::new();
+    let key = (op, ty.to_string());
+    let mut names = NAMES
+        .get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    names
+        .entry(key)
+        .or_insert_with_key(|(op, ty)| Box::leak(format!("{op} {ty}").into_boxed_str()))
+}
+
 /// Times its scope under `name` when profiling is on.
 pub struct Span {
     name: &'static str,

@@ -15,6 +15,7 @@ mod iq2;
 mod iq3;
 mod iq4;
 pub(crate) mod tables;
+pub(crate) mod tiled;
 
 use super::{GgmlType, QuantOps};
 use crate::rng::Rng;

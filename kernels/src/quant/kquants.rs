@@ -33,8 +33,10 @@ use crate::rng::Rng;
 
 mod dot8;
 mod rows8;
+mod tile;
 pub use dot8::{dot8, Dot8};
 pub use rows8::{rows8, rows8_bytes, Rows8};
+pub use tile::{ktile, KTile, Tiles, TILE_ROWS};
 
 /// Values per super-block.
 pub(crate) const QK_K: usize = 256;

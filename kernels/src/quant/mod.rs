@@ -204,6 +204,7 @@ pub fn vec_dot(ty: GgmlType, n: usize, row: &[u8], act: &[u8]) -> Result<f32, Qu
 ///   of a batch of `n > 3`, four at a time; the rest go through the gemv order of `vec_dot`.
 /// - Q2_K, Q3_K, Q5_K, Q6_K: batches of 8 rows or more take ggml's tiled K-quant matmul
 ///   (`ggml-cpu/tiled`), one fused step per super-block on its integer totals.
+/// - IQ2_XS, IQ3_XXS, IQ4_XS: the same tiled matmul (`iquants::tiled`).
 pub struct BatchDot {
     /// Chosen at run time, like [`QuantOps::vec_dot`].
     pub dot: fn(n: usize, row: &[u8], act: &[u8]) -> f32,
@@ -227,7 +228,7 @@ pub fn batch_dot(ty: GgmlType) -> Option<&'static BatchDot> {
         GgmlType::Q3_K => Some(&kquants::Q3K_TILED),
         GgmlType::Q5_K => Some(&kquants::Q5K_TILED),
         GgmlType::Q6_K => Some(&kquants::Q6K_TILED),
-        _ => None,
+        _ => iquants::tiled::batch_dot(ty),
     }
 }
 

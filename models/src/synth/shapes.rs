@@ -155,6 +155,17 @@ pub fn all_shapes() -> Vec<Shape> {
         },
         Shape {
             arch: qwen3moe::ARCH,
+            name: "mix",
+            aliases: &[],
+            description: "8 layers, 2048 wide, 64 experts (8 used) of 768, vocabulary 4096: issue 24's file for llama-quantize's mixes (benchmarks/quant_mixes.sh)",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Qwen3Moe(Qwen3MoeHparams {
+                n_expert: 64,
+                ..qwen3moe_real(8, 4096)
+            }),
+        },
+        Shape {
+            arch: qwen3moe::ARCH,
             name: "qwen3-30b-a3b",
             aliases: &["30b-a3b"],
             description: "Qwen3-30B-A3B: 48 layers, 2048 wide, 128 experts (8 used) of 768, vocabulary 151936",

@@ -261,6 +261,21 @@ unsafe fn iq2_scales(x: &[u8], at: usize) -> __m256i {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    vec_dot_iq2_xs_order::<false>(n, row, act)
+}
+
+/// [`vec_dot_iq2_xs`] (`TILED = false`) or the tiled batch order of `iquants::tiled` (`true`): the same integer
+/// sums per super-block, their total `T` finished as `fma(xd·T, yd, acc)`.
+///
+/// # Safety
+/// As [`vec_dot_iq2_xs`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn vec_dot_iq2_xs_order<const TILED: bool>(
+    n: usize,
+    row: &[u8],
+    act: &[u8],
+) -> f32 {
+    let mut tacc = 0f32;
     let mut accumf = _mm256_setzero_ps();
     for (x, y) in blocks::<74>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
         let scales = iq2_scales(x, 66);
@@ -293,11 +308,19 @@ pub(crate) unsafe fn vec_dot_iq2_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi2 = _mm256_add_epi32(sumi2, sub(ib + 1));
         }
         let d = f16_at(x, 0) * q8k_d(y);
+        if TILED {
+            let t = hsum_i32x8(_mm256_add_epi32(sumi1, sumi2));
+            tacc = (f16_at(x, 0) * 0.125 * t as f32).mul_add(q8k_d(y), tacc);
+            continue;
+        }
         accumf = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
             accumf,
         );
+    }
+    if TILED {
+        return tacc;
     }
     0.125 * hsum_f32x8(accumf)
 }
@@ -350,6 +373,21 @@ pub(crate) unsafe fn vec_dot_iq2_s(n: usize, row: &[u8], act: &[u8]) -> f32 {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq3_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    vec_dot_iq3_xxs_order::<false>(n, row, act)
+}
+
+/// [`vec_dot_iq3_xxs`] (`TILED = false`) or the tiled batch order of `iquants::tiled` (`true`): the same integer
+/// sums per super-block, their total `T` finished as `fma(xd·T, yd, acc)`.
+///
+/// # Safety
+/// As [`vec_dot_iq3_xxs`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn vec_dot_iq3_xxs_order<const TILED: bool>(
+    n: usize,
+    row: &[u8],
+    act: &[u8],
+) -> f32 {
+    let mut tacc = 0f32;
     let mut accumf = _mm256_setzero_ps();
     for (x, y) in blocks::<98>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
         let d = f16_at(x, 0) * q8k_d(y);
@@ -370,11 +408,19 @@ pub(crate) unsafe fn vec_dot_iq3_xxs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi1 = _mm256_add_epi32(sumi1, p1);
             sumi2 = _mm256_add_epi32(sumi2, p2);
         }
+        if TILED {
+            let t = hsum_i32x8(_mm256_add_epi32(sumi1, sumi2));
+            tacc = (f16_at(x, 0) * 0.25 * t as f32).mul_add(q8k_d(y), tacc);
+            continue;
+        }
         accumf = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
             accumf,
         );
+    }
+    if TILED {
+        return tacc;
     }
     0.25 * hsum_f32x8(accumf)
 }
@@ -733,6 +779,21 @@ unsafe fn iq4xs_scales(x: &[u8; 136]) -> __m256i {
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn vec_dot_iq4_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
+    vec_dot_iq4_xs_order::<false>(n, row, act)
+}
+
+/// [`vec_dot_iq4_xs`] (`TILED = false`) or the tiled batch order of `iquants::tiled` (`true`): the same integer
+/// sums per super-block, their total `T` finished as `fma(xd·T, yd, acc)`.
+///
+/// # Safety
+/// As [`vec_dot_iq4_xs`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn vec_dot_iq4_xs_order<const TILED: bool>(
+    n: usize,
+    row: &[u8],
+    act: &[u8],
+) -> f32 {
+    let mut tacc = 0f32;
     let values = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
     let mut accum = _mm256_setzero_ps();
     for (x, y) in blocks::<136>(row).zip(blocks::<Q8K>(act)).take(n / QK_K) {
@@ -750,11 +811,19 @@ pub(crate) unsafe fn vec_dot_iq4_xs(n: usize, row: &[u8], act: &[u8]) -> f32 {
             sumi2 = _mm256_add_epi32(_mm256_madd_epi16(p16_2, ls2), sumi2);
         }
         let d = f16_at(x, 0) * q8k_d(y);
+        if TILED {
+            let t = hsum_i32x8(_mm256_add_epi32(sumi1, sumi2));
+            tacc = (f16_at(x, 0) * t as f32).mul_add(q8k_d(y), tacc);
+            continue;
+        }
         accum = _mm256_fmadd_ps(
             _mm256_set1_ps(d),
             _mm256_cvtepi32_ps(_mm256_add_epi32(sumi1, sumi2)),
             accum,
         );
+    }
+    if TILED {
+        return tacc;
     }
     hsum_f32x8(accum)
 }

@@ -1,0 +1,259 @@
+//! The K-quant batch order (ggml's tiled matmul, [`super::tiled_step`]) sixteen weight rows at a time on
+//! AVX-512 VNNI machines: [`KTile`] wraps `x86::ktile_avx512`, whose results equal the row-by-row kernels'
+//! bit for bit (tested below against the portable code).
+
+use super::{KKind, Q2K_TILED, Q3K_TILED, Q4K_TILED, Q5K_TILED, Q6K_TILED, Q8K_BYTES, QK_K};
+use crate::quant::iquants::tiled::IqKind;
+use crate::quant::{BatchDot, GgmlType};
+
+#[cfg(target_arch = "x86_64")]
+use crate::quant::x86::ktile_avx512 as imp;
+
+/// Rows of one tile.
+pub const TILE_ROWS: usize = 16;
+
+/// The tile kernel of one format's batch order.
+#[derive(Clone, Copy, Debug)]
+pub struct KTile {
+    /// The K-quant, or `iq` for the IQ formats.
+    kind: KKind,
+    iq: Option<IqKind>,
+    #[cfg(target_arch = "x86_64")]
+    order: imp::Order,
+}
+
+/// Sixteen weight rows unpacked for [`KTile::dot`], one tile per super-block; kept between calls to save
+/// the allocation.
+#[derive(Default)]
+pub struct Tiles {
+    #[cfg(target_arch = "x86_64")]
+    tiles: Vec<imp::Tile>,
+    rows: usize,
+}
+
+impl Tiles {
+    /// Rows unpacked by the last [`KTile::unpack`].
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// The tile kernel for products of `ty` in batch order `order` (`None`: the single-row order) on this
+/// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K, Q6_K, IQ2_XS, IQ3_XXS and
+/// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
+/// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
+pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("POLY_CPU_KTILE").map_or(true, |v| v != "0"));
+    if !on || !crate::quant::has_avx512_vnni() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use imp::Order;
+        // Q4_K's repacked orders: the single-row (gemv) one and the gemm's.
+        if ty == GgmlType::Q4_K {
+            match order {
+                None => {
+                    return Some(KTile {
+                        kind: KKind::Q4K,
+                        iq: None,
+                        order: Order::Q4kGemv,
+                    })
+                }
+                Some(o) if std::ptr::eq(o, &super::Q4K_GEMM4) => {
+                    return Some(KTile {
+                        kind: KKind::Q4K,
+                        iq: None,
+                        order: Order::Q4kGemm4,
+                    })
+                }
+                _ => {}
+            }
+        }
+    }
+    let order = order?;
+    if let Some(iq) = IqKind::of(ty) {
+        return crate::quant::iquants::tiled::batch_dot(ty)
+            .filter(|o| std::ptr::eq(*o, order))
+            .map(|_| KTile {
+                kind: KKind::Q4K,
+                iq: Some(iq),
+                #[cfg(target_arch = "x86_64")]
+                order: imp::Order::Tiled,
+            });
+    }
+    // The statics are the orders themselves, so their addresses identify them.
+    let kind = [
+        (&Q2K_TILED, GgmlType::Q2_K, KKind::Q2K),
+        (&Q3K_TILED, GgmlType::Q3_K, KKind::Q3K),
+        (&Q4K_TILED, GgmlType::Q4_K, KKind::Q4K),
+        (&Q5K_TILED, GgmlType::Q5_K, KKind::Q5K),
+        (&Q6K_TILED, GgmlType::Q6_K, KKind::Q6K),
+    ]
+    .into_iter()
+    .find(|(o, t, _)| std::ptr::eq(*o, order) && *t == ty)?
+    .2;
+    Some(KTile {
+        kind,
+        iq: None,
+        #[cfg(target_arch = "x86_64")]
+        order: imp::Order::Tiled,
+    })
+}
+
+impl KTile {
+    /// Unpacks `rows` (1 to 16 weight rows of `n` values, whole super-blocks) into `tiles`; missing rows
+    /// repeat the last one (their results are for the caller to ignore).
+    pub fn unpack(&self, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
+        assert!(n.is_multiple_of(QK_K), "{:?} rows of {n} values", self.kind);
+        assert!(
+            (1..=TILE_ROWS).contains(&rows.len()),
+            "{} rows in a tile",
+            rows.len()
+        );
+        let nb = n / QK_K;
+        let bb = self
+            .iq
+            .map_or(self.kind.block_bytes(), |iq| iq.block_bytes());
+        assert!(
+            rows.iter().all(|r| r.len() >= nb * bb),
+            "{:?} rows shorter than {n} values",
+            self.iq
+                .map_or(format!("{:?}", self.kind), |iq| format!("{iq:?}"))
+        );
+        tiles.rows = rows.len();
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(
+                crate::quant::has_avx512_vnni(),
+                "KTile without AVX-512 VNNI"
+            );
+            let ptrs: [*const u8; TILE_ROWS] =
+                std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
+            tiles.tiles.truncate(nb);
+            while tiles.tiles.len() < nb {
+                tiles.tiles.push(imp::Tile::zeroed());
+            }
+            for (b, tile) in tiles.tiles.iter_mut().enumerate() {
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
+                // every row holds `nb > b` blocks (asserted).
+                unsafe {
+                    match self.iq {
+                        Some(iq) => imp::unpack_iq(iq, &ptrs, b, tile),
+                        None => imp::unpack(self.kind, &ptrs, b, tile),
+                    }
+                };
+            }
+        }
+    }
+
+    /// `out[t][r]`: the batch-order dot product of row `r` of `tiles` with activation row `acts[t]`
+    /// (Q8_K, at least as many values as the rows); `out.len() == acts.len()`.
+    pub fn dot(&self, tiles: &Tiles, acts: &[&[u8]], out: &mut [[f32; TILE_ROWS]]) {
+        assert_eq!(out.len(), acts.len(), "one output per activation row");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let nb = tiles.tiles.len();
+            assert!(
+                acts.iter().all(|a| a.len() >= nb * Q8K_BYTES),
+                "Q8_K activations shorter than the tiles"
+            );
+            let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
+            // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
+            // `nb` Q8_K blocks (asserted) and `out` one entry per row.
+            unsafe {
+                imp::dot(
+                    self.iq.is_none().then_some(self.kind),
+                    self.order,
+                    &tiles.tiles,
+                    &ptrs,
+                    out,
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (tiles, acts, out);
+            unreachable!("KTile exists only on x86-64");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{batch_dot, fill_random, ActType};
+    use crate::rng::Rng;
+
+    /// Every row of every tile equals the portable batch-order dot product bit for bit, for row counts
+    /// below 16 and activation counts that exercise the 8-, 4- and 1-row steps.
+    #[test]
+    fn tiles_equal_the_portable_batch_order() {
+        let types = [
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        let mut rng = Rng::new(24);
+        type Portable = fn(usize, &[u8], &[u8]) -> f32;
+        let q4k = &super::super::Q4K_GEMM4;
+        let mut cases: Vec<(GgmlType, Option<&'static BatchDot>, Portable)> = vec![
+            (
+                GgmlType::Q4_K,
+                None,
+                GgmlType::Q4_K.ops().unwrap().vec_dot_portable,
+            ),
+            (GgmlType::Q4_K, Some(q4k), q4k.portable),
+            (GgmlType::Q4_K, Some(&Q4K_TILED), Q4K_TILED.portable),
+        ];
+        for ty in [GgmlType::IQ2_XS, GgmlType::IQ3_XXS, GgmlType::IQ4_XS] {
+            let order = batch_dot(ty).expect("IQ batch order");
+            cases.push((ty, Some(order), order.portable));
+        }
+        for ty in types {
+            if ty != GgmlType::Q4_K {
+                let order = batch_dot(ty).expect("K-quants have a batch order");
+                cases.push((ty, Some(order), order.portable));
+            }
+        }
+        for (ty, order, portable) in cases {
+            let Some(kt) = ktile(ty, order) else {
+                eprintln!("no AVX-512 VNNI: {ty} tile kernel not tested");
+                continue;
+            };
+            for (n, n_rows, n_acts) in [(256, 16, 13), (768, 11, 8), (2048, 5, 3)] {
+                let row_bytes = ty.bytes_for(n as u64).unwrap() as usize;
+                let mut rows = vec![0u8; n_rows * row_bytes];
+                fill_random(ty, &mut rng, 0.05, &mut rows).unwrap();
+                let acts: Vec<Vec<u8>> = (0..n_acts)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
+                        let mut a = vec![0u8; ActType::Q8_K.bytes_for(n)];
+                        ActType::Q8_K.quantize(&x, &mut a);
+                        a
+                    })
+                    .collect();
+                let row_refs: Vec<&[u8]> = rows.chunks_exact(row_bytes).collect();
+                let act_refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+                let mut tiles = Tiles::default();
+                kt.unpack(n, &row_refs, &mut tiles);
+                let mut out = vec![[0f32; TILE_ROWS]; n_acts];
+                kt.dot(&tiles, &act_refs, &mut out);
+                for (t, a) in act_refs.iter().enumerate() {
+                    for (r, row) in row_refs.iter().enumerate() {
+                        let want = portable(n, row, a);
+                        assert_eq!(
+                            out[t][r].to_bits(),
+                            want.to_bits(),
+                            "{ty} {kt:?} n {n} row {r} act {t}: {} vs {want}",
+                            out[t][r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
