@@ -625,3 +625,36 @@ fn a_run_config_or_models_json_that_is_a_fifo_freezes_no_request() {
     }
     eprintln!("five requests answered in {:?}", started.elapsed());
 }
+
+#[test]
+fn a_body_with_both_content_length_and_chunked_is_read_as_chunked_and_nothing_is_smuggled() {
+    // RFC 9112 §6.3: with both, Transfer-Encoding decides the body and the server closes the connection
+    // after answering, so bytes after the chunked body are never read as a second request (the
+    // request-smuggling case issue 17 named).
+    let home = Home::new("cl-te");
+    let server = Server::start(&home, &[]);
+    let mut s = TcpStream::connect(&server.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let smuggled = format!("GET /health HTTP/1.1\r\nHost: {}\r\n\r\n", server.addr);
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
+         Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n{smuggled}",
+        server.addr
+    );
+    s.write_all(request.as_bytes()).expect("write");
+    let mut answer = String::new();
+    let clock = Instant::now();
+    s.read_to_string(&mut answer)
+        .expect("the server closes the connection");
+    assert!(clock.elapsed() < Duration::from_secs(10));
+    assert_eq!(
+        answer.matches("HTTP/1.1 ").count(),
+        1,
+        "one answer, the bytes after the chunked body not served: {answer}"
+    );
+    assert!(
+        !answer.contains("\"ok\""),
+        "the smuggled /health was answered: {answer}"
+    );
+}
