@@ -34,6 +34,24 @@ fn raw(method: &str, path: &str, headers: &[&str], body: &str) -> Vec<u8> {
     r.into_bytes()
 }
 
+/// `/api/models` lists the model `piped` (a FIFO) as unavailable because it is not a regular file.
+fn assert_piped_unavailable(models: &serde_json::Value) {
+    let piped = models["models"]
+        .as_array()
+        .expect("models")
+        .iter()
+        .find(|m| m["id"] == "piped")
+        .cloned()
+        .expect("piped listed");
+    assert_eq!(piped["status"], "unavailable", "{piped}");
+    assert!(
+        piped["problem"]
+            .as_str()
+            .is_some_and(|p| p.contains("not a regular file")),
+        "{piped}"
+    );
+}
+
 fn current_model(server: &Server) -> serde_json::Value {
     server.get("/api/models/current").json()["model"].clone()
 }
@@ -549,21 +567,7 @@ fn a_model_path_that_is_a_fifo_is_unavailable_and_freezes_nothing() {
     let r = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("/api/models answered while a model path is a FIFO");
-    let models = r.json();
-    let entry = models["models"]
-        .as_array()
-        .expect("models")
-        .iter()
-        .find(|m| m["id"] == "piped")
-        .cloned()
-        .expect("piped listed");
-    assert_eq!(entry["status"], "unavailable", "{entry}");
-    assert!(
-        entry["problem"]
-            .as_str()
-            .is_some_and(|p| p.contains("not a regular file")),
-        "{entry}"
-    );
+    assert_piped_unavailable(&r.json());
 }
 
 #[test]
@@ -606,21 +610,7 @@ fn a_run_config_or_models_json_that_is_a_fifo_freezes_no_request() {
             .expect("every request answered while the home holds FIFOs");
         assert_eq!(r.status, 200, "{path}: {}", r.text());
         if path == "/api/models" {
-            let models = r.json();
-            let piped = models["models"]
-                .as_array()
-                .expect("models")
-                .iter()
-                .find(|m| m["id"] == "piped")
-                .cloned()
-                .expect("the FIFO config is listed");
-            assert_eq!(piped["status"], "unavailable", "{piped}");
-            assert!(
-                piped["problem"]
-                    .as_str()
-                    .is_some_and(|p| p.contains("not a regular file")),
-                "{piped}"
-            );
+            assert_piped_unavailable(&r.json());
         }
     }
     eprintln!("five requests answered in {:?}", started.elapsed());

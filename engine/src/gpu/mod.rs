@@ -622,24 +622,6 @@ impl GpuBackend {
         let Ok((free, total)) = self.dev.memory_info() else {
             return;
         };
-        if let Some(&reserve) = self.reserve.get() {
-            if free < reserve {
-                let excess = reserve - free + MARGIN;
-                if let Some(cache) = lock(&self.experts).as_mut() {
-                    let n = excess.div_ceil(cache.slot_bytes().max(1));
-                    match cache.give_up(&self.dev, cpu, n) {
-                        Ok(()) => eprintln!(
-                            "expert cache: gave up {n} experts ({} MiB) to keep {} MiB free; {} in VRAM",
-                            (n * cache.slot_bytes()) >> 20,
-                            reserve >> 20,
-                            cache.experts_resident()
-                        ),
-                        Err(e) => eprintln!("expert cache: could not give up experts ({e})"),
-                    }
-                }
-            }
-        }
-        let (free, total) = self.dev.memory_info().unwrap_or((free, total));
         let used = total.saturating_sub(free);
         let before = self
             .vram_high
@@ -651,6 +633,22 @@ impl GpuBackend {
                 used >> 20,
                 lock(&self.pool).bytes() >> 20
             );
+        }
+        let Some(&reserve) = self.reserve.get().filter(|&&r| free < r) else {
+            return;
+        };
+        let excess = reserve - free + MARGIN;
+        if let Some(cache) = lock(&self.experts).as_mut() {
+            let n = excess.div_ceil(cache.slot_bytes().max(1));
+            match cache.give_up(&self.dev, cpu, n) {
+                Ok(()) => eprintln!(
+                    "expert cache: gave up {n} experts ({} MiB) to keep {} MiB free; {} in VRAM",
+                    (n * cache.slot_bytes()) >> 20,
+                    reserve >> 20,
+                    cache.experts_resident()
+                ),
+                Err(e) => eprintln!("expert cache: could not give up experts ({e})"),
+            }
         }
     }
 }

@@ -173,23 +173,48 @@ impl CpuCostFit {
 /// both sides finish soonest: the `j` minimizing the later of the CPU's time for `missing - j` and the
 /// copies' time for `j` (the card's own compute of them is small beside either).
 pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
-    let finish = |j: usize| {
-        let on_cpu = missing - j;
-        let cpu = if on_cpu == 0 {
-            0.0
-        } else {
-            costs.cpu_overhead + on_cpu as f64 * costs.cpu_per_expert
-        };
-        let copy = if j == 0 {
-            0.0
-        } else {
-            costs.copy_latency + j as f64 * costs.copy_per_expert
-        };
-        cpu.max(copy)
-    };
-    (0..=missing)
+    soonest(missing, |j| costs.finish((missing - j) as f64, j))
+}
+
+/// The `c` in `0..=n` whose `finish(c)` is least (the first of equals).
+fn soonest(n: usize, finish: impl Fn(usize) -> f64) -> usize {
+    (0..=n)
         .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
         .unwrap_or(0)
+}
+
+impl MissingCosts {
+    /// When both sides are done: the CPU computing `cpu_rows` expert products of one row each (its
+    /// overhead once, nothing without any) and `copies` experts copied.
+    fn finish(&self, cpu_rows: f64, copies: usize) -> f64 {
+        let cpu = if cpu_rows > 0.0 {
+            self.cpu_overhead + cpu_rows * self.cpu_per_expert
+        } else {
+            0.0
+        };
+        let copy = if copies > 0 {
+            self.copy_latency + copies as f64 * self.copy_per_expert
+        } else {
+            0.0
+        };
+        cpu.max(copy)
+    }
+}
+
+/// The CPU's inputs from the card (`fetch`: the activations and the routing weights), checked against
+/// the `n_ids` routings, with the seconds the fetch took.
+fn fetch_inputs(
+    fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
+    n_ids: usize,
+) -> CudaResult<(Vec<f32>, Vec<f32>, f64)> {
+    let clock = std::time::Instant::now();
+    let (x, weights) = fetch()?;
+    if weights.len() != n_ids {
+        return Err(CudaError::Invalid(
+            "routing ids and weights differ in length".into(),
+        ));
+    }
+    Ok((x, weights, clock.elapsed().as_secs_f64()))
 }
 
 /// The share the CPU computes: for a single token its activation and the (expert, weight) pairs of its
@@ -231,6 +256,17 @@ fn share_pool(slot: &mut Option<Arc<HotPool>>) -> Option<Arc<HotPool>> {
 }
 
 impl CpuShare {
+    /// `x` as `[n_rows, n_embd]`, rounded to q8_1 for quantized experts as the card rounds it for its
+    /// own, so an expert gives nearly the same output wherever it is computed.
+    fn input(&self, cpu: &CpuWeights, m: &Moe) -> Mat {
+        let n_rows = self.n_rows.max(1);
+        let xs = Mat::from_vec(n_rows, self.x.len() / n_rows, self.x.clone());
+        match cpu.info(m.gate_exps).ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => xs,
+            _ => crate::gpu::reference::round_q8_1(&xs),
+        }
+    }
+
     /// [`CpuShare::compute`], its count and time added to `cache`'s figures.
     pub fn compute_for(
         &self,
@@ -272,11 +308,7 @@ impl CpuShare {
     /// the cache holds beyond the CPU's own rounding of the inner activation).
     pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
         let n_embd = self.x.len();
-        let mut xs = Mat::from_vec(1, n_embd, self.x.clone());
-        let ty = cpu.info(m.gate_exps).ty;
-        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-            xs = crate::gpu::reference::round_q8_1(&xs);
-        }
+        let xs = self.input(cpu, m);
         // The decode step's expert path: the gate and up products of all items in one parallel region
         // and their down products in another, rows split over the pool (a parallel region per expert
         // left threads idle when fewer experts than threads were missing). Its dot products are those
@@ -831,14 +863,16 @@ impl ExpertCache {
             .count();
         self.stats.routed += ids.len() as u64;
         self.stats.routed_vram += hits as u64;
-        let in_scratch: Vec<bool> = {
-            let mut v = vec![false; n_expert];
-            if let Some(s) = self.staged.as_ref().filter(|s| s.layer == layer) {
-                s.map.iter().for_each(|&(e, _)| v[e] = true);
-            }
-            v
+        // Experts already in a scratch slot for this layer (copied ahead): only then a lookup table, so
+        // a token's route point allocates nothing for it.
+        let mut in_scratch: Vec<bool> = Vec::new();
+        if let Some(s) = self.staged.as_ref().filter(|s| s.layer == layer) {
+            in_scratch.resize(n_expert, false);
+            s.map.iter().for_each(|&(e, _)| in_scratch[e] = true);
+        }
+        let on_card = |p: &CachePolicy, e: usize| {
+            in_scratch.get(e).copied().unwrap_or(false) || resident(p, e)
         };
-        let on_card = |p: &CachePolicy, e: usize| in_scratch[e] || resident(p, e);
         if n_tokens > 1 {
             let mut staged: Vec<usize> = routed
                 .iter()
@@ -847,43 +881,9 @@ impl ExpertCache {
                 .collect();
             staged.sort_unstable();
             staged.dedup();
-            // A small call's least-chosen uncached experts on the CPU, the rest copied.
-            let small = ids.len() < prefetch::ROUTINGS_PER_EXPERT * n_expert;
-            let on_cpu = match self.missing {
-                MissingExperts::Split if small && self.direct_copies() && !staged.is_empty() => {
-                    let mut rows = vec![0usize; n_expert];
-                    routed.iter().for_each(|&e| rows[e] += 1);
-                    prompt_share::split_prompt(&staged, &rows, &self.costs)
-                }
-                _ => Vec::new(),
-            };
-            // The CPU's inputs come first: once the copies below are queued, a download waits for them.
-            let share = if on_cpu.is_empty() {
-                None
-            } else {
-                let fetching = std::time::Instant::now();
-                let (x, weights) = fetch()?;
-                if weights.len() != ids.len() {
-                    return Err(CudaError::Invalid(
-                        "routing ids and weights differ in length".into(),
-                    ));
-                }
-                let k = ids.len() / n_tokens.max(1);
-                let rows: Vec<(usize, usize, f32)> = (0..ids.len())
-                    .filter(|&j| on_cpu.binary_search(&(ids[j] as usize)).is_ok())
-                    .map(|j| (j / k.max(1), ids[j] as usize, weights[j]))
-                    .collect();
-                staged.retain(|e| on_cpu.binary_search(e).is_err());
-                Some(CpuShare {
-                    x,
-                    items: Vec::new(),
-                    n_rows: n_tokens,
-                    rows,
-                    all: false,
-                    fetch_seconds: fetching.elapsed().as_secs_f64(),
-                    pool: None,
-                })
-            };
+            // A small call's least-chosen uncached experts on the CPU, the rest copied. The CPU's inputs
+            // come first: once the copies are queued, a download waits for them.
+            let share = self.prompt_share((layer, n_tokens, ids, &routed), &mut staged, fetch)?;
             if !staged.is_empty() {
                 self.stage(dev, cpu, layer, &staged)?;
                 self.stats.staged += staged.len() as u64;
@@ -908,13 +908,11 @@ impl ExpertCache {
             MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),
         };
         // The CPU's inputs come first: once the copies below are queued, a download waits for them.
-        let fetching = std::time::Instant::now();
-        let (x, weights) = if missing_slots.len() > n_copy {
-            fetch()?
+        let (x, weights, fetch_seconds) = if missing_slots.len() > n_copy {
+            fetch_inputs(fetch, ids.len())?
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), Vec::new(), 0.0)
         };
-        let fetch_seconds = fetching.elapsed().as_secs_f64();
         if n_copy > 0 {
             let copied: Vec<usize> = missing_slots
                 .drain(..n_copy)
@@ -930,11 +928,6 @@ impl ExpertCache {
         if missing_slots.is_empty() {
             self.admission = Some((layer, routed, Vec::new()));
             return Ok(None);
-        }
-        if weights.len() != ids.len() {
-            return Err(CudaError::Invalid(
-                "routing ids and weights differ in length".into(),
-            ));
         }
         let items: Vec<(usize, f32)> = missing_slots
             .iter()

@@ -14,10 +14,11 @@
 
 use std::collections::BTreeMap;
 
-use poly_kernels::quant::GgmlType;
 use poly_models::compute::Moe;
 
-use super::{CpuShare, MissingCosts};
+use poly_kernels::cuda::CudaResult;
+
+use super::{fetch_inputs, soonest, CpuShare, ExpertCache, MissingCosts, MissingExperts};
 use crate::cpu::{CpuWeights, Mat};
 
 /// Experts routed to more tokens than this stay on the card: the CPU's cost grows with the rows, a copy's
@@ -34,30 +35,63 @@ pub fn split_prompt(needed: &[usize], rows: &[usize], costs: &MissingCosts) -> V
         .filter(|&e| rows[e] <= MAX_ROWS)
         .collect();
     candidates.sort_by_key(|&e| (rows[e], e));
-    let finish = |c: usize| {
-        let cpu = match c {
-            0 => 0.0,
-            _ => {
-                costs.cpu_overhead
-                    + candidates[..c]
-                        .iter()
-                        .map(|&e| rows[e] as f64 * costs.cpu_per_expert)
-                        .sum::<f64>()
-            }
-        };
-        let copies = needed.len() - c;
-        let copy = match copies {
-            0 => 0.0,
-            j => costs.copy_latency + j as f64 * costs.copy_per_expert,
-        };
-        cpu.max(copy)
-    };
-    let best = (0..=candidates.len())
-        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
-        .unwrap_or(0);
+    // The CPU's rows for the first `c` candidates.
+    let mut cpu_rows = vec![0usize; candidates.len() + 1];
+    for (i, &e) in candidates.iter().enumerate() {
+        cpu_rows[i + 1] = cpu_rows[i] + rows[e];
+    }
+    let best = soonest(candidates.len(), |c| {
+        costs.finish(cpu_rows[c] as f64, needed.len() - c)
+    });
     candidates.truncate(best);
     candidates.sort_unstable();
     candidates
+}
+
+impl ExpertCache {
+    /// A prompt call's share for the CPU (`layer`'s `n_tokens` tokens routed as `ids`, `routed` the valid
+    /// ones):
+    /// when the call is small, copies go straight from the page-locked file and the split is by cost,
+    /// its least-chosen uncached experts, taken out of `staged` (the uncached experts it needs, sorted),
+    /// with the activations and weights `fetch` downloads.
+    pub(super) fn prompt_share(
+        &self,
+        (layer, n_tokens, ids, routed): (usize, usize, &[i32], &[usize]),
+        staged: &mut Vec<usize>,
+        fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
+    ) -> CudaResult<Option<CpuShare>> {
+        let n_expert = self.layers[layer].n_expert;
+        let small = ids.len() < super::prefetch::ROUTINGS_PER_EXPERT * n_expert;
+        if self.missing != MissingExperts::Split
+            || !small
+            || !self.direct_copies()
+            || staged.is_empty()
+        {
+            return Ok(None);
+        }
+        let mut rows = vec![0usize; n_expert];
+        routed.iter().for_each(|&e| rows[e] += 1);
+        let on_cpu = split_prompt(staged, &rows, &self.costs);
+        if on_cpu.is_empty() {
+            return Ok(None);
+        }
+        let (x, weights, fetch_seconds) = fetch_inputs(fetch, ids.len())?;
+        let k = (ids.len() / n_tokens.max(1)).max(1);
+        let rows: Vec<(usize, usize, f32)> = (0..ids.len())
+            .filter(|&j| on_cpu.binary_search(&(ids[j] as usize)).is_ok())
+            .map(|j| (j / k, ids[j] as usize, weights[j]))
+            .collect();
+        staged.retain(|e| on_cpu.binary_search(e).is_err());
+        Ok(Some(CpuShare {
+            x,
+            items: Vec::new(),
+            n_rows: n_tokens,
+            rows,
+            all: false,
+            fetch_seconds,
+            pool: None,
+        }))
+    }
 }
 
 impl CpuShare {
@@ -69,11 +103,7 @@ impl CpuShare {
         use rayon::prelude::*;
         let n_rows = self.n_rows.max(1);
         let n_embd = self.x.len() / n_rows;
-        let mut xs = Mat::from_vec(n_rows, n_embd, self.x.clone());
-        let ty = cpu.info(m.gate_exps).ty;
-        if !matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-            xs = crate::gpu::reference::round_q8_1(&xs);
-        }
+        let xs = self.input(cpu, m);
         let mut by_expert: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         for &(row, e, w) in &self.rows {
             by_expert.entry(e).or_default().push((row, w));

@@ -20,6 +20,34 @@ fn fixture(name: &str) -> CpuWeights {
     CpuWeights::new(Arc::new(GgufFile::open(&path).expect("fixture")))
 }
 
+/// The fixture's first MoE block as the engine binds it (qwen3moe: softmax over the experts, the top
+/// four's weights normalized, SiLU), and its width.
+fn first_moe(w: &CpuWeights) -> (Moe, usize) {
+    let layer = &expert_layers(w)[0];
+    let id = |name: &str| {
+        let i = w
+            .file()
+            .tensor_infos()
+            .iter()
+            .position(|t| t.name == name)
+            .expect("tensor");
+        poly_models::compute::WeightId(i as u32)
+    };
+    let m = Moe {
+        router: id(&format!("blk.{}.ffn_gate_inp.weight", layer.block)),
+        gate_exps: layer.mats[0].weight,
+        up_exps: layer.mats[1].weight,
+        down_exps: layer.mats[2].weight,
+        n_expert: layer.n_expert,
+        n_expert_used: 4,
+        gating: Gating::Softmax,
+        norm_weights: true,
+        weights_scale: 1.0,
+        act: Unary::Silu,
+    };
+    (m, layer.mats[0].cols)
+}
+
 #[test]
 fn the_fixtures_expert_layers_are_found_and_laid_out_in_slots() {
     let w = fixture("qwen3moe-tiny-q4km.gguf");
@@ -50,29 +78,7 @@ fn the_fixtures_expert_layers_are_found_and_laid_out_in_slots() {
 #[test]
 fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
     let w = fixture("qwen3moe-tiny-q4km.gguf");
-    let layer = &expert_layers(&w)[0];
-    let id = |name: &str| {
-        let i = w
-            .file()
-            .tensor_infos()
-            .iter()
-            .position(|t| t.name == name)
-            .expect("tensor");
-        poly_models::compute::WeightId(i as u32)
-    };
-    let m = Moe {
-        router: id(&format!("blk.{}.ffn_gate_inp.weight", layer.block)),
-        gate_exps: layer.mats[0].weight,
-        up_exps: layer.mats[1].weight,
-        down_exps: layer.mats[2].weight,
-        n_expert: layer.n_expert,
-        n_expert_used: 4,
-        gating: Gating::Softmax,
-        norm_weights: true,
-        weights_scale: 1.0,
-        act: Unary::Silu,
-    };
-    let n_embd = layer.mats[0].cols;
+    let (m, n_embd) = first_moe(&w);
     let x: Vec<f32> = (0..n_embd)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
         .collect();
@@ -235,29 +241,8 @@ fn a_small_prompts_least_chosen_experts_go_to_the_cpu_until_both_sides_finish_to
 #[test]
 fn a_prompt_calls_cpu_share_adds_up_to_the_cpu_moe_block_row_by_row() {
     let w = fixture("qwen3moe-tiny-q4km.gguf");
-    let layer = &expert_layers(&w)[0];
-    let id = |name: &str| {
-        let i = w
-            .file()
-            .tensor_infos()
-            .iter()
-            .position(|t| t.name == name)
-            .expect("tensor");
-        poly_models::compute::WeightId(i as u32)
-    };
-    let m = Moe {
-        router: id(&format!("blk.{}.ffn_gate_inp.weight", layer.block)),
-        gate_exps: layer.mats[0].weight,
-        up_exps: layer.mats[1].weight,
-        down_exps: layer.mats[2].weight,
-        n_expert: layer.n_expert,
-        n_expert_used: 4,
-        gating: Gating::Softmax,
-        norm_weights: true,
-        weights_scale: 1.0,
-        act: Unary::Silu,
-    };
-    let (n_embd, n_rows) = (layer.mats[0].cols, 3);
+    let (m, n_embd) = first_moe(&w);
+    let n_rows = 3;
     let x: Vec<f32> = (0..n_rows * n_embd)
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0 + (i / n_embd) as f32 * 0.1)
         .collect();
