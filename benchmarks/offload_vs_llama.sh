@@ -41,6 +41,7 @@ smi_stop() { kill $SMI 2>/dev/null; wait $SMI 2>/dev/null; echo "  peak VRAM use
 if [ "$PHASE" = prep ]; then
     tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$S"
+    lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|L3)" | tee -a "$S"
     # LLAMA=0: a stay that measures ours only (no build).
     [ "${LLAMA:-1}" = 1 ] && stamp "build llama.cpp CUDA (background, its own session)" && setsid bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > /tmp/lcb/llama_build.txt 2>&1 < /dev/null &
     synth() { $E synth --arch $1 --shape $2 --type Q4_K --seed 1 --route-skew $3 --out /dev/shm/m/$4.gguf > $R/synth-$4.txt 2>&1; }
@@ -103,16 +104,37 @@ if [ "$PHASE" = ours ]; then
     # BENCH=0: not the budget's bench runs (a call that measures the server alone).
     for m in $( [ "${BENCH:-1}" = 1 ] && echo $MODELS ); do
         F=/dev/shm/m/$m.gguf
-        [ -x /tmp/bin/poly-engine-base ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+        # BASE_MODELS: which models the binary before the change runs for (default: all).
+        case " ${BASE_MODELS:-$MODELS} " in *" $m "*) HAS_BASE=1 ;; *) HAS_BASE=0 ;; esac
+        [ -x /tmp/bin/poly-engine-base ] && [ $HAS_BASE = 1 ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
+    # PROFILE=1: where a partly resident token's host time goes (the CPU share's parts by POLY_CPU_PROFILE's
+    # spans), and the share's thread count halved (hyperthreads or not: lscpu in summary-prep).
+    if [ "${PROFILE:-0}" = 1 ]; then
+    for m in $MODELS; do
+        F=/dev/shm/m/$m.gguf
+        POLY_GPU_PROFILE=1 POLY_CPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
+        grep -E "share |moe.decode" $R/b.err | tail -6 >> "$S"
+        grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
+        bench "$m ${BUDGET}MiB NEW tg64 --threads 8" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --threads 8
+        bench "$m ${BUDGET}MiB NEW pp8000 one call" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 8000 --gen 0 --reps 1 --ubatch 8000 --no-expert-profile
+        grep -E "lent|took back|vram:" $R/b.err | head -4 >> "$S"
+    done
+    fi
     # LEAN=1: the budget's before/after and the server alone (SERVER=0: not the server either).
     if [ "${LEAN:-0}" != 1 ]; then
+    # EXTRAS: which of the single-token modes and the one-call pp8000 to run (default: all three).
     for m in q3u q35s; do
         F=/dev/shm/m/$m.gguf
+        case " ${EXTRAS:-card rayon onecall} " in *" card "*) ;; *) continue ;; esac
         bench "$m ${BUDGET}MiB NEW tg64 --missing-experts card" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --missing-experts card
-        POLY_CPU_SHARE=rayon bench "$m ${BUDGET}MiB NEW tg64 POLY_CPU_SHARE=rayon" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
+    done
+    for m in q3u q35s; do
+        F=/dev/shm/m/$m.gguf
+        case " ${EXTRAS:-card rayon onecall} " in *" rayon "*) POLY_CPU_SHARE=rayon bench "$m ${BUDGET}MiB NEW tg64 POLY_CPU_SHARE=rayon" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile ;; esac
+        case " ${EXTRAS:-card rayon onecall} " in *" onecall "*) ;; *) continue ;; esac
         bench "$m ${BUDGET}MiB NEW pp8000 one call" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 8000 --gen 0 --reps 1 --ubatch 8000 --no-expert-profile
     done
     stamp "ours, every weight in VRAM"
@@ -123,16 +145,21 @@ if [ "$PHASE" = ours ]; then
     [ "${SERVER:-1}" = 1 ] || { stamp done; exit 0; }
     stamp "ours through the server (polystrata benchmark)"
     H=/tmp/home; mkdir -p $H
+    # SERVER_LONG: the engine's --long-ubatch values to run the server with ("default": its own).
     for m in ${SERVER_MODELS:-q35s q3u}; do
         /tmp/bin/polystrata tokenizer --gguf /dev/shm/m/$m.gguf --out $H/packs/$m/tokenizer > /dev/null 2>&1
-        cat > $H/strata-$m-8gb.json <<J
-{"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb"}
+        for lu in ${SERVER_LONG:-default}; do
+        X=""; [ "$lu" = default ] || X=", \"--long-ubatch\", \"$lu\""
+        cat > $H/strata-$m-8gb-$lu.json <<J
+{"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"$X], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb-$lu"}
 J
         smi_start
-        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb --prompt-tokens 2000,8000,30000 --answer-tokens 128 > $OUT/server-$m.txt 2> $R/server-$m.err
-        echo "  polystrata benchmark $m-8gb rc=$?" | tee -a "$S"
+        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens 2000,8000,30000 --answer-tokens 128 > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
+        echo "  polystrata benchmark $m-8gb (--long-ubatch $lu) rc=$?" | tee -a "$S"
         smi_stop
-        cat $OUT/server-$m.txt >> "$S"; tail -3 $R/server-$m.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m.err | tail -6 >> "$S"
+        cat $OUT/server-$m-$lu.txt >> "$S"; tail -3 $R/server-$m-$lu.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m-$lu.err | tail -8 >> "$S"
+        cp $R/server-$m-$lu.err $OUT/ 2>/dev/null
+        done
     done
     stamp done
 fi

@@ -129,6 +129,11 @@ impl Model {
         self.gpu.as_ref().map_or(0, |g| g.experts_in_vram().0)
     }
 
+    /// Routed experts over all layers, as the GPU's expert cache counts them (0 on the CPU).
+    pub fn experts_total(&self) -> usize {
+        self.gpu.as_ref().map_or(0, |g| g.experts_in_vram().1)
+    }
+
     /// Bytes of weights on the GPU (`None` on the CPU).
     pub fn gpu_weight_bytes(&self) -> Option<usize> {
         self.gpu.as_ref().map(|g| g.weight_bytes())

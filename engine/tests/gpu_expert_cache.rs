@@ -369,3 +369,100 @@ fn placements_agree_on_the_4bit_fixtures() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `path` on the card under the tightest reserve that leaves its cache some experts: the room above the
+/// reserve searched for (what the card reports free after a dropped model is not exact enough to
+/// compute it), with the model and the room in MiB.
+fn held_to_a_reserve(
+    dev: &Device,
+    path: &PathBuf,
+    placement: &Placement,
+) -> Option<(Model, usize)> {
+    const MIB: usize = 1 << 20;
+    let (mut lo, mut hi) = (0usize, 1024usize);
+    let mut best = None;
+    while lo < hi {
+        let room = (lo + hi) / 2;
+        let (free, _) = dev.memory_info().expect("memory info");
+        let m = on_gpu(
+            path,
+            Placement {
+                reserve_mib: Some((free / MIB).saturating_sub(room)),
+                ..placement.clone()
+            },
+        );
+        if m.experts_in_vram() > 0 {
+            hi = room;
+            best = Some((m, room));
+        } else {
+            lo = room + 1;
+        }
+    }
+    best
+}
+
+/// A prompt call larger than the warm-up's, on a card held to a reserve, borrows its scratch from the
+/// expert cache (issue 15 §3: long prompts in fewer calls) and gives it back at the next token: the
+/// slots come back filled, and the long call's distribution and the token after it agree with the
+/// model that holds every expert (the bound of the 4-bit fixtures above).
+#[test]
+fn long_calls_borrow_the_cache_and_give_it_back() {
+    if !gpu_present() {
+        return;
+    }
+    let dev = Device::open(0).expect("device");
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        // Warm-up calls of 8 tokens: the prompt's 40 are a long call.
+        let warm = Placement {
+            n_ctx: 256,
+            call_tokens: 8,
+            no_profile: true,
+            ..Placement::new()
+        };
+        let all = on_gpu(&path, warm.clone());
+        if all.expert_stats().is_none() {
+            continue;
+        }
+        let p = prompt(all.info().n_vocab, 40, 5);
+        let mut s = all.new_state(256);
+        let reference = read(&all, &mut s, &p, p.len());
+        let t = top(&softmax(&reference), 1)[0] as u32;
+        let reference_step = all.eval(&mut s, &[t], Logits::Last).expect("step");
+        drop(s);
+        drop(all);
+        let Some((m, room)) = held_to_a_reserve(&dev, &path, &warm) else {
+            failures.push(format!("{name}: no reserve left the cache an expert"));
+            continue;
+        };
+        let resident = m.experts_in_vram();
+        let mut s = m.new_state(256);
+        let long = read(&m, &mut s, &p, p.len());
+        let during = m.experts_in_vram();
+        let step = m.eval(&mut s, &[t], Logits::Last).expect("step");
+        let after = m.experts_in_vram();
+        let mut agree = Agreement::default();
+        agree.add(&reference, &long);
+        agree.add(&reference_step, &step);
+        eprintln!(
+            "{name}: {room} MiB above the reserve: {resident} experts in VRAM, {during} during the \
+             40-token call, {after} after the next token; top5 {:.2e}",
+            agree.top5
+        );
+        if during >= resident {
+            failures.push(format!(
+                "{name}: the 40-token call borrowed nothing ({during} of {resident} stayed)"
+            ));
+        }
+        if after != resident {
+            failures.push(format!(
+                "{name}: {after} experts in VRAM after the token, {resident} before the call"
+            ));
+        }
+        if agree.top5 > 0.3 {
+            failures.push(format!("{name}: {agree:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

@@ -296,3 +296,47 @@ fn parking_drops_the_least_recently_used() {
         assert_matches_fresh(&a, &model, (&p, 4), 0.0, &format!("c{i}"));
     }
 }
+
+/// A prompt read in long calls (`--long-ubatch`, what a card that holds only part of the experts does by
+/// default) is split into calls of that length while more than one ordinary call's worth remains, with
+/// checkpoints that far apart unless told otherwise; READY says so, and the answer is the fresh read's
+/// bit for bit (qwen35moe: recurrent layers, whose reads split at checkpoints).
+#[test]
+fn long_calls_read_a_prompt_in_fewer_calls_with_the_same_answer() {
+    let name = FIXTURES[2];
+    let model = serve_support::served_model(name);
+    let mut e = Engine::start(name, &["--cpu", "--ubatch", "4", "--long-ubatch", "16"]);
+    let calls = e.ready.as_ref().and_then(|r| r.prompt_calls);
+    assert_eq!(
+        calls.map(|c| (c.ubatch, c.long_ubatch, c.checkpoint_every)),
+        Some((4, 16, 2048)),
+        "READY's prompt_calls"
+    );
+    let prompt = Rng::new(29).tokens(40, e.n_vocab());
+    e.send(&ToEngine::Gen(Gen {
+        max_tokens: Some(3),
+        ..Gen::new("long", prompt.clone())
+    }));
+    let mut progress = Vec::new();
+    let mut tokens = Vec::new();
+    let done = loop {
+        let line = e.next_line().expect("an answer");
+        match FromEngine::parse(&line).expect("a protocol line") {
+            FromEngine::Progress(p) => progress.push(p.prompt_read),
+            FromEngine::Tokens(t) => tokens.push(t),
+            FromEngine::Done(d) => break d,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    // 16 + 16, then the last 8 (more than 4 remain: a long call, cut at the prompt's end).
+    assert_eq!(progress, vec![16, 32]);
+    let fresh = reference(&model, &prompt, 3);
+    assert_follows(&Answer { tokens, done }, &fresh, 0.0, "long calls");
+    // On the CPU nothing is lent, and reads stay at the ubatch by default.
+    let e = Engine::start(name, &["--cpu"]);
+    let calls = e.ready.as_ref().and_then(|r| r.prompt_calls);
+    assert_eq!(
+        calls.map(|c| (c.ubatch, c.long_ubatch, c.checkpoint_every)),
+        Some((512, 0, 2048))
+    );
+}

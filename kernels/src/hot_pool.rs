@@ -9,6 +9,7 @@
 //! [`HotPool`]'s spin window parks on a condition variable until the next; nothing waits on a parked
 //! worker (the caller and the spinning ones claim every task), so a job never depends on a wake-up.
 
+use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -25,8 +26,10 @@ struct Job {
 struct Shared {
     /// Odd while a job is open, even between jobs; a worker joins the job of the epoch it saw.
     epoch: AtomicU64,
-    /// Written by the caller before the epoch turns odd, read by workers that saw it odd.
-    job: Mutex<Option<Job>>,
+    /// Written by the caller before the epoch turns odd and after every worker left the last job; read by
+    /// workers inside the odd epoch they saw (see [`HotPool::run`]). Not a lock: fifteen workers taking
+    /// one at the same instant queued on it for microseconds, a share's whole budget.
+    job: UnsafeCell<Option<Job>>,
     /// The next task to claim, and tasks finished, of the open job.
     next: AtomicUsize,
     done: AtomicUsize,
@@ -43,6 +46,12 @@ struct Shared {
 // alive (and, being `Sync`, shareable) until every worker left (`HotPool::run` waits for `inside == 0`
 // after closing the epoch).
 unsafe impl Send for Job {}
+
+// SAFETY: `job` is the only field that is not itself `Sync`. The caller writes it only while no worker
+// can read it: before publishing an odd epoch (a worker reads only after seeing that epoch, which the
+// publishing `fetch_add` orders after the write), and after closing the epoch and seeing `inside == 0`
+// (a worker that enters later sees a closed or newer epoch and does not read). Workers only read it.
+unsafe impl Sync for Shared {}
 
 /// Worker threads that spin for `spin` after each job before they park.
 pub struct HotPool {
@@ -64,7 +73,7 @@ impl HotPool {
     pub fn new(threads: usize, spin: Duration) -> HotPool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            job: Mutex::new(None),
+            job: UnsafeCell::new(None),
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             inside: AtomicUsize::new(0),
@@ -120,7 +129,9 @@ impl HotPool {
                 *const (dyn Fn(usize) + Sync + 'static),
             >(guarded)
         };
-        *s.job.lock().unwrap_or_else(|p| p.into_inner()) = Some(Job { task: ptr, n });
+        // SAFETY: no worker reads `job` now: the last job's epoch is closed and every worker left it
+        // (`Shared`'s `Sync`); this one's epoch is published below, after the write.
+        unsafe { *s.job.get() = Some(Job { task: ptr, n }) };
         s.next.store(0, Ordering::SeqCst);
         s.done.store(0, Ordering::SeqCst);
         let open = s.epoch.fetch_add(1, Ordering::SeqCst) + 1;
@@ -138,7 +149,8 @@ impl HotPool {
         while s.inside.load(Ordering::SeqCst) > 0 {
             std::hint::spin_loop();
         }
-        *s.job.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        // SAFETY: the epoch is closed and no worker is inside it: none reads `job`.
+        unsafe { *s.job.get() = None };
         if panicked.load(Ordering::Relaxed) {
             panic!("a task of a HotPool job panicked");
         }
@@ -187,7 +199,9 @@ fn worker(s: &Shared, spin: Duration) {
         }
         s.inside.fetch_add(1, Ordering::SeqCst);
         if s.epoch.load(Ordering::SeqCst) == epoch {
-            let job = *s.job.lock().unwrap_or_else(|p| p.into_inner());
+            // SAFETY: inside the odd epoch the job was published under, so the caller does not write
+            // `job` until this worker leaves (`Shared`'s `Sync`).
+            let job = unsafe { *s.job.get() };
             if let Some(job) = job {
                 // SAFETY: the epoch is still the one the job was published under and this worker is
                 // counted in `inside`, so the caller of `run` keeps the task alive until it leaves.

@@ -53,6 +53,19 @@ pub struct Ready {
     pub experts_total: u64,
     /// Of those, how many live in VRAM.
     pub experts_vram: u64,
+    /// How the engine splits a prompt into forward calls (absent from engines before it said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_calls: Option<PromptCalls>,
+}
+
+/// How a prompt is read: in calls of `ubatch` tokens, or `long_ubatch` while more than `ubatch` remain
+/// (0: never), with a checkpoint of the recurrent layers every `checkpoint_every` tokens (0: only where a
+/// request asks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptCalls {
+    pub ubatch: u32,
+    pub long_ubatch: u32,
+    pub checkpoint_every: u32,
 }
 
 /// `T`.
@@ -259,6 +272,11 @@ mod tests {
             device: "cpu".into(),
             experts_total: 96,
             experts_vram: 0,
+            prompt_calls: Some(PromptCalls {
+                ubatch: 2048,
+                long_ubatch: 8192,
+                checkpoint_every: 8192,
+            }),
         }));
         round_trip(FromEngine::Tokens(Tokens {
             id: "r1".into(),

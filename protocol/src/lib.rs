@@ -34,7 +34,8 @@ mod to_engine;
 
 pub use error::{ErrorCode, ProtocolError};
 pub use from_engine::{
-    ConversationInfo, Done, ErrorReply, FromEngine, Progress, Ready, Stats, StopReason, Tokens,
+    ConversationInfo, Done, ErrorReply, FromEngine, Progress, PromptCalls, Ready, Stats,
+    StopReason, Tokens,
 };
 pub use line::{read_line_bounded, LineRead};
 pub use to_engine::{Cancel, Gen, ToEngine};

@@ -54,13 +54,18 @@ struct ServeArgs {
     /// MiB of RAM that parked conversations may hold (least recently used dropped first).
     #[arg(long, default_value_t = 1024)]
     park_mib: usize,
-    /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked).
-    #[arg(long, default_value_t = 2048)]
-    checkpoint_every: usize,
+    /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked; default
+    /// 2048, or --long-ubatch where prompts are read in long calls).
+    #[arg(long, value_name = "N")]
+    checkpoint_every: Option<usize>,
     /// Most prompt tokens per forward call (default: 512 on the CPU, 2048 on a GPU, whose grouped expert
     /// kernels gain from more tokens per expert).
     #[arg(long, value_name = "N")]
     ubatch: Option<usize>,
+    /// Prompt tokens per forward call while more than --ubatch remain (0: never; default 8192 on a card
+    /// that holds only part of the routed experts, whose cache lends these calls' scratch, else 0).
+    #[arg(long, value_name = "N")]
+    long_ubatch: Option<usize>,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -159,6 +164,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 park_bytes: a.park_mib.saturating_mul(1 << 20),
                 checkpoint_every: a.checkpoint_every,
                 ubatch: a.ubatch,
+                long_ubatch: a.long_ubatch,
                 device,
                 placement: a.placement.placement(
                     a.max_context,

@@ -149,6 +149,7 @@ impl MoeStep {
         match share {
             Some(share) => {
                 let sum = share.compute_for(Some(&mut *cache), cpu, &self.moe);
+                let _span = crate::cpu::profile::span("share write");
                 dev.write(&sum, &mut self.cpu_sum)?;
                 self.sum_is_zero = false;
             }

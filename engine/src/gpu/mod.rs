@@ -24,8 +24,9 @@
 pub mod decode_graph;
 pub mod expert_cache;
 pub mod forward;
+mod lend;
 pub mod lockstep;
-pub mod pool;
+mod pool;
 pub mod profile;
 pub mod reference;
 pub mod seq;
@@ -117,6 +118,10 @@ pub struct GpuBackend {
     vram_high: std::sync::atomic::AtomicUsize,
     /// Bytes the card keeps free when the expert cache was sized by a reserve (`--vram-reserve-mib`).
     reserve: std::sync::OnceLock<usize>,
+    /// The warm-up call the budget counted the scratch of.
+    warm: std::sync::OnceLock<lend::WarmCall>,
+    /// Slots the expert cache gave up for the scratch of calls larger than the warm-up's ([`lend`]).
+    lent: Mutex<Option<lend::Lent>>,
 }
 
 impl Drop for GpuBackend {
@@ -163,6 +168,8 @@ impl GpuBackend {
             routings_per_token: std::sync::atomic::AtomicU64::new(0),
             vram_high: std::sync::atomic::AtomicUsize::new(0),
             reserve: std::sync::OnceLock::new(),
+            warm: std::sync::OnceLock::new(),
+            lent: Mutex::new(None),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -207,7 +214,15 @@ impl GpuBackend {
         drop(warm);
         *lock(&self.seq) = None;
         // Later calls keep their scratch within what the warm-up's took (the budget counts it).
-        lock(&self.pool).cap_at_current();
+        let scratch = {
+            let mut pool = lock(&self.pool);
+            pool.cap_at_current();
+            pool.bytes()
+        };
+        let _ = self.warm.set(lend::WarmCall {
+            tokens: n_warm,
+            scratch,
+        });
         self.dev.synchronize().map_err(cuda_err)?;
         let (free, total) = self.dev.memory_info().map_err(cuda_err)?;
         let n_ctx = if p.n_ctx == 0 {
@@ -335,6 +350,13 @@ impl GpuBackend {
         {
             return self.eval_decode(graph, cpu, state, tokens);
         }
+        // A call larger than the warm-up's borrows its scratch from the expert cache; the first one
+        // not larger gives it back.
+        if self.warm.get().is_some_and(|w| tokens.len() > w.tokens) {
+            self.lend_scratch(cpu, tokens.len()).map_err(cuda_err)?;
+        } else {
+            self.take_back(cpu).map_err(cuda_err)?;
+        }
         // A call the card has no memory for leaves the host state as it was: free the kept scratch,
         // then give up expert slots, and try again.
         for attempt in 0.. {
@@ -390,6 +412,7 @@ impl GpuBackend {
         state: &mut SeqState,
         tokens: &[u32],
     ) -> Result<Vec<f32>, EngineError> {
+        self.take_back(cpu).map_err(cuda_err)?;
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);

@@ -98,6 +98,16 @@ impl PoolStore {
         self.cap = Some(self.made);
     }
 
+    /// The cap, if any.
+    pub fn cap(&self) -> Option<usize> {
+        self.cap
+    }
+
+    /// Sets the cap (`None`: none); kept buffers are freed by the next buffer made beyond it.
+    pub fn set_cap(&mut self, cap: Option<usize>) {
+        self.cap = cap;
+    }
+
     /// A store with no buffers and `self`'s cap (after the kept buffers were freed).
     pub fn emptied(&self) -> PoolStore {
         PoolStore {

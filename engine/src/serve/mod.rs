@@ -45,11 +45,16 @@ pub struct ServeOptions {
     pub threads: Option<usize>,
     /// Bytes the parked conversations may hold.
     pub park_bytes: usize,
-    /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none).
-    pub checkpoint_every: usize,
+    /// A checkpoint of the recurrent layers every this many prompt tokens read (0: none; `None`: every
+    /// [`DEFAULT_CHECKPOINT_EVERY`] tokens, or every long call's worth where prompts are read in long
+    /// calls).
+    pub checkpoint_every: Option<usize>,
     /// Most prompt tokens per forward call (`None`: [`crate::generate::DEFAULT_UBATCH`] on the CPU,
     /// [`GPU_UBATCH`] on a GPU).
     pub ubatch: Option<usize>,
+    /// Prompt tokens per forward call while more than `ubatch` remain (0: always `ubatch`; `None`:
+    /// [`LONG_UBATCH`] on a card that holds only part of the routed experts, else 0).
+    pub long_ubatch: Option<usize>,
     /// Where the model runs (a GPU when there is one, unless asked otherwise).
     pub device: crate::gpu::DeviceChoice,
     /// Where a GPU run puts the routed experts.
@@ -63,6 +68,14 @@ pub struct ServeOptions {
 /// best `-ub` for long prompts on the H200 was 2048 as well).
 pub const GPU_UBATCH: usize = 2048;
 
+/// Prompt tokens per forward call of a long prompt on a card that holds only part of the routed experts:
+/// each call copies every layer's uncached experts to the card once, so fewer, larger calls copy less;
+/// the expert cache lends the larger calls' scratch ([`crate::gpu`]'s `lend`).
+pub const LONG_UBATCH: usize = 8192;
+
+/// Prompt tokens between checkpoints of the recurrent layers unless told otherwise.
+pub const DEFAULT_CHECKPOINT_EVERY: usize = 2048;
+
 /// The engine process's arithmetic by default: batch-invariant, so that a conversation continued from a
 /// kept state, a checkpoint or a parked copy, a prompt split at the ubatch, and a fresh read of the same
 /// tokens all give the same probabilities bit for bit (llama.cpp's orders differ by up to a few
@@ -74,6 +87,8 @@ struct Loaded {
     model: Model,
     /// Routed experts over all layers (experts per layer × layers with experts).
     experts_total: u64,
+    /// Most tokens one forward call may have.
+    max_call_tokens: usize,
 }
 
 fn load(
@@ -91,9 +106,8 @@ fn load(
         .collect();
     expert_blocks.sort_unstable();
     expert_blocks.dedup();
-    let per_layer = poly_models::summary::ModelSummary::of(&file)?
-        .n_experts
-        .unwrap_or(0);
+    let summary = poly_models::summary::ModelSummary::of(&file)?;
+    let per_layer = summary.n_experts.unwrap_or(0);
     let experts_total = per_layer * expert_blocks.len() as u64;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
     model.use_device_with(device, placement)?;
@@ -101,9 +115,15 @@ fn load(
     if !model.on_gpu() || (model.experts_in_vram() as u64) < experts_total {
         model.populate_in_background();
     }
+    // The card computes a call's routed experts in one launch per matrix, whose slots are bounded.
+    let max_call_tokens = match summary.n_experts_used {
+        Some(k) if k > 0 && model.on_gpu() => crate::gpu::forward::MAX_SLOTS / k as usize,
+        _ => usize::MAX,
+    };
     Ok(Loaded {
         model,
         experts_total,
+        max_call_tokens,
     })
 }
 
@@ -215,7 +235,13 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
         warm_up(&loaded.model, n_ctx);
     }
     let inputs = input::spawn_reader(std::io::stdin());
-    let mut session = session::Session::new(&loaded.model, &opts, inputs, &mut out);
+    let mut session = session::Session::new(
+        &loaded.model,
+        &opts,
+        loaded.max_call_tokens,
+        inputs,
+        &mut out,
+    );
     match session.run(&opts.model, loaded.experts_total) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

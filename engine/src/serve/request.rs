@@ -180,6 +180,16 @@ impl<W: std::io::Write> Session<'_, W> {
         }))
     }
 
+    /// Tokens of the next forward call of a prompt with `remaining` tokens left to read: a long call
+    /// while more than one ordinary call's worth remain, so the rest is never a long call's sliver.
+    fn call_tokens(&self, remaining: usize) -> usize {
+        if self.long_ubatch > 0 && remaining > self.ubatch {
+            self.long_ubatch
+        } else {
+            self.ubatch
+        }
+    }
+
     /// Reads the prompt past what `conv` holds, then writes tokens.
     fn generate(
         &mut self,
@@ -210,7 +220,7 @@ impl<W: std::io::Write> Session<'_, W> {
                 .then(|| job.next_checkpoint(pos, end, every))
                 .flatten()
                 .unwrap_or(end)
-                .min(pos + self.ubatch);
+                .min(pos + self.call_tokens(end - pos));
             let want = if next == end {
                 Logits::Last
             } else {

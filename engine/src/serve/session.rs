@@ -9,7 +9,8 @@ use std::path::Path;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
 use poly_protocol::{
-    ConversationInfo, Done, ErrorCode, ErrorReply, FromEngine, Ready, Stats, StopReason, ToEngine,
+    ConversationInfo, Done, ErrorCode, ErrorReply, FromEngine, PromptCalls, Ready, Stats,
+    StopReason, ToEngine,
 };
 use serde_json::json;
 
@@ -45,6 +46,8 @@ pub struct Session<'a, W: Write> {
     pub(super) checkpoint_every: usize,
     /// Most prompt tokens per forward call.
     pub(super) ubatch: usize,
+    /// Tokens per forward call while more than `ubatch` of a prompt remain (0: `ubatch`).
+    pub(super) long_ubatch: usize,
     pub(super) store: Store,
     queue: VecDeque<Job>,
     inputs: Receiver<Input>,
@@ -58,9 +61,11 @@ pub struct Session<'a, W: Write> {
 }
 
 impl<'a, W: Write> Session<'a, W> {
+    /// The session of `model` served as `opts` says, in forward calls of at most `max_call_tokens`.
     pub fn new(
         model: &'a Model,
         opts: &ServeOptions,
+        max_call_tokens: usize,
         inputs: Receiver<Input>,
         out: &'a mut W,
     ) -> Self {
@@ -69,18 +74,31 @@ impl<'a, W: Write> Session<'a, W> {
         } else {
             opts.max_context
         };
+        let ubatch = opts
+            .ubatch
+            .unwrap_or(if model.on_gpu() {
+                super::GPU_UBATCH
+            } else {
+                crate::generate::DEFAULT_UBATCH
+            })
+            .clamp(1, max_call_tokens.max(1));
+        let partly_resident = model.on_gpu() && model.experts_in_vram() < model.experts_total();
+        let long_ubatch = opts.long_ubatch.unwrap_or(if partly_resident {
+            super::LONG_UBATCH
+        } else {
+            0
+        });
+        let long_ubatch = long_ubatch.min(max_call_tokens);
+        let long_ubatch = if long_ubatch > ubatch { long_ubatch } else { 0 };
         Session {
             model,
             n_ctx,
-            checkpoint_every: opts.checkpoint_every,
-            ubatch: opts
-                .ubatch
-                .unwrap_or(if model.on_gpu() {
-                    super::GPU_UBATCH
-                } else {
-                    crate::generate::DEFAULT_UBATCH
-                })
-                .max(1),
+            // A checkpoint splits a read: a long call's worth apart unless told otherwise.
+            checkpoint_every: opts
+                .checkpoint_every
+                .unwrap_or(super::DEFAULT_CHECKPOINT_EVERY.max(long_ubatch)),
+            ubatch,
+            long_ubatch,
             store: Store::new(opts.park_bytes),
             queue: VecDeque::new(),
             inputs,
@@ -124,6 +142,11 @@ impl<'a, W: Write> Session<'a, W> {
             device: self.model.device_name(),
             experts_total,
             experts_vram: self.model.experts_in_vram() as u64,
+            prompt_calls: Some(PromptCalls {
+                ubatch: self.ubatch as u32,
+                long_ubatch: self.long_ubatch as u32,
+                checkpoint_every: self.checkpoint_every as u32,
+            }),
         };
         self.send(&FromEngine::Ready(ready))?;
         loop {

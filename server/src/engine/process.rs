@@ -281,6 +281,7 @@ impl EngineProcess {
                 device: String::new(),
                 experts_total: 0,
                 experts_vram: 0,
+                prompt_calls: None,
             },
             writer,
             shared: shared.clone(),

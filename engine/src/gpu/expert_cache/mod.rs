@@ -308,7 +308,11 @@ impl CpuShare {
     /// the cache holds beyond the CPU's own rounding of the inner activation).
     pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
         let n_embd = self.x.len();
-        let xs = self.input(cpu, m);
+        let xs = {
+            let _span = crate::cpu::profile::span("share input");
+            self.input(cpu, m)
+        };
+        let _span = crate::cpu::profile::span("share experts");
         // The decode step's expert path: the gate and up products of all items in one parallel region
         // and their down products in another, rows split over the pool (a parallel region per expert
         // left threads idle when fewer experts than threads were missing). Its dot products are those
@@ -666,11 +670,47 @@ impl ExpertCache {
         if n == 0 || n_slots == 0 {
             return Ok(());
         }
-        let keep = n.saturating_sub(n_slots);
-        let ranking = self.policy.score_counts();
+        self.set_slots(dev, cpu, n.saturating_sub(n_slots))
+    }
+
+    /// Slots of the cache now.
+    pub fn n_slots(&self) -> usize {
+        self.policy.n_slots()
+    }
+
+    /// Allocates the cache again with `n_slots` slots (fewer or more: slots taken back after a long
+    /// prompt's scratch was lent) and fills it with the experts of the highest scores; the routings not
+    /// yet in the profile stay counted.
+    pub fn set_slots(&mut self, dev: &Device, cpu: &CpuWeights, n_slots: usize) -> CudaResult<()> {
+        let ranking = self.ranking();
+        self.set_slots_ranked(dev, cpu, n_slots, &ranking)
+    }
+
+    /// The experts' scores now, as counts (`[layer][expert]`): what [`ExpertCache::set_slots`] ranks by.
+    pub fn ranking(&self) -> Vec<Vec<u64>> {
+        self.policy.score_counts()
+    }
+
+    /// [`ExpertCache::set_slots`] ranking the experts by `ranking` (an earlier [`ExpertCache::ranking`]:
+    /// slots taken back after a long prompt are filled as the cache was before it, not with the
+    /// prompt's favourites).
+    pub fn set_slots_ranked(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        n_slots: usize,
+        ranking: &[Vec<u64>],
+    ) -> CudaResult<()> {
+        if n_slots == self.policy.n_slots() {
+            return Ok(());
+        }
         let counts = self.policy.take_counts();
-        self.fill(dev, cpu, keep, &ranking)?;
-        // The routings not yet in the profile stay counted.
+        let stats = self.stats;
+        let routed = std::mem::take(&mut self.routed_counts);
+        self.fill(dev, cpu, n_slots, ranking)?;
+        // A resize is not a new start: the run's figures go on.
+        self.stats = stats;
+        self.routed_counts = routed;
         self.policy.add_counts(&counts);
         Ok(())
     }

@@ -46,8 +46,8 @@ pub use act::DevAct;
 
 /// Blocks the split-K attention aims for on one token (a few per SM of a large card).
 const ATTN_TARGET_BLOCKS: usize = 264;
-/// Most expert slots (tokens × experts per token) of one expert launch.
-const MAX_SLOTS: usize = 65_535;
+/// Most expert slots (tokens × experts per token) of one expert launch (a grid dimension's limit).
+pub const MAX_SLOTS: usize = 65_535;
 
 /// Fewest tokens whose embedding rows the host makes on several threads.
 const PARALLEL_EMBED_ROWS: usize = 64;
