@@ -169,6 +169,35 @@ impl CpuCostFit {
     }
 }
 
+/// Keeps the CPU's measured cost current when the split stops giving it experts: a cost measured while
+/// the file's pages were still being faulted in (hundreds of µs an expert, where 30–40 is usual) sends
+/// every missing expert to the copies, and without new samples the fit would never learn better. Every
+/// [`CpuProbe::EVERY`] MoE steps that copied all their missing experts, one goes to the CPU instead.
+#[derive(Debug, Default)]
+struct CpuProbe {
+    steps_without: u32,
+}
+
+impl CpuProbe {
+    /// MoE steps between probes: about a token and a half of a 40–48-layer model, so a probe costs at
+    /// most one slow expert in that many layers.
+    const EVERY: u32 = 64;
+
+    /// `n_copy` of `missing` as the split chose it, or one fewer when a probe is due.
+    fn adjust(&mut self, n_copy: usize, missing: usize) -> usize {
+        if missing == 0 || n_copy < missing {
+            self.steps_without = 0;
+            return n_copy;
+        }
+        self.steps_without += 1;
+        if self.steps_without >= Self::EVERY {
+            self.steps_without = 0;
+            return n_copy - 1;
+        }
+        n_copy
+    }
+}
+
 /// How many of a token's `missing` uncached experts to copy to the card (the rest go to the CPU) so that
 /// both sides finish soonest: the `j` minimizing the later of the CPU's time for `missing - j` and the
 /// copies' time for `j` (the card's own compute of them is small beside either).
@@ -378,6 +407,7 @@ pub struct ExpertCache {
     missing: MissingExperts,
     costs: MissingCosts,
     cpu_fit: CpuCostFit,
+    cpu_probe: CpuProbe,
     /// `[layer][matrix][expert]`: the card's address of each expert matrix in the page-locked file
     /// (empty when the file is not page-locked whole), for [`MissingExperts::Mapped`].
     mapped: Vec<[Vec<u64>; 3]>,
@@ -470,6 +500,7 @@ impl ExpertCache {
             missing: MissingExperts::default(),
             costs: MissingCosts::guess(slot_bytes),
             cpu_fit: CpuCostFit::default(),
+            cpu_probe: CpuProbe::default(),
             mapped,
             layers,
             host_phases: HostPhases::default(),
@@ -942,7 +973,8 @@ impl ExpertCache {
         let n_copy = match self.missing {
             // Through the staging buffers the host's own copy would compete with the CPU's share.
             MissingExperts::Split if self.direct_copies() => {
-                split_missing(missing_slots.len(), &self.costs)
+                let n = missing_slots.len();
+                self.cpu_probe.adjust(split_missing(n, &self.costs), n)
             }
             MissingExperts::Split | MissingExperts::Cpu => 0,
             MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),

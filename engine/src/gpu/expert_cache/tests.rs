@@ -277,3 +277,20 @@ fn a_prompt_calls_cpu_share_adds_up_to_the_cpu_moe_block_row_by_row() {
         assert!(got.iter().any(|v| *v != 0.0));
     }
 }
+
+#[test]
+fn a_cpu_given_nothing_is_probed_now_and_then() {
+    let mut probe = super::CpuProbe::default();
+    let every = super::CpuProbe::EVERY as usize;
+    // All copied for EVERY steps: the last gives one expert to the CPU.
+    let chosen: Vec<usize> = (0..every).map(|_| probe.adjust(3, 3)).collect();
+    assert!(chosen[..every - 1].iter().all(|&c| c == 3));
+    assert_eq!(chosen[every - 1], 2);
+    // A step that gave the CPU some starts the count again.
+    assert_eq!(probe.adjust(3, 3), 3);
+    assert_eq!(probe.adjust(1, 3), 1);
+    assert!((0..every - 1).all(|_| probe.adjust(2, 2) == 2));
+    assert_eq!(probe.adjust(2, 2), 1);
+    // Nothing missing: nothing to probe with.
+    assert_eq!(probe.adjust(0, 0), 0);
+}
