@@ -56,6 +56,10 @@ pub struct Ready {
     /// How the engine splits a prompt into forward calls (absent from engines before it said).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_calls: Option<PromptCalls>,
+    /// Where answers take guessed tokens from: `repeats` (the conversation's own, on the CPU for models
+    /// whose state can be cut back) or `off` (absent from engines before it said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guesses: Option<String>,
 }
 
 /// How a prompt is read: in calls of `ubatch` tokens, or `long_ubatch` while more than `ubatch` remain
@@ -272,6 +276,7 @@ mod tests {
             device: "cpu".into(),
             experts_total: 96,
             experts_vram: 0,
+            guesses: Some("repeats".into()),
             prompt_calls: Some(PromptCalls {
                 ubatch: 2048,
                 long_ubatch: 8192,

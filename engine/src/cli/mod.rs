@@ -66,6 +66,10 @@ struct ServeArgs {
     /// that holds only part of the routed experts, whose cache lends these calls' scratch, else 0).
     #[arg(long, value_name = "N")]
     long_ubatch: Option<usize>,
+    /// No guessed tokens (by default an answer on the CPU guesses from the conversation's repeats where
+    /// the model's state can be cut back; the answer is the same either way).
+    #[arg(long)]
+    no_draft: bool,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -165,6 +169,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 checkpoint_every: a.checkpoint_every,
                 ubatch: a.ubatch,
                 long_ubatch: a.long_ubatch,
+                guesses: !a.no_draft,
                 device,
                 placement: a.placement.placement(
                     a.max_context,

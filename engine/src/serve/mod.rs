@@ -15,6 +15,7 @@
 
 mod input;
 pub(crate) mod memory;
+mod repeats;
 mod request;
 mod session;
 pub mod store;
@@ -61,6 +62,9 @@ pub struct ServeOptions {
     pub placement: crate::gpu::Placement,
     /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
     pub arithmetic: Arithmetic,
+    /// Guessed tokens (from repeats, where the model's state can be cut back on the CPU); `--no-draft`
+    /// turns them off.
+    pub guesses: bool,
 }
 
 /// Prompt tokens per forward call on a GPU unless told otherwise: the grouped expert kernels read each

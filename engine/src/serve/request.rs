@@ -15,6 +15,7 @@ use poly_models::arch::ModelInfo;
 use poly_models::compute::Logits;
 use poly_protocol::{Done, ErrorCode, FromEngine, Gen, Progress, StopReason, Tokens};
 
+use super::repeats::Repeats;
 use super::session::{Control, Session};
 use super::store::Conversation;
 use crate::model::EngineError;
@@ -122,6 +123,9 @@ struct Finished {
     generated: usize,
     prefill_ms: f64,
     decode_ms: f64,
+    /// Guessed tokens checked, and of those kept.
+    draft_proposed: u64,
+    draft_accepted: u64,
 }
 
 impl<W: std::io::Write> Session<'_, W> {
@@ -175,8 +179,8 @@ impl<W: std::io::Write> Session<'_, W> {
             prefill_ms: f.prefill_ms,
             decode_ms: f.decode_ms,
             experts_vram_share,
-            draft_proposed: 0,
-            draft_accepted: 0,
+            draft_proposed: f.draft_proposed as u32,
+            draft_accepted: f.draft_accepted as u32,
         }))
     }
 
@@ -206,6 +210,8 @@ impl<W: std::io::Write> Session<'_, W> {
                 generated,
                 prefill_ms,
                 decode_ms,
+                draft_proposed: 0,
+                draft_accepted: 0,
             }))
         };
         let started = Instant::now();
@@ -254,6 +260,12 @@ impl<W: std::io::Write> Session<'_, W> {
             sampler.accept(t);
         }
         let mut generated = 0usize;
+        // Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
+        let mut repeats =
+            (self.guesses && !model.on_gpu() && !conv.state.has_recurrent()).then(Repeats::default);
+        // Guessed tokens in the state past the last written one, with the logits that follow each.
+        let mut ahead: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
+        let n_vocab = model.info().n_vocab;
         let reason = loop {
             if generated >= job.max_tokens {
                 break StopReason::Length;
@@ -278,16 +290,67 @@ impl<W: std::io::Write> Session<'_, W> {
             if self.poll()? == Control::Cancel {
                 return cancelled(generated, prefill_ms, ms(decoding));
             }
-            logits = match model.eval(&mut conv.state, &[token], Logits::Last) {
+            // The token was guessed: its logits were computed with the guess.
+            if let Some((guess, row)) = ahead.pop_front() {
+                if guess == token {
+                    if let Some(r) = repeats.as_mut() {
+                        r.kept_one();
+                    }
+                    logits = row;
+                    continue;
+                }
+                if let Some(r) = repeats.as_mut() {
+                    r.window_missed();
+                }
+                // The rest of the window follows a wrong guess.
+                let kept = conv.state.n_past() - 1 - ahead.len();
+                ahead.clear();
+                conv.state.truncate(kept);
+            }
+            let guesses = match repeats.as_mut() {
+                Some(r) => {
+                    let mut seq = conv.state.tokens().to_vec();
+                    seq.push(token);
+                    r.propose(&seq, conv.state.room().saturating_sub(1))
+                }
+                None => Vec::new(),
+            };
+            let mut call = vec![token];
+            call.extend_from_slice(&guesses);
+            let want = if guesses.is_empty() {
+                Logits::Last
+            } else {
+                Logits::All
+            };
+            let rows = match model.eval(&mut conv.state, &call, want) {
                 Ok(l) => l,
                 Err(e) => return Ok(Err(e)),
             };
+            if guesses.is_empty() {
+                logits = rows;
+            } else {
+                let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
+                logits = rows.next().unwrap_or_default();
+                ahead.extend(guesses.into_iter().zip(rows));
+                if let Some(r) = repeats.as_mut() {
+                    r.window_started();
+                }
+            }
         };
+        // Guesses past the last written token leave the state: it ends where an answer written token by
+        // token ends (before its last token).
+        if !ahead.is_empty() {
+            let kept = conv.state.n_past() - ahead.len();
+            conv.state.truncate(kept);
+        }
+        let (draft_proposed, draft_accepted) = repeats.map_or((0, 0), |r| (r.proposed, r.accepted));
         Ok(Ok(Finished {
             reason,
             generated,
             prefill_ms,
             decode_ms: ms(decoding),
+            draft_proposed,
+            draft_accepted,
         }))
     }
 }

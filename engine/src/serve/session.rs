@@ -48,6 +48,8 @@ pub struct Session<'a, W: Write> {
     pub(super) ubatch: usize,
     /// Tokens per forward call while more than `ubatch` of a prompt remain (0: `ubatch`).
     pub(super) long_ubatch: usize,
+    /// Whether answers guess tokens from repeats where they can ([`super::repeats`]).
+    pub(super) guesses: bool,
     pub(super) store: Store,
     queue: VecDeque<Job>,
     inputs: Receiver<Input>,
@@ -99,6 +101,7 @@ impl<'a, W: Write> Session<'a, W> {
                 .unwrap_or(super::DEFAULT_CHECKPOINT_EVERY.max(long_ubatch)),
             ubatch,
             long_ubatch,
+            guesses: opts.guesses,
             store: Store::new(opts.park_bytes),
             queue: VecDeque::new(),
             inputs,
@@ -142,6 +145,14 @@ impl<'a, W: Write> Session<'a, W> {
             device: self.model.device_name(),
             experts_total,
             experts_vram: self.model.experts_in_vram() as u64,
+            guesses: Some(
+                if self.guesses && !self.model.on_gpu() {
+                    "repeats"
+                } else {
+                    "off"
+                }
+                .into(),
+            ),
             prompt_calls: Some(PromptCalls {
                 ubatch: self.ubatch as u32,
                 long_ubatch: self.long_ubatch as u32,

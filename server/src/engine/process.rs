@@ -282,6 +282,7 @@ impl EngineProcess {
                 experts_total: 0,
                 experts_vram: 0,
                 prompt_calls: None,
+                guesses: None,
             },
             writer,
             shared: shared.clone(),
