@@ -25,6 +25,9 @@ pub struct GenerateOptions {
     pub ubatch: usize,
     /// How many likeliest tokens each step reports.
     pub top_n: usize,
+    /// Tokens to write instead of sampling (an earlier answer written again, so that two configurations
+    /// can be compared step by step on the same tokens); the generation ends with them.
+    pub follow: Option<Vec<u32>>,
 }
 
 impl Default for GenerateOptions {
@@ -34,6 +37,7 @@ impl Default for GenerateOptions {
             stop_tokens: Vec::new(),
             ubatch: DEFAULT_UBATCH,
             top_n: 5,
+            follow: None,
         }
     }
 }
@@ -121,7 +125,13 @@ pub fn generate(
             break StopReason::MaxTokens;
         }
         let lp = TopLogprobs::new(&logits);
-        let token = sampler.sample(&logits);
+        let token = match &opts.follow {
+            Some(f) => match f.get(steps.len()) {
+                Some(&t) => t,
+                None => break StopReason::MaxTokens,
+            },
+            None => sampler.sample(&logits),
+        };
         sampler.accept(token);
         let step = Step {
             token,
@@ -130,10 +140,11 @@ pub fn generate(
         };
         on_step(&step);
         steps.push(step);
-        if opts.stop_tokens.contains(&token) {
+        if opts.stop_tokens.contains(&token) && opts.follow.is_none() {
             break StopReason::StopToken;
         }
-        if steps.len() >= opts.max_tokens {
+        let followed = opts.follow.as_ref().is_some_and(|f| steps.len() >= f.len());
+        if steps.len() >= opts.max_tokens || followed {
             break StopReason::MaxTokens;
         }
         if state.room() == 0 {

@@ -139,3 +139,59 @@ fn inspect_refuses_a_file_that_is_not_gguf() {
     assert!(err.contains("bad.gguf"), "error names the file: {err}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `poly-engine run --follow` writes a reference answer again; `poly-engine kl` measures how far another
+/// configuration's distributions are from the reference's on those tokens (issue 23): zero against
+/// itself, more than zero for the other quantization of the same model, and a non-zero exit when asked
+/// for a bound it misses.
+#[test]
+fn a_followed_answer_is_compared_step_by_step() {
+    let dir = temp_dir("kl");
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
+    let run = |model: &str, follow: Option<&Path>, out: &str| {
+        let mut c = Command::new(ENGINE);
+        c.args(["run", "--cpu", "--json", "--top", "40", "--batch-invariant"])
+            .args(["--prompt-tokens", "1,5,9,200,31,7", "--max-tokens", "12"])
+            .arg("--model")
+            .arg(fixtures.join(model));
+        if let Some(f) = follow {
+            c.arg("--follow").arg(f);
+        }
+        let o = c.output().expect("run");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let path = dir.join(out);
+        std::fs::write(&path, &o.stdout).unwrap();
+        path
+    };
+    let kl = |a: &Path, b: &Path, extra: &[&str]| {
+        let o = Command::new(ENGINE)
+            .arg("kl")
+            .arg(a)
+            .arg(b)
+            .args(extra)
+            .output()
+            .expect("kl");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        (o.status.success(), v)
+    };
+    let reference = run("qwen3moe-tiny-q4km.gguf", None, "ref.jsonl");
+    let again = run("qwen3moe-tiny-q4km.gguf", Some(&reference), "again.jsonl");
+    let (ok, same) = kl(&reference, &again, &[]);
+    assert!(ok, "{same}");
+    assert_eq!(same["mean_kl"].as_f64(), Some(0.0), "{same}");
+    assert_eq!(same["same_top"].as_f64(), Some(1.0), "{same}");
+    let other = run("qwen3moe-tiny-q4k-q8.gguf", Some(&reference), "q8.jsonl");
+    let (ok, v) = kl(&reference, &other, &[]);
+    assert!(ok, "{v}");
+    let mean = v["mean_kl"].as_f64().unwrap();
+    assert!(mean > 0.0 && v["max_kl"].as_f64().unwrap() >= mean, "{v}");
+    let (ok, _) = kl(&reference, &other, &["--max-mean-kl", "0"]);
+    assert!(!ok, "a bound the run misses fails");
+    // A run that did not follow the reference is refused.
+    let free = run("qwen3moe-tiny-q4k-q8.gguf", None, "free.jsonl");
+    let differs =
+        std::fs::read_to_string(&free).unwrap() != std::fs::read_to_string(&other).unwrap();
+    if differs {
+        assert!(!kl(&reference, &free, &[]).0);
+    }
+}

@@ -4,6 +4,7 @@
 mod bench;
 mod dump;
 mod inspect;
+mod kl;
 mod run;
 mod synth;
 
@@ -138,6 +139,9 @@ enum Command {
     Run(run::RunArgs),
     /// Time reading a prompt and writing tokens, as llama-bench does (JSON on stdout).
     Bench(bench::BenchArgs),
+    /// How far a run (`run --json --follow REFERENCE`) is from a reference run, step by step: mean and
+    /// largest KL divergence, and the share of steps with the same likeliest token.
+    Kl(kl::KlArgs),
 }
 
 /// Runs the chosen subcommand, or serves the model.
@@ -148,6 +152,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Some(Command::Synth(args)) => synth::run(args),
         Some(Command::Run(args)) => run::run(args),
         Some(Command::Bench(args)) => bench::run(args),
+        Some(Command::Kl(args)) => kl::run(args),
         None => {
             let a = cli.serve;
             let Some(model) = a.model else {

@@ -81,6 +81,11 @@ pub struct RunArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     json: bool,
+    /// Write these tokens instead of sampling (a file of token ids, or an earlier `run --json`'s output):
+    /// the same answer again, so that two configurations can be compared step by step (`poly-engine
+    /// kl`). Stop tokens do not end it; --max-tokens is the file's length.
+    #[arg(long, value_name = "FILE")]
+    follow: Option<PathBuf>,
     /// Batch-invariant arithmetic: the same results however the prompt is split into calls (--ubatch)
     /// and on any thread count (default: llama.cpp's orders, which depend on both).
     #[arg(long)]
@@ -100,13 +105,35 @@ fn parse_ids(s: &str) -> Result<Vec<u32>, EngineError> {
         .collect()
 }
 
-fn step_json(i: usize, s: &Step) -> serde_json::Value {
+fn step_json(i: usize, s: &Step, n_vocab: usize) -> serde_json::Value {
     let top: Vec<serde_json::Value> = s
         .top
         .iter()
         .map(|&(t, lp)| json!({"token": t, "logprob": lp, "prob": lp.exp()}))
         .collect();
-    json!({"step": i, "token": s.token, "logprob": s.logprob, "prob": s.logprob.exp(), "top": top})
+    json!({"step": i, "token": s.token, "logprob": s.logprob, "prob": s.logprob.exp(), "top": top,
+           "n_vocab": n_vocab})
+}
+
+/// The tokens to follow: JSON lines with a `token` each (an earlier `run --json`), else token ids.
+fn follow_tokens(path: &PathBuf) -> Result<Vec<u32>, EngineError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| EngineError(format!("{}: {e}", path.display())))?;
+    if !text.trim_start().starts_with('{') {
+        return parse_ids(&text);
+    }
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l)
+                .map_err(|e| EngineError(format!("{} line {}: {e}", path.display(), i + 1)))?;
+            v.get("token")
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| EngineError(format!("{} line {}: no token", path.display(), i + 1)))
+        })
+        .collect()
 }
 
 fn step_text(i: usize, s: &Step) -> String {
@@ -159,8 +186,17 @@ pub fn run(args: RunArgs) -> CliResult {
         KvPrecision::F16
     };
     let mut state = model.new_state_with(args.n_ctx, precision);
+    let follow = args.follow.as_ref().map(follow_tokens).transpose()?;
+    if follow.as_ref().is_some_and(Vec::is_empty) {
+        return Err(EngineError("--follow: the file names no tokens".into()).into());
+    }
+    let n_vocab = model.info().n_vocab;
+    if let Some(t) = follow.iter().flatten().find(|&&t| t as usize >= n_vocab) {
+        return Err(EngineError(format!("--follow: token {t} is outside the vocabulary")).into());
+    }
     let opts = GenerateOptions {
-        max_tokens: args.max_tokens,
+        max_tokens: follow.as_ref().map_or(args.max_tokens, Vec::len),
+        follow,
         stop_tokens: if args.ignore_eos {
             Vec::new()
         } else {
@@ -189,7 +225,7 @@ pub fn run(args: RunArgs) -> CliResult {
     let generation = pool.install(|| {
         generate(&model, &mut state, &prompt, &opts, &mut sampler, |s| {
             let line = if args.json {
-                step_json(n_steps, s).to_string()
+                step_json(n_steps, s, n_vocab).to_string()
             } else {
                 step_text(n_steps, s)
             };

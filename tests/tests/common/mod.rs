@@ -107,6 +107,7 @@ impl Loaded {
                     stop_tokens: Vec::new(),
                     ubatch: DEFAULT_UBATCH,
                     top_n: ENGINE_TOP,
+                    follow: None,
                 };
                 let run = catch_unwind(AssertUnwindSafe(|| {
                     let mut state = model.new_state(r.n_ctx as usize);
