@@ -16,9 +16,10 @@ use poly_kernels::cuda::CudaResult;
 use super::{lock, GpuBackend};
 use crate::cpu::CpuWeights;
 
-/// Scratch estimated beyond the warm-up's proportion: the per-token share is not exact (rounded tile
-/// counts, the expert launches' id lists), and an estimate short of the need would take the card over
-/// its budget until the cache gives up the rest after the call.
+/// Scratch estimated beyond the warm-up's proportion (a quarter more, and this): the per-token share is
+/// not exact (rounded tile counts, the expert launches' id lists; measured on the H200, q35s: 2,570 MiB
+/// made for 8,000 tokens and 3,012 for 8,191 from a warm-up's 642 for 2,048), and an estimate short of
+/// the need would take the card over its budget until the cache gives up the rest after the call.
 const LEND_MARGIN: usize = 64 << 20;
 
 /// What the cache lent, to be taken back.
@@ -46,7 +47,7 @@ impl WarmCall {
     /// Scratch a call of `n` tokens makes, estimated: the warm-up's in proportion, with a margin.
     fn scratch_for(&self, n: usize) -> usize {
         let per_token = self.scratch.div_ceil(self.tokens.max(1));
-        per_token.saturating_mul(n) + per_token.saturating_mul(n) / 8 + LEND_MARGIN
+        per_token.saturating_mul(n) + per_token.saturating_mul(n) / 4 + LEND_MARGIN
     }
 }
 
@@ -165,7 +166,7 @@ mod tests {
         };
         let four = warm.scratch_for(8192);
         assert!(four >= 4 * (600 << 20) + LEND_MARGIN, "{four}");
-        assert!(four <= 5 * (600 << 20), "{four}");
+        assert!(four <= 5 * (600 << 20) + LEND_MARGIN, "{four}");
         assert!(warm.scratch_for(4096) < four);
     }
 }
