@@ -11,6 +11,7 @@ use super::memory;
 use super::process::{Activity, EngineProcess, Launch, Monitor, StopTimeouts};
 use crate::model_text::ModelText;
 use crate::registry::{find_in, ModelEntry, Registry, Status};
+use crate::telemetry::Telemetry;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -163,6 +164,7 @@ pub struct Supervisor {
     next_id: AtomicU64,
     memory_debug_env: bool,
     counters: Arc<Counters>,
+    telemetry: Arc<Telemetry>,
 }
 
 /// The right to use the engine: held for a whole request, released on drop (the next in line goes).
@@ -170,11 +172,16 @@ pub struct Lease {
     guard: OwnedMutexGuard<Slot>,
     _queued: QueueTicket,
     counters: Arc<Counters>,
+    telemetry: Arc<Telemetry>,
 }
 
 impl Lease {
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
     }
 
     pub fn engine(&self) -> &EngineProcess {
@@ -224,11 +231,40 @@ impl Supervisor {
             next_id: AtomicU64::new(1),
             memory_debug_env: std::env::var("STRATA_MEMORY_DEBUG").is_ok_and(|v| v == "1"),
             counters: Arc::default(),
+            telemetry: Arc::default(),
         }
     }
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// Token and time totals of every generation so far (`/metrics`).
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
+    }
+
+    /// Requests holding or waiting for the engine: (running, waiting behind it).
+    pub fn queue(&self) -> (usize, usize) {
+        let all = self.waiting.load(Ordering::SeqCst);
+        let running = usize::from(self.slot_busy());
+        (running, all.saturating_sub(running))
+    }
+
+    /// The engine's STATS when it is idle and answers within `timeout` (a working engine answers only
+    /// between forward calls, so it is not asked: that would delay nothing but the answer here).
+    pub async fn idle_engine_stats(&self, timeout: Duration) -> Option<poly_protocol::Stats> {
+        let engine = lock(&self.view).engine.clone()?;
+        match engine.monitor.activity() {
+            Activity::Idle if !self.slot_busy() => engine.monitor.stats(timeout).await,
+            _ => None,
+        }
+    }
+
+    /// The engine's READY, while it is up.
+    pub fn ready(&self) -> Option<poly_protocol::Ready> {
+        let view = lock(&self.view);
+        view.ready.clone().filter(|_| view_engine_alive(&view))
     }
 
     /// A fresh request id for the engine.
@@ -393,6 +429,7 @@ impl Supervisor {
             guard,
             _queued: ticket,
             counters: self.counters.clone(),
+            telemetry: self.telemetry.clone(),
         })
     }
 
