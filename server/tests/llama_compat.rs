@@ -364,3 +364,33 @@ fn anthropic_image_blocks_are_refused_as_text_only() {
     assert!(r.text().contains("text only"), "{}", r.text());
     server.stop();
 }
+
+#[test]
+fn a_context_over_the_training_context_is_clamped() {
+    let home = Home::new("clamp");
+    home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    // The same run config asking for far more context than the model was trained for.
+    let path = home.dir.join("strata-tiny.json");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    config["args"][3] = json!("999999");
+    home.write_config("tiny", &config);
+    let server = Server::start_logged(&home, &["--load", "tiny"], &[]);
+    let listed = server.get("/api/models").json()["models"][0]["context"]
+        .as_u64()
+        .expect("a context");
+    assert!(listed < 999_999, "{listed}");
+    let n_ctx = server.get("/props").json()["default_generation_settings"]["n_ctx"]
+        .as_u64()
+        .expect("n_ctx");
+    assert_eq!(
+        n_ctx, listed,
+        "the engine and the registry say the same context"
+    );
+    server.stop();
+    let log = std::fs::read_to_string(home.dir.join("server.log")).expect("server.log");
+    assert!(
+        log.contains("--max-context 999999 is over the model's training context; clamped to"),
+        "{log}"
+    );
+}

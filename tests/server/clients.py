@@ -200,8 +200,9 @@ def openai_errors():
 
 
 def anthropic_messages(model):
+    # Greedy (temperature 0, sent as an extra field: this SDK has no `temperature`): the models' defaults sample, and the stream must equal the whole answer.
     r = an.messages.create(
-        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+        model=model, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
     )
     check(r.type == "message" and r.role == "assistant", "shape")
     check(r.stop_reason in ("end_turn", "max_tokens"), f"stop_reason {r.stop_reason}")
@@ -209,7 +210,7 @@ def anthropic_messages(model):
     whole = "".join(b.text for b in r.content if b.type == "text")
 
     with an.messages.stream(
-        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+        model=model, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
     ) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
@@ -236,7 +237,9 @@ def anthropic_messages(model):
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
         }
     ]
-    kw = dict(model=model, max_tokens=8, messages=conv, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024})
+    kw = dict(
+        model=model, max_tokens=8, extra_body={"temperature": 0}, messages=conv, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     r = an.messages.create(**kw)
     check(r.stop_reason in ("end_turn", "max_tokens", "tool_use"), r.stop_reason)
     check(r.usage.input_tokens > 20, f"history in the prompt ({r.usage})")

@@ -239,6 +239,11 @@ impl Supervisor {
         &self.counters
     }
 
+    /// The installation home the registry reads.
+    pub fn home(&self) -> &std::path::Path {
+        self.registry.home()
+    }
+
     /// Token and time totals of every generation so far (`/metrics`).
     pub fn telemetry(&self) -> &Telemetry {
         &self.telemetry
@@ -648,9 +653,26 @@ impl Supervisor {
             .config
             .as_ref()
             .ok_or_else(|| format!("model {} has no run config", entry.id))?;
+        let mut args = config.args.clone();
+        // A context over the model's training context (999999 was accepted at setup) is clamped to
+        // it, so the engine and the registry say the same; a GGUF that gives none (0) is left to the
+        // engine to refuse.
+        if let (Some(asked), Some(trained)) = (config.max_context(), entry.context) {
+            if trained > 0 && asked > trained {
+                if let Some(at) = args.iter().position(|a| a == "--max-context") {
+                    if let Some(v) = args.get_mut(at + 1) {
+                        *v = trained.to_string();
+                    }
+                }
+                eprintln!(
+                    "polystrata: {}: --max-context {asked} is over the model's training context; clamped to {trained}",
+                    entry.id
+                );
+            }
+        }
         let launch = Launch {
             exe: config.exe.clone(),
-            args: config.args.clone(),
+            args,
             cwd: config.cwd.clone(),
             label: entry.id.clone(),
         };
