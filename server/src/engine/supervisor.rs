@@ -480,6 +480,7 @@ impl Supervisor {
             eprintln!("polystrata: unloaded {} ({how})", engine_label(&guard));
         }
         self.publish(&guard);
+        memory::give_back_freed();
         Ok(self.current())
     }
 
@@ -588,6 +589,8 @@ impl Supervisor {
                 slot.model = Some(target);
                 slot.text = Some(Arc::new(text));
                 self.publish(slot);
+                // The old model's text side is gone from the slot and the view: give its pages back.
+                memory::give_back_freed();
                 if debug {
                     eprintln!("polystrata: {}", memory::report("with the new engine"));
                 }
