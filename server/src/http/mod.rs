@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod ollama;
 pub mod openai;
 pub mod prepare;
+pub mod responses;
 mod sampling;
 pub mod unsupported;
 
@@ -180,6 +181,7 @@ const ROUTES: &[&str] = &[
     "/v1/models",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/api/models",
@@ -282,6 +284,9 @@ async fn route_checked(
         }
         (_, true, "/v1/completions") => {
             openai::completions(state.clone(), read_json(&state, req).await?).await
+        }
+        (_, true, "/v1/responses") => {
+            responses::responses(state.clone(), read_json(&state, req).await?).await
         }
         (_, true, "/v1/messages/count_tokens") => {
             anthropic::count_tokens(&state, read_json(&state, req).await?).await
