@@ -2,6 +2,7 @@
 //!
 //! - [`text`]: everything about text: tokenizer directories from GGUF files, chat templates, and the
 //!   reasoning / tool-call parsers of each model family.
+//! - [`by_path`]: a GGUF served by its path, registered without a hand-written run config.
 //! - [`home`] and [`registry`]: the installation home's run configs and the models they describe.
 //! - [`engine`]: one `poly-engine` child process and the supervisor that switches models.
 //! - [`defaults`]: a model's sampling defaults and default chat answer length.
@@ -13,6 +14,7 @@
 //! - [`chat`]: the terminal chat (`polystrata --model NAME`); [`bench`]: `polystrata benchmark`.
 
 pub mod bench;
+pub mod by_path;
 pub mod chat;
 pub mod client;
 pub mod defaults;

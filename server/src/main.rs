@@ -108,6 +108,11 @@ struct ServeArgs {
     /// Load this model at start (else the first request or /api/models/load chooses).
     #[arg(long)]
     load: Option<String>,
+    /// Serve this GGUF file without a hand-written run config: it is registered in the home (its
+    /// tokenizer directory in the home's cache, a run config beside the others) and loaded at start
+    /// unless --load names another; repeatable.
+    #[arg(long = "gguf", value_name = "FILE")]
+    gguf: Vec<PathBuf>,
     /// Requests that may wait behind the running one; more get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     queue: usize,
@@ -178,7 +183,17 @@ fn main() -> ExitCode {
     if args.list_models {
         return list_models(&registry);
     }
-    if let Some(model) = args.model {
+    if let Some(mut model) = args.model {
+        // `--model ./file.gguf`: the file is registered in the home, then chatted with by its id.
+        if polystrata::by_path::is_gguf_path(&model) {
+            match polystrata::by_path::register(registry.home(), std::path::Path::new(&model)) {
+                Ok(id) => model = id,
+                Err(e) => {
+                    eprintln!("polystrata: cannot serve {model}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
@@ -186,7 +201,20 @@ fn main() -> ExitCode {
         });
     }
     match args.command {
-        Some(Command::Serve(serve)) => run_server(registry, serve),
+        Some(Command::Serve(mut serve)) => {
+            for gguf in &serve.gguf {
+                match polystrata::by_path::register(registry.home(), gguf) {
+                    Ok(id) => {
+                        serve.load.get_or_insert(id);
+                    }
+                    Err(e) => {
+                        eprintln!("polystrata: cannot serve {}: {e}", gguf.display());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            run_server(registry, serve)
+        }
         Some(Command::Benchmark(b)) => polystrata::bench::run(
             registry,
             polystrata::bench::BenchOptions {
