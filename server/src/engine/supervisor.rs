@@ -14,7 +14,7 @@ use crate::registry::{find_in, ModelEntry, Registry, Status};
 use crate::telemetry::Telemetry;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::OwnedMutexGuard;
 
 /// Why a request or a switch cannot be served. The HTTP layer maps each kind to each API's error shape.
@@ -60,6 +60,9 @@ pub struct Limits {
     /// (`None`: never). A model's run config may set its own (`stall_timeout_s`).
     pub stall: Option<Duration>,
     pub stop: StopTimeouts,
+    /// How long an engine may sit unused before it is unloaded (`--idle-unload`; `None`: never). An
+    /// Ollama request's `keep_alive` overrides it until the next Ollama request.
+    pub idle_unload: Option<Duration>,
 }
 
 /// The stall bound by default: long enough for one forward call of a long prompt on a slow CPU (the
@@ -75,6 +78,7 @@ impl Default for Limits {
             ready_timeout: Duration::from_secs(600),
             stall: Some(DEFAULT_STALL),
             stop: StopTimeouts::default(),
+            idle_unload: None,
         }
     }
 }
@@ -153,6 +157,12 @@ pub struct CurrentModel {
     /// The engine process's resident memory (`VmRSS`), in bytes.
     pub rss_bytes: Option<u64>,
     pub ready: Option<serde_json::Value>,
+    /// Seconds since the engine was started, while it is up.
+    pub loaded_for_s: Option<u64>,
+    /// Seconds since a request or a load last used it.
+    pub idle_for_s: Option<u64>,
+    /// Seconds until it is unloaded for idleness (`None`: it stays).
+    pub unload_in_s: Option<u64>,
 }
 
 pub struct Supervisor {
@@ -165,6 +175,25 @@ pub struct Supervisor {
     memory_debug_env: bool,
     counters: Arc<Counters>,
     telemetry: Arc<Telemetry>,
+    idle: Arc<Mutex<Idle>>,
+}
+
+/// When the engine was last used and started, and the keep-alive in force.
+#[derive(Clone, Copy, Debug)]
+struct Idle {
+    last_used: Instant,
+    /// The engine's pid and when it was seen first (its start).
+    started: Option<(i32, Instant)>,
+    keep_alive: KeepAlive,
+}
+
+/// How long an unused engine stays loaded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KeepAlive {
+    /// `--idle-unload` (or forever without it).
+    Default,
+    For(Duration),
+    Forever,
 }
 
 /// The right to use the engine: held for a whole request, released on drop (the next in line goes).
@@ -173,6 +202,14 @@ pub struct Lease {
     _queued: QueueTicket,
     counters: Arc<Counters>,
     telemetry: Arc<Telemetry>,
+    idle: Arc<Mutex<Idle>>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // The idle clock starts when the last request lets the engine go.
+        lock(&self.idle).last_used = Instant::now();
+    }
 }
 
 impl Lease {
@@ -232,6 +269,54 @@ impl Supervisor {
             memory_debug_env: std::env::var("STRATA_MEMORY_DEBUG").is_ok_and(|v| v == "1"),
             counters: Arc::default(),
             telemetry: Arc::default(),
+            idle: Arc::new(Mutex::new(Idle {
+                last_used: Instant::now(),
+                started: None,
+                keep_alive: KeepAlive::Default,
+            })),
+        }
+    }
+
+    /// Sets how long the engine stays loaded once unused (an Ollama request's `keep_alive`).
+    pub fn set_keep_alive(&self, keep: KeepAlive) {
+        lock(&self.idle).keep_alive = keep;
+    }
+
+    /// The idle bound in force (`None`: the engine stays).
+    fn idle_bound(&self) -> Option<Duration> {
+        match lock(&self.idle).keep_alive {
+            KeepAlive::Default => self.limits.idle_unload,
+            KeepAlive::For(d) => Some(d),
+            KeepAlive::Forever => None,
+        }
+    }
+
+    /// Unloads the engine once it has been unused for the idle bound (`--idle-unload`, an Ollama
+    /// `keep_alive`); runs until the server ends. Checked twice a second: an unload is a process
+    /// stop, so a bound is kept to within about that.
+    pub async fn watch_idle(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let Some(bound) = self.idle_bound() else {
+                continue;
+            };
+            let alive = view_engine_alive(&lock(&self.view));
+            let unused = lock(&self.idle).last_used.elapsed();
+            if !alive
+                || self.slot_busy()
+                || self.waiting.load(Ordering::SeqCst) > 0
+                || unused < bound
+            {
+                continue;
+            }
+            eprintln!(
+                "polystrata: unused for {} s (idle bound {} s): unloading",
+                unused.as_secs(),
+                bound.as_secs()
+            );
+            if let Err(e) = self.unload().await {
+                eprintln!("polystrata: idle unload failed: {}", e.message());
+            }
         }
     }
 
@@ -353,6 +438,9 @@ impl Supervisor {
         let view = lock(&self.view).clone();
         let loaded = view_engine_alive(&view);
         let pid = view.engine.as_ref().filter(|_| loaded).map(|e| e.pid);
+        let idle = *lock(&self.idle);
+        let bound = self.idle_bound();
+        let unused = idle.last_used.elapsed();
         CurrentModel {
             model: view.current.clone(),
             loaded,
@@ -363,6 +451,12 @@ impl Supervisor {
                 .as_ref()
                 .filter(|_| loaded)
                 .and_then(|r| serde_json::to_value(r).ok()),
+            loaded_for_s: idle
+                .started
+                .filter(|(p, _)| Some(*p) == pid)
+                .map(|(_, t)| t.elapsed().as_secs()),
+            idle_for_s: pid.map(|_| unused.as_secs()),
+            unload_in_s: pid.and(bound).map(|b| b.saturating_sub(unused).as_secs()),
         }
     }
 
@@ -435,6 +529,7 @@ impl Supervisor {
             _queued: ticket,
             counters: self.counters.clone(),
             telemetry: self.telemetry.clone(),
+            idle: self.idle.clone(),
         })
     }
 
@@ -702,6 +797,15 @@ impl Supervisor {
     }
 
     fn publish(&self, slot: &Slot) {
+        {
+            // A new engine starts the loaded and idle clocks (a load counts as a use).
+            let mut idle = lock(&self.idle);
+            let pid = slot.engine.as_ref().map(|e| e.pid());
+            if pid.is_some() && idle.started.map(|(p, _)| p) != pid {
+                idle.started = pid.map(|p| (p, Instant::now()));
+                idle.last_used = Instant::now();
+            }
+        }
         let mut view = lock(&self.view);
         view.current = slot.model.as_ref().map(|m| m.id.clone());
         view.engine = slot.engine.as_ref().map(|e| EngineView {

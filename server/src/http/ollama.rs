@@ -14,6 +14,7 @@ use super::sampling::sampling;
 use super::unsupported::{refuse_ollama_format, text_only};
 use super::AppState;
 use crate::defaults::Defaults;
+use crate::engine::supervisor::KeepAlive;
 use crate::generate::{Finish, FinishReason, Generation, Output, Step};
 use crate::model_text::{ChatInput, Piece, Resume};
 use crate::registry::ModelEntry;
@@ -134,8 +135,8 @@ pub async fn tags(state: &AppState) -> Response<RespBody> {
     json_response(StatusCode::OK, &json!({"models": models}))
 }
 
-/// `GET /api/ps`: the model whose engine is up, with its VRAM where the engine reports it. Models stay
-/// loaded until a switch or an unload, so `expires_at` is far away.
+/// `GET /api/ps`: the model whose engine is up, with its VRAM where the engine reports it and when it
+/// will be unloaded for idleness (`--idle-unload`, `keep_alive`; far away when it stays).
 pub async fn ps(state: &AppState) -> Response<RespBody> {
     let current = state.supervisor.current();
     let mut models = Vec::new();
@@ -155,9 +156,14 @@ pub async fn ps(state: &AppState) -> Response<RespBody> {
                 .and_then(|s| s.vram_bytes)
                 .unwrap_or(0);
             let n_ctx = state.supervisor.ready().map(|r| r.n_ctx);
+            // No idle bound: it stays until a switch or an unload, so the expiry is far away.
+            let expires = match current.unload_in_s {
+                Some(s) => rfc3339(SystemTime::now() + std::time::Duration::from_secs(s)),
+                None => "9999-12-31T23:59:59.000Z".to_string(),
+            };
             models.push(json!({
                 "name": m.id, "model": m.id, "size": size, "digest": digest(&m, size),
-                "details": details(&m), "expires_at": "9999-12-31T23:59:59.000Z",
+                "details": details(&m), "expires_at": expires,
                 "size_vram": vram, "context_length": n_ctx,
             }));
         }
@@ -277,6 +283,43 @@ fn stream_flag(body: &Value) -> Result<bool, ApiError> {
         Some(Value::Bool(b)) => Ok(*b),
         Some(_) => Err(ApiError::bad_request("`stream` must be true or false")),
     }
+}
+
+/// Ollama's `keep_alive`: seconds as a number, or a duration (`"5m"`, `"1h"`, `"30s"`, `"500ms"`, a
+/// bare number of seconds); negative keeps the model loaded, 0 unloads it after the request.
+fn keep_alive(body: &Value) -> Result<KeepAlive, ApiError> {
+    let bad = || {
+        ApiError::bad_request(
+            "`keep_alive` must be seconds or a duration such as \"5m\", \"1h\", \"0\" or \"-1\"",
+        )
+    };
+    let seconds = match body.get("keep_alive") {
+        None | Some(Value::Null) => return Ok(KeepAlive::Default),
+        Some(Value::Number(n)) => n.as_f64().ok_or_else(bad)?,
+        Some(Value::String(s)) if s.trim().is_empty() => return Ok(KeepAlive::Default),
+        Some(Value::String(s)) => {
+            let s = s.trim();
+            let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+            let (num, unit) = s.split_at(split);
+            let n: f64 = num.parse().map_err(|_| bad())?;
+            n * match unit {
+                "" | "s" => 1.0,
+                "ms" => 0.001,
+                "m" => 60.0,
+                "h" => 3600.0,
+                _ => return Err(bad()),
+            }
+        }
+        Some(_) => return Err(bad()),
+    };
+    if !seconds.is_finite() {
+        return Err(bad());
+    }
+    Ok(if seconds < 0.0 {
+        KeepAlive::Forever
+    } else {
+        KeepAlive::For(std::time::Duration::from_secs_f64(seconds.min(1e9)))
+    })
 }
 
 /// `think`: a boolean, or a level (any level turns thinking on).
@@ -543,6 +586,7 @@ pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<RespBody
     let started = Instant::now();
     let model = model_name(&body)?;
     refuse_ollama_format(&body)?;
+    state.supervisor.set_keep_alive(keep_alive(&body)?);
     let messages = chat_messages(&body, model.as_deref())?;
     let sampling = options(&body)?;
     let stream = stream_flag(&body)?;
@@ -616,6 +660,7 @@ pub async fn generate(state: Arc<AppState>, body: Value) -> Result<Response<Resp
     let started = Instant::now();
     let model = model_name(&body)?;
     refuse_ollama_format(&body)?;
+    state.supervisor.set_keep_alive(keep_alive(&body)?);
     if has_images(&body) {
         return Err(text_only(model.as_deref(), "images"));
     }
@@ -718,6 +763,28 @@ mod tests {
             Some("qwen3".to_string())
         );
         assert!(stream_flag(&json!({})).unwrap_or(false));
+    }
+
+    #[test]
+    fn keep_alive_values() {
+        let k = |v: Value| keep_alive(&json!({ "keep_alive": v }));
+        assert_eq!(keep_alive(&json!({})).ok(), Some(KeepAlive::Default));
+        assert_eq!(
+            k(json!("5m")).ok(),
+            Some(KeepAlive::For(std::time::Duration::from_secs(300)))
+        );
+        assert_eq!(
+            k(json!(0)).ok(),
+            Some(KeepAlive::For(std::time::Duration::ZERO))
+        );
+        assert_eq!(k(json!(-1)).ok(), Some(KeepAlive::Forever));
+        assert_eq!(k(json!("-1m")).ok(), Some(KeepAlive::Forever));
+        assert_eq!(
+            k(json!("30")).ok(),
+            Some(KeepAlive::For(std::time::Duration::from_secs(30)))
+        );
+        assert!(k(json!("5 fortnights")).is_err());
+        assert!(k(json!(true)).is_err());
     }
 
     #[test]
