@@ -81,7 +81,9 @@ impl Client {
 
     /// Stops the chat being streamed, if any: its connection is shut, so `chat_stream` returns an
     /// error and the server cancels the generation. Returns whether one was streaming.
-    pub fn stop_stream(&self) -> bool {
+    /// `before_shut` runs first when one was, so that what it marks is seen by the chat as soon as the
+    /// stream's read fails.
+    pub fn stop_stream(&self, before_shut: impl FnOnce()) -> bool {
         let taken = self
             .streaming
             .lock()
@@ -89,6 +91,7 @@ impl Client {
             .take();
         match taken {
             Some(stream) => {
+                before_shut();
                 let _ = stream.shutdown(std::net::Shutdown::Both);
                 true
             }

@@ -79,7 +79,8 @@ fn per_token_ms(n: u32, ms: f64) -> f64 {
 /// llama-server's `timings` of one answer: `cache_n`, `prompt_n` (tokens read, cached ones left out),
 /// `prompt_ms`, `prompt_per_token_ms`, `prompt_per_second`, `predicted_n`, `predicted_ms`,
 /// `predicted_per_token_ms`, `predicted_per_second`, and `draft_n` / `draft_n_accepted` when a draft
-/// model proposed tokens (llama-server leaves them out otherwise).
+/// model proposed tokens (llama-server leaves them out otherwise); and `experts_vram_share` when the
+/// engine reports it.
 pub fn timings(f: &Finish) -> Value {
     let prompt_n = f.prompt_tokens.saturating_sub(f.cached_tokens);
     let mut t = json!({
@@ -93,6 +94,11 @@ pub fn timings(f: &Finish) -> Value {
         "predicted_per_token_ms": per_token_ms(f.completion_tokens, f.decode_ms),
         "predicted_per_second": per_second(f.completion_tokens, f.decode_ms),
     });
+    // Ours, beside llama-server's fields: the share of expert uses served from VRAM (the web page
+    // shows it), where the engine reports one.
+    if let Some(share) = f.experts_vram_share {
+        t["experts_vram_share"] = json!(share);
+    }
     if f.draft_proposed > 0 {
         t["draft_n"] = json!(f.draft_proposed);
         t["draft_n_accepted"] = json!(f.draft_accepted);

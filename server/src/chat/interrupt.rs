@@ -86,8 +86,11 @@ impl Interrupts {
     }
 
     fn pressed(&self) {
-        if self.client.stop_stream() {
-            self.stopped.store(true, Ordering::SeqCst);
+        // Marked before the socket is shut: the chat reads the mark as soon as its read fails.
+        if self
+            .client
+            .stop_stream(|| self.stopped.store(true, Ordering::SeqCst))
+        {
             self.armed.store(false, Ordering::SeqCst);
             return;
         }

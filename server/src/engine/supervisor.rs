@@ -755,7 +755,14 @@ impl Supervisor {
         // A context over the model's training context (999999 was accepted at setup) is clamped to
         // it, so the engine and the registry say the same; a GGUF that gives none (0) is left to the
         // engine to refuse.
-        if let (Some(asked), Some(trained)) = (config.max_context(), entry.context) {
+        // A run config may keep its context (`"clamp_context": false`: a test of long prompts on a small
+        // fixture, a model whose GGUF understates what it was trained for).
+        let clamp = config
+            .raw
+            .get("clamp_context")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true);
+        if let (true, Some(asked), Some(trained)) = (clamp, config.max_context(), entry.context) {
             if trained > 0 && asked > trained {
                 if let Some(at) = args.iter().position(|a| a == "--max-context") {
                     if let Some(v) = args.get_mut(at + 1) {
