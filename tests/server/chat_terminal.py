@@ -197,8 +197,11 @@ def interrupt(args, term):
     _, m = term.expect(r"loading (\S+) \.\.\.", 60)
     model = m.group(1)
     term.expect(prompt(model), 180)
-    # As long as the context allows: the answer is still running when Ctrl-C comes.
+    # As long as the context allows, greedy (the synthetic model then writes no end token): the answer
+    # is still running when Ctrl-C comes.
     term.send("/set max_tokens 4000")
+    term.expect(prompt(model), 10)
+    term.send("/set temperature 0")
     term.expect(prompt(model), 10)
     text = "Tell me a very long story."
     term.send(text)
@@ -207,6 +210,10 @@ def interrupt(args, term):
     ctrl_c(term)
     shown, _ = term.expect(r"\(stopped\)", 30)
     term.expect(prompt(model), 10)
+    # The server counts the cancel once the engine's DONE for it came.
+    deadline = time.monotonic() + 15
+    while get(args.port, "/health")["requests"]["cancelled"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     health = get(args.port, "/health")
     check(health["requests"]["cancelled"] >= 1, f"the server did not cancel the answer: {health}")
     check(get(args.port, "/api/models/current")["loaded"], "the server lost its model")
