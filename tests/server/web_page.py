@@ -179,6 +179,8 @@ def run(args, cdp):
     cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the page to read /api/models", 60)
     # A short answer keeps the run fast on 2 cores; the page sends max_tokens when this is set.
     cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+    # Greedy: the models' defaults sample, and the long answer below must not end by itself before Stop.
+    cdp.eval("localStorage.setItem('polystrata.temperature', '0')")
 
     options = cdp.eval("[...document.querySelectorAll('#model-picker option')].map(o => o.value)")
     check(sorted(options) == sorted([args.pick, args.other, args.broken]), f"the picker lists {options}")
