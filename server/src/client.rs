@@ -8,6 +8,7 @@
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// What a streamed chat delivers, in order.
@@ -33,6 +34,9 @@ pub struct Client {
     addr: String,
     api_key: Option<String>,
     timeout: Duration,
+    /// The connection of the chat being streamed, so that another thread (the terminal chat's Ctrl-C)
+    /// can stop it by shutting the socket (the server cancels a request whose client went away).
+    streaming: Arc<Mutex<Option<TcpStream>>>,
 }
 
 /// An error: the server cannot be reached, or it answered with an error (`status`, its message).
@@ -71,7 +75,32 @@ impl Client {
             addr: addr.into(),
             api_key,
             timeout: Duration::from_secs(600),
+            streaming: Arc::default(),
         }
+    }
+
+    /// Stops the chat being streamed, if any: its connection is shut, so `chat_stream` returns an
+    /// error and the server cancels the generation. Returns whether one was streaming.
+    /// `before_shut` runs first when one was, so that what it marks is seen by the chat as soon as the
+    /// stream's read fails.
+    pub fn stop_stream(&self, before_shut: impl FnOnce()) -> bool {
+        let taken = self
+            .streaming
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        match taken {
+            Some(stream) => {
+                before_shut();
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn set_streaming(&self, stream: Option<TcpStream>) {
+        *self.streaming.lock().unwrap_or_else(|p| p.into_inner()) = stream;
     }
 
     /// Whether a polystrata server answers at the address (what the terminal chat checks before
@@ -109,14 +138,27 @@ impl Client {
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
         let (status, mut reader) = self.send("POST", "/v1/chat/completions", Some(&body))?;
+        self.set_streaming(reader.inner.get_ref().try_clone().ok());
+        // Cleared however the stream ends, so a later Ctrl-C does not shut a finished connection.
+        let result = self.read_chat_stream(status, &mut reader, &mut on_delta);
+        self.set_streaming(None);
+        result
+    }
+
+    fn read_chat_stream(
+        &self,
+        status: u16,
+        reader: &mut Reader,
+        on_delta: &mut impl FnMut(ChatDelta),
+    ) -> Result<()> {
         if status != 200 {
-            let bytes = read_body(&mut reader)?;
+            let bytes = read_body(reader)?;
             return Err(api_error(status, &bytes));
         }
         let mut pending = String::new();
         let mut reason = String::new();
         loop {
-            let Some(chunk) = read_chunk(&mut reader)? else {
+            let Some(chunk) = read_chunk(reader)? else {
                 return Err(ClientError::Protocol(
                     "the stream ended without [DONE]".into(),
                 ));

@@ -75,6 +75,15 @@ pub struct Finish {
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
     pub completion_tokens: u32,
+    /// The engine's own clock: reading the prompt, and writing the answer (DONE's `prefill_ms`,
+    /// `decode_ms`).
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// DONE's share of routed-expert uses served from VRAM (`None` on the CPU or for a dense model).
+    pub experts_vram_share: Option<f64>,
+    /// Tokens a draft model proposed, and how many of them were kept.
+    pub draft_proposed: u32,
+    pub draft_accepted: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -145,46 +154,34 @@ impl Generation {
                 stop_tokens.push(t);
             }
         }
-        let defaults = &lease
-            .model()
-            .config
-            .as_ref()
-            .map(|c| c.sampling.clone())
-            .unwrap_or_default();
-        let default_f32 = |k: &str| defaults.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
-        // The run config's default answer length (a small demo model should not ramble until the context
-        // is full); a request's own max_tokens wins, and neither may exceed the room left.
-        let default_max = defaults
-            .get("max_tokens")
-            .and_then(|v| v.as_u64())
-            .map(|v| v.min(u32::MAX as u64) as u32);
+        // A field the request leaves out takes the model's default (run config, GGUF, family table,
+        // llama-server's; `crate::defaults`); a chat gets a default answer length (a small model that
+        // never stops should not ramble until the context is full), and no length may exceed the room
+        // left.
+        let defaults = text.defaults();
+        let default_max = match output {
+            Output::Chat(_) => Some(defaults.chat_max_tokens),
+            Output::Raw => defaults.max_tokens,
+        };
         let max_tokens = sampling
             .max_tokens
             .or(default_max)
             .unwrap_or(room)
             .min(room);
+        let f = |k: &str| defaults.f32(k);
         let gen = Gen {
             id: id.clone(),
             tokens: prompt,
             max_tokens: Some(max_tokens),
-            temperature: sampling.temperature.or_else(|| default_f32("temperature")),
-            top_k: sampling.top_k.or_else(|| {
-                defaults
-                    .get("top_k")
-                    .and_then(|v| v.as_u64())
-                    .map(|v| v as u32)
-            }),
-            top_p: sampling.top_p.or_else(|| default_f32("top_p")),
-            min_p: sampling.min_p.or_else(|| default_f32("min_p")),
-            repeat_penalty: sampling
-                .repeat_penalty
-                .or_else(|| default_f32("repeat_penalty")),
-            presence_penalty: sampling
-                .presence_penalty
-                .or_else(|| default_f32("presence_penalty")),
+            temperature: sampling.temperature.or_else(|| f("temperature")),
+            top_k: sampling.top_k.or_else(|| defaults.u32("top_k")),
+            top_p: sampling.top_p.or_else(|| f("top_p")),
+            min_p: sampling.min_p.or_else(|| f("min_p")),
+            repeat_penalty: sampling.repeat_penalty.or_else(|| f("repeat_penalty")),
+            presence_penalty: sampling.presence_penalty.or_else(|| f("presence_penalty")),
             frequency_penalty: sampling
                 .frequency_penalty
-                .or_else(|| default_f32("frequency_penalty")),
+                .or_else(|| f("frequency_penalty")),
             penalty_last_n: None,
             seed: sampling.seed,
             stop_tokens: Some(stop_tokens),
@@ -280,7 +277,18 @@ impl Generation {
                         prompt_tokens: done.prompt_tokens,
                         cached_tokens: done.cached_tokens,
                         completion_tokens: done.generated,
+                        prefill_ms: done.prefill_ms,
+                        decode_ms: done.decode_ms,
+                        experts_vram_share: done.experts_vram_share,
+                        draft_proposed: done.draft_proposed,
+                        draft_accepted: done.draft_accepted,
                     };
+                    self.lease.telemetry().record(&finish);
+                    // One line per request with its figures, as llama-server logs its timings.
+                    eprintln!(
+                        "{}",
+                        crate::telemetry::log_line(&self.id, &self.lease.model().id, &finish)
+                    );
                     if !pieces.is_empty() {
                         // Hand the last text out first; the finish follows on the next call.
                         self.pending_finish = Some(finish);

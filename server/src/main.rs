@@ -61,6 +61,13 @@ enum Command {
     /// the engine as `serve` runs them (it starts the model's engine itself; stop a server that holds the
     /// same GPU first).
     Benchmark(BenchmarkArgs),
+    /// Say what the server on --port has loaded: the model, its engine's pid and memory, how long it
+    /// has been loaded and unused, and when it will be unloaded for idleness.
+    Ps {
+        /// The server's port.
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+    },
 }
 
 /// `--prompt-tokens` parsed whole (an alias, so clap does not read `Vec` as one value per flag).
@@ -108,6 +115,11 @@ struct ServeArgs {
     /// Load this model at start (else the first request or /api/models/load chooses).
     #[arg(long)]
     load: Option<String>,
+    /// Serve this GGUF file without a hand-written run config: it is registered in the home (its
+    /// tokenizer directory in the home's cache, a run config beside the others) and loaded at start
+    /// unless --load names another; repeatable.
+    #[arg(long = "gguf", value_name = "FILE")]
+    gguf: Vec<PathBuf>,
     /// Requests that may wait behind the running one; more get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     queue: usize,
@@ -139,6 +151,10 @@ struct ServeArgs {
     /// Seconds a request's body may take to arrive.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     body_timeout: u64,
+    /// Seconds an engine may sit unused before it is unloaded (0: never); the next request loads it
+    /// again. An Ollama request's `keep_alive` overrides it.
+    #[arg(long, default_value_t = 0)]
+    idle_unload: u64,
     /// The largest request body, in MiB.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
     max_body_mib: u64,
@@ -178,7 +194,17 @@ fn main() -> ExitCode {
     if args.list_models {
         return list_models(&registry);
     }
-    if let Some(model) = args.model {
+    if let Some(mut model) = args.model {
+        // `--model ./file.gguf`: the file is registered in the home, then chatted with by its id.
+        if polystrata::by_path::is_gguf_path(&model) {
+            match polystrata::by_path::register(registry.home(), std::path::Path::new(&model)) {
+                Ok(id) => model = id,
+                Err(e) => {
+                    eprintln!("polystrata: cannot serve {model}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
@@ -186,7 +212,20 @@ fn main() -> ExitCode {
         });
     }
     match args.command {
-        Some(Command::Serve(serve)) => run_server(registry, serve),
+        Some(Command::Serve(mut serve)) => {
+            for gguf in &serve.gguf {
+                match polystrata::by_path::register(registry.home(), gguf) {
+                    Ok(id) => {
+                        serve.load.get_or_insert(id);
+                    }
+                    Err(e) => {
+                        eprintln!("polystrata: cannot serve {}: {e}", gguf.display());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            run_server(registry, serve)
+        }
         Some(Command::Benchmark(b)) => polystrata::bench::run(
             registry,
             polystrata::bench::BenchOptions {
@@ -217,11 +256,61 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some(Command::Ps { port }) => ps(port),
         None => {
-            eprintln!("polystrata: say `serve`, `benchmark` or `--list-models` (see --help)");
+            eprintln!("polystrata: say `serve`, `benchmark`, `ps` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
     }
+}
+
+/// `polystrata ps`: the server's `/api/models/current` as one line per loaded model.
+fn ps(port: u16) -> ExitCode {
+    let api_key = std::env::var("POLYSTRATA_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let client = polystrata::client::Client::new(format!("127.0.0.1:{port}"), api_key);
+    let current = match client.current() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("polystrata: no server answers on port {port} ({e})");
+            return ExitCode::FAILURE;
+        }
+    };
+    print!("{}", ps_text(&current));
+    ExitCode::SUCCESS
+}
+
+/// The text of `polystrata ps` for a `/api/models/current` answer.
+fn ps_text(c: &serde_json::Value) -> String {
+    let secs = |k: &str| c[k].as_u64();
+    let dur = |s: Option<u64>| match s {
+        None => "-".to_string(),
+        Some(s) if s >= 3600 => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+        Some(s) if s >= 60 => format!("{}m{:02}s", s / 60, s % 60),
+        Some(s) => format!("{s}s"),
+    };
+    let mut out = format!(
+        "{:<28} {:>8} {:>10} {:>10} {:>8} {:>10}\n",
+        "MODEL", "PID", "RSS", "LOADED", "IDLE", "UNLOADS IN"
+    );
+    match (c["model"].as_str(), c["loaded"].as_bool()) {
+        (Some(model), Some(true)) => {
+            let rss = c["rss_bytes"]
+                .as_u64()
+                .map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
+            out.push_str(&format!(
+                "{model:<28} {:>8} {rss:>10} {:>10} {:>8} {:>10}\n",
+                c["pid"].as_i64().map_or("-".to_string(), |p| p.to_string()),
+                dur(secs("loaded_for_s")),
+                dur(secs("idle_for_s")),
+                secs("unload_in_s").map_or("never".to_string(), |s| dur(Some(s))),
+            ));
+        }
+        (Some(model), _) => out.push_str(&format!("{model:<28} (chosen, not loaded)\n")),
+        _ => out.push_str("(nothing loaded)\n"),
+    }
+    out
 }
 
 fn list_models(registry: &Registry) -> ExitCode {
@@ -318,6 +407,8 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
                 after_quit: std::time::Duration::from_secs(args.quit_timeout),
                 after_term: std::time::Duration::from_secs(args.term_timeout),
             },
+            idle_unload: (args.idle_unload > 0)
+                .then(|| std::time::Duration::from_secs(args.idle_unload)),
         };
         // Always raised; an explicit --max-connections is taken as given (above the limit, accept fails
         // and backs off instead).
@@ -331,7 +422,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
         // The bounds in force, once: what an operator needs to read a refusal or a killed engine.
         eprintln!(
             "polystrata: queue {}, switch wait {} s, ready timeout {} s, stall timeout {}, \
-             {} connections, header timeout {} s, body timeout {} s, bodies up to {} MiB",
+             {} connections, header timeout {} s, body timeout {} s, bodies up to {} MiB, idle unload {}",
             limits.queue,
             args.switch_wait,
             args.ready_timeout,
@@ -341,9 +432,13 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
             conn_limits.max_connections,
             args.header_timeout,
             args.body_timeout,
-            args.max_body_mib
+            args.max_body_mib,
+            limits
+                .idle_unload
+                .map_or("off".to_string(), |d| format!("{} s", d.as_secs()))
         );
         let supervisor = Arc::new(Supervisor::new(registry, limits));
+        tokio::spawn(supervisor.clone().watch_idle());
         let addr = format!("{}:{}", args.host, args.port);
         let listener = match tokio::net::TcpListener::bind(&addr).await {
             Ok(l) => l,

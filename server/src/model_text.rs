@@ -4,6 +4,7 @@
 //!
 //! This is the seam between the server core and [`crate::text`], which owns the formats themselves.
 
+use crate::defaults::Defaults;
 use crate::registry::ModelEntry;
 use crate::text::family::Family;
 use crate::text::parse::{prompt_opens_reasoning, ParseEvent, ParserOptions, ReplyParser};
@@ -82,6 +83,10 @@ pub struct ModelText {
     max_piece_len: usize,
     /// Finds special-token texts (control, user-defined) in message text.
     specials: Option<aho_corasick::AhoCorasick>,
+    /// The template's source as loaded (`/props` shows it).
+    template_source: Option<String>,
+    /// The model's sampling defaults and default answer lengths.
+    defaults: Defaults,
 }
 
 /// Why a prompt could not be tokenized within its context.
@@ -131,6 +136,7 @@ impl ModelText {
             .as_ref()
             .map(|t| t.text.clone())
             .unwrap_or_default();
+        let template_source = source.clone();
         let template = match source {
             Some(src) => ChatTemplate::new(&src, &bos, &eos).map_err(|e| e.to_string()),
             None => Err(format!(
@@ -149,13 +155,70 @@ impl ModelText {
             .unwrap_or(tokenizer.config.family);
         let max_piece_len = tokenizer.max_piece_len();
         let specials = special_finder(&tokenizer);
+        let gguf = config.model_path().or_else(|| entry.path.clone());
+        let defaults = Defaults::for_model(
+            &config.sampling,
+            gguf.as_deref(),
+            &tokenizer.config.architecture,
+        );
         Ok(ModelText {
             tokenizer: Arc::new(tokenizer),
             template,
             family,
             max_piece_len,
             specials,
+            template_source,
+            defaults,
         })
+    }
+
+    /// The model's sampling defaults and default answer lengths.
+    pub fn defaults(&self) -> &Defaults {
+        &self.defaults
+    }
+
+    /// The chat template's source (`None` when the model has none).
+    pub fn template_source(&self) -> Option<&str> {
+        self.template.as_ref().ok()?;
+        self.template_source.as_deref()
+    }
+
+    /// The reply format's name ([`Family::name`]).
+    pub fn family_name(&self) -> &'static str {
+        self.family.name()
+    }
+
+    /// The BOS and EOS tokens' texts.
+    pub fn bos_eos(&self) -> (Option<String>, Option<String>) {
+        let c = &self.tokenizer.config;
+        (
+            c.bos.as_ref().map(|t| t.text.clone()),
+            c.eos.as_ref().map(|t| t.text.clone()),
+        )
+    }
+
+    /// The vocabulary's size.
+    pub fn n_vocab(&self) -> usize {
+        self.tokenizer.n_vocab()
+    }
+
+    /// llama-server's `/tokenize`: `text`'s ids, with the model's BOS when `add_special`, special-token
+    /// texts read as the tokens when `parse_special`.
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<u32>, String> {
+        self.tokenizer
+            .encode(text, add_special, parse_special)
+            .map_err(|e| e.to_string())
+    }
+
+    /// llama-server's `/detokenize`: the text of `ids`, special tokens written out (ids outside the
+    /// vocabulary must be refused first).
+    pub fn detokenize(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true)
     }
 
     /// The prompt of a conversation, ending with the assistant's turn opened.
@@ -370,6 +433,11 @@ impl ModelText {
     /// Token `id` as text (for log-probabilities), special tokens included.
     pub fn token_piece(&self, id: u32) -> String {
         String::from_utf8_lossy(self.tokenizer.piece(id, true)).into_owned()
+    }
+
+    /// Token `id`'s bytes, special tokens written out.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        self.tokenizer.piece(id, true).to_vec()
     }
 
     /// A decoder for one reply's tokens.

@@ -204,4 +204,9 @@ fn table_names_every_request_and_unknown_models_fail() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no-such-model"), "{stderr}");
+    // The home it read is named (a model installed into another home is not a mystery).
+    assert!(
+        stderr.contains(&format!("home {}", home.dir.display())),
+        "{stderr}"
+    );
 }

@@ -2,7 +2,8 @@
 //! tests/server/chat_terminal.py (Python's standard `pty` support), over real `poly-engine` children on two
 //! CPU fixtures: once with no server on the port (the chat starts one and stops it at `/quit`: list, chat,
 //! switch by part of a name, info, unload, chat again, an unknown name) and once with a server already
-//! running (the chat switches it, chats, ends at EOF and leaves it running).
+//! running (the chat switches it, chats, ends at EOF and leaves it running); and Ctrl-C: during an answer
+//! it stops the answer (the server cancels it), at the prompt twice it quits and stops the chat's server.
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`. Cost: five model loads and three answers of at most 16
 //! tokens; about 2-3 s on a loaded 2-core machine.
@@ -58,6 +59,13 @@ fn free_port() -> u16 {
 fn the_chat_starts_its_own_server_lists_switches_unloads_and_chats() {
     let home = two_models("chat-own");
     drive("own", &home, free_port(), &["qwen", "gem"]);
+}
+
+#[test]
+fn ctrl_c_stops_an_answer_and_twice_at_the_prompt_quits() {
+    let home = Home::new("chat-interrupt");
+    home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    drive("interrupt", &home, free_port(), &["qwen"]);
 }
 
 #[test]

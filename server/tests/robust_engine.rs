@@ -58,7 +58,7 @@ fn a_stopped_engine_is_killed_and_replaced_and_its_requests_say_why() {
     let mut stream = Stream::open(
         &server.addr,
         "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true}),
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true, "temperature": 0}),
     );
     assert_eq!(stream.status, 200);
     stream.next_data().expect("a first token");
@@ -120,7 +120,7 @@ fn a_stopped_engine_is_killed_and_replaced_and_its_requests_say_why() {
     let mut stream = Stream::open(
         &server.addr,
         "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true}),
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true, "temperature": 0}),
     );
     stream.next_data().expect("a first token");
     signal(pid, "-STOP");

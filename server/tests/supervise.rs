@@ -202,7 +202,7 @@ fn killed_engine_gives_an_error_and_the_next_request_works() {
     let mut stream = Stream::open(
         &server.addr,
         "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true}),
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true, "temperature": 0}),
     );
     assert_eq!(stream.status, 200);
     let first = stream.next_data().expect("a first token");
@@ -243,12 +243,14 @@ fn client_disconnect_cancels_the_generation() {
     let server = Server::start(&home, &["--load", "qwen3"]);
     for path in ["/v1/completions", "/v1/chat/completions", "/v1/messages"] {
         let body = match path {
-            "/v1/completions" => json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}),
+            "/v1/completions" => {
+                json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true, "temperature": 0})
+            }
             "/v1/chat/completions" => {
-                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": true})
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": true, "temperature": 0})
             }
             _ => {
-                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": true})
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": true, "temperature": 0})
             }
         };
         let before = counters(&server)["cancelled"].as_u64().unwrap_or(0);
@@ -425,7 +427,7 @@ fn a_switch_waits_for_the_running_request_and_is_refused_after_its_limit() {
     let mut stream = Stream::open(
         &server.addr,
         "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true}),
+        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true, "temperature": 0}),
     );
     stream.next_data().expect("generating");
     let asked = Instant::now();
@@ -564,7 +566,7 @@ fn shutdown_during_a_generation_ends_the_engine() {
     let mut stream = Stream::open(
         &server.addr,
         "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}),
+        &json!({"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true, "temperature": 0}),
     );
     stream.next_data().expect("generating");
     let asked = Instant::now();

@@ -1,7 +1,10 @@
 // The chat page: conversations kept in localStorage, answers streamed from /v1/chat/completions (SSE read
 // from fetch), reasoning shown collapsed, and a model picker over /api/models that loads through
 // /api/models/load. State the tests read is mirrored in data- attributes (body.dataset.modelState, each
-// assistant message's data-state and data-chunks).
+// assistant message's data-state and data-chunks). Settings (temperature, answer length, system prompt)
+// are kept in localStorage; each answer shows its speed (time to first token, tokens/s from the server's
+// `timings`, the share of experts served from VRAM); answers can be copied and regenerated, questions
+// edited.
 "use strict";
 
 const STORE = "polystrata.conversations";
@@ -11,7 +14,9 @@ const ui = {
   picker: el("model-picker"), name: el("model-name"), status: el("model-status"), notice: el("notice"),
   messages: el("messages"), list: el("conversations"), input: el("input"), send: el("send"),
   stop: el("stop"), form: el("composer"), newChat: el("new-chat"),
+  temperature: el("set-temperature"), maxTokens: el("set-max-tokens"), system: el("set-system"),
 };
+const SETTINGS = { temperature: "polystrata.temperature", maxTokens: "polystrata.maxTokens", system: "polystrata.system" };
 const state = { models: [], current: null, conversations: [], active: null, abort: null, loading: false };
 
 // --- requests ---------------------------------------------------------------------------------------
@@ -70,7 +75,9 @@ async function refreshModels() {
   for (const m of state.models) {
     const option = document.createElement("option");
     option.value = m.id;
-    option.textContent = m.display_name && m.display_name !== m.id ? m.display_name + " (" + m.id + ")" : m.id;
+    // The name once: a display name that already holds the id is shown alone.
+    const name = m.display_name || m.id;
+    option.textContent = name.includes(m.id) ? name : name + " (" + m.id + ")";
     if (m.status === "unavailable") { option.disabled = true; option.title = m.problem || "unavailable"; option.textContent += " - unavailable"; }
     ui.picker.appendChild(option);
   }
@@ -178,8 +185,92 @@ function messageView(m) {
   error.className = "error";
   error.textContent = m.error || "";
   div.appendChild(error);
+  const speed = document.createElement("div");
+  speed.className = "speed";
+  speed.textContent = m.speed || "";
+  speed.hidden = !m.speed;
+  div.appendChild(speed);
+  div.appendChild(actions(m));
   div.dataset.state = m.state || "done";
   return div;
+}
+
+// Copy an answer, regenerate the last one, edit a question (the conversation is cut there and the
+// question goes back into the input).
+function actions(m) {
+  const bar = document.createElement("div");
+  bar.className = "actions";
+  const button = (cls, text, title, onclick) => {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = cls;
+    b.textContent = text;
+    b.title = title;
+    b.onclick = onclick;
+    bar.appendChild(b);
+  };
+  if (m.role === "assistant") {
+    button("copy", "Copy", "Copy the answer", () => copyText(m.content || ""));
+    button("regenerate", "Regenerate", "Answer the question again", () => regenerate(m));
+  } else {
+    button("edit", "Edit", "Edit this question (later messages are removed)", () => edit(m));
+  }
+  return bar;
+}
+
+function copyText(text) {
+  if (navigator.clipboard && navigator.clipboard.writeText) {
+    navigator.clipboard.writeText(text).catch(() => fallbackCopy(text));
+  } else fallbackCopy(text);
+}
+
+function fallbackCopy(text) {
+  const t = document.createElement("textarea");
+  t.value = text;
+  document.body.appendChild(t);
+  t.select();
+  try { document.execCommand("copy"); } catch (_) { /* nothing more to try */ }
+  t.remove();
+}
+
+function regenerate(m) {
+  const conv = state.active;
+  if (!conv || state.abort || state.loading) return;
+  const at = conv.messages.indexOf(m);
+  if (at < 1) return;
+  const question = conv.messages[at - 1];
+  conv.messages = conv.messages.slice(0, at - 1);
+  save();
+  send(question.content);
+}
+
+function edit(m) {
+  const conv = state.active;
+  if (!conv || state.abort) return;
+  const at = conv.messages.indexOf(m);
+  if (at < 0) return;
+  conv.messages = conv.messages.slice(0, at);
+  save();
+  renderAll();
+  ui.input.value = m.content;
+  ui.input.focus();
+}
+
+// The settings in force (the inputs keep them in localStorage as they are typed).
+function settings() {
+  const t = (localStorage.getItem(SETTINGS.temperature) || "").trim();
+  const n = Number(localStorage.getItem(SETTINGS.maxTokens));
+  return { temperature: t === "" ? null : Number(t), maxTokens: n > 0 ? n : null, system: localStorage.getItem(SETTINGS.system) || "" };
+}
+
+function speedText(timings, firstMs, vramShare) {
+  if (!timings) return "";
+  const parts = [];
+  if (firstMs !== null) parts.push("first token " + (firstMs / 1000).toFixed(2) + " s");
+  parts.push(timings.predicted_per_second.toFixed(1) + " tokens/s");
+  parts.push(timings.predicted_n + " tokens");
+  if (vramShare !== undefined && vramShare !== null) parts.push("experts from VRAM " + Math.round(vramShare * 100) + "%");
+  return parts.join(" \u00b7 ");
 }
 
 function renderMessages() {
@@ -241,18 +332,22 @@ async function send(text) {
   state.abort = controller;
   ui.send.disabled = true;
   ui.stop.hidden = false;
-  const body = {
-    model, stream: true,
-    messages: conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: m.content })),
-  };
-  const maxTokens = Number(localStorage.getItem("polystrata.maxTokens"));
-  if (maxTokens > 0) body.max_tokens = maxTokens;
+  const set = settings();
+  const history = conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: m.content }));
+  const body = { model, stream: true, messages: set.system ? [{ role: "system", content: set.system }].concat(history) : history };
+  if (set.maxTokens) body.max_tokens = set.maxTokens;
+  if (set.temperature !== null && !Number.isNaN(set.temperature)) body.temperature = set.temperature;
+  const sent = performance.now();
+  let firstMs = null;
+  let timings = null;
   try {
     const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
     if (!resp.ok) throw new Error(await errorText(resp));
     await readSse(resp, (event) => {
       if (event.error) throw new Error(event.error.message || JSON.stringify(event.error));
       const delta = (event.choices && event.choices[0] && event.choices[0].delta) || {};
+      if (event.timings) timings = event.timings;
+      if ((delta.reasoning_content || delta.content) && firstMs === null) firstMs = performance.now() - sent;
       if (delta.reasoning_content) { reply.reasoning += delta.reasoning_content; chunks++; }
       if (delta.content) { reply.content += delta.content; chunks++; }
       if (!scheduled) { scheduled = true; requestAnimationFrame(paint); }
@@ -267,10 +362,16 @@ async function send(text) {
     ui.send.disabled = state.loading;
     paint();
     view.querySelector(".error").textContent = reply.error || (reply.state === "stopped" ? "(stopped)" : "");
+    reply.speed = speedText(timings, firstMs, timings ? timings.experts_vram_share : null);
+    const speedEl = view.querySelector(".speed");
+    speedEl.textContent = reply.speed;
+    speedEl.hidden = !reply.speed;
     view.dataset.state = reply.state;
     conv.updated = Date.now();
     save();
-    if (state.current !== model) refreshModels().catch(() => {});
+    // The header follows the server: a message may have loaded the model again (after an unload) or
+    // switched it.
+    refreshModels().catch(() => {});
   }
 }
 
@@ -288,11 +389,18 @@ ui.input.addEventListener("keydown", (ev) => {
 ui.stop.addEventListener("click", () => { if (state.abort) state.abort.abort(); });
 ui.newChat.addEventListener("click", () => { if (!state.abort) newConversation(); });
 ui.picker.addEventListener("change", () => loadModel(ui.picker.value));
+// Settings are kept as they are typed.
+ui.temperature.addEventListener("input", () => localStorage.setItem(SETTINGS.temperature, ui.temperature.value));
+ui.maxTokens.addEventListener("input", () => localStorage.setItem(SETTINGS.maxTokens, ui.maxTokens.value));
+ui.system.addEventListener("input", () => localStorage.setItem(SETTINGS.system, ui.system.value));
 
 (function start() {
   try { state.conversations = JSON.parse(localStorage.getItem(STORE) || "[]"); } catch (_) { state.conversations = []; }
   // A reply cut off by closing the page is kept as it stood.
   for (const c of state.conversations) for (const m of c.messages) if (m.state === "streaming") m.state = "stopped";
+  ui.temperature.value = localStorage.getItem(SETTINGS.temperature) || "";
+  ui.maxTokens.value = localStorage.getItem(SETTINGS.maxTokens) || "";
+  ui.system.value = localStorage.getItem(SETTINGS.system) || "";
   const id = localStorage.getItem(CURRENT);
   state.active = state.conversations.find((c) => c.id === id) || state.conversations[0] || null;
   renderAll();

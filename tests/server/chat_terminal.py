@@ -9,6 +9,10 @@ Usage:
   chat_terminal.py shared --bin POLYSTRATA --home HOME --port PORT --first gem
       a server already runs on PORT: the chat switches it to the model, chats, ends at EOF (Ctrl-D), and the
       server keeps running with that model.
+  chat_terminal.py interrupt --bin POLYSTRATA --home HOME --port PORT --first qwen
+      Ctrl-C (SIGINT to the chat's process group, as a terminal sends it) during a long answer stops the
+      answer (the server cancels it and keeps running), the chat goes on; Ctrl-C at the prompt says how to
+      quit, a second one quits and stops the chat's server.
 Exits non-zero with the reason (and the transcript) on the first failure.
 """
 
@@ -17,6 +21,7 @@ import json
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -183,9 +188,52 @@ def shared(args, term):
     check(current["model"] == model and current["loaded"], f"the shared server now has {current}")
 
 
+def ctrl_c(term):
+    os.killpg(term.proc.pid, signal.SIGINT)
+
+
+def interrupt(args, term):
+    term.expect(r"starting a server on port", 30)
+    _, m = term.expect(r"loading (\S+) \.\.\.", 60)
+    model = m.group(1)
+    term.expect(prompt(model), 180)
+    # As long as the context allows, greedy (the synthetic model then writes no end token): the answer
+    # is still running when Ctrl-C comes.
+    term.send("/set max_tokens 4000")
+    term.expect(prompt(model), 10)
+    term.send("/set temperature 0")
+    term.expect(prompt(model), 10)
+    text = "Tell me a very long story."
+    term.send(text)
+    term.expect(re.escape(text) + r"\n", 10)
+    term.expect(r"\S", 60)  # the answer has begun
+    ctrl_c(term)
+    shown, _ = term.expect(r"\(stopped\)", 30)
+    term.expect(prompt(model), 10)
+    # The server counts the cancel once the engine's DONE for it came.
+    deadline = time.monotonic() + 15
+    while get(args.port, "/health")["requests"]["cancelled"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    health = get(args.port, "/health")
+    check(health["requests"]["cancelled"] >= 1, f"the server did not cancel the answer: {health}")
+    check(get(args.port, "/api/models/current")["loaded"], "the server lost its model")
+    # The chat goes on.
+    term.send("/set max_tokens 8")
+    term.expect(prompt(model), 10)
+    chat_once(term, model, "And now briefly?")
+    # At the prompt: a warning, then quit.
+    ctrl_c(term)
+    term.expect(r"Ctrl-C again or /bye to quit", 10)
+    ctrl_c(term)
+    term.expect(r"stopping the server", 10)
+    rc = term.wait(60)
+    check(rc == 0, f"the chat exited {rc} at the second Ctrl-C")
+    check(not answers(args.port), "the chat's server still answers after the chat quit")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["own", "shared"])
+    ap.add_argument("mode", choices=["own", "shared", "interrupt"])
     ap.add_argument("--bin", required=True)
     ap.add_argument("--home", required=True)
     ap.add_argument("--port", type=int, required=True)
@@ -196,7 +244,7 @@ def main():
     term = Terminal(argv)
     t0 = time.monotonic()
     try:
-        (own if args.mode == "own" else shared)(args, term)
+        {"own": own, "shared": shared, "interrupt": interrupt}[args.mode](args, term)
         dim = b"\x1b[2m" in term.raw
         print(f"chat {args.mode}: ok in {time.monotonic() - t0:.1f} s (reasoning dimmed: {dim})")
     except Exception as e:

@@ -200,8 +200,9 @@ def openai_errors():
 
 
 def anthropic_messages(model):
+    # Greedy (temperature 0, sent as an extra field: this SDK has no `temperature`): the models' defaults sample, and the stream must equal the whole answer.
     r = an.messages.create(
-        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+        model=model, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
     )
     check(r.type == "message" and r.role == "assistant", "shape")
     check(r.stop_reason in ("end_turn", "max_tokens"), f"stop_reason {r.stop_reason}")
@@ -209,7 +210,7 @@ def anthropic_messages(model):
     whole = "".join(b.text for b in r.content if b.type == "text")
 
     with an.messages.stream(
-        model=model, max_tokens=8, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
+        model=model, max_tokens=8, extra_body={"temperature": 0}, system="Be brief.", messages=[{"role": "user", "content": "Say hello."}]
     ) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
@@ -236,7 +237,9 @@ def anthropic_messages(model):
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
         }
     ]
-    kw = dict(model=model, max_tokens=8, messages=conv, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024})
+    kw = dict(
+        model=model, max_tokens=8, extra_body={"temperature": 0}, messages=conv, tools=tools, thinking={"type": "enabled", "budget_tokens": 1024}
+    )
     r = an.messages.create(**kw)
     check(r.stop_reason in ("end_turn", "max_tokens", "tool_use"), r.stop_reason)
     check(r.usage.input_tokens > 20, f"history in the prompt ({r.usage})")
@@ -284,6 +287,18 @@ def scripted_tool_calls():
     check(final.stop_reason == "tool_use", final.stop_reason)
     check(final.content[-1].type == "tool_use" and final.content[-1].input == {"city": "Paris"}, str(final.content))
     check("check the weather" in final.content[0].thinking, str(final.content))
+    # The Responses API: a reasoning item and a function_call item, streaming and not.
+    flat = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+    r = oa.responses.create(model=model, input=msgs, tools=flat, max_output_tokens=100)
+    kinds = [o.type for o in r.output]
+    check(kinds == ["reasoning", "function_call"], str(r.output))
+    check(r.output[1].name == "get_weather" and json.loads(r.output[1].arguments) == {"city": "Paris"}, str(r.output))
+    check("check the weather" in r.output[0].content[0].text, str(r.output[0]))
+    events = list(oa.responses.create(model=model, input=msgs, tools=flat, max_output_tokens=100, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    check(len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}, str(done))
+    check(any(e.type == "response.reasoning_text.delta" for e in events), "reasoning deltas")
+    check([o.type for o in events[-1].response.output] == kinds, str(events[-1]))
     # The answer after the tool result (max_tokens 101 picks it).
     history = msgs + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": m.tool_calls[0].id, "type": "function",
@@ -292,6 +307,53 @@ def scripted_tool_calls():
     ]
     r = oa.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=101)
     check(r.choices[0].message.content.startswith("It is sunny in Paris."), str(r.choices[0].message))
+
+
+def openai_responses(model):
+    """The Responses API: a string input with instructions, streamed (the text deltas and the final
+    response equal the whole answer, also through the SDK's stream helper) and not; items carrying an
+    earlier function call and its output; what the server cannot do refused."""
+    kw = dict(model=model, input="Say hello.", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    r = oa.responses.create(**kw)
+    check(r.object == "response" and r.status in ("completed", "incomplete"), f"status {r.status}")
+    check(r.model == model, f"model {r.model}")
+    check(isinstance(r.output_text, str), "output_text")
+    check(0 < r.usage.output_tokens <= 8 and r.usage.input_tokens > 0, f"usage {r.usage}")
+    check(r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens, "total")
+    events = list(oa.responses.create(stream=True, **kw))
+    check(events[0].type == "response.created", events[0].type)
+    check(events[-1].type in ("response.completed", "response.incomplete"), events[-1].type)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    check(deltas == r.output_text, f"stream {deltas!r} != whole {r.output_text!r}")
+    check(events[-1].response.output_text == r.output_text, "the final response")
+    check([e.sequence_number for e in events] == list(range(len(events))), "sequence numbers")
+    # The SDK's helper: a final response for `response.completed`; a cut answer ends with
+    # `response.incomplete`, as OpenAI's does, and carries the response itself.
+    with oa.responses.stream(**kw) as s:
+        last = None
+        for last in s:
+            pass
+        final = s.get_final_response() if last.type == "response.completed" else last.response
+    check(last.type == events[-1].type, f"stream helper ended with {last.type}")
+    check(final.output_text == r.output_text, f"stream helper {final.output_text!r}")
+
+    items = [
+        # Another city than the other checks' histories: the same opening would resume their kept state
+        # and move the prompt's tokens into `cached_tokens`.
+        {"role": "user", "content": "What is the weather in Lisbon?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": json.dumps({"city": "Lisbon"})},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+    ]
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
+    r = oa.responses.create(model=model, input=items, tools=tools, max_output_tokens=8, temperature=0)
+    check(r.usage.input_tokens > 20, f"the history and tools are in the prompt ({r.usage})")
+    for bad in (dict(previous_response_id="resp_1"), dict(text={"format": {"type": "json_object"}})):
+        try:
+            oa.responses.create(model=model, input="x", max_output_tokens=4, **bad)
+            check(False, f"{bad} accepted")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400, str(e))
 
 
 def main():
@@ -305,6 +367,7 @@ def main():
             (f"{m}: openai chat", lambda m=m: openai_chat(m)),
             (f"{m}: openai tools", lambda m=m: openai_tools(m)),
             (f"{m}: openai completions", lambda m=m: openai_completions(m)),
+            (f"{m}: openai responses", lambda m=m: openai_responses(m)),
             (f"{m}: anthropic messages", lambda m=m: anthropic_messages(m)),
         ]
     run(checks)

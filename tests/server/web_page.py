@@ -179,6 +179,8 @@ def run(args, cdp):
     cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the page to read /api/models", 60)
     # A short answer keeps the run fast on 2 cores; the page sends max_tokens when this is set.
     cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+    # Greedy: the models' defaults sample, and the long answer below must not end by itself before Stop.
+    cdp.eval("localStorage.setItem('polystrata.temperature', '0')")
 
     options = cdp.eval("[...document.querySelectorAll('#model-picker option')].map(o => o.value)")
     check(sorted(options) == sorted([args.pick, args.other, args.broken]), f"the picker lists {options}")
@@ -300,6 +302,76 @@ def run(args, cdp):
     check(cdp.eval("document.querySelectorAll('#conversations li').length") == 2, "New chat added no entry")
     cdp.eval("document.querySelector('#conversations li .delete').click()")
     check(cdp.eval("document.querySelectorAll('#conversations li').length") == 1, "delete removed no entry")
+    more(args, cdp)
+
+
+def answer_done(cdp, index, what):
+    m = f"document.querySelectorAll('.message.assistant')[{index}]"
+    cdp.wait_for(f"!!{m} && {m}.dataset.state !== 'streaming'", what, 120)
+    check(cdp.eval(f"{m}.dataset.state") == "done", f"{what}: {cdp.eval(m + '.dataset.state')}")
+
+
+def more(args, cdp):
+    """Issue 20's rows: the name once in the picker, settings sent with the request, the speed after each
+    answer, regenerate and edit, the header following the server after an unload, the phone layout."""
+    labels = cdp.eval("[...document.querySelectorAll('#model-picker option')].map(o => o.textContent)")
+    for label in labels:
+        name = label.split(" - ")[0]
+        check(all(name.count(i) <= 1 for i in (args.pick, args.other)), f"a name shown twice: {labels}")
+    # Record what the page sends.
+    cdp.eval("(() => { const f = window.fetch; window.__bodies = [];"
+             " window.fetch = (u, i) => { if (i && i.body && String(u).includes('chat')) window.__bodies.push(JSON.parse(i.body));"
+             " return f(u, i); }; })()")
+    # Settings, typed as a person would: they are kept and sent.
+    cdp.eval("(() => { const set = (id, v) => { const e = document.getElementById(id); e.value = v;"
+             " e.dispatchEvent(new Event('input')); };"
+             f" set('set-temperature', '0.3'); set('set-max-tokens', '{args.max_tokens}'); set('set-system', 'Answer in verse.'); }})()")
+    n = cdp.eval("document.querySelectorAll('.message.assistant').length")
+    cdp.eval("document.getElementById('input').value = 'A third question.'; document.getElementById('composer').requestSubmit()")
+    answer_done(cdp, n, "the answer with settings")
+    body = cdp.eval("window.__bodies[window.__bodies.length - 1]")
+    check(body.get("temperature") == 0.3 and body.get("max_tokens") == args.max_tokens, f"settings not sent: {body}")
+    check(body["messages"][0] == {"role": "system", "content": "Answer in verse."}, f"no system prompt: {body['messages'][:1]}")
+    speed = cdp.eval(f"document.querySelectorAll('.message.assistant')[{n}].querySelector('.speed').textContent")
+    check("tokens/s" in speed and "first token" in speed, f"the speed after the answer: {speed!r}")
+    print(f"speed shown: {speed}")
+    # Regenerate the last answer: the same number of messages, a new answer.
+    count = cdp.eval("document.querySelectorAll('.message').length")
+    cdp.eval(f"document.querySelectorAll('.message.assistant')[{n}].querySelector('.regenerate').click()")
+    answer_done(cdp, n, "the regenerated answer")
+    check(cdp.eval("document.querySelectorAll('.message').length") == count, "regenerate changed the message count")
+    check(cdp.eval("window.__bodies.length") >= 2, "regenerate sent nothing")
+    check(cdp.eval("!!document.querySelector('.message.assistant .copy')"), "no Copy button")
+    # Edit the last question: the conversation is cut there and the text is back in the input.
+    cdp.eval("[...document.querySelectorAll('.message.user')].pop().querySelector('.edit').click()")
+    check(cdp.eval("document.getElementById('input').value") == "A third question.", "edit did not fill the input")
+    check(cdp.eval("document.querySelectorAll('.message').length") == count - 2, "edit did not cut the conversation")
+    # The header follows the server: unloaded elsewhere, then a message loads the model again.
+    cdp.eval("fetch('/api/models/unload', {method: 'POST', headers: {'Content-Type': 'application/json'}, body: '{}'})"
+             ".then(() => refreshModels())")
+    cdp.wait_for("document.body.dataset.modelState === 'unloaded'", "the header to say unloaded", 30)
+    n = cdp.eval("document.querySelectorAll('.message.assistant').length")
+    cdp.eval("document.getElementById('composer').requestSubmit()")
+    answer_done(cdp, n, "the answer after the unload")
+    cdp.wait_for("document.body.dataset.modelState === 'loaded'", "the header to say loaded again", 30)
+    # Phone width (390 px): the input takes the width, the conversations do not take half of it.
+    cdp.call("Emulation.setDeviceMetricsOverride", width=390, height=800, deviceScaleFactor=1, mobile=True)
+    time.sleep(0.3)
+    widths = cdp.eval("[document.getElementById('input').getBoundingClientRect().width,"
+                      " document.getElementById('sidebar').getBoundingClientRect().height,"
+                      " document.querySelector('main').getBoundingClientRect().width, window.innerWidth]")
+    check(widths[0] >= 250, f"the input is {widths[0]} px wide at 390 px")
+    wide = cdp.eval("[...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > 392)"
+                    ".slice(0, 6).map(e => e.tagName + '#' + e.id + '.' + e.className + ' ' + Math.round(e.getBoundingClientRect().right))")
+    check(widths[2] >= widths[3] - 2, f"the chat is {widths[2]} of {widths[3]} px wide; past 390 px: {wide}")
+    check(widths[1] <= 0.3 * 800, f"the conversations take {widths[1]} px of 800")
+    bottom = cdp.eval("document.getElementById('input').getBoundingClientRect().bottom")
+    check(bottom <= 800, f"the input is below the screen ({bottom} px of 800)")
+    shot = cdp.call("Page.captureScreenshot", format="png")["data"]
+    phone = os.path.join(os.path.dirname(os.path.abspath(args.shot)), "phone.png")
+    with open(phone, "wb") as f:
+        f.write(base64.b64decode(shot))
+    print(f"phone layout: input {widths[0]:.0f} px, screenshot {phone}")
 
 
 def main():

@@ -21,7 +21,7 @@ pub mod prompts;
 pub mod report;
 
 use crate::engine::process::{EngineEvent, EngineProcess};
-use crate::engine::supervisor::{Limits, Supervisor};
+use crate::engine::supervisor::{Limits, ServeError, Supervisor};
 use crate::registry::Registry;
 use poly_protocol::{Done, ErrorCode, Gen};
 use probe::RequestProbe;
@@ -121,10 +121,14 @@ pub async fn measure(supervisor: &Supervisor, opts: &BenchOptions) -> Result<Rep
     // Before the engine starts: the card's memory in use without it.
     let card_baseline = probe::card_memory_used_mib();
     let loading = Instant::now();
-    supervisor
-        .switch(&opts.model)
-        .await
-        .map_err(|e| e.message().to_string())?;
+    supervisor.switch(&opts.model).await.map_err(|e| match e {
+        // Say which home was read: a model installed into another home is otherwise a mystery.
+        ServeError::ModelNotFound(m) => format!(
+            "{m}; home {} (--home DIR or POLYSTRATA_HOME picks another)",
+            supervisor.home().display()
+        ),
+        other => other.message().to_string(),
+    })?;
     let load_s = loading.elapsed().as_secs_f64();
     // One lease for the whole benchmark: nothing else can use the engine in between.
     let lease = supervisor

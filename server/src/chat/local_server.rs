@@ -26,8 +26,12 @@ impl LocalServer {
         if let Some(h) = home {
             cmd.arg("--home").arg(h);
         }
+        // Its own process group: the terminal's Ctrl-C (SIGINT to the chat's group) stops an answer,
+        // not the server.
+        use std::os::unix::process::CommandExt;
         let mut child = cmd
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file))
@@ -53,6 +57,12 @@ impl LocalServer {
             ));
         }
         Ok(server)
+    }
+}
+
+impl LocalServer {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 

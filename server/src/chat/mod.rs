@@ -3,18 +3,22 @@
 //! chat ends. Lines are read from stdin (so it works on a terminal, a pty or a pipe); answers stream as
 //! they come, reasoning dimmed. Commands: `/model`, `/model list`, `/model switch NAME` (a new
 //! conversation), `/model info [NAME]`, `/model unload`, `/new`, `/set max_tokens|temperature V`,
-//! `/help`, `/quit`. Part of a model's name is enough when only one name has it.
+//! `/help`, `/quit` (or `/bye`). Ctrl-C stops an answer; twice at the prompt it quits (`interrupt`).
+//! Part of a model's name is enough when only one name has it.
 
+mod interrupt;
 mod local_server;
 mod render;
 
 use crate::client::Client;
+use interrupt::Interrupts;
 use local_server::LocalServer;
 use render::AnswerPrinter;
 use serde_json::{json, Value};
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// What `polystrata --model NAME` was given.
@@ -26,7 +30,7 @@ pub struct ChatOptions {
 
 const HELP: &str =
     "commands: /model (the model in use), /model list, /model switch NAME, /model info [NAME], \
-/model unload, /new (a new conversation), /set max_tokens N, /set temperature T, /help, /quit";
+/model unload, /new (a new conversation), /set max_tokens N, /set temperature T, /help, /quit (or /bye); Ctrl-C stops an answer, twice at the prompt quits";
 
 /// Runs the chat until `/quit` or the end of stdin.
 pub fn run(opts: ChatOptions) -> ExitCode {
@@ -47,7 +51,12 @@ pub fn run(opts: ChatOptions) -> ExitCode {
             }
         }
     };
+    let interrupts = Interrupts::install(client.clone());
+    if let (Some(i), Some(s)) = (&interrupts, &server) {
+        i.set_server_pid(s.pid());
+    }
     let mut chat = Chat {
+        interrupts,
         client,
         model: None,
         history: Vec::new(),
@@ -71,6 +80,9 @@ pub fn run(opts: ChatOptions) -> ExitCode {
                 break;
             }
             Ok(_) => {}
+        }
+        if let Some(i) = &chat.interrupts {
+            i.disarm();
         }
         let input = line.trim();
         if input.is_empty() {
@@ -99,6 +111,8 @@ enum Flow {
 }
 
 struct Chat {
+    /// Ctrl-C's handler (`None` where SIGINT could not be taken).
+    interrupts: Option<Arc<Interrupts>>,
     client: Client,
     /// The chat's model; requests name it, so a server unloaded in between loads it again.
     model: Option<String>,
@@ -112,7 +126,7 @@ impl Chat {
     fn command(&mut self, input: &str) -> Flow {
         let words: Vec<&str> = input.split_whitespace().collect();
         let result = match words.as_slice() {
-            ["/quit"] | ["/exit"] | ["/q"] => return Flow::Quit,
+            ["/quit"] | ["/exit"] | ["/q"] | ["/bye"] => return Flow::Quit,
             ["/help"] | ["/?"] => {
                 println!("{HELP}");
                 Ok(())
@@ -269,10 +283,18 @@ impl Chat {
         if let Value::Object(o) = &mut body {
             o.extend(self.settings.clone());
         }
-        match self.stream_answer(body) {
-            Ok(content) => self
+        let (content, result) = self.stream_answer(body);
+        let stopped = self.interrupts.as_ref().is_some_and(|i| i.take_stopped());
+        match result {
+            Ok(()) => self
                 .history
                 .push(json!({"role": "assistant", "content": content})),
+            // Stopped by Ctrl-C: what was shown stays the answer, as llama-cli keeps it.
+            Err(_) if stopped => {
+                println!("(stopped)");
+                self.history
+                    .push(json!({"role": "assistant", "content": content}));
+            }
             Err(e) => {
                 // The question stays unanswered: take it back so the next one is not sent twice.
                 self.history.pop();
@@ -281,11 +303,12 @@ impl Chat {
         }
     }
 
-    fn stream_answer(&self, body: Value) -> Result<String, String> {
+    /// The answer's text as shown, and whether it ended well.
+    fn stream_answer(&self, body: Value) -> (String, Result<(), String>) {
         let mut printer = AnswerPrinter::new(std::io::stdout(), self.color);
         let result = self.client.chat_stream(body, |d| printer.show(&d));
         let (_, content) = printer.finish();
-        result.map(|()| content).map_err(|e| e.to_string())
+        (content, result.map_err(|e| e.to_string()))
     }
 }
 

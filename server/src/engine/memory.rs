@@ -47,6 +47,28 @@ pub fn report(when: &str) -> String {
     format!("memory {when}: RAM available {ram}, VRAM free {vram}")
 }
 
+/// Hands the heap's free pages back to the OS (glibc's `malloc_trim`), after a switch or an unload has
+/// dropped a model's text side.
+///
+/// A text side (tokenizer, vocabulary maps, template) is tens to hundreds of MB of small allocations
+/// made on a blocking thread, so in one of glibc's per-thread arenas; freed, its pages stay with the
+/// process, and the next model's text side lands in another arena: the server grew from 46 to 118 MiB
+/// over 30 switches between two small models (and to 1.05 GB with large vocabularies) and kept it
+/// after an unload. `malloc_trim(0)` walks every arena and returns their free pages.
+pub fn give_back_freed() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::ffi::c_int;
+        }
+        // SAFETY: malloc_trim takes no pointers and only releases memory that no allocation holds; it
+        // is safe to call at any time from any thread (glibc locks each arena it trims).
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,9 +11,10 @@ use super::memory;
 use super::process::{Activity, EngineProcess, Launch, Monitor, StopTimeouts};
 use crate::model_text::ModelText;
 use crate::registry::{find_in, ModelEntry, Registry, Status};
+use crate::telemetry::Telemetry;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::OwnedMutexGuard;
 
 /// Why a request or a switch cannot be served. The HTTP layer maps each kind to each API's error shape.
@@ -59,6 +60,9 @@ pub struct Limits {
     /// (`None`: never). A model's run config may set its own (`stall_timeout_s`).
     pub stall: Option<Duration>,
     pub stop: StopTimeouts,
+    /// How long an engine may sit unused before it is unloaded (`--idle-unload`; `None`: never). An
+    /// Ollama request's `keep_alive` overrides it until the next Ollama request.
+    pub idle_unload: Option<Duration>,
 }
 
 /// The stall bound by default: long enough for one forward call of a long prompt on a slow CPU (the
@@ -74,6 +78,7 @@ impl Default for Limits {
             ready_timeout: Duration::from_secs(600),
             stall: Some(DEFAULT_STALL),
             stop: StopTimeouts::default(),
+            idle_unload: None,
         }
     }
 }
@@ -152,6 +157,12 @@ pub struct CurrentModel {
     /// The engine process's resident memory (`VmRSS`), in bytes.
     pub rss_bytes: Option<u64>,
     pub ready: Option<serde_json::Value>,
+    /// Seconds since the engine was started, while it is up.
+    pub loaded_for_s: Option<u64>,
+    /// Seconds since a request or a load last used it.
+    pub idle_for_s: Option<u64>,
+    /// Seconds until it is unloaded for idleness (`None`: it stays).
+    pub unload_in_s: Option<u64>,
 }
 
 pub struct Supervisor {
@@ -163,6 +174,26 @@ pub struct Supervisor {
     next_id: AtomicU64,
     memory_debug_env: bool,
     counters: Arc<Counters>,
+    telemetry: Arc<Telemetry>,
+    idle: Arc<Mutex<Idle>>,
+}
+
+/// When the engine was last used and started, and the keep-alive in force.
+#[derive(Clone, Copy, Debug)]
+struct Idle {
+    last_used: Instant,
+    /// The engine's pid and when it was seen first (its start).
+    started: Option<(i32, Instant)>,
+    keep_alive: KeepAlive,
+}
+
+/// How long an unused engine stays loaded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KeepAlive {
+    /// `--idle-unload` (or forever without it).
+    Default,
+    For(Duration),
+    Forever,
 }
 
 /// The right to use the engine: held for a whole request, released on drop (the next in line goes).
@@ -170,11 +201,24 @@ pub struct Lease {
     guard: OwnedMutexGuard<Slot>,
     _queued: QueueTicket,
     counters: Arc<Counters>,
+    telemetry: Arc<Telemetry>,
+    idle: Arc<Mutex<Idle>>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // The idle clock starts when the last request lets the engine go.
+        lock(&self.idle).last_used = Instant::now();
+    }
 }
 
 impl Lease {
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
     }
 
     pub fn engine(&self) -> &EngineProcess {
@@ -224,11 +268,93 @@ impl Supervisor {
             next_id: AtomicU64::new(1),
             memory_debug_env: std::env::var("STRATA_MEMORY_DEBUG").is_ok_and(|v| v == "1"),
             counters: Arc::default(),
+            telemetry: Arc::default(),
+            idle: Arc::new(Mutex::new(Idle {
+                last_used: Instant::now(),
+                started: None,
+                keep_alive: KeepAlive::Default,
+            })),
+        }
+    }
+
+    /// Sets how long the engine stays loaded once unused (an Ollama request's `keep_alive`).
+    pub fn set_keep_alive(&self, keep: KeepAlive) {
+        lock(&self.idle).keep_alive = keep;
+    }
+
+    /// The idle bound in force (`None`: the engine stays).
+    fn idle_bound(&self) -> Option<Duration> {
+        match lock(&self.idle).keep_alive {
+            KeepAlive::Default => self.limits.idle_unload,
+            KeepAlive::For(d) => Some(d),
+            KeepAlive::Forever => None,
+        }
+    }
+
+    /// Unloads the engine once it has been unused for the idle bound (`--idle-unload`, an Ollama
+    /// `keep_alive`); runs until the server ends. Checked twice a second: an unload is a process
+    /// stop, so a bound is kept to within about that.
+    pub async fn watch_idle(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let Some(bound) = self.idle_bound() else {
+                continue;
+            };
+            let alive = view_engine_alive(&lock(&self.view));
+            let unused = lock(&self.idle).last_used.elapsed();
+            if !alive
+                || self.slot_busy()
+                || self.waiting.load(Ordering::SeqCst) > 0
+                || unused < bound
+            {
+                continue;
+            }
+            eprintln!(
+                "polystrata: unused for {} s (idle bound {} s): unloading",
+                unused.as_secs(),
+                bound.as_secs()
+            );
+            if let Err(e) = self.unload().await {
+                eprintln!("polystrata: idle unload failed: {}", e.message());
+            }
         }
     }
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The installation home the registry reads.
+    pub fn home(&self) -> &std::path::Path {
+        self.registry.home()
+    }
+
+    /// Token and time totals of every generation so far (`/metrics`).
+    pub fn telemetry(&self) -> &Telemetry {
+        &self.telemetry
+    }
+
+    /// Requests holding or waiting for the engine: (running, waiting behind it).
+    pub fn queue(&self) -> (usize, usize) {
+        let all = self.waiting.load(Ordering::SeqCst);
+        let running = usize::from(self.slot_busy());
+        (running, all.saturating_sub(running))
+    }
+
+    /// The engine's STATS when it is idle and answers within `timeout` (a working engine answers only
+    /// between forward calls, so it is not asked: that would delay nothing but the answer here).
+    pub async fn idle_engine_stats(&self, timeout: Duration) -> Option<poly_protocol::Stats> {
+        let engine = lock(&self.view).engine.clone()?;
+        match engine.monitor.activity() {
+            Activity::Idle if !self.slot_busy() => engine.monitor.stats(timeout).await,
+            _ => None,
+        }
+    }
+
+    /// The engine's READY, while it is up.
+    pub fn ready(&self) -> Option<poly_protocol::Ready> {
+        let view = lock(&self.view);
+        view.ready.clone().filter(|_| view_engine_alive(&view))
     }
 
     /// A fresh request id for the engine.
@@ -312,6 +438,9 @@ impl Supervisor {
         let view = lock(&self.view).clone();
         let loaded = view_engine_alive(&view);
         let pid = view.engine.as_ref().filter(|_| loaded).map(|e| e.pid);
+        let idle = *lock(&self.idle);
+        let bound = self.idle_bound();
+        let unused = idle.last_used.elapsed();
         CurrentModel {
             model: view.current.clone(),
             loaded,
@@ -322,6 +451,12 @@ impl Supervisor {
                 .as_ref()
                 .filter(|_| loaded)
                 .and_then(|r| serde_json::to_value(r).ok()),
+            loaded_for_s: idle
+                .started
+                .filter(|(p, _)| Some(*p) == pid)
+                .map(|(_, t)| t.elapsed().as_secs()),
+            idle_for_s: pid.map(|_| unused.as_secs()),
+            unload_in_s: pid.and(bound).map(|b| b.saturating_sub(unused).as_secs()),
         }
     }
 
@@ -393,6 +528,8 @@ impl Supervisor {
             guard,
             _queued: ticket,
             counters: self.counters.clone(),
+            telemetry: self.telemetry.clone(),
+            idle: self.idle.clone(),
         })
     }
 
@@ -438,6 +575,7 @@ impl Supervisor {
             eprintln!("polystrata: unloaded {} ({how})", engine_label(&guard));
         }
         self.publish(&guard);
+        memory::give_back_freed();
         Ok(self.current())
     }
 
@@ -546,6 +684,8 @@ impl Supervisor {
                 slot.model = Some(target);
                 slot.text = Some(Arc::new(text));
                 self.publish(slot);
+                // The old model's text side is gone from the slot and the view: give its pages back.
+                memory::give_back_freed();
                 if debug {
                     eprintln!("polystrata: {}", memory::report("with the new engine"));
                 }
@@ -611,9 +751,33 @@ impl Supervisor {
             .config
             .as_ref()
             .ok_or_else(|| format!("model {} has no run config", entry.id))?;
+        let mut args = config.args.clone();
+        // A context over the model's training context (999999 was accepted at setup) is clamped to
+        // it, so the engine and the registry say the same; a GGUF that gives none (0) is left to the
+        // engine to refuse.
+        // A run config may keep its context (`"clamp_context": false`: a test of long prompts on a small
+        // fixture, a model whose GGUF understates what it was trained for).
+        let clamp = config
+            .raw
+            .get("clamp_context")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true);
+        if let (true, Some(asked), Some(trained)) = (clamp, config.max_context(), entry.context) {
+            if trained > 0 && asked > trained {
+                if let Some(at) = args.iter().position(|a| a == "--max-context") {
+                    if let Some(v) = args.get_mut(at + 1) {
+                        *v = trained.to_string();
+                    }
+                }
+                eprintln!(
+                    "polystrata: {}: --max-context {asked} is over the model's training context; clamped to {trained}",
+                    entry.id
+                );
+            }
+        }
         let launch = Launch {
             exe: config.exe.clone(),
-            args: config.args.clone(),
+            args,
             cwd: config.cwd.clone(),
             label: entry.id.clone(),
         };
@@ -640,6 +804,15 @@ impl Supervisor {
     }
 
     fn publish(&self, slot: &Slot) {
+        {
+            // A new engine starts the loaded and idle clocks (a load counts as a use).
+            let mut idle = lock(&self.idle);
+            let pid = slot.engine.as_ref().map(|e| e.pid());
+            if pid.is_some() && idle.started.map(|(p, _)| p) != pid {
+                idle.started = pid.map(|p| (p, Instant::now()));
+                idle.last_used = Instant::now();
+            }
+        }
         let mut view = lock(&self.view);
         view.current = slot.model.as_ref().map(|m| m.id.clone());
         view.engine = slot.engine.as_ref().map(|e| EngineView {

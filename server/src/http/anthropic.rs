@@ -26,6 +26,12 @@ fn text_of(content: &Value) -> Result<String, ApiError> {
                     Some("text") => {
                         out.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
                     }
+                    Some(kind @ ("image" | "document")) => {
+                        return Err(super::unsupported::text_only(
+                            None,
+                            &format!("a content block of type {kind:?}"),
+                        ))
+                    }
                     Some(other) => {
                         return Err(ApiError::bad_request(format!(
                             "content blocks of type {other:?} are not supported here"
@@ -79,6 +85,12 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
                             messages.push(
                                 json!({"role": "tool", "tool_call_id": id, "content": result}),
                             );
+                        }
+                        Some(kind @ ("image" | "document")) => {
+                            return Err(super::unsupported::text_only(
+                                body.get("model").and_then(Value::as_str),
+                                &format!("a content block of type {kind:?} (messages[{i}])"),
+                            ))
                         }
                         Some(other) => {
                             return Err(ApiError::bad_request(format!(

@@ -1,5 +1,6 @@
 //! Errors in each API's own shape: OpenAI's `{"error":{"message","type","param","code"}}`, Anthropic's
-//! `{"type":"error","error":{"type","message"}}`, and the management API's `{"error":{"message","code"}}`.
+//! `{"type":"error","error":{"type","message"}}`, the management API's `{"error":{"message","code"}}`
+//! and Ollama's `{"error": "message"}`.
 
 use super::body::{json_response, RespBody};
 use crate::engine::supervisor::ServeError;
@@ -12,6 +13,8 @@ pub enum Flavor {
     OpenAi,
     Anthropic,
     Plain,
+    /// Ollama's `{"error": "message"}`.
+    Ollama,
 }
 
 /// What went wrong, independent of the API.
@@ -135,6 +138,7 @@ impl ApiError {
                 "message": self.message,
             }}),
             Flavor::Plain => json!({"error": {"message": self.message, "code": self.kind.code()}}),
+            Flavor::Ollama => json!({"error": self.message}),
         }
     }
 

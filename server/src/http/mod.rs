@@ -1,14 +1,20 @@
-//! The HTTP server: hyper 1 on tokio, one task per connection, routes to the OpenAI, Anthropic and
-//! management APIs, the API key check, and request bodies read with a size bound.
+//! The HTTP server: hyper 1 on tokio, one task per connection, routes to the OpenAI, Anthropic,
+//! llama-server (`/props`, `/tokenize`, `/detokenize`, `/apply-template`, `/metrics`), Ollama
+//! (`/api/chat`, `/api/generate`, `/api/tags`, ...) and management APIs, the API key check, and request bodies read with a size bound.
 
 pub mod access;
 pub mod admin;
 pub mod anthropic;
 pub mod body;
 pub mod errors;
+pub mod llama;
+pub mod metrics;
+pub mod ollama;
 pub mod openai;
 pub mod prepare;
+pub mod responses;
 mod sampling;
+pub mod unsupported;
 
 use crate::engine::supervisor::Supervisor;
 use body::RespBody;
@@ -151,7 +157,10 @@ pub async fn serve(
 }
 
 fn flavor_of(path: &str) -> Flavor {
-    if path.starts_with("/v1/messages") {
+    // `/api/models*` is the management API; every other `/api/` route is Ollama's.
+    if path.starts_with("/api/") && !path.starts_with("/api/models") {
+        Flavor::Ollama
+    } else if path.starts_with("/v1/messages") {
         Flavor::Anthropic
     } else if path.starts_with("/v1/") {
         Flavor::OpenAi
@@ -163,15 +172,28 @@ fn flavor_of(path: &str) -> Flavor {
 /// The routes that exist, for 405 (a known path, another method) against 404.
 const ROUTES: &[&str] = &[
     "/health",
+    "/v1/health",
+    "/props",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
     "/v1/models",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/api/models",
     "/api/models/current",
     "/api/models/load",
     "/api/models/unload",
+    "/api/version",
+    "/api/tags",
+    "/api/ps",
+    "/api/show",
+    "/api/chat",
+    "/api/generate",
 ];
 
 async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
@@ -233,7 +255,8 @@ async fn route_checked(
             return Ok(page);
         }
     }
-    if path != "/health" && !state.access.authorized(req.headers()) {
+    // The health checks are public, as llama-server's are (a load balancer probes them without a key).
+    if !matches!(path, "/health" | "/v1/health") && !state.access.authorized(req.headers()) {
         return Err(ApiError::new(
             Kind::Unauthorized,
             "invalid or missing API key",
@@ -244,7 +267,14 @@ async fn route_checked(
     }
     let state = state.clone();
     match (get, method == Method::POST, path) {
-        (true, _, "/health") => Ok(admin::health(&state).await),
+        (true, _, "/health" | "/v1/health") => Ok(admin::health(&state).await),
+        (true, _, "/props") => llama::props(&state).await,
+        (true, _, "/metrics") => Ok(metrics::metrics(&state).await),
+        (_, true, "/tokenize") => llama::tokenize(&state, read_json(&state, req).await?).await,
+        (_, true, "/detokenize") => llama::detokenize(&state, read_json(&state, req).await?).await,
+        (_, true, "/apply-template") => {
+            llama::apply_template(&state, read_json(&state, req).await?).await
+        }
         (true, _, "/v1/models") => Ok(openai::models(&state).await),
         (true, _, p) if p.starts_with("/v1/models/") => {
             openai::model(&state, &p["/v1/models/".len()..]).await
@@ -254,6 +284,9 @@ async fn route_checked(
         }
         (_, true, "/v1/completions") => {
             openai::completions(state.clone(), read_json(&state, req).await?).await
+        }
+        (_, true, "/v1/responses") => {
+            responses::responses(state.clone(), read_json(&state, req).await?).await
         }
         (_, true, "/v1/messages/count_tokens") => {
             anthropic::count_tokens(&state, read_json(&state, req).await?).await
@@ -265,6 +298,14 @@ async fn route_checked(
         (true, _, "/api/models/current") => Ok(admin::current(&state).await),
         (_, true, "/api/models/load") => admin::load(&state, read_json(&state, req).await?).await,
         (_, true, "/api/models/unload") => admin::unload(&state).await,
+        (true, _, "/api/version") => Ok(ollama::version()),
+        (true, _, "/api/tags") => Ok(ollama::tags(&state).await),
+        (true, _, "/api/ps") => Ok(ollama::ps(&state).await),
+        (_, true, "/api/show") => ollama::show(&state, read_json(&state, req).await?).await,
+        (_, true, "/api/chat") => ollama::chat(state.clone(), read_json(&state, req).await?).await,
+        (_, true, "/api/generate") => {
+            ollama::generate(state.clone(), read_json(&state, req).await?).await
+        }
         (_, _, p) if ROUTES.contains(&p) => Err(ApiError::new(
             Kind::MethodNotAllowed,
             format!("{method} is not allowed on {p}"),

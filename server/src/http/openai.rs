@@ -1,14 +1,16 @@
 //! The OpenAI API: `POST /v1/chat/completions` (streaming or not, tools, reasoning as
 //! `reasoning_content`, logprobs, usage), `POST /v1/completions` (text or token-id prompts) and
-//! `GET /v1/models`.
+//! `GET /v1/models`; answers carry llama-server's `timings` (on the last chunk of a stream).
 
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Kind};
 use super::prepare::{chat_prompt, encode_error, leased_with};
 use super::sampling::{integer, sampling};
+use super::unsupported::{refuse_constrained_output, refuse_media_parts};
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Sampling, Step, TokenLogprob};
 use crate::model_text::{ChatInput, ModelText, Piece};
+use crate::telemetry::timings;
 use bytes::Bytes;
 use hyper::{Response, StatusCode};
 use serde_json::{json, Value};
@@ -78,21 +80,23 @@ fn bool_field(body: &Value, key: &str) -> Result<bool, ApiError> {
 }
 
 /// The chat-related fields of an OpenAI chat request.
-struct ChatRequest {
-    model: Option<String>,
-    input: ChatInput,
-    sampling: Sampling,
-    stream: bool,
-    include_usage: bool,
-    logprobs: bool,
+pub(super) struct ChatRequest {
+    pub(super) model: Option<String>,
+    pub(super) input: ChatInput,
+    pub(super) sampling: Sampling,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) logprobs: bool,
 }
 
-fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
+pub(super) fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
     let messages = match body.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m.clone(),
         Some(Value::Array(_)) => return Err(ApiError::bad_request("`messages` is empty")),
         _ => return Err(ApiError::bad_request("`messages` (an array) is required")),
     };
+    refuse_constrained_output(body)?;
+    refuse_media_parts(&messages, body.get("model").and_then(Value::as_str))?;
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
         if !matches!(
@@ -342,6 +346,7 @@ async fn collect_chat(
             "finish_reason": finish_reason(&finish, !calls.is_empty()),
         }],
         "usage": usage(&finish),
+        "timings": timings(&finish),
     });
     let _ = done.send(Ok(value));
 }
@@ -436,12 +441,14 @@ async fn stream_chat(
         }
     };
     drop(gen);
-    let last = chunk(
+    let mut last = chunk(
         &meta,
         json!({}),
         Value::Null,
         json!(finish_reason(&finish, n_calls > 0)),
     );
+    // llama-server puts its timings on the chunk that carries the finish reason.
+    last["timings"] = timings(&finish);
     let _ = send(&tx, sse_event(None, &last)).await;
     if include_usage {
         let u = json!({
@@ -485,6 +492,7 @@ fn completion_prompt(body: &Value, text: &ModelText, n_ctx: u32) -> Result<Vec<u
 /// The legacy completion fields that change the answer and are not supported: refused, as chat refuses
 /// `n`, rather than silently ignored.
 fn refuse_unsupported_completion_fields(body: &Value) -> Result<(), ApiError> {
+    refuse_constrained_output(body)?;
     for key in ["n", "best_of"] {
         if integer(body, key, 1, 128)?.is_some_and(|n| n != 1) {
             return Err(ApiError::bad_request(format!(
@@ -656,6 +664,7 @@ async fn collect_completion(
         json!(finish_reason(&finish, false)),
     );
     value["usage"] = usage(&finish);
+    value["timings"] = timings(&finish);
     let _ = done.send(Ok(value));
 }
 
@@ -701,7 +710,8 @@ async fn stream_completion(
         }
     };
     drop(gen);
-    let last = completion_value(&meta, "", Value::Null, json!(finish_reason(&finish, false)));
+    let mut last = completion_value(&meta, "", Value::Null, json!(finish_reason(&finish, false)));
+    last["timings"] = timings(&finish);
     let _ = send(&tx, sse_event(None, &last)).await;
     if include_usage {
         let u = json!({

@@ -174,6 +174,11 @@ impl Server {
         }
     }
 
+    /// The server process's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
@@ -452,4 +457,12 @@ pub fn process_alive(pid: i32) -> bool {
         }
         Err(_) => false,
     }
+}
+
+/// The resident memory (`VmRSS`) of process `pid`, in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

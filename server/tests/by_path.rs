@@ -1,0 +1,90 @@
+//! A GGUF served by its path: `polystrata serve --gguf FILE` on an empty home registers the file (a
+//! tokenizer directory in the home's cache, a run config beside the others), loads it and answers a
+//! chat; a second start reuses both; a file that is not a GGUF is refused at start with the reason.
+//!
+//! Real engine on the tiny qwen3moe fixture. Cost: a second or two.
+
+mod common;
+
+use common::{fixture, Home, Server};
+use serde_json::json;
+
+#[test]
+fn serve_gguf_registers_the_file_and_serves_it() {
+    let home = Home::new("by-path");
+    let gguf = fixture("qwen3moe-tiny-q4km.gguf");
+    let gguf_arg = gguf.display().to_string();
+    let server = Server::start(&home, &["--gguf", &gguf_arg]);
+    let current = server.get("/api/models/current").json();
+    assert_eq!(current["model"], "qwen3moe-tiny-q4km", "{current}");
+    assert_eq!(current["loaded"], true, "loaded at start: {current}");
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    server.stop();
+    assert!(home
+        .dir
+        .join("cache/tokenizers/qwen3moe-tiny-q4km/tokenizer_config.json")
+        .is_file());
+    let config = home.dir.join("strata-qwen3moe-tiny-q4km.json");
+    assert!(config.is_file());
+
+    // Again: the same id, no second config.
+    let server = Server::start(&home, &["--gguf", &gguf_arg]);
+    let models = server.get("/api/models").json();
+    assert_eq!(
+        models["models"].as_array().map(Vec::len),
+        Some(1),
+        "{models}"
+    );
+    server.stop();
+
+    // Not a GGUF: refused at start, saying why.
+    let bad = home.dir.join("notes.gguf");
+    std::fs::write(&bad, b"not a model").expect("write");
+    let out = std::process::Command::new(common::polystrata_bin())
+        .args(["serve", "--home"])
+        .arg(&home.dir)
+        .arg("--gguf")
+        .arg(&bad)
+        .args(["--port", "0"])
+        .output()
+        .expect("run polystrata");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot serve"), "{stderr}");
+}
+
+#[test]
+fn the_terminal_chat_takes_a_file_by_path() {
+    use std::io::Write;
+    let home = Home::new("by-path-chat");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let mut child = std::process::Command::new(common::polystrata_bin())
+        .arg("--home")
+        .arg(&home.dir)
+        .args(["--port", &port.to_string(), "--model"])
+        .arg(fixture("qwen3moe-tiny-q4km.gguf"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the chat");
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(b"/set max_tokens 3\nHello\n/quit\n");
+    }
+    let out = child.wait_with_output().expect("the chat ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("qwen3moe-tiny-q4km"), "{stdout}");
+    assert!(home.dir.join("strata-qwen3moe-tiny-q4km.json").is_file());
+}
