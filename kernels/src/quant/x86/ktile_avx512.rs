@@ -215,6 +215,10 @@ pub(crate) unsafe fn unpack_iq(
     b: usize,
     tile: &mut Tile,
 ) {
+    if kind == IqKind::Iq4Xs {
+        unpack_iq4xs(rows, b, tile);
+        return;
+    }
     let bb = kind.block_bytes();
     let mut all = [[0u8; QK_K]; TILE_ROWS];
     for (r, &row) in rows.iter().enumerate() {
@@ -231,6 +235,90 @@ pub(crate) unsafe fn unpack_iq(
         tile.xdmin[r] = 0.0;
     }
     transpose(&all, tile);
+}
+
+/// IQ4_XS's tile straight from the sixteen rows' blocks, the rows' scales side by side in vectors and
+/// the packed nibbles transposed in registers before they are looked up (`value + 128`), so no per-row
+/// code buffer is written and read back: the same codes, scales and `xd` as [`iq_codes`] gives (and as
+/// `iquants::tiled::block`, which the tests compare through the tile kernel).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_iq4xs(rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile) {
+    use crate::quant::iquants::tables::KVALUES_IQ4NL;
+    let bb = IqKind::Iq4Xs.block_bytes();
+    // SAFETY: each row holds block `b` (the caller's contract).
+    let x: [*const u8; TILE_ROWS] = core::array::from_fn(|r| unsafe { rows[r].add(b * bb) });
+    // Bytes 0..8 of each block: d (f16), scales_h (u16), scales_l (4 bytes).
+    // SAFETY: the block is 136 bytes long.
+    let head = |r: usize| unsafe { (x[r] as *const i64).read_unaligned() };
+    let h: [__m512i; 2] = core::array::from_fn(|k| {
+        let r = 8 * k;
+        _mm512_set_epi64(
+            head(r + 7),
+            head(r + 6),
+            head(r + 5),
+            head(r + 4),
+            head(r + 3),
+            head(r + 2),
+            head(r + 1),
+            head(r),
+        )
+    });
+    let lo = _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm512_cvtepi64_epi32(h[0])),
+        _mm512_cvtepi64_epi32(h[1]),
+    );
+    let sl = _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64::<32>(h[0]))),
+        _mm512_cvtepi64_epi32(_mm512_srli_epi64::<32>(h[1])),
+    );
+    let sh = _mm512_srli_epi32::<16>(lo);
+    _mm512_store_ps(
+        tile.xd.as_mut_ptr(),
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(lo)),
+    );
+    _mm512_store_ps(tile.xdmin.as_mut_ptr(), _mm512_setzero_ps());
+    let (m15, m3) = (_mm512_set1_epi32(15), _mm512_set1_epi32(3));
+    for ib in 0..8 {
+        // `iquants::tiled::iq4xs_scale`: low four bits from scales_l, high two from scales_h.
+        let l = _mm512_and_si512(_mm512_srlv_epi32(sl, _mm512_set1_epi32(4 * ib as i32)), m15);
+        let hb = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_set1_epi32(2 * ib as i32)), m3);
+        let ls = _mm512_sub_epi32(
+            _mm512_or_si512(l, _mm512_slli_epi32::<4>(hb)),
+            _mm512_set1_epi32(32),
+        );
+        for g in [2 * ib, 2 * ib + 1] {
+            _mm512_store_si512(tile.sc[g].as_mut_ptr() as *mut __m512i, ls);
+        }
+        // pair16(ls, ls): both groups of the sub-block share its scale.
+        let pair = _mm512_or_si512(
+            _mm512_and_si512(ls, _mm512_set1_epi32(0xffff)),
+            _mm512_slli_epi32::<16>(ls),
+        );
+        _mm512_store_si512(tile.pair[ib].as_mut_ptr() as *mut __m512i, pair);
+    }
+    let mut lut = [0u8; 16];
+    for (l, &v) in lut.iter_mut().zip(&KVALUES_IQ4NL) {
+        *l = (v as i32 + 128) as u8;
+    }
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(lut.as_ptr() as *const __m128i));
+    let n15 = _mm512_set1_epi8(15);
+    for half in 0..2 {
+        // SAFETY: bytes `8 + 64·half .. 72 + 64·half` of the block: its packed nibbles.
+        let v: [__m512i; 16] = core::array::from_fn(|r| unsafe {
+            _mm512_loadu_si512(x[r].add(8 + 64 * half) as *const __m512i)
+        });
+        // Dword `d` of the nibbles (sub-block `d / 4`, bytes `4(d % 4) ..` of its sixteen) holds values
+        // `4(d % 4) ..` of the sub-block in its low nibbles and `16 + 4(d % 4) ..` in its high ones.
+        for (d, t) in transpose16(v).into_iter().enumerate() {
+            let dd = 16 * half + d;
+            let (ib, m) = (dd / 4, dd % 4);
+            let low = _mm512_shuffle_epi8(lut, _mm512_and_si512(t, n15));
+            let high = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(t), n15));
+            _mm512_store_si512(tile.w[8 * ib + m].as_mut_ptr() as *mut __m512i, low);
+            _mm512_store_si512(tile.w[8 * ib + m + 4].as_mut_ptr() as *mut __m512i, high);
+        }
+    }
 }
 
 /// 32 codes `value + 128` from four grid entries of eight magnitudes (`g[l]`: values `8l .. 8l + 8`) and
@@ -256,7 +344,7 @@ unsafe fn signed32(g: [u64; 4], signs: [u8; 4], out: *mut u8) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], f32) {
-    use crate::quant::iquants::tables::{IQ2XS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS, KVALUES_IQ4NL};
+    use crate::quant::iquants::tables::{IQ2XS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
     let o = out.as_mut_ptr();
     let mut sc = [0i32; 16];
     let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
@@ -291,42 +379,66 @@ unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], 
             }
             (sc, f16 * 0.25)
         }
-        IqKind::Iq4Xs => {
-            let mut lut = [0u8; 16];
-            for (l, &v) in lut.iter_mut().zip(&KVALUES_IQ4NL) {
-                *l = (v as i32 + 128) as u8;
-            }
-            let lut = _mm_loadu_si128(lut.as_ptr() as *const __m128i);
-            let m15 = _mm_set1_epi8(15);
-            for ib in 0..8 {
-                let ls = crate::quant::iquants::tiled::iq4xs_scale(b, ib);
-                sc[2 * ib] = ls;
-                sc[2 * ib + 1] = ls;
-                let q = _mm_loadu_si128(b.as_ptr().add(8 + 16 * ib) as *const __m128i);
-                let lo = _mm_shuffle_epi8(lut, _mm_and_si128(q, m15));
-                let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(q), m15));
-                _mm_storeu_si128(o.add(32 * ib) as *mut __m128i, lo);
-                _mm_storeu_si128(o.add(32 * ib + 16) as *mut __m128i, hi);
-            }
-            (sc, f16)
+        // Unpacked by `unpack_iq4xs`, straight from the blocks.
+        IqKind::Iq4Xs => unreachable!("IQ4_XS tiles are unpacked by unpack_iq4xs"),
+    }
+}
+
+/// `tile.w` from the sixteen rows' codes: lane `r` of vector `k` = dword `k` of row `r`, by four
+/// register transposes of 16×16 dwords (a gather per vector was a third of the unpacking).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn transpose(all: &[[u8; QK_K]; TILE_ROWS], tile: &mut Tile) {
+    for q in 0..4 {
+        let v: [__m512i; 16] = core::array::from_fn(|r| {
+            // SAFETY: bytes `64q .. 64q + 64` of row `r`, inside `all`.
+            unsafe { _mm512_loadu_si512(all[r].as_ptr().add(64 * q) as *const __m512i) }
+        });
+        let t = transpose16(v);
+        for (c, v) in t.into_iter().enumerate() {
+            _mm512_store_si512(tile.w[16 * q + c].as_mut_ptr() as *mut __m512i, v);
         }
     }
 }
 
-/// `tile.w` from the sixteen rows' codes: lane `r` of vector `k` = dword `k` of row `r`.
+/// Lane `r` of output `c` = lane `c` of input `r` (sixteen vectors of sixteen dwords): dwords, then
+/// qwords interleaved within 128-bit lanes (4×4 blocks transposed in each lane), then the 128-bit lanes
+/// of four vectors transposed in two steps; 64 shuffles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn transpose(all: &[[u8; QK_K]; TILE_ROWS], tile: &mut Tile) {
-    let idx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((QK_K / 4) as i32),
-    );
-    let base = all.as_ptr() as *const i32;
-    for k in 0..64 {
-        let v =
-            _mm512_i32gather_epi32::<4>(_mm512_add_epi32(idx, _mm512_set1_epi32(k as i32)), base);
-        _mm512_store_si512(tile.w[k].as_mut_ptr() as *mut __m512i, v);
+unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    // a[2i], a[2i+1]: rows 2i and 2i+1 interleaved (lane L: their dwords 4L, 4L+1 / 4L+2, 4L+3).
+    let a: [__m512i; 16] = core::array::from_fn(|k| {
+        let (x, y) = (r[k & !1], r[k | 1]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi32(x, y)
+        } else {
+            _mm512_unpackhi_epi32(x, y)
+        }
+    });
+    // b[4i + j], lane L: dword 4L + j of rows 4i .. 4i + 4.
+    let b: [__m512i; 16] = core::array::from_fn(|k| {
+        let (i, j) = (k / 4, k % 4);
+        let (x, y) = (a[4 * i + j / 2], a[4 * i + j / 2 + 2]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_epi64(x, y)
+        } else {
+            _mm512_unpackhi_epi64(x, y)
+        }
+    });
+    // Output 4L + j takes lane L of b[j], b[4 + j], b[8 + j], b[12 + j].
+    let mut out = [_mm512_setzero_si512(); 16];
+    for j in 0..4 {
+        let c0 = _mm512_shuffle_i32x4::<0x44>(b[j], b[4 + j]);
+        let c1 = _mm512_shuffle_i32x4::<0xEE>(b[j], b[4 + j]);
+        let c2 = _mm512_shuffle_i32x4::<0x44>(b[8 + j], b[12 + j]);
+        let c3 = _mm512_shuffle_i32x4::<0xEE>(b[8 + j], b[12 + j]);
+        out[j] = _mm512_shuffle_i32x4::<0x88>(c0, c2);
+        out[4 + j] = _mm512_shuffle_i32x4::<0xDD>(c0, c2);
+        out[8 + j] = _mm512_shuffle_i32x4::<0x88>(c1, c3);
+        out[12 + j] = _mm512_shuffle_i32x4::<0xDD>(c1, c3);
     }
+    out
 }
 
 /// The float orders [`dot`] finishes the exact totals in.
