@@ -162,15 +162,7 @@ impl KTile {
             let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
             // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
             // `nb` Q8_K blocks (asserted) and `out` one entry per row.
-            unsafe {
-                imp::dot(
-                    self.iq.is_none().then_some(self.kind),
-                    self.order,
-                    &tiles.tiles,
-                    &ptrs,
-                    out,
-                )
-            };
+            unsafe { imp::dot(self.kind, self.iq, self.order, &tiles.tiles, &ptrs, out) };
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

@@ -225,8 +225,15 @@ pub(crate) unsafe fn unpack_iq(
         // SAFETY (of the slice): row `r` holds block `b` of `bb` bytes.
         let xs = core::slice::from_raw_parts(row.add(b * bb), bb);
         let (sc, xd) = iq_codes(kind, xs, &mut all[r]);
-        for (t, &s) in tile.sc.iter_mut().zip(&sc) {
-            t[r] = s;
+        if sub32(kind) {
+            // One scale per 32-value sub-block (both of its groups share it), as `dot` reads them.
+            for (t, &s) in tile.sc.iter_mut().zip(sc.iter().step_by(2)) {
+                t[r] = s;
+            }
+        } else {
+            for (t, &s) in tile.sc.iter_mut().zip(&sc) {
+                t[r] = s;
+            }
         }
         for p in 0..8 {
             tile.pair[p][r] = pair16(sc[2 * p], sc[2 * p + 1]);
@@ -235,6 +242,13 @@ pub(crate) unsafe fn unpack_iq(
         tile.xdmin[r] = 0.0;
     }
     transpose(&all, tile);
+}
+
+/// Whether IQ format `kind` has one scale per 32-value sub-block: its tiles then hold [`Tile::sc`] per
+/// sub-block (the first eight) and [`dot`] scales sums of 32 values, half the multiplies of 16-value
+/// groups (sums of 32 codes up to 255 times 128 still fit i32 with the scale, 32·255·128·31 < 2³¹/8).
+pub(crate) fn sub32(kind: IqKind) -> bool {
+    matches!(kind, IqKind::Iq3Xxs | IqKind::Iq4Xs)
 }
 
 /// IQ4_XS's tile straight from the sixteen rows' blocks, the rows' scales side by side in vectors and
@@ -287,9 +301,8 @@ unsafe fn unpack_iq4xs(rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile)
             _mm512_or_si512(l, _mm512_slli_epi32::<4>(hb)),
             _mm512_set1_epi32(32),
         );
-        for g in [2 * ib, 2 * ib + 1] {
-            _mm512_store_si512(tile.sc[g].as_mut_ptr() as *mut __m512i, ls);
-        }
+        // Per sub-block, as for every format of [`sub32`].
+        _mm512_store_si512(tile.sc[ib].as_mut_ptr() as *mut __m512i, ls);
         // pair16(ls, ls): both groups of the sub-block share its scale.
         let pair = _mm512_or_si512(
             _mm512_and_si512(ls, _mm512_set1_epi32(0xffff)),
@@ -468,8 +481,9 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
 ) {
     // Q4_K/Q5_K: eight sub-blocks of 32, sums up to 32·31·128 (scaled by `vpmulld`); the others sixteen
     // groups of 16; Q2_K and Q3_K sums fit i16 (16·7·128), so `vpdpwssd` scales them.
-    // K = 5: the IQ formats (codes `value + 128`, sums up to 16·255·128: `vpmulld`).
-    let sub32 = K == 2 || K == 3;
+    // K = 5: the IQ formats (codes `value + 128`, sums up to 16·255·128: `vpmulld`); K = 6 those with
+    // a scale per 32 values ([`sub32`]).
+    let sub32 = K == 2 || K == 3 || K == 6;
     let (groups, per_group) = if sub32 { (8, 8) } else { (16, 4) };
     let dpw = K <= 1;
     let zero = _mm512_setzero_si512();
@@ -544,7 +558,7 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
         let total = match K {
             1 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<2>(m[t])),
             4 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<5>(m[t])),
-            5 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<7>(m[t])),
+            5 | 6 => _mm512_sub_epi32(tot[t], _mm512_slli_epi32::<7>(m[t])),
             _ => tot[t],
         };
         let mut r = _mm512_mul_ps(xd, _mm512_cvtepi32_ps(total));
@@ -593,10 +607,12 @@ unsafe fn steps<const K: u8, const ORD: u8>(
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI with AVX2, FMA and F16C; each of `acts` must be
 /// readable for `tiles.len()` Q8_K blocks; `out.len() == acts.len()`; the Q4_K orders only with Q4_K
-/// tiles; `kind` `None` for tiles of [`unpack_iq`] (their order is the tiled one).
+/// tiles; `iq` the format of tiles of [`unpack_iq`] (their order is the tiled one; `kind` is then not
+/// read).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn dot(
-    kind: Option<KKind>,
+    kind: KKind,
+    iq: Option<IqKind>,
     order: Order,
     tiles: &[Tile],
     acts: &[*const u8],
@@ -604,10 +620,14 @@ pub(crate) unsafe fn dot(
 ) {
     let mut accs = vec![[0f32; 2 * TILE_ROWS]; acts.len()];
     for (b, tile) in tiles.iter().enumerate() {
-        let Some(kind) = kind else {
-            steps::<5, 0>(tile, b, acts, &mut accs);
+        if let Some(iq) = iq {
+            if sub32(iq) {
+                steps::<6, 0>(tile, b, acts, &mut accs);
+            } else {
+                steps::<5, 0>(tile, b, acts, &mut accs);
+            }
             continue;
-        };
+        }
         match (kind, order) {
             (KKind::Q2K, _) => steps::<0, 0>(tile, b, acts, &mut accs),
             (KKind::Q3K, _) => steps::<1, 0>(tile, b, acts, &mut accs),
