@@ -22,6 +22,22 @@ use core::arch::x86_64::*;
 use crate::quant::iquants::tiled::IqKind;
 use crate::quant::kquants::{block_scales, scales_mins_k4, scales_q3_k, KKind, Q8K_BYTES, QK_K};
 
+/// `[f(0), .., f(N − 1)]` for arrays of vectors and pointers, in place of `core::array::from_fn`:
+/// its closure carries this file's target features, which `from_fn` itself lacks, so LLVM may not
+/// inline one into the other and every element became a call with the vectors passed through memory.
+macro_rules! each {
+    (|$i:ident| $e:expr) => {{
+        // SAFETY: the elements are SIMD vectors, integers or raw pointers, for which all-zero bits
+        // are a value; every one is overwritten below.
+        let mut a = unsafe { core::mem::zeroed::<[_; _]>() };
+        #[allow(clippy::needless_range_loop)]
+        for $i in 0..a.len() {
+            a[$i] = $e;
+        }
+        a
+    }};
+}
+
 /// Rows of a tile (the lanes of a `zmm` of i32).
 pub(crate) const TILE_ROWS: usize = 16;
 
@@ -154,6 +170,10 @@ unsafe fn codes(kind: KKind, x: *const u8, out: &mut [u8; QK_K]) {
 /// readable for `b + 1` blocks of `kind`.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile) {
+    if kind == KKind::Q5K {
+        unpack_q5k(rows, b, tile);
+        return;
+    }
     let bb = kind.block_bytes();
     let mut all = [[0u8; QK_K]; TILE_ROWS];
     for (r, &row) in rows.iter().enumerate() {
@@ -201,6 +221,82 @@ pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize
         }
     }
     transpose(&all, tile);
+}
+
+/// Q5_K's tile straight from the sixteen rows' blocks: each block's bytes transposed in registers (bytes
+/// 0..64: the header, scales and high bits; 48..176: the nibbles), so the scales and minimums of sixteen
+/// rows come out side by side and the codes are assembled in place, with no per-row code buffer. The
+/// same codes and scales as [`codes`] and `kquants::scales_mins_k4` give (the tests compare the tile
+/// kernel with the portable code).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_q5k(rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile) {
+    let bb = KKind::Q5K.block_bytes();
+    // SAFETY: each row holds block `b` (the caller's contract).
+    let x: [*const u8; TILE_ROWS] = each!(|r| unsafe { rows[r].add(b * bb) });
+    // SAFETY: `at + 64 <= 176`, inside the block.
+    let load = |at: usize| -> [__m512i; 16] {
+        each!(|r| unsafe { _mm512_loadu_si512(x[r].add(at) as *const __m512i) })
+    };
+    // Dword 0: d | dmin << 16; 1..4: the twelve scale bytes; 4..12: qh.
+    let head = transpose16(load(0));
+    let dd = head[0];
+    _mm512_store_ps(
+        tile.xd.as_mut_ptr(),
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)),
+    );
+    _mm512_store_ps(
+        tile.xdmin.as_mut_ptr(),
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd))),
+    );
+    // `scales_mins_k4`, four sub-blocks per byte lane: j < 4 from the low six bits of s[j] (scale) and
+    // s[j + 4] (minimum); j >= 4 the nibbles of s[j + 4] with the top two bits of s[j − 4] / s[j] above.
+    let (s0, s1, s2) = (head[1], head[2], head[3]);
+    let b63 = _mm512_set1_epi8(63);
+    let b15 = _mm512_set1_epi8(15);
+    let b48 = _mm512_set1_epi8(48);
+    let top = |v: __m512i| _mm512_and_si512(_mm512_srli_epi16::<2>(v), b48);
+    let sc = [
+        _mm512_and_si512(s0, b63),
+        _mm512_or_si512(_mm512_and_si512(s2, b15), top(s0)),
+    ];
+    let mn = [
+        _mm512_and_si512(s1, b63),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(s2), b15), top(s1)),
+    ];
+    let byte = _mm512_set1_epi32(255);
+    for c in 0..8 {
+        let sh = _mm512_set1_epi32(8 * (c % 4) as i32);
+        let s = _mm512_and_si512(_mm512_srlv_epi32(sc[c / 4], sh), byte);
+        let m = _mm512_and_si512(_mm512_srlv_epi32(mn[c / 4], sh), byte);
+        _mm512_store_si512(tile.sc[c].as_mut_ptr() as *mut __m512i, s);
+        // pair16(m, m): the minimum meets both 16-value sums of the sub-block.
+        _mm512_store_si512(
+            tile.pair[c].as_mut_ptr() as *mut __m512i,
+            _mm512_or_si512(m, _mm512_slli_epi32::<16>(m)),
+        );
+    }
+    // Dword k = 16c + m of the codes: m < 8 the low nibbles of qs dword 8c + m with bit 2c of qh dword m
+    // as bit 4; m >= 8 the high nibbles of qs dword 8c + m − 8 with bit 2c + 1 of qh dword m − 8.
+    let one = _mm512_set1_epi8(1);
+    for half in 0..2 {
+        let qs = transpose16(load(48 + 64 * half));
+        for (i, q) in qs.into_iter().enumerate() {
+            let (c, m) = ((16 * half + i) / 8, i % 8);
+            let qh = head[4 + m];
+            let hb = |bit: usize| {
+                let v = _mm512_srlv_epi16(qh, _mm512_set1_epi16(bit as i16));
+                _mm512_slli_epi16::<4>(_mm512_and_si512(v, one))
+            };
+            let low = _mm512_or_si512(_mm512_and_si512(q, b15), hb(2 * c));
+            let high = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q), b15),
+                hb(2 * c + 1),
+            );
+            _mm512_store_si512(tile.w[16 * c + m].as_mut_ptr() as *mut __m512i, low);
+            _mm512_store_si512(tile.w[16 * c + m + 8].as_mut_ptr() as *mut __m512i, high);
+        }
+    }
 }
 
 /// Unpacks super-block `b` of sixteen rows of an IQ format into `tile`: codes `value + 128`, the 16-value
@@ -261,11 +357,11 @@ unsafe fn unpack_iq4xs(rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile)
     use crate::quant::iquants::tables::KVALUES_IQ4NL;
     let bb = IqKind::Iq4Xs.block_bytes();
     // SAFETY: each row holds block `b` (the caller's contract).
-    let x: [*const u8; TILE_ROWS] = core::array::from_fn(|r| unsafe { rows[r].add(b * bb) });
+    let x: [*const u8; TILE_ROWS] = each!(|r| unsafe { rows[r].add(b * bb) });
     // Bytes 0..8 of each block: d (f16), scales_h (u16), scales_l (4 bytes).
     // SAFETY: the block is 136 bytes long.
     let head = |r: usize| unsafe { (x[r] as *const i64).read_unaligned() };
-    let h: [__m512i; 2] = core::array::from_fn(|k| {
+    let h: [__m512i; 2] = each!(|k| {
         let r = 8 * k;
         _mm512_set_epi64(
             head(r + 7),
@@ -318,9 +414,8 @@ unsafe fn unpack_iq4xs(rows: &[*const u8; TILE_ROWS], b: usize, tile: &mut Tile)
     let n15 = _mm512_set1_epi8(15);
     for half in 0..2 {
         // SAFETY: bytes `8 + 64·half .. 72 + 64·half` of the block: its packed nibbles.
-        let v: [__m512i; 16] = core::array::from_fn(|r| unsafe {
-            _mm512_loadu_si512(x[r].add(8 + 64 * half) as *const __m512i)
-        });
+        let v: [__m512i; 16] =
+            each!(|r| unsafe { _mm512_loadu_si512(x[r].add(8 + 64 * half) as *const __m512i) });
         // Dword `d` of the nibbles (sub-block `d / 4`, bytes `4(d % 4) ..` of its sixteen) holds values
         // `4(d % 4) ..` of the sub-block in its low nibbles and `16 + 4(d % 4) ..` in its high ones.
         for (d, t) in transpose16(v).into_iter().enumerate() {
@@ -366,7 +461,7 @@ unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], 
     match kind {
         IqKind::Iq2Xs => {
             for ib in 0..8 {
-                let q: [u16; 4] = core::array::from_fn(|l| u16_at(2 + 8 * ib + 2 * l));
+                let q: [u16; 4] = each!(|l| u16_at(2 + 8 * ib + 2 * l));
                 let g = q.map(|q| IQ2XS_GRID[(q & 511) as usize]);
                 let signs = q.map(|q| KSIGNS_IQ2XS[(q >> 9) as usize]);
                 signed32(g, signs, o.add(32 * ib));
@@ -381,13 +476,12 @@ unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], 
                 let ls = 2 * (aux >> 28) as i32 + 1;
                 sc[2 * ib] = ls;
                 sc[2 * ib + 1] = ls;
-                let g: [u64; 4] = core::array::from_fn(|l| {
+                let g: [u64; 4] = each!(|l| {
                     let g1 = IQ3XXS_GRID[b[2 + 8 * ib + 2 * l] as usize] as u64;
                     let g2 = IQ3XXS_GRID[b[3 + 8 * ib + 2 * l] as usize] as u64;
                     g1 | g2 << 32
                 });
-                let signs: [u8; 4] =
-                    core::array::from_fn(|l| KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize]);
+                let signs: [u8; 4] = each!(|l| KSIGNS_IQ2XS[(aux >> (7 * l) & 127) as usize]);
                 signed32(g, signs, o.add(32 * ib));
             }
             (sc, f16 * 0.25)
@@ -403,7 +497,7 @@ unsafe fn iq_codes(kind: IqKind, b: &[u8], out: &mut [u8; QK_K]) -> ([i32; 16], 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn transpose(all: &[[u8; QK_K]; TILE_ROWS], tile: &mut Tile) {
     for q in 0..4 {
-        let v: [__m512i; 16] = core::array::from_fn(|r| {
+        let v: [__m512i; 16] = each!(|r| {
             // SAFETY: bytes `64q .. 64q + 64` of row `r`, inside `all`.
             unsafe { _mm512_loadu_si512(all[r].as_ptr().add(64 * q) as *const __m512i) }
         });
@@ -421,7 +515,7 @@ unsafe fn transpose(all: &[[u8; QK_K]; TILE_ROWS], tile: &mut Tile) {
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
     // a[2i], a[2i+1]: rows 2i and 2i+1 interleaved (lane L: their dwords 4L, 4L+1 / 4L+2, 4L+3).
-    let a: [__m512i; 16] = core::array::from_fn(|k| {
+    let a: [__m512i; 16] = each!(|k| {
         let (x, y) = (r[k & !1], r[k | 1]);
         if k % 2 == 0 {
             _mm512_unpacklo_epi32(x, y)
@@ -430,7 +524,7 @@ unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
         }
     });
     // b[4i + j], lane L: dword 4L + j of rows 4i .. 4i + 4.
-    let b: [__m512i; 16] = core::array::from_fn(|k| {
+    let b: [__m512i; 16] = each!(|k| {
         let (i, j) = (k / 4, k % 4);
         let (x, y) = (a[4 * i + j / 2], a[4 * i + j / 2 + 2]);
         if j % 2 == 0 {
@@ -489,11 +583,10 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
     let zero = _mm512_setzero_si512();
     let xd = _mm512_load_ps(tile.xd.as_ptr());
     let xdmin = _mm512_load_ps(tile.xdmin.as_ptr());
-    let yd: [__m512; NT] =
-        core::array::from_fn(|t| _mm512_set1_ps((ys[t] as *const f32).read_unaligned()));
+    let yd: [__m512; NT] = each!(|t| _mm512_set1_ps((ys[t] as *const f32).read_unaligned()));
     // The Q4_K orders: `xd·yd` and `xdmin·yd` per row, rounded as the scalar code rounds them.
-    let d: [__m512; NT] = core::array::from_fn(|t| _mm512_mul_ps(xd, yd[t]));
-    let dmin: [__m512; NT] = core::array::from_fn(|t| _mm512_mul_ps(xdmin, yd[t]));
+    let d: [__m512; NT] = each!(|t| _mm512_mul_ps(xd, yd[t]));
+    let dmin: [__m512; NT] = each!(|t| _mm512_mul_ps(xdmin, yd[t]));
     let mut tot = [zero; NT];
     let mut m = [zero; NT];
     for g in 0..groups {
@@ -585,13 +678,13 @@ unsafe fn steps<const K: u8, const ORD: u8>(
     let y = |t: usize| acts[t].add(b * Q8K_BYTES);
     let mut t = 0;
     while t + 8 <= acts.len() {
-        let acc: [*mut f32; 8] = core::array::from_fn(|i| accs[t + i].as_mut_ptr());
-        step::<K, ORD, 8>(tile, core::array::from_fn(|i| y(t + i)), acc);
+        let acc: [*mut f32; 8] = each!(|i| accs[t + i].as_mut_ptr());
+        step::<K, ORD, 8>(tile, each!(|i| y(t + i)), acc);
         t += 8;
     }
     if t + 4 <= acts.len() {
-        let acc: [*mut f32; 4] = core::array::from_fn(|i| accs[t + i].as_mut_ptr());
-        step::<K, ORD, 4>(tile, core::array::from_fn(|i| y(t + i)), acc);
+        let acc: [*mut f32; 4] = each!(|i| accs[t + i].as_mut_ptr());
+        step::<K, ORD, 4>(tile, each!(|i| y(t + i)), acc);
         t += 4;
     }
     while t < acts.len() {
