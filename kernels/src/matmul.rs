@@ -290,7 +290,7 @@ pub fn matmul_ordered(
     let tile_single = crate::quant::kquants::ktile(w.ty, None);
     let tile_batch = batch.and_then(|b| crate::quant::kquants::ktile(w.ty, Some(b)));
     let tile_of = |j: usize| if applies(j) { tile_batch } else { tile_single };
-    if n >= TILE_MIN_TOKENS && (0..n).all(|j| tile_of(j).is_some()) {
+    if (0..n).all(|j| tile_of(j).is_some_and(|kt| n >= kt.min_tokens())) {
         let (batch_rows, single_rows): (Vec<usize>, Vec<usize>) = (0..n).partition(|&j| applies(j));
         let groups: Vec<_> = [(tile_batch, batch_rows), (tile_single, single_rows)]
             .into_iter()
@@ -442,10 +442,6 @@ pub fn matmul_ordered(
         }
     });
 }
-
-/// Fewest activation rows for which [`matmul_ordered`] takes the tile kernel: below, unpacking sixteen
-/// weight rows costs more than the row-by-row kernels lose.
-const TILE_MIN_TOKENS: usize = 8;
 
 /// [`matmul_ordered`] with tile kernels: `groups` pairs a kernel with the activation rows (indices into
 /// `act`, `act_bytes` each) that take its order. Tasks own ranges of weight rows (multiples of 16),

@@ -46,15 +46,15 @@ pub(crate) const TILE_ROWS: usize = 16;
 pub(crate) struct Tile {
     /// Vector `k`: lane `r` (bytes `4r .. 4r + 4`) holds codes `4k .. 4k + 4` of row `r` (unsigned: the
     /// quant plus the format's offset).
-    w: [[u8; 64]; 64],
+    pub(super) w: [[u8; 64]; 64],
     /// Per 16-value group (Q5_K: 32-value sub-block, the first eight), the rows' scales: i32 for
     /// `vpmulld`, or `(scale, 0)` as i16 pairs for `vpdpwssd` (Q2_K, Q3_K).
-    sc: [[i32; TILE_ROWS]; 16],
+    pub(super) sc: [[i32; TILE_ROWS]; 16],
     /// Per pair `p` of 16-value groups, the rows' i16 pair meeting the activation sums `2p`, `2p + 1`:
     /// minimums (Q2_K), the sub-block's minimum twice (Q5_K) or scales (Q3_K, Q6_K: the offset's term).
-    pair: [[i32; TILE_ROWS]; 8],
-    xd: [f32; TILE_ROWS],
-    xdmin: [f32; TILE_ROWS],
+    pub(super) pair: [[i32; TILE_ROWS]; 8],
+    pub(super) xd: [f32; TILE_ROWS],
+    pub(super) xdmin: [f32; TILE_ROWS],
 }
 
 impl Tile {
@@ -79,7 +79,7 @@ fn pair16(lo: i32, hi: i32) -> i32 {
 /// The 256 unsigned codes of one super-block `x` of `kind` (the quant plus the format's offset; Q3_K:
 /// `low | high << 2`, Q5_K: `nibble | high << 4`, Q6_K: six bits), as `kquants::block_lanes` reads them.
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn codes(kind: KKind, x: *const u8, out: &mut [u8; QK_K]) {
     let o = out.as_mut_ptr();
     let st = |at: usize, v: __m256i| {
@@ -106,12 +106,12 @@ unsafe fn codes(kind: KKind, x: *const u8, out: &mut [u8; QK_K]) {
                 let bits = ld(qs + 32 * h);
                 for s in 0..4 {
                     let low = _mm256_and_si256(
-                        _mm256_srlv_epi16(bits, _mm256_set1_epi16(2 * s as i16)),
+                        _mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * s as i16 as i32)),
                         m3,
                     );
                     let b = (4 * h + s) as i16;
                     let high = _mm256_slli_epi16::<2>(_mm256_and_si256(
-                        _mm256_srlv_epi16(hm, _mm256_set1_epi16(b)),
+                        _mm256_srl_epi16(hm, _mm_cvtsi32_si128(b as i32)),
                         one,
                     ));
                     st(128 * h + 32 * s, _mm256_or_si256(low, high));
@@ -135,7 +135,7 @@ unsafe fn codes(kind: KKind, x: *const u8, out: &mut [u8; QK_K]) {
                 for (k, n) in nib.into_iter().enumerate() {
                     let b = (2 * c + k) as i16;
                     let high = _mm256_slli_epi16::<4>(_mm256_and_si256(
-                        _mm256_srlv_epi16(hm, _mm256_set1_epi16(b)),
+                        _mm256_srl_epi16(hm, _mm_cvtsi32_si128(b as i32)),
                         one,
                     ));
                     st(64 * c + 32 * k, _mm256_or_si256(n, high));
@@ -147,7 +147,7 @@ unsafe fn codes(kind: KKind, x: *const u8, out: &mut [u8; QK_K]) {
                 let (l0, l1, qh) = (ld(64 * h), ld(64 * h + 32), ld(128 + 32 * h));
                 let hi = |s: i16| {
                     _mm256_slli_epi16::<4>(_mm256_and_si256(
-                        _mm256_srlv_epi16(qh, _mm256_set1_epi16(s)),
+                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(s as i32)),
                         m3,
                     ))
                 };
@@ -174,8 +174,27 @@ pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize
         unpack_q5k(rows, b, tile);
         return;
     }
-    let bb = kind.block_bytes();
     let mut all = [[0u8; QK_K]; TILE_ROWS];
+    fill_rows(kind, rows, b, tile, &mut all);
+    transpose(&all, tile);
+}
+
+/// The codes of super-block `b` of each of the sixteen rows into `all` (row by row), and their scales,
+/// pairs, `xd` and `xdmin` into `tile`: all of [`unpack`] but the transpose (AVX2 only, so the AVX2 tile
+/// kernel unpacks with it too).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; each of `rows` must be readable for `b + 1` blocks of
+/// `kind`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fill_rows(
+    kind: KKind,
+    rows: &[*const u8; TILE_ROWS],
+    b: usize,
+    tile: &mut Tile,
+    all: &mut [[u8; QK_K]; TILE_ROWS],
+) {
+    let bb = kind.block_bytes();
     for (r, &row) in rows.iter().enumerate() {
         let x = row.add(b * bb);
         codes(kind, x, &mut all[r]);
@@ -220,7 +239,6 @@ pub(crate) unsafe fn unpack(kind: KKind, rows: &[*const u8; TILE_ROWS], b: usize
             }
         }
     }
-    transpose(&all, tile);
 }
 
 /// Q5_K's tile straight from the sixteen rows' blocks: each block's bytes transposed in registers (bytes
