@@ -7,6 +7,8 @@ use crate::quant::iquants::tiled::IqKind;
 use crate::quant::{BatchDot, GgmlType};
 
 #[cfg(target_arch = "x86_64")]
+use crate::quant::x86::ktile_avx2 as imp2;
+#[cfg(target_arch = "x86_64")]
 use crate::quant::x86::ktile_avx512 as imp;
 
 /// Rows of one tile.
@@ -20,6 +22,8 @@ pub struct KTile {
     iq: Option<IqKind>,
     #[cfg(target_arch = "x86_64")]
     order: imp::Order,
+    /// The AVX2 kernel (`x86::ktile_avx2`, K-quants) rather than the AVX-512 VNNI one.
+    avx2: bool,
 }
 
 /// Sixteen weight rows unpacked for [`KTile::dot`], one tile per super-block; kept between calls to save
@@ -42,12 +46,29 @@ impl Tiles {
 /// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K, Q6_K, IQ2_XS, IQ3_XXS and
 /// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
+///
+/// Without AVX-512 VNNI but with AVX2 (`POLY_CPU_AVX512=0` makes one of this machine), the K-quants take
+/// the AVX2 tile kernel (`x86::ktile_avx2`) but for Q4_K, and the IQ formats their row kernels.
 pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("POLY_CPU_KTILE").map_or(true, |v| v != "0"));
-    if !on || !crate::quant::has_avx512_vnni() {
+    if !on {
         return None;
     }
+    if crate::quant::has_avx512_vnni() {
+        ktile_for(ty, order, false)
+    } else if crate::quant::has_avx2_fma() {
+        // Q4_K keeps its eight-row AVX2 kernel (`rows8`), faster than the tile there (64 tokens of an
+        // expert's down product, one thread: 73–79 against 57–60 MAC/ns).
+        ktile_for(ty, order, true).filter(|kt| kt.iq.is_none() && kt.kind != KKind::Q4K)
+    } else {
+        None
+    }
+}
+
+/// The tile kernel of `ty` in `order`, AVX2 (`avx2`) or AVX-512 VNNI, whatever this machine has (the
+/// caller checks).
+fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Option<KTile> {
     #[cfg(target_arch = "x86_64")]
     {
         use imp::Order;
@@ -59,6 +80,7 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
                         kind: KKind::Q4K,
                         iq: None,
                         order: Order::Q4kGemv,
+                        avx2,
                     })
                 }
                 Some(o) if std::ptr::eq(o, &super::Q4K_GEMM4) => {
@@ -66,6 +88,7 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
                         kind: KKind::Q4K,
                         iq: None,
                         order: Order::Q4kGemm4,
+                        avx2,
                     })
                 }
                 _ => {}
@@ -81,6 +104,7 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
                 iq: Some(iq),
                 #[cfg(target_arch = "x86_64")]
                 order: imp::Order::Tiled,
+                avx2,
             });
     }
     // The statics are the orders themselves, so their addresses identify them.
@@ -99,10 +123,23 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
         iq: None,
         #[cfg(target_arch = "x86_64")]
         order: imp::Order::Tiled,
+        avx2,
     })
 }
 
 impl KTile {
+    /// Fewest activation rows for which a product should take this kernel: below, unpacking sixteen
+    /// weight rows costs more than the row-by-row kernels lose (one thread, an expert's products: the
+    /// AVX-512 kernel wins from 8; the AVX2 one lost Q6_K at 8, 30 against 41 MAC/ns, and won every
+    /// format but Q4_K at 16).
+    pub fn min_tokens(&self) -> usize {
+        if self.avx2 {
+            16
+        } else {
+            8
+        }
+    }
+
     /// Unpacks `rows` (1 to 16 weight rows of `n` values, whole super-blocks) into `tiles`; missing rows
     /// repeat the last one (their results are for the caller to ignore).
     pub fn unpack(&self, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
@@ -125,10 +162,15 @@ impl KTile {
         tiles.rows = rows.len();
         #[cfg(target_arch = "x86_64")]
         {
-            assert!(
-                crate::quant::has_avx512_vnni(),
-                "KTile without AVX-512 VNNI"
-            );
+            if self.avx2 {
+                assert!(crate::quant::has_avx2_fma(), "AVX2 KTile without AVX2");
+                assert!(self.iq.is_none(), "no AVX2 tiles of the IQ formats");
+            } else {
+                assert!(
+                    crate::quant::has_avx512_vnni(),
+                    "KTile without AVX-512 VNNI"
+                );
+            }
             let ptrs: [*const u8; TILE_ROWS] =
                 std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
             tiles.tiles.truncate(nb);
@@ -136,10 +178,12 @@ impl KTile {
                 tiles.tiles.push(imp::Tile::zeroed());
             }
             for (b, tile) in tiles.tiles.iter_mut().enumerate() {
-                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C;
-                // every row holds `nb > b` blocks (asserted).
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C, or
+                // for the AVX2 kernel `has_avx2_fma` AVX2, FMA and F16C (asserted above); every row
+                // holds `nb > b` blocks (asserted).
                 unsafe {
                     match self.iq {
+                        _ if self.avx2 => imp2::unpack(self.kind, &ptrs, b, tile),
                         Some(iq) => imp::unpack_iq(iq, &ptrs, b, tile),
                         None => imp::unpack(self.kind, &ptrs, b, tile),
                     }
@@ -160,17 +204,15 @@ impl KTile {
                 "Q8_K activations shorter than the tiles"
             );
             let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
-            // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI; every activation row holds
-            // `nb` Q8_K blocks (asserted) and `out` one entry per row.
+            // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI (AVX2 for the AVX2 kernel);
+            // every activation row holds `nb` Q8_K blocks (asserted) and `out` one entry per row.
             unsafe {
-                imp::dot(
-                    self.iq.is_none().then_some(self.kind),
-                    self.order,
-                    &tiles.tiles,
-                    &ptrs,
-                    out,
-                )
-            };
+                if self.avx2 {
+                    imp2::dot(self.kind, self.order, &tiles.tiles, &ptrs, out);
+                } else {
+                    imp::dot(self.kind, self.iq, self.order, &tiles.tiles, &ptrs, out);
+                }
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -219,11 +261,25 @@ mod tests {
                 cases.push((ty, Some(order), order.portable));
             }
         }
-        for (ty, order, portable) in cases {
-            let Some(kt) = ktile(ty, order) else {
-                eprintln!("no AVX-512 VNNI: {ty} tile kernel not tested");
+        // Both kernels where this machine has them (the AVX2 one on AVX-512 machines too).
+        let kernels = [
+            (false, crate::quant::has_avx512_vnni()),
+            (true, crate::quant::has_avx2_fma()),
+        ];
+        let mut tested = 0;
+        for ((ty, order, portable), (avx2, here)) in cases
+            .iter()
+            .flat_map(|c| kernels.iter().map(move |k| (*c, *k)))
+        {
+            let Some(kt) = ktile_for(ty, order, avx2).filter(|kt| !(avx2 && kt.iq.is_some()))
+            else {
                 continue;
             };
+            if !here {
+                eprintln!("{ty} {kt:?}: not this machine's, not tested");
+                continue;
+            }
+            tested += 1;
             for (n, n_rows, n_acts) in [(256, 16, 13), (768, 11, 8), (2048, 5, 3)] {
                 let row_bytes = ty.bytes_for(n as u64).unwrap() as usize;
                 let mut rows = vec![0u8; n_rows * row_bytes];
@@ -254,6 +310,15 @@ mod tests {
                     }
                 }
             }
+        }
+        // 10 cases × the AVX-512 kernel, the 7 of K-quants × the AVX2 one.
+        let want = if crate::quant::has_avx512_vnni() {
+            17
+        } else {
+            7
+        };
+        if crate::quant::has_avx2_fma() {
+            assert_eq!(tested, want, "tile kernels tested");
         }
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod float_avx2;
 pub(crate) mod iquants_avx2;
 pub(crate) mod kquants_avx2;
 pub(crate) mod kquants_avx512;
+pub(crate) mod ktile_avx2;
 pub(crate) mod ktile_avx512;
 pub(crate) mod legacy_avx2;
 pub(crate) mod q4k_rows8;
