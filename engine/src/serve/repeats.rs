@@ -49,27 +49,29 @@ impl Default for Repeats {
 }
 
 impl Repeats {
-    /// Guesses to follow `seq` (the conversation's tokens, the newest last), at most `room`: what followed
-    /// the latest earlier occurrence of its last [`MIN_MATCH`] tokens. None while backing off.
-    pub fn propose(&mut self, seq: &[u32], room: usize) -> Vec<u32> {
+    /// Guesses to follow `history` then `last` (the conversation's tokens and the one just written), at
+    /// most `room`: what followed the latest earlier occurrence of its last [`MIN_MATCH`] tokens. None
+    /// while backing off. Reads the conversation in place (no copy of it per token).
+    pub fn propose(&mut self, history: &[u32], last: u32, room: usize) -> Vec<u32> {
         if self.skip > 0 {
             self.skip -= 1;
             return Vec::new();
         }
         let room = room.min(MAX_WINDOW);
-        if room == 0 || seq.len() <= MIN_MATCH {
+        let len = history.len() + 1;
+        if room == 0 || len <= MIN_MATCH {
             return Vec::new();
         }
-        let tail = &seq[seq.len() - MIN_MATCH..];
+        let at = |i: usize| history.get(i).copied().unwrap_or(last);
+        let tail = len - MIN_MATCH;
         // The latest occurrence that ends before the tail itself, so something follows it.
-        let found = (0..seq.len() - MIN_MATCH)
+        let found = (0..tail)
             .rev()
-            .find(|&i| &seq[i..i + MIN_MATCH] == tail);
+            .find(|&i| (0..MIN_MATCH).all(|k| at(i + k) == at(tail + k)));
         let Some(i) = found else {
             return Vec::new();
         };
-        let from = i + MIN_MATCH;
-        let guesses: Vec<u32> = seq[from..].iter().take(room).copied().collect();
+        let guesses: Vec<u32> = (i + MIN_MATCH..len).take(room).map(at).collect();
         self.proposed += guesses.len() as u64;
         guesses
     }
@@ -104,22 +106,22 @@ mod tests {
     fn the_sequel_of_the_latest_match_is_guessed() {
         let mut r = Repeats::default();
         // 7 8 9 occurred twice before; the latest is followed by 4 5.
-        let seq = [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8, 9];
-        assert_eq!(r.propose(&seq, 8), vec![4, 5, 6, 7, 8, 9]);
-        assert_eq!(r.propose(&seq, 2), vec![4, 5]);
+        let seq = [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8];
+        assert_eq!(r.propose(&seq, 9, 8), vec![4, 5, 6, 7, 8, 9]);
+        assert_eq!(r.propose(&seq, 9, 2), vec![4, 5]);
         assert_eq!(r.proposed, 8);
         // No earlier occurrence of the tail, or too short a sequence.
-        assert!(r.propose(&[1, 2, 3, 4, 5, 6], 8).is_empty());
-        assert!(r.propose(&[1, 1, 1], 8).is_empty());
-        assert!(r.propose(&seq, 0).is_empty());
+        assert!(r.propose(&[1, 2, 3, 4, 5], 6, 8).is_empty());
+        assert!(r.propose(&[1, 1], 1, 8).is_empty());
+        assert!(r.propose(&seq, 9, 0).is_empty());
     }
 
     #[test]
     fn fruitless_windows_back_off() {
         let mut r = Repeats::default();
-        let seq = [1, 2, 3, 9, 1, 2, 3];
+        let seq = [1, 2, 3, 9, 1, 2];
         let window = |r: &mut Repeats| {
-            let g = r.propose(&seq, 4);
+            let g = r.propose(&seq, 3, 4);
             if !g.is_empty() {
                 r.window_started();
             }

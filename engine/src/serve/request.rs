@@ -308,11 +308,11 @@ impl<W: std::io::Write> Session<'_, W> {
                 conv.state.truncate(kept);
             }
             let guesses = match repeats.as_mut() {
-                Some(r) => {
-                    let mut seq = conv.state.tokens().to_vec();
-                    seq.push(token);
-                    r.propose(&seq, conv.state.room().saturating_sub(1))
-                }
+                Some(r) => r.propose(
+                    conv.state.tokens(),
+                    token,
+                    conv.state.room().saturating_sub(1),
+                ),
                 None => Vec::new(),
             };
             let mut call = vec![token];

@@ -4,7 +4,7 @@
 
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Flavor, Kind};
-use super::openai::{next_or_gone, CANCEL_WAIT};
+use super::openai::{next_or_gone, next_or_left, CANCEL_WAIT};
 use super::prepare::{chat_prompt, encode_error, leased_with, off_runtime};
 use super::sampling::sampling;
 use super::AppState;
@@ -329,12 +329,9 @@ async fn collect_message(
     let mut blocks: Vec<Value> = Vec::new();
     let mut n_tools = 0;
     let finish = loop {
-        let step = tokio::select! {
-            _ = done.closed() => {
-                gen.cancel(CANCEL_WAIT).await;
-                return;
-            }
-            step = gen.next() => step,
+        let Some(step) = next_or_left(&mut gen, &mut done).await else {
+            gen.cancel(CANCEL_WAIT).await;
+            return;
         };
         match step {
             Step::Pieces { pieces, .. } => {

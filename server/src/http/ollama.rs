@@ -8,7 +8,7 @@
 use super::body::{channel_response, json_response, RespBody};
 use super::errors::{ApiError, Flavor, Kind};
 use super::llama::build_info;
-use super::openai::{next_or_gone, CANCEL_WAIT};
+use super::openai::{next_or_gone, next_or_left, CANCEL_WAIT};
 use super::prepare::{chat_prompt, encode_error, leased_with};
 use super::sampling::sampling;
 use super::unsupported::{refuse_ollama_format, text_only};
@@ -522,12 +522,9 @@ async fn collect_answer(
 ) {
     let mut parts = Parts::default();
     let finish = loop {
-        let step = tokio::select! {
-            _ = done.closed() => {
-                gen.cancel(CANCEL_WAIT).await;
-                return;
-            }
-            step = gen.next() => step,
+        let Some(step) = next_or_left(&mut gen, &mut done).await else {
+            gen.cancel(CANCEL_WAIT).await;
+            return;
         };
         match step {
             Step::Pieces { pieces, .. } => parts.add(pieces),

@@ -289,12 +289,9 @@ async fn collect_chat(
     let mut logprobs: Vec<Value> = Vec::new();
     let mut done = done;
     let finish = loop {
-        let step = tokio::select! {
-            _ = done.closed() => {
-                gen.cancel(CANCEL_WAIT).await;
-                return;
-            }
-            step = gen.next() => step,
+        let Some(step) = next_or_left(&mut gen, &mut done).await else {
+            gen.cancel(CANCEL_WAIT).await;
+            return;
         };
         match step {
             Step::Pieces {
@@ -370,6 +367,15 @@ async fn send(tx: &mpsc::Sender<Bytes>, bytes: Bytes) -> bool {
 pub async fn next_or_gone(gen: &mut Generation, tx: &mpsc::Sender<Bytes>) -> Option<Step> {
     tokio::select! {
         _ = tx.closed() => None,
+        step = gen.next() => Some(step),
+    }
+}
+
+/// Waits for the next step of an answer sent whole, or `None` when its request went away (the caller
+/// cancels the generation).
+pub async fn next_or_left<T>(gen: &mut Generation, done: &mut oneshot::Sender<T>) -> Option<Step> {
+    tokio::select! {
+        _ = done.closed() => None,
         step = gen.next() => Some(step),
     }
 }
@@ -627,12 +633,9 @@ async fn collect_completion(
     let mut lps = LegacyLogprobs::default();
     let mut offset = 0;
     let finish = loop {
-        let step = tokio::select! {
-            _ = done.closed() => {
-                gen.cancel(CANCEL_WAIT).await;
-                return;
-            }
-            step = gen.next() => step,
+        let Some(step) = next_or_left(&mut gen, &mut done).await else {
+            gen.cancel(CANCEL_WAIT).await;
+            return;
         };
         match step {
             Step::Pieces { pieces, logprobs } => {

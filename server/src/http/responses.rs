@@ -8,7 +8,7 @@
 
 use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Flavor, Kind};
-use super::openai::{next_or_gone, parse_chat, unix_now, CANCEL_WAIT};
+use super::openai::{next_or_gone, next_or_left, parse_chat, unix_now, CANCEL_WAIT};
 use super::prepare::{chat_prompt, leased_with};
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Step};
@@ -339,12 +339,9 @@ async fn collect(
 ) {
     let mut answer = Answer::default();
     let finish = loop {
-        let step = tokio::select! {
-            _ = done.closed() => {
-                gen.cancel(CANCEL_WAIT).await;
-                return;
-            }
-            step = gen.next() => step,
+        let Some(step) = next_or_left(&mut gen, &mut done).await else {
+            gen.cancel(CANCEL_WAIT).await;
+            return;
         };
         match step {
             Step::Pieces { pieces, .. } => add(&mut answer, pieces),
