@@ -13,8 +13,9 @@
 #   ours   poly-engine bench at the budget for every model, the binary before the change
 #          (bin/poly-engine-base, when carried) beside this one; every weight in VRAM; one-call pp8000;
 #          polystrata benchmark through the server (prompts of 2,000 / 8,000 / 30,000 tokens).
-#   llama  llama-bench at the budget (N from BUDGET_NCMOE, the fewest CPU layers whose measured peak fits
-#          8 GB, shared/device/README.md) and every layer on the card, peaks measured the same way.
+#   llama  llama-bench at the budget (N scanned up from the last measured value to the fewest CPU layers
+#          whose measured peak fits the budget, per shape) and every layer on the card, peaks measured the
+#          same way.
 # CARRY_DIR holds bin.tar.xz (poly-engine, poly-engine-base, polystrata, the GPU test binaries),
 # llama.cpp.tar.xz and llamacpp_build_cuda.sh. Results: $OUT/summary-PHASE.txt and raw files.
 set -u
@@ -57,7 +58,8 @@ if [ "$PHASE" = prep ]; then
     wait "${P[@]}"  # the writers, not the build
     grep -hE "routing|wrote" $R/synth-*.txt | tee -a "$S"
     stamp "correctness"
-    for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops; do
+    # TESTS=0: a stay that measures only (the binaries' tests passed on this build before).
+    [ "${TESTS:-1}" = 1 ] && for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops; do
         [ -x /tmp/bin/$t ] || continue
         timeout 200 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
         echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a "$S"
@@ -106,8 +108,12 @@ if [ "$PHASE" = ours ]; then
         F=/dev/shm/m/$m.gguf
         # BASE_MODELS: which models the binary before the change runs for (default: all).
         case " ${BASE_MODELS:-$MODELS} " in *" $m "*) HAS_BASE=1 ;; *) HAS_BASE=0 ;; esac
-        [ -x /tmp/bin/poly-engine-base ] && [ $HAS_BASE = 1 ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
-        POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+        # ROUNDS: base and new alternate this many times (both unprofiled), then one profiled run of new.
+        for round in $(seq ${ROUNDS:-1}); do
+            [ -x /tmp/bin/poly-engine-base ] && [ $HAS_BASE = 1 ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+            bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
+        done
+        POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
     # PROFILE=1: where a partly resident token's host time goes (the CPU share's parts by POLY_CPU_PROFILE's
@@ -166,8 +172,26 @@ fi
 
 if [ "$PHASE" = llama ]; then
     [ -x $LB ] || { echo "no llama-bench: $(tail -3 /tmp/lcb/llama_build.txt)" | tee -a "$S"; exit 1; }
+    # The fewest CPU layers whose measured peak fits the budget, per shape: from the last measured N up
+    # (a short run each, peaks by nvidia-smi with the CUDA context), at most 4 tries.
+    scan() { # model
+        local n=$(ncmoe $1) try peak
+        for try in 1 2 3 4; do
+            smi_start
+            timeout 90 $LB -m /dev/shm/m/$1.gguf -ngl 99 --n-cpu-moe $n -fa 1 -p 512 -n 16 -r 1 -o md > /dev/null 2>&1
+            kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
+            peak=$(sort -n $R/vram.txt | tail -1)
+            echo "  scan $1 --n-cpu-moe $n: peak $peak MiB" | tee -a "$S" >&2
+            [ "${peak:-99999}" -le "$BUDGET" ] && break
+            n=$(( n + 1 ))
+        done
+        echo $n
+    }
+    declare -A NSHAPE
     for m in $MODELS; do
-        N=$(ncmoe $m)
+        shape=${m%[us]}
+        [ -n "${NSHAPE[$shape]:-}" ] || NSHAPE[$shape]=$(scan $m)
+        N=${NSHAPE[$shape]}
         stamp "llama.cpp $m --n-cpu-moe $N"
         smi_start
         timeout 150 $LB -m /dev/shm/m/$m.gguf -ngl 99 --n-cpu-moe $N -fa 1 -p 512 -n 64 -r 2 -o md 2>&1 | grep -E "pp|tg|error" | tee -a "$S"
@@ -182,7 +206,7 @@ if [ "$PHASE" = llama ]; then
     done
     if [ "${PP30000:-1}" = 1 ]; then
         stamp "llama.cpp q35s pp30000 at the budget"
-        timeout 120 $LB -m /dev/shm/m/q35s.gguf -ngl 99 --n-cpu-moe 31 -fa 1 -p 30000 -n 0 -ub 2048 -b 8192 -r 1 -o md 2>&1 | grep -E "pp|error" | tee -a "$S"
+        timeout 120 $LB -m /dev/shm/m/q35s.gguf -ngl 99 --n-cpu-moe ${NSHAPE[q35]:-31} -fa 1 -p 30000 -n 0 -ub 2048 -b 8192 -r 1 -o md 2>&1 | grep -E "pp|error" | tee -a "$S"
     fi
     stamp done
 fi

@@ -144,6 +144,17 @@ pub struct Moe {
     pub act: Unary,
 }
 
+/// A shared expert beside a MoE block's routed ones (Qwen3.5's): `down(act(gate·x) ⊙ up·x)`, scaled by
+/// `sigmoid(gate_inp·x)` when it has that gate (`gate_inp` `[n_embd]`: one logit per token).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SharedExpert {
+    pub gate: WeightId,
+    pub up: WeightId,
+    pub down: WeightId,
+    pub gate_inp: Option<WeightId>,
+    pub act: Unary,
+}
+
 /// The gated delta rule over the layer's recurrent state `S` (`[n_v_heads, head_v, head_k]`), as llama.cpp's
 /// `build_delta_net` computes it (`src/models/delta-net-base.cpp`): for each token and head, with
 /// `g = e^{gate}`, `S ← g·S`, then `S ← S + β·(v − S·k)·kᵀ`, output `S·q` (q scaled as llama.cpp does).
@@ -248,6 +259,19 @@ pub trait Compute {
 
     /// A mixture-of-experts block on `x` (`[n, n_embd]`) for `layer`.
     fn moe(&mut self, layer: usize, x: &Self::Act, moe: &Moe) -> Self::Act;
+
+    /// [`Compute::moe`] plus a shared expert on the same `x`: `moe + shared`. One operation so that a
+    /// backend which hands a MoE layer over to the host in its middle can compute the shared expert while
+    /// the host decides where the routed experts run.
+    fn moe_shared(
+        &mut self,
+        layer: usize,
+        x: &Self::Act,
+        moe: &Moe,
+        shared: &SharedExpert,
+    ) -> Self::Act {
+        composed::moe_shared(self, layer, x, moe, shared)
+    }
 
     /// Causal depthwise convolution over time with the layer's conv state (the last `kernel - 1` inputs),
     /// which the call advances: `x` `[n, channels]`, `kernel` `[kernel, channels]`.
@@ -368,7 +392,38 @@ pub trait Compute {
 /// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
 /// kernel (or fusion is switched off).
 pub mod composed {
-    use super::{Compute, DeltaNet, DeltaNetInputs, Rope, Unary, WeightId};
+    use super::{Compute, DeltaNet, DeltaNetInputs, Moe, Rope, SharedExpert, Unary, WeightId};
+
+    /// [`Compute::moe_shared`]: `moe`, the shared expert, their sum.
+    pub fn moe_shared<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: &C::Act,
+        moe: &Moe,
+        s: &SharedExpert,
+    ) -> C::Act {
+        let moe_out = c.moe(layer, x, moe);
+        let shared = shared_expert(c, x, s);
+        c.add(&moe_out, &shared)
+    }
+
+    /// The shared expert of [`Compute::moe_shared`] alone.
+    pub fn shared_expert<C: Compute + ?Sized>(c: &mut C, x: &C::Act, s: &SharedExpert) -> C::Act {
+        match s.gate_inp {
+            Some(gate_inp) => {
+                let [gate, up, scale] = c.matmul_many([s.gate, s.up, gate_inp], x);
+                let h = c.glu(&gate, &up, s.act);
+                let y = c.matmul(s.down, &h);
+                let scale = c.unary(&scale, Unary::Sigmoid);
+                c.mul(&y, &scale)
+            }
+            None => {
+                let [gate, up] = c.matmul_many([s.gate, s.up], x);
+                let h = c.glu(&gate, &up, s.act);
+                c.matmul(s.down, &h)
+            }
+        }
+    }
 
     /// [`Compute::add_rms_norm`]: `add` then `rms_norm`.
     pub fn add_rms_norm<C: Compute + ?Sized>(

@@ -18,13 +18,18 @@
 //! *segmented* ([`MoeSteps`]): the capture is cut after each MoE layer's router (the host reads the ids and
 //! makes every routed expert computable) and after the card's experts (the host computes the CPU's share
 //! while the card computes its own, and writes the sum), so a token costs some 2 graph launches and one
-//! wait per MoE layer instead of ~25 kernel launches per layer. `POLY_GPU_SEGMENTS=0` runs such tokens
-//! without graphs, as before.
+//! wait per MoE layer instead of ~25 kernel launches per layer. A layer with a shared expert has a third
+//! segment, the shared expert alone, replayed right after the route point so the card computes it while
+//! the host decides. The card's experts of a step read the step's own table of the token's `k` routings
+//! ([`MoeStep::tables`]), which the host fills at the route point, so the layer's tables are not rewritten
+//! per token. `POLY_GPU_SEGMENTS=0` runs such tokens without graphs, as before.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use poly_kernels::cuda::{CudaError, CudaResult, Device, DeviceBuffer, LaunchGraph, PinnedHost};
+use poly_kernels::cuda::{
+    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, LaunchGraph, PinnedHost,
+};
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{Moe, WeightId};
 
@@ -47,8 +52,12 @@ pub fn segments_enabled() -> bool {
 /// Where a segmented graph hands over to the host after one of its graphs.
 #[derive(Clone, Copy, Debug)]
 pub enum HostPoint {
-    /// Step `i`'s router ran: the host reads the ids and makes every routed expert computable.
+    /// Step `i`'s router ran: the host reads the ids and (without a shared expert) makes every routed
+    /// expert computable.
     Route(usize),
+    /// Step `i`'s shared expert is queued: the host makes every routed expert computable while the card
+    /// computes it.
+    Prepare(usize),
     /// Step `i`'s card experts are queued: the host computes the CPU's share and writes its sum.
     CpuShare(usize),
 }
@@ -64,6 +73,15 @@ pub struct MoeStep {
     pub weights: DeviceBuffer<f32>,
     /// `[n_embd]` the CPU's weighted sum, which the card's sum adds to.
     pub cpu_sum: DeviceBuffer<f32>,
+    /// The step's own gate, up and down tables of `k` entries (one per routing, in routing order), which
+    /// the card's expert launches read with the ids `0..k` (`slot_ids`): the host writes the token's
+    /// addresses into `host_sources` at the route point and the graph copies them there, so a token's
+    /// copies on demand and admissions rewrite no table of the layer's.
+    pub tables: [ExpertTable; 3],
+    pub slot_ids: DeviceBuffer<i32>,
+    host_sources: PinnedHost<u64>,
+    /// The layer has a shared expert, computed between the route point and [`HostPoint::Prepare`].
+    pub shared: bool,
     /// Host copies of `ids`, `weights` and the layer's input, queued behind the router (a graph's nodes, so a replay
     /// leaves them there): the route point waits for the card once and reads all three, where three
     /// synchronous downloads cost a round trip each.
@@ -75,15 +93,31 @@ pub struct MoeStep {
 }
 
 impl MoeStep {
-    /// Buffers for layer `layer` of `moe` with rows of `n_embd`.
-    pub fn new(dev: &Device, layer: usize, moe: &Moe, n_embd: usize) -> CudaResult<MoeStep> {
+    /// Buffers for layer `layer` of `moe` with rows of `n_embd`, its tables shaped as `layer_tables`
+    /// (the cache's layer), `shared` with a shared expert.
+    pub fn new(
+        dev: &Device,
+        (layer, layer_tables): (usize, &[ExpertTable; 3]),
+        moe: &Moe,
+        n_embd: usize,
+        shared: bool,
+    ) -> CudaResult<MoeStep> {
         let k = moe.n_expert_used;
+        let spec = |t: &ExpertTable| (t.ty, t.rows, t.cols);
+        let [g, u, d] = layer_tables;
+        let slot_ids: Vec<i32> = (0..k as i32).collect();
+        let mut ids_buf = dev.zeros(k)?;
+        dev.write(&slot_ids, &mut ids_buf)?;
         Ok(MoeStep {
             layer,
             moe: *moe,
             ids: dev.zeros(k)?,
             weights: dev.zeros(k)?,
             cpu_sum: dev.zeros(n_embd)?,
+            tables: ExpertTable::empty_group(dev, [spec(g), spec(u), spec(d)], k)?,
+            slot_ids: ids_buf,
+            host_sources: dev.pinned(3 * k)?,
+            shared,
             host_ids: dev.pinned(k)?,
             host_weights: dev.pinned(k)?,
             host_x: dev.pinned(n_embd)?,
@@ -106,34 +140,60 @@ impl MoeStep {
         Ok(())
     }
 
-    /// At the route point: the routings counted and every routed expert made computable by the cache
-    /// (copies queued before the card's experts, tables rewritten in stream order); returns the CPU's share.
-    /// Waits for the router.
-    pub fn route(
-        &self,
+    /// At the route point: waits for the router (the host copies of its ids, weights and input).
+    pub fn wait_route(&self, dev: &Device, times: &mut HostTimes) -> CudaResult<()> {
+        let clock = Instant::now();
+        dev.synchronize()?;
+        times.route_wait += clock.elapsed();
+        Ok(())
+    }
+
+    /// After [`MoeStep::wait_route`]: the routings counted and every routed expert made computable by
+    /// the cache (copies queued before the card's experts, the step's table written for the graph's
+    /// copy); returns the CPU's share.
+    pub fn prepare(
+        &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         cache: &mut ExpertCache,
         times: &mut HostTimes,
     ) -> CudaResult<Option<CpuShare>> {
         let clock = Instant::now();
-        dev.synchronize()?;
-        let ids = self.host_ids.as_slice()?;
-        times.route_wait += clock.elapsed();
-        let clock = Instant::now();
+        let MoeStep {
+            host_ids,
+            host_x,
+            host_weights,
+            host_sources,
+            layer,
+            ..
+        } = self;
+        let ids = host_ids.as_slice()?;
         let fetch = || {
             Ok((
-                self.host_x.as_slice()?.to_vec(),
-                self.host_weights.as_slice()?.to_vec(),
+                host_x.as_slice()?.to_vec(),
+                host_weights.as_slice()?.to_vec(),
             ))
         };
         cache.take_host_phases();
-        let share = cache.prepare(dev, cpu, self.layer, 1, ids, fetch);
+        // SAFETY of the write: the graph's copy of the previous token's sources ran before this step's
+        // route point, where the host synchronized with the card.
+        let sources = host_sources.as_mut_slice()?;
+        let share = cache.prepare_step((dev, cpu), *layer, ids, fetch, sources);
         times.prepare += clock.elapsed();
         let parts = cache.take_host_phases();
         times.stage += parts.stage;
         times.tables += parts.tables;
         times.steps += 1;
         share
+    }
+
+    /// Queues the copy of the step's sources (written by [`MoeStep::prepare`]) into its tables: before
+    /// the card's expert launches, in stream order (a capture records it, so every replay copies the
+    /// sources of its token).
+    pub fn queue_sources(&self, dev: &Device) -> CudaResult<()> {
+        // SAFETY: the host writes `host_sources` only in `prepare`, after the route point's synchronize,
+        // which follows every earlier copy of them; the step owns them as long as the graph holding the
+        // copy (the decode graph drops its segments before its steps).
+        unsafe { ExpertTable::queue_group_upload(dev, &self.tables, &self.host_sources) }
     }
 
     /// At the CPU-share point: the CPU's sum (zeros without a share) into `cpu_sum` while the card computes
@@ -252,10 +312,16 @@ impl MoeSteps {
             if let Some(j) = unfinished.take() {
                 step_at(steps, j)?.finish((dev, cpu), cache, times)?;
             }
-            let (HostPoint::Route(i) | HostPoint::CpuShare(i)) = *point;
+            let (HostPoint::Route(i) | HostPoint::Prepare(i) | HostPoint::CpuShare(i)) = *point;
             let step = step_at(steps, i)?;
             match point {
-                HostPoint::Route(_) => share = step.route((dev, cpu), cache, times)?,
+                HostPoint::Route(_) => {
+                    step.wait_route(dev, times)?;
+                    if !step.shared {
+                        share = step.prepare((dev, cpu), cache, times)?;
+                    }
+                }
+                HostPoint::Prepare(_) => share = step.prepare((dev, cpu), cache, times)?,
                 HostPoint::CpuShare(_) => {
                     step.cpu_share((dev, cpu), cache, share.take(), times)?;
                     unfinished = Some(i);
@@ -370,6 +436,10 @@ pub fn replay(
     dev.write(&g.host_row, r)?;
     dev.write(&[pos0 as i32], &mut g.inputs.positions)?;
     if !g.segmented() {
+        // A whole graph reads the layers' tables: what segmented tokens left marked is rewritten first.
+        if let Some(cache) = experts {
+            cache.flush_deferred(dev)?;
+        }
         g.graph.replay()?;
         return Ok(false);
     }
@@ -485,6 +555,12 @@ fn capture(
     } = backing;
     let mut logits = None;
     let made_steps = steps.steps.len();
+    // Two host points per step, three with a shared expert between the router and the experts.
+    let cuts: usize = steps
+        .steps
+        .iter()
+        .map(|s| 2 + s.as_ref().is_some_and(|s| s.shared) as usize)
+        .sum();
     steps.next = 0;
     let launch_graph = dev.capture(|_| {
         let mode = GraphMode {
@@ -508,7 +584,7 @@ fn capture(
         Ok(())
     })?;
     let logits = logits.ok_or_else(|| CudaError::Invalid("the capture left no logits".into()))?;
-    if steps.next != made_steps || steps.segments.len() != 2 * made_steps {
+    if steps.next != made_steps || steps.segments.len() != cuts {
         return Err(CudaError::Invalid(format!(
             "the capture reached {} of the call's {made_steps} MoE steps",
             steps.next

@@ -45,24 +45,20 @@ pub fn round_q8_1(x: &Mat) -> Mat {
 }
 
 /// `v.round()` (halves away from zero, as the card's `roundf`) for the quotients above (|v| ≤ 127):
-/// through a truncating integer conversion, which vectorizes, where `f32::round` is a library call per
-/// value (about 10 µs for one 2,048-wide row, the CPU share's input on every MoE layer of a token).
-/// Exact: `v - trunc(v)` is computed without rounding.
+/// through a truncating integer conversion and selects, without a branch or a library call, so the
+/// block's loop vectorizes (`f32::round` is a call per value: about 10 µs for one 2,048-wide row, the CPU
+/// share's input on every MoE layer of a token; the branchy form measured 15 µs a share on the H200).
+/// Exact: `|v| - trunc(|v|)` is computed without rounding; from 2²³ up every float is an integer and NaN
+/// stays NaN, so those are `v` itself, as `round` gives them.
 #[inline]
 fn round_half_away(v: f32) -> f32 {
-    if v.is_nan() || v.abs() >= 1e9 {
-        // Not a quotient of the grid (infinite, NaN or huge): the library's rounding.
-        return v.round();
-    }
-    // The sign kept for a zero: -0.4 rounds to -0.0 as `round` gives it.
-    let t = ((v as i32) as f32).copysign(v);
-    let f = v - t;
-    if f >= 0.5 {
-        t + 1.0
-    } else if f <= -0.5 {
-        t - 1.0
+    let a = v.abs();
+    let t = (a as i32) as f32;
+    let r = (t + ((a - t >= 0.5) as i32 as f32)).copysign(v);
+    if a >= 8_388_608.0 || v.is_nan() {
+        v
     } else {
-        t
+        r
     }
 }
 
@@ -162,7 +158,14 @@ mod tests {
             -0.0,
             f32::NAN,
             f32::INFINITY,
+            f32::NEG_INFINITY,
             1e10,
+            -1e10,
+            4_194_304.5,
+            8_388_607.5,
+            -8_388_607.5,
+            8_388_608.0,
+            16_777_218.0,
         ];
         let mut seed = 7u64;
         for _ in 0..100_000 {

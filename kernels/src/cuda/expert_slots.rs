@@ -190,6 +190,53 @@ impl ExpertTable {
         self.write_addresses(dev, &addresses)
     }
 
+    /// The address an entry pointing at `source` holds (0 for `None`): for entries a caller writes into
+    /// page-locked memory itself and uploads with [`ExpertTable::queue_group_upload`].
+    pub fn source_address(&self, source: Option<ExpertSource<'_>>) -> CudaResult<u64> {
+        match source {
+            Some(ExpertSource::Slot(s)) => s.pool.address(s.slot, s.offset, self.expert_bytes()),
+            Some(ExpertSource::Mapped(a)) => Ok(a),
+            None => Ok(0),
+        }
+    }
+
+    /// Queues on the compute stream the copy of `addresses` (page-locked, one per entry of each table
+    /// in turn) over a group made by [`ExpertTable::empty_group`]; a graph being captured records it as
+    /// a node, so every replay copies what the host wrote there before it.
+    ///
+    /// # Safety
+    /// The host must not write `addresses` while a queued copy (or a replay holding it) may still read
+    /// them, and must keep them alive as long as such a copy or graph may run.
+    pub unsafe fn queue_group_upload(
+        dev: &Device,
+        tables: &[ExpertTable],
+        addresses: &super::PinnedHost<u64>,
+    ) -> CudaResult<()> {
+        let n: usize = tables.iter().map(|t| t.n_expert).sum();
+        let contiguous = tables.windows(2).all(|w| {
+            Arc::ptr_eq(&w[0].storage, &w[1].storage) && w[1].offset == w[0].offset + w[0].n_expert
+        });
+        let first = tables
+            .first()
+            .filter(|t| contiguous && t.offset + n <= t.storage.len())
+            .ok_or_else(|| CudaError::Invalid("an upload over tables of no group".into()))?;
+        if addresses.len() != n {
+            return Err(CudaError::Invalid(format!(
+                "{} addresses for a table group of {n} entries",
+                addresses.len()
+            )));
+        }
+        let src = addresses.host_ptr()?;
+        // SAFETY: `src[..n]` is page-locked memory of this context (the caller keeps it alive and
+        // unwritten until the copy ran); the destination range lies inside the group's array (checked
+        // above); stream order on the compute stream orders it against the launches reading the tables.
+        unsafe {
+            let host = std::slice::from_raw_parts(src, n);
+            result::memcpy_htod_async(first.address, host, dev.stream().cu_stream())
+        }?;
+        Ok(())
+    }
+
     /// Repoints a group of tables made by [`ExpertTable::empty_group`] (`tables` in its order, with
     /// `entries[i]` for `tables[i]`) with one copy; tables of separate arrays get one copy each.
     pub fn point_group(

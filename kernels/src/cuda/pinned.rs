@@ -73,10 +73,15 @@ impl<T: ValidAsZeroBits> PinnedHost<T> {
         Ok(self.slice.as_slice()?)
     }
 
-    /// The host's view, to write. After [`Device::queue_upload`] from it, write only once the stream
-    /// passed the copy.
+    /// The host's view, to write. After [`super::ExpertTable::queue_group_upload`] from it, write only once
+    /// the stream passed the copy.
     pub fn as_mut_slice(&mut self) -> CudaResult<&mut [T]> {
         Ok(self.slice.as_mut_slice()?)
+    }
+
+    /// The host address of the first element (for a copy queued from it).
+    pub(crate) fn host_ptr(&self) -> CudaResult<*const T> {
+        Ok(self.slice.as_ptr()?)
     }
 }
 

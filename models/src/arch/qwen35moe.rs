@@ -19,7 +19,8 @@ use super::{
     LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
 };
 use crate::compute::{
-    Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, Rope, RopeKind, Unary, WeightId,
+    Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, Rope, RopeKind, SharedExpert, Unary,
+    WeightId,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -509,7 +510,7 @@ enum Mixer {
 
 /// The shared expert: a SwiGLU FFN scaled by `sigmoid(gate_inp · x)`.
 #[derive(Clone, Debug)]
-struct SharedExpert {
+struct SharedExpertTensors {
     /// `ffn_gate_inp_shexp`: `[n_embd]`, one logit per token.
     gate_inp: WeightId,
     gate: WeightId,
@@ -525,7 +526,7 @@ struct Block {
     post_attn_norm: WeightId,
     mixer: Mixer,
     moe: Moe,
-    shexp: SharedExpert,
+    shexp: SharedExpertTensors,
 }
 
 /// The MTP (next-token prediction) block's own tensors. Bound and kept for speculative decoding; the
@@ -617,7 +618,7 @@ impl Qwen35MoeGraph {
                     weights_scale: 1.0,
                     act: Unary::Silu,
                 },
-                shexp: SharedExpert {
+                shexp: SharedExpertTensors {
                     gate_inp: t.layer(Role::FfnGateInpShexp, il)?,
                     gate: t.layer(Role::FfnGateShexp, il)?,
                     up: t.layer(Role::FfnUpShexp, il)?,
@@ -751,14 +752,15 @@ impl Qwen35MoeGraph {
 
     /// Routed experts plus the gated shared expert (llama.cpp's `build_layer_ffn`) on the normed `x`.
     fn ffn<C: Compute>(&self, c: &mut C, il: usize, b: &Block, x: &C::Act) -> C::Act {
-        let moe_out = c.moe(il, x, &b.moe);
         let s = &b.shexp;
-        let [gate, up, scale] = c.matmul_many([s.gate, s.up, s.gate_inp], x);
-        let h = c.glu(&gate, &up, Unary::Silu);
-        let shared = c.matmul(s.down, &h);
-        let scale = c.unary(&scale, Unary::Sigmoid);
-        let shared = c.mul(&shared, &scale);
-        c.add(&moe_out, &shared)
+        let shared = SharedExpert {
+            gate: s.gate,
+            up: s.up,
+            down: s.down,
+            gate_inp: Some(s.gate_inp),
+            act: Unary::Silu,
+        };
+        c.moe_shared(il, x, &b.moe, &shared)
     }
 }
 

@@ -52,12 +52,14 @@ enum Dest {
     Scratch(usize),
 }
 
-/// The layer whose tables point at scratch slots: its `(expert, scratch slot)` pairs in scratch pool
-/// `pool`.
+/// The layer whose experts sit in scratch slots: its `(expert, scratch slot)` pairs in scratch pool
+/// `pool`, and whether its tables point there (a prompt call's; a single token of a segmented graph reads
+/// its step's own table instead, [`ExpertCache::token_sources`]).
 struct Staged {
     layer: usize,
     pool: usize,
     map: Vec<(usize, usize)>,
+    repointed: bool,
 }
 
 /// An upload whose copy is in flight.
@@ -421,6 +423,14 @@ pub struct ExpertCache {
     /// Layers whose tables [`ExpertCache::prepare`] changed and rewrites once, at its end (or before the
     /// copy stream waits for the compute stream, when a victim's entry must be cleared first).
     dirty: Vec<usize>,
+    /// Table rewrites wait for the next reader of the layers' tables: single tokens of segmented graphs
+    /// ([`ExpertCache::prepare_step`]) read their steps' own tables, so between them the layers' tables
+    /// are only marked, and a prompt call, an eager token or a whole-token graph flushes them first
+    /// ([`ExpertCache::flush_deferred`]).
+    defer_tables: bool,
+    /// Within [`ExpertCache::prepare_step`]: the compute stream ran everything queued before the step's
+    /// route point, so a copy into a scratch slot need not wait for it.
+    compute_idle: bool,
     /// The threads of single tokens' CPU shares, once one was computed.
     cpu_pool: Option<Arc<HotPool>>,
     /// `[layer][expert]` routings counted since the cache was filled, for the measured skew.
@@ -506,6 +516,8 @@ impl ExpertCache {
             host_phases: HostPhases::default(),
             admission: None,
             dirty: Vec::new(),
+            defer_tables: false,
+            compute_idle: false,
             cpu_pool: None,
             routed_counts: counts.iter().map(|&n| vec![0; n]).collect(),
         })
@@ -899,11 +911,94 @@ impl ExpertCache {
         ids: &[i32],
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<Option<CpuShare>> {
+        // This call's launches read the layers' tables.
+        self.defer_tables = false;
         let share = self.prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch);
         // The tables it changed, rewritten once before the layer's launches.
         let flushed = self.flush_tables(dev);
         let share = share?;
         flushed.map(|()| share)
+    }
+
+    /// [`ExpertCache::prepare`] for one token of a segmented decode graph, whose expert launches read
+    /// the step's own table of its `k` routings: their addresses go into `sources` (`[3][k]`: gate, up,
+    /// down; [`ExpertCache::token_sources`]) and the layers' tables are not rewritten (only marked, for
+    /// their next reader). The caller synchronized with the compute stream after the router and queued
+    /// nothing since that reads a scratch slot.
+    pub fn prepare_step(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        layer: usize,
+        ids: &[i32],
+        fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
+        sources: &mut [u64],
+    ) -> CudaResult<Option<CpuShare>> {
+        self.defer_tables = true;
+        self.compute_idle = true;
+        let share = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch);
+        self.compute_idle = false;
+        let share = share?;
+        let clock = std::time::Instant::now();
+        self.token_sources(layer, ids, sources)?;
+        self.host_phases.tables += clock.elapsed();
+        Ok(share)
+    }
+
+    /// Where the card reads each of a token's routings `ids` of `layer` (`out` `[3][k]`: the gate, up and
+    /// down matrices' addresses): a resident expert's slot, an expert copied for this token in its
+    /// scratch slot, the mapped file when the kernels read missing experts there, else 0 (the CPU
+    /// computes it; the kernels write zeros for it).
+    pub fn token_sources(&self, layer: usize, ids: &[i32], out: &mut [u64]) -> CudaResult<()> {
+        let k = ids.len();
+        let (l, tables) = match (self.layers.get(layer), self.tables.get(layer)) {
+            (Some(l), Some(t)) if out.len() == 3 * k => (l, t),
+            _ => {
+                return Err(CudaError::Invalid(format!(
+                    "{} sources for {k} routings of expert layer {layer}",
+                    out.len()
+                )))
+            }
+        };
+        let staged = self.staged.as_ref().filter(|s| s.layer == layer);
+        let mapped = self.reads_mapped();
+        for (j, &id) in ids.iter().enumerate() {
+            let expert = id as usize;
+            let known = id >= 0 && expert < l.n_expert;
+            let slot = known
+                .then(|| self.policy.resident(ExpertKey { layer, expert }))
+                .flatten();
+            let scratch = staged.and_then(|s| {
+                let at = s.map.iter().find(|&&(e, _)| e == expert)?;
+                Some((&self.scratch[s.pool], at.1))
+            });
+            for (i, m) in l.mats.iter().enumerate() {
+                let source = match (slot, self.pool.as_ref(), scratch) {
+                    (Some(slot), Some(pool), _) => Some(ExpertSource::Slot(SlotRef {
+                        pool,
+                        slot,
+                        offset: m.offset,
+                    })),
+                    (_, _, Some((pool, slot))) => Some(ExpertSource::Slot(SlotRef {
+                        pool,
+                        slot,
+                        offset: m.offset,
+                    })),
+                    _ if mapped && known => {
+                        Some(ExpertSource::Mapped(self.mapped[layer][i][expert]))
+                    }
+                    _ => None,
+                };
+                out[i * k + j] = tables[i].source_address(source)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The layers' tables rewritten where single tokens of segmented graphs left them marked: before a
+    /// launch that reads them (a whole-token graph's replay, an eager token on a cache that needs no host).
+    pub fn flush_deferred(&mut self, dev: &Device) -> CudaResult<()> {
+        self.defer_tables = false;
+        self.flush_tables(dev)
     }
 
     fn prepare_routing(
@@ -1032,18 +1127,25 @@ impl ExpertCache {
         layer: usize,
         experts: &[usize],
     ) -> CudaResult<()> {
-        let Staged { pool, mut map, .. } = match self.staged.take() {
+        let repoint = !self.defer_tables;
+        let Staged {
+            pool,
+            mut map,
+            repointed,
+            ..
+        } = match self.staged.take() {
             Some(s) if s.layer == layer => s,
             other => {
                 // A layer left pointing at scratch slots (a call that failed before finishing it)
                 // points back at its own experts.
-                if let Some(s) = other {
+                if let Some(s) = other.filter(|s| s.repointed) {
                     self.mark_tables(s.layer);
                 }
                 Staged {
                     layer,
                     pool: 0,
                     map: Vec::new(),
+                    repointed: false,
                 }
             }
         };
@@ -1054,8 +1156,12 @@ impl ExpertCache {
                 self.scratch[pool].n_slots()
             )));
         }
-        // The scratch slots are free once the launches queued so far (the last staged layer's) ran.
-        self.copy.wait_for_compute(dev)?;
+        // The scratch slots are free once the launches queued so far (the last staged layer's) ran; a
+        // segmented graph's step synchronized with the card at its route point, before anything after it
+        // was queued.
+        if !self.compute_idle {
+            self.copy.wait_for_compute(dev)?;
+        }
         let first = map.len();
         for (i, &expert) in experts.iter().enumerate() {
             self.upload(
@@ -1068,8 +1174,16 @@ impl ExpertCache {
         }
         let copied = self.copy.record()?;
         dev.wait_for_copy(&copied)?;
-        self.staged = Some(Staged { layer, pool, map });
-        self.mark_tables(layer);
+        let repointed = repointed || repoint;
+        self.staged = Some(Staged {
+            layer,
+            pool,
+            map,
+            repointed,
+        });
+        if repointed {
+            self.mark_tables(layer);
+        }
         Ok(())
     }
 
@@ -1132,7 +1246,9 @@ impl ExpertCache {
         for l in plan.iter().filter_map(|u| u.victim.map(|v| v.layer)) {
             self.mark_tables(l);
         }
-        self.flush_tables(dev)?;
+        if !self.defer_tables {
+            self.flush_tables(dev)?;
+        }
         let pool = self
             .pool
             .as_ref()
@@ -1180,7 +1296,9 @@ impl ExpertCache {
         for l in victim_layers {
             self.mark_tables(l);
         }
-        self.flush_tables(dev)?;
+        if !self.defer_tables {
+            self.flush_tables(dev)?;
+        }
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
         self.copy.wait_for_compute(dev)?;
         for u in plan {
@@ -1215,7 +1333,7 @@ impl ExpertCache {
                 self.host_phases.admit += clock.elapsed();
             }
         }
-        if staged.is_some() {
+        if staged.as_ref().is_some_and(|s| s.repointed) {
             self.point_tables(dev, layer)?;
         }
         // The next layer's experts copied while the card computes this one's.

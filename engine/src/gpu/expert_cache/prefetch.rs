@@ -164,13 +164,14 @@ impl ExpertCache {
             return Ok(());
         }
         dev.wait_for_copy(&p.done)?;
-        if let Some(old) = self.staged.take() {
+        if let Some(old) = self.staged.take().filter(|s| s.repointed) {
             self.mark_tables(old.layer);
         }
         self.staged = Some(Staged {
             layer,
             pool: p.pool,
             map: p.map,
+            repointed: true,
         });
         self.mark_tables(layer);
         Ok(())

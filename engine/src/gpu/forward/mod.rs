@@ -25,8 +25,8 @@ use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, RopeKind,
-    Unary, WeightId,
+    composed, Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope,
+    RopeKind, SharedExpert, Unary, WeightId,
 };
 use rayon::prelude::*;
 
@@ -905,9 +905,30 @@ impl Compute for GpuForward<'_> {
     fn moe(&mut self, _layer: usize, x: &DevAct, m: &Moe) -> DevAct {
         let mut out = self.alloc(x.rows, x.cols);
         self.run("moe", x.len() == 0 || m.n_expert_used == 0, |c| {
-            c.moe_into(x, m, &mut out)
+            c.moe_into(x, m, None, &mut out).map(|_| ())
         });
         out
+    }
+
+    /// A segmented graph's step computes the shared expert between its two host points (the card
+    /// would wait for the host's decisions otherwise); elsewhere the composed sequence.
+    fn moe_shared(&mut self, layer: usize, x: &DevAct, m: &Moe, s: &SharedExpert) -> DevAct {
+        if self.segmented_layer(m).is_none() || x.len() == 0 || m.n_expert_used == 0 {
+            return composed::moe_shared(self, layer, x, m, s);
+        }
+        let mut out = self.alloc(x.rows, x.cols);
+        let mut shared = None;
+        self.run("moe", false, |c| {
+            shared = c.moe_into(x, m, Some(s), &mut out)?;
+            Ok(())
+        });
+        // None only when the step failed (the call reports that error); the composed shared expert
+        // keeps the result whole regardless.
+        let shared = match shared {
+            Some(shared) => shared,
+            None => composed::shared_expert(self, x, s),
+        };
+        self.add(&out, &shared)
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {

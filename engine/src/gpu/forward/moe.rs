@@ -60,7 +60,24 @@ impl<'a> GpuForward<'a> {
         }
     }
 
-    pub(super) fn moe_into(&mut self, x: &DevAct, m: &Moe, out: &mut DevAct) -> CudaResult<()> {
+    /// The cache's layer of `m` when this call hands it over to the host as a segmented graph's step.
+    pub(super) fn segmented_layer(&self, m: &Moe) -> Option<usize> {
+        let layer = self.experts.as_deref()?.layer_of(m.gate_exps)?;
+        self.graph
+            .as_ref()
+            .is_some_and(|g| g.segmented)
+            .then_some(layer)
+    }
+
+    /// `m` on `x` into `out`; with `shared`, a segmented step computes the shared expert while the host
+    /// decides and returns it (the caller adds it), else the caller computes it.
+    pub(super) fn moe_into(
+        &mut self,
+        x: &DevAct,
+        m: &Moe,
+        shared: Option<&SharedExpert>,
+        out: &mut DevAct,
+    ) -> CudaResult<Option<DevAct>> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         let slots = n * k;
@@ -69,15 +86,13 @@ impl<'a> GpuForward<'a> {
                 "{n} tokens × {k} experts in one call"
             )));
         }
+        if let Some(layer) = self.segmented_layer(m) {
+            return self.moe_segmented(x, m, (layer, shared), out);
+        }
         let cached = self
             .experts
             .as_deref()
             .and_then(|c| c.layer_of(m.gate_exps));
-        if let (Some(layer), Some(g)) = (cached, self.graph.as_ref()) {
-            if g.segmented {
-                return self.moe_segmented(x, m, layer, out);
-            }
-        }
         // Router logits [n, n_expert], then ids and weights [n, k] on the card.
         let mut ids = self.pool.i32(dev, slots)?;
         let mut weights = self.pool.f32(dev, slots)?;
@@ -98,6 +113,8 @@ impl<'a> GpuForward<'a> {
                 if !self.graph.as_ref().is_some_and(|g| g.capturing) && cache.holds_all() {
                     cache.count_all_vram(slots);
                 }
+                // The launches below read the layer's tables.
+                cache.flush_deferred(dev)?;
                 None
             }
             _ => None,
@@ -117,7 +134,7 @@ impl<'a> GpuForward<'a> {
         }
         self.pool.put_i32(ids);
         self.pool.put_f32(weights);
-        r
+        r.map(|()| None)
     }
 
     /// The router's logits `[n, n_expert]` of `x`, then each token's experts and weights `[n, k]` on the card.
@@ -164,10 +181,15 @@ impl<'a> GpuForward<'a> {
         &mut self,
         x: &DevAct,
         m: &Moe,
-        layer: usize,
+        (layer, shared): (usize, Option<&SharedExpert>),
         out: &mut DevAct,
-    ) -> CudaResult<()> {
+    ) -> CudaResult<Option<DevAct>> {
         let dev = self.dev;
+        let cache = self
+            .experts
+            .as_deref()
+            .ok_or_else(|| CudaError::Invalid("a segmented MoE step without its cache".into()))?;
+        let tables = cache.tables(layer)?;
         let g = self
             .graph
             .as_mut()
@@ -175,9 +197,8 @@ impl<'a> GpuForward<'a> {
         let (i, capturing) = (g.steps.next, g.capturing);
         g.steps.next += 1;
         if !capturing && i == g.steps.steps.len() {
-            g.steps
-                .steps
-                .push(Some(MoeStep::new(dev, layer, m, x.cols)?));
+            let step = MoeStep::new(dev, (layer, tables), m, x.cols, shared.is_some())?;
+            g.steps.steps.push(Some(step));
         }
         let mut step = g
             .steps
@@ -185,7 +206,7 @@ impl<'a> GpuForward<'a> {
             .get_mut(i)
             .and_then(Option::take)
             .ok_or_else(|| CudaError::Invalid(format!("MoE step {i} was not made")))?;
-        let r = self.moe_step(x, m, (i, &mut step, capturing), out);
+        let r = self.moe_step(x, m, (i, &mut step, capturing), shared, out);
         if let Some(slot) = self.graph.as_mut().and_then(|g| g.steps.steps.get_mut(i)) {
             *slot = Some(step);
         }
@@ -197,31 +218,54 @@ impl<'a> GpuForward<'a> {
         x: &DevAct,
         m: &Moe,
         (i, step, capturing): (usize, &mut MoeStep, bool),
+        shared: Option<&SharedExpert>,
         out: &mut DevAct,
-    ) -> CudaResult<()> {
+    ) -> CudaResult<Option<DevAct>> {
         let dev = self.dev;
+        if step.shared != shared.is_some() {
+            return Err(CudaError::Invalid(format!(
+                "MoE step {i} made with a shared expert {}, now {}",
+                step.shared,
+                shared.is_some()
+            )));
+        }
         self.route(x, m, &mut step.ids, &mut step.weights)?;
         step.queue_downloads(dev, x.buf()?)?;
-        let share = if capturing {
+        let mut times = HostTimes::default();
+        if capturing {
             self.cut(HostPoint::Route(i))?;
+        } else {
+            step.wait_route(dev, &mut times)?;
+        }
+        // The shared expert while the host decides (a segment of its own between the two host points).
+        let shared_out = match shared {
+            Some(s) => {
+                let y = composed::shared_expert(self, x, s);
+                if capturing {
+                    self.cut(HostPoint::Prepare(i))?;
+                }
+                Some(y)
+            }
+            None => None,
+        };
+        let share = if capturing {
             None
         } else {
             let cache = self.experts.as_deref_mut().ok_or_else(|| {
                 CudaError::Invalid("a segmented MoE step without its cache".into())
             })?;
-            step.route((dev, self.cpu), cache, &mut HostTimes::default())?
+            step.prepare((dev, self.cpu), cache, &mut times)?
         };
-        let tables = self.expert_tables(m, Some(step.layer))?;
-        let y = self.moe_slots(x, &step.ids, m, tables)?;
+        step.queue_sources(dev)?;
+        let [g, u, d] = &step.tables;
+        let y = self.moe_slots(x, &step.slot_ids, m, [g, u, d])?;
         let r = if capturing {
             self.cut(HostPoint::CpuShare(i))
         } else {
             match self.experts.as_deref_mut() {
-                Some(cache) => {
-                    let mut times = HostTimes::default();
-                    step.cpu_share((dev, self.cpu), cache, share, &mut times)
-                        .and_then(|()| step.finish((dev, self.cpu), cache, &mut times))
-                }
+                Some(cache) => step
+                    .cpu_share((dev, self.cpu), cache, share, &mut times)
+                    .and_then(|()| step.finish((dev, self.cpu), cache, &mut times)),
                 None => Err(CudaError::Invalid(
                     "a segmented MoE step without its cache".into(),
                 )),
@@ -242,7 +286,7 @@ impl<'a> GpuForward<'a> {
             });
         self.pool.put_f32(y);
         self.op_end("moe.combine", t);
-        r
+        r.map(|()| shared_out)
     }
 
     /// Ends the graph captured so far as a segment followed by the host's `point`.
