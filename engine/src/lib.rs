@@ -7,6 +7,7 @@ pub mod calibrate;
 pub mod cpu;
 pub mod generate;
 pub mod gpu;
+pub mod knobs;
 pub mod model;
 pub mod sample;
 pub mod serve;

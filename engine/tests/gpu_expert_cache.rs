@@ -20,6 +20,7 @@
 //!
 //! Needs a CUDA device: without one (CI) each test prints why it is skipped and passes. Cost on the H200:
 //! seconds (tiny models; the CPU's experts dominate).
+//! Environment: `POLY_FIXTURES` locates the fixtures (else tests/fixtures/models).
 
 use std::path::PathBuf;
 

@@ -2,7 +2,7 @@
 # Decode-speed run on the GPU machine (see make_gpuspeed_carry.sh), from the repository root: the CUDA
 # elementwise tests and the engine's gpu_forward tests, synth models at the real shapes in /dev/shm, then
 # `poly-engine bench` tg128 with decode graphs on and off (POLY_GPU_GRAPHS=0), under POLY_GPU_PROFILE=1, with
-# fewer warps per matvec row (POLY_MATVEC_WARPS_PER_ROW), and, time permitting, ncu per-kernel durations
+# fewer warps per matvec row (--matvec-warps-per-row), and, time permitting, ncu per-kernel durations
 # over three decode tokens with graphs.
 # Logs go to $OUT (summary.txt first).
 set -u
@@ -31,7 +31,11 @@ grep -E "wrote|real" "$OUT/synth.txt" | tee -a "$S"
 bench() { # model, label, env...
     local f=$1 label=$2; shift 2
     echo "== $label" | tee -a "$S"
-    env "$@" timeout 60 $C/poly-engine bench --model $f --gpu 0 --prompt 0 --gen 128 --reps 3 > "$OUT/b.json" 2> "$OUT/prof.txt"
+    # NAME=VALUE words are diagnostic environment variables (POLY_GPU_PROFILE, ...), the rest
+    # poly-engine flags (the execution knobs, e.g. --mmq off).
+    local envs=() flags=()
+    for a in "$@"; do case $a in -*) flags+=("$a") ;; *=*) envs+=("$a") ;; *) flags+=("$a") ;; esac; done
+    env "${envs[@]}" timeout 60 $C/poly-engine bench --model $f --gpu 0 --prompt 0 --gen 128 --reps 3 "${flags[@]}" > "$OUT/b.json" 2> "$OUT/prof.txt"
     echo "rc=$?" | tee -a "$S"
     python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); t=d["tg"]; print("tg128 %.1f t/s (samples %s) cpu/wall %.2f" % (t["avg_ts"], [round(x,1) for x in t["samples_ts"]], t["cpu_per_wall"] or 0))' "$OUT/b.json" 2>&1 | tee -a "$S"
     grep -v "^\s*$" "$OUT/prof.txt" | head -50 | tee -a "$S"
@@ -41,8 +45,8 @@ for m in q3 q35; do
     bench $f "$m graphs on" POLY_GPU_GRAPHS=1
     bench $f "$m graphs on, profile 1" POLY_GPU_GRAPHS=1 POLY_GPU_PROFILE=1
     bench $f "$m graphs off" POLY_GPU_GRAPHS=0
-    bench $f "$m graphs on, matvec 1 warp per row" POLY_GPU_GRAPHS=1 POLY_MATVEC_WARPS_PER_ROW=1
-    [ $m = q3 ] && bench $f "$m graphs on, matvec 2 warps per row" POLY_GPU_GRAPHS=1 POLY_MATVEC_WARPS_PER_ROW=2
+    bench $f "$m graphs on, matvec 1 warp per row" POLY_GPU_GRAPHS=1 --matvec-warps-per-row 1
+    [ $m = q3 ] && bench $f "$m graphs on, matvec 2 warps per row" POLY_GPU_GRAPHS=1 --matvec-warps-per-row 2
 done
 if [ "$MODE" = profile ] && [ $SECONDS -lt 180 ] && [ -x /usr/local/cuda/bin/ncu ]; then
     echo "== q3 ncu per-kernel over 3 decode tokens with graphs (gpu__time_duration), at ${SECONDS}s" | tee -a "$S"

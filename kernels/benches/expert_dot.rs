@@ -4,12 +4,12 @@
 //! their 8 down matrices) on 1 and on N threads.
 //!
 //! `cargo bench -p poly-kernels --bench expert_dot [-- TYPE,TYPE,...] [--threads N,N] [--ff N] [--embd N]
-//! [--rotate-mb N] [--ms N]`
+//! [--rotate-mb N] [--ms N] [--cpu-avx512 off] [--cpu-simd off] [--cpu-rows4 off] [--cpu-ktile off]]`
 //!
 //! Defaults: Q4_K,Q5_K,Q6_K,Q8_0; threads 1 and all; expert shape of Qwen3-30B-A3B (`--embd 2048 --ff 768`):
 //! gate/up `[n_embd → n_ff]`, down `[n_ff → n_embd]`. The CPU path is the run-time choice of the kernels
-//! (`POLY_CPU_AVX512=0` turns the AVX-512 kernels off, `POLY_NO_SIMD=1` every SIMD kernel); the header says
-//! which is in use.
+//! (`--cpu-avx512 off` turns the AVX-512 kernels off, `--cpu-simd off` every SIMD kernel, as
+//! `poly-engine`'s flags of the same names); the header says which is in use.
 
 use poly_kernels::matmul::{matvec_many, matvec_quantized, MatvecJob, QuantMatrix};
 use poly_kernels::quant::{fill_random, simd_level, GgmlType};
@@ -57,6 +57,7 @@ struct Args {
     n_ff: usize,
     rotate_mb: usize,
     budget: Duration,
+    cpu: poly_kernels::options::CpuKernelOptions,
 }
 
 fn parse_args() -> Args {
@@ -73,6 +74,7 @@ fn parse_args() -> Args {
         n_ff: 768,
         rotate_mb: 512,
         budget: Duration::from_millis(400),
+        cpu: Default::default(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -103,6 +105,21 @@ fn parse_args() -> Args {
                 i += 1;
             }
             "--bench" => {}
+            knob @ ("--cpu-avx512" | "--cpu-simd" | "--cpu-rows4" | "--cpu-ktile") => {
+                let on = match next(i) {
+                    "on" | "1" => true,
+                    "off" | "0" => false,
+                    v => panic!("{knob} on|off, not {v:?}"),
+                };
+                let c = &mut a.cpu;
+                match knob {
+                    "--cpu-avx512" => c.avx512 = on,
+                    "--cpu-simd" => c.simd = on,
+                    "--cpu-rows4" => c.rows4 = on,
+                    _ => c.ktile = on,
+                }
+                i += 1;
+            }
             list => {
                 a.types = list
                     .split(',')
@@ -117,8 +134,13 @@ fn parse_args() -> Args {
 
 fn main() {
     let a = parse_args();
+    let set = poly_kernels::options::set(poly_kernels::options::KernelOptions {
+        cpu: a.cpu,
+        ..Default::default()
+    });
+    set.expect("the knobs are set before any kernel runs");
     let (n_embd, n_ff) = (a.n_embd, a.n_ff);
-    let rows4 = std::env::var("POLY_CPU_ROWS4").map_or(true, |v| v != "0");
+    let rows4 = a.cpu.rows4;
     println!(
         "kernels: {}, Q4_K four-row kernel {}; expert gate/up {n_embd}->{n_ff}, down {n_ff}->{n_embd}; GB/s = weight bytes / fastest time",
         simd_level(),

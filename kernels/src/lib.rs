@@ -11,6 +11,8 @@
 //! - [`matmul`]: matrix×vector and matrix×matrix over many threads for any of those formats.
 //! - [`ops`]: norms, RoPE, softmax, attention, activations, top-k routing, recurrent steps.
 //! - [`rng`]: a small deterministic generator, so synthetic models and tests are reproducible.
+//! - [`options`]: the kernel-level knobs (variant and launch-shape switches), set once from the engine's
+//!   flags.
 //! - [`ggml_type`]: the GGML type table (ids, names, block sizes), the one part compiled without the default
 //!   `compute` feature, for readers of GGUF files that never compute (the server).
 
@@ -21,6 +23,7 @@ pub mod hot_pool;
 pub mod matmul;
 #[cfg(feature = "compute")]
 pub mod ops;
+pub mod options;
 #[cfg(feature = "compute")]
 pub mod quant;
 #[cfg(feature = "compute")]

@@ -124,7 +124,7 @@ fn matvec_matches_cpu_for_quantized_formats() {
     let mut failures = Vec::new();
     for ty in QUANT_TYPES {
         // 768 columns: fewer weight blocks per row than threads (the expert down projection's shape).
-        // 1027 and 2050 rows: with POLY_MATVEC_RPG=4, launches with 4 rows per warp group, the last short.
+        // 1027 and 2050 rows: with --matvec-rpg 4, launches with 4 rows per warp group, the last short.
         for (rows, cols) in [(67, 2048), (130, 768), (5, 4096), (1027, 2048), (2050, 768)] {
             failures.extend(check_matvec(&dev, ty, rows, cols, 10 + rows as u64));
         }
@@ -214,7 +214,7 @@ fn check_experts(
 /// silu(gate·x)·(up·x). Rows of 2048 columns (4 warps per row) and of 768 (2).
 fn check_experts_glu(dev: &Device, ty: GgmlType, cols: usize, seed: u64) -> Vec<String> {
     let mut failures = Vec::new();
-    // 770 rows: with POLY_MATVEC_RPG=4, 4 rows per warp group (8 slots), the last group short.
+    // 770 rows: with --matvec-rpg 4, 4 rows per warp group (8 slots), the last group short.
     let (rows, n_expert) = (770, 6);
     let mut rng = Rng::new(seed);
     let wg = random_weights(ty, &mut rng, rows * cols * n_expert);
@@ -300,7 +300,7 @@ fn expert_matvec_matches_cpu_per_slot() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
     for (i, ty) in QUANT_TYPES.iter().chain(FLOAT_TYPES.iter()).enumerate() {
-        // 514 rows of 2048: with POLY_MATVEC_RPG=4, 4 rows per warp group, the last group short.
+        // 514 rows of 2048: with --matvec-rpg 4, 4 rows per warp group, the last group short.
         for shape in [(96, 512), (514, 2048)] {
             failures.extend(check_experts(&dev, *ty, shape, 30 + i as u64));
         }

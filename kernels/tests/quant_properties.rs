@@ -8,6 +8,8 @@
 //!   (the f16 scale adds at most 127·2⁻¹¹ of a step), `amax` being the largest |x| of `x_i`'s block; F32
 //!   activations are exact. So `|dot − exact| ≤ Σ|w_i|·e_i + 1e-4·Σ|w_i·x_i| + 1e-6`, the last terms for f32
 //!   rounding of the sums.
+//!
+//! Environment: `POLY_QUANT_TYPES=Q4_K,...` tests only those formats (a test selection, for working on one).
 
 use poly_kernels::quant::{dequantize, fill_random, vec_dot, ActType, GgmlType, WEIGHT_TYPES};
 use poly_kernels::rng::Rng;

@@ -1,6 +1,7 @@
 //! Messages the engine sends to the server: `READY`, `T`, `DONE`, `ERR`, `STATS`, `PROGRESS`.
 
 use serde::{Deserialize, Serialize, Serializer};
+use std::collections::BTreeMap;
 
 use crate::to_engine::truncate;
 use crate::{format_line, parse_object, split_verb, ErrorCode, ProtocolError};
@@ -60,6 +61,10 @@ pub struct Ready {
     /// whose state can be cut back) or `off` (absent from engines before it said).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guesses: Option<String>,
+    /// The execution knobs (`poly-engine` flags such as `--mmq off`) that differ from their defaults, by
+    /// flag name without `--`; empty (and absent from the line) when every one is the default.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub knobs: BTreeMap<String, String>,
 }
 
 /// How a prompt is read: in calls of `ubatch` tokens, or `long_ubatch` while more than `ubatch` remain
@@ -282,6 +287,7 @@ mod tests {
                 long_ubatch: 8192,
                 checkpoint_every: 8192,
             }),
+            knobs: [("mmq".to_string(), "off".to_string())].into(),
         }));
         round_trip(FromEngine::Tokens(Tokens {
             id: "r1".into(),

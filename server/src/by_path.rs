@@ -3,6 +3,8 @@
 //! into the home's cache (`cache/tokenizers/<id>`), and a run config `strata-<id>.json` naming the file,
 //! that directory and the engine next to this binary is written beside the others, so the model is then
 //! listed and served like any installed one (and found again by the next start, which reuses both).
+//!
+//! Environment: `POLY_ENGINE` names the engine binary (a location, README.md's table of environment variables).
 
 use crate::home::read_home;
 use crate::text::tokenizer_dir::tokenizer_command;

@@ -658,3 +658,41 @@ fn a_model_without_chat_template_refuses_chat_and_still_completes() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["usage"]["completion_tokens"], 3);
 }
+
+#[test]
+fn the_engine_child_sees_only_the_allowed_environment() {
+    // The qwen3 model brings the tokenizer pack the fake engine's config names.
+    let home = home_with_two_models("env");
+    // An engine that writes down what it was given, then fails to load.
+    let seen = home.dir.join("engine-env.txt");
+    let exe = home.script(
+        "env-engine",
+        &format!(
+            "env > '{}'\necho 'poly-engine: cannot load' >&2\nexit 3",
+            seen.display()
+        ),
+    );
+    home.write_config(
+        "envcheck",
+        &json!({"exe": exe, "args": ["--model", common::fixture("qwen3moe-tiny-q4km.gguf")], "tokenizer": "packs/qwen3/tokenizer"}),
+    );
+    let server = Server::start_logged(
+        &home,
+        &[],
+        &[
+            ("POLY_FUSE", "off"),
+            ("POLY_TEST_LEAK", "1"),
+            ("POLY_GPU_PROFILE", "1"),
+        ],
+    );
+    let r = server.post("/api/models/load", &json!({"model": "envcheck"}));
+    assert_ne!(r.status, 200, "{}", r.text());
+    let env = std::fs::read_to_string(&seen)
+        .unwrap_or_else(|e| panic!("the engine did not run ({e}): {}", r.text()));
+    let names: Vec<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
+    assert!(!names.contains(&"POLY_TEST_LEAK"), "{env}");
+    assert!(!names.contains(&"POLY_FUSE"), "{env}");
+    // Diagnosis passes through, and PATH (the engine finds its tools).
+    assert!(names.contains(&"POLY_GPU_PROFILE"), "{env}");
+    assert!(names.contains(&"PATH"), "{env}");
+}

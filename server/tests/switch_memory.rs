@@ -5,6 +5,7 @@
 //! the switch gave freed heap pages back (`engine::memory::give_back_freed`); it stays at 27 MiB now.
 //!
 //! Real engines on the tiny qwen3moe and gemma3 fixtures. Cost: about 30 engine starts, some seconds.
+//! Environment: `POLY_SMOLLM2_GGUF` locates the SmolLM2 file (tests/run.sh sets it).
 
 mod common;
 

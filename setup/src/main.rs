@@ -2,6 +2,7 @@
 //! directory; run config; start script), lists the families, and says what this PC can run (`--check`).
 //!
 //! `./setup.sh` builds the binaries and calls `setup --family demo`; see README.md "Set up and run".
+//! Environment: `POLY_SETUP_CACHE`, `POLY_SETUP_PYPI_URL` and `POLY_SETUP_HF_URL` locate the installer's cache and mirrors.
 
 use clap::Parser;
 use poly_setup::check::{self, Machine, Needs};

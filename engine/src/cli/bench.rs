@@ -74,6 +74,8 @@ pub struct BenchArgs {
     route_report: bool,
     #[command(flatten)]
     placement: super::PlacementArgs,
+    #[command(flatten)]
+    pub knobs: super::knobs::KnobArgs,
 }
 
 /// CPU seconds (user + system) this process has used, all threads; `None` where /proc is missing.
@@ -236,6 +238,11 @@ pub fn run(args: BenchArgs) -> CliResult {
         "reps": args.reps,
         "load_s": load_s,
     });
+    // The knobs that differ from the defaults, so a result file says what it measured.
+    let knobs = poly_engine::knobs::in_force_non_default();
+    if !knobs.is_empty() {
+        out["knobs"] = json!(knobs);
+    }
     if !pp.is_empty() {
         out["pp"] = summary(args.prompt, &pp);
     }

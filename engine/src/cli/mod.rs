@@ -5,6 +5,7 @@ mod bench;
 mod dump;
 mod inspect;
 mod kl;
+mod knobs;
 mod run;
 mod synth;
 
@@ -80,8 +81,14 @@ struct ServeArgs {
     /// count, gives the same results bit for bit.
     #[arg(long)]
     batch_invariant: bool,
+    /// No warm-up before READY on a GPU (a short read and a few tokens that load the kernels and capture
+    /// the shallow decode graph; was POLY_WARMUP=0).
+    #[arg(long)]
+    no_warmup: bool,
     #[command(flatten)]
     placement: PlacementArgs,
+    #[command(flatten)]
+    knobs: knobs::KnobArgs,
 }
 
 /// Where a GPU run puts the routed experts (issue 8's VRAM expert cache).
@@ -146,6 +153,17 @@ enum Command {
 
 /// Runs the chosen subcommand, or serves the model.
 pub fn run(cli: Cli) -> ExitCode {
+    // The knobs go in before anything computes: the kernels read them where they choose a variant.
+    let knobs = match &cli.command {
+        Some(Command::Run(a)) => Some(&a.knobs),
+        Some(Command::Bench(a)) => Some(&a.knobs),
+        None => Some(&cli.serve.knobs),
+        Some(_) => None,
+    };
+    if let Some(Err(e)) = knobs.map(knobs::KnobArgs::install) {
+        eprintln!("poly-engine: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Some(Command::Inspect(args)) => inspect::run(args),
         Some(Command::Dump(args)) => dump::run(args),
@@ -175,6 +193,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 ubatch: a.ubatch,
                 long_ubatch: a.long_ubatch,
                 guesses: !a.no_draft,
+                warm_up: !a.no_warmup,
                 device,
                 placement: a.placement.placement(
                     a.max_context,

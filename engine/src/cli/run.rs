@@ -92,6 +92,8 @@ pub struct RunArgs {
     batch_invariant: bool,
     #[command(flatten)]
     placement: super::PlacementArgs,
+    #[command(flatten)]
+    pub knobs: super::knobs::KnobArgs,
 }
 
 /// Token ids separated by commas and/or white space.

@@ -10,7 +10,7 @@
 //! - [`store`]: the conversations kept between requests;
 //! - [`memory`]: the process's resident memory for STATS.
 //!
-//! On a GPU, a short read and a few tokens before READY ([`warm_up`], `POLY_WARMUP=0` skips it) load the
+//! On a GPU, a short read and a few tokens before READY ([`warm_up`], `--no-warmup` skips it) load the
 //! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
 mod input;
@@ -65,6 +65,8 @@ pub struct ServeOptions {
     /// Guessed tokens (from repeats, where the model's state can be cut back on the CPU); `--no-draft`
     /// turns them off.
     pub guesses: bool,
+    /// The warm-up before READY on a GPU ([`warm_up`]); `--no-warmup` turns it off.
+    pub warm_up: bool,
 }
 
 /// Prompt tokens per forward call on a GPU unless told otherwise: the grouped expert kernels read each
@@ -235,7 +237,7 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
             ),
         );
     }
-    if loaded.model.on_gpu() && std::env::var("POLY_WARMUP").as_deref() != Ok("0") {
+    if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }
     let inputs = input::spawn_reader(std::io::stdin());

@@ -135,6 +135,7 @@ impl<'a, W: Write> Session<'a, W> {
     pub fn run(&mut self, model_path: &Path, experts_total: u64) -> std::io::Result<()> {
         let info = self.model.info();
         let ready = Ready {
+            knobs: crate::knobs::in_force_non_default(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
             arch: info.arch.to_string(),

@@ -50,8 +50,12 @@ fi
 bench() {
     local model=$1 pp=$2 ub=$3
     shift 3
-    env "$@" timeout 100 $C/poly-engine bench --model "$model" --gpu 0 --prompt $pp --ubatch $ub --gen 0 --reps 2 \
-        > /tmp/mmq_b.txt 2> /tmp/mmq_e.txt
+    # NAME=VALUE words are diagnostic environment variables (POLY_GPU_PROFILE, ...), the rest
+    # poly-engine flags (the execution knobs, e.g. --mmq off).
+    local envs=() flags=()
+    for a in "$@"; do case $a in -*) flags+=("$a") ;; *=*) envs+=("$a") ;; *) flags+=("$a") ;; esac; done
+    env "${envs[@]}" timeout 100 $C/poly-engine bench --model "$model" --gpu 0 --prompt $pp --ubatch $ub --gen 0 --reps 2 \
+        "${flags[@]}" > /tmp/mmq_b.txt 2> /tmp/mmq_e.txt
     echo "  pp$pp ub$ub $*: $(python3 -c 'import json,sys; d=json.load(open("/tmp/mmq_b.txt")); p=d["pp"]; print("%.0f t/s samples %s wall/call %s" % (p["avg_ts"], [round(x) for x in p["samples_ts"]], [round(x, 4) for x in p["samples_wall_s"]]))' 2>&1)" | tee -a "$S"
     case "$*" in *PROFILE*) grep -vE "^\s*$" /tmp/mmq_e.txt | tail -40 | cut -c1-300 | sed 's/^/    /' | tee -a "$S" ;; esac
     grep -iE "error|panick" /tmp/mmq_e.txt | head -3 | tee -a "$S"
@@ -71,20 +75,20 @@ model() { # model <name> <arch> <shape>: an existing /dev/shm/m/<name>.gguf, els
 stamp "== qwen3moe 30B-A3B shape"
 M=$(model q3 qwen3moe qwen3-30b-a3b)
 stamp "model $M"
-bench $M 512 512 POLY_MMQ=on
-bench $M 4096 4096 POLY_MMQ=on
-bench $M 512 512 POLY_FA=off
-bench $M 512 512 POLY_MMQ_EXPERT_TILE=16
-bench $M 512 512 POLY_MMQ_EXPERT_TILE=64
+bench $M 512 512 --mmq on
+bench $M 4096 4096 --mmq on
+bench $M 512 512 --fa off
+bench $M 512 512 --mmq-expert-tile 16
+bench $M 512 512 --mmq-expert-tile 64
 bench $M 512 512 POLY_GPU_PROFILE=2
 rm -f /dev/shm/mmq/q3.gguf
 
 stamp "== qwen35moe 35B-A3B shape"
 M=$(model q35 qwen35moe qwen3.6-35b-a3b)
 stamp "model $M"
-bench $M 512 512 POLY_MMQ=on
-bench $M 4096 4096 POLY_MMQ=on
-bench $M 512 512 POLY_MMQ_EXPERT_TILE=32
+bench $M 512 512 --mmq on
+bench $M 4096 4096 --mmq on
+bench $M 512 512 --mmq-expert-tile 32
 bench $M 512 512 POLY_GPU_PROFILE=2
 rm -f /dev/shm/mmq/q35.gguf
 stamp "== done"

@@ -11,7 +11,6 @@ use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::attention::AttnParams;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use std::sync::OnceLock;
 
 /// (query, head) rows per block (`FA_ROWS`).
 const FA_ROWS: usize = 64;
@@ -52,10 +51,9 @@ fn shared_bytes(d: usize, kt: usize) -> usize {
     4 * (FA_ROWS * qw + kt * qw + d * vw)
 }
 
-/// Whether `POLY_FA=off` turned the tensor-core attention off (to measure against attn_f16).
+/// Whether `--fa off` turned the tensor-core attention off (to measure against attn_f16).
 fn disabled() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("POLY_FA").is_ok_and(|v| v == "off"))
+    !crate::options::get().gpu.flash_attention
 }
 
 /// Whether [`attention_prompt`] takes `n_q` queries of these heads on `dev`.

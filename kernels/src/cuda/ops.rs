@@ -170,18 +170,15 @@ fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
     wpr.min(max_warps_per_row())
 }
 
-/// `POLY_MATVEC_WARPS_PER_ROW` (1, 2 or 4, default 4): at most this many warps share a row, so a block computes
-/// more rows with each thread looping over more weight blocks. A tuning knob for measurements; every value
-/// computes the same sums per thread group, in another order.
+/// `--matvec-warps-per-row` (1, 2 or 4, default 4): at most this many warps share a row, so a block
+/// computes more rows with each thread looping over more weight blocks. A tuning knob for measurements;
+/// every value computes the same sums per thread group, in another order.
 fn max_warps_per_row() -> u32 {
-    static MAX: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *MAX.get_or_init(
-        || match std::env::var("POLY_MATVEC_WARPS_PER_ROW").ok().as_deref() {
-            Some("1") => 1,
-            Some("2") => 2,
-            _ => 4,
-        },
-    )
+    match crate::options::get().gpu.matvec_warps_per_row {
+        1 => 1,
+        2 => 2,
+        _ => 4,
+    }
 }
 
 /// The launch shape of a quantized matvec over `rows` rows (`slots` expert slots); returns it with the
@@ -208,23 +205,22 @@ const MATVEC_MAX_RPG: usize = 4;
 /// of a large card).
 const MATVEC_MIN_BLOCKS: usize = 256;
 
-/// `POLY_MATVEC_RPG` (1, 2 or 4, default 1): at most this many rows per warp group in the one-token matvec
+/// `--matvec-rpg` (1, 2 or 4, default 1): at most this many rows per warp group in the one-token matvec
 /// kernels. Every value computes every row's sum alike (the same values). One row per group is the
 /// default because it measured fastest end to end: on the H200, q3 `bench` tg128 242.4 t/s with 1 against
 /// 231.4 with 4 (the grouped launches have fewer, longer blocks; the decode graph overlaps short ones
 /// better). A knob for measurements on other cards.
 fn max_rows_per_group() -> usize {
-    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| match std::env::var("POLY_MATVEC_RPG").ok().as_deref() {
-        Some("4") => MATVEC_MAX_RPG,
-        Some("2") => 2,
+    match crate::options::get().gpu.matvec_rows_per_group {
+        4 => MATVEC_MAX_RPG,
+        2 => 2,
         _ => 1,
-    })
+    }
 }
 
 /// The launch shape of a one-token quantized matvec (the `matvec_*`, `matvec_experts_*` and
 /// `matvec_experts_glu_*` kernels) over `rows` rows and `slots` expert slots: warps per row as
-/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1, at most `POLY_MATVEC_RPG`) that leaves
+/// [`q_matvec_config`], and the most rows per warp group (4, 2, 1, at most `--matvec-rpg`) that leaves
 /// the launch [`MATVEC_MIN_BLOCKS`] blocks. Returns it with the warps per row and the rows per group.
 pub(crate) fn q_matvec_rows_config(
     ty: GgmlType,

@@ -51,8 +51,8 @@ pub fn has_matmul_experts(ty: GgmlType) -> bool {
 /// tile of 32 keeps more blocks in flight; from there 128 (one block per SM, a quarter of the unpacking of
 /// 32).
 /// With fewer than about 4 tokens per expert the dp4a kernel's tiles of [`MATMUL_TILE`] waste less.
-/// `POLY_MMQ_EXPERT_TILE` (8, 16, 32, 64 or 128) overrides the choice, to measure the others;
-/// `POLY_MMQ_EXPERT_TILES=old` takes the earlier choice (the smallest tile holding the average share).
+/// `--mmq-expert-tile` (8, 16, 32, 64 or 128) overrides the choice, to measure the others;
+/// `--mmq-expert-tiles old` takes the earlier choice (the smallest tile holding the average share).
 pub fn expert_tile_rows(dev: &Device, table: &ExpertTable, slots: usize, n_expert: usize) -> usize {
     if !mma::takes(dev, table.ty, table.cols) {
         return MATMUL_TILE;
@@ -319,11 +319,10 @@ fn stable_order_by_id(ids: &[i32], n_expert: usize) -> Vec<usize> {
 /// Most experts [`group_by_expert`] takes (`GROUP_MAX_EXPERTS`).
 pub const GROUP_MAX_EXPERTS: usize = 1024;
 
-/// Whether `POLY_MOE_GROUP=host` asked for the grouping on the host ([`ExpertGrouping`] after a download
+/// Whether `--moe-group host` asked for the grouping on the host ([`ExpertGrouping`] after a download
 /// of the ids: a wait per MoE layer) instead of [`group_by_expert`], to measure the two.
 pub fn host_grouping() -> bool {
-    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HOST.get_or_init(|| std::env::var("POLY_MOE_GROUP").is_ok_and(|v| v == "host"))
+    crate::options::get().gpu.moe_group_host
 }
 
 /// [`ExpertGrouping::with_tile`] on the card (`group_by_expert` in `matmul_mma.cu`), so the host need not

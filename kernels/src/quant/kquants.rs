@@ -581,10 +581,9 @@ pub fn single_row_rows4(ty: GgmlType) -> Option<Rows4> {
         }
         rows.map(|r| vec_dot_portable(KKind::Q4K, n, r, act))
     }
-    // `POLY_CPU_ROWS4=0` turns the four-row kernel off (each row alone, the same bits): an A/B switch
+    // `--cpu-rows4 off` turns the four-row kernel off (each row alone, the same bits): an A/B switch
     // for its speed on a new CPU.
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("POLY_CPU_ROWS4").map_or(true, |v| v != "0"));
+    let on = crate::options::get().cpu.rows4;
     match ty {
         GgmlType::Q4_K if on => Some(q4k),
         _ => None,

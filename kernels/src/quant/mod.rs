@@ -291,7 +291,7 @@ pub(crate) fn has_avx2_fma() -> bool {
         use std::sync::OnceLock;
         static HAS: OnceLock<bool> = OnceLock::new();
         *HAS.get_or_init(|| {
-            std::env::var_os("POLY_NO_SIMD").is_none()
+            crate::options::get().cpu.simd
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
@@ -304,7 +304,7 @@ pub(crate) fn has_avx2_fma() -> bool {
 }
 
 /// Whether the AVX-512 kernels (F, BW, VL, VNNI, with AVX2/FMA/F16C) may be used: checked once, at run
-/// time; `POLY_CPU_AVX512=0` (or `POLY_NO_SIMD`) turns them off, for comparisons and tests.
+/// time; `--cpu-avx512 off` (or `--cpu-simd off`) turns them off, for comparisons and tests.
 #[inline]
 pub(crate) fn has_avx512_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -313,7 +313,7 @@ pub(crate) fn has_avx512_vnni() -> bool {
         static HAS: OnceLock<bool> = OnceLock::new();
         *HAS.get_or_init(|| {
             has_avx2_fma()
-                && std::env::var("POLY_CPU_AVX512").map_or(true, |v| v != "0")
+                && crate::options::get().cpu.avx512
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
                 && is_x86_feature_detected!("avx512vl")

@@ -185,6 +185,41 @@ pub struct EngineProcess {
 
 const STDERR_TAIL_LINES: usize = 20;
 
+/// The variables an engine child inherits from the server; its environment is cleared of all others.
+/// What the engine computes is set by its flags (echoed in READY), so these are only what a process
+/// needs to run (PATH, HOME, locale, the CUDA libraries and devices, the kernel cache's location) and
+/// the diagnostic switches of README.md's table of environment variables.
+pub const ENGINE_ENV_ALLOW: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "CUDA_PATH",
+    "CUDA_HOME",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "POLY_GPU_PROFILE",
+    "POLY_CPU_PROFILE",
+    "POLY_CUDA_SYNC",
+    "POLY_KERNEL_CACHE",
+];
+
+/// Of `vars` (the server's environment), those an engine child gets: the ones named in
+/// [`ENGINE_ENV_ALLOW`].
+pub fn engine_env(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    vars.into_iter()
+        .filter(|(k, _)| ENGINE_ENV_ALLOW.iter().any(|a| k == a))
+        .collect()
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -201,6 +236,10 @@ impl EngineProcess {
         let mut child = Command::new(&launch.exe)
             .args(&launch.args)
             .current_dir(&launch.cwd)
+            // Only the allow-list: a variable left in the server's environment must not change how
+            // the engine computes behind its flags (those are in its READY line).
+            .env_clear()
+            .envs(engine_env(std::env::vars_os()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -283,6 +322,7 @@ impl EngineProcess {
                 experts_vram: 0,
                 prompt_calls: None,
                 guesses: None,
+                knobs: Default::default(),
             },
             writer,
             shared: shared.clone(),
@@ -660,5 +700,28 @@ impl Reader {
         if let Some(tx) = tx {
             let _ = tx.send(event);
         }
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    use super::engine_env;
+    use std::ffi::OsString;
+
+    #[test]
+    fn the_child_gets_the_allow_list_only() {
+        let vars = [
+            ("PATH", "/usr/bin"),
+            ("POLY_FUSE", "off"),
+            ("POLY_GPU_PROFILE", "1"),
+            ("SOME_SECRET", "x"),
+            ("CUDA_VISIBLE_DEVICES", "1"),
+        ]
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)));
+        let kept: Vec<String> = engine_env(vars)
+            .into_iter()
+            .map(|(k, _)| k.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(kept, ["PATH", "POLY_GPU_PROFILE", "CUDA_VISIBLE_DEVICES"]);
     }
 }

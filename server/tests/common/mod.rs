@@ -1,6 +1,7 @@
 //! Shared by the server's integration tests: an installation home over the CPU fixtures, a `polystrata
 //! serve` child on a free port with real `poly-engine` children, and a small HTTP/1.1 client (std only) that
 //! can read a stream piece by piece and drop a connection midway.
+//! Environment: `POLY_ENGINE` names the engine binary (else the one beside `polystrata`).
 
 #![allow(dead_code)]
 

@@ -8,6 +8,7 @@
 //! as `[ID, PROB]` pairs or objects `{"token"|"id": ID, "prob"|"p": PROB}`. Other stdout lines, and
 //! JSON objects without a `token`, are ignored. The CPU witness passes `--ignore-eos --n-ctx N` as
 //! extras (llama.cpp's references do not stop on end-of-generation tokens).
+//! Environment: `POLY_ENGINE` names the engine binary and `POLY_WITNESS_MODELS` the real models' folder.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,5 +1,6 @@
 //! The witness runner the CPU and GPU witness tests share: every committed llama.cpp reference
 //! (tests/fixtures/references/*.json) run through our engine and judged by `poly_tests::witness`'s rule.
+//! Environment: `POLY_ENGINE` names the engine binary (locations only: README.md's table).
 
 #![allow(dead_code)] // each test file uses its part
 

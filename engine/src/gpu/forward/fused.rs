@@ -3,8 +3,8 @@
 //! one launch; Qwen3.5's delta-net pieces (q/k L2 norms on the convolution's columns, the gates, the delta
 //! rule reading unrepeated key heads); and, with kernels that already existed, the gated activation
 //! (SwiGLU, GeGLU), the convolution with its SiLU and the gated output norm. Each gives the values of the
-//! launches it replaces, so only the launch count changes. `POLY_FUSE=off` runs the primitive sequences
-//! instead ([`poly_models::compute::composed`]) and `POLY_FUSE=no-many,no-norm-rope,...` turns single
+//! launches it replaces, so only the launch count changes. `--fuse off` runs the primitive sequences
+//! instead ([`poly_models::compute::composed`]) and `--fuse no-many,no-norm-rope,...` turns single
 //! fusions off ([`Fusion`]), for before/after measurements; so does any shape a fused kernel does not take.
 
 use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
@@ -17,7 +17,7 @@ use poly_models::compute::{composed, DeltaNet, DeltaNetInputs, Rope, Unary, Weig
 use super::{rope_params, DevAct, DeviceLayer, GpuForward};
 use crate::gpu::weights::GpuWeight;
 
-/// One fused kernel (or kernel standing for an op sequence) of this module, by its `POLY_FUSE` name.
+/// One fused kernel (or kernel standing for an op sequence) of this module, by its `--fuse` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fusion {
     /// `add_rms_norm`: `add-norm`.
@@ -68,16 +68,16 @@ impl Fusion {
     }
 }
 
-/// Fusions left off unless `POLY_FUSE=all` turns them on (see [`fusions`]). `delta`: on the H200 (device
+/// Fusions left off unless `--fuse all` turns them on (see [`fusions`]). `delta`: on the H200 (device
 /// run 2, 14:20 UTC) gpu_forward's `decode_graph_replays_equal_the_eager_calls_and_follow_switched_sequences`
 /// failed once on qwen35moe with every fusion on (two sequences alternating over one decode graph: the
 /// second sequence's greedy tokens left the CPU's); in run 3 the same test passed with each single fusion
 /// off in turn, so no fusion was shown guilty and the cause is not known. The setting verified whole there
 /// (gpu_forward 6/6, witness_gpu as main) is every fusion but this one, which costs nothing measurable
-/// (q35 tg128 236.0 against 236.6 t/s); `POLY_FUSE=all` turns it back on for whoever looks further.
+/// (q35 tg128 236.0 against 236.6 t/s); `--fuse all` turns it back on for whoever looks further.
 const DEFAULT_OFF: &[Fusion] = &[Fusion::DeltaGrouped];
 
-/// The fusions `POLY_FUSE` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
+/// The fusions `--fuse` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
 /// comma-separated list of `no-NAME` (names of [`Fusion`]) turns those off, for measuring each one.
 fn fusions(setting: Option<&str>) -> [bool; Fusion::ALL.len()] {
     let mut on = Fusion::ALL.map(|f| !DEFAULT_OFF.contains(&f));
@@ -98,10 +98,31 @@ fn fusions(setting: Option<&str>) -> [bool; Fusion::ALL.len()] {
     on
 }
 
+/// Whether `setting` is one [`fusions`] reads whole (`--fuse` refuses others rather than ignore a
+/// misspelt name).
+pub fn check_fuse_setting(setting: &str) -> Result<(), String> {
+    for part in setting.split(',').map(str::trim) {
+        let known = part == "off"
+            || part == "all"
+            || part
+                .strip_prefix("no-")
+                .is_some_and(|n| Fusion::ALL.iter().any(|f| f.name() == n));
+        if !known {
+            let names: Vec<&str> = Fusion::ALL.iter().map(|f| f.name()).collect();
+            return Err(format!(
+                "{part:?}: give off, all, or no-NAME (comma-separated) with NAME one of {}",
+                names.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Whether fusion `f` runs as its fused kernel (see [`fusions`]).
 pub fn fuse_on(f: Fusion) -> bool {
+    // Parsed once: this is asked for every launch.
     static ON: std::sync::OnceLock<[bool; Fusion::ALL.len()]> = std::sync::OnceLock::new();
-    let on = ON.get_or_init(|| fusions(std::env::var("POLY_FUSE").ok().as_deref()));
+    let on = ON.get_or_init(|| fusions(crate::knobs::forward().fuse.as_deref()));
     Fusion::ALL
         .iter()
         .position(|&g| g == f)

@@ -42,6 +42,8 @@ mod act;
 mod fused;
 mod moe;
 
+pub use fused::check_fuse_setting;
+
 pub use act::DevAct;
 
 /// Blocks the split-K attention aims for on one token (a few per SM of a large card).
@@ -72,41 +74,34 @@ fn decode_split(p: &AttnParams, n_kv: usize) -> AttnSplit {
 }
 
 /// Whether one-token attention uses the flash-decoding kernel (`attention_decode_f16`);
-/// `POLY_ATTN_DECODE=old` selects the split-K kernel of prompts instead (for before/after measurements).
+/// `--attn-decode old` selects the split-K kernel of prompts instead (for before/after measurements).
 fn decode_kernel_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("POLY_ATTN_DECODE").map_or(true, |v| v.trim() != "old"))
+    crate::knobs::forward().attn_decode_flash
 }
 
-/// Whether one token's gate and up experts run as one fused launch (`POLY_MOE_GLU=off`: two launches and
+/// Whether one token's gate and up experts run as one fused launch (`--moe-glu off`: two launches and
 /// the SwiGLU, for before/after measurements).
 fn fused_glu_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("POLY_MOE_GLU").map_or(true, |v| v.trim() != "off"))
+    crate::knobs::forward().moe_glu_fused
 }
 
 /// Whether the flash-decoding kernel also stores the token's key and value into the cache (one launch
 /// fewer per layer; on the H200 q3 through serve mode 169.6 -> 175.9 t/s at depth 40, 155.2 -> 157.2 at
-/// 8,000); `POLY_ATTN_KV_STORE=separate` runs `kv_store_f16_pos` first.
+/// 8,000); `--attn-kv-store separate` runs `kv_store_f16_pos` first.
 fn decode_store_fused() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("POLY_ATTN_KV_STORE").map_or(true, |v| v.trim() != "separate"))
+    crate::knobs::forward().attn_kv_store_fused
 }
 
 /// Splits of the flash-decoding kernel over a bucket of `n_kv` cache rows: about
-/// [`ATTN_TARGET_BLOCKS`] blocks (`POLY_ATTN_BLOCKS` overrides it, for measurements) with at least
+/// [`ATTN_TARGET_BLOCKS`] blocks (`--attn-blocks` overrides it, for measurements) with at least
 /// [`DECODE_MIN_KEYS`] keys each when the bucket is full, at most [`attention::DECODE_MAX_SPLIT`]. The
 /// kernel cuts the keys the token sees (not the bucket) into that many parts, so the blocks stay busy
 /// anywhere in the bucket.
 fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
-    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let target = *TARGET.get_or_init(|| {
-        std::env::var("POLY_ATTN_BLOCKS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|&b: &usize| b > 0)
-            .unwrap_or(ATTN_TARGET_BLOCKS)
-    });
+    let target = crate::knobs::forward()
+        .attn_blocks
+        .filter(|&b| b > 0)
+        .unwrap_or(ATTN_TARGET_BLOCKS);
     let by_blocks = target.div_ceil(p.n_head_kv.max(1));
     let by_keys = (n_kv / DECODE_MIN_KEYS).max(1);
     by_blocks.min(by_keys).clamp(1, attention::DECODE_MAX_SPLIT)

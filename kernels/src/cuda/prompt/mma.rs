@@ -7,7 +7,6 @@ use super::super::ops::{as_i32, check_len, invalid};
 use super::super::{BlockQ8_1, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
 use crate::quant::GgmlType;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use std::sync::OnceLock;
 
 /// Weight rows per thread block (`MMQ_ROWS`: 8 warps of 16).
 pub const MMQ_ROWS: usize = 128;
@@ -53,34 +52,28 @@ fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 4]> {
     })
 }
 
-/// Whether `POLY_MMQ=off` turned the tensor-core kernels off (to measure against the dp4a ones).
+/// Whether `--mmq off` turned the tensor-core kernels off (to measure against the dp4a ones).
 fn disabled() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("POLY_MMQ").is_ok_and(|v| v == "off"))
+    !crate::options::get().gpu.mmq
 }
 
-/// The expert tile `POLY_MMQ_EXPERT_TILE` asks for (8: the dp4a kernel; 16, 32, 64, 128), if any.
+/// The expert tile `--mmq-expert-tile` asks for (8: the dp4a kernel; 16, 32, 64, 128), if any.
 pub fn forced_expert_tile() -> Option<usize> {
-    static TILE: OnceLock<Option<usize>> = OnceLock::new();
-    *TILE.get_or_init(|| {
-        std::env::var("POLY_MMQ_EXPERT_TILE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
-    })
+    crate::options::get()
+        .gpu
+        .mmq_expert_tile
+        .filter(|t| *t == super::MATMUL_TILE || TILES.contains(t))
 }
 
-/// Whether `POLY_MMQ_EXPERT_TILES=old` asked for the tile sizes chosen before the kernels skipped a short
+/// Whether `--mmq-expert-tiles old` asked for the tile sizes chosen before the kernels skipped a short
 /// tile's empty tokens (the smallest tile holding an expert's average share), to measure against them.
 pub fn old_expert_tiles() -> bool {
-    static OLD: OnceLock<bool> = OnceLock::new();
-    *OLD.get_or_init(|| std::env::var("POLY_MMQ_EXPERT_TILES").is_ok_and(|v| v == "old"))
+    crate::options::get().gpu.mmq_old_expert_tiles
 }
 
-/// Whether `POLY_MMQ_PAIR=off` asked for gate and up as two launches (to measure the pair kernel).
+/// Whether `--mmq-pair off` asked for gate and up as two launches (to measure the pair kernel).
 pub fn pair_disabled() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("POLY_MMQ_PAIR").is_ok_and(|v| v == "off"))
+    !crate::options::get().gpu.mmq_pair
 }
 
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).

@@ -44,15 +44,13 @@ impl Tiles {
 
 /// The tile kernel for products of `ty` in batch order `order` (`None`: the single-row order) on this
 /// machine, with AVX-512 VNNI: Q2_K, Q3_K, Q4_K (its unrepacked order), Q5_K, Q6_K, IQ2_XS, IQ3_XXS and
-/// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `POLY_CPU_KTILE=0` turns
+/// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `--cpu-ktile off` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
 ///
-/// Without AVX-512 VNNI but with AVX2 (`POLY_CPU_AVX512=0` makes one of this machine), the K-quants take
+/// Without AVX-512 VNNI but with AVX2 (`--cpu-avx512 off` makes one of this machine), the K-quants take
 /// the AVX2 tile kernel (`x86::ktile_avx2`) but for Q4_K, and the IQ formats their row kernels.
 pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("POLY_CPU_KTILE").map_or(true, |v| v != "0"));
-    if !on {
+    if !crate::options::get().cpu.ktile {
         return None;
     }
     if crate::quant::has_avx512_vnni() {

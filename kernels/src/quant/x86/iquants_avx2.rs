@@ -830,7 +830,7 @@ pub(crate) unsafe fn vec_dot_iq4_xs_order<const TILED: bool>(
 
 #[cfg(test)]
 mod tests {
-    //! The AVX2 kernels called directly (whatever `POLY_NO_SIMD` says), against the portable ones.
+    //! The AVX2 kernels called directly (whatever `--cpu-simd` says), against the portable ones.
 
     use super::*;
     use crate::quant::GgmlType;

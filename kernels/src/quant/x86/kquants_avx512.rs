@@ -588,7 +588,7 @@ mod tests {
     #[test]
     fn q4k_avx512_equals_portable() {
         if !has_avx512_vnni() {
-            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or POLY_CPU_AVX512=0)");
+            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or --cpu-avx512 off)");
             return;
         }
         let ops = GgmlType::Q4_K.ops().expect("Q4_K computes");
@@ -656,7 +656,7 @@ mod tests {
     #[test]
     fn q6k_avx512_equals_portable() {
         if !has_avx512_vnni() {
-            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or POLY_CPU_AVX512=0)");
+            eprintln!("skipped: this CPU lacks AVX-512 VNNI (or --cpu-avx512 off)");
             return;
         }
         let ops = GgmlType::Q6_K.ops().expect("Q6_K computes");

@@ -8,7 +8,7 @@
 //! K-quants' codes never reach (at most 63, so a pair is at most 2·63·128 = 16128); the IQ formats'
 //! codes `value + 128` would, so they keep their row kernels here. The integer totals are exact and the
 //! float steps those of `ktile_avx512::step`, lane by lane, so the results are the portable code's bit
-//! for bit (tested in `kquants::tile` with `POLY_CPU_AVX512=0` semantics: [`dot`] is called directly).
+//! for bit (tested in `kquants::tile` with `--cpu-avx512 off` semantics: [`dot`] is called directly).
 //!
 //! Callers check `super::super::has_avx2_fma()` first.
 

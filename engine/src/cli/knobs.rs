@@ -1,0 +1,234 @@
+//! The execution knobs' flags, shared by serving, `run` and `bench`: parsed once into
+//! [`poly_engine::knobs::Knobs`] and installed before the model loads. Each replaces an environment
+//! variable of earlier builds (named in its help; README.md's table of environment variables); the
+//! defaults are today's behaviour.
+
+use clap::{Args, ValueEnum};
+use poly_engine::knobs::{ForwardOptions, Knobs};
+use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions};
+
+/// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    #[value(alias = "1")]
+    On,
+    #[value(alias = "0")]
+    Off,
+}
+
+impl Switch {
+    fn on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// Which one-token attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AttnDecode {
+    /// The flash-decoding kernel.
+    Flash,
+    /// The prompts' split-K kernel.
+    Old,
+}
+
+/// Where the decode attention's key and value are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvStore {
+    /// By the flash-decoding kernel itself.
+    Fused,
+    /// By `kv_store_f16_pos` first.
+    Separate,
+}
+
+/// Which expert tile sizes the grouped expert products choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExpertTiles {
+    New,
+    Old,
+}
+
+/// Where a call's tokens are grouped by expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MoeGroup {
+    Card,
+    Host,
+}
+
+fn one_two_four(s: &str) -> Result<u32, String> {
+    match s.trim() {
+        "1" => Ok(1),
+        "2" => Ok(2),
+        "4" => Ok(4),
+        v => Err(format!("{v:?}: give 1, 2 or 4")),
+    }
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?}: give a whole number above 0")),
+    }
+}
+
+fn fuse_setting(s: &str) -> Result<String, String> {
+    poly_engine::gpu::forward::check_fuse_setting(s)?;
+    Ok(s.to_string())
+}
+
+/// Execution knobs: variants that compute the same values, for measurements (the defaults are the
+/// measured best). Non-default ones are echoed in READY.
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Execution knobs (for measurements; were POLY_* variables)")]
+pub struct KnobArgs {
+    /// GPU fusions: `off` (the primitive launches), `all` (the default-off ones too), or a
+    /// comma-separated list of `no-NAME` (was POLY_FUSE).
+    #[arg(long, value_name = "SETTING", value_parser = fuse_setting)]
+    fuse: Option<String>,
+    /// One-token attention kernel (was POLY_ATTN_DECODE).
+    #[arg(long, value_enum, default_value_t = AttnDecode::Flash)]
+    attn_decode: AttnDecode,
+    /// Who stores a decoded token's key and value (was POLY_ATTN_KV_STORE).
+    #[arg(long, value_enum, default_value_t = KvStore::Fused)]
+    attn_kv_store: KvStore,
+    /// Blocks the flash-decoding kernel aims at (default: the built-in target; was POLY_ATTN_BLOCKS).
+    #[arg(long, value_name = "N", value_parser = positive)]
+    attn_blocks: Option<usize>,
+    /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    moe_glu: Switch,
+    /// Where a call's tokens are grouped by expert (was POLY_MOE_GROUP).
+    #[arg(long, value_enum, default_value_t = MoeGroup::Card)]
+    moe_group: MoeGroup,
+    /// Tensor-core prompt attention (off: CUDA cores; was POLY_FA).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    fa: Switch,
+    /// Tensor-core prompt matrix products (off: dp4a; was POLY_MMQ).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    mmq: Switch,
+    /// Gate and up of the grouped experts in one launch (was POLY_MMQ_PAIR).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    mmq_pair: Switch,
+    /// Force this expert tile: 8 (dp4a), 16, 32, 64 or 128 (was POLY_MMQ_EXPERT_TILE).
+    #[arg(long, value_name = "N", value_parser = ["8", "16", "32", "64", "128"])]
+    mmq_expert_tile: Option<String>,
+    /// The expert tile sizes chosen before short tiles skipped empty tokens (was
+    /// POLY_MMQ_EXPERT_TILES).
+    #[arg(long, value_enum, default_value_t = ExpertTiles::New)]
+    mmq_expert_tiles: ExpertTiles,
+    /// At most this many rows per warp group of the one-token matvec: 1, 2 or 4 (was POLY_MATVEC_RPG).
+    #[arg(long, value_name = "N", default_value = "1", value_parser = one_two_four)]
+    matvec_rpg: u32,
+    /// At most this many warps per row of the quantized matvec: 1, 2 or 4 (was
+    /// POLY_MATVEC_WARPS_PER_ROW).
+    #[arg(long, value_name = "N", default_value = "4", value_parser = one_two_four)]
+    matvec_warps_per_row: u32,
+    /// Any SIMD CPU kernel (off: the portable code; was POLY_NO_SIMD).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    cpu_simd: Switch,
+    /// The AVX-512 VNNI CPU kernels where the CPU has them (off: AVX2; was POLY_CPU_AVX512).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    cpu_avx512: Switch,
+    /// Q4_K's four-row CPU kernel (was POLY_CPU_ROWS4).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    cpu_rows4: Switch,
+    /// The K-quant tile CPU kernels (off: row by row; was POLY_CPU_KTILE).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    cpu_ktile: Switch,
+}
+
+impl KnobArgs {
+    /// The knobs these flags ask for.
+    pub fn knobs(&self) -> Knobs {
+        Knobs {
+            kernels: KernelOptions {
+                gpu: GpuKernelOptions {
+                    flash_attention: self.fa.on(),
+                    mmq: self.mmq.on(),
+                    mmq_pair: self.mmq_pair.on(),
+                    // The parser took only numbers.
+                    mmq_expert_tile: self.mmq_expert_tile.as_deref().and_then(|t| t.parse().ok()),
+                    mmq_old_expert_tiles: self.mmq_expert_tiles == ExpertTiles::Old,
+                    moe_group_host: self.moe_group == MoeGroup::Host,
+                    matvec_warps_per_row: self.matvec_warps_per_row,
+                    matvec_rows_per_group: self.matvec_rpg as usize,
+                },
+                cpu: CpuKernelOptions {
+                    simd: self.cpu_simd.on(),
+                    avx512: self.cpu_avx512.on(),
+                    rows4: self.cpu_rows4.on(),
+                    ktile: self.cpu_ktile.on(),
+                },
+            },
+            forward: ForwardOptions {
+                fuse: self.fuse.clone(),
+                attn_decode_flash: self.attn_decode == AttnDecode::Flash,
+                moe_glu_fused: self.moe_glu.on(),
+                attn_kv_store_fused: self.attn_kv_store == KvStore::Fused,
+                attn_blocks: self.attn_blocks,
+            },
+        }
+    }
+
+    /// Installs the knobs for this process (before any model loads) and says the non-default ones on
+    /// stderr.
+    pub fn install(&self) -> Result<(), String> {
+        let knobs = self.knobs();
+        poly_engine::knobs::set(&knobs)?;
+        let changed = knobs.non_default();
+        if !changed.is_empty() {
+            let list: Vec<String> = changed.iter().map(|(k, v)| format!("--{k} {v}")).collect();
+            eprintln!("poly-engine: knobs {}", list.join(" "));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        k: KnobArgs,
+    }
+
+    #[test]
+    fn no_flags_are_the_defaults_and_flags_set_their_knob() {
+        let k = T::try_parse_from(["t"]).expect("parse").k.knobs();
+        assert_eq!(k, Knobs::default());
+        let k = T::try_parse_from([
+            "t",
+            "--mmq",
+            "off",
+            "--cpu-rows4",
+            "0",
+            "--matvec-rpg",
+            "4",
+            "--fuse",
+            "no-many,no-glu",
+            "--attn-decode",
+            "old",
+            "--mmq-expert-tile",
+            "64",
+        ])
+        .expect("parse")
+        .k
+        .knobs();
+        assert!(!k.kernels.gpu.mmq && !k.kernels.cpu.rows4);
+        assert_eq!(k.kernels.gpu.matvec_rows_per_group, 4);
+        assert_eq!(k.kernels.gpu.mmq_expert_tile, Some(64));
+        assert_eq!(k.forward.fuse.as_deref(), Some("no-many,no-glu"));
+        assert!(!k.forward.attn_decode_flash);
+        assert!(T::try_parse_from(["t", "--fuse", "no-manny"]).is_err());
+        assert!(T::try_parse_from(["t", "--matvec-rpg", "3"]).is_err());
+    }
+
+    #[test]
+    fn the_whole_command_line_is_consistent() {
+        // Flattened into serving, `run` and `bench`: no flag may clash with theirs.
+        use clap::CommandFactory;
+        super::super::Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,125 @@
+//! The engine's execution knobs: switches between variants that compute the same values (a fused kernel
+//! or its primitive launches, one decode attention kernel or another, launch shapes), for measurements on
+//! new cards and CPUs; the defaults are the measured best.
+//!
+//! `poly-engine`'s flags (`cli::knobs`) parse them once, at start, into [`Knobs`]; [`set`] installs them
+//! before a model is loaded: the kernel-level ones in [`poly_kernels::options`], the forward pass's here.
+//! A global rather than a value passed down, because the readers sit deep in the GPU forward pass; but
+//! never read from the environment, and echoed in READY (`knobs`: those that differ from the defaults).
+//! README.md's table of environment variables lists what remains there (diagnosis only).
+
+use poly_kernels::options::KernelOptions;
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+/// The GPU forward pass's knobs (engine-level; the kernels' are in [`KernelOptions`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForwardOptions {
+    /// Which fusions run as fused kernels (`--fuse`): `None` the default set; else the setting, `off`,
+    /// `all`, or a comma-separated list of `no-NAME` (see `gpu::forward::fused`).
+    pub fuse: Option<String>,
+    /// One token's attention on the flash-decoding kernel (off: the prompts' split-K kernel).
+    pub attn_decode_flash: bool,
+    /// One token's gate and up experts as one fused launch (off: two launches and the SwiGLU).
+    pub moe_glu_fused: bool,
+    /// The flash-decoding kernel also stores the token's key and value (off: `kv_store_f16_pos` first).
+    pub attn_kv_store_fused: bool,
+    /// The blocks the flash-decoding kernel aims at, instead of the built-in target.
+    pub attn_blocks: Option<usize>,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        ForwardOptions {
+            fuse: None,
+            attn_decode_flash: true,
+            moe_glu_fused: true,
+            attn_kv_store_fused: true,
+            attn_blocks: None,
+        }
+    }
+}
+
+/// Every execution knob of a `poly-engine` process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Knobs {
+    pub kernels: KernelOptions,
+    pub forward: ForwardOptions,
+}
+
+impl Knobs {
+    /// The knobs that differ from the defaults, by flag name (without `--`): what READY echoes.
+    pub fn non_default(&self) -> BTreeMap<String, String> {
+        let mut out: BTreeMap<String, String> = self
+            .kernels
+            .non_default()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let (f, d) = (&self.forward, ForwardOptions::default());
+        let mut put = |k: &str, v: String| out.insert(k.to_string(), v);
+        if let Some(s) = &f.fuse {
+            put("fuse", s.clone());
+        }
+        if f.attn_decode_flash != d.attn_decode_flash {
+            put("attn-decode", "old".into());
+        }
+        if f.moe_glu_fused != d.moe_glu_fused {
+            put("moe-glu", "off".into());
+        }
+        if f.attn_kv_store_fused != d.attn_kv_store_fused {
+            put("attn-kv-store", "separate".into());
+        }
+        if let Some(b) = f.attn_blocks {
+            put("attn-blocks", b.to_string());
+        }
+        out
+    }
+}
+
+static FORWARD: OnceLock<ForwardOptions> = OnceLock::new();
+
+/// Installs the knobs for this process: once, before a model is loaded. Refused (with what is in force)
+/// if other knobs were set or read before.
+pub fn set(knobs: &Knobs) -> Result<(), String> {
+    poly_kernels::options::set(knobs.kernels)
+        .map_err(|now| format!("the kernel options were already set: {now:?}"))?;
+    let now = FORWARD.get_or_init(|| knobs.forward.clone());
+    if *now == knobs.forward {
+        Ok(())
+    } else {
+        Err(format!("the forward options were already set: {now:?}"))
+    }
+}
+
+/// The forward pass's knobs in force: those [`set`] gave, else the defaults.
+pub fn forward() -> &'static ForwardOptions {
+    FORWARD.get_or_init(ForwardOptions::default)
+}
+
+/// The knobs in force, as [`Knobs::non_default`] says them.
+pub fn in_force_non_default() -> BTreeMap<String, String> {
+    Knobs {
+        kernels: *poly_kernels::options::get(),
+        forward: forward().clone(),
+    }
+    .non_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_changed_knobs_are_echoed() {
+        assert!(Knobs::default().non_default().is_empty());
+        let mut k = Knobs::default();
+        k.forward.fuse = Some("off".into());
+        k.forward.moe_glu_fused = false;
+        k.kernels.gpu.mmq = false;
+        let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
+        let want = [("fuse", "off"), ("mmq", "off"), ("moe-glu", "off")]
+            .map(|(a, b)| (a.to_string(), b.to_string()));
+        assert_eq!(echoed, want);
+    }
+}
