@@ -106,12 +106,12 @@ stamp "3. the card held to 8 / 16 GB (ours)"
 for case in q3:8192 q3:16384 q35:8192 q35:16384; do
     m=${case%%:*}; mib=${case##*:}
     bench "$m ${mib}MiB pp512 tg64" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 512 --gen 64 --reps 2
-    # Where a token's missing experts are computed, and (POLY_GPU_SEGMENTS=0) the token without graphs.
+    # Where a token's missing experts are computed, and (--gpu-segments off) the token without graphs.
     modes="card"; [ $case = q3:8192 ] && modes="cpu card mapped"
     for mode in $modes; do
         bench "$m ${mib}MiB tg64 --missing-experts $mode" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 0 --gen 64 --reps 2 --missing-experts $mode
     done
-    POLY_GPU_SEGMENTS=0 bench "$m ${mib}MiB tg64 POLY_GPU_SEGMENTS=0" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 0 --gen 64 --reps 2
+    bench "$m ${mib}MiB tg64 --gpu-segments off" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 0 --gen 64 --reps 2 --gpu-segments off
     [ $case = q3:8192 ] && timeout 120 python3 benchmarks/serve_drive.py $E /dev/shm/m/q3.gguf 16384 40:128 2000:128 8000:128 -- --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) >> $S 2> $R/serve_q3_8g.err
     bench "$m ${mib}MiB pp8000" --model /dev/shm/m/$m.gguf --gpu 0 --vram-reserve-mib $(( TOTAL - mib )) --prompt 8000 --gen 0 --reps 1 --ubatch 4096
     # One call of the whole prompt: each layer's uncached experts staged once for the read.

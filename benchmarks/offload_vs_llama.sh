@@ -139,7 +139,7 @@ if [ "$PHASE" = ours ]; then
     done
     for m in q3u q35s; do
         F=/dev/shm/m/$m.gguf
-        case " ${EXTRAS:-card rayon onecall} " in *" rayon "*) POLY_CPU_SHARE=rayon bench "$m ${BUDGET}MiB NEW tg64 POLY_CPU_SHARE=rayon" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile ;; esac
+        case " ${EXTRAS:-card rayon onecall} " in *" rayon "*) bench "$m ${BUDGET}MiB NEW tg64 --cpu-share rayon" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --cpu-share rayon ;; esac
         case " ${EXTRAS:-card rayon onecall} " in *" onecall "*) ;; *) continue ;; esac
         bench "$m ${BUDGET}MiB NEW pp8000 one call" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 8000 --gen 0 --reps 1 --ubatch 8000 --no-expert-profile
     done

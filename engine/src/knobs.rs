@@ -26,6 +26,24 @@ pub struct ForwardOptions {
     pub attn_kv_store_fused: bool,
     /// The blocks the flash-decoding kernel aims at, instead of the built-in target.
     pub attn_blocks: Option<usize>,
+    /// One-token calls captured into CUDA graphs and replayed (off: every launch queued per token).
+    pub gpu_graphs: bool,
+    /// Tokens whose MoE layers need the host (a partly resident expert cache) as segmented graphs (off:
+    /// such tokens run without graphs).
+    pub gpu_segments: bool,
+    /// Who computes a partly resident token's CPU share.
+    pub cpu_share: CpuShareThreads,
+}
+
+/// The threads of a partly resident token's CPU share (`--cpu-share`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuShareThreads {
+    /// A pool that spins between MoE layers, the products of all experts in one parallel region each.
+    Hot,
+    /// Rayon's pool, the same regions (to compare).
+    Rayon,
+    /// Rayon's pool, a parallel region per expert (the former path, to compare).
+    PerExpert,
 }
 
 impl Default for ForwardOptions {
@@ -36,6 +54,9 @@ impl Default for ForwardOptions {
             moe_glu_fused: true,
             attn_kv_store_fused: true,
             attn_blocks: None,
+            gpu_graphs: true,
+            gpu_segments: true,
+            cpu_share: CpuShareThreads::Hot,
         }
     }
 }
@@ -72,6 +93,17 @@ impl Knobs {
         }
         if let Some(b) = f.attn_blocks {
             put("attn-blocks", b.to_string());
+        }
+        if f.gpu_graphs != d.gpu_graphs {
+            put("gpu-graphs", "off".into());
+        }
+        if f.gpu_segments != d.gpu_segments {
+            put("gpu-segments", "off".into());
+        }
+        match f.cpu_share {
+            CpuShareThreads::Hot => {}
+            CpuShareThreads::Rayon => _ = put("cpu-share", "rayon".into()),
+            CpuShareThreads::PerExpert => _ = put("cpu-share", "per-expert".into()),
         }
         out
     }
@@ -117,9 +149,17 @@ mod tests {
         k.forward.fuse = Some("off".into());
         k.forward.moe_glu_fused = false;
         k.kernels.gpu.mmq = false;
+        k.forward.gpu_segments = false;
+        k.forward.cpu_share = CpuShareThreads::Rayon;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
-        let want = [("fuse", "off"), ("mmq", "off"), ("moe-glu", "off")]
-            .map(|(a, b)| (a.to_string(), b.to_string()));
+        let want = [
+            ("cpu-share", "rayon"),
+            ("fuse", "off"),
+            ("gpu-segments", "off"),
+            ("mmq", "off"),
+            ("moe-glu", "off"),
+        ]
+        .map(|(a, b)| (a.to_string(), b.to_string()));
         assert_eq!(echoed, want);
     }
 }

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Decode-speed run on the GPU machine (see make_gpuspeed_carry.sh), from the repository root: the CUDA
 # elementwise tests and the engine's gpu_forward tests, synth models at the real shapes in /dev/shm, then
-# `poly-engine bench` tg128 with decode graphs on and off (POLY_GPU_GRAPHS=0), under POLY_GPU_PROFILE=1, with
+# `poly-engine bench` tg128 with decode graphs on and off (--gpu-graphs off), under POLY_GPU_PROFILE=1, with
 # fewer warps per matvec row (--matvec-warps-per-row), and, time permitting, ncu per-kernel durations
 # over three decode tokens with graphs.
 # Logs go to $OUT (summary.txt first).
@@ -42,15 +42,15 @@ bench() { # model, label, env...
 }
 for m in q3 q35; do
     f=/dev/shm/m/$m.gguf
-    bench $f "$m graphs on" POLY_GPU_GRAPHS=1
-    bench $f "$m graphs on, profile 1" POLY_GPU_GRAPHS=1 POLY_GPU_PROFILE=1
-    bench $f "$m graphs off" POLY_GPU_GRAPHS=0
-    bench $f "$m graphs on, matvec 1 warp per row" POLY_GPU_GRAPHS=1 --matvec-warps-per-row 1
-    [ $m = q3 ] && bench $f "$m graphs on, matvec 2 warps per row" POLY_GPU_GRAPHS=1 --matvec-warps-per-row 2
+    bench $f "$m graphs on"
+    bench $f "$m graphs on, profile 1" POLY_GPU_PROFILE=1
+    bench $f "$m graphs off" --gpu-graphs off
+    bench $f "$m graphs on, matvec 1 warp per row" --matvec-warps-per-row 1
+    [ $m = q3 ] && bench $f "$m graphs on, matvec 2 warps per row" --matvec-warps-per-row 2
 done
 if [ "$MODE" = profile ] && [ $SECONDS -lt 180 ] && [ -x /usr/local/cuda/bin/ncu ]; then
     echo "== q3 ncu per-kernel over 3 decode tokens with graphs (gpu__time_duration), at ${SECONDS}s" | tee -a "$S"
-    POLY_GPU_GRAPHS=1 timeout 50 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
+    timeout 50 /usr/local/cuda/bin/ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
         $C/poly-engine bench --model /dev/shm/m/q3.gguf --gpu 0 --prompt 0 --gen 3 --reps 1 --no-warmup > "$OUT/ncu_q3.txt" 2>&1
     echo "ncu rc=$?" | tee -a "$S"
     grep -E "^  [a-z_0-9]+ \(|gpu__time_duration" "$OUT/ncu_q3.txt" | paste - - | sed -E 's/ +/ /g' | cut -c1-200 >> "$S"

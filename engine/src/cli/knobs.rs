@@ -4,7 +4,7 @@
 //! defaults are today's behaviour.
 
 use clap::{Args, ValueEnum};
-use poly_engine::knobs::{ForwardOptions, Knobs};
+use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Knobs};
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
@@ -45,6 +45,17 @@ pub enum KvStore {
 pub enum ExpertTiles {
     New,
     Old,
+}
+
+/// Who computes a partly resident token's CPU share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CpuShare {
+    /// The spinning pool, all experts' products in one region each.
+    Hot,
+    /// Rayon's pool, the same regions.
+    Rayon,
+    /// Rayon's pool, a region per expert.
+    PerExpert,
 }
 
 /// Where a call's tokens are grouped by expert.
@@ -93,6 +104,16 @@ pub struct KnobArgs {
     /// Blocks the flash-decoding kernel aims at (default: the built-in target; was POLY_ATTN_BLOCKS).
     #[arg(long, value_name = "N", value_parser = positive)]
     attn_blocks: Option<usize>,
+    /// One-token calls as CUDA graphs (was POLY_GPU_GRAPHS).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    gpu_graphs: Switch,
+    /// Tokens whose MoE layers need the host as segmented graphs (off: without graphs; was
+    /// POLY_GPU_SEGMENTS).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    gpu_segments: Switch,
+    /// The threads of a partly resident token's CPU share (was POLY_CPU_SHARE).
+    #[arg(long, value_enum, default_value_t = CpuShare::Hot)]
+    cpu_share: CpuShare,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -165,6 +186,13 @@ impl KnobArgs {
                 moe_glu_fused: self.moe_glu.on(),
                 attn_kv_store_fused: self.attn_kv_store == KvStore::Fused,
                 attn_blocks: self.attn_blocks,
+                gpu_graphs: self.gpu_graphs.on(),
+                gpu_segments: self.gpu_segments.on(),
+                cpu_share: match self.cpu_share {
+                    CpuShare::Hot => CpuShareThreads::Hot,
+                    CpuShare::Rayon => CpuShareThreads::Rayon,
+                    CpuShare::PerExpert => CpuShareThreads::PerExpert,
+                },
             },
         }
     }

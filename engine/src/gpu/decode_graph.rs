@@ -11,7 +11,7 @@
 //!
 //! The first token of a bucket runs as an ordinary call in graph mode (its results are the token's), which
 //! fills the graph's pool and the weights' vectors, and then the same launches are captured (nothing runs).
-//! A capture that fails turns graphs off for that sequence; `POLY_GPU_GRAPHS=0` turns them off entirely.
+//! A capture that fails turns graphs off for that sequence; `--gpu-graphs off` turns them off entirely.
 //!
 //! When the expert cache lacks experts, an MoE layer needs the host in its middle: the token's routing
 //! decides which experts are copied to the card and which the CPU computes. Such a token's graph is
@@ -22,7 +22,7 @@
 //! segment, the shared expert alone, replayed right after the route point so the card computes it while
 //! the host decides. The card's experts of a step read the step's own table of the token's `k` routings
 //! ([`MoeStep::tables`]), which the host fills at the route point, so the layer's tables are not rewritten
-//! per token. `POLY_GPU_SEGMENTS=0` runs such tokens without graphs, as before.
+//! per token. `--gpu-segments off` runs such tokens without graphs, as before.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -38,15 +38,15 @@ use super::forward::{Backing, GpuForward, GraphInputs, GraphMode};
 use super::pool::{Pool, PoolStore};
 use crate::cpu::CpuWeights;
 
-/// Whether decode graphs are on (`POLY_GPU_GRAPHS=0` turns them off).
+/// Whether decode graphs are on (`--gpu-graphs off` turns them off).
 pub fn graphs_enabled() -> bool {
-    std::env::var("POLY_GPU_GRAPHS").map_or(true, |v| v.trim() != "0")
+    crate::knobs::forward().gpu_graphs
 }
 
 /// Whether tokens whose MoE layers need the host (an expert cache lacking experts) go through segmented
-/// graphs (`POLY_GPU_SEGMENTS=0` runs them without graphs).
+/// graphs (`--gpu-segments off` runs them without graphs).
 pub fn segments_enabled() -> bool {
-    std::env::var("POLY_GPU_SEGMENTS").map_or(true, |v| v.trim() != "0")
+    crate::knobs::forward().gpu_segments
 }
 
 /// Where a segmented graph hands over to the host after one of its graphs.

@@ -69,14 +69,15 @@ if left 150; then
     grep -E "test result|panicked" $T | tail -2 >> $S
 fi
 if left 165; then
-    echo "== q3 eager per-op profile (POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0), 2000:64" >> $S
-    POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0 timeout 30 python3 $C/drive.py $E /dev/shm/m/q3.gguf 16384 2000:64 >> $S 2> $OUT/ops_q3.log
+    echo "== q3 eager per-op profile (POLY_GPU_PROFILE=2, --gpu-graphs off), 2000:64" >> $S
+    printf '#!/bin/sh\nexec %s "$@" --gpu-graphs off\n' "$E" > /tmp/d7_engine_eager && chmod +x /tmp/d7_engine_eager
+    POLY_GPU_PROFILE=2 timeout 30 python3 $C/drive.py /tmp/d7_engine_eager /dev/shm/m/q3.gguf 16384 2000:64 >> $S 2> $OUT/ops_q3.log
     note "profile q3 rc=$?"
     grep -A16 "^decode" $OUT/ops_q3.log | head -18 >> $S
 fi
 if left 160; then
     echo "== q35 eager per-op profile, 2000:64" >> $S
-    POLY_GPU_PROFILE=2 POLY_GPU_GRAPHS=0 timeout 25 python3 $C/drive.py $E /dev/shm/m/q35.gguf 16384 2000:64 >> $S 2> $OUT/ops_q35.log
+    POLY_GPU_PROFILE=2 timeout 25 python3 $C/drive.py /tmp/d7_engine_eager /dev/shm/m/q35.gguf 16384 2000:64 >> $S 2> $OUT/ops_q35.log
     note "profile q35 rc=$?"
     grep -A24 "^decode" $OUT/ops_q35.log | head -26 >> $S
 fi

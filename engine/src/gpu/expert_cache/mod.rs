@@ -272,10 +272,9 @@ pub struct CpuShare {
 const SHARE_SPIN: std::time::Duration = std::time::Duration::from_millis(3);
 
 /// The CPU share's threads, started at the first share: as many as rayon's pool (`--threads`).
-/// `POLY_CPU_SHARE=rayon` (diagnosis: to compare) leaves the share on rayon's pool.
+/// `--cpu-share rayon` or `per-expert` (to compare) leaves the share on rayon's pool.
 fn share_pool(slot: &mut Option<Arc<HotPool>>) -> Option<Arc<HotPool>> {
-    static RAYON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *RAYON.get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "rayon")) {
+    if crate::knobs::forward().cpu_share != crate::knobs::CpuShareThreads::Hot {
         return None;
     }
     Some(
@@ -348,11 +347,8 @@ impl CpuShare {
         // and their down products in another, rows split over the pool (a parallel region per expert
         // left threads idle when fewer experts than threads were missing). Its dot products are those
         // of `expert` with `Arithmetic::BatchInvariant` for one row, summed in routing order: the same bits.
-        // `POLY_CPU_SHARE=per-expert` keeps the former path (a parallel region per expert), to compare.
-        static PER_EXPERT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let per_expert = *PER_EXPERT
-            .get_or_init(|| std::env::var("POLY_CPU_SHARE").is_ok_and(|v| v == "per-expert"));
-        if per_expert {
+        // `--cpu-share per-expert` keeps the former path (a parallel region per expert), to compare.
+        if crate::knobs::forward().cpu_share == crate::knobs::CpuShareThreads::PerExpert {
             use rayon::prelude::*;
             let outs: Vec<Mat> = self
                 .items

@@ -358,7 +358,7 @@ impl<'a> GpuForward<'a> {
     }
 
     /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
-    /// card ([`prompt::group_by_expert`]); with `POLY_MOE_GROUP=host` (or more experts than it takes) the
+    /// card ([`prompt::group_by_expert`]); with `--moe-group host` (or more experts than it takes) the
     /// ids come to the host (one wait per layer), are sorted there ([`ExpertGrouping`]) and the sorted
     /// order, the way back and the tile table go to the card. The tile table has a fixed length per shape
     /// (padded with empty tiles) so the pool keeps one buffer for it. The one place that decides which
