@@ -312,17 +312,22 @@ fn compare_all(
 
 /// The tiny shape of `arch` with every tensor in F16, written once into a temporary directory.
 fn float_model(arch: &str) -> PathBuf {
+    float_shape(arch, "tiny")
+}
+
+/// The shape `shape` of `arch` with every tensor in F16, written once into a temporary directory.
+fn float_shape(arch: &str, shape: &str) -> PathBuf {
     // Tests run in parallel: the lock keeps two of them from writing one file at once.
     static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("poly-gpu-forward-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(format!("{arch}-tiny-f16.gguf"));
+    let path = dir.join(format!("{arch}-{shape}-f16.gguf"));
     if path.is_file() {
         return path;
     }
     let opts = SynthOptions {
-        shape: find_shape(arch, "tiny").expect("a tiny shape"),
+        shape: find_shape(arch, shape).expect("a synth shape"),
         types: TypeChoice {
             default: GgmlType::F16,
             overrides: Vec::new(),
@@ -342,10 +347,13 @@ fn gpu_forward_matches_the_cpu_closely_on_float_models() {
     if !gpu_present() {
         return;
     }
-    let paths: Vec<PathBuf> = ["qwen3moe", "qwen35moe", "gemma3"]
+    let mut paths: Vec<PathBuf> = ["qwen3moe", "qwen35moe", "gemma3"]
         .iter()
         .map(|a| float_model(a))
         .collect();
+    // llama's optional tensors: Llama 3.1's RoPE frequency factors (the rope kernel's factor pointer) and
+    // the projections' biases (add_weight).
+    paths.extend(["tiny-rope-freqs", "tiny-bias"].map(|s| float_shape("llama", s)));
     let failures = compare_all(
         &paths,
         &[Reference::Cpu],

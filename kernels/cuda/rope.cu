@@ -7,11 +7,16 @@
 // theta_{i+1} = theta_i * theta_scale in f32, with theta_scale = freq_base^(-2/n_rot) computed once on the
 // host, and each rotated value as fma(x0, cos, -(x1 sin)) / fma(x0, sin, x1 cos). So the GPU and CPU engines
 // rotate alike (up to sin/cos rounding), at any position.
+//
+// freq_factors (n_rot/2 floats, may be null: Llama 3.1+'s rope_freqs.weight) divides pair i's angle before the
+// position scale, freq_scale * (theta / freq_factors[i]), as ggml's rope_yarn does with its freq_factors.
 
-// x, out: [nrows, n_heads * head_dim] (out may be x: in place); positions: [nrows]. Grid (nrows, n_heads);
-// block: n_rot/2 threads (<= 1024). Out of place the dimensions from n_rot on are copied.
+// x, out: [nrows, n_heads * head_dim] (out may be x: in place); positions: [nrows]; freq_factors: [n_rot/2] or
+// null. Grid (nrows, n_heads); block: n_rot/2 threads (<= 1024). Out of place the dimensions from n_rot on
+// are copied.
 extern "C" __global__ void rope(const float * x, float * out, const int32_t * __restrict__ positions, int n_heads,
-                                int head_dim, int n_rot, int neox, float theta_scale, float freq_scale) {
+                                int head_dim, int n_rot, int neox, float theta_scale, float freq_scale,
+                                const float * __restrict__ freq_factors) {
     const int i = threadIdx.x;
     const int half = n_rot / 2;
     if (i >= half) {
@@ -23,6 +28,9 @@ extern "C" __global__ void rope(const float * x, float * out, const int32_t * __
     float theta = (float) positions[row];
     for (int j = 0; j < i; ++j) {
         theta *= theta_scale;
+    }
+    if (freq_factors) {
+        theta = theta / freq_factors[i];
     }
     float s, c;
     sincosf(freq_scale * theta, &s, &c);
@@ -43,13 +51,14 @@ extern "C" __global__ void rope(const float * x, float * out, const int32_t * __
 // rotated as rope() above rotates it. The result is bit for bit rms_norm then rope, without the round trip
 // of the normed values through global memory and one launch instead of two.
 //
-// x, out: [nrows, n_heads * head_dim] (distinct); positions: [nrows]. Grid (nrows, n_heads); block: head_dim
-// rounded up to a multiple of 32 threads, at most 1024 (rms_norm's count for a group of head_dim); dynamic
-// shared memory: head_dim floats.
+// x, out: [nrows, n_heads * head_dim] (distinct); positions: [nrows]; freq_factors: [n_rot/2] or null. Grid
+// (nrows, n_heads); block: head_dim rounded up to a multiple of 32 threads, at most 1024 (rms_norm's count for
+// a group of head_dim); dynamic shared memory: head_dim floats.
 extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const float * __restrict__ weight,
                                          float * __restrict__ out, const int32_t * __restrict__ positions,
                                          int n_heads, int head_dim, int n_rot, int neox, float theta_scale,
-                                         float freq_scale, float eps) {
+                                         float freq_scale, const float * __restrict__ freq_factors,
+                                         float eps) {
     extern __shared__ float normed[];
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
@@ -71,6 +80,9 @@ extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const flo
         float theta = (float) positions[row];
         for (int j = 0; j < i; ++j) {
             theta *= theta_scale;
+        }
+        if (freq_factors) {
+            theta = theta / freq_factors[i];
         }
         float s, c;
         sincosf(freq_scale * theta, &s, &c);

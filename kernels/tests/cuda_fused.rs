@@ -17,7 +17,7 @@ use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceBuffer, DeviceMatri
 use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::act::{sigmoid, softplus};
 use poly_kernels::ops::norm::rms_norm;
-use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
+use poly_kernels::ops::rope::{rope_with_factors, RopeMode, RopeParams};
 use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
@@ -196,15 +196,19 @@ fn rms_norm_rope_matches_the_cpu_and_the_two_launches() {
             .collect();
         let w = normals(&mut rng, head_dim);
         let wopt = weighted.then_some(&w[..]);
+        // The normal-mode case also divides its angles by frequency factors (rope_freqs.weight).
+        let factors: Vec<f32> = (0..n_rot / 2).map(|i| 1.0 + (i % 4) as f32 * 1.5).collect();
+        let factors = (mode == RopeMode::Normal).then_some(&factors[..]);
         let mut want = vec![0f32; x.len()];
         rms_norm(&x, head_dim, wopt, 1e-6, &mut want);
-        rope(&mut want, &positions, &p);
+        rope_with_factors(&mut want, &positions, &p, factors);
+        let fd = factors.map(|f| dev.upload(f).unwrap());
 
         let xd = dev.upload(&x).unwrap();
         let wd = dev.upload(&w).unwrap();
         let wdopt = weighted.then_some(&wd);
         let mut out = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
-        fused::rms_norm_rope(&dev, (&xd, wdopt), 1e-6, &posd, &p, &mut out).unwrap();
+        fused::rms_norm_rope(&dev, (&xd, wdopt), 1e-6, &posd, (&p, fd.as_ref()), &mut out).unwrap();
         let got = dev.download(&out).unwrap();
         let what = format!("rms_norm_rope {mode:?} head {head_dim} n_rot {n_rot}");
         // The rope test's bound (sin/cos of large angles round differently on the two sides).
@@ -213,7 +217,7 @@ fn rms_norm_rope_matches_the_cpu_and_the_two_launches() {
         let mut normed = dev.zeros::<f32>(x.len()).unwrap();
         ops::rms_norm(&dev, &xd, head_dim, wdopt, 1e-6, &mut normed).unwrap();
         let mut out2 = dev.zeros::<f32>(x.len()).unwrap();
-        ops::rope_into(&dev, &normed, &posd, &p, &mut out2).unwrap();
+        ops::rope_into(&dev, &normed, &posd, &p, fd.as_ref(), &mut out2).unwrap();
         check_bits(&mut failures, &what, &got, &dev.download(&out2).unwrap());
     }
     assert_no_failures(failures);

@@ -15,7 +15,7 @@ use poly_kernels::cuda::{
 use poly_kernels::matmul::{matvec, QuantMatrix};
 use poly_kernels::ops::act::{silu, swiglu_in_place};
 use poly_kernels::ops::norm::rms_norm;
-use poly_kernels::ops::rope::{rope, RopeMode, RopeParams};
+use poly_kernels::ops::rope::{rope_with_factors, RopeMode, RopeParams};
 use poly_kernels::ops::topk::{route, Gating};
 use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
@@ -358,17 +358,21 @@ fn rope_matches_cpu_in_both_modes() {
             };
             let n_heads = 3;
             let x = normals(&mut rng, positions.len() * n_heads * head_dim);
+            // The partial rotations also divide their angles by frequency factors (rope_freqs.weight).
+            let factors: Vec<f32> = (0..n_rot / 2).map(|i| 1.0 + (i % 5) as f32 * 0.7).collect();
+            let factors = (n_rot < head_dim).then_some(&factors[..]);
             let mut want = x.clone();
-            rope(&mut want, &positions, &p);
+            rope_with_factors(&mut want, &positions, &p, factors);
+            let fd = factors.map(|f| dev.upload(f).unwrap());
             let mut xd = dev.upload(&x).unwrap();
             let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
             let posd = dev.upload(&pos).unwrap();
             // Out of place (the engine's call) first: the same values as in place, bit for bit, with the
             // dimensions past n_rot copied.
             let mut outd = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
-            ops::rope_into(&dev, &xd, &posd, &p, &mut outd).unwrap();
+            ops::rope_into(&dev, &xd, &posd, &p, fd.as_ref(), &mut outd).unwrap();
             let into = dev.download(&outd).unwrap();
-            ops::rope(&dev, &mut xd, &posd, &p).unwrap();
+            ops::rope(&dev, &mut xd, &posd, &p, fd.as_ref()).unwrap();
             let got = dev.download(&xd).unwrap();
             if into
                 .iter()

@@ -97,6 +97,9 @@ pub struct Rope {
     pub freq_base: f32,
     /// Position scale (linear RoPE scaling): angle of position `p` uses `p * freq_scale`.
     pub freq_scale: f32,
+    /// Per-pair frequency factors (`[n_rot / 2]` F32, Llama 3.1+'s `rope_freqs.weight`): pair `i`'s angle
+    /// is divided by factor `i` before the position scale, as ggml's `ggml_rope_ext` with `freq_factors`.
+    pub freq_factors: Option<WeightId>,
 }
 
 /// Causal attention of a batch over the layer's KV cache (which the call extends with the batch's K and V).

@@ -634,14 +634,16 @@ impl Compute for CpuForward<'_> {
             freq_base: r.freq_base,
             freq_scale: r.freq_scale,
         };
+        // Llama 3.1+'s rope_freqs.weight ([n_rot / 2] F32), when the model has one.
+        let factors = r.freq_factors.map(|w| self.weights.f32(w));
         let mut out = x.clone();
         match par_rows(out.data.len(), x.cols) {
             Some(rows) => out
                 .data
                 .par_chunks_mut(rows * x.cols)
                 .zip(self.positions.par_chunks(rows))
-                .for_each(|(o, pos)| rope::rope(o, pos, &p)),
-            None => rope::rope(&mut out.data, &self.positions, &p),
+                .for_each(|(o, pos)| rope::rope_with_factors(o, pos, &p, factors)),
+            None => rope::rope_with_factors(&mut out.data, &self.positions, &p, factors),
         }
         out
     }

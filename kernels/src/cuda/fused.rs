@@ -95,13 +95,13 @@ pub fn add_rms_norm(
 
 /// The RMS norm of every head of `x` (`p.head_dim` values) times `weight` (`p.head_dim` values) when given,
 /// then RoPE at `positions` (one per row, read on the card) into `out`: the values of `ops::rms_norm` with
-/// `group = p.head_dim` then `ops::rope_into`, in one launch.
+/// `group = p.head_dim` then `ops::rope_into` (with the same optional frequency `factors`), in one launch.
 pub fn rms_norm_rope(
     dev: &Device,
     (x, weight): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>),
     eps: f32,
     positions: &DeviceBuffer<i32>,
-    p: &RopeParams,
+    (p, factors): (&RopeParams, Option<&DeviceBuffer<f32>>),
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     check_len("rms_norm_rope out", out, x.len())?;
@@ -114,7 +114,7 @@ pub fn rms_norm_rope(
     if let Some(w) = weight {
         check_len("rms_norm_rope weight", w, p.head_dim)?;
     }
-    let shape = RopeShape::new(x.len(), positions.len(), p)?;
+    let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Rope, "rms_norm_rope")?;
     let mut b = dev.stream().launch_builder(&f);
@@ -124,13 +124,13 @@ pub fn rms_norm_rope(
         None => b.arg(&null),
     };
     b.arg(out.slice_mut());
-    shape.push_args(&mut b, positions);
+    shape.push_args(&mut b, positions, factors);
     b.arg(&eps);
     let mut cfg = shape.config();
     cfg.block_dim = (norm_threads(p.head_dim), 1, 1);
     cfg.shared_mem_bytes = (p.head_dim * std::mem::size_of::<f32>()) as u32;
     // SAFETY: x and out are distinct buffers of n_rows × n_heads × head_dim floats, positions n_rows ints
-    // (RopeShape::new checks them), weight head_dim floats or null; a block reads one head of x and writes
+    // (RopeShape::new checks them), weight head_dim floats or null, factors n_rot/2 floats or null; a block reads one head of x and writes
     // the same head of out, its shared memory holds head_dim floats (at most NORM_ROPE_MAX_HEAD_DIM).
     unsafe { b.launch(cfg) }?;
     dev.after_launch("rms_norm_rope")

@@ -1,6 +1,7 @@
 //! Rotary position embedding on the card (`kernels/cuda/rope.cu`): in place, or from one buffer into another
 //! (one launch where a copy and the rotation were two). The angles are formed as the CPU's
-//! [`crate::ops::rope::rope`] forms them. Re-exported by [`super::ops`].
+//! [`crate::ops::rope::rope_with_factors`] forms them, with optional per-pair frequency factors (`n_rot/2`
+//! floats on the card, Llama 3.1+'s `rope_freqs.weight`). Re-exported by [`super::ops`].
 
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
@@ -8,22 +9,24 @@ use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::rope::{RopeMode, RopeParams};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-/// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card).
+/// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card), each pair's
+/// angle divided by its entry of `factors` when given.
 pub fn rope(
     dev: &Device,
     x: &mut DeviceBuffer<f32>,
     positions: &DeviceBuffer<i32>,
     p: &RopeParams,
+    factors: Option<&DeviceBuffer<f32>>,
 ) -> CudaResult<()> {
-    let shape = RopeShape::new(x.len(), positions.len(), p)?;
+    let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let f = dev.function(KernelModule::Rope, "rope")?;
     let mut b = dev.stream().launch_builder(&f);
     // In place: the kernel reads and writes x (its input goes as x's device address).
     let src: u64 = x.address();
     b.arg(&src).arg(x.slice_mut());
-    shape.push_args(&mut b, positions);
-    // SAFETY: x holds n_rows × n_heads × head_dim floats and positions n_rows ints (checked by
-    // RopeShape::new); each thread reads and writes values of its own head only.
+    shape.push_args(&mut b, positions, factors);
+    // SAFETY: x holds n_rows × n_heads × head_dim floats, positions n_rows ints and factors n_rot/2 floats
+    // or is null (checked by RopeShape::new); each thread reads and writes values of its own head only.
     unsafe { b.launch(shape.config()) }?;
     dev.after_launch("rope")
 }
@@ -34,15 +37,17 @@ pub fn rope_into(
     x: &DeviceBuffer<f32>,
     positions: &DeviceBuffer<i32>,
     p: &RopeParams,
+    factors: Option<&DeviceBuffer<f32>>,
     out: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
     check_len("rope out", out, x.len())?;
-    let shape = RopeShape::new(x.len(), positions.len(), p)?;
+    let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let f = dev.function(KernelModule::Rope, "rope")?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(x.slice()).arg(out.slice_mut());
-    shape.push_args(&mut b, positions);
-    // SAFETY: x and out hold n_rows × n_heads × head_dim floats and positions n_rows ints (checked above);
+    shape.push_args(&mut b, positions, factors);
+    // SAFETY: x and out hold n_rows × n_heads × head_dim floats, positions n_rows ints and factors n_rot/2
+    // floats or is null (checked above);
     // each thread reads its head of x and writes the same head of out.
     unsafe { b.launch(shape.config()) }?;
     dev.after_launch("rope")
@@ -54,10 +59,20 @@ pub(super) struct RopeShape {
     n_heads: usize,
     half: usize,
     args: (i32, i32, i32, i32, f32, f32),
+    /// The null device pointer passed when there are no frequency factors.
+    null: u64,
 }
 
 impl RopeShape {
-    pub(super) fn new(len: usize, n_rows: usize, p: &RopeParams) -> CudaResult<RopeShape> {
+    pub(super) fn new(
+        len: usize,
+        n_rows: usize,
+        p: &RopeParams,
+        factors: Option<&DeviceBuffer<f32>>,
+    ) -> CudaResult<RopeShape> {
+        if let Some(f) = factors {
+            check_len("rope frequency factors", f, p.n_rot / 2)?;
+        }
         if !p.n_rot.is_multiple_of(2) || p.n_rot > p.head_dim || p.n_rot == 0 || p.n_rot > 2048 {
             return invalid(format!(
                 "rope: n_rot {} with head_dim {}",
@@ -87,6 +102,7 @@ impl RopeShape {
                 theta_scale,
                 p.freq_scale,
             ),
+            null: 0,
         })
     }
 
@@ -94,6 +110,7 @@ impl RopeShape {
         &'a self,
         b: &mut cudarc::driver::LaunchArgs<'a>,
         positions: &'a DeviceBuffer<i32>,
+        factors: Option<&'a DeviceBuffer<f32>>,
     ) {
         let (n_heads, head_dim, n_rot, neox, theta_scale, freq_scale) = &self.args;
         b.arg(positions.slice())
@@ -103,6 +120,10 @@ impl RopeShape {
             .arg(neox)
             .arg(theta_scale)
             .arg(freq_scale);
+        match factors {
+            Some(f) => b.arg(f.slice()),
+            None => b.arg(&self.null),
+        };
     }
 
     pub(super) fn config(&self) -> LaunchConfig {

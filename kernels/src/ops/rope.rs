@@ -5,6 +5,10 @@
 //! (`θ₀ = p`, `θᵢ₊₁ = θᵢ · base^(-2/n_rot)`), so positions far into a context round like llama.cpp's, and
 //! each rotated value is `fma(x0, cos, -(x1·sin))` / `fma(x0, sin, x1·cos)`, as llama.cpp's build computes
 //! ggml's `rotate_pairs`: the results are llama.cpp's bit for bit.
+//!
+//! With frequency factors (Llama 3.1+'s `rope_freqs.weight`, one per pair) pair `i`'s angle is
+//! `freq_scale · (θᵢ / factors[i])`, as ggml's `rope_cache_init` and `rope_yarn` form it (the division before
+//! the scale).
 
 /// Which dimensions form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,10 +33,24 @@ pub struct RopeParams {
 
 /// `(cos, sin)` of every pair's angle at position `pos`, into `cache` (`n_rot/2` pairs).
 pub fn angles(p: &RopeParams, pos: u32, cache: &mut [(f32, f32)]) {
+    angles_with_factors(p, None, pos, cache)
+}
+
+/// [`angles`] with each pair's angle divided by its frequency factor (`factors`: `n_rot/2` values).
+pub fn angles_with_factors(
+    p: &RopeParams,
+    factors: Option<&[f32]>,
+    pos: u32,
+    cache: &mut [(f32, f32)],
+) {
     let theta_scale = p.freq_base.powf(-2.0 / p.n_rot as f32);
     let mut theta = pos as f32;
-    for c in cache.iter_mut().take(p.n_rot / 2) {
-        let t = p.freq_scale * theta;
+    for (i, c) in cache.iter_mut().take(p.n_rot / 2).enumerate() {
+        // ggml: theta_extrap = theta / ff, then theta_interp = freq_scale * theta_extrap.
+        let t = match factors {
+            Some(f) => p.freq_scale * (theta / f[i]),
+            None => p.freq_scale * theta,
+        };
         *c = (t.cos(), t.sin());
         theta *= theta_scale;
     }
@@ -40,10 +58,23 @@ pub fn angles(p: &RopeParams, pos: u32, cache: &mut [(f32, f32)]) {
 
 /// Rotates `x`, rows of `n_heads · head_dim` values, row `r` at position `positions[r]`, in place.
 pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams) {
+    rope_with_factors(x, positions, p, None)
+}
+
+/// [`rope`] with per-pair frequency factors (`n_rot/2` values, `rope_freqs.weight`) when given.
+pub fn rope_with_factors(
+    x: &mut [f32],
+    positions: &[u32],
+    p: &RopeParams,
+    factors: Option<&[f32]>,
+) {
     assert!(
         p.n_rot.is_multiple_of(2) && p.n_rot <= p.head_dim && p.head_dim > 0,
         "rope: n_rot must be even and at most head_dim"
     );
+    if let Some(f) = factors {
+        assert_eq!(f.len(), p.n_rot / 2, "rope: one frequency factor per pair");
+    }
     if positions.is_empty() {
         assert!(x.is_empty(), "rope: rows without positions");
         return;
@@ -54,7 +85,7 @@ pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams) {
     let half = p.n_rot / 2;
     let mut cache = vec![(0f32, 0f32); half];
     for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
-        angles(p, pos, &mut cache);
+        angles_with_factors(p, factors, pos, &mut cache);
         for head in row.chunks_exact_mut(p.head_dim) {
             for (i, &(c, s)) in cache.iter().enumerate() {
                 let (a, b) = match p.mode {
@@ -128,6 +159,57 @@ mod tests {
                     }
                 }
                 assert_eq!(&y[..64], &x[..64]);
+            }
+        }
+    }
+
+    /// ggml's formula with frequency factors (`ggml-cpu/ops.cpp`'s `rope_cache_init` and `rope_yarn`
+    /// without extrapolation), computed in f64: pair `i` turns by `freq_scale · p · base^(-2i/n_rot) / ff[i]`.
+    #[test]
+    fn frequency_factors_divide_each_pairs_angle_as_in_ggml() {
+        let mut rng = Rng::new(7);
+        let positions = [0u32, 3, 100, 5000];
+        let p = RopeParams {
+            mode: RopeMode::Normal,
+            head_dim: 16,
+            n_rot: 16,
+            freq_base: 500000.0,
+            freq_scale: 0.5,
+        };
+        // Llama 3.1's shape of factors: 1 for the short wavelengths, up to 8 for the long ones.
+        let factors = [1.0, 1.0, 1.0, 1.5, 2.7, 4.0, 8.0, 8.0];
+        let x = normals(&mut rng, positions.len() * 2 * 16);
+        let mut y = x.clone();
+        rope_with_factors(&mut y, &positions, &p, Some(&factors));
+        let mut expect: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for (r, &pos) in positions.iter().enumerate() {
+            for h in 0..2 {
+                let base = r * 32 + h * 16;
+                for (i, &ff) in factors.iter().enumerate() {
+                    let theta = p.freq_scale as f64
+                        * pos as f64
+                        * (p.freq_base as f64).powf(-2.0 * i as f64 / 16.0)
+                        / ff as f64;
+                    let (x0, x1) = (x[base + 2 * i] as f64, x[base + 2 * i + 1] as f64);
+                    expect[base + 2 * i] = x0 * theta.cos() - x1 * theta.sin();
+                    expect[base + 2 * i + 1] = x0 * theta.sin() + x1 * theta.cos();
+                }
+            }
+        }
+        assert!(max_diff(&y, &expect) < 2e-3);
+        // Factors of 1 are the plain rotation bit for bit.
+        let (mut a, mut b) = (x.clone(), x.clone());
+        rope_with_factors(&mut a, &positions, &p, Some(&[1.0; 8]));
+        rope(&mut b, &positions, &p);
+        assert_eq!(a, b);
+        // A factor changes only its own pair.
+        let mut c = x.clone();
+        let mut one = [1.0f32; 8];
+        one[6] = 8.0;
+        rope_with_factors(&mut c, &positions, &p, Some(&one));
+        for (i, (u, v)) in c.iter().zip(&b).enumerate() {
+            if i % 16 / 2 != 6 {
+                assert_eq!(u, v, "value {i}");
             }
         }
     }

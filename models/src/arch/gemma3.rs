@@ -358,6 +358,7 @@ impl Gemma3Graph {
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
             freq_scale: rope_freq_scale(md)?,
+            freq_factors: None,
         };
         let rope_swa = Rope {
             freq_base: hp.rope_freq_base_swa,

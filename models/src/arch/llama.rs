@@ -5,10 +5,16 @@
 //! stream; a final RMS norm and the output matrix, which is the token embedding when the file has no
 //! `output.weight` (SmolLM2, Llama 3.2 1B/3B).
 //!
+//! Llama 3.1+ files carry RoPE frequency factors (`rope_freqs.weight`, one per rotated pair, which divide
+//! each pair's angle); some files carry biases on the attention and FFN projections. Both are optional
+//! tensors, applied where llama.cpp applies them: the factors in both rotations, each bias right after its
+//! matrix.
+//!
 //! Follows llama.cpp's `src/models/llama.cpp` (`load_arch_hparams`, `load_arch_tensors`, the graph) and
 //! the common hyperparameters of `src/llama-model.cpp`. What llama.cpp accepts there and this file does
 //! not compute yet is refused with the reason rather than run differently: routed experts (Mixtral-style
-//! `llama` files), `rope_freqs` frequency factors (Llama 3.1+), bias tensors and non-linear RoPE scaling.
+//! `llama` files), a fused `attn_qkv` projection (its file lacks `attn_q`, so it fails to bind) and
+//! non-linear RoPE scaling (YaRN, LongRoPE).
 
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
@@ -50,6 +56,10 @@ pub struct LlamaHparams {
     /// Whether the output is the token embedding (no `output.weight`). Not metadata: the tensors say it,
     /// so `from_metadata` leaves it false and only `synth` reads it (whether to write `output.weight`).
     pub tied_output: bool,
+    /// Whether the file has `rope_freqs.weight` (Llama 3.1+). Like `tied_output`, only `synth` reads it.
+    pub rope_freqs: bool,
+    /// Whether the file has the projections' bias tensors. Like `tied_output`, only `synth` reads it.
+    pub biases: bool,
 }
 
 use Dim::*;
@@ -76,25 +86,38 @@ const L: Option<LayerSel> = Some(LayerSel::All);
 pub const TENSORS: &[TensorDef] = &[
     def(Role::TokenEmbd, None, &[Embd, Vocab], C::Embedding), // [n_embd, n_vocab]
     def(Role::OutputNorm, None, &[Embd], C::Norm),            // [n_embd]
-    TensorDef {
-        presence: Presence::Optional, // absent: the output is the token embedding (TENSOR_DUPLICATED)
-        ..def(Role::Output, None, &[Embd, Vocab], C::Output)  // [n_embd, n_vocab]
-    },
-    TensorDef {
-        // Llama 3.1+ frequency factors; bound only to refuse them (see LlamaGraph::new).
-        presence: Presence::Optional,
-        ..def(Role::RopeFreqs, None, &[RopeHalf], C::Norm) // [n_rot / 2]
-    },
-    def(Role::AttnNorm, L, &[Embd], C::Norm), // [n_embd]
-    def(Role::AttnQ, L, &[Embd, QProj], C::Attention), // [n_embd, n_head * head_dim]
-    def(Role::AttnK, L, &[Embd, KProj], C::Attention), // [n_embd, n_head_kv * head_dim]
-    def(Role::AttnV, L, &[Embd, VProj], C::Attention), // [n_embd, n_head_kv * head_dim]
-    def(Role::AttnOut, L, &[QProj, Embd], C::Attention), // [n_head * head_dim, n_embd]
-    def(Role::FfnNorm, L, &[Embd], C::Norm),  // [n_embd]
-    def(Role::FfnGate, L, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
-    def(Role::FfnDown, L, &[Ff, Embd], C::Ffn), // [n_ff, n_embd]
-    def(Role::FfnUp, L, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
+    // Absent: the output is the token embedding (TENSOR_DUPLICATED).
+    opt(def(Role::Output, None, &[Embd, Vocab], C::Output)), // [n_embd, n_vocab]
+    // Llama 3.1+ frequency factors, F32 (llama.cpp reads them as blk.0's and shares them with every
+    // block; the file holds one).
+    opt(def(Role::RopeFreqs, None, &[RopeHalf], C::Norm)), // [n_rot / 2]
+    def(Role::AttnNorm, L, &[Embd], C::Norm),              // [n_embd]
+    def(Role::AttnQ, L, &[Embd, QProj], C::Attention),     // [n_embd, n_head * head_dim]
+    def(Role::AttnK, L, &[Embd, KProj], C::Attention),     // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnV, L, &[Embd, VProj], C::Attention),     // [n_embd, n_head_kv * head_dim]
+    def(Role::AttnOut, L, &[QProj, Embd], C::Attention),   // [n_head * head_dim, n_embd]
+    def(Role::FfnNorm, L, &[Embd], C::Norm),               // [n_embd]
+    def(Role::FfnGate, L, &[Embd, Ff], C::Ffn),            // [n_embd, n_ff]
+    def(Role::FfnDown, L, &[Ff, Embd], C::Ffn),            // [n_ff, n_embd]
+    def(Role::FfnUp, L, &[Embd, Ff], C::Ffn),              // [n_embd, n_ff]
+    // Optional biases (llama.cpp's TENSOR_NOT_REQUIRED), each added right after its matrix; vectors, so F32
+    // like the norms (the class only keeps them out of the matrices' type choices).
+    opt(def(Role::AttnQBias, L, &[QProj], C::Norm)), // [n_head * head_dim]
+    opt(def(Role::AttnKBias, L, &[KProj], C::Norm)), // [n_head_kv * head_dim]
+    opt(def(Role::AttnVBias, L, &[VProj], C::Norm)), // [n_head_kv * head_dim]
+    opt(def(Role::AttnOutBias, L, &[Embd], C::Norm)), // [n_embd]
+    opt(def(Role::FfnGateBias, L, &[Ff], C::Norm)),  // [n_ff]
+    opt(def(Role::FfnDownBias, L, &[Embd], C::Norm)), // [n_embd]
+    opt(def(Role::FfnUpBias, L, &[Ff], C::Norm)),    // [n_ff]
 ];
+
+/// `d`, optional.
+const fn opt(d: TensorDef) -> TensorDef {
+    TensorDef {
+        presence: Presence::Optional,
+        ..d
+    }
+}
 
 impl LlamaHparams {
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads for `llama`).
@@ -142,6 +165,8 @@ impl LlamaHparams {
                 .arch_f32_opt("rope.freq_base")?
                 .unwrap_or(DEFAULT_ROPE_FREQ_BASE),
             tied_output: false,
+            rope_freqs: false,
+            biases: false,
         };
         hp.validate()?;
         Ok(hp)
@@ -180,7 +205,18 @@ impl ArchHparams for LlamaHparams {
     }
 
     fn synth_writes(&self, role: Role) -> bool {
-        role == Role::Output && !self.tied_output
+        match role {
+            Role::Output => !self.tied_output,
+            Role::RopeFreqs => self.rope_freqs,
+            Role::AttnQBias
+            | Role::AttnKBias
+            | Role::AttnVBias
+            | Role::AttnOutBias
+            | Role::FfnGateBias
+            | Role::FfnUpBias
+            | Role::FfnDownBias => self.biases,
+            _ => false,
+        }
     }
 
     fn to_metadata(&self) -> Vec<(String, Value)> {
@@ -231,7 +267,7 @@ impl ArchHparams for LlamaHparams {
     }
 }
 
-/// The weights of one block.
+/// The weights of one block; the `_b` biases are optional.
 #[derive(Clone, Debug)]
 struct Block {
     attn_norm: WeightId,
@@ -239,10 +275,25 @@ struct Block {
     wk: WeightId,
     wv: WeightId,
     wo: WeightId,
+    wq_b: Option<WeightId>,
+    wk_b: Option<WeightId>,
+    wv_b: Option<WeightId>,
+    wo_b: Option<WeightId>,
     ffn_norm: WeightId,
     ffn_gate: WeightId,
     ffn_up: WeightId,
     ffn_down: WeightId,
+    ffn_gate_b: Option<WeightId>,
+    ffn_up_b: Option<WeightId>,
+    ffn_down_b: Option<WeightId>,
+}
+
+/// `x + b` when the bias is present (llama.cpp's `build_lora_mm` then `ggml_add` of the bias).
+fn bias<C: Compute>(c: &mut C, x: C::Act, b: Option<WeightId>) -> C::Act {
+    match b {
+        Some(b) => c.add_weight(&x, b),
+        None => x,
+    }
 }
 
 /// The forward pass of a dense `llama` model (llama.cpp's `llama_model_llama::graph`).
@@ -285,12 +336,6 @@ fn rope_freq_scale(md: &Metadata) -> Result<f32, ArchError> {
 impl LlamaGraph {
     /// Builds the forward pass from bound tensors.
     pub fn new(hp: LlamaHparams, t: &TensorMap, md: &Metadata) -> Result<LlamaGraph, ArchError> {
-        if t.global(Role::RopeFreqs).is_some() {
-            // Running without them would rotate long-wavelength pairs wrongly: refuse instead.
-            return Err(ArchError(format!(
-                "{ARCH}: RoPE frequency factors (rope_freqs.weight, Llama 3.1+) are not supported yet"
-            )));
-        }
         let tok_embd = t.global_req(Role::TokenEmbd)?;
         let blocks = (0..hp.n_layer)
             .map(|il| {
@@ -300,10 +345,17 @@ impl LlamaGraph {
                     wk: t.layer(Role::AttnK, il)?,
                     wv: t.layer(Role::AttnV, il)?,
                     wo: t.layer(Role::AttnOut, il)?,
+                    wq_b: t.layer_opt(Role::AttnQBias, il),
+                    wk_b: t.layer_opt(Role::AttnKBias, il),
+                    wv_b: t.layer_opt(Role::AttnVBias, il),
+                    wo_b: t.layer_opt(Role::AttnOutBias, il),
                     ffn_norm: t.layer(Role::FfnNorm, il)?,
                     ffn_gate: t.layer(Role::FfnGate, il)?,
                     ffn_up: t.layer(Role::FfnUp, il)?,
                     ffn_down: t.layer(Role::FfnDown, il)?,
+                    ffn_gate_b: t.layer_opt(Role::FfnGateBias, il),
+                    ffn_up_b: t.layer_opt(Role::FfnUpBias, il),
+                    ffn_down_b: t.layer_opt(Role::FfnDownBias, il),
                 })
             })
             .collect::<Result<Vec<_>, ArchError>>()?;
@@ -315,6 +367,8 @@ impl LlamaGraph {
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
             freq_scale: rope_freq_scale(md)?,
+            // llama.cpp's get_rope_factors: blk.0's rope_freqs for every block (TENSOR_DUPLICATED).
+            freq_factors: t.global(Role::RopeFreqs),
         };
         let info = ModelInfo::new(
             ARCH,
@@ -383,10 +437,12 @@ impl Forward for LlamaGraph {
         for (il, b) in self.blocks.iter().enumerate() {
             // Self-attention: RoPE on Q and K (no head norms), scores scaled in the attention.
             let [q, k, v] = c.matmul_many([b.wq, b.wk, b.wv], &cur);
+            let (q, k, v) = (bias(c, q, b.wq_b), bias(c, k, b.wk_b), bias(c, v, b.wv_b));
             let q = c.rope(&q, &self.rope);
             let k = c.rope(&k, &self.rope);
             let att = c.attention(il, &q, &k, &v, &attn);
-            let mut att_out = c.matmul(b.wo, &att);
+            let att_out = c.matmul(b.wo, &att);
+            let mut att_out = bias(c, att_out, b.wo_b);
 
             // After the last block's attention only the rows whose logits are wanted go on.
             if il == last && out_rows.len() < tokens.len() {
@@ -397,8 +453,10 @@ impl Forward for LlamaGraph {
 
             // Feed-forward: SiLU(gate)·up, then down.
             let [gate, up] = c.matmul_many([b.ffn_gate, b.ffn_up], &ffn_in);
+            let (gate, up) = (bias(c, gate, b.ffn_gate_b), bias(c, up, b.ffn_up_b));
             let ffn_out = c.glu(&gate, &up, Unary::Silu);
             let ffn_out = c.matmul(b.ffn_down, &ffn_out);
+            let ffn_out = bias(c, ffn_out, b.ffn_down_b);
             let next_norm = match self.blocks.get(il + 1) {
                 Some(next) => next.attn_norm,
                 None => self.output_norm,

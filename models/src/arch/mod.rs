@@ -171,6 +171,14 @@ pub enum Role {
     FfnGateShexp,
     FfnUpShexp,
     FfnDownShexp,
+    /// Optional biases of the attention and FFN projections (llama.cpp's `wq_b` … `ffn_down_b`).
+    AttnQBias,
+    AttnKBias,
+    AttnVBias,
+    AttnOutBias,
+    FfnGateBias,
+    FfnUpBias,
+    FfnDownBias,
     /// Delta-net fused Q/K/V input projection.
     AttnQkv,
     /// Delta-net output gate (Z) projection.
@@ -219,6 +227,13 @@ impl Role {
             Role::FfnGateShexp => "blk.{}.ffn_gate_shexp.weight",
             Role::FfnUpShexp => "blk.{}.ffn_up_shexp.weight",
             Role::FfnDownShexp => "blk.{}.ffn_down_shexp.weight",
+            Role::AttnQBias => "blk.{}.attn_q.bias",
+            Role::AttnKBias => "blk.{}.attn_k.bias",
+            Role::AttnVBias => "blk.{}.attn_v.bias",
+            Role::AttnOutBias => "blk.{}.attn_output.bias",
+            Role::FfnGateBias => "blk.{}.ffn_gate.bias",
+            Role::FfnUpBias => "blk.{}.ffn_up.bias",
+            Role::FfnDownBias => "blk.{}.ffn_down.bias",
             Role::AttnQkv => "blk.{}.attn_qkv.weight",
             Role::AttnGate => "blk.{}.attn_gate.weight",
             Role::SsmConv1d => "blk.{}.ssm_conv1d.weight",

@@ -729,6 +729,7 @@ impl Qwen35MoeGraph {
             n_rot: hp.rope_dim as usize,
             freq_base: hp.rope_freq_base,
             freq_scale: 1.0,
+            freq_factors: None,
         };
         let attn = Attention {
             n_head: hp.n_head as usize,

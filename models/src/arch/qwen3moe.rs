@@ -348,6 +348,7 @@ impl Forward for Qwen3MoeGraph {
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
             freq_scale: 1.0,
+            freq_factors: None,
         };
         let attn = Attention {
             n_head: hp.n_head as usize,

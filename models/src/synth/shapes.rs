@@ -116,6 +116,28 @@ fn smollm2_135m() -> LlamaHparams {
         rms_eps: 1e-5,
         rope_freq_base: 100_000.0,
         tied_output: true,
+        rope_freqs: false,
+        biases: false,
+    }
+}
+
+/// The `tiny` llama shape.
+fn llama_tiny(v: u64) -> LlamaHparams {
+    LlamaHparams {
+        n_vocab: v,
+        n_ctx_train: TINY_CONTEXT,
+        n_embd: 256,
+        n_layer: 4,
+        n_ff: 512,
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim: 64,
+        rms_eps: 1e-5,
+        rope_freq_base: 10_000.0,
+        // A separate output matrix, whose logit scale synth sets apart from the embedding's.
+        tied_output: false,
+        rope_freqs: false,
+        biases: false,
     }
 }
 
@@ -280,19 +302,29 @@ pub fn all_shapes() -> Vec<Shape> {
             aliases: &[],
             description: "4 layers, 256 wide, FFN 512, 4/2 heads of 64, separate output, small BPE vocabulary",
             default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Llama(llama_tiny(v)),
+        },
+        Shape {
+            arch: llama::ARCH,
+            name: "tiny-rope-freqs",
+            aliases: &[],
+            description: "tiny with Llama 3.1's rope_freqs.weight (RoPE frequency factors) and freq_base 500000",
+            default_type: GgmlType::Q8_0,
             hparams: ModelHparams::Llama(LlamaHparams {
-                n_vocab: v,
-                n_ctx_train: TINY_CONTEXT,
-                n_embd: 256,
-                n_layer: 4,
-                n_ff: 512,
-                n_head: 4,
-                n_head_kv: 2,
-                head_dim: 64,
-                rms_eps: 1e-5,
-                rope_freq_base: 10_000.0,
-                // A separate output matrix, whose logit scale synth sets apart from the embedding's.
-                tied_output: false,
+                rope_freq_base: 500_000.0,
+                rope_freqs: true,
+                ..llama_tiny(v)
+            }),
+        },
+        Shape {
+            arch: llama::ARCH,
+            name: "tiny-bias",
+            aliases: &[],
+            description: "tiny with biases on the Q/K/V/output and FFN gate/up/down projections",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Llama(LlamaHparams {
+                biases: true,
+                ..llama_tiny(v)
             }),
         },
         Shape {

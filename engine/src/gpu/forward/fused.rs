@@ -179,8 +179,10 @@ impl GpuForward<'_> {
         let p = rope_params(rope);
         self.run("rms_norm_rope", x.len() == 0, |c| {
             let w = weight.map(|w| c.vector(w)).transpose()?;
+            let f = rope.freq_factors.map(|w| c.vector(w)).transpose()?;
             let o = out.buf_mut()?;
-            fused::rms_norm_rope(c.dev, (x.buf()?, w.as_deref()), eps, c.positions()?, &p, o)
+            let (pos, rp) = (c.positions()?, (&p, f.as_deref()));
+            fused::rms_norm_rope(c.dev, (x.buf()?, w.as_deref()), eps, pos, rp, o)
         });
         out
     }

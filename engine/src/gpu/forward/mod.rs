@@ -743,8 +743,10 @@ impl Compute for GpuForward<'_> {
         let mut out = self.alloc(x.rows, x.cols);
         let p = rope_params(r);
         self.run("rope", x.len() == 0, |c| {
+            // Llama 3.1+'s rope_freqs.weight ([n_rot / 2] F32), when the model has one.
+            let f = r.freq_factors.map(|w| c.vector(w)).transpose()?;
             let o = out.buf_mut()?;
-            ops::rope_into(c.dev, x.buf()?, c.positions()?, &p, o)
+            ops::rope_into(c.dev, x.buf()?, c.positions()?, &p, f.as_deref(), o)
         });
         out
     }
