@@ -10,12 +10,10 @@ use poly_engine::state::KvPrecision;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::Logits;
-use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 
 mod common;
-use common::{max_diff, random_tokens, softmax};
+use common::{max_diff, random_tokens, softmax, write_synth};
 
 fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("poly-engine-forward-{}", std::process::id()));
@@ -32,19 +30,12 @@ fn synth(arch: &str, ty: GgmlType) -> PathBuf {
     if written.contains(&path) {
         return path;
     }
-    let opts = SynthOptions {
-        shape: find_shape(arch, "tiny").expect("a tiny shape"),
-        types: TypeChoice {
-            default: ty,
-            overrides: Vec::new(),
-        },
-        seed: 3,
-        route_skew: 0.0,
-    };
-    Synthesis::prepare(&opts)
-        .unwrap()
-        .write(&path, |_, _| {})
-        .unwrap();
+    write_synth(
+        find_shape(arch, "tiny").expect("a tiny shape"),
+        ty,
+        3,
+        &path,
+    );
     written.push(path.clone());
     path
 }

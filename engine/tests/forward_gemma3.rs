@@ -10,12 +10,10 @@ use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{Forward, Gemma3Hparams, ModelHparams, StateSpec};
 use poly_models::compute::Logits;
-use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 
 mod common;
-use common::{max_diff, random_tokens, softmax};
+use common::{max_diff, random_tokens, softmax, write_synth};
 
 /// The tiny `gemma3` shape (6 blocks, 5 of them sliding over 64 positions, 256 wide), changed by `edit`,
 /// written in Q8_0 as `name` and loaded; the file is removed once mapped.
@@ -25,22 +23,10 @@ fn model(name: &str, edit: impl FnOnce(&mut Gemma3Hparams)) -> Model {
         ModelHparams::Gemma3(h) => edit(h),
         _ => unreachable!("a gemma3 shape"),
     }
-    let opts = SynthOptions {
-        shape,
-        types: TypeChoice {
-            default: GgmlType::Q8_0,
-            overrides: Vec::new(),
-        },
-        seed: 5,
-        route_skew: 0.0,
-    };
     let dir = std::env::temp_dir().join(format!("poly-engine-gemma3-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path: PathBuf = dir.join(format!("{name}.gguf"));
-    Synthesis::prepare(&opts)
-        .unwrap()
-        .write(&path, |_, _| {})
-        .unwrap();
+    write_synth(shape, GgmlType::Q8_0, 5, &path);
     let m = Model::load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
     m

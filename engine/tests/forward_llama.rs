@@ -15,12 +15,10 @@ use poly_engine::generate::prefill;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::gguf::GgufFile;
-use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 
 mod common;
-use common::{max_diff, random_tokens, softmax};
+use common::{max_diff, random_tokens, softmax, write_synth};
 
 fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("poly-engine-llama-{}", std::process::id()));
@@ -31,19 +29,12 @@ fn temp_dir() -> PathBuf {
 /// The llama shape `shape` in Q8_0 (vectors F32), written to `<shape>.gguf`.
 fn synth(shape: &str) -> PathBuf {
     let path = temp_dir().join(format!("{shape}.gguf"));
-    let opts = SynthOptions {
-        shape: find_shape("llama", shape).expect("a llama shape"),
-        types: TypeChoice {
-            default: GgmlType::Q8_0,
-            overrides: Vec::new(),
-        },
-        seed: 5,
-        route_skew: 0.0,
-    };
-    Synthesis::prepare(&opts)
-        .unwrap()
-        .write(&path, |_, _| {})
-        .unwrap();
+    write_synth(
+        find_shape("llama", shape).expect("a llama shape"),
+        GgmlType::Q8_0,
+        5,
+        &path,
+    );
     path
 }
 

@@ -11,12 +11,10 @@ use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{Forward, ModelHparams, StateSpec};
 use poly_models::compute::Logits;
-use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 
 mod common;
-use common::{max_diff, random_tokens, softmax};
+use common::{max_diff, random_tokens, softmax, write_synth};
 
 /// The tiny `qwen35moe` shape in Q8_0 (three delta-net blocks, one gated-attention block, an MTP block),
 /// loaded once; the file is removed once mapped.
@@ -39,19 +37,7 @@ fn tiny_model(sections: Option<[u32; 4]>) -> Model {
         if let (Some(s), ModelHparams::Qwen35Moe(h)) = (sections, &mut shape.hparams) {
             h.rope_sections = s;
         }
-        let opts = SynthOptions {
-            shape,
-            types: TypeChoice {
-                default: GgmlType::Q8_0,
-                overrides: Vec::new(),
-            },
-            seed: 3,
-            route_skew: 0.0,
-        };
-        Synthesis::prepare(&opts)
-            .unwrap()
-            .write(&path, |_, _| {})
-            .unwrap();
+        write_synth(shape, GgmlType::Q8_0, 3, &path);
         let model = Model::load(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         model

@@ -31,7 +31,13 @@ fn quantized(ty: GgmlType) -> bool {
 /// `x` rounded to q8_1's grid per 32 values.
 pub fn round_q8_1(x: &Mat) -> Mat {
     let mut out = x.clone();
-    for block in out.data.chunks_mut(32) {
+    round_q8_1_in_place(&mut out.data);
+    out
+}
+
+/// [`round_q8_1`] over `data` itself (rows whose width is a multiple of 32).
+pub fn round_q8_1_in_place(data: &mut [f32]) {
+    for block in data.chunks_mut(32) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         if d == 0.0 {
@@ -41,7 +47,6 @@ pub fn round_q8_1(x: &Mat) -> Mat {
             *v = round_half_away(*v / d) * d;
         }
     }
-    out
 }
 
 /// `v.round()` (halves away from zero, as the card's `roundf`) for the quotients above (|v| ≤ 127):

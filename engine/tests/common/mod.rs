@@ -1,6 +1,30 @@
-//! Helpers shared by the forward-pass tests: random prompts and comparing next-token distributions.
+//! Helpers shared by the forward-pass tests: synthetic models, random prompts and comparing next-token
+//! distributions.
 
+use std::path::Path;
+
+use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
+use poly_models::synth::plan::TypeChoice;
+use poly_models::synth::shapes::Shape;
+use poly_models::synth::{SynthOptions, Synthesis};
+
+/// Writes `shape` with every matrix in `ty` (vectors F32), even routing, from `seed`, to `path`.
+pub fn write_synth(shape: Shape, ty: GgmlType, seed: u64, path: &Path) {
+    let opts = SynthOptions {
+        shape,
+        types: TypeChoice {
+            default: ty,
+            overrides: Vec::new(),
+        },
+        seed,
+        route_skew: 0.0,
+    };
+    Synthesis::prepare(&opts)
+        .unwrap()
+        .write(path, |_, _| {})
+        .unwrap();
+}
 
 /// `n` token ids drawn uniformly from the vocabulary.
 pub fn random_tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {

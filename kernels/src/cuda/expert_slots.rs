@@ -150,13 +150,8 @@ impl ExpertTable {
                 self.n_expert
             )));
         }
-        let bytes = self.expert_bytes();
         for s in entries {
-            out.push(match s {
-                Some(ExpertSource::Slot(s)) => s.pool.address(s.slot, s.offset, bytes)?,
-                Some(ExpertSource::Mapped(a)) => *a,
-                None => 0,
-            });
+            out.push(self.source_address(*s)?);
         }
         Ok(())
     }
@@ -190,6 +185,14 @@ impl ExpertTable {
         self.write_addresses(dev, &addresses)
     }
 
+    /// Whether `tables` lie one after another in one array (a group of [`ExpertTable::empty_group`]),
+    /// so one copy writes them all.
+    fn one_array(tables: &[ExpertTable]) -> bool {
+        tables.windows(2).all(|w| {
+            Arc::ptr_eq(&w[0].storage, &w[1].storage) && w[1].offset == w[0].offset + w[0].n_expert
+        })
+    }
+
     /// The address an entry pointing at `source` holds (0 for `None`): for entries a caller writes into
     /// page-locked memory itself and uploads with [`ExpertTable::queue_group_upload`].
     pub fn source_address(&self, source: Option<ExpertSource<'_>>) -> CudaResult<u64> {
@@ -213,12 +216,9 @@ impl ExpertTable {
         addresses: &super::PinnedHost<u64>,
     ) -> CudaResult<()> {
         let n: usize = tables.iter().map(|t| t.n_expert).sum();
-        let contiguous = tables.windows(2).all(|w| {
-            Arc::ptr_eq(&w[0].storage, &w[1].storage) && w[1].offset == w[0].offset + w[0].n_expert
-        });
         let first = tables
             .first()
-            .filter(|t| contiguous && t.offset + n <= t.storage.len())
+            .filter(|t| ExpertTable::one_array(tables) && t.offset + n <= t.storage.len())
             .ok_or_else(|| CudaError::Invalid("an upload over tables of no group".into()))?;
         if addresses.len() != n {
             return Err(CudaError::Invalid(format!(
@@ -251,10 +251,7 @@ impl ExpertTable {
                 tables.len()
             )));
         }
-        let contiguous = tables.windows(2).all(|w| {
-            Arc::ptr_eq(&w[0].storage, &w[1].storage) && w[1].offset == w[0].offset + w[0].n_expert
-        });
-        if !contiguous {
+        if !ExpertTable::one_array(tables) {
             for (t, e) in tables.iter_mut().zip(entries) {
                 t.point_sources(dev, e)?;
             }

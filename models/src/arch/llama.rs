@@ -208,13 +208,7 @@ impl ArchHparams for LlamaHparams {
         match role {
             Role::Output => !self.tied_output,
             Role::RopeFreqs => self.rope_freqs,
-            Role::AttnQBias
-            | Role::AttnKBias
-            | Role::AttnVBias
-            | Role::AttnOutBias
-            | Role::FfnGateBias
-            | Role::FfnUpBias
-            | Role::FfnDownBias => self.biases,
+            r if r.is_projection_bias() => self.biases,
             _ => false,
         }
     }

@@ -199,6 +199,20 @@ pub enum Role {
 }
 
 impl Role {
+    /// One of the optional projection biases (`AttnQBias` … `FfnDownBias`).
+    pub fn is_projection_bias(self) -> bool {
+        matches!(
+            self,
+            Role::AttnQBias
+                | Role::AttnKBias
+                | Role::AttnVBias
+                | Role::AttnOutBias
+                | Role::FfnGateBias
+                | Role::FfnUpBias
+                | Role::FfnDownBias
+        )
+    }
+
     /// The GGUF name pattern (llama.cpp's `LLM_TENSOR_NAMES` plus suffix); `{}` is the block number.
     pub fn pattern(self) -> &'static str {
         match self {

@@ -178,13 +178,7 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
                 // Llama 3.1's factors run from 1 (short wavelengths) to 8 (long ones).
                 Role::RopeFreqs => Init::Uniform { lo: 1.0, hi: 8.0 },
                 // Biases of the order of the projections' outputs, so that dropping one shows.
-                Role::AttnQBias
-                | Role::AttnKBias
-                | Role::AttnVBias
-                | Role::AttnOutBias
-                | Role::FfnGateBias
-                | Role::FfnUpBias
-                | Role::FfnDownBias => Init::Gaussian { rms: 0.3 },
+                r if r.is_projection_bias() => Init::Gaussian { rms: 0.3 },
                 // alpha feeds a softplus next to dt: keep it moderate.
                 Role::SsmAlpha => Init::Random {
                     rms: 0.5 / fan_in.sqrt(),

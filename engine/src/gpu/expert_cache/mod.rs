@@ -290,11 +290,14 @@ impl CpuShare {
     /// own, so an expert gives nearly the same output wherever it is computed.
     fn input(&self, cpu: &CpuWeights, m: &Moe) -> Mat {
         let n_rows = self.n_rows.max(1);
-        let xs = Mat::from_vec(n_rows, self.x.len() / n_rows, self.x.clone());
-        match cpu.info(m.gate_exps).ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => xs,
-            _ => crate::gpu::reference::round_q8_1(&xs),
+        let mut xs = Mat::from_vec(n_rows, self.x.len() / n_rows, self.x.clone());
+        if !matches!(
+            cpu.info(m.gate_exps).ty,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
+        ) {
+            crate::gpu::reference::round_q8_1_in_place(&mut xs.data);
         }
+        xs
     }
 
     /// [`CpuShare::compute`], its count and time added to `cache`'s figures.
@@ -424,9 +427,6 @@ pub struct ExpertCache {
     /// are only marked, and a prompt call, an eager token or a whole-token graph flushes them first
     /// ([`ExpertCache::flush_deferred`]).
     defer_tables: bool,
-    /// Within [`ExpertCache::prepare_step`]: the compute stream ran everything queued before the step's
-    /// route point, so a copy into a scratch slot need not wait for it.
-    compute_idle: bool,
     /// The threads of single tokens' CPU shares, once one was computed.
     cpu_pool: Option<Arc<HotPool>>,
     /// `[layer][expert]` routings counted since the cache was filled, for the measured skew.
@@ -513,7 +513,6 @@ impl ExpertCache {
             admission: None,
             dirty: Vec::new(),
             defer_tables: false,
-            compute_idle: false,
             cpu_pool: None,
             routed_counts: counts.iter().map(|&n| vec![0; n]).collect(),
         })
@@ -930,10 +929,7 @@ impl ExpertCache {
         sources: &mut [u64],
     ) -> CudaResult<Option<CpuShare>> {
         self.defer_tables = true;
-        self.compute_idle = true;
-        let share = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch);
-        self.compute_idle = false;
-        let share = share?;
+        let share = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)?;
         let clock = std::time::Instant::now();
         self.token_sources(layer, ids, sources)?;
         self.host_phases.tables += clock.elapsed();
@@ -1152,10 +1148,10 @@ impl ExpertCache {
                 self.scratch[pool].n_slots()
             )));
         }
-        // The scratch slots are free once the launches queued so far (the last staged layer's) ran; a
-        // segmented graph's step synchronized with the card at its route point, before anything after it
-        // was queued.
-        if !self.compute_idle {
+        // The scratch slots are free once the launches queued so far (the last staged layer's) ran. Only
+        // `prepare_step` stages with the tables deferred, and its step synchronized with the card at the
+        // route point, before anything that reads a scratch slot was queued.
+        if !self.defer_tables {
             self.copy.wait_for_compute(dev)?;
         }
         let first = map.len();

@@ -919,13 +919,11 @@ impl Compute for GpuForward<'_> {
             shared = c.moe_into(x, m, Some(s), &mut out)?;
             Ok(())
         });
-        // None only when the step failed (the call reports that error); the composed shared expert
-        // keeps the result whole regardless.
-        let shared = match shared {
-            Some(shared) => shared,
-            None => composed::shared_expert(self, x, s),
-        };
-        self.add(&out, &shared)
+        match shared {
+            Some(shared) => self.add(&out, &shared),
+            // Only when the step failed: the call reports that error.
+            None => out,
+        }
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &DevAct, kernel: WeightId) -> DevAct {
