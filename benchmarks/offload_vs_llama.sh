@@ -113,6 +113,9 @@ if [ "$PHASE" = ours ]; then
             [ -x /tmp/bin/poly-engine-base ] && [ $HAS_BASE = 1 ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
             bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         done
+        # The server's context (34,000 tokens reserved at load, below): the bench figure its answers
+        # are held to.
+        case $m in q3u|q35s) bench "$m ${BUDGET}MiB NEW tg64 at the server's context" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --max-context 34000 ;; esac
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
@@ -172,13 +175,14 @@ fi
 
 if [ "$PHASE" = llama ]; then
     [ -x $LB ] || { echo "no llama-bench: $(tail -3 /tmp/lcb/llama_build.txt)" | tee -a "$S"; exit 1; }
-    # The fewest CPU layers whose measured peak fits the budget, per shape: from the last measured N up
-    # (a short run each, peaks by nvidia-smi with the CUDA context), at most 4 tries.
+    # The fewest CPU layers whose measured peak fits the budget, per shape: from the last measured N up,
+    # on the largest run measured below (an 8,000-token prompt at -ub 2048, whose compute buffers peak
+    # highest, and a few answer tokens), peaks by nvidia-smi with the CUDA context, at most 4 tries.
     scan() { # model
         local n=$(ncmoe $1) try peak
         for try in 1 2 3 4; do
             smi_start
-            timeout 90 $LB -m /dev/shm/m/$1.gguf -ngl 99 --n-cpu-moe $n -fa 1 -p 512 -n 16 -r 1 -o md > /dev/null 2>&1
+            timeout 120 $LB -m /dev/shm/m/$1.gguf -ngl 99 --n-cpu-moe $n -fa 1 -p 8000 -n 16 -ub 2048 -b 8192 -r 1 -o md > /dev/null 2>&1
             kill $SMI 2>/dev/null; wait $SMI 2>/dev/null
             peak=$(sort -n $R/vram.txt | tail -1)
             echo "  scan $1 --n-cpu-moe $n: peak $peak MiB" | tee -a "$S" >&2

@@ -106,8 +106,21 @@ impl HotPool {
     /// Runs `task(i)` for every `i` in `0..n`, each once, on the workers and this thread; returns when
     /// all have run. A panic in a task is propagated to the caller after the others ran.
     pub fn run(&self, n: usize, task: &(dyn Fn(usize) + Sync)) {
+        self.run_beside(n, task, || ());
+    }
+
+    /// [`HotPool::run`], with this thread running `beside` first while the workers start on the tasks;
+    /// it then claims what is left and returns `beside`'s result when all ran. For host work that must
+    /// happen while the pool computes (a decode step's copies and launches beside the CPU's share of
+    /// its experts). A panic in `beside` or a task is propagated after every task ran.
+    pub fn run_beside<R>(
+        &self,
+        n: usize,
+        task: &(dyn Fn(usize) + Sync),
+        beside: impl FnOnce() -> R,
+    ) -> R {
         if n == 0 {
-            return;
+            return beside();
         }
         let _one = self.running.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
@@ -122,7 +135,8 @@ impl HotPool {
         let guarded: &(dyn Fn(usize) + Sync) = &guarded;
         // SAFETY: the lifetime is erased only for the workers' copy of the pointer, which they use only
         // while the epoch stays the odd value published below; this call closes the epoch and waits for
-        // every worker inside to leave before `guarded` goes out of scope.
+        // every worker inside to leave before `guarded` goes out of scope (also when `beside` panics:
+        // its unwinding is caught and resumed after that).
         let ptr = unsafe {
             std::mem::transmute::<
                 &(dyn Fn(usize) + Sync + '_),
@@ -140,6 +154,7 @@ impl HotPool {
             let _g = s.park.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
+        let beside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(beside));
         claim_tasks(s, guarded, n);
         while s.done.load(Ordering::Acquire) < n {
             std::hint::spin_loop();
@@ -151,9 +166,14 @@ impl HotPool {
         }
         // SAFETY: the epoch is closed and no worker is inside it: none reads `job`.
         unsafe { *s.job.get() = None };
+        let r = match beside {
+            Ok(r) => r,
+            Err(p) => std::panic::resume_unwind(p),
+        };
         if panicked.load(Ordering::Relaxed) {
             panic!("a task of a HotPool job panicked");
         }
+        r
     }
 }
 
@@ -252,6 +272,60 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n={n}");
             }
         }
+    }
+
+    #[test]
+    fn beside_runs_on_the_caller_while_the_workers_take_the_tasks() {
+        let pool = HotPool::new(3, Duration::from_millis(50));
+        let caller = std::thread::current().id();
+        for _ in 0..20 {
+            let hits: Vec<AtomicUsize> = (0..64).map(|_| AtomicUsize::new(0)).collect();
+            let started = AtomicUsize::new(0);
+            let (r, seen) = pool.run_beside(
+                64,
+                &|i| {
+                    started.fetch_add(1, Ordering::SeqCst);
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                },
+                || {
+                    // The workers start without the caller: wait (bounded) until one took a task.
+                    let since = Instant::now();
+                    while started.load(Ordering::SeqCst) == 0
+                        && since.elapsed() < Duration::from_secs(5)
+                    {
+                        std::hint::spin_loop();
+                    }
+                    (std::thread::current().id(), started.load(Ordering::SeqCst))
+                },
+            );
+            assert_eq!(r, caller);
+            assert!(seen > 0, "no worker started while the caller ran beside");
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+        assert_eq!(pool.run_beside(0, &|_| unreachable!(), || 7), 7);
+    }
+
+    #[test]
+    fn a_panic_beside_comes_back_after_every_task_ran() {
+        let pool = HotPool::new(2, Duration::from_millis(5));
+        let hits = AtomicUsize::new(0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run_beside(
+                100,
+                &|_| {
+                    hits.fetch_add(1, Ordering::SeqCst);
+                },
+                || panic!("beside"),
+            )
+        }));
+        assert!(r.is_err());
+        assert_eq!(hits.load(Ordering::SeqCst), 100);
+        // The pool still works.
+        let n = AtomicUsize::new(0);
+        pool.run(10, &|_| {
+            n.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(n.load(Ordering::SeqCst), 10);
     }
 
     #[test]

@@ -133,18 +133,15 @@ pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::h
     struct Part<'a> {
         w: QuantMatrix<'a>,
         act: &'a [u8],
-        dot: fn(usize, &[u8], &[u8]) -> f32,
-        rows4: Option<Rows4>,
+        dots: RowDots,
         y: SharedOut,
-        first: usize,
-        last: usize,
+        rows: std::ops::Range<usize>,
     }
     let threads = pool
         .map_or_else(rayon::current_num_threads, |p| p.threads())
         .max(1);
     let total_bytes: usize = jobs.iter().map(|j| j.w.data.len()).sum();
-    // About four ranges per thread over all jobs, at least 16 KiB of weights each.
-    let part_bytes = (total_bytes / (threads * 4)).max(16 * 1024);
+    let part_bytes = part_bytes(total_bytes, threads);
     let mut parts: Vec<Part<'a>> = Vec::new();
     for job in jobs.iter_mut() {
         let w = job.w;
@@ -154,54 +151,101 @@ pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::h
             "matvec_many: act length"
         );
         assert_eq!(job.y.len(), w.rows, "matvec_many: y has the wrong length");
-        let (dot, rows4) = match job.order {
-            Some(b) if (b.applies)(1, 0) => (b.dot, None),
-            _ => (w.ops().vec_dot, single_row_rows4(w.ty)),
-        };
-        let chunk = (part_bytes / w.row_bytes().max(1))
-            .max(1)
-            .next_multiple_of(4)
-            .min(w.rows.max(1));
-        for first in (0..w.rows).step_by(chunk) {
+        let dots = RowDots::new(&w, job.order);
+        for rows in row_ranges(&w, part_bytes) {
             parts.push(Part {
                 w,
                 act: job.act,
-                dot,
-                rows4,
+                dots,
                 y: SharedOut(job.y.as_mut_ptr()),
-                first,
-                last: (first + chunk).min(w.rows),
+                rows,
             });
         }
     }
     let run_part = |p: &Part<'_>| {
-        let row = |r: usize| p.w.row(r);
-        let put = |r: usize, v: f32| {
-            // SAFETY: `r < p.w.rows`, the length of this job's `y`, which outlives the parallel loop;
-            // each part alone writes its rows `first..last` of its job's output.
-            unsafe { *p.y.0.add(r) = v };
-        };
-        let mut r = p.first;
-        if let Some(rows4) = p.rows4 {
-            while r + 4 <= p.last {
-                let v = rows4(
-                    p.w.cols,
-                    [row(r), row(r + 1), row(r + 2), row(r + 3)],
-                    p.act,
-                );
-                for (k, &v) in v.iter().enumerate() {
-                    put(r + k, v);
-                }
-                r += 4;
-            }
-        }
-        for r in r..p.last {
-            put(r, (p.dot)(p.w.cols, row(r), p.act));
-        }
+        // SAFETY: `rows` lies inside this job's `y` (`row_ranges` of its `w.rows`, checked against
+        // `y.len()` above), which outlives the parallel loop; each part alone writes its own rows.
+        let y = unsafe { std::slice::from_raw_parts_mut(p.y.0.add(p.rows.start), p.rows.len()) };
+        p.dots.rows(&p.w, p.act, p.rows.clone(), y);
     };
     match pool {
         Some(pool) => pool.run(parts.len(), &|i| run_part(&parts[i])),
         None => parts.par_iter().for_each(run_part),
+    }
+}
+
+/// Bytes of weights per range when `total_bytes` of matrix×vector products are split over `threads`:
+/// about four ranges per thread, at least 16 KiB each.
+pub fn part_bytes(total_bytes: usize, threads: usize) -> usize {
+    (total_bytes / (threads.max(1) * 4)).max(16 * 1024)
+}
+
+/// `w`'s rows cut into ranges of about `part_bytes` of weights (a multiple of four rows, for the kernels
+/// that take four at once).
+pub fn row_ranges(
+    w: &QuantMatrix<'_>,
+    part_bytes: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let rows = w.rows;
+    let chunk = (part_bytes / w.row_bytes().max(1))
+        .max(1)
+        .next_multiple_of(4)
+        .min(rows.max(1));
+    (0..rows)
+        .step_by(chunk)
+        .map(move |first| first..(first + chunk).min(rows))
+}
+
+/// The arithmetic of one matrix×vector product, chosen once: `order`'s dot product where it applies to
+/// a call of one row, else the format's single-row order ([`QuantOps::vec_dot`]) and its four-row kernel.
+/// Any range of rows can be computed apart from the others, with the same results.
+#[derive(Clone, Copy)]
+pub struct RowDots {
+    dot: fn(usize, &[u8], &[u8]) -> f32,
+    rows4: Option<Rows4>,
+}
+
+impl RowDots {
+    pub fn new(w: &QuantMatrix<'_>, order: Option<&'static BatchDot>) -> RowDots {
+        match order {
+            Some(b) if (b.applies)(1, 0) => RowDots {
+                dot: b.dot,
+                rows4: None,
+            },
+            _ => RowDots {
+                dot: w.ops().vec_dot,
+                rows4: single_row_rows4(w.ty),
+            },
+        }
+    }
+
+    /// `y[i] = w.row(rows.start + i) · act` for the rows of `rows`.
+    pub fn rows(
+        &self,
+        w: &QuantMatrix<'_>,
+        act: &[u8],
+        rows: std::ops::Range<usize>,
+        y: &mut [f32],
+    ) {
+        assert_eq!(y.len(), rows.len(), "RowDots::rows: y has the wrong length");
+        assert!(rows.end <= w.rows, "RowDots::rows: rows past the matrix");
+        let first = rows.start;
+        let mut i = 0;
+        if let Some(rows4) = self.rows4 {
+            while i + 4 <= y.len() {
+                let r = first + i;
+                let v = rows4(
+                    w.cols,
+                    [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)],
+                    act,
+                );
+                y[i..i + 4].copy_from_slice(&v);
+                i += 4;
+            }
+        }
+        for (k, out) in y.iter_mut().enumerate().skip(i) {
+            *out = (self.dot)(w.cols, w.row(first + k), act);
+        }
     }
 }
 

@@ -48,6 +48,11 @@ pub struct BenchArgs {
     /// Tokens of context read (untimed) before each repetition of either test, as llama-bench's `-d`.
     #[arg(long, default_value_t = 0)]
     depth: usize,
+    /// Tokens of context the state has room for, as the serve mode's `--max-context` (default: what
+    /// the tests need): the attention caches are reserved for it at load, as when serving, so an answer
+    /// rate can be compared with the server's at the same context.
+    #[arg(long)]
+    max_context: Option<usize>,
     /// Worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
@@ -115,10 +120,17 @@ fn random_tokens(rng: &mut Rng, n: usize, n_vocab: usize, bos: Option<u32>) -> V
         .collect()
 }
 
-/// A fresh state with room for the depth, the prompt and the tokens, holding `--depth` random tokens.
+/// The context the model is placed for and each state has room for: the depth, the prompt and the
+/// tokens, or `--max-context` when larger.
+fn context(args: &BenchArgs) -> usize {
+    let needed = args.depth + args.prompt + args.gen;
+    args.max_context.map_or(needed, |c| c.max(needed))
+}
+
+/// A fresh state with room for the context ([`context`]), holding `--depth` random tokens.
 fn state_at_depth(model: &Model, rng: &mut Rng, args: &BenchArgs) -> Result<SeqState, EngineError> {
     let info = model.info();
-    let mut state = model.new_state(args.depth + args.prompt + args.gen);
+    let mut state = model.new_state(context(args));
     if args.depth > 0 {
         let context = random_tokens(rng, args.depth, info.n_vocab, info.bos);
         prefill(model, &mut state, &context, args.ubatch)?;
@@ -192,9 +204,7 @@ pub fn run(args: BenchArgs) -> CliResult {
     let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
     model.use_device_with(
         DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
-        &args
-            .placement
-            .placement(args.depth + args.prompt + args.gen, args.ubatch),
+        &args.placement.placement(context(&args), args.ubatch),
     )?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut rng = Rng::new(args.seed);
@@ -235,6 +245,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         "threads": threads,
         "ubatch": args.ubatch,
         "depth": args.depth,
+        "context": context(&args),
         "reps": args.reps,
         "load_s": load_s,
     });

@@ -14,6 +14,7 @@
 //! computes and, for long decodes, on the thread count) or one order per operation for every call
 //! ([`Arithmetic::BatchInvariant`]), so that any split of a prompt into calls gives the same bits.
 
+pub(crate) mod expert_job;
 pub mod moe;
 pub mod profile;
 #[cfg(test)]

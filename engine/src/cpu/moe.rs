@@ -11,9 +11,8 @@
 //! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
 //! [`Arithmetic::BatchInvariant`]'s orders instead.
 
-use poly_kernels::hot_pool::HotPool;
 use poly_kernels::matmul::QuantMatrix;
-use poly_kernels::matmul::{matmul_ordered, matvec_many_in, MatvecJob};
+use poly_kernels::matmul::{matmul_ordered, matvec_many, MatvecJob};
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
@@ -132,18 +131,6 @@ pub fn moe_observed(
 /// (the activation quantized once per format, each product in its `MUL_MAT_ID` order for one row), and
 /// the outputs are summed in routing order, so the result is the same bits.
 pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
-    decode_experts_in(w, x, m, route, None)
-}
-
-/// [`decode_experts`] on `pool`'s threads when given (a partly resident model's share of a token, which
-/// must start within microseconds); the same bits.
-pub(crate) fn decode_experts_in(
-    w: &CpuWeights,
-    x: &Mat,
-    m: &Moe,
-    route: &[(u32, f32)],
-    pool: Option<&HotPool>,
-) -> Mat {
     let n_embd = x.cols;
     let k = route.len();
     if k == 0 {
@@ -187,7 +174,7 @@ pub(crate) fn decode_experts_in(
             });
         }
         let _span = profile::span(profile::typed("moe.decode gate+up", gates[0].ty));
-        matvec_many_in(&mut jobs, pool);
+        matvec_many(&mut jobs);
     }
     for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
         activate(m.act, g, u);
@@ -213,7 +200,7 @@ pub(crate) fn decode_experts_in(
             })
             .collect();
         let _span = profile::span(profile::typed("moe.decode down", downs[0].ty));
-        matvec_many_in(&mut jobs, pool);
+        matvec_many(&mut jobs);
     }
     let mut out = Mat::zeros(1, n_embd);
     for (&(_, weight), y) in route.iter().zip(down.chunks(n_embd)) {
@@ -226,7 +213,7 @@ pub(crate) fn decode_experts_in(
 }
 
 /// `gate ← act(gate) ⊙ up`, as ggml computes the expert's gated unit.
-fn activate(f: Unary, gate: &mut [f32], up: &[f32]) {
+pub(crate) fn activate(f: Unary, gate: &mut [f32], up: &[f32]) {
     match f {
         Unary::Silu => act::swiglu_ggml_rows(gate, up, gate.len()),
         Unary::Gelu => act::geglu_in_place(gate, up),

@@ -33,7 +33,7 @@ use poly_kernels::cuda::{
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{Moe, WeightId};
 
-use super::expert_cache::{CpuShare, ExpertCache};
+use super::expert_cache::{CpuShare, ExpertCache, StepPrep};
 use super::forward::{Backing, GpuForward, GraphInputs, GraphMode};
 use super::pool::{Pool, PoolStore};
 use crate::cpu::CpuWeights;
@@ -71,8 +71,10 @@ pub struct MoeStep {
     /// `[k]` the token's routed experts and their weights, written by the router.
     pub ids: DeviceBuffer<i32>,
     pub weights: DeviceBuffer<f32>,
-    /// `[n_embd]` the CPU's weighted sum, which the card's sum adds to.
-    pub cpu_sum: DeviceBuffer<f32>,
+    /// `[n_embd]` the CPU's weighted sum, written by the host at the CPU-share point and uploaded by
+    /// the next segment (a graph's node, so a replay copies the sum of its token) where the card's sum
+    /// adds to it.
+    host_sum: PinnedHost<f32>,
     /// The step's own gate, up and down tables of `k` entries (one per routing, in routing order), which
     /// the card's expert launches read with the ids `0..k` (`slot_ids`): the host writes the token's
     /// addresses into `host_sources` at the route point and the graph copies them there, so a token's
@@ -88,7 +90,7 @@ pub struct MoeStep {
     host_ids: PinnedHost<i32>,
     host_weights: PinnedHost<f32>,
     host_x: PinnedHost<f32>,
-    /// `cpu_sum` holds zeros (the host skips writing them again).
+    /// `host_sum` holds zeros (the host skips writing them again).
     sum_is_zero: bool,
 }
 
@@ -113,7 +115,7 @@ impl MoeStep {
             moe: *moe,
             ids: dev.zeros(k)?,
             weights: dev.zeros(k)?,
-            cpu_sum: dev.zeros(n_embd)?,
+            host_sum: dev.pinned(n_embd)?,
             tables: ExpertTable::empty_group(dev, [spec(g), spec(u), spec(d)], k)?,
             slot_ids: ids_buf,
             host_sources: dev.pinned(3 * k)?,
@@ -148,21 +150,19 @@ impl MoeStep {
         Ok(())
     }
 
-    /// After [`MoeStep::wait_route`]: the routings counted and every routed expert made computable by
-    /// the cache (copies queued before the card's experts, the step's table written for the graph's
-    /// copy); returns the CPU's share.
+    /// After [`MoeStep::wait_route`]: the routings counted and the cache's choices for them (the CPU's
+    /// share, the copies on demand), nothing queued yet ([`MoeStep::stage`]).
     pub fn prepare(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         cache: &mut ExpertCache,
         times: &mut HostTimes,
-    ) -> CudaResult<Option<CpuShare>> {
+    ) -> CudaResult<StepPrep> {
         let clock = Instant::now();
         let MoeStep {
             host_ids,
             host_x,
             host_weights,
-            host_sources,
             layer,
             ..
         } = self;
@@ -174,52 +174,131 @@ impl MoeStep {
             ))
         };
         cache.take_host_phases();
+        let prep = cache.prepare_step((dev, cpu), *layer, ids, fetch);
+        times.prepare += clock.elapsed();
+        times.steps += 1;
+        prep
+    }
+
+    /// The copies on demand of [`MoeStep::prepare`] queued before the card's experts and the token's
+    /// sources written for the graph's copy into the step's tables.
+    pub fn stage(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        copies: &[usize],
+        times: &mut HostTimes,
+    ) -> CudaResult<()> {
+        let MoeStep {
+            host_ids,
+            host_sources,
+            layer,
+            ..
+        } = self;
+        let ids = host_ids.as_slice()?;
         // SAFETY of the write: the graph's copy of the previous token's sources ran before this step's
         // route point, where the host synchronized with the card.
         let sources = host_sources.as_mut_slice()?;
-        let share = cache.prepare_step((dev, cpu), *layer, ids, fetch, sources);
-        times.prepare += clock.elapsed();
+        cache.take_host_phases();
+        let r = cache.stage_step((dev, cpu), (*layer, ids), copies, sources);
         let parts = cache.take_host_phases();
         times.stage += parts.stage;
         times.tables += parts.tables;
-        times.steps += 1;
-        share
+        r
     }
 
-    /// Queues the copy of the step's sources (written by [`MoeStep::prepare`]) into its tables: before
+    /// Queues the copy of the step's sources (written by [`MoeStep::stage`]) into its tables: before
     /// the card's expert launches, in stream order (a capture records it, so every replay copies the
     /// sources of its token).
     pub fn queue_sources(&self, dev: &Device) -> CudaResult<()> {
-        // SAFETY: the host writes `host_sources` only in `prepare`, after the route point's synchronize,
+        // SAFETY: the host writes `host_sources` only in `stage`, after the route point's synchronize,
         // which follows every earlier copy of them; the step owns them as long as the graph holding the
         // copy (the decode graph drops its segments before its steps).
         unsafe { ExpertTable::queue_group_upload(dev, &self.tables, &self.host_sources) }
     }
 
-    /// At the CPU-share point: the CPU's sum (zeros without a share) into `cpu_sum` while the card computes
-    /// its experts. [`MoeStep::finish`] finishes the layer in the cache after it.
-    pub fn cpu_share(
+    /// Queues the upload of the CPU's sum (written at the CPU-share point) into `out`, where the card's
+    /// weighted sum adds to it: the first node of the segment after that point.
+    pub fn queue_sum(&self, dev: &Device, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
+        // SAFETY: the host writes `host_sum` only at the CPU-share point, before this segment is queued
+        // or replayed and after the route point's synchronize, which follows every earlier upload of it;
+        // the step owns it as long as the graph holding the copy.
+        unsafe { dev.queue_upload(&self.host_sum, out) }
+    }
+
+    /// The card's experts (`launch`: queued or replayed) with the step's copies staged before them, and
+    /// the CPU's share computed meanwhile: its threads start first, then this thread stages and launches
+    /// beside them. Its sum (zeros without a share) goes into `host_sum`. [`MoeStep::finish`] finishes
+    /// the layer in the cache after it.
+    pub fn experts(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        prep: StepPrep,
+        times: &mut HostTimes,
+        launch: impl FnOnce() -> CudaResult<()>,
+    ) -> CudaResult<()> {
+        let StepPrep { share, copies } = prep;
+        let Some(share) = share else {
+            self.stage((dev, cpu), cache, &copies, times)?;
+            launch()?;
+            return self.write_sum(None);
+        };
+        let clock = Instant::now();
+        let mut beside_time = Duration::ZERO;
+        let moe = self.moe;
+        let (sum, r, seconds) = share.compute_beside(cpu, &moe, || {
+            let t = Instant::now();
+            let r = self
+                .stage((dev, cpu), cache, &copies, times)
+                .and_then(|()| launch());
+            beside_time = t.elapsed();
+            r
+        });
+        r?;
+        share.record(cache, seconds);
+        let r = self.write_sum(Some(&sum));
+        times.cpu_share += Duration::from_secs_f64(seconds);
+        times.share_wait += clock.elapsed().saturating_sub(beside_time);
+        r
+    }
+
+    /// The CPU's share without anything beside it (a call that runs its host points as it queues its
+    /// launches, which borrow the forward): computed and written into `host_sum`.
+    pub fn cpu_share(
+        &mut self,
+        cpu: &CpuWeights,
         cache: &mut ExpertCache,
         share: Option<CpuShare>,
         times: &mut HostTimes,
     ) -> CudaResult<()> {
         let clock = Instant::now();
-        match share {
+        let r = match share {
             Some(share) => {
                 let sum = share.compute_for(Some(&mut *cache), cpu, &self.moe);
-                let _span = crate::cpu::profile::span("share write");
-                dev.write(&sum, &mut self.cpu_sum)?;
+                self.write_sum(Some(&sum))
+            }
+            None => self.write_sum(None),
+        };
+        times.cpu_share += clock.elapsed();
+        times.share_wait += clock.elapsed();
+        r
+    }
+
+    /// `sum` (zeros for `None`) into `host_sum`, for the next segment's upload.
+    fn write_sum(&mut self, sum: Option<&[f32]>) -> CudaResult<()> {
+        let _span = crate::cpu::profile::span("share write");
+        match sum {
+            Some(sum) => {
+                self.host_sum.as_mut_slice()?.copy_from_slice(sum);
                 self.sum_is_zero = false;
             }
             None if !self.sum_is_zero => {
-                dev.write(&vec![0f32; self.cpu_sum.len()], &mut self.cpu_sum)?;
+                self.host_sum.as_mut_slice()?.fill(0.0);
                 self.sum_is_zero = true;
             }
             None => {}
         }
-        times.cpu_share += clock.elapsed();
         Ok(())
     }
 
@@ -248,13 +327,16 @@ pub struct HostTimes {
     pub steps: u64,
     /// Waiting for the router's ids (the card's work before them).
     pub route_wait: Duration,
-    /// The cache's decisions and the copies queued ([`ExpertCache::prepare`]).
+    /// The cache's decisions ([`ExpertCache::prepare_step`]).
     pub prepare: Duration,
-    /// The CPU's share computed and written.
+    /// The CPU's share: its own compute time.
     pub cpu_share: Duration,
+    /// The host waiting for the CPU's share after staging and launching the card's experts beside it
+    /// (the share's time the card's launches did not hide).
+    pub share_wait: Duration,
     /// [`ExpertCache::finish_layer`].
     pub finish: Duration,
-    /// Parts: the copies on demand queued and the table rewrites of `prepare`, the admissions (started
+    /// Parts: the copies on demand queued and the sources written (beside the CPU's share), the admissions (started
     /// when the layer finishes, within `finish`).
     pub stage: Duration,
     pub admit: Duration,
@@ -268,6 +350,7 @@ impl HostTimes {
         self.route_wait += o.route_wait;
         self.prepare += o.prepare;
         self.cpu_share += o.cpu_share;
+        self.share_wait += o.share_wait;
         self.finish += o.finish;
         self.stage += o.stage;
         self.admit += o.admit;
@@ -304,11 +387,28 @@ impl MoeSteps {
             times,
             ..
         } = self;
-        let mut share = None;
+        // The choices of the step whose experts' segment comes next.
+        let mut prep: Option<(usize, StepPrep)> = None;
         // The step whose layer is finished once the next segment is queued.
         let mut unfinished: Option<usize> = None;
         for (segment, point) in segments.iter() {
-            segment.replay()?;
+            match (point, prep.take()) {
+                // The card's experts, staged and replayed beside the CPU's share of them.
+                (HostPoint::CpuShare(i), Some((j, p))) if *i == j => {
+                    step_at(steps, j)?.experts((dev, cpu), cache, p, times, || segment.replay())?
+                }
+                (HostPoint::CpuShare(i), _) => {
+                    return Err(CudaError::Invalid(format!(
+                        "MoE step {i}'s experts without the cache's choices for them"
+                    )))
+                }
+                (_, Some((j, _))) => {
+                    return Err(CudaError::Invalid(format!(
+                        "MoE step {j}'s choices without its experts' segment"
+                    )))
+                }
+                (_, None) => segment.replay()?,
+            }
             if let Some(j) = unfinished.take() {
                 step_at(steps, j)?.finish((dev, cpu), cache, times)?;
             }
@@ -318,14 +418,11 @@ impl MoeSteps {
                 HostPoint::Route(_) => {
                     step.wait_route(dev, times)?;
                     if !step.shared {
-                        share = step.prepare((dev, cpu), cache, times)?;
+                        prep = Some((i, step.prepare((dev, cpu), cache, times)?));
                     }
                 }
-                HostPoint::Prepare(_) => share = step.prepare((dev, cpu), cache, times)?,
-                HostPoint::CpuShare(_) => {
-                    step.cpu_share((dev, cpu), cache, share.take(), times)?;
-                    unfinished = Some(i);
-                }
+                HostPoint::Prepare(_) => prep = Some((i, step.prepare((dev, cpu), cache, times)?)),
+                HostPoint::CpuShare(_) => unfinished = Some(i),
             }
         }
         last.replay()?;

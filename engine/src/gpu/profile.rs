@@ -234,14 +234,16 @@ impl Profiler {
             let n = t.decode.calls as f64;
             s += &format!(
                 "segmented decode graphs, host per call: {:.1} MoE steps; waiting for the router {:.3} + \
-                 the cache's decisions and copies {:.3} (copies on demand {:.3}, tables {:.3}) + the CPU's \
-                 share {:.3} + finishing layers {:.3} (admissions {:.3})\n",
+                 the cache's decisions {:.3} + beside the CPU's share (its own {:.3}): copies on demand \
+                 {:.3}, tables {:.3}, the launches, then waiting for the share {:.3} + finishing layers \
+                 {:.3} (admissions {:.3})\n",
                 h.steps as f64 / n,
                 ms(h.route_wait) / n,
                 ms(h.prepare) / n,
+                ms(h.cpu_share) / n,
                 ms(h.stage) / n,
                 ms(h.tables) / n,
-                ms(h.cpu_share) / n,
+                ms(h.share_wait) / n,
                 ms(h.finish) / n,
                 ms(h.admit) / n,
             );

@@ -118,4 +118,36 @@ impl Device {
         }
         Ok(())
     }
+
+    /// Queues a copy of the page-locked `src` into `dst` (the same length) on the stream, after
+    /// everything queued before; a graph being captured records it as a node, which reads `src` when it
+    /// runs.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unwritten until the copy ran (the stream passed it).
+    pub unsafe fn queue_upload<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &PinnedHost<T>,
+        dst: &mut DeviceBuffer<T>,
+    ) -> CudaResult<()> {
+        if src.slice.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "queued upload of {} pinned elements into {}",
+                src.slice.len(),
+                dst.len()
+            )));
+        }
+        let ptr = src.host_ptr()?;
+        // SAFETY: `ptr[..len]` is page-locked memory of this context of the same length as `dst`; the
+        // caller keeps it alive and unwritten until the copy ran (this function's contract).
+        unsafe {
+            let host = std::slice::from_raw_parts(ptr, dst.len());
+            cudarc::driver::result::memcpy_htod_async(
+                dst.address(),
+                host,
+                self.stream().cu_stream(),
+            )?;
+        }
+        Ok(())
+    }
 }

@@ -252,6 +252,7 @@ fn fetch_inputs(
 /// uncached routings (`items`); for a small prompt call ([`prompt_share`]) the call's activations
 /// `[n_rows, n_embd]` and the `(row, expert, weight)` routings of its least-chosen uncached experts
 /// (`rows`).
+#[derive(Clone)]
 pub struct CpuShare {
     pub x: Vec<f32>,
     pub items: Vec<(usize, f32)>,
@@ -264,6 +265,13 @@ pub struct CpuShare {
     pub fetch_seconds: f64,
     /// The threads that compute it ([`share_pool`]); rayon's when `None`.
     pub pool: Option<Arc<HotPool>>,
+}
+
+/// A single token's choices for a layer of a segmented decode step ([`ExpertCache::prepare_step`]):
+/// the CPU's share, and the experts to copy on demand ([`ExpertCache::stage_step`]).
+pub struct StepPrep {
+    pub share: Option<CpuShare>,
+    pub copies: Vec<usize>,
 }
 
 /// How long the CPU share's workers spin after a share before they park: a token's MoE layers come every
@@ -307,32 +315,71 @@ impl CpuShare {
         cpu: &CpuWeights,
         m: &Moe,
     ) -> Vec<f32> {
-        let t = std::time::Instant::now();
-        if !self.rows.is_empty() {
-            let sum = self.compute_rows(cpu, m);
-            if let Some(c) = cache {
-                let mut experts: Vec<usize> = self.rows.iter().map(|&(_, e, _)| e).collect();
-                experts.sort_unstable();
-                experts.dedup();
-                c.stats.cpu_experts += experts.len() as u64;
-                c.stats.cpu_seconds += t.elapsed().as_secs_f64() + self.fetch_seconds;
-            }
-            return sum;
-        }
-        let sum = self.compute(cpu, m);
+        let (sum, (), seconds) = self.compute_beside(cpu, m, || ());
         if let Some(c) = cache {
-            let seconds = t.elapsed().as_secs_f64() + self.fetch_seconds;
-            c.stats.cpu_experts += self.items.len() as u64;
-            c.stats.cpu_seconds += seconds;
-            if !self.items.is_empty() {
-                c.cpu_fit.add(self.items.len(), seconds);
-                if let Some((overhead, per_expert)) = c.cpu_fit.line() {
-                    c.costs.cpu_overhead = overhead;
-                    c.costs.cpu_per_expert = per_expert;
-                }
-            }
+            self.record(c, seconds);
         }
         sum
+    }
+
+    /// The share's sum, with `beside` run on this thread meanwhile: a single token's share on its own
+    /// threads ([`share_pool`]) starts at once and `beside` (the copies on demand, the card's launches)
+    /// runs while it computes; elsewhere `beside` runs first. Also returns the share's own seconds of
+    /// compute, for [`CpuShare::record`].
+    pub fn compute_beside<R>(
+        &self,
+        cpu: &CpuWeights,
+        m: &Moe,
+        beside: impl FnOnce() -> R,
+    ) -> (Vec<f32>, R, f64) {
+        let per_expert =
+            crate::knobs::forward().cpu_share == crate::knobs::CpuShareThreads::PerExpert;
+        match self.pool.as_deref() {
+            Some(pool) if self.rows.is_empty() && !per_expert => {
+                let xs = {
+                    let _span = crate::cpu::profile::span("share input");
+                    self.input(cpu, m)
+                };
+                let route: Vec<(u32, f32)> =
+                    self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
+                let (sum, r, seconds) = crate::cpu::expert_job::decode_experts_beside(
+                    cpu, &xs, m, &route, pool, beside,
+                );
+                (sum.data, r, seconds)
+            }
+            _ => {
+                let r = beside();
+                let t = std::time::Instant::now();
+                let sum = if self.rows.is_empty() {
+                    self.compute(cpu, m)
+                } else {
+                    self.compute_rows(cpu, m)
+                };
+                (sum, r, t.elapsed().as_secs_f64())
+            }
+        }
+    }
+
+    /// The share's count and its `seconds` of compute (with the fetch of its inputs) added to `cache`'s
+    /// figures, and a single token's to the CPU's cost line.
+    pub fn record(&self, c: &mut ExpertCache, seconds: f64) {
+        let seconds = seconds + self.fetch_seconds;
+        c.stats.cpu_seconds += seconds;
+        if !self.rows.is_empty() {
+            let mut experts: Vec<usize> = self.rows.iter().map(|&(_, e, _)| e).collect();
+            experts.sort_unstable();
+            experts.dedup();
+            c.stats.cpu_experts += experts.len() as u64;
+            return;
+        }
+        c.stats.cpu_experts += self.items.len() as u64;
+        if !self.items.is_empty() {
+            c.cpu_fit.add(self.items.len(), seconds);
+            if let Some((overhead, per_expert)) = c.cpu_fit.line() {
+                c.costs.cpu_overhead = overhead;
+                c.costs.cpu_per_expert = per_expert;
+            }
+        }
     }
 
     /// `Σ weight · expert(x)` over the items, on the CPU (experts in parallel, summed in routing order).
@@ -367,7 +414,7 @@ impl CpuShare {
             return sum;
         }
         let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
-        crate::cpu::moe::decode_experts_in(cpu, &xs, m, &route, self.pool.as_deref()).data
+        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
     }
 }
 
@@ -908,7 +955,11 @@ impl ExpertCache {
     ) -> CudaResult<Option<CpuShare>> {
         // This call's launches read the layers' tables.
         self.defer_tables = false;
-        let share = self.prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch);
+        let share = self
+            .prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch)
+            .and_then(|(share, copies)| {
+                self.stage_copies(dev, cpu, layer, &copies).map(|()| share)
+            });
         // The tables it changed, rewritten once before the layer's launches.
         let flushed = self.flush_tables(dev);
         let share = share?;
@@ -926,14 +977,45 @@ impl ExpertCache {
         layer: usize,
         ids: &[i32],
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
-        sources: &mut [u64],
-    ) -> CudaResult<Option<CpuShare>> {
+    ) -> CudaResult<StepPrep> {
         self.defer_tables = true;
-        let share = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)?;
+        let (share, copies) = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)?;
+        Ok(StepPrep { share, copies })
+    }
+
+    /// After [`ExpertCache::prepare_step`]: its copies on demand queued (the compute stream waits for
+    /// them) and the token's sources written (`sources` `[3][k]`, [`ExpertCache::token_sources`]). The
+    /// CPU's share may run meanwhile: this reads nothing it computes.
+    pub fn stage_step(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        (layer, ids): (usize, &[i32]),
+        copies: &[usize],
+        sources: &mut [u64],
+    ) -> CudaResult<()> {
+        self.stage_copies(dev, cpu, layer, copies)?;
         let clock = std::time::Instant::now();
         self.token_sources(layer, ids, sources)?;
         self.host_phases.tables += clock.elapsed();
-        Ok(share)
+        Ok(())
+    }
+
+    /// A single token's copies on demand ([`ExpertCache::prepare_routing`]'s second result) queued.
+    fn stage_copies(
+        &mut self,
+        dev: &Device,
+        cpu: &CpuWeights,
+        layer: usize,
+        copies: &[usize],
+    ) -> CudaResult<()> {
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let clock = std::time::Instant::now();
+        self.stage(dev, cpu, layer, copies)?;
+        self.host_phases.stage += clock.elapsed();
+        self.stats.staged_decode += copies.len() as u64;
+        Ok(())
     }
 
     /// Where the card reads each of a token's routings `ids` of `layer` (`out` `[3][k]`: the gate, up and
@@ -993,13 +1075,16 @@ impl ExpertCache {
         self.flush_tables(dev)
     }
 
+    /// The routing counted and the cache's choices for it: a prompt call's uncached experts staged and
+    /// its CPU share; for a single token the CPU's share and the experts to copy on demand, not yet queued
+    /// (the caller queues them, [`ExpertCache::stage_copies`], perhaps while the CPU computes its share).
     fn prepare_routing(
         &mut self,
         dev: &Device,
         cpu: &CpuWeights,
         (layer, n_tokens, ids): (usize, usize, &[i32]),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
-    ) -> CudaResult<Option<CpuShare>> {
+    ) -> CudaResult<(Option<CpuShare>, Vec<usize>)> {
         let n_expert = self.layers[layer].n_expert;
         let routed: Vec<usize> = ids
             .iter()
@@ -1047,7 +1132,7 @@ impl ExpertCache {
                 self.stats.staged += staged.len() as u64;
             }
             self.plan_prefetch(dev, layer, ids.len())?;
-            return Ok(share);
+            return Ok((share, Vec::new()));
         }
         // One token: the missing experts split between on-demand copies (computed by the card with the
         // cached ones) and the CPU's share.
@@ -1055,7 +1140,7 @@ impl ExpertCache {
             .filter(|&j| (ids[j] as usize) < n_expert && !on_card(&self.policy, ids[j] as usize))
             .collect();
         if missing_slots.is_empty() {
-            return Ok(None);
+            return Ok((None, Vec::new()));
         }
         let n_copy = match self.missing {
             // Through the staging buffers the host's own copy would compete with the CPU's share.
@@ -1072,21 +1157,15 @@ impl ExpertCache {
         } else {
             (Vec::new(), Vec::new(), 0.0)
         };
-        if n_copy > 0 {
-            let copied: Vec<usize> = missing_slots
-                .drain(..n_copy)
-                .map(|j| ids[j] as usize)
-                .collect();
-            let clock = std::time::Instant::now();
-            self.stage(dev, cpu, layer, &copied)?;
-            self.host_phases.stage += clock.elapsed();
-            self.stats.staged_decode += copied.len() as u64;
-            // An expert routed twice (never by one token, but kept correct) is on the card now.
-            missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
-        }
+        let copied: Vec<usize> = missing_slots
+            .drain(..n_copy)
+            .map(|j| ids[j] as usize)
+            .collect();
+        // An expert routed twice (never by one token, but kept correct) is on the card once copied.
+        missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
         if missing_slots.is_empty() {
             self.admission = Some((layer, routed, Vec::new()));
-            return Ok(None);
+            return Ok((None, copied));
         }
         let items: Vec<(usize, f32)> = missing_slots
             .iter()
@@ -1106,7 +1185,7 @@ impl ExpertCache {
             fetch_seconds,
             pool: share_pool(&mut self.cpu_pool),
         };
-        Ok(Some(share))
+        Ok((Some(share), copied))
     }
 
     /// Copies `experts` of `layer` into scratch slots and points the layer's tables there until

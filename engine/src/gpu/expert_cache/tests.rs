@@ -107,7 +107,37 @@ fn the_cpu_share_of_every_routing_is_the_cpu_moe_block() {
         ))),
         ..all
     };
-    assert_eq!(hot.compute(&w, &m), whole.row(0));
+    let (sum, beside, seconds) = hot.compute_beside(&w, &m, || 7);
+    assert_eq!(sum, whole.row(0));
+    assert_eq!(beside, 7);
+    assert!(seconds > 0.0);
+    // With the caller busy beside it for a while (the workers take every range), and on more threads
+    // than ranges of some experts: still the same bits.
+    for threads in [2, 4, 8] {
+        let hot = CpuShare {
+            pool: Some(std::sync::Arc::new(poly_kernels::hot_pool::HotPool::new(
+                threads,
+                std::time::Duration::from_millis(1),
+            ))),
+            ..hot.clone()
+        };
+        let busy = || {
+            let since = std::time::Instant::now();
+            while since.elapsed() < std::time::Duration::from_millis(2) {
+                std::hint::spin_loop();
+            }
+        };
+        assert_eq!(
+            hot.compute_beside(&w, &m, busy).0,
+            whole.row(0),
+            "{threads} threads"
+        );
+        assert_eq!(
+            hot.compute_for(None, &w, &m),
+            whole.row(0),
+            "{threads} threads"
+        );
+    }
     // Two on the CPU, two elsewhere: the parts add up to the block (to rounding).
     let part = |r: &[(u32, f32)]| {
         CpuShare {

@@ -248,13 +248,18 @@ impl<'a> GpuForward<'a> {
             }
             None => None,
         };
-        let share = if capturing {
-            None
-        } else {
-            let cache = self.experts.as_deref_mut().ok_or_else(|| {
-                CudaError::Invalid("a segmented MoE step without its cache".into())
-            })?;
-            step.prepare((dev, self.cpu), cache, &mut times)?
+        // Running, the host stages its copies before queueing the card's experts and computes the CPU's
+        // share after (the launches borrow the forward); a replay does both beside the share.
+        let share = match capturing {
+            true => None,
+            false => {
+                let cache = self.experts.as_deref_mut().ok_or_else(|| {
+                    CudaError::Invalid("a segmented MoE step without its cache".into())
+                })?;
+                let prep = step.prepare((dev, self.cpu), cache, &mut times)?;
+                step.stage((dev, self.cpu), cache, &prep.copies, &mut times)?;
+                prep.share
+            }
         };
         step.queue_sources(dev)?;
         let [g, u, d] = &step.tables;
@@ -264,7 +269,7 @@ impl<'a> GpuForward<'a> {
         } else {
             match self.experts.as_deref_mut() {
                 Some(cache) => step
-                    .cpu_share((dev, self.cpu), cache, share, &mut times)
+                    .cpu_share(self.cpu, cache, share, &mut times)
                     .and_then(|()| step.finish((dev, self.cpu), cache, &mut times)),
                 None => Err(CudaError::Invalid(
                     "a segmented MoE step without its cache".into(),
@@ -273,7 +278,7 @@ impl<'a> GpuForward<'a> {
         };
         let t = self.op_begin();
         let r = r
-            .and_then(|()| dev.copy(&step.cpu_sum, out.buf_mut()?))
+            .and_then(|()| step.queue_sum(dev, out.buf_mut()?))
             .and_then(|()| {
                 ops::moe_combine(
                     dev,
