@@ -93,6 +93,9 @@ pub fn prefill(
         )));
     }
     let n_chunks = tokens.len().div_ceil(ubatch);
+    if n_chunks > 1 {
+        model.expect_tokens(state, tokens.len())?;
+    }
     let mut logits = Vec::new();
     for (i, chunk) in tokens.chunks(ubatch).enumerate() {
         let want = if i + 1 == n_chunks {

@@ -195,6 +195,15 @@ impl Model {
         self.gpu.is_some()
     }
 
+    /// Says that `state` is about to read `n` more tokens (a prompt read in several calls): on a card
+    /// its attention caches grow for all of them at once, not once a call. Nothing on the CPU.
+    pub fn expect_tokens(&self, state: &mut SeqState, n: usize) -> Result<(), EngineError> {
+        match &self.gpu {
+            Some(gpu) if n <= state.room() => gpu.expect_tokens(&self.weights, state, n),
+            _ => Ok(()),
+        }
+    }
+
     /// Where the model runs: `cpu` or `cuda:N <name>`.
     pub fn device_name(&self) -> String {
         self.gpu

@@ -601,3 +601,54 @@ fn a_kept_state_survives_other_sequences_written_over_it_bit_for_bit() {
         eprintln!("{arch}: kept state bit for bit after 460 rows written over it");
     }
 }
+
+#[test]
+fn attention_caches_grown_past_the_growth_step_keep_every_row() {
+    if !gpu_present() {
+        return;
+    }
+    // Held to a reserve (the default placement of a model with routed experts), the card's KV buffers
+    // hold the rows a conversation needs rounded up to 2,048 and grow in place (the rows copied on the
+    // card, the decode graphs captured again) when a call needs more. A prompt read across the step in
+    // calls of 700 tokens, answered token by token past it, another sequence read in between and the
+    // first one continued: every step as the CPU's.
+    for arch in ["qwen3moe", "qwen35moe"] {
+        let path = float_model(arch);
+        let cpu = Model::load(&path).unwrap();
+        let mut gpu = Model::load(&path).unwrap();
+        gpu.use_device(DeviceChoice::Gpu(0)).unwrap();
+        let n_vocab = cpu.info().n_vocab;
+        let long = prompt(n_vocab, 2040, 5);
+        let (mut g, mut c) = (gpu.new_state(4200), cpu.new_state(4200));
+        let mut agree = Agreement::default();
+        agree.add(
+            &read(&cpu, &mut c, &long, 700),
+            &read(&gpu, &mut g, &long, 700),
+        );
+        let step = |agree: &mut Agreement, g: &mut SeqState, c: &mut SeqState, i: u32| {
+            let t = (i * 7919 + 13) % n_vocab as u32;
+            let lc = cpu.eval(c, &[t], Logits::Last).unwrap();
+            let lg = gpu.eval(g, &[t], Logits::Last).unwrap();
+            agree.add(&lc, &lg);
+        };
+        for i in 0..16 {
+            step(&mut agree, &mut g, &mut c, i);
+        }
+        let other = prompt(n_vocab, 30, 6);
+        let (mut g2, mut c2) = (gpu.new_state(4200), cpu.new_state(4200));
+        agree.add(
+            &read(&cpu, &mut c2, &other, 30),
+            &read(&gpu, &mut g2, &other, 30),
+        );
+        for i in 16..20 {
+            step(&mut agree, &mut g, &mut c, i);
+        }
+        eprintln!("{arch}: caches grown past 2,048 rows vs the CPU {agree:?}");
+        agree.check(&format!("{arch} grown caches"), 0.01, true);
+        let d = state_diff(&c, &g);
+        assert!(
+            d < 5e-3,
+            "{arch}: the grown state differs from the CPU's by {d}"
+        );
+    }
+}

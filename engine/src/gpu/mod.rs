@@ -24,6 +24,7 @@
 pub mod decode_graph;
 pub mod expert_cache;
 pub mod forward;
+mod kv_room;
 mod lend;
 pub mod lockstep;
 mod pool;
@@ -122,6 +123,8 @@ pub struct GpuBackend {
     warm: std::sync::OnceLock<lend::WarmCall>,
     /// Slots the expert cache gave up for the scratch of calls larger than the warm-up's ([`lend`]).
     lent: Mutex<Option<lend::Lent>>,
+    /// Slots the expert cache gave up for KV rows beyond those counted at load ([`kv_room`]).
+    kv_lent: Mutex<usize>,
 }
 
 impl Drop for GpuBackend {
@@ -170,6 +173,7 @@ impl GpuBackend {
             reserve: std::sync::OnceLock::new(),
             warm: std::sync::OnceLock::new(),
             lent: Mutex::new(None),
+            kv_lent: Mutex::new(0),
         };
         if lock(&backend.experts).is_some() {
             backend.place_experts(graph, cpu, placement)?;
@@ -230,7 +234,13 @@ impl GpuBackend {
         } else {
             p.n_ctx
         };
-        let budget = cache_bytes(p, free, total, state_bytes(&specs, n_ctx));
+        // Held to a reserve, the KV caches grow with the conversation ([`kv_room`]): the cache counts the
+        // rows of a warm-up's call; with a fixed expert budget, the whole context.
+        let kv_rows = match p.expert_budget {
+            None => seq::kv_rows_for(n_warm, n_ctx),
+            Some(_) => n_ctx,
+        };
+        let budget = cache_bytes(p, free, total, state_bytes(&specs, kv_rows));
         if p.expert_budget.is_none() {
             let reserve = p
                 .reserve_mib
@@ -350,8 +360,9 @@ impl GpuBackend {
         {
             return self.eval_decode(graph, cpu, state, tokens);
         }
-        // A call larger than the warm-up's borrows its scratch from the expert cache; the first one
-        // not larger gives it back.
+        // The KV rows first, then a call larger than the warm-up's borrows its scratch from the expert
+        // cache (the first one not larger gives it back).
+        self.fit_kv(cpu, state, tokens.len()).map_err(cuda_err)?;
         if self.warm.get().is_some_and(|w| tokens.len() > w.tokens) {
             self.lend_scratch(cpu, tokens.len()).map_err(cuda_err)?;
         } else {
@@ -416,9 +427,12 @@ impl GpuBackend {
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
-        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state).map_err(cuda_err)?;
+        let kv_rows = self
+            .kv_room(cpu, &mut seq_slot, state, 1)
+            .map_err(cuda_err)?;
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows).map_err(cuda_err)?;
         let pos0 = state.n_past();
-        let rows = forward::decode_kv_rows(pos0 + 1, seq.n_ctx());
+        let rows = forward::decode_kv_rows(pos0 + 1, seq.rows());
         {
             // A whole graph holds only while every routed expert is on the card; a segmented one always
             // computes right, and gives way to a whole one once the cache holds every expert.
@@ -561,7 +575,8 @@ impl GpuBackend {
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         let mut seq_slot = lock(&self.seq);
-        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state)?;
+        let kv_rows = self.kv_room(cpu, &mut seq_slot, state, tokens.len())?;
+        let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows)?;
         // The call writes KV rows `pos0..pos0 + n` and the recurrent states: what copies of the card's
         // state others may read hold there goes to host memory first. A prompt call may fail half way
         // (out of memory) with recurrent states half advanced: the caller's own recurrent states are

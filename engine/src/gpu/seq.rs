@@ -1,6 +1,9 @@
-//! The state of the sequence on the card: per layer an f16 KV cache sized for the whole context (rows of
-//! `n_head_kv·head_dim` f16 per position, filled up to the positions read) or the recurrent state (conv
-//! rows and delta-rule matrices, f32).
+//! The state of the sequence on the card: per layer an f16 KV cache (rows of `n_head_kv·head_dim` f16 per
+//! position, filled up to the positions read) or the recurrent state (conv rows and delta-rule matrices,
+//! f32). The KV buffers hold the rows the conversation needs, rounded up to [`KV_GROWTH_ROWS`], not the
+//! whole context: [`DeviceSeq::follow`] grows them in place (the rows copied on the card, the same
+//! buffers' identity for pending copies, the decode graphs captured again) when a call needs more; the
+//! backend decides how many rows a call gets and what the expert cache gives up for them.
 //!
 //! The engine's host [`SeqState`] stays the state the rest of the engine works with (conversations parked
 //! and resumed, checkpoints, truncation). The card holds the state of one sequence: the tokens it has read
@@ -39,15 +42,29 @@ pub type SeqSlot = Arc<Mutex<Option<DeviceSeq>>>;
 /// so far): a conversation written token by token over a kept one costs a few copies, not one a token.
 const SAVE_CHUNK_ROWS: usize = 256;
 
+/// KV rows the card's buffers grow by: a conversation's caches take what it has read and the call in
+/// hand need, rounded up to this (a growth copies the rows on the card, about a millisecond for a
+/// 30B model's 2,048 rows, and captures the decode graphs again), never more than the context.
+pub const KV_GROWTH_ROWS: usize = 2048;
+
+/// KV rows the buffers of a sequence get for a call that needs `needed` rows of a context of `n_ctx`.
+pub fn kv_rows_for(needed: usize, n_ctx: usize) -> usize {
+    needed
+        .max(1)
+        .div_ceil(KV_GROWTH_ROWS)
+        .saturating_mul(KV_GROWTH_ROWS)
+        .min(n_ctx.max(1))
+}
+
 /// Numbers [`DeviceSeq`]s: a pending copy names the buffers its card part lives in.
 static NEXT_SEQ_ID: AtomicU64 = AtomicU64::new(1);
 
 /// One layer's state on the card.
 pub enum DeviceLayer {
     Kv {
-        /// `[n_ctx, k_width]` f16 bits.
+        /// `[rows, k_width]` f16 bits.
         k: DeviceBuffer<u16>,
-        /// `[n_ctx, v_width]` f16 bits.
+        /// `[rows, v_width]` f16 bits.
         v: DeviceBuffer<u16>,
         k_width: usize,
         v_width: usize,
@@ -60,7 +77,8 @@ pub enum DeviceLayer {
 
 /// The sequence on the card.
 pub struct DeviceSeq {
-    n_ctx: usize,
+    /// KV rows the buffers hold (at most the context).
+    rows: usize,
     tokens: Vec<u32>,
     pub layers: Vec<DeviceLayer>,
     /// The decode graphs captured over these buffers (dropped with them).
@@ -79,15 +97,15 @@ fn to_f16(x: &[f32]) -> Vec<u16> {
 }
 
 impl DeviceSeq {
-    /// Buffers for `state`'s layers, empty.
-    fn alloc(dev: &Device, state: &SeqState) -> CudaResult<DeviceSeq> {
-        let n_ctx = state.n_ctx().max(1);
+    /// Buffers for `state`'s layers of `rows` KV rows, empty.
+    fn alloc(dev: &Device, state: &SeqState, rows: usize) -> CudaResult<DeviceSeq> {
+        let rows = rows.max(1);
         let mut layers = Vec::with_capacity(state.n_layers());
         for il in 0..state.n_layers() {
             layers.push(match state.layer(il) {
                 LayerState::Kv(c) => DeviceLayer::Kv {
-                    k: dev.zeros(n_ctx * c.k_width().max(1))?,
-                    v: dev.zeros(n_ctx * c.v_width().max(1))?,
+                    k: dev.zeros(rows * c.k_width().max(1))?,
+                    v: dev.zeros(rows * c.v_width().max(1))?,
                     k_width: c.k_width(),
                     v_width: c.v_width(),
                 },
@@ -98,7 +116,7 @@ impl DeviceSeq {
             });
         }
         Ok(DeviceSeq {
-            n_ctx,
+            rows,
             tokens: Vec::new(),
             layers,
             graphs: DecodeGraphs::default(),
@@ -107,15 +125,35 @@ impl DeviceSeq {
         })
     }
 
-    /// Positions the buffers hold.
-    pub fn n_ctx(&self) -> usize {
-        self.n_ctx
+    /// KV rows the buffers hold.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 
-    /// Whether the buffers have the shapes of `state`'s layers.
-    fn fits(&self, state: &SeqState) -> bool {
-        self.n_ctx >= state.n_ctx()
-            && self.layers.len() == state.n_layers()
+    /// Bytes of the KV buffers.
+    pub fn kv_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                DeviceLayer::Kv { k, v, .. } => k.num_bytes() + v.num_bytes(),
+                DeviceLayer::Recurrent { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// Whether a call of `state` keeps the card's sequence (the same tokens, or a prefix of them
+    /// without recurrent layers) rather than uploading another.
+    pub fn continues(&self, state: &SeqState) -> bool {
+        let host = state.tokens();
+        self.tokens == host
+            || (!state.has_recurrent()
+                && self.tokens.len() >= host.len()
+                && self.tokens.starts_with(host))
+    }
+
+    /// Whether the buffers have the shapes of `state`'s layers (any number of KV rows).
+    pub fn same_shapes(&self, state: &SeqState) -> bool {
+        self.layers.len() == state.n_layers()
             && self
                 .layers
                 .iter()
@@ -134,29 +172,55 @@ impl DeviceSeq {
                 })
     }
 
-    /// Makes the card hold `state` (see the module documentation) and returns it.
+    /// Grows the KV buffers to `rows` in place: the rows are copied on the card and the buffers keep
+    /// their identity (pending copies read the same rows from the new ones); the decode graphs, captured
+    /// over the old buffers, go.
+    fn grow(&mut self, dev: &Device, rows: usize) -> CudaResult<()> {
+        for layer in &mut self.layers {
+            if let DeviceLayer::Kv {
+                k,
+                v,
+                k_width,
+                v_width,
+            } = layer
+            {
+                let mut k_new = dev.zeros(rows * (*k_width).max(1))?;
+                let mut v_new = dev.zeros(rows * (*v_width).max(1))?;
+                dev.copy_prefix(k, &mut k_new, k.len())?;
+                dev.copy_prefix(v, &mut v_new, v.len())?;
+                *k = k_new;
+                *v = v_new;
+            }
+        }
+        self.rows = rows;
+        self.graphs = DecodeGraphs::default();
+        Ok(())
+    }
+
+    /// Makes the card hold `state` (see the module documentation) in buffers of at least `rows` KV rows
+    /// (`rows` for new buffers) and returns it.
     pub fn follow<'a>(
         dev: &Device,
         slot: &'a mut Option<DeviceSeq>,
         state: &mut SeqState,
+        rows: usize,
     ) -> CudaResult<&'a mut DeviceSeq> {
-        if !slot.as_ref().is_some_and(|s| s.fits(state)) {
+        let rows = rows.max(state.n_past()).max(1);
+        if !slot.as_ref().is_some_and(|s| s.same_shapes(state)) {
             if let Some(old) = slot.as_mut() {
                 old.settle_all(dev, false)?;
             }
             *slot = None;
-            *slot = Some(DeviceSeq::alloc(dev, state)?);
+            *slot = Some(DeviceSeq::alloc(dev, state, rows)?);
         }
         let Some(seq) = slot.as_mut() else {
             unreachable!("the slot was filled above")
         };
-        let host = state.tokens();
-        let same = seq.tokens == host;
-        let prefix = !state.has_recurrent()
-            && seq.tokens.len() >= host.len()
-            && seq.tokens.starts_with(host);
-        if same || prefix {
-            seq.tokens.truncate(host.len());
+        if seq.rows < rows {
+            seq.grow(dev, rows)?;
+        }
+        if seq.continues(state) {
+            seq.tokens.truncate(state.tokens().len());
             return Ok(seq);
         }
         // Another sequence whose pending copy is whole in host memory or still has its unsaved rows
@@ -689,5 +753,20 @@ impl DeferredState for PendingCopy {
     fn pending_bytes(&self) -> usize {
         // What the host will hold once it reads the copy (f32 rows), less what it holds already.
         self.kv_row_elems * 4 * (self.n_past - self.host_rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_rows_round_up_to_the_growth_step_within_the_context() {
+        assert_eq!(kv_rows_for(1, 34_000), KV_GROWTH_ROWS);
+        assert_eq!(kv_rows_for(KV_GROWTH_ROWS, 34_000), KV_GROWTH_ROWS);
+        assert_eq!(kv_rows_for(KV_GROWTH_ROWS + 1, 34_000), 2 * KV_GROWTH_ROWS);
+        assert_eq!(kv_rows_for(33_000, 34_000), 34_000);
+        assert_eq!(kv_rows_for(40, 512), 512);
+        assert_eq!(kv_rows_for(0, 0), 1);
     }
 }

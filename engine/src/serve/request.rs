@@ -218,6 +218,11 @@ impl<W: std::io::Write> Session<'_, W> {
         let end = job.prompt.len();
         let mut pos = conv.state.n_past();
         let mut logits = Vec::new();
+        if end > pos + self.call_tokens(end - pos) {
+            if let Err(e) = model.expect_tokens(&mut conv.state, end - pos) {
+                return Ok(Err(e));
+            }
+        }
         while pos < end {
             if recurrent && job.checkpoint_here(pos, every) {
                 conv.add_checkpoint();

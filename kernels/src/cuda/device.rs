@@ -297,6 +297,30 @@ impl Device {
         Ok(())
     }
 
+    /// Copies the first `len` elements of the device buffer `src` into the first `len` of `dst`, in
+    /// stream order (a buffer grown into a larger one).
+    pub fn copy_prefix<T: DeviceRepr>(
+        &self,
+        src: &DeviceBuffer<T>,
+        dst: &mut DeviceBuffer<T>,
+        len: usize,
+    ) -> CudaResult<()> {
+        if len > src.len() || len > dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "copy of {len} elements from a buffer of {} into one of {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let from = src.slice().slice(0..len);
+        let mut to = dst.slice_mut().slice_mut(0..len);
+        self.stream.memcpy_dtod(&from, &mut to)?;
+        Ok(())
+    }
+
     /// Overwrites `dst[offset..offset + src.len()]` with `src`, in stream order.
     pub fn write_at<T: DeviceRepr>(
         &self,
