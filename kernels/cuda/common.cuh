@@ -175,6 +175,50 @@ struct block_iq4_xs {
     uint8_t qs[128];
 };
 
+// The i-quants (lattice formats; the grids are in iq_grids.cuh, in front of matvec_iq.cu only).
+struct block_iq2_xxs {
+    uint16_t d;
+    uint16_t qs[QK_K / 8]; // per 32 values: 4 grid indexes (bytes), then 4 x 7 sign bits and a 4-bit scale
+};
+
+struct block_iq2_xs {
+    uint16_t d;
+    uint16_t qs[QK_K / 8]; // per 8 values: 9-bit grid index | 7 sign bits << 9
+    uint8_t scales[QK_K / 32];
+};
+
+struct block_iq2_s {
+    uint16_t d;
+    uint8_t qs[QK_K / 4]; // 32 bytes of grid indexes (low 8 bits), then 32 sign bytes
+    uint8_t qh[QK_K / 32];
+    uint8_t scales[QK_K / 32];
+};
+
+struct block_iq3_xxs {
+    uint16_t d;
+    uint8_t qs[3 * QK_K / 8]; // 64 bytes of grid indexes, then per 32 values 4 x 7 sign bits and a scale
+};
+
+struct block_iq3_s {
+    uint16_t d;
+    uint8_t qs[QK_K / 4];
+    uint8_t qh[QK_K / 32];
+    uint8_t signs[QK_K / 8];
+    uint8_t scales[QK_K / 64];
+};
+
+struct block_iq1_s {
+    uint16_t d;
+    uint8_t qs[QK_K / 8];
+    uint16_t qh[QK_K / 32];
+};
+
+struct block_iq1_m {
+    uint8_t qs[QK_K / 8];
+    uint8_t qh[QK_K / 16];
+    uint8_t scales[QK_K / 32]; // 3-bit scales; the top nibbles of the 4 words hold the block's f16 scale
+};
+
 static_assert(sizeof(block_q8_1) == 36, "block_q8_1 size");
 static_assert(sizeof(block_q8_0) == 34, "block_q8_0 size");
 static_assert(sizeof(block_q4_0) == 18, "block_q4_0 size");
@@ -188,6 +232,13 @@ static_assert(sizeof(block_q4_K) == 144, "block_q4_K size");
 static_assert(sizeof(block_q5_K) == 176, "block_q5_K size");
 static_assert(sizeof(block_q6_K) == 210, "block_q6_K size");
 static_assert(sizeof(block_iq4_xs) == 136, "block_iq4_xs size");
+static_assert(sizeof(block_iq2_xxs) == 66, "block_iq2_xxs size");
+static_assert(sizeof(block_iq2_xs) == 74, "block_iq2_xs size");
+static_assert(sizeof(block_iq2_s) == 82, "block_iq2_s size");
+static_assert(sizeof(block_iq3_xxs) == 98, "block_iq3_xxs size");
+static_assert(sizeof(block_iq3_s) == 110, "block_iq3_s size");
+static_assert(sizeof(block_iq1_s) == 50, "block_iq1_s size");
+static_assert(sizeof(block_iq1_m) == 56, "block_iq1_m size");
 
 // Four consecutive bytes as an int, from data aligned to 2 bytes (Q8_0 and Q6_K blocks are not 4-aligned).
 static __device__ __forceinline__ int get_int_b2(const void * x, int i32) {

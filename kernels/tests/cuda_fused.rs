@@ -280,6 +280,13 @@ fn matvec_many_matches_the_cpu_and_one_launch_per_matrix() {
         GgmlType::Q5_K,
         GgmlType::Q6_K,
         GgmlType::IQ4_XS,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
     ];
     for (i, ty) in types.into_iter().enumerate() {
         // qwen3moe's q, k, v (4096, 512, 512 rows of 2048); Qwen3.5's delta-net inputs (qkv, z, beta,

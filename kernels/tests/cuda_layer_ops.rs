@@ -659,7 +659,7 @@ fn sampling_on_the_card_matches_cpu() {
 
 // ----- prompt matrix x matrix ---------------------------------------------------------------------------
 
-const PROMPT_TYPES: [GgmlType; 12] = [
+const PROMPT_TYPES: [GgmlType; 19] = [
     GgmlType::Q4_K,
     GgmlType::Q6_K,
     GgmlType::Q8_0,
@@ -672,6 +672,13 @@ const PROMPT_TYPES: [GgmlType; 12] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_NL,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
 ];
 
 #[test]
@@ -910,6 +917,13 @@ fn expert_grouped_matmul_matches_cpu() {
         GgmlType::Q8_0,
         GgmlType::Q5_K,
         GgmlType::IQ4_XS,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
     ]
     .into_iter()
     .enumerate()

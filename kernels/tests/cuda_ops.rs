@@ -49,7 +49,7 @@ const MATVEC_Q_NMSE: f64 = 5e-4;
 /// Float weights: both sides multiply in f32, in different orders.
 const MATVEC_F_NMSE: f64 = 1e-9;
 
-const QUANT_TYPES: [GgmlType; 12] = [
+const QUANT_TYPES: [GgmlType; 19] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -62,6 +62,13 @@ const QUANT_TYPES: [GgmlType; 12] = [
     GgmlType::Q6_K,
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
 ];
 const FLOAT_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../../.."
 mkdir -p .carry
 cargo test --release -p poly-kernels --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, shutil, subprocess, sys
-want = {"poly_kernels": "poly_kernels_lib", "cuda_ops": "cuda_ops", "cuda_bench": "cuda_bench",
+want = {"poly_kernels": "poly_kernels_lib", "cuda_ops": "cuda_ops", "cuda_fused": "cuda_fused", "cuda_bench": "cuda_bench",
         "cuda_layer_ops": "cuda_layer_ops", "cuda_layer_bench": "cuda_layer_bench"}
 for line in sys.stdin:
     m = json.loads(line)

@@ -2,6 +2,7 @@
 //! activation block, so a float buffer cannot be passed where quants are read), [`DeviceMatrix`] (a weight
 //! matrix on the card in its GGUF format) and the experts of a layer ([`ExpertTable`], [`StackedExperts`]).
 
+use super::formats::q_format;
 use super::{CudaError, CudaResult, Device};
 use crate::quant::GgmlType;
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
@@ -110,18 +111,8 @@ pub enum GpuAct {
 pub fn gpu_act(ty: GgmlType) -> Option<GpuAct> {
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(GpuAct::F32),
-        GgmlType::Q4_0
-        | GgmlType::Q4_1
-        | GgmlType::Q5_0
-        | GgmlType::Q5_1
-        | GgmlType::Q8_0
-        | GgmlType::Q2_K
-        | GgmlType::Q3_K
-        | GgmlType::Q4_K
-        | GgmlType::Q5_K
-        | GgmlType::Q6_K
-        | GgmlType::IQ4_NL
-        | GgmlType::IQ4_XS => Some(GpuAct::Q8_1),
+        // Every format of the quantized kernels' table (formats.rs).
+        ty if q_format(ty).is_some() => Some(GpuAct::Q8_1),
         _ => None,
     }
 }

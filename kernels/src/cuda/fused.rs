@@ -7,6 +7,7 @@
 //! loops, thread counts and summation orders), so fusing changes no result; `kernels/tests/cuda_fused.rs`
 //! checks them against the CPU's operations.
 
+use super::formats::q_format;
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, grid_1d, invalid, q_matvec_rows_config};
 use super::rope::RopeShape;
@@ -15,7 +16,7 @@ use crate::ops::rope::RopeParams;
 use crate::quant::GgmlType;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
-/// Most matrices of one [`matvec_q_many`] launch (`MATVEC_MANY_MAX` in matvec_q.cu).
+/// Most matrices of one [`matvec_q_many`] launch (`MATVEC_MANY_MAX` in matvec.cuh).
 pub const MATVEC_MANY_MAX: usize = 4;
 
 /// Largest head of [`rms_norm_rope`]: its normed values live in a block's shared memory (48 KiB).
@@ -136,7 +137,7 @@ pub fn rms_norm_rope(
     dev.after_launch("rms_norm_rope")
 }
 
-/// The kernel's argument struct (`MatvecManyArgs` in matvec_q.cu), field for field.
+/// The kernel's argument struct (`MatvecManyArgs` in matvec.cuh), field for field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct MatvecManyArgs {
@@ -152,32 +153,9 @@ struct MatvecManyArgs {
 // SAFETY: a plain `repr(C)` struct of 64- and 32-bit numbers, laid out as the kernel's `MatvecManyArgs`.
 unsafe impl DeviceRepr for MatvecManyArgs {}
 
-/// The `matvec_many_*` kernel of a format (the formats of `matvec_q`).
-fn many_kernel(ty: GgmlType) -> CudaResult<&'static str> {
-    const KERNELS: [(GgmlType, &str); 12] = [
-        (GgmlType::Q4_0, "matvec_many_q4_0"),
-        (GgmlType::Q4_1, "matvec_many_q4_1"),
-        (GgmlType::Q5_0, "matvec_many_q5_0"),
-        (GgmlType::Q5_1, "matvec_many_q5_1"),
-        (GgmlType::Q8_0, "matvec_many_q8_0"),
-        (GgmlType::Q2_K, "matvec_many_q2_k"),
-        (GgmlType::Q3_K, "matvec_many_q3_k"),
-        (GgmlType::Q4_K, "matvec_many_q4_k"),
-        (GgmlType::Q5_K, "matvec_many_q5_k"),
-        (GgmlType::Q6_K, "matvec_many_q6_k"),
-        (GgmlType::IQ4_NL, "matvec_many_iq4_nl"),
-        (GgmlType::IQ4_XS, "matvec_many_iq4_xs"),
-    ];
-    KERNELS
-        .iter()
-        .find(|(t, _)| *t == ty)
-        .map(|(_, name)| *name)
-        .ok_or_else(|| CudaError::Invalid(format!("no matvec_many kernel for {ty}")))
-}
-
 /// Whether [`matvec_q_many`] takes matrices of this format.
 pub fn many_takes(ty: GgmlType) -> bool {
-    many_kernel(ty).is_ok()
+    q_format(ty).is_some()
 }
 
 /// `ys[m] = ws[m]·x` for up to [`MATVEC_MANY_MAX`] quantized matrices of one format and width, with `x`
@@ -205,7 +183,9 @@ pub fn matvec_q_many(
             w.ty, w.cols
         ));
     }
-    let name = many_kernel(ty)?;
+    let fmt = q_format(ty)
+        .ok_or_else(|| CudaError::Invalid(format!("no matvec_many kernel for {ty}")))?;
+    let name = fmt.many;
     check_len("matvec_many x", xq, cols / BlockQ8_1::ELEMS)?;
     let mut args = MatvecManyArgs {
         n_mat: ws.len() as i32,
@@ -230,7 +210,7 @@ pub fn matvec_q_many(
     );
     args.wpr = wpr;
     args.rpg = rpg;
-    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let f = dev.function(fmt.module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(&args).arg(xq.slice());
     // SAFETY: each matrix holds rows × cols of the launch's format (checked at upload, the format and width

@@ -16,6 +16,7 @@ mod buffer;
 mod device;
 pub mod elementwise;
 pub mod expert_slots;
+mod formats;
 pub mod fused;
 mod graph;
 pub mod module;

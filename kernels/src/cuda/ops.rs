@@ -3,6 +3,7 @@
 //! CPU operations in [`crate::ops`] and [`crate::matmul`], which the tests compare against.
 
 use super::buffer::{check_shape, gpu_act, GpuAct};
+use super::formats::{q_format, QFormat};
 use super::module::KernelModule;
 pub use super::rope::{rope, rope_into};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
@@ -95,41 +96,9 @@ pub fn swiglu_quantize_q8_1(
     dev.after_launch("swiglu_quantize_q8_1")
 }
 
-pub(crate) fn q_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
-    const SINGLE: [(GgmlType, &str); 12] = [
-        (GgmlType::Q4_0, "matvec_q4_0"),
-        (GgmlType::Q4_1, "matvec_q4_1"),
-        (GgmlType::Q5_0, "matvec_q5_0"),
-        (GgmlType::Q5_1, "matvec_q5_1"),
-        (GgmlType::Q8_0, "matvec_q8_0"),
-        (GgmlType::Q2_K, "matvec_q2_k"),
-        (GgmlType::Q3_K, "matvec_q3_k"),
-        (GgmlType::Q4_K, "matvec_q4_k"),
-        (GgmlType::Q5_K, "matvec_q5_k"),
-        (GgmlType::Q6_K, "matvec_q6_k"),
-        (GgmlType::IQ4_NL, "matvec_iq4_nl"),
-        (GgmlType::IQ4_XS, "matvec_iq4_xs"),
-    ];
-    const EXPERTS: [(GgmlType, &str); 12] = [
-        (GgmlType::Q4_0, "matvec_experts_q4_0"),
-        (GgmlType::Q4_1, "matvec_experts_q4_1"),
-        (GgmlType::Q5_0, "matvec_experts_q5_0"),
-        (GgmlType::Q5_1, "matvec_experts_q5_1"),
-        (GgmlType::Q8_0, "matvec_experts_q8_0"),
-        (GgmlType::Q2_K, "matvec_experts_q2_k"),
-        (GgmlType::Q3_K, "matvec_experts_q3_k"),
-        (GgmlType::Q4_K, "matvec_experts_q4_k"),
-        (GgmlType::Q5_K, "matvec_experts_q5_k"),
-        (GgmlType::Q6_K, "matvec_experts_q6_k"),
-        (GgmlType::IQ4_NL, "matvec_experts_iq4_nl"),
-        (GgmlType::IQ4_XS, "matvec_experts_iq4_xs"),
-    ];
-    let table: &[(GgmlType, &'static str)] = if experts { &EXPERTS } else { &SINGLE };
-    table
-        .iter()
-        .find(|(t, _)| *t == ty)
-        .map(|(_, name)| *name)
-        .ok_or_else(|| CudaError::Invalid(format!("no quantized matvec kernel for {ty}")))
+/// The quantized format of `ty` (its kernels and module), or why the card has none.
+pub(crate) fn q_fmt(ty: GgmlType) -> CudaResult<&'static QFormat> {
+    q_format(ty).ok_or_else(|| CudaError::Invalid(format!("no quantized matvec kernel for {ty}")))
 }
 
 fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
@@ -146,16 +115,9 @@ fn f_kernel(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
 }
 
 /// Threads that share one weight block in the quantized matvec kernels (`qi / vdr` of the format's `fmt_*`
-/// struct in `matvec_q.cu`).
+/// struct; 1 for a format the card has no quantized kernel for, which no launch reaches).
 fn threads_per_weight_block(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::Q8_0 => 4,
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K => 16,
-        GgmlType::Q6_K => 32,
-        GgmlType::IQ4_XS => 8,
-        // Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
-        _ => 2,
-    }
+    q_format(ty).map_or(1, |f| f.threads_per_block)
 }
 
 /// Warps per output row of the quantized matvec kernels: the fewest of 1, 2, 4 that give every thread a
@@ -199,7 +161,7 @@ pub(crate) fn q_matvec_config(
     (cfg, wpr as i32)
 }
 
-/// Most rows per warp group of the one-token matvec kernels (`MATVEC_MAX_RPG` in matvec_q.cu).
+/// Most rows per warp group of the one-token matvec kernels (`MATVEC_MAX_RPG` in matvec.cuh).
 const MATVEC_MAX_RPG: usize = 4;
 /// Fewest blocks a one-token matvec launch keeps when it gives each warp group more rows (about two per SM
 /// of a large card).
@@ -260,12 +222,13 @@ pub fn matvec_q(
     xq: &DeviceBuffer<BlockQ8_1>,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let name = q_kernel(w.ty, false)?;
+    let fmt = q_fmt(w.ty)?;
+    let name = fmt.matvec;
     check_len("matvec x", xq, w.cols / BlockQ8_1::ELEMS)?;
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
     let (cfg, wpr, rpg) = q_matvec_rows_config(w.ty, w.rows, w.cols, 1);
-    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let f = dev.function(fmt.module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
@@ -349,18 +312,10 @@ pub fn matvec_experts_q(
     input: ExpertInput,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let name = q_kernel(table.ty, true)?;
+    let fmt = q_fmt(table.ty)?;
     let blocks_per_vec = table.cols / BlockQ8_1::ELEMS;
     let x_stride = expert_input_len("matvec_experts_q", xq, blocks_per_vec, ids.len(), input)?;
-    expert_launch(
-        dev,
-        (KernelModule::MatvecQ, name),
-        table,
-        ids,
-        xq,
-        x_stride,
-        y,
-    )
+    expert_launch(dev, (fmt.module, fmt.experts), table, ids, xq, x_stride, y)
 }
 
 /// The gate and up experts of one token in one launch: for slot `s` of `ids.len()`,
@@ -381,7 +336,8 @@ pub fn matvec_experts_glu_q(
             gate.ty, gate.rows, gate.cols, gate.n_expert, up.ty, up.rows, up.cols, up.n_expert
         ));
     }
-    let name = glu_kernel(gate.ty)?;
+    let fmt = q_fmt(gate.ty)?;
+    let name = fmt.glu;
     check_shape(gate.ty, gate.rows, gate.cols)?;
     check_len("matvec_experts_glu_q x", xq, gate.cols / BlockQ8_1::ELEMS)?;
     let n_slots = ids.len();
@@ -394,7 +350,7 @@ pub fn matvec_experts_glu_q(
     let (ncols, nrows) = (as_i32("cols", gate.cols)?, as_i32("rows", gate.rows)?);
     let n_expert = as_i32("n_expert", gate.n_expert)?;
     let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
-    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let f = dev.function(fmt.module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(gate.table_address())
         .arg(up.table_address())
@@ -411,28 +367,6 @@ pub fn matvec_experts_glu_q(
     // 0 for ids outside 0..n_expert; x holds cols/32 blocks and h n_slots × rows floats (checked above).
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
-}
-
-/// The fused gate-and-up kernel of a quantized format (`matvec_experts_glu_<fmt>` in matvec_q.cu).
-pub(crate) fn glu_kernel(ty: GgmlType) -> CudaResult<&'static str> {
-    const GLU: [(GgmlType, &str); 12] = [
-        (GgmlType::Q4_0, "matvec_experts_glu_q4_0"),
-        (GgmlType::Q4_1, "matvec_experts_glu_q4_1"),
-        (GgmlType::Q5_0, "matvec_experts_glu_q5_0"),
-        (GgmlType::Q5_1, "matvec_experts_glu_q5_1"),
-        (GgmlType::Q8_0, "matvec_experts_glu_q8_0"),
-        (GgmlType::Q2_K, "matvec_experts_glu_q2_k"),
-        (GgmlType::Q3_K, "matvec_experts_glu_q3_k"),
-        (GgmlType::Q4_K, "matvec_experts_glu_q4_k"),
-        (GgmlType::Q5_K, "matvec_experts_glu_q5_k"),
-        (GgmlType::Q6_K, "matvec_experts_glu_q6_k"),
-        (GgmlType::IQ4_NL, "matvec_experts_glu_iq4_nl"),
-        (GgmlType::IQ4_XS, "matvec_experts_glu_iq4_xs"),
-    ];
-    GLU.iter()
-        .find(|(t, _)| *t == ty)
-        .map(|(_, name)| *name)
-        .ok_or_else(|| CudaError::Invalid(format!("no fused gate-up kernel for {ty}")))
 }
 
 /// [`matvec_experts_q`] for float expert tensors (F32, F16, BF16), with f32 input.
@@ -496,7 +430,7 @@ fn expert_launch<T>(
     // The quantized kernels take the warps per row and rows per group as their last arguments; the float
     // ones one row per block.
     let (cfg, wpr) = match module {
-        KernelModule::MatvecQ => {
+        KernelModule::MatvecQ | KernelModule::MatvecIq => {
             let (cfg, wpr, rpg) = q_matvec_rows_config(table.ty, table.rows, table.cols, n_slots);
             (cfg, Some((wpr, rpg)))
         }
@@ -826,68 +760,14 @@ mod tests {
     use super::*;
     use crate::quant::WEIGHT_TYPES;
 
-    /// `(entry-point suffix, fmt struct)` of every `MATVEC_ENTRY_POINTS(suffix, struct)` line.
-    fn q_entry_points(src: &str) -> Vec<(String, String)> {
-        src.lines()
-            .filter_map(|l| l.trim().strip_prefix("MATVEC_ENTRY_POINTS("))
-            .filter_map(|rest| {
-                let inner = rest.strip_suffix(')')?;
-                let (name, fmt) = inner.split_once(',')?;
-                Some((name.trim().to_string(), fmt.trim().to_string()))
-            })
-            .collect()
-    }
-
-    /// `(qi, vdr)` of `struct fmt` in `src`, from its `static constexpr int qk = .., qi = .., vdr = ..;` line.
-    fn qi_vdr(src: &str, fmt: &str) -> (usize, usize) {
-        let start = src.find(&format!("struct {fmt} {{")).expect("fmt struct");
-        let line = src[start..]
-            .lines()
-            .find(|l| l.contains("static constexpr int qk"))
-            .expect("constants line");
-        let value = |key: &str| -> usize {
-            let at = line.find(&format!("{key} = ")).expect("key") + key.len() + 3;
-            line[at..]
-                .split(|c: char| !c.is_ascii_digit())
-                .next()
-                .and_then(|d| d.parse().ok())
-                .expect("number")
-        };
-        (value("qi"), value("vdr"))
-    }
-
     #[test]
-    fn every_gpu_format_has_both_kernels_and_matching_thread_counts() {
-        let q_src = KernelModule::MatvecQ.source();
+    fn every_gpu_format_has_its_kernels() {
+        // The quantized formats' entry points and constants are checked against their sources in
+        // formats.rs; here, that every weight type the card takes has kernels of the matching kind.
         let f_src = KernelModule::MatvecF.source();
-        let q_points = q_entry_points(&q_src);
         for &ty in WEIGHT_TYPES {
             match gpu_act(ty) {
-                Some(GpuAct::Q8_1) => {
-                    for experts in [false, true] {
-                        let name = q_kernel(ty, experts).unwrap();
-                        let suffix = name
-                            .trim_start_matches("matvec_")
-                            .trim_start_matches("experts_");
-                        let (_, fmt) = q_points
-                            .iter()
-                            .find(|(n, _)| n == suffix)
-                            .unwrap_or_else(|| panic!("{name} has no entry point in matvec_q.cu"));
-                        let glu = glu_kernel(ty).unwrap();
-                        assert_eq!(glu.trim_start_matches("matvec_experts_glu_"), suffix);
-                        let (qi, vdr) = qi_vdr(&q_src, fmt);
-                        assert_eq!(threads_per_weight_block(ty), qi / vdr, "{ty}");
-                        assert_eq!(
-                            ty.block_elems(),
-                            if fmt.ends_with("_K") || fmt == "fmt_iq4_xs" {
-                                256
-                            } else {
-                                32
-                            },
-                            "{ty} vs {fmt}"
-                        );
-                    }
-                }
+                Some(GpuAct::Q8_1) => assert!(q_fmt(ty).is_ok(), "{ty}"),
                 Some(GpuAct::F32) => {
                     for experts in [false, true] {
                         let name = f_kernel(ty, experts).unwrap();
@@ -900,7 +780,7 @@ mod tests {
                         );
                     }
                 }
-                None => assert!(q_kernel(ty, false).is_err() && f_kernel(ty, false).is_err()),
+                None => assert!(q_fmt(ty).is_err() && f_kernel(ty, false).is_err()),
             }
         }
     }

@@ -1,13 +1,14 @@
-//! Matrix×matrix for prompt batches (`matmul_*` in `kernels/cuda/matvec_q.cu`): the matvec kernels'
-//! integer dot products over tiles of [`MATMUL_TILE`] tokens, so each weight block comes from memory once
-//! per tile (the tensor-core kernels of `matmul_mma.cu` where the format has one: module `mma`); and the
-//! expert-grouped form for MoE prompts: the (token, expert) pairs sorted by expert ([`group_by_expert`] on
-//! the card, [`ExpertGrouping`] on the host), the quantized activations gathered into that order, each
-//! tile one expert's run of rows (gate and up in one launch), the outputs combined back per token with the
-//! routing weights.
+//! Matrix×matrix for prompt batches (`matmul_*` of `kernels/cuda/matvec.cuh`, instantiated in matvec_q.cu
+//! and matvec_iq.cu): the matvec kernels' integer dot products over tiles of [`MATMUL_TILE`] tokens, so each
+//! weight block comes from memory once per tile (the tensor-core kernels of `matmul_mma.cu` where the format
+//! has one: module `mma`); and the expert-grouped form for MoE prompts: the (token, expert) pairs sorted by
+//! expert ([`group_by_expert`] on the card, [`ExpertGrouping`] on the host), the quantized activations
+//! gathered into that order, each tile one expert's run of rows (gate and up in one launch), the outputs
+//! combined back per token with the routing weights.
 
 mod mma;
 
+use super::formats::q_format;
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid, q_matvec_config};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
@@ -17,31 +18,23 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 /// Tokens per tile of the matmul kernels (`MATMUL_COLS`).
 pub const MATMUL_TILE: usize = 8;
 
-fn matmul_name(ty: GgmlType, experts: bool) -> CudaResult<&'static str> {
-    const NAMES: [(GgmlType, &str, &str); 12] = [
-        (GgmlType::Q4_0, "matmul_q4_0", "matmul_experts_q4_0"),
-        (GgmlType::Q4_1, "matmul_q4_1", "matmul_experts_q4_1"),
-        (GgmlType::Q5_0, "matmul_q5_0", "matmul_experts_q5_0"),
-        (GgmlType::Q5_1, "matmul_q5_1", "matmul_experts_q5_1"),
-        (GgmlType::Q8_0, "matmul_q8_0", "matmul_experts_q8_0"),
-        (GgmlType::Q2_K, "matmul_q2_k", "matmul_experts_q2_k"),
-        (GgmlType::Q3_K, "matmul_q3_k", "matmul_experts_q3_k"),
-        (GgmlType::Q4_K, "matmul_q4_k", "matmul_experts_q4_k"),
-        (GgmlType::Q5_K, "matmul_q5_k", "matmul_experts_q5_k"),
-        (GgmlType::Q6_K, "matmul_q6_k", "matmul_experts_q6_k"),
-        (GgmlType::IQ4_NL, "matmul_iq4_nl", "matmul_experts_iq4_nl"),
-        (GgmlType::IQ4_XS, "matmul_iq4_xs", "matmul_experts_iq4_xs"),
-    ];
-    NAMES
-        .iter()
-        .find(|(t, _, _)| *t == ty)
-        .map(|&(_, one, exp)| if experts { exp } else { one })
-        .ok_or_else(|| CudaError::Invalid(format!("no quantized matmul kernel for {ty}")))
+/// The dp4a matmul kernel of `ty` (`matmul_<fmt>`, or `matmul_experts_<fmt>`) and its module.
+fn matmul_kernel(ty: GgmlType, experts: bool) -> CudaResult<(KernelModule, &'static str)> {
+    let fmt = q_format(ty)
+        .ok_or_else(|| CudaError::Invalid(format!("no quantized matmul kernel for {ty}")))?;
+    Ok((
+        fmt.module,
+        if experts {
+            fmt.matmul_experts
+        } else {
+            fmt.matmul
+        },
+    ))
 }
 
 /// Whether [`matmul_experts_q`] takes experts of `ty`.
 pub fn has_matmul_experts(ty: GgmlType) -> bool {
-    matmul_name(ty, true).is_ok()
+    q_format(ty).is_some()
 }
 
 /// The rows per tile [`matmul_experts_q`] takes for `table` when `slots` (token, expert) pairs are spread
@@ -134,7 +127,7 @@ pub fn matmul_q_dp4a(
     xq: &DeviceBuffer<BlockQ8_1>,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let name = matmul_name(w.ty, false)?;
+    let (module, name) = matmul_kernel(w.ty, false)?;
     let per_token = w.cols / BlockQ8_1::ELEMS;
     if per_token == 0 || !xq.len().is_multiple_of(per_token) {
         return invalid(format!("matmul x: {} blocks", xq.len()));
@@ -152,7 +145,7 @@ pub fn matmul_q_dp4a(
         as_i32("rows", w.rows)?,
         as_i32("tokens", n)?,
     );
-    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let f = dev.function(module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
@@ -408,7 +401,7 @@ pub fn matmul_experts_q(
         }
         return mma::matmul_experts(dev, table, tiles, tile_rows, xq, y);
     }
-    let name = matmul_name(table.ty, true)?;
+    let (module, name) = matmul_kernel(table.ty, true)?;
     let per_row = table.cols / BlockQ8_1::ELEMS;
     if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
         return invalid(format!(
@@ -433,7 +426,7 @@ pub fn matmul_experts_q(
         as_i32("rows", table.rows)?,
         as_i32("experts", table.n_expert)?,
     );
-    let f = dev.function(KernelModule::MatvecQ, name)?;
+    let f = dev.function(module, name)?;
     let mut b = dev.stream().launch_builder(&f);
     b.arg(table.table_address())
         .arg(&n_exp)
@@ -593,22 +586,22 @@ mod tests {
 
     #[test]
     fn every_matmul_kernel_has_an_entry_point() {
-        let src = KernelModule::MatvecQ.source();
         for &ty in crate::quant::WEIGHT_TYPES {
             for experts in [false, true] {
-                if let Ok(name) = matmul_name(ty, experts) {
+                if let Ok((module, name)) = matmul_kernel(ty, experts) {
                     // The entry points are made by MATVEC_ENTRY_POINTS(suffix, ..) from matmul_##name.
                     let suffix = name
                         .trim_start_matches("matmul_")
                         .trim_start_matches("experts_");
+                    let src = module.source();
                     assert!(
                         src.contains(&format!("MATVEC_ENTRY_POINTS({suffix},")),
                         "{name}"
                     );
+                    assert!(src.contains("matmul_experts_##name("));
                 }
             }
         }
-        assert!(src.contains("matmul_experts_##name("));
     }
 
     #[test]
