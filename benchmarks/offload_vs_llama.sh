@@ -33,8 +33,9 @@ BUDGET=${BUDGET:-8192}
 TOTAL=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 RESERVE=$(( TOTAL - BUDGET ))
 MODELS=${MODELS:-"q3u q3s q35s q35u"}
-# llama.cpp's --n-cpu-moe at 8 GB per model (measured 2026-12-01: 33 for qwen3moe, 31 for qwen35moe).
-ncmoe() { case $1 in q35*) echo 31 ;; q3*) echo 33 ;; esac; }
+# llama.cpp's --n-cpu-moe at 8 GB per model (measured 2026-12-03 on pp8000 -ub 2048: 34 for qwen3moe (33
+# peaked at 8,441 MiB), 31 for qwen35moe).
+ncmoe() { case $1 in q35*) echo 31 ;; q3*) echo 34 ;; esac; }
 
 smi_start() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > $R/vram.txt 2>/dev/null & SMI=$!; }
 smi_stop() { kill $SMI 2>/dev/null; wait $SMI 2>/dev/null; echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" | tee -a "$S"; }
@@ -59,7 +60,7 @@ if [ "$PHASE" = prep ]; then
     grep -hE "routing|wrote" $R/synth-*.txt | tee -a "$S"
     stamp "correctness"
     # TESTS=0: a stay that measures only (the binaries' tests passed on this build before).
-    [ "${TESTS:-1}" = 1 ] && for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops; do
+    [ "${TESTS:-1}" = 1 ] && for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops cuda_fused; do
         [ -x /tmp/bin/$t ] || continue
         timeout 200 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
         echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a "$S"
@@ -116,6 +117,11 @@ if [ "$PHASE" = ours ]; then
         # The server's context (34,000 tokens reserved at load, below): the bench figure its answers
         # are held to.
         case $m in q3u|q35s) bench "$m ${BUDGET}MiB NEW tg64 at the server's context" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --max-context 34000 ;; esac
+        # UPLOADS: --expert-uploads values to run besides the default (the cache's admissions per layer
+        # and token; 0 freezes the cache as placed).
+        for u in ${UPLOADS:-}; do
+            bench "$m ${BUDGET}MiB NEW tg64 --expert-uploads $u" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-uploads $u
+        done
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
@@ -163,7 +169,7 @@ if [ "$PHASE" = ours ]; then
 {"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"$X], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb-$lu"}
 J
         smi_start
-        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens 2000,8000,30000 --answer-tokens 128 > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
+        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens 2000,8000,30000 --answer-tokens 128 --runs ${SERVER_RUNS:-1} > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
         echo "  polystrata benchmark $m-8gb (--long-ubatch $lu) rc=$?" | tee -a "$S"
         smi_stop
         cat $OUT/server-$m-$lu.txt >> "$S"; tail -3 $R/server-$m-$lu.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m-$lu.err | tail -8 >> "$S"

@@ -17,18 +17,12 @@ use crate::cpu::CpuWeights;
 use crate::model::EngineError;
 use crate::state::SeqState;
 
-/// Given up beyond what a growth needs (the KV buffer of the layer being copied lives twice for a
-/// moment), and kept free when slots are taken back.
-const KV_MARGIN: usize = 64 << 20;
-
-/// Bytes of KV rows per position over all of `state`'s attention layers (f16 keys and values).
-fn kv_row_bytes(state: &SeqState) -> usize {
-    (0..state.n_layers())
-        .map(|il| match state.layer(il) {
-            crate::state::LayerState::Kv(c) => (c.k_width() + c.v_width()) * 2,
-            crate::state::LayerState::Recurrent(_) => 0,
-        })
-        .sum()
+/// Bytes of a KV row (f16 keys and values) of each of `state`'s layers (0 for a recurrent one).
+fn layer_row_bytes(state: &SeqState) -> impl Iterator<Item = usize> + '_ {
+    (0..state.n_layers()).map(|il| match state.layer(il) {
+        crate::state::LayerState::Kv(c) => (c.k_width() + c.v_width()) * 2,
+        crate::state::LayerState::Recurrent(_) => 0,
+    })
 }
 
 impl GpuBackend {
@@ -75,7 +69,7 @@ impl GpuBackend {
         let Some(&reserve) = self.reserve.get() else {
             return Ok(n_ctx);
         };
-        let row_bytes = kv_row_bytes(state);
+        let row_bytes: usize = layer_row_bytes(state).sum();
         if row_bytes == 0 {
             return Ok(n_ctx);
         }
@@ -98,30 +92,35 @@ impl GpuBackend {
             }
             _ => {}
         }
-        let grow = want.saturating_sub(have.map_or(0, |(rows, _)| rows)) * row_bytes;
-        self.make_room(cpu, grow, reserve, want)?;
+        // A growth allocates a layer's new buffers before it frees the old ones: one layer's worth
+        // lives twice for a moment.
+        let had = have.map_or(0, |(rows, _)| rows);
+        let twice = layer_row_bytes(state).max().unwrap_or(0) * had;
+        let grow = want.saturating_sub(had) * row_bytes;
+        self.make_room(cpu, (grow, twice), reserve, want)?;
         Ok(want)
     }
 
-    /// The expert cache gives up the slots `bytes` of new KV rows (for buffers of `rows`) need beyond
-    /// the free memory above `reserve`.
+    /// The expert cache gives up the slots `bytes` of new KV rows (for buffers of `rows`; `twice` of
+    /// them for a moment) need beyond the free memory above `reserve`.
     fn make_room(
         &self,
         cpu: &CpuWeights,
-        bytes: usize,
+        (bytes, twice): (usize, usize),
         reserve: usize,
         rows: usize,
     ) -> CudaResult<()> {
         let (free, _) = self.dev.memory_info()?;
         let room = free.saturating_sub(reserve);
-        if bytes + KV_MARGIN <= room {
+        let need = bytes + twice;
+        if need <= room {
             return Ok(());
         }
         let mut experts = lock(&self.experts);
         let Some(cache) = experts.as_mut() else {
             return Ok(());
         };
-        let n = (bytes + KV_MARGIN - room)
+        let n = (need - room)
             .div_ceil(cache.slot_bytes().max(1))
             .min(cache.n_slots());
         if n == 0 {
@@ -155,9 +154,7 @@ impl GpuBackend {
         // The freed buffers return to the driver once the stream has passed their last use.
         self.dev.synchronize()?;
         let (free, _) = self.dev.memory_info()?;
-        let room = free
-            .saturating_sub(reserve)
-            .saturating_sub(new_bytes + KV_MARGIN);
+        let room = free.saturating_sub(reserve).saturating_sub(new_bytes);
         let mut experts = lock(&self.experts);
         let Some(cache) = experts.as_mut() else {
             return Ok(());
