@@ -77,13 +77,13 @@ impl GpuBackend {
         let have = slot
             .as_ref()
             .filter(|s| s.same_shapes(state))
-            .map(|s| (s.rows(), s.continues(state)));
+            .map(DeviceSeq::rows);
         match have {
-            Some((rows, _)) if rows == want => return Ok(rows),
-            // The card's own sequence keeps its buffers; another one keeps them too unless the cache
-            // gave slots up for them.
-            Some((rows, continues)) if rows > want => {
-                if continues || *lock(&self.kv_lent) == 0 {
+            Some(rows) if rows >= want => {
+                // Buffers of at least twice the rows needed (a new conversation after a long one, which
+                // for a model without recurrent layers counts as a prefix of it) are made smaller when
+                // the cache gave slots up for them; else they stay.
+                if rows < 2 * want || *lock(&self.kv_lent) == 0 {
                     return Ok(rows);
                 }
                 return self
@@ -94,7 +94,7 @@ impl GpuBackend {
         }
         // A growth allocates a layer's new buffers before it frees the old ones: one layer's worth
         // lives twice for a moment.
-        let had = have.map_or(0, |(rows, _)| rows);
+        let had = have.unwrap_or(0);
         let twice = layer_row_bytes(state).max().unwrap_or(0) * had;
         let grow = want.saturating_sub(had) * row_bytes;
         self.make_room(cpu, (grow, twice), reserve, want)?;

@@ -143,7 +143,7 @@ impl DeviceSeq {
 
     /// Whether a call of `state` keeps the card's sequence (the same tokens, or a prefix of them
     /// without recurrent layers) rather than uploading another.
-    pub fn continues(&self, state: &SeqState) -> bool {
+    fn continues(&self, state: &SeqState) -> bool {
         let host = state.tokens();
         self.tokens == host
             || (!state.has_recurrent()
@@ -229,7 +229,8 @@ impl DeviceSeq {
         let back = state
             .deferred()
             .and_then(|d| d.0.as_any().downcast_ref::<PendingCopy>());
-        if let Some(p) = back.filter(|p| host_kv_rows(state) == p.host_rows) {
+        if let Some(p) = back.filter(|p| host_kv_rows(state) == p.host_rows && p.n_past <= seq.rows)
+        {
             let (saved, lost, recurrent_saved) = {
                 let s = p.saved();
                 (s.lo..s.hi, s.lost, s.recurrent.is_some())
