@@ -41,7 +41,9 @@ struct ServeArgs {
     /// The GGUF model file to serve.
     #[arg(long, required = true)]
     model: Option<PathBuf>,
-    /// Most tokens a conversation holds (default: the model's training context).
+    /// Most tokens a conversation holds (default: the model's training context). On a card held to a
+    /// reserve the attention caches grow with the conversation (2,048 rows at a time, the expert cache
+    /// giving up and taking back what they take); with `--expert-budget-mib` they are reserved whole.
     #[arg(long, default_value_t = 0)]
     max_context: usize,
     /// Worker threads (default: one per core).
