@@ -27,6 +27,7 @@ use std::sync::Arc;
 )]
 struct Args {
     /// The installation home (run configs `strata-<name>.json`, `models.json`); else POLYSTRATA_HOME,
+    /// else the home the last `serve` used (remembered in ~/.config/polystrata/home),
     /// else ~/.polystrata.
     #[arg(long, global = true)]
     home: Option<PathBuf>,
@@ -222,6 +223,14 @@ fn main() -> ExitCode {
                         eprintln!("polystrata: cannot serve {}: {e}", gguf.display());
                         return ExitCode::FAILURE;
                     }
+                }
+            }
+            // The home this server serves is the one later commands read (`benchmark`, `--model`).
+            if registry.home().is_dir() {
+                if let Err(e) = home::remember_home(registry.home()) {
+                    eprintln!(
+                        "polystrata: cannot remember the home ({e}); later commands may read another"
+                    );
                 }
             }
             run_server(registry, serve)

@@ -44,7 +44,7 @@ fn serve_gguf_registers_the_file_and_serves_it() {
     // Not a GGUF: refused at start, saying why.
     let bad = home.dir.join("notes.gguf");
     std::fs::write(&bad, b"not a model").expect("write");
-    let out = std::process::Command::new(common::polystrata_bin())
+    let out = common::polystrata()
         .args(["serve", "--home"])
         .arg(&home.dir)
         .arg("--gguf")
@@ -65,7 +65,7 @@ fn the_terminal_chat_takes_a_file_by_path() {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free port");
-    let mut child = std::process::Command::new(common::polystrata_bin())
+    let mut child = common::polystrata()
         .arg("--home")
         .arg(&home.dir)
         .args(["--port", &port.to_string(), "--model"])

@@ -1,0 +1,67 @@
+//! Other commands remember the home (issue 20: `polystrata benchmark --model demo` after setup said
+//! "model demo not found (installed: none)" without naming the home it read): `serve --home H`
+//! remembers H (`$XDG_CONFIG_HOME/polystrata/home`), and `--list-models` and `benchmark` given no
+//! `--home` read H; a model not found there is reported with the home that was read.
+//!
+//! No engine runs. Cost: well under a second.
+
+mod common;
+
+use common::{Home, Server};
+use serde_json::json;
+
+#[test]
+fn commands_after_serve_read_the_home_it_served() {
+    let home = Home::new("remembered");
+    home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let config = home.dir.join("config");
+    let config_arg = config.display().to_string();
+    let server = Server::start_logged(&home, &[], &[("XDG_CONFIG_HOME", &config_arg)]);
+    server.stop();
+    let remembered = std::fs::read_to_string(config.join("polystrata/home")).expect("remembered");
+    let canonical = std::fs::canonicalize(&home.dir).expect("canonical home");
+    assert_eq!(remembered.trim(), canonical.display().to_string());
+
+    // Neither --home nor POLYSTRATA_HOME: the served home is read.
+    let run = |args: &[&str]| {
+        common::polystrata()
+            .env("XDG_CONFIG_HOME", &config)
+            .env_remove("POLYSTRATA_HOME")
+            .args(args)
+            .output()
+            .expect("run polystrata")
+    };
+    let listed = run(&["--list-models"]);
+    let stdout = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{stdout}");
+    assert!(stdout.starts_with("tiny "), "{stdout}");
+
+    let missing = run(&["benchmark", "--model", "demo"]);
+    assert!(!missing.status.success());
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(stderr.contains("model \"demo\" not found"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("home {}", canonical.display())),
+        "the error names the home it read: {stderr}"
+    );
+
+    // A remembered home that is gone is not read: the default one is, and named.
+    let empty_home = home.dir.join("user");
+    std::fs::create_dir_all(&empty_home).expect("a HOME");
+    std::fs::write(config.join("polystrata/home"), "/nonexistent/polystrata\n").expect("write");
+    let out = common::polystrata()
+        .env("XDG_CONFIG_HOME", &config)
+        .env("HOME", &empty_home)
+        .env_remove("POLYSTRATA_HOME")
+        .arg("--list-models")
+        .output()
+        .expect("run polystrata");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "no models installed in {}",
+            empty_home.join(".polystrata").display()
+        )),
+        "{stdout}"
+    );
+}
