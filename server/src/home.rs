@@ -163,6 +163,16 @@ impl RunConfig {
         Some(resolve(&self.cwd, value))
     }
 
+    /// Whether a `--max-context` over the training context is clamped to it (else the run config's
+    /// `"clamp_context": false` keeps it: a test of long prompts on a small fixture, a model whose GGUF
+    /// understates what it was trained for).
+    pub fn clamps_context(&self) -> bool {
+        self.raw
+            .get("clamp_context")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+    }
+
     /// The `--max-context` the engine is given, if any.
     pub fn max_context(&self) -> Option<u32> {
         let at = self.args.iter().position(|a| a == "--max-context")?;

@@ -380,7 +380,8 @@ fn a_context_over_the_training_context_is_clamped() {
         .as_u64()
         .expect("a context");
     assert!(listed < 999_999, "{listed}");
-    let n_ctx = server.get("/props").json()["default_generation_settings"]["n_ctx"]
+    let props = server.get("/props").json();
+    let n_ctx = props["default_generation_settings"]["n_ctx"]
         .as_u64()
         .expect("n_ctx");
     assert_eq!(
@@ -394,3 +395,8 @@ fn a_context_over_the_training_context_is_clamped() {
         "{log}"
     );
 }
+    let note = props["context_note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("999999") && note.contains(&format!("clamped to {listed}")),
+        "/props says why the context is less than asked: {props}"
+    );
