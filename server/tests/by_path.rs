@@ -88,3 +88,32 @@ fn the_terminal_chat_takes_a_file_by_path() {
     assert!(stdout.contains("qwen3moe-tiny-q4km"), "{stdout}");
     assert!(home.dir.join("strata-qwen3moe-tiny-q4km.json").is_file());
 }
+
+/// Only the command line registers a file: a model name from a request that is a GGUF's path is looked
+/// up in the registry like any other name, not opened.
+#[test]
+fn a_path_in_a_request_is_only_a_name() {
+    let home = Home::new("by-path-request");
+    let gguf = fixture("qwen3moe-tiny-q4km.gguf").display().to_string();
+    let server = Server::start(&home, &[]);
+    let load = server.post("/api/models/load", &json!({"model": gguf}));
+    assert_eq!(load.status, 404, "{}", load.text());
+    let chat = server.post(
+        "/v1/chat/completions",
+        &json!({"model": gguf, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(chat.status, 404, "{}", chat.text());
+    let ollama = server.post(
+        "/api/chat",
+        &json!({"model": gguf, "messages": [{"role": "user", "content": "Hi"}], "stream": false}),
+    );
+    assert_eq!(ollama.status, 404, "{}", ollama.text());
+    server.stop();
+    let written: Vec<_> = std::fs::read_dir(&home.dir)
+        .expect("the home")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("strata-") || n == "cache")
+        .collect();
+    assert!(written.is_empty(), "nothing registered: {written:?}");
+}
