@@ -1,7 +1,7 @@
 //! Other commands remember the home (issue 20: `polystrata benchmark --model demo` after setup said
 //! "model demo not found (installed: none)" without naming the home it read): `serve --home H`
-//! remembers H (`$XDG_CONFIG_HOME/polystrata/home`), and `--list-models` and `benchmark` given no
-//! `--home` read H; a model not found there is reported with the home that was read.
+//! remembers H (`$XDG_CONFIG_HOME/polystrata/home`), and `--list-models`, `benchmark` and `setup.sh`
+//! given no `--home` read H; a model not found there is reported with the home that was read.
 //!
 //! No engine runs. Cost: well under a second.
 
@@ -43,6 +43,21 @@ fn commands_after_serve_read_the_home_it_served() {
     assert!(
         stderr.contains(&format!("home {}", canonical.display())),
         "the error names the home it read: {stderr}"
+    );
+
+    // setup.sh reads it too (here `--stop`, which finds no server recorded there).
+    let stop = std::process::Command::new("bash")
+        .arg(common::workspace_root().join("setup.sh"))
+        .arg("--stop")
+        .env("XDG_CONFIG_HOME", &config)
+        .env_remove("POLYSTRATA_HOME")
+        .output()
+        .expect("run setup.sh --stop");
+    let stdout = String::from_utf8_lossy(&stop.stdout);
+    assert!(stop.status.success(), "{stdout}");
+    assert!(
+        stdout.contains(&canonical.join("polystrata.pid").display().to_string()),
+        "{stdout}"
     );
 
     // A remembered home that is gone is not read: the default one is, and named.
