@@ -20,6 +20,13 @@ pub fn is_gguf_path(name: &str) -> bool {
     name.to_ascii_lowercase().ends_with(".gguf") && Path::new(name).is_file()
 }
 
+/// Whether `name` is written as a file's path (it ends in `.gguf`, or starts `/`, `./`, `../` or `~/`),
+/// so that one naming no file is reported as such rather than looked up as a model name.
+pub fn looks_like_path(name: &str) -> bool {
+    name.to_ascii_lowercase().ends_with(".gguf")
+        || ["/", "./", "../", "~/"].iter().any(|p| name.starts_with(p))
+}
+
 /// A model id from a file name: its stem, lowercase, with only `[a-z0-9._-]` kept (others become `-`).
 pub fn id_from_file(path: &Path) -> String {
     let stem = path
@@ -142,5 +149,11 @@ mod tests {
         assert_eq!(id_from_file(Path::new("a b/c d.gguf")), "c-d");
         assert_eq!(id_from_file(Path::new("/m/..gguf")), "model");
         assert!(!is_gguf_path("qwen36"));
+        assert!(
+            looks_like_path("./missing.gguf")
+                && looks_like_path("/m/x")
+                && looks_like_path("a.GGUF")
+        );
+        assert!(!looks_like_path("qwen36") && !looks_like_path("gemma3:270m"));
     }
 }

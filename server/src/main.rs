@@ -205,6 +205,11 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
+        } else if polystrata::by_path::looks_like_path(&model) {
+            eprintln!(
+                "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
+            );
+            return ExitCode::FAILURE;
         }
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,

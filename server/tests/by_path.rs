@@ -87,6 +87,27 @@ fn the_terminal_chat_takes_a_file_by_path() {
     );
     assert!(stdout.contains("qwen3moe-tiny-q4km"), "{stdout}");
     assert!(home.dir.join("strata-qwen3moe-tiny-q4km.json").is_file());
+
+    // A path that names no file: said so, no server started.
+    let out = common::polystrata()
+        .arg("--home")
+        .arg(&home.dir)
+        .args([
+            "--port",
+            &port.to_string(),
+            "--model",
+            "./no-such-model.gguf",
+        ])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run the chat");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("./no-such-model.gguf: no such file"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("listening"), "{stderr}");
 }
 
 /// Only the command line registers a file: a model name from a request that is a GGUF's path is looked
