@@ -87,6 +87,18 @@ pub fn register(home: &Path, gguf: &Path) -> Result<String, String> {
         .iter()
         .find(|c| c.model_path().as_deref() == Some(path.as_path()))
     {
+        // The cache may have been cleared since: its tokenizer directory is written again.
+        let cached = home.join("cache").join("tokenizers");
+        if let Some(dir) = c.tokenizer.as_ref().filter(|d| d.starts_with(&cached)) {
+            if !dir.join("tokenizer_config.json").is_file() {
+                tokenizer_command(&path, dir).map_err(|e| e.to_string())?;
+                eprintln!(
+                    "polystrata: wrote {}'s tokenizer directory again ({})",
+                    c.name,
+                    dir.display()
+                );
+            }
+        }
         return Ok(c.name.clone());
     }
     let taken = |id: &str| {
@@ -120,7 +132,8 @@ pub fn register(home: &Path, gguf: &Path) -> Result<String, String> {
         "exe": engine_exe()?,
         "args": ["--model", path, "--max-context", context.to_string()],
         "cwd": ".",
-        "tokenizer": tokenizer,
+        // Relative to the home, as run configs' paths are read (a relative --home stays right).
+        "tokenizer": Path::new("cache").join("tokenizers").join(&id),
         "model_name": id,
         "notes": format!("registered by path ({}); edit this file to change it", path.display()),
     });

@@ -31,7 +31,8 @@ fn serve_gguf_registers_the_file_and_serves_it() {
     let config = home.dir.join("strata-qwen3moe-tiny-q4km.json");
     assert!(config.is_file());
 
-    // Again: the same id, no second config.
+    // Again, the cache cleared: the same id, no second config, the tokenizer directory written again.
+    std::fs::remove_dir_all(home.dir.join("cache")).expect("clear the cache");
     let server = Server::start(&home, &["--gguf", &gguf_arg]);
     let models = server.get("/api/models").json();
     assert_eq!(
@@ -39,6 +40,11 @@ fn serve_gguf_registers_the_file_and_serves_it() {
         Some(1),
         "{models}"
     );
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
     server.stop();
 
     // Not a GGUF: refused at start, saying why.
@@ -137,4 +143,44 @@ fn a_path_in_a_request_is_only_a_name() {
         .filter(|n| n.starts_with("strata-") || n == "cache")
         .collect();
     assert!(written.is_empty(), "nothing registered: {written:?}");
+}
+
+/// A relative `--home`: the run config's tokenizer directory is written relative to the home, so it
+/// is found where it was written (not under the home twice).
+#[test]
+fn a_relative_home_finds_its_tokenizer_directory() {
+    use std::io::BufRead;
+    let home = Home::new("by-path-relative");
+    let mut child = common::polystrata()
+        .current_dir(&home.dir)
+        .args(["serve", "--home", "h", "--port", "0", "--gguf"])
+        .arg(fixture("qwen3moe-tiny-q4km.gguf"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start polystrata serve");
+    let mut line = String::new();
+    if let Some(out) = child.stdout.take() {
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+    }
+    let _ = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+    let _ = child.wait();
+    assert!(line.contains("listening"), "{line}");
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(home.dir.join("h/strata-qwen3moe-tiny-q4km.json"))
+            .expect("config"),
+    )
+    .expect("json");
+    let tokenizer = config["tokenizer"].as_str().expect("a tokenizer path");
+    assert!(
+        home.dir
+            .join("h")
+            .join(tokenizer)
+            .join("tokenizer_config.json")
+            .is_file(),
+        "{config}"
+    );
 }
