@@ -65,9 +65,10 @@ enum Command {
     /// Say what the server on --port has loaded: the model, its engine's pid and memory, how long it
     /// has been loaded and unused, and when it will be unloaded for idleness.
     Ps {
-        /// The server's port.
-        #[arg(long, default_value_t = 8080)]
-        port: u16,
+        /// The server's port; else the one `setup.sh --background` recorded in the home
+        /// (`polystrata.url`), else 8080.
+        #[arg(long)]
+        port: Option<u16>,
     },
 }
 
@@ -270,12 +271,24 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Some(Command::Ps { port }) => ps(port),
+        Some(Command::Ps { port }) => ps(port.unwrap_or_else(|| recorded_port(registry.home()))),
         None => {
             eprintln!("polystrata: say `serve`, `benchmark`, `ps` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
     }
+}
+
+/// The port of the server `setup.sh --background` started on this home (`<home>/polystrata.url`,
+/// `http://127.0.0.1:PORT`), else 8080.
+fn recorded_port(home: &std::path::Path) -> u16 {
+    std::fs::read_to_string(home.join("polystrata.url"))
+        .ok()
+        .and_then(|url| {
+            let url = url.trim().trim_end_matches('/').to_string();
+            url.rsplit(':').next().and_then(|p| p.parse().ok())
+        })
+        .unwrap_or(8080)
 }
 
 /// `polystrata ps`: the server's `/api/models/current` as one line per loaded model.

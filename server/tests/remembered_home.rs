@@ -1,7 +1,8 @@
 //! Other commands remember the home (issue 20: `polystrata benchmark --model demo` after setup said
 //! "model demo not found (installed: none)" without naming the home it read): `serve --home H`
 //! remembers H (`$XDG_CONFIG_HOME/polystrata/home`), and `--list-models`, `benchmark` and `setup.sh`
-//! given no `--home` read H; a model not found there is reported with the home that was read.
+//! given no `--home` read H; a model not found there is reported with the home that was read; `ps`
+//! without `--port` asks the server recorded there (`polystrata.url`).
 //!
 //! No engine runs. Cost: well under a second.
 
@@ -17,7 +18,27 @@ fn commands_after_serve_read_the_home_it_served() {
     let config = home.dir.join("config");
     let config_arg = config.display().to_string();
     let server = Server::start_logged(&home, &[], &[("XDG_CONFIG_HOME", &config_arg)]);
+    // `ps` without --port asks the server setup.sh recorded in the (remembered) home.
+    std::fs::write(
+        home.dir.join("polystrata.url"),
+        format!("http://{}\n", server.addr),
+    )
+    .expect("write polystrata.url");
+    let ps = common::polystrata()
+        .env("XDG_CONFIG_HOME", &config)
+        .env_remove("POLYSTRATA_HOME")
+        .arg("ps")
+        .output()
+        .expect("run polystrata ps");
+    let stdout = String::from_utf8_lossy(&ps.stdout);
+    assert!(
+        ps.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&ps.stderr)
+    );
+    assert!(stdout.contains("(nothing loaded)"), "{stdout}");
     server.stop();
+    std::fs::remove_file(home.dir.join("polystrata.url")).expect("remove polystrata.url");
     let remembered = std::fs::read_to_string(config.join("polystrata/home")).expect("remembered");
     let canonical = std::fs::canonicalize(&home.dir).expect("canonical home");
     assert_eq!(remembered.trim(), canonical.display().to_string());
