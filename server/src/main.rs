@@ -37,9 +37,10 @@ struct Args {
     /// Chat in the terminal with this model (a server on --port is switched to it, else one is started).
     #[arg(long)]
     model: Option<String>,
-    /// The port of the server the terminal chat uses (or starts).
-    #[arg(long, default_value_t = 8080)]
-    port: u16,
+    /// The port of the server the terminal chat uses (or starts); else the one `setup.sh --background`
+    /// recorded in the home (`polystrata.url`), else 8080.
+    #[arg(long)]
+    port: Option<u16>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -215,7 +216,7 @@ fn main() -> ExitCode {
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
-            port: args.port,
+            port: args.port.unwrap_or_else(|| recorded_port(registry.home())),
         });
     }
     match args.command {

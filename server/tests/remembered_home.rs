@@ -2,9 +2,9 @@
 //! "model demo not found (installed: none)" without naming the home it read): `serve --home H`
 //! remembers H (`$XDG_CONFIG_HOME/polystrata/home`), and `--list-models`, `benchmark` and `setup.sh`
 //! given no `--home` read H; a model not found there is reported with the home that was read; `ps`
-//! without `--port` asks the server recorded there (`polystrata.url`).
+//! and the terminal chat without `--port` use the server recorded there (`polystrata.url`).
 //!
-//! No engine runs. Cost: well under a second.
+//! The chat loads the tiny qwen3moe fixture in the real engine. Cost: well under a second.
 
 mod common;
 
@@ -37,6 +37,29 @@ fn commands_after_serve_read_the_home_it_served() {
         String::from_utf8_lossy(&ps.stderr)
     );
     assert!(stdout.contains("(nothing loaded)"), "{stdout}");
+    // So does the terminal chat: it uses that server rather than starting one on 8080.
+    let mut chat = common::polystrata()
+        .env("XDG_CONFIG_HOME", &config)
+        .env_remove("POLYSTRATA_HOME")
+        .args(["--model", "tiny"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the chat");
+    if let Some(mut stdin) = chat.stdin.take() {
+        use std::io::Write;
+        let _ = stdin.write_all(b"/bye\n");
+    }
+    let out = chat.wait_with_output().expect("the chat ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let port = server.addr.rsplit(':').next().unwrap_or_default();
+    assert!(
+        out.status.success() && stdout.contains(&format!("using the server on port {port}")),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(server.get("/api/models/current").json()["model"], "tiny");
     server.stop();
     std::fs::remove_file(home.dir.join("polystrata.url")).expect("remove polystrata.url");
     let remembered = std::fs::read_to_string(config.join("polystrata/home")).expect("remembered");
