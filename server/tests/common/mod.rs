@@ -26,10 +26,11 @@ pub fn polystrata_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_polystrata"))
 }
 
-/// Where the tests' `polystrata` processes remember their homes (`XDG_CONFIG_HOME`): one directory per
-/// test process, so that `serve --home <temp>` never changes the user's remembered home.
+/// Where the tests' `polystrata` processes remember their homes (`XDG_CONFIG_HOME`): one directory for
+/// all of them (the file is replaced by a rename, never half written), so that `serve --home <temp>`
+/// never changes the user's remembered home. Tests that read a remembered home give their own.
 pub fn config_dir() -> PathBuf {
-    std::env::temp_dir().join(format!("polystrata-test-config-{}", std::process::id()))
+    std::env::temp_dir().join("polystrata-test-config")
 }
 
 /// `polystrata`, its remembered home kept in [`config_dir`].
