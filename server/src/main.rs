@@ -27,6 +27,7 @@ use std::sync::Arc;
 )]
 struct Args {
     /// The installation home (run configs `strata-<name>.json`, `models.json`); else POLYSTRATA_HOME,
+    /// else the home the last `serve` used (remembered in ~/.config/polystrata/home),
     /// else ~/.polystrata.
     #[arg(long, global = true)]
     home: Option<PathBuf>,
@@ -36,9 +37,10 @@ struct Args {
     /// Chat in the terminal with this model (a server on --port is switched to it, else one is started).
     #[arg(long)]
     model: Option<String>,
-    /// The port of the server the terminal chat uses (or starts).
-    #[arg(long, default_value_t = 8080)]
-    port: u16,
+    /// The port of the server the terminal chat uses (or starts); else the one `setup.sh --background`
+    /// recorded in the home (`polystrata.url`), else 8080.
+    #[arg(long)]
+    port: Option<u16>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -64,9 +66,10 @@ enum Command {
     /// Say what the server on --port has loaded: the model, its engine's pid and memory, how long it
     /// has been loaded and unused, and when it will be unloaded for idleness.
     Ps {
-        /// The server's port.
-        #[arg(long, default_value_t = 8080)]
-        port: u16,
+        /// The server's port; else the one `setup.sh --background` recorded in the home
+        /// (`polystrata.url`), else 8080.
+        #[arg(long)]
+        port: Option<u16>,
     },
 }
 
@@ -204,11 +207,16 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             }
+        } else if polystrata::by_path::looks_like_path(&model) {
+            eprintln!(
+                "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
+            );
+            return ExitCode::FAILURE;
         }
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
-            port: args.port,
+            port: args.port.unwrap_or_else(|| recorded_port(registry.home())),
         });
     }
     match args.command {
@@ -222,6 +230,14 @@ fn main() -> ExitCode {
                         eprintln!("polystrata: cannot serve {}: {e}", gguf.display());
                         return ExitCode::FAILURE;
                     }
+                }
+            }
+            // The home this server serves is the one later commands read (`benchmark`, `--model`).
+            if registry.home().is_dir() {
+                if let Err(e) = home::remember_home(registry.home()) {
+                    eprintln!(
+                        "polystrata: cannot remember the home ({e}); later commands may read another"
+                    );
                 }
             }
             run_server(registry, serve)
@@ -256,12 +272,24 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Some(Command::Ps { port }) => ps(port),
+        Some(Command::Ps { port }) => ps(port.unwrap_or_else(|| recorded_port(registry.home()))),
         None => {
             eprintln!("polystrata: say `serve`, `benchmark`, `ps` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
     }
+}
+
+/// The port of the server `setup.sh --background` started on this home (`<home>/polystrata.url`,
+/// `http://127.0.0.1:PORT`), else 8080.
+fn recorded_port(home: &std::path::Path) -> u16 {
+    std::fs::read_to_string(home.join("polystrata.url"))
+        .ok()
+        .and_then(|url| {
+            let url = url.trim().trim_end_matches('/').to_string();
+            url.rsplit(':').next().and_then(|p| p.parse().ok())
+        })
+        .unwrap_or(8080)
 }
 
 /// `polystrata ps`: the server's `/api/models/current` as one line per loaded model.

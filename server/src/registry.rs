@@ -43,6 +43,10 @@ pub struct ModelEntry {
     pub params_total: Option<String>,
     pub params_active: Option<String>,
     pub context: Option<u32>,
+    /// Why `context` is less than the run config asks: the asked `--max-context` is over the model's
+    /// training context (the GGUF's `<arch>.context_length`), so the engine is started with the latter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_note: Option<String>,
     pub multimodal: bool,
     pub mtp: bool,
     pub vram_gb: Option<VramGb>,
@@ -123,6 +127,7 @@ impl Registry {
                 params_total: None,
                 params_active: None,
                 context: None,
+                context_note: None,
                 multimodal: false,
                 mtp: false,
                 vram_gb: None,
@@ -240,12 +245,19 @@ impl Registry {
             .unwrap_or((None, None));
         let multimodal =
             config.args.iter().any(|a| a == "--mmproj") || config.raw.contains_key("mmproj");
-        let context = match (
-            config.max_context(),
-            summary.as_ref().and_then(|s| s.context_length),
-        ) {
+        let trained = summary
+            .as_ref()
+            .and_then(|s| s.context_length)
+            .filter(|&t| t > 0);
+        let context = match (config.max_context(), trained) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        };
+        let context_note = match (config.max_context(), trained) {
+            (Some(asked), Some(trained)) if asked > trained && config.clamps_context() => {
+                Some(context_clamped_note(asked, trained))
+            }
+            _ => None,
         };
         let display_name = config
             .display_name
@@ -261,6 +273,7 @@ impl Registry {
             params_total,
             params_active,
             context,
+            context_note,
             multimodal,
             mtp: summary.as_ref().is_some_and(|s| s.has_mtp) || config.draft.is_some(),
             vram_gb: summary.as_ref().map(|s| VramGb {
@@ -286,6 +299,14 @@ impl Registry {
 const NAME_ECHO_BYTES: usize = 100;
 /// How many installed ids an unknown-model error lists.
 const IDS_LISTED: usize = 8;
+
+/// The note of a context clamped to the training context (the log's line, `/props`, `/api/models`).
+pub fn context_clamped_note(asked: u32, trained: u32) -> String {
+    format!(
+        "--max-context {asked} is over the model's training context; clamped to {trained} \
+         (the GGUF's context_length)"
+    )
+}
 
 pub fn find_in<'a>(entries: &'a [ModelEntry], name: &str) -> Result<&'a ModelEntry, String> {
     if let Some(e) = entries.iter().find(|e| e.answers_to(name)) {
@@ -458,6 +479,7 @@ mod tests {
             params_total: None,
             params_active: None,
             context: None,
+            context_note: None,
             multimodal: false,
             mtp: false,
             vram_gb: None,

@@ -8,9 +8,9 @@
 
 mod common;
 
-use common::{polystrata_bin, Home};
+use common::Home;
 use serde_json::{json, Value};
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// The fixture's context in the run config: the 60-token prompt with 16 answer tokens does not fit.
 const CONTEXT: usize = 64;
@@ -28,7 +28,7 @@ fn home_with_tiny(tag: &str) -> Home {
 }
 
 fn benchmark(home: &Home, args: &[&str]) -> Output {
-    Command::new(polystrata_bin())
+    common::polystrata()
         .arg("benchmark")
         .arg("--home")
         .arg(&home.dir)

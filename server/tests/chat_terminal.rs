@@ -28,7 +28,8 @@ fn two_models(tag: &str) -> Home {
 fn drive(mode: &str, home: &Home, port: u16, names: &[&str]) {
     let script = common::workspace_root().join("tests/server/chat_terminal.py");
     let mut cmd = Command::new(python());
-    cmd.arg(&script)
+    cmd.env("XDG_CONFIG_HOME", common::config_dir())
+        .arg(&script)
         .arg(mode)
         .arg("--bin")
         .arg(common::polystrata_bin())

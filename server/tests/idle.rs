@@ -38,7 +38,7 @@ fn an_unused_engine_is_unloaded_and_keep_alive_overrides() {
     );
 
     // `polystrata ps` against this server.
-    let out = std::process::Command::new(common::polystrata_bin())
+    let out = common::polystrata()
         .args(["ps", "--port", &port_of(&server)])
         .output()
         .expect("run polystrata ps");

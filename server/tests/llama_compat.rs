@@ -362,6 +362,20 @@ fn anthropic_image_blocks_are_refused_as_text_only() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["type"], "error");
     assert!(r.text().contains("text only"), "{}", r.text());
+    // Structured outputs (the beta's `output_format`, GA's `output_config.format`): refused, not ignored.
+    let schema = json!({"type": "json_schema", "schema": {"type": "object"}});
+    for (field, value) in [
+        ("output_format", schema.clone()),
+        ("output_config", json!({"format": schema})),
+    ] {
+        let mut body = json!({"model": "tiny", "max_tokens": 4,
+                              "messages": [{"role": "user", "content": "Hi"}]});
+        body[field] = value;
+        let r = server.post("/v1/messages", &body);
+        assert_eq!(r.status, 400, "{field}: {}", r.text());
+        assert_eq!(r.json()["type"], "error");
+        assert!(r.text().contains("not supported"), "{}", r.text());
+    }
     server.stop();
 }
 
@@ -380,9 +394,15 @@ fn a_context_over_the_training_context_is_clamped() {
         .as_u64()
         .expect("a context");
     assert!(listed < 999_999, "{listed}");
-    let n_ctx = server.get("/props").json()["default_generation_settings"]["n_ctx"]
+    let props = server.get("/props").json();
+    let n_ctx = props["default_generation_settings"]["n_ctx"]
         .as_u64()
         .expect("n_ctx");
+    let note = props["context_note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("999999") && note.contains(&format!("clamped to {listed}")),
+        "/props says why the context is less than asked: {props}"
+    );
     assert_eq!(
         n_ctx, listed,
         "the engine and the registry say the same context"

@@ -231,3 +231,70 @@ fn official_clients_read_tool_calls() {
     );
     assert!(stdout.contains("client checks passed"), "{stdout}");
 }
+
+/// llama-server's `timings` with a draft: `draft_n` and `draft_n_accepted` beside the prompt and answer
+/// figures, streamed (on the last chunk) and not, and the request's log line with the same figures. The
+/// replay engine reports 6 guessed tokens proposed and 3 accepted, 10 ms of prompt and 20 ms of answer.
+#[test]
+fn timings_carry_the_draft_and_the_log_line_says_it() {
+    let home = Home::new("replies-draft");
+    let gguf = common::fixture("qwen3moe-tiny-q4km.gguf");
+    let tok_dir = home.tokenizer_for("scripted", &gguf);
+    let tok = TextTokenizer::load(&tok_dir).expect("tokenizer");
+    let reply = tok.encode("It is sunny.", false, true).expect("encode");
+    let replies_file = home.dir.join("replies.json");
+    std::fs::write(&replies_file, json!([reply]).to_string()).expect("write");
+    home.write_config(
+        "scripted",
+        &json!({
+            "exe": common::workspace_root().join("tests/server/replay_engine.py"),
+            "args": ["--model", gguf, "--replies", replies_file, "--n-vocab",
+                     tok.n_vocab().to_string(), "--draft", "6/3"],
+            "tokenizer": "packs/scripted/tokenizer",
+        }),
+    );
+    let server = Server::start_logged(&home, &["--load", "scripted"], &[]);
+    let body = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 100,
+               "stream": stream})
+    };
+    let check = |t: &Value| {
+        assert_eq!(t["draft_n"], 6, "{t}");
+        assert_eq!(t["draft_n_accepted"], 3, "{t}");
+        assert_eq!(t["predicted_n"].as_u64(), Some(reply.len() as u64), "{t}");
+        assert_eq!(t["prompt_ms"], 10.0, "{t}");
+        assert_eq!(t["predicted_ms"], 20.0, "{t}");
+        for key in ["prompt_n", "prompt_per_second", "predicted_per_second"] {
+            assert!(t[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {t}");
+        }
+    };
+    let r = server.post("/v1/chat/completions", &body(false));
+    assert_eq!(r.status, 200, "{}", r.text());
+    check(&r.json()["timings"]);
+    let events: Vec<Value> = Stream::open(&server.addr, "/v1/chat/completions", &body(true))
+        .rest()
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect();
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| e.get("timings").is_some())
+        .expect("a chunk with timings");
+    check(&last["timings"]);
+    server.stop();
+    let log = std::fs::read_to_string(home.dir.join("server.log")).expect("server.log");
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.starts_with("polystrata: request ") && l.contains(" model scripted: "))
+        .collect();
+    assert_eq!(lines.len(), 2, "one line per request: {log}");
+    for l in lines {
+        assert!(
+            l.contains("in 10.0 ms")
+                && l.contains("in 20.0 ms")
+                && l.contains("draft 3/6 accepted"),
+            "{l}"
+        );
+    }
+}

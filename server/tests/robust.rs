@@ -251,7 +251,7 @@ fn allowed_origins_get_cors_and_allowed_hosts_are_served() {
 
 #[test]
 fn head_bearer_case_and_an_empty_api_key() {
-    let out = std::process::Command::new(common::polystrata_bin())
+    let out = common::polystrata()
         .args(["serve", "--port", "0", "--api-key", ""])
         .output()
         .expect("run polystrata");
@@ -369,6 +369,7 @@ fn at_the_descriptor_limit_accept_backs_off_and_serving_resumes() {
     let log = home.dir.join("server.log");
     // A server with 64 descriptors and a connection cap above them: accept runs out of descriptors.
     let mut child = std::process::Command::new("sh")
+        .env("XDG_CONFIG_HOME", common::config_dir())
         .arg("-c")
         .arg(format!(
             "ulimit -n 64 && exec {} serve --home {} --port 0 --max-connections 1000 2>{}",

@@ -94,7 +94,7 @@ fn registry_lists_models_with_fields_and_reasons() {
         .collect();
     assert_eq!(ids, vec!["gemma3", "qwen3"]);
 
-    let out = std::process::Command::new(common::polystrata_bin())
+    let out = common::polystrata()
         .arg("--list-models")
         .arg("--home")
         .arg(&home.dir)

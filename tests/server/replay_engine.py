@@ -9,7 +9,10 @@ The synthetic fixtures write noise, so this is how the server's reply handling (
 tool_calls, tool_use blocks, finish reasons) is driven end to end with real tokenizers and templates. It is
 a test double of the engine process only; the server under test is the real one.
 
-usage: replay_engine.py --model FILE --replies FILE [--n-vocab N] [--eos ID]
+usage: replay_engine.py --model FILE --replies FILE [--n-vocab N] [--eos ID] [--draft PROPOSED/ACCEPTED]
+
+--draft makes every DONE report that many guessed tokens proposed and accepted (and 10 ms of prompt, 20 ms
+of answer), so llama-server's draft_n / draft_n_accepted timings are checked end to end.
 """
 
 import argparse
@@ -29,7 +32,12 @@ def main():
     ap.add_argument("--n-vocab", type=int, default=2048)
     ap.add_argument("--eos", type=int, default=0)
     ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--draft", default=None)
     args, _ = ap.parse_known_args()
+    proposed, accepted, prefill_ms, decode_ms = 0, 0, 0.0, 0.0
+    if args.draft:
+        proposed, accepted = (int(x) for x in args.draft.split("/"))
+        prefill_ms, decode_ms = 10.0, 20.0
     with open(args.replies) as f:
         replies = json.load(f)
     send("READY", {"protocol": 1, "model": args.model, "arch": "replay", "n_vocab": args.n_vocab,
@@ -51,8 +59,9 @@ def main():
             for tok in reply:
                 send("T", {"id": msg["id"], "tokens": [tok], "logprobs": [-0.5]})
             send("DONE", {"id": msg["id"], "reason": "stop", "prompt_tokens": len(msg["tokens"]),
-                          "cached_tokens": 0, "generated": len(reply), "prefill_ms": 0.0, "decode_ms": 0.0,
-                          "experts_vram_share": None, "draft_proposed": 0, "draft_accepted": 0})
+                          "cached_tokens": 0, "generated": len(reply), "prefill_ms": prefill_ms,
+                          "decode_ms": decode_ms, "experts_vram_share": None,
+                          "draft_proposed": proposed, "draft_accepted": accepted})
         elif verb == "CANCEL":
             send("ERR", {"id": msg.get("id"), "code": "bad_request", "message": "nothing running"})
         elif verb == "STATS":

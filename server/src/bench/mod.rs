@@ -124,8 +124,10 @@ pub async fn measure(supervisor: &Supervisor, opts: &BenchOptions) -> Result<Rep
     supervisor.switch(&opts.model).await.map_err(|e| match e {
         // Say which home was read: a model installed into another home is otherwise a mystery.
         ServeError::ModelNotFound(m) => format!(
-            "{m}; home {} (--home DIR or POLYSTRATA_HOME picks another)",
-            supervisor.home().display()
+            "{m}; home {} (--home DIR or POLYSTRATA_HOME picks another; else the last `serve`'s, \
+             remembered in {})",
+            supervisor.home().display(),
+            crate::home::remembered_home_file().display()
         ),
         other => other.message().to_string(),
     })?;

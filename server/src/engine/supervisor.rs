@@ -753,27 +753,15 @@ impl Supervisor {
             .ok_or_else(|| format!("model {} has no run config", entry.id))?;
         let mut args = config.args.clone();
         // A context over the model's training context (999999 was accepted at setup) is clamped to
-        // it, so the engine and the registry say the same; a GGUF that gives none (0) is left to the
-        // engine to refuse.
-        // A run config may keep its context (`"clamp_context": false`: a test of long prompts on a small
-        // fixture, a model whose GGUF understates what it was trained for).
-        let clamp = config
-            .raw
-            .get("clamp_context")
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(true);
-        if let (true, Some(asked), Some(trained)) = (clamp, config.max_context(), entry.context) {
-            if trained > 0 && asked > trained {
-                if let Some(at) = args.iter().position(|a| a == "--max-context") {
-                    if let Some(v) = args.get_mut(at + 1) {
-                        *v = trained.to_string();
-                    }
+        // it, so the engine and the registry say the same (the registry's `context_note` says why); a
+        // GGUF that gives none (0) is left to the engine to refuse.
+        if let (Some(note), Some(trained)) = (&entry.context_note, entry.context) {
+            if let Some(at) = args.iter().position(|a| a == "--max-context") {
+                if let Some(v) = args.get_mut(at + 1) {
+                    *v = trained.to_string();
                 }
-                eprintln!(
-                    "polystrata: {}: --max-context {asked} is over the model's training context; clamped to {trained}",
-                    entry.id
-                );
             }
+            eprintln!("polystrata: {}: {note}", entry.id);
         }
         let launch = Launch {
             exe: config.exe.clone(),

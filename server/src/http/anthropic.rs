@@ -234,6 +234,7 @@ fn parse_input(arguments: &str) -> Value {
 }
 
 pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<RespBody>, ApiError> {
+    super::unsupported::refuse_anthropic_output_format(&body)?;
     let input = to_chat_input(&body)?;
     if body.get("max_tokens").and_then(Value::as_u64).is_none() {
         return Err(ApiError::bad_request(

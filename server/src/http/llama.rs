@@ -113,6 +113,7 @@ pub async fn props(state: &AppState) -> Result<Response<RespBody>, ApiError> {
         "device": ready.as_ref().map(|r| r.device.clone()),
         "loaded": ready.is_some(),
         "sampling_defaults": d.to_json(),
+        "context_note": entry.as_ref().and_then(|e| e.context_note.clone()),
     });
     Ok(json_response(StatusCode::OK, &body))
 }

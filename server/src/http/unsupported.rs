@@ -1,6 +1,7 @@
 //! Request fields that would change the answer and that this server cannot honour, refused with a 400
 //! that says so rather than ignored: constrained output (OpenAI's `response_format` of `json_object` or
-//! `json_schema`, llama-server's `grammar` and `json_schema`, Ollama's `format`) — there is no
+//! `json_schema`, llama-server's `grammar` and `json_schema`, Ollama's `format`, Anthropic's
+//! `output_format` / `output_config.format`) — there is no
 //! constrained decoding yet — and image or audio input (the engine reads text only).
 
 use super::errors::ApiError;
@@ -51,6 +52,23 @@ pub fn refuse_ollama_format(body: &Value) -> Result<(), ApiError> {
         Some(Value::String(s)) if s.is_empty() => Ok(()),
         Some(_) => Err(ApiError::bad_request(format!("`format`: {NO_CONSTRAINED}"))),
     }
+}
+
+/// Refuses Anthropic's structured outputs: `output_format` (`{"type": "json_schema", "schema"}`, the
+/// beta) and `output_config.format` (the same, generally available).
+pub fn refuse_anthropic_output_format(body: &Value) -> Result<(), ApiError> {
+    let given = |v: Option<&Value>| !matches!(v, None | Some(Value::Null));
+    if given(body.get("output_format")) {
+        return Err(ApiError::bad_request(format!(
+            "`output_format`: {NO_CONSTRAINED}"
+        )));
+    }
+    if given(body.get("output_config").and_then(|c| c.get("format"))) {
+        return Err(ApiError::bad_request(format!(
+            "`output_config.format`: {NO_CONSTRAINED}"
+        )));
+    }
+    Ok(())
 }
 
 /// The message of a refused image or audio part, naming the model.
@@ -111,6 +129,17 @@ mod tests {
         }
         assert!(refuse_ollama_format(&json!({"format": "json"})).is_err());
         assert!(refuse_ollama_format(&json!({"format": ""})).is_ok());
+        let schema = json!({"type": "json_schema", "schema": {"type": "object"}});
+        for body in [
+            json!({"output_format": schema}),
+            json!({"output_config": {"format": schema}}),
+        ] {
+            let e = refuse_anthropic_output_format(&body).expect_err("refused");
+            assert!(e.message.contains("not supported"), "{}", e.message);
+        }
+        assert!(
+            refuse_anthropic_output_format(&json!({"output_config": {"effort": "low"}})).is_ok()
+        );
     }
 
     #[test]

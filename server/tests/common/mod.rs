@@ -26,6 +26,20 @@ pub fn polystrata_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_polystrata"))
 }
 
+/// Where the tests' `polystrata` processes remember their homes (`XDG_CONFIG_HOME`): one directory for
+/// all of them (the file is replaced by a rename, never half written), so that `serve --home <temp>`
+/// never changes the user's remembered home. Tests that read a remembered home give their own.
+pub fn config_dir() -> PathBuf {
+    std::env::temp_dir().join("polystrata-test-config")
+}
+
+/// `polystrata`, its remembered home kept in [`config_dir`].
+pub fn polystrata() -> Command {
+    let mut cmd = Command::new(polystrata_bin());
+    cmd.env("XDG_CONFIG_HOME", config_dir());
+    cmd
+}
+
 /// The engine binary: `POLY_ENGINE`, else `poly-engine` next to `polystrata` (the workspace build puts
 /// both in the same target directory).
 pub fn engine_bin() -> PathBuf {
@@ -72,7 +86,7 @@ impl Home {
     /// Writes `packs/<name>/tokenizer` from the GGUF with `polystrata tokenizer`.
     pub fn tokenizer_for(&self, name: &str, gguf: &Path) -> PathBuf {
         let out = self.dir.join("packs").join(name).join("tokenizer");
-        let status = Command::new(polystrata_bin())
+        let status = polystrata()
             .args(["tokenizer", "--gguf"])
             .arg(gguf)
             .arg("--out")
@@ -144,7 +158,7 @@ impl Server {
     }
 
     fn start_with(home: &Home, extra_args: &[&str], stderr: Stdio, env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(polystrata_bin())
+        let mut child = polystrata()
             .arg("serve")
             .arg("--home")
             .arg(&home.dir)
