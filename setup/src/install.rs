@@ -46,6 +46,8 @@ pub struct Installed {
     pub config: PathBuf,
     pub start_script: PathBuf,
     pub model: PathBuf,
+    /// The context the run config asks for: the one asked, at most the model's training context.
+    pub max_context: u32,
 }
 
 /// What `setup` records beside an installed file, so a run again can keep it without hashing it.
@@ -250,7 +252,19 @@ pub fn install(
         .ok_or_else(|| {
             SetupError::Table(format!("{} {}: no model file", family.name, size.name))
         })?;
-    check_architecture(&model, family)?;
+    let trained = check_architecture(&model, family)?;
+    let max_context = clamp_context(opts.max_context, trained);
+    if max_context < opts.max_context {
+        eprintln!(
+            "setup: a context of {} tokens is more than {} was trained for ({max_context}): the run \
+             config asks for {max_context}",
+            opts.max_context, family.display
+        );
+    }
+    let opts = &InstallOptions {
+        max_context,
+        ..opts.clone()
+    };
     let tokenizer_rel = format!("packs/{}/tokenizer", family.name);
     write_tokenizer(&server, &model, &opts.home.join(&tokenizer_rel))?;
     let config = write_run_config(family, size, opts, &engine, &installed, &tokenizer_rel)?;
@@ -260,7 +274,17 @@ pub fn install(
         config,
         start_script,
         model,
+        max_context,
     })
+}
+
+/// The context a run config asks for: `asked`, at most the model's training context (`trained`, from
+/// its GGUF) as the engine would clamp it, so the registry and the engine say the same number.
+pub fn clamp_context(asked: u32, trained: Option<u32>) -> u32 {
+    match trained {
+        Some(t) if t > 0 => asked.min(t),
+        _ => asked,
+    }
 }
 
 /// Makes `file` present and checked; returns the path the run config names.
@@ -428,8 +452,9 @@ fn link_or_in_place(src: &Path, dest: &Path) -> PathBuf {
     }
 }
 
-/// The GGUF's architecture must be the family's and one the engine runs.
-fn check_architecture(model: &Path, family: &Family) -> Result<(), SetupError> {
+/// The GGUF's architecture must be the family's and one the engine runs; returns its training context
+/// (`<arch>.context_length`) where it says one.
+fn check_architecture(model: &Path, family: &Family) -> Result<Option<u32>, SetupError> {
     let gguf = poly_models::GgufFile::open(model).map_err(|e| {
         SetupError::Mismatch(format!("{}: not a readable GGUF: {e}", model.display()))
     })?;
@@ -451,7 +476,7 @@ fn check_architecture(model: &Path, family: &Family) -> Result<(), SetupError> {
             poly_models::SUPPORTED_ARCHITECTURES.join(", ")
         )));
     }
-    Ok(())
+    Ok(summary.context_length)
 }
 
 fn write_tokenizer(server: &Path, model: &Path, out: &Path) -> Result<(), SetupError> {

@@ -274,6 +274,43 @@ fn a_copied_home_points_at_its_own_model_file() {
 }
 
 #[test]
+fn a_context_past_the_training_context_is_clamped_with_a_note() {
+    // The fixture was trained (its GGUF says) for 4,096 tokens: asked for 999,999, the run config asks for
+    // 4,096, as the engine would run it, and setup says why.
+    let data = std::fs::read(fixture_gguf()).expect("fixture");
+    let server = FileServer::start();
+    serve_hf(&server, &data, &sha256_hex(&data));
+    let tmp = TempDir::new("ctx");
+    let home = tmp.path().join("home");
+    let families = hf_table(tmp.path(), None);
+    let home_s = home.to_string_lossy().into_owned();
+    let out = run_setup(&[
+        "--family",
+        "tiny",
+        "--home",
+        &home_s,
+        "--families",
+        &families,
+        "--hf-url",
+        &server.base,
+        "--yes",
+        "--max-context",
+        "999999",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("a context of 999999 tokens is more than Tiny Gemma 3 was trained for (4096)"),
+        "says why the context is smaller: {err}"
+    );
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(home.join("strata-tiny.json")).expect("config"),
+    )
+    .expect("json");
+    assert_eq!(config["args"][3], "4096", "{config}");
+}
+
+#[test]
 fn wrong_bytes_from_the_host_install_nothing() {
     let data = std::fs::read(fixture_gguf()).expect("fixture");
     let server = FileServer::start();
