@@ -169,10 +169,15 @@ if [ "$PHASE" = ours ]; then
 {"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"$X], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb-$lu"}
 J
         smi_start
+        # SERVER_PROFILE=1: the server's engine profiled (POLY_GPU_PROFILE passes its allow-list), its
+        # summary in the server's log, to set beside bench's.
+        [ "${SERVER_PROFILE:-0}" = 1 ] && export POLY_GPU_PROFILE=1
         timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens 2000,8000,30000 --answer-tokens 128 --runs ${SERVER_RUNS:-1} > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
         echo "  polystrata benchmark $m-8gb (--long-ubatch $lu) rc=$?" | tee -a "$S"
         smi_stop
         cat $OUT/server-$m-$lu.txt >> "$S"; tail -3 $R/server-$m-$lu.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m-$lu.err | tail -8 >> "$S"
+        grep -A12 "POLY_GPU_PROFILE summary" $R/server-$m-$lu.err | grep -iE "decode|host|route|share|finish" | head -8 >> "$S"
+        unset POLY_GPU_PROFILE
         cp $R/server-$m-$lu.err $OUT/ 2>/dev/null
         done
     done
