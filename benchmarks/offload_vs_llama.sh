@@ -165,6 +165,9 @@ if [ "$PHASE" = ours ]; then
         /tmp/bin/polystrata tokenizer --gguf /dev/shm/m/$m.gguf --out $H/packs/$m/tokenizer > /dev/null 2>&1
         for lu in ${SERVER_LONG:-default}; do
         X=""; [ "$lu" = default ] || X=", \"--long-ubatch\", \"$lu\""
+        # SERVER_THREADS: the engine's --threads in the run config (the server's own threads beside the
+        # CPU share's spinning workers).
+        [ -n "${SERVER_THREADS:-}" ] && X="$X, \"--threads\", \"$SERVER_THREADS\""
         cat > $H/strata-$m-8gb-$lu.json <<J
 {"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"$X], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb-$lu"}
 J
