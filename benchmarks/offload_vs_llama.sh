@@ -122,6 +122,11 @@ if [ "$PHASE" = ours ]; then
         for u in ${UPLOADS:-}; do
             bench "$m ${BUDGET}MiB NEW tg64 --expert-uploads $u" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-uploads $u
         done
+        # ADMISSIONS: --expert-admissions values to run besides the default (`card`: only experts copied
+        # on demand are admitted, none over the bus).
+        for a in ${ADMISSIONS:-}; do
+            bench "$m ${BUDGET}MiB NEW tg64 --expert-admissions $a" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-admissions $a
+        done
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done

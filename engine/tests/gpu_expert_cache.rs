@@ -24,7 +24,7 @@
 
 use std::path::PathBuf;
 
-use poly_engine::gpu::{DeviceChoice, MissingExperts, Placement};
+use poly_engine::gpu::{Admissions, DeviceChoice, MissingExperts, Placement};
 use poly_engine::state::SeqState;
 use poly_engine::Model;
 use poly_kernels::cuda::Device;
@@ -189,13 +189,14 @@ fn on_gpu(path: &PathBuf, placement: Placement) -> Model {
 
 fn placement(
     budget: Option<usize>,
-    uploads: usize,
+    (uploads, admissions): (usize, Admissions),
     staging_only: bool,
     missing_experts: MissingExperts,
 ) -> Placement {
     Placement {
         expert_budget: budget,
         uploads_per_layer: uploads,
+        admissions,
         no_profile: true,
         staging_only,
         missing_experts,
@@ -208,7 +209,10 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
     let (prompt_bound, decode_bound) = bounds;
     let name = path.file_name().unwrap().to_string_lossy().to_string();
     let mut failures = Vec::new();
-    let all = on_gpu(path, placement(None, 0, false, MissingExperts::Split));
+    let all = on_gpu(
+        path,
+        placement(None, (0, Admissions::All), false, MissingExperts::Split),
+    );
     let stats = all.expert_stats();
     let (reference, fed) = run(&all, &[]);
     let Some(stats) = stats else {
@@ -233,22 +237,31 @@ fn check_model(path: &PathBuf, bounds: (f64, f64), greedy: bool) -> Vec<String> 
     // token's missing experts split by cost, all on the CPU, or all copied to the card.
     let half = Some(slot_bytes * total_slots / 2);
     let eighth = Some(slot_bytes * total_slots.div_ceil(8));
+    use Admissions::{All, Card as OnCard};
     use MissingExperts::{Card, Cpu, Mapped, Split};
     let cases = [
-        ("none", Some(0), 0, false, Split),
-        ("none", Some(0), 0, false, Cpu),
-        ("none", Some(0), 0, false, Card),
-        ("none", Some(0), 0, false, Mapped),
-        ("none", Some(0), 0, true, Split),
-        ("half frozen", half, 0, false, Split),
-        ("half frozen", half, 0, false, Mapped),
-        ("half following", half, 2, false, Split),
-        ("half following", half, 2, false, Card),
-        ("half following", half, 2, true, Split),
-        ("eighth following", eighth, 2, false, Split),
+        ("none", Some(0), (0, All), false, Split),
+        ("none", Some(0), (0, All), false, Cpu),
+        ("none", Some(0), (0, All), false, Card),
+        ("none", Some(0), (0, All), false, Mapped),
+        ("none", Some(0), (0, All), true, Split),
+        ("half frozen", half, (0, All), false, Split),
+        ("half frozen", half, (0, All), false, Mapped),
+        ("half following", half, (2, All), false, Split),
+        ("half following", half, (2, All), false, Card),
+        (
+            "half following, on the card",
+            half,
+            (2, OnCard),
+            false,
+            Split,
+        ),
+        ("half following", half, (2, All), true, Split),
+        ("eighth following", eighth, (2, All), false, Split),
     ];
     for (what, budget, uploads, staging_only, missing) in cases {
         let m = on_gpu(path, placement(budget, uploads, staging_only, missing));
+        let uploads = uploads.0;
         let (r, _) = run(&m, &fed);
         let mut prompt_agree = Agreement::default();
         prompt_agree.add(&reference.prompt_one, &r.prompt_one);

@@ -10,7 +10,7 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::{MissingExperts, Placement};
+use poly_engine::gpu::{Admissions, MissingExperts, Placement};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -105,6 +105,10 @@ pub struct PlacementArgs {
     /// Experts the cache may upload per MoE layer and generated token (0: the cache stays as placed).
     #[arg(long, value_name = "N", default_value_t = Placement::DEFAULT_UPLOADS_PER_LAYER)]
     expert_uploads: usize,
+    /// Which missing experts those uploads take: those copied on demand, then those the CPU computed
+    /// (`all`), or only those copied on demand (`card`: no admission crosses the bus).
+    #[arg(long, value_enum, default_value_t = Admissions::All)]
+    expert_admissions: Admissions,
     /// Neither read nor write the expert profile (`<model>.poly-profile.json`).
     #[arg(long)]
     no_expert_profile: bool,
@@ -127,6 +131,7 @@ impl PlacementArgs {
             reserve_mib: self.vram_reserve_mib,
             expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
             uploads_per_layer: self.expert_uploads,
+            admissions: self.expert_admissions,
             n_ctx,
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,

@@ -46,7 +46,7 @@ use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
 use expert_cache::placement::{cache_bytes, default_reserve, state_bytes};
-pub use expert_cache::placement::{MissingExperts, Placement};
+pub use expert_cache::placement::{Admissions, MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 use expert_cache::{CacheStats, ExpertCache};
 
@@ -279,7 +279,7 @@ impl GpuBackend {
         cache
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
-        cache.set_uploads_per_layer(p.uploads_per_layer);
+        cache.set_uploads_per_layer(p.uploads_per_layer, p.admissions);
         cache
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;

@@ -39,7 +39,7 @@ use poly_models::compute::{Moe, WeightId};
 
 use crate::cpu::{CpuWeights, Mat};
 use layout::ExpertLayer;
-pub use placement::MissingExperts;
+pub use placement::{Admissions, MissingExperts};
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
 
@@ -441,6 +441,8 @@ pub struct ExpertCache {
     pending: Vec<Pending>,
     /// Uploads the policy may start per layer and token (0: the cache is frozen).
     uploads_per_layer: usize,
+    /// Which missing experts those uploads take.
+    admissions: Admissions,
     /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`].
     staged: Option<Staged>,
     /// A layer's uncached experts being copied into a scratch pool ahead of its launches, and the
@@ -544,6 +546,7 @@ impl ExpertCache {
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
             uploads_per_layer: 0,
+            admissions: Admissions::All,
             staged: None,
             prefetch: None,
             prefetch_plan: None,
@@ -646,9 +649,11 @@ impl ExpertCache {
         self.holds_all() || (self.reads_mapped() && self.pending.is_empty())
     }
 
-    /// Uploads the policy may start per layer and token (0 freezes the cache).
-    pub fn set_uploads_per_layer(&mut self, n: usize) {
+    /// Uploads the policy may start per layer and token (0 freezes the cache), and which missing experts
+    /// they take.
+    pub fn set_uploads_per_layer(&mut self, n: usize, admissions: Admissions) {
         self.uploads_per_layer = n;
+        self.admissions = admissions;
     }
 
     /// The profile to add routings to (and save at `path`).
@@ -1282,7 +1287,7 @@ impl ExpertCache {
             .plan(layer, &on_card, routed, self.uploads_per_layer);
         self.admit_on_card(dev, &plan, staged)?;
         let left = self.uploads_per_layer - plan.len();
-        if left == 0 {
+        if left == 0 || self.admissions == Admissions::Card {
             return Ok(());
         }
         let mut over_bus: Vec<usize> = on_cpu.to_vec();

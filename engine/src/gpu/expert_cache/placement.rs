@@ -1,7 +1,8 @@
 //! How much VRAM the expert cache gets. Dense weights go first; then a warm-up call (which also leaves
 //! the forward calls' scratch buffers allocated) and a measurement of the free memory; the cache gets what
-//! is free less the sequence state for the context (allocated at the first call), the staging scratch
-//! (already allocated) and a reserve (`--vram-reserve-mib`, default a 32nd of the card clamped to
+//! is free less the sequence state (a warm-up call's KV rows where the caches grow with the conversation,
+//! `gpu::kv_room`; the whole context with a fixed budget), the staging scratch (already allocated) and a
+//! reserve (`--vram-reserve-mib`, default a 32nd of the card clamped to
 //! 256–768 MiB). `--expert-budget-mib` sets the cache's size instead (still no more than what is free).
 
 use poly_models::arch::StateSpec;
@@ -17,6 +18,8 @@ pub struct Placement {
     pub expert_budget: Option<usize>,
     /// Uploads the cache may start per layer and token while answering (0: frozen).
     pub uploads_per_layer: usize,
+    /// Which of a token's missing experts those uploads may take.
+    pub admissions: Admissions,
     /// The context the sequences will have (0: the model's training context).
     pub n_ctx: usize,
     /// Don't read or write the expert profile beside the model.
@@ -30,6 +33,18 @@ pub struct Placement {
     /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
     /// largest call needs and the budget holds with them.
     pub call_tokens: usize,
+}
+
+/// Which of a token's missing experts the cache admits while answering (`--expert-admissions`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Admissions {
+    /// Those copied to the card on demand for the token (copied on the card from their scratch slots),
+    /// then those the CPU computed (uploaded over the bus).
+    #[default]
+    All,
+    /// Only those copied on demand: no admission reads host memory or crosses the bus, where the CPU's
+    /// share and the copies on demand compete for both.
+    Card,
 }
 
 /// Where a single token's uncached experts are computed (`--missing-experts`).
