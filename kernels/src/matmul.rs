@@ -120,16 +120,11 @@ pub struct MatvecJob<'a, 'y> {
 }
 
 /// Several matrix×vector products in one parallel region (a decode step's expert products): every
-/// job's rows are cut into ranges and all ranges of all jobs share the pool, so the threads meet once for
-/// the lot instead of once per product. Each dot product is the one [`matmul_ordered`] computes for the
-/// same row in a call of one activation row.
+/// job's rows are cut into ranges and all ranges of all jobs share rayon's pool, so the threads meet once
+/// for the lot instead of once per product. Each dot product is the one [`matmul_ordered`] computes for
+/// the same row in a call of one activation row. (A partly resident model's CPU share takes the same
+/// ranges and [`RowDots`] as one job of a hot pool instead: `engine/src/cpu/expert_job.rs`.)
 pub fn matvec_many<'a>(jobs: &mut [MatvecJob<'a, '_>]) {
-    matvec_many_in(jobs, None)
-}
-
-/// [`matvec_many`] on `pool`'s threads (which start within microseconds of the call, see
-/// [`crate::hot_pool`]) instead of rayon's, when given; the same results.
-pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::hot_pool::HotPool>) {
     struct Part<'a> {
         w: QuantMatrix<'a>,
         act: &'a [u8],
@@ -137,9 +132,7 @@ pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::h
         y: SharedOut,
         rows: std::ops::Range<usize>,
     }
-    let threads = pool
-        .map_or_else(rayon::current_num_threads, |p| p.threads())
-        .max(1);
+    let threads = rayon::current_num_threads().max(1);
     let total_bytes: usize = jobs.iter().map(|j| j.w.data.len()).sum();
     let part_bytes = part_bytes(total_bytes, threads);
     let mut parts: Vec<Part<'a>> = Vec::new();
@@ -168,10 +161,7 @@ pub fn matvec_many_in<'a>(jobs: &mut [MatvecJob<'a, '_>], pool: Option<&crate::h
         let y = unsafe { std::slice::from_raw_parts_mut(p.y.0.add(p.rows.start), p.rows.len()) };
         p.dots.rows(&p.w, p.act, p.rows.clone(), y);
     };
-    match pool {
-        Some(pool) => pool.run(parts.len(), &|i| run_part(&parts[i])),
-        None => parts.par_iter().for_each(run_part),
-    }
+    parts.par_iter().for_each(run_part);
 }
 
 /// Bytes of weights per range when `total_bytes` of matrix×vector products are split over `threads`:

@@ -49,27 +49,11 @@ const MATVEC_Q_NMSE: f64 = 5e-4;
 /// Float weights: both sides multiply in f32, in different orders.
 const MATVEC_F_NMSE: f64 = 1e-9;
 
-const QUANT_TYPES: [GgmlType; 19] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
-];
+/// Every quantized format the card computes (the kernels' one table).
+fn quant_types() -> Vec<GgmlType> {
+    poly_kernels::cuda::quantized_formats().collect()
+}
+
 const FLOAT_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 
 #[test]
@@ -129,7 +113,7 @@ fn check_matvec(dev: &Device, ty: GgmlType, rows: usize, cols: usize, seed: u64)
 fn matvec_matches_cpu_for_quantized_formats() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
-    for ty in QUANT_TYPES {
+    for ty in quant_types() {
         // 768 columns: fewer weight blocks per row than threads (the expert down projection's shape).
         // 1027 and 2050 rows: with --matvec-rpg 4, launches with 4 rows per warp group, the last short.
         for (rows, cols) in [(67, 2048), (130, 768), (5, 4096), (1027, 2048), (2050, 768)] {
@@ -292,7 +276,7 @@ fn check_experts_glu(dev: &Device, ty: GgmlType, cols: usize, seed: u64) -> Vec<
 fn fused_gate_up_experts_equal_the_separate_launches() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
-    for (i, ty) in QUANT_TYPES.iter().enumerate() {
+    for (i, ty) in quant_types().iter().enumerate() {
         for cols in [2048, 768] {
             if cols % ty.block_elems() == 0 {
                 failures.extend(check_experts_glu(&dev, *ty, cols, 60 + i as u64));
@@ -306,7 +290,7 @@ fn fused_gate_up_experts_equal_the_separate_launches() {
 fn expert_matvec_matches_cpu_per_slot() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
-    for (i, ty) in QUANT_TYPES.iter().chain(FLOAT_TYPES.iter()).enumerate() {
+    for (i, ty) in quant_types().iter().chain(FLOAT_TYPES.iter()).enumerate() {
         // 514 rows of 2048: with --matvec-rpg 4, 4 rows per warp group, the last group short.
         for shape in [(96, 512), (514, 2048)] {
             failures.extend(check_experts(&dev, *ty, shape, 30 + i as u64));

@@ -84,29 +84,47 @@ fn list_models(home: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-#[test]
-fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
+/// The fixture served by a stand-in for Hugging Face under the tiny family, and a temporary directory
+/// (named after `tag`) holding the family table: the fixture's bytes, the server, the directory, the table.
+fn tiny_from_hf(tag: &str) -> (Vec<u8>, FileServer, TempDir, String) {
     let data = std::fs::read(fixture_gguf()).expect("fixture");
     let server = FileServer::start();
     serve_hf(&server, &data, &sha256_hex(&data));
-    let tmp = TempDir::new("hf");
-    let home = tmp.path().join("home");
+    let tmp = TempDir::new(tag);
     let families = hf_table(tmp.path(), None);
-    let home_s = home.to_string_lossy().into_owned();
-    let args = [
+    (data, server, tmp, families)
+}
+
+/// `setup --family tiny` into `home` from `server`, with `extra` arguments.
+fn install_tiny(server: &FileServer, families: &str, home: &Path, extra: &[&str]) -> Output {
+    let home = home.to_string_lossy();
+    let mut args = vec![
         "--family",
         "tiny",
         "--home",
-        &home_s,
+        &home,
         "--families",
-        &families,
+        families,
         "--hf-url",
         &server.base,
         "--yes",
-        "--port",
-        "8123",
     ];
-    let out = run_setup(&args);
+    args.extend_from_slice(extra);
+    run_setup(&args)
+}
+
+/// The run config setup wrote into `home`.
+fn run_config(home: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(home.join("strata-tiny.json")).expect("config"))
+        .expect("json")
+}
+
+#[test]
+fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
+    let (data, server, tmp, families) = tiny_from_hf("hf");
+    let home = tmp.path().join("home");
+    let install = || install_tiny(&server, &families, &home, &["--port", "8123"]);
+    let out = install();
     assert!(out.status.success(), "{}", stderr(&out));
     let err = stderr(&out);
     assert!(
@@ -122,10 +140,7 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     // The model, the run config as the registry reads it, the tokenizer and the start script.
     let model = home.join("models").join(FILE);
     assert_eq!(std::fs::read(&model).expect("model"), data);
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(home.join("strata-tiny.json")).expect("config"),
-    )
-    .expect("json");
+    let config = run_config(&home);
     assert_eq!(
         config["args"],
         json!([
@@ -167,7 +182,7 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     );
     // A run again keeps the stamped file without asking the host anything.
     let requests = server.seen().len();
-    let again = run_setup(&args);
+    let again = install();
     assert!(again.status.success(), "{}", stderr(&again));
     assert!(
         stderr(&again).contains("installed and unchanged, kept"),
@@ -179,7 +194,7 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
     let mut other = data.clone();
     other[10] ^= 1;
     std::fs::write(&model, &other).expect("tamper");
-    let third = run_setup(&args);
+    let third = install();
     assert!(third.status.success(), "{}", stderr(&third));
     assert!(
         stderr(&third).contains("does not match"),
@@ -194,32 +209,9 @@ fn installs_from_the_host_and_keeps_the_file_on_a_rerun() {
 /// home) is still read, and points at the copy too.
 #[test]
 fn a_copied_home_points_at_its_own_model_file() {
-    let data = std::fs::read(fixture_gguf()).expect("fixture");
-    let server = FileServer::start();
-    serve_hf(&server, &data, &sha256_hex(&data));
-    let tmp = TempDir::new("copied");
+    let (_, server, tmp, families) = tiny_from_hf("copied");
     let first = tmp.path().join("first");
-    let families = hf_table(tmp.path(), None);
-    let args = |home: &Path| -> Vec<String> {
-        [
-            "--family",
-            "tiny",
-            "--home",
-            &home.to_string_lossy(),
-            "--families",
-            &families,
-            "--hf-url",
-            &server.base,
-            "--yes",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
-    let run = |home: &Path| {
-        let a = args(home);
-        run_setup(&a.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let run = |home: &Path| install_tiny(&server, &families, home, &[]);
     let out = run(&first);
     assert!(out.status.success(), "{}", stderr(&out));
     let stamp_file = format!("models/{FILE}.stamp.json");
@@ -250,10 +242,7 @@ fn a_copied_home_points_at_its_own_model_file() {
             "{what}: the first home is not named: {}",
             stderr(&out)
         );
-        let config: Value = serde_json::from_str(
-            &std::fs::read_to_string(copy.join("strata-tiny.json")).expect("config"),
-        )
-        .expect("json");
+        let config = run_config(&copy);
         assert_eq!(
             config["args"][1],
             format!("models/{FILE}"),
@@ -277,36 +266,16 @@ fn a_copied_home_points_at_its_own_model_file() {
 fn a_context_past_the_training_context_is_clamped_with_a_note() {
     // The fixture was trained (its GGUF says) for 4,096 tokens: asked for 999,999, the run config asks for
     // 4,096, as the engine would run it, and setup says why.
-    let data = std::fs::read(fixture_gguf()).expect("fixture");
-    let server = FileServer::start();
-    serve_hf(&server, &data, &sha256_hex(&data));
-    let tmp = TempDir::new("ctx");
+    let (_, server, tmp, families) = tiny_from_hf("ctx");
     let home = tmp.path().join("home");
-    let families = hf_table(tmp.path(), None);
-    let home_s = home.to_string_lossy().into_owned();
-    let out = run_setup(&[
-        "--family",
-        "tiny",
-        "--home",
-        &home_s,
-        "--families",
-        &families,
-        "--hf-url",
-        &server.base,
-        "--yes",
-        "--max-context",
-        "999999",
-    ]);
+    let out = install_tiny(&server, &families, &home, &["--max-context", "999999"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let err = stderr(&out);
     assert!(
         err.contains("a context of 999999 tokens is more than Tiny Gemma 3 was trained for (4096)"),
         "says why the context is smaller: {err}"
     );
-    let config: Value = serde_json::from_str(
-        &std::fs::read_to_string(home.join("strata-tiny.json")).expect("config"),
-    )
-    .expect("json");
+    let config = run_config(&home);
     assert_eq!(config["args"][3], "4096", "{config}");
 }
 

@@ -49,8 +49,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     depth: usize,
     /// Tokens of context the state has room for, as the serve mode's `--max-context` (default: what
-    /// the tests need): the attention caches are reserved for it at load, as when serving, so an answer
-    /// rate can be compared with the server's at the same context.
+    /// the tests need): the model is placed for it as when serving (a fixed expert budget reserves its
+    /// attention caches whole), so an answer rate can be compared with the server's at the same context.
     #[arg(long)]
     max_context: Option<usize>,
     /// Worker threads (default: one per core).

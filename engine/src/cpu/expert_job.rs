@@ -253,7 +253,6 @@ mod tests {
     use poly_kernels::quant::GgmlType;
     use poly_models::arch::qwen3moe::{self, Qwen3MoeHparams};
     use poly_models::arch::ModelHparams;
-    use poly_models::compute::{Gating, Unary, WeightId};
     use poly_models::gguf::GgufFile;
     use poly_models::synth::plan::TypeChoice;
     use poly_models::synth::shapes::Shape;
@@ -301,27 +300,7 @@ mod tests {
             .write(&path, |_, _| {})
             .expect("write");
         let w = CpuWeights::new(Arc::new(GgufFile::open(&path).expect("open")));
-        let id = |name: &str| {
-            let i = w
-                .file()
-                .tensor_infos()
-                .iter()
-                .position(|t| t.name == name)
-                .expect("tensor");
-            WeightId(i as u32)
-        };
-        let m = Moe {
-            router: id("blk.0.ffn_gate_inp.weight"),
-            gate_exps: id("blk.0.ffn_gate_exps.weight"),
-            up_exps: id("blk.0.ffn_up_exps.weight"),
-            down_exps: id("blk.0.ffn_down_exps.weight"),
-            n_expert: 8,
-            n_expert_used: 4,
-            gating: Gating::Softmax,
-            norm_weights: true,
-            weights_scale: 1.0,
-            act: Unary::Silu,
-        };
+        let (m, _) = crate::gpu::expert_cache::tests::first_moe(&w);
         (w, m)
     }
 

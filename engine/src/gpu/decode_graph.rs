@@ -173,7 +173,6 @@ impl MoeStep {
                 host_weights.as_slice()?.to_vec(),
             ))
         };
-        cache.take_host_phases();
         let prep = cache.prepare_step((dev, cpu), *layer, ids, fetch);
         times.prepare += clock.elapsed();
         times.steps += 1;

@@ -69,17 +69,18 @@ impl GpuBackend {
         let Some(&reserve) = self.reserve.get() else {
             return Ok(n_ctx);
         };
-        let row_bytes: usize = layer_row_bytes(state).sum();
-        if row_bytes == 0 {
-            return Ok(n_ctx);
-        }
         let want = kv_rows_for(state.n_past() + n, n_ctx);
         let have = slot
             .as_ref()
             .filter(|s| s.same_shapes(state))
             .map(DeviceSeq::rows);
+        if have == Some(want) {
+            return Ok(want);
+        }
+        // Bytes of a position over every attention layer (0 without any: then nothing to make room for).
+        let row_bytes: usize = layer_row_bytes(state).sum();
         match have {
-            Some(rows) if rows >= want => {
+            Some(rows) if rows > want => {
                 // Buffers of at least twice the rows needed (a new conversation after a long one, which
                 // for a model without recurrent layers counts as a prefix of it) are made smaller when
                 // the cache gave slots up for them; else they stay.
@@ -110,9 +111,12 @@ impl GpuBackend {
         reserve: usize,
         rows: usize,
     ) -> CudaResult<()> {
+        let need = bytes + twice;
+        if need == 0 {
+            return Ok(());
+        }
         let (free, _) = self.dev.memory_info()?;
         let room = free.saturating_sub(reserve);
-        let need = bytes + twice;
         if need <= room {
             return Ok(());
         }

@@ -234,19 +234,19 @@ impl GpuBackend {
         } else {
             p.n_ctx
         };
-        // Held to a reserve, the KV caches grow with the conversation ([`kv_room`]): the cache counts the
-        // rows of a warm-up's call; with a fixed expert budget, the whole context.
-        let kv_rows = match p.expert_budget {
-            None => seq::kv_rows_for(n_warm, n_ctx),
-            Some(_) => n_ctx,
-        };
-        let budget = cache_bytes(p, free, total, state_bytes(&specs, kv_rows));
         if p.expert_budget.is_none() {
             let reserve = p
                 .reserve_mib
                 .map_or_else(|| default_reserve(total), |m| m.saturating_mul(1 << 20));
             let _ = self.reserve.set(reserve);
         }
+        // Held to a reserve, the KV caches grow with the conversation ([`kv_room`]): the cache counts the
+        // rows of a warm-up's call; with a fixed expert budget, the whole context.
+        let kv_rows = match self.reserve.get() {
+            Some(_) => seq::kv_rows_for(n_warm, n_ctx),
+            None => n_ctx,
+        };
+        let budget = cache_bytes(p, free, total, state_bytes(&specs, kv_rows));
         let mut guard = lock(&self.experts);
         let Some(cache) = guard.as_mut() else {
             return Ok(());

@@ -193,18 +193,24 @@ pub fn serve(opts: ServeOptions) -> ExitCode {
     }
     match pool.build() {
         Ok(pool) => pool.install(|| serve_on_pool(opts)),
-        Err(e) => {
-            let message = format!("cannot start the worker threads: {e}");
-            eprintln!("poly-engine: {message}");
-            let err = FromEngine::Err(ErrorReply {
-                id: None,
-                code: ErrorCode::Internal,
-                message,
-            });
-            let _ = send(&mut std::io::stdout().lock(), &err);
-            ExitCode::FAILURE
-        }
+        Err(e) => fail(
+            &mut std::io::stdout().lock(),
+            format!("cannot start the worker threads: {e}"),
+        ),
     }
+}
+
+/// A start that cannot go on: the reason on stderr and as an ERR (the exit status says it all if stdout
+/// is gone too).
+fn fail(out: &mut impl Write, message: String) -> ExitCode {
+    eprintln!("poly-engine: {message}");
+    let err = FromEngine::Err(ErrorReply {
+        id: None,
+        code: ErrorCode::Internal,
+        message,
+    });
+    let _ = send(out, &err);
+    ExitCode::FAILURE
 }
 
 /// The stack of the pool's threads, the session's among them (the main thread's size).
@@ -213,17 +219,6 @@ const SESSION_STACK: usize = 8 << 20;
 /// [`serve`] on a worker of the pool it built.
 fn serve_on_pool(opts: ServeOptions) -> ExitCode {
     let mut out = std::io::stdout().lock();
-    let fail = |out: &mut std::io::StdoutLock, message: String| {
-        eprintln!("poly-engine: {message}");
-        let err = FromEngine::Err(ErrorReply {
-            id: None,
-            code: ErrorCode::Internal,
-            message,
-        });
-        // The exit status says it all if stdout is gone too.
-        let _ = send(out, &err);
-        ExitCode::FAILURE
-    };
     let started = std::time::Instant::now();
     let loaded = match load(&opts.model, opts.device, &opts.placement, opts.arithmetic) {
         Ok(l) => l,

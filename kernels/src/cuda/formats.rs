@@ -68,6 +68,12 @@ q_formats! {
     IQ1_M => MatvecIq, "iq1_m", 8;
 }
 
+/// Every quantized format the card computes, in the table's order (for tests and tools that go through
+/// them all).
+pub fn quantized_formats() -> impl Iterator<Item = GgmlType> {
+    Q_FORMATS.iter().map(|f| f.ty)
+}
+
 /// The row of `ty`, if the card computes it as a quantized format.
 pub(crate) fn q_format(ty: GgmlType) -> Option<&'static QFormat> {
     Q_FORMATS.iter().find(|f| f.ty == ty)

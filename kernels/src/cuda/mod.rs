@@ -32,6 +32,7 @@ pub use buffer::{BlockQ8_1, DeviceBuffer, DeviceMatrix, ExpertTable, StackedExpe
 /// The element traits of device buffers (for code generic over what a buffer holds).
 pub use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 pub use device::Device;
+pub use formats::quantized_formats;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
 pub use pinned::PinnedHost;

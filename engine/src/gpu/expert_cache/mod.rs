@@ -24,7 +24,7 @@ pub mod profile;
 mod prompt_share;
 mod split;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -205,6 +205,7 @@ impl CpuShare {
     /// `x` as `[n_rows, n_embd]`, rounded to q8_1 for quantized experts as the card rounds it for its
     /// own, so an expert gives nearly the same output wherever it is computed.
     pub(super) fn input(&self, cpu: &CpuWeights, m: &Moe) -> Mat {
+        let _span = crate::cpu::profile::span("share input");
         let n_rows = self.n_rows.max(1);
         let mut xs = Mat::from_vec(n_rows, self.x.len() / n_rows, self.x.clone());
         if !matches!(
@@ -214,6 +215,11 @@ impl CpuShare {
             crate::gpu::reference::round_q8_1_in_place(&mut xs.data);
         }
         xs
+    }
+
+    /// A single token's items as the CPU's MoE takes a routing: (expert, weight).
+    fn route(&self) -> Vec<(u32, f32)> {
+        self.items.iter().map(|&(e, w)| (e as u32, w)).collect()
     }
 
     /// [`CpuShare::compute`], its count and time added to `cache`'s figures.
@@ -244,14 +250,14 @@ impl CpuShare {
             crate::knobs::forward().cpu_share == crate::knobs::CpuShareThreads::PerExpert;
         match self.pool.as_deref() {
             Some(pool) if self.rows.is_empty() && !per_expert => {
-                let xs = {
-                    let _span = crate::cpu::profile::span("share input");
-                    self.input(cpu, m)
-                };
-                let route: Vec<(u32, f32)> =
-                    self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
+                let xs = self.input(cpu, m);
                 let (sum, r, seconds) = crate::cpu::expert_job::decode_experts_beside(
-                    cpu, &xs, m, &route, pool, beside,
+                    cpu,
+                    &xs,
+                    m,
+                    &self.route(),
+                    pool,
+                    beside,
                 );
                 (sum.data, r, seconds)
             }
@@ -296,10 +302,7 @@ impl CpuShare {
     /// the cache holds beyond the CPU's own rounding of the inner activation).
     pub fn compute(&self, cpu: &CpuWeights, m: &Moe) -> Vec<f32> {
         let n_embd = self.x.len();
-        let xs = {
-            let _span = crate::cpu::profile::span("share input");
-            self.input(cpu, m)
-        };
+        let xs = self.input(cpu, m);
         let _span = crate::cpu::profile::span("share experts");
         // The decode step's expert path: the gate and up products of all items in one parallel region
         // and their down products in another, rows split over the pool (a parallel region per expert
@@ -321,7 +324,6 @@ impl CpuShare {
             }
             return sum;
         }
-        let route: Vec<(u32, f32)> = self.items.iter().map(|&(e, w)| (e as u32, w)).collect();
-        crate::cpu::moe::decode_experts(cpu, &xs, m, &route).data
+        crate::cpu::moe::decode_experts(cpu, &xs, m, &self.route()).data
     }
 }

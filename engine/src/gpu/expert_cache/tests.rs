@@ -20,9 +20,9 @@ fn fixture(name: &str) -> CpuWeights {
     CpuWeights::new(Arc::new(GgufFile::open(&path).expect("fixture")))
 }
 
-/// The fixture's first MoE block as the engine binds it (qwen3moe: softmax over the experts, the top
+/// The first MoE block of `w` (a qwen3moe file) as the engine binds it (softmax over the experts, the top
 /// four's weights normalized, SiLU), and its width.
-fn first_moe(w: &CpuWeights) -> (Moe, usize) {
+pub(crate) fn first_moe(w: &CpuWeights) -> (Moe, usize) {
     let layer = &expert_layers(w)[0];
     let id = |name: &str| {
         let i = w
