@@ -127,6 +127,17 @@ if [ "$PHASE" = ours ]; then
         for a in ${ADMISSIONS:-}; do
             bench "$m ${BUDGET}MiB NEW tg64 --expert-admissions $a" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-admissions $a
         done
+        # VARIANTS: flag sets separated by ';' (e.g. "--expert-noise-margin 0;--expert-uploads 0"), each
+        # run as a tg$VGEN (default 128) beside the default's tg$VGEN, alternating ROUNDS times.
+        if [ -n "${VARIANTS:-}" ]; then
+            IFS=';' read -ra VS <<< "$VARIANTS"
+            for round in $(seq ${ROUNDS:-1}); do
+                bench "$m ${BUDGET}MiB NEW tg${VGEN:-128} (defaults)" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen ${VGEN:-128} --reps 2 --no-expert-profile
+                for v in "${VS[@]}"; do
+                    bench "$m ${BUDGET}MiB NEW tg${VGEN:-128} $v" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen ${VGEN:-128} --reps 2 --no-expert-profile $v
+                done
+            done
+        fi
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
     done
@@ -173,6 +184,8 @@ if [ "$PHASE" = ours ]; then
         # SERVER_THREADS: the engine's --threads in the run config (the server's own threads beside the
         # CPU share's spinning workers).
         [ -n "${SERVER_THREADS:-}" ] && X="$X, \"--threads\", \"$SERVER_THREADS\""
+        # SERVER_ARGS: more engine arguments for the run config, as JSON strings ('"--expert-uploads", "0"').
+        [ -n "${SERVER_ARGS:-}" ] && X="$X, $SERVER_ARGS"
         cat > $H/strata-$m-8gb-$lu.json <<J
 {"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RESERVE", "--no-expert-profile"$X], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-8gb-$lu"}
 J

@@ -10,7 +10,7 @@ mod run;
 mod synth;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::{Admissions, MissingExperts, Placement};
+use poly_engine::gpu::{AdmissionRule, Admissions, MissingExperts, Placement};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -109,6 +109,19 @@ pub struct PlacementArgs {
     /// (`all`), or only those copied on demand (`card`: no admission crosses the bus).
     #[arg(long, value_enum, default_value_t = Admissions::All)]
     expert_admissions: Admissions,
+    /// Decay per token of the routing scores admissions compare (above 0, below 1).
+    #[arg(long, value_name = "D", default_value_t = AdmissionRule::default().decay,
+          value_parser = parse_decay)]
+    expert_decay: f32,
+    /// How much higher than its victim's a newcomer's score must be, before the noise part.
+    #[arg(long, value_name = "M", default_value_t = AdmissionRule::default().margin,
+          value_parser = parse_at_least_zero)]
+    expert_margin: f32,
+    /// The noise part of that margin, in standard deviations of the two scores' difference (0: the
+    /// fixed margin alone, which admits on almost every miss when routing does not change).
+    #[arg(long, value_name = "Z", default_value_t = AdmissionRule::default().noise_margin,
+          value_parser = parse_at_least_zero)]
+    expert_noise_margin: f32,
     /// Neither read nor write the expert profile (`<model>.poly-profile.json`).
     #[arg(long)]
     no_expert_profile: bool,
@@ -123,6 +136,20 @@ pub struct PlacementArgs {
     missing_experts: MissingExperts,
 }
 
+fn parse_decay(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(d) if d > 0.0 && d < 1.0 => Ok(d),
+        _ => Err(format!("a number above 0 and below 1, not {s:?}")),
+    }
+}
+
+fn parse_at_least_zero(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(m) if m >= 0.0 && m.is_finite() => Ok(m),
+        _ => Err(format!("a number ≥ 0, not {s:?}")),
+    }
+}
+
 impl PlacementArgs {
     /// The placement for sequences of `n_ctx` tokens (0: the model's training context) read in forward
     /// calls of at most `call_tokens`.
@@ -132,6 +159,11 @@ impl PlacementArgs {
             expert_budget: self.expert_budget_mib.map(|m| m.saturating_mul(1 << 20)),
             uploads_per_layer: self.expert_uploads,
             admissions: self.expert_admissions,
+            admission_rule: AdmissionRule {
+                decay: self.expert_decay,
+                margin: self.expert_margin,
+                noise_margin: self.expert_noise_margin,
+            },
             n_ctx,
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,

@@ -48,6 +48,7 @@ use crate::state::{KvPrecision, SeqState};
 use expert_cache::placement::{cache_bytes, default_reserve, state_bytes};
 pub use expert_cache::placement::{Admissions, MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
+pub use expert_cache::AdmissionRule;
 use expert_cache::{CacheStats, ExpertCache};
 
 use forward::GpuForward;
@@ -279,7 +280,7 @@ impl GpuBackend {
         cache
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
-        cache.set_uploads_per_layer(p.uploads_per_layer, p.admissions);
+        cache.set_uploads_per_layer(p.uploads_per_layer, p.admissions, p.admission_rule);
         cache
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;

@@ -60,6 +60,8 @@ pub struct Session<'a, W: Write> {
     pub(super) in_flight: Option<ConversationInfo>,
     quitting: bool,
     totals: Totals,
+    /// The placement's settings that differ from the defaults, echoed in READY with the knobs.
+    placement_echo: Vec<(String, String)>,
 }
 
 impl<'a, W: Write> Session<'a, W> {
@@ -107,6 +109,11 @@ impl<'a, W: Write> Session<'a, W> {
             inputs,
             out,
             running: None,
+            placement_echo: if model.on_gpu() {
+                opts.placement.non_default()
+            } else {
+                Vec::new()
+            },
             in_flight: None,
             quitting: false,
             totals: Totals::default(),
@@ -135,7 +142,10 @@ impl<'a, W: Write> Session<'a, W> {
     pub fn run(&mut self, model_path: &Path, experts_total: u64) -> std::io::Result<()> {
         let info = self.model.info();
         let ready = Ready {
-            knobs: crate::knobs::in_force_non_default(),
+            knobs: crate::knobs::in_force_non_default()
+                .into_iter()
+                .chain(self.placement_echo.iter().cloned())
+                .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
             arch: info.arch.to_string(),

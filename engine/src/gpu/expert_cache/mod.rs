@@ -40,6 +40,7 @@ use poly_models::compute::WeightId;
 use crate::cpu::CpuWeights;
 use layout::ExpertLayer;
 pub use placement::{Admissions, MissingExperts};
+pub use policy::AdmissionRule;
 use policy::{CachePolicy, ExpertKey, PolicyStats};
 use profile::ExpertProfile;
 
@@ -129,6 +130,8 @@ pub struct ExpertCache {
     pending: Vec<Pending>,
     /// Uploads the policy may start per layer and token (0: the cache is frozen).
     uploads_per_layer: usize,
+    /// When a missing expert replaces a resident one (kept across refills).
+    rule: AdmissionRule,
     /// Which missing experts those uploads take.
     admissions: Admissions,
     /// The layer whose tables point at scratch slots until [`ExpertCache::finish_layer`].
@@ -234,6 +237,7 @@ impl ExpertCache {
             policy: CachePolicy::new(&counts, 0),
             pending: Vec::new(),
             uploads_per_layer: 0,
+            rule: AdmissionRule::default(),
             admissions: Admissions::All,
             staged: None,
             prefetch: None,
@@ -337,11 +341,13 @@ impl ExpertCache {
         self.holds_all() || (self.reads_mapped() && self.pending.is_empty())
     }
 
-    /// Uploads the policy may start per layer and token (0 freezes the cache), and which missing experts
-    /// they take.
-    pub fn set_uploads_per_layer(&mut self, n: usize, admissions: Admissions) {
+    /// Uploads the policy may start per layer and token (0 freezes the cache), which missing experts
+    /// they take, and when one replaces a resident expert.
+    pub fn set_uploads_per_layer(&mut self, n: usize, admissions: Admissions, rule: AdmissionRule) {
         self.uploads_per_layer = n;
         self.admissions = admissions;
+        self.rule = rule;
+        self.policy.set_rule(rule);
     }
 
     /// The profile to add routings to (and save at `path`).
@@ -397,6 +403,7 @@ impl ExpertCache {
         self.pool = None;
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.n_expert).collect();
         self.policy = CachePolicy::new(&sizes, 0);
+        self.policy.set_rule(self.rule);
         let total: usize = sizes.iter().sum();
         let mut want = n_slots.min(total);
         // An allocation that fails gives fewer slots, not an error.
@@ -411,6 +418,7 @@ impl ExpertCache {
             }
         };
         self.policy = CachePolicy::new(&sizes, want);
+        self.policy.set_rule(self.rule);
         self.pool = pool;
         // The figures count from here (not the warm-up read's routings).
         self.stats = CacheStats::default();

@@ -5,12 +5,13 @@
 //! reserve (`--vram-reserve-mib`, default a 32nd of the card clamped to
 //! 256–768 MiB). `--expert-budget-mib` sets the cache's size instead (still no more than what is free).
 
+use super::policy::AdmissionRule;
 use poly_models::arch::StateSpec;
 
 const MIB: usize = 1 << 20;
 
 /// The placement flags.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Placement {
     /// VRAM left free, MiB (`None`: [`default_reserve`]).
     pub reserve_mib: Option<usize>,
@@ -20,6 +21,8 @@ pub struct Placement {
     pub uploads_per_layer: usize,
     /// Which of a token's missing experts those uploads may take.
     pub admissions: Admissions,
+    /// When a missing expert replaces a resident one.
+    pub admission_rule: AdmissionRule,
     /// The context the sequences will have (0: the model's training context).
     pub n_ctx: usize,
     /// Don't read or write the expert profile beside the model.
@@ -74,6 +77,43 @@ impl Placement {
             uploads_per_layer: Self::DEFAULT_UPLOADS_PER_LAYER,
             ..Placement::default()
         }
+    }
+
+    /// The settings that differ from the command line's defaults, by flag name without `--` (READY
+    /// echoes them beside the execution knobs).
+    pub fn non_default(&self) -> Vec<(String, String)> {
+        let d = Placement::new();
+        let mut out = Vec::new();
+        let mut put = |changed: bool, flag: &str, value: String| {
+            if changed {
+                out.push((flag.to_string(), value));
+            }
+        };
+        put(
+            self.uploads_per_layer != d.uploads_per_layer,
+            "expert-uploads",
+            self.uploads_per_layer.to_string(),
+        );
+        put(
+            self.admissions != d.admissions,
+            "expert-admissions",
+            format!("{:?}", self.admissions).to_lowercase(),
+        );
+        let (r, dr) = (self.admission_rule, d.admission_rule);
+        put(r.decay != dr.decay, "expert-decay", r.decay.to_string());
+        put(r.margin != dr.margin, "expert-margin", r.margin.to_string());
+        put(
+            r.noise_margin != dr.noise_margin,
+            "expert-noise-margin",
+            r.noise_margin.to_string(),
+        );
+        put(
+            self.missing_experts != d.missing_experts,
+            "missing-experts",
+            format!("{:?}", self.missing_experts).to_lowercase(),
+        );
+        put(self.staging_only, "expert-staging-only", "on".into());
+        out
     }
 }
 
@@ -176,5 +216,29 @@ mod tests {
         assert_eq!(cache_bytes(&p, 10 << 30, total, 1 << 30), 0);
         // Nothing free: nothing, never an underflow.
         assert_eq!(cache_bytes(&Placement::new(), 1 << 20, total, 1 << 30), 0);
+    }
+
+    #[test]
+    fn only_changed_settings_are_echoed() {
+        assert!(Placement::new().non_default().is_empty());
+        let p = Placement {
+            uploads_per_layer: 0,
+            admissions: Admissions::Card,
+            admission_rule: AdmissionRule {
+                noise_margin: 0.0,
+                ..AdmissionRule::default()
+            },
+            missing_experts: MissingExperts::Cpu,
+            ..Placement::new()
+        };
+        let echoed: Vec<(String, String)> = p.non_default();
+        let want = [
+            ("expert-uploads", "0"),
+            ("expert-admissions", "card"),
+            ("expert-noise-margin", "0"),
+            ("missing-experts", "cpu"),
+        ]
+        .map(|(a, b)| (a.to_string(), b.to_string()));
+        assert_eq!(echoed, want);
     }
 }

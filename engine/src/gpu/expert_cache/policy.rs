@@ -6,8 +6,9 @@
 //! - picks the initial set from counts (a profile or a warm-up read): the highest counts win;
 //! - follows the answer: [`CachePolicy::plan`] admits at most a bounded number of missing experts per layer
 //!   and token, each into a free slot or in place of the resident expert of the lowest score (older last
-//!   use breaking ties), only when the newcomer scores higher by a margin and the victim is not routed by
-//!   the token being computed;
+//!   use breaking ties), only when the newcomer scores higher by a margin ([`AdmissionRule`]: a fixed part
+//!   and a part in units of the two scores' sampling noise) and the victim is not routed by the token
+//!   being computed;
 //! - a slot being filled is [`SlotState::Loading`]: its expert is not resident (not computed on the card)
 //!   until [`CachePolicy::complete`] says its copy finished.
 
@@ -35,6 +36,46 @@ pub struct Upload {
     pub victim: Option<ExpertKey>,
 }
 
+/// When a missing expert may replace a resident one (`--expert-decay`, `--expert-margin`,
+/// `--expert-noise-margin`).
+///
+/// A score is a decayed count: an expert routed at a steady rate `p` per token scores `p / (1 − d)` on
+/// average, with a variance of about that mean over `1 + d`. With thousands of residents the coldest one
+/// scores near zero by chance alone, and an expert routed once a moment ago scores about 1: a fixed
+/// margin below that admits on every miss, though on routing that does not change the newcomer is no
+/// likelier than its victim — a copy over the bus and through host memory (which the CPU's share of
+/// the same token competes for) that buys nothing. The noise part asks the difference to stand out of
+/// the two scores' noise by `noise_margin` standard deviations, so admissions follow routing that
+/// changes and stop where it does not.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdmissionRule {
+    /// Decay of the scores per token (0 < d < 1; half-life `ln 2 / −ln d` tokens).
+    pub decay: f32,
+    /// A newcomer must score this much above its victim ...
+    pub margin: f32,
+    /// ... plus this many standard deviations of the difference of the two scores.
+    pub noise_margin: f32,
+}
+
+impl Default for AdmissionRule {
+    fn default() -> Self {
+        AdmissionRule {
+            decay: 0.98,
+            margin: 0.5,
+            noise_margin: 1.5,
+        }
+    }
+}
+
+impl AdmissionRule {
+    /// Whether a newcomer scoring `newcomer` may replace a resident scoring `victim`. The bar rises
+    /// with `victim`, so one that beats no bound below every resident's score beats no resident.
+    pub fn admits(&self, newcomer: f32, victim: f32) -> bool {
+        let noise = ((newcomer + victim).max(0.0) / (1.0 + self.decay)).sqrt();
+        newcomer > victim + self.margin + self.noise_margin * noise
+    }
+}
+
 /// Counts the cache reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PolicyStats {
@@ -57,9 +98,7 @@ pub struct CachePolicy {
     counts: Vec<Vec<u64>>,
     /// Tokens seen, per layer.
     tick: Vec<u64>,
-    decay: f32,
-    /// How much higher a newcomer's score must be than its victim's.
-    margin: f32,
+    rule: AdmissionRule,
     uploads: u64,
     evictions: u64,
     /// Slots in [`SlotState::Free`] and in [`SlotState::Holds`], kept by [`CachePolicy::set`] (asked per
@@ -76,11 +115,6 @@ pub struct CachePolicy {
 }
 
 impl CachePolicy {
-    /// Decay of the scores per token.
-    pub const DEFAULT_DECAY: f32 = 0.98;
-    /// A newcomer must score this much above its victim.
-    pub const DEFAULT_MARGIN: f32 = 0.5;
-
     /// A cache of `n_slots` empty slots over layers of `experts_per_layer[l]` experts.
     pub fn new(experts_per_layer: &[usize], n_slots: usize) -> CachePolicy {
         CachePolicy {
@@ -90,8 +124,7 @@ impl CachePolicy {
             last_use: experts_per_layer.iter().map(|&n| vec![0; n]).collect(),
             counts: experts_per_layer.iter().map(|&n| vec![0; n]).collect(),
             tick: vec![0; experts_per_layer.len()],
-            decay: Self::DEFAULT_DECAY,
-            margin: Self::DEFAULT_MARGIN,
+            rule: AdmissionRule::default(),
             uploads: 0,
             evictions: 0,
             n_free: n_slots,
@@ -101,9 +134,15 @@ impl CachePolicy {
         }
     }
 
+    /// Admissions decided by `rule` from here on (the scores kept, taken as decayed by the new rate).
+    pub fn set_rule(&mut self, rule: AdmissionRule) {
+        self.rule = rule;
+        self.coldest = None;
+    }
+
     /// Decay per token.
     pub fn decay(&self) -> f32 {
-        self.decay
+        self.rule.decay
     }
 
     /// Layers.
@@ -197,7 +236,7 @@ impl CachePolicy {
         let Some(scores) = self.score.get_mut(layer) else {
             return;
         };
-        let d = self.decay.powi(tokens.min(i32::MAX as usize) as i32);
+        let d = self.rule.decay.powi(tokens.min(i32::MAX as usize) as i32);
         scores.iter_mut().for_each(|s| *s *= d);
         self.tick[layer] += tokens as u64;
         let now = self.tick[layer];
@@ -238,7 +277,7 @@ impl CachePolicy {
             if self.n_free == 0
                 && self
                     .coldest_bound()
-                    .is_some_and(|b| score <= b + self.margin)
+                    .is_some_and(|b| !self.rule.admits(score, b))
             {
                 // No resident expert scores low enough for this one to replace it.
                 break;
@@ -252,7 +291,7 @@ impl CachePolicy {
                 Some(free) => Some((free, None)),
                 None => self.victim(layer, in_use).and_then(|(slot, victim)| {
                     let vs = self.score[victim.layer][victim.expert];
-                    (score > vs + self.margin).then_some((slot, Some(victim)))
+                    self.rule.admits(score, vs).then_some((slot, Some(victim)))
                 }),
             };
             let Some((slot, victim)) = slot else {
@@ -286,7 +325,7 @@ impl CachePolicy {
             .map(|(now, then)| now.saturating_sub(*then))
             .max()
             .unwrap_or(0);
-        Some(lowest * self.decay.powi(since.min(i32::MAX as u64) as i32))
+        Some(lowest * self.rule.decay.powi(since.min(i32::MAX as u64) as i32))
     }
 
     /// The resident expert of the lowest score (then the oldest last use), not among `in_use` of `layer`;
@@ -479,54 +518,57 @@ mod tests {
     #[test]
     fn the_coldest_bound_changes_no_decision() {
         let (layers, experts, slots) = (4, 32, 40);
-        let run = |bounded: bool| {
-            let mut p = CachePolicy::new(&vec![experts; layers], slots);
-            for (slot, k) in p
-                .initial_set(&vec![vec![1; experts]; layers])
-                .into_iter()
-                .enumerate()
-            {
-                p.place(slot, k);
-            }
-            let mut state = 12345u64;
-            let mut next = move |n: usize| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                // Skewed: the square of a uniform draw favours low ids.
-                let u = ((state >> 33) as f64) / (1u64 << 31) as f64;
-                ((u * u) * n as f64) as usize
-            };
-            let mut planned = Vec::new();
-            for _token in 0..300 {
-                for layer in 0..layers {
-                    let mut routed: Vec<usize> = (0..4).map(|_| next(experts)).collect();
-                    routed.sort_unstable();
-                    routed.dedup();
-                    p.record(layer, &routed, 1);
-                    if !bounded {
-                        p.coldest = None;
-                    }
-                    let missing: Vec<usize> = routed
-                        .iter()
-                        .copied()
-                        .filter(|&e| p.resident(key(layer, e)).is_none())
-                        .collect();
-                    for u in p.plan(layer, &missing, &routed, 2) {
-                        p.complete(u.slot);
-                        planned.push(u);
+        for (rule, least) in [(EAGER, 50), (AdmissionRule::default(), 20)] {
+            let run = |bounded: bool| {
+                let mut p = CachePolicy::new(&vec![experts; layers], slots);
+                p.set_rule(rule);
+                for (slot, k) in p
+                    .initial_set(&vec![vec![1; experts]; layers])
+                    .into_iter()
+                    .enumerate()
+                {
+                    p.place(slot, k);
+                }
+                let mut state = 12345u64;
+                let mut next = move |n: usize| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    // Skewed: the square of a uniform draw favours low ids.
+                    let u = ((state >> 33) as f64) / (1u64 << 31) as f64;
+                    ((u * u) * n as f64) as usize
+                };
+                let mut planned = Vec::new();
+                for _token in 0..300 {
+                    for layer in 0..layers {
+                        let mut routed: Vec<usize> = (0..4).map(|_| next(experts)).collect();
+                        routed.sort_unstable();
+                        routed.dedup();
+                        p.record(layer, &routed, 1);
+                        if !bounded {
+                            p.coldest = None;
+                        }
+                        let missing: Vec<usize> = routed
+                            .iter()
+                            .copied()
+                            .filter(|&e| p.resident(key(layer, e)).is_none())
+                            .collect();
+                        for u in p.plan(layer, &missing, &routed, 2) {
+                            p.complete(u.slot);
+                            planned.push(u);
+                        }
                     }
                 }
-            }
-            planned
-        };
-        let (with, without) = (run(true), run(false));
-        assert!(
-            with.len() > 50,
-            "{} uploads: the run admitted too little",
-            with.len()
-        );
-        assert_eq!(with, without);
+                planned
+            };
+            let (with, without) = (run(true), run(false));
+            assert!(
+                with.len() > least,
+                "{rule:?}: {} uploads: the run admitted too little",
+                with.len()
+            );
+            assert_eq!(with, without);
+        }
     }
 
     #[test]
@@ -550,6 +592,7 @@ mod tests {
     #[test]
     fn of_two_experts_routed_as_often_the_older_use_goes() {
         let mut p = CachePolicy::new(&[4], 2);
+        p.set_rule(EAGER);
         p.place(0, key(0, 0));
         p.place(1, key(0, 1));
         p.record(0, &[0], 1);
@@ -600,5 +643,222 @@ mod tests {
         assert_eq!(p.slot(0), SlotState::Free);
         assert_eq!(p.resident(key(0, 2)), None);
         assert_eq!(p.plan(0, &[2], &[2], 1).len(), 1);
+    }
+
+    /// Routing drawn per layer from a fixed distribution that a "topic change" swaps for a new one.
+    struct Routing {
+        state: u64,
+        /// `[layer][expert]`: cumulative probabilities.
+        cdf: Vec<Vec<f64>>,
+        skew: f64,
+    }
+
+    impl Routing {
+        fn new(layers: usize, experts: usize, skew: f64, seed: u64) -> Routing {
+            let mut r = Routing {
+                state: seed,
+                cdf: vec![vec![0.0; experts]; layers],
+                skew,
+            };
+            for l in 0..layers {
+                r.topic(l, 1.0);
+            }
+            r
+        }
+
+        fn uniform(&mut self) -> f64 {
+            self.state = self
+                .state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.state >> 11) as f64) / (1u64 << 53) as f64
+        }
+
+        /// Moves `share` of layer `l`'s routing to a new random ranking of its experts (1: all).
+        fn topic(&mut self, l: usize, share: f64) {
+            let n = self.cdf[l].len();
+            let mut rank: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                let j = (self.uniform() * (i + 1) as f64) as usize;
+                rank.swap(i, j.min(i));
+            }
+            let w: Vec<f64> = (0..n)
+                .map(|i| (-6.0 * self.skew * i as f64 / n as f64).exp())
+                .collect();
+            let total: f64 = w.iter().sum();
+            let old = self.probabilities(l);
+            let mut acc = 0.0;
+            for e in 0..n {
+                acc += (1.0 - share) * old[e] + share * w[rank[e]] / total;
+                self.cdf[l][e] = acc;
+            }
+        }
+
+        fn probabilities(&self, l: usize) -> Vec<f64> {
+            let c = &self.cdf[l];
+            (0..c.len())
+                .map(|e| c[e] - if e > 0 { c[e - 1] } else { 0.0 })
+                .collect()
+        }
+
+        /// `k` distinct experts of layer `l`.
+        fn route(&mut self, l: usize, k: usize) -> Vec<usize> {
+            let mut out = Vec::with_capacity(k);
+            while out.len() < k {
+                let u = self.uniform() * self.cdf[l].last().copied().unwrap_or(1.0);
+                let e = self.cdf[l]
+                    .partition_point(|&c| c < u)
+                    .min(self.cdf[l].len() - 1);
+                if !out.contains(&e) {
+                    out.push(e);
+                }
+            }
+            out
+        }
+    }
+
+    /// What a rule does over a run: the share of routings found resident, the misses and the uploads
+    /// per token, over the tokens after `warm`.
+    #[derive(Debug)]
+    struct Followed {
+        hit: f64,
+        misses: f64,
+        uploads: f64,
+    }
+
+    /// `tokens` tokens of `layers` × `experts` (8 used), 30% of the experts in slots, placed from the
+    /// routing's true probabilities (a profile); a topic change every `change_every` tokens moves
+    /// half of each layer's routing; `rule` None freezes the cache, else 2 uploads per layer and token.
+    fn follow(
+        (layers, experts, skew): (usize, usize, f64),
+        rule: Option<AdmissionRule>,
+        (tokens, warm, change_every): (usize, usize, usize),
+    ) -> Followed {
+        let mut routing = Routing::new(layers, experts, skew, 7);
+        let mut p = CachePolicy::new(&vec![experts; layers], layers * experts * 3 / 10);
+        p.set_rule(rule.unwrap_or_default());
+        let counts: Vec<Vec<u64>> = (0..layers)
+            .map(|l| {
+                let pr = routing.probabilities(l);
+                pr.iter().map(|&x| (x * 1e6) as u64).collect()
+            })
+            .collect();
+        for (slot, k) in p.initial_set(&counts).into_iter().enumerate() {
+            p.place(slot, k);
+        }
+        let (mut hits, mut misses, mut uploads) = (0u64, 0u64, 0u64);
+        for t in 0..tokens {
+            if change_every > 0 && t > 0 && t % change_every == 0 {
+                (0..layers).for_each(|l| routing.topic(l, 0.5));
+            }
+            for l in 0..layers {
+                let routed = routing.route(l, 8);
+                p.record(l, &routed, 1);
+                let mut missing: Vec<usize> = routed
+                    .iter()
+                    .copied()
+                    .filter(|&e| p.resident(key(l, e)).is_none())
+                    .collect();
+                let ups = match rule {
+                    Some(_) => {
+                        p.sort_by_score(l, &mut missing);
+                        p.plan(l, &missing, &routed, 2)
+                    }
+                    None => Vec::new(),
+                };
+                ups.iter().for_each(|u| p.complete(u.slot));
+                if t >= warm {
+                    hits += (routed.len() - missing.len()) as u64;
+                    misses += missing.len() as u64;
+                    uploads += ups.len() as u64;
+                }
+            }
+        }
+        let n = (tokens - warm) as f64;
+        Followed {
+            hit: hits as f64 / (hits + misses) as f64,
+            misses: misses as f64 / n,
+            uploads: uploads as f64 / n,
+        }
+    }
+
+    const EAGER: AdmissionRule = AdmissionRule {
+        decay: 0.98,
+        margin: 0.5,
+        noise_margin: 0.0,
+    };
+
+    #[test]
+    fn routing_that_does_not_change_is_not_churned() {
+        for skew in [0.0, 1.0] {
+            let shape = (4, 64, skew);
+            let run = (2500, 500, 0);
+            let frozen = follow(shape, None, run);
+            let eager = follow(shape, Some(EAGER), run);
+            let default = follow(shape, Some(AdmissionRule::default()), run);
+            assert!(
+                default.uploads * 4.0 < eager.uploads,
+                "skew {skew}: {default:?} against the fixed margin's {eager:?}"
+            );
+            assert!(
+                default.hit > frozen.hit - 0.01,
+                "skew {skew}: {default:?} against the frozen cache's {frozen:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn routing_that_changes_is_followed() {
+        // Every 300 tokens half of every layer's routing moves to experts ranked anew.
+        let shape = (4, 64, 1.0);
+        let run = (3000, 300, 300);
+        let frozen = follow(shape, None, run);
+        let eager = follow(shape, Some(EAGER), run);
+        let default = follow(shape, Some(AdmissionRule::default()), run);
+        assert!(
+            default.hit > frozen.hit + 0.1 && default.hit > eager.hit - 0.03,
+            "{default:?} against frozen {frozen:?} and the fixed margin's {eager:?}"
+        );
+        assert!(
+            default.uploads < eager.uploads / 2.0,
+            "{default:?} against the fixed margin's {eager:?}"
+        );
+    }
+
+    /// The table of BENCHMARKS.md's admission rules: `cargo test --release -p poly-engine --lib
+    /// admission_rule_table -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn admission_rule_table() {
+        let rules: [(&str, Option<AdmissionRule>); 5] = [
+            ("frozen", None),
+            ("fixed margin 0.5 (before)", Some(EAGER)),
+            (
+                "+1.0 sd",
+                Some(AdmissionRule {
+                    noise_margin: 1.0,
+                    ..EAGER
+                }),
+            ),
+            ("+1.5 sd (default)", Some(AdmissionRule::default())),
+            (
+                "+2.5 sd",
+                Some(AdmissionRule {
+                    noise_margin: 2.5,
+                    ..EAGER
+                }),
+            ),
+        ];
+        for (layers, experts) in [(8, 128), (8, 256)] {
+            for (skew, change) in [(0.0, 0), (1.0, 0), (1.0, 300), (1.0, 100)] {
+                for (name, rule) in rules {
+                    let f = follow((layers, experts, skew), rule, (4000, 1000, change));
+                    println!(
+                        "| {layers}x{experts} | {skew} | {change} | {name} | {:.3} | {:.1} | {:.2} |",
+                        f.hit, f.misses, f.uploads
+                    );
+                }
+            }
+        }
     }
 }
