@@ -607,42 +607,54 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
     let dmin: [__m512; NT] = each!(|t| _mm512_mul_ps(xdmin, yd[t]));
     let mut tot = [zero; NT];
     let mut m = [zero; NT];
-    for g in 0..groups {
-        let mut a = [zero; NT];
+    // Two groups at once: sixteen independent `vpdpbusd` chains for eight activation rows (this core
+    // issues two a cycle at a latency of about four, so eight chains left half of it idle; 64 tokens of
+    // Q5_K 2048×768: see BENCHMARKS.md, issue 24). Integer sums, so the grouping changes no bit.
+    for g in (0..groups).step_by(2) {
+        let mut a0 = [zero; NT];
+        let mut a1 = [zero; NT];
         for k in 0..per_group {
-            let kk = g * per_group + k;
-            let w = _mm512_load_si512(tile.w[kk].as_ptr() as *const __m512i);
+            let k0 = g * per_group + k;
+            let k1 = k0 + per_group;
+            let w0 = _mm512_load_si512(tile.w[k0].as_ptr() as *const __m512i);
+            let w1 = _mm512_load_si512(tile.w[k1].as_ptr() as *const __m512i);
             for t in 0..NT {
-                let q8 = (ys[t].add(4 + 4 * kk) as *const i32).read_unaligned();
-                a[t] = _mm512_dpbusd_epi32(a[t], w, _mm512_set1_epi32(q8));
+                let q0 = (ys[t].add(4 + 4 * k0) as *const i32).read_unaligned();
+                let q1 = (ys[t].add(4 + 4 * k1) as *const i32).read_unaligned();
+                a0[t] = _mm512_dpbusd_epi32(a0[t], w0, _mm512_set1_epi32(q0));
+                a1[t] = _mm512_dpbusd_epi32(a1[t], w1, _mm512_set1_epi32(q1));
             }
         }
-        let s = _mm512_load_si512(tile.sc[g].as_ptr() as *const __m512i);
+        let s0 = _mm512_load_si512(tile.sc[g].as_ptr() as *const __m512i);
+        let s1 = _mm512_load_si512(tile.sc[g + 1].as_ptr() as *const __m512i);
         for t in 0..NT {
             tot[t] = if dpw {
-                _mm512_dpwssd_epi32(tot[t], a[t], s)
+                _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(tot[t], a0[t], s0), a1[t], s1)
             } else {
-                _mm512_add_epi32(tot[t], _mm512_mullo_epi32(a[t], s))
+                let p =
+                    _mm512_add_epi32(_mm512_mullo_epi32(a0[t], s0), _mm512_mullo_epi32(a1[t], s1));
+                _mm512_add_epi32(tot[t], p)
             };
         }
         if ORD == 2 {
-            // Sub-block g's minimum term, and after each pair of sub-blocks the pair's fused steps.
-            let pr = _mm512_load_si512(tile.pair[g].as_ptr() as *const __m512i);
+            // Sub-blocks g and g + 1's minimum terms, then the pair's fused steps.
+            let pr0 = _mm512_load_si512(tile.pair[g].as_ptr() as *const __m512i);
+            let pr1 = _mm512_load_si512(tile.pair[g + 1].as_ptr() as *const __m512i);
             for t in 0..NT {
-                let bs = (ys[t].add(260 + 4 * g) as *const i32).read_unaligned();
-                m[t] = _mm512_dpwssd_epi32(m[t], pr, _mm512_set1_epi32(bs));
+                let bs0 = (ys[t].add(260 + 4 * g) as *const i32).read_unaligned();
+                let bs1 = (ys[t].add(264 + 4 * g) as *const i32).read_unaligned();
+                m[t] = _mm512_dpwssd_epi32(m[t], pr0, _mm512_set1_epi32(bs0));
+                m[t] = _mm512_dpwssd_epi32(m[t], pr1, _mm512_set1_epi32(bs1));
             }
-            if g % 2 == 1 {
-                for t in 0..NT {
-                    let a = _mm512_loadu_ps(acc[t]);
-                    let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
-                    let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
-                    let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
-                    _mm512_storeu_ps(acc[t], a);
-                    _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
-                    tot[t] = zero;
-                    m[t] = zero;
-                }
+            for t in 0..NT {
+                let a = _mm512_loadu_ps(acc[t]);
+                let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
+                let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
+                let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
+                _mm512_storeu_ps(acc[t], a);
+                _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+                tot[t] = zero;
+                m[t] = zero;
             }
         }
     }
