@@ -103,6 +103,8 @@ PY
 }
 
 if [ "$PHASE" = ours ]; then
+    # An answer of GEN tokens by bench at the budget, with the flags that follow (model $m, file $F).
+    tg_with() { local gen=$1; shift; bench "$m ${BUDGET}MiB NEW tg$gen${*:+ $*}" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen $gen --reps 2 --no-expert-profile "$@"; }
     stamp "ours at ${BUDGET} MiB (reserve $RESERVE of $TOTAL MiB)"
     # BENCH=0: not the budget's bench runs (a call that measures the server alone).
     for m in $( [ "${BENCH:-1}" = 1 ] && echo $MODELS ); do
@@ -119,23 +121,17 @@ if [ "$PHASE" = ours ]; then
         case $m in q3u|q35s) bench "$m ${BUDGET}MiB NEW tg64 at the server's context" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --max-context 34000 ;; esac
         # UPLOADS: --expert-uploads values to run besides the default (the cache's admissions per layer
         # and token; 0 freezes the cache as placed).
-        for u in ${UPLOADS:-}; do
-            bench "$m ${BUDGET}MiB NEW tg64 --expert-uploads $u" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-uploads $u
-        done
+        for u in ${UPLOADS:-}; do tg_with 64 --expert-uploads $u; done
         # ADMISSIONS: --expert-admissions values to run besides the default (`card`: only experts copied
         # on demand are admitted, none over the bus).
-        for a in ${ADMISSIONS:-}; do
-            bench "$m ${BUDGET}MiB NEW tg64 --expert-admissions $a" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile --expert-admissions $a
-        done
+        for a in ${ADMISSIONS:-}; do tg_with 64 --expert-admissions $a; done
         # VARIANTS: flag sets separated by ';' (e.g. "--expert-noise-margin 0;--expert-uploads 0"), each
         # run as a tg$VGEN (default 128) beside the default's tg$VGEN, alternating ROUNDS times.
         if [ -n "${VARIANTS:-}" ]; then
             IFS=';' read -ra VS <<< "$VARIANTS"
             for round in $(seq ${ROUNDS:-1}); do
-                bench "$m ${BUDGET}MiB NEW tg${VGEN:-128} (defaults)" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen ${VGEN:-128} --reps 2 --no-expert-profile
-                for v in "${VS[@]}"; do
-                    bench "$m ${BUDGET}MiB NEW tg${VGEN:-128} $v" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen ${VGEN:-128} --reps 2 --no-expert-profile $v
-                done
+                tg_with ${VGEN:-128}
+                for v in "${VS[@]}"; do tg_with ${VGEN:-128} $v; done
             done
         fi
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile

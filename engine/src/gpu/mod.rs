@@ -280,7 +280,7 @@ impl GpuBackend {
         cache
             .fill(&self.dev, cpu, n_slots, &counts)
             .map_err(cuda_err)?;
-        cache.set_uploads_per_layer(p.uploads_per_layer, p.admissions, p.admission_rule);
+        cache.set_following(p.uploads_per_layer, p.admissions, p.admission_rule);
         cache
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;

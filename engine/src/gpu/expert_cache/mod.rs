@@ -341,9 +341,9 @@ impl ExpertCache {
         self.holds_all() || (self.reads_mapped() && self.pending.is_empty())
     }
 
-    /// Uploads the policy may start per layer and token (0 freezes the cache), which missing experts
-    /// they take, and when one replaces a resident expert.
-    pub fn set_uploads_per_layer(&mut self, n: usize, admissions: Admissions, rule: AdmissionRule) {
+    /// How the cache follows the answer: the uploads the policy may start per layer and token (0
+    /// freezes the cache), which missing experts they take, and when one replaces a resident expert.
+    pub fn set_following(&mut self, n: usize, admissions: Admissions, rule: AdmissionRule) {
         self.uploads_per_layer = n;
         self.admissions = admissions;
         self.rule = rule;

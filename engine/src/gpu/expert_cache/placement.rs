@@ -82,38 +82,44 @@ impl Placement {
     /// The settings that differ from the command line's defaults, by flag name without `--` (READY
     /// echoes them beside the execution knobs).
     pub fn non_default(&self) -> Vec<(String, String)> {
-        let d = Placement::new();
-        let mut out = Vec::new();
-        let mut put = |changed: bool, flag: &str, value: String| {
-            if changed {
-                out.push((flag.to_string(), value));
-            }
-        };
-        put(
-            self.uploads_per_layer != d.uploads_per_layer,
-            "expert-uploads",
-            self.uploads_per_layer.to_string(),
+        fn name(v: impl clap::ValueEnum) -> String {
+            v.to_possible_value()
+                .map_or_else(String::new, |p| p.get_name().to_string())
+        }
+        let (d, r, dr) = (
+            Placement::new(),
+            self.admission_rule,
+            AdmissionRule::default(),
         );
-        put(
-            self.admissions != d.admissions,
-            "expert-admissions",
-            format!("{:?}", self.admissions).to_lowercase(),
-        );
-        let (r, dr) = (self.admission_rule, d.admission_rule);
-        put(r.decay != dr.decay, "expert-decay", r.decay.to_string());
-        put(r.margin != dr.margin, "expert-margin", r.margin.to_string());
-        put(
-            r.noise_margin != dr.noise_margin,
-            "expert-noise-margin",
-            r.noise_margin.to_string(),
-        );
-        put(
-            self.missing_experts != d.missing_experts,
-            "missing-experts",
-            format!("{:?}", self.missing_experts).to_lowercase(),
-        );
-        put(self.staging_only, "expert-staging-only", "on".into());
-        out
+        [
+            (
+                self.uploads_per_layer != d.uploads_per_layer,
+                "expert-uploads",
+                self.uploads_per_layer.to_string(),
+            ),
+            (
+                self.admissions != d.admissions,
+                "expert-admissions",
+                name(self.admissions),
+            ),
+            (r.decay != dr.decay, "expert-decay", r.decay.to_string()),
+            (r.margin != dr.margin, "expert-margin", r.margin.to_string()),
+            (
+                r.noise_margin != dr.noise_margin,
+                "expert-noise-margin",
+                r.noise_margin.to_string(),
+            ),
+            (
+                self.missing_experts != d.missing_experts,
+                "missing-experts",
+                name(self.missing_experts),
+            ),
+            (self.staging_only, "expert-staging-only", "on".into()),
+        ]
+        .into_iter()
+        .filter(|(changed, ..)| *changed)
+        .map(|(_, flag, value)| (flag.to_string(), value))
+        .collect()
     }
 }
 

@@ -607,6 +607,18 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
     let dmin: [__m512; NT] = each!(|t| _mm512_mul_ps(xdmin, yd[t]));
     let mut tot = [zero; NT];
     let mut m = [zero; NT];
+    // The Q4_K orders' fused steps: row `t`'s sums (`tot`, `m`) scaled into its two accumulators.
+    macro_rules! fold_q4k {
+        ($t:expr) => {{
+            let t = $t;
+            let a = _mm512_loadu_ps(acc[t]);
+            let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
+            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
+            let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
+            _mm512_storeu_ps(acc[t], a);
+            _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+        }};
+    }
     // Two groups at once: sixteen independent `vpdpbusd` chains for eight activation rows (this core
     // issues two a cycle at a latency of about four, so eight chains left half of it idle; 64 tokens of
     // Q5_K 2048×768: see BENCHMARKS.md, issue 24). Integer sums, so the grouping changes no bit.
@@ -647,12 +659,7 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
                 m[t] = _mm512_dpwssd_epi32(m[t], pr1, _mm512_set1_epi32(bs1));
             }
             for t in 0..NT {
-                let a = _mm512_loadu_ps(acc[t]);
-                let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
-                let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
-                let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
-                _mm512_storeu_ps(acc[t], a);
-                _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+                fold_q4k!(t);
                 tot[t] = zero;
                 m[t] = zero;
             }
@@ -670,12 +677,7 @@ unsafe fn step<const K: u8, const ORD: u8, const NT: usize>(
     }
     for t in 0..NT {
         if ORD == 1 {
-            let a = _mm512_loadu_ps(acc[t]);
-            let am = _mm512_loadu_ps(acc[t].add(TILE_ROWS));
-            let a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[t]), d[t], a);
-            let am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m[t]), dmin[t], am);
-            _mm512_storeu_ps(acc[t], a);
-            _mm512_storeu_ps(acc[t].add(TILE_ROWS), am);
+            fold_q4k!(t);
             continue;
         }
         let total = match K {
