@@ -60,7 +60,8 @@ if [ "$PHASE" = prep ]; then
     grep -hE "routing|wrote" $R/synth-*.txt | tee -a "$S"
     stamp "correctness"
     # TESTS=0: a stay that measures only (the binaries' tests passed on this build before).
-    [ "${TESTS:-1}" = 1 ] && for t in gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops cuda_fused; do
+    # TEST_BINS: which of them (default: all).
+    [ "${TESTS:-1}" = 1 ] && for t in ${TEST_BINS:-gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops cuda_fused}; do
         [ -x /tmp/bin/$t ] || continue
         timeout 200 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
         echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a "$S"
@@ -131,6 +132,7 @@ if [ "$PHASE" = ours ]; then
             IFS=';' read -ra VS <<< "$VARIANTS"
             for round in $(seq ${ROUNDS:-1}); do
                 tg_with ${VGEN:-128}
+                # shellcheck disable=SC2086 # a flag set, split on purpose
                 for v in "${VS[@]}"; do tg_with ${VGEN:-128} $v; done
             done
         fi
@@ -164,9 +166,32 @@ if [ "$PHASE" = ours ]; then
         case " ${EXTRAS:-card rayon onecall} " in *" onecall "*) ;; *) continue ;; esac
         bench "$m ${BUDGET}MiB NEW pp8000 one call" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 8000 --gen 0 --reps 1 --ubatch 8000 --no-expert-profile
     done
+    fi
+    # FULL: every weight in VRAM (default: unless LEAN=1); FULL_VARIANTS: flag sets separated by ';' run
+    # beside the default there, alternating ROUNDS times.
+    if [ "${FULL:-$([ "${LEAN:-0}" = 1 ] && echo 0 || echo 1)}" = 1 ]; then
     stamp "ours, every weight in VRAM"
-    for m in q3u q35s; do
-        bench "$m full pp512 tg128" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
+    IFS=';' read -ra FVS <<< "${FULL_VARIANTS:-}"
+    for m in ${FULL_MODELS:-q3u q35s}; do
+        for round in $(seq ${ROUNDS:-1}); do
+            bench "$m full pp512 tg128" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
+            for v in "${FVS[@]}"; do
+                # shellcheck disable=SC2086 # a flag set, split on purpose
+                bench "$m full pp512 tg128 $v" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2 $v
+            done
+        done
+    done
+    fi
+    # GREEDY=1: the model's own greedy answer (`poly-engine run`, 40 prompt tokens, 128 written) at the
+    # budget and the server's context beside bench's random tokens there: what the server writes.
+    if [ "${GREEDY:-0}" = 1 ]; then
+    for m in ${SERVER_MODELS:-q35s q3u}; do
+        F=/dev/shm/m/$m.gguf
+        bench "$m ${BUDGET}MiB NEW tg128 at the server's context" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 128 --reps 2 --no-expert-profile --max-context 34000
+        IDS=$(seq 1000 7 1273 | paste -sd,)
+        timeout 120 $E run --model $F --gpu 0 --vram-reserve-mib $RESERVE --n-ctx 34000 --no-expert-profile --prompt-tokens $IDS --max-tokens 128 --top 1 --ignore-eos > $R/run.txt 2> $R/run.err
+        echo "  $m ${BUDGET}MiB poly-engine run, greedy, 40 prompt tokens, 128 written, context 34000: rc=$? $(grep -E "generated" $R/run.err | tail -2 | tr '\n' ' ')" | tee -a "$S"
+        cp $R/run.err $OUT/run-$m.err
     done
     fi
     [ "${SERVER:-1}" = 1 ] || { stamp done; exit 0; }

@@ -5,6 +5,7 @@ static __device__ __forceinline__ float silu(float x) {
 }
 
 extern "C" __global__ void silu_f32(const float * __restrict__ x, float * __restrict__ out, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out[i] = silu(x[i]);
@@ -13,6 +14,7 @@ extern "C" __global__ void silu_f32(const float * __restrict__ x, float * __rest
 
 // out may alias gate.
 extern "C" __global__ void swiglu_f32(const float * gate, const float * __restrict__ up, float * out, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out[i] = silu(gate[i]) * up[i];
@@ -36,6 +38,7 @@ static __device__ __forceinline__ float gelu_ggml(float x) {
 }
 
 extern "C" __global__ void gelu_f32(const float * __restrict__ x, float * __restrict__ out, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out[i] = gelu_ggml(x[i]);
@@ -44,6 +47,7 @@ extern "C" __global__ void gelu_f32(const float * __restrict__ x, float * __rest
 
 // out may alias gate.
 extern "C" __global__ void geglu_f32(const float * gate, const float * __restrict__ up, float * out, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out[i] = gelu_ggml(gate[i]) * up[i];
@@ -52,6 +56,7 @@ extern "C" __global__ void geglu_f32(const float * gate, const float * __restric
 
 // x = cap * tanh(x / cap) in place (Gemma's final logit softcapping).
 extern "C" __global__ void softcap_f32(float * x, float cap, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         x[i] = cap * tanhf(x[i] / cap);

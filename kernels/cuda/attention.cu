@@ -33,6 +33,7 @@ struct AttnArgs {
 extern "C" __global__ void attn_f16(const float * __restrict__ q, const int32_t * __restrict__ positions,
                                     const uint16_t * __restrict__ k, const uint16_t * __restrict__ v,
                                     float * __restrict__ out, float * __restrict__ partial, AttnArgs a) {
+    launch_prologue();
     extern __shared__ float smem[];
     const int warps = blockDim.y;
     const int rows_per_block = warps * ATT_ROWS_PER_WARP;
@@ -198,6 +199,7 @@ extern "C" __global__ void attn_f16(const float * __restrict__ q, const int32_t 
 // blocks; block: 128 threads over the dv dimensions.
 extern "C" __global__ void attn_reduce(const float * __restrict__ partial, float * __restrict__ out, int n_rows,
                                        int dv, int n_split) {
+    launch_prologue();
     const int64_t o = blockIdx.x;
     float big = -POLY_INF;
     for (int s = 0; s < n_split; ++s) {
@@ -273,6 +275,7 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
     attn_decode_f16(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
                     uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
                     float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {
+    launch_prologue();
     __shared__ float acc_s[ATD_THREADS * 8 * ATD_MAX_G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
     __shared__ float ml_s[32 * ATD_MAX_G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
     const int tid = threadIdx.x;
@@ -467,6 +470,7 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
 // stride over the splits and sum through shared memory.
 extern "C" __global__ void __launch_bounds__(256)
     attn_decode_reduce(const float * __restrict__ partial, float * __restrict__ out, int n_head, int d, int n_split) {
+    launch_prologue();
     __shared__ float w_s[ATD_MAX_SPLIT];
     __shared__ float num_s[8][33];
     __shared__ float red[32];

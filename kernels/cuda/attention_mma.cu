@@ -227,7 +227,7 @@ static __device__ __forceinline__ void attn_mma(const float * __restrict__ q, co
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * FA_WARPS)                                         \
         attn_mma_##D(const float * __restrict__ q, const int32_t * __restrict__ positions,                     \
                      const uint16_t * __restrict__ k, const uint16_t * __restrict__ v, float * __restrict__ out, \
-                     FaArgs a) {                                                                               \
+                     FaArgs a) { launch_prologue();                                                            \
         attn_mma<D, KT>(q, positions, k, v, out, a);                                                           \
     }
 

@@ -17,6 +17,17 @@ typedef unsigned long long uint64_t;
 // +infinity (NVRTC has no math.h for INFINITY).
 #define POLY_INF __int_as_float(0x7f800000)
 
+// The first statement of every kernel (kernels/src/cuda/launch.rs says why; a source test checks it): wait
+// until the kernel before this one on the stream has completed and its writes are visible, then let the
+// kernel after this one be scheduled, so its launch overlaps this kernel's work. Before sm_90, and for a
+// launch made without the programmatic attribute, the wait returns at once (stream order already holds).
+static __device__ __forceinline__ void launch_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // f16 bits -> f32 (exact).
 static __device__ __forceinline__ float f16_to_f32(uint16_t h) {
     float f;

@@ -7,6 +7,7 @@
 // op: 0 add, 1 mul. b_mode: 0 same shape as a, 1 one value per row (b[r]), 2 one value per column (b[c]).
 extern "C" __global__ void ew_binary(const float * __restrict__ a, const float * __restrict__ b,
                                      float * __restrict__ out, int64_t n, int cols, int op, int b_mode) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) {
         return;
@@ -23,6 +24,7 @@ extern "C" __global__ void ew_binary(const float * __restrict__ a, const float *
 }
 
 extern "C" __global__ void ew_scale(const float * __restrict__ x, float * __restrict__ out, float s, int64_t n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         out[i] = x[i] * s;
@@ -31,6 +33,7 @@ extern "C" __global__ void ew_scale(const float * __restrict__ x, float * __rest
 
 // f: 0 sigmoid, 1 softplus (x above 20 passes, else logf(1 + expf(x)) as ggml), 2 tanh, 3 exp.
 extern "C" __global__ void ew_unary(const float * __restrict__ x, float * __restrict__ out, int64_t n, int f) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) {
         return;
@@ -49,6 +52,7 @@ extern "C" __global__ void ew_unary(const float * __restrict__ x, float * __rest
 // out [rows, len] = x[:, start..start+len] of x [rows, in_cols].
 extern "C" __global__ void ew_cols(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
                                    int in_cols, int start, int len) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * len) {
         return;
@@ -61,6 +65,7 @@ extern "C" __global__ void ew_cols(const float * __restrict__ x, float * __restr
 // x rows of n_heads groups of parts*head values; out rows of n_heads*head: part `part` of each group.
 extern "C" __global__ void ew_head_part(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
                                         int n_heads, int head, int parts, int part) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     const int out_cols = n_heads * head;
     if (i >= rows * out_cols) {
@@ -76,6 +81,7 @@ extern "C" __global__ void ew_head_part(const float * __restrict__ x, float * __
 // out rows of n_heads*times heads: slot s reads head s / times (interleave) or s % n_heads (tiled).
 extern "C" __global__ void ew_repeat_heads(const float * __restrict__ x, float * __restrict__ out, int64_t rows,
                                            int n_heads, int head, int times, int interleave) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     const int out_cols = n_heads * times * head;
     if (i >= rows * out_cols) {
@@ -92,6 +98,7 @@ extern "C" __global__ void ew_repeat_heads(const float * __restrict__ x, float *
 // dst[offset + i] = f16(src[i]) for i < n: new keys or values into an f16 KV cache at a row offset.
 extern "C" __global__ void kv_store_f16(const float * __restrict__ src, uint16_t * __restrict__ dst, int64_t n,
                                         int64_t offset) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         dst[offset + i] = f32_to_f16(src[i]);
@@ -105,6 +112,7 @@ extern "C" __global__ void kv_store_f16_pos(const float * __restrict__ k_src, co
                                             uint16_t * __restrict__ k_dst, uint16_t * __restrict__ v_dst,
                                             const int * __restrict__ positions, int n_rows, int k_width,
                                             int v_width, int n_ctx) {
+    launch_prologue();
     const int r = blockIdx.y;
     if (r >= n_rows) {
         return;
@@ -131,6 +139,7 @@ extern "C" __global__ void delta_gates(const float * __restrict__ beta, const fl
                                        const float * __restrict__ dt_bias, const float * __restrict__ a,
                                        float * __restrict__ beta_out, float * __restrict__ gate_out, int64_t n,
                                        int n_heads) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) {
         return;

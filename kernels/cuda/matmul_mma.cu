@@ -439,13 +439,13 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
 #define MMQ_ENTRY_POINTS(name, F, BN, MIN_BLOCKS)                                                              \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
         mmq_##name##_##BN(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x,                   \
-                          float * __restrict__ y, int ncols, int nrows, int n_tokens) {                        \
+                          float * __restrict__ y, int ncols, int nrows, int n_tokens) { launch_prologue();     \
         mmq<F, BN>(w, x, y, ncols, nrows, n_tokens);                                                           \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
         mmq_experts_##name##_##BN(const uint64_t * __restrict__ expert_table, int n_expert,                    \
                                   const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,       \
-                                  float * __restrict__ y, int ncols, int nrows) {                              \
+                                  float * __restrict__ y, int ncols, int nrows) { launch_prologue();           \
         mmq_experts<F, BN>(expert_table, n_expert, tiles, x, y, ncols, nrows);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MMQ_WARPS, MIN_BLOCKS)                             \
@@ -453,7 +453,7 @@ static __device__ __forceinline__ void mmq_experts(const uint64_t * __restrict__
                                        const uint64_t * __restrict__ table_b, int n_expert,                    \
                                        const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,  \
                                        float * __restrict__ y_a, float * __restrict__ y_b, int ncols,          \
-                                       int nrows) {                                                            \
+                                       int nrows) { launch_prologue();                                         \
         const bool second = blockIdx.z != 0;                                                                   \
         mmq_experts<F, BN>(second ? table_b : table_a, n_expert, tiles, x, second ? y_b : y_a, ncols, nrows);  \
     }
@@ -491,6 +491,7 @@ MMQ_ENTRY_POINTS(q8_0, mmq_q8_0, 128, 1)
 extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
     group_by_expert(const int32_t * __restrict__ ids, int n_slots, int k, int n_expert, int tile, int max_tiles,
                     int32_t * __restrict__ rows, int32_t * __restrict__ slot_row, int32_t * __restrict__ tiles) {
+    launch_prologue();
     // Per expert (and at n_expert the ids outside): rows, first sorted row, first tile.
     __shared__ int count[GROUP_MAX_EXPERTS + 1];
     __shared__ int start[GROUP_MAX_EXPERTS + 1];
@@ -576,6 +577,7 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 // bytes) and quantizing every (token, expert) row. Grid (n_rows); block 256.
 extern "C" __global__ void gather_rows_words(const int32_t * __restrict__ src, const int32_t * __restrict__ rows,
                                              int32_t * __restrict__ dst, int words) {
+    launch_prologue();
     const int64_t r = blockIdx.x;
     const int64_t from = rows[r];
     for (int i = threadIdx.x; i < words; i += blockDim.x) {

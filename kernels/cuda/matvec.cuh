@@ -355,34 +355,34 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
 #define MATVEC_ENTRY_POINTS(name, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
-                      int ncols, int nrows, int wpr, int rpg) {                                                \
+                      int ncols, int nrows, int wpr, int rpg) { launch_prologue();                             \
         matvec<F>(w, x, y, ncols, nrows, wpr, rpg);                                                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
-        matvec_many_##name(const MatvecManyArgs p, const block_q8_1 * __restrict__ x) {                      \
+        matvec_many_##name(const MatvecManyArgs p, const block_q8_1 * __restrict__ x) { launch_prologue();   \
         matvec_many<F>(p, x);                                                                                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,   \
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
-                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) {                \
+                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) { launch_prologue(); \
         matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr, rpg);         \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_glu_##name(const uint64_t * __restrict__ gate_table, const uint64_t * __restrict__ up_table, \
                                   const int32_t * __restrict__ ids, int n_expert,                              \
                                   const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
-                                  int nrows, int wpr, int rpg) {                                               \
+                                  int nrows, int wpr, int rpg) { launch_prologue();                            \
         matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg);              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matmul_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
-                      int ncols, int nrows, int n_tokens, int wpr) {                                           \
+                      int ncols, int nrows, int n_tokens, int wpr) { launch_prologue();                        \
         matmul<F>(w, x, y, ncols, nrows, n_tokens, wpr);                                                       \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matmul_experts_##name(const uint64_t * __restrict__ expert_table, int n_expert,                        \
                               const int32_t * __restrict__ tiles, const block_q8_1 * __restrict__ x,           \
-                              float * __restrict__ y, int ncols, int nrows, int wpr) {                         \
+                              float * __restrict__ y, int ncols, int nrows, int wpr) { launch_prologue();      \
         matmul_experts<F>(expert_table, n_expert, tiles, x, y, ncols, nrows, wpr);                             \
     }

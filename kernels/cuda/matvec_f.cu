@@ -66,7 +66,7 @@ static __device__ __forceinline__ float row_dot_f(const typename L::elem * __res
 #define MATVEC_F_ENTRY_POINTS(name, L)                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_F_WARPS)                                    \
         matvec_##name(const L::elem * __restrict__ w, const float * __restrict__ x, float * __restrict__ y,     \
-                      int ncols, int nrows) {                                                                   \
+                      int ncols, int nrows) { launch_prologue();                                                \
         const int row = blockIdx.x;                                                                             \
         if (row >= nrows) {                                                                                     \
             return;                                                                                             \
@@ -79,7 +79,7 @@ static __device__ __forceinline__ float row_dot_f(const typename L::elem * __res
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_F_WARPS)                                    \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,    \
                               int n_expert, const float * __restrict__ x, int64_t x_stride, float * __restrict__ y,          \
-                              int ncols, int nrows) {                                                           \
+                              int ncols, int nrows) { launch_prologue();                                        \
         const int row = blockIdx.x;                                                                             \
         const int slot = blockIdx.y;                                                                            \
         if (row >= nrows) {                                                                                     \
@@ -170,7 +170,7 @@ static __device__ __forceinline__ void matmul_f(const uint64_t * __restrict__ ta
 #define MATMUL_F_ENTRY_POINT(name, L)                                                                           \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         matmul_f_##name(const uint64_t * __restrict__ table, const float * __restrict__ x, float * __restrict__ y, \
-                        int ncols, int nrows, int n) {                                                          \
+                        int ncols, int nrows, int n) { launch_prologue();                                       \
         matmul_f<L>(table, x, y, ncols, nrows, n);                                                              \
     }
 

@@ -4,6 +4,7 @@
 
 extern "C" __global__ void rms_norm(const float * __restrict__ x, const float * __restrict__ weight,
                                     float * __restrict__ out, int ncols, float eps) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
     const float * xr = x + row * ncols;
@@ -27,6 +28,7 @@ extern "C" __global__ void rms_norm(const float * __restrict__ x, const float * 
 // ew_scale, bit for bit, in one launch. One block per group: grid rows * (len / group).
 extern "C" __global__ void rms_norm_cols_scale(const float * __restrict__ x, float * __restrict__ out,
                                                int in_cols, int start, int len, int group, float eps, float s) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int groups_per_row = len / group;
     const int64_t row = blockIdx.x / groups_per_row;

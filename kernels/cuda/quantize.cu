@@ -25,6 +25,7 @@ static __device__ __forceinline__ void quantize_value(float xi, block_q8_1 * __r
 }
 
 extern "C" __global__ void quantize_q8_1(const float * __restrict__ x, block_q8_1 * __restrict__ y, int n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     // Whole warps are inside or outside together since n is a multiple of 32.
     if (i >= n) {
@@ -38,6 +39,7 @@ extern "C" __global__ void quantize_q8_1(const float * __restrict__ x, block_q8_
 // that of swiglu_f32 then quantize_q8_1 bit for bit, in one launch and without the f32 intermediate.
 extern "C" __global__ void swiglu_quantize_q8_1(const float * __restrict__ gate, const float * __restrict__ up,
                                                 block_q8_1 * __restrict__ y, int n) {
+    launch_prologue();
     const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) {
         return;
@@ -54,6 +56,7 @@ extern "C" __global__ void swiglu_quantize_q8_1(const float * __restrict__ gate,
 extern "C" __global__ void rms_norm_quantize_q8_1(const float * __restrict__ x, const float * __restrict__ weight,
                                                   float * __restrict__ out, block_q8_1 * __restrict__ y, int ncols,
                                                   float eps) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
     const float * xr = x + row * ncols;
@@ -82,6 +85,7 @@ extern "C" __global__ void add_rms_norm_q8_1(const float * __restrict__ a, const
                                              const float * __restrict__ weight, float * __restrict__ sum_out,
                                              float * __restrict__ out, block_q8_1 * __restrict__ y, int ncols,
                                              float eps) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
     const float * ar = a + row * ncols;

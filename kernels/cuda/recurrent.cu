@@ -16,6 +16,7 @@ static __device__ __forceinline__ float silu_f(float x) {
 extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const float * __restrict__ weight,
                                          float * __restrict__ state, float * __restrict__ out, int n,
                                          int channels, int kernel, int apply_silu) {
+    launch_prologue();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) {
         return;
@@ -56,6 +57,7 @@ extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const flo
 extern "C" __global__ void conv1d_causal_tokens(const float * __restrict__ x, const float * __restrict__ weight,
                                                 const float * __restrict__ state, float * __restrict__ out,
                                                 int n, int channels, int kernel, int apply_silu) {
+    launch_prologue();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_TOKENS;
     if (c >= channels) {
@@ -96,6 +98,7 @@ extern "C" __global__ void conv1d_causal_tokens(const float * __restrict__ x, co
 // thread per channel, rows in ascending order: row i reads row n + i > i of the old state, not yet written.
 extern "C" __global__ void conv1d_state_advance(const float * __restrict__ x, float * __restrict__ state, int n,
                                                 int channels, int kernel) {
+    launch_prologue();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) {
         return;
@@ -111,6 +114,7 @@ extern "C" __global__ void conv1d_state_advance(const float * __restrict__ x, fl
 // (llama.cpp's delta-net q/k norm, an rms_norm with eps/n times 1/sqrt(n)). One block per group.
 extern "C" __global__ void l2_norm(const float * __restrict__ x, float * __restrict__ out, int group, float eps,
                                    int mode) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int64_t g = blockIdx.x;
     const float * xr = x + g * group;
@@ -131,6 +135,7 @@ extern "C" __global__ void l2_norm(const float * __restrict__ x, float * __restr
 extern "C" __global__ void rms_norm_gated(const float * __restrict__ x, const float * __restrict__ weight,
                                           const float * __restrict__ z, float * __restrict__ out, int group,
                                           float eps) {
+    launch_prologue();
     __shared__ float scratch[32];
     const int64_t g = blockIdx.x;
     const float * xr = x + g * group;
@@ -161,6 +166,7 @@ extern "C" __global__ void __launch_bounds__(WARP_SIZE * DELTA_WARPS)
     gated_delta_rule(const float * __restrict__ q, const float * __restrict__ k, const float * __restrict__ v,
                      const float * __restrict__ gate, const float * __restrict__ beta, float * __restrict__ state,
                      float * __restrict__ out, int n, int n_k_heads, int n_v_heads, int head_k, int head_v) {
+    launch_prologue();
     const int h = blockIdx.y;
     const int j = blockIdx.x * DELTA_WARPS + threadIdx.y;
     if (j >= head_v) {
@@ -269,6 +275,7 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS)
                           const float * __restrict__ gate, const float * __restrict__ beta,
                           float * __restrict__ state, float * __restrict__ out, int n, int n_k_heads,
                           int n_v_heads, int head_k, int head_v) {
+    launch_prologue();
     __shared__ __align__(16) float sh_k[DELTA_CHUNK][DELTA_SMALL_K];
     __shared__ __align__(16) float sh_q[DELTA_CHUNK][DELTA_SMALL_K];
     __shared__ float sh_g[DELTA_CHUNK], sh_b[DELTA_CHUNK];

@@ -17,6 +17,7 @@
 extern "C" __global__ void rope(const float * x, float * out, const int32_t * __restrict__ positions, int n_heads,
                                 int head_dim, int n_rot, int neox, float theta_scale, float freq_scale,
                                 const float * __restrict__ freq_factors) {
+    launch_prologue();
     const int i = threadIdx.x;
     const int half = n_rot / 2;
     if (i >= half) {
@@ -59,6 +60,7 @@ extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const flo
                                          int n_heads, int head_dim, int n_rot, int neox, float theta_scale,
                                          float freq_scale, const float * __restrict__ freq_factors,
                                          float eps) {
+    launch_prologue();
     extern __shared__ float normed[];
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;

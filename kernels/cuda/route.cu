@@ -11,6 +11,7 @@
 // gating: 0 softmax, 1 sigmoid.
 extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_expert, int k, int gating, int norm,
                                       float scale, int32_t * __restrict__ ids, float * __restrict__ weights) {
+    launch_prologue();
     extern __shared__ float probs[];
     __shared__ float scratch[32];
     __shared__ float best_val[32];
@@ -104,6 +105,7 @@ extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_e
 // y: [n_tokens, k, n]; weights: [n_tokens, k]; out: [n_tokens, n]. Grid (ceil(n/blockDim), n_tokens).
 extern "C" __global__ void moe_combine(const float * __restrict__ y, const float * __restrict__ weights, int k,
                                        int n, int accumulate, float * __restrict__ out) {
+    launch_prologue();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t t = blockIdx.y;
     if (i >= n) {
@@ -120,6 +122,7 @@ extern "C" __global__ void moe_combine(const float * __restrict__ y, const float
 // sorted row r). Grid (n_sorted); block: 256 threads over the width.
 extern "C" __global__ void gather_rows(const float * __restrict__ src, const int32_t * __restrict__ rows,
                                        float * __restrict__ dst, int width) {
+    launch_prologue();
     const int64_t r = blockIdx.x;
     const int64_t from = rows[r];
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
@@ -133,6 +136,7 @@ extern "C" __global__ void gather_rows(const float * __restrict__ src, const int
 extern "C" __global__ void moe_combine_sorted(const float * __restrict__ y_sorted, const int32_t * __restrict__ slot_row,
                                               const float * __restrict__ weights, float * __restrict__ out, int k,
                                               int width, int add) {
+    launch_prologue();
     const int64_t t = blockIdx.x;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         float s = 0.0f;

@@ -62,6 +62,7 @@ static __device__ void next_best(const float * __restrict__ logits, int n, float
 // One block of SAMPLE_THREADS threads. out[0] = the likeliest token.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_argmax(const float * __restrict__ logits, int n, int32_t * __restrict__ out) {
+    launch_prologue();
     __shared__ float sv[32];
     __shared__ int si[32];
     float v;
@@ -86,6 +87,7 @@ static __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_top_k(const float * __restrict__ logits, int n, int top_k, float top_p, float temperature,
                  uint64_t seed, uint64_t * __restrict__ counter, int32_t * __restrict__ out) {
+    launch_prologue();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float cand_v[SAMPLE_MAX_K];

@@ -31,6 +31,43 @@ pub struct GpuKernelOptions {
     pub matvec_warps_per_row: u32,
     /// At most this many rows per warp group of the one-token matvec kernels (1, 2 or 4).
     pub matvec_rows_per_group: usize,
+    /// Which launches are programmatic dependent launches on sm_90+ (each kernel's launch and prologue
+    /// overlap the kernel before it).
+    pub launch_overlap: LaunchOverlap,
+}
+
+/// `--gpu-pdl`: which kernel launches overlap the kernel before them (kernels/src/cuda/launch.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchOverlap {
+    /// Plain stream order everywhere.
+    Off,
+    /// The launches of one-token calls (decode, and the graphs captured from them): a chain of short
+    /// kernels, bound by the gaps between them. Measured on the H200 (BENCHMARKS.md, "Launches that
+    /// overlap"): answers 4–8% faster with every weight in VRAM, while 512-token prompts read 1–5%
+    /// slower with every launch overlapped.
+    Decode,
+    /// Every launch.
+    All,
+}
+
+impl LaunchOverlap {
+    /// Whether the launches of a call of `rows` rows overlap.
+    pub fn for_rows(self, rows: usize) -> bool {
+        match self {
+            LaunchOverlap::Off => false,
+            LaunchOverlap::Decode => rows == 1,
+            LaunchOverlap::All => true,
+        }
+    }
+
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            LaunchOverlap::Off => "off",
+            LaunchOverlap::Decode => "decode",
+            LaunchOverlap::All => "all",
+        }
+    }
 }
 
 impl Default for GpuKernelOptions {
@@ -44,6 +81,7 @@ impl Default for GpuKernelOptions {
             moe_group_host: false,
             matvec_warps_per_row: 4,
             matvec_rows_per_group: 1,
+            launch_overlap: LaunchOverlap::Decode,
         }
     }
 }
@@ -110,6 +148,9 @@ impl KernelOptions {
         }
         if g.matvec_rows_per_group != dg.matvec_rows_per_group {
             out.push(("matvec-rpg", g.matvec_rows_per_group.to_string()));
+        }
+        if g.launch_overlap != dg.launch_overlap {
+            out.push(("gpu-pdl", g.launch_overlap.name().to_string()));
         }
         let (c, dc) = (&self.cpu, &d.cpu);
         if c.simd != dc.simd {

@@ -5,7 +5,7 @@
 
 use clap::{Args, ValueEnum};
 use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Knobs};
-use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions};
+use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,6 +63,14 @@ pub enum CpuShare {
 pub enum MoeGroup {
     Card,
     Host,
+}
+
+/// Which kernel launches overlap the one before them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuPdl {
+    Off,
+    Decode,
+    All,
 }
 
 fn one_two_four(s: &str) -> Result<u32, String> {
@@ -143,6 +151,10 @@ pub struct KnobArgs {
     /// POLY_MATVEC_WARPS_PER_ROW).
     #[arg(long, value_name = "N", default_value = "4", value_parser = one_two_four)]
     matvec_warps_per_row: u32,
+    /// Which kernel launches are programmatic dependent launches on sm_90+ (each one's launch overlaps
+    /// the kernel before it): those of one-token calls, all, or none.
+    #[arg(long, value_enum, default_value_t = GpuPdl::Decode)]
+    gpu_pdl: GpuPdl,
     /// Any SIMD CPU kernel (off: the portable code; was POLY_NO_SIMD).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     cpu_simd: Switch,
@@ -172,6 +184,11 @@ impl KnobArgs {
                     moe_group_host: self.moe_group == MoeGroup::Host,
                     matvec_warps_per_row: self.matvec_warps_per_row,
                     matvec_rows_per_group: self.matvec_rpg as usize,
+                    launch_overlap: match self.gpu_pdl {
+                        GpuPdl::Off => LaunchOverlap::Off,
+                        GpuPdl::Decode => LaunchOverlap::Decode,
+                        GpuPdl::All => LaunchOverlap::All,
+                    },
                 },
                 cpu: CpuKernelOptions {
                     simd: self.cpu_simd.on(),

@@ -351,6 +351,9 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        // One-token calls overlap their kernels' launches (`--gpu-pdl`); a decode graph captured from
+        // one keeps the overlap in its edges. (`call_inner` says it again for calls made directly.)
+        self.dev.set_launch_rows(tokens.len());
         // One token through a decode graph: a whole one when every routed expert is on the card, else
         // (the cache's copies and the CPU's share need the host in the middle of each MoE layer) one cut
         // into segments at those points.
@@ -575,6 +578,7 @@ impl GpuBackend {
     ) -> Result<(Vec<f32>, R), CudaError> {
         let mut phases = CallPhases::default();
         let clock = Instant::now();
+        self.dev.set_launch_rows(tokens.len());
         let mut seq_slot = lock(&self.seq);
         let kv_rows = self.kv_room(cpu, &mut seq_slot, state, tokens.len())?;
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows)?;

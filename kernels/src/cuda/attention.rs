@@ -8,7 +8,7 @@ use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::attention::AttnParams;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Keys per tile of the kernel (`ATT_KEYS`); a split's chunk is a multiple of it.
 pub const ATTN_KEY_TILE: usize = 32;
@@ -37,8 +37,8 @@ struct AttnArgs {
     n_split: i32,
 }
 
-// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnArgs`.
-unsafe impl DeviceRepr for AttnArgs {}
+// Passed by its bytes: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnArgs`.
+super::launch::value_args!(AttnArgs);
 
 /// How the context is cut: `chunk` keys per split (a multiple of [`ATTN_KEY_TILE`]); the grid has
 /// `ceil(n_kv / chunk)` splits, so a graph captured for a cache of `n_kv` positions replays at any position.
@@ -230,7 +230,7 @@ pub fn attention_f16_cache(
         shared_mem_bytes: shared as u32,
     };
     let f = dev.function(KernelModule::Attention, "attn_f16")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     // `partial` goes as a device address: scratch with a split; without one the kernel never touches it
     // (out's address stands in).
     b.arg(q.slice())
@@ -247,7 +247,7 @@ pub fn attention_f16_cache(
     if let Some(scratch) = scratch {
         let rows = n_q * p.n_head;
         let f = dev.function(KernelModule::Attention, "attn_reduce")?;
-        let mut b = dev.stream().launch_builder(&f);
+        let mut b = dev.launch_builder(&f);
         let (rows_i, dv_i, split_i) = (as_i32("rows", rows)?, dv as i32, n_split as i32);
         b.arg(scratch.slice())
             .arg(out.slice_mut())
@@ -285,8 +285,8 @@ struct AttnDecodeArgs {
     n_split: i32,
 }
 
-// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnDecodeArgs`.
-unsafe impl DeviceRepr for AttnDecodeArgs {}
+// Passed by its bytes: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `AttnDecodeArgs`.
+super::launch::value_args!(AttnDecodeArgs);
 
 /// Whether [`attention_decode_f16`] takes these heads: equal key and value dims of 32, 64, 128 or 256 and
 /// at most 8 query heads per KV head (other shapes use [`attention_f16_cache`]).
@@ -397,7 +397,7 @@ pub fn attention_decode_f16(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::Attention, "attn_decode_f16")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(q.slice()).arg(positions.slice());
     // Without a store k_new and v_new go as null.
     let null: u64 = 0;
@@ -426,7 +426,7 @@ pub fn attention_decode_f16(
     dev.after_launch("attn_decode_f16")?;
     if let Some(scratch) = scratch {
         let f = dev.function(KernelModule::Attention, "attn_decode_reduce")?;
-        let mut b = dev.stream().launch_builder(&f);
+        let mut b = dev.launch_builder(&f);
         let (heads, d_i, split_i) = (p.n_head as i32, d as i32, n_split as i32);
         b.arg(scratch.slice())
             .arg(out.slice_mut())

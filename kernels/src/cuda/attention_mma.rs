@@ -10,7 +10,7 @@ use super::ops::{as_i32, check_len, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::attention::AttnParams;
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// (query, head) rows per block (`FA_ROWS`).
 const FA_ROWS: usize = 64;
@@ -30,8 +30,8 @@ struct FaArgs {
     window: i32,
 }
 
-// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `FaArgs`.
-unsafe impl DeviceRepr for FaArgs {}
+// Passed by its bytes: a plain `repr(C)` struct of 32-bit numbers, laid out as the kernel's `FaArgs`.
+super::launch::value_args!(FaArgs);
 
 /// (kernel, keys per tile) for a head dimension.
 fn kernel(d: usize) -> Option<(&'static str, usize)> {
@@ -125,7 +125,7 @@ pub fn attention_prompt(
         CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         shared as i32,
     )?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(q.slice())
         .arg(positions.slice())
         .arg(cache.k.slice())

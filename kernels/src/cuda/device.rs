@@ -14,7 +14,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, ValidAsZeroBits,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Loaded modules and looked-up functions of one device.
@@ -35,6 +35,8 @@ pub struct Device {
     sync_each_launch: bool,
     /// Kernel launches queued so far (for profiles: launches per forward call).
     launches: AtomicU64,
+    /// Whether launches are programmatic dependent launches now ([`Device::set_launch_rows`]).
+    overlap_launches: AtomicBool,
     loaded: Mutex<Loaded>,
 }
 
@@ -102,6 +104,7 @@ impl Device {
             total_memory,
             sync_each_launch,
             launches: AtomicU64::new(0),
+            overlap_launches: AtomicBool::new(crate::options::get().gpu.launch_overlap.for_rows(1)),
             loaded: Mutex::new(Loaded::default()),
         }))
     }
@@ -234,6 +237,25 @@ impl Device {
     /// Whether `POLY_CUDA_SYNC=1` is in force.
     pub(crate) fn syncs_each_launch(&self) -> bool {
         self.sync_each_launch
+    }
+
+    /// Makes this device's context current on the calling thread (before a driver call of its own).
+    pub(crate) fn bind(&self) -> CudaResult<()> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    /// Says how many rows (tokens) the launches queued from now on compute, which decides with
+    /// `--gpu-pdl` whether they are programmatic dependent launches (`launch.rs`): the engine calls it at
+    /// the start of each forward call. Until the first call, launches are taken as one row's.
+    pub fn set_launch_rows(&self, rows: usize) {
+        let overlap = crate::options::get().gpu.launch_overlap.for_rows(rows);
+        self.overlap_launches.store(overlap, Ordering::Relaxed);
+    }
+
+    /// Whether the next launch is a programmatic dependent launch: sm_90 and later, as
+    /// [`Device::set_launch_rows`] last decided.
+    pub(crate) fn programmatic_launch(&self) -> bool {
+        self.compute_capability.0 >= 9 && self.overlap_launches.load(Ordering::Relaxed)
     }
 
     /// Called after every launch: with `POLY_CUDA_SYNC=1`, waits and reports the kernel's own fault.

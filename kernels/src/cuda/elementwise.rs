@@ -6,7 +6,6 @@
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, grid_1d, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
-use cudarc::driver::PushKernelArg;
 
 /// A binary operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +68,7 @@ pub fn binary(
         Broadcast::PerColumn => 2,
     };
     let f = dev.function(KernelModule::Elementwise, "ew_binary")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(a.slice())
         .arg(b.slice())
         .arg(out.slice_mut())
@@ -92,7 +91,7 @@ pub fn scale(
     check_len("scale out", out, x.len())?;
     let n = x.len() as i64;
     let f = dev.function(KernelModule::Elementwise, "ew_scale")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(x.slice()).arg(out.slice_mut()).arg(&s).arg(&n);
     // SAFETY: both buffers hold n floats.
     unsafe { l.launch(grid_1d(x.len(), 256)?) }?;
@@ -115,7 +114,7 @@ pub fn unary(
         UnaryFn::Exp => 3,
     };
     let f = dev.function(KernelModule::Elementwise, "ew_unary")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(x.slice()).arg(out.slice_mut()).arg(&n).arg(&f_i);
     // SAFETY: both buffers hold n floats.
     unsafe { l.launch(grid_1d(x.len(), 256)?) }?;
@@ -146,7 +145,7 @@ pub fn cols(
         len as i32,
     );
     let f = dev.function(KernelModule::Elementwise, "ew_cols")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(x.slice())
         .arg(out.slice_mut())
         .arg(&r)
@@ -185,7 +184,7 @@ pub fn head_part(
     ];
     let (r, cfg) = (rows as i64, grid_1d(out.len(), 256)?);
     let f = dev.function(KernelModule::Elementwise, "ew_head_part")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(x.slice()).arg(out.slice_mut()).arg(&r);
     for a in &args {
         l.arg(a);
@@ -221,7 +220,7 @@ pub fn repeat_heads(
     ];
     let (r, cfg) = (rows as i64, grid_1d(out.len(), 256)?);
     let f = dev.function(KernelModule::Elementwise, "ew_repeat_heads")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(x.slice()).arg(out.slice_mut()).arg(&r);
     for a in &args {
         l.arg(a);
@@ -247,7 +246,7 @@ pub fn kv_store_f16(
     }
     let (n, off) = (src.len() as i64, offset as i64);
     let f = dev.function(KernelModule::Elementwise, "kv_store_f16")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(src.slice()).arg(dst.slice_mut()).arg(&n).arg(&off);
     // SAFETY: the writes land in offset .. offset + n ≤ dst.len() (checked above); src holds n floats.
     unsafe { l.launch(grid_1d(src.len(), 256)?) }?;
@@ -300,7 +299,7 @@ pub fn kv_store_f16_pos(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::Elementwise, "kv_store_f16_pos")?;
-    let mut l = dev.stream().launch_builder(&f);
+    let mut l = dev.launch_builder(&f);
     l.arg(k.slice())
         .arg(v.slice())
         .arg(dst.k.slice_mut())

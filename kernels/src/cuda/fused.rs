@@ -14,7 +14,7 @@ use super::rope::RopeShape;
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix};
 use crate::ops::rope::RopeParams;
 use crate::quant::GgmlType;
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Most matrices of one [`matvec_q_many`] launch (`MATVEC_MANY_MAX` in matvec.cuh).
 pub const MATVEC_MANY_MAX: usize = 4;
@@ -70,7 +70,7 @@ pub fn add_rms_norm(
         u32::try_from(n / group).map_err(|_| CudaError::Invalid("add_rms_norm rows".into()))?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Quantize, "add_rms_norm_q8_1")?;
-    let mut lb = dev.stream().launch_builder(&f);
+    let mut lb = dev.launch_builder(&f);
     lb.arg(a.slice()).arg(b.slice());
     match weight {
         Some(w) => lb.arg(w.slice()),
@@ -118,7 +118,7 @@ pub fn rms_norm_rope(
     let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Rope, "rms_norm_rope")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice());
     match weight {
         Some(w) => b.arg(w.slice()),
@@ -150,8 +150,8 @@ struct MatvecManyArgs {
     rpg: i32,
 }
 
-// SAFETY: a plain `repr(C)` struct of 64- and 32-bit numbers, laid out as the kernel's `MatvecManyArgs`.
-unsafe impl DeviceRepr for MatvecManyArgs {}
+// Passed by its bytes: a plain `repr(C)` struct of 64- and 32-bit numbers, laid out as the kernel's `MatvecManyArgs`.
+super::launch::value_args!(MatvecManyArgs);
 
 /// Whether [`matvec_q_many`] takes matrices of this format.
 pub fn many_takes(ty: GgmlType) -> bool {
@@ -211,7 +211,7 @@ pub fn matvec_q_many(
     args.wpr = wpr;
     args.rpg = rpg;
     let f = dev.function(fmt.module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(&args).arg(xq.slice());
     // SAFETY: each matrix holds rows × cols of the launch's format (checked at upload, the format and width
     // checked above), each y its matrix's rows floats and x cols/32 blocks (checked above); the y buffers
@@ -253,7 +253,7 @@ pub fn rms_norm_cols_scale(
         as_i32("group", group)?,
     );
     let f = dev.function(KernelModule::Norm, "rms_norm_cols_scale")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(out.slice_mut())
         .arg(&in_i)
@@ -301,7 +301,7 @@ pub fn delta_gates(
     check_len("delta_gates gate", gate, n)?;
     let (n_i, heads_i) = (n as i64, as_i32("heads", n_heads)?);
     let f = dev.function(KernelModule::Elementwise, "delta_gates")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.beta.slice())
         .arg(x.alpha.slice())
         .arg(x.dt_bias.slice())

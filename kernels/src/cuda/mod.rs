@@ -19,6 +19,7 @@ pub mod expert_slots;
 mod formats;
 pub mod fused;
 mod graph;
+mod launch;
 pub mod module;
 pub mod ops;
 mod pinned;

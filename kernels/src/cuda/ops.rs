@@ -9,7 +9,7 @@ pub use super::rope::{rope, rope_into};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
 use crate::ops::topk::Gating;
 use crate::quant::GgmlType;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 pub use super::buffer::{gpu_act as activation_form, GpuAct as ActivationForm};
 
@@ -57,7 +57,7 @@ pub fn quantize_q8_1(
     check_len("quantize_q8_1 output", out, x.len() / BlockQ8_1::ELEMS)?;
     let n = as_i32("quantize_q8_1 length", x.len())?;
     let f = dev.function(KernelModule::Quantize, "quantize_q8_1")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
     // SAFETY: the kernel reads n floats of x and writes n/32 blocks of out; both lengths checked above.
     unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
@@ -86,7 +86,7 @@ pub fn swiglu_quantize_q8_1(
     )?;
     let n = as_i32("swiglu_quantize_q8_1 length", gate.len())?;
     let f = dev.function(KernelModule::Quantize, "swiglu_quantize_q8_1")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(gate.slice())
         .arg(up.slice())
         .arg(out.slice_mut())
@@ -229,7 +229,7 @@ pub fn matvec_q(
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
     let (cfg, wpr, rpg) = q_matvec_rows_config(w.ty, w.rows, w.cols, 1);
     let f = dev.function(fmt.module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
         .arg(y.slice_mut())
@@ -255,7 +255,7 @@ pub fn matvec_f(
     check_len("matvec y", y, w.rows)?;
     let (ncols, nrows) = (as_i32("cols", w.cols)?, as_i32("rows", w.rows)?);
     let f = dev.function(KernelModule::MatvecF, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(w.data().slice())
         .arg(x.slice())
         .arg(y.slice_mut())
@@ -351,7 +351,7 @@ pub fn matvec_experts_glu_q(
     let n_expert = as_i32("n_expert", gate.n_expert)?;
     let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
     let f = dev.function(fmt.module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(gate.table_address())
         .arg(up.table_address())
         .arg(ids.slice())
@@ -444,7 +444,7 @@ fn expert_launch<T>(
         }
     };
     let f = dev.function(module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(table.table_address())
         .arg(ids.slice())
         .arg(&n_expert)
@@ -488,7 +488,7 @@ pub fn rms_norm(
         u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Norm, "rms_norm")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice());
     match weight {
         Some(w) => b.arg(w.slice()),
@@ -536,7 +536,7 @@ pub fn rms_norm_quantize_q8_1(
         u32::try_from(x.len() / group).map_err(|_| CudaError::Invalid("rms_norm rows".into()))?;
     let null: u64 = 0;
     let f = dev.function(KernelModule::Quantize, "rms_norm_quantize_q8_1")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice());
     match weight {
         Some(w) => b.arg(w.slice()),
@@ -570,7 +570,7 @@ pub fn swiglu(
     check_len("swiglu out", out, gate.len())?;
     let n = gate.len() as i64;
     let f = dev.function(KernelModule::Act, "swiglu_f32")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(gate.slice())
         .arg(up.slice())
         .arg(out.slice_mut())
@@ -591,7 +591,7 @@ pub fn geglu(
     check_len("geglu out", out, gate.len())?;
     let n = gate.len() as i64;
     let f = dev.function(KernelModule::Act, "geglu_f32")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(gate.slice())
         .arg(up.slice())
         .arg(out.slice_mut())
@@ -606,7 +606,7 @@ pub fn gelu(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>) ->
     check_len("gelu out", out, x.len())?;
     let n = x.len() as i64;
     let f = dev.function(KernelModule::Act, "gelu_f32")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
     // SAFETY: both buffers hold n floats.
     unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
@@ -621,7 +621,7 @@ pub fn softcap(dev: &Device, x: &mut DeviceBuffer<f32>, cap: f32) -> CudaResult<
     let n = x.len() as i64;
     let cfg = grid_1d(x.len(), 256)?;
     let f = dev.function(KernelModule::Act, "softcap_f32")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice_mut()).arg(&cap).arg(&n);
     // SAFETY: x holds n floats.
     unsafe { b.launch(cfg) }?;
@@ -633,7 +633,7 @@ pub fn silu(dev: &Device, x: &DeviceBuffer<f32>, out: &mut DeviceBuffer<f32>) ->
     check_len("silu out", out, x.len())?;
     let n = x.len() as i64;
     let f = dev.function(KernelModule::Act, "silu_f32")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice()).arg(out.slice_mut()).arg(&n);
     // SAFETY: both buffers hold n floats.
     unsafe { b.launch(grid_1d(x.len(), 256)?) }?;
@@ -689,7 +689,7 @@ pub fn route_topk(
     };
     let norm = r.norm as i32;
     let f = dev.function(KernelModule::Route, "route_topk")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(logits.slice())
         .arg(&n_expert)
         .arg(&k)
@@ -735,7 +735,7 @@ pub fn moe_combine(
     check_len("moe_combine y", y, n_tokens * k * n)?;
     let (k_i, n_i, acc) = (as_i32("k", k)?, as_i32("n", n)?, accumulate as i32);
     let f = dev.function(KernelModule::Route, "moe_combine")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(y.slice())
         .arg(weights.slice())
         .arg(&k_i)

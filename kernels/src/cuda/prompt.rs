@@ -13,7 +13,7 @@ use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid, q_matvec_config};
 use super::{BlockQ8_1, CudaError, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
 use crate::quant::GgmlType;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Tokens per tile of the matmul kernels (`MATMUL_COLS`).
 pub const MATMUL_TILE: usize = 8;
@@ -146,7 +146,7 @@ pub fn matmul_q_dp4a(
         as_i32("tokens", n)?,
     );
     let f = dev.function(module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
         .arg(y.slice_mut())
@@ -198,7 +198,7 @@ pub fn matmul_f(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::MatvecF, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(table.table_address())
         .arg(x.slice())
         .arg(y.slice_mut())
@@ -361,7 +361,7 @@ pub fn group_by_expert(
         as_i32("tiles", max_tiles)?,
     ];
     let f = dev.function(KernelModule::MatmulMma, "group_by_expert")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(ids.slice());
     for i in &ints {
         b.arg(i);
@@ -427,7 +427,7 @@ pub fn matmul_experts_q(
         as_i32("experts", table.n_expert)?,
     );
     let f = dev.function(module, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(table.table_address())
         .arg(&n_exp)
         .arg(tiles.slice())
@@ -481,7 +481,7 @@ pub fn gather_rows(
     }
     let w_i = as_i32("width", width)?;
     let f = dev.function(KernelModule::Route, "gather_rows")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(src.slice())
         .arg(rows.slice())
         .arg(dst.slice_mut())
@@ -518,7 +518,7 @@ pub fn gather_rows_q8_1(
     }
     let words = as_i32("words", blocks * std::mem::size_of::<BlockQ8_1>() / 4)?;
     let f = dev.function(KernelModule::MatmulMma, "gather_rows_words")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(src.slice())
         .arg(rows.slice())
         .arg(dst.slice_mut())
@@ -561,7 +561,7 @@ pub fn moe_combine_sorted(
     check_len("moe_combine_sorted y", y_sorted, weights.len() * width)?;
     let (k_i, w_i, add) = (as_i32("k", k)?, as_i32("width", width)?, accumulate as i32);
     let f = dev.function(KernelModule::Route, "moe_combine_sorted")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(y_sorted.slice())
         .arg(slot_row.slice())
         .arg(weights.slice())

@@ -8,7 +8,7 @@ use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::recurrent::DeltaShape;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Longest convolution the kernel keeps in registers (`CONV_MAX_KERNEL`).
 pub const CONV_MAX_KERNEL: usize = 8;
@@ -54,7 +54,7 @@ pub fn conv1d_causal(
         return conv1d_prompt(dev, (x, weight), state, out, [n_i, c_i, k_i, s_i]);
     }
     let f = dev.function(KernelModule::Recurrent, "conv1d_causal")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(weight.slice())
         .arg(state.slice_mut())
@@ -92,7 +92,7 @@ fn conv1d_prompt(
         return invalid(format!("conv1d: {n} tokens in one call"));
     }
     let f = dev.function(KernelModule::Recurrent, "conv1d_causal_tokens")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(weight.slice())
         .arg(state.slice())
@@ -112,7 +112,7 @@ fn conv1d_prompt(
     unsafe { b.launch(cfg) }?;
     dev.after_launch("conv1d_causal_tokens")?;
     let f = dev.function(KernelModule::Recurrent, "conv1d_state_advance")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(state.slice_mut())
         .arg(&n_i)
@@ -164,7 +164,7 @@ pub fn l2_norm(
     check_len("l2_norm out", out, x.len())?;
     let (g_i, mode) = (as_i32("group", group)?, (form == L2Form::SqrtEps) as i32);
     let f = dev.function(KernelModule::Recurrent, "l2_norm")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(out.slice_mut())
         .arg(&g_i)
@@ -196,7 +196,7 @@ pub fn rms_norm_gated(
     check_len("rms_norm_gated out", out, x.len())?;
     let g_i = as_i32("group", group)?;
     let f = dev.function(KernelModule::Recurrent, "rms_norm_gated")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice())
         .arg(weight.slice())
         .arg(z.slice())
@@ -268,7 +268,7 @@ pub fn gated_delta_rule(
             ("gated_delta_rule", DELTA_WARPS as usize)
         };
     let f = dev.function(KernelModule::Recurrent, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.q.slice())
         .arg(x.k.slice())
         .arg(x.v.slice())

@@ -7,7 +7,7 @@ use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
 use crate::ops::rope::{RopeMode, RopeParams};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Rotates `x` in place: rows of whole heads, row `r` at `positions[r]` (read on the card), each pair's
 /// angle divided by its entry of `factors` when given.
@@ -20,7 +20,7 @@ pub fn rope(
 ) -> CudaResult<()> {
     let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let f = dev.function(KernelModule::Rope, "rope")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     // In place: the kernel reads and writes x (its input goes as x's device address).
     let src: u64 = x.address();
     b.arg(&src).arg(x.slice_mut());
@@ -43,7 +43,7 @@ pub fn rope_into(
     check_len("rope out", out, x.len())?;
     let shape = RopeShape::new(x.len(), positions.len(), p, factors)?;
     let f = dev.function(KernelModule::Rope, "rope")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(x.slice()).arg(out.slice_mut());
     shape.push_args(&mut b, positions, factors);
     // SAFETY: x and out hold n_rows × n_heads × head_dim floats, positions n_rows ints and factors n_rot/2
@@ -108,7 +108,7 @@ impl RopeShape {
 
     pub(super) fn push_args<'a>(
         &'a self,
-        b: &mut cudarc::driver::LaunchArgs<'a>,
+        b: &mut super::launch::KernelLaunch<'a>,
         positions: &'a DeviceBuffer<i32>,
         factors: Option<&'a DeviceBuffer<f32>>,
     ) {

@@ -6,7 +6,7 @@
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
 use super::{CudaResult, Device, DeviceBuffer};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Threads of the sampling block (`SAMPLE_THREADS`).
 const SAMPLE_THREADS: u32 = 1024;
@@ -33,7 +33,7 @@ pub fn argmax(
     }
     let n = as_i32("vocabulary", logits.len())?;
     let f = dev.function(KernelModule::Sample, "sample_argmax")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(logits.slice()).arg(&n).arg(token.slice_mut());
     // SAFETY: logits holds n floats, token one int (checked above).
     unsafe { b.launch(one_block()) }?;
@@ -80,7 +80,7 @@ pub fn sample_top_k(
     }
     let (n, k) = (as_i32("vocabulary", logits.len())?, params.top_k as i32);
     let f = dev.function(KernelModule::Sample, "sample_top_k")?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(logits.slice())
         .arg(&n)
         .arg(&k)

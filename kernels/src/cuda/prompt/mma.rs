@@ -6,7 +6,7 @@ use super::super::module::KernelModule;
 use super::super::ops::{as_i32, check_len, invalid};
 use super::super::{BlockQ8_1, CudaResult, Device, DeviceBuffer, DeviceMatrix, ExpertTable};
 use crate::quant::GgmlType;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Weight rows per thread block (`MMQ_ROWS`: 8 warps of 16).
 pub const MMQ_ROWS: usize = 128;
@@ -147,7 +147,7 @@ pub fn matmul_tiled(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::MatmulMma, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
         .arg(y.slice_mut())
@@ -207,7 +207,7 @@ pub fn matmul_experts_pair(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::MatmulMma, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(ta.table_address())
         .arg(tb.table_address())
         .arg(&n_exp)
@@ -289,7 +289,7 @@ pub fn matmul_experts(
         shared_mem_bytes: 0,
     };
     let f = dev.function(KernelModule::MatmulMma, name)?;
-    let mut b = dev.stream().launch_builder(&f);
+    let mut b = dev.launch_builder(&f);
     b.arg(table.table_address())
         .arg(&n_exp)
         .arg(tiles.slice())
