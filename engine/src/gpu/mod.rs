@@ -152,7 +152,7 @@ impl GpuBackend {
         placement: &Placement,
     ) -> Result<GpuBackend, EngineError> {
         let dev = Device::open(ordinal).map_err(cuda_err)?;
-        let layers = expert_cache::layout::expert_layers(cpu);
+        let layers = expert_cache::layout::expert_layers(cpu)?;
         let weights =
             GpuWeights::upload(&dev, cpu, |w| layers.iter().any(|l| l.has(w))).map_err(cuda_err)?;
         let cache = if layers.is_empty() {

@@ -9,10 +9,11 @@
 //! Follows llama.cpp's `src/models/gemma3.cpp` (hyperparameters, tensors, graph); [`Gemma3Graph`] is the
 //! forward pass.
 
+use super::common::CommonHparams;
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
-    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
+    TensorDef,
 };
 use crate::compute::{Attention, Compute, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
@@ -111,22 +112,8 @@ impl Gemma3Hparams {
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
-        let n_layer = md.arch_u32("block_count")?;
-        let n_embd = md.arch_u32("embedding_length")?;
-        let n_head = uniform_u32_req(md, "attention.head_count", n_layer)?;
-        check(ARCH, n_head > 0, "attention.head_count is 0")?;
-        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer)?.unwrap_or(n_head);
-        let head_dim = md
-            .arch_u32_opt("attention.key_length")?
-            .unwrap_or(n_embd / n_head);
-        let head_v = md
-            .arch_u32_opt("attention.value_length")?
-            .unwrap_or(n_embd / n_head);
-        check(
-            ARCH,
-            head_v == head_dim,
-            "attention.value_length differs from key_length",
-        )?;
+        let c = CommonHparams::read(md, ARCH)?;
+        let head_dim = c.head_dim(ARCH)?;
         if md
             .arch_bool_array_opt("attention.sliding_window_pattern")
             .is_ok_and(|v| v.is_some())
@@ -136,16 +123,16 @@ impl Gemma3Hparams {
             )));
         }
         let hp = Gemma3Hparams {
-            n_vocab: vocab_size(md)?,
-            n_ctx_train: md.arch_u32("context_length")?,
-            n_embd,
-            n_layer,
-            n_ff: uniform_u32_req(md, "feed_forward_length", n_layer)?,
-            n_head,
-            n_head_kv,
+            n_vocab: c.n_vocab,
+            n_ctx_train: c.n_ctx_train,
+            n_embd: c.n_embd,
+            n_layer: c.n_layer_all,
+            n_ff: c.n_ff(md)?,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
             head_dim,
-            rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
-            rope_freq_base: md.arch_f32_opt("rope.freq_base")?.unwrap_or(10000.0),
+            rms_eps: c.rms_eps,
+            rope_freq_base: c.rope_freq_base,
             rope_freq_base_swa: md
                 .arch_f32_opt("rope.freq_base_swa")?
                 .unwrap_or(DEFAULT_ROPE_FREQ_BASE_SWA),
@@ -236,24 +223,25 @@ impl ArchHparams for Gemma3Hparams {
         kv
     }
 
+    fn common(&self) -> CommonHparams {
+        CommonHparams {
+            n_vocab: self.n_vocab,
+            n_ctx_train: self.n_ctx_train,
+            n_embd: self.n_embd,
+            n_layer_all: self.n_layer,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_k: self.head_dim,
+            head_v: self.head_dim,
+            n_rot: self.head_dim,
+            rms_eps: self.rms_eps,
+            rope_freq_base: self.rope_freq_base,
+        }
+    }
+
     fn validate(&self) -> Result<(), ArchError> {
-        check(ARCH, self.n_layer > 0, "block_count is 0")?;
-        check(
-            ARCH,
-            self.n_embd > 0 && self.n_vocab > 0,
-            "embedding_length or vocabulary is 0",
-        )?;
+        self.common().validate(ARCH)?;
         check(ARCH, self.n_ff > 0, "feed_forward_length is 0")?;
-        check(
-            ARCH,
-            self.n_head > 0 && self.n_head_kv > 0,
-            "a head count is 0",
-        )?;
-        check(
-            ARCH,
-            self.n_head.is_multiple_of(self.n_head_kv),
-            "head_count is not a multiple of head_count_kv",
-        )?;
         check(
             ARCH,
             self.head_dim > 0 && self.head_dim.is_multiple_of(2),

@@ -121,6 +121,42 @@ impl TensorMap {
     }
 }
 
+/// One MoE block's routed-expert tensors (each `[cols, rows, n_expert]`), as the architecture's tensor
+/// table binds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoutedExperts {
+    /// The file's block number.
+    pub block: u32,
+    pub gate: WeightId,
+    pub up: WeightId,
+    pub down: WeightId,
+}
+
+impl TensorMap {
+    /// The blocks among the first `n_blocks` whose gate, up and down expert tensors are all bound, in
+    /// block order.
+    pub fn routed_experts(&self, n_blocks: u32) -> Vec<RoutedExperts> {
+        (0..n_blocks)
+            .filter_map(|block| {
+                Some(RoutedExperts {
+                    block,
+                    gate: self.layer_opt(Role::FfnGateExps, block)?,
+                    up: self.layer_opt(Role::FfnUpExps, block)?,
+                    down: self.layer_opt(Role::FfnDownExps, block)?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The routed experts of `file`'s MoE blocks, found through its architecture's tensor table (what an
+/// expert cache holds; no tensor name is parsed): empty for a dense model.
+pub fn routed_experts(file: &GgufFile) -> Result<Vec<RoutedExperts>, ArchError> {
+    let hp = ModelHparams::from_metadata(file.metadata())?;
+    let tensors = bind_tensors(hp.as_dyn(), file)?;
+    Ok(tensors.routed_experts(hp.as_dyn().n_layer_all()))
+}
+
 /// Binds every tensor of the architecture's table to the file's tensor of that name, checking that each
 /// required one exists, that each has the table's shape, and that the engine computes with its type.
 pub fn bind_tensors(hp: &dyn ArchHparams, file: &GgufFile) -> Result<TensorMap, ArchError> {

@@ -16,19 +16,17 @@
 //! `llama` files), a fused `attn_qkv` projection (its file lacks `attn_q`, so it fails to bind) and
 //! non-linear RoPE scaling (YaRN, LongRoPE).
 
+use super::common::CommonHparams;
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
-    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
+    TensorDef,
 };
 use crate::compute::{Attention, Compute, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
 pub const ARCH: &str = "llama";
-
-/// llama.cpp's default `rope.freq_base`.
-pub const DEFAULT_ROPE_FREQ_BASE: f32 = 10000.0;
 
 /// Hyperparameters of a dense `llama` model.
 #[derive(Clone, Debug, PartialEq)]
@@ -122,27 +120,12 @@ const fn opt(d: TensorDef) -> TensorDef {
 impl LlamaHparams {
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads for `llama`).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
-        let n_layer = md.arch_u32("block_count")?;
-        let n_embd = md.arch_u32("embedding_length")?;
-        let n_head = uniform_u32_req(md, "attention.head_count", n_layer)?;
-        check(ARCH, n_head > 0, "attention.head_count is 0")?;
-        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer)?.unwrap_or(n_head);
-        let head_dim = md
-            .arch_u32_opt("attention.key_length")?
-            .unwrap_or(n_embd / n_head);
-        let head_v = md
-            .arch_u32_opt("attention.value_length")?
-            .unwrap_or(n_embd / n_head);
+        let c = CommonHparams::read(md, ARCH)?;
         // llama.cpp's graph asserts n_embd_head_v == n_embd_head_k == n_rot: files that differ abort there.
+        let head_dim = c.head_dim(ARCH)?;
         check(
             ARCH,
-            head_v == head_dim,
-            "attention.value_length differs from key_length",
-        )?;
-        let n_rot = md.arch_u32_opt("rope.dimension_count")?.unwrap_or(head_dim);
-        check(
-            ARCH,
-            n_rot == head_dim,
+            c.n_rot == head_dim,
             "rope.dimension_count differs from the head size (llama.cpp asserts they are equal)",
         )?;
         let n_expert = md.arch_u32_opt("expert_count")?.unwrap_or(0);
@@ -152,18 +135,16 @@ impl LlamaHparams {
             "routed experts (expert_count > 0, Mixtral-style) are not supported yet",
         )?;
         let hp = LlamaHparams {
-            n_vocab: vocab_size(md)?,
-            n_ctx_train: md.arch_u32("context_length")?,
-            n_embd,
-            n_layer,
-            n_ff: uniform_u32_req(md, "feed_forward_length", n_layer)?,
-            n_head,
-            n_head_kv,
+            n_vocab: c.n_vocab,
+            n_ctx_train: c.n_ctx_train,
+            n_embd: c.n_embd,
+            n_layer: c.n_layer_all,
+            n_ff: c.n_ff(md)?,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
             head_dim,
-            rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
-            rope_freq_base: md
-                .arch_f32_opt("rope.freq_base")?
-                .unwrap_or(DEFAULT_ROPE_FREQ_BASE),
+            rms_eps: c.rms_eps,
+            rope_freq_base: c.rope_freq_base,
             tied_output: false,
             rope_freqs: false,
             biases: false,
@@ -229,24 +210,25 @@ impl ArchHparams for LlamaHparams {
         ]
     }
 
+    fn common(&self) -> CommonHparams {
+        CommonHparams {
+            n_vocab: self.n_vocab,
+            n_ctx_train: self.n_ctx_train,
+            n_embd: self.n_embd,
+            n_layer_all: self.n_layer,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_k: self.head_dim,
+            head_v: self.head_dim,
+            n_rot: self.head_dim,
+            rms_eps: self.rms_eps,
+            rope_freq_base: self.rope_freq_base,
+        }
+    }
+
     fn validate(&self) -> Result<(), ArchError> {
-        check(ARCH, self.n_layer > 0, "block_count is 0")?;
-        check(
-            ARCH,
-            self.n_embd > 0 && self.n_vocab > 0,
-            "embedding_length or vocabulary is 0",
-        )?;
+        self.common().validate(ARCH)?;
         check(ARCH, self.n_ff > 0, "feed_forward_length is 0")?;
-        check(
-            ARCH,
-            self.n_head > 0 && self.n_head_kv > 0,
-            "a head count is 0",
-        )?;
-        check(
-            ARCH,
-            self.n_head.is_multiple_of(self.n_head_kv),
-            "head_count is not a multiple of head_count_kv",
-        )?;
         check(
             ARCH,
             self.head_dim > 0 && self.head_dim.is_multiple_of(2),

@@ -6,6 +6,8 @@
 //! it) and its [`TensorClass`] (what `synth` and quantizers pick types by). [`resolve_tensors`] turns a
 //! table and a hyperparameter set into concrete names and shapes; the forward pass and `synth` both use it.
 //!
+//! - [`common`]: the hyperparameters every architecture shares, read and checked once ([`CommonHparams`],
+//!   and [`ExpertHparams`] for routed experts); an architecture file reads only its own.
 //! - [`graph`]: the forward-pass interface ([`Forward`], [`ModelGraph`], [`StateSpec`], tensor binding).
 //! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
@@ -13,6 +15,7 @@
 //! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
 //! - [`llama`]: dense Llama-family models (Llama 2/3, Mistral, SmolLM2): GQA, normal RoPE, SwiGLU.
 
+pub mod common;
 pub mod gemma3;
 pub mod graph;
 pub mod llama;
@@ -21,8 +24,12 @@ pub mod qwen3moe;
 
 use crate::gguf::{GgufError, Metadata, Value};
 
+pub use common::{CommonHparams, ExpertHparams};
 pub use gemma3::Gemma3Hparams;
-pub use graph::{bind_tensors, Forward, ModelGraph, ModelInfo, StateSpec, TensorMap};
+pub use graph::{
+    bind_tensors, routed_experts, Forward, ModelGraph, ModelInfo, RoutedExperts, StateSpec,
+    TensorMap,
+};
 pub use llama::LlamaHparams;
 pub use qwen35moe::Qwen35MoeHparams;
 pub use qwen3moe::Qwen3MoeHparams;
@@ -416,7 +423,10 @@ pub trait ArchHparams {
     fn synth_writes(&self, role: Role) -> bool;
     /// The metadata pairs describing these hyperparameters (`<arch>.*` keys), as llama.cpp reads them.
     fn to_metadata(&self) -> Vec<(String, Value)>;
-    /// Checks that the values describe a model llama.cpp would load.
+    /// The hyperparameters every architecture shares ([`CommonHparams`]).
+    fn common(&self) -> CommonHparams;
+    /// Checks that the values describe a model llama.cpp would load ([`CommonHparams::validate`] and the
+    /// architecture's own).
     fn validate(&self) -> Result<(), ArchError>;
 }
 

@@ -13,10 +13,11 @@
 //! Follows llama.cpp's `src/models/qwen35moe.cpp` (hyperparameters, tensors, graph) and
 //! `src/models/delta-net-base.cpp` (the delta rule); [`Qwen35MoeGraph`] is the forward pass.
 
+use super::common::{CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, uniform_u32, uniform_u32_req, vocab_size, ArchError, ArchHparams, Dim,
-    LayerKind, LayerSel, Presence, Role, TensorClass, TensorDef,
+    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
+    TensorDef,
 };
 use crate::compute::{
     Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, Rope, RopeKind, SharedExpert, Unary,
@@ -180,35 +181,17 @@ impl Qwen35MoeHparams {
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
-        let n_layer_all = md.arch_u32("block_count")?;
+        let c = CommonHparams::read(md, ARCH)?;
+        let n_layer_all = c.n_layer_all;
         let n_nextn = md.arch_u32_opt("nextn_predict_layers")?.unwrap_or(0);
         check(
             ARCH,
             n_nextn < n_layer_all,
             "nextn_predict_layers leaves no trunk blocks",
         )?;
-        let n_embd = md.arch_u32("embedding_length")?;
-        let n_head = uniform_u32_req(md, "attention.head_count", n_layer_all)?;
-        check(ARCH, n_head > 0, "attention.head_count is 0")?;
-        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head);
-        let head_dim = md
-            .arch_u32_opt("attention.key_length")?
-            .unwrap_or(n_embd / n_head);
-        let head_v = md
-            .arch_u32_opt("attention.value_length")?
-            .unwrap_or(n_embd / n_head);
-        check(
-            ARCH,
-            head_v == head_dim,
-            "attention.value_length differs from key_length",
-        )?;
-        let n_expert_used = uniform_u32_req(md, "expert_used_count", n_layer_all)?;
-        check(ARCH, n_expert_used > 0, "expert_used_count is 0")?;
-        let n_ff = uniform_u32(md, "feed_forward_length", n_layer_all)?.unwrap_or(0);
-        let n_ff_exp = match uniform_u32(md, "expert_feed_forward_length", n_layer_all)? {
-            Some(v) if v > 0 => v,
-            _ => n_ff / n_expert_used,
-        };
+        let head_dim = c.head_dim(ARCH)?;
+        let n_ff = c.n_ff_opt(md)?;
+        let e = ExpertHparams::read(md, ARCH, &c, n_ff)?;
         let n_ff_shexp = match md.arch_u32_opt("expert_shared_feed_forward_length")? {
             Some(v) if v > 0 => v,
             _ => n_ff,
@@ -228,21 +211,21 @@ impl Qwen35MoeHparams {
             )?;
         }
         let hp = Qwen35MoeHparams {
-            n_vocab: vocab_size(md)?,
-            n_ctx_train: md.arch_u32("context_length")?,
-            n_embd,
+            n_vocab: c.n_vocab,
+            n_ctx_train: c.n_ctx_train,
+            n_embd: c.n_embd,
             n_layer: n_layer_all - n_nextn,
             n_nextn,
-            n_head,
-            n_head_kv,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
             head_dim,
-            rope_dim: md.arch_u32_opt("rope.dimension_count")?.unwrap_or(head_dim),
+            rope_dim: c.n_rot,
             rope_sections: [sections[0], sections[1], sections[2], sections[3]],
-            rope_freq_base: md.arch_f32_opt("rope.freq_base")?.unwrap_or(10000.0),
-            rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
-            n_expert: md.arch_u32("expert_count")?,
-            n_expert_used,
-            n_ff_exp,
+            rope_freq_base: c.rope_freq_base,
+            rms_eps: c.rms_eps,
+            n_expert: e.n_expert,
+            n_expert_used: e.n_expert_used,
+            n_ff_exp: e.n_ff_exp,
             n_ff_shexp,
             ssm_conv_kernel: md.arch_u32("ssm.conv_kernel")?,
             ssm_state_size: md.arch_u32("ssm.state_size")?,
@@ -359,23 +342,25 @@ impl ArchHparams for Qwen35MoeHparams {
         kv
     }
 
+    fn common(&self) -> CommonHparams {
+        CommonHparams {
+            n_vocab: self.n_vocab,
+            n_ctx_train: self.n_ctx_train,
+            n_embd: self.n_embd,
+            n_layer_all: self.n_layer + self.n_nextn,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_k: self.head_dim,
+            head_v: self.head_dim,
+            n_rot: self.rope_dim,
+            rms_eps: self.rms_eps,
+            rope_freq_base: self.rope_freq_base,
+        }
+    }
+
     fn validate(&self) -> Result<(), ArchError> {
         check(ARCH, self.n_layer > 0, "no trunk blocks")?;
-        check(
-            ARCH,
-            self.n_embd > 0 && self.n_vocab > 0,
-            "embedding_length or vocabulary is 0",
-        )?;
-        check(
-            ARCH,
-            self.n_head > 0 && self.n_head_kv > 0,
-            "a head count is 0",
-        )?;
-        check(
-            ARCH,
-            self.n_head.is_multiple_of(self.n_head_kv),
-            "head_count is not a multiple of head_count_kv",
-        )?;
+        self.common().validate(ARCH)?;
         check(
             ARCH,
             self.rope_dim <= self.head_dim && self.rope_dim.is_multiple_of(2),

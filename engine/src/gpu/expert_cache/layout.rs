@@ -1,8 +1,9 @@
-//! The routed experts of a file as the cache handles them: per MoE layer the three expert tensors
-//! (`blk.N.ffn_{gate,up,down}_exps.weight`, each `[cols, rows, n_expert]`), and where each expert's three
+//! The routed experts of a file as the cache handles them: per MoE layer the three expert tensors its
+//! architecture's tensor table binds (gate, up, down, each `[cols, rows, n_expert]`), and where each expert's three
 //! matrices lie in a cache slot (gate, up, down back to back; one slot size for all layers, the largest).
 
 use poly_kernels::quant::GgmlType;
+use poly_models::arch::{routed_experts, ArchError};
 use poly_models::compute::WeightId;
 
 use crate::cpu::CpuWeights;
@@ -42,45 +43,30 @@ impl ExpertLayer {
     }
 }
 
-const ROLES: [&str; 3] = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"];
-
-/// Parses `blk.N.<role>.weight`.
-fn block_and_role(name: &str) -> Option<(u32, usize)> {
-    let rest = name.strip_prefix("blk.")?;
-    let (n, rest) = rest.split_once('.')?;
-    let role = rest.strip_suffix(".weight")?;
-    Some((n.parse().ok()?, ROLES.iter().position(|r| *r == role)?))
-}
-
-/// The MoE layers of `cpu`'s file whose three expert tensors are all present, 3-D, with the same expert
-/// count and a byte size that is whole experts; by block number.
-pub fn expert_layers(cpu: &CpuWeights) -> Vec<ExpertLayer> {
-    let file = cpu.file();
-    let mut found: std::collections::BTreeMap<u32, [Option<(WeightId, usize)>; 3]> =
-        Default::default();
-    for (i, t) in file.tensor_infos().iter().enumerate() {
-        let Some((block, role)) = block_and_role(&t.name) else {
-            continue;
-        };
-        let dims: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
-        let n_expert = match dims.as_slice() {
-            [_, _, e] | [_, _, e, 1] => *e,
-            _ => continue,
-        };
-        found.entry(block).or_default()[role] = Some((WeightId(i as u32), n_expert));
-    }
+/// The MoE layers of `cpu`'s file, as its architecture's tensor table binds their expert tensors
+/// ([`poly_models::arch::routed_experts`]), whose three tensors are 3-D with one expert count and a byte
+/// size of whole experts; by block number.
+pub fn expert_layers(cpu: &CpuWeights) -> Result<Vec<ExpertLayer>, ArchError> {
+    let experts_of = |w: WeightId| -> Option<usize> {
+        match cpu.info(w).dims.as_slice() {
+            [_, _, e] | [_, _, e, 1] => Some(*e as usize),
+            _ => None,
+        }
+    };
     let mut out = Vec::new();
-    for (block, roles) in found {
-        let [Some(g), Some(u), Some(d)] = roles else {
+    for routed in routed_experts(cpu.file())? {
+        let (g, u, d) = (routed.gate, routed.up, routed.down);
+        let (Some(n_expert), Some(nu), Some(nd)) = (experts_of(g), experts_of(u), experts_of(d))
+        else {
             continue;
         };
-        let n_expert = g.1;
-        if u.1 != n_expert || d.1 != n_expert || n_expert == 0 {
+        if nu != n_expert || nd != n_expert || n_expert == 0 {
             continue;
         }
+        let block = routed.block;
         let mut offset = 0;
         let mut mats = Vec::with_capacity(3);
-        for (w, _) in [g, u, d] {
+        for w in [g, u, d] {
             let info = cpu.info(w);
             let (cols, rows) = (info.dims[0] as usize, info.dims[1] as usize);
             let total = info.n_bytes as usize;
@@ -107,7 +93,7 @@ pub fn expert_layers(cpu: &CpuWeights) -> Vec<ExpertLayer> {
             });
         }
     }
-    out
+    Ok(out)
 }
 
 /// Bytes of a slot that holds any layer's expert (the largest layer's, aligned as laid out).
@@ -120,18 +106,4 @@ pub fn slot_bytes(layers: &[ExpertLayer]) -> usize {
         })
         .max()
         .unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_parse() {
-        assert_eq!(block_and_role("blk.12.ffn_up_exps.weight"), Some((12, 1)));
-        assert_eq!(block_and_role("blk.0.ffn_down_exps.weight"), Some((0, 2)));
-        assert_eq!(block_and_role("blk.0.ffn_up_shexp.weight"), None);
-        assert_eq!(block_and_role("blk.x.ffn_up_exps.weight"), None);
-        assert_eq!(block_and_role("output.weight"), None);
-    }
 }

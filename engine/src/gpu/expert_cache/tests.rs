@@ -23,7 +23,7 @@ fn fixture(name: &str) -> CpuWeights {
 /// The first MoE block of `w` (a qwen3moe file) as the engine binds it (softmax over the experts, the top
 /// four's weights normalized, SiLU), and its width.
 pub(crate) fn first_moe(w: &CpuWeights) -> (Moe, usize) {
-    let layer = &expert_layers(w)[0];
+    let layer = &expert_layers(w).expect("binds")[0];
     let id = |name: &str| {
         let i = w
             .file()
@@ -51,7 +51,7 @@ pub(crate) fn first_moe(w: &CpuWeights) -> (Moe, usize) {
 #[test]
 fn the_fixtures_expert_layers_are_found_and_laid_out_in_slots() {
     let w = fixture("qwen3moe-tiny-q4km.gguf");
-    let layers = expert_layers(&w);
+    let layers = expert_layers(&w).expect("binds");
     assert!(!layers.is_empty());
     let n_blocks = w
         .file()
@@ -71,8 +71,24 @@ fn the_fixtures_expert_layers_are_found_and_laid_out_in_slots() {
         assert!(l.mats[1].offset + l.mats[1].bytes <= l.mats[2].offset);
         assert!(l.mats[2].offset + l.mats[2].bytes <= slot);
     }
+    // qwen35moe: every trunk block and the MTP block, which has routed experts of its own (the shared
+    // expert is not routed).
+    let q35 = fixture("qwen35moe-tiny-q4k-q8.gguf");
+    let blocks: Vec<u32> = expert_layers(&q35)
+        .expect("binds")
+        .iter()
+        .map(|l| l.block)
+        .collect();
+    let n_blocks = q35
+        .file()
+        .metadata()
+        .arch_u32("block_count")
+        .expect("blocks");
+    assert_eq!(blocks, (0..n_blocks).collect::<Vec<_>>());
     // A dense model has none.
-    assert!(expert_layers(&fixture("gemma3-tiny-q4km.gguf")).is_empty());
+    assert!(expert_layers(&fixture("gemma3-tiny-q4km.gguf"))
+        .expect("binds")
+        .is_empty());
 }
 
 #[test]

@@ -1,0 +1,315 @@
+//! The hyperparameters every architecture here shares, read and checked once, as llama.cpp's
+//! `llama_model::load_hparams` (src/llama-model.cpp of the pinned sdist) reads them before handing over to
+//! the architecture's own `load_arch_hparams`: the same keys, the same defaults (KV heads = heads, head
+//! size = width / heads, rotated dimensions = head size, RoPE base 10,000), the same refusals. An
+//! architecture file reads only what is its own and takes these from [`CommonHparams`] (and, with routed
+//! experts, [`ExpertHparams`]).
+
+use super::{check, uniform_u32, uniform_u32_req, vocab_size, ArchError};
+use crate::gguf::Metadata;
+
+/// llama.cpp's default `rope.freq_base`.
+pub const DEFAULT_ROPE_FREQ_BASE: f32 = 10000.0;
+
+/// The common hyperparameters of a file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommonHparams {
+    /// Vocabulary size (length of `tokenizer.ggml.tokens`, else `vocab_size`).
+    pub n_vocab: u64,
+    /// `context_length`.
+    pub n_ctx_train: u32,
+    /// `embedding_length`.
+    pub n_embd: u32,
+    /// `block_count`: every block of the file (an MTP block included).
+    pub n_layer_all: u32,
+    /// `attention.head_count` (one value for every layer).
+    pub n_head: u32,
+    /// `attention.head_count_kv`, default `n_head`.
+    pub n_head_kv: u32,
+    /// `attention.key_length`, default `n_embd / n_head`.
+    pub head_k: u32,
+    /// `attention.value_length`, default `n_embd / n_head`.
+    pub head_v: u32,
+    /// `rope.dimension_count`, default `head_k`.
+    pub n_rot: u32,
+    /// `attention.layer_norm_rms_epsilon`.
+    pub rms_eps: f32,
+    /// `rope.freq_base`, default [`DEFAULT_ROPE_FREQ_BASE`].
+    pub rope_freq_base: f32,
+}
+
+impl CommonHparams {
+    /// Reads them from `md` for architecture `arch` (which names the refusals).
+    pub fn read(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
+        let n_layer_all = md.arch_u32("block_count")?;
+        let n_embd = md.arch_u32("embedding_length")?;
+        let n_head = uniform_u32_req(md, "attention.head_count", n_layer_all)?;
+        check(arch, n_head > 0, "attention.head_count is 0")?;
+        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head);
+        let head_k = md
+            .arch_u32_opt("attention.key_length")?
+            .unwrap_or(n_embd / n_head);
+        let head_v = md
+            .arch_u32_opt("attention.value_length")?
+            .unwrap_or(n_embd / n_head);
+        Ok(CommonHparams {
+            n_vocab: vocab_size(md)?,
+            n_ctx_train: md.arch_u32("context_length")?,
+            n_embd,
+            n_layer_all,
+            n_head,
+            n_head_kv,
+            head_k,
+            head_v,
+            n_rot: md.arch_u32_opt("rope.dimension_count")?.unwrap_or(head_k),
+            rms_eps: md.arch_f32("attention.layer_norm_rms_epsilon")?,
+            rope_freq_base: md
+                .arch_f32_opt("rope.freq_base")?
+                .unwrap_or(DEFAULT_ROPE_FREQ_BASE),
+        })
+    }
+
+    /// The checks every architecture makes of these (a shape written by hand, for `synth`, included):
+    /// blocks, width, vocabulary and heads present, the heads grouped evenly over the KV heads.
+    pub fn validate(&self, arch: &str) -> Result<(), ArchError> {
+        check(arch, self.n_layer_all > 0, "block_count is 0")?;
+        check(
+            arch,
+            self.n_embd > 0 && self.n_vocab > 0,
+            "embedding_length or vocabulary is 0",
+        )?;
+        check(
+            arch,
+            self.n_head > 0 && self.n_head_kv > 0,
+            "a head count is 0",
+        )?;
+        check(
+            arch,
+            self.n_head.is_multiple_of(self.n_head_kv),
+            "head_count is not a multiple of head_count_kv",
+        )
+    }
+
+    /// The head size of an architecture whose keys and values have one (every one here: their attention
+    /// kernels take one size; llama.cpp's graphs for them assert it too).
+    pub fn head_dim(&self, arch: &str) -> Result<u32, ArchError> {
+        check(
+            arch,
+            self.head_v == self.head_k,
+            "attention.value_length differs from key_length",
+        )?;
+        Ok(self.head_k)
+    }
+
+    /// `feed_forward_length` (one value for every layer), or 0 when the file has none (an MoE file may
+    /// give only the experts' length).
+    pub fn n_ff_opt(&self, md: &Metadata) -> Result<u32, ArchError> {
+        Ok(uniform_u32(md, "feed_forward_length", self.n_layer_all)?.unwrap_or(0))
+    }
+
+    /// `feed_forward_length`, required (a dense FFN in every block).
+    pub fn n_ff(&self, md: &Metadata) -> Result<u32, ArchError> {
+        uniform_u32_req(md, "feed_forward_length", self.n_layer_all)
+    }
+}
+
+/// The routed experts' hyperparameters of an MoE file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertHparams {
+    /// `expert_count`.
+    pub n_expert: u32,
+    /// `expert_used_count` (one value for every layer, above 0).
+    pub n_expert_used: u32,
+    /// `expert_feed_forward_length`; absent or 0: `n_ff / n_expert_used`.
+    pub n_ff_exp: u32,
+}
+
+impl ExpertHparams {
+    /// Reads them from `md` (`n_ff`: the file's `feed_forward_length`, 0 when absent).
+    pub fn read(
+        md: &Metadata,
+        arch: &str,
+        common: &CommonHparams,
+        n_ff: u32,
+    ) -> Result<Self, ArchError> {
+        let n_layer = common.n_layer_all;
+        let n_expert_used = uniform_u32_req(md, "expert_used_count", n_layer)?;
+        check(arch, n_expert_used > 0, "expert_used_count is 0")?;
+        let n_ff_exp = match uniform_u32(md, "expert_feed_forward_length", n_layer)? {
+            Some(v) if v > 0 => v,
+            _ => n_ff / n_expert_used,
+        };
+        Ok(ExpertHparams {
+            n_expert: md.arch_u32("expert_count")?,
+            n_expert_used,
+            n_ff_exp,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::Value;
+
+    /// Metadata of architecture `test` with these `test.*` keys (and a vocabulary size).
+    fn md(pairs: &[(&str, Value)]) -> Metadata {
+        let mut m = Metadata::new("test");
+        assert!(m.insert_new("general.architecture".into(), Value::String("test".into())));
+        assert!(m.insert_new("test.vocab_size".into(), Value::U32(1000)));
+        for (k, v) in pairs {
+            assert!(m.insert_new(format!("test.{k}"), v.clone()));
+        }
+        m
+    }
+
+    fn minimal() -> Vec<(&'static str, Value)> {
+        vec![
+            ("block_count", Value::U32(4)),
+            ("embedding_length", Value::U32(512)),
+            ("context_length", Value::U32(2048)),
+            ("attention.head_count", Value::U32(8)),
+            ("attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ]
+    }
+
+    #[test]
+    fn absent_keys_take_llama_cpps_defaults() {
+        let c = CommonHparams::read(&md(&minimal()), "test").expect("reads");
+        assert_eq!(
+            (c.n_vocab, c.n_ctx_train, c.n_embd, c.n_layer_all),
+            (1000, 2048, 512, 4)
+        );
+        // KV heads = heads, head size = width / heads, rotated dimensions = head size, base 10,000.
+        assert_eq!(
+            (c.n_head, c.n_head_kv, c.head_k, c.head_v, c.n_rot),
+            (8, 8, 64, 64, 64)
+        );
+        assert_eq!(c.rope_freq_base, DEFAULT_ROPE_FREQ_BASE);
+        assert_eq!(c.head_dim("test"), Ok(64));
+        assert_eq!(c.n_ff_opt(&md(&minimal())), Ok(0));
+        assert!(c.n_ff(&md(&minimal())).is_err());
+    }
+
+    #[test]
+    fn given_keys_are_read_and_per_layer_arrays_of_one_value_taken() {
+        let mut kv = minimal();
+        kv.extend([
+            ("attention.head_count_kv", Value::u32_array([2, 2, 2, 2])),
+            ("attention.key_length", Value::U32(128)),
+            ("attention.value_length", Value::U32(128)),
+            ("rope.dimension_count", Value::U32(64)),
+            ("rope.freq_base", Value::F32(1e6)),
+            ("feed_forward_length", Value::U32(1536)),
+        ]);
+        let m = md(&kv);
+        let c = CommonHparams::read(&m, "test").expect("reads");
+        assert_eq!(
+            (c.n_head_kv, c.head_k, c.n_rot, c.rope_freq_base),
+            (2, 128, 64, 1e6)
+        );
+        assert_eq!(c.n_ff(&m), Ok(1536));
+    }
+
+    #[test]
+    fn what_cannot_run_is_refused_with_the_reason() {
+        let with = |extra: Vec<(&'static str, Value)>| {
+            let mut kv: Vec<_> = minimal()
+                .into_iter()
+                .filter(|(k, _)| !extra.iter().any(|(e, _)| e == k))
+                .collect();
+            kv.extend(extra);
+            md(&kv)
+        };
+        let e = CommonHparams::read(&with(vec![("attention.head_count", Value::U32(0))]), "test");
+        assert_eq!(e, Err(ArchError("test: attention.head_count is 0".into())));
+        let e = CommonHparams::read(
+            &with(vec![(
+                "attention.head_count_kv",
+                Value::u32_array([2, 2, 4, 2]),
+            )]),
+            "test",
+        )
+        .expect_err("layers differ");
+        assert!(e.0.contains("differs between layers"), "{e}");
+        let c = CommonHparams::read(
+            &with(vec![("attention.value_length", Value::U32(32))]),
+            "test",
+        )
+        .expect("reads");
+        assert_eq!(
+            c.head_dim("test"),
+            Err(ArchError(
+                "test: attention.value_length differs from key_length".into()
+            ))
+        );
+        let missing: Vec<_> = minimal()
+            .into_iter()
+            .filter(|(k, _)| *k != "context_length")
+            .collect();
+        let e = CommonHparams::read(&md(&missing), "test").expect_err("no context");
+        assert!(e.0.contains("context_length"), "{e}");
+    }
+
+    #[test]
+    fn experts_default_their_length_from_the_ffn() {
+        let mut kv = minimal();
+        kv.extend([
+            ("expert_count", Value::U32(64)),
+            ("expert_used_count", Value::U32(8)),
+            ("feed_forward_length", Value::U32(6144)),
+        ]);
+        let m = md(&kv);
+        let c = CommonHparams::read(&m, "test").expect("reads");
+        let e = ExpertHparams::read(&m, "test", &c, c.n_ff_opt(&m).expect("ff")).expect("reads");
+        assert_eq!((e.n_expert, e.n_expert_used, e.n_ff_exp), (64, 8, 768));
+        kv.push(("expert_feed_forward_length", Value::U32(512)));
+        let m = md(&kv);
+        let e = ExpertHparams::read(&m, "test", &c, 6144).expect("reads");
+        assert_eq!(e.n_ff_exp, 512);
+        let mut kv = minimal();
+        kv.extend([
+            ("expert_count", Value::U32(64)),
+            ("expert_used_count", Value::U32(0)),
+        ]);
+        let m = md(&kv);
+        assert_eq!(
+            ExpertHparams::read(&m, "test", &c, 0),
+            Err(ArchError("test: expert_used_count is 0".into()))
+        );
+    }
+}
+
+#[cfg(test)]
+mod shape_tests {
+    use super::*;
+    use crate::arch::ModelHparams;
+    use crate::gguf::Value;
+    use crate::synth::shapes::all_shapes;
+
+    /// Every architecture's `common()` is what [`CommonHparams::read`] reads back from the metadata it
+    /// writes, for every shape `synth` knows (so the two never drift apart).
+    #[test]
+    fn every_shapes_common_hyperparameters_read_back_as_written() {
+        let shapes = all_shapes();
+        assert!(shapes.len() >= 8, "{} shapes", shapes.len());
+        for shape in shapes {
+            let hp = shape.hparams.as_dyn();
+            let arch = hp.arch_name();
+            let mut md = Metadata::new("test");
+            assert!(md.insert_new("general.architecture".into(), Value::String(arch.into())));
+            for (k, v) in hp.to_metadata() {
+                assert!(md.insert_new(k, v));
+            }
+            let c = hp.common();
+            if md.arch_u32_opt("vocab_size").ok().flatten().is_none() {
+                assert!(md.insert_new(format!("{arch}.vocab_size"), Value::U32(c.n_vocab as u32)));
+            }
+            let read = CommonHparams::read(&md, arch).expect("reads");
+            assert_eq!(read, c, "{arch} {}", shape.name);
+            hp.validate().expect("valid");
+            let back = ModelHparams::from_metadata(&md).expect("loads");
+            assert_eq!(back.as_dyn().common(), c, "{arch} {}", shape.name);
+        }
+    }
+}
