@@ -277,3 +277,22 @@ fn a_long_read_sends_progress_between_its_forward_calls() {
         "one line after each call but the last"
     );
 }
+
+/// READY counts the routed experts of every MoE block its architecture's tensor table binds: the tiny
+/// qwen3moe fixture's 16 experts in each of its blocks, a dense model none.
+#[test]
+fn ready_counts_the_experts_of_every_moe_block() {
+    let file = poly_models::GgufFile::open(fixture(MODEL)).expect("fixture");
+    let md = file.metadata();
+    let per_block = md.arch_u32("expert_count").expect("experts") as u64;
+    let blocks = md.arch_u32("block_count").expect("blocks") as u64;
+    let e = Engine::start(MODEL, &[]);
+    assert_eq!(
+        e.ready.as_ref().expect("ready").experts_total,
+        per_block * blocks
+    );
+    e.close();
+    let e = Engine::start("gemma3-tiny-q4km.gguf", &[]);
+    assert_eq!(e.ready.as_ref().expect("ready").experts_total, 0);
+    e.close();
+}

@@ -27,7 +27,6 @@ use std::sync::Arc;
 
 use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
-use poly_models::summary::is_routed_expert;
 use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
 
 use crate::model::{Arithmetic, EngineError, Model};
@@ -104,17 +103,11 @@ fn load(
     arithmetic: Arithmetic,
 ) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
-    let mut expert_blocks: Vec<&str> = file
-        .tensor_infos()
-        .iter()
-        .filter(|t| is_routed_expert(&t.name))
-        .filter_map(|t| t.name.split('.').nth(1))
-        .collect();
-    expert_blocks.sort_unstable();
-    expert_blocks.dedup();
+    // The MoE blocks as the architecture's tensor table binds them.
+    let expert_blocks = poly_models::arch::routed_experts(&file)?.len() as u64;
     let summary = poly_models::summary::ModelSummary::of(&file)?;
     let per_layer = summary.n_experts.unwrap_or(0);
-    let experts_total = per_layer * expert_blocks.len() as u64;
+    let experts_total = per_layer * expert_blocks;
     let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
     model.use_device_with(device, placement)?;
     // Only where the CPU will read weights: not for a card that holds every one.
