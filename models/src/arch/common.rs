@@ -147,6 +147,31 @@ impl ExpertHparams {
     }
 }
 
+/// The RoPE position scale as llama.cpp's common loader derives it for every architecture: `1 /
+/// rope.scaling.factor` (or the old key `rope.scale_linear`), 1 when absent or 0, and 1 when
+/// `rope.scaling.type` is `none`. YaRN and LongRoPE change the angles in ways the `Rope` op does not
+/// express: refused with the reason rather than run unscaled.
+pub fn rope_freq_scale(md: &Metadata, arch: &str) -> Result<f32, ArchError> {
+    let kind = md.arch_str_opt("rope.scaling.type")?.unwrap_or("linear");
+    let factor = match md.arch_f32_opt("rope.scaling.factor")? {
+        Some(f) => f,
+        None => md.arch_f32_opt("rope.scale_linear")?.unwrap_or(0.0),
+    };
+    check(
+        arch,
+        factor.is_finite() && factor >= 0.0,
+        "rope.scaling.factor must be a non-negative number",
+    )?;
+    match kind {
+        "none" => Ok(1.0),
+        "linear" if factor == 0.0 => Ok(1.0),
+        "linear" => Ok(1.0 / factor),
+        other => Err(ArchError(format!(
+            "{arch}: rope.scaling.type {other:?} is not supported yet (linear or none)"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +274,32 @@ mod tests {
             .collect();
         let e = CommonHparams::read(&md(&missing), "test").expect_err("no context");
         assert!(e.0.contains("context_length"), "{e}");
+    }
+
+    #[test]
+    fn one_rope_scaling_reader_for_every_architecture() {
+        let scaled = |pairs: &[(&str, Value)]| rope_freq_scale(&md(pairs), "test");
+        assert_eq!(scaled(&[]), Ok(1.0));
+        let typed = |t: &str| {
+            scaled(&[
+                ("rope.scaling.type", Value::String(t.into())),
+                ("rope.scaling.factor", Value::F32(4.0)),
+            ])
+        };
+        assert_eq!(typed("linear"), Ok(0.25));
+        assert_eq!(typed("none"), Ok(1.0));
+        let e = typed("yarn").expect_err("refused");
+        assert!(e.0.contains("\"yarn\" is not supported"), "{e}");
+        // The old key, read only when the new one is absent.
+        assert_eq!(scaled(&[("rope.scale_linear", Value::F32(2.0))]), Ok(0.5));
+        let both = [
+            ("rope.scaling.factor", Value::F32(8.0)),
+            ("rope.scale_linear", Value::F32(4.0)),
+        ];
+        assert_eq!(scaled(&both), Ok(0.125));
+        assert_eq!(scaled(&[("rope.scaling.factor", Value::F32(0.0))]), Ok(1.0));
+        assert!(scaled(&[("rope.scaling.factor", Value::F32(-1.0))]).is_err());
+        assert!(scaled(&[("rope.scaling.factor", Value::F32(f32::NAN))]).is_err());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! Follows llama.cpp's `src/models/gemma3.cpp` (hyperparameters, tensors, graph); [`Gemma3Graph`] is the
 //! forward pass.
 
-use super::common::CommonHparams;
+use super::common::{rope_freq_scale, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -293,29 +293,6 @@ pub struct Gemma3Graph {
     q_scale: f32,
 }
 
-/// The position scale of global blocks' RoPE as llama.cpp derives it: `1 / rope.scaling.factor` (or the
-/// old key `rope.scale_linear`), 1 when absent or 0, and 1 when `rope.scaling.type` is `none`.
-fn rope_freq_scale(md: &Metadata) -> Result<f32, ArchError> {
-    let kind = md.arch_str_opt("rope.scaling.type")?.unwrap_or("linear");
-    let factor = match md.arch_f32_opt("rope.scaling.factor")? {
-        Some(f) => f,
-        None => md.arch_f32_opt("rope.scale_linear")?.unwrap_or(0.0),
-    };
-    check(
-        ARCH,
-        factor.is_finite() && factor >= 0.0,
-        "rope.scaling.factor must be a non-negative number",
-    )?;
-    match kind {
-        "none" => Ok(1.0),
-        "linear" if factor == 0.0 => Ok(1.0),
-        "linear" => Ok(1.0 / factor),
-        other => Err(ArchError(format!(
-            "{ARCH}: rope.scaling.type {other:?} is not supported (linear or none)"
-        ))),
-    }
-}
-
 impl Gemma3Graph {
     /// Builds the forward pass from bound tensors.
     pub fn new(hp: Gemma3Hparams, t: &TensorMap, md: &Metadata) -> Result<Gemma3Graph, ArchError> {
@@ -345,7 +322,7 @@ impl Gemma3Graph {
             head_dim,
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
-            freq_scale: rope_freq_scale(md)?,
+            freq_scale: rope_freq_scale(md, ARCH)?,
             freq_factors: None,
         };
         let rope_swa = Rope {
@@ -499,45 +476,11 @@ mod tests {
     use crate::arch::ModelHparams;
     use crate::synth::shapes::find_shape;
 
-    fn md(pairs: &[(&str, Value)]) -> Metadata {
-        let mut m = Metadata::new("test");
-        assert!(m.insert_new("general.architecture".into(), Value::String(ARCH.into())));
-        for (k, v) in pairs {
-            assert!(m.insert_new(format!("{ARCH}.{k}"), v.clone()));
-        }
-        m
-    }
-
     fn hparams(shape: &str) -> Gemma3Hparams {
         match find_shape(ARCH, shape).expect("shape").hparams {
             ModelHparams::Gemma3(h) => h,
             _ => unreachable!("a gemma3 shape"),
         }
-    }
-
-    #[test]
-    fn global_rope_scale_follows_llama_cpp() {
-        let s = |pairs: &[(&str, Value)]| rope_freq_scale(&md(pairs));
-        assert_eq!(s(&[]), Ok(1.0));
-        assert_eq!(s(&[("rope.scaling.factor", Value::F32(8.0))]), Ok(0.125));
-        assert_eq!(s(&[("rope.scaling.factor", Value::F32(0.0))]), Ok(1.0));
-        // The old key, read only when the new one is absent.
-        assert_eq!(s(&[("rope.scale_linear", Value::F32(4.0))]), Ok(0.25));
-        let both = [
-            ("rope.scaling.factor", Value::F32(8.0)),
-            ("rope.scale_linear", Value::F32(4.0)),
-        ];
-        assert_eq!(s(&both), Ok(0.125));
-        let typed = |t: &str| {
-            s(&[
-                ("rope.scaling.type", Value::String(t.into())),
-                ("rope.scaling.factor", Value::F32(8.0)),
-            ])
-        };
-        assert_eq!(typed("linear"), Ok(0.125));
-        assert_eq!(typed("none"), Ok(1.0));
-        assert!(typed("yarn").is_err());
-        assert!(s(&[("rope.scaling.factor", Value::F32(-2.0))]).is_err());
     }
 
     #[test]

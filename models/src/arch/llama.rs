@@ -16,7 +16,7 @@
 //! `llama` files), a fused `attn_qkv` projection (its file lacks `attn_q`, so it fails to bind) and
 //! non-linear RoPE scaling (YaRN, LongRoPE).
 
-use super::common::CommonHparams;
+use super::common::{rope_freq_scale, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -285,30 +285,6 @@ pub struct LlamaGraph {
     rope: Rope,
 }
 
-/// The RoPE position scale as llama.cpp derives it: `1 / rope.scaling.factor` (or the old
-/// `rope.scale_linear`), 1 when absent or 0 or when `rope.scaling.type` is `none`. YaRN and LongRoPE
-/// change the angles in ways the `Rope` op does not express, so they are refused.
-fn rope_freq_scale(md: &Metadata) -> Result<f32, ArchError> {
-    let kind = md.arch_str_opt("rope.scaling.type")?.unwrap_or("linear");
-    let factor = match md.arch_f32_opt("rope.scaling.factor")? {
-        Some(f) => f,
-        None => md.arch_f32_opt("rope.scale_linear")?.unwrap_or(0.0),
-    };
-    check(
-        ARCH,
-        factor.is_finite() && factor >= 0.0,
-        "rope.scaling.factor must be a non-negative number",
-    )?;
-    match kind {
-        "none" => Ok(1.0),
-        "linear" if factor == 0.0 => Ok(1.0),
-        "linear" => Ok(1.0 / factor),
-        other => Err(ArchError(format!(
-            "{ARCH}: rope.scaling.type {other:?} is not supported yet (linear or none)"
-        ))),
-    }
-}
-
 impl LlamaGraph {
     /// Builds the forward pass from bound tensors.
     pub fn new(hp: LlamaHparams, t: &TensorMap, md: &Metadata) -> Result<LlamaGraph, ArchError> {
@@ -342,7 +318,7 @@ impl LlamaGraph {
             head_dim,
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
-            freq_scale: rope_freq_scale(md)?,
+            freq_scale: rope_freq_scale(md, ARCH)?,
             // llama.cpp's get_rope_factors: blk.0's rope_freqs for every block (TENSOR_DUPLICATED).
             freq_factors: t.global(Role::RopeFreqs),
         };
@@ -519,14 +495,5 @@ mod tests {
             kv.push(("llama.rope.dimension_count".into(), Value::U32(32)));
         });
         assert!(e.contains("rope.dimension_count"), "{e}");
-        let scaled = |t: &str| {
-            rope_freq_scale(&md(&[
-                ("rope.scaling.type", Value::String(t.into())),
-                ("rope.scaling.factor", Value::F32(4.0)),
-            ]))
-        };
-        assert_eq!(scaled("linear"), Ok(0.25));
-        assert_eq!(scaled("none"), Ok(1.0));
-        assert!(scaled("yarn").is_err());
     }
 }

@@ -13,7 +13,7 @@
 //! Follows llama.cpp's `src/models/qwen35moe.cpp` (hyperparameters, tensors, graph) and
 //! `src/models/delta-net-base.cpp` (the delta rule); [`Qwen35MoeGraph`] is the forward pass.
 
-use super::common::{CommonHparams, ExpertHparams};
+use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -544,6 +544,8 @@ pub struct Qwen35MoeGraph {
     blocks: Vec<Block>,
     #[allow(dead_code)]
     nextn: Vec<NextnBlock>,
+    /// The RoPE position scale ([`rope_freq_scale`]).
+    rope_freq_scale: f32,
 }
 
 impl Qwen35MoeGraph {
@@ -634,6 +636,7 @@ impl Qwen35MoeGraph {
         )?;
         let tok_embd = t.global_req(Role::TokenEmbd)?;
         Ok(Qwen35MoeGraph {
+            rope_freq_scale: rope_freq_scale(md, ARCH)?,
             tok_embd,
             output_norm: t.global_req(Role::OutputNorm)?,
             output: t.global(Role::Output).unwrap_or(tok_embd),
@@ -713,7 +716,7 @@ impl Qwen35MoeGraph {
             head_dim,
             n_rot: hp.rope_dim as usize,
             freq_base: hp.rope_freq_base,
-            freq_scale: 1.0,
+            freq_scale: self.rope_freq_scale,
             freq_factors: None,
         };
         let attn = Attention {

@@ -5,7 +5,7 @@
 //! Follows llama.cpp's `src/models/qwen3moe.cpp` (hyperparameters, tensors, graph); [`Qwen3MoeGraph`] is the
 //! forward pass.
 
-use super::common::{CommonHparams, ExpertHparams};
+use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -245,6 +245,8 @@ pub struct Qwen3MoeGraph {
     /// `output.weight`, or the token embedding when the file ties them.
     output: WeightId,
     blocks: Vec<Block>,
+    /// The RoPE position scale ([`rope_freq_scale`]).
+    rope_freq_scale: f32,
 }
 
 impl Qwen3MoeGraph {
@@ -290,6 +292,7 @@ impl Qwen3MoeGraph {
             md,
         )?;
         Ok(Qwen3MoeGraph {
+            rope_freq_scale: rope_freq_scale(md, ARCH)?,
             tok_embd,
             output_norm: t.global_req(Role::OutputNorm)?,
             output: t.global(Role::Output).unwrap_or(tok_embd),
@@ -329,7 +332,7 @@ impl Forward for Qwen3MoeGraph {
             head_dim,
             n_rot: head_dim,
             freq_base: hp.rope_freq_base,
-            freq_scale: 1.0,
+            freq_scale: self.rope_freq_scale,
             freq_factors: None,
         };
         let attn = Attention {
@@ -375,5 +378,47 @@ impl Forward for Qwen3MoeGraph {
             (inp, cur) = c.add_rms_norm(&moe_out, &ffn_inp, Some(next_norm), eps, n_embd);
         }
         c.matmul(self.output, &cur)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::bind_tensors;
+    use crate::gguf::GgufFile;
+
+    /// The tiny fixture's graph, built with its metadata plus `extra` (`qwen3moe.*` keys).
+    fn graph_with(extra: &[(&str, Value)]) -> Result<Qwen3MoeGraph, ArchError> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/models/qwen3moe-tiny-q4km.gguf"
+        );
+        let file = GgufFile::open(path).expect("fixture");
+        let mut md = file.metadata().clone();
+        for (k, v) in extra {
+            assert!(md.insert_new(format!("{ARCH}.{k}"), v.clone()));
+        }
+        let hp = Qwen3MoeHparams::from_metadata(&md)?;
+        let tensors = bind_tensors(&hp, &file)?;
+        Qwen3MoeGraph::new(hp, &tensors, &md)
+    }
+
+    /// llama.cpp scales every architecture's RoPE positions by the file's linear `rope.scaling.factor`;
+    /// this file once ran them unscaled. A scaling the op cannot express is refused with the reason.
+    #[test]
+    fn rope_scaling_is_read_as_llama_cpp_reads_it() {
+        assert_eq!(graph_with(&[]).expect("builds").rope_freq_scale, 1.0);
+        let linear = graph_with(&[
+            ("rope.scaling.type", Value::String("linear".into())),
+            ("rope.scaling.factor", Value::F32(4.0)),
+        ])
+        .expect("builds");
+        assert_eq!(linear.rope_freq_scale, 0.25);
+        let yarn = graph_with(&[
+            ("rope.scaling.type", Value::String("yarn".into())),
+            ("rope.scaling.factor", Value::F32(4.0)),
+        ]);
+        let e = yarn.expect_err("refused");
+        assert!(e.0.contains("qwen3moe") && e.0.contains("yarn"), "{e}");
     }
 }
