@@ -152,6 +152,8 @@ impl TensorMap {
 /// The routed experts of `file`'s MoE blocks, found through its architecture's tensor table (what an
 /// expert cache holds; no tensor name is parsed): empty for a dense model.
 pub fn routed_experts(file: &GgufFile) -> Result<Vec<RoutedExperts>, ArchError> {
+    // An absurd block count is refused before anything loops over the blocks (as `ModelGraph::from_file`).
+    file.check_counts()?;
     let hp = ModelHparams::from_metadata(file.metadata())?;
     let tensors = bind_tensors(hp.as_dyn(), file)?;
     Ok(tensors.routed_experts(hp.as_dyn().n_layer_all()))
