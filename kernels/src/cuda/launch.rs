@@ -18,7 +18,9 @@
 //! Launches of other libraries (cuBLAS) and copies on the stream keep their full serialization: the
 //! attribute relaxes only the edge into a kernel launched here, from the one before it.
 //!
-//! `--gpu-pdl off` launches without the attribute (the prologue then waits for nothing), for measurements.
+//! Which launches carry the attribute is `--gpu-pdl` ([`crate::options::LaunchOverlap`]): by default those
+//! of one-token calls (the engine says a call's rows with `Device::set_launch_rows`), where it was measured
+//! to pay; a launch without it is plain stream order and its prologue's wait returns at once.
 
 use std::ffi::c_void;
 
