@@ -187,7 +187,7 @@ if [ "$PHASE" = ours ]; then
     if [ "${GREEDY:-0}" = 1 ]; then
     for m in ${SERVER_MODELS:-q35s q3u}; do
         F=/dev/shm/m/$m.gguf
-        bench "$m ${BUDGET}MiB NEW tg128 at the server's context" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 128 --reps 2 --no-expert-profile --max-context 34000
+        tg_with 128 --max-context 34000
         IDS=$(seq 1000 7 1273 | paste -sd,)
         timeout 120 $E run --model $F --gpu 0 --vram-reserve-mib $RESERVE --n-ctx 34000 --no-expert-profile --prompt-tokens $IDS --max-tokens 128 --top 1 --ignore-eos > $R/run.txt 2> $R/run.err
         echo "  $m ${BUDGET}MiB poly-engine run, greedy, 40 prompt tokens, 128 written, context 34000: rc=$? $(grep -E "generated" $R/run.err | tail -2 | tr '\n' ' ')" | tee -a "$S"

@@ -351,9 +351,6 @@ impl GpuBackend {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>, EngineError> {
-        // One-token calls overlap their kernels' launches (`--gpu-pdl`); a decode graph captured from
-        // one keeps the overlap in its edges. (`call_inner` says it again for calls made directly.)
-        self.dev.set_launch_rows(tokens.len());
         // One token through a decode graph: a whole one when every routed expert is on the card, else
         // (the cache's copies and the CPU's share need the host in the middle of each MoE layer) one cut
         // into segments at those points.
@@ -430,6 +427,9 @@ impl GpuBackend {
         self.take_back(cpu).map_err(cuda_err)?;
         let mut phases = CallPhases::default();
         let clock = Instant::now();
+        // One-token calls overlap their kernels' launches (`--gpu-pdl`); a decode graph captured here
+        // keeps the overlap in its edges.
+        self.dev.set_launch_rows(tokens.len());
         let mut seq_slot = lock(&self.seq);
         let kv_rows = self
             .kv_room(cpu, &mut seq_slot, state, 1)
@@ -578,6 +578,7 @@ impl GpuBackend {
     ) -> Result<(Vec<f32>, R), CudaError> {
         let mut phases = CallPhases::default();
         let clock = Instant::now();
+        // The launches of a call of `tokens.len()` rows (`--gpu-pdl` decides whether they overlap).
         self.dev.set_launch_rows(tokens.len());
         let mut seq_slot = lock(&self.seq);
         let kv_rows = self.kv_room(cpu, &mut seq_slot, state, tokens.len())?;

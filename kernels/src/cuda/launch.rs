@@ -29,6 +29,7 @@ use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, Laun
 use super::{CudaResult, Device};
 
 /// One kernel argument: where its bytes are, or a device address to pass by value.
+#[derive(Clone, Copy)]
 pub(crate) enum Arg {
     /// A host value the caller keeps alive until the launch (scalars, argument structs).
     Value(*const c_void),
@@ -36,22 +37,45 @@ pub(crate) enum Arg {
     Address(sys::CUdeviceptr),
 }
 
+/// More parameters than any kernel of this crate takes (18 at most today).
+const MAX_KERNEL_ARGS: usize = 32;
+
+/// A launch's arguments, held inline: a launch allocates nothing (prompt calls queue ~1,700 of them).
+pub(crate) struct Args {
+    items: [Arg; MAX_KERNEL_ARGS],
+    len: usize,
+    /// More than [`MAX_KERNEL_ARGS`] were pushed: the launch refuses.
+    overflow: bool,
+}
+
+impl Args {
+    pub(crate) fn push(&mut self, arg: Arg) {
+        match self.items.get_mut(self.len) {
+            Some(slot) => {
+                *slot = arg;
+                self.len += 1;
+            }
+            None => self.overflow = true,
+        }
+    }
+}
+
 /// A kernel launch being built: [`Device::launch_builder`], then [`KernelLaunch::arg`] per parameter in the
 /// kernel's order, then [`KernelLaunch::launch`].
 pub(crate) struct KernelLaunch<'a> {
     dev: &'a Device,
     func: &'a CudaFunction,
-    args: Vec<Arg>,
+    args: Args,
 }
 
 /// What can be passed to a kernel parameter: device buffers (their address) and plain values (their bytes,
 /// which must match the parameter's C type).
 pub(crate) trait KernelArg<'a> {
-    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Vec<Arg>);
+    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Args);
 }
 
 impl<'a, T> KernelArg<'a> for &'a CudaSlice<T> {
-    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Vec<Arg>) {
+    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Args) {
         // With event tracking off (Device::open) the guard records nothing.
         let (ptr, _guard) = self.device_ptr(stream);
         args.push(Arg::Address(ptr));
@@ -59,7 +83,7 @@ impl<'a, T> KernelArg<'a> for &'a CudaSlice<T> {
 }
 
 impl<'a, T> KernelArg<'a> for &'a mut CudaSlice<T> {
-    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Vec<Arg>) {
+    fn push(self, stream: &cudarc::driver::CudaStream, args: &mut Args) {
         let (ptr, _guard) = self.device_ptr_mut(stream);
         args.push(Arg::Address(ptr));
     }
@@ -70,13 +94,13 @@ impl<'a, T> KernelArg<'a> for &'a mut CudaSlice<T> {
 macro_rules! value_args {
     ($($t:ty),* $(,)?) => {
         $(impl<'a> $crate::cuda::launch::KernelArg<'a> for &'a $t {
-            fn push(self, _stream: &cudarc::driver::CudaStream, args: &mut Vec<$crate::cuda::launch::Arg>) {
+            fn push(self, _stream: &cudarc::driver::CudaStream, args: &mut $crate::cuda::launch::Args) {
                 args.push($crate::cuda::launch::Arg::Value(self as *const $t as *const std::ffi::c_void));
             }
         })*
     };
 }
-value_args!(i32, u32, i64, u64, f32, f64, u8, i8, u16, i16);
+value_args!(i32, u32, i64, u64, f32);
 pub(crate) use value_args;
 
 impl Device {
@@ -85,7 +109,11 @@ impl Device {
         KernelLaunch {
             dev: self,
             func,
-            args: Vec::with_capacity(16),
+            args: Args {
+                items: [Arg::Address(0); MAX_KERNEL_ARGS],
+                len: 0,
+                overflow: false,
+            },
         }
     }
 }
@@ -104,15 +132,19 @@ impl<'a> KernelLaunch<'a> {
     /// The arguments must be the kernel's parameters, in order and of matching types, and every buffer
     /// the kernel reads or writes must be large enough for `cfg` (each caller checks its lengths).
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> CudaResult<()> {
+        if self.args.overflow {
+            return Err(super::CudaError::Invalid(format!(
+                "a kernel launch of more than {MAX_KERNEL_ARGS} arguments"
+            )));
+        }
         self.dev.bind()?;
-        let mut params: Vec<*mut c_void> = self
-            .args
-            .iter()
-            .map(|a| match a {
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_KERNEL_ARGS];
+        for (param, arg) in params.iter_mut().zip(&self.args.items[..self.args.len]) {
+            *param = match arg {
                 Arg::Value(p) => *p as *mut c_void,
                 Arg::Address(addr) => addr as *const sys::CUdeviceptr as *mut c_void,
-            })
-            .collect();
+            };
+        }
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -135,7 +167,7 @@ impl<'a> KernelLaunch<'a> {
         };
         // SAFETY: `params` points at one value per kernel parameter (the caller's contract), each alive
         // until this call returns (values borrowed for 'a, addresses stored in `self.args`, which is not
-        // touched while `params` lives); the driver copies them before returning.
+        // touched while `params` lives); the driver reads the first `len` and copies them before returning.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,

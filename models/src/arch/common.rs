@@ -113,6 +113,28 @@ impl CommonHparams {
     }
 }
 
+/// `CommonHparams` of an architecture's hyperparameters `$hp` that hold the common fields under their
+/// usual names, with one head size for keys and values over which RoPE turns whole, and every block a
+/// trunk block (gemma3, llama, qwen3moe).
+macro_rules! whole_head_common {
+    ($hp:expr) => {
+        CommonHparams {
+            n_vocab: $hp.n_vocab,
+            n_ctx_train: $hp.n_ctx_train,
+            n_embd: $hp.n_embd,
+            n_layer_all: $hp.n_layer,
+            n_head: $hp.n_head,
+            n_head_kv: $hp.n_head_kv,
+            head_k: $hp.head_dim,
+            head_v: $hp.head_dim,
+            n_rot: $hp.head_dim,
+            rms_eps: $hp.rms_eps,
+            rope_freq_base: $hp.rope_freq_base,
+        }
+    };
+}
+pub(crate) use whole_head_common;
+
 /// The routed experts' hyperparameters of an MoE file.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertHparams {

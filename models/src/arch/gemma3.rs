@@ -9,7 +9,7 @@
 //! Follows llama.cpp's `src/models/gemma3.cpp` (hyperparameters, tensors, graph); [`Gemma3Graph`] is the
 //! forward pass.
 
-use super::common::{rope_freq_scale, CommonHparams};
+use super::common::{rope_freq_scale, whole_head_common, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -224,19 +224,7 @@ impl ArchHparams for Gemma3Hparams {
     }
 
     fn common(&self) -> CommonHparams {
-        CommonHparams {
-            n_vocab: self.n_vocab,
-            n_ctx_train: self.n_ctx_train,
-            n_embd: self.n_embd,
-            n_layer_all: self.n_layer,
-            n_head: self.n_head,
-            n_head_kv: self.n_head_kv,
-            head_k: self.head_dim,
-            head_v: self.head_dim,
-            n_rot: self.head_dim,
-            rms_eps: self.rms_eps,
-            rope_freq_base: self.rope_freq_base,
-        }
+        whole_head_common!(self)
     }
 
     fn validate(&self) -> Result<(), ArchError> {

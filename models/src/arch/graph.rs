@@ -152,11 +152,17 @@ impl TensorMap {
 /// The routed experts of `file`'s MoE blocks, found through its architecture's tensor table (what an
 /// expert cache holds; no tensor name is parsed): empty for a dense model.
 pub fn routed_experts(file: &GgufFile) -> Result<Vec<RoutedExperts>, ArchError> {
-    // An absurd block count is refused before anything loops over the blocks (as `ModelGraph::from_file`).
+    let (hp, tensors) = read_and_bind(file)?;
+    Ok(tensors.routed_experts(hp.as_dyn().n_layer_all()))
+}
+
+/// The file's hyperparameters and its tensors bound to them. An absurd block count is refused first,
+/// before anything sizes or loops by it.
+fn read_and_bind(file: &GgufFile) -> Result<(ModelHparams, TensorMap), ArchError> {
     file.check_counts()?;
     let hp = ModelHparams::from_metadata(file.metadata())?;
     let tensors = bind_tensors(hp.as_dyn(), file)?;
-    Ok(tensors.routed_experts(hp.as_dyn().n_layer_all()))
+    Ok((hp, tensors))
 }
 
 /// Binds every tensor of the architecture's table to the file's tensor of that name, checking that each
@@ -246,9 +252,7 @@ impl ModelGraph {
     /// Reads the file's architecture and builds its forward pass; an error for an unknown architecture,
     /// one whose forward pass is not implemented yet, or a file that does not match its architecture.
     pub fn from_file(file: &GgufFile) -> Result<ModelGraph, ArchError> {
-        file.check_counts()?;
-        let hp = ModelHparams::from_metadata(file.metadata())?;
-        let tensors = bind_tensors(hp.as_dyn(), file)?;
+        let (hp, tensors) = read_and_bind(file)?;
         match hp {
             ModelHparams::Qwen3Moe(h) => Ok(ModelGraph::Qwen3Moe(qwen3moe::Qwen3MoeGraph::new(
                 h,

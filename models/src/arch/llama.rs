@@ -16,7 +16,7 @@
 //! `llama` files), a fused `attn_qkv` projection (its file lacks `attn_q`, so it fails to bind) and
 //! non-linear RoPE scaling (YaRN, LongRoPE).
 
-use super::common::{rope_freq_scale, CommonHparams};
+use super::common::{rope_freq_scale, whole_head_common, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
@@ -211,19 +211,7 @@ impl ArchHparams for LlamaHparams {
     }
 
     fn common(&self) -> CommonHparams {
-        CommonHparams {
-            n_vocab: self.n_vocab,
-            n_ctx_train: self.n_ctx_train,
-            n_embd: self.n_embd,
-            n_layer_all: self.n_layer,
-            n_head: self.n_head,
-            n_head_kv: self.n_head_kv,
-            head_k: self.head_dim,
-            head_v: self.head_dim,
-            n_rot: self.head_dim,
-            rms_eps: self.rms_eps,
-            rope_freq_base: self.rope_freq_base,
-        }
+        whole_head_common!(self)
     }
 
     fn validate(&self) -> Result<(), ArchError> {
