@@ -33,6 +33,19 @@ pub struct ForwardOptions {
     pub gpu_segments: bool,
     /// Who computes a partly resident token's CPU share.
     pub cpu_share: CpuShareThreads,
+    /// How a segmented token's MoE layers hand over between the card and the host (`--gpu-handoff`).
+    pub handoff: Handoff,
+}
+
+/// How a segmented token hands over between the card and the host at each MoE layer (`--gpu-handoff`):
+/// the router's ids and weights and the layer's input down, the token's expert addresses and the CPU's
+/// sum up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handoff {
+    /// Kernels that read and write the host's page-locked memory (one launch a hand-over).
+    Kernel,
+    /// Copy-engine transfers (five a layer).
+    Copy,
 }
 
 /// The threads of a partly resident token's CPU share (`--cpu-share`).
@@ -57,6 +70,7 @@ impl Default for ForwardOptions {
             gpu_graphs: true,
             gpu_segments: true,
             cpu_share: CpuShareThreads::Hot,
+            handoff: Handoff::Kernel,
         }
     }
 }
@@ -105,6 +119,9 @@ impl Knobs {
             CpuShareThreads::Rayon => _ = put("cpu-share", "rayon".into()),
             CpuShareThreads::PerExpert => _ = put("cpu-share", "per-expert".into()),
         }
+        if f.handoff == Handoff::Copy {
+            put("gpu-handoff", "copy".into());
+        }
         out
     }
 }
@@ -151,10 +168,12 @@ mod tests {
         k.kernels.gpu.mmq = false;
         k.forward.gpu_segments = false;
         k.forward.cpu_share = CpuShareThreads::Rayon;
+        k.forward.handoff = Handoff::Copy;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("cpu-share", "rayon"),
             ("fuse", "off"),
+            ("gpu-handoff", "copy"),
             ("gpu-segments", "off"),
             ("mmq", "off"),
             ("moe-glu", "off"),

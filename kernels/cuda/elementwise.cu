@@ -151,3 +151,28 @@ extern "C" __global__ void delta_gates(const float * __restrict__ beta, const fl
     const float sp = v > 20.0f ? v : logf(1.0f + expf(v));
     gate_out[i] = sp * a[h];
 }
+
+// Up to four copies of 32-bit words in one launch, any side of each in the host's page-locked memory (its
+// device address): a partly resident token's hand-over between the card and the host at each MoE layer
+// (the router's ids and weights and the layer's input down, the CPU's sum and the token's expert addresses
+// up) as one kernel beside the others, where copy-engine transfers cost a hand-off between engines each.
+// Writes to the host are visible to it once the stream passed the kernel (a synchronize); the host's
+// writes before a launch are visible to the kernel. Grid-stride over each copy's words.
+struct HostCopyArgs {
+    unsigned long long src[4];
+    unsigned long long dst[4];
+    int words[4];
+    int n_copies;
+};
+
+extern "C" __global__ void copy_words(const HostCopyArgs a) {
+    launch_prologue();
+    const int stride = gridDim.x * blockDim.x;
+    for (int c = 0; c < a.n_copies; ++c) {
+        const uint32_t * __restrict__ src = (const uint32_t *) a.src[c];
+        uint32_t * __restrict__ dst = (uint32_t *) a.dst[c];
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.words[c]; i += stride) {
+            dst[i] = src[i];
+        }
+    }
+}

@@ -56,6 +56,71 @@ fn quant_types() -> Vec<GgmlType> {
 
 const FLOAT_TYPES: [GgmlType; 3] = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
 
+/// The kernel's host copies move every word both ways, four copies in a launch, a fifth refused; the
+/// pinned memory written by the kernel is what the host reads after a synchronize, and what the host
+/// wrote before the launch is what the kernel reads.
+#[test]
+fn host_copies_by_kernel_move_every_word() {
+    use poly_kernels::cuda::{HostCopies, HOST_COPIES_MAX};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(3);
+    let x = normals(&mut rng, 5_000);
+    let ids: Vec<i32> = (0..8).map(|i| i * 31 - 7).collect();
+    let xd = dev.upload(&x).unwrap();
+    let idd = dev.upload(&ids).unwrap();
+    let mut hx = dev.pinned::<f32>(x.len()).unwrap();
+    let mut hid = dev.pinned::<i32>(ids.len()).unwrap();
+    let mut up = dev.pinned::<u64>(3).unwrap();
+    up.as_mut_slice()
+        .unwrap()
+        .copy_from_slice(&[u64::MAX, 1 << 40 | 5, 0]);
+    let mut upd = dev.zeros::<u64>(3).unwrap();
+    let mut back = dev.zeros::<f32>(x.len()).unwrap();
+    // SAFETY: the host reads the pinned buffers only after the synchronize below and writes them only
+    // before the launch; all outlive it.
+    unsafe {
+        HostCopies::new()
+            .download(&xd, &mut hx)
+            .unwrap()
+            .download(&idd, &mut hid)
+            .unwrap()
+            .upload(&up, &mut upd)
+            .unwrap()
+            .queue(&dev)
+            .unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(hx.as_slice().unwrap(), &x[..]);
+    assert_eq!(hid.as_slice().unwrap(), &ids[..]);
+    assert_eq!(dev.download(&upd).unwrap(), vec![u64::MAX, 1 << 40 | 5, 0]);
+    // The host's own values up again, through a kernel reading its memory.
+    hx.as_mut_slice()
+        .unwrap()
+        .iter_mut()
+        .for_each(|v| *v *= 2.0);
+    // SAFETY: as above.
+    unsafe {
+        HostCopies::new()
+            .upload(&hx, &mut back)
+            .unwrap()
+            .queue(&dev)
+            .unwrap()
+    };
+    let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    assert_eq!(dev.download(&back).unwrap(), doubled);
+    // Lengths that differ and a fifth copy are refused.
+    let short = dev.zeros::<f32>(3).unwrap();
+    // SAFETY: nothing is queued.
+    unsafe {
+        assert!(HostCopies::new().download(&short, &mut hx).is_err());
+        let mut c = HostCopies::new();
+        for _ in 0..HOST_COPIES_MAX {
+            c.download(&idd, &mut hid).unwrap();
+        }
+        assert!(c.download(&idd, &mut hid).is_err());
+    }
+}
+
 #[test]
 fn quantize_q8_1_matches_its_definition() {
     let Some(dev) = device() else { return };

@@ -4,7 +4,7 @@
 //! defaults are today's behaviour.
 
 use clap::{Args, ValueEnum};
-use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Knobs};
+use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Handoff, Knobs};
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
@@ -65,6 +65,13 @@ pub enum MoeGroup {
     Host,
 }
 
+/// How a partly resident token hands over between the card and the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuHandoff {
+    Kernel,
+    Copy,
+}
+
 /// Which kernel launches overlap the one before them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum GpuPdl {
@@ -122,6 +129,10 @@ pub struct KnobArgs {
     /// The threads of a partly resident token's CPU share (was POLY_CPU_SHARE).
     #[arg(long, value_enum, default_value_t = CpuShare::Hot)]
     cpu_share: CpuShare,
+    /// How a partly resident token's MoE layers hand over between the card and the host: kernels
+    /// reading and writing page-locked host memory, or copy-engine transfers.
+    #[arg(long, value_enum, default_value_t = GpuHandoff::Kernel)]
+    gpu_handoff: GpuHandoff,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -209,6 +220,10 @@ impl KnobArgs {
                     CpuShare::Hot => CpuShareThreads::Hot,
                     CpuShare::Rayon => CpuShareThreads::Rayon,
                     CpuShare::PerExpert => CpuShareThreads::PerExpert,
+                },
+                handoff: match self.gpu_handoff {
+                    GpuHandoff::Kernel => Handoff::Kernel,
+                    GpuHandoff::Copy => Handoff::Copy,
                 },
             },
         }

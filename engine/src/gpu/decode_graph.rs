@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use poly_kernels::cuda::{
-    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, LaunchGraph, PinnedHost,
+    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostCopies, LaunchGraph, PinnedHost,
 };
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{Moe, WeightId};
@@ -47,6 +47,12 @@ pub fn graphs_enabled() -> bool {
 /// graphs (`--gpu-segments off` runs them without graphs).
 pub fn segments_enabled() -> bool {
     crate::knobs::forward().gpu_segments
+}
+
+/// Whether the hand-overs between the card and the host are kernels (`--gpu-handoff kernel`, the
+/// default) rather than copy-engine transfers.
+fn handoff_by_kernel() -> bool {
+    crate::knobs::forward().handoff == crate::knobs::Handoff::Kernel
 }
 
 /// Where a segmented graph hands over to the host after one of its graphs.
@@ -129,12 +135,19 @@ impl MoeStep {
 
     /// Queues the host copies of the router's ids and weights and of the layer's input `x` (after the
     /// router, in stream order; captured, every replay makes them: a graph's activations keep their
-    /// addresses).
+    /// addresses): one kernel, or three copy-engine transfers with `--gpu-handoff copy`.
     pub fn queue_downloads(&mut self, dev: &Device, x: &DeviceBuffer<f32>) -> CudaResult<()> {
         // SAFETY: the host reads the pinned copies only in `route`, after synchronizing with the stream
         // that ran them; the step owns them for as long as the graph holding the copies (the decode
         // graph drops its segments before its steps).
         unsafe {
+            if handoff_by_kernel() {
+                return HostCopies::new()
+                    .download(&self.ids, &mut self.host_ids)?
+                    .download(&self.weights, &mut self.host_weights)?
+                    .download(x, &mut self.host_x)?
+                    .queue(dev);
+            }
             dev.queue_download(&self.ids, &mut self.host_ids)?;
             dev.queue_download(&self.weights, &mut self.host_weights)?;
             dev.queue_download(x, &mut self.host_x)?;
@@ -213,7 +226,14 @@ impl MoeStep {
         // SAFETY: the host writes `host_sources` only in `stage`, after the route point's synchronize,
         // which follows every earlier copy of them; the step owns them as long as the graph holding the
         // copy (the decode graph drops its segments before its steps).
-        unsafe { ExpertTable::queue_group_upload(dev, &self.tables, &self.host_sources) }
+        unsafe {
+            if handoff_by_kernel() {
+                let mut copies = HostCopies::new();
+                ExpertTable::add_group_upload(&mut copies, &self.tables, &self.host_sources)?;
+                return copies.queue(dev);
+            }
+            ExpertTable::queue_group_upload(dev, &self.tables, &self.host_sources)
+        }
     }
 
     /// Queues the upload of the CPU's sum (written at the CPU-share point) into `out`, where the card's
@@ -222,7 +242,12 @@ impl MoeStep {
         // SAFETY: the host writes `host_sum` only at the CPU-share point, before this segment is queued
         // or replayed and after the route point's synchronize, which follows every earlier upload of it;
         // the step owns it as long as the graph holding the copy.
-        unsafe { dev.queue_upload(&self.host_sum, out) }
+        unsafe {
+            if handoff_by_kernel() {
+                return HostCopies::new().upload(&self.host_sum, out)?.queue(dev);
+            }
+            dev.queue_upload(&self.host_sum, out)
+        }
     }
 
     /// The card's experts (`launch`: queued or replayed) with the step's copies staged before them, and

@@ -37,34 +37,7 @@ pub fn round_q8_1(x: &Mat) -> Mat {
 
 /// [`round_q8_1`] over `data` itself (rows whose width is a multiple of 32).
 pub fn round_q8_1_in_place(data: &mut [f32]) {
-    for block in data.chunks_mut(32) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        if d == 0.0 {
-            continue;
-        }
-        for v in block.iter_mut() {
-            *v = round_half_away(*v / d) * d;
-        }
-    }
-}
-
-/// `v.round()` (halves away from zero, as the card's `roundf`) for the quotients above (|v| ≤ 127):
-/// through a truncating integer conversion and selects, without a branch or a library call, so the
-/// block's loop vectorizes (`f32::round` is a call per value: about 10 µs for one 2,048-wide row, the CPU
-/// share's input on every MoE layer of a token; the branchy form measured 15 µs a share on the H200).
-/// Exact: `|v| - trunc(|v|)` is computed without rounding; from 2²³ up every float is an integer and NaN
-/// stays NaN, so those are `v` itself, as `round` gives them.
-#[inline]
-fn round_half_away(v: f32) -> f32 {
-    let a = v.abs();
-    let t = (a as i32) as f32;
-    let r = (t + ((a - t >= 0.5) as i32 as f32)).copysign(v);
-    if a >= 8_388_608.0 || v.is_nan() {
-        v
-    } else {
-        r
-    }
+    poly_kernels::quant::legacy::round_to_q8_1_grid(data)
 }
 
 impl Compute for Q81Cpu<'_> {

@@ -215,26 +215,49 @@ impl ExpertTable {
         tables: &[ExpertTable],
         addresses: &super::PinnedHost<u64>,
     ) -> CudaResult<()> {
-        let n: usize = tables.iter().map(|t| t.n_expert).sum();
-        let first = tables
-            .first()
-            .filter(|t| ExpertTable::one_array(tables) && t.offset + n <= t.storage.len())
-            .ok_or_else(|| CudaError::Invalid("an upload over tables of no group".into()))?;
-        if addresses.len() != n {
-            return Err(CudaError::Invalid(format!(
-                "{} addresses for a table group of {n} entries",
-                addresses.len()
-            )));
-        }
+        let first = ExpertTable::group_start(tables, addresses.len())?;
+        let n = addresses.len();
         let src = addresses.host_ptr()?;
         // SAFETY: `src[..n]` is page-locked memory of this context (the caller keeps it alive and
         // unwritten until the copy ran); the destination range lies inside the group's array (checked
         // above); stream order on the compute stream orders it against the launches reading the tables.
         unsafe {
             let host = std::slice::from_raw_parts(src, n);
-            result::memcpy_htod_async(first.address, host, dev.stream().cu_stream())
+            result::memcpy_htod_async(first, host, dev.stream().cu_stream())
         }?;
         Ok(())
+    }
+
+    /// [`ExpertTable::queue_group_upload`] as one of `copies` (made by a kernel with the others, when they
+    /// are queued) instead of a copy-engine transfer of its own.
+    ///
+    /// # Safety
+    /// As [`ExpertTable::queue_group_upload`], until the stream passed the launch of `copies`.
+    pub unsafe fn add_group_upload(
+        copies: &mut super::HostCopies,
+        tables: &[ExpertTable],
+        addresses: &super::PinnedHost<u64>,
+    ) -> CudaResult<()> {
+        let first = ExpertTable::group_start(tables, addresses.len())?;
+        // SAFETY: the destination holds the group's `addresses.len()` entries (checked by `group_start`);
+        // the caller's contract covers the host side.
+        unsafe { copies.upload_to(addresses, first) }?;
+        Ok(())
+    }
+
+    /// The device address of a group's first entry, checked to hold `n` entries of the group.
+    fn group_start(tables: &[ExpertTable], n: usize) -> CudaResult<u64> {
+        let entries: usize = tables.iter().map(|t| t.n_expert).sum();
+        let first = tables
+            .first()
+            .filter(|t| ExpertTable::one_array(tables) && t.offset + entries <= t.storage.len())
+            .ok_or_else(|| CudaError::Invalid("an upload over tables of no group".into()))?;
+        if n != entries {
+            return Err(CudaError::Invalid(format!(
+                "{n} addresses for a table group of {entries} entries"
+            )));
+        }
+        Ok(first.address)
     }
 
     /// Repoints a group of tables made by [`ExpertTable::empty_group`] (`tables` in its order, with

@@ -36,7 +36,7 @@ pub use device::Device;
 pub use formats::quantized_formats;
 pub use graph::LaunchGraph;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
-pub use pinned::PinnedHost;
+pub use pinned::{HostCopies, PinnedHost, HOST_COPIES_MAX};
 pub use timing::TimingEvent;
 
 use cudarc::driver::DriverError;

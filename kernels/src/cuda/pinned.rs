@@ -1,12 +1,15 @@
 //! Page-locked host memory for downloads the host waits on every step (a decode's logits): a copy into it
 //! runs at the bus's rate with no staging through a driver buffer, which pageable memory needs.
 
+use super::module::KernelModule;
 use super::{CudaError, CudaResult, Device, DeviceBuffer};
-use cudarc::driver::{DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
+use cudarc::driver::{sys, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits};
 
 /// `len` values of `T` in page-locked host memory of one device's context.
 pub struct PinnedHost<T> {
     slice: PinnedHostSlice<T>,
+    /// Where the card's kernels reach it (the same address under unified addressing).
+    device_address: u64,
 }
 
 impl<T> std::fmt::Debug for PinnedHost<T> {
@@ -32,7 +35,16 @@ impl Device {
         let ptr = slice.as_mut_ptr()?;
         // SAFETY: `ptr` points to `len` elements just allocated for this slice.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(PinnedHost { slice })
+        self.context().bind_to_thread()?;
+        let mut device_address: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is the start of a page-locked allocation of this (current) context; flags must
+        // be 0.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device_address, ptr.cast(), 0) }
+            .result()?;
+        Ok(PinnedHost {
+            slice,
+            device_address,
+        })
     }
 
     /// Copies `src` into `dst` (the same length) after everything queued before, waits, and returns the
@@ -149,5 +161,128 @@ impl Device {
             )?;
         }
         Ok(())
+    }
+}
+
+/// At most this many copies in one [`HostCopies`] launch.
+pub const HOST_COPIES_MAX: usize = 4;
+
+/// The kernel's argument struct (`HostCopyArgs` in elementwise.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct HostCopyArgs {
+    src: [u64; HOST_COPIES_MAX],
+    dst: [u64; HOST_COPIES_MAX],
+    words: [i32; HOST_COPIES_MAX],
+    n_copies: i32,
+}
+
+// Passed by its bytes: a plain `repr(C)` struct of 64- and 32-bit numbers, laid out as the kernel's.
+super::launch::value_args!(HostCopyArgs);
+
+/// Copies between device buffers and page-locked host memory made by one kernel (`copy_words`) on the
+/// compute stream instead of copy-engine transfers: a partly resident token hands over to the host and
+/// back at every MoE layer, a few kilobytes each way, where each transfer between the kernels costs a
+/// hand-off between the copy and compute engines. A graph being captured records the launch, so every
+/// replay repeats the copies (reading the host memory as it is then).
+#[derive(Clone, Debug, Default)]
+pub struct HostCopies {
+    args: HostCopyArgs,
+}
+
+impl HostCopies {
+    /// No copies yet.
+    pub fn new() -> HostCopies {
+        HostCopies::default()
+    }
+
+    fn push<T>(&mut self, (src, dst): (u64, u64), len: usize) -> CudaResult<&mut HostCopies> {
+        let bytes = len * std::mem::size_of::<T>();
+        let i = self.args.n_copies as usize;
+        if i == HOST_COPIES_MAX || !bytes.is_multiple_of(4) || bytes / 4 > i32::MAX as usize {
+            return Err(CudaError::Invalid(format!(
+                "host copy {i} of {bytes} bytes: at most {HOST_COPIES_MAX} copies of whole 32-bit words"
+            )));
+        }
+        self.args.src[i] = src;
+        self.args.dst[i] = dst;
+        self.args.words[i] = (bytes / 4) as i32;
+        self.args.n_copies += 1;
+        Ok(self)
+    }
+
+    /// Adds the copy of `src` into the host's `dst` (the same length).
+    ///
+    /// # Safety
+    /// As [`Device::queue_download`]: the host reads `dst` only once the stream passed the launch, and
+    /// keeps it alive as long as a queued launch or a graph holding it may run.
+    pub unsafe fn download<T: DeviceRepr + ValidAsZeroBits>(
+        &mut self,
+        src: &DeviceBuffer<T>,
+        dst: &mut PinnedHost<T>,
+    ) -> CudaResult<&mut HostCopies> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "host copy of {} elements into {} pinned",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.push::<T>((src.address(), dst.device_address), src.len())
+    }
+
+    /// Adds the copy of the host's `src` into `dst` (the same length).
+    ///
+    /// # Safety
+    /// As [`Device::queue_upload`]: `src` stays alive and unwritten until the stream passed the launch.
+    pub unsafe fn upload<T: DeviceRepr + ValidAsZeroBits>(
+        &mut self,
+        src: &PinnedHost<T>,
+        dst: &mut DeviceBuffer<T>,
+    ) -> CudaResult<&mut HostCopies> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "host copy of {} pinned elements into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.push::<T>((src.device_address, dst.address()), dst.len())
+    }
+
+    /// Adds the copy of the host's `src` to the device address `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be the start of at least `src.len()` elements of device memory of this context, besides
+    /// [`HostCopies::upload`]'s contract.
+    pub(crate) unsafe fn upload_to<T: DeviceRepr + ValidAsZeroBits>(
+        &mut self,
+        src: &PinnedHost<T>,
+        dst: u64,
+    ) -> CudaResult<&mut HostCopies> {
+        self.push::<T>((src.device_address, dst), src.len())
+    }
+
+    /// Queues the copies as one launch (nothing for none).
+    pub fn queue(&self, dev: &Device) -> CudaResult<()> {
+        let a = &self.args;
+        if a.n_copies == 0 {
+            return Ok(());
+        }
+        let most = a.words.iter().copied().max().unwrap_or(0).max(1) as u32;
+        let f = dev.function(KernelModule::Elementwise, "copy_words")?;
+        let mut b = dev.launch_builder(&f);
+        b.arg(a);
+        let cfg = LaunchConfig {
+            grid_dim: (most.div_ceil(256).min(16), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every copy's two ranges hold its words (checked against the buffers' lengths when it
+        // was added, or the caller's contract for `upload_to`), each in device memory or page-locked host
+        // memory of this context at its device address; the adders' contracts keep the host sides alive
+        // and untouched while the launch may run.
+        unsafe { b.launch(cfg) }?;
+        dev.after_launch("copy_words")
     }
 }
