@@ -22,7 +22,10 @@
 //! segment, the shared expert alone, replayed right after the route point so the card computes it while
 //! the host decides. The card's experts of a step read the step's own table of the token's `k` routings
 //! ([`MoeStep::tables`]), which the host fills at the route point, so the layer's tables are not rewritten
-//! per token. `--gpu-segments off` runs such tokens without graphs, as before.
+//! per token. `--gpu-segments off` runs such tokens without graphs, as before. The hand-overs at the host
+//! points (ids, weights and input down; the token's expert addresses and the CPU's sum up) are one
+//! `copy_words` kernel each, reading and writing the steps' page-locked buffers, rather than five
+//! copy-engine transfers a layer (`--gpu-handoff copy`): 7% more answers on the H200 at 8 GB.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

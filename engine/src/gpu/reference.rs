@@ -117,7 +117,7 @@ impl Compute for Q81Cpu<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::round_half_away;
+    use poly_kernels::quant::legacy::round_half_away;
 
     #[test]
     fn the_fast_rounding_is_f32_round() {
