@@ -31,13 +31,8 @@ fn quantized(ty: GgmlType) -> bool {
 /// `x` rounded to q8_1's grid per 32 values.
 pub fn round_q8_1(x: &Mat) -> Mat {
     let mut out = x.clone();
-    round_q8_1_in_place(&mut out.data);
+    poly_kernels::quant::legacy::round_to_q8_1_grid(&mut out.data);
     out
-}
-
-/// [`round_q8_1`] over `data` itself (rows whose width is a multiple of 32).
-pub fn round_q8_1_in_place(data: &mut [f32]) {
-    poly_kernels::quant::legacy::round_to_q8_1_grid(data)
 }
 
 impl Compute for Q81Cpu<'_> {
@@ -112,52 +107,5 @@ impl Compute for Q81Cpu<'_> {
     }
     fn batch(&self) -> Batch<'_> {
         self.cpu.batch()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use poly_kernels::quant::legacy::round_half_away;
-
-    #[test]
-    fn the_fast_rounding_is_f32_round() {
-        let mut v = vec![
-            0.5f32,
-            -0.5,
-            1.5,
-            -1.5,
-            2.5,
-            126.5,
-            -126.5,
-            127.0,
-            0.49999997,
-            -0.49999997,
-            0.0,
-            -0.0,
-            f32::NAN,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            1e10,
-            -1e10,
-            4_194_304.5,
-            8_388_607.5,
-            -8_388_607.5,
-            8_388_608.0,
-            16_777_218.0,
-        ];
-        let mut seed = 7u64;
-        for _ in 0..100_000 {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            v.push(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 260.0);
-        }
-        for x in v {
-            let (a, b) = (round_half_away(x), x.round());
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "{x}: {a} vs {b}"
-            );
-        }
     }
 }

@@ -196,8 +196,18 @@ impl HostCopies {
         HostCopies::default()
     }
 
-    fn push<T>(&mut self, (src, dst): (u64, u64), len: usize) -> CudaResult<&mut HostCopies> {
-        let bytes = len * std::mem::size_of::<T>();
+    /// Adds the copy of `len.0` elements of `T` at `src` to `dst`, which holds `len.1`.
+    fn push<T>(
+        &mut self,
+        (src, dst): (u64, u64),
+        (src_len, dst_len): (usize, usize),
+    ) -> CudaResult<&mut HostCopies> {
+        if src_len != dst_len {
+            return Err(CudaError::Invalid(format!(
+                "host copy of {src_len} elements into {dst_len}"
+            )));
+        }
+        let bytes = src_len * std::mem::size_of::<T>();
         let i = self.args.n_copies as usize;
         if i == HOST_COPIES_MAX || !bytes.is_multiple_of(4) || bytes / 4 > i32::MAX as usize {
             return Err(CudaError::Invalid(format!(
@@ -221,14 +231,7 @@ impl HostCopies {
         src: &DeviceBuffer<T>,
         dst: &mut PinnedHost<T>,
     ) -> CudaResult<&mut HostCopies> {
-        if src.len() != dst.len() {
-            return Err(CudaError::Invalid(format!(
-                "host copy of {} elements into {} pinned",
-                src.len(),
-                dst.len()
-            )));
-        }
-        self.push::<T>((src.address(), dst.device_address), src.len())
+        self.push::<T>((src.address(), dst.device_address), (src.len(), dst.len()))
     }
 
     /// Adds the copy of the host's `src` into `dst` (the same length).
@@ -240,14 +243,7 @@ impl HostCopies {
         src: &PinnedHost<T>,
         dst: &mut DeviceBuffer<T>,
     ) -> CudaResult<&mut HostCopies> {
-        if src.len() != dst.len() {
-            return Err(CudaError::Invalid(format!(
-                "host copy of {} pinned elements into {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        self.push::<T>((src.device_address, dst.address()), dst.len())
+        self.push::<T>((src.device_address, dst.address()), (src.len(), dst.len()))
     }
 
     /// Adds the copy of the host's `src` to the device address `dst`.
@@ -260,7 +256,7 @@ impl HostCopies {
         src: &PinnedHost<T>,
         dst: u64,
     ) -> CudaResult<&mut HostCopies> {
-        self.push::<T>((src.device_address, dst), src.len())
+        self.push::<T>((src.device_address, dst), (src.len(), src.len()))
     }
 
     /// Queues the copies as one launch (nothing for none).

@@ -589,7 +589,7 @@ fn round_block(block: &mut [f32], amax: f32) {
 /// nearest integer, one less where that rounded up is the truncation, and the halves are added back
 /// by comparison; from 2²³ up every float is an integer, and NaN is kept, as `round` keeps them.
 #[inline(always)]
-pub fn round_half_away(v: f32) -> f32 {
+fn round_half_away(v: f32) -> f32 {
     const TWO_23: f32 = 8_388_608.0;
     let a = v.abs();
     let nearest = (a + TWO_23) - TWO_23;
@@ -605,6 +605,49 @@ pub fn round_half_away(v: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rounding's edge cases and 100,000 quotients of the range the grid rounding meets.
+    #[test]
+    fn the_fast_rounding_is_f32_round() {
+        let mut v = vec![
+            0.5f32,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            126.5,
+            -126.5,
+            127.0,
+            0.49999997,
+            -0.49999997,
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e10,
+            -1e10,
+            4_194_304.5,
+            8_388_607.5,
+            -8_388_607.5,
+            8_388_608.0,
+            16_777_218.0,
+        ];
+        let mut seed = 7u64;
+        for _ in 0..100_000 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            v.push(((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 260.0);
+        }
+        for x in v {
+            let (a, b) = (round_half_away(x), x.round());
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{x}: {a} vs {b}"
+            );
+        }
+    }
 
     /// The selects-only rounding equals `f32::round` on every float whose high 16 bits vary (and their
     /// neighbours around every integer and half below 2²⁴).

@@ -212,7 +212,7 @@ impl CpuShare {
             cpu.info(m.gate_exps).ty,
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
         ) {
-            crate::gpu::reference::round_q8_1_in_place(&mut xs.data);
+            poly_kernels::quant::legacy::round_to_q8_1_grid(&mut xs.data);
         }
         xs
     }
