@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds what benchmarks/gpu_vs_llama.sh needs on the GPU machine into a git-ignored folder (default
-# .carry/final): poly-engine and the GPU test binaries (the kernels' CUDA tests, gpu_forward, gpu_expert_cache,
+# .carry/final): poly-engine, polystrata and the GPU test binaries (the kernels' CUDA tests, gpu_forward, gpu_expert_cache,
 # witness_gpu) (stripped, in bin.tar.xz), the llama.cpp source of the
 # pinned sdist (llama.cpp.tar.xz, from shared/device/make_llamacpp_carry.sh's folder .carry/llama.cpp) and
 # its CUDA build script. Run on the development machine; no GPU needed.
@@ -8,13 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${1:-.carry/final}
 mkdir -p "$D/bin"
-cargo build --release -p poly-engine --bin poly-engine
-cp target/release/poly-engine "$D/bin/"
+cargo build --release -p poly-engine --bin poly-engine -p polystrata --bin polystrata
+cp target/release/poly-engine target/release/polystrata "$D/bin/"
 {
     cargo test --release -p poly-tests --test witness_gpu --no-run --message-format=json
     cargo test --release -p poly-engine --test gpu_forward --test gpu_expert_cache --no-run --message-format=json
     cargo test --release -p poly-kernels --test cuda_ops --test cuda_elementwise --test cuda_layer_ops \
-        --test cuda_prompt_attention --test cuda_fused --lib --no-run --message-format=json
+        --test cuda_prompt_attention --test cuda_fused --test cuda_moe_fused --test cuda_bench --lib --no-run --message-format=json
 } 2>/dev/null | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:

@@ -174,6 +174,8 @@ if [ "$PHASE" = ours ]; then
     IFS=';' read -ra FVS <<< "${FULL_VARIANTS:-}"
     for m in ${FULL_MODELS:-q3u q35s}; do
         for round in $(seq ${ROUNDS:-1}); do
+            # FULL_BASE=1: the binary before the change too (bin/poly-engine-base, when carried).
+            [ "${FULL_BASE:-0}" = 1 ] && [ -x /tmp/bin/poly-engine-base ] && bench "$m full BASE pp512 tg128" /tmp/bin/poly-engine-base --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
             bench "$m full pp512 tg128" $E --model /dev/shm/m/$m.gguf --gpu 0 --prompt 512 --gen 128 --reps 2
             for v in "${FVS[@]}"; do
                 # shellcheck disable=SC2086 # a flag set, split on purpose

@@ -261,3 +261,48 @@ static __device__ __forceinline__ int get_int_b2(const void * x, int i32) {
 static __device__ __forceinline__ int get_int_b4(const void * x, int i32) {
     return ((const int *) x)[i32];
 }
+
+// ----- shared by several modules ----------------------------------------------------------------------
+
+// Activation quantization f32 -> block_q8_1 (quantize.cu's kernels, and the matvec kernels that quantize
+// their own output for the next matrix).
+// Quantizes value xi (element i of a vector of n, n a multiple of 32) into y; every lane of the warp takes
+// part (whole warps are inside or outside together).
+static __device__ __forceinline__ void quantize_value(float xi, block_q8_1 * __restrict__ y, int64_t i) {
+    const int64_t ib = i / QK8_1;
+    const int iq = (int) (i % QK8_1);
+    const float amax = warp_max(fabsf(xi));
+    const float d = amax / 127.0f;
+    const int8_t q = amax == 0.0f ? 0 : (int8_t) roundf(xi / d);
+    // s = d * (sum of the quants), as ggml's CPU q8_1 (ggml-cuda stores the sum of the unquantized values
+    // instead): the formats with an offset or minimum (Q4_0, Q4_1, Q5_0, Q5_1) then multiply their offset
+    // by the same quantized activations as their quants, and their error against the exact product is the
+    // CPU's (about 6x lower for Q4_1 than with the exact sum; kernels/tests/cuda_layer_ops.rs measures it).
+    const float sumq = warp_sum((float) q); // exact: integers below 2^24
+    y[ib].qs[iq] = q;
+    if (iq == 0) {
+        y[ib].d = f32_to_f16(d);
+        y[ib].s = f32_to_f16(d * sumq);
+    }
+}
+
+// The last block of a launch to finish a piece of work that `n` blocks share, counted on `ticket` (a
+// counter in device memory that is 0 before the launch): call it in every thread of each of the n blocks
+// after the block wrote its part; it returns true in every thread of the block that arrived last, which
+// then reads the others' parts (with __ldcg: they were written by other SMs, past this SM's L1) and combines
+// them. The last block puts the ticket back to 0 (every block has counted by then), so the next launch, or
+// a graph's next replay, finds it as this one did. The fence makes each block's writes visible on the
+// device before its count (CUDA's threadFenceReduction pattern).
+static __device__ __forceinline__ bool last_block_of(unsigned int * ticket, unsigned int n) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(ticket, 1u) == n - 1;
+        if (last) {
+            *ticket = 0;
+        }
+    }
+    __syncthreads();
+    return last;
+}

@@ -195,11 +195,41 @@ static __device__ __forceinline__ void matvec_many(const MatvecManyArgs & p, con
     }
 }
 
+// The weighted sum of a one-token launch's slots, done by the launch itself (what route.cu's moe_combine
+// does after it): out[row] (+)= sum_s weights[s] * y[s*nrows + row]. Null out: no sum.
+struct ExpertsSum {
+    const float * weights; // [slots]
+    float * out;           // [nrows]
+    unsigned int * tickets; // one per block column (gridDim.x), 0 between launches
+    int accumulate;
+};
+
+// After a block of a one-token expert launch wrote its rows of y: the block that finishes its block column
+// last (of gridDim.y slots) forms the weighted sum of those rows over the slots, in slot order with fmaf
+// from 0 or the old out, as moe_combine: the same value.
+static __device__ __forceinline__ void sum_slots(const ExpertsSum & sum, const float * y, int nrows,
+                                                 int rows_per_launch_block) {
+    if (sum.out == nullptr || !last_block_of(sum.tickets + blockIdx.x, gridDim.y)) {
+        return;
+    }
+    const int r0 = blockIdx.x * rows_per_launch_block;
+    const int tid = threadIdx.y * WARP_SIZE + threadIdx.x;
+    for (int i = tid; i < rows_per_launch_block && r0 + i < nrows; i += WARP_SIZE * MATVEC_WARPS) {
+        const int row = r0 + i;
+        float acc = sum.accumulate ? sum.out[row] : 0.0f;
+        for (int s = 0; s < (int) gridDim.y; ++s) {
+            acc = fmaf(sum.weights[s], __ldcg(y + (int64_t) s * nrows + row), acc);
+        }
+        sum.out[row] = acc;
+    }
+}
+
 template <typename F>
 static __device__ __forceinline__ void matvec_experts(const uint64_t * __restrict__ expert_table,
                                                       const int32_t * __restrict__ ids, int n_expert,
                                                       const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,
-                                                      float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) {
+                                                      float * __restrict__ y, int ncols, int nrows, int wpr, int rpg,
+                                                      const ExpertsSum & sum) {
     const int row0 = group_row(wpr) * rpg;
     const int slot = blockIdx.y;
     const int32_t expert = ids[slot];
@@ -218,19 +248,24 @@ static __device__ __forceinline__ void matvec_experts(const uint64_t * __restric
             }
         }
     }
+    sum_slots(sum, y, nrows, MATVEC_WARPS / wpr * rpg);
 }
 
 // Gate and up projections of the same experts in one launch, for one token: slot s (blockIdx.y) multiplies
 // expert ids[s] of both tables with the shared x and writes h[s*nrows + row] = silu(gate . x) * (up . x).
 // Both matrices' rows go through the same loop (their weight loads in flight together) and each sum is
 // formed in the order of row_dot, so h is bit for bit swiglu_f32 of two matvec_experts launches. A missing
-// expert (address 0 in either table) writes 0.
+// expert (address 0 in either table) writes 0. With hq not null, h is also quantized for the down experts
+// (hq[s*nrows/32 ..], quantize_q8_1 of h: the same blocks): the block that finishes a 32-row piece of a
+// slot last (tickets: one per piece, slot-major, 0 between launches) quantizes it; the launch's blocks then
+// cover whole pieces (the host's rows per block divide 32, nrows is a multiple of 32).
 template <typename F>
 static __device__ __forceinline__ void matvec_experts_glu(const uint64_t * __restrict__ gate_table,
                                                           const uint64_t * __restrict__ up_table,
                                                           const int32_t * __restrict__ ids, int n_expert,
                                                           const block_q8_1 * __restrict__ x, float * __restrict__ h,
-                                                          int ncols, int nrows, int wpr, int rpg) {
+                                                          int ncols, int nrows, int wpr, int rpg,
+                                                          block_q8_1 * __restrict__ hq, unsigned int * tickets) {
     const int row0 = group_row(wpr) * rpg;
     const int slot = blockIdx.y;
     const int32_t expert = ids[slot];
@@ -253,6 +288,17 @@ static __device__ __forceinline__ void matvec_experts_glu(const uint64_t * __res
                 h[(int64_t) slot * nrows + row0 + r] = silu * u;
             }
         }
+    }
+    if (hq == nullptr) {
+        return;
+    }
+    const int rows_per_launch_block = MATVEC_WARPS / wpr * rpg;
+    const int blocks_per_piece = QK8_1 / rows_per_launch_block;
+    const int piece = blockIdx.x / blocks_per_piece;
+    const int pieces = nrows / QK8_1;
+    if (last_block_of(tickets + slot * pieces + piece, blocks_per_piece) && threadIdx.y == 0) {
+        const int64_t i = (int64_t) slot * nrows + piece * QK8_1 + threadIdx.x;
+        quantize_value(__ldcg(h + i), hq, i);
     }
 }
 
@@ -365,15 +411,17 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_##name(const uint64_t * __restrict__ expert_table, const int32_t * __restrict__ ids,   \
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
-                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg) { launch_prologue(); \
-        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr, rpg);         \
+                              float * __restrict__ y, int ncols, int nrows, int wpr, int rpg,                \
+                              const ExpertsSum sum) { launch_prologue();                                       \
+        matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr, rpg, sum);    \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_experts_glu_##name(const uint64_t * __restrict__ gate_table, const uint64_t * __restrict__ up_table, \
                                   const int32_t * __restrict__ ids, int n_expert,                              \
                                   const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
-                                  int nrows, int wpr, int rpg) { launch_prologue();                            \
-        matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg);              \
+                                  int nrows, int wpr, int rpg, block_q8_1 * __restrict__ hq,                   \
+                                  unsigned int * tickets) { launch_prologue();                                 \
+        matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg, hq, tickets); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matmul_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \

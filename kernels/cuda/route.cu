@@ -6,59 +6,46 @@
 
 #define ROUTE_MIN_WEIGHT_SUM 6.103515625e-5f
 
-// logits: [n_tokens, n_expert]; ids: [n_tokens, k] int32; weights: [n_tokens, k].
-// Grid: n_tokens blocks; block: up to 1024 threads (a multiple of 32); dynamic shared memory: n_expert floats.
-// gating: 0 softmax, 1 sigmoid.
-extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_expert, int k, int gating, int norm,
-                                      float scale, int32_t * __restrict__ ids, float * __restrict__ weights) {
-    launch_prologue();
-    extern __shared__ float probs[];
-    __shared__ float scratch[32];
-    __shared__ float best_val[32];
-    __shared__ int best_idx[32];
-    __shared__ float chosen_sum;
-    const int64_t token = blockIdx.x;
-    const float * l = logits + token * n_expert;
-
+// The choice of one token's experts by one warp, from its n_expert logits l (global memory, possibly
+// written by other blocks of this launch, so read past L1) into probs (n_expert floats of shared memory
+// that only this warp uses): probabilities, the k likeliest (k rounds of a warp-wide arg max; the entries
+// of lane j are e = j, j+32, ..., so each lane reads and clears only its own and the rounds need no
+// barrier), then the weights normalized and scaled. A chosen entry's key becomes -inf and a NaN's is -1,
+// so NaN sorts below every probability (which are >= 0) and still above the chosen ones; ties go to the
+// lower id. The weights are written in the order chosen and summed in that order.
+static __device__ __forceinline__ void choose_experts(const float * l, float * probs, int n_expert, int k,
+                                                      int gating, int norm, float scale,
+                                                      int32_t * __restrict__ ids, float * __restrict__ weights) {
+    const int lane = threadIdx.x;
     if (gating == 0) {
         float mx = -POLY_INF;
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-            mx = fmaxf(mx, l[e]);
+        for (int e = lane; e < n_expert; e += WARP_SIZE) {
+            mx = fmaxf(mx, __ldcg(l + e));
         }
-        mx = block_max(mx, scratch);
+        mx = warp_max(mx);
         float sum = 0.0f;
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-            const float p = expf(l[e] - mx);
+        for (int e = lane; e < n_expert; e += WARP_SIZE) {
+            const float p = expf(__ldcg(l + e) - mx);
             probs[e] = p;
             sum += p;
         }
-        sum = block_sum(sum, scratch);
-        const float inv = 1.0f / sum;
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        const float inv = 1.0f / warp_sum(sum);
+        for (int e = lane; e < n_expert; e += WARP_SIZE) {
             probs[e] *= inv;
         }
     } else {
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
-            probs[e] = 1.0f / (1.0f + expf(-l[e]));
+        for (int e = lane; e < n_expert; e += WARP_SIZE) {
+            probs[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
         }
     }
-    if (threadIdx.x == 0) {
-        chosen_sum = 0.0f;
-    }
-    __syncthreads();
-
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int n_warps = blockDim.x / WARP_SIZE;
-    // Probabilities are >= 0: a chosen expert's key is -inf, a NaN's is -1, so NaN sorts below every number
-    // and still above the chosen ones.
-    for (int j = 0; j < k && j < n_expert; ++j) {
+    float chosen_sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
         float v = -POLY_INF;
         int idx = 0x7fffffff;
-        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        for (int e = lane; e < n_expert; e += WARP_SIZE) {
             float p = probs[e];
             p = p != p ? -1.0f : p;
-            if (p > v || (p == v && e < idx)) {
+            if (p > v) { // e rises within a lane: the first of equal keys is the lowest id
                 v = p;
                 idx = e;
             }
@@ -72,34 +59,70 @@ extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_e
                 idx = oi;
             }
         }
-        if (lane == 0) {
-            best_val[warp] = v;
-            best_idx[warp] = idx;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 1; w < n_warps; ++w) {
-                if (best_val[w] > v || (best_val[w] == v && best_idx[w] < idx)) {
-                    v = best_val[w];
-                    idx = best_idx[w];
-                }
-            }
-            const float p = probs[idx];
-            ids[token * k + j] = idx;
-            weights[token * k + j] = p;
-            chosen_sum += p;
+        // Every lane holds the same (v, idx) now; the owner lane writes the choice and clears its entry.
+        const int owner = idx % WARP_SIZE;
+        float p = 0.0f;
+        if (lane == owner) {
+            p = probs[idx];
             probs[idx] = -POLY_INF;
+            ids[j] = idx;
+            weights[j] = p;
         }
-        __syncthreads();
+        chosen_sum += __shfl_sync(FULL_MASK, p, owner);
     }
-    if (threadIdx.x < k) {
-        float w = weights[token * k + threadIdx.x];
+    __syncwarp();
+    const float renorm = norm ? 1.0f / fmaxf(chosen_sum, ROUTE_MIN_WEIGHT_SUM) : 1.0f;
+    for (int j = lane; j < k; j += WARP_SIZE) {
+        float w = weights[j];
         if (norm) {
-            w *= 1.0f / fmaxf(chosen_sum, ROUTE_MIN_WEIGHT_SUM);
+            w *= renorm;
         }
-        weights[token * k + threadIdx.x] = w * scale;
+        weights[j] = w * scale;
     }
 }
+
+// logits: [n_tokens, n_expert]; ids: [n_tokens, k] int32; weights: [n_tokens, k]. gating: 0 softmax,
+// 1 sigmoid. Block (32, tokens per block): one warp per token; dynamic shared memory: n_expert floats per
+// warp. Grid: ceil(n_tokens / tokens per block).
+extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_tokens, int n_expert, int k,
+                                      int gating, int norm, float scale, int32_t * __restrict__ ids,
+                                      float * __restrict__ weights) {
+    launch_prologue();
+    extern __shared__ float probs_all[];
+    const int64_t token = (int64_t) blockIdx.x * blockDim.y + threadIdx.y;
+    if (token >= n_tokens) {
+        return; // a whole warp: the warp is the unit of work and no barrier spans the block
+    }
+    choose_experts(logits + token * n_expert, probs_all + threadIdx.y * n_expert, n_expert, k, gating, norm,
+                   scale, ids + token * k, weights + token * k);
+}
+
+// The router of one token fused with the choice of its experts: block e (of n_expert) computes logit e =
+// W[e, :] . x (W: the one matrix of a one-expert address table, as the engine keeps float matrices) as
+// matvec_f.cu's matvec_experts_f32 (float_dot.cuh's row dot: the same value) into logits; the block
+// that finishes last (last_block_of, ticket: one counter, 0 between launches) chooses the experts as
+// route_topk does from all the logits. Block (32, MATVEC_F_WARPS); dynamic shared memory: n_expert floats.
+#define ROUTER_TOPK_ENTRY(name, L)                                                                              \
+    extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_F_WARPS)                                    \
+        router_topk_##name(const uint64_t * __restrict__ table, const float * __restrict__ x, int ncols, int n_expert, \
+                           int k, int gating, int norm, float scale, float * __restrict__ logits,               \
+                           unsigned int * __restrict__ ticket, int32_t * __restrict__ ids,                      \
+                           float * __restrict__ weights) { launch_prologue();                                   \
+        extern __shared__ float probs[];                                                                        \
+        const int e = blockIdx.x;                                                                               \
+        const L::elem * w = (const L::elem *) table[0];                                                         \
+        const float v = row_dot_f<L>(w + (int64_t) e * ncols, x, ncols);                                       \
+        if (threadIdx.x == 0 && threadIdx.y == 0) {                                                             \
+            logits[e] = v;                                                                                      \
+        }                                                                                                       \
+        if (last_block_of(ticket, gridDim.x) && threadIdx.y == 0) {                                             \
+            choose_experts(logits, probs, n_expert, k, gating, norm, scale, ids, weights);                      \
+        }                                                                                                       \
+    }
+
+ROUTER_TOPK_ENTRY(f32, load_f32)
+ROUTER_TOPK_ENTRY(f16, load_f16)
+ROUTER_TOPK_ENTRY(bf16, load_bf16)
 
 // out[t, i] (+)= sum_j weights[t, j] * y[t, j, i]: the weighted sum of a token's k expert outputs.
 // y: [n_tokens, k, n]; weights: [n_tokens, k]; out: [n_tokens, n]. Grid (ceil(n/blockDim), n_tokens).

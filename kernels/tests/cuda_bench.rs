@@ -370,3 +370,123 @@ fn bench_moe_step_eager_and_graph() {
         replayed * 48e6
     );
 }
+
+/// One token's routed experts at Qwen3-30B-A3B's shapes from the router on (F32 router of 128 × 2048, 8 of
+/// 128 experts of [768, 2048] Q4_K, 8 input vectors in turn so the chosen experts change): the engine's
+/// separate launches (router, route_topk, gate+up, quantize, down, combine: 6) against the ticket-fused
+/// ones (router_topk, gate+up quantizing, down summing: 3), each as a replayed graph of 8 steps.
+#[test]
+#[ignore = "benchmark for the GPU machine"]
+fn bench_moe_token_fused() {
+    let Some(dev) = device() else { return };
+    let (ty, n_embd, n_ff, n_expert, k) = (GgmlType::Q4_K, 2048, 768, 128, 8);
+    let mut rng = Rng::new(12);
+    let make = |rng: &mut Rng, t: GgmlType, (rows, cols, n): (usize, usize, usize)| {
+        let w = random_weights(t, rng, rows * cols * n);
+        StackedExperts::upload(&dev, t, (rows, cols, n), &w).expect("upload")
+    };
+    let router = make(&mut rng, GgmlType::F32, (n_expert, n_embd, 1));
+    let gate = make(&mut rng, ty, (n_ff, n_embd, n_expert));
+    let up = make(&mut rng, ty, (n_ff, n_embd, n_expert));
+    let down = make(&mut rng, ty, (n_embd, n_ff, n_expert));
+    let r = ops::Routing {
+        n_expert,
+        k,
+        gating: poly_kernels::ops::topk::Gating::Softmax,
+        norm: true,
+        scale: 1.0,
+    };
+    let xs: Vec<_> = (0..8)
+        .map(|_| {
+            let x: Vec<f32> = (0..n_embd).map(|_| rng.normal() * 4.0).collect();
+            let xd = dev.upload(&x).expect("x");
+            let mut xq = dev.zeros::<BlockQ8_1>(n_embd / 32).expect("xq");
+            ops::quantize_q8_1(&dev, &xd, &mut xq).expect("quantize");
+            (xd, xq)
+        })
+        .collect();
+    let zero = dev.zeros::<i32>(1).expect("zero");
+    let mut tickets = ops::Tickets::new(&dev, 1 << 14).expect("tickets");
+    let mut logits = dev.zeros::<f32>(n_expert).expect("logits");
+    let mut ids = dev.zeros::<i32>(k).expect("ids");
+    let mut weights = dev.zeros::<f32>(k).expect("weights");
+    let mut h = dev.zeros::<f32>(k * n_ff).expect("h");
+    let mut hq = dev.zeros::<BlockQ8_1>(k * n_ff / 32).expect("hq");
+    let mut y = dev.zeros::<f32>(k * n_embd).expect("y");
+    let mut out = dev.zeros::<f32>(n_embd).expect("out");
+    let bytes = 3 * k * down.table().expert_bytes() + n_expert * n_embd * 4;
+    for fused in [false, true] {
+        let graph = dev
+            .capture(|dv| {
+                for (xd, xq) in &xs {
+                    if fused {
+                        let t = &mut tickets;
+                        ops::router_topk(
+                            dv,
+                            (router.table(), xd),
+                            &r,
+                            (&mut logits, t),
+                            (&mut ids, &mut weights),
+                        )?;
+                        let tables = (gate.table(), up.table());
+                        ops::matvec_experts_glu_q8(
+                            dv,
+                            tables,
+                            (&ids, xq),
+                            &mut h,
+                            (&mut hq, &mut *t),
+                        )?;
+                        let sum = ops::SlotSum {
+                            weights: &weights,
+                            out: &mut out,
+                            accumulate: false,
+                            tickets: t,
+                        };
+                        ops::matvec_experts_q_sum(
+                            dv,
+                            down.table(),
+                            (&ids, &hq, ExpertInput::PerSlot),
+                            &mut y,
+                            sum,
+                        )?;
+                    } else {
+                        ops::matvec_experts_f(
+                            dv,
+                            router.table(),
+                            &zero,
+                            xd,
+                            ExpertInput::Shared,
+                            &mut logits,
+                        )?;
+                        ops::route_topk(dv, &logits, &r, &mut ids, &mut weights)?;
+                        ops::matvec_experts_glu_q(
+                            dv,
+                            (gate.table(), up.table()),
+                            &ids,
+                            xq,
+                            &mut h,
+                        )?;
+                        ops::quantize_q8_1(dv, &h, &mut hq)?;
+                        ops::matvec_experts_q(
+                            dv,
+                            down.table(),
+                            &ids,
+                            &hq,
+                            ExpertInput::PerSlot,
+                            &mut y,
+                        )?;
+                        ops::moe_combine(dv, &y, &weights, k, false, &mut out)?;
+                    }
+                }
+                Ok(())
+            })
+            .expect("capture");
+        let secs = time_launches(&dev, || graph.replay().expect("replay")) / xs.len() as f64;
+        let name = if fused {
+            "fused (3 launches)"
+        } else {
+            "separate (6 launches)"
+        };
+        report(&format!("moe token {name}, graph"), secs, bytes);
+    }
+}

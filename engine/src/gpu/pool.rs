@@ -14,9 +14,14 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use poly_kernels::cuda::ops::Tickets;
 use poly_kernels::cuda::{
     BlockQ8_1, CudaResult, Device, DeviceBuffer, DeviceRepr, ValidAsZeroBits,
 };
+
+/// Tickets of one set ([`Pool::tickets`]): more than any launch of a model's shapes counts on (a one-token
+/// down projection's block columns, rows / 1..4; a gate and up launch's 32-row pieces, slots × rows / 32).
+pub const TICKETS: usize = 1 << 14;
 
 /// Free buffers of one element type, by length.
 pub struct Free<T> {
@@ -86,6 +91,9 @@ pub struct PoolStore {
     /// Buffers of zeros that are never written (expert 0 for every slot of a one-matrix expert launch),
     /// made once per length so no call copies them from the host.
     zeros_i32: HashMap<usize, Arc<DeviceBuffer<i32>>>,
+    /// Launch tickets not handed out ([`Pool::tickets`]); never freed, since captured graphs keep their
+    /// address.
+    tickets: Vec<Tickets>,
     /// Bytes of the f32, i32 and q8 buffers this store made and has not freed (handed out or kept).
     made: usize,
     /// The most `made` may reach before kept buffers of other lengths are freed.
@@ -108,10 +116,12 @@ impl PoolStore {
         self.cap = cap;
     }
 
-    /// A store with no buffers and `self`'s cap (after the kept buffers were freed).
-    pub fn emptied(&self) -> PoolStore {
+    /// A store with no buffers and `self`'s cap (after the kept buffers were freed); the launch tickets
+    /// move over (tiny, and graphs may hold their address).
+    pub fn emptied(&mut self) -> PoolStore {
         PoolStore {
             cap: self.cap,
+            tickets: std::mem::take(&mut self.tickets),
             ..PoolStore::default()
         }
     }
@@ -236,6 +246,20 @@ impl Pool {
         let z = Arc::new(dev.zeros(len)?);
         store.zeros_i32.insert(len, z.clone());
         Ok(z)
+    }
+
+    /// A set of [`TICKETS`] launch tickets (zeros that the kernels counting on them leave zero), made once
+    /// and handed out again after [`Pool::put_tickets`].
+    pub fn tickets(&self, dev: &Device) -> CudaResult<Tickets> {
+        let mut store = self.store.borrow_mut();
+        match store.tickets.pop() {
+            Some(t) => Ok(t),
+            None => Tickets::new(dev, TICKETS),
+        }
+    }
+
+    pub fn put_tickets(&self, t: Tickets) {
+        self.store.borrow_mut().tickets.push(t);
     }
 
     pub fn q8(&self, dev: &Device, len: usize) -> CudaResult<DeviceBuffer<BlockQ8_1>> {

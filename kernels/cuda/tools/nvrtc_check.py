@@ -19,7 +19,12 @@ import time
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 CUDA = os.path.join(ROOT, "kernels", "cuda")
 # The headers module.rs puts after common.cuh (KernelModule::headers).
-HEADERS = {"matvec_q": ["matvec.cuh"], "matvec_iq": ["iq_grids.cuh", "matvec.cuh"]}
+HEADERS = {
+    "matvec_q": ["matvec.cuh"],
+    "matvec_iq": ["iq_grids.cuh", "matvec.cuh"],
+    "matvec_f": ["float_dot.cuh"],
+    "route": ["float_dot.cuh"],
+}
 
 
 def find_nvrtc():

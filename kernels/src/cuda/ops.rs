@@ -315,7 +315,125 @@ pub fn matvec_experts_q(
     let fmt = q_fmt(table.ty)?;
     let blocks_per_vec = table.cols / BlockQ8_1::ELEMS;
     let x_stride = expert_input_len("matvec_experts_q", xq, blocks_per_vec, ids.len(), input)?;
-    expert_launch(dev, (fmt.module, fmt.experts), table, ids, xq, x_stride, y)
+    let q = QuantArgs::default();
+    expert_launch(
+        dev,
+        (fmt.module, fmt.experts),
+        table,
+        (ids, xq, x_stride),
+        (y, Some(q)),
+    )
+}
+
+/// Where the weighted sum of a one-token expert launch's slots goes (`ExpertsSum` in matvec.cuh):
+/// `out (+)= Σ_s weights[s]·y_s`, as [`moe_combine`] forms it.
+pub struct SlotSum<'a> {
+    /// One weight per slot.
+    pub weights: &'a DeviceBuffer<f32>,
+    /// The sum, `rows` values.
+    pub out: &'a mut DeviceBuffer<f32>,
+    /// Add to `out` instead of overwriting it.
+    pub accumulate: bool,
+    /// One ticket per block column of the launch.
+    pub tickets: &'a mut Tickets,
+}
+
+/// [`matvec_experts_q`] that also sums the slots into `sum.out` in the same launch (the block that finishes
+/// a block column last adds that column's rows over the slots): `y` as [`matvec_experts_q`] writes it,
+/// `sum.out` bit for bit what [`moe_combine`] of `y` gives, one launch fewer.
+pub fn matvec_experts_q_sum(
+    dev: &Device,
+    table: &ExpertTable,
+    (ids, xq, input): (&DeviceBuffer<i32>, &DeviceBuffer<BlockQ8_1>, ExpertInput),
+    y: &mut DeviceBuffer<f32>,
+    sum: SlotSum<'_>,
+) -> CudaResult<()> {
+    let fmt = q_fmt(table.ty)?;
+    let blocks_per_vec = table.cols / BlockQ8_1::ELEMS;
+    let x_stride = expert_input_len("matvec_experts_q_sum", xq, blocks_per_vec, ids.len(), input)?;
+    check_len("matvec_experts_q_sum weights", sum.weights, ids.len())?;
+    check_len("matvec_experts_q_sum out", sum.out, table.rows)?;
+    let (cfg, _, _) = q_matvec_rows_config(table.ty, table.rows, table.cols, ids.len());
+    sum.tickets
+        .check("matvec_experts_q_sum", cfg.grid_dim.0 as usize)?;
+    let q = QuantArgs {
+        sum: ExpertsSumArgs {
+            weights: sum.weights.address(),
+            out: sum.out.address(),
+            tickets: sum.tickets.buf.address(),
+            accumulate: sum.accumulate as i32,
+            _pad: 0,
+        },
+    };
+    expert_launch(
+        dev,
+        (fmt.module, fmt.experts),
+        table,
+        (ids, xq, x_stride),
+        (y, Some(q)),
+    )
+}
+
+/// The tickets [`matvec_experts_q_sum`] counts on for experts of this shape (one per block column).
+pub fn slot_sum_tickets(ty: GgmlType, rows: usize, cols: usize, slots: usize) -> usize {
+    q_matvec_rows_config(ty, rows, cols, slots).0.grid_dim.0 as usize
+}
+
+/// The tail arguments of the quantized expert kernels.
+#[derive(Clone, Copy, Default)]
+struct QuantArgs {
+    sum: ExpertsSumArgs,
+}
+
+/// `ExpertsSum` of matvec.cuh, field for field (all zero: no sum).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ExpertsSumArgs {
+    weights: u64,
+    out: u64,
+    tickets: u64,
+    accumulate: i32,
+    _pad: i32,
+}
+
+// Passed by its bytes: a plain `repr(C)` struct of 64- and 32-bit numbers without implicit padding, laid
+// out as the kernel's `ExpertsSum`.
+super::launch::value_args!(ExpertsSumArgs);
+
+/// Counters in device memory for kernels whose last block to finish a piece of work completes it
+/// (`last_block_of` in common.cuh): zero when made, and every such launch leaves them zero, so one set
+/// serves every launch on the compute stream (launches there run one after another) and a captured graph's
+/// replays. Its address goes into graphs: keep it as long as they live.
+pub struct Tickets {
+    buf: DeviceBuffer<u32>,
+}
+
+impl Tickets {
+    pub fn new(dev: &Device, len: usize) -> CudaResult<Tickets> {
+        Ok(Tickets {
+            buf: dev.zeros::<u32>(len)?,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// The counts on the card now (all zero between launches), for tests and diagnosis.
+    pub fn counts(&self, dev: &Device) -> CudaResult<Vec<u32>> {
+        dev.download(&self.buf)
+    }
+
+    fn check(&self, what: &str, want: usize) -> CudaResult<()> {
+        if want > self.len() {
+            return invalid(format!("{what}: {want} tickets, {} held", self.len()));
+        }
+        Ok(())
+    }
 }
 
 /// The gate and up experts of one token in one launch: for slot `s` of `ids.len()`,
@@ -325,10 +443,43 @@ pub fn matvec_experts_q(
 /// address in either table gives zeros.
 pub fn matvec_experts_glu_q(
     dev: &Device,
-    (gate, up): (&ExpertTable, &ExpertTable),
+    tables: (&ExpertTable, &ExpertTable),
     ids: &DeviceBuffer<i32>,
     xq: &DeviceBuffer<BlockQ8_1>,
     h: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    glu_launch(dev, tables, (ids, xq), h, None)
+}
+
+/// [`matvec_experts_glu_q`] that also quantizes `h` into `hq` for the down experts in the same launch (the
+/// block that finishes a 32-row piece of a slot last quantizes it): `hq` bit for bit [`quantize_q8_1`] of
+/// `h`, one launch fewer. Needs the rows a multiple of 32 and a launch whose blocks cover whole pieces.
+pub fn matvec_experts_glu_q8(
+    dev: &Device,
+    tables: (&ExpertTable, &ExpertTable),
+    (ids, xq): (&DeviceBuffer<i32>, &DeviceBuffer<BlockQ8_1>),
+    h: &mut DeviceBuffer<f32>,
+    (hq, tickets): (&mut DeviceBuffer<BlockQ8_1>, &mut Tickets),
+) -> CudaResult<()> {
+    glu_launch(dev, tables, (ids, xq), h, Some((hq, tickets)))
+}
+
+/// Whether [`matvec_experts_glu_q8`] takes gate and up experts of this shape (rows in whole q8_1 blocks,
+/// launch blocks that cover whole 32-row pieces).
+pub fn glu_q8_takes(ty: GgmlType, rows: usize, cols: usize, slots: usize) -> bool {
+    let (_, wpr, rpg) = q_matvec_rows_config(ty, rows, cols, slots);
+    let rows_per_block = (MATVEC_BLOCK.1 as usize / wpr as usize) * rpg as usize;
+    q_format(ty).is_some()
+        && rows.is_multiple_of(BlockQ8_1::ELEMS)
+        && BlockQ8_1::ELEMS.is_multiple_of(rows_per_block)
+}
+
+fn glu_launch(
+    dev: &Device,
+    (gate, up): (&ExpertTable, &ExpertTable),
+    (ids, xq): (&DeviceBuffer<i32>, &DeviceBuffer<BlockQ8_1>),
+    h: &mut DeviceBuffer<f32>,
+    quantized: Option<(&mut DeviceBuffer<BlockQ8_1>, &mut Tickets)>,
 ) -> CudaResult<()> {
     if (gate.ty, gate.rows, gate.cols, gate.n_expert) != (up.ty, up.rows, up.cols, up.n_expert) {
         return invalid(format!(
@@ -350,6 +501,20 @@ pub fn matvec_experts_glu_q(
     let (ncols, nrows) = (as_i32("cols", gate.cols)?, as_i32("rows", gate.rows)?);
     let n_expert = as_i32("n_expert", gate.n_expert)?;
     let (cfg, wpr, rpg) = q_matvec_rows_config(gate.ty, gate.rows, gate.cols, n_slots);
+    let (hq_addr, tickets_addr) = match &quantized {
+        Some((hq, tickets)) => {
+            if !glu_q8_takes(gate.ty, gate.rows, gate.cols, n_slots) {
+                return invalid(format!(
+                    "matvec_experts_glu_q8: {} rows of {} × {n_slots} slots do not quantize in the launch",
+                    gate.rows, gate.ty
+                ));
+            }
+            check_len("matvec_experts_glu_q8 hq", hq, h.len() / BlockQ8_1::ELEMS)?;
+            tickets.check("matvec_experts_glu_q8", h.len() / BlockQ8_1::ELEMS)?;
+            (hq.address(), tickets.buf.address())
+        }
+        None => (0, 0),
+    };
     let f = dev.function(fmt.module, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(gate.table_address())
@@ -361,10 +526,14 @@ pub fn matvec_experts_glu_q(
         .arg(&ncols)
         .arg(&nrows)
         .arg(&wpr)
-        .arg(&rpg);
+        .arg(&rpg)
+        .arg(&hq_addr)
+        .arg(&tickets_addr);
     // SAFETY: both tables hold n_expert addresses, each 0 or the start of a rows × cols matrix of their
     // (common) format that lives as long as the tables' owner; the kernel reads ids[0..n_slots] and gives
     // 0 for ids outside 0..n_expert; x holds cols/32 blocks and h n_slots × rows floats (checked above).
+    // With hq (0 otherwise), hq holds h's blocks and the tickets one per block (checked above), both
+    // borrowed mutably for the launch; the tickets are zero before and after it.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }
@@ -384,10 +553,8 @@ pub fn matvec_experts_f(
         dev,
         (KernelModule::MatvecF, name),
         table,
-        ids,
-        x,
-        x_stride,
-        y,
+        (ids, x, x_stride),
+        (y, None),
     )
 }
 
@@ -407,14 +574,14 @@ fn expert_input_len<T>(
     Ok(stride as i64)
 }
 
+/// One launch of an expert kernel over `ids.len()` slots; `q`: the tail arguments of the quantized
+/// kernels (`None` for the float ones).
 fn expert_launch<T>(
     dev: &Device,
     kernel: (KernelModule, &'static str),
     table: &ExpertTable,
-    ids: &DeviceBuffer<i32>,
-    x: &DeviceBuffer<T>,
-    x_stride: i64,
-    y: &mut DeviceBuffer<f32>,
+    (ids, x, x_stride): (&DeviceBuffer<i32>, &DeviceBuffer<T>, i64),
+    (y, q): (&mut DeviceBuffer<f32>, Option<QuantArgs>),
 ) -> CudaResult<()> {
     let (module, name) = kernel;
     check_shape(table.ty, table.rows, table.cols)?;
@@ -427,12 +594,17 @@ fn expert_launch<T>(
     check_len(&format!("{name} y"), y, n_slots * table.rows)?;
     let (ncols, nrows) = (as_i32("cols", table.cols)?, as_i32("rows", table.rows)?);
     let n_expert = as_i32("n_expert", table.n_expert)?;
-    // The quantized kernels take the warps per row and rows per group as their last arguments; the float
-    // ones one row per block.
-    let (cfg, wpr) = match module {
-        KernelModule::MatvecQ | KernelModule::MatvecIq => {
+    // The quantized kernels take the warps per row, the rows per group and the slots' sum as their last
+    // arguments; the float ones one row per block.
+    let (cfg, wpr) = match (module, q) {
+        (KernelModule::MatvecQ | KernelModule::MatvecIq, Some(q)) => {
             let (cfg, wpr, rpg) = q_matvec_rows_config(table.ty, table.rows, table.cols, n_slots);
-            (cfg, Some((wpr, rpg)))
+            (cfg, Some((wpr, rpg, q)))
+        }
+        (KernelModule::MatvecQ | KernelModule::MatvecIq, None) => {
+            return invalid(format!(
+                "{name}: a quantized expert launch without its arguments"
+            ));
         }
         _ => {
             let cfg = LaunchConfig {
@@ -453,12 +625,14 @@ fn expert_launch<T>(
         .arg(y.slice_mut())
         .arg(&ncols)
         .arg(&nrows);
-    if let Some((wpr, rpg)) = &wpr {
-        b.arg(wpr).arg(rpg);
+    if let Some((wpr, rpg, q)) = &wpr {
+        b.arg(wpr).arg(rpg).arg(&q.sum);
     }
     // SAFETY: the table holds n_expert addresses, each 0 or the start of a rows × cols matrix of the
     // table's format that lives as long as the table's owner; the kernel reads ids[0..n_slots] and gives 0
-    // for ids outside 0..n_expert; x and y lengths are checked above.
+    // for ids outside 0..n_expert; x and y lengths are checked above. A slots' sum (all zero otherwise)
+    // has one weight per slot, an out of rows floats and a ticket per block column, checked by
+    // `matvec_experts_q_sum`, which borrows out and the tickets mutably for the launch.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }
@@ -659,38 +833,28 @@ pub fn route_topk(
     ids: &mut DeviceBuffer<i32>,
     weights: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    if r.n_expert == 0
-        || r.k == 0
-        || r.k > r.n_expert
-        || r.k > 256
-        || !logits.len().is_multiple_of(r.n_expert)
-    {
+    let (n_expert, k) = check_routing("route_topk", r)?;
+    if !logits.len().is_multiple_of(r.n_expert) {
         return invalid(format!(
-            "route_topk: {} logits, {} experts, k {}",
+            "route_topk: {} logits of {} experts",
             logits.len(),
-            r.n_expert,
-            r.k
+            r.n_expert
         ));
     }
     let n_tokens = logits.len() / r.n_expert;
     check_len("route_topk ids", ids, n_tokens * r.k)?;
     check_len("route_topk weights", weights, n_tokens * r.k)?;
-    let shared = r.n_expert * 4;
-    if shared > 48 * 1024 {
-        return invalid(format!(
-            "route_topk: {} experts do not fit shared memory",
-            r.n_expert
-        ));
-    }
-    let (n_expert, k) = (as_i32("n_expert", r.n_expert)?, as_i32("k", r.k)?);
-    let gating: i32 = match r.gating {
-        Gating::Softmax => 0,
-        Gating::Sigmoid => 1,
-    };
-    let norm = r.norm as i32;
+    // One warp per token, up to 4 tokens a block as shared memory allows (n_expert floats each).
+    let per_warp = r.n_expert * 4;
+    let warps = (ROUTE_SHARED_MAX / per_warp)
+        .clamp(1, 4)
+        .min(n_tokens.max(1));
+    let n_tokens_i = as_i32("n_tokens", n_tokens)?;
+    let (gating, norm) = routing_flags(r);
     let f = dev.function(KernelModule::Route, "route_topk")?;
     let mut b = dev.launch_builder(&f);
     b.arg(logits.slice())
+        .arg(&n_tokens_i)
         .arg(&n_expert)
         .arg(&k)
         .arg(&gating)
@@ -698,16 +862,106 @@ pub fn route_topk(
         .arg(&r.scale)
         .arg(ids.slice_mut())
         .arg(weights.slice_mut());
-    let threads = (r.n_expert.div_ceil(32) * 32).clamp(r.k.div_ceil(32) * 32, 1024) as u32;
+    let blocks = u32::try_from(n_tokens.div_ceil(warps))
+        .map_err(|_| CudaError::Invalid(format!("route_topk: {n_tokens} tokens")))?;
     let cfg = LaunchConfig {
-        grid_dim: (n_tokens as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: shared as u32,
+        grid_dim: (blocks, 1, 1),
+        block_dim: (32, warps as u32, 1),
+        shared_mem_bytes: (warps * per_warp) as u32,
     };
-    // SAFETY: logits hold n_tokens × n_expert floats, ids and weights n_tokens × k (checked above); the block
-    // has at least k threads and n_expert floats of dynamic shared memory.
+    // SAFETY: logits hold n_tokens × n_expert floats, ids and weights n_tokens × k (checked above); each of
+    // the block's warps has n_expert floats of dynamic shared memory.
     unsafe { b.launch(cfg) }?;
     dev.after_launch("route_topk")
+}
+
+/// Dynamic shared memory the routing kernels ask for at most (the default limit of a launch).
+const ROUTE_SHARED_MAX: usize = 48 * 1024;
+
+/// Checks a routing's shape (experts, k, shared memory for the probabilities); returns n_expert and k.
+fn check_routing(what: &str, r: &Routing) -> CudaResult<(i32, i32)> {
+    if r.n_expert == 0 || r.k == 0 || r.k > r.n_expert {
+        return invalid(format!("{what}: {} experts, k {}", r.n_expert, r.k));
+    }
+    if r.n_expert * 4 > ROUTE_SHARED_MAX {
+        return invalid(format!(
+            "{what}: {} experts do not fit shared memory",
+            r.n_expert
+        ));
+    }
+    Ok((as_i32("n_expert", r.n_expert)?, as_i32("k", r.k)?))
+}
+
+/// The kernels' gating (0 softmax, 1 sigmoid) and renormalization flags.
+fn routing_flags(r: &Routing) -> (i32, i32) {
+    let gating = match r.gating {
+        Gating::Softmax => 0,
+        Gating::Sigmoid => 1,
+    };
+    (gating, r.norm as i32)
+}
+
+/// Whether [`router_topk`] takes a router of this format.
+pub fn router_topk_takes(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+}
+
+/// One token's router and the choice of its experts in one launch: `logits = W·x` (`W`: `[n_expert, cols]`
+/// in F32, F16 or BF16, the one matrix of a one-expert table; the values of [`matvec_experts_f`]), then `ids` and `weights` as [`route_topk`] chooses
+/// them from `logits`, done by the launch's last block to finish (one ticket).
+pub fn router_topk(
+    dev: &Device,
+    (w, x): (&ExpertTable, &DeviceBuffer<f32>),
+    r: &Routing,
+    (logits, tickets): (&mut DeviceBuffer<f32>, &mut Tickets),
+    (ids, weights): (&mut DeviceBuffer<i32>, &mut DeviceBuffer<f32>),
+) -> CudaResult<()> {
+    let (n_expert, k) = check_routing("router_topk", r)?;
+    let name = match w.ty {
+        GgmlType::F32 => "router_topk_f32",
+        GgmlType::F16 => "router_topk_f16",
+        GgmlType::BF16 => "router_topk_bf16",
+        ty => return invalid(format!("router_topk: no kernel for a {ty} router")),
+    };
+    check_shape(w.ty, w.rows, w.cols)?;
+    if w.rows != r.n_expert || w.n_expert != 1 {
+        return invalid(format!(
+            "router_topk: a router of {} rows × {} matrices for {} experts",
+            w.rows, w.n_expert, r.n_expert
+        ));
+    }
+    check_len("router_topk x", x, w.cols)?;
+    check_len("router_topk logits", logits, r.n_expert)?;
+    check_len("router_topk ids", ids, r.k)?;
+    check_len("router_topk weights", weights, r.k)?;
+    tickets.check("router_topk", 1)?;
+    let ncols = as_i32("cols", w.cols)?;
+    let (gating, norm) = routing_flags(r);
+    let f = dev.function(KernelModule::Route, name)?;
+    let mut b = dev.launch_builder(&f);
+    b.arg(w.table_address())
+        .arg(x.slice())
+        .arg(&ncols)
+        .arg(&n_expert)
+        .arg(&k)
+        .arg(&gating)
+        .arg(&norm)
+        .arg(&r.scale)
+        .arg(logits.slice_mut())
+        .arg(tickets.buf.slice_mut())
+        .arg(ids.slice_mut())
+        .arg(weights.slice_mut());
+    let cfg = LaunchConfig {
+        grid_dim: (r.n_expert as u32, 1, 1),
+        block_dim: MATVEC_BLOCK,
+        shared_mem_bytes: (r.n_expert * 4) as u32,
+    };
+    // SAFETY: the table's one address is the start of n_expert rows × cols of its format that lives as long
+    // as the table's owner (rows checked above), x holds cols
+    // floats, logits n_expert, ids and weights k (checked above), the tickets at least one, zero before
+    // and after the launch; the last block has n_expert floats of dynamic shared memory.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch(name)
 }
 
 /// `out[t] (+)= Σ_j weights[t, j] · y[t, j]`: the weighted sum of each token's `k` expert outputs of `n`

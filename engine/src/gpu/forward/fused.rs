@@ -38,10 +38,16 @@ pub enum Fusion {
     Gates,
     /// `gated_delta_net_grouped`: `delta`.
     DeltaGrouped,
+    /// `router_topk` (one token's router and its choice of experts): `router-topk`.
+    RouterTopk,
+    /// `matvec_experts_glu_q8` (one token's gate and up experts quantizing their output for down): `glu-q8`.
+    GluQ8,
+    /// `matvec_experts_q_sum` (one token's down experts summing the slots): `down-sum`.
+    DownSum,
 }
 
 impl Fusion {
-    const ALL: [Fusion; 9] = [
+    const ALL: [Fusion; 12] = [
         Fusion::AddNorm,
         Fusion::NormRope,
         Fusion::Many,
@@ -51,6 +57,9 @@ impl Fusion {
         Fusion::ColsNorm,
         Fusion::Gates,
         Fusion::DeltaGrouped,
+        Fusion::RouterTopk,
+        Fusion::GluQ8,
+        Fusion::DownSum,
     ];
 
     fn name(self) -> &'static str {
@@ -64,6 +73,9 @@ impl Fusion {
             Fusion::ColsNorm => "cols-norm",
             Fusion::Gates => "gates",
             Fusion::DeltaGrouped => "delta",
+            Fusion::RouterTopk => "router-topk",
+            Fusion::GluQ8 => "glu-q8",
+            Fusion::DownSum => "down-sum",
         }
     }
 }
@@ -75,7 +87,13 @@ impl Fusion {
 /// off in turn, so no fusion was shown guilty and the cause is not known. The setting verified whole there
 /// (gpu_forward 6/6, witness_gpu as main) is every fusion but this one, which costs nothing measurable
 /// (q35 tg128 236.0 against 236.6 t/s); `--fuse all` turns it back on for whoever looks further.
-const DEFAULT_OFF: &[Fusion] = &[Fusion::DeltaGrouped];
+/// `glu-q8` and `down-sum`: correct (kernels/tests/cuda_moe_fused.rs, bit for bit) but slower. On an H100
+/// (2026-12-06, BENCHMARKS.md "Launch tickets") each launch's blocks pay a fence and an atomic count before
+/// the last one completes the work: under Nsight Compute the gate and up launch took 24.2 µs against
+/// 16.1 µs plus 2.7 µs for the quantize it replaces, the down launch 20.6 µs against 13.8 µs plus 3.0 µs
+/// for the combine; with every weight in VRAM a token of the qwen3moe shape answered at 229 t/s with both
+/// on, 267 t/s with both off.
+const DEFAULT_OFF: &[Fusion] = &[Fusion::DeltaGrouped, Fusion::GluQ8, Fusion::DownSum];
 
 /// The fusions `--fuse` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
 /// comma-separated list of `no-NAME` (names of [`Fusion`]) turns those off, for measuring each one.

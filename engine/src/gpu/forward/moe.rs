@@ -2,7 +2,9 @@
 //! the card's experts (grouped by expert for a prompt on the tensor cores, slot by slot for one token) and
 //! their weighted sum.
 
+use super::fused::{fuse_on, Fusion};
 use super::*;
+use poly_kernels::cuda::ops::Tickets;
 
 /// The card's routed-expert outputs before they are summed per token.
 pub(super) enum CardExperts {
@@ -10,7 +12,13 @@ pub(super) enum CardExperts {
     Grouped(DeviceBuffer<f32>, ExpertGroups),
     /// `[slots, n_embd]` in slot order.
     Slots(DeviceBuffer<f32>),
+    /// Already summed into the layer's output by the down experts' launch.
+    Summed,
 }
+
+/// Where one token's down experts sum their slots in their own launch: the weights `[k]` and the layer's
+/// output, overwritten.
+pub(super) type SlotSumInto<'b> = (&'b DeviceBuffer<f32>, &'b mut DeviceBuffer<f32>);
 
 pub(super) struct ExpertGroups {
     /// `[slots]` the token of each sorted row.
@@ -146,6 +154,39 @@ impl<'a> GpuForward<'a> {
         weights: &mut DeviceBuffer<f32>,
     ) -> CudaResult<()> {
         let dev = self.dev;
+        let routing = Routing {
+            n_expert: m.n_expert,
+            k: m.n_expert_used,
+            gating: match m.gating {
+                Gating::Softmax => KGating::Softmax,
+                Gating::Sigmoid => KGating::Sigmoid,
+            },
+            norm: m.norm_weights,
+            scale: m.weights_scale,
+        };
+        // One token's float router and the choice of its experts in one launch.
+        if let (1, true, GpuWeight::Float(s)) = (
+            x.rows,
+            fuse_on(Fusion::RouterTopk),
+            self.weights.matrix(m.router)?,
+        ) {
+            if ops::router_topk_takes(s.table().ty) {
+                let t = self.op_begin();
+                let mut logits = self.pool.f32(dev, m.n_expert)?;
+                let mut tickets = self.pool.tickets(dev)?;
+                let r = ops::router_topk(
+                    dev,
+                    (s.table(), x.buf()?),
+                    &routing,
+                    (&mut logits, &mut tickets),
+                    (ids, weights),
+                );
+                self.pool.put_tickets(tickets);
+                self.pool.put_f32(logits);
+                self.op_end("moe.router_topk", t);
+                return r;
+            }
+        }
         let t = self.op_begin();
         let mut la = DevAct {
             rows: x.rows,
@@ -157,16 +198,6 @@ impl<'a> GpuForward<'a> {
         self.matmul_into(m.router, x, &mut la)?;
         self.op_end("moe.router", t);
         let t = self.op_begin();
-        let routing = Routing {
-            n_expert: m.n_expert,
-            k: m.n_expert_used,
-            gating: match m.gating {
-                Gating::Softmax => KGating::Softmax,
-                Gating::Sigmoid => KGating::Sigmoid,
-            },
-            norm: m.norm_weights,
-            scale: m.weights_scale,
-        };
         ops::route_topk(dev, la.buf()?, &routing, ids, weights)?;
         self.op_end("moe.route_topk", t);
         Ok(())
@@ -263,7 +294,9 @@ impl<'a> GpuForward<'a> {
         };
         step.queue_sources(dev)?;
         let [g, u, d] = &step.tables;
-        let y = self.moe_slots(x, &step.slot_ids, m, [g, u, d])?;
+        let y = self
+            .moe_slots(x, &step.slot_ids, m, [g, u, d], None)?
+            .ok_or_else(|| CudaError::Invalid("a segmented step's experts were summed".into()))?;
         let r = if capturing {
             self.cut(HostPoint::CpuShare(i))
         } else {
@@ -325,7 +358,15 @@ impl<'a> GpuForward<'a> {
                 let (y, g) = self.moe_grouped(x, ids, m, tables)?;
                 CardExperts::Grouped(y, g)
             } else {
-                CardExperts::Slots(self.moe_slots(x, ids, m, tables)?)
+                // Without a CPU share the down experts may sum into the output themselves.
+                let sum = match cpu_share {
+                    None => Some((weights, out.buf_mut()?)),
+                    Some(_) => None,
+                };
+                match self.moe_slots(x, ids, m, tables, sum)? {
+                    Some(y) => CardExperts::Slots(y),
+                    None => CardExperts::Summed,
+                }
             }
         };
         let accumulate = match cpu_share {
@@ -357,6 +398,7 @@ impl<'a> GpuForward<'a> {
                 self.pool.put_f32(y);
                 r
             }
+            CardExperts::Summed => Ok(()),
         };
         self.op_end("moe.combine", t);
         r
@@ -531,37 +573,88 @@ impl<'a> GpuForward<'a> {
     }
 
     /// One token's routed experts with SiLU and quantized experts: gate and up in one launch writing
-    /// `silu(gate)·up` `[k, n_ff]`, quantized for the down experts, which write the `[k, n_embd]` outputs in
-    /// slot order (the values of the separate launches bit for bit).
+    /// `silu(gate)·up` `[k, n_ff]` and (`glu-q8`) its quantized copy for the down experts, which write the
+    /// `[k, n_embd]` outputs in slot order, returned, or (`down-sum`, with `sum`) also their weighted sum
+    /// into `sum`'s output, returning `None`. The values of the separate launches bit for bit.
     pub(super) fn moe_token_fused(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
         [gate_t, up_t, down_t]: [&ExpertTable; 3],
-    ) -> CudaResult<DeviceBuffer<f32>> {
+        sum: Option<SlotSumInto<'_>>,
+    ) -> CudaResult<Option<DeviceBuffer<f32>>> {
+        let mut tickets = self.pool.tickets(self.dev)?;
+        let r = self.token_experts(x, ids, [gate_t, up_t, down_t], (sum, &mut tickets));
+        self.pool.put_tickets(tickets);
+        r
+    }
+
+    fn token_experts(
+        &self,
+        x: &DevAct,
+        ids: &DeviceBuffer<i32>,
+        [gate_t, up_t, down_t]: [&ExpertTable; 3],
+        (sum, tickets): (Option<SlotSumInto<'_>>, &mut Tickets),
+    ) -> CudaResult<Option<DeviceBuffer<f32>>> {
         let dev = self.dev;
         let slots = ids.len();
         let n_ff = gate_t.rows;
+        let glu_q8 = fuse_on(Fusion::GluQ8)
+            && ops::glu_q8_takes(gate_t.ty, n_ff, gate_t.cols, slots)
+            && slots * n_ff / 32 <= tickets.len();
         let t = self.op_begin();
         let mut h = self.pool.f32(dev, slots * n_ff)?;
-        let r = self.with_q8(Some(x.id), x.buf()?, |xq| {
-            ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h)
+        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
+        let r = self.with_q8(Some(x.id), x.buf()?, |xq| match glu_q8 {
+            true => ops::matvec_experts_glu_q8(
+                dev,
+                (gate_t, up_t),
+                (ids, xq),
+                &mut h,
+                (&mut hq, &mut *tickets),
+            ),
+            false => ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h),
         });
         self.op_end("moe.gate_up", t);
-        let t = self.op_begin();
-        let mut hq = self.pool.q8(dev, slots * n_ff / 32)?;
-        let r = r.and_then(|()| ops::quantize_q8_1(dev, &h, &mut hq));
+        let r = match glu_q8 {
+            true => r,
+            false => {
+                let t = self.op_begin();
+                let r = r.and_then(|()| ops::quantize_q8_1(dev, &h, &mut hq));
+                self.op_end("moe.act", t);
+                r
+            }
+        };
         self.pool.put_f32(h);
-        self.op_end("moe.act", t);
         let t = self.op_begin();
         let mut y = self.pool.f32(dev, slots * x.cols)?;
-        let r = r.and_then(|()| {
-            ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+        let sum = sum.filter(|_| {
+            fuse_on(Fusion::DownSum)
+                && ops::slot_sum_tickets(down_t.ty, down_t.rows, down_t.cols, slots)
+                    <= tickets.len()
+        });
+        let r = r.and_then(|()| match sum {
+            Some((weights, out)) => {
+                let into = ops::SlotSum {
+                    weights,
+                    out,
+                    accumulate: false,
+                    tickets: &mut *tickets,
+                };
+                let input = (ids, &hq, ExpertInput::PerSlot);
+                ops::matvec_experts_q_sum(dev, down_t, input, &mut y, into).map(|()| true)
+            }
+            None => ops::matvec_experts_q(dev, down_t, ids, &hq, ExpertInput::PerSlot, &mut y)
+                .map(|()| false),
         });
         self.pool.put_q8(hq);
         self.op_end("moe.down", t);
         match r {
-            Ok(()) => Ok(y),
+            Ok(false) => Ok(Some(y)),
+            Ok(true) => {
+                self.pool.put_f32(y);
+                Ok(None)
+            }
             Err(e) => {
                 self.pool.put_f32(y);
                 Err(e)
@@ -571,13 +664,16 @@ impl<'a> GpuForward<'a> {
 
     /// The routed experts slot by slot (one token, or experts the grouped kernels do not take): the
     /// `[slots, n_embd]` outputs in slot order.
+    /// With `sum`, the down experts may also sum the slots into its output (see [`Self::moe_token_fused`]):
+    /// then `None`.
     pub(super) fn moe_slots(
         &self,
         x: &DevAct,
         ids: &DeviceBuffer<i32>,
         m: &Moe,
         [gate_t, up_t, down_t]: [&ExpertTable; 3],
-    ) -> CudaResult<DeviceBuffer<f32>> {
+        sum: Option<SlotSumInto<'_>>,
+    ) -> CudaResult<Option<DeviceBuffer<f32>>> {
         let dev = self.dev;
         let (n, n_embd, k) = (x.rows, x.cols, m.n_expert_used);
         let slots = n * k;
@@ -590,7 +686,7 @@ impl<'a> GpuForward<'a> {
             && q8(down_t.ty)
             && fused_glu_on()
         {
-            return self.moe_token_fused(x, ids, [gate_t, up_t, down_t]);
+            return self.moe_token_fused(x, ids, [gate_t, up_t, down_t], sum);
         }
         let t = self.op_begin();
         // Each slot's input: one token's row for all its experts (a single token shares it).
@@ -634,7 +730,7 @@ impl<'a> GpuForward<'a> {
             self.pool.put_q8(hq);
             self.op_end("moe.down", t);
             return match r {
-                Ok(()) => Ok(y),
+                Ok(()) => Ok(Some(y)),
                 Err(e) => {
                     self.pool.put_f32(y);
                     Err(e)
@@ -652,7 +748,7 @@ impl<'a> GpuForward<'a> {
         self.pool.put_f32(h);
         self.op_end("moe.down", t);
         match r {
-            Ok(()) => Ok(y),
+            Ok(()) => Ok(Some(y)),
             Err(e) => {
                 self.pool.put_f32(y);
                 Err(e)
