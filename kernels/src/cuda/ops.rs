@@ -120,13 +120,14 @@ fn threads_per_weight_block(ty: GgmlType) -> usize {
     q_format(ty).map_or(1, |f| f.threads_per_block)
 }
 
-/// Warps per output row of the quantized matvec kernels: the fewest of 1, 2, 4 that give every thread a
-/// share of a row of `cols` values (so a thread block computes 4, 2 or 1 rows).
+/// Warps per output row of the quantized matvec kernels (so a thread block computes 4, 2 or 1 rows): one
+/// warp for a row of up to two warps' work (a second pass of one warp costs less than two warps' sums
+/// meeting in shared memory behind a barrier: an expert's down row of 768 Q4_K values, 48 threads' work,
+/// is one warp's in llama.cpp's mmvq too), else 4.
 fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
     let threads = cols / ty.block_elems() * threads_per_weight_block(ty);
     let wpr = match threads {
-        0..=32 => 1,
-        33..=64 => 2,
+        0..=64 => 1,
         _ => 4,
     };
     wpr.min(max_warps_per_row())
@@ -1043,12 +1044,12 @@ mod tests {
     fn warps_per_row_give_every_thread_work_where_they_can() {
         // Q4_K: 16 threads per 256 values.
         assert_eq!(warps_per_row(GgmlType::Q4_K, 512), 1);
-        assert_eq!(warps_per_row(GgmlType::Q4_K, 768), 2);
+        assert_eq!(warps_per_row(GgmlType::Q4_K, 768), 1);
         assert_eq!(warps_per_row(GgmlType::Q4_K, 2048), 4);
         // Q6_K: 32 threads per 256 values.
         assert_eq!(warps_per_row(GgmlType::Q6_K, 768), 4);
         let (cfg, wpr) = q_matvec_config(GgmlType::Q4_K, 769, 768, 8);
-        assert_eq!((cfg.grid_dim, wpr), ((385, 8, 1), 2));
+        assert_eq!((cfg.grid_dim, wpr), ((193, 8, 1), 1));
         // One token, rows grouped up to 4: 4 rows per group where 256 blocks remain, fewer where they
         // would not; with the cap at 1, the shape of q_matvec_config.
         let q4k = GgmlType::Q4_K;
@@ -1059,6 +1060,6 @@ mod tests {
         let (cfg, _, rpg) = rows_config_capped(q4k, (128, 2048, 1), 4);
         assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
         let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1);
-        assert_eq!((cfg.grid_dim, wpr, rpg), ((385, 8, 1), 2, 1));
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((193, 8, 1), 1, 1));
     }
 }
