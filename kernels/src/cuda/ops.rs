@@ -1062,4 +1062,30 @@ mod tests {
         let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1);
         assert_eq!((cfg.grid_dim, wpr, rpg), ((193, 8, 1), 1, 1));
     }
+    #[test]
+    fn ticketed_launches_take_the_model_shapes_and_refuse_the_rest() {
+        let q4k = GgmlType::Q4_K;
+        // Gate and up quantizing their output: the qwen3moe and qwen35moe experts (rows of 768 and 512
+        // for 8 slots) in whole 32-row pieces; not rows off the q8_1 blocks, not a float matrix.
+        assert!(glu_q8_takes(q4k, 768, 2048, 8));
+        assert!(glu_q8_takes(q4k, 512, 2048, 8));
+        assert!(!glu_q8_takes(q4k, 768 + 16, 2048, 8));
+        assert!(!glu_q8_takes(GgmlType::F32, 768, 2048, 8));
+        // The down experts' sum: one ticket per block column, within the engine's set of 1 << 14.
+        assert_eq!(slot_sum_tickets(q4k, 2048, 768, 8), 512);
+        assert!(slot_sum_tickets(q4k, 2048, 512, 8) <= 1 << 14);
+        // The fused router takes float routers only; a routing's shape is checked before any launch.
+        assert!(router_topk_takes(GgmlType::BF16) && !router_topk_takes(q4k));
+        let r = |n_expert, k| Routing {
+            n_expert,
+            k,
+            gating: Gating::Softmax,
+            norm: true,
+            scale: 1.0,
+        };
+        assert_eq!(check_routing("t", &r(128, 8)).ok(), Some((128, 8)));
+        assert!(check_routing("t", &r(8, 9)).is_err());
+        assert!(check_routing("t", &r(0, 0)).is_err());
+        assert!(check_routing("t", &r(ROUTE_SHARED_MAX, 8)).is_err());
+    }
 }
