@@ -130,7 +130,7 @@ fn main() {
     }
     let file = Arc::new(GgufFile::open(&args[1]).expect("a GGUF file"));
     let graph = ModelGraph::from_file(&file).expect("a model the engine runs");
-    let weights = CpuWeights::new(file);
+    let weights = CpuWeights::for_graph(file, &graph);
     let out = std::path::Path::new(&args[2]);
     std::fs::create_dir_all(out).expect("the output folder");
     let (tokens, prompt, steps) = (ids(args.get(3)), ids(args.get(4)), ids(args.get(5)));

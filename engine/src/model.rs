@@ -57,9 +57,10 @@ impl Model {
     /// Builds the forward pass of an opened file.
     pub fn from_file(file: Arc<GgufFile>) -> Result<Model, EngineError> {
         let graph = ModelGraph::from_file(&file)?;
+        let weights = CpuWeights::for_graph(file, &graph);
         Ok(Model {
             graph,
-            weights: CpuWeights::new(file),
+            weights,
             gpu: None,
             arithmetic: Arithmetic::default(),
             routes: RouteCounts::default(),

@@ -159,3 +159,108 @@ fn a_forked_state_continues_like_the_original() {
     let c = model.eval(&mut fork, &more, Logits::Last).unwrap();
     assert!(max_diff(&softmax(&a), &softmax(&c)) > 1e-3);
 }
+
+/// Rewrites the `qwen35moe` file at `src` in Clover's form (`clover_moe`): keys under `clover_moe.`, no
+/// `rope.dimension_sections`, and each `ssm_a` as `A_log = ln(-A)` when `a_as_log` (else left as A, a file
+/// that would be wrong: the control).
+fn rewrite_as_clover(src: &std::path::Path, dst: &std::path::Path, a_as_log: bool) {
+    use poly_models::gguf::{GgufFile, GgufWriter, Value};
+    let file = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata().entries() {
+        if k == "general.architecture" {
+            w.add_kv(k.clone(), Value::from("clover_moe"));
+        } else if k == "qwen35moe.rope.dimension_sections" {
+            continue;
+        } else {
+            w.add_kv(k.replacen("qwen35moe.", "clover_moe.", 1), v.clone());
+        }
+    }
+    let tensors: Vec<_> = file.tensors().collect();
+    for t in &tensors {
+        w.add_tensor(t.info.name.clone(), t.info.ty, &t.info.dims)
+            .unwrap();
+    }
+    w.write_to_path(dst, |i, info, out| {
+        let data = tensors[i].data;
+        if a_as_log && info.name.ends_with(".ssm_a") {
+            assert_eq!(info.ty, GgmlType::F32, "ssm_a is F32");
+            for (o, a) in out.chunks_exact_mut(4).zip(data.chunks_exact(4)) {
+                let a = f32::from_le_bytes(a.try_into().unwrap());
+                assert!(a < 0.0, "qwen35moe's ssm_a holds -exp(A_log) < 0, not {a}");
+                o.copy_from_slice(&(-a).ln().to_le_bytes());
+            }
+        } else {
+            out.copy_from_slice(data);
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// llama.cpp has no `clover_moe`; the witness is the `qwen35moe` original: the same tiny model
+/// written in Clover's form (its `ssm_a` as `A_log`, no rope sections) gives the original's logits (within
+/// the rounding of `-exp(ln(-A))`) and its greedy tokens; left with `A` in `ssm_a` it does not, so the
+/// load maps the values.
+#[test]
+fn a_qwen35moe_file_in_clovers_form_gives_the_originals_outputs() {
+    let dir = std::env::temp_dir().join(format!("poly-engine-clover-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("qwen35moe.gguf");
+    write_synth(
+        find_shape("qwen35moe", "tiny").expect("a tiny shape"),
+        GgmlType::Q8_0,
+        3,
+        &src,
+    );
+    let (clover, wrong) = (dir.join("clover.gguf"), dir.join("clover-a-not-log.gguf"));
+    rewrite_as_clover(&src, &clover, true);
+    rewrite_as_clover(&src, &wrong, false);
+    let (original, clover, wrong) = (
+        Model::load(&src).unwrap(),
+        Model::load(&clover).unwrap(),
+        Model::load(&wrong).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(clover.info().arch, "clover_moe");
+    let n_vocab = original.info().n_vocab;
+    let prompt = random_tokens(24, n_vocab, 9);
+    // The prompt's last logits, then 8 greedy tokens one by one.
+    let run = |m: &Model| {
+        let mut state = m.new_state(64);
+        let mut logits = prefill(m, &mut state, &prompt, 512).unwrap();
+        let mut out = vec![softmax(&logits)];
+        let mut tokens = Vec::new();
+        for _ in 0..8 {
+            let t = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0 as u32;
+            tokens.push(t);
+            logits = prefill(m, &mut state, &[t], 512).unwrap();
+            out.push(softmax(&logits));
+        }
+        (out, tokens)
+    };
+    let (p0, t0) = run(&original);
+    let (p1, t1) = run(&clover);
+    let (p2, _) = run(&wrong);
+    assert_eq!(t1, t0, "greedy tokens");
+    let worst = p0
+        .iter()
+        .zip(&p1)
+        .map(|(a, b)| max_diff(a, b))
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "probabilities differ by {worst}");
+    let wrong_worst = p0
+        .iter()
+        .zip(&p2)
+        .map(|(a, b)| max_diff(a, b))
+        .fold(0.0, f64::max);
+    assert!(
+        wrong_worst > 100.0 * worst.max(1e-7),
+        "a Clover file read without its value map was not told apart ({wrong_worst} vs {worst})"
+    );
+}

@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use poly_kernels::matmul::{matmul, matmul_ordered, matvec, QuantMatrix};
 use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
+use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
     Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
     WeightId,
@@ -202,6 +203,9 @@ pub struct CpuWeights {
     file: Arc<GgufFile>,
     /// Dequantized copies of the tensors element-wise operations read, made on first use.
     f32_copies: Vec<OnceLock<Vec<f32>>>,
+    /// The tensors whose stored values map to the forward pass's ([`ModelGraph::value_maps`]), by
+    /// tensor index.
+    value_maps: Vec<Option<ValueMap>>,
 }
 
 impl CpuWeights {
@@ -212,7 +216,20 @@ impl CpuWeights {
         CpuWeights {
             file,
             f32_copies: (0..n).map(|_| OnceLock::new()).collect(),
+            value_maps: vec![None; n],
         }
+    }
+
+    /// The tensors of `file` as `graph` reads them: [`CpuWeights::f32`] applies the graph's value maps
+    /// (Clover's `ssm_a`, stored as `A_log`), so every backend reads the mapped values.
+    pub fn for_graph(file: Arc<GgufFile>, graph: &ModelGraph) -> CpuWeights {
+        let mut w = CpuWeights::new(file);
+        for (id, map) in graph.value_maps() {
+            if let Some(slot) = w.value_maps.get_mut(id.0 as usize) {
+                *slot = Some(map);
+            }
+        }
+        w
     }
 
     /// The file.
@@ -274,6 +291,9 @@ impl CpuWeights {
             let info = self.info(w);
             let mut out = vec![0f32; info.n_elements() as usize];
             dequantize(info.ty, self.bytes(w), &mut out).expect("bound tensors dequantize");
+            if let Some(map) = self.value_maps[w.0 as usize] {
+                map.apply(&mut out);
+            }
             out
         })
     }

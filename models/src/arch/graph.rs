@@ -274,6 +274,33 @@ impl ModelGraph {
             )?)),
         }
     }
+
+    /// The tensors whose stored values are not the values the forward pass reads, each with the map from
+    /// one to the other. A backend applies it where it reads the tensor as f32 values (the engine's
+    /// `CpuWeights::f32`, which the card's vectors come from too); only vectors are mapped.
+    pub fn value_maps(&self) -> Vec<(WeightId, ValueMap)> {
+        match self {
+            ModelGraph::Qwen35Moe(g) => g.value_maps(),
+            ModelGraph::Qwen3Moe(_) | ModelGraph::Gemma3(_) | ModelGraph::Llama(_) => Vec::new(),
+        }
+    }
+}
+
+/// How a tensor's stored values become the values a forward pass reads ([`ModelGraph::value_maps`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ValueMap {
+    /// The file stores `log(-x)`: the value is `-exp(stored)` (Clover's `ssm_a`, which holds `A_log`
+    /// where Qwen3.5/3.6 files hold `-exp(A_log)`, computed at conversion).
+    NegExp,
+}
+
+impl ValueMap {
+    /// Turns stored values into the forward pass's, in place.
+    pub fn apply(self, values: &mut [f32]) {
+        match self {
+            ValueMap::NegExp => values.iter_mut().for_each(|v| *v = -v.exp()),
+        }
+    }
 }
 
 impl Forward for ModelGraph {

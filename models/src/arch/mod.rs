@@ -12,9 +12,12 @@
 //! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
 //!   shared experts, one MTP (next-token prediction) block.
+//! - [`clover_moe`]: Clover MoE, the Qwen3.6 layout in another form (`ssm_a` holds `A_log`, no rope
+//!   sections); it runs as `qwen35moe`.
 //! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
 //! - [`llama`]: dense Llama-family models (Llama 2/3, Mistral, SmolLM2): GQA, normal RoPE, SwiGLU.
 
+pub mod clover_moe;
 pub mod common;
 pub mod gemma3;
 pub mod graph;
@@ -28,7 +31,7 @@ pub use common::{CommonHparams, ExpertHparams};
 pub use gemma3::Gemma3Hparams;
 pub use graph::{
     bind_tensors, routed_experts, Forward, ModelGraph, ModelInfo, RoutedExperts, StateSpec,
-    TensorMap,
+    TensorMap, ValueMap,
 };
 pub use llama::LlamaHparams;
 pub use qwen35moe::Qwen35MoeHparams;
@@ -491,7 +494,13 @@ pub enum ModelHparams {
 }
 
 /// The architectures this crate knows, by `general.architecture`.
-pub const ARCH_NAMES: &[&str] = &[qwen3moe::ARCH, qwen35moe::ARCH, gemma3::ARCH, llama::ARCH];
+pub const ARCH_NAMES: &[&str] = &[
+    qwen3moe::ARCH,
+    qwen35moe::ARCH,
+    clover_moe::ARCH,
+    gemma3::ARCH,
+    llama::ARCH,
+];
 
 impl ModelHparams {
     /// Reads the hyperparameters of the file's architecture from its metadata.
@@ -502,6 +511,7 @@ impl ModelHparams {
             qwen35moe::ARCH => Ok(ModelHparams::Qwen35Moe(Qwen35MoeHparams::from_metadata(
                 md,
             )?)),
+            clover_moe::ARCH => Ok(ModelHparams::Qwen35Moe(clover_moe::from_metadata(md)?)),
             gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
             llama::ARCH => Ok(ModelHparams::Llama(LlamaHparams::from_metadata(md)?)),
             other => Err(ArchError(format!(

@@ -14,7 +14,7 @@
 //! `src/models/delta-net-base.cpp` (the delta rule); [`Qwen35MoeGraph`] is the forward pass.
 
 use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
-use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
+use super::graph::{Forward, ModelInfo, StateSpec, TensorMap, ValueMap};
 use super::{
     arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
     TensorDef,
@@ -50,7 +50,8 @@ pub struct Qwen35MoeHparams {
     /// `rope.dimension_count`: rotated dimensions of a head (a quarter of it in the real models).
     pub rope_dim: u32,
     /// `rope.dimension_sections`: multi-section RoPE pairs per section (normally summing to `rope_dim / 2`;
-    /// ggml takes each rotated pair's section modulo their sum, so other sums run too).
+    /// ggml takes each rotated pair's section modulo their sum, so other sums run too). All 0 in Clover's
+    /// form, which has none: NeoX RoPE over the rotated pairs, what the sections give text positions.
     pub rope_sections: [u32; 4],
     /// `rope.freq_base`.
     pub rope_freq_base: f32,
@@ -79,6 +80,28 @@ pub struct Qwen35MoeHparams {
     /// `attention.recurrent_layers`, when the file lists the recurrent blocks explicitly (one flag per
     /// block, MTP blocks included); it then overrides the interval.
     pub recurrent_layers: Option<Vec<bool>>,
+    /// The file's form: Qwen3.5/3.6's own, or Clover's ([`super::clover_moe`]).
+    pub form: Qwen35Form,
+}
+
+/// The forms a file of this layout comes in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Qwen35Form {
+    /// `qwen35moe`: `ssm_a` holds `-exp(A_log)`, `rope.dimension_sections` given.
+    Qwen35,
+    /// `clover_moe`: `ssm_a` holds `A_log` (the value is `-exp` of it), no rope sections (every rotated
+    /// pair is a text pair: NeoX RoPE over `rope.dimension_count`).
+    Clover,
+}
+
+impl Qwen35Form {
+    /// `general.architecture` of the form.
+    pub fn arch(self) -> &'static str {
+        match self {
+            Qwen35Form::Qwen35 => ARCH,
+            Qwen35Form::Clover => super::clover_moe::ARCH,
+        }
+    }
 }
 
 use Dim::*;
@@ -181,31 +204,41 @@ impl Qwen35MoeHparams {
 
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
-        let c = CommonHparams::read(md, ARCH)?;
+        Self::read(md, Qwen35Form::Qwen35)
+    }
+
+    /// Reads the hyperparameters of a file of `form` (its keys under its own `general.architecture`).
+    pub(super) fn read(md: &Metadata, form: Qwen35Form) -> Result<Self, ArchError> {
+        let arch = form.arch();
+        let c = CommonHparams::read(md, arch)?;
         let n_layer_all = c.n_layer_all;
         let n_nextn = md.arch_u32_opt("nextn_predict_layers")?.unwrap_or(0);
         check(
-            ARCH,
+            arch,
             n_nextn < n_layer_all,
             "nextn_predict_layers leaves no trunk blocks",
         )?;
-        let head_dim = c.head_dim(ARCH)?;
+        let head_dim = c.head_dim(arch)?;
         let n_ff = c.n_ff_opt(md)?;
-        let e = ExpertHparams::read(md, ARCH, &c, n_ff)?;
+        let e = ExpertHparams::read(md, arch, &c, n_ff)?;
         let n_ff_shexp = match md.arch_u32_opt("expert_shared_feed_forward_length")? {
             Some(v) if v > 0 => v,
             _ => n_ff,
         };
-        let sections = md.arch_u32_array("rope.dimension_sections")?;
+        let sections = match form {
+            Qwen35Form::Qwen35 => md.arch_u32_array("rope.dimension_sections")?,
+            // None: plain NeoX RoPE over the rotated pairs.
+            Qwen35Form::Clover => vec![0; 4],
+        };
         check(
-            ARCH,
+            arch,
             sections.len() == 4,
             "rope.dimension_sections must have 4 elements",
         )?;
         let recurrent_layers = md.arch_bool_array_opt("attention.recurrent_layers")?;
         if let Some(r) = &recurrent_layers {
             check(
-                ARCH,
+                arch,
                 r.len() == n_layer_all as usize,
                 "attention.recurrent_layers has the wrong length",
             )?;
@@ -234,6 +267,7 @@ impl Qwen35MoeHparams {
             ssm_inner_size: md.arch_u32("ssm.inner_size")?,
             full_attention_interval: md.arch_u32_opt("full_attention_interval")?.unwrap_or(4),
             recurrent_layers,
+            form,
         };
         hp.validate()?;
         Ok(hp)
@@ -242,7 +276,7 @@ impl Qwen35MoeHparams {
 
 impl ArchHparams for Qwen35MoeHparams {
     fn arch_name(&self) -> &'static str {
-        ARCH
+        self.form.arch()
     }
 
     fn tensor_defs(&self) -> &'static [TensorDef] {
@@ -298,46 +332,51 @@ impl ArchHparams for Qwen35MoeHparams {
     }
 
     fn to_metadata(&self) -> Vec<(String, Value)> {
+        let arch = self.form.arch();
         let mut kv = vec![
-            arch_kv(ARCH, "block_count", self.n_layer + self.n_nextn),
-            arch_kv(ARCH, "context_length", self.n_ctx_train),
-            arch_kv(ARCH, "embedding_length", self.n_embd),
-            arch_kv(ARCH, "attention.head_count", self.n_head),
-            arch_kv(ARCH, "attention.head_count_kv", self.n_head_kv),
-            arch_kv(ARCH, "attention.key_length", self.head_dim),
-            arch_kv(ARCH, "attention.value_length", self.head_dim),
-            arch_kv(ARCH, "rope.dimension_count", self.rope_dim),
-            arch_kv(ARCH, "rope.freq_base", self.rope_freq_base),
-            arch_kv(
-                ARCH,
+            arch_kv(arch, "block_count", self.n_layer + self.n_nextn),
+            arch_kv(arch, "context_length", self.n_ctx_train),
+            arch_kv(arch, "embedding_length", self.n_embd),
+            arch_kv(arch, "attention.head_count", self.n_head),
+            arch_kv(arch, "attention.head_count_kv", self.n_head_kv),
+            arch_kv(arch, "attention.key_length", self.head_dim),
+            arch_kv(arch, "attention.value_length", self.head_dim),
+            arch_kv(arch, "rope.dimension_count", self.rope_dim),
+            arch_kv(arch, "rope.freq_base", self.rope_freq_base),
+        ];
+        if self.form == Qwen35Form::Qwen35 {
+            kv.push(arch_kv(
+                arch,
                 "rope.dimension_sections",
                 Value::i32_array(self.rope_sections.map(|s| s as i32)),
-            ),
-            arch_kv(ARCH, "attention.layer_norm_rms_epsilon", self.rms_eps),
-            arch_kv(ARCH, "expert_count", self.n_expert),
-            arch_kv(ARCH, "expert_used_count", self.n_expert_used),
-            arch_kv(ARCH, "expert_feed_forward_length", self.n_ff_exp),
-            arch_kv(ARCH, "expert_shared_feed_forward_length", self.n_ff_shexp),
-            arch_kv(ARCH, "ssm.conv_kernel", self.ssm_conv_kernel),
-            arch_kv(ARCH, "ssm.state_size", self.ssm_state_size),
-            arch_kv(ARCH, "ssm.group_count", self.ssm_group_count),
-            arch_kv(ARCH, "ssm.time_step_rank", self.ssm_time_step_rank),
-            arch_kv(ARCH, "ssm.inner_size", self.ssm_inner_size),
+            ));
+        }
+        kv.extend([
+            arch_kv(arch, "attention.layer_norm_rms_epsilon", self.rms_eps),
+            arch_kv(arch, "expert_count", self.n_expert),
+            arch_kv(arch, "expert_used_count", self.n_expert_used),
+            arch_kv(arch, "expert_feed_forward_length", self.n_ff_exp),
+            arch_kv(arch, "expert_shared_feed_forward_length", self.n_ff_shexp),
+            arch_kv(arch, "ssm.conv_kernel", self.ssm_conv_kernel),
+            arch_kv(arch, "ssm.state_size", self.ssm_state_size),
+            arch_kv(arch, "ssm.group_count", self.ssm_group_count),
+            arch_kv(arch, "ssm.time_step_rank", self.ssm_time_step_rank),
+            arch_kv(arch, "ssm.inner_size", self.ssm_inner_size),
             arch_kv(
-                ARCH,
+                arch,
                 "full_attention_interval",
                 self.full_attention_interval,
             ),
-        ];
+        ]);
         if let Some(r) = &self.recurrent_layers {
             kv.push(arch_kv(
-                ARCH,
+                arch,
                 "attention.recurrent_layers",
                 Value::bool_array(r.iter().copied()),
             ));
         }
         if self.n_nextn > 0 {
-            kv.push(arch_kv(ARCH, "nextn_predict_layers", self.n_nextn));
+            kv.push(arch_kv(arch, "nextn_predict_layers", self.n_nextn));
         }
         kv
     }
@@ -359,10 +398,11 @@ impl ArchHparams for Qwen35MoeHparams {
     }
 
     fn validate(&self) -> Result<(), ArchError> {
-        check(ARCH, self.n_layer > 0, "no trunk blocks")?;
-        self.common().validate(ARCH)?;
+        let arch = self.form.arch();
+        check(arch, self.n_layer > 0, "no trunk blocks")?;
+        self.common().validate(arch)?;
         check(
-            ARCH,
+            arch,
             self.rope_dim <= self.head_dim && self.rope_dim.is_multiple_of(2),
             "rope.dimension_count must be even and at most key_length",
         )?;
@@ -371,64 +411,64 @@ impl ArchHparams for Qwen35MoeHparams {
         // (GGML_ASSERT(sect_dims <= ne0) in ggml_mrope_cache_init), and a sum of 0 would divide by zero.
         let sect_dims: u32 = self.rope_sections.iter().sum();
         check(
-            ARCH,
-            sect_dims > 0 && sect_dims <= self.head_dim,
+            arch,
+            self.form == Qwen35Form::Clover || (sect_dims > 0 && sect_dims <= self.head_dim),
             "rope.dimension_sections must sum to more than 0 and at most key_length (ggml asserts it)",
         )?;
         check(
-            ARCH,
+            arch,
             self.n_expert > 0 && self.n_expert_used > 0,
             "expert_count and expert_used_count must be > 0",
         )?;
         check(
-            ARCH,
+            arch,
             self.n_expert_used <= self.n_expert,
             "expert_used_count exceeds expert_count",
         )?;
         check(
-            ARCH,
+            arch,
             self.n_ff_exp > 0 && self.n_ff_shexp > 0,
             "an expert FFN length is 0",
         )?;
         check(
-            ARCH,
+            arch,
             self.ssm_conv_kernel > 0 && self.ssm_state_size > 0,
             "ssm.conv_kernel and ssm.state_size must be > 0",
         )?;
         check(
-            ARCH,
+            arch,
             self.ssm_group_count > 0 && self.ssm_time_step_rank > 0,
             "ssm head counts must be > 0",
         )?;
         check(
-            ARCH,
+            arch,
             self.ssm_time_step_rank.is_multiple_of(self.ssm_group_count),
             "ssm.time_step_rank (value heads) must be a multiple of ssm.group_count (key heads)",
         )?;
         check(
-            ARCH,
+            arch,
             self.ssm_inner_size == self.ssm_state_size * self.ssm_time_step_rank,
             "ssm.inner_size must be ssm.state_size * ssm.time_step_rank",
         )?;
         check(
-            ARCH,
+            arch,
             self.full_attention_interval > 0,
             "full_attention_interval is 0",
         )?;
         check(
-            ARCH,
+            arch,
             self.n_nextn <= 1,
             "llama.cpp supports at most one MTP block",
         )?;
         for il in self.n_layer..self.n_layer_all() {
             check(
-                ARCH,
+                arch,
                 !self.is_recurrent(il),
                 "an MTP block is marked recurrent",
             )?;
         }
         check(
-            ARCH,
+            arch,
             self.rms_eps > 0.0,
             "layer_norm_rms_epsilon must be positive",
         )?;
@@ -467,7 +507,7 @@ struct DeltaNetMixer {
     conv1d: WeightId,
     /// `ssm_dt.bias`, added to alpha before the softplus.
     dt_bias: WeightId,
-    /// `ssm_a`: `-exp(A_log)`.
+    /// `ssm_a`: `-exp(A_log)` (Clover's files hold `A_log`: [`Qwen35MoeGraph::value_maps`]).
     a: WeightId,
     beta: WeightId,
     alpha: WeightId,
@@ -557,8 +597,8 @@ impl Qwen35MoeGraph {
         md: &Metadata,
     ) -> Result<Qwen35MoeGraph, ArchError> {
         check(
-            ARCH,
-            imrope_text_is_neox(hp.rope_sections, hp.rope_dim / 2),
+            hp.form.arch(),
+            hp.form == Qwen35Form::Clover || imrope_text_is_neox(hp.rope_sections, hp.rope_dim / 2),
             "rope.dimension_sections leave rotated pairs at position 0, which is not implemented",
         )?;
         let attention = |il: u32| -> Result<AttentionMixer, ArchError> {
@@ -628,7 +668,7 @@ impl Qwen35MoeGraph {
             })
             .collect::<Result<Vec<_>, ArchError>>()?;
         let info = ModelInfo::new(
-            ARCH,
+            hp.form.arch(),
             hp.n_vocab as usize,
             hp.n_embd as usize,
             hp.n_ctx_train,
@@ -650,6 +690,20 @@ impl Qwen35MoeGraph {
     /// The hyperparameters.
     pub fn hparams(&self) -> &Qwen35MoeHparams {
         &self.hp
+    }
+
+    /// [`super::ModelGraph::value_maps`]: Clover's `ssm_a` of every delta-net block holds `A_log`.
+    pub fn value_maps(&self) -> Vec<(WeightId, ValueMap)> {
+        if self.hp.form != Qwen35Form::Clover {
+            return Vec::new();
+        }
+        self.blocks
+            .iter()
+            .filter_map(|b| match &b.mixer {
+                Mixer::DeltaNet(m) => Some((m.a, ValueMap::NegExp)),
+                Mixer::Attention(_) => None,
+            })
+            .collect()
     }
 
     /// Delta-net sizes: `(n_k_heads, n_v_heads, head_dim)` (keys and values share the head size).

@@ -4,6 +4,7 @@
 
 use poly_kernels::quant::GgmlType;
 
+use crate::arch::qwen35moe::Qwen35Form;
 use crate::arch::{
     gemma3, llama, qwen35moe, qwen3moe, Gemma3Hparams, LlamaHparams, ModelHparams,
     Qwen35MoeHparams, Qwen3MoeHparams,
@@ -79,6 +80,7 @@ fn qwen35moe_real(n_layer: u32, full_attention_interval: u32) -> Qwen35MoeHparam
         ssm_inner_size: 4096,
         full_attention_interval,
         recurrent_layers: None,
+        form: Qwen35Form::Qwen35,
     }
 }
 
@@ -224,6 +226,7 @@ pub fn all_shapes() -> Vec<Shape> {
                 ssm_inner_size: 256,
                 full_attention_interval: 4,
                 recurrent_layers: None,
+                form: Qwen35Form::Qwen35,
             }),
         },
         Shape {
