@@ -488,47 +488,57 @@ fn matmul_tiles(
     act_bytes: usize,
     y: &mut [f32],
 ) {
-    use crate::quant::kquants::{Tiles, TILE_ROWS};
-    const TOKENS: usize = 64;
+    use crate::quant::kquants::{KTile, Tiles, TILE_ROWS};
+    const TOKENS: usize = KTile::MAX_ACTS;
     let chunk = rows_per_task(w.rows, w.row_bytes())
         .min(64)
         .next_multiple_of(TILE_ROWS);
     let n_tasks = w.rows.div_ceil(chunk);
     let out = SharedOut(y.as_mut_ptr());
-    (0..n_tasks).into_par_iter().for_each(|t| {
-        let out = &out;
-        let first = t * chunk;
-        let last = (first + chunk).min(w.rows);
-        let mut tiles = Tiles::default();
-        let mut res = vec![[0f32; TILE_ROWS]; TOKENS];
-        for r0 in (first..last).step_by(TILE_ROWS) {
-            let rows: Vec<&[u8]> = (r0..(r0 + TILE_ROWS).min(last)).map(|r| w.row(r)).collect();
-            // The orders share the unpacking (it depends on the format only).
-            groups[0].0.unpack(w.cols, &rows, &mut tiles);
-            for (kt, js) in groups {
-                for block in js.chunks(TOKENS) {
-                    let acts: Vec<&[u8]> = block
-                        .iter()
-                        .map(|&j| &act[j * act_bytes..(j + 1) * act_bytes])
-                        .collect();
-                    let res = &mut res[..block.len()];
-                    kt.dot(&tiles, &acts, res);
-                    for (&j, v) in block.iter().zip(res.iter()) {
-                        // One slice copy per activation row (element by element, the stores were a
-                        // tenth of a 64-token product: `out.0` was read again for each).
-                        // SAFETY: `j < n` and `r0 + rows.len() <= last <= w.rows`, so the elements are
-                        // inside `y` (length `n * w.rows`, asserted by the caller); task `t` alone
-                        // writes rows `first..last`, so no other thread touches them while the slice
-                        // lives, and `y` outlives the parallel loop.
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(out.0.add(j * w.rows + r0), rows.len())
-                        };
-                        dst.copy_from_slice(&v[..rows.len()]);
+    // A task's unpacked tiles and results are made once per rayon job, not per task: their allocation
+    // and zeroing were a tenth of a 64-token product (perf), as were the per-block vectors of row and
+    // activation slices, now arrays.
+    let scratch = || (Tiles::default(), [[0f32; TILE_ROWS]; TOKENS]);
+    (0..n_tasks)
+        .into_par_iter()
+        .for_each_init(scratch, |(tiles, res), t| {
+            let out = &out;
+            let first = t * chunk;
+            let last = (first + chunk).min(w.rows);
+            for r0 in (first..last).step_by(TILE_ROWS) {
+                let n_rows = (last - r0).min(TILE_ROWS);
+                let rows: [&[u8]; TILE_ROWS] =
+                    std::array::from_fn(|i| w.row(r0 + i.min(n_rows - 1)));
+                let rows = &rows[..n_rows];
+                // The orders share the unpacking (it depends on the format only).
+                groups[0].0.unpack(w.cols, rows, tiles);
+                for (kt, js) in groups {
+                    for block in js.chunks(TOKENS) {
+                        let acts: [&[u8]; TOKENS] = std::array::from_fn(|i| {
+                            let j = block[i.min(block.len() - 1)];
+                            &act[j * act_bytes..(j + 1) * act_bytes]
+                        });
+                        let res = &mut res[..block.len()];
+                        kt.dot(tiles, &acts[..block.len()], res);
+                        for (&j, v) in block.iter().zip(res.iter()) {
+                            // One slice copy per activation row (element by element, the stores were a
+                            // tenth of a 64-token product: `out.0` was read again for each).
+                            // SAFETY: `j < n` and `r0 + rows.len() <= last <= w.rows`, so the elements are
+                            // inside `y` (length `n * w.rows`, asserted by the caller); task `t` alone
+                            // writes rows `first..last`, so no other thread touches them while the slice
+                            // lives, and `y` outlives the parallel loop.
+                            let dst = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    out.0.add(j * w.rows + r0),
+                                    rows.len(),
+                                )
+                            };
+                            dst.copy_from_slice(&v[..rows.len()]);
+                        }
                     }
                 }
             }
-        }
-    });
+        });
 }
 
 /// A thread's scratch buffer kept between calls in a thread-local slot: a prompt's products each need

@@ -126,6 +126,9 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
 }
 
 impl KTile {
+    /// Most activation rows of one [`KTile::dot`] (its accumulators live on the stack).
+    pub const MAX_ACTS: usize = 64;
+
     /// Fewest activation rows for which a product should take this kernel: below, unpacking sixteen
     /// weight rows costs more than the row-by-row kernels lose (one thread, an expert's products: the
     /// AVX-512 kernel wins from 8; the AVX2 one lost Q6_K at 8, 30 against 41 MAC/ns, and won every
@@ -191,9 +194,15 @@ impl KTile {
     }
 
     /// `out[t][r]`: the batch-order dot product of row `r` of `tiles` with activation row `acts[t]`
-    /// (Q8_K, at least as many values as the rows); `out.len() == acts.len()`.
+    /// (Q8_K, at least as many values as the rows); `out.len() == acts.len()`, at most
+    /// [`KTile::MAX_ACTS`].
     pub fn dot(&self, tiles: &Tiles, acts: &[&[u8]], out: &mut [[f32; TILE_ROWS]]) {
         assert_eq!(out.len(), acts.len(), "one output per activation row");
+        assert!(
+            acts.len() <= Self::MAX_ACTS,
+            "{} activation rows in one tile product",
+            acts.len()
+        );
         #[cfg(target_arch = "x86_64")]
         {
             let nb = tiles.tiles.len();
@@ -201,14 +210,16 @@ impl KTile {
                 acts.iter().all(|a| a.len() >= nb * Q8K_BYTES),
                 "Q8_K activations shorter than the tiles"
             );
-            let ptrs: Vec<*const u8> = acts.iter().map(|a| a.as_ptr()).collect();
+            let all: [*const u8; Self::MAX_ACTS] =
+                std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
+            let ptrs = &all[..acts.len()];
             // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI (AVX2 for the AVX2 kernel);
             // every activation row holds `nb` Q8_K blocks (asserted) and `out` one entry per row.
             unsafe {
                 if self.avx2 {
-                    imp2::dot(self.kind, self.order, &tiles.tiles, &ptrs, out);
+                    imp2::dot(self.kind, self.order, &tiles.tiles, ptrs, out);
                 } else {
-                    imp::dot(self.kind, self.iq, self.order, &tiles.tiles, &ptrs, out);
+                    imp::dot(self.kind, self.iq, self.order, &tiles.tiles, ptrs, out);
                 }
             }
         }

@@ -743,27 +743,29 @@ pub(crate) unsafe fn dot(
     acts: &[*const u8],
     out: &mut [[f32; TILE_ROWS]],
 ) {
-    let mut accs = vec![[0f32; 2 * TILE_ROWS]; acts.len()];
+    // On the stack: at most `KTile::MAX_ACTS` rows (the caller asserts it).
+    let mut all = [[0f32; 2 * TILE_ROWS]; crate::quant::kquants::KTile::MAX_ACTS];
+    let accs = &mut all[..acts.len()];
     for (b, tile) in tiles.iter().enumerate() {
         if let Some(iq) = iq {
             if sub32(iq) {
-                steps::<6, 0>(tile, b, acts, &mut accs);
+                steps::<6, 0>(tile, b, acts, accs);
             } else {
-                steps::<5, 0>(tile, b, acts, &mut accs);
+                steps::<5, 0>(tile, b, acts, accs);
             }
             continue;
         }
         match (kind, order) {
-            (KKind::Q2K, _) => steps::<0, 0>(tile, b, acts, &mut accs),
-            (KKind::Q3K, _) => steps::<1, 0>(tile, b, acts, &mut accs),
-            (KKind::Q4K, Order::Tiled) => steps::<2, 0>(tile, b, acts, &mut accs),
-            (KKind::Q4K, Order::Q4kGemv) => steps::<2, 1>(tile, b, acts, &mut accs),
-            (KKind::Q4K, Order::Q4kGemm4) => steps::<2, 2>(tile, b, acts, &mut accs),
-            (KKind::Q5K, _) => steps::<3, 0>(tile, b, acts, &mut accs),
-            (KKind::Q6K, _) => steps::<4, 0>(tile, b, acts, &mut accs),
+            (KKind::Q2K, _) => steps::<0, 0>(tile, b, acts, accs),
+            (KKind::Q3K, _) => steps::<1, 0>(tile, b, acts, accs),
+            (KKind::Q4K, Order::Tiled) => steps::<2, 0>(tile, b, acts, accs),
+            (KKind::Q4K, Order::Q4kGemv) => steps::<2, 1>(tile, b, acts, accs),
+            (KKind::Q4K, Order::Q4kGemm4) => steps::<2, 2>(tile, b, acts, accs),
+            (KKind::Q5K, _) => steps::<3, 0>(tile, b, acts, accs),
+            (KKind::Q6K, _) => steps::<4, 0>(tile, b, acts, accs),
         }
     }
-    for (o, a) in out.iter_mut().zip(&accs) {
+    for (o, a) in out.iter_mut().zip(accs.iter()) {
         for r in 0..TILE_ROWS {
             o[r] = if order == Order::Tiled {
                 a[r]
