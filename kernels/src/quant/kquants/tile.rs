@@ -1,15 +1,19 @@
 //! The K-quant batch order (ggml's tiled matmul, [`super::tiled_step`]) sixteen weight rows at a time on
 //! AVX-512 VNNI machines: [`KTile`] wraps `x86::ktile_avx512`, whose results equal the row-by-row kernels'
-//! bit for bit (tested below against the portable code).
+//! bit for bit (tested below against the portable code). It also wraps `x86::legacy_avx512`, the same
+//! sixteen-row tile for Q4_0, Q5_0 and Q8_0 in their single-row order.
 
 use super::{KKind, Q2K_TILED, Q3K_TILED, Q4K_TILED, Q5K_TILED, Q6K_TILED, Q8K_BYTES, QK_K};
 use crate::quant::iquants::tiled::IqKind;
+use crate::quant::legacy::LegacyKind;
 use crate::quant::{BatchDot, GgmlType};
 
 #[cfg(target_arch = "x86_64")]
 use crate::quant::x86::ktile_avx2 as imp2;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::x86::ktile_avx512 as imp;
+#[cfg(target_arch = "x86_64")]
+use crate::quant::x86::legacy_avx512 as legacy_imp;
 
 /// Rows of one tile.
 pub const TILE_ROWS: usize = 16;
@@ -24,6 +28,9 @@ pub struct KTile {
     order: imp::Order,
     /// The AVX2 kernel (`x86::ktile_avx2`, K-quants) rather than the AVX-512 VNNI one.
     avx2: bool,
+    /// A legacy format without a minimum (Q4_0, Q5_0, Q8_0) in its single-row order, on AVX-512 VNNI
+    /// (`x86::legacy_avx512`; Q8_0 activations, blocks of 32); `kind` and `order` are then not read.
+    legacy: Option<LegacyKind>,
 }
 
 /// Sixteen weight rows unpacked for [`KTile::dot`], one tile per super-block; kept between calls to save
@@ -32,6 +39,9 @@ pub struct KTile {
 pub struct Tiles {
     #[cfg(target_arch = "x86_64")]
     tiles: Vec<imp::Tile>,
+    /// A legacy format's blocks ([`KTile`]'s `legacy`).
+    #[cfg(target_arch = "x86_64")]
+    legacy: Vec<legacy_imp::Block>,
     rows: usize,
 }
 
@@ -47,6 +57,9 @@ impl Tiles {
 /// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `--cpu-ktile off` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
 ///
+/// With AVX-512 VNNI, Q4_0, Q5_0 and Q8_0 take a tile of their own in their single-row order
+/// (`x86::legacy_avx512`).
+///
 /// Without AVX-512 VNNI but with AVX2 (`--cpu-avx512 off` makes one of this machine), the K-quants take
 /// the AVX2 tile kernel (`x86::ktile_avx2`) but for Q4_K, and the IQ formats their row kernels.
 pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
@@ -54,12 +67,41 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
         return None;
     }
     if crate::quant::has_avx512_vnni() {
-        ktile_for(ty, order, false)
+        legacy_for(ty, order).or_else(|| ktile_for(ty, order, false))
     } else if crate::quant::has_avx2_fma() {
         // Q4_K keeps its eight-row AVX2 kernel (`rows8`), faster than the tile there (64 tokens of an
         // expert's down product, one thread: 73–79 against 57–60 MAC/ns).
         ktile_for(ty, order, true).filter(|kt| kt.iq.is_none() && kt.kind != KKind::Q4K)
     } else {
+        None
+    }
+}
+
+/// The AVX-512 VNNI tile of a legacy format without a minimum in its single-row order (the order of its
+/// batches too, but for Q4_0's repacked one under `--llama-orders`, which this does not take).
+fn legacy_for(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let kind = match ty {
+            GgmlType::Q4_0 => LegacyKind::Q4_0,
+            GgmlType::Q5_0 => LegacyKind::Q5_0,
+            GgmlType::Q8_0 => LegacyKind::Q8_0,
+            _ => return None,
+        };
+        if order.is_some() || !legacy_imp::takes(kind) {
+            return None;
+        }
+        Some(KTile {
+            kind: KKind::Q4K,
+            iq: None,
+            order: imp::Order::Tiled,
+            avx2: false,
+            legacy: Some(kind),
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (ty, order);
         None
     }
 }
@@ -79,6 +121,7 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
                         iq: None,
                         order: Order::Q4kGemv,
                         avx2,
+                        legacy: None,
                     })
                 }
                 Some(o) if std::ptr::eq(o, &super::Q4K_GEMM4) => {
@@ -87,6 +130,7 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
                         iq: None,
                         order: Order::Q4kGemm4,
                         avx2,
+                        legacy: None,
                     })
                 }
                 _ => {}
@@ -103,6 +147,7 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
                 #[cfg(target_arch = "x86_64")]
                 order: imp::Order::Tiled,
                 avx2,
+                legacy: None,
             });
     }
     // The statics are the orders themselves, so their addresses identify them.
@@ -122,6 +167,7 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
         #[cfg(target_arch = "x86_64")]
         order: imp::Order::Tiled,
         avx2,
+        legacy: None,
     })
 }
 
@@ -134,7 +180,12 @@ impl KTile {
     /// AVX-512 kernel wins from 8; the AVX2 one lost Q6_K at 8, 30 against 41 MAC/ns, and won every
     /// format but Q4_K at 16).
     pub fn min_tokens(&self) -> usize {
-        if self.avx2 {
+        if self.legacy.is_some() {
+            // Its unpacking is scalar: one thread, Q4_0/Q5_0/Q8_0 products broke even at 24–32 tokens
+            // against the AVX2 tile of two rows by four (0.56–0.70× at 16, 1.01–1.14× at 32, about 2×
+            // at 512).
+            32
+        } else if self.avx2 {
             16
         } else {
             8
@@ -144,6 +195,9 @@ impl KTile {
     /// Unpacks `rows` (1 to 16 weight rows of `n` values, whole super-blocks) into `tiles`; missing rows
     /// repeat the last one (their results are for the caller to ignore).
     pub fn unpack(&self, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
+        if let Some(kind) = self.legacy {
+            return self.unpack_legacy(kind, n, rows, tiles);
+        }
         assert!(n.is_multiple_of(QK_K), "{:?} rows of {n} values", self.kind);
         assert!(
             (1..=TILE_ROWS).contains(&rows.len()),
@@ -193,6 +247,41 @@ impl KTile {
         }
     }
 
+    /// [`KTile::unpack`] of a legacy format (blocks of 32 values).
+    fn unpack_legacy(&self, kind: LegacyKind, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
+        const QK: usize = 32;
+        assert!(n.is_multiple_of(QK), "{kind:?} rows of {n} values");
+        assert!(
+            (1..=TILE_ROWS).contains(&rows.len()),
+            "{} rows in a tile",
+            rows.len()
+        );
+        let nb = n / QK;
+        assert!(
+            rows.iter().all(|r| r.len() >= nb * kind.block_bytes()),
+            "{kind:?} rows shorter than {n} values"
+        );
+        tiles.rows = rows.len();
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert!(
+                crate::quant::has_avx512_vnni(),
+                "KTile without AVX-512 VNNI"
+            );
+            let ptrs: [*const u8; TILE_ROWS] =
+                std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
+            tiles.legacy.truncate(nb);
+            while tiles.legacy.len() < nb {
+                tiles.legacy.push(legacy_imp::Block::zeroed());
+            }
+            for (b, block) in tiles.legacy.iter_mut().enumerate() {
+                // SAFETY: every row holds `nb > b` blocks of `kind` (asserted), a format `legacy_for`
+                // only makes for `legacy_imp::takes`.
+                unsafe { legacy_imp::unpack(kind, &ptrs, b, block) };
+            }
+        }
+    }
+
     /// `out[t][r]`: the batch-order dot product of row `r` of `tiles` with activation row `acts[t]`
     /// (Q8_K, at least as many values as the rows); `out.len() == acts.len()`, at most
     /// [`KTile::MAX_ACTS`].
@@ -203,6 +292,20 @@ impl KTile {
             "{} activation rows in one tile product",
             acts.len()
         );
+        #[cfg(target_arch = "x86_64")]
+        if let Some(kind) = self.legacy {
+            let nb = tiles.legacy.len();
+            assert!(
+                acts.iter().all(|a| a.len() >= nb * 34),
+                "Q8_0 activations shorter than the tiles"
+            );
+            let all: [*const u8; Self::MAX_ACTS] =
+                std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
+            // SAFETY: legacy tiles exist only where `unpack_legacy` found AVX-512 VNNI; every activation
+            // row holds `nb` Q8_0 blocks (asserted) and `out` one entry per row (asserted).
+            unsafe { legacy_imp::dot(kind, &tiles.legacy, &all[..acts.len()], out) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         {
             let nb = tiles.tiles.len();
@@ -328,6 +431,56 @@ mod tests {
         };
         if crate::quant::has_avx2_fma() {
             assert_eq!(tested, want, "tile kernels tested");
+        }
+    }
+
+    /// The legacy formats' tile (Q4_0, Q5_0, Q8_0 on AVX-512 VNNI) equals their single-row kernel and
+    /// the portable code bit for bit: partial tiles, odd activation counts (the lone last row), one
+    /// block and many, scales that cover f16's range.
+    #[test]
+    fn legacy_tiles_equal_the_single_row_order() {
+        if !crate::quant::has_avx512_vnni() {
+            eprintln!("no AVX-512 VNNI: the legacy tile is not this machine's, not tested");
+            return;
+        }
+        let mut rng = Rng::new(32);
+        for ty in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0] {
+            let kt = ktile(ty, None).expect("a legacy tile on AVX-512 VNNI");
+            assert!(ktile(ty, Some(&super::super::Q4K_GEMM4)).is_none());
+            let ops = ty.ops().unwrap();
+            for (n, n_rows, n_acts) in [(32, 16, 1), (640, 16, 9), (2048, 7, 4), (96, 1, 64)] {
+                let row_bytes = ty.bytes_for(n as u64).unwrap() as usize;
+                let mut rows = vec![0u8; n_rows * row_bytes];
+                fill_random(ty, &mut rng, 0.05, &mut rows).unwrap();
+                let acts: Vec<Vec<u8>> = (0..n_acts)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
+                        let mut a = vec![0u8; ActType::Q8_0.bytes_for(n)];
+                        ActType::Q8_0.quantize(&x, &mut a);
+                        a
+                    })
+                    .collect();
+                let row_refs: Vec<&[u8]> = rows.chunks_exact(row_bytes).collect();
+                let act_refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+                let mut tiles = Tiles::default();
+                kt.unpack(n, &row_refs, &mut tiles);
+                assert_eq!(tiles.rows(), n_rows);
+                let mut out = vec![[0f32; TILE_ROWS]; n_acts];
+                kt.dot(&tiles, &act_refs, &mut out);
+                for (t, a) in act_refs.iter().enumerate() {
+                    for (r, row) in row_refs.iter().enumerate() {
+                        let want = (ops.vec_dot)(n, row, a);
+                        let portable = (ops.vec_dot_portable)(n, row, a);
+                        assert_eq!(want.to_bits(), portable.to_bits(), "{ty} kernels disagree");
+                        assert_eq!(
+                            out[t][r].to_bits(),
+                            want.to_bits(),
+                            "{ty} n {n} row {r} act {t}: {} vs {want}",
+                            out[t][r]
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -12,4 +12,5 @@ pub(crate) mod kquants_avx512;
 pub(crate) mod ktile_avx2;
 pub(crate) mod ktile_avx512;
 pub(crate) mod legacy_avx2;
+pub(crate) mod legacy_avx512;
 pub(crate) mod q4k_rows8;
