@@ -181,10 +181,9 @@ impl KTile {
     /// format but Q4_K at 16).
     pub fn min_tokens(&self) -> usize {
         if self.legacy.is_some() {
-            // Its unpacking is scalar: one thread, Q4_0/Q5_0/Q8_0 products broke even at 24–32 tokens
-            // against the AVX2 tile of two rows by four (0.56–0.70× at 16, 1.01–1.14× at 32, about 2×
-            // at 512).
-            32
+            // One thread, Q4_0/Q5_0/Q8_0 products against the AVX2 tile of two rows by four: 0.94–1.29×
+            // at 8 tokens, 1.11–1.51× at 12, 1.22–1.66× at 16, about 2× at 512.
+            12
         } else if self.avx2 {
             16
         } else {
@@ -275,8 +274,9 @@ impl KTile {
                 tiles.legacy.push(legacy_imp::Block::zeroed());
             }
             for (b, block) in tiles.legacy.iter_mut().enumerate() {
-                // SAFETY: every row holds `nb > b` blocks of `kind` (asserted), a format `legacy_for`
-                // only makes for `legacy_imp::takes`.
+                // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C
+                // (asserted above); every row holds `nb > b` blocks of `kind` (asserted), a format
+                // `legacy_for` only makes for `legacy_imp::takes`.
                 unsafe { legacy_imp::unpack(kind, &ptrs, b, block) };
             }
         }

@@ -29,7 +29,7 @@ unsafe fn mul_sum_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 /// The 32 nibbles at `p` (16 bytes) as bytes: low nibbles first, then high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
     let t = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
@@ -38,7 +38,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 /// The 32 bits at `p` spread to 32 bytes: 0xFF where the bit is set, 0 elsewhere.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
     let bits = (p as *const i32).read_unaligned();
     let shuf = _mm256_set_epi64x(
         0x0303030303030303,

@@ -54,52 +54,47 @@ pub(crate) fn takes(kind: LegacyKind) -> bool {
 /// The 32 quants of a block at `x`, each plus the format's offset (so in `0..=255`), in value order.
 ///
 /// # Safety
-/// `x` must be readable for one block of `kind`.
-unsafe fn unsigned_quants(kind: LegacyKind, x: *const u8) -> [u8; 32] {
-    let mut q = [0u8; 32];
+/// The CPU must support AVX2; `x` must be readable for one block of `kind`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unsigned_quants(kind: LegacyKind, x: *const u8) -> __m256i {
+    use super::legacy_avx2::{bits_to_bytes, nibbles};
     match kind {
-        LegacyKind::Q4_0 => {
-            let qs = std::slice::from_raw_parts(x.add(2), 16);
-            for j in 0..16 {
-                q[j] = qs[j] & 0x0f;
-                q[j + 16] = qs[j] >> 4;
-            }
-        }
-        LegacyKind::Q5_0 => {
-            let qh = (x.add(2) as *const u32).read_unaligned();
-            let qs = std::slice::from_raw_parts(x.add(6), 16);
-            for j in 0..16 {
-                q[j] = (qs[j] & 0x0f) | ((((qh >> j) & 1) as u8) << 4);
-                q[j + 16] = (qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
-            }
-        }
-        LegacyKind::Q8_0 => {
-            let qs = std::slice::from_raw_parts(x.add(2), 32);
-            for j in 0..32 {
-                q[j] = qs[j] ^ 0x80;
-            }
-        }
+        // Nibbles 0..16: q + 8.
+        LegacyKind::Q4_0 => nibbles(x.add(2)),
+        // Nibbles with the fifth bit from `qh`, 0..32: q + 16.
+        LegacyKind::Q5_0 => _mm256_or_si256(
+            nibbles(x.add(6)),
+            _mm256_and_si256(bits_to_bytes(x.add(2)), _mm256_set1_epi8(0x10)),
+        ),
+        // Signed bytes with the sign bit flipped: q + 128.
+        LegacyKind::Q8_0 => _mm256_xor_si256(
+            _mm256_loadu_si256(x.add(2) as *const __m256i),
+            _mm256_set1_epi8(0x80u8 as i8),
+        ),
         LegacyKind::Q4_1 | LegacyKind::Q5_1 => unreachable!("formats with a minimum take no tile"),
     }
-    q
 }
 
 /// Unpacks block `b` of the sixteen rows at `rows` (a row may repeat) into `out`.
 ///
 /// # Safety
-/// Every row must be readable for `b + 1` blocks of `kind`, a format [`takes`] accepts.
+/// The CPU must support AVX-512 F, BW, VL and VNNI with AVX2, FMA and F16C; every row must be readable
+/// for `b + 1` blocks of `kind`, a format [`takes`] accepts.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn unpack(
     kind: LegacyKind,
     rows: &[*const u8; TILE_ROWS],
     b: usize,
     out: &mut Block,
 ) {
+    let mut words = [0u32; 8];
     for (r, &row) in rows.iter().enumerate() {
         let x = row.add(b * kind.block_bytes());
         out.d[r] = crate::quant::f16_at(std::slice::from_raw_parts(x, 2));
-        let q = unsigned_quants(kind, x);
-        for g in 0..8 {
-            out.q[g][r] = u32::from_le_bytes([q[4 * g], q[4 * g + 1], q[4 * g + 2], q[4 * g + 3]]);
+        _mm256_storeu_si256(words.as_mut_ptr() as *mut __m256i, unsigned_quants(kind, x));
+        for (g, &w) in words.iter().enumerate() {
+            out.q[g][r] = w;
         }
     }
 }
