@@ -28,8 +28,9 @@ pub struct KTile {
     order: imp::Order,
     /// The AVX2 kernel (`x86::ktile_avx2`, K-quants) rather than the AVX-512 VNNI one.
     avx2: bool,
-    /// A legacy format without a minimum (Q4_0, Q5_0, Q8_0) in its single-row order, on AVX-512 VNNI
-    /// (`x86::legacy_avx512`; Q8_0 activations, blocks of 32); `kind` and `order` are then not read.
+    /// A legacy format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in its single-row order, on AVX-512 VNNI
+    /// (`x86::legacy_avx512`; Q8_0 or Q8_1 activations, blocks of 32); `kind` and `order` are then not
+    /// read.
     legacy: Option<LegacyKind>,
 }
 
@@ -57,8 +58,8 @@ impl Tiles {
 /// IQ4_XS in their tiled orders, and Q4_K in its repacked orders (single-row and gemm). `--cpu-ktile off` turns
 /// it off (the row-by-row kernels then compute the same bits), an A/B switch for its speed.
 ///
-/// With AVX-512 VNNI, Q4_0, Q5_0 and Q8_0 take a tile of their own in their single-row order
-/// (`x86::legacy_avx512`).
+/// With AVX-512 VNNI, the legacy formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take a tile of their own in
+/// their single-row order (`x86::legacy_avx512`).
 ///
 /// Without AVX-512 VNNI but with AVX2 (`--cpu-avx512 off` makes one of this machine), the K-quants take
 /// the AVX2 tile kernel (`x86::ktile_avx2`) but for Q4_K, and the IQ formats their row kernels.
@@ -77,18 +78,20 @@ pub fn ktile(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     }
 }
 
-/// The AVX-512 VNNI tile of a legacy format without a minimum in its single-row order (the order of its
-/// batches too, but for Q4_0's repacked one under `--llama-orders`, which this does not take).
+/// The AVX-512 VNNI tile of a legacy format in its single-row order (the order of its batches too, but
+/// for Q4_0's repacked one under `--llama-orders`, which this does not take).
 fn legacy_for(ty: GgmlType, order: Option<&'static BatchDot>) -> Option<KTile> {
     #[cfg(target_arch = "x86_64")]
     {
         let kind = match ty {
             GgmlType::Q4_0 => LegacyKind::Q4_0,
+            GgmlType::Q4_1 => LegacyKind::Q4_1,
             GgmlType::Q5_0 => LegacyKind::Q5_0,
+            GgmlType::Q5_1 => LegacyKind::Q5_1,
             GgmlType::Q8_0 => LegacyKind::Q8_0,
             _ => return None,
         };
-        if order.is_some() || !legacy_imp::takes(kind) {
+        if order.is_some() {
             return None;
         }
         Some(KTile {
@@ -275,8 +278,7 @@ impl KTile {
             }
             for (b, block) in tiles.legacy.iter_mut().enumerate() {
                 // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C
-                // (asserted above); every row holds `nb > b` blocks of `kind` (asserted), a format
-                // `legacy_for` only makes for `legacy_imp::takes`.
+                // (asserted above); every row holds `nb > b` blocks of `kind` (asserted).
                 unsafe { legacy_imp::unpack(kind, &ptrs, b, block) };
             }
         }
@@ -296,13 +298,14 @@ impl KTile {
         if let Some(kind) = self.legacy {
             let nb = tiles.legacy.len();
             assert!(
-                acts.iter().all(|a| a.len() >= nb * 34),
-                "Q8_0 activations shorter than the tiles"
+                acts.iter().all(|a| a.len() >= nb * kind.act_bytes()),
+                "{kind:?} activations shorter than the tiles"
             );
             let all: [*const u8; Self::MAX_ACTS] =
                 std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
             // SAFETY: legacy tiles exist only where `unpack_legacy` found AVX-512 VNNI; every activation
-            // row holds `nb` Q8_0 blocks (asserted) and `out` one entry per row (asserted).
+            // row holds `nb` activation blocks of `kind` (asserted) and `out` one entry per row
+            // (asserted).
             unsafe { legacy_imp::dot(kind, &tiles.legacy, &all[..acts.len()], out) };
             return;
         }
@@ -434,7 +437,7 @@ mod tests {
         }
     }
 
-    /// The legacy formats' tile (Q4_0, Q5_0, Q8_0 on AVX-512 VNNI) equals their single-row kernel and
+    /// The legacy formats' tile (on AVX-512 VNNI) equals their single-row kernel and
     /// the portable code bit for bit: partial tiles, odd activation counts (the lone last row), one
     /// block and many, scales that cover f16's range.
     #[test]
@@ -444,7 +447,13 @@ mod tests {
             return;
         }
         let mut rng = Rng::new(32);
-        for ty in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0] {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+        ] {
             let kt = ktile(ty, None).expect("a legacy tile on AVX-512 VNNI");
             assert!(ktile(ty, Some(&super::super::Q4K_GEMM4)).is_none());
             let ops = ty.ops().unwrap();
@@ -455,8 +464,8 @@ mod tests {
                 let acts: Vec<Vec<u8>> = (0..n_acts)
                     .map(|_| {
                         let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
-                        let mut a = vec![0u8; ActType::Q8_0.bytes_for(n)];
-                        ActType::Q8_0.quantize(&x, &mut a);
+                        let mut a = vec![0u8; ops.act.bytes_for(n)];
+                        ops.act.quantize(&x, &mut a);
                         a
                     })
                     .collect();
