@@ -174,6 +174,27 @@ fn ktile_for(ty: GgmlType, order: Option<&'static BatchDot>, avx2: bool) -> Opti
     })
 }
 
+/// Checks a tile's 1 to 16 `rows` (each at least `bytes` long for `n` values of `what`), records their
+/// count in `tiles` and returns their addresses, the last row repeated for the missing ones.
+fn tile_rows(
+    rows: &[&[u8]],
+    (n, bytes): (usize, usize),
+    what: &str,
+    tiles: &mut Tiles,
+) -> [*const u8; TILE_ROWS] {
+    assert!(
+        (1..=TILE_ROWS).contains(&rows.len()),
+        "{} rows in a tile",
+        rows.len()
+    );
+    assert!(
+        rows.iter().all(|r| r.len() >= bytes),
+        "{what} rows shorter than {n} values"
+    );
+    tiles.rows = rows.len();
+    std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr())
+}
+
 impl KTile {
     /// Most activation rows of one [`KTile::dot`] (its accumulators live on the stack).
     pub const MAX_ACTS: usize = 64;
@@ -201,22 +222,14 @@ impl KTile {
             return self.unpack_legacy(kind, n, rows, tiles);
         }
         assert!(n.is_multiple_of(QK_K), "{:?} rows of {n} values", self.kind);
-        assert!(
-            (1..=TILE_ROWS).contains(&rows.len()),
-            "{} rows in a tile",
-            rows.len()
-        );
         let nb = n / QK_K;
         let bb = self
             .iq
             .map_or(self.kind.block_bytes(), |iq| iq.block_bytes());
-        assert!(
-            rows.iter().all(|r| r.len() >= nb * bb),
-            "{:?} rows shorter than {n} values",
-            self.iq
-                .map_or(format!("{:?}", self.kind), |iq| format!("{iq:?}"))
-        );
-        tiles.rows = rows.len();
+        let what = self
+            .iq
+            .map_or(format!("{:?}", self.kind), |iq| format!("{iq:?}"));
+        let ptrs = tile_rows(rows, (n, nb * bb), &what, tiles);
         #[cfg(target_arch = "x86_64")]
         {
             if self.avx2 {
@@ -228,12 +241,7 @@ impl KTile {
                     "KTile without AVX-512 VNNI"
                 );
             }
-            let ptrs: [*const u8; TILE_ROWS] =
-                std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
-            tiles.tiles.truncate(nb);
-            while tiles.tiles.len() < nb {
-                tiles.tiles.push(imp::Tile::zeroed());
-            }
+            tiles.tiles.resize_with(nb, imp::Tile::zeroed);
             for (b, tile) in tiles.tiles.iter_mut().enumerate() {
                 // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C, or
                 // for the AVX2 kernel `has_avx2_fma` AVX2, FMA and F16C (asserted above); every row
@@ -253,29 +261,20 @@ impl KTile {
     fn unpack_legacy(&self, kind: LegacyKind, n: usize, rows: &[&[u8]], tiles: &mut Tiles) {
         const QK: usize = 32;
         assert!(n.is_multiple_of(QK), "{kind:?} rows of {n} values");
-        assert!(
-            (1..=TILE_ROWS).contains(&rows.len()),
-            "{} rows in a tile",
-            rows.len()
-        );
         let nb = n / QK;
-        assert!(
-            rows.iter().all(|r| r.len() >= nb * kind.block_bytes()),
-            "{kind:?} rows shorter than {n} values"
+        let ptrs = tile_rows(
+            rows,
+            (n, nb * kind.block_bytes()),
+            &format!("{kind:?}"),
+            tiles,
         );
-        tiles.rows = rows.len();
         #[cfg(target_arch = "x86_64")]
         {
             assert!(
                 crate::quant::has_avx512_vnni(),
                 "KTile without AVX-512 VNNI"
             );
-            let ptrs: [*const u8; TILE_ROWS] =
-                std::array::from_fn(|i| rows[i.min(rows.len() - 1)].as_ptr());
-            tiles.legacy.truncate(nb);
-            while tiles.legacy.len() < nb {
-                tiles.legacy.push(legacy_imp::Block::zeroed());
-            }
+            tiles.legacy.resize_with(nb, legacy_imp::Block::zeroed);
             for (b, block) in tiles.legacy.iter_mut().enumerate() {
                 // SAFETY: `has_avx512_vnni` confirmed AVX-512 F/BW/VL/VNNI with AVX2, FMA and F16C
                 // (asserted above); every row holds `nb > b` blocks of `kind` (asserted).
@@ -294,6 +293,9 @@ impl KTile {
             "{} activation rows in one tile product",
             acts.len()
         );
+        let all: [*const u8; Self::MAX_ACTS] =
+            std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
+        let ptrs = &all[..acts.len()];
         #[cfg(target_arch = "x86_64")]
         if let Some(kind) = self.legacy {
             let nb = tiles.legacy.len();
@@ -301,12 +303,10 @@ impl KTile {
                 acts.iter().all(|a| a.len() >= nb * kind.act_bytes()),
                 "{kind:?} activations shorter than the tiles"
             );
-            let all: [*const u8; Self::MAX_ACTS] =
-                std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
             // SAFETY: legacy tiles exist only where `unpack_legacy` found AVX-512 VNNI; every activation
             // row holds `nb` activation blocks of `kind` (asserted) and `out` one entry per row
             // (asserted).
-            unsafe { legacy_imp::dot(kind, &tiles.legacy, &all[..acts.len()], out) };
+            unsafe { legacy_imp::dot(kind, &tiles.legacy, ptrs, out) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -316,9 +316,6 @@ impl KTile {
                 acts.iter().all(|a| a.len() >= nb * Q8K_BYTES),
                 "Q8_K activations shorter than the tiles"
             );
-            let all: [*const u8; Self::MAX_ACTS] =
-                std::array::from_fn(|i| acts.get(i).map_or(std::ptr::null(), |a| a.as_ptr()));
-            let ptrs = &all[..acts.len()];
             // SAFETY: `tiles` exist only where `unpack` found AVX-512 VNNI (AVX2 for the AVX2 kernel);
             // every activation row holds `nb` Q8_K blocks (asserted) and `out` one entry per row.
             unsafe {
