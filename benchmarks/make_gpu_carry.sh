@@ -14,7 +14,7 @@ cp target/release/poly-engine target/release/polystrata "$D/bin/"
     cargo test --release -p poly-tests --test witness_gpu --no-run --message-format=json
     cargo test --release -p poly-engine --test gpu_forward --test gpu_expert_cache --no-run --message-format=json
     cargo test --release -p poly-kernels --test cuda_ops --test cuda_elementwise --test cuda_layer_ops \
-        --test cuda_prompt_attention --test cuda_fused --test cuda_moe_fused --test cuda_bench --lib --no-run --message-format=json
+        --test cuda_prompt_attention --test cuda_fused --test cuda_moe_fused --test cuda_host_flags --test cuda_bench --lib --no-run --message-format=json
 } 2>/dev/null | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:

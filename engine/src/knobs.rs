@@ -35,6 +35,18 @@ pub struct ForwardOptions {
     pub cpu_share: CpuShareThreads,
     /// How a segmented token's MoE layers hand over between the card and the host (`--gpu-handoff`).
     pub handoff: Handoff,
+    /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
+    pub host_points: HostPoints,
+}
+
+/// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostPoints {
+    /// One graph a token, queued whole: the card signals a point through a page-locked flag the host
+    /// spins on, and waits on a flag the host sets.
+    Flags,
+    /// One graph per stretch between points: the host synchronizes at each and launches the next.
+    Cuts,
 }
 
 /// How a segmented token hands over between the card and the host at each MoE layer (`--gpu-handoff`):
@@ -71,6 +83,7 @@ impl Default for ForwardOptions {
             gpu_segments: true,
             cpu_share: CpuShareThreads::Hot,
             handoff: Handoff::Kernel,
+            host_points: HostPoints::Flags,
         }
     }
 }
@@ -122,6 +135,9 @@ impl Knobs {
         if f.handoff == Handoff::Copy {
             put("gpu-handoff", "copy".into());
         }
+        if f.host_points == HostPoints::Cuts {
+            put("gpu-host-points", "cuts".into());
+        }
         out
     }
 }
@@ -169,11 +185,13 @@ mod tests {
         k.forward.gpu_segments = false;
         k.forward.cpu_share = CpuShareThreads::Rayon;
         k.forward.handoff = Handoff::Copy;
+        k.forward.host_points = HostPoints::Cuts;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("cpu-share", "rayon"),
             ("fuse", "off"),
             ("gpu-handoff", "copy"),
+            ("gpu-host-points", "cuts"),
             ("gpu-segments", "off"),
             ("mmq", "off"),
             ("moe-glu", "off"),

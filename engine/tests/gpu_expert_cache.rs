@@ -486,3 +486,54 @@ fn long_calls_borrow_the_cache_and_give_it_back() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `poly-engine run` on `path` with no expert in VRAM and `extra` flags: its printed steps (top tokens
+/// and probabilities), and its log.
+fn run_binary(path: &PathBuf, extra: &[&str]) -> (String, String) {
+    // POLY_ENGINE_BIN: the binary where the test runs away from its build (the GPU machine).
+    let bin = std::env::var("POLY_ENGINE_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_poly-engine").to_string());
+    let out = std::process::Command::new(bin)
+        .args(["run", "--gpu", "0", "--ignore-eos", "--max-tokens", "12"])
+        .args(["--top", "5", "--n-ctx", "128", "--expert-budget-mib", "0"])
+        .args(["--expert-uploads", "0", "--no-expert-profile"])
+        .args(["--prompt-tokens", "1,5,9,14,20,27,35,44"])
+        .arg("--model")
+        .arg(path)
+        .args(extra)
+        .output()
+        .expect("poly-engine runs");
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{extra:?}: {log}");
+    (String::from_utf8_lossy(&out.stdout).to_string(), log)
+}
+
+/// One graph a token whose MoE layers meet the host at page-locked flags writes the very tokens, and
+/// probabilities, that the segmented graphs write: the experts copied on demand (the copy stream sets
+/// the flag after its copies) and on the CPU (the host sets it), every expert missing, nothing admitted.
+#[test]
+fn one_graph_tokens_equal_segmented_ones() {
+    if !gpu_present() {
+        return;
+    }
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        for missing in ["card", "cpu"] {
+            let (flags, log) = run_binary(&path, &["--missing-experts", missing]);
+            if log.contains("capture failed") || log.contains("decode graphs off") {
+                failures.push(format!("{name} {missing}: graphs off: {log}"));
+            }
+            let (cuts, _) = run_binary(
+                &path,
+                &["--missing-experts", missing, "--gpu-host-points", "cuts"],
+            );
+            let steps = flags.lines().count();
+            eprintln!("{name} {missing}: {steps} lines, equal: {}", flags == cuts);
+            if flags != cuts || steps < 12 {
+                failures.push(format!("{name} {missing}: flags\n{flags}\ncuts\n{cuts}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

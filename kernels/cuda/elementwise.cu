@@ -176,3 +176,52 @@ extern "C" __global__ void copy_words(const HostCopyArgs a) {
         }
     }
 }
+
+// Flags in the host's page-locked memory (their device address) that let one graph a token run through the
+// host points of its MoE layers: `flags[0]` is the token's number, written by the host before the replay;
+// `flags[1]` gets a number the card gave up waiting for; the points' flags follow. A point the card passes
+// is *signalled* (the host spins on its flag, instead of a synchronize); a point that needs the host is
+// *awaited* (the card spins on its flag, which the host or the host's copy stream sets, instead of a graph
+// launched after it). A flag holds the number of the token that last passed it, so nothing is reset.
+static __device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int * p) {
+    unsigned int v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// `flags[index]` = the token's number, after every write of the kernels before it (completed: the prologue
+// waits for them) is visible to the host.
+extern "C" __global__ void host_signal(unsigned int * flags, const int index) {
+    launch_prologue();
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
+    const unsigned int seq = load_acquire_sys(flags);
+    __threadfence_system();
+    asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(flags + index), "r"(seq) : "memory");
+}
+
+// Returns once `flags[index]` holds the token's number (the host's writes before it are then visible to
+// the kernels after), or after `timeout_ns`: then `flags[1]` gets the number, which the host reports as an
+// error, and the stream goes on (a host that failed never leaves the card spinning).
+extern "C" __global__ void host_wait(unsigned int * flags, const int index, const unsigned long long timeout_ns) {
+    launch_prologue();
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
+    const unsigned int seq = load_acquire_sys(flags);
+    const unsigned long long start = global_ns();
+    while (load_acquire_sys(flags + index) != seq) {
+        if (global_ns() - start > timeout_ns) {
+            asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(flags + 1), "r"(seq) : "memory");
+            return;
+        }
+        __nanosleep(100);
+    }
+}

@@ -4,7 +4,7 @@
 //! defaults are today's behaviour.
 
 use clap::{Args, ValueEnum};
-use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Handoff, Knobs};
+use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Handoff, HostPoints, Knobs};
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
@@ -72,6 +72,13 @@ pub enum GpuHandoff {
     Copy,
 }
 
+/// How a partly resident token's graph meets the host at its MoE layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuHostPoints {
+    Flags,
+    Cuts,
+}
+
 /// Which kernel launches overlap the one before them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum GpuPdl {
@@ -133,6 +140,11 @@ pub struct KnobArgs {
     /// reading and writing page-locked host memory, or copy-engine transfers.
     #[arg(long, value_enum, default_value_t = GpuHandoff::Kernel)]
     gpu_handoff: GpuHandoff,
+    /// How a partly resident token's graph meets the host at its MoE layers: one graph a token whose
+    /// host points are page-locked flags (the card signals one and waits on another), or a graph per
+    /// stretch between points, with a synchronize and a launch at each.
+    #[arg(long, value_enum, default_value_t = GpuHostPoints::Flags)]
+    gpu_host_points: GpuHostPoints,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -224,6 +236,10 @@ impl KnobArgs {
                 handoff: match self.gpu_handoff {
                     GpuHandoff::Kernel => Handoff::Kernel,
                     GpuHandoff::Copy => Handoff::Copy,
+                },
+                host_points: match self.gpu_host_points {
+                    GpuHostPoints::Flags => HostPoints::Flags,
+                    GpuHostPoints::Cuts => HostPoints::Cuts,
                 },
             },
         }

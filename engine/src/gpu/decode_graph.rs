@@ -26,12 +26,20 @@
 //! points (ids, weights and input down; the token's expert addresses and the CPU's sum up) are one
 //! `copy_words` kernel each, reading and writing the steps' page-locked buffers, rather than five
 //! copy-engine transfers a layer (`--gpu-handoff copy`): 7% more answers on the H200 at 8 GB.
+//!
+//! By default (`--gpu-host-points flags`) such a token is still *one* graph, queued whole: at a route
+//! point the card signals a page-locked flag that the host spins on (no synchronize), and before its
+//! experts and before adding the CPU's sum it waits on flags that the host sets (after the copies on
+//! demand, on the copy stream) instead of the host launching the next segment ([`HostFlags`]). The
+//! serial chain of a layer then holds no graph launch and no synchronize. `--gpu-host-points cuts`
+//! keeps the segments.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use poly_kernels::cuda::{
-    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostCopies, LaunchGraph, PinnedHost,
+    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostCopies, HostFlags, LaunchGraph,
+    PinnedHost,
 };
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{Moe, WeightId};
@@ -58,7 +66,29 @@ fn handoff_by_kernel() -> bool {
     crate::knobs::forward().handoff == crate::knobs::Handoff::Kernel
 }
 
-/// Where a segmented graph hands over to the host after one of its graphs.
+/// Whether a segmented token is one graph meeting the host through flags (`--gpu-host-points flags`)
+/// rather than a graph per stretch between host points.
+fn host_points_by_flags() -> bool {
+    crate::knobs::forward().host_points == crate::knobs::HostPoints::Flags
+}
+
+/// How long the card waits at a flag for the host, and the host for the card to reach a route point,
+/// before either gives up (a failed host releases the card at once; this bounds what cannot).
+const FLAG_WAIT: Duration = Duration::from_secs(10);
+
+/// Step `i`'s flags: the card passed its router (the host may read the ids); its copies on demand and
+/// sources are in place (the card's experts may start); the CPU's sum is written (the card adds it).
+fn route_flag(i: usize) -> usize {
+    3 * i
+}
+fn staged_flag(i: usize) -> usize {
+    3 * i + 1
+}
+fn sum_flag(i: usize) -> usize {
+    3 * i + 2
+}
+
+/// Where a segmented graph meets the host: with cuts, after one of its graphs; with flags, at a flag.
 #[derive(Clone, Copy, Debug)]
 pub enum HostPoint {
     /// Step `i`'s router ran: the host reads the ids and (without a shared expert) makes every routed
@@ -69,6 +99,30 @@ pub enum HostPoint {
     Prepare(usize),
     /// Step `i`'s card experts are queued: the host computes the CPU's share and writes its sum.
     CpuShare(usize),
+    /// Step `i`'s copies on demand and sources are in place (a flag only: with cuts the experts'
+    /// segment is launched after the host staged them).
+    Staged(usize),
+}
+
+impl HostPoint {
+    /// The step it belongs to.
+    pub fn step(self) -> usize {
+        match self {
+            HostPoint::Route(i) | HostPoint::Prepare(i) | HostPoint::CpuShare(i) => i,
+            HostPoint::Staged(i) => i,
+        }
+    }
+
+    /// What a capture queues at this point when the token's graph meets the host through `flags`: the
+    /// card's signal or wait (nothing at `Prepare`: the host prepares as soon as it sees the route).
+    pub fn queue_on_flags(self, dev: &Device, flags: &HostFlags) -> CudaResult<()> {
+        match self {
+            HostPoint::Route(i) => flags.queue_signal(dev, route_flag(i)),
+            HostPoint::Prepare(_) => Ok(()),
+            HostPoint::Staged(i) => flags.queue_wait(dev, staged_flag(i), FLAG_WAIT),
+            HostPoint::CpuShare(i) => flags.queue_wait(dev, sum_flag(i), FLAG_WAIT),
+        }
+    }
 }
 
 /// The buffers of one MoE layer of a segmented graph, which the host reads and writes between its graphs.
@@ -253,22 +307,23 @@ impl MoeStep {
         }
     }
 
-    /// The card's experts (`launch`: queued or replayed) with the step's copies staged before them, and
-    /// the CPU's share computed meanwhile: its threads start first, then this thread stages and launches
-    /// beside them. Its sum (zeros without a share) goes into `host_sum`. [`MoeStep::finish`] finishes
-    /// the layer in the cache after it.
+    /// The card's experts (`launch`: replayed, or released at their flag; told whether copies on demand
+    /// were queued) with the step's copies staged before them, and the CPU's share computed meanwhile:
+    /// its threads start first, then this thread stages and launches beside them. Its sum (zeros without
+    /// a share) goes into `host_sum`. [`MoeStep::finish`] finishes the layer in the cache after it.
     pub fn experts(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         cache: &mut ExpertCache,
         prep: StepPrep,
         times: &mut HostTimes,
-        launch: impl FnOnce() -> CudaResult<()>,
+        launch: impl FnOnce(&mut ExpertCache, bool) -> CudaResult<()>,
     ) -> CudaResult<()> {
         let StepPrep { share, copies } = prep;
+        let copied = !copies.is_empty();
         let Some(share) = share else {
             self.stage((dev, cpu), cache, &copies, times)?;
-            launch()?;
+            launch(cache, copied)?;
             return self.write_sum(None);
         };
         let clock = Instant::now();
@@ -278,7 +333,7 @@ impl MoeStep {
             let t = Instant::now();
             let r = self
                 .stage((dev, cpu), cache, &copies, times)
-                .and_then(|()| launch());
+                .and_then(|()| launch(cache, copied));
             beside_time = t.elapsed();
             r
         });
@@ -395,14 +450,53 @@ pub struct MoeSteps {
     pub steps: Vec<Option<MoeStep>>,
     /// The step the call reaches next.
     pub next: usize,
+    /// With `--gpu-host-points flags`, the flags of a captured token's host points (three a step), and
+    /// no segments: the whole token is one graph.
+    pub flags: Option<HostFlags>,
     /// The host points' time since [`DecodeGraphs::take_host_times`].
     times: HostTimes,
 }
 
 impl MoeSteps {
+    /// Replays the token: its one graph meeting the host at flags, or its segments.
+    fn replay(
+        &mut self,
+        (dev, cpu): (&Device, &CpuWeights),
+        cache: &mut ExpertCache,
+        last: &LaunchGraph,
+    ) -> CudaResult<()> {
+        if self.flags.is_none() {
+            return self.replay_cuts((dev, cpu), cache, last);
+        }
+        let MoeSteps {
+            steps,
+            flags,
+            times,
+            ..
+        } = self;
+        let flags = flags
+            .as_mut()
+            .ok_or_else(|| CudaError::Invalid("a one-graph token without its flags".into()))?;
+        flags.next_token()?;
+        last.replay()?;
+        cache.set_linked(true);
+        let r = meet_host(steps, flags, (dev, cpu), cache, times);
+        cache.set_linked(false);
+        if r.is_err() {
+            // The card must not wait for a host that gave up.
+            flags.release();
+        }
+        r?;
+        // The card is past every point: the last layer's admissions may wait for it as usual.
+        match steps.len() {
+            0 => Ok(()),
+            n => step_at(steps, n - 1)?.finish((dev, cpu), cache, times),
+        }
+    }
+
     /// Replays the segments, each followed by its host point, then `last`; the CPU's share of a step goes
     /// from its route point to its CPU-share point.
-    fn replay(
+    fn replay_cuts(
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         cache: &mut ExpertCache,
@@ -422,7 +516,8 @@ impl MoeSteps {
             match (point, prep.take()) {
                 // The card's experts, staged and replayed beside the CPU's share of them.
                 (HostPoint::CpuShare(i), Some((j, p))) if *i == j => {
-                    step_at(steps, j)?.experts((dev, cpu), cache, p, times, || segment.replay())?
+                    step_at(steps, j)?
+                        .experts((dev, cpu), cache, p, times, |_, _| segment.replay())?
                 }
                 (HostPoint::CpuShare(i), _) => {
                     return Err(CudaError::Invalid(format!(
@@ -439,7 +534,7 @@ impl MoeSteps {
             if let Some(j) = unfinished.take() {
                 step_at(steps, j)?.finish((dev, cpu), cache, times)?;
             }
-            let (HostPoint::Route(i) | HostPoint::Prepare(i) | HostPoint::CpuShare(i)) = *point;
+            let i = point.step();
             let step = step_at(steps, i)?;
             match point {
                 HostPoint::Route(_) => {
@@ -450,6 +545,11 @@ impl MoeSteps {
                 }
                 HostPoint::Prepare(_) => prep = Some((i, step.prepare((dev, cpu), cache, times)?)),
                 HostPoint::CpuShare(_) => unfinished = Some(i),
+                HostPoint::Staged(_) => {
+                    return Err(CudaError::Invalid(format!(
+                        "a segment cut at step {i}'s staging point"
+                    )))
+                }
             }
         }
         last.replay()?;
@@ -458,6 +558,36 @@ impl MoeSteps {
             None => Ok(()),
         }
     }
+}
+
+/// The host's side of a one-graph token (queued whole): at each step's route flag the previous layer is
+/// finished (the card passed its experts and reads no routed slot until this layer's staged flag) and
+/// this layer prepared; its copies on demand are queued and its staged flag set after them (by the copy
+/// stream, or at once without copies) beside the CPU's share, whose sum then releases the card.
+fn meet_host(
+    steps: &mut [Option<MoeStep>],
+    flags: &HostFlags,
+    (dev, cpu): (&Device, &CpuWeights),
+    cache: &mut ExpertCache,
+    times: &mut HostTimes,
+) -> CudaResult<()> {
+    for i in 0..steps.len() {
+        times.route_wait += flags.wait_set(dev, route_flag(i), FLAG_WAIT)?;
+        if i > 0 {
+            step_at(steps, i - 1)?.finish((dev, cpu), cache, times)?;
+        }
+        let step = step_at(steps, i)?;
+        let prep = step.prepare((dev, cpu), cache, times)?;
+        step.experts((dev, cpu), cache, prep, times, |cache, copied| {
+            if copied {
+                cache.flag_after_copies(flags, staged_flag(i))
+            } else {
+                flags.set(staged_flag(i))
+            }
+        })?;
+        flags.set(sum_flag(i))?;
+    }
+    Ok(())
 }
 
 /// Step `i` of a segmented graph.
@@ -487,9 +617,9 @@ pub struct DecodeGraph {
 }
 
 impl DecodeGraph {
-    /// Whether the token's MoE layers hand over to the host between graphs.
+    /// Whether the token's MoE layers meet the host (between graphs, or at flags).
     pub fn segmented(&self) -> bool {
-        !self.steps.segments.is_empty()
+        !self.steps.steps.is_empty()
     }
 }
 
@@ -580,7 +710,14 @@ pub fn logits(dev: &Device, graphs: &mut DecodeGraphs, rows: usize) -> CudaResul
         .by_rows
         .get_mut(&rows)
         .ok_or_else(|| CudaError::Invalid(format!("no decode graph for {rows} rows")))?;
-    Ok(dev.download_pinned(&g.logits, &mut g.host_logits)?.to_vec())
+    let logits = dev.download_pinned(&g.logits, &mut g.host_logits)?.to_vec();
+    if let Some(token) = g.steps.flags.as_ref().and_then(HostFlags::timed_out) {
+        return Err(CudaError::Invalid(format!(
+            "the card gave up waiting for the host at token {token} (after {FLAG_WAIT:?}): this \
+             sequence's state is not to be trusted"
+        )));
+    }
+    Ok(logits)
 }
 
 /// Runs `token` at `pos0` as the first call of bucket `rows` in graph mode and then captures the same
@@ -686,6 +823,14 @@ fn capture(
         .map(|s| 2 + s.as_ref().is_some_and(|s| s.shared) as usize)
         .sum();
     steps.next = 0;
+    let by_flags = host_points_by_flags() && made_steps > 0;
+    if by_flags {
+        let flags = HostFlags::new(dev, 3 * made_steps)?;
+        if let Some(cache) = experts.as_deref_mut() {
+            cache.ready_flags(&flags)?;
+        }
+        steps.flags = Some(flags);
+    }
     let launch_graph = dev.capture(|_| {
         let mode = GraphMode {
             inputs: &mut inputs,
@@ -708,6 +853,7 @@ fn capture(
         Ok(())
     })?;
     let logits = logits.ok_or_else(|| CudaError::Invalid("the capture left no logits".into()))?;
+    let cuts = if by_flags { 0 } else { cuts };
     if steps.next != made_steps || steps.segments.len() != cuts {
         return Err(CudaError::Invalid(format!(
             "the capture reached {} of the call's {made_steps} MoE steps",

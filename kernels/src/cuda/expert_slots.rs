@@ -20,7 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaEvent, CudaStream, PinnedHostSlice};
 
 use super::buffer::check_shape;
-use super::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable};
+use super::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostFlags};
 use crate::quant::GgmlType;
 
 /// One allocation of `n_slots` slots of `slot_bytes` each.
@@ -338,25 +338,33 @@ impl Device {
         (src_pool, src_slot): (&SlotPool, usize),
         (dst_pool, dst_slot): (&SlotPool, usize),
     ) -> CudaResult<()> {
-        if src_pool.slot_bytes != dst_pool.slot_bytes {
-            return Err(CudaError::Invalid(format!(
-                "a slot copy between pools of {} and {} B slots",
-                src_pool.slot_bytes, dst_pool.slot_bytes
-            )));
-        }
-        let len = src_pool.slot_bytes;
-        let from = src_pool.address(src_slot, 0, len)?;
-        let to = dst_pool.address(dst_slot, 0, len)?;
-        if src_pool.storage.address() == dst_pool.storage.address() && src_slot == dst_slot {
-            return Ok(());
-        }
-        // SAFETY: both ranges lie inside live allocations (checked by `address`) and are distinct slots
-        // (one slot never overlaps another); stream order on the compute stream orders the copy against
-        // every launch reading or writing them, and the copy stream writes a slot only after waiting for
-        // the compute stream (the module's ordering rules).
-        unsafe { result::memcpy_dtod_async(to, from, len, self.stream().cu_stream()) }?;
-        Ok(())
+        slot_copy((src_pool, src_slot), (dst_pool, dst_slot), self.stream())
     }
+}
+
+/// A slot copied into another on `stream` (see [`Device::copy_slot`] for the ordering each caller keeps).
+fn slot_copy(
+    (src_pool, src_slot): (&SlotPool, usize),
+    (dst_pool, dst_slot): (&SlotPool, usize),
+    stream: &CudaStream,
+) -> CudaResult<()> {
+    if src_pool.slot_bytes != dst_pool.slot_bytes {
+        return Err(CudaError::Invalid(format!(
+            "a slot copy between pools of {} and {} B slots",
+            src_pool.slot_bytes, dst_pool.slot_bytes
+        )));
+    }
+    let len = src_pool.slot_bytes;
+    let from = src_pool.address(src_slot, 0, len)?;
+    let to = dst_pool.address(dst_slot, 0, len)?;
+    if src_pool.storage.address() == dst_pool.storage.address() && src_slot == dst_slot {
+        return Ok(());
+    }
+    // SAFETY: both ranges lie inside live allocations (checked by `address`) and are distinct slots (one
+    // slot never overlaps another); the callers order the copy against every launch reading or writing
+    // them (stream order on the compute stream, or a host point where the card reads neither).
+    unsafe { result::memcpy_dtod_async(to, from, len, stream.cu_stream()) }?;
+    Ok(())
 }
 
 /// Page-locked host memory the copy stream reads from, with the event of its last copy.
@@ -569,6 +577,23 @@ impl CopyStream {
         // contract), which the caller keeps until the copy completed; `addr..addr+len` lies in the slot.
         unsafe { result::memcpy_htod_async(addr, src, self.stream.cu_stream()) }?;
         Ok(())
+    }
+
+    /// Queues on this stream a copy of slot `src.1` of pool `src.0` into slot `dst.1` of `dst.0` (pools
+    /// of one slot size), in order with the copies queued here. The caller knows the compute stream does
+    /// not read either slot meanwhile (a one-graph token's host point, where the card waits for the host).
+    pub fn copy_slot(
+        &self,
+        (src_pool, src_slot): (&SlotPool, usize),
+        (dst_pool, dst_slot): (&SlotPool, usize),
+    ) -> CudaResult<()> {
+        slot_copy((src_pool, src_slot), (dst_pool, dst_slot), &self.stream)
+    }
+
+    /// Queues the setting of `flags`' flag `i` to their token after the copies queued so far: the card
+    /// waiting on it reads them complete.
+    pub fn set_flag(&self, flags: &HostFlags, i: usize) -> CudaResult<()> {
+        flags.queue_set_on(&self.stream, i)
     }
 
     /// An event after every copy queued so far.

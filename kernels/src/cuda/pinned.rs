@@ -95,6 +95,11 @@ impl<T: ValidAsZeroBits> PinnedHost<T> {
     pub(crate) fn host_ptr(&self) -> CudaResult<*const T> {
         Ok(self.slice.as_ptr()?)
     }
+
+    /// Where the card's kernels reach the first element.
+    pub(crate) fn device_address(&self) -> u64 {
+        self.device_address
+    }
 }
 
 impl Device {

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use poly_kernels::cuda::expert_slots::{
     CopyEvent, CopyStream, ExpertSource, HostRegistration, SlotPool, SlotRef, StagingBuffer,
 };
-use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable};
+use poly_kernels::cuda::{CudaError, CudaResult, Device, ExpertTable, HostFlags};
 use poly_kernels::hot_pool::HotPool;
 use poly_models::compute::WeightId;
 
@@ -167,6 +167,10 @@ pub struct ExpertCache {
     /// are only marked, and a prompt call, an eager token or a whole-token graph flushes them first
     /// ([`ExpertCache::flush_deferred`]).
     defer_tables: bool,
+    /// A one-graph token's host points are under way ([`ExpertCache::set_linked`]).
+    linked: bool,
+    /// The copy stream could not set a flag (no stream memory operations): the host waits and sets it.
+    host_sets_flags: bool,
     /// The threads of single tokens' CPU shares, once one was computed.
     cpu_pool: Option<Arc<HotPool>>,
     /// `[layer][expert]` routings counted since the cache was filled, for the measured skew.
@@ -255,6 +259,8 @@ impl ExpertCache {
             admission: None,
             dirty: Vec::new(),
             defer_tables: false,
+            linked: false,
+            host_sets_flags: false,
             cpu_pool: None,
             routed_counts: counts.iter().map(|&n| vec![0; n]).collect(),
         })
@@ -631,6 +637,51 @@ impl ExpertCache {
         }
     }
 
+    /// Whether a one-graph token's host points are under way (`--gpu-host-points flags`): the compute
+    /// stream holds the whole token, waiting on flags, so nothing may make it wait for work queued later
+    /// nor make the copy stream wait for it; the callers' points are moments when the card reads no
+    /// routed expert's slot (between its router and its experts, which wait for the host).
+    pub fn set_linked(&mut self, linked: bool) {
+        self.linked = linked;
+    }
+
+    /// Makes the copies queued from here on wait for everything queued on the compute stream (after a
+    /// one-graph token's last host point, before the last layer's admissions).
+    pub fn copies_wait_for_compute(&self, dev: &Device) -> CudaResult<()> {
+        self.copy.wait_for_compute(dev)
+    }
+
+    /// Readies the copy stream for `flags` outside any token: its first flag is set and waited for here,
+    /// so a driver that refuses stream memory operations is found before a token needs them (the host
+    /// then waits for the copies and sets the flags), and nothing the stream does first happens behind
+    /// a card spinning at a flag.
+    pub fn ready_flags(&mut self, flags: &HostFlags) -> CudaResult<()> {
+        match self.copy.set_flag(flags, 0) {
+            Ok(()) => self.copy.synchronize(),
+            Err(e) => {
+                eprintln!("expert cache: the host sets the flags after copies ({e})");
+                self.host_sets_flags = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// Queues the setting of `flags`' flag `i` on the copy stream, after the copies queued so far. Where
+    /// the driver refuses stream memory operations the host waits for the copies and sets it.
+    pub fn flag_after_copies(&mut self, flags: &HostFlags, i: usize) -> CudaResult<()> {
+        if !self.host_sets_flags {
+            match self.copy.set_flag(flags, i) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    eprintln!("expert cache: the host sets the flags after copies ({e})");
+                    self.host_sets_flags = true;
+                }
+            }
+        }
+        self.copy.synchronize()?;
+        flags.set(i)
+    }
+
     /// Rewrites the marked tables (queued on the compute stream).
     fn flush_tables(&mut self, dev: &Device) -> CudaResult<()> {
         while let Some(layer) = self.dirty.pop() {
@@ -944,8 +995,12 @@ impl ExpertCache {
             )?;
             map.push((expert, first + i));
         }
-        let copied = self.copy.record()?;
-        dev.wait_for_copy(&copied)?;
+        // A one-graph token's card waits on a flag the copy stream sets after these copies instead
+        // (its graph is queued whole: a wait queued now would come after it).
+        if !self.linked {
+            let copied = self.copy.record()?;
+            dev.wait_for_copy(&copied)?;
+        }
         let repointed = repointed || repoint;
         self.staged = Some(Staged {
             layer,
@@ -1032,6 +1087,11 @@ impl ExpertCache {
                 .find(|&&(e, _)| e == u.expert.expert)
                 .map(|&(_, s)| s);
             let r = match from {
+                // A one-graph token's compute stream holds the rest of the token: the copy goes on the
+                // copy stream, where the next layer's copies into the scratch slots follow it.
+                Some(s) if self.linked => self
+                    .copy
+                    .copy_slot((&self.scratch[staged.pool], s), (pool, u.slot)),
                 Some(s) => dev.copy_slot((&self.scratch[staged.pool], s), (pool, u.slot)),
                 None => Err(CudaError::Invalid(format!(
                     "expert {} of layer {} is in no scratch slot",
@@ -1042,8 +1102,18 @@ impl ExpertCache {
                 self.policy.abandon(u.slot);
                 return Err(e);
             }
-            // In stream order every later launch sees the copy: resident at once.
-            self.policy.complete(u.slot);
+            if self.linked {
+                // Resident once the copy stream passed it, as an upload over the bus.
+                let done = self.copy.record()?;
+                self.pending.push(Pending {
+                    slot: u.slot,
+                    key: u.expert,
+                    done,
+                });
+            } else {
+                // In stream order every later launch sees the copy: resident at once.
+                self.policy.complete(u.slot);
+            }
             self.stats.admitted_on_card += 1;
         }
         Ok(())
@@ -1072,7 +1142,11 @@ impl ExpertCache {
             self.flush_tables(dev)?;
         }
         // No launch queued after this reads the victims' slots; those before must finish before the copy.
-        self.copy.wait_for_compute(dev)?;
+        // A one-graph token's host point is a moment when the card reads no routed slot (and its compute
+        // stream holds the rest of the token, which waits for this stream's flags).
+        if !self.linked {
+            self.copy.wait_for_compute(dev)?;
+        }
         for u in plan {
             if let Err(e) = self.upload(cpu, u.expert, u.slot, Dest::Cache) {
                 self.policy.abandon(u.slot);

@@ -264,7 +264,7 @@ impl<'a> GpuForward<'a> {
         step.queue_downloads(dev, x.buf()?)?;
         let mut times = HostTimes::default();
         if capturing {
-            self.cut(HostPoint::Route(i))?;
+            self.host_point(HostPoint::Route(i))?;
         } else {
             step.wait_route(dev, &mut times)?;
         }
@@ -273,7 +273,7 @@ impl<'a> GpuForward<'a> {
             Some(s) => {
                 let y = composed::shared_expert(self, x, s);
                 if capturing {
-                    self.cut(HostPoint::Prepare(i))?;
+                    self.host_point(HostPoint::Prepare(i))?;
                 }
                 Some(y)
             }
@@ -292,13 +292,16 @@ impl<'a> GpuForward<'a> {
                 prep.share
             }
         };
+        if capturing {
+            self.host_point(HostPoint::Staged(i))?;
+        }
         step.queue_sources(dev)?;
         let [g, u, d] = &step.tables;
         let y = self
             .moe_slots(x, &step.slot_ids, m, [g, u, d], None)?
             .ok_or_else(|| CudaError::Invalid("a segmented step's experts were summed".into()))?;
         let r = if capturing {
-            self.cut(HostPoint::CpuShare(i))
+            self.host_point(HostPoint::CpuShare(i))
         } else {
             match self.experts.as_deref_mut() {
                 Some(cache) => step
@@ -325,6 +328,22 @@ impl<'a> GpuForward<'a> {
         self.pool.put_f32(y);
         self.op_end("moe.combine", t);
         r.map(|()| shared_out)
+    }
+
+    /// A host point met by a capture: the card's side of its flag queued when the token is one graph
+    /// (the steps hold flags), else the capture cut there (`Staged` is no cut: the experts' segment
+    /// starts at the point before it).
+    fn host_point(&mut self, point: HostPoint) -> CudaResult<()> {
+        let dev = self.dev;
+        let g = self
+            .graph
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("a host point outside a graph".into()))?;
+        match (&g.steps.flags, point) {
+            (Some(flags), _) => point.queue_on_flags(dev, flags),
+            (None, HostPoint::Staged(_)) => Ok(()),
+            (None, _) => self.cut(point),
+        }
     }
 
     /// Ends the graph captured so far as a segment followed by the host's `point`.
