@@ -194,9 +194,10 @@ impl MoeStep {
     /// router, in stream order; captured, every replay makes them: a graph's activations keep their
     /// addresses): one kernel, or three copy-engine transfers with `--gpu-handoff copy`.
     pub fn queue_downloads(&mut self, dev: &Device, x: &DeviceBuffer<f32>) -> CudaResult<()> {
-        // SAFETY: the host reads the pinned copies only in `route`, after synchronizing with the stream
-        // that ran them; the step owns them for as long as the graph holding the copies (the decode
-        // graph drops its segments before its steps).
+        // SAFETY: the host reads the pinned copies only after the route point: a synchronize with the
+        // stream that ran them, or (one graph a token) the route flag, which the card sets after them;
+        // the step owns them for as long as the graph holding the copies (the decode graph drops its
+        // graphs and flags before its steps).
         unsafe {
             if handoff_by_kernel() {
                 return HostCopies::new()
@@ -266,7 +267,8 @@ impl MoeStep {
         } = self;
         let ids = host_ids.as_slice()?;
         // SAFETY of the write: the graph's copy of the previous token's sources ran before this step's
-        // route point, where the host synchronized with the card.
+        // route point (the host synchronized with the card there, or saw the card's route flag, which the
+        // card sets after it).
         let sources = host_sources.as_mut_slice()?;
         cache.take_host_phases();
         let r = cache.stage_step((dev, cpu), (*layer, ids), copies, sources);
@@ -280,9 +282,10 @@ impl MoeStep {
     /// the card's expert launches, in stream order (a capture records it, so every replay copies the
     /// sources of its token).
     pub fn queue_sources(&self, dev: &Device) -> CudaResult<()> {
-        // SAFETY: the host writes `host_sources` only in `stage`, after the route point's synchronize,
-        // which follows every earlier copy of them; the step owns them as long as the graph holding the
-        // copy (the decode graph drops its segments before its steps).
+        // SAFETY: the host writes `host_sources` only in `stage`, after the route point (a synchronize,
+        // or the card's route flag), which follows every earlier copy of them, and before this copy
+        // runs (queued after, or behind the card's wait at the step's staged flag); the step owns them as
+        // long as the graph holding the copy (the decode graph drops its graphs before its steps).
         unsafe {
             if handoff_by_kernel() {
                 let mut copies = HostCopies::new();
@@ -297,8 +300,9 @@ impl MoeStep {
     /// weighted sum adds to it: the first node of the segment after that point.
     pub fn queue_sum(&self, dev: &Device, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
         // SAFETY: the host writes `host_sum` only at the CPU-share point, before this segment is queued
-        // or replayed and after the route point's synchronize, which follows every earlier upload of it;
-        // the step owns it as long as the graph holding the copy.
+        // or replayed (or before it sets the sum flag the card waits on ahead of this copy) and after the
+        // route point (a synchronize, or the route flag), which follows every earlier upload of it; the
+        // step owns it as long as the graph holding the copy.
         unsafe {
             if handoff_by_kernel() {
                 return HostCopies::new().upload(&self.host_sum, out)?.queue(dev);
