@@ -37,6 +37,9 @@ pub struct ForwardOptions {
     pub handoff: Handoff,
     /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
     pub host_points: HostPoints,
+    /// At a one-graph token's host points, the next MoE layer's guessed missing experts read into the
+    /// host's caches while the card works (`--cpu-warm`).
+    pub cpu_warm: bool,
 }
 
 /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
@@ -84,6 +87,7 @@ impl Default for ForwardOptions {
             cpu_share: CpuShareThreads::Hot,
             handoff: Handoff::Kernel,
             host_points: HostPoints::Flags,
+            cpu_warm: false,
         }
     }
 }
@@ -138,6 +142,9 @@ impl Knobs {
         if f.host_points == HostPoints::Cuts {
             put("gpu-host-points", "cuts".into());
         }
+        if f.cpu_warm != d.cpu_warm {
+            put("cpu-warm", if f.cpu_warm { "on" } else { "off" }.into());
+        }
         out
     }
 }
@@ -186,9 +193,11 @@ mod tests {
         k.forward.cpu_share = CpuShareThreads::Rayon;
         k.forward.handoff = Handoff::Copy;
         k.forward.host_points = HostPoints::Cuts;
+        k.forward.cpu_warm = true;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("cpu-share", "rayon"),
+            ("cpu-warm", "on"),
             ("fuse", "off"),
             ("gpu-handoff", "copy"),
             ("gpu-host-points", "cuts"),

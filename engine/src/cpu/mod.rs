@@ -19,6 +19,7 @@ pub mod moe;
 pub mod profile;
 #[cfg(test)]
 mod tests;
+pub(crate) mod warm;
 
 use std::sync::{Arc, OnceLock};
 

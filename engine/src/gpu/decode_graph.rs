@@ -427,6 +427,11 @@ pub struct HostTimes {
     pub stage: Duration,
     pub admit: Duration,
     pub tables: Duration,
+    /// `--cpu-warm`: next-layer experts guessed missing, those the layer then routed to, and the bytes
+    /// read into the host's caches before the card reached the layer.
+    pub guessed: u64,
+    pub guessed_right: u64,
+    pub warmed_bytes: u64,
 }
 
 impl HostTimes {
@@ -441,6 +446,9 @@ impl HostTimes {
         self.stage += o.stage;
         self.admit += o.admit;
         self.tables += o.tables;
+        self.guessed += o.guessed;
+        self.guessed_right += o.guessed_right;
+        self.warmed_bytes += o.warmed_bytes;
     }
 }
 
@@ -575,12 +583,33 @@ fn meet_host(
     cache: &mut ExpertCache,
     times: &mut HostTimes,
 ) -> CudaResult<()> {
+    let warm = crate::knobs::forward().cpu_warm;
+    // This layer's experts guessed (missing from the card) at the previous layer's point.
+    let mut guess: Vec<usize> = Vec::new();
+    let mut x: Vec<f32> = Vec::new();
     for i in 0..steps.len() {
-        times.route_wait += flags.wait_set(dev, route_flag(i), FLAG_WAIT)?;
+        let wait = || flags.wait_set(dev, route_flag(i), FLAG_WAIT);
+        let waited = match guess.is_empty() {
+            true => wait(),
+            false => {
+                let moe = step_at(steps, i)?.moe;
+                let (waited, bytes) = cache.warm_beside(cpu, &moe, &guess, wait);
+                times.warmed_bytes += bytes as u64;
+                waited
+            }
+        };
+        times.route_wait += waited?;
         if i > 0 {
             step_at(steps, i - 1)?.finish((dev, cpu), cache, times)?;
         }
         let step = step_at(steps, i)?;
+        if !guess.is_empty() {
+            let ids = step.host_ids.as_slice()?;
+            times.guessed += guess.len() as u64;
+            times.guessed_right +=
+                guess.iter().filter(|&&e| ids.contains(&(e as i32))).count() as u64;
+            guess.clear();
+        }
         let prep = step.prepare((dev, cpu), cache, times)?;
         step.experts((dev, cpu), cache, prep, times, |cache, copied| {
             if copied {
@@ -590,6 +619,12 @@ fn meet_host(
             }
         })?;
         flags.set(sum_flag(i))?;
+        if warm && i + 1 < steps.len() {
+            x.clear();
+            x.extend_from_slice(step_at(steps, i)?.host_x.as_slice()?);
+            let next = step_at(steps, i + 1)?;
+            guess = cache.guess_missing(cpu, &next.moe, next.layer, &x);
+        }
     }
     Ok(())
 }

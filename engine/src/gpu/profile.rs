@@ -247,6 +247,15 @@ impl Profiler {
                 ms(h.finish) / n,
                 ms(h.admit) / n,
             );
+            if h.guessed > 0 {
+                s += &format!(
+                    "--cpu-warm: {:.1} next-layer experts guessed missing per call, {:.1}% of them \
+                     routed; {:.1} MiB read ahead per call\n",
+                    h.guessed as f64 / n,
+                    100.0 * h.guessed_right as f64 / h.guessed as f64,
+                    h.warmed_bytes as f64 / n / (1u64 << 20) as f64,
+                );
+            }
         }
         for (name, c, ops) in [
             ("decode (1 token)", &t.decode, &t.decode_ops),

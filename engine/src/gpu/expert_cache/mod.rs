@@ -651,6 +651,38 @@ impl ExpertCache {
         self.copy.wait_for_compute(dev)
     }
 
+    /// The experts of `layer` (its MoE block `m`) guessed for the one-token input `x` of an earlier
+    /// layer that are not on the card: the layer's router's top `k` for `x` ([`crate::cpu::warm`]).
+    pub fn guess_missing(
+        &mut self,
+        cpu: &CpuWeights,
+        m: &poly_models::compute::Moe,
+        layer: usize,
+        x: &[f32],
+    ) -> Vec<usize> {
+        let Some(pool) = split::share_pool(&mut self.cpu_pool) else {
+            return Vec::new();
+        };
+        let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, m.n_expert_used, &pool);
+        guess.retain(|&expert| self.policy.resident(ExpertKey { layer, expert }).is_none());
+        guess
+    }
+
+    /// `beside` (the wait for the card) on this thread while the share's threads read `experts` of `m`
+    /// into the host's caches; returns its result and the bytes read.
+    pub fn warm_beside<R>(
+        &mut self,
+        cpu: &CpuWeights,
+        m: &poly_models::compute::Moe,
+        experts: &[usize],
+        beside: impl FnOnce() -> R,
+    ) -> (R, usize) {
+        match split::share_pool(&mut self.cpu_pool) {
+            Some(pool) => crate::cpu::warm::warm_experts_beside(cpu, m, experts, &pool, beside),
+            None => (beside(), 0),
+        }
+    }
+
     /// Readies the copy stream for `flags` outside any token: its first flag is set and waited for here,
     /// so a driver that refuses stream memory operations is found before a token needs them (the host
     /// then waits for the copies and sets the flags), and nothing the stream does first happens behind

@@ -13,7 +13,7 @@ use super::CpuShare;
 use crate::cpu::moe::moe_with;
 use crate::cpu::{mat_mul_with, Arithmetic, CpuWeights, Mat};
 
-fn fixture(name: &str) -> CpuWeights {
+pub(crate) fn fixture(name: &str) -> CpuWeights {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/models")
         .join(name);
