@@ -26,4 +26,5 @@ pub mod model_text;
 pub mod registry;
 pub mod telemetry;
 pub mod text;
+pub mod verify;
 pub mod web;

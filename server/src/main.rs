@@ -63,6 +63,10 @@ enum Command {
     /// the engine as `serve` runs them (it starts the model's engine itself; stop a server that holds the
     /// same GPU first).
     Benchmark(BenchmarkArgs),
+    /// Check a model as it is served (its run config: device, expert placement, knobs) against the CPU
+    /// reference on prompts of the repository's text: mean KL, largest KL and the share of steps with
+    /// the same likeliest token, within bounds or a non-zero exit.
+    Verify(VerifyArgs),
     /// Say what the server on --port has loaded: the model, its engine's pid and memory, how long it
     /// has been loaded and unused, and when it will be unloaded for idleness.
     Ps {
@@ -96,6 +100,24 @@ struct BenchmarkArgs {
     /// Seconds the engine may take to load before READY.
     #[arg(long, default_value_t = 600)]
     ready_timeout: u64,
+}
+
+#[derive(clap::Args)]
+struct VerifyArgs {
+    /// The model (a registry id, alias or unique part of an id).
+    model: String,
+    /// Prompts, from places spread over the text.
+    #[arg(long, default_value_t = 3)]
+    prompts: usize,
+    /// Tokens of each prompt.
+    #[arg(long, default_value_t = 64)]
+    prompt_tokens: usize,
+    /// Tokens written per prompt.
+    #[arg(long, default_value_t = 24)]
+    answer_tokens: usize,
+    /// The engine's JSON report on stdout instead of the summary.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -251,6 +273,16 @@ fn main() -> ExitCode {
                 answer_tokens: b.answer_tokens,
                 json: b.json,
                 ready_timeout: std::time::Duration::from_secs(b.ready_timeout),
+            },
+        ),
+        Some(Command::Verify(v)) => polystrata::verify::run(
+            registry,
+            polystrata::verify::VerifyOptions {
+                model: v.model,
+                prompts: v.prompts,
+                prompt_tokens: v.prompt_tokens,
+                answer_tokens: v.answer_tokens,
+                json: v.json,
             },
         ),
         Some(Command::Tokenizer { gguf, out }) => {

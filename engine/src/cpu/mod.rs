@@ -352,6 +352,7 @@ pub fn mat_mul_with(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
     if arith == Arithmetic::BatchInvariant {
         let order = llama_order(m, 1).flatten();
         matmul_ordered(m, &x.data, x.rows, &mut y.data, order);
+        break_on_purpose(m, x, &mut y);
         return y;
     }
     let order = llama_order(m, x.rows);
@@ -360,7 +361,20 @@ pub fn mat_mul_with(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
         1 => matvec(m, &x.data, &mut y.data),
         n => matmul(m, &x.data, n, &mut y.data),
     }
+    break_on_purpose(m, x, &mut y);
     y
+}
+
+/// `POLY_BREAK_BATCHES=1`, for diagnosis only: products of more than one activation row (a prompt's)
+/// lose their first output, a deliberately broken kernel that `polystrata verify`, whose reference reads
+/// prompts one token at a time, must catch (its test sets it).
+fn break_on_purpose(m: &QuantMatrix<'_>, x: &Mat, y: &mut Mat) {
+    static BROKEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let broken =
+        *BROKEN.get_or_init(|| std::env::var("POLY_BREAK_BATCHES").is_ok_and(|v| v == "1"));
+    if broken && x.rows > 1 && m.rows > 0 {
+        y.data.chunks_mut(m.rows).for_each(|row| row[0] = 0.0);
+    }
 }
 
 /// The chunk of positions of llama.cpp's split-KV decode (one query over at least 512 cache cells: each of

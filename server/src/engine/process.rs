@@ -208,6 +208,7 @@ pub const ENGINE_ENV_ALLOW: &[&str] = &[
     "POLY_CPU_PROFILE",
     "POLY_CUDA_SYNC",
     "POLY_KERNEL_CACHE",
+    "POLY_BREAK_BATCHES",
 ];
 
 /// Of `vars` (the server's environment), those an engine child gets: the ones named in
