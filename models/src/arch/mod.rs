@@ -9,6 +9,8 @@
 //! - [`common`]: the hyperparameters every architecture shares, read and checked once ([`CommonHparams`],
 //!   and [`ExpertHparams`] for routed experts); an architecture file reads only its own.
 //! - [`graph`]: the forward-pass interface ([`Forward`], [`ModelGraph`], [`StateSpec`], tensor binding).
+//! - [`uses`]: what a graph's forward pass asks of a backend ([`ModelGraph::uses`]), so a backend that
+//!   lacks an operation refuses the model at load.
 //! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
 //!   shared experts, one MTP (next-token prediction) block.
@@ -27,6 +29,7 @@ pub mod lfm2moe;
 pub mod llama;
 pub mod qwen35moe;
 pub mod qwen3moe;
+pub mod uses;
 
 use crate::gguf::{GgufError, Metadata, Value};
 
@@ -40,6 +43,7 @@ pub use lfm2moe::Lfm2MoeHparams;
 pub use llama::LlamaHparams;
 pub use qwen35moe::Qwen35MoeHparams;
 pub use qwen3moe::Qwen3MoeHparams;
+pub use uses::GraphUses;
 
 /// An error in an architecture's metadata: a key missing or of the wrong type, or values that do not
 /// describe a model llama.cpp would load.
