@@ -108,7 +108,16 @@ impl Model {
         placement: &crate::gpu::Placement,
     ) -> Result<(), EngineError> {
         self.gpu = None;
-        self.gpu = match choice.ordinal()? {
+        let ordinal = choice.ordinal()?;
+        if let (Some(_), crate::gpu::DeviceChoice::Auto) = (ordinal, choice) {
+            // A card chosen by default that cannot run the model leaves it on the CPU, saying why; one
+            // asked for (`--gpu N`) refuses it in `GpuBackend::load`.
+            if let Some(why) = crate::gpu::GpuBackend::refuses(&self.graph, &self.weights) {
+                eprintln!("poly-engine: {why}; running on the CPU");
+                return Ok(());
+            }
+        }
+        self.gpu = match ordinal {
             Some(n) => Some(crate::gpu::GpuBackend::load(
                 n,
                 &self.graph,

@@ -140,6 +140,9 @@ pub struct Moe {
     pub n_expert: usize,
     pub n_expert_used: usize,
     pub gating: Gating,
+    /// A selection bias `[n_expert]` (F32; DeepSeek V3's and LFM2's `exp_probs_b`), added to the
+    /// probabilities only to choose the experts: their weights are the unbiased probabilities.
+    pub selection_bias: Option<WeightId>,
     /// Renormalize the chosen experts' weights to sum to one.
     pub norm_weights: bool,
     /// Multiplies the chosen experts' weights.

@@ -25,8 +25,14 @@ pub mod summary;
 
 /// The architectures the engine runs, by `general.architecture`: also without `compute`, so that the
 /// server's registry can mark other files unavailable. Kept equal to `arch::ARCH_NAMES` (tested).
-pub const SUPPORTED_ARCHITECTURES: &[&str] =
-    &["qwen3moe", "qwen35moe", "clover_moe", "gemma3", "llama"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "qwen3moe",
+    "qwen35moe",
+    "clover_moe",
+    "gemma3",
+    "llama",
+    "lfm2moe",
+];
 
 #[cfg(all(test, feature = "compute"))]
 mod tests {

@@ -95,6 +95,8 @@ FIXTURE_MODELS = [
     ("gemma3-tiny-q4k-q8", "gemma3", ["--types", "ffn=Q4_K,attn=Q8_0"], None),
     ("llama-tiny-q4km", "llama", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
     ("llama-tiny-q4k-q8", "llama", ["--types", "ffn=Q4_K,attn=Q8_0"], None),
+    ("lfm2moe-tiny-q4km", "lfm2moe", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
+    ("lfm2moe-tiny-q4k-q8", "lfm2moe", ["--types", "expert=Q4_K,attn=Q8_0"], None),
 ]
 SYNTH_SEED = 1
 

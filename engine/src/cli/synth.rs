@@ -23,7 +23,7 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Architecture: qwen3moe, qwen35moe, gemma3 or llama (see --list-shapes).
+    /// Architecture: qwen3moe, qwen35moe, gemma3, llama or lfm2moe (see --list-shapes).
     #[arg(long, required_unless_present = "list_shapes")]
     arch: Option<String>,
     /// Shape: tiny, small, or the real model's name (see --list-shapes; case-insensitive).
@@ -32,8 +32,8 @@ pub struct SynthArgs {
     /// Type of every quantizable tensor (default: the shape's, Q8_0 for tiny, Q4_K otherwise).
     #[arg(long = "type", value_name = "TYPE")]
     default_type: Option<String>,
-    /// Per-class types, e.g. expert=Q4_K,attn=Q8_0,embd=Q6_K (classes: embd, output, attn, ssm, ffn,
-    /// expert, shexp, router, nextn; norm and ssm_param are always F32).
+    /// Per-class types, e.g. expert=Q4_K,attn=Q8_0,embd=Q6_K (classes: embd, output, attn, ssm, conv,
+    /// ffn, expert, shexp, router, nextn; norm and ssm_param are always F32).
     #[arg(long, value_name = "CLASS=TYPE,...")]
     types: Option<String>,
     /// Seed of every random value (the file depends on nothing else).

@@ -1,6 +1,6 @@
 //! The mixture-of-experts block on the CPU, as llama.cpp's `build_moe_ffn` computes it: router logits,
-//! probabilities (softmax or sigmoid), the top-k experts per token, their weights (renormalized and
-//! scaled when asked), then each chosen expert's `down(act(gate·x) ⊙ up·x)` summed with those weights.
+//! probabilities (softmax or sigmoid), the top-k experts per token (by probability plus the selection bias
+//! when the block has one), their weights (renormalized and scaled when asked), then each chosen expert's `down(act(gate·x) ⊙ up·x)` summed with those weights.
 //!
 //! Tokens are grouped by expert, so each expert's three matrices (sub-matrices of the `*_exps` tensors)
 //! stream once per call for all the tokens routed to it; experts run in parallel. A token's expert outputs
@@ -14,7 +14,7 @@
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::matmul::{matmul_ordered, matvec_many, MatvecJob};
 use poly_kernels::ops::act;
-use poly_kernels::ops::topk::{route, Gating as KGating};
+use poly_kernels::ops::topk::{route_biased, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
 use poly_models::compute::{Gating, Moe, Unary};
 use rayon::prelude::*;
@@ -64,8 +64,12 @@ pub fn moe_observed(
         Gating::Softmax => KGating::Softmax,
         Gating::Sigmoid => KGating::Sigmoid,
     };
+    let bias = m.selection_bias.map(|b| w.f32(b));
     let routes: Vec<Vec<(u32, f32)>> = (0..n)
-        .map(|t| route(logits.row(t), gating, k, m.norm_weights, m.weights_scale))
+        .map(|t| {
+            let (norm, scale) = (m.norm_weights, m.weights_scale);
+            route_biased(logits.row(t), gating, bias, k, norm, scale)
+        })
         .collect();
     observe(&routes);
 

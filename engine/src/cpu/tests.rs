@@ -105,6 +105,7 @@ fn moe_matches_a_naive_reference() {
         n_expert: N_EXPERT,
         n_expert_used: 2,
         gating: Gating::Softmax,
+        selection_bias: None,
         norm_weights: true,
         weights_scale: 1.5,
         act: Unary::Silu,

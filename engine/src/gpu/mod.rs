@@ -151,6 +151,9 @@ impl GpuBackend {
         cpu: &CpuWeights,
         placement: &Placement,
     ) -> Result<GpuBackend, EngineError> {
+        if let Some(why) = GpuBackend::refuses(graph, cpu) {
+            return Err(EngineError(why));
+        }
         let dev = Device::open(ordinal).map_err(cuda_err)?;
         let layers = expert_cache::layout::expert_layers(cpu)?;
         let weights =
@@ -180,6 +183,24 @@ impl GpuBackend {
             backend.place_experts(graph, cpu, placement)?;
         }
         Ok(backend)
+    }
+
+    /// Why the card cannot run `graph`'s forward pass (an operation, or a form of one, its kernels lack),
+    /// found from what the graph uses ([`ModelGraph::uses`]) before anything is uploaded; `None` when it
+    /// can.
+    pub fn refuses(graph: &ModelGraph, cpu: &CpuWeights) -> Option<String> {
+        let uses = graph.uses(cpu.file());
+        let lacks: Vec<&str> = [uses.needs_moe_selection_bias()]
+            .into_iter()
+            .flatten()
+            .collect();
+        (!lacks.is_empty()).then(|| {
+            format!(
+                "GPU: the card does not run this {} model yet: it lacks {} (run it on the CPU: --cpu)",
+                graph.info().arch,
+                lacks.join(", ")
+            )
+        })
     }
 
     /// Sizes and fills the expert cache: a warm-up call (every expert staged) leaves the calls' scratch

@@ -130,7 +130,7 @@ unsafe fn swiglu_rows_fma(gate: &mut [f32], up: &[f32], row: usize) {
 
 /// Whether FMA instructions may be used (`mul_add` is otherwise a library call: same results, slower).
 #[inline]
-fn fma_available() -> bool {
+pub(crate) fn fma_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")

@@ -11,8 +11,8 @@ use rayon::prelude::*;
 /// `weight` (`channels` rows of `kernel` taps, ggml's `[kernel, channels]`), continuing from `state`
 /// (the previous `kernel - 1` rows of input, oldest first), which the call advances:
 /// `out[t][c] = Σ_i in[t - (kernel-1) + i][c] · weight[c][i]`, where inputs before `x` come from `state`.
-/// Each product is rounded, then added in tap order from zero, as ggml's compiled `ssm_conv` does (no
-/// fused multiply-add).
+/// The products are added in tap order from zero as ggml's compiled `ssm_conv` (AVX2 + FMA build) adds
+/// them: the taps of whole groups of four as rounded products, the remaining taps fused (`fma`).
 pub fn conv1d_causal(
     x: &[f32],
     channels: usize,
@@ -46,7 +46,12 @@ pub fn conv1d_causal(
         }
     }
     // Output rows depend on input rows only: rows in parallel for long inputs. Each element still sums
-    // its products from zero in tap order.
+    // its products from zero in tap order, as ggml's AVX2 + FMA build compiles `ggml_ssm_conv`'s loop:
+    // the taps of whole groups of four as rounded products added in order (its vectorized body), the
+    // rest fused (the scalar remainder, which the compiler contracts to FMA). So a kernel of 4 taps
+    // (Qwen3.5's) adds rounded products, one of 3 (LFM2's) fuses all three.
+    let rounded = kernel / 4 * 4;
+    let fma = super::act::fma_available();
     let row = |t: usize, o: &mut [f32]| {
         o.fill(0.0);
         for i in 0..kernel {
@@ -54,8 +59,12 @@ pub fn conv1d_causal(
                 &buf[(t + i) * channels..(t + i + 1) * channels],
                 &taps[i * channels..(i + 1) * channels],
             );
-            for ((o, &x), &w) in o.iter_mut().zip(xs).zip(ws) {
-                *o += x * w;
+            if i < rounded {
+                for ((o, &x), &w) in o.iter_mut().zip(xs).zip(ws) {
+                    *o += x * w;
+                }
+            } else {
+                fused_tap(o, xs, ws, fma);
             }
         }
     };
@@ -65,6 +74,33 @@ pub fn conv1d_causal(
         .with_min_len(min_rows)
         .for_each(|(t, o)| row(t, o));
     state.copy_from_slice(&buf[n * channels..]);
+}
+
+/// `o ← fma(x, w, o)` element-wise (`fma`: FMA instructions are available; else `mul_add`'s library call,
+/// the same values).
+fn fused_tap(o: &mut [f32], xs: &[f32], ws: &[f32], fma: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if fma {
+        // SAFETY: the caller detected FMA at run time.
+        return unsafe { fused_tap_fma(o, xs, ws) };
+    }
+    let _ = fma;
+    fused_tap_body(o, xs, ws)
+}
+
+#[inline(always)]
+fn fused_tap_body(o: &mut [f32], xs: &[f32], ws: &[f32]) {
+    for ((o, &x), &w) in o.iter_mut().zip(xs).zip(ws) {
+        *o = x.mul_add(w, *o);
+    }
+}
+
+/// # Safety
+/// The CPU must support FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fused_tap_fma(o: &mut [f32], xs: &[f32], ws: &[f32]) {
+    fused_tap_body(o, xs, ws)
 }
 
 /// The shape of a gated delta rule call.
@@ -332,6 +368,55 @@ mod tests {
         let mut out = vec![0f32; channels];
         conv1d_causal(&s[1], channels, &s[2], kernel, &mut state, &mut out);
         assert_eq!(bits(&out), bits(&s[3]));
+    }
+
+    /// `testdata/ssm-conv-taps.bin` (`testdata/ssm_conv_taps.c`): ggml's `ggml_ssm_conv` on 32 channels
+    /// and 4 tokens with kernels of 3 and 6 taps, where its compiled loop fuses the taps past the last
+    /// whole group of four.
+    #[test]
+    fn conv1d_equals_llama_cpp_bit_for_bit_for_kernels_not_a_multiple_of_four() {
+        let bytes: &[u8] = include_bytes!("../../testdata/ssm-conv-taps.bin");
+        let mut sections = Vec::new();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let n = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+            let values: Vec<f32> = rest[4..4 + 4 * n]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            sections.push(values);
+            rest = &rest[4 + 4 * n..];
+        }
+        assert_eq!(sections.len(), 6, "two kernels of three sections");
+        let (channels, tokens) = (32, 4);
+        for (k, kernel) in [3usize, 6].into_iter().enumerate() {
+            let (window, weight, want) =
+                (&sections[3 * k], &sections[3 * k + 1], &sections[3 * k + 2]);
+            let len = kernel - 1 + tokens;
+            // ggml's window is [channel][time]; ours is the state [tap][channel] then x [token][channel].
+            let at = |t: usize, c: usize| window[c * len + t];
+            let mut state = vec![0f32; (kernel - 1) * channels];
+            for t in 0..kernel - 1 {
+                for c in 0..channels {
+                    state[t * channels + c] = at(t, c);
+                }
+            }
+            let x: Vec<f32> = (0..tokens)
+                .flat_map(|t| (0..channels).map(move |c| (t, c)))
+                .map(|(t, c)| at(kernel - 1 + t, c))
+                .collect();
+            let mut out = vec![0f32; tokens * channels];
+            conv1d_causal(&x, channels, weight, kernel, &mut state, &mut out);
+            assert_eq!(bits(&out), bits(want), "{kernel} taps");
+            // Every product rounded (the order for four taps) is not what ggml computes here.
+            let plain: Vec<f32> = (0..tokens * channels)
+                .map(|i| {
+                    let (t, c) = (i / channels, i % channels);
+                    (0..kernel).fold(0f32, |s, j| s + at(t + j, c) * weight[c * kernel + j])
+                })
+                .collect();
+            assert_ne!(bits(&plain), bits(want), "{kernel} taps");
+        }
     }
 
     #[test]

@@ -44,12 +44,32 @@ const MIN_WEIGHT_SUM: f32 = 6.103_515_6e-5;
 /// `ggml_sigmoid`, the chosen probabilities summed in f64 and rounded (`ggml_sum_rows`), clamped, and
 /// each divided by the sum (`ggml_div`), then multiplied by `scale` (`ggml_scale`).
 pub fn route(logits: &[f32], gating: Gating, k: usize, norm: bool, scale: f32) -> Vec<(u32, f32)> {
+    route_biased(logits, gating, None, k, norm, scale)
+}
+
+/// [`route`] with a selection bias (one per expert, DeepSeek V3's and LFM2's `exp_probs_b`): the experts
+/// are chosen by probability plus bias (`ggml_add`), their weights are still the unbiased probabilities.
+pub fn route_biased(
+    logits: &[f32],
+    gating: Gating,
+    bias: Option<&[f32]>,
+    k: usize,
+    norm: bool,
+    scale: f32,
+) -> Vec<(u32, f32)> {
     let mut probs = logits.to_vec();
     match gating {
         Gating::Softmax => softmax_ggml(&mut probs),
         Gating::Sigmoid => probs.iter_mut().for_each(|v| *v = sigmoid(*v)),
     }
-    let chosen = top_k(&probs, k);
+    let chosen = match bias {
+        Some(b) => {
+            assert_eq!(b.len(), probs.len(), "route: one selection bias per expert");
+            let biased: Vec<f32> = probs.iter().zip(b).map(|(p, b)| p + b).collect();
+            top_k(&biased, k)
+        }
+        None => top_k(&probs, k),
+    };
     let mut out: Vec<(u32, f32)> = chosen.iter().map(|&e| (e as u32, probs[e])).collect();
     if norm {
         let sum = out.iter().map(|p| p.1 as f64).sum::<f64>() as f32;
@@ -97,5 +117,28 @@ mod tests {
         let r = route(&logits, Gating::Sigmoid, 1, false, 1.0);
         assert_eq!(r[0].0, 1);
         assert!((r[0].1 as f64 - 1.0 / (1.0 + (-2.0f64).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_selection_bias_chooses_the_experts_but_not_their_weights() {
+        let logits = [0.1f32, 2.0, -1.0, 1.5];
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // Unbiased the two likeliest are experts 1 and 3; a bias of 0.7 lifts expert 2 (sigmoid(-1) = 0.27)
+        // above both.
+        let bias = [0.0f32, 0.0, 0.7, 0.0];
+        let r = route_biased(&logits, Gating::Sigmoid, Some(&bias), 2, false, 1.0);
+        // Biased scores: 0.52, 0.88, 0.97, 0.82: experts 2 then 1.
+        assert_eq!((r[0].0, r[1].0), (2, 1));
+        // Their weights are the unbiased probabilities.
+        assert!((r[0].1 - sig(-1.0)).abs() < 1e-6 && (r[1].1 - sig(2.0)).abs() < 1e-6);
+        // Renormalized over the chosen experts' unbiased probabilities.
+        let r = route_biased(&logits, Gating::Sigmoid, Some(&bias), 2, true, 1.0);
+        let s = sig(-1.0) + sig(2.0);
+        assert!((r[0].1 - sig(-1.0) / s).abs() < 1e-6 && (r[1].1 - sig(2.0) / s).abs() < 1e-6);
+        // No bias is route's choice.
+        assert_eq!(
+            route_biased(&logits, Gating::Sigmoid, None, 2, true, 1.0),
+            route(&logits, Gating::Sigmoid, 2, true, 1.0)
+        );
     }
 }

@@ -41,11 +41,26 @@ pub struct CommonHparams {
 impl CommonHparams {
     /// Reads them from `md` for architecture `arch` (which names the refusals).
     pub fn read(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
+        Self::read_layers(md, arch, false)
+    }
+
+    /// [`CommonHparams::read`] for a hybrid architecture whose `attention.head_count_kv` is 0 in the
+    /// blocks without attention (LFM2's short convolutions, as llama.cpp's converter writes them):
+    /// `n_head_kv` is then the value of the blocks with attention, which must agree.
+    pub fn read_hybrid(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
+        Self::read_layers(md, arch, true)
+    }
+
+    fn read_layers(md: &Metadata, arch: &str, hybrid: bool) -> Result<Self, ArchError> {
         let n_layer_all = md.arch_u32("block_count")?;
         let n_embd = md.arch_u32("embedding_length")?;
         let n_head = uniform_u32_req(md, "attention.head_count", n_layer_all)?;
         check(arch, n_head > 0, "attention.head_count is 0")?;
-        let n_head_kv = uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head);
+        let n_head_kv = if hybrid {
+            attention_kv_heads(md, arch, n_layer_all)?.unwrap_or(n_head)
+        } else {
+            uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head)
+        };
         let head_k = md
             .arch_u32_opt("attention.key_length")?
             .unwrap_or(n_embd / n_head);
@@ -111,6 +126,27 @@ impl CommonHparams {
     pub fn n_ff(&self, md: &Metadata) -> Result<u32, ArchError> {
         uniform_u32_req(md, "feed_forward_length", self.n_layer_all)
     }
+}
+
+/// `attention.head_count_kv` of a hybrid model's blocks with attention (those whose value is above 0; a
+/// scalar applies to every block); `None` when the file has no such key.
+fn attention_kv_heads(md: &Metadata, arch: &str, n_layers: u32) -> Result<Option<u32>, ArchError> {
+    let Some(values) = md.arch_u32_per_layer_opt("attention.head_count_kv", n_layers as usize)?
+    else {
+        return Ok(None);
+    };
+    let mut attn = values.iter().copied().filter(|&v| v > 0);
+    let Some(first) = attn.next() else {
+        return Err(ArchError(format!(
+            "{arch}: attention.head_count_kv is 0 in every block: a model without attention is not supported"
+        )));
+    };
+    check(
+        arch,
+        attn.all(|v| v == first),
+        "attention.head_count_kv differs between attention blocks; this architecture needs one value",
+    )?;
+    Ok(Some(first))
 }
 
 /// `CommonHparams` of an architecture's hyperparameters `$hp` that hold the common fields under their
@@ -378,7 +414,11 @@ mod shape_tests {
             if md.arch_u32_opt("vocab_size").ok().flatten().is_none() {
                 assert!(md.insert_new(format!("{arch}.vocab_size"), Value::U32(c.n_vocab as u32)));
             }
-            let read = CommonHparams::read(&md, arch).expect("reads");
+            let read = match arch {
+                crate::arch::lfm2moe::ARCH => CommonHparams::read_hybrid(&md, arch),
+                _ => CommonHparams::read(&md, arch),
+            }
+            .expect("reads");
             assert_eq!(read, c, "{arch} {}", shape.name);
             hp.validate().expect("valid");
             let back = ModelHparams::from_metadata(&md).expect("loads");

@@ -18,7 +18,8 @@
 use std::collections::HashMap;
 
 use super::{
-    gemma3, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence, Role,
+    gemma3, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence,
+    Role,
 };
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
@@ -35,7 +36,8 @@ pub enum StateSpec {
         window: Option<u32>,
     },
     /// A recurrent state of fixed size: the convolution's last `conv_kernel - 1` inputs of
-    /// `conv_channels` values, and the delta rule's `[n_v_heads, head_v, head_k]` matrix.
+    /// `conv_channels` values, and the delta rule's `[n_v_heads, head_v, head_k]` matrix (none, with
+    /// `n_v_heads` 0, for a block that only convolves: LFM2's short convolution).
     Recurrent {
         conv_kernel: usize,
         conv_channels: usize,
@@ -181,7 +183,7 @@ pub fn bind_tensors(hp: &dyn ArchHparams, file: &GgufFile) -> Result<TensorMap, 
         for def in hp.tensor_defs() {
             match (layer, def.layers) {
                 (None, None) => {}
-                (Some(il), Some(sel)) if sel.selects(hp.layer_kind(il)) => {}
+                (Some(il), Some(sel)) if sel.selects(hp, il) => {}
                 _ => continue,
             }
             let name = def.role.name(layer.unwrap_or(0));
@@ -246,6 +248,7 @@ pub enum ModelGraph {
     Gemma3(gemma3::Gemma3Graph),
     Qwen35Moe(qwen35moe::Qwen35MoeGraph),
     Llama(llama::LlamaGraph),
+    Lfm2Moe(lfm2moe::Lfm2MoeGraph),
 }
 
 impl ModelGraph {
@@ -272,6 +275,11 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
+            ModelHparams::Lfm2Moe(h) => Ok(ModelGraph::Lfm2Moe(lfm2moe::Lfm2MoeGraph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
         }
     }
 
@@ -281,7 +289,10 @@ impl ModelGraph {
     pub fn value_maps(&self) -> Vec<(WeightId, ValueMap)> {
         match self {
             ModelGraph::Qwen35Moe(g) => g.value_maps(),
-            ModelGraph::Qwen3Moe(_) | ModelGraph::Gemma3(_) | ModelGraph::Llama(_) => Vec::new(),
+            ModelGraph::Qwen3Moe(_)
+            | ModelGraph::Gemma3(_)
+            | ModelGraph::Llama(_)
+            | ModelGraph::Lfm2Moe(_) => Vec::new(),
         }
     }
 }
@@ -310,6 +321,7 @@ impl Forward for ModelGraph {
             ModelGraph::Gemma3(g) => g.info(),
             ModelGraph::Qwen35Moe(g) => g.info(),
             ModelGraph::Llama(g) => g.info(),
+            ModelGraph::Lfm2Moe(g) => g.info(),
         }
     }
 
@@ -319,6 +331,7 @@ impl Forward for ModelGraph {
             ModelGraph::Gemma3(g) => g.layer_states(),
             ModelGraph::Qwen35Moe(g) => g.layer_states(),
             ModelGraph::Llama(g) => g.layer_states(),
+            ModelGraph::Lfm2Moe(g) => g.layer_states(),
         }
     }
 
@@ -328,6 +341,7 @@ impl Forward for ModelGraph {
             ModelGraph::Gemma3(g) => g.forward(c),
             ModelGraph::Qwen35Moe(g) => g.forward(c),
             ModelGraph::Llama(g) => g.forward(c),
+            ModelGraph::Lfm2Moe(g) => g.forward(c),
         }
     }
 }

@@ -9,6 +9,8 @@
 //! - [`common`]: the hyperparameters every architecture shares, read and checked once ([`CommonHparams`],
 //!   and [`ExpertHparams`] for routed experts); an architecture file reads only its own.
 //! - [`graph`]: the forward-pass interface ([`Forward`], [`ModelGraph`], [`StateSpec`], tensor binding).
+//! - [`uses`]: what a graph's forward pass asks of a backend ([`ModelGraph::uses`]), so a backend that
+//!   lacks an operation refuses the model at load.
 //! - [`qwen3moe`]: Qwen3 MoE (Qwen3-30B-A3B, Qwen3-235B-A22B).
 //! - [`qwen35moe`]: Qwen3.5/3.6 MoE: gated delta-net and gated full attention layers 3:1, routed and
 //!   shared experts, one MTP (next-token prediction) block.
@@ -16,14 +18,18 @@
 //!   sections); it runs as `qwen35moe`.
 //! - [`gemma3`]: Gemma 3 text models: sliding-window and global attention 5:1, post-norms, tied output.
 //! - [`llama`]: dense Llama-family models (Llama 2/3, Mistral, SmolLM2): GQA, normal RoPE, SwiGLU.
+//! - [`lfm2moe`]: LFM2 MoE (LFM2-8B-A1B, LFM2.5-24B-A2B): gated short-convolution blocks beside
+//!   attention blocks, dense leading FFNs, then sigmoid-routed experts with a selection bias.
 
 pub mod clover_moe;
 pub mod common;
 pub mod gemma3;
 pub mod graph;
+pub mod lfm2moe;
 pub mod llama;
 pub mod qwen35moe;
 pub mod qwen3moe;
+pub mod uses;
 
 use crate::gguf::{GgufError, Metadata, Value};
 
@@ -33,9 +39,11 @@ pub use graph::{
     bind_tensors, routed_experts, Forward, ModelGraph, ModelInfo, RoutedExperts, StateSpec,
     TensorMap, ValueMap,
 };
+pub use lfm2moe::Lfm2MoeHparams;
 pub use llama::LlamaHparams;
 pub use qwen35moe::Qwen35MoeHparams;
 pub use qwen3moe::Qwen3MoeHparams;
+pub use uses::GraphUses;
 
 /// An error in an architecture's metadata: a key missing or of the wrong type, or values that do not
 /// describe a model llama.cpp would load.
@@ -68,8 +76,11 @@ pub enum TensorClass {
     Attention,
     /// Gated delta-net projections (QKV, Z gate, alpha, beta, output).
     DeltaNet,
-    /// Small delta-net parameters (conv1d kernel, A, dt bias): always F32.
+    /// Small recurrent-block parameters (the delta-net's conv1d kernel, A, dt bias; the short
+    /// convolution's kernel): always F32.
     DeltaNetParam,
+    /// Short-convolution blocks' input and output projections (LFM2).
+    ShortConv,
     /// Dense feed-forward network.
     Ffn,
     /// Routed experts.
@@ -101,7 +112,12 @@ const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
     (
         TensorClass::DeltaNetParam,
         "ssm_param",
-        "delta-net conv1d, A, dt (F32)",
+        "delta-net conv1d, A, dt; short-conv kernel (F32)",
+    ),
+    (
+        TensorClass::ShortConv,
+        "conv",
+        "short-convolution in/out projections",
     ),
     (TensorClass::Ffn, "ffn", "dense feed-forward"),
     (TensorClass::Expert, "expert", "routed experts"),
@@ -109,7 +125,7 @@ const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
     (
         TensorClass::Router,
         "router",
-        "expert router and shared-expert gate",
+        "expert router, its selection bias and the shared-expert gate",
     ),
     (TensorClass::NextN, "nextn", "MTP block projection"),
     (TensorClass::Norm, "norm", "normalization weights (F32)"),
@@ -157,6 +173,9 @@ impl TensorClass {
 pub enum Role {
     TokenEmbd,
     OutputNorm,
+    /// The final norm under LFM2's name for it (`token_embd_norm.weight`, llama.cpp's
+    /// `LLM_TENSOR_OUTPUT_NORM_LFM2`): applied after the last block, not to the embeddings.
+    OutputNormLfm2,
     /// RoPE frequency factors (`rope_freqs.weight`, Llama 3.1+).
     RopeFreqs,
     Output,
@@ -181,6 +200,8 @@ pub enum Role {
     FfnGateShexp,
     FfnUpShexp,
     FfnDownShexp,
+    /// The experts' selection bias (`exp_probs_b`).
+    FfnExpProbsB,
     /// Optional biases of the attention and FFN projections (llama.cpp's `wq_b` … `ffn_down_b`).
     AttnQBias,
     AttnKBias,
@@ -200,6 +221,12 @@ pub enum Role {
     SsmAlpha,
     SsmNorm,
     SsmOut,
+    /// Short-convolution kernel (LFM2).
+    ShortConvConv,
+    /// Short-convolution input projection: the B gate, C gate and input, side by side.
+    ShortConvInProj,
+    /// Short-convolution output projection.
+    ShortConvOutProj,
     NextnEhProj,
     NextnEnorm,
     NextnHnorm,
@@ -228,6 +255,7 @@ impl Role {
         match self {
             Role::TokenEmbd => "token_embd.weight",
             Role::OutputNorm => "output_norm.weight",
+            Role::OutputNormLfm2 => "token_embd_norm.weight",
             Role::RopeFreqs => "rope_freqs.weight",
             Role::Output => "output.weight",
             Role::AttnNorm => "blk.{}.attn_norm.weight",
@@ -251,6 +279,7 @@ impl Role {
             Role::FfnGateShexp => "blk.{}.ffn_gate_shexp.weight",
             Role::FfnUpShexp => "blk.{}.ffn_up_shexp.weight",
             Role::FfnDownShexp => "blk.{}.ffn_down_shexp.weight",
+            Role::FfnExpProbsB => "blk.{}.exp_probs_b.bias",
             Role::AttnQBias => "blk.{}.attn_q.bias",
             Role::AttnKBias => "blk.{}.attn_k.bias",
             Role::AttnVBias => "blk.{}.attn_v.bias",
@@ -267,6 +296,9 @@ impl Role {
             Role::SsmAlpha => "blk.{}.ssm_alpha.weight",
             Role::SsmNorm => "blk.{}.ssm_norm.weight",
             Role::SsmOut => "blk.{}.ssm_out.weight",
+            Role::ShortConvConv => "blk.{}.shortconv.conv.weight",
+            Role::ShortConvInProj => "blk.{}.shortconv.in_proj.weight",
+            Role::ShortConvOutProj => "blk.{}.shortconv.out_proj.weight",
             Role::NextnEhProj => "blk.{}.nextn.eh_proj.weight",
             Role::NextnEnorm => "blk.{}.nextn.enorm.weight",
             Role::NextnHnorm => "blk.{}.nextn.hnorm.weight",
@@ -289,6 +321,8 @@ pub enum Dim {
     Embd,
     /// `2 * n_embd` (the MTP block's concatenated embedding and hidden state).
     Embd2,
+    /// `3 * n_embd` (LFM2's short-convolution input projection: B, C and the input).
+    Embd3,
     /// Vocabulary size.
     Vocab,
     /// Dense FFN width.
@@ -311,7 +345,7 @@ pub enum Dim {
     KProj,
     /// `n_head_kv * head_v`.
     VProj,
-    /// Delta-net conv kernel length.
+    /// Convolution kernel length (the delta-net's conv1d, LFM2's short convolution).
     SsmConvKernel,
     /// Delta-net conv channels: `2 * n_k_heads * head_k + n_v_heads * head_v`.
     SsmConvDim,
@@ -330,7 +364,7 @@ pub enum LayerKind {
     Attention,
     /// Sliding-window attention.
     SlidingAttention,
-    /// Recurrent (gated delta-net) block.
+    /// Recurrent block (a gated delta-net, or LFM2's short convolution).
     Recurrent,
     /// MTP (next-token prediction) block: full attention plus the `nextn.*` tensors; not run by the main
     /// forward pass.
@@ -348,16 +382,23 @@ pub enum LayerSel {
     Recurrent,
     /// MTP blocks.
     NextN,
+    /// Blocks whose feed-forward network is dense ([`ArchHparams::dense_ffn`]: LFM2's leading blocks).
+    DenseFfn,
+    /// Blocks whose feed-forward network is a mixture of experts.
+    MoeFfn,
 }
 
 impl LayerSel {
-    /// Whether a block of kind `kind` holds tensors of this selection.
-    pub fn selects(self, kind: LayerKind) -> bool {
+    /// Whether block `il` of `hp`'s model holds tensors of this selection.
+    pub fn selects(self, hp: &dyn ArchHparams, il: u32) -> bool {
+        let kind = hp.layer_kind(il);
         match self {
             LayerSel::All => true,
             LayerSel::Attention => kind != LayerKind::Recurrent,
             LayerSel::Recurrent => kind == LayerKind::Recurrent,
             LayerSel::NextN => kind == LayerKind::NextN,
+            LayerSel::DenseFfn => hp.dense_ffn(il),
+            LayerSel::MoeFfn => !hp.dense_ffn(il),
         }
     }
 }
@@ -421,6 +462,11 @@ pub trait ArchHparams {
     fn n_expert_used(&self) -> u32 {
         0
     }
+    /// Whether block `il`'s feed-forward network is dense in a model that also has MoE blocks (the
+    /// tables' [`LayerSel::DenseFfn`] / [`LayerSel::MoeFfn`]); false where no table asks.
+    fn dense_ffn(&self, _il: u32) -> bool {
+        false
+    }
     /// Whether the optional tensor `role` belongs in this model's files, as in files converted from the
     /// real model (e.g. no `output.weight` when the output is tied to the embedding).
     fn synth_writes(&self, role: Role) -> bool;
@@ -465,10 +511,9 @@ pub fn resolve_tensors(hp: &dyn ArchHparams) -> Result<Vec<TensorDesc>, ArchErro
         });
     }
     for il in 0..hp.n_layer_all() {
-        let kind = hp.layer_kind(il);
         for d in defs.iter().filter(|d| wanted(d)) {
             let Some(sel) = d.layers else { continue };
-            if !sel.selects(kind) {
+            if !sel.selects(hp, il) {
                 continue;
             }
             out.push(TensorDesc {
@@ -491,6 +536,7 @@ pub enum ModelHparams {
     Qwen35Moe(Qwen35MoeHparams),
     Gemma3(Gemma3Hparams),
     Llama(LlamaHparams),
+    Lfm2Moe(Lfm2MoeHparams),
 }
 
 /// The architectures this crate knows, by `general.architecture`.
@@ -500,6 +546,7 @@ pub const ARCH_NAMES: &[&str] = &[
     clover_moe::ARCH,
     gemma3::ARCH,
     llama::ARCH,
+    lfm2moe::ARCH,
 ];
 
 impl ModelHparams {
@@ -514,6 +561,7 @@ impl ModelHparams {
             clover_moe::ARCH => Ok(ModelHparams::Qwen35Moe(clover_moe::from_metadata(md)?)),
             gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
             llama::ARCH => Ok(ModelHparams::Llama(LlamaHparams::from_metadata(md)?)),
+            lfm2moe::ARCH => Ok(ModelHparams::Lfm2Moe(Lfm2MoeHparams::from_metadata(md)?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
                 ARCH_NAMES.join(", ")
@@ -528,6 +576,7 @@ impl ModelHparams {
             ModelHparams::Qwen35Moe(h) => h,
             ModelHparams::Gemma3(h) => h,
             ModelHparams::Llama(h) => h,
+            ModelHparams::Lfm2Moe(h) => h,
         }
     }
 }

@@ -316,7 +316,7 @@ impl ArchHparams for Qwen35MoeHparams {
             SsmValueDim => value_dim,
             SsmVHeads => self.ssm_time_step_rank as u64,
             SsmHeadDim => self.ssm_state_size as u64,
-            Ff | RopeHalf => return None,
+            Ff | RopeHalf | Embd3 => return None,
         };
         Some(v)
     }
@@ -639,6 +639,7 @@ impl Qwen35MoeGraph {
                     n_expert: hp.n_expert as usize,
                     n_expert_used: hp.n_expert_used as usize,
                     gating: Gating::Softmax,
+                    selection_bias: None,
                     // llama.cpp passes norm_w = true for qwen35moe whatever the file says, and reads no
                     // expert weight scale for it (0: none).
                     norm_weights: true,

@@ -264,6 +264,7 @@ impl Qwen3MoeGraph {
                         n_expert: hp.n_expert as usize,
                         n_expert_used: hp.n_expert_used as usize,
                         gating: Gating::Softmax,
+                        selection_bias: None,
                         // llama.cpp passes norm_w = true for qwen3moe whatever the file says.
                         norm_weights: true,
                         weights_scale: 1.0,

@@ -188,7 +188,8 @@ impl Synthesis {
     /// trained models. The shapes, types and the work of every block are unchanged.
     pub fn with_mixing_gain(mut self, gain: f32) -> Synthesis {
         for t in &mut self.tensors {
-            if let (Role::AttnOut | Role::SsmOut, Init::Random { rms }) = (t.desc.role, &mut t.init)
+            if let (Role::AttnOut | Role::SsmOut | Role::ShortConvOutProj, Init::Random { rms }) =
+                (t.desc.role, &mut t.init)
             {
                 *rms *= gain;
             }

@@ -140,6 +140,13 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
             let (rms, norm) = tied_embedding_scales(n_embd, l.n_layer, n_vocab);
             (rms * (n_embd as f32).sqrt(), norm)
         }
+        // LFM2 ties its output too and does not scale its embedding: the rows carry Gemma's input scale
+        // (times sqrt(n_embd)), so the output norm's weight is divided by it to keep the logits' spread.
+        ModelHparams::Lfm2Moe(l) => {
+            let (rms, norm) = tied_embedding_scales(n_embd, l.n_layer, n_vocab);
+            let s = (n_embd as f32).sqrt();
+            (rms * s, norm / s)
+        }
         _ => (1.0, 1.0),
     };
     descs
@@ -158,7 +165,7 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
                 Role::Output | Role::NextnSharedHeadHead => Init::Random {
                     rms: sigma / (n_embd as f32).sqrt(),
                 },
-                Role::OutputNorm | Role::NextnSharedHeadNorm => Init::Norm {
+                Role::OutputNorm | Role::OutputNormLfm2 | Role::NextnSharedHeadNorm => Init::Norm {
                     mean: out_norm,
                     noise: NORM_NOISE * out_norm,
                 },
@@ -168,10 +175,13 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
                 Role::FfnGateInpShexp => Init::Gaussian {
                     rms: 1.0 / fan_in.sqrt(),
                 },
-                // Kernel of 4 taps of RMS 0.5: the conv keeps RMS ≈ 1.
-                Role::SsmConv1d => Init::Gaussian {
+                // Kernel of 4 taps of RMS 0.5 (LFM2's short one: 3 of 0.58): the conv keeps RMS ≈ 1.
+                Role::SsmConv1d | Role::ShortConvConv => Init::Gaussian {
                     rms: 1.0 / fan_in.sqrt(),
                 },
+                // The experts' selection bias: against sigmoid probabilities spread about ±0.25 it
+                // changes some choices, so a forward pass that ignores it is told apart.
+                Role::FfnExpProbsB => Init::Gaussian { rms: 0.1 },
                 // A = -exp(A_log): decay exp(A · softplus(alpha + dt)) ≈ 0.6–0.95 per token.
                 Role::SsmA => Init::Uniform { lo: -2.0, hi: -0.5 },
                 Role::SsmDt => Init::Uniform { lo: -2.0, hi: -1.0 },

@@ -6,9 +6,10 @@ use poly_kernels::quant::GgmlType;
 
 use crate::arch::qwen35moe::Qwen35Form;
 use crate::arch::{
-    gemma3, llama, qwen35moe, qwen3moe, Gemma3Hparams, LlamaHparams, ModelHparams,
-    Qwen35MoeHparams, Qwen3MoeHparams,
+    gemma3, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Lfm2MoeHparams, LlamaHparams,
+    ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
 };
+use crate::compute::Gating;
 
 use super::vocab::SMALL_VOCAB_SIZE;
 
@@ -328,6 +329,33 @@ pub fn all_shapes() -> Vec<Shape> {
             hparams: ModelHparams::Llama(LlamaHparams {
                 biases: true,
                 ..llama_tiny(v)
+            }),
+        },
+        Shape {
+            arch: lfm2moe::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "4 layers (short conv, short conv, attention, short conv; the first with a dense FFN), 256 wide, 4 sigmoid-routed experts (2 used) of 256 with a selection bias, tied output",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Lfm2Moe(Lfm2MoeHparams {
+                n_vocab: v,
+                n_ctx_train: TINY_CONTEXT,
+                n_embd: 256,
+                n_layer: 4,
+                n_ff: 256,
+                n_head: 4,
+                n_head_kv: 2,
+                head_dim: 64,
+                rope_dim: 64,
+                rope_freq_base: 1_000_000.0,
+                rms_eps: 1e-5,
+                n_expert: 4,
+                n_expert_used: 2,
+                n_ff_exp: 256,
+                n_dense_lead: 1,
+                gating: Gating::Sigmoid,
+                conv_l_cache: 3,
+                attention_layers: vec![false, false, true, false],
             }),
         },
         Shape {

@@ -41,6 +41,7 @@ pub(crate) fn first_moe(w: &CpuWeights) -> (Moe, usize) {
         n_expert: layer.n_expert,
         n_expert_used: 4,
         gating: Gating::Softmax,
+        selection_bias: None,
         norm_weights: true,
         weights_scale: 1.0,
         act: Unary::Silu,

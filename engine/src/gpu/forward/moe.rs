@@ -88,6 +88,11 @@ impl<'a> GpuForward<'a> {
     ) -> CudaResult<Option<DevAct>> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
+        if m.selection_bias.is_some() {
+            return Err(CudaError::Invalid(
+                "the card does not route with an expert selection bias (exp_probs_b) yet".into(),
+            ));
+        }
         let slots = n * k;
         if slots > MAX_SLOTS {
             return Err(CudaError::Invalid(format!(

@@ -1,0 +1,220 @@
+//! What a model's forward pass asks of a backend, found by running the graph on shapes alone
+//! ([`ModelGraph::uses`]): a backend that lacks an operation (or a form of one) refuses the model at load,
+//! with the reason, rather than fail in the middle of a call. No backend asks which architecture it runs:
+//! the graph's own calls say what it needs.
+
+use super::graph::{Forward, ModelGraph};
+use crate::compute::{
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, Unary, WeightId,
+};
+use crate::gguf::GgufFile;
+
+/// The operations, and the forms of them, that one forward call of a graph uses.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GraphUses {
+    /// A MoE block routes with a selection bias ([`Moe::selection_bias`], `exp_probs_b`).
+    pub moe_selection_bias: bool,
+    /// The gating functions of its MoE blocks.
+    pub moe_gatings: Vec<Gating>,
+    /// A causal convolution over a layer's state ([`Compute::ssm_conv`]).
+    pub ssm_conv: bool,
+    /// A layer convolves without a delta rule after it (LFM2's short convolution): its recurrent state
+    /// holds only the convolution's window.
+    pub conv_without_delta_net: bool,
+    /// The gated delta rule ([`Compute::gated_delta_net`]).
+    pub gated_delta_net: bool,
+}
+
+impl GraphUses {
+    /// What a backend lacking the MoE selection bias says of these uses: `None` when they do not need it.
+    pub fn needs_moe_selection_bias(&self) -> Option<&'static str> {
+        self.moe_selection_bias
+            .then_some("MoE routing with an expert selection bias (exp_probs_b)")
+    }
+}
+
+impl ModelGraph {
+    /// What one forward call of this graph uses, found by running it over `file`'s tensor shapes on a
+    /// one-token batch (no weight is read, nothing is computed).
+    pub fn uses(&self, file: &GgufFile) -> GraphUses {
+        let mut probe = Probe {
+            file,
+            uses: GraphUses::default(),
+            conv_layers: Vec::new(),
+            delta_layers: Vec::new(),
+        };
+        self.forward(&mut probe);
+        let mut uses = probe.uses;
+        uses.conv_without_delta_net = probe
+            .conv_layers
+            .iter()
+            .any(|l| !probe.delta_layers.contains(l));
+        uses
+    }
+}
+
+/// A [`Compute`] whose activations are their shapes `(rows, cols)`.
+struct Probe<'a> {
+    file: &'a GgufFile,
+    uses: GraphUses,
+    conv_layers: Vec<usize>,
+    delta_layers: Vec<usize>,
+}
+
+const TOKENS: &[u32] = &[0];
+
+impl Probe<'_> {
+    /// `ne[1]` of a matrix: the width of a product with it.
+    fn rows_of(&self, w: WeightId) -> usize {
+        self.file
+            .tensor_infos()
+            .get(w.0 as usize)
+            .and_then(|t| t.dims.get(1).copied())
+            .unwrap_or(1) as usize
+    }
+
+    /// `ne[0]` of a tensor: a row's length.
+    fn row_len(&self, w: WeightId) -> usize {
+        self.file
+            .tensor_infos()
+            .get(w.0 as usize)
+            .and_then(|t| t.dims.first().copied())
+            .unwrap_or(1) as usize
+    }
+}
+
+type Shape = (usize, usize);
+
+impl Compute for Probe<'_> {
+    type Act = Shape;
+
+    fn shape(&self, x: &Shape) -> (usize, usize) {
+        *x
+    }
+
+    fn embed(&mut self, table: WeightId, tokens: &[u32]) -> Shape {
+        (tokens.len(), self.row_len(table))
+    }
+
+    fn matmul(&mut self, w: WeightId, x: &Shape) -> Shape {
+        (x.0, self.rows_of(w))
+    }
+
+    fn rms_norm(&mut self, x: &Shape, _: Option<WeightId>, _: f32, _: usize) -> Shape {
+        *x
+    }
+
+    fn l2_norm(&mut self, x: &Shape, _: f32, _: usize) -> Shape {
+        *x
+    }
+
+    fn add(&mut self, a: &Shape, _: &Shape) -> Shape {
+        *a
+    }
+
+    fn mul(&mut self, a: &Shape, _: &Shape) -> Shape {
+        *a
+    }
+
+    fn add_weight(&mut self, x: &Shape, _: WeightId) -> Shape {
+        *x
+    }
+
+    fn mul_weight(&mut self, x: &Shape, _: WeightId) -> Shape {
+        *x
+    }
+
+    fn scale(&mut self, x: &Shape, _: f32) -> Shape {
+        *x
+    }
+
+    fn unary(&mut self, x: &Shape, _: Unary) -> Shape {
+        *x
+    }
+
+    fn cols(&mut self, x: &Shape, _: usize, len: usize) -> Shape {
+        (x.0, len)
+    }
+
+    fn head_part(&mut self, x: &Shape, _: usize, parts: usize, _: usize) -> Shape {
+        (x.0, x.1 / parts.max(1))
+    }
+
+    fn repeat_heads(&mut self, x: &Shape, _: usize, times: usize, _: bool) -> Shape {
+        (x.0, x.1 * times)
+    }
+
+    fn rows(&mut self, x: &Shape, rows: &[usize]) -> Shape {
+        (rows.len(), x.1)
+    }
+
+    fn rope(&mut self, x: &Shape, _: &Rope) -> Shape {
+        *x
+    }
+
+    fn attention(&mut self, _: usize, q: &Shape, _: &Shape, _: &Shape, a: &Attention) -> Shape {
+        (q.0, a.n_head * a.head_dim_v)
+    }
+
+    fn moe(&mut self, _: usize, x: &Shape, m: &Moe) -> Shape {
+        self.uses.moe_selection_bias |= m.selection_bias.is_some();
+        if !self.uses.moe_gatings.contains(&m.gating) {
+            self.uses.moe_gatings.push(m.gating);
+        }
+        *x
+    }
+
+    fn ssm_conv(&mut self, layer: usize, x: &Shape, _: WeightId) -> Shape {
+        self.uses.ssm_conv = true;
+        self.conv_layers.push(layer);
+        *x
+    }
+
+    fn gated_delta_net(
+        &mut self,
+        layer: usize,
+        x: DeltaNetInputs<'_, Shape>,
+        n: &DeltaNet,
+    ) -> Shape {
+        self.uses.gated_delta_net = true;
+        self.delta_layers.push(layer);
+        (x.v.0, n.n_v_heads * n.head_v)
+    }
+
+    fn batch(&self) -> Batch<'_> {
+        Batch {
+            tokens: TOKENS,
+            pos0: 0,
+            logits: Logits::Last,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn uses_of(fixture: &str) -> GraphUses {
+        let path = format!(
+            "{}/../tests/fixtures/models/{fixture}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let file = GgufFile::open(&path).expect("fixture");
+        ModelGraph::from_file(&file).expect("graph").uses(&file)
+    }
+
+    #[test]
+    fn each_graph_says_what_its_forward_pass_uses() {
+        let lfm = uses_of("lfm2moe-tiny-q4km.gguf");
+        assert!(lfm.moe_selection_bias && lfm.ssm_conv && lfm.conv_without_delta_net);
+        assert!(!lfm.gated_delta_net);
+        assert_eq!(lfm.moe_gatings, vec![Gating::Sigmoid]);
+        assert!(lfm.needs_moe_selection_bias().is_some());
+        let q35 = uses_of("qwen35moe-tiny-q4km.gguf");
+        assert!(q35.ssm_conv && q35.gated_delta_net && !q35.conv_without_delta_net);
+        assert!(!q35.moe_selection_bias && q35.needs_moe_selection_bias().is_none());
+        assert_eq!(q35.moe_gatings, vec![Gating::Softmax]);
+        let llama = uses_of("llama-tiny-q4km.gguf");
+        assert_eq!(llama, GraphUses::default());
+    }
+}
