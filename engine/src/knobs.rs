@@ -8,6 +8,7 @@
 //! never read from the environment, and echoed in READY (`knobs`: those that differ from the defaults).
 //! README.md's table of environment variables lists what remains there (diagnosis only).
 
+use crate::state::KvPrecision;
 use poly_kernels::options::KernelOptions;
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -80,6 +81,10 @@ impl Default for ForwardOptions {
 pub struct Knobs {
     pub kernels: KernelOptions,
     pub forward: ForwardOptions,
+    /// The attention caches' precision (`--kv`): unlike the others it changes the values (Q8_0 caches
+    /// answer a little further from exact, as llama.cpp's do). Not a global: the caller passes it to the
+    /// model ([`crate::Model::set_kv`]), whose states keep it; [`set`] leaves it out.
+    pub kv: KvPrecision,
 }
 
 impl Knobs {
@@ -122,6 +127,9 @@ impl Knobs {
         if f.handoff == Handoff::Copy {
             put("gpu-handoff", "copy".into());
         }
+        if self.kv != KvPrecision::default() {
+            put("kv", self.kv.name().into());
+        }
         out
     }
 }
@@ -146,11 +154,13 @@ pub fn forward() -> &'static ForwardOptions {
     FORWARD.get_or_init(ForwardOptions::default)
 }
 
-/// The knobs in force, as [`Knobs::non_default`] says them.
+/// The knobs in force, as [`Knobs::non_default`] says them (without the attention caches' precision,
+/// which is the model's: READY adds it).
 pub fn in_force_non_default() -> BTreeMap<String, String> {
     Knobs {
         kernels: *poly_kernels::options::get(),
         forward: forward().clone(),
+        kv: KvPrecision::default(),
     }
     .non_default()
 }
@@ -169,12 +179,14 @@ mod tests {
         k.forward.gpu_segments = false;
         k.forward.cpu_share = CpuShareThreads::Rayon;
         k.forward.handoff = Handoff::Copy;
+        k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("cpu-share", "rayon"),
             ("fuse", "off"),
             ("gpu-handoff", "copy"),
             ("gpu-segments", "off"),
+            ("kv", "q8_0"),
             ("mmq", "off"),
             ("moe-glu", "off"),
         ]

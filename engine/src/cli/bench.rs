@@ -201,7 +201,9 @@ pub fn run(args: BenchArgs) -> CliResult {
     } else {
         Arithmetic::LlamaCpp
     };
-    let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
+    let mut model = Model::load(&args.model)?
+        .with_arithmetic(arithmetic)
+        .with_kv(args.knobs.kv())?;
     model.use_device_with(
         DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
         &args.placement.placement(context(&args), args.ubatch),

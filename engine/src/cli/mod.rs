@@ -238,6 +238,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     a.max_context,
                     a.ubatch.unwrap_or(poly_engine::serve::GPU_UBATCH),
                 ),
+                kv: a.knobs.kv(),
                 arithmetic: if a.llama_orders {
                     Arithmetic::LlamaCpp
                 } else {

@@ -691,6 +691,18 @@ impl Compute for CpuForward<'_> {
             softcap: a.softcap,
         };
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
+        if cache.precision == KvPrecision::Q8_0 {
+            // llama.cpp's one path over a quantized cache, for every batch (so batch-invariant too).
+            attention::attention_ggml_q8_0(
+                &q.data,
+                &self.positions,
+                cache.keys_q8_0(),
+                cache.values_q8_0(),
+                &p,
+                &mut out.data,
+            );
+            return out;
+        }
         let (keys, values) = (cache.keys(), cache.values());
         let invariant = self.arithmetic == Arithmetic::BatchInvariant;
         match cache.precision {
@@ -736,6 +748,7 @@ impl Compute for CpuForward<'_> {
             KvPrecision::F32 => {
                 attention::attention(&q.data, &self.positions, keys, values, &p, &mut out.data);
             }
+            KvPrecision::Q8_0 => unreachable!("read above"),
         }
         out
     }

@@ -145,6 +145,10 @@ impl<'a, W: Write> Session<'a, W> {
             knobs: crate::knobs::in_force_non_default()
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
+                .chain(
+                    (self.model.kv() != crate::state::KvPrecision::default())
+                        .then(|| ("kv".to_string(), self.model.kv().name().to_string())),
+                )
                 .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
