@@ -154,13 +154,13 @@ pub fn forward() -> &'static ForwardOptions {
     FORWARD.get_or_init(ForwardOptions::default)
 }
 
-/// The knobs in force, as [`Knobs::non_default`] says them (without the attention caches' precision,
-/// which is the model's: READY adds it).
-pub fn in_force_non_default() -> BTreeMap<String, String> {
+/// The knobs in force, as [`Knobs::non_default`] says them, with the model's attention caches'
+/// precision `kv` ([`crate::Model::kv`]; not a global).
+pub fn in_force_non_default(kv: KvPrecision) -> BTreeMap<String, String> {
     Knobs {
         kernels: *poly_kernels::options::get(),
         forward: forward().clone(),
-        kv: KvPrecision::default(),
+        kv,
     }
     .non_default()
 }

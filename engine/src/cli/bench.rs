@@ -252,7 +252,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         "load_s": load_s,
     });
     // The knobs that differ from the defaults, so a result file says what it measured.
-    let knobs = poly_engine::knobs::in_force_non_default();
+    let knobs = poly_engine::knobs::in_force_non_default(model.kv());
     if !knobs.is_empty() {
         out["knobs"] = json!(knobs);
     }

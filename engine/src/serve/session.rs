@@ -142,13 +142,9 @@ impl<'a, W: Write> Session<'a, W> {
     pub fn run(&mut self, model_path: &Path, experts_total: u64) -> std::io::Result<()> {
         let info = self.model.info();
         let ready = Ready {
-            knobs: crate::knobs::in_force_non_default()
+            knobs: crate::knobs::in_force_non_default(self.model.kv())
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
-                .chain(
-                    (self.model.kv() != crate::state::KvPrecision::default())
-                        .then(|| ("kv".to_string(), self.model.kv().name().to_string())),
-                )
                 .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
