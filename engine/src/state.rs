@@ -372,6 +372,29 @@ impl SeqState {
         }
     }
 
+    /// The rotations around this state's KV caches: llama.cpp's for a Q8_0 cache (from the head sizes,
+    /// when every attention layer has the same), none for f16 and f32 ones.
+    pub fn kv_rotation(&self) -> attention::KvRotation {
+        if self.precision != KvPrecision::Q8_0 {
+            return attention::KvRotation::default();
+        }
+        let heads = |f: fn(&StateSpec) -> Option<usize>| {
+            let mut sizes = self.specs.iter().filter_map(f);
+            let first = sizes.next();
+            sizes.all(|d| Some(d) == first).then_some(first).flatten()
+        };
+        attention::KvRotation::ggml(
+            heads(|s| match *s {
+                StateSpec::Kv { head_dim_k, .. } => Some(head_dim_k),
+                StateSpec::Recurrent { .. } => None,
+            }),
+            heads(|s| match *s {
+                StateSpec::Kv { head_dim_v, .. } => Some(head_dim_v),
+                StateSpec::Recurrent { .. } => None,
+            }),
+        )
+    }
+
     /// What brings the host's layers up to date, if they are behind.
     pub fn deferred(&self) -> Option<&Deferred> {
         self.deferred.as_ref()

@@ -672,6 +672,22 @@ impl Compute for CpuForward<'_> {
     fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
         let _span = profile::span("attention");
         let pos0 = self.pos0() as usize;
+        // A Q8_0 cache: queries, keys and values rotated as llama.cpp rotates them around a quantized
+        // cache, the output rotated back.
+        let rot = self.state.kv_rotation();
+        let rotated = |x: &Mat, n: Option<usize>| {
+            n.map(|n| {
+                let mut r = x.clone();
+                attention::hadamard_ggml(&mut r.data, n);
+                r
+            })
+        };
+        let (q_rot, k_rot, v_rot) = (rotated(q, rot.k), rotated(k, rot.k), rotated(v, rot.v));
+        let (q, k, v) = (
+            q_rot.as_ref().unwrap_or(q),
+            k_rot.as_ref().unwrap_or(k),
+            v_rot.as_ref().unwrap_or(v),
+        );
         let LayerState::Kv(cache) = self.state.layer_mut(layer) else {
             panic!("attention on layer {layer}, whose state is not a KV cache");
         };
@@ -701,6 +717,9 @@ impl Compute for CpuForward<'_> {
                 &p,
                 &mut out.data,
             );
+            if let Some(n) = rot.v {
+                attention::hadamard_ggml(&mut out.data, n);
+            }
             return out;
         }
         let (keys, values) = (cache.keys(), cache.values());

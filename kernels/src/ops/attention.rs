@@ -519,6 +519,65 @@ fn q8_query(
     o.iter_mut().for_each(|y| *y *= inv);
 }
 
+/// The rotations llama.cpp applies around a quantized KV cache (`attn_rot_k`, `attn_rot_v` of
+/// `llama_kv_cache`): queries and keys by an orthonormal Walsh-Hadamard matrix of `k` values, values by
+/// one of `v` values (the attention's output rotated back by the same), so that the blocks quantize
+/// vectors whose outliers are spread out. `None` where llama.cpp does not rotate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct KvRotation {
+    pub k: Option<usize>,
+    pub v: Option<usize>,
+}
+
+impl KvRotation {
+    /// llama.cpp's choice for a quantized cache whose layers all have heads of `head_dim_k` key and
+    /// `head_dim_v` value values (`None`: the layers differ, which turns the rotation off): keys by the
+    /// largest power of two from 64 up that divides the head, values by 64, each only where the head is
+    /// a multiple of 64.
+    pub fn ggml(head_dim_k: Option<usize>, head_dim_v: Option<usize>) -> KvRotation {
+        let k = head_dim_k
+            .filter(|d| *d > 0 && d.is_multiple_of(64))
+            .map(|d| {
+                let mut n = 64;
+                while d.is_multiple_of(2 * n) {
+                    n *= 2;
+                }
+                n
+            });
+        let v = head_dim_v
+            .filter(|d| *d > 0 && d.is_multiple_of(64))
+            .map(|_| 64);
+        KvRotation { k, v }
+    }
+}
+
+/// Rotates every group of `n` consecutive values of `x` (`n` a power of two dividing its length) by the
+/// orthonormal Walsh-Hadamard matrix, as ggml's CPU backend computes `ggml_mul_mat` with
+/// `GGML_HINT_SRC0_IS_HADAMARD` (`ggml_compute_forward_fwht`): each value times `1/sqrtf(n)` first, then
+/// the butterflies `(u + v, u - v)` at distances 1, 2, 4, … The matrix is its own inverse.
+pub fn hadamard_ggml(x: &mut [f32], n: usize) {
+    assert!(
+        n.is_power_of_two() && x.len().is_multiple_of(n),
+        "Hadamard rotation: {} values are not groups of {n}",
+        x.len()
+    );
+    let scale = 1.0 / (n as f32).sqrt();
+    for g in x.chunks_exact_mut(n) {
+        g.iter_mut().for_each(|v| *v *= scale);
+        let mut len = 1;
+        while len < n {
+            for i in (0..n).step_by(2 * len) {
+                for j in i..i + len {
+                    let (u, v) = (g[j], g[j + len]);
+                    g[j] = u + v;
+                    g[j + len] = u - v;
+                }
+            }
+            len *= 2;
+        }
+    }
+}
+
 /// Keys per tile of llama.cpp's tiled CPU flash attention (`GGML_FA_TILE_KV`).
 const FA_TILE_KV: usize = 64;
 
@@ -1065,6 +1124,57 @@ mod tests {
         assert_eq!(b[34..36], [0, 0], "an all-zero block has d = 0");
         assert!(back[32..].iter().all(|&x| x == 0.0));
         assert_eq!(back[31], 127.0);
+    }
+
+    #[test]
+    fn the_hadamard_rotation_is_sylvesters_matrix_and_its_own_inverse() {
+        // Column j of the rotation of unit vector i: (-1)^popcount(i & j) / sqrt(n).
+        for n in [64usize, 128, 256] {
+            for i in [0usize, 1, 5, n - 1] {
+                let mut x = vec![0f32; n];
+                x[i] = 1.0;
+                hadamard_ggml(&mut x, n);
+                for (j, &y) in x.iter().enumerate() {
+                    let sign = if (i & j).count_ones() % 2 == 0 {
+                        1.0
+                    } else {
+                        -1.0
+                    };
+                    assert_eq!(y, sign / (n as f32).sqrt(), "n {n}, e{i}, value {j}");
+                }
+            }
+        }
+        let mut rng = Rng::new(14);
+        let x = normals(&mut rng, 4 * 128);
+        let mut y = x.clone();
+        hadamard_ggml(&mut y, 128);
+        let norm = |v: &[f32]| v.iter().map(|a| (*a as f64).powi(2)).sum::<f64>();
+        assert!((norm(&x[..128]) - norm(&y[..128])).abs() < 1e-4 * norm(&x[..128]));
+        hadamard_ggml(&mut y, 128);
+        assert!(max_diff(&y, &x.iter().map(|&a| a as f64).collect::<Vec<_>>()) < 1e-5);
+        // llama.cpp's choice of sizes.
+        assert_eq!(
+            KvRotation::ggml(Some(64), Some(64)),
+            KvRotation {
+                k: Some(64),
+                v: Some(64)
+            }
+        );
+        assert_eq!(
+            KvRotation::ggml(Some(256), Some(256)),
+            KvRotation {
+                k: Some(256),
+                v: Some(64)
+            }
+        );
+        assert_eq!(
+            KvRotation::ggml(Some(192), Some(128)),
+            KvRotation {
+                k: Some(64),
+                v: Some(64)
+            }
+        );
+        assert_eq!(KvRotation::ggml(Some(96), None), KvRotation::default());
     }
 
     #[test]
