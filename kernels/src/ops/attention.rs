@@ -424,6 +424,21 @@ pub fn attention_ggml_q8_0(
         "attention: a query position is past the keys"
     );
     let group = p.n_head / p.n_head_kv;
+    // Where more than one query head reads each value row, the rows are dequantized once for the call
+    // (exact, so the same sums), up to the last position a query sees.
+    let seen = positions.iter().map(|&x| x as usize + 1).max().unwrap_or(0);
+    let v_f32 = (n_q * group > 1).then(|| {
+        let w = p.n_head_kv * dv;
+        let mut f = vec![0f32; seen * w];
+        f.par_chunks_mut(w)
+            .zip(v.par_chunks(v_row))
+            .with_min_len(64)
+            .for_each(|(o, b)| {
+                crate::quant::dequantize(crate::quant::GgmlType::Q8_0, b, o)
+                    .expect("whole Q8_0 rows")
+            });
+        f
+    });
     out.par_chunks_mut(dv).enumerate().for_each_init(
         || (Vec::new(), Vec::new()),
         |(qq, v32): &mut (Vec<u8>, Vec<f32>), (idx, o)| {
@@ -432,9 +447,11 @@ pub fn attention_ggml_q8_0(
             let one = Q8Query {
                 q: &q[(i * p.n_head + h) * dk..][..dk],
                 k: &k[hk * q8_0_bytes(dk)..],
-                v: &v[hk * q8_0_bytes(dv)..],
+                v: match &v_f32 {
+                    Some(f) => Values::F32(&f[hk * dv..], p.n_head_kv * dv),
+                    None => Values::Q8_0(&v[hk * q8_0_bytes(dv)..], v_row),
+                },
                 k_row,
-                v_row,
                 first: p.first_visible(positions[i]),
                 last: positions[i] as usize,
             };
@@ -453,11 +470,17 @@ pub fn attention_ggml_q8_0(
 struct Q8Query<'a> {
     q: &'a [f32],
     k: &'a [u8],
-    v: &'a [u8],
+    v: Values<'a>,
     k_row: usize,
-    v_row: usize,
     first: usize,
     last: usize,
+}
+
+/// The value rows of one head of [`attention_ggml_q8_0`], from its position 0, with the distance
+/// between positions: the cache's blocks, or the same dequantized.
+enum Values<'a> {
+    Q8_0(&'a [u8], usize),
+    F32(&'a [f32], usize),
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -482,7 +505,7 @@ fn q8_query(
     o: &mut [f32],
 ) {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    let (kb, vb) = (q8_0_bytes(dk), q8_0_bytes(dv));
+    let kb = q8_0_bytes(dk);
     qq.clear();
     quantize_q8_0_rows(one.q, qq);
     v32.resize(dv, 0.0);
@@ -508,8 +531,14 @@ fn q8_query(
             ms = 1.0;
             vs = (x - m).exp();
         }
-        (ops.dequantize)(&one.v[j * one.v_row..][..vb], v32);
-        for (y, &vv) in o.iter_mut().zip(v32.iter()) {
+        let vj: &[f32] = match one.v {
+            Values::Q8_0(b, row) => {
+                (ops.dequantize)(&b[j * row..][..q8_0_bytes(dv)], v32);
+                v32
+            }
+            Values::F32(f, row) => &f[j * row..][..dv],
+        };
+        for (y, &vv) in o.iter_mut().zip(vj) {
             *y = vv.mul_add(vs, *y);
         }
         // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
