@@ -8,7 +8,9 @@
 //! Two arithmetics: [`attention`] (f32 throughout, a two-pass softmax: what llama.cpp's CPU flash
 //! attention computes for batches of at least [`GGML_FA_TILE_Q`] queries, up to f32 rounding) and
 //! [`attention_ggml_f16`] (llama.cpp's vector path over an F16 cache, for smaller batches and decoding:
-//! f16 query, one-pass softmax, values summed in f16).
+//! f16 query, one-pass softmax, values summed in f16). Over a Q8_0 cache (`--kv q8_0`),
+//! [`attention_ggml_q8_0`] is llama.cpp's one path for a quantized cache (Q8_0 query, values summed in
+//! f32), with [`hadamard_ggml`] for the rotations llama.cpp applies around such a cache.
 
 use super::{axpy, dot};
 use rayon::prelude::*;
