@@ -8,6 +8,7 @@
 //! never read from the environment, and echoed in READY (`knobs`: those that differ from the defaults).
 //! README.md's table of environment variables lists what remains there (diagnosis only).
 
+use crate::state::KvPrecision;
 use poly_kernels::options::KernelOptions;
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -97,6 +98,10 @@ impl Default for ForwardOptions {
 pub struct Knobs {
     pub kernels: KernelOptions,
     pub forward: ForwardOptions,
+    /// The attention caches' precision (`--kv`): unlike the others it changes the values (Q8_0 caches
+    /// answer a little further from exact, as llama.cpp's do). Not a global: the caller passes it to the
+    /// model ([`crate::Model::set_kv`]), whose states keep it; [`set`] leaves it out.
+    pub kv: KvPrecision,
 }
 
 impl Knobs {
@@ -145,6 +150,9 @@ impl Knobs {
         if f.cpu_warm != d.cpu_warm {
             put("cpu-warm", if f.cpu_warm { "on" } else { "off" }.into());
         }
+        if self.kv != KvPrecision::default() {
+            put("kv", self.kv.name().into());
+        }
         out
     }
 }
@@ -169,11 +177,13 @@ pub fn forward() -> &'static ForwardOptions {
     FORWARD.get_or_init(ForwardOptions::default)
 }
 
-/// The knobs in force, as [`Knobs::non_default`] says them.
-pub fn in_force_non_default() -> BTreeMap<String, String> {
+/// The knobs in force, as [`Knobs::non_default`] says them, with the model's attention caches'
+/// precision `kv` ([`crate::Model::kv`]; not a global).
+pub fn in_force_non_default(kv: KvPrecision) -> BTreeMap<String, String> {
     Knobs {
         kernels: *poly_kernels::options::get(),
         forward: forward().clone(),
+        kv,
     }
     .non_default()
 }
@@ -194,6 +204,7 @@ mod tests {
         k.forward.handoff = Handoff::Copy;
         k.forward.host_points = HostPoints::Cuts;
         k.forward.cpu_warm = true;
+        k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("cpu-share", "rayon"),
@@ -202,6 +213,7 @@ mod tests {
             ("gpu-handoff", "copy"),
             ("gpu-host-points", "cuts"),
             ("gpu-segments", "off"),
+            ("kv", "q8_0"),
             ("mmq", "off"),
             ("moe-glu", "off"),
         ]

@@ -44,9 +44,16 @@ pub struct Model {
     /// The GPU backend, when the model runs on a card.
     gpu: Option<crate::gpu::GpuBackend>,
     arithmetic: Arithmetic,
+    /// The KV caches' precision of the states [`Model::new_state`] makes (`--kv`).
+    kv: KvPrecision,
     /// Routings of the CPU backend's forward calls, per (layer, expert).
     routes: RouteCounts,
 }
+
+/// Why `--kv q8_0` is refused on a card.
+pub const Q8_0_KV_CPU_ONLY: &str =
+    "--kv q8_0: q8_0 attention caches run on the CPU only for now (the \
+     card's attention kernels read f16 caches); run with --cpu, or leave --kv at f16";
 
 impl Model {
     /// Opens (memory-maps) the GGUF file at `path` and builds its forward pass.
@@ -63,8 +70,48 @@ impl Model {
             weights,
             gpu: None,
             arithmetic: Arithmetic::default(),
+            kv: KvPrecision::default(),
             routes: RouteCounts::default(),
         })
+    }
+
+    /// Sets the precision of the KV caches of the states [`Model::new_state`] makes from now on (`--kv`).
+    /// Refused for [`KvPrecision::Q8_0`] on a GPU (its caches are f16, [`Q8_0_KV_CPU_ONLY`]) and for a
+    /// model whose attention heads are not whole Q8_0 blocks (multiples of 32 values).
+    pub fn set_kv(&mut self, kv: KvPrecision) -> Result<(), EngineError> {
+        if kv == KvPrecision::Q8_0 {
+            if self.gpu.is_some() {
+                return Err(EngineError(Q8_0_KV_CPU_ONLY.into()));
+            }
+            for (il, spec) in self.graph.layer_states().iter().enumerate() {
+                if let poly_models::arch::StateSpec::Kv {
+                    head_dim_k,
+                    head_dim_v,
+                    ..
+                } = *spec
+                {
+                    if !head_dim_k.is_multiple_of(32) || !head_dim_v.is_multiple_of(32) {
+                        return Err(EngineError(format!(
+                            "--kv q8_0: layer {il}'s attention heads ({head_dim_k} key, {head_dim_v} \
+                             value values) are not whole Q8_0 blocks of 32"
+                        )));
+                    }
+                }
+            }
+        }
+        self.kv = kv;
+        Ok(())
+    }
+
+    /// The model with [`Model::set_kv`] applied.
+    pub fn with_kv(mut self, kv: KvPrecision) -> Result<Model, EngineError> {
+        self.set_kv(kv)?;
+        Ok(self)
+    }
+
+    /// The precision of the KV caches [`Model::new_state`] makes.
+    pub fn kv(&self) -> KvPrecision {
+        self.kv
     }
 
     /// Maps the model file's pages in a background thread ([`GgufFile::populate`]), so that the first
@@ -109,6 +156,9 @@ impl Model {
     ) -> Result<(), EngineError> {
         self.gpu = None;
         let ordinal = choice.ordinal()?;
+        if let (Some(_), true) = (ordinal, self.kv == KvPrecision::Q8_0) {
+            return Err(EngineError(Q8_0_KV_CPU_ONLY.into()));
+        }
         if let (Some(_), crate::gpu::DeviceChoice::Auto) = (ordinal, choice) {
             // A card chosen by default that cannot run the model leaves it on the CPU, saying why; one
             // asked for (`--gpu N`) refuses it in `GpuBackend::load`.
@@ -250,9 +300,9 @@ impl Model {
     }
 
     /// An empty sequence of at most `n_ctx` tokens (0: the training context), its KV caches of the
-    /// default precision.
+    /// model's precision ([`Model::set_kv`]; f16 unless set).
     pub fn new_state(&self, n_ctx: usize) -> SeqState {
-        self.new_state_with(n_ctx, KvPrecision::default())
+        self.new_state_with(n_ctx, self.kv)
     }
 
     /// An empty sequence of at most `n_ctx` tokens (0: the training context) whose KV caches keep

@@ -13,7 +13,10 @@
 //! ([`KvPrecision::F16`]), which is what llama.cpp's default cache type keeps: on quantized models, whose
 //! activation quantization turns small differences into rounding flips, this keeps results within
 //! llama.cpp's own run-to-run spread. (Storing them as f16 to halve the memory comes with the memory work.)
+//! [`KvPrecision::Q8_0`] (`--kv q8_0`) stores them as ggml Q8_0 blocks instead, 34 bytes for 32 values,
+//! as llama.cpp's `-ctk q8_0 -ctv q8_0` does.
 
+use poly_kernels::ops::attention;
 use poly_models::arch::StateSpec;
 use std::sync::Arc;
 
@@ -60,9 +63,24 @@ pub enum KvPrecision {
     /// Rounded to f16 (llama.cpp's default cache type).
     #[default]
     F16,
+    /// Stored as ggml Q8_0 blocks (32 values: an f16 scale and 32 signed bytes), quantized as llama.cpp's
+    /// CPU backend stores a `q8_0` cache; head sizes must be multiples of 32.
+    Q8_0,
 }
 
-/// Keys and values of every position of one layer, rows of `n_head_kv · head_dim` f32 per position.
+impl KvPrecision {
+    /// The name `--kv` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvPrecision::F32 => "f32",
+            KvPrecision::F16 => "f16",
+            KvPrecision::Q8_0 => "q8_0",
+        }
+    }
+}
+
+/// Keys and values of every position of one layer, rows of `n_head_kv · head_dim` values per position:
+/// f32 (rounded to f16 by default), or Q8_0 blocks ([`KvPrecision::Q8_0`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvCache {
     pub n_head_kv: usize,
@@ -73,6 +91,9 @@ pub struct KvCache {
     pub precision: KvPrecision,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// The rows as Q8_0 blocks ([`KvPrecision::Q8_0`]; `k` and `v` stay empty).
+    kq: Vec<u8>,
+    vq: Vec<u8>,
 }
 
 impl KvCache {
@@ -91,6 +112,8 @@ impl KvCache {
             precision,
             k: Vec::new(),
             v: Vec::new(),
+            kq: Vec::new(),
+            vq: Vec::new(),
         }
     }
 
@@ -104,13 +127,26 @@ impl KvCache {
         self.n_head_kv * self.head_dim_v
     }
 
+    /// Bytes of a key row as Q8_0 blocks.
+    fn k_row_q8(&self) -> usize {
+        self.k_width() / 32 * 34
+    }
+
+    /// Bytes of a value row as Q8_0 blocks.
+    fn v_row_q8(&self) -> usize {
+        self.v_width() / 32 * 34
+    }
+
     /// Positions stored.
     pub fn len(&self) -> usize {
-        self.k.len() / self.k_width().max(1)
+        match self.precision {
+            KvPrecision::Q8_0 => self.kq.len() / self.k_row_q8().max(1),
+            _ => self.k.len() / self.k_width().max(1),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.k.is_empty()
+        self.len() == 0
     }
 
     /// Appends the rows of `k` and `v` (whole rows, the same number of each).
@@ -135,6 +171,14 @@ impl KvCache {
                 self.k.extend(k.iter().map(round));
                 self.v.extend(v.iter().map(round));
             }
+            KvPrecision::Q8_0 => {
+                assert!(
+                    self.head_dim_k.is_multiple_of(32) && self.head_dim_v.is_multiple_of(32),
+                    "KV cache: Q8_0 rows need head sizes that are multiples of 32"
+                );
+                attention::quantize_q8_0_rows(k, &mut self.kq);
+                attention::quantize_q8_0_rows(v, &mut self.vq);
+            }
         }
     }
 
@@ -152,28 +196,66 @@ impl KvCache {
             v.len(),
             "KV cache: keys and values differ in rows"
         );
+        if self.precision == KvPrecision::Q8_0 {
+            let (mut kf, mut vf) = (Vec::new(), Vec::new());
+            widen(&mut kf, k);
+            widen(&mut vf, v);
+            self.append(&kf, &vf);
+            return;
+        }
         widen(&mut self.k, k);
         widen(&mut self.v, v);
     }
 
-    /// Every key row, position 0 first.
+    /// Every key row, position 0 first (f32 and f16 caches; a Q8_0 cache has [`KvCache::keys_q8_0`]).
     pub fn keys(&self) -> &[f32] {
+        self.assert_floats();
         &self.k
     }
 
-    /// Every value row, position 0 first.
+    /// Every value row, position 0 first (f32 and f16 caches; a Q8_0 cache has
+    /// [`KvCache::values_q8_0`]).
     pub fn values(&self) -> &[f32] {
+        self.assert_floats();
         &self.v
+    }
+
+    fn assert_floats(&self) {
+        assert_ne!(
+            self.precision,
+            KvPrecision::Q8_0,
+            "KV cache: a Q8_0 cache's rows are blocks (keys_q8_0, values_q8_0)"
+        );
+    }
+
+    /// Every key row of a Q8_0 cache as blocks, position 0 first (empty for other precisions).
+    pub fn keys_q8_0(&self) -> &[u8] {
+        &self.kq
+    }
+
+    /// Every value row of a Q8_0 cache as blocks, position 0 first (empty for other precisions).
+    pub fn values_q8_0(&self) -> &[u8] {
+        &self.vq
     }
 
     /// Keeps the first `n` positions.
     pub fn truncate(&mut self, n: usize) {
         self.k.truncate(n * self.k_width());
         self.v.truncate(n * self.v_width());
+        self.kq.truncate(n * self.k_row_q8());
+        self.vq.truncate(n * self.v_row_q8());
     }
 
-    fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
+    /// Bytes the rows hold.
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4 + self.kq.len() + self.vq.len()
+    }
+
+    fn shrink_to_fit(&mut self) {
+        self.k.shrink_to_fit();
+        self.v.shrink_to_fit();
+        self.kq.shrink_to_fit();
+        self.vq.shrink_to_fit();
     }
 }
 
@@ -288,6 +370,29 @@ impl SeqState {
             n_ctx,
             deferred: None,
         }
+    }
+
+    /// The rotations around this state's KV caches: llama.cpp's for a Q8_0 cache (from the head sizes,
+    /// when every attention layer has the same), none for f16 and f32 ones.
+    pub fn kv_rotation(&self) -> attention::KvRotation {
+        if self.precision != KvPrecision::Q8_0 {
+            return attention::KvRotation::default();
+        }
+        let heads = |f: fn(&StateSpec) -> Option<usize>| {
+            let mut sizes = self.specs.iter().filter_map(f);
+            let first = sizes.next();
+            sizes.all(|d| Some(d) == first).then_some(first).flatten()
+        };
+        attention::KvRotation::ggml(
+            heads(|s| match *s {
+                StateSpec::Kv { head_dim_k, .. } => Some(head_dim_k),
+                StateSpec::Recurrent { .. } => None,
+            }),
+            heads(|s| match *s {
+                StateSpec::Kv { head_dim_v, .. } => Some(head_dim_v),
+                StateSpec::Recurrent { .. } => None,
+            }),
+        )
     }
 
     /// What brings the host's layers up to date, if they are behind.
@@ -468,8 +573,7 @@ impl SeqState {
     pub fn shrink_to_fit(&mut self) {
         for layer in &mut self.layers {
             if let LayerState::Kv(c) = layer {
-                c.k.shrink_to_fit();
-                c.v.shrink_to_fit();
+                c.shrink_to_fit();
             }
         }
         self.tokens.shrink_to_fit();
@@ -593,6 +697,106 @@ mod tests {
         assert!(!h.restore(&ahead), "a checkpoint ahead of the state");
         assert_eq!(h, h2);
         assert!(!a.restore(&at2), "a checkpoint of other layers");
+    }
+
+    #[test]
+    fn q8_0_caches_keep_blocks_of_34_bytes_for_32_values() {
+        let kv = StateSpec::Kv {
+            n_head_kv: 2,
+            head_dim_k: 64,
+            head_dim_v: 32,
+            window: Some(4),
+        };
+        let rec = StateSpec::Recurrent {
+            conv_kernel: 2,
+            conv_channels: 2,
+            n_v_heads: 1,
+            head_k: 1,
+            head_v: 1,
+        };
+        let mut s = SeqState::with_precision(&[kv, rec], 16, KvPrecision::Q8_0);
+        let rows = |n: usize, w: usize, at: f32| -> Vec<f32> {
+            (0..n * w).map(|i| ((i as f32 + at) * 0.37).sin()).collect()
+        };
+        let (k, v) = (rows(3, 128, 0.0), rows(3, 64, 1.0));
+        let LayerState::Kv(c) = s.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        c.append(&k[..128], &v[..64]);
+        c.append(&k[128..], &v[64..]);
+        assert_eq!(c.len(), 3);
+        // Quantized row by row as a whole call would: ggml's blocks, 34 bytes for 32 values.
+        let mut want_k = Vec::new();
+        attention::quantize_q8_0_rows(&k, &mut want_k);
+        assert_eq!(c.keys_q8_0(), &want_k[..]);
+        assert_eq!(c.keys_q8_0().len(), 3 * 128 / 32 * 34);
+        assert_eq!(c.values_q8_0().len(), 3 * 64 / 32 * 34);
+        let mut back = vec![0f32; 64];
+        poly_kernels::quant::dequantize(
+            poly_kernels::quant::GgmlType::Q8_0,
+            &c.values_q8_0()[2 * 68..],
+            &mut back,
+        )
+        .unwrap();
+        let err = back.iter().zip(&v[128..]).map(|(a, b)| (a - b).abs());
+        assert!(
+            err.fold(0f32, f32::max) <= 1.0 / 254.0 + 1e-6,
+            "half a step of 1/127"
+        );
+        // The recurrent layer keeps f32; the KV rows 34/32 bytes a value.
+        s.push_tokens(&[1, 2, 3]);
+        assert_eq!(s.bytes(), 3 * (128 + 64) * 34 / 32 + (2 + 1) * 4);
+        // Cut back: the first rows' blocks, as if the rest had never been read.
+        let mut cut = s.clone();
+        assert!(!cut.truncate(1), "a recurrent layer cannot be cut");
+        let mut kv_only = SeqState::with_precision(&[kv], 16, KvPrecision::Q8_0);
+        let LayerState::Kv(c) = kv_only.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        c.append(&k, &v);
+        kv_only.push_tokens(&[1, 2, 3]);
+        let mut one = SeqState::with_precision(&[kv], 16, KvPrecision::Q8_0);
+        let LayerState::Kv(c) = one.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        c.append(&k[..128], &v[..64]);
+        one.push_tokens(&[1]);
+        assert!(kv_only.truncate(1));
+        assert_eq!(kv_only, one);
+        kv_only.clear();
+        assert_eq!(kv_only.bytes(), 0);
+        // f16 bits from a backend are quantized as they come.
+        let LayerState::Kv(c) = kv_only.layer_mut(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        let bits = |x: &[f32]| -> Vec<u16> {
+            x.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect()
+        };
+        c.append_f16(&bits(&k[..128]), &bits(&v[..64]));
+        let r16 = |x: &[f32]| -> Vec<f32> {
+            x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+        };
+        let mut want = Vec::new();
+        attention::quantize_q8_0_rows(&r16(&k[..128]), &mut want);
+        assert_eq!(c.keys_q8_0(), &want[..]);
+    }
+
+    #[test]
+    #[should_panic(expected = "a Q8_0 cache's rows are blocks")]
+    fn a_q8_0_cache_has_no_float_rows() {
+        let kv = StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: 32,
+            head_dim_v: 32,
+            window: None,
+        };
+        let s = SeqState::with_precision(&[kv], 4, KvPrecision::Q8_0);
+        let LayerState::Kv(c) = s.layer(0) else {
+            panic!("layer 0 is a KV cache")
+        };
+        let _ = c.keys();
     }
 
     /// Stands in for a backend holding the newest rows: appends `rows` rows of ones to every KV layer.

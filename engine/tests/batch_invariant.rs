@@ -287,3 +287,63 @@ fn gemma3_270m_is_split_invariant() {
         .collect();
     assert_eq!(check_model(&model, &tokens, false, "gemma-3-270m"), 0.0);
 }
+
+/// Q8_0 attention caches (`--kv q8_0`): every split and thread count gives the same bits (llama.cpp
+/// reads a quantized cache on one path for every batch), the sliding-window layers of Gemma 3 included
+/// (a prompt past its window of 64); the rows take 34 bytes for 32 values; and a state cut back to an
+/// earlier position is the state read to that position, which goes on the same way.
+#[test]
+fn q8_0_caches_are_split_invariant_and_cut_back_to_a_fresh_read() {
+    use poly_engine::state::{KvPrecision, LayerState};
+    use poly_models::arch::{Forward, StateSpec};
+    for name in [FIXTURES[4], FIXTURES[0], FIXTURES[2]] {
+        let model = Model::load(fixture(name))
+            .unwrap()
+            .with_arithmetic(Arithmetic::BatchInvariant)
+            .with_kv(KvPrecision::Q8_0)
+            .unwrap();
+        let tokens = prompt(150, model.info().n_vocab, 5);
+        assert_eq!(check_model(&model, &tokens, true, name), 0.0, "{name}");
+        let mut state = model.new_state(200);
+        model.eval(&mut state, &tokens, Logits::Last).unwrap();
+        // Memory: 34 bytes for 32 values of every KV row, recurrent states as they were.
+        let (mut kv_values, mut recurrent) = (0, 0);
+        for (il, spec) in model.graph().layer_states().iter().enumerate() {
+            match (*spec, state.layer(il)) {
+                (
+                    StateSpec::Kv {
+                        n_head_kv,
+                        head_dim_k,
+                        head_dim_v,
+                        ..
+                    },
+                    LayerState::Kv(c),
+                ) => {
+                    assert_eq!(c.precision, KvPrecision::Q8_0);
+                    kv_values += tokens.len() * n_head_kv * (head_dim_k + head_dim_v);
+                }
+                (_, LayerState::Recurrent(r)) => recurrent += (r.conv.len() + r.delta.len()) * 4,
+                _ => panic!("{name}: layer {il}'s state is not of its spec"),
+            }
+        }
+        assert!(kv_values > 0);
+        assert_eq!(state.bytes(), kv_values * 34 / 32 + recurrent, "{name}");
+        if state.has_recurrent() {
+            continue;
+        }
+        // Cut back to 100 tokens: the state a read of those 100 leaves, and the same next logits.
+        let mut fresh = model.new_state(200);
+        model
+            .eval(&mut fresh, &tokens[..100], Logits::Last)
+            .unwrap();
+        assert!(state.truncate(100));
+        assert!(
+            state == fresh,
+            "{name}: the cut state is not a fresh read's"
+        );
+        let next = [tokens[7], tokens[3]];
+        let a = model.eval(&mut state, &next, Logits::All).unwrap();
+        let b = model.eval(&mut fresh, &next, Logits::All).unwrap();
+        assert!(a == b, "{name}: logits after the cut");
+    }
+}

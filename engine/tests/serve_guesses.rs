@@ -48,14 +48,40 @@ fn gens(prompt: &[u32]) -> [Gen; 2] {
 
 #[test]
 fn answers_with_guesses_are_the_answers_without() {
+    assert!(guesses_change_nothing(&[]) > 0, "no guess was ever kept");
+}
+
+/// The same with Q8_0 attention caches (`--kv q8_0`): the rows a guess wrote are cut back as whole
+/// blocks, and the state kept is the one an answer without guesses keeps.
+#[test]
+fn q8_0_caches_cut_back_as_f16_ones_do() {
+    assert!(
+        guesses_change_nothing(&["--kv", "q8_0"]) > 0,
+        "no guess was ever kept"
+    );
+}
+
+/// [`answers_with_guesses_are_the_answers_without`] with `flags` added to both engines; returns the
+/// guesses kept.
+fn guesses_change_nothing(flags: &[&str]) -> u32 {
     let mut accepted = 0;
     for name in [
         "qwen3moe-tiny-q4km.gguf",
         FIXTURES[4],
         "llama-tiny-q4km.gguf",
     ] {
-        let mut with = Engine::start(name, &["--cpu"]);
-        let mut without = Engine::start(name, &["--cpu", "--no-draft"]);
+        let args = |more: &[&'static str]| [&["--cpu"][..], more, flags].concat();
+        let mut with = Engine::start(name, &args(&[]));
+        let mut without = Engine::start(name, &args(&["--no-draft"]));
+        for e in [&with, &without] {
+            let knobs = &e.ready.as_ref().expect("READY").knobs;
+            let kv = flags.windows(2).find(|w| w[0] == "--kv").map(|w| w[1]);
+            assert_eq!(
+                knobs.get("kv").map(String::as_str),
+                kv,
+                "{name}: READY's knobs"
+            );
+        }
         let guesses = |e: &Engine| e.ready.as_ref().and_then(|r| r.guesses.clone());
         assert_eq!(guesses(&with).as_deref(), Some("repeats"), "{name}");
         assert_eq!(guesses(&without).as_deref(), Some("off"), "{name}");
@@ -109,7 +135,7 @@ fn answers_with_guesses_are_the_answers_without() {
             "{name}: the kept state"
         );
     }
-    assert!(accepted > 0, "no guess was ever kept");
+    accepted
 }
 
 #[test]

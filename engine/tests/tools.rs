@@ -195,3 +195,93 @@ fn a_followed_answer_is_compared_step_by_step() {
         assert!(!kl(&reference, &free, &[]).0);
     }
 }
+
+/// `--kv q8_0` (issue 23): on the CPU the answer stays near the f16 cache's, step by step on the same
+/// tokens (`run --follow`, `kl`: bounded mean KL and same-top share on a dense model with a sliding
+/// window and on a MoE one); `--kv f16` is the default; on a card it is refused at load with the reason.
+#[test]
+fn q8_0_caches_answer_near_f16_ones_and_are_refused_on_a_card() {
+    let dir = temp_dir("kv-q8");
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
+    let prompt: Vec<String> = (0..80).map(|i| (100 + i * 23 % 1800).to_string()).collect();
+    let prompt = prompt.join(",");
+    let run = |model: &str, extra: &[&str], follow: Option<&Path>, out: &str| {
+        let mut c = Command::new(ENGINE);
+        c.args(["run", "--cpu", "--json", "--top", "40", "--batch-invariant"])
+            .args(["--prompt-tokens", &prompt, "--max-tokens", "40"])
+            .args(extra)
+            .arg("--model")
+            .arg(fixtures.join(model));
+        if let Some(f) = follow {
+            c.arg("--follow").arg(f);
+        }
+        let o = c.output().expect("run");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let path = dir.join(out);
+        std::fs::write(&path, &o.stdout).unwrap();
+        path
+    };
+    let kl = |a: &Path, b: &Path| {
+        let o = Command::new(ENGINE)
+            .arg("kl")
+            .arg(a)
+            .arg(b)
+            .output()
+            .expect("kl");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    for model in ["gemma3-tiny-q4km.gguf", "qwen3moe-tiny-q4km.gguf"] {
+        let reference = run(model, &[], None, "f16.jsonl");
+        let f16 = run(model, &["--kv", "f16"], Some(&reference), "f16-again.jsonl");
+        assert_eq!(
+            kl(&reference, &f16)["mean_kl"].as_f64(),
+            Some(0.0),
+            "{model}"
+        );
+        let q8 = run(model, &["--kv", "q8_0"], Some(&reference), "q8.jsonl");
+        let v = kl(&reference, &q8);
+        eprintln!("{model}: --kv q8_0 against f16: {v}");
+        let (mean, same) = (
+            v["mean_kl"].as_f64().unwrap(),
+            v["same_top"].as_f64().unwrap(),
+        );
+        assert!(mean > 0.0 && mean < 0.02, "{model}: {v}");
+        assert!(same >= 0.8, "{model}: {v}");
+    }
+    // On a card: refused before anything loads there (so on any machine, with or without one).
+    let model = fixtures.join("llama-tiny-q4km.gguf");
+    let o = Command::new(ENGINE)
+        .args([
+            "run",
+            "--gpu",
+            "0",
+            "--kv",
+            "q8_0",
+            "--prompt-tokens",
+            "1,2",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("q8_0 attention caches run on the CPU only for now"),
+        "{err}"
+    );
+    let o = Command::new(ENGINE)
+        .args(["--gpu", "0", "--kv", "q8_0", "--model"])
+        .arg(&model)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("serve");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success(), "{out}");
+    assert!(
+        out.starts_with("ERR") && out.contains("q8_0 attention caches run on the CPU only for now"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -201,7 +201,9 @@ pub fn run(args: BenchArgs) -> CliResult {
     } else {
         Arithmetic::LlamaCpp
     };
-    let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
+    let mut model = Model::load(&args.model)?
+        .with_arithmetic(arithmetic)
+        .with_kv(args.knobs.kv())?;
     model.use_device_with(
         DeviceChoice::from_flags(args.gpu.is_none(), args.gpu)?,
         &args.placement.placement(context(&args), args.ubatch),
@@ -250,7 +252,7 @@ pub fn run(args: BenchArgs) -> CliResult {
         "load_s": load_s,
     });
     // The knobs that differ from the defaults, so a result file says what it measured.
-    let knobs = poly_engine::knobs::in_force_non_default();
+    let knobs = poly_engine::knobs::in_force_non_default(model.kv());
     if !knobs.is_empty() {
         out["knobs"] = json!(knobs);
     }

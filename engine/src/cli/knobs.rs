@@ -5,6 +5,7 @@
 
 use clap::{Args, ValueEnum};
 use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Handoff, HostPoints, Knobs};
+use poly_engine::state::KvPrecision;
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
@@ -38,6 +39,16 @@ pub enum KvStore {
     Fused,
     /// By `kv_store_f16_pos` first.
     Separate,
+}
+
+/// How the attention caches keep keys and values (`--kv`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvType {
+    /// f16 values (llama.cpp's default cache type).
+    F16,
+    /// ggml Q8_0 blocks, 34 bytes for 32 values (llama.cpp's `-ctk q8_0 -ctv q8_0`; CPU only for now).
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 /// Which expert tile sizes the grouped expert products choose.
@@ -196,12 +207,21 @@ pub struct KnobArgs {
     /// The K-quant tile CPU kernels (off: row by row; was POLY_CPU_KTILE).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     cpu_ktile: Switch,
+    /// How the attention caches keep keys and values: f16, or Q8_0 blocks (a little over half the memory,
+    /// answers a little further from exact; the CPU only for now). Not an exact variant: it changes the
+    /// values, as llama.cpp's `-ctk q8_0 -ctv q8_0` does.
+    #[arg(long, value_enum, default_value_t = KvType::F16)]
+    kv: KvType,
 }
 
 impl KnobArgs {
     /// The knobs these flags ask for.
     pub fn knobs(&self) -> Knobs {
         Knobs {
+            kv: match self.kv {
+                KvType::F16 => KvPrecision::F16,
+                KvType::Q8_0 => KvPrecision::Q8_0,
+            },
             kernels: KernelOptions {
                 gpu: GpuKernelOptions {
                     flash_attention: self.fa.on(),
@@ -250,6 +270,11 @@ impl KnobArgs {
                 },
             },
         }
+    }
+
+    /// The attention caches' precision (`--kv`), which the caller passes to the model.
+    pub fn kv(&self) -> KvPrecision {
+        self.knobs().kv
     }
 
     /// Installs the knobs for this process (before any model loads) and says the non-default ones on
@@ -304,6 +329,14 @@ mod tests {
         assert_eq!(k.kernels.gpu.mmq_expert_tile, Some(64));
         assert_eq!(k.forward.fuse.as_deref(), Some("no-many,no-glu"));
         assert!(!k.forward.attn_decode_flash);
+        assert_eq!(k.kv, KvPrecision::F16);
+        let k = T::try_parse_from(["t", "--kv", "q8_0"])
+            .expect("parse")
+            .k
+            .knobs();
+        assert_eq!(k.kv, KvPrecision::Q8_0);
+        assert_eq!(k.non_default().get("kv").map(String::as_str), Some("q8_0"));
+        assert!(T::try_parse_from(["t", "--kv", "q4_0"]).is_err());
         assert!(T::try_parse_from(["t", "--fuse", "no-manny"]).is_err());
         assert!(T::try_parse_from(["t", "--matvec-rpg", "3"]).is_err());
     }

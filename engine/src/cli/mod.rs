@@ -258,6 +258,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     } else {
                         DEFAULT_ARITHMETIC
                     },
+                    kv: a.knobs.kv(),
                     threads: a.threads,
                     ubatch,
                     max_mean_kl: a.verify_max_mean_kl,
@@ -285,6 +286,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     a.max_context,
                     a.ubatch.unwrap_or(poly_engine::serve::GPU_UBATCH),
                 ),
+                kv: a.knobs.kv(),
                 arithmetic: if a.llama_orders {
                     Arithmetic::LlamaCpp
                 } else {

@@ -76,7 +76,7 @@ pub struct RunArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Keep keys and values in the KV cache at f32 precision (default: rounded to f16, as llama.cpp).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "kv")]
     kv_f32: bool,
     /// Print JSON lines instead of text.
     #[arg(long)]
@@ -175,19 +175,21 @@ pub fn run(args: RunArgs) -> CliResult {
     } else {
         Arithmetic::LlamaCpp
     };
-    let mut model = Model::load(&args.model)?.with_arithmetic(arithmetic);
+    let precision = if args.kv_f32 {
+        KvPrecision::F32
+    } else {
+        args.knobs.kv()
+    };
+    let mut model = Model::load(&args.model)?
+        .with_arithmetic(arithmetic)
+        .with_kv(precision)?;
     model.use_device_with(
         poly_engine::gpu::DeviceChoice::from_flags(args.cpu, args.gpu)?,
         &args.placement.placement(args.n_ctx, args.ubatch),
     )?;
     eprintln!("running on {}", model.device_name());
     let loaded = start.elapsed();
-    let precision = if args.kv_f32 {
-        KvPrecision::F32
-    } else {
-        KvPrecision::F16
-    };
-    let mut state = model.new_state_with(args.n_ctx, precision);
+    let mut state = model.new_state(args.n_ctx);
     let follow = args.follow.as_ref().map(follow_tokens).transpose()?;
     if follow.as_ref().is_some_and(Vec::is_empty) {
         return Err(EngineError("--follow: the file names no tokens".into()).into());

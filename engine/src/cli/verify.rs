@@ -36,6 +36,8 @@ pub struct VerifyJob {
     pub device: DeviceChoice,
     pub placement: Placement,
     pub arithmetic: Arithmetic,
+    /// The attention caches' precision as served (`--kv`).
+    pub kv: poly_engine::state::KvPrecision,
     pub threads: Option<usize>,
     pub ubatch: usize,
     pub max_mean_kl: f64,
@@ -110,12 +112,15 @@ pub fn run(job: VerifyJob) -> CliResult {
     }
     let pool = pool.build()?;
     let reference = Model::load(&job.model)?.with_arithmetic(Arithmetic::BatchInvariant);
-    let mut candidate = Model::load(&job.model)?.with_arithmetic(job.arithmetic);
+    let mut candidate = Model::load(&job.model)?
+        .with_arithmetic(job.arithmetic)
+        .with_kv(job.kv)?;
     candidate.use_device_with(job.device, &job.placement)?;
     let described = format!(
-        "{} ({:?} orders, prompt calls of up to {} tokens)",
+        "{} ({:?} orders, {} attention caches, prompt calls of up to {} tokens)",
         candidate.device_name(),
         job.arithmetic,
+        job.kv.name(),
         job.ubatch
     );
     eprintln!("verify: the CPU reference against {described}");

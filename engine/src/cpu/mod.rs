@@ -687,6 +687,22 @@ impl Compute for CpuForward<'_> {
     fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
         let _span = profile::span("attention");
         let pos0 = self.pos0() as usize;
+        // A Q8_0 cache: queries, keys and values rotated as llama.cpp rotates them around a quantized
+        // cache, the output rotated back.
+        let rot = self.state.kv_rotation();
+        let rotated = |x: &Mat, n: Option<usize>| {
+            n.map(|n| {
+                let mut r = x.clone();
+                attention::hadamard_ggml(&mut r.data, n);
+                r
+            })
+        };
+        let (q_rot, k_rot, v_rot) = (rotated(q, rot.k), rotated(k, rot.k), rotated(v, rot.v));
+        let (q, k, v) = (
+            q_rot.as_ref().unwrap_or(q),
+            k_rot.as_ref().unwrap_or(k),
+            v_rot.as_ref().unwrap_or(v),
+        );
         let LayerState::Kv(cache) = self.state.layer_mut(layer) else {
             panic!("attention on layer {layer}, whose state is not a KV cache");
         };
@@ -706,6 +722,21 @@ impl Compute for CpuForward<'_> {
             softcap: a.softcap,
         };
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
+        if cache.precision == KvPrecision::Q8_0 {
+            // llama.cpp's one path over a quantized cache, for every batch (so batch-invariant too).
+            attention::attention_ggml_q8_0(
+                &q.data,
+                &self.positions,
+                cache.keys_q8_0(),
+                cache.values_q8_0(),
+                &p,
+                &mut out.data,
+            );
+            if let Some(n) = rot.v {
+                attention::hadamard_ggml(&mut out.data, n);
+            }
+            return out;
+        }
         let (keys, values) = (cache.keys(), cache.values());
         let invariant = self.arithmetic == Arithmetic::BatchInvariant;
         match cache.precision {
@@ -751,6 +782,7 @@ impl Compute for CpuForward<'_> {
             KvPrecision::F32 => {
                 attention::attention(&q.data, &self.positions, keys, values, &p, &mut out.data);
             }
+            KvPrecision::Q8_0 => unreachable!("read above"),
         }
         out
     }

@@ -238,3 +238,97 @@ fn stateful_ops_give_the_same_results_in_one_call_or_token_by_token() {
     };
     assert_eq!(cache.keys(), &k.data[..]);
 }
+
+/// A Q8_0 cache's attention: keys and values stored rotated (llama.cpp's Walsh-Hadamard rotations around
+/// a quantized cache) and quantized, the output rotated back, so it stays within the blocks' rounding of
+/// the f32 cache's, and one call equals token by token.
+#[test]
+fn q8_0_attention_is_the_f32_cache_s_within_rounding() {
+    let (w, _) = weights();
+    let (dk, dv) = (128, 64);
+    let specs = [StateSpec::Kv {
+        n_head_kv: 2,
+        head_dim_k: dk,
+        head_dim_v: dv,
+        window: Some(6),
+    }];
+    let attn = Attention {
+        n_head: 4,
+        n_head_kv: 2,
+        head_dim_k: dk,
+        head_dim_v: dv,
+        scale: 1.0 / (dk as f32).sqrt(),
+        window: Some(6),
+        softcap: None,
+    };
+    let n = 9;
+    let tokens = vec![0u32; n];
+    let mut rng = Rng::new(3);
+    let mut r = |cols: usize| mat(n, cols, |_, _| rng.normal());
+    let (q, k, v) = (r(4 * dk), r(2 * dk), r(2 * dv));
+    let rows = |m: &Mat, at: std::ops::Range<usize>| {
+        Mat::from_vec(
+            at.len(),
+            m.cols,
+            m.data[at.start * m.cols..at.end * m.cols].to_vec(),
+        )
+    };
+    let run = |precision: KvPrecision, calls: &[std::ops::Range<usize>]| {
+        let mut state = SeqState::with_precision(&specs, 16, precision);
+        let mut out = Vec::new();
+        for c in calls {
+            let mut f = CpuForward::new(&w, &mut state, &tokens[c.clone()], Logits::None);
+            let a = f.attention(
+                0,
+                &rows(&q, c.clone()),
+                &rows(&k, c.clone()),
+                &rows(&v, c.clone()),
+                &attn,
+            );
+            out.extend(a.data);
+            state.push_tokens(&tokens[c.clone()]);
+        }
+        (out, state)
+    };
+    let whole = vec![0..n; 1];
+    let (exact, _) = run(KvPrecision::F32, &whole);
+    let (q8, state) = run(KvPrecision::Q8_0, &whole);
+    let rot = state.kv_rotation();
+    assert_eq!((rot.k, rot.v), (Some(128), Some(64)));
+    let d = exact
+        .iter()
+        .zip(&q8)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d > 0.0 && d < 0.05, "largest difference {d}");
+    let LayerState::Kv(c) = state.layer(0) else {
+        panic!("layer 0 is a KV cache")
+    };
+    // The cache holds the rotated keys' blocks.
+    let mut kr = k.data.clone();
+    attention::hadamard_ggml(&mut kr, 128);
+    let mut blocks = Vec::new();
+    attention::quantize_q8_0_rows(&kr, &mut blocks);
+    assert_eq!(c.keys_q8_0(), &blocks[..]);
+    let (steps, _) = run(
+        KvPrecision::Q8_0,
+        &(0..n).map(|i| i..i + 1).collect::<Vec<_>>(),
+    );
+    assert_eq!(steps, q8, "token by token");
+    // Heads of 32 are not rotated (llama.cpp rotates multiples of 64 only).
+    let small = SeqState::with_precision(
+        &[StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: 32,
+            head_dim_v: 32,
+            window: None,
+        }],
+        4,
+        KvPrecision::Q8_0,
+    );
+    assert_eq!(small.kv_rotation(), attention::KvRotation::default());
+    assert_eq!(
+        SeqState::new(&specs, 4).kv_rotation(),
+        attention::KvRotation::default()
+    );
+}

@@ -61,6 +61,8 @@ pub struct ServeOptions {
     pub placement: crate::gpu::Placement,
     /// The summation orders ([`DEFAULT_ARITHMETIC`] unless asked otherwise).
     pub arithmetic: Arithmetic,
+    /// The attention caches' precision (`--kv`; Q8_0 is refused on a GPU).
+    pub kv: crate::state::KvPrecision,
     /// Guessed tokens (from repeats, where the model's state can be cut back on the CPU); `--no-draft`
     /// turns them off.
     pub guesses: bool,
@@ -101,6 +103,7 @@ fn load(
     device: crate::gpu::DeviceChoice,
     placement: &crate::gpu::Placement,
     arithmetic: Arithmetic,
+    kv: crate::state::KvPrecision,
 ) -> Result<Loaded, EngineError> {
     let file = Arc::new(GgufFile::open(path)?);
     // The MoE blocks as the architecture's tensor table binds them.
@@ -108,7 +111,9 @@ fn load(
     let summary = poly_models::summary::ModelSummary::of(&file)?;
     let per_layer = summary.n_experts.unwrap_or(0);
     let experts_total = per_layer * expert_blocks;
-    let mut model = Model::from_file(file.clone())?.with_arithmetic(arithmetic);
+    let mut model = Model::from_file(file.clone())?
+        .with_arithmetic(arithmetic)
+        .with_kv(kv)?;
     model.use_device_with(device, placement)?;
     // Only where the CPU will read weights: not for a card that holds every one.
     if !model.on_gpu() || (model.experts_in_vram() as u64) < experts_total {
@@ -213,7 +218,13 @@ const SESSION_STACK: usize = 8 << 20;
 fn serve_on_pool(opts: ServeOptions) -> ExitCode {
     let mut out = std::io::stdout().lock();
     let started = std::time::Instant::now();
-    let loaded = match load(&opts.model, opts.device, &opts.placement, opts.arithmetic) {
+    let loaded = match load(
+        &opts.model,
+        opts.device,
+        &opts.placement,
+        opts.arithmetic,
+        opts.kv,
+    ) {
         Ok(l) => l,
         Err(e) => {
             return fail(

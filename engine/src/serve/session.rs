@@ -142,7 +142,7 @@ impl<'a, W: Write> Session<'a, W> {
     pub fn run(&mut self, model_path: &Path, experts_total: u64) -> std::io::Result<()> {
         let info = self.model.info();
         let ready = Ready {
-            knobs: crate::knobs::in_force_non_default()
+            knobs: crate::knobs::in_force_non_default(self.model.kv())
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
                 .collect(),

@@ -8,7 +8,9 @@
 //! Two arithmetics: [`attention`] (f32 throughout, a two-pass softmax: what llama.cpp's CPU flash
 //! attention computes for batches of at least [`GGML_FA_TILE_Q`] queries, up to f32 rounding) and
 //! [`attention_ggml_f16`] (llama.cpp's vector path over an F16 cache, for smaller batches and decoding:
-//! f16 query, one-pass softmax, values summed in f16).
+//! f16 query, one-pass softmax, values summed in f16). Over a Q8_0 cache (`--kv q8_0`),
+//! [`attention_ggml_q8_0`] is llama.cpp's one path for a quantized cache (Q8_0 query, values summed in
+//! f32), with [`hadamard_ggml`] for the rotations llama.cpp applies around such a cache.
 
 use super::{axpy, dot};
 use rayon::prelude::*;
@@ -346,6 +348,264 @@ fn vector_query<F: F16Steps>(
     if s_all != 0.0 {
         let inv = 1.0 / s_all;
         o.iter_mut().for_each(|y| *y *= inv);
+    }
+}
+
+/// Bytes of one Q8_0 block (32 values: an f16 scale and 32 signed bytes), the unit of a Q8_0 KV row.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// Bytes of `n` values (a multiple of 32) as Q8_0 blocks.
+pub fn q8_0_bytes(n: usize) -> usize {
+    n / 32 * Q8_0_BLOCK_BYTES
+}
+
+/// Quantizes KV rows to Q8_0 blocks as llama.cpp's CPU backend stores them in a `q8_0` cache
+/// (`ggml_set_rows` through the type's `from_float`, `quantize_row_q8_0`: on x86 `d = amax / 127` kept
+/// as f16, `q = x · (127 / amax)` rounded to nearest with ties to even). `x` is a multiple of 32 values;
+/// the blocks are appended to `out`.
+pub fn quantize_q8_0_rows(x: &[f32], out: &mut Vec<u8>) {
+    assert!(
+        x.len().is_multiple_of(32),
+        "Q8_0 rows: {} values are not whole blocks",
+        x.len()
+    );
+    let at = out.len();
+    out.resize(at + q8_0_bytes(x.len()), 0);
+    crate::quant::ActType::Q8_0.quantize(x, &mut out[at..]);
+}
+
+/// llama.cpp's CPU flash attention over a Q8_0 KV cache (`-ctk q8_0 -ctv q8_0`,
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk`, which every batch takes with a quantized cache:
+/// the tiled and split-KV paths are only for F32 and F16 caches), step for step. Shapes and visibility
+/// as in [`attention`], but `k` and `v` are rows of Q8_0 blocks: position `j`'s keys are `n_head_kv ·
+/// head_dim_k / 32` blocks of [`Q8_0_BLOCK_BYTES`] (head after head), its values likewise; both head
+/// sizes must be multiples of 32. Per query and head:
+///
+/// - the query is quantized to Q8_0 (as ggml converts it to the key type's `vec_dot_type`) and each score
+///   is `ggml_vec_dot_q8_0_q8_0` of the key row and the query, times `scale` (and soft-capped);
+/// - the softmax is online, the running sum of values kept in f32: on a new maximum it is scaled by
+///   `expf(old - new)`, else the value row (dequantized, exact) is added with weight `expf(s - max)` by
+///   fused multiply-adds;
+/// - at the end it is divided by the sum of weights.
+///
+/// Each query's result depends only on the cache and the query, not on the batch or the thread count.
+pub fn attention_ggml_q8_0(
+    q: &[f32],
+    positions: &[u32],
+    k: &[u8],
+    v: &[u8],
+    p: &AttnParams,
+    out: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    assert!(
+        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv),
+        "attention: bad head counts"
+    );
+    assert!(
+        dk > 0 && dv > 0 && dk.is_multiple_of(32) && dv.is_multiple_of(32),
+        "attention: Q8_0 rows need head sizes that are multiples of 32 ({dk}, {dv})"
+    );
+    let n_q = positions.len();
+    assert_eq!(
+        q.len(),
+        n_q * p.n_head * dk,
+        "attention: q has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        n_q * p.n_head * dv,
+        "attention: out has the wrong length"
+    );
+    let (k_row, v_row) = (q8_0_bytes(p.n_head_kv * dk), q8_0_bytes(p.n_head_kv * dv));
+    assert_eq!(k.len() % k_row, 0, "attention: k is not whole rows");
+    let n_kv = k.len() / k_row;
+    assert_eq!(v.len(), n_kv * v_row, "attention: v has the wrong length");
+    assert!(
+        positions.iter().all(|&pos| (pos as usize) < n_kv),
+        "attention: a query position is past the keys"
+    );
+    let group = p.n_head / p.n_head_kv;
+    // Where more than one query head reads each value row, the rows are dequantized once for the call
+    // (exact, so the same sums), up to the last position a query sees.
+    let seen = positions.iter().map(|&x| x as usize + 1).max().unwrap_or(0);
+    let v_f32 = (n_q * group > 1).then(|| {
+        let w = p.n_head_kv * dv;
+        let mut f = vec![0f32; seen * w];
+        f.par_chunks_mut(w)
+            .zip(v.par_chunks(v_row))
+            .with_min_len(64)
+            .for_each(|(o, b)| {
+                crate::quant::dequantize(crate::quant::GgmlType::Q8_0, b, o)
+                    .expect("whole Q8_0 rows")
+            });
+        f
+    });
+    out.par_chunks_mut(dv).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(qq, v32): &mut (Vec<u8>, Vec<f32>), (idx, o)| {
+            let (i, h) = (idx / p.n_head, idx % p.n_head);
+            let hk = h / group;
+            let one = Q8Query {
+                q: &q[(i * p.n_head + h) * dk..][..dk],
+                k: &k[hk * q8_0_bytes(dk)..],
+                v: match &v_f32 {
+                    Some(f) => Values::F32(&f[hk * dv..], p.n_head_kv * dv),
+                    None => Values::Q8_0(&v[hk * q8_0_bytes(dv)..], v_row),
+                },
+                k_row,
+                first: p.first_visible(positions[i]),
+                last: positions[i] as usize,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
+                return unsafe { q8_query_fma(&one, p, qq, v32, o) };
+            }
+            q8_query(&one, p, qq, v32, o);
+        },
+    );
+}
+
+/// One query and head of [`attention_ggml_q8_0`]: its query, its key/value head's blocks (`k[j·k_row..]`
+/// is position `j`'s), the positions it sees.
+struct Q8Query<'a> {
+    q: &'a [f32],
+    k: &'a [u8],
+    v: Values<'a>,
+    k_row: usize,
+    first: usize,
+    last: usize,
+}
+
+/// The value rows of one head of [`attention_ggml_q8_0`], from its position 0, with the distance
+/// between positions: the cache's blocks, or the same dequantized.
+enum Values<'a> {
+    Q8_0(&'a [u8], usize),
+    F32(&'a [f32], usize),
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_query_fma(
+    one: &Q8Query<'_>,
+    p: &AttnParams,
+    qq: &mut Vec<u8>,
+    v32: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    q8_query(one, p, qq, v32, o)
+}
+
+/// The output of one query and head of [`attention_ggml_q8_0`] into `o`.
+#[inline(always)]
+fn q8_query(
+    one: &Q8Query<'_>,
+    p: &AttnParams,
+    qq: &mut Vec<u8>,
+    v32: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let kb = q8_0_bytes(dk);
+    qq.clear();
+    quantize_q8_0_rows(one.q, qq);
+    v32.resize(dv, 0.0);
+    let ops = crate::quant::GgmlType::Q8_0
+        .ops()
+        .expect("Q8_0 has its operations");
+    let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+    o.fill(0.0);
+    for j in one.first..=one.last {
+        let d = (ops.vec_dot)(dk, &one.k[j * one.k_row..][..kb], qq);
+        let x = match p.softcap {
+            // ggml folds 1/cap into the scale.
+            Some(cap) => cap * (d * (p.scale / cap)).tanh(),
+            None => d * p.scale,
+        };
+        let (ms, vs);
+        if x > m {
+            ms = (m - x).exp();
+            m = x;
+            vs = 1.0;
+            o.iter_mut().for_each(|y| *y *= ms);
+        } else {
+            ms = 1.0;
+            vs = (x - m).exp();
+        }
+        let vj: &[f32] = match one.v {
+            Values::Q8_0(b, row) => {
+                (ops.dequantize)(&b[j * row..][..q8_0_bytes(dv)], v32);
+                v32
+            }
+            Values::F32(f, row) => &f[j * row..][..dv],
+        };
+        for (y, &vv) in o.iter_mut().zip(vj) {
+            *y = vv.mul_add(vs, *y);
+        }
+        // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
+        s = s.mul_add(ms, vs);
+    }
+    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+    o.iter_mut().for_each(|y| *y *= inv);
+}
+
+/// The rotations llama.cpp applies around a quantized KV cache (`attn_rot_k`, `attn_rot_v` of
+/// `llama_kv_cache`): queries and keys by an orthonormal Walsh-Hadamard matrix of `k` values, values by
+/// one of `v` values (the attention's output rotated back by the same), so that the blocks quantize
+/// vectors whose outliers are spread out. `None` where llama.cpp does not rotate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct KvRotation {
+    pub k: Option<usize>,
+    pub v: Option<usize>,
+}
+
+impl KvRotation {
+    /// llama.cpp's choice for a quantized cache whose layers all have heads of `head_dim_k` key and
+    /// `head_dim_v` value values (`None`: the layers differ, which turns the rotation off): keys by the
+    /// largest power of two from 64 up that divides the head, values by 64, each only where the head is
+    /// a multiple of 64.
+    pub fn ggml(head_dim_k: Option<usize>, head_dim_v: Option<usize>) -> KvRotation {
+        let k = head_dim_k
+            .filter(|d| *d > 0 && d.is_multiple_of(64))
+            .map(|d| {
+                let mut n = 64;
+                while d.is_multiple_of(2 * n) {
+                    n *= 2;
+                }
+                n
+            });
+        let v = head_dim_v
+            .filter(|d| *d > 0 && d.is_multiple_of(64))
+            .map(|_| 64);
+        KvRotation { k, v }
+    }
+}
+
+/// Rotates every group of `n` consecutive values of `x` (`n` a power of two dividing its length) by the
+/// orthonormal Walsh-Hadamard matrix, as ggml's CPU backend computes `ggml_mul_mat` with
+/// `GGML_HINT_SRC0_IS_HADAMARD` (`ggml_compute_forward_fwht`): each value times `1/sqrtf(n)` first, then
+/// the butterflies `(u + v, u - v)` at distances 1, 2, 4, … The matrix is its own inverse.
+pub fn hadamard_ggml(x: &mut [f32], n: usize) {
+    assert!(
+        n.is_power_of_two() && x.len().is_multiple_of(n),
+        "Hadamard rotation: {} values are not groups of {n}",
+        x.len()
+    );
+    let scale = 1.0 / (n as f32).sqrt();
+    for g in x.chunks_exact_mut(n) {
+        g.iter_mut().for_each(|v| *v *= scale);
+        let mut len = 1;
+        while len < n {
+            for i in (0..n).step_by(2 * len) {
+                for j in i..i + len {
+                    let (u, v) = (g[j], g[j + len]);
+                    g[j] = u + v;
+                    g[j + len] = u - v;
+                }
+            }
+            len *= 2;
+        }
     }
 }
 
@@ -813,6 +1073,139 @@ mod tests {
             attention_ggml_f16_tiled(qs, &first_query, &k2, &v2, &p, &mut b);
             assert_eq!(a == b, window.is_some_and(|w| w <= 120), "{p:?}");
         }
+    }
+
+    /// Q8_0 rows of `x` and their dequantized values.
+    fn q8_0_rows(x: &[f32]) -> (Vec<u8>, Vec<f32>) {
+        let mut b = Vec::new();
+        quantize_q8_0_rows(x, &mut b);
+        let mut back = vec![0f32; x.len()];
+        crate::quant::dequantize(crate::quant::GgmlType::Q8_0, &b, &mut back).unwrap();
+        (b, back)
+    }
+
+    #[test]
+    fn ggml_q8_0_path_is_attention_over_the_dequantized_cache() {
+        let mut rng = Rng::new(13);
+        let n_kv = 150;
+        for (n_head, n_head_kv, dk, dv, window, softcap) in [
+            (4, 1, 64, 64, None, None),
+            (4, 2, 32, 64, Some(50), None),
+            (2, 2, 64, 32, None, Some(2.0)),
+        ] {
+            let p = AttnParams {
+                n_head,
+                n_head_kv,
+                head_dim_k: dk,
+                head_dim_v: dv,
+                scale: 1.0 / (dk as f32).sqrt(),
+                window,
+                softcap,
+            };
+            let (kq, k) = q8_0_rows(&normals(&mut rng, n_kv * n_head_kv * dk));
+            let (vq, v) = q8_0_rows(&normals(&mut rng, n_kv * n_head_kv * dv));
+            assert_eq!(kq.len(), n_kv * n_head_kv * dk / 32 * 34);
+            let positions: Vec<u32> = vec![149, 0, 37, 100, 120];
+            let q = normals(&mut rng, positions.len() * n_head * dk);
+            let mut out = vec![0f32; positions.len() * n_head * dv];
+            attention_ggml_q8_0(&q, &positions, &kq, &vq, &p, &mut out);
+            // Against exact attention over the dequantized cache with the query quantized as well:
+            // only f32 rounding apart.
+            let qd: Vec<f32> = q.chunks(dk).flat_map(|h| q8_0_rows(h).1).collect();
+            let d = max_diff(&out, &reference(&qd, &positions, &k, &v, &p));
+            assert!(d < 1e-5, "{p:?}: {d}");
+            // Each query alone gives the same bits as in the batch.
+            for (i, &pos) in positions.iter().enumerate() {
+                let qi = &q[i * n_head * dk..(i + 1) * n_head * dk];
+                let mut one = vec![0f32; n_head * dv];
+                attention_ggml_q8_0(qi, &[pos], &kq, &vq, &p, &mut one);
+                assert_eq!(one, out[i * n_head * dv..(i + 1) * n_head * dv], "{p:?}");
+            }
+            // Positions past a query, or before its window, do not change it.
+            let (mut k2, mut v2) = (kq.clone(), vq.clone());
+            let (rk, rv) = (q8_0_bytes(n_head_kv * dk), q8_0_bytes(n_head_kv * dv));
+            for j in (38..150).chain(0..3) {
+                k2[j * rk + 2..(j + 1) * rk].fill(9);
+                v2[j * rv + 2..(j + 1) * rv].fill(247);
+            }
+            let (mut a, mut b) = (vec![0f32; n_head * dv], vec![0f32; n_head * dv]);
+            let q37 = &q[2 * n_head * dk..3 * n_head * dk];
+            attention_ggml_q8_0(q37, &[37], &kq, &vq, &p, &mut a);
+            attention_ggml_q8_0(q37, &[37], &k2, &v2, &p, &mut b);
+            assert_eq!(a == b, window.is_some_and(|w| w <= 35), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn q8_0_rows_are_34_bytes_a_block_and_round_as_ggml_stores_them() {
+        // The largest magnitude 127 makes 127/amax exactly 1: each quant is the value rounded, ties to
+        // even as ggml's x86 quantize_row_q8_0 does (its reference rounds them away from zero).
+        let mut x = vec![0.25f32; 64];
+        x[..4].copy_from_slice(&[0.5, 1.5, -2.5, 126.5]);
+        x[31] = 127.0;
+        x[32..].fill(0.0);
+        x[32 + 5] = -0.0;
+        let (b, back) = q8_0_rows(&x);
+        assert_eq!(b.len(), 2 * 34);
+        assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x3c00, "d = 1");
+        assert_eq!(
+            b[2..6].iter().map(|&q| q as i8).collect::<Vec<_>>(),
+            [0, 2, -2, 126]
+        );
+        assert_eq!(b[34..36], [0, 0], "an all-zero block has d = 0");
+        assert!(back[32..].iter().all(|&x| x == 0.0));
+        assert_eq!(back[31], 127.0);
+    }
+
+    #[test]
+    fn the_hadamard_rotation_is_sylvesters_matrix_and_its_own_inverse() {
+        // Column j of the rotation of unit vector i: (-1)^popcount(i & j) / sqrt(n).
+        for n in [64usize, 128, 256] {
+            for i in [0usize, 1, 5, n - 1] {
+                let mut x = vec![0f32; n];
+                x[i] = 1.0;
+                hadamard_ggml(&mut x, n);
+                for (j, &y) in x.iter().enumerate() {
+                    let sign = if (i & j).count_ones() % 2 == 0 {
+                        1.0
+                    } else {
+                        -1.0
+                    };
+                    assert_eq!(y, sign / (n as f32).sqrt(), "n {n}, e{i}, value {j}");
+                }
+            }
+        }
+        let mut rng = Rng::new(14);
+        let x = normals(&mut rng, 4 * 128);
+        let mut y = x.clone();
+        hadamard_ggml(&mut y, 128);
+        let norm = |v: &[f32]| v.iter().map(|a| (*a as f64).powi(2)).sum::<f64>();
+        assert!((norm(&x[..128]) - norm(&y[..128])).abs() < 1e-4 * norm(&x[..128]));
+        hadamard_ggml(&mut y, 128);
+        assert!(max_diff(&y, &x.iter().map(|&a| a as f64).collect::<Vec<_>>()) < 1e-5);
+        // llama.cpp's choice of sizes.
+        assert_eq!(
+            KvRotation::ggml(Some(64), Some(64)),
+            KvRotation {
+                k: Some(64),
+                v: Some(64)
+            }
+        );
+        assert_eq!(
+            KvRotation::ggml(Some(256), Some(256)),
+            KvRotation {
+                k: Some(256),
+                v: Some(64)
+            }
+        );
+        assert_eq!(
+            KvRotation::ggml(Some(192), Some(128)),
+            KvRotation {
+                k: Some(64),
+                v: Some(64)
+            }
+        );
+        assert_eq!(KvRotation::ggml(Some(96), None), KvRotation::default());
     }
 
     #[test]
