@@ -33,25 +33,10 @@ pub struct KlArgs {
 
 /// One step: the token written and the top list with probabilities.
 #[derive(Debug, PartialEq)]
-pub(super) struct StepDist {
-    pub(super) token: u32,
+struct StepDist {
+    token: u32,
     top: Vec<(u32, f64)>,
     n_vocab: usize,
-}
-
-impl StepDist {
-    /// A step of a generation in this process (log-probabilities to probabilities).
-    pub(super) fn from_step(s: &poly_engine::generate::Step, n_vocab: usize) -> StepDist {
-        StepDist {
-            token: s.token,
-            top: s
-                .top
-                .iter()
-                .map(|&(t, lp)| (t, (lp as f64).exp()))
-                .collect(),
-            n_vocab,
-        }
-    }
 }
 
 fn read_steps(path: &PathBuf) -> Result<Vec<StepDist>, EngineError> {
@@ -114,10 +99,7 @@ fn step_kl(p: &StepDist, q: &StepDist) -> f64 {
 }
 
 /// Mean and largest KL, and the share of steps with the same likeliest token.
-pub(super) fn compare(
-    reference: &[StepDist],
-    candidate: &[StepDist],
-) -> Result<(f64, f64, f64), EngineError> {
+fn compare(reference: &[StepDist], candidate: &[StepDist]) -> Result<(f64, f64, f64), EngineError> {
     if reference.len() != candidate.len() || reference.is_empty() {
         return Err(EngineError(format!(
             "{} reference steps and {} candidate steps: write the candidate with --follow REFERENCE",
