@@ -15,6 +15,46 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// `poly-engine run --cpu --json --top 40 --batch-invariant` of fixture `model` on `prompt` (token ids)
+/// for `max_tokens`, with `extra` flags and following `follow` when given; its steps written to
+/// `dir/out`, whose path it returns.
+fn run_json(
+    dir: &Path,
+    (model, prompt, max_tokens): (&str, &str, &str),
+    extra: &[&str],
+    follow: Option<&Path>,
+    out: &str,
+) -> PathBuf {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
+    let mut c = Command::new(ENGINE);
+    c.args(["run", "--cpu", "--json", "--top", "40", "--batch-invariant"])
+        .args(["--prompt-tokens", prompt, "--max-tokens", max_tokens])
+        .args(extra)
+        .arg("--model")
+        .arg(fixtures.join(model));
+    if let Some(f) = follow {
+        c.arg("--follow").arg(f);
+    }
+    let o = c.output().expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let path = dir.join(out);
+    std::fs::write(&path, &o.stdout).unwrap();
+    path
+}
+
+/// `poly-engine kl a b extra`: whether it succeeded, and its JSON (null when it printed none).
+fn kl_json(a: &Path, b: &Path, extra: &[&str]) -> (bool, serde_json::Value) {
+    let o = Command::new(ENGINE)
+        .arg("kl")
+        .arg(a)
+        .arg(b)
+        .args(extra)
+        .output()
+        .expect("kl");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+    (o.status.success(), v)
+}
+
 /// A small MoE-shaped file: routed experts in Q4_K, attention in Q8_0, a norm in F32.
 fn write_model(path: &Path) -> Vec<Vec<u8>> {
     let mut w = GgufWriter::new();
@@ -147,33 +187,10 @@ fn inspect_refuses_a_file_that_is_not_gguf() {
 #[test]
 fn a_followed_answer_is_compared_step_by_step() {
     let dir = temp_dir("kl");
-    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models");
     let run = |model: &str, follow: Option<&Path>, out: &str| {
-        let mut c = Command::new(ENGINE);
-        c.args(["run", "--cpu", "--json", "--top", "40", "--batch-invariant"])
-            .args(["--prompt-tokens", "1,5,9,200,31,7", "--max-tokens", "12"])
-            .arg("--model")
-            .arg(fixtures.join(model));
-        if let Some(f) = follow {
-            c.arg("--follow").arg(f);
-        }
-        let o = c.output().expect("run");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let path = dir.join(out);
-        std::fs::write(&path, &o.stdout).unwrap();
-        path
+        run_json(&dir, (model, "1,5,9,200,31,7", "12"), &[], follow, out)
     };
-    let kl = |a: &Path, b: &Path, extra: &[&str]| {
-        let o = Command::new(ENGINE)
-            .arg("kl")
-            .arg(a)
-            .arg(b)
-            .args(extra)
-            .output()
-            .expect("kl");
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
-        (o.status.success(), v)
-    };
+    let kl = kl_json;
     let reference = run("qwen3moe-tiny-q4km.gguf", None, "ref.jsonl");
     let again = run("qwen3moe-tiny-q4km.gguf", Some(&reference), "again.jsonl");
     let (ok, same) = kl(&reference, &again, &[]);
@@ -206,30 +223,12 @@ fn q8_0_caches_answer_near_f16_ones_and_are_refused_on_a_card() {
     let prompt: Vec<String> = (0..80).map(|i| (100 + i * 23 % 1800).to_string()).collect();
     let prompt = prompt.join(",");
     let run = |model: &str, extra: &[&str], follow: Option<&Path>, out: &str| {
-        let mut c = Command::new(ENGINE);
-        c.args(["run", "--cpu", "--json", "--top", "40", "--batch-invariant"])
-            .args(["--prompt-tokens", &prompt, "--max-tokens", "40"])
-            .args(extra)
-            .arg("--model")
-            .arg(fixtures.join(model));
-        if let Some(f) = follow {
-            c.arg("--follow").arg(f);
-        }
-        let o = c.output().expect("run");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let path = dir.join(out);
-        std::fs::write(&path, &o.stdout).unwrap();
-        path
+        run_json(&dir, (model, &prompt, "40"), extra, follow, out)
     };
     let kl = |a: &Path, b: &Path| {
-        let o = Command::new(ENGINE)
-            .arg("kl")
-            .arg(a)
-            .arg(b)
-            .output()
-            .expect("kl");
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+        let (ok, v) = kl_json(a, b, &[]);
+        assert!(ok, "{v}");
+        v
     };
     for model in ["gemma3-tiny-q4km.gguf", "qwen3moe-tiny-q4km.gguf"] {
         let reference = run(model, &[], None, "f16.jsonl");

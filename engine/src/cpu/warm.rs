@@ -36,7 +36,7 @@ const WARM_CHUNK: usize = 128 << 10;
 
 /// The `n` experts `m`'s router scores highest for the one-token input `x` (`[n_embd]`), highest first,
 /// computed on `pool`. A guess only: the router's logits in the file's format with the single-row dot
-/// product, ties to the lower index.
+/// product, ranked by [`poly_kernels::ops::topk::top_k`].
 pub(crate) fn likeliest_experts(
     w: &CpuWeights,
     m: &Moe,
@@ -67,19 +67,7 @@ pub(crate) fn likeliest_experts(
         .into_iter()
         .flat_map(|l| l.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    // NaN last: a broken row is never a likely expert.
-    let key = |i: usize| {
-        let v = logits[i];
-        if v.is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            v
-        }
-    };
-    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-    order.truncate(n);
-    order
+    poly_kernels::ops::topk::top_k(&logits, n)
 }
 
 /// Reads the gate, up and down matrices of `m`'s `experts` on `pool`'s workers while this thread runs

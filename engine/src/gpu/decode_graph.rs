@@ -108,8 +108,10 @@ impl HostPoint {
     /// The step it belongs to.
     pub fn step(self) -> usize {
         match self {
-            HostPoint::Route(i) | HostPoint::Prepare(i) | HostPoint::CpuShare(i) => i,
-            HostPoint::Staged(i) => i,
+            HostPoint::Route(i)
+            | HostPoint::Prepare(i)
+            | HostPoint::CpuShare(i)
+            | HostPoint::Staged(i) => i,
         }
     }
 

@@ -27,9 +27,19 @@ const HEADER_WORDS: usize = 2;
 /// `n` flags, and the token's number, in page-locked memory of one device's context.
 pub struct HostFlags {
     words: PinnedHost<u32>,
+    /// The host address of `words`, taken once: the slice's own accessors make a driver call each
+    /// (an event synchronize), and the flags are touched a few times per MoE layer and token.
+    host: *const AtomicU32,
     /// The number of the token under way (never 0, which a new flag holds).
     token: u32,
 }
+
+// SAFETY: `host` points into `words`, which this object owns and which does not move (page-locked
+// memory); every access through it, the host's and the card's, is atomic, so sharing or sending the
+// flags between threads races on nothing.
+unsafe impl Send for HostFlags {}
+// SAFETY: as for `Send`: shared access is atomic loads and stores only.
+unsafe impl Sync for HostFlags {}
 
 impl std::fmt::Debug for HostFlags {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,8 +53,11 @@ impl HostFlags {
         if n == 0 || n > i32::MAX as usize - HEADER_WORDS {
             return Err(CudaError::Invalid(format!("{n} host flags")));
         }
+        let words = dev.pinned::<u32>(HEADER_WORDS + n)?;
+        let host = words.host_ptr()?.cast::<AtomicU32>();
         Ok(HostFlags {
-            words: dev.pinned(HEADER_WORDS + n)?,
+            words,
+            host,
             token: 0,
         })
     }
@@ -67,11 +80,10 @@ impl HostFlags {
                 self.words.len()
             )));
         }
-        let base = self.words.host_ptr()?;
-        // SAFETY: `base[..len]` is this object's page-locked allocation of u32 (checked index), which lives
+        // SAFETY: `host[..len]` is this object's page-locked allocation of u32 (checked index), which lives
         // as long as `self`; AtomicU32 has u32's size and alignment, and every access to these words, the
         // host's and the card's, is atomic (the card's `ld.acquire.sys` / `st.release.sys`).
-        Ok(unsafe { &*(base.add(w) as *const AtomicU32) })
+        Ok(unsafe { &*self.host.add(w) })
     }
 
     /// Flag `i`'s word, checked.

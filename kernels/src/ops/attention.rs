@@ -99,6 +99,19 @@ fn check_shapes(
     p: &AttnParams,
     out: &[f32],
 ) -> usize {
+    check_shapes_of(q, positions, (k.len(), v.len()), |values| values, p, out)
+}
+
+/// [`check_shapes`] for caches of `kv_lens` elements whose rows of `n` values take `row_len(n)`
+/// elements (f32 values, or the bytes of Q8_0 blocks).
+fn check_shapes_of(
+    q: &[f32],
+    positions: &[u32],
+    (k_len, v_len): (usize, usize),
+    row_len: impl Fn(usize) -> usize,
+    p: &AttnParams,
+    out: &[f32],
+) -> usize {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
     assert!(
         p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv) && dk > 0 && dv > 0,
@@ -115,10 +128,10 @@ fn check_shapes(
         n_q * p.n_head * dv,
         "attention: out has the wrong length"
     );
-    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
-    assert_eq!(k.len() % k_row, 0, "attention: k is not whole rows");
-    let n_kv = k.len() / k_row;
-    assert_eq!(v.len(), n_kv * v_row, "attention: v has the wrong length");
+    let (k_row, v_row) = (row_len(p.n_head_kv * dk), row_len(p.n_head_kv * dv));
+    assert_eq!(k_len % k_row, 0, "attention: k is not whole rows");
+    let n_kv = k_len / k_row;
+    assert_eq!(v_len, n_kv * v_row, "attention: v has the wrong length");
     assert!(
         positions.iter().all(|&pos| (pos as usize) < n_kv),
         "attention: a query position is past the keys"
@@ -399,32 +412,12 @@ pub fn attention_ggml_q8_0(
 ) {
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
     assert!(
-        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv),
-        "attention: bad head counts"
-    );
-    assert!(
-        dk > 0 && dv > 0 && dk.is_multiple_of(32) && dv.is_multiple_of(32),
+        dk.is_multiple_of(32) && dv.is_multiple_of(32),
         "attention: Q8_0 rows need head sizes that are multiples of 32 ({dk}, {dv})"
     );
     let n_q = positions.len();
-    assert_eq!(
-        q.len(),
-        n_q * p.n_head * dk,
-        "attention: q has the wrong length"
-    );
-    assert_eq!(
-        out.len(),
-        n_q * p.n_head * dv,
-        "attention: out has the wrong length"
-    );
+    check_shapes_of(q, positions, (k.len(), v.len()), q8_0_bytes, p, out);
     let (k_row, v_row) = (q8_0_bytes(p.n_head_kv * dk), q8_0_bytes(p.n_head_kv * dv));
-    assert_eq!(k.len() % k_row, 0, "attention: k is not whole rows");
-    let n_kv = k.len() / k_row;
-    assert_eq!(v.len(), n_kv * v_row, "attention: v has the wrong length");
-    assert!(
-        positions.iter().all(|&pos| (pos as usize) < n_kv),
-        "attention: a query position is past the keys"
-    );
     let group = p.n_head / p.n_head_kv;
     // Where more than one query head reads each value row, the rows are dequantized once for the call
     // (exact, so the same sums), up to the last position a query sees.

@@ -12,8 +12,8 @@
 use super::common::{rope_freq_scale, whole_head_common, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
-    TensorDef,
+    arch_kv, check, def, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role,
+    TensorClass, TensorDef,
 };
 use crate::compute::{Attention, Compute, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
@@ -62,21 +62,6 @@ pub struct Gemma3Hparams {
 
 use Dim::*;
 use TensorClass as C;
-
-const fn def(
-    role: Role,
-    layers: Option<LayerSel>,
-    dims: &'static [Dim],
-    class: TensorClass,
-) -> TensorDef {
-    TensorDef {
-        role,
-        layers,
-        dims,
-        class,
-        presence: Presence::Required,
-    }
-}
 
 const L: Option<LayerSel> = Some(LayerSel::All);
 

@@ -26,8 +26,8 @@
 use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, uniform_u32_req, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence,
-    Role, TensorClass, TensorDef,
+    arch_kv, check, def, uniform_u32_req, ArchError, ArchHparams, Dim, LayerKind, LayerSel,
+    Presence, Role, TensorClass, TensorDef,
 };
 use crate::compute::{Attention, Compute, Gating, Moe, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
@@ -79,21 +79,6 @@ pub struct Lfm2MoeHparams {
 
 use Dim::*;
 use TensorClass as C;
-
-const fn def(
-    role: Role,
-    layers: Option<LayerSel>,
-    dims: &'static [Dim],
-    class: TensorClass,
-) -> TensorDef {
-    TensorDef {
-        role,
-        layers,
-        dims,
-        class,
-        presence: Presence::Required,
-    }
-}
 
 const ALL: Option<LayerSel> = Some(LayerSel::All);
 const ATT: Option<LayerSel> = Some(LayerSel::Attention);

@@ -19,7 +19,7 @@
 use super::common::{rope_freq_scale, whole_head_common, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
+    arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
     TensorDef,
 };
 use crate::compute::{Attention, Compute, Rope, RopeKind, Unary, WeightId};
@@ -63,21 +63,6 @@ pub struct LlamaHparams {
 use Dim::*;
 use TensorClass as C;
 
-const fn def(
-    role: Role,
-    layers: Option<LayerSel>,
-    dims: &'static [Dim],
-    class: TensorClass,
-) -> TensorDef {
-    TensorDef {
-        role,
-        layers,
-        dims,
-        class,
-        presence: Presence::Required,
-    }
-}
-
 const L: Option<LayerSel> = Some(LayerSel::All);
 
 /// The tensors of a dense `llama` file (llama.cpp's `load_arch_tensors` with `n_expert == 0`).
@@ -108,14 +93,6 @@ pub const TENSORS: &[TensorDef] = &[
     opt(def(Role::FfnDownBias, L, &[Embd], C::Norm)), // [n_embd]
     opt(def(Role::FfnUpBias, L, &[Ff], C::Norm)),    // [n_ff]
 ];
-
-/// `d`, optional.
-const fn opt(d: TensorDef) -> TensorDef {
-    TensorDef {
-        presence: Presence::Optional,
-        ..d
-    }
-}
 
 impl LlamaHparams {
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads for `llama`).

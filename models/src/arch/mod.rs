@@ -426,6 +426,30 @@ pub struct TensorDef {
     pub presence: Presence,
 }
 
+/// A required row of a tensor table (the architectures' tables are lists of these).
+pub(crate) const fn def(
+    role: Role,
+    layers: Option<LayerSel>,
+    dims: &'static [Dim],
+    class: TensorClass,
+) -> TensorDef {
+    TensorDef {
+        role,
+        layers,
+        dims,
+        class,
+        presence: Presence::Required,
+    }
+}
+
+/// `d`, optional.
+pub(crate) const fn opt(d: TensorDef) -> TensorDef {
+    TensorDef {
+        presence: Presence::Optional,
+        ..d
+    }
+}
+
 /// A tensor of a concrete model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorDesc {

@@ -16,7 +16,7 @@
 use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap, ValueMap};
 use super::{
-    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
+    arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
     TensorDef,
 };
 use crate::compute::{
@@ -106,28 +106,6 @@ impl Qwen35Form {
 
 use Dim::*;
 use TensorClass as C;
-
-const fn def(
-    role: Role,
-    layers: Option<LayerSel>,
-    dims: &'static [Dim],
-    class: TensorClass,
-) -> TensorDef {
-    TensorDef {
-        role,
-        layers,
-        dims,
-        class,
-        presence: Presence::Required,
-    }
-}
-
-const fn opt(d: TensorDef) -> TensorDef {
-    TensorDef {
-        presence: Presence::Optional,
-        ..d
-    }
-}
 
 const ALL: Option<LayerSel> = Some(LayerSel::All);
 const ATT: Option<LayerSel> = Some(LayerSel::Attention);

@@ -8,8 +8,8 @@
 use super::common::{rope_freq_scale, whole_head_common, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
-    arch_kv, check, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role, TensorClass,
-    TensorDef,
+    arch_kv, check, def, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role,
+    TensorClass, TensorDef,
 };
 use crate::compute::{Attention, Compute, Gating, Moe, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
@@ -50,21 +50,6 @@ pub struct Qwen3MoeHparams {
 
 use Dim::*;
 use TensorClass as C;
-
-const fn def(
-    role: Role,
-    layers: Option<LayerSel>,
-    dims: &'static [Dim],
-    class: TensorClass,
-) -> TensorDef {
-    TensorDef {
-        role,
-        layers,
-        dims,
-        class,
-        presence: Presence::Required,
-    }
-}
 
 const L: Option<LayerSel> = Some(LayerSel::All);
 
