@@ -63,7 +63,7 @@ if [ "$PHASE" = prep ]; then
     # TEST_BINS: which of them (default: all).
     [ "${TESTS:-1}" = 1 ] && for t in ${TEST_BINS:-gpu_expert_cache gpu_forward cuda_layer_ops cuda_ops cuda_fused}; do
         [ -x /tmp/bin/$t ] || continue
-        timeout 200 /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
+        timeout ${TEST_TIMEOUT:-300} /tmp/bin/$t --test-threads 1 > $R/$t.txt 2>&1
         echo "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)" | tee -a "$S"
         grep -E "^test .*FAILED$|panicked" $R/$t.txt | head -5 | tee -a "$S"
     done
@@ -92,9 +92,10 @@ for k in ("pp", "tg"):
 e = d.get("experts")
 if e:
     out.append("VRAM share %.3f, %s/%s in VRAM, top10 %.3f" % (e.get("vram_share") or 0, e.get("in_vram"), e.get("slots"), e.get("route_top10_share") or 0))
-    out.append("decode: %s copied, %s on CPU (cpu %.0f us + %.0f us/expert, copy %.0f us/expert), uploads %s (on card %s)" % (
+    out.append("decode: %s copied, %s on CPU (cpu %.0f us + %.0f us/expert, copy %.0f us/expert), uploads %s (on card %s), ahead %s (routed %s)" % (
         e.get("staged_decode"), e.get("cpu_experts"), e.get("cpu_us_overhead") or 0, e.get("cpu_us_per_expert") or 0,
-        e.get("copy_us_per_expert") or 0, e.get("uploads"), e.get("admitted_on_card", "-")))
+        e.get("copy_us_per_expert") or 0, e.get("uploads"), e.get("admitted_on_card", "-"),
+        e.get("ahead_copied", "-"), e.get("ahead_routed", "-")))
 print("  " + " | ".join(out))
 PY
     [ $rc = 0 ] || { echo "  rc=$rc: $(tail -2 $R/b.err)" | tee -a "$S"; }
@@ -112,8 +113,9 @@ if [ "$PHASE" = ours ]; then
         F=/dev/shm/m/$m.gguf
         # BASE_MODELS: which models the binary before the change runs for (default: all).
         case " ${BASE_MODELS:-$MODELS} " in *" $m "*) HAS_BASE=1 ;; *) HAS_BASE=0 ;; esac
-        # ROUNDS: base and new alternate this many times (both unprofiled), then one profiled run of new.
-        for round in $(seq ${ROUNDS:-1}); do
+        # ROUNDS: base and new alternate this many times (both unprofiled), then one profiled run of new
+        # (PP_ROUNDS: this part's own count, default ROUNDS).
+        for round in $(seq ${PP_ROUNDS:-${ROUNDS:-1}}); do
             [ -x /tmp/bin/poly-engine-base ] && [ $HAS_BASE = 1 ] && bench "$m ${BUDGET}MiB BASE pp512 tg64" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
             bench "$m ${BUDGET}MiB NEW pp512 tg64" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 512 --gen 64 --reps 2 --no-expert-profile
         done
@@ -137,7 +139,7 @@ if [ "$PHASE" = ours ]; then
             done
         fi
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
-        grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish" | head -8 >> "$S"
+        grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish|ahead" | head -8 >> "$S"
     done
     # PROFILE=1: where a partly resident token's host time goes (the CPU share's parts by POLY_CPU_PROFILE's
     # spans), and the share's thread count halved (hyperthreads or not: lscpu in summary-prep).

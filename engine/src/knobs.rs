@@ -41,6 +41,9 @@ pub struct ForwardOptions {
     /// At a one-graph token's host points, the next MoE layer's guessed missing experts read into the
     /// host's caches while the card works (`--cpu-warm`).
     pub cpu_warm: bool,
+    /// At a partly resident token's host points, up to this many of the next MoE layer's guessed missing
+    /// experts copied to the card while it computes the layer between (`--copy-ahead`; 0: none).
+    pub copy_ahead: usize,
 }
 
 /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
@@ -75,6 +78,9 @@ pub enum CpuShareThreads {
     PerExpert,
 }
 
+/// `--copy-ahead`'s default.
+pub const DEFAULT_COPY_AHEAD: usize = 1;
+
 impl Default for ForwardOptions {
     fn default() -> Self {
         ForwardOptions {
@@ -89,6 +95,7 @@ impl Default for ForwardOptions {
             handoff: Handoff::Kernel,
             host_points: HostPoints::Flags,
             cpu_warm: false,
+            copy_ahead: DEFAULT_COPY_AHEAD,
         }
     }
 }
@@ -150,6 +157,9 @@ impl Knobs {
         if f.cpu_warm != d.cpu_warm {
             put("cpu-warm", if f.cpu_warm { "on" } else { "off" }.into());
         }
+        if f.copy_ahead != d.copy_ahead {
+            put("copy-ahead", f.copy_ahead.to_string());
+        }
         if self.kv != KvPrecision::default() {
             put("kv", self.kv.name().into());
         }
@@ -204,9 +214,11 @@ mod tests {
         k.forward.handoff = Handoff::Copy;
         k.forward.host_points = HostPoints::Cuts;
         k.forward.cpu_warm = true;
+        k.forward.copy_ahead = 0;
         k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
+            ("copy-ahead", "0"),
             ("cpu-share", "rayon"),
             ("cpu-warm", "on"),
             ("fuse", "off"),

@@ -34,6 +34,17 @@ use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::find_shape;
 use poly_models::synth::{SynthOptions, Synthesis};
 
+/// Fixtures of the architectures the card refuses with a reason (gpu_expert_cache's
+/// `the_card_refuses_the_architectures_it_cannot_run` checks that it does); the tests here run the rest.
+const CARD_REFUSES: &[&str] = &["lfm2moe"];
+
+fn card_refuses(p: &std::path::Path) -> bool {
+    let name = p
+        .file_name()
+        .map_or(String::new(), |n| n.to_string_lossy().to_string());
+    CARD_REFUSES.iter().any(|arch| name.starts_with(arch))
+}
+
 fn fixtures() -> Vec<PathBuf> {
     let dir = std::env::var("POLY_FIXTURES")
         .map(PathBuf::from)
@@ -49,6 +60,7 @@ fn fixtures() -> Vec<PathBuf> {
         .expect("the fixtures directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .filter(|p| !card_refuses(p))
         .collect();
     v.sort();
     assert!(!v.is_empty(), "no fixtures in {dir:?}");
@@ -536,4 +548,88 @@ fn one_graph_tokens_equal_segmented_ones() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The next layer's experts copied ahead (`--copy-ahead`) are computed by the card from their scratch
+/// slots exactly as the same experts copied on demand: with every expert missing and computed on the
+/// card, the tokens and probabilities are the very same with copies ahead and without, in one graph a
+/// token and in its cuts; and the copies ahead were routed to (the guess runs the next router on this
+/// layer's input).
+#[test]
+fn copies_ahead_equal_copies_on_demand() {
+    if !gpu_present() {
+        return;
+    }
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        for points in ["flags", "cuts"] {
+            let common = ["--missing-experts", "card", "--gpu-host-points", points];
+            let (off, _) = run_binary(&path, &[&common[..], &["--copy-ahead", "0"]].concat());
+            let (on, log) = run_binary(&path, &[&common[..], &["--copy-ahead", "8"]].concat());
+            let routed_ahead = log
+                .lines()
+                .find_map(|l| l.split(" copied ahead (").nth(1))
+                .and_then(|r| r.split(' ').next())
+                .and_then(|n| n.parse::<u64>().ok());
+            eprintln!(
+                "{name} {points}: {} lines, equal: {}, routed ahead: {routed_ahead:?}",
+                on.lines().count(),
+                on == off
+            );
+            if on != off || on.lines().count() < 12 {
+                failures.push(format!("{name} {points}: ahead\n{on}\non demand\n{off}"));
+            }
+            // A dense model (gemma3) has no expert cache and nothing to copy ahead.
+            if name.contains("moe") && routed_ahead.is_none_or(|n| n == 0) {
+                failures.push(format!(
+                    "{name} {points}: nothing copied ahead was routed: {log}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The architectures the other tests leave out are refused on the card with the reason, and the
+/// process ends with an error rather than computing something else.
+#[test]
+fn the_card_refuses_the_architectures_it_cannot_run() {
+    if !gpu_present() {
+        return;
+    }
+    let dir = fixtures()[0].parent().unwrap().to_path_buf();
+    let refused: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("the fixtures directory")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf") && card_refuses(p))
+        .collect();
+    assert!(
+        !refused.is_empty(),
+        "no fixture of {CARD_REFUSES:?} in {dir:?}"
+    );
+    let bin = std::env::var("POLY_ENGINE_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_poly-engine").to_string());
+    for path in refused {
+        let out = std::process::Command::new(&bin)
+            .args([
+                "run",
+                "--gpu",
+                "0",
+                "--max-tokens",
+                "2",
+                "--prompt-tokens",
+                "1,5",
+            ])
+            .arg("--model")
+            .arg(&path)
+            .output()
+            .expect("poly-engine runs");
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{path:?} ran on the card: {log}");
+        assert!(
+            log.contains("the card does not run this") && log.contains("--cpu"),
+            "{path:?}: {log}"
+        );
+    }
 }

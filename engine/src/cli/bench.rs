@@ -291,6 +291,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             "evictions": c.policy.evictions,
             "staged": c.staged,
             "staged_decode": c.staged_decode,
+            "ahead_copied": c.ahead_copied,
+            "ahead_routed": c.ahead_routed,
             "admitted_on_card": c.admitted_on_card,
             "route_top10_share": c.route_top10_share,
             "cpu_us_overhead": c.cpu_us_overhead,

@@ -250,5 +250,12 @@ pub fn run(args: RunArgs) -> CliResult {
         generation.stop,
         loaded.as_secs_f64()
     );
+    if let Some(c) = model.expert_stats() {
+        eprintln!(
+            "expert cache: {} of {} routings from VRAM; {} experts copied on demand, {} computed on \
+             the CPU, {} copied ahead ({} of them routed)",
+            c.routed_vram, c.routed, c.staged_decode, c.cpu_experts, c.ahead_copied, c.ahead_routed
+        );
+    }
     Ok(())
 }

@@ -247,6 +247,12 @@ impl Profiler {
                 ms(h.finish) / n,
                 ms(h.admit) / n,
             );
+            if h.ahead > std::time::Duration::ZERO {
+                s += &format!(
+                    "--copy-ahead: queueing the next layers' copies {:.3} per call (counts in the                      bench's experts.ahead_copied / ahead_routed)\n",
+                    ms(h.ahead) / n,
+                );
+            }
             if h.guessed > 0 {
                 s += &format!(
                     "--cpu-warm: {:.1} next-layer experts guessed missing per call, {:.1}% of them \

@@ -8,9 +8,20 @@ use cudarc::driver::{sys, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZero
 /// `len` values of `T` in page-locked host memory of one device's context.
 pub struct PinnedHost<T> {
     slice: PinnedHostSlice<T>,
+    /// The host address of the first element, taken once: cudarc's accessors synchronize the slice's
+    /// event on every call (a driver call, some 240 a partly resident token through the MoE steps'
+    /// buffers), while every copy into or out of it that this crate queues is ordered by the caller (a
+    /// synchronize or a flag), as the unsafe queueing functions require.
+    host: *mut T,
     /// Where the card's kernels reach it (the same address under unified addressing).
     device_address: u64,
 }
+
+// SAFETY: `host` points into `slice`'s allocation, which the value owns (cudarc's `PinnedHostSlice` is
+// Send and Sync); shared access gives only `&[T]` and writing takes `&mut self`, as for a `Vec<T>`.
+unsafe impl<T: Send> Send for PinnedHost<T> {}
+// SAFETY: as above.
+unsafe impl<T: Sync> Sync for PinnedHost<T> {}
 
 impl<T> std::fmt::Debug for PinnedHost<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,6 +54,7 @@ impl Device {
             .result()?;
         Ok(PinnedHost {
             slice,
+            host: ptr,
             device_address,
         })
     }
@@ -64,7 +76,7 @@ impl Device {
         self.stream().memcpy_dtoh(src.slice(), &mut dst.slice)?;
         // Spin on the stream (the pinned slice's own event waits by yielding, which wakes later).
         self.synchronize()?;
-        Ok(dst.slice.as_slice()?)
+        dst.as_slice()
     }
 }
 
@@ -80,20 +92,24 @@ impl<T: ValidAsZeroBits> PinnedHost<T> {
     }
 
     /// The host's view. After [`Device::queue_download`] into it, read only once the stream passed the
-    /// copy (a synchronize).
+    /// copy (a synchronize). No driver call.
     pub fn as_slice(&self) -> CudaResult<&[T]> {
-        Ok(self.slice.as_slice()?)
+        // SAFETY: `host` is the start of the slice's `len` initialized (zeroed at allocation) elements,
+        // alive as long as `self`; the card's writes into it are ordered before this read by the caller
+        // (the contract of the queueing functions), and `&self` excludes the host's own writes.
+        Ok(unsafe { std::slice::from_raw_parts(self.host, self.slice.len()) })
     }
 
     /// The host's view, to write. After [`super::ExpertTable::queue_group_upload`] from it, write only once
-    /// the stream passed the copy.
+    /// the stream passed the copy. No driver call.
     pub fn as_mut_slice(&mut self) -> CudaResult<&mut [T]> {
-        Ok(self.slice.as_mut_slice()?)
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only view.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.host, self.slice.len()) })
     }
 
     /// The host address of the first element (for a copy queued from it).
     pub(crate) fn host_ptr(&self) -> CudaResult<*const T> {
-        Ok(self.slice.as_ptr()?)
+        Ok(self.host.cast_const())
     }
 
     /// Where the card's kernels reach the first element.

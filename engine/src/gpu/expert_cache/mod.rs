@@ -54,11 +54,12 @@ enum Dest {
 }
 
 /// The layer whose experts sit in scratch slots: its `(expert, scratch slot)` pairs in scratch pool
-/// `pool`, and whether its tables point there (a prompt call's; a single token of a segmented graph reads
-/// its step's own table instead, [`ExpertCache::token_sources`]).
+/// `pool` from slot `base` on, and whether its tables point there (a prompt call's; a single token of a
+/// segmented graph reads its step's own table instead, [`ExpertCache::token_sources`]).
 struct Staged {
     layer: usize,
     pool: usize,
+    base: usize,
     map: Vec<(usize, usize)>,
     repointed: bool,
 }
@@ -83,6 +84,10 @@ pub struct CacheStats {
     pub staged: u64,
     /// Of those, copied ahead into the second scratch pool while the card computed the layer before.
     pub prefetched: u64,
+    /// Single tokens' experts guessed for the next layer and copied ahead (`--copy-ahead`), and of
+    /// those, the ones the layer then routed to (computed on the card from their scratch slots).
+    pub ahead_copied: u64,
+    pub ahead_routed: u64,
     /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
     /// computing its share meanwhile).
     pub cpu_experts: u64,
@@ -741,7 +746,7 @@ impl ExpertCache {
         self.defer_tables = false;
         let share = self
             .prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch)
-            .and_then(|(share, copies)| {
+            .and_then(|StepPrep { share, copies, .. }| {
                 self.stage_copies(dev, cpu, layer, &copies).map(|()| share)
             });
         // The tables it changed, rewritten once before the layer's launches.
@@ -763,8 +768,7 @@ impl ExpertCache {
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<StepPrep> {
         self.defer_tables = true;
-        let (share, copies) = self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)?;
-        Ok(StepPrep { share, copies })
+        self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)
     }
 
     /// After [`ExpertCache::prepare_step`]: its copies on demand queued (the compute stream waits for
@@ -868,7 +872,7 @@ impl ExpertCache {
         cpu: &CpuWeights,
         (layer, n_tokens, ids): (usize, usize, &[i32]),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
-    ) -> CudaResult<(Option<CpuShare>, Vec<usize>)> {
+    ) -> CudaResult<StepPrep> {
         let n_expert = self.layers[layer].n_expert;
         let routed: Vec<usize> = ids
             .iter()
@@ -916,15 +920,26 @@ impl ExpertCache {
                 self.stats.staged += staged.len() as u64;
             }
             self.plan_prefetch(dev, layer, ids.len())?;
-            return Ok((share, Vec::new()));
+            return Ok(StepPrep::new(share, Vec::new(), false));
         }
-        // One token: the missing experts split between on-demand copies (computed by the card with the
-        // cached ones) and the CPU's share.
+        // One token: the experts copied ahead for it that it routes to are on the card (their copies
+        // must be waited for); the missing ones split between on-demand copies (computed by the card
+        // with the cached ones) and the CPU's share.
+        let ahead = routed
+            .iter()
+            .filter(|&&e| in_scratch.get(e).copied().unwrap_or(false))
+            .count();
+        self.stats.ahead_routed += ahead as u64;
+        let ahead = ahead > 0;
         let mut missing_slots: Vec<usize> = (0..ids.len())
             .filter(|&j| (ids[j] as usize) < n_expert && !on_card(&self.policy, ids[j] as usize))
             .collect();
         if missing_slots.is_empty() {
-            return Ok((None, Vec::new()));
+            if ahead {
+                // Those copied ahead may be admitted from their scratch slots.
+                self.admission = Some((layer, routed, Vec::new()));
+            }
+            return Ok(StepPrep::new(None, Vec::new(), ahead));
         }
         let n_copy = match self.missing {
             // Through the staging buffers the host's own copy would compete with the CPU's share.
@@ -949,7 +964,7 @@ impl ExpertCache {
         missing_slots.retain(|&j| !copied.contains(&(ids[j] as usize)));
         if missing_slots.is_empty() {
             self.admission = Some((layer, routed, Vec::new()));
-            return Ok((None, copied));
+            return Ok(StepPrep::new(None, copied, ahead));
         }
         let items: Vec<(usize, f32)> = missing_slots
             .iter()
@@ -969,7 +984,18 @@ impl ExpertCache {
             fetch_seconds,
             pool: share_pool(&mut self.cpu_pool),
         };
-        Ok((Some(share), copied))
+        Ok(StepPrep::new(Some(share), copied, ahead))
+    }
+
+    /// The scratch slots `(first, end)` of the first pool that a single token's copies into `layer` use
+    /// (on demand and ahead): one half for even layers, the other for odd ones, so copies ahead for the
+    /// next layer, queued while the card may still compute this one's experts, never overwrite a slot
+    /// this layer reads. (The layer before it used the same half, and the card passed its experts before
+    /// this layer's route point, where the host queues the next layer's copies.)
+    fn token_slots(&self, layer: usize) -> (usize, usize) {
+        let half = self.scratch[0].n_slots() / 2;
+        let base = (layer % 2) * half;
+        (base, base + half)
     }
 
     /// Copies `experts` of `layer` into scratch slots and points the layer's tables there until
@@ -985,6 +1011,7 @@ impl ExpertCache {
         let repoint = !self.defer_tables;
         let Staged {
             pool,
+            base,
             mut map,
             repointed,
             ..
@@ -996,17 +1023,26 @@ impl ExpertCache {
                 if let Some(s) = other.filter(|s| s.repointed) {
                     self.mark_tables(s.layer);
                 }
+                // A single token's copies go into its layer's half of the first pool
+                // ([`ExpertCache::token_slots`]) when they fit there.
+                let (base, end) = self.token_slots(layer);
+                let base = match self.defer_tables && experts.len() <= end - base {
+                    true => base,
+                    false => 0,
+                };
                 Staged {
                     layer,
                     pool: 0,
+                    base,
                     map: Vec::new(),
                     repointed: false,
                 }
             }
         };
-        if map.len() + experts.len() > self.scratch[pool].n_slots() {
+        let first = base + map.len();
+        if first + experts.len() > self.scratch[pool].n_slots() {
             return Err(CudaError::Invalid(format!(
-                "{} experts of layer {layer} for {} scratch slots",
+                "{} experts of layer {layer} for {} scratch slots from slot {base}",
                 map.len() + experts.len(),
                 self.scratch[pool].n_slots()
             )));
@@ -1017,7 +1053,6 @@ impl ExpertCache {
         if !self.defer_tables {
             self.copy.wait_for_compute(dev)?;
         }
-        let first = map.len();
         for (i, &expert) in experts.iter().enumerate() {
             self.upload(
                 cpu,
@@ -1037,6 +1072,7 @@ impl ExpertCache {
         self.staged = Some(Staged {
             layer,
             pool,
+            base,
             map,
             repointed,
         });
@@ -1062,8 +1098,15 @@ impl ExpertCache {
         if self.uploads_per_layer == 0 || self.pool.is_none() {
             return Ok(());
         }
-        let mut on_card: Vec<usize> =
-            staged.map_or(Vec::new(), |s| s.map.iter().map(|&(e, _)| e).collect());
+        // The token's experts in scratch slots (copied on demand or ahead; one copied ahead but not
+        // routed is no candidate).
+        let mut on_card: Vec<usize> = staged.map_or(Vec::new(), |s| {
+            s.map
+                .iter()
+                .map(|&(e, _)| e)
+                .filter(|e| routed.contains(e))
+                .collect()
+        });
         self.policy.sort_by_score(layer, &mut on_card);
         let plan = self
             .policy

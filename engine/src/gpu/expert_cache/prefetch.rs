@@ -16,6 +16,23 @@
 //! host queues them while the card computes; the copy stream waits for the event, not for `L`'s
 //! launches. A prefetch that its call never reaches (a call that ended or failed first) is dropped at
 //! the next route point; a later copy into its pool is queued after its copies on the one copy stream.
+//!
+//! A single token copies ahead too (`--copy-ahead N`, [`ExpertCache::copy_ahead`]). Its missing experts
+//! are bound by host memory: the CPU's share and the copies on demand read the same memory, so splitting
+//! them gains nothing, and between a layer's CPU sum and the next layer's router (the card's dense work,
+//! some 45–85 µs) host memory sits idle. So once a layer's share is done, the next layer's router applied
+//! to this layer's input guesses its experts (84% of the guessed missing ones are routed on the uniform
+//! qwen3moe shape, 77% on the skewed qwen35moe one), and up to N of those not on the card are copied over
+//! the bus meanwhile, into the next layer's half of the first scratch pool
+//! ([`ExpertCache::token_slots`]). At its route point those it routes to are on the card; its card
+//! experts wait for their copies as for copies on demand (the copy stream sets the staged flag after
+//! them, or the compute stream waits for their event between cuts).
+//!
+//! Measured on an H100 host held to 8 GB (BENCHMARKS.md, "Copies ahead"): one expert a layer gains
+//! 2–9% (its guess is right 92–98% of the time); two lose 2–5%, since a second expert's copy (35–50 µs)
+//! outlasts the card's stretch and holds the bus and host memory into the next layer's share. The guess
+//! runs on the share's threads once they are free: on one thread beside the share it read the f32
+//! router at a single core's memory rate (~300 µs a qwen35moe layer) and halved the answers.
 
 use poly_kernels::cuda::expert_slots::{CopyEvent, SlotPool};
 use poly_kernels::cuda::{CudaError, CudaResult, Device};
@@ -44,12 +61,16 @@ pub(super) struct Plan {
     free: CopyEvent,
 }
 
-/// A layer's uncached experts being copied into scratch pool `pool`: `(expert, slot)` pairs.
+/// A layer's uncached experts being copied into scratch pool `pool` from slot `base` on: `(expert,
+/// slot)` pairs; `repoint` when the layer's tables point there (a prompt call's; a single token reads
+/// its step's own table).
 pub(super) struct Prefetched {
     layer: usize,
     pool: usize,
+    base: usize,
     map: Vec<(usize, usize)>,
     done: CopyEvent,
+    repoint: bool,
 }
 
 impl ExpertCache {
@@ -148,14 +169,67 @@ impl ExpertCache {
         self.prefetch = Some(Prefetched {
             layer: l,
             pool: plan.pool,
+            base: 0,
             map,
             done: self.copy.record()?,
+            repoint: true,
         });
         Ok(())
     }
 
+    /// A single token's copies ahead (`--copy-ahead`): of `guess` (experts of `layer`, the next MoE
+    /// layer, likeliest first: [`ExpertCache::guess_missing`]), those not on the card, as many as fit
+    /// beside `k` copies on demand in the layer's half of the first scratch pool, copied over the bus
+    /// (only straight from the page-locked file: through the staging buffers this thread would copy them
+    /// itself). Called once the current layer's CPU share is done, so the copies read host memory while
+    /// the card computes. Returns how many were queued.
+    pub fn copy_ahead(
+        &mut self,
+        cpu: &CpuWeights,
+        (layer, k): (usize, usize),
+        guess: &[usize],
+    ) -> CudaResult<usize> {
+        self.prefetch = None;
+        let Some(n_expert) = self.layers.get(layer).map(|l| l.n_expert) else {
+            return Ok(0);
+        };
+        let (base, end) = self.token_slots(layer);
+        let room = (end - base).saturating_sub(k);
+        if room == 0 || !self.direct_copies() || self.reads_mapped() {
+            return Ok(0);
+        }
+        let experts: Vec<usize> = guess
+            .iter()
+            .copied()
+            .filter(|&expert| {
+                expert < n_expert && self.policy.resident(ExpertKey { layer, expert }).is_none()
+            })
+            .take(room)
+            .collect();
+        if experts.is_empty() {
+            return Ok(0);
+        }
+        let mut map = Vec::with_capacity(experts.len());
+        for (i, &expert) in experts.iter().enumerate() {
+            self.upload(cpu, ExpertKey { layer, expert }, base + i, Dest::Scratch(0))?;
+            map.push((expert, base + i));
+        }
+        self.stats.ahead_copied += map.len() as u64;
+        let n = map.len();
+        self.prefetch = Some(Prefetched {
+            layer,
+            pool: 0,
+            base,
+            map,
+            done: self.copy.record()?,
+            repoint: false,
+        });
+        Ok(n)
+    }
+
     /// At `layer`'s route point: the experts copied ahead for it become the layer's staged ones (the
-    /// compute stream waits for their copies); a prefetch for another layer is dropped.
+    /// compute stream waits for their copies; a one-graph token's card waits at its staged flag, which
+    /// the copy stream sets after them); a prefetch for another layer is dropped.
     pub(super) fn take_prefetch(&mut self, dev: &Device, layer: usize) -> CudaResult<()> {
         let Some(p) = self.prefetch.take() else {
             return Ok(());
@@ -163,17 +237,22 @@ impl ExpertCache {
         if p.layer != layer {
             return Ok(());
         }
-        dev.wait_for_copy(&p.done)?;
+        if !self.linked {
+            dev.wait_for_copy(&p.done)?;
+        }
         if let Some(old) = self.staged.take().filter(|s| s.repointed) {
             self.mark_tables(old.layer);
         }
         self.staged = Some(Staged {
             layer,
             pool: p.pool,
+            base: p.base,
             map: p.map,
-            repointed: true,
+            repointed: p.repoint,
         });
-        self.mark_tables(layer);
+        if p.repoint {
+            self.mark_tables(layer);
+        }
         Ok(())
     }
 }

@@ -176,10 +176,28 @@ pub struct CpuShare {
 }
 
 /// A single token's choices for a layer of a segmented decode step ([`ExpertCache::prepare_step`]):
-/// the CPU's share, and the experts to copy on demand ([`ExpertCache::stage_step`]).
+/// the CPU's share, the experts to copy on demand ([`ExpertCache::stage_step`]), and whether it routes
+/// to experts copied ahead (`--copy-ahead`), whose copies the card's experts must wait for like those on
+/// demand.
 pub struct StepPrep {
     pub share: Option<CpuShare>,
     pub copies: Vec<usize>,
+    pub ahead: bool,
+}
+
+impl StepPrep {
+    pub(super) fn new(share: Option<CpuShare>, copies: Vec<usize>, ahead: bool) -> StepPrep {
+        StepPrep {
+            share,
+            copies,
+            ahead,
+        }
+    }
+
+    /// The card's experts read slots that copies fill (on demand or ahead).
+    pub fn waits_for_copies(&self) -> bool {
+        self.ahead || !self.copies.is_empty()
+    }
 }
 
 /// How long the CPU share's workers spin after a share before they park: a token's MoE layers come every
