@@ -30,8 +30,8 @@ use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
-    WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Logits, Moe, Rope, RopeKind,
+    Unary, WeightId,
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
@@ -804,6 +804,18 @@ impl Compute for CpuForward<'_> {
         });
         let routes = self.routes;
         moe::moe_observed(self.weights, x, m, self.arithmetic, router.as_ref(), |r| {
+            if let Some(c) = routes {
+                c.record(layer, m.n_expert, r);
+            }
+        })
+    }
+
+    fn fused_moe(&mut self, layer: usize, x: &Mat, router_x: &Mat, m: &FusedMoe) -> Mat {
+        let _span = profile::span("moe");
+        // A calibration's replacement routers are for routers that read the experts' input: this one
+        // reads its own, so it keeps the file's.
+        let routes = self.routes;
+        moe::fused_moe_observed(self.weights, x, router_x, m, self.arithmetic, |r| {
             if let Some(c) = routes {
                 c.record(layer, m.n_expert, r);
             }
