@@ -362,7 +362,7 @@ pub fn all_shapes() -> Vec<Shape> {
             arch: gemma4::ARCH,
             name: "tiny",
             aliases: &[],
-            description: "3 layers (2 sliding-window of 64 with heads of 64, 1 global with heads of 128 and no V projection), 256 wide, a GELU MLP of 128 beside 4 experts (2 used) of 128, tied output",
+            description: "3 layers (2 sliding-window of 64 with heads of 64, 1 global with heads of 128 and no V projection), 256 wide, a GELU MLP of 128 beside 4 experts (2 used) of 64, tied output",
             default_type: GgmlType::Q8_0,
             hparams: ModelHparams::Gemma4(gemma4_tiny(v)),
         },
@@ -436,7 +436,7 @@ fn gemma4_tiny(v: u64) -> Gemma4Hparams {
         swa_layers: vec![true, true, false],
         n_expert: 4,
         n_expert_used: 2,
-        n_ff_exp: 128,
+        n_ff_exp: 64,
         final_logit_softcapping: Some(30.0),
     }
 }
