@@ -123,18 +123,18 @@ pub const TENSORS: &[TensorDef] = &[
     def(Role::AttnV, SWA, &[Embd, KProjSwa], C::Attention), // [n_embd, n_head_kv_swa · head_swa]
     // Absent in the 26B's global blocks: V is the K projection.
     opt(def(Role::AttnV, FULL, &[Embd, VProj], C::Attention)), // [n_embd, n_head_kv · head]
-    def(Role::AttnOut, SWA, &[QProjSwa, Embd], C::Attention), // [n_head · head_swa, n_embd]
-    def(Role::AttnOut, FULL, &[QProj, Embd], C::Attention),   // [n_head · head, n_embd]
-    def(Role::AttnQNorm, SWA, &[HeadKSwa], C::Norm),          // [head_swa]
-    def(Role::AttnQNorm, FULL, &[HeadK], C::Norm),            // [head]
-    def(Role::AttnKNorm, SWA, &[HeadKSwa], C::Norm),          // [head_swa]
-    def(Role::AttnKNorm, FULL, &[HeadK], C::Norm),            // [head]
-    def(Role::AttnPostNorm, ALL, &[Embd], C::Norm),           // [n_embd]
-    opt(def(Role::LayerOutScale, ALL, &[One], C::Norm)),      // [1], F32
+    def(Role::AttnOut, SWA, &[QProjSwa, Embd], C::Attention),  // [n_head · head_swa, n_embd]
+    def(Role::AttnOut, FULL, &[QProj, Embd], C::Attention),    // [n_head · head, n_embd]
+    def(Role::AttnQNorm, SWA, &[HeadKSwa], C::Norm),           // [head_swa]
+    def(Role::AttnQNorm, FULL, &[HeadK], C::Norm),             // [head]
+    def(Role::AttnKNorm, SWA, &[HeadKSwa], C::Norm),           // [head_swa]
+    def(Role::AttnKNorm, FULL, &[HeadK], C::Norm),             // [head]
+    def(Role::AttnPostNorm, ALL, &[Embd], C::Norm),            // [n_embd]
+    opt(def(Role::LayerOutScale, ALL, &[One], C::Norm)),       // [1], F32
     // The dense GELU MLP (the "shared expert" of a MoE block).
-    def(Role::FfnNorm, ALL, &[Embd], C::Norm),  // [n_embd]
+    def(Role::FfnNorm, ALL, &[Embd], C::Norm), // [n_embd]
     def(Role::FfnGate, ALL, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
-    def(Role::FfnUp, ALL, &[Embd, Ff], C::Ffn),   // [n_embd, n_ff]
+    def(Role::FfnUp, ALL, &[Embd, Ff], C::Ffn), // [n_embd, n_ff]
     def(Role::FfnDown, ALL, &[Ff, Embd], C::Ffn), // [n_ff, n_embd]
     def(Role::FfnPostNorm, ALL, &[Embd], C::Norm), // [n_embd]
     // Routed experts.
@@ -143,7 +143,12 @@ pub const TENSORS: &[TensorDef] = &[
     def(Role::FfnPreNorm2, MOE, &[Embd], C::Norm),          // [n_embd]
     def(Role::FfnPostNorm1, MOE, &[Embd], C::Norm),         // [n_embd]
     def(Role::FfnPostNorm2, MOE, &[Embd], C::Norm),         // [n_embd]
-    def(Role::FfnGateUpExps, MOE, &[Embd, FfExpGateUp, Expert], C::Expert), // [n_embd, 2 · n_ff_exp, n_expert]
+    def(
+        Role::FfnGateUpExps,
+        MOE,
+        &[Embd, FfExpGateUp, Expert],
+        C::Expert,
+    ), // [n_embd, 2 · n_ff_exp, n_expert]
     def(Role::FfnDownExps, MOE, &[FfExp, Embd, Expert], C::Expert), // [n_ff_exp, n_embd, n_expert]
     opt(def(Role::FfnDownExpsScale, MOE, &[Expert], C::Router)), // [n_expert], F32
 ];
@@ -223,7 +228,9 @@ impl Gemma4Hparams {
             head_dim: c.head_dim(ARCH)?,
             head_dim_swa,
             n_rot: c.n_rot,
-            n_rot_swa: md.arch_u32_opt("rope.dimension_count_swa")?.unwrap_or(c.n_rot),
+            n_rot_swa: md
+                .arch_u32_opt("rope.dimension_count_swa")?
+                .unwrap_or(c.n_rot),
             rms_eps: c.rms_eps,
             rope_freq_base: c.rope_freq_base,
             rope_freq_base_swa: md
@@ -726,5 +733,140 @@ impl Forward for Gemma4Graph {
             }
             None => logits,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{resolve_tensors, ModelHparams};
+    use crate::synth::plan::{param_counts, plan, TypeChoice};
+    use crate::synth::shapes::find_shape;
+    use poly_kernels::GgmlType;
+
+    fn hparams(shape: &str) -> Gemma4Hparams {
+        match find_shape(ARCH, shape).expect("shape").hparams {
+            ModelHparams::Gemma4(h) => h,
+            _ => unreachable!("a gemma4 shape"),
+        }
+    }
+
+    /// The metadata `hp` writes, with a vocabulary size, as a file's.
+    fn metadata(hp: &Gemma4Hparams) -> Metadata {
+        let mut md = Metadata::new("test");
+        assert!(md.insert_new("general.architecture".into(), Value::String(ARCH.into())));
+        for (k, v) in hp.to_metadata() {
+            assert!(md.insert_new(k, v));
+        }
+        assert!(md.insert_new(format!("{ARCH}.vocab_size"), Value::U32(hp.n_vocab as u32)));
+        md
+    }
+
+    /// `hp`'s metadata with `key` (under `gemma4.`) set to `v`, or removed when `None`.
+    fn with(hp: &Gemma4Hparams, key: &str, v: Option<Value>) -> Result<Gemma4Hparams, ArchError> {
+        let mut md = Metadata::new("test");
+        let src = metadata(hp);
+        let full = format!("{ARCH}.{key}");
+        for (k, val) in src.entries() {
+            if *k != full {
+                assert!(md.insert_new(k.clone(), val.clone()));
+            }
+        }
+        if let Some(v) = v {
+            assert!(md.insert_new(full, v));
+        }
+        Gemma4Hparams::from_metadata(&md)
+    }
+
+    #[test]
+    fn every_shape_reads_back_as_written() {
+        for shape in ["tiny", "gemma-4-26b-a4b"] {
+            let h = hparams(shape);
+            assert_eq!(
+                Gemma4Hparams::from_metadata(&metadata(&h)),
+                Ok(h),
+                "{shape}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_26b_shape_has_the_real_models_blocks_and_parameters() {
+        let h = hparams("26b-a4b");
+        let global: Vec<u32> = (0..h.n_layer).filter(|&il| !h.is_swa(il)).collect();
+        assert_eq!(global, [5, 11, 17, 23, 29]);
+        let descs = resolve_tensors(&h).expect("resolves");
+        // No V projection in the global blocks; one in every sliding block.
+        let v: Vec<u32> = descs
+            .iter()
+            .filter(|d| d.role == Role::AttnV)
+            .filter_map(|d| d.layer)
+            .collect();
+        assert_eq!(v.len(), 25);
+        assert!(global.iter().all(|il| !v.contains(il)));
+        let q5 = descs
+            .iter()
+            .find(|d| d.name == "blk.5.attn_q.weight")
+            .expect("q");
+        assert_eq!(q5.dims, [2816, 16 * 512]);
+        let q0 = descs
+            .iter()
+            .find(|d| d.name == "blk.0.attn_k.weight")
+            .expect("k");
+        assert_eq!(q0.dims, [2816, 8 * 256]);
+        // Google's 25.2B total, 3.8B active.
+        let types = TypeChoice {
+            default: GgmlType::Q4_K,
+            overrides: Vec::new(),
+        };
+        let planned = plan(&ModelHparams::Gemma4(h.clone()), descs, &types);
+        let (total, active) = param_counts(&h, &planned);
+        assert!(
+            (25.0e9..25.5e9).contains(&(total as f64)),
+            "{total} parameters"
+        );
+        assert!((3.7e9..4.0e9).contains(&(active as f64)), "{active} active");
+    }
+
+    #[test]
+    fn defaults_are_llama_cpps() {
+        let h = hparams("tiny");
+        // No final_logit_softcapping: llama.cpp's default of 30; 0 switches it off.
+        let read = with(&h, "final_logit_softcapping", None).expect("reads");
+        assert_eq!(read.final_logit_softcapping, Some(30.0));
+        let read = with(&h, "final_logit_softcapping", Some(Value::F32(0.0))).expect("reads");
+        assert_eq!(read.final_logit_softcapping, None);
+        let read = with(&h, "rope.freq_base_swa", None).expect("reads");
+        assert_eq!(read.rope_freq_base_swa, DEFAULT_ROPE_FREQ_BASE_SWA);
+    }
+
+    #[test]
+    fn what_is_not_computed_is_refused_with_the_reason() {
+        let h = hparams("tiny");
+        let e = with(
+            &h,
+            "embedding_length_per_layer_input",
+            Some(Value::U32(256)),
+        )
+        .expect_err("refused");
+        assert!(e.0.contains("per-layer embeddings"), "{e}");
+        let e = with(&h, "attention.shared_kv_layers", Some(Value::U32(1))).expect_err("refused");
+        assert!(e.0.contains("shared_kv_layers"), "{e}");
+        let e = with(&h, "attention.sliding_window_pattern", None).expect_err("refused");
+        assert!(e.0.contains("sliding_window_pattern"), "{e}");
+        let e = with(
+            &h,
+            "attention.sliding_window_pattern",
+            Some(Value::bool_array([true, false])),
+        )
+        .expect_err("refused");
+        assert!(e.0.contains("every block"), "{e}");
+        let e = with(
+            &h,
+            "attention.head_count_kv",
+            Some(Value::u32_array([1, 2, 1])),
+        )
+        .expect_err("refused");
+        assert!(e.0.contains("differs between blocks of one kind"), "{e}");
     }
 }

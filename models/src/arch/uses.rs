@@ -5,8 +5,8 @@
 
 use super::graph::{Forward, ModelGraph};
 use crate::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe, Rope, Unary,
-    WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe, Rope,
+    Unary, WeightId,
 };
 use crate::gguf::GgufFile;
 
@@ -234,6 +234,11 @@ mod tests {
         assert!(q35.ssm_conv && q35.gated_delta_net && !q35.conv_without_delta_net);
         assert!(!q35.moe_selection_bias && q35.needs_moe_selection_bias().is_none());
         assert_eq!(q35.moe_gatings, vec![Gating::Softmax]);
+        let g4 = uses_of("gemma4-tiny-q4km.gguf");
+        assert!(g4.fused_moe && g4.needs_fused_moe().is_some());
+        assert!(!g4.moe_selection_bias && !g4.ssm_conv && !g4.gated_delta_net);
+        assert_eq!(g4.moe_gatings, vec![Gating::Softmax]);
+        assert!(q35.needs_fused_moe().is_none());
         let llama = uses_of("llama-tiny-q4km.gguf");
         assert_eq!(llama, GraphUses::default());
     }
