@@ -812,14 +812,34 @@ impl Compute for CpuForward<'_> {
 
     fn fused_moe(&mut self, layer: usize, x: &Mat, router_x: &Mat, m: &FusedMoe) -> Mat {
         let _span = profile::span("moe");
-        // A calibration's replacement routers are for routers that read the experts' input: this one
-        // reads its own, so it keeps the file's.
+        // A calibration's replacement router is fitted to what the router reads: its own input.
+        let replaced = self
+            .routers
+            .as_mut()
+            .and_then(|r| r.router(layer, self.weights.info(m.router), router_x))
+            .map(|rows| {
+                rows.iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>()
+            });
+        let router = replaced.as_ref().map(|bytes| {
+            QuantMatrix::new(GgmlType::F32, m.n_expert, router_x.cols, bytes)
+                .expect("a replacement router is n_expert rows of the layer's width")
+        });
         let routes = self.routes;
-        moe::fused_moe_observed(self.weights, x, router_x, m, self.arithmetic, |r| {
+        let m_routes = |r: &[Vec<(u32, f32)>]| {
             if let Some(c) = routes {
                 c.record(layer, m.n_expert, r);
             }
-        })
+        };
+        moe::fused_moe_observed(
+            self.weights,
+            (x, router_x),
+            m,
+            self.arithmetic,
+            router.as_ref(),
+            m_routes,
+        )
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {

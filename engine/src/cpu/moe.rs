@@ -104,15 +104,16 @@ impl Routing for FusedMoe {
     }
 }
 
-/// Gemma 4's MoE block ([`FusedMoe`]) for `x` (`[n, n_embd]`), routed by `router_x` (`[n, n_embd]`),
-/// showing `observe` every token's route before the experts run: [`moe_observed`]'s arithmetic, with the
-/// router's own input, the fused gate/up products and the per-expert scales.
+/// Gemma 4's MoE block ([`FusedMoe`]) for `x` (`[n, n_embd]`), routed by `router_x` (`[n, n_embd]`;
+/// with `router` instead of the file's when given, a router being calibrated), showing `observe` every
+/// token's route before the experts run: [`moe_observed`]'s arithmetic, with the router's own input, the
+/// fused gate/up products and the per-expert scales.
 pub fn fused_moe_observed(
     w: &CpuWeights,
-    x: &Mat,
-    router_x: &Mat,
+    (x, router_x): (&Mat, &Mat),
     m: &FusedMoe,
     arith: Arithmetic,
+    router: Option<&QuantMatrix<'_>>,
     observe: impl FnOnce(&[Vec<(u32, f32)>]),
 ) -> Mat {
     let (n, k) = (x.rows, m.n_expert_used);
@@ -124,7 +125,10 @@ pub fn fused_moe_observed(
         return Mat::zeros(n, x.cols);
     }
     let router_span = profile::span("moe.router");
-    let logits = mat_mul_with(&w.matrix(m.router), router_x, arith);
+    let logits = match router {
+        Some(r) => mat_mul_with(r, router_x, arith),
+        None => mat_mul_with(&w.matrix(m.router), router_x, arith),
+    };
     assert_eq!(
         logits.cols, m.n_expert,
         "fused_moe: router width differs from n_expert"
