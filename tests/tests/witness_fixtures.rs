@@ -123,10 +123,11 @@ fn fixture_models_open_and_have_the_promised_types() {
                 .collect()
         };
         if name.ends_with("-q4k-q8.gguf") {
-            let big = if arch == "gemma3" || arch == "llama" {
-                "ffn_up"
-            } else {
-                "ffn_up_exps"
+            let big = match arch.as_str() {
+                "gemma3" | "llama" => "ffn_up",
+                // Gemma 4's experts hold gate and up in one tensor.
+                "gemma4" => "ffn_gate_up_exps",
+                _ => "ffn_up_exps",
             };
             assert_eq!(
                 types_of(big),
