@@ -827,7 +827,7 @@ impl Compute for CpuForward<'_> {
                 .expect("a replacement router is n_expert rows of the layer's width")
         });
         let routes = self.routes;
-        let m_routes = |r: &[Vec<(u32, f32)>]| {
+        let observe = |r: &[Vec<(u32, f32)>]| {
             if let Some(c) = routes {
                 c.record(layer, m.n_expert, r);
             }
@@ -838,7 +838,7 @@ impl Compute for CpuForward<'_> {
             m,
             self.arithmetic,
             router.as_ref(),
-            m_routes,
+            observe,
         )
     }
 

@@ -62,46 +62,36 @@ pub fn moe_observed(
         logits.cols, m.n_expert,
         "moe: router width differs from n_expert"
     );
-    let routes = route_all(&logits, m.gating, m.selection_bias.map(|b| w.f32(b)), k, m);
+    let bias = m.selection_bias.map(|b| w.f32(b));
+    let routes = route_all(
+        &logits,
+        m.gating,
+        bias,
+        k,
+        (m.norm_weights, m.weights_scale),
+    );
     observe(&routes);
 
     drop(router_span);
     run_experts(w, x, &routes, &ExpertSet::of_moe(m), m.n_expert, arith)
 }
 
-/// Every token's route (expert, weight) from its router logits (`[n, n_expert]`).
+/// Every token's route (expert, weight) from its router logits (`[n, n_expert]`); `(norm, scale)`: the
+/// chosen weights renormalized, and their scale.
 fn route_all(
     logits: &Mat,
     gating: Gating,
     bias: Option<&[f32]>,
     k: usize,
-    m: &impl Routing,
+    (norm, scale): (bool, f32),
 ) -> Vec<Vec<(u32, f32)>> {
     let gating = match gating {
         Gating::Softmax => KGating::Softmax,
         Gating::Sigmoid => KGating::Sigmoid,
     };
-    let (norm, scale) = m.weights();
     (0..logits.rows)
         .map(|t| route_biased(logits.row(t), gating, bias, k, norm, scale))
         .collect()
-}
-
-/// How a block's chosen experts' weights are made: (renormalized, scale).
-trait Routing {
-    fn weights(&self) -> (bool, f32);
-}
-
-impl Routing for Moe {
-    fn weights(&self) -> (bool, f32) {
-        (self.norm_weights, self.weights_scale)
-    }
-}
-
-impl Routing for FusedMoe {
-    fn weights(&self) -> (bool, f32) {
-        (self.norm_weights, self.weights_scale)
-    }
 }
 
 /// Gemma 4's MoE block ([`FusedMoe`]) for `x` (`[n, n_embd]`), routed by `router_x` (`[n, n_embd]`;
@@ -133,7 +123,13 @@ pub fn fused_moe_observed(
         logits.cols, m.n_expert,
         "fused_moe: router width differs from n_expert"
     );
-    let routes = route_all(&logits, m.gating, None, k, m);
+    let routes = route_all(
+        &logits,
+        m.gating,
+        None,
+        k,
+        (m.norm_weights, m.weights_scale),
+    );
     observe(&routes);
     drop(router_span);
     let set = ExpertSet {
@@ -179,7 +175,7 @@ impl ExpertSet<'static> {
 }
 
 impl ExpertSet<'_> {
-    /// Expert `e`'s output scale (1 without scales).
+    /// Expert `e`'s output scale, when the set has scales.
     fn scale(&self, e: usize) -> Option<f32> {
         self.down_scale.map(|s| s[e])
     }
