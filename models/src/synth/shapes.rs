@@ -368,6 +368,20 @@ pub fn all_shapes() -> Vec<Shape> {
         },
         Shape {
             arch: gemma4::ARCH,
+            name: "tiny-dense",
+            aliases: &[],
+            description: "the tiny shape without experts (Gemma 4 31B's form: a GELU MLP in every block)",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Gemma4(Gemma4Hparams {
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_exp: 0,
+                n_ff: 256,
+                ..gemma4_tiny(v)
+            }),
+        },
+        Shape {
+            arch: gemma4::ARCH,
             name: "gemma-4-26b-a4b",
             aliases: &["26b-a4b", "26b"],
             description: "Gemma-4-26B-A4B: 30 layers (25 sliding-window, 5 global), 2816 wide, MLP 2112 beside 128 experts (8 used) of 704, vocabulary 262144",
