@@ -13,7 +13,8 @@ use poly_engine::cpu::{CpuForward, CpuWeights, Mat};
 use poly_engine::state::SeqState;
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Logits, Moe, Rope, Unary,
+    WeightId,
 };
 use poly_models::gguf::GgufFile;
 
@@ -98,6 +99,10 @@ impl Compute for Recorder<'_> {
     fn moe(&mut self, layer: usize, x: &Mat, moe: &Moe) -> Mat {
         let m = self.cpu.moe(layer, x, moe);
         self.keep("moe", m)
+    }
+    fn fused_moe(&mut self, layer: usize, x: &Mat, rx: &Mat, moe: &FusedMoe) -> Mat {
+        let m = self.cpu.fused_moe(layer, x, rx, moe);
+        self.keep("fused_moe", m)
     }
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {
         let m = self.cpu.ssm_conv(layer, x, kernel);

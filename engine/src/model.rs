@@ -142,6 +142,12 @@ impl Model {
         }
     }
 
+    /// Why the card cannot run this model ([`crate::gpu::GpuBackend::refuses`]); `None` when it can. Asks
+    /// no device.
+    pub fn gpu_refuses(&self) -> Option<String> {
+        crate::gpu::GpuBackend::refuses(&self.graph, &self.weights)
+    }
+
     /// Runs the model where `choice` says: on the CPU, or with every weight uploaded to a GPU
     /// ([`crate::gpu`]).
     pub fn use_device(&mut self, choice: crate::gpu::DeviceChoice) -> Result<(), EngineError> {

@@ -39,6 +39,8 @@ const FIXTURES: &[&str] = &[
     "qwen35moe-tiny-q4k-q8.gguf",
     "gemma3-tiny-q4km.gguf",
     "gemma3-tiny-q4k-q8.gguf",
+    "gemma4-tiny-q4km.gguf",
+    "gemma4-tiny-q4k-q8.gguf",
 ];
 
 /// A seeded prompt (splitmix64) of `n` tokens below `n_vocab`.
@@ -255,6 +257,12 @@ fn qwen35moe_fixtures_are_split_invariant() {
 fn gemma3_fixtures_are_split_invariant() {
     check_fixture(FIXTURES[4]);
     check_fixture(FIXTURES[5]);
+}
+
+#[test]
+fn gemma4_fixtures_are_split_invariant() {
+    check_fixture(FIXTURES[6]);
+    check_fixture(FIXTURES[7]);
 }
 
 /// The real Gemma 3 270M Q4_K_M, where it is on disk.

@@ -150,6 +150,31 @@ pub struct Moe {
     pub act: Unary,
 }
 
+/// A mixture-of-experts block in Gemma 4's form ([`Compute::fused_moe`]): the router reads an input of its
+/// own, each expert's gate and up projections are one matrix, and each expert's output has a scale of its
+/// own. As llama.cpp's `build_moe_ffn` computes it with precomputed logits (`probs_in`), `gate_up_exps`
+/// and `down_exps_s`: route as [`Moe`] does, then each chosen expert's
+/// `down(act(gate·x) ⊙ up·x) · down_scale[e]`, summed with its routing weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FusedMoe {
+    /// `[n_embd, n_expert]`, applied to the router's input.
+    pub router: WeightId,
+    /// `[n_embd, 2·n_ff_exp, n_expert]`: each expert's gate rows, then its up rows.
+    pub gate_up_exps: WeightId,
+    /// `[n_ff_exp, n_embd, n_expert]`.
+    pub down_exps: WeightId,
+    /// `[n_expert]` (F32): multiplies each expert's output before its routing weight, when given.
+    pub down_scale: Option<WeightId>,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub gating: Gating,
+    /// Renormalize the chosen experts' weights to sum to one.
+    pub norm_weights: bool,
+    /// Multiplies the chosen experts' weights.
+    pub weights_scale: f32,
+    pub act: Unary,
+}
+
 /// A shared expert beside a MoE block's routed ones (Qwen3.5's): `down(act(gate·x) ⊙ up·x)`, scaled by
 /// `sigmoid(gate_inp·x)` when it has that gate (`gate_inp` `[n_embd]`: one logit per token).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -265,6 +290,16 @@ pub trait Compute {
 
     /// A mixture-of-experts block on `x` (`[n, n_embd]`) for `layer`.
     fn moe(&mut self, layer: usize, x: &Self::Act, moe: &Moe) -> Self::Act;
+
+    /// A MoE block in Gemma 4's form ([`FusedMoe`]) for `layer`: the experts run on `x`, the router on
+    /// `router_x` (both `[n, n_embd]`).
+    fn fused_moe(
+        &mut self,
+        layer: usize,
+        x: &Self::Act,
+        router_x: &Self::Act,
+        moe: &FusedMoe,
+    ) -> Self::Act;
 
     /// [`Compute::moe`] plus a shared expert on the same `x`: `moe + shared`. One operation so that a
     /// backend which hands a MoE layer over to the host in its middle can compute the shared expert while

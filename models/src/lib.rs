@@ -32,6 +32,7 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "gemma3",
     "llama",
     "lfm2moe",
+    "gemma4",
 ];
 
 #[cfg(all(test, feature = "compute"))]

@@ -181,6 +181,14 @@ fn real_shapes_have_the_published_sizes() {
     );
     // SmolLM2-135M's 134,515,008 parameters: the output tied to the embedding.
     assert_eq!(smol.size_label, "134M");
+    let g4 = prepare(
+        "gemma4",
+        "26b-a4b",
+        default_types("gemma4", "gemma-4-26b-a4b"),
+        0.0,
+    );
+    // Google's 25.2B parameters, 3.8B active: the output tied to the embedding.
+    assert_eq!(g4.size_label, "25B-A3B");
     // Every listed shape plans.
-    assert_eq!(all_shapes().len(), 15);
+    assert_eq!(all_shapes().len(), 18);
 }

@@ -14,7 +14,7 @@ use poly_tests::witness::{load_references, references_dir, sha256_file};
 const SYNTH_PROMPT_LENGTHS: [usize; 5] = [25, 100, 500, 2000, 4000];
 /// The committed models together stay small (the brief aims at 15 MB; the tiny shapes make it larger:
 /// this bounds growth, see tests/witness/README.md). 40 MiB held the first four architectures; lfm2moe's
-/// two files (2.5 and 3.1 MiB) moved it to 48.
+/// two files (2.5 and 3.1 MiB) moved it to 48; gemma4's two (1.3 and 1.4 MiB) fit under it (46.5 MiB).
 const MAX_FIXTURE_MODEL_BYTES: u64 = 48 << 20;
 
 #[test]
@@ -58,7 +58,14 @@ fn every_reference_matches_a_committed_or_fetchable_model() {
     for r in refs.iter().filter(|r| r.model_fetch.is_none()) {
         per_arch.entry(&r.arch).or_default().insert(&r.model);
     }
-    for arch in ["qwen3moe", "qwen35moe", "gemma3", "llama", "lfm2moe"] {
+    for arch in [
+        "qwen3moe",
+        "qwen35moe",
+        "gemma3",
+        "llama",
+        "lfm2moe",
+        "gemma4",
+    ] {
         let models = per_arch.get(arch).cloned().unwrap_or_default();
         assert!(models.len() >= 2, "{arch}: {models:?}");
         for m in models {
@@ -116,10 +123,11 @@ fn fixture_models_open_and_have_the_promised_types() {
                 .collect()
         };
         if name.ends_with("-q4k-q8.gguf") {
-            let big = if arch == "gemma3" || arch == "llama" {
-                "ffn_up"
-            } else {
-                "ffn_up_exps"
+            let big = match arch.as_str() {
+                "gemma3" | "llama" => "ffn_up",
+                // Gemma 4's experts hold gate and up in one tensor.
+                "gemma4" => "ffn_gate_up_exps",
+                _ => "ffn_up_exps",
             };
             assert_eq!(
                 types_of(big),

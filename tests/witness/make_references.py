@@ -10,8 +10,8 @@ What it writes (paths relative to the repository root):
       <arch>-tiny-q4km.gguf           `poly-engine synth --type F32`, then llama.cpp's own quantizer
                                       (llama_model_quantize, ftype Q4_K_M: llama.cpp's mixed recipe)
       <arch>-tiny-q4k-q8.gguf         `poly-engine synth --types expert=Q4_K,attn=Q8_0` (gemma3, which
-                                      is dense: ffn=Q4_K,attn=Q8_0); every other class at the shape's
-                                      default Q8_0, norms and SSM parameters F32
+                                      is dense: ffn=Q4_K,attn=Q8_0; gemma4 adds embd=Q4_K); every other
+                                      class at the shape's default Q8_0, norms and SSM parameters F32
   tests/fixtures/references/<model stem>.<prompt>.json
                                       one reference per (model, prompt)
 
@@ -97,6 +97,9 @@ FIXTURE_MODELS = [
     ("llama-tiny-q4k-q8", "llama", ["--types", "ffn=Q4_K,attn=Q8_0"], None),
     ("lfm2moe-tiny-q4km", "lfm2moe", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
     ("lfm2moe-tiny-q4k-q8", "lfm2moe", ["--types", "expert=Q4_K,attn=Q8_0"], None),
+    ("gemma4-tiny-q4km", "gemma4", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
+    # The embedding in Q4_K too: the two gemma4 files together stay under 3 MB.
+    ("gemma4-tiny-q4k-q8", "gemma4", ["--types", "expert=Q4_K,attn=Q8_0,embd=Q4_K"], None),
 ]
 SYNTH_SEED = 1
 

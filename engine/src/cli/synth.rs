@@ -23,7 +23,7 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Architecture: qwen3moe, qwen35moe, gemma3, llama or lfm2moe (see --list-shapes).
+    /// Architecture: qwen3moe, qwen35moe, gemma3, llama, lfm2moe or gemma4 (see --list-shapes).
     #[arg(long, required_unless_present = "list_shapes")]
     arch: Option<String>,
     /// Shape: tiny, small, or the real model's name (see --list-shapes; case-insensitive).

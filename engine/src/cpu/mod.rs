@@ -30,8 +30,8 @@ use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Logits, Moe, Rope, RopeKind, Unary,
-    WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Logits, Moe, Rope, RopeKind,
+    Unary, WeightId,
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
@@ -808,6 +808,38 @@ impl Compute for CpuForward<'_> {
                 c.record(layer, m.n_expert, r);
             }
         })
+    }
+
+    fn fused_moe(&mut self, layer: usize, x: &Mat, router_x: &Mat, m: &FusedMoe) -> Mat {
+        let _span = profile::span("moe");
+        // A calibration's replacement router is fitted to what the router reads: its own input.
+        let replaced = self
+            .routers
+            .as_mut()
+            .and_then(|r| r.router(layer, self.weights.info(m.router), router_x))
+            .map(|rows| {
+                rows.iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<u8>>()
+            });
+        let router = replaced.as_ref().map(|bytes| {
+            QuantMatrix::new(GgmlType::F32, m.n_expert, router_x.cols, bytes)
+                .expect("a replacement router is n_expert rows of the layer's width")
+        });
+        let routes = self.routes;
+        let observe = |r: &[Vec<(u32, f32)>]| {
+            if let Some(c) = routes {
+                c.record(layer, m.n_expert, r);
+            }
+        };
+        moe::fused_moe_observed(
+            self.weights,
+            (x, router_x),
+            m,
+            self.arithmetic,
+            router.as_ref(),
+            observe,
+        )
     }
 
     fn ssm_conv(&mut self, layer: usize, x: &Mat, kernel: WeightId) -> Mat {

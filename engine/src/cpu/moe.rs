@@ -10,13 +10,17 @@
 //! routing is [`route`] (ggml's softmax, f64 sum, division), the expert products take the order of
 //! ggml's `MUL_MAT_ID` ([`mul_mat_id_order`]), SwiGLU is ggml's vectorized one. [`moe_with`] takes
 //! [`Arithmetic::BatchInvariant`]'s orders instead.
+//!
+//! [`fused_moe_observed`] is Gemma 4's form ([`FusedMoe`]): the router on an input of its own, each expert's
+//! gate and up projections one matrix (one `MUL_MAT_ID` product, split after it, as llama.cpp's
+//! `gate_up_exps` path), each expert's output times its scale before its routing weight.
 
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::matmul::{matmul_ordered, matvec_many, MatvecJob};
 use poly_kernels::ops::act;
 use poly_kernels::ops::topk::{route_biased, Gating as KGating};
 use poly_kernels::quant::{batch_dot, unrepacked_order, BatchDot, GgmlType};
-use poly_models::compute::{Gating, Moe, Unary};
+use poly_models::compute::{FusedMoe, Gating, Moe, Unary, WeightId};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -45,11 +49,9 @@ pub fn moe_observed(
     router: Option<&QuantMatrix<'_>>,
     observe: impl FnOnce(&[Vec<(u32, f32)>]),
 ) -> Mat {
-    let (n, n_embd) = (x.rows, x.cols);
-    let k = m.n_expert_used;
-    let mut out = Mat::zeros(n, n_embd);
+    let (n, k) = (x.rows, m.n_expert_used);
     if n == 0 || k == 0 {
-        return out;
+        return Mat::zeros(n, x.cols);
     }
     let router_span = profile::span("moe.router");
     let logits = match router {
@@ -60,34 +62,151 @@ pub fn moe_observed(
         logits.cols, m.n_expert,
         "moe: router width differs from n_expert"
     );
-    let gating = match m.gating {
-        Gating::Softmax => KGating::Softmax,
-        Gating::Sigmoid => KGating::Sigmoid,
-    };
     let bias = m.selection_bias.map(|b| w.f32(b));
-    let routes: Vec<Vec<(u32, f32)>> = (0..n)
-        .map(|t| {
-            let (norm, scale) = (m.norm_weights, m.weights_scale);
-            route_biased(logits.row(t), gating, bias, k, norm, scale)
-        })
-        .collect();
+    let routes = route_all(
+        &logits,
+        m.gating,
+        bias,
+        k,
+        (m.norm_weights, m.weights_scale),
+    );
     observe(&routes);
 
     drop(router_span);
+    run_experts(w, x, &routes, &ExpertSet::of_moe(m), m.n_expert, arith)
+}
+
+/// Every token's route (expert, weight) from its router logits (`[n, n_expert]`); `(norm, scale)`: the
+/// chosen weights renormalized, and their scale.
+fn route_all(
+    logits: &Mat,
+    gating: Gating,
+    bias: Option<&[f32]>,
+    k: usize,
+    (norm, scale): (bool, f32),
+) -> Vec<Vec<(u32, f32)>> {
+    let gating = match gating {
+        Gating::Softmax => KGating::Softmax,
+        Gating::Sigmoid => KGating::Sigmoid,
+    };
+    (0..logits.rows)
+        .map(|t| route_biased(logits.row(t), gating, bias, k, norm, scale))
+        .collect()
+}
+
+/// Gemma 4's MoE block ([`FusedMoe`]) for `x` (`[n, n_embd]`), routed by `router_x` (`[n, n_embd]`;
+/// with `router` instead of the file's when given, a router being calibrated), showing `observe` every
+/// token's route before the experts run: [`moe_observed`]'s arithmetic, with the router's own input, the
+/// fused gate/up products and the per-expert scales.
+pub fn fused_moe_observed(
+    w: &CpuWeights,
+    (x, router_x): (&Mat, &Mat),
+    m: &FusedMoe,
+    arith: Arithmetic,
+    router: Option<&QuantMatrix<'_>>,
+    observe: impl FnOnce(&[Vec<(u32, f32)>]),
+) -> Mat {
+    let (n, k) = (x.rows, m.n_expert_used);
+    assert_eq!(
+        router_x.rows, n,
+        "fused_moe: the router's input has another row count"
+    );
+    if n == 0 || k == 0 {
+        return Mat::zeros(n, x.cols);
+    }
+    let router_span = profile::span("moe.router");
+    let logits = match router {
+        Some(r) => mat_mul_with(r, router_x, arith),
+        None => mat_mul_with(&w.matrix(m.router), router_x, arith),
+    };
+    assert_eq!(
+        logits.cols, m.n_expert,
+        "fused_moe: router width differs from n_expert"
+    );
+    let routes = route_all(
+        &logits,
+        m.gating,
+        None,
+        k,
+        (m.norm_weights, m.weights_scale),
+    );
+    observe(&routes);
+    drop(router_span);
+    let set = ExpertSet {
+        proj: Proj::Fused(m.gate_up_exps),
+        down: m.down_exps,
+        down_scale: m.down_scale.map(|s| w.f32(s)),
+        act: m.act,
+    };
+    run_experts(w, x, &routes, &set, m.n_expert, arith)
+}
+
+/// An expert's gate and up projections: two tensors, or one holding both (each expert's gate rows,
+/// then its up rows).
+#[derive(Clone, Copy, Debug)]
+enum Proj {
+    Split { gate: WeightId, up: WeightId },
+    Fused(WeightId),
+}
+
+/// A block's experts as the CPU's products read them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpertSet<'a> {
+    proj: Proj,
+    down: WeightId,
+    /// Each expert's output scale (`[n_expert]`), applied before its routing weight.
+    down_scale: Option<&'a [f32]>,
+    act: Unary,
+}
+
+impl ExpertSet<'static> {
+    /// The experts of a [`Moe`] block.
+    pub(crate) fn of_moe(m: &Moe) -> ExpertSet<'static> {
+        ExpertSet {
+            proj: Proj::Split {
+                gate: m.gate_exps,
+                up: m.up_exps,
+            },
+            down: m.down_exps,
+            down_scale: None,
+            act: m.act,
+        }
+    }
+}
+
+impl ExpertSet<'_> {
+    /// Expert `e`'s output scale, when the set has scales.
+    fn scale(&self, e: usize) -> Option<f32> {
+        self.down_scale.map(|s| s[e])
+    }
+}
+
+/// The routed experts of every token of `x`, summed with their weights in each token's routing order.
+fn run_experts(
+    w: &CpuWeights,
+    x: &Mat,
+    routes: &[Vec<(u32, f32)>],
+    set: &ExpertSet<'_>,
+    n_expert: usize,
+    arith: Arithmetic,
+) -> Mat {
+    let (n, n_embd) = (x.rows, x.cols);
+    let k = routes.first().map_or(0, Vec::len);
+    let mut out = Mat::zeros(n, n_embd);
     if n == 1 {
         let _span = profile::span("moe.decode_experts");
-        return decode_experts(w, x, m, &routes[0]);
+        return decode_set(w, x, set, &routes[0]);
     }
     let experts_span = profile::span("moe.experts");
 
     // For every expert, the (token, slot) pairs routed to it.
-    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); m.n_expert];
+    let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n_expert];
     for (t, r) in routes.iter().enumerate() {
         for (slot, &(e, _)) in r.iter().enumerate() {
             by_expert[e as usize].push((t, slot));
         }
     }
-    let active: Vec<usize> = (0..m.n_expert)
+    let active: Vec<usize> = (0..n_expert)
         .filter(|&e| !by_expert[e].is_empty())
         .collect();
     let outputs: Vec<Mat> = active
@@ -101,7 +220,7 @@ pub fn moe_observed(
                     .flat_map(|&(t, _)| x.row(t).iter().copied())
                     .collect(),
             );
-            expert(w, m, e, &xs, arith)
+            expert_of(w, set, e, &xs, arith)
         })
         .collect();
 
@@ -135,6 +254,12 @@ pub fn moe_observed(
 /// (the activation quantized once per format, each product in its `MUL_MAT_ID` order for one row), and
 /// the outputs are summed in routing order, so the result is the same bits.
 pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f32)]) -> Mat {
+    decode_set(w, x, &ExpertSet::of_moe(m), route)
+}
+
+/// [`decode_experts`] for any [`ExpertSet`]: a fused gate/up matrix is one product per expert, split
+/// after it; each expert's output is scaled before its weight when the set has scales.
+fn decode_set(w: &CpuWeights, x: &Mat, set: &ExpertSet<'_>, route: &[(u32, f32)]) -> Mat {
     let n_embd = x.cols;
     let k = route.len();
     if k == 0 {
@@ -147,49 +272,82 @@ pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f3
         act.quantize(v, &mut q);
         q
     };
-    let (gates, ups): (Vec<_>, Vec<_>) = route
-        .iter()
-        .map(|&(e, _)| (mats(m.gate_exps, e), mats(m.up_exps, e)))
-        .unzip();
-    let n_ff = gates[0].rows;
-    // [k, n_ff] each.
-    let mut gate = vec![0f32; k * n_ff];
-    let mut up = vec![0f32; k * n_ff];
-    {
-        // Experts of one tensor share the format, so one quantized activation per tensor.
-        let (xg, xu) = (quantized(&gates[0], &x.data), quantized(&ups[0], &x.data));
-        let mut jobs: Vec<MatvecJob<'_, '_>> = Vec::with_capacity(2 * k);
-        for ((g, u), (yg, yu)) in gates
-            .iter()
-            .zip(&ups)
-            .zip(gate.chunks_mut(n_ff).zip(up.chunks_mut(n_ff)))
-        {
-            jobs.push(MatvecJob {
-                w: *g,
-                order: mul_mat_id_order(g, 1),
-                act: &xg,
-                y: yg,
-            });
-            jobs.push(MatvecJob {
-                w: *u,
-                order: mul_mat_id_order(u, 1),
-                act: &xu,
-                y: yu,
-            });
+    // [k, n_ff]: each expert's gated unit.
+    let (hidden, n_ff) = match set.proj {
+        Proj::Split { gate, up } => {
+            let (gates, ups): (Vec<_>, Vec<_>) = route
+                .iter()
+                .map(|&(e, _)| (mats(gate, e), mats(up, e)))
+                .unzip();
+            let n_ff = gates[0].rows;
+            let mut gate = vec![0f32; k * n_ff];
+            let mut up = vec![0f32; k * n_ff];
+            {
+                // Experts of one tensor share the format, so one quantized activation per tensor.
+                let (xg, xu) = (quantized(&gates[0], &x.data), quantized(&ups[0], &x.data));
+                let mut jobs: Vec<MatvecJob<'_, '_>> = Vec::with_capacity(2 * k);
+                for ((g, u), (yg, yu)) in gates
+                    .iter()
+                    .zip(&ups)
+                    .zip(gate.chunks_mut(n_ff).zip(up.chunks_mut(n_ff)))
+                {
+                    jobs.push(MatvecJob {
+                        w: *g,
+                        order: mul_mat_id_order(g, 1),
+                        act: &xg,
+                        y: yg,
+                    });
+                    jobs.push(MatvecJob {
+                        w: *u,
+                        order: mul_mat_id_order(u, 1),
+                        act: &xu,
+                        y: yu,
+                    });
+                }
+                let _span = profile::span(profile::typed("moe.decode gate+up", gates[0].ty));
+                matvec_many(&mut jobs);
+            }
+            for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
+                activate(set.act, g, u);
+            }
+            (gate, n_ff)
         }
-        let _span = profile::span(profile::typed("moe.decode gate+up", gates[0].ty));
-        matvec_many(&mut jobs);
-    }
-    for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
-        activate(m.act, g, u);
-    }
-    let downs: Vec<_> = route.iter().map(|&(e, _)| mats(m.down_exps, e)).collect();
+        Proj::Fused(gate_up) => {
+            let mats: Vec<_> = route.iter().map(|&(e, _)| mats(gate_up, e)).collect();
+            let width = mats[0].rows;
+            let n_ff = width / 2;
+            let mut gu = vec![0f32; k * width];
+            {
+                let xq = quantized(&mats[0], &x.data);
+                let mut jobs: Vec<MatvecJob<'_, '_>> = mats
+                    .iter()
+                    .zip(gu.chunks_mut(width))
+                    .map(|(m, y)| MatvecJob {
+                        w: *m,
+                        order: mul_mat_id_order(m, 1),
+                        act: &xq,
+                        y,
+                    })
+                    .collect();
+                let _span = profile::span(profile::typed("moe.decode gate_up", mats[0].ty));
+                matvec_many(&mut jobs);
+            }
+            let mut hidden = Vec::with_capacity(k * n_ff);
+            for row in gu.chunks_mut(width) {
+                let (g, u) = row.split_at_mut(n_ff);
+                activate(set.act, g, u);
+                hidden.extend_from_slice(g);
+            }
+            (hidden, n_ff)
+        }
+    };
+    let downs: Vec<_> = route.iter().map(|&(e, _)| mats(set.down, e)).collect();
     // [k, n_embd].
     let mut down = vec![0f32; k * n_embd];
     {
         let hidden: Vec<Vec<u8>> = downs
             .iter()
-            .zip(gate.chunks(n_ff))
+            .zip(hidden.chunks(n_ff))
             .map(|(d, h)| quantized(d, h))
             .collect();
         let mut jobs: Vec<MatvecJob<'_, '_>> = downs
@@ -207,10 +365,13 @@ pub(crate) fn decode_experts(w: &CpuWeights, x: &Mat, m: &Moe, route: &[(u32, f3
         matvec_many(&mut jobs);
     }
     let mut out = Mat::zeros(1, n_embd);
-    for (&(_, weight), y) in route.iter().zip(down.chunks(n_embd)) {
+    for (&(e, weight), y) in route.iter().zip(down.chunks_mut(n_embd)) {
+        if let Some(s) = set.scale(e as usize) {
+            y.iter_mut().for_each(|v| *v *= s);
+        }
         out.data
             .iter_mut()
-            .zip(y)
+            .zip(&*y)
             .for_each(|(a, b)| *a += weight * b);
     }
     out
@@ -275,13 +436,39 @@ fn expert_mul(m: &QuantMatrix<'_>, x: &Mat, arith: Arithmetic) -> Mat {
 
 /// Expert `e` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`.
 pub(crate) fn expert(w: &CpuWeights, m: &Moe, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
-    let mut gate = expert_mul(&w.sub_matrix(m.gate_exps, e), xs, arith);
-    let up = expert_mul(&w.sub_matrix(m.up_exps, e), xs, arith);
-    let cols = gate.cols;
-    for (g, u) in gate.data.chunks_mut(cols).zip(up.data.chunks(cols)) {
-        activate(m.act, g, u);
+    expert_of(w, &ExpertSet::of_moe(m), e, xs, arith)
+}
+
+/// Expert `e` of `set` on the rows of `xs`: `down(act(gate·x) ⊙ up·x)`, times its scale when the set
+/// has scales.
+fn expert_of(w: &CpuWeights, set: &ExpertSet<'_>, e: usize, xs: &Mat, arith: Arithmetic) -> Mat {
+    let hidden = match set.proj {
+        Proj::Split { gate, up } => {
+            let mut gate = expert_mul(&w.sub_matrix(gate, e), xs, arith);
+            let up = expert_mul(&w.sub_matrix(up, e), xs, arith);
+            let cols = gate.cols;
+            for (g, u) in gate.data.chunks_mut(cols).zip(up.data.chunks(cols)) {
+                activate(set.act, g, u);
+            }
+            gate
+        }
+        Proj::Fused(gate_up) => {
+            let mut gu = expert_mul(&w.sub_matrix(gate_up, e), xs, arith);
+            let (width, n_ff) = (gu.cols, gu.cols / 2);
+            let mut hidden = Mat::zeros(xs.rows, n_ff);
+            for (row, h) in gu.data.chunks_mut(width).zip(hidden.data.chunks_mut(n_ff)) {
+                let (g, u) = row.split_at_mut(n_ff);
+                activate(set.act, g, u);
+                h.copy_from_slice(g);
+            }
+            hidden
+        }
+    };
+    let mut y = expert_mul(&w.sub_matrix(set.down, e), &hidden, arith);
+    if let Some(s) = set.scale(e) {
+        y.data.iter_mut().for_each(|v| *v *= s);
     }
-    expert_mul(&w.sub_matrix(m.down_exps, e), &gate, arith)
+    y
 }
 
 /// Routings counted per (layer, expert) over the forward calls that were given it: the measured skew of a

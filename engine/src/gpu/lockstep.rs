@@ -12,7 +12,7 @@
 //! Costs a download per operation (a synchronization each): for diagnosis only, never in a product path.
 
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Moe, Rope, Unary, WeightId,
 };
 
 use super::forward::{DevAct, GpuForward};
@@ -331,6 +331,14 @@ impl Compute for Lockstep<'_, '_, '_> {
         let l = self.gpu.moe(layer, &xl, m);
         let note = self.routing_note(x, &xl, m);
         self.record("moe", &c, &g, Some(&l), note);
+        Pair { cpu: c, gpu: g }
+    }
+
+    fn fused_moe(&mut self, layer: usize, x: &Pair, rx: &Pair, m: &FusedMoe) -> Pair {
+        self.layer = Some(layer);
+        let c = self.cpu.fused_moe(layer, &x.cpu, &rx.cpu, m);
+        let g = self.gpu.fused_moe(layer, &x.gpu, &rx.gpu, m);
+        self.record("fused_moe", &c, &g, None, String::new());
         Pair { cpu: c, gpu: g }
     }
 

@@ -190,7 +190,7 @@ impl GpuBackend {
     /// can.
     pub fn refuses(graph: &ModelGraph, cpu: &CpuWeights) -> Option<String> {
         let uses = graph.uses(cpu.file());
-        let lacks: Vec<&str> = [uses.needs_moe_selection_bias()]
+        let lacks: Vec<&str> = [uses.needs_moe_selection_bias(), uses.needs_fused_moe()]
             .into_iter()
             .flatten()
             .collect();

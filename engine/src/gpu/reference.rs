@@ -11,7 +11,7 @@
 
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Moe, Rope, Unary, WeightId,
 };
 
 use crate::cpu::{CpuForward, CpuWeights, Mat};
@@ -97,6 +97,13 @@ impl Compute for Q81Cpu<'_> {
             self.cpu.moe(l, &round_q8_1(x), m)
         } else {
             self.cpu.moe(l, x, m)
+        }
+    }
+    fn fused_moe(&mut self, l: usize, x: &Mat, rx: &Mat, m: &FusedMoe) -> Mat {
+        if quantized(self.weights.info(m.gate_up_exps).ty) {
+            self.cpu.fused_moe(l, &round_q8_1(x), rx, m)
+        } else {
+            self.cpu.fused_moe(l, x, rx, m)
         }
     }
     fn ssm_conv(&mut self, l: usize, x: &Mat, k: WeightId) -> Mat {

@@ -41,25 +41,37 @@ pub struct CommonHparams {
 impl CommonHparams {
     /// Reads them from `md` for architecture `arch` (which names the refusals).
     pub fn read(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
-        Self::read_layers(md, arch, false)
+        Self::read_layers(md, arch, KvHeads::Uniform)
     }
 
     /// [`CommonHparams::read`] for a hybrid architecture whose `attention.head_count_kv` is 0 in the
     /// blocks without attention (LFM2's short convolutions, as llama.cpp's converter writes them):
     /// `n_head_kv` is then the value of the blocks with attention, which must agree.
     pub fn read_hybrid(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
-        Self::read_layers(md, arch, true)
+        Self::read_layers(md, arch, KvHeads::Hybrid)
     }
 
-    fn read_layers(md: &Metadata, arch: &str, hybrid: bool) -> Result<Self, ArchError> {
+    /// [`CommonHparams::read`] for an architecture whose `attention.head_count_kv` may differ between
+    /// blocks (Gemma 4's sliding and global blocks): `n_head_kv` is then block 0's, as llama.cpp's
+    /// `hparams.n_head_kv()` is; the architecture reads the array itself.
+    pub fn read_varying_kv(md: &Metadata, arch: &str) -> Result<Self, ArchError> {
+        Self::read_layers(md, arch, KvHeads::FirstBlock)
+    }
+
+    fn read_layers(md: &Metadata, arch: &str, kv_heads: KvHeads) -> Result<Self, ArchError> {
         let n_layer_all = md.arch_u32("block_count")?;
         let n_embd = md.arch_u32("embedding_length")?;
         let n_head = uniform_u32_req(md, "attention.head_count", n_layer_all)?;
         check(arch, n_head > 0, "attention.head_count is 0")?;
-        let n_head_kv = if hybrid {
-            attention_kv_heads(md, arch, n_layer_all)?.unwrap_or(n_head)
-        } else {
-            uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head)
+        let n_head_kv = match kv_heads {
+            KvHeads::Hybrid => attention_kv_heads(md, arch, n_layer_all)?.unwrap_or(n_head),
+            KvHeads::Uniform => {
+                uniform_u32(md, "attention.head_count_kv", n_layer_all)?.unwrap_or(n_head)
+            }
+            KvHeads::FirstBlock => md
+                .arch_u32_per_layer_opt("attention.head_count_kv", n_layer_all as usize)?
+                .and_then(|v| v.first().copied())
+                .unwrap_or(n_head),
         };
         let head_k = md
             .arch_u32_opt("attention.key_length")?
@@ -126,6 +138,17 @@ impl CommonHparams {
     pub fn n_ff(&self, md: &Metadata) -> Result<u32, ArchError> {
         uniform_u32_req(md, "feed_forward_length", self.n_layer_all)
     }
+}
+
+/// How [`CommonHparams`] reads `attention.head_count_kv`.
+#[derive(Clone, Copy)]
+enum KvHeads {
+    /// One value for every block.
+    Uniform,
+    /// One value for every block with attention (0 in the others).
+    Hybrid,
+    /// Any values; block 0's is `n_head_kv`.
+    FirstBlock,
 }
 
 /// `attention.head_count_kv` of a hybrid model's blocks with attention (those whose value is above 0; a
@@ -416,6 +439,7 @@ mod shape_tests {
             }
             let read = match arch {
                 crate::arch::lfm2moe::ARCH => CommonHparams::read_hybrid(&md, arch),
+                crate::arch::gemma4::ARCH => CommonHparams::read_varying_kv(&md, arch),
                 _ => CommonHparams::read(&md, arch),
             }
             .expect("reads");

@@ -18,8 +18,8 @@
 use std::collections::HashMap;
 
 use super::{
-    gemma3, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams, Presence,
-    Role,
+    gemma3, gemma4, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams,
+    Presence, Role,
 };
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
@@ -249,6 +249,7 @@ pub enum ModelGraph {
     Qwen35Moe(qwen35moe::Qwen35MoeGraph),
     Llama(llama::LlamaGraph),
     Lfm2Moe(lfm2moe::Lfm2MoeGraph),
+    Gemma4(gemma4::Gemma4Graph),
 }
 
 impl ModelGraph {
@@ -280,6 +281,12 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
+            ModelHparams::Gemma4(h) => Ok(ModelGraph::Gemma4(gemma4::Gemma4Graph::new(
+                h,
+                &tensors,
+                file.metadata(),
+                file,
+            )?)),
         }
     }
 
@@ -292,7 +299,8 @@ impl ModelGraph {
             ModelGraph::Qwen3Moe(_)
             | ModelGraph::Gemma3(_)
             | ModelGraph::Llama(_)
-            | ModelGraph::Lfm2Moe(_) => Vec::new(),
+            | ModelGraph::Lfm2Moe(_)
+            | ModelGraph::Gemma4(_) => Vec::new(),
         }
     }
 }
@@ -322,6 +330,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen35Moe(g) => g.info(),
             ModelGraph::Llama(g) => g.info(),
             ModelGraph::Lfm2Moe(g) => g.info(),
+            ModelGraph::Gemma4(g) => g.info(),
         }
     }
 
@@ -332,6 +341,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen35Moe(g) => g.layer_states(),
             ModelGraph::Llama(g) => g.layer_states(),
             ModelGraph::Lfm2Moe(g) => g.layer_states(),
+            ModelGraph::Gemma4(g) => g.layer_states(),
         }
     }
 
@@ -342,6 +352,7 @@ impl Forward for ModelGraph {
             ModelGraph::Qwen35Moe(g) => g.forward(c),
             ModelGraph::Llama(g) => g.forward(c),
             ModelGraph::Lfm2Moe(g) => g.forward(c),
+            ModelGraph::Gemma4(g) => g.forward(c),
         }
     }
 }

@@ -20,10 +20,13 @@
 //! - [`llama`]: dense Llama-family models (Llama 2/3, Mistral, SmolLM2): GQA, normal RoPE, SwiGLU.
 //! - [`lfm2moe`]: LFM2 MoE (LFM2-8B-A1B, LFM2.5-24B-A2B): gated short-convolution blocks beside
 //!   attention blocks, dense leading FFNs, then sigmoid-routed experts with a selection bias.
+//! - [`gemma4`]: Gemma 4 (26B-A4B): sliding-window and global attention blocks of different head sizes,
+//!   a dense GELU MLP beside routed experts (fused gate/up, per-expert scales) in every block.
 
 pub mod clover_moe;
 pub mod common;
 pub mod gemma3;
+pub mod gemma4;
 pub mod graph;
 pub mod lfm2moe;
 pub mod llama;
@@ -35,6 +38,7 @@ use crate::gguf::{GgufError, Metadata, Value};
 
 pub use common::{CommonHparams, ExpertHparams};
 pub use gemma3::Gemma3Hparams;
+pub use gemma4::Gemma4Hparams;
 pub use graph::{
     bind_tensors, routed_experts, Forward, ModelGraph, ModelInfo, RoutedExperts, StateSpec,
     TensorMap, ValueMap,
@@ -196,6 +200,20 @@ pub enum Role {
     FfnGateExps,
     FfnUpExps,
     FfnDownExps,
+    /// Every expert's gate and up projections in one tensor (`ffn_gate_up_exps`: each expert's gate rows,
+    /// then its up rows).
+    FfnGateUpExps,
+    /// Per-expert scale of the experts' outputs (`ffn_down_exps.scale`, Gemma 4's `per_expert_scale`).
+    FfnDownExpsScale,
+    /// Scale of the router's normed input (`ffn_gate_inp.scale`, Gemma 4).
+    FfnGateInpScale,
+    /// Gemma 4's norms around its two feed-forward branches: before the experts, after the dense MLP,
+    /// after the experts.
+    FfnPreNorm2,
+    FfnPostNorm1,
+    FfnPostNorm2,
+    /// One scalar multiplying a block's output (`layer_output_scale`, Gemma 4).
+    LayerOutScale,
     FfnGateInpShexp,
     FfnGateShexp,
     FfnUpShexp,
@@ -275,6 +293,13 @@ impl Role {
             Role::FfnGateExps => "blk.{}.ffn_gate_exps.weight",
             Role::FfnUpExps => "blk.{}.ffn_up_exps.weight",
             Role::FfnDownExps => "blk.{}.ffn_down_exps.weight",
+            Role::FfnGateUpExps => "blk.{}.ffn_gate_up_exps.weight",
+            Role::FfnDownExpsScale => "blk.{}.ffn_down_exps.scale",
+            Role::FfnGateInpScale => "blk.{}.ffn_gate_inp.scale",
+            Role::FfnPreNorm2 => "blk.{}.pre_ffw_norm_2.weight",
+            Role::FfnPostNorm1 => "blk.{}.post_ffw_norm_1.weight",
+            Role::FfnPostNorm2 => "blk.{}.post_ffw_norm_2.weight",
+            Role::LayerOutScale => "blk.{}.layer_output_scale.weight",
             Role::FfnGateInpShexp => "blk.{}.ffn_gate_inp_shexp.weight",
             Role::FfnGateShexp => "blk.{}.ffn_gate_shexp.weight",
             Role::FfnUpShexp => "blk.{}.ffn_up_shexp.weight",
@@ -329,6 +354,8 @@ pub enum Dim {
     Ff,
     /// Routed expert FFN width.
     FfExp,
+    /// `2 * n_ff_exp`: an expert's gate and up projections in one tensor.
+    FfExpGateUp,
     /// Shared expert FFN width.
     FfShexp,
     /// Number of routed experts.
@@ -345,6 +372,14 @@ pub enum Dim {
     KProj,
     /// `n_head_kv * head_v`.
     VProj,
+    /// Sliding-window blocks' head size where it differs from the global blocks' (Gemma 4).
+    HeadKSwa,
+    /// `n_head * head_k_swa`.
+    QProjSwa,
+    /// `n_head_kv_swa * head_k_swa` (keys and values alike).
+    KProjSwa,
+    /// 1: a scalar.
+    One,
     /// Convolution kernel length (the delta-net's conv1d, LFM2's short convolution).
     SsmConvKernel,
     /// Delta-net conv channels: `2 * n_k_heads * head_k + n_v_heads * head_v`.
@@ -386,6 +421,10 @@ pub enum LayerSel {
     DenseFfn,
     /// Blocks whose feed-forward network is a mixture of experts.
     MoeFfn,
+    /// Sliding-window attention blocks.
+    SlidingAttention,
+    /// Full (global) attention blocks.
+    FullAttention,
 }
 
 impl LayerSel {
@@ -399,6 +438,8 @@ impl LayerSel {
             LayerSel::NextN => kind == LayerKind::NextN,
             LayerSel::DenseFfn => hp.dense_ffn(il),
             LayerSel::MoeFfn => !hp.dense_ffn(il),
+            LayerSel::SlidingAttention => kind == LayerKind::SlidingAttention,
+            LayerSel::FullAttention => kind == LayerKind::Attention,
         }
     }
 }
@@ -561,6 +602,7 @@ pub enum ModelHparams {
     Gemma3(Gemma3Hparams),
     Llama(LlamaHparams),
     Lfm2Moe(Lfm2MoeHparams),
+    Gemma4(Gemma4Hparams),
 }
 
 /// The architectures this crate knows, by `general.architecture`.
@@ -571,6 +613,7 @@ pub const ARCH_NAMES: &[&str] = &[
     gemma3::ARCH,
     llama::ARCH,
     lfm2moe::ARCH,
+    gemma4::ARCH,
 ];
 
 impl ModelHparams {
@@ -586,6 +629,7 @@ impl ModelHparams {
             gemma3::ARCH => Ok(ModelHparams::Gemma3(Gemma3Hparams::from_metadata(md)?)),
             llama::ARCH => Ok(ModelHparams::Llama(LlamaHparams::from_metadata(md)?)),
             lfm2moe::ARCH => Ok(ModelHparams::Lfm2Moe(Lfm2MoeHparams::from_metadata(md)?)),
+            gemma4::ARCH => Ok(ModelHparams::Gemma4(Gemma4Hparams::from_metadata(md)?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
                 ARCH_NAMES.join(", ")
@@ -601,6 +645,7 @@ impl ModelHparams {
             ModelHparams::Gemma3(h) => h,
             ModelHparams::Llama(h) => h,
             ModelHparams::Lfm2Moe(h) => h,
+            ModelHparams::Gemma4(h) => h,
         }
     }
 }

@@ -294,7 +294,9 @@ impl ArchHparams for Qwen35MoeHparams {
             SsmValueDim => value_dim,
             SsmVHeads => self.ssm_time_step_rank as u64,
             SsmHeadDim => self.ssm_state_size as u64,
-            Ff | RopeHalf | Embd3 => return None,
+            Ff | RopeHalf | Embd3 | FfExpGateUp | HeadKSwa | QProjSwa | KProjSwa | One => {
+                return None
+            }
         };
         Some(v)
     }

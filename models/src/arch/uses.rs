@@ -5,7 +5,8 @@
 
 use super::graph::{Forward, ModelGraph};
 use crate::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe, Rope,
+    Unary, WeightId,
 };
 use crate::gguf::GgufFile;
 
@@ -14,6 +15,9 @@ use crate::gguf::GgufFile;
 pub struct GraphUses {
     /// A MoE block routes with a selection bias ([`Moe::selection_bias`], `exp_probs_b`).
     pub moe_selection_bias: bool,
+    /// A MoE block in Gemma 4's form ([`Compute::fused_moe`]: the router on an input of its own, fused
+    /// gate/up experts, per-expert output scales).
+    pub fused_moe: bool,
     /// The gating functions of its MoE blocks.
     pub moe_gatings: Vec<Gating>,
     /// A causal convolution over a layer's state ([`Compute::ssm_conv`]).
@@ -30,6 +34,14 @@ impl GraphUses {
     pub fn needs_moe_selection_bias(&self) -> Option<&'static str> {
         self.moe_selection_bias
             .then_some("MoE routing with an expert selection bias (exp_probs_b)")
+    }
+
+    /// What a backend lacking [`Compute::fused_moe`] says of these uses: `None` when they do not need it.
+    pub fn needs_fused_moe(&self) -> Option<&'static str> {
+        self.fused_moe.then_some(
+            "MoE blocks in Gemma 4's form (a router on its own input, fused gate/up experts, \
+             per-expert scales)",
+        )
     }
 }
 
@@ -164,6 +176,14 @@ impl Compute for Probe<'_> {
         *x
     }
 
+    fn fused_moe(&mut self, _: usize, x: &Shape, _: &Shape, m: &FusedMoe) -> Shape {
+        self.uses.fused_moe = true;
+        if !self.uses.moe_gatings.contains(&m.gating) {
+            self.uses.moe_gatings.push(m.gating);
+        }
+        *x
+    }
+
     fn ssm_conv(&mut self, layer: usize, x: &Shape, _: WeightId) -> Shape {
         self.uses.ssm_conv = true;
         self.conv_layers.push(layer);
@@ -214,6 +234,11 @@ mod tests {
         assert!(q35.ssm_conv && q35.gated_delta_net && !q35.conv_without_delta_net);
         assert!(!q35.moe_selection_bias && q35.needs_moe_selection_bias().is_none());
         assert_eq!(q35.moe_gatings, vec![Gating::Softmax]);
+        let g4 = uses_of("gemma4-tiny-q4km.gguf");
+        assert!(g4.fused_moe && g4.needs_fused_moe().is_some());
+        assert!(!g4.moe_selection_bias && !g4.ssm_conv && !g4.gated_delta_net);
+        assert_eq!(g4.moe_gatings, vec![Gating::Softmax]);
+        assert!(q35.needs_fused_moe().is_none());
         let llama = uses_of("llama-tiny-q4km.gguf");
         assert_eq!(llama, GraphUses::default());
     }

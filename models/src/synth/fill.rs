@@ -56,6 +56,10 @@ pub fn fill_tensor(
             let mut rng = Rng::new(stream_seed(seed, index as u64, 0));
             write_floats(t.ty, out, |_| lo + (hi - lo) * rng.f32(), name)
         }
+        Init::Steps { first, a, b } => {
+            let first = *first as usize;
+            write_floats(t.ty, out, |i| if i < first { *a } else { *b }, name)
+        }
         Init::Router { layer } => {
             let w = routers
                 .get(*layer as usize)

@@ -19,7 +19,7 @@
 
 use poly_kernels::quant::GgmlType;
 
-use crate::arch::{ArchHparams, Dim, ModelHparams, Role, TensorClass, TensorDesc};
+use crate::arch::{gemma4, ArchHparams, Dim, ModelHparams, Role, TensorClass, TensorDesc};
 
 /// How a tensor's values are drawn.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,6 +34,9 @@ pub enum Init {
     Uniform { lo: f32, hi: f32 },
     /// The router of block `layer`, generated ahead (it is simulated before writing).
     Router { layer: u32 },
+    /// `a` for the first `first` values, `b` after them (F32): Gemma 4's RoPE factors, 1 for the pairs
+    /// that turn and 1e30 for those that do not.
+    Steps { first: u64, a: f32, b: f32 },
 }
 
 /// One tensor as it will be written.
@@ -135,6 +138,7 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
     let sigma = target_logit_sigma(n_vocab);
     let (emb_rms, out_norm) = match hp {
         ModelHparams::Gemma3(g) => tied_embedding_scales(n_embd, g.n_layer, n_vocab),
+        ModelHparams::Gemma4(g) => tied_embedding_scales(n_embd, g.n_layer, n_vocab),
         // Llama does not scale its embedding by sqrt(n_embd): divide that factor out of the rows' RMS.
         ModelHparams::Llama(l) if l.tied_output => {
             let (rms, norm) = tied_embedding_scales(n_embd, l.n_layer, n_vocab);
@@ -185,8 +189,25 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
                 // A = -exp(A_log): decay exp(A · softplus(alpha + dt)) ≈ 0.6–0.95 per token.
                 Role::SsmA => Init::Uniform { lo: -2.0, hi: -0.5 },
                 Role::SsmDt => Init::Uniform { lo: -2.0, hi: -1.0 },
+                // Gemma 4's global blocks turn a quarter of each head ("proportional" RoPE with
+                // partial_rotary_factor 0.25, as its converter writes the factors).
+                Role::RopeFreqs if matches!(hp, ModelHparams::Gemma4(_)) => Init::Steps {
+                    first: desc.dims[0] / 4,
+                    a: 1.0,
+                    b: gemma4::UNROTATED_FACTOR,
+                },
                 // Llama 3.1's factors run from 1 (short wavelengths) to 8 (long ones).
                 Role::RopeFreqs => Init::Uniform { lo: 1.0, hi: 8.0 },
+                // Gemma 4's router input is the normed state over sqrt(n_embd), times this scale: about
+                // sqrt(n_embd) gives the router an input of RMS 1, as the other routers get.
+                Role::FfnGateInpScale => Init::Norm {
+                    mean: (n_embd as f32).sqrt(),
+                    noise: NORM_NOISE * (n_embd as f32).sqrt(),
+                },
+                // Per-expert output scales and block output scales: spread, so that dropping one
+                // shows.
+                Role::FfnDownExpsScale => Init::Uniform { lo: 0.5, hi: 1.5 },
+                Role::LayerOutScale => Init::Uniform { lo: 0.5, hi: 1.0 },
                 // Biases of the order of the projections' outputs, so that dropping one shows.
                 r if r.is_projection_bias() => Init::Gaussian { rms: 0.3 },
                 // alpha feeds a softplus next to dt: keep it moderate.

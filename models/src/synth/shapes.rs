@@ -6,8 +6,8 @@ use poly_kernels::quant::GgmlType;
 
 use crate::arch::qwen35moe::Qwen35Form;
 use crate::arch::{
-    gemma3, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Lfm2MoeHparams, LlamaHparams,
-    ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+    gemma3, gemma4, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Gemma4Hparams,
+    Lfm2MoeHparams, LlamaHparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
 };
 use crate::compute::Gating;
 
@@ -359,6 +359,36 @@ pub fn all_shapes() -> Vec<Shape> {
             }),
         },
         Shape {
+            arch: gemma4::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "3 layers (2 sliding-window of 64 with heads of 64, 1 global with heads of 128 and no V projection), 256 wide, a GELU MLP of 128 beside 4 experts (2 used) of 64, tied output",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Gemma4(gemma4_tiny(v)),
+        },
+        Shape {
+            arch: gemma4::ARCH,
+            name: "tiny-dense",
+            aliases: &[],
+            description: "the tiny shape without experts (Gemma 4 31B's form: a GELU MLP in every block)",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Gemma4(Gemma4Hparams {
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_exp: 0,
+                n_ff: 256,
+                ..gemma4_tiny(v)
+            }),
+        },
+        Shape {
+            arch: gemma4::ARCH,
+            name: "gemma-4-26b-a4b",
+            aliases: &["26b-a4b", "26b"],
+            description: "Gemma-4-26B-A4B: 30 layers (25 sliding-window, 5 global), 2816 wide, MLP 2112 beside 128 experts (8 used) of 704, vocabulary 262144",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Gemma4(gemma4_26b_a4b()),
+        },
+        Shape {
             arch: llama::ARCH,
             name: "smollm2-135m",
             aliases: &["135m"],
@@ -367,6 +397,62 @@ pub fn all_shapes() -> Vec<Shape> {
             hparams: ModelHparams::Llama(smollm2_135m()),
         },
     ]
+}
+
+fn gemma4_26b_a4b() -> Gemma4Hparams {
+    // google/gemma-4-26B-A4B: 30 blocks, every sixth global ((i + 1) % 6 == 0), 2816 wide; 16 heads,
+    // sliding blocks 8 KV heads of 256 (window 1024, base 1e4), global blocks 2 KV heads of 512 without a
+    // V projection (base 1e6, a quarter of each head turning); a dense GELU MLP of 2112 beside 128
+    // experts (8 used) of 704; final logits capped at 30; vocabulary 262144.
+    Gemma4Hparams {
+        n_vocab: 262_144,
+        n_ctx_train: 262_144,
+        n_embd: 2816,
+        n_layer: 30,
+        n_ff: 2112,
+        n_head: 16,
+        n_head_kv_swa: 8,
+        n_head_kv: 2,
+        head_dim: 512,
+        head_dim_swa: 256,
+        n_rot: 512,
+        n_rot_swa: 256,
+        rms_eps: 1e-6,
+        rope_freq_base: 1_000_000.0,
+        rope_freq_base_swa: 10_000.0,
+        sliding_window: 1024,
+        swa_layers: (0..30).map(|i| (i + 1) % 6 != 0).collect(),
+        n_expert: 128,
+        n_expert_used: 8,
+        n_ff_exp: 704,
+        final_logit_softcapping: Some(30.0),
+    }
+}
+
+fn gemma4_tiny(v: u64) -> Gemma4Hparams {
+    Gemma4Hparams {
+        n_vocab: v,
+        n_ctx_train: TINY_CONTEXT,
+        n_embd: 256,
+        n_layer: 3,
+        n_ff: 128,
+        n_head: 2,
+        n_head_kv_swa: 1,
+        n_head_kv: 1,
+        head_dim: 128,
+        head_dim_swa: 64,
+        n_rot: 128,
+        n_rot_swa: 64,
+        rms_eps: 1e-6,
+        rope_freq_base: 1_000_000.0,
+        rope_freq_base_swa: 10_000.0,
+        sliding_window: 64,
+        swa_layers: vec![true, true, false],
+        n_expert: 4,
+        n_expert_used: 2,
+        n_ff_exp: 64,
+        final_logit_softcapping: Some(30.0),
+    }
 }
 
 /// The shape `name` (case-insensitive, aliases accepted) of architecture `arch`.

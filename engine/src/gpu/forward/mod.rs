@@ -25,8 +25,8 @@ use poly_kernels::ops::attention::AttnParams;
 use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
-    composed, Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Gating, Logits, Moe, Rope,
-    RopeKind, SharedExpert, Unary, WeightId,
+    composed, Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe,
+    Rope, RopeKind, SharedExpert, Unary, WeightId,
 };
 use rayon::prelude::*;
 
@@ -903,6 +903,18 @@ impl Compute for GpuForward<'_> {
         let mut out = self.alloc(x.rows, x.cols);
         self.run("moe", x.len() == 0 || m.n_expert_used == 0, |c| {
             c.moe_into(x, m, None, &mut out).map(|_| ())
+        });
+        out
+    }
+
+    /// Not on the card yet: [`crate::gpu::GpuBackend::refuses`] turns such a model away at load (what it
+    /// uses says so), and a call that reaches it fails with the reason.
+    fn fused_moe(&mut self, _layer: usize, x: &DevAct, _rx: &DevAct, _m: &FusedMoe) -> DevAct {
+        let out = self.alloc(x.rows, x.cols);
+        self.run("fused_moe", x.len() == 0, |_| {
+            Err(CudaError::Invalid(
+                "the card does not run MoE blocks in Gemma 4's form yet".into(),
+            ))
         });
         out
     }
