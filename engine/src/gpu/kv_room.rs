@@ -115,8 +115,12 @@ impl GpuBackend {
         if need == 0 {
             return Ok(());
         }
+        // Free memory the scratch may still take up to its cap is not room: a long call's loan counted
+        // it for the scratch (counting it for rows too took an 8 GB card 150 MiB over its budget).
         let (free, _) = self.dev.memory_info()?;
-        let room = free.saturating_sub(reserve);
+        let room = free
+            .saturating_sub(reserve)
+            .saturating_sub(self.scratch_headroom());
         if need <= room {
             return Ok(());
         }
@@ -158,7 +162,10 @@ impl GpuBackend {
         // The freed buffers return to the driver once the stream has passed their last use.
         self.dev.synchronize()?;
         let (free, _) = self.dev.memory_info()?;
-        let room = free.saturating_sub(reserve).saturating_sub(new_bytes);
+        let room = free
+            .saturating_sub(reserve)
+            .saturating_sub(new_bytes)
+            .saturating_sub(self.scratch_headroom());
         let mut experts = lock(&self.experts);
         let Some(cache) = experts.as_mut() else {
             return Ok(());

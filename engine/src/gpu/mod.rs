@@ -681,6 +681,13 @@ impl GpuBackend {
     /// free, the expert cache gives up the excess (and a margin) so the budget holds whatever else grew;
     /// another program's use of the card counts the same. Logs the memory in use when it is the highest
     /// seen (stderr), so a budget's excess can be traced call by call (nvidia-smi sees the same figure).
+    /// Bytes the scratch store may still make before its cap: free memory that a call's scratch will
+    /// take (a long call's loan counted it), so room for KV rows must not count it.
+    fn scratch_headroom(&self) -> usize {
+        let pool = lock(&self.pool);
+        pool.cap().map_or(0, |cap| cap.saturating_sub(pool.bytes()))
+    }
+
     fn keep_budget(&self, cpu: &CpuWeights, n_tokens: usize, pos0: usize) {
         /// Given up beyond the excess, so the next growth does not shrink the cache again at once.
         const MARGIN: usize = 96 << 20;
