@@ -640,3 +640,43 @@ fn the_card_refuses_the_architectures_it_cannot_run() {
     }
     assert!(n_refused >= REFUSED.len(), "refused fixtures: {n_refused}");
 }
+
+/// `--tail-skip` and `--skip-weight` (approximate, off by default): with every expert missing, a tail
+/// past every rank leaves nothing out and writes the exact answer; a tail of 1 and a weight share of
+/// 0.99 leave experts out and say how many.
+#[test]
+fn skips_leave_out_uncached_experts_and_say_so() {
+    if !gpu_present() {
+        return;
+    }
+    let left_out = |log: &str| {
+        log.lines()
+            .find_map(|l| l.strip_prefix("left out (--tail-skip / --skip-weight): "))
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.contains("moe") {
+            continue;
+        }
+        let card = ["--missing-experts", "card"];
+        let (exact, _) = run_binary(&path, &card);
+        let (wide, log) = run_binary(&path, &[&card[..], &["--tail-skip", "64"]].concat());
+        if wide != exact || left_out(&log) != Some(0) {
+            failures.push(format!(
+                "{name} --tail-skip 64: {:?}\n{log}",
+                left_out(&log)
+            ));
+        }
+        for skip in [["--tail-skip", "1"], ["--skip-weight", "0.99"]] {
+            let (_, log) = run_binary(&path, &[&card[..], &skip[..]].concat());
+            eprintln!("{name} {skip:?}: left out {:?}", left_out(&log));
+            if left_out(&log).is_none_or(|n| n == 0) {
+                failures.push(format!("{name} {skip:?}: nothing left out\n{log}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

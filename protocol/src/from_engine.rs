@@ -123,6 +123,21 @@ pub struct Done {
     pub draft_proposed: u32,
     #[serde(default)]
     pub draft_accepted: u32,
+    /// What an approximate mode (`--tail-skip`, `--skip-weight`) left out of this request's answer;
+    /// absent when none is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts_left_out: Option<LeftOut>,
+}
+
+/// Uncached experts an approximate mode left out of a request's answer tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LeftOut {
+    /// Experts left out (one token's routing each).
+    pub experts: u64,
+    /// The mean share of a token's routed weight (per MoE layer) they carried.
+    pub weight_share: f64,
+    /// Expert bytes not read.
+    pub bytes: u64,
 }
 
 /// `ERR`.
@@ -309,6 +324,7 @@ mod tests {
             experts_vram_share: None,
             draft_proposed: 0,
             draft_accepted: 0,
+            experts_left_out: None,
         }));
         round_trip(FromEngine::Err(ErrorReply {
             id: None,
@@ -352,6 +368,7 @@ mod tests {
             experts_vram_share: None,
             draft_proposed: 0,
             draft_accepted: 0,
+            experts_left_out: None,
         });
         assert_eq!(
             done.to_line(),

@@ -34,7 +34,7 @@ mod to_engine;
 
 pub use error::{ErrorCode, ProtocolError};
 pub use from_engine::{
-    ConversationInfo, Done, ErrorReply, FromEngine, Progress, PromptCalls, Ready, Stats,
+    ConversationInfo, Done, ErrorReply, FromEngine, LeftOut, Progress, PromptCalls, Ready, Stats,
     StopReason, Tokens,
 };
 pub use line::{read_line_bounded, LineRead};

@@ -11,7 +11,7 @@ mod synth;
 mod verify;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::{AdmissionRule, Admissions, MissingExperts, Placement};
+use poly_engine::gpu::{AdmissionRule, Admissions, MissingExperts, MissingSkip, Placement};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -157,6 +157,22 @@ pub struct PlacementArgs {
     /// kernels from the page-locked file over the bus (`mapped`: no host work, decode graphs).
     #[arg(long, value_enum, default_value_t = MissingExperts::Split)]
     missing_experts: MissingExperts,
+    /// Approximate, off by default: a single token's expert that is not in VRAM and ranks N+1 or later
+    /// among its choices is left out (neither copied nor computed; prompts untouched). DONE and STATS
+    /// count what was left out; `polystrata verify` measures how far the answers move.
+    #[arg(long, value_name = "N")]
+    tail_skip: Option<usize>,
+    /// Approximate, off by default: a single token's expert that is not in VRAM and carries less than F
+    /// (0 < F < 1) of the token's routed weight is left out (overrides --tail-skip).
+    #[arg(long, value_name = "F", value_parser = parse_fraction)]
+    skip_weight: Option<f32>,
+}
+
+fn parse_fraction(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(f) if f > 0.0 && f < 1.0 => Ok(f),
+        _ => Err(format!("a number above 0 and below 1, not {s:?}")),
+    }
 }
 
 fn parse_decay(s: &str) -> Result<f32, String> {
@@ -191,6 +207,10 @@ impl PlacementArgs {
             no_profile: self.no_expert_profile,
             staging_only: self.expert_staging_only,
             missing_experts: self.missing_experts,
+            skip: MissingSkip {
+                tail: self.tail_skip,
+                weight: self.skip_weight,
+            },
             call_tokens,
         }
     }

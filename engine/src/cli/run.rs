@@ -256,6 +256,15 @@ pub fn run(args: RunArgs) -> CliResult {
              the CPU, {} copied ahead ({} of them routed)",
             c.routed_vram, c.routed, c.staged_decode, c.cpu_experts, c.ahead_copied, c.ahead_routed
         );
+        if c.skipped.steps > 0 {
+            eprintln!(
+                "left out (--tail-skip / --skip-weight): {} experts, {:.4} of a token's routed weight \
+                 per layer on average, {} MiB not read",
+                c.skipped.experts,
+                c.skipped.mean_weight(),
+                c.skipped.bytes >> 20
+            );
+        }
     }
     Ok(())
 }

@@ -48,6 +48,7 @@ use crate::state::{KvPrecision, SeqState};
 use expert_cache::placement::{cache_bytes, default_reserve, state_bytes};
 pub use expert_cache::placement::{Admissions, MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
+pub use expert_cache::skip::{MissingSkip, Skipped};
 pub use expert_cache::AdmissionRule;
 use expert_cache::{CacheStats, ExpertCache};
 
@@ -305,6 +306,7 @@ impl GpuBackend {
         cache
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;
+        cache.set_skip(p.skip);
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);

@@ -150,9 +150,22 @@ impl<W: std::io::Write> Session<'_, W> {
         });
         let experts_before = model.expert_stats();
         let result = self.generate(&mut conv, job);
-        let experts_vram_share = match (experts_before, model.expert_stats()) {
+        let experts_after = model.expert_stats();
+        let experts_vram_share = match (experts_before, experts_after) {
             (Some(a), Some(b)) if b.routed > a.routed => {
                 Some((b.routed_vram - a.routed_vram) as f64 / (b.routed - a.routed) as f64)
+            }
+            _ => None,
+        };
+        // What `--tail-skip` / `--skip-weight` left out of this answer (absent when neither is set).
+        let experts_left_out = match (experts_before, experts_after) {
+            (Some(a), Some(b)) if b.skipped.steps > a.skipped.steps => {
+                let d = b.skipped.since(&a.skipped);
+                Some(poly_protocol::LeftOut {
+                    experts: d.experts,
+                    weight_share: d.mean_weight(),
+                    bytes: d.bytes,
+                })
             }
             _ => None,
         };
@@ -181,6 +194,7 @@ impl<W: std::io::Write> Session<'_, W> {
             experts_vram_share,
             draft_proposed: f.draft_proposed as u32,
             draft_accepted: f.draft_accepted as u32,
+            experts_left_out,
         }))
     }
 

@@ -305,6 +305,7 @@ impl<'a, W: Write> Session<'a, W> {
             experts_vram_share: None,
             draft_proposed: 0,
             draft_accepted: 0,
+            experts_left_out: None,
         };
         self.send(&FromEngine::Done(done))
     }
@@ -379,6 +380,14 @@ impl<'a, W: Write> Session<'a, W> {
             m.insert("expert_uploads".into(), json!(c.policy.uploads));
             m.insert("expert_evictions".into(), json!(c.policy.evictions));
             m.insert("experts_staged".into(), json!(c.staged));
+            if c.skipped.steps > 0 {
+                m.insert("experts_left_out".into(), json!(c.skipped.experts));
+                m.insert(
+                    "experts_left_out_weight_share".into(),
+                    json!(c.skipped.mean_weight()),
+                );
+                m.insert("experts_left_out_bytes".into(), json!(c.skipped.bytes));
+            }
         }
         Stats {
             rss_bytes: rss.unwrap_or(0),

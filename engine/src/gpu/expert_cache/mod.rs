@@ -22,6 +22,7 @@ pub mod policy;
 mod prefetch;
 pub mod profile;
 mod prompt_share;
+pub mod skip;
 mod split;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -88,6 +89,8 @@ pub struct CacheStats {
     /// those, the ones the layer then routed to (computed on the card from their scratch slots).
     pub ahead_copied: u64,
     pub ahead_routed: u64,
+    /// Single tokens' uncached experts left out (`--tail-skip`, `--skip-weight`).
+    pub skipped: skip::Skipped,
     /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
     /// computing its share meanwhile).
     pub cpu_experts: u64,
@@ -151,6 +154,8 @@ pub struct ExpertCache {
     profile: Option<(PathBuf, ExpertProfile)>,
     /// Where a single token's missing experts are computed.
     missing: MissingExperts,
+    /// Which of them a token may leave out (off: none).
+    skip: skip::MissingSkip,
     costs: MissingCosts,
     cpu_fit: CpuCostFit,
     cpu_probe: CpuProbe,
@@ -255,6 +260,7 @@ impl ExpertCache {
             stats: CacheStats::default(),
             profile: None,
             missing: MissingExperts::default(),
+            skip: skip::MissingSkip::default(),
             costs: MissingCosts::guess(slot_bytes),
             cpu_fit: CpuCostFit::default(),
             cpu_probe: CpuProbe::default(),
@@ -339,6 +345,11 @@ impl ExpertCache {
             self.point_tables(dev, l)?;
         }
         Ok(())
+    }
+
+    /// Which of a single token's uncached experts it may leave out (`--tail-skip`, `--skip-weight`).
+    pub fn set_skip(&mut self, skip: skip::MissingSkip) {
+        self.skip = skip;
     }
 
     /// Whether the card reads the experts it lacks from the mapped file (`MissingExperts::Mapped`).
@@ -934,6 +945,27 @@ impl ExpertCache {
         let mut missing_slots: Vec<usize> = (0..ids.len())
             .filter(|&j| (ids[j] as usize) < n_expert && !on_card(&self.policy, ids[j] as usize))
             .collect();
+        // The token's activation and routing weights, fetched once: before the copies are queued (a
+        // download queued after them would wait for them), and before the skip, which reads the weights.
+        let mut fetch = Some(fetch);
+        let mut fetched = None;
+        if !self.skip.is_off() {
+            self.stats.skipped.steps += 1;
+        }
+        if !self.skip.is_off() && !missing_slots.is_empty() {
+            if let Some(f) = fetch.take() {
+                let inputs = fetch_inputs(f, ids.len())?;
+                let left = self.skip.left_out(&missing_slots, &inputs.1);
+                if !left.is_empty() {
+                    let s = &mut self.stats.skipped;
+                    s.experts += left.len() as u64;
+                    s.weight += skip::MissingSkip::weight_of(&left, &inputs.1);
+                    s.bytes += (left.len() * self.layers[layer].expert_bytes()) as u64;
+                    missing_slots.retain(|j| !left.contains(j));
+                }
+                fetched = Some(inputs);
+            }
+        }
         if missing_slots.is_empty() {
             if ahead {
                 // Those copied ahead may be admitted from their scratch slots.
@@ -951,10 +983,15 @@ impl ExpertCache {
             MissingExperts::Card | MissingExperts::Mapped => missing_slots.len(),
         };
         // The CPU's inputs come first: once the copies below are queued, a download waits for them.
-        let (x, weights, fetch_seconds) = if missing_slots.len() > n_copy {
-            fetch_inputs(fetch, ids.len())?
-        } else {
-            (Vec::new(), Vec::new(), 0.0)
+        let (x, weights, fetch_seconds) = match (missing_slots.len() > n_copy, fetched, fetch) {
+            (false, ..) => (Vec::new(), Vec::new(), 0.0),
+            (true, Some(inputs), _) => inputs,
+            (true, None, Some(f)) => fetch_inputs(f, ids.len())?,
+            (true, None, None) => {
+                return Err(CudaError::Invalid(
+                    "a token's CPU share without its inputs".into(),
+                ))
+            }
         };
         let copied: Vec<usize> = missing_slots
             .drain(..n_copy)

@@ -6,6 +6,7 @@
 //! 256–768 MiB). `--expert-budget-mib` sets the cache's size instead (still no more than what is free).
 
 use super::policy::AdmissionRule;
+use super::skip::MissingSkip;
 use poly_models::arch::StateSpec;
 
 const MIB: usize = 1 << 20;
@@ -32,6 +33,8 @@ pub struct Placement {
     pub staging_only: bool,
     /// Where a single token's uncached experts are computed.
     pub missing_experts: MissingExperts,
+    /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`; off: none).
+    pub skip: MissingSkip,
     /// The most tokens one forward call will carry (0: [`crate::generate::DEFAULT_UBATCH`]). The
     /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
     /// largest call needs and the budget holds with them.
@@ -115,6 +118,16 @@ impl Placement {
                 name(self.missing_experts),
             ),
             (self.staging_only, "expert-staging-only", "on".into()),
+            (
+                self.skip.tail.is_some(),
+                "tail-skip",
+                self.skip.tail.map_or_else(String::new, |n| n.to_string()),
+            ),
+            (
+                self.skip.weight.is_some(),
+                "skip-weight",
+                self.skip.weight.map_or_else(String::new, |f| f.to_string()),
+            ),
         ]
         .into_iter()
         .filter(|(changed, ..)| *changed)
@@ -235,6 +248,10 @@ mod tests {
                 ..AdmissionRule::default()
             },
             missing_experts: MissingExperts::Cpu,
+            skip: MissingSkip {
+                tail: Some(3),
+                weight: Some(0.05),
+            },
             ..Placement::new()
         };
         let echoed: Vec<(String, String)> = p.non_default();
@@ -243,6 +260,8 @@ mod tests {
             ("expert-admissions", "card"),
             ("expert-noise-margin", "0"),
             ("missing-experts", "cpu"),
+            ("tail-skip", "3"),
+            ("skip-weight", "0.05"),
         ]
         .map(|(a, b)| (a.to_string(), b.to_string()));
         assert_eq!(echoed, want);
