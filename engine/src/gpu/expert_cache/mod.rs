@@ -949,6 +949,7 @@ impl ExpertCache {
         // download queued after them would wait for them), and before the skip, which reads the weights.
         let mut fetch = Some(fetch);
         let mut fetched = None;
+        let mut left_any = false;
         if !self.skip.is_off() {
             self.stats.skipped.steps += 1;
         }
@@ -962,13 +963,15 @@ impl ExpertCache {
                     s.weight += skip::MissingSkip::weight_of(&left, &inputs.1);
                     s.bytes += (left.len() * self.layers[layer].expert_bytes()) as u64;
                     missing_slots.retain(|j| !left.contains(j));
+                    left_any = true;
                 }
                 fetched = Some(inputs);
             }
         }
         if missing_slots.is_empty() {
-            if ahead {
-                // Those copied ahead may be admitted from their scratch slots.
+            if ahead || left_any {
+                // Those copied ahead may be admitted from their scratch slots, those left out over the
+                // bus.
                 self.admission = Some((layer, routed, Vec::new()));
             }
             return Ok(StepPrep::new(None, Vec::new(), ahead));
