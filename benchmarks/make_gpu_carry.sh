@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${1:-.carry/final}
 mkdir -p "$D/bin"
+# TESTS: the GPU test binaries to pack (default: all of them). The device takes 64 MiB a call, tracked
+# files included: pack what the stay runs.
+TESTS=${TESTS:-"witness_gpu gpu_forward gpu_expert_cache cuda_ops cuda_elementwise cuda_layer_ops cuda_prompt_attention cuda_fused cuda_moe_fused cuda_host_flags cuda_bench poly_kernels"}
 cargo build --release -p poly-engine --bin poly-engine -p polystrata --bin polystrata
 cp target/release/poly-engine target/release/polystrata "$D/bin/"
 {
@@ -17,14 +20,22 @@ cp target/release/poly-engine target/release/polystrata "$D/bin/"
         --test cuda_prompt_attention --test cuda_fused --test cuda_moe_fused --test cuda_host_flags --test cuda_bench --lib --no-run --message-format=json
 } 2>/dev/null | python3 -c '
 import json, shutil, sys
+# Only the test targets asked for (a package's other binaries, such as fuzz_smoke, come along otherwise).
+want = set(sys.argv[2].split())
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in want:
         shutil.copy(m["executable"], sys.argv[1] + "/bin/" + m["target"]["name"])
-' "$D"
+' "$D" "$TESTS"
 strip --strip-debug "$D"/bin/*
 tar cJf "$D/bin.tar.xz" -C "$D/bin" .
 rm -rf "$D/bin"
 [ -f "$D/llama.cpp.tar.xz" ] || tar cJf "$D/llama.cpp.tar.xz" -C .carry llama.cpp
 cp ../shared/device/llamacpp_build_cuda.sh "$D/" 2>/dev/null || cp .carry/llamacpp_build_cuda.sh "$D/"
 ls -la "$D"
+# What a call carries: the tracked files plus this folder, against the device's 64 MiB a call.
+TRACKED=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s}')
+CARRY=$(du -cb "$D" | tail -1 | cut -f1)
+TOTAL=$(( TRACKED + CARRY ))
+echo "a call carries $(( TOTAL >> 20 )) MiB (tracked $(( TRACKED >> 20 )) MiB + $D $(( CARRY >> 20 )) MiB) of 64"
+[ $TOTAL -le $(( 64 << 20 )) ] || echo "OVER the device's 64 MiB a call: pack fewer tests (TESTS=...) or carry llama.cpp.tar.xz in a call of its own" >&2

@@ -69,7 +69,9 @@ pub(super) struct Prefetched {
     pool: usize,
     base: usize,
     map: Vec<(usize, usize)>,
-    done: CopyEvent,
+    /// The copies' completion, for the compute stream to wait on; `None` for a one-graph token's, whose
+    /// card waits at a flag the copy stream sets after them (an event costs two driver calls).
+    done: Option<CopyEvent>,
     repoint: bool,
 }
 
@@ -171,7 +173,7 @@ impl ExpertCache {
             pool: plan.pool,
             base: 0,
             map,
-            done: self.copy.record()?,
+            done: Some(self.copy.record()?),
             repoint: true,
         });
         Ok(())
@@ -221,7 +223,10 @@ impl ExpertCache {
             pool: 0,
             base,
             map,
-            done: self.copy.record()?,
+            done: match self.linked {
+                true => None,
+                false => Some(self.copy.record()?),
+            },
             repoint: false,
         });
         Ok(n)
@@ -237,8 +242,12 @@ impl ExpertCache {
         if p.layer != layer {
             return Ok(());
         }
-        if !self.linked {
-            dev.wait_for_copy(&p.done)?;
+        match (&p.done, self.linked) {
+            (Some(done), false) => dev.wait_for_copy(done)?,
+            // Copied ahead for a one-graph token that did not reach this layer (it failed): nothing
+            // to wait on, so dropped like a stale prefetch.
+            (None, false) => return Ok(()),
+            (_, true) => {}
         }
         if let Some(old) = self.staged.take().filter(|s| s.repointed) {
             self.mark_tables(old.layer);
