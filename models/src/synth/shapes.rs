@@ -464,6 +464,9 @@ fn gemma4_tiny(v: u64) -> Gemma4Hparams {
 }
 
 fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
+    // 8 indexer heads: with 2, a pool's score is exactly 0 (every head's relu 0) often enough that a
+    // token's top-k cut falls on a tie (16 of 100 tokens), which llama.cpp breaks in std::partial_sort's
+    // order (tests/witness/glm5_next_reference.py).
     let n = 6;
     Glm5NextHparams {
         n_vocab: v,
@@ -483,7 +486,7 @@ fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
         kv_lora_rank: 64,
         head_k_mla: 32,
         head_v_mla: 32,
-        indexer_n_head: 2,
+        indexer_n_head: 8,
         indexer_head_dim: 32,
         indexer_top_k: 16,
         indexer_kpool: 4,
