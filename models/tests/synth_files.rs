@@ -3,14 +3,14 @@
 //! as planned.
 
 use poly_kernels::quant::{self, GgmlType};
-use poly_models::arch::{resolve_tensors, ModelHparams, Presence, Role, TensorClass};
+use poly_models::arch::{resolve_tensors, ModelGraph, ModelHparams, Presence, Role, TensorClass};
 use poly_models::gguf::GgufFile;
 use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::{find_shape, Shape};
 use poly_models::synth::{SynthOptions, Synthesis};
 use std::path::PathBuf;
 
-const ARCHS: &[&str] = &["qwen3moe", "qwen35moe", "gemma3"];
+const ARCHS: &[&str] = &["qwen3moe", "qwen35moe", "gemma3", "glm5-next"];
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("poly-synth-test-{}", std::process::id()));
@@ -115,6 +115,20 @@ fn tiny_files_match_their_architecture() {
         }
         std::fs::remove_file(&path).ok();
     }
+}
+
+/// A `glm5-next` file is read and bound against its table, then refused with the reason: its forward pass
+/// is not implemented.
+#[test]
+fn a_glm5_next_file_binds_and_is_refused_with_the_reason() {
+    let (_, path) = write(
+        &options(tiny("glm5-next"), 5, 0.0),
+        "glm5-next-refused.gguf",
+    );
+    let file = GgufFile::open(&path).expect("open");
+    let err = ModelGraph::from_file(&file).expect_err("glm5-next is not run");
+    assert_eq!(err.0, poly_models::arch::glm5_next::NOT_RUN);
+    std::fs::remove_file(&path).ok();
 }
 
 #[test]

@@ -12,7 +12,7 @@ use clap::Args;
 use poly_engine::calibrate;
 use poly_engine::cpu::moe::top_tenth_share;
 use poly_kernels::quant::GgmlType;
-use poly_models::arch::{TensorClass, ARCH_NAMES};
+use poly_models::arch::{TensorClass, ARCH_NAMES, NOT_RUN_ARCH_NAMES};
 use poly_models::synth::plan::{TypeChoice, CALIBRATED_MIXING_GAIN};
 use poly_models::synth::shapes::{all_shapes, find_shape};
 use poly_models::synth::{check_class_type, SynthError, SynthOptions, Synthesis};
@@ -199,10 +199,12 @@ pub fn run(args: SynthArgs) -> CliResult {
     let (Some(arch), Some(shape_name), Some(out)) = (args.arch, args.shape, args.out) else {
         return Err("--arch, --shape and --out are required".into());
     };
-    if !ARCH_NAMES.iter().any(|a| a.eq_ignore_ascii_case(&arch)) {
+    let known = || ARCH_NAMES.iter().chain(NOT_RUN_ARCH_NAMES);
+    if !known().any(|a| a.eq_ignore_ascii_case(&arch)) {
+        let names: Vec<&str> = known().copied().collect();
         return Err(format!(
             "unknown architecture {arch:?} (known: {})",
-            ARCH_NAMES.join(", ")
+            names.join(", ")
         )
         .into());
     }

@@ -438,7 +438,9 @@ mod shape_tests {
                 assert!(md.insert_new(format!("{arch}.vocab_size"), Value::U32(c.n_vocab as u32)));
             }
             let read = match arch {
-                crate::arch::lfm2moe::ARCH => CommonHparams::read_hybrid(&md, arch),
+                crate::arch::lfm2moe::ARCH | crate::arch::glm5_next::ARCH => {
+                    CommonHparams::read_hybrid(&md, arch)
+                }
                 crate::arch::gemma4::ARCH => CommonHparams::read_varying_kv(&md, arch),
                 _ => CommonHparams::read(&md, arch),
             }

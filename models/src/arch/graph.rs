@@ -18,8 +18,8 @@
 use std::collections::HashMap;
 
 use super::{
-    gemma3, gemma4, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams, ModelHparams,
-    Presence, Role,
+    gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams,
+    ModelHparams, Presence, Role,
 };
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
@@ -287,6 +287,7 @@ impl ModelGraph {
                 file.metadata(),
                 file,
             )?)),
+            ModelHparams::Glm5Next(_) => Err(ArchError(glm5_next::NOT_RUN.into())),
         }
     }
 

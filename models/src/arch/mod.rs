@@ -22,11 +22,15 @@
 //!   attention blocks, dense leading FFNs, then sigmoid-routed experts with a selection bias.
 //! - [`gemma4`]: Gemma 4 (26B-A4B): sliding-window and global attention blocks of different head sizes,
 //!   a dense GELU MLP beside routed experts (fused gate/up, per-expert scales) in every block.
+//! - [`glm5_next`]: GLM5-Next (GLM 5.3 Flash): hyperparameters and tensor table only; its forward pass
+//!   (mHC streams, KDA and sparse MLA blocks, the k-pool indexer) is not implemented, so a file is read,
+//!   bound and refused with the reason.
 
 pub mod clover_moe;
 pub mod common;
 pub mod gemma3;
 pub mod gemma4;
+pub mod glm5_next;
 pub mod graph;
 pub mod lfm2moe;
 pub mod llama;
@@ -39,6 +43,7 @@ use crate::gguf::{GgufError, Metadata, Value};
 pub use common::{CommonHparams, ExpertHparams};
 pub use gemma3::Gemma3Hparams;
 pub use gemma4::Gemma4Hparams;
+pub use glm5_next::Glm5NextHparams;
 pub use graph::{
     bind_tensors, routed_experts, Forward, ModelGraph, ModelInfo, RoutedExperts, StateSpec,
     TensorMap, ValueMap,
@@ -97,6 +102,10 @@ pub enum TensorClass {
     NextN,
     /// Normalization weights: always F32.
     Norm,
+    /// Small matrices llama.cpp's quantizer leaves in the converter's type for `glm5-next` (the mHC
+    /// mixing weights, the sparse-attention indexer's projections, the KDA gates' low-rank factors, the
+    /// MLA latent projections): always F32 here.
+    Unquantized,
 }
 
 /// (class, command-line name, what it covers)
@@ -133,6 +142,11 @@ const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
     ),
     (TensorClass::NextN, "nextn", "MTP block projection"),
     (TensorClass::Norm, "norm", "normalization weights (F32)"),
+    (
+        TensorClass::Unquantized,
+        "unquantized",
+        "matrices llama.cpp never quantizes (glm5-next's mHC, indexer, KDA gates, MLA latent; F32)",
+    ),
 ];
 
 impl TensorClass {
@@ -168,7 +182,10 @@ impl TensorClass {
     /// Whether llama.cpp's loader or graph needs these tensors in F32 (norms are multiplied element-wise,
     /// the delta-net's conv kernel and A/dt feed F32-only ops), so no type may be chosen for them.
     pub fn f32_only(self) -> bool {
-        matches!(self, TensorClass::Norm | TensorClass::DeltaNetParam)
+        matches!(
+            self,
+            TensorClass::Norm | TensorClass::DeltaNetParam | TensorClass::Unquantized
+        )
     }
 }
 
@@ -245,6 +262,41 @@ pub enum Role {
     ShortConvInProj,
     /// Short-convolution output projection.
     ShortConvOutProj,
+    /// GLM5-Next's mHC (manifold-constrained hyper-connections) around the mixer and the FFN: the mixing
+    /// projection of the flattened streams, its bias and its three scales (pre, post, combination).
+    HcAttnFn,
+    HcAttnBase,
+    HcAttnScale,
+    HcFfnFn,
+    HcFfnBase,
+    HcFfnScale,
+    /// KDA (Kimi delta attention) blocks: the causal convolutions of Q, K and V, the decay gate's and
+    /// the output gate's low-rank factors.
+    SsmConv1dQ,
+    SsmConv1dK,
+    SsmConv1dV,
+    SsmFA,
+    SsmFB,
+    SsmGA,
+    SsmGB,
+    /// MLA (multi-head latent attention): Q through a low-rank latent, the KV latent (`kv_a_mqa`), and
+    /// the per-head absorbed K and V expansions.
+    AttnQA,
+    AttnQB,
+    AttnQANorm,
+    AttnKvAMqa,
+    AttnKvANorm,
+    AttnKB,
+    AttnVB,
+    /// The sparse-attention indexer (GLM5-Next's k-pool form): its keys' layer norm, per-head weights,
+    /// key and query projections, the pool gate and the pool position bias.
+    IndexerKNorm,
+    IndexerKNormBias,
+    IndexerProj,
+    IndexerAttnK,
+    IndexerAttnQB,
+    IndexerKpoolGate,
+    IndexerKpoolApe,
     NextnEhProj,
     NextnEnorm,
     NextnHnorm,
@@ -324,6 +376,33 @@ impl Role {
             Role::ShortConvConv => "blk.{}.shortconv.conv.weight",
             Role::ShortConvInProj => "blk.{}.shortconv.in_proj.weight",
             Role::ShortConvOutProj => "blk.{}.shortconv.out_proj.weight",
+            Role::HcAttnFn => "blk.{}.hc_attn_fn.weight",
+            Role::HcAttnBase => "blk.{}.hc_attn_base.weight",
+            Role::HcAttnScale => "blk.{}.hc_attn_scale.weight",
+            Role::HcFfnFn => "blk.{}.hc_ffn_fn.weight",
+            Role::HcFfnBase => "blk.{}.hc_ffn_base.weight",
+            Role::HcFfnScale => "blk.{}.hc_ffn_scale.weight",
+            Role::SsmConv1dQ => "blk.{}.ssm_conv1d_q.weight",
+            Role::SsmConv1dK => "blk.{}.ssm_conv1d_k.weight",
+            Role::SsmConv1dV => "blk.{}.ssm_conv1d_v.weight",
+            Role::SsmFA => "blk.{}.ssm_f_a.weight",
+            Role::SsmFB => "blk.{}.ssm_f_b.weight",
+            Role::SsmGA => "blk.{}.ssm_g_a.weight",
+            Role::SsmGB => "blk.{}.ssm_g_b.weight",
+            Role::AttnQA => "blk.{}.attn_q_a.weight",
+            Role::AttnQB => "blk.{}.attn_q_b.weight",
+            Role::AttnQANorm => "blk.{}.attn_q_a_norm.weight",
+            Role::AttnKvAMqa => "blk.{}.attn_kv_a_mqa.weight",
+            Role::AttnKvANorm => "blk.{}.attn_kv_a_norm.weight",
+            Role::AttnKB => "blk.{}.attn_k_b.weight",
+            Role::AttnVB => "blk.{}.attn_v_b.weight",
+            Role::IndexerKNorm => "blk.{}.indexer.k_norm.weight",
+            Role::IndexerKNormBias => "blk.{}.indexer.k_norm.bias",
+            Role::IndexerProj => "blk.{}.indexer.proj.weight",
+            Role::IndexerAttnK => "blk.{}.indexer.attn_k.weight",
+            Role::IndexerAttnQB => "blk.{}.indexer.attn_q_b.weight",
+            Role::IndexerKpoolGate => "blk.{}.indexer_compressor_gate.weight",
+            Role::IndexerKpoolApe => "blk.{}.indexer_compressor_ape.weight",
             Role::NextnEhProj => "blk.{}.nextn.eh_proj.weight",
             Role::NextnEnorm => "blk.{}.nextn.enorm.weight",
             Role::NextnHnorm => "blk.{}.nextn.hnorm.weight",
@@ -390,6 +469,34 @@ pub enum Dim {
     SsmVHeads,
     /// Delta-net head dimension.
     SsmHeadDim,
+    /// `n_head`: one value per attention (or KDA) head.
+    Heads,
+    /// Three (the mHC scales: pre, post, combination).
+    Three,
+    /// `hc · n_embd`: the hyper-connection streams flattened.
+    HcFlat,
+    /// `(2 + hc) · hc`: the mHC mixes (pre and post weights per stream, the stream-to-stream matrix).
+    HcMix,
+    /// Q's latent rank (`attention.q_lora_rank`).
+    QLora,
+    /// The KV latent's rank (`attention.kv_lora_rank`).
+    KvLora,
+    /// MLA key head size (`attention.key_length_mla`; no rotated part in GLM5-Next).
+    HeadKMla,
+    /// MLA value head size (`attention.value_length_mla`).
+    HeadVMla,
+    /// `n_head · key_length_mla`.
+    QProjMla,
+    /// `n_head · value_length_mla`.
+    OProjMla,
+    /// Indexer heads (`attention.indexer.head_count`).
+    IndexerHeads,
+    /// Indexer key size (`attention.indexer.key_length`).
+    IndexerDim,
+    /// `indexer heads · indexer key size`.
+    IndexerQProj,
+    /// Tokens pooled into one indexer key (`attention.indexer.kpool`).
+    KPool,
 }
 
 /// What kind of block a layer is.
@@ -425,6 +532,11 @@ pub enum LayerSel {
     SlidingAttention,
     /// Full (global) attention blocks.
     FullAttention,
+    /// The trunk's blocks: every block but the MTP blocks.
+    Trunk,
+    /// Attention blocks that compute their own sparse-attention selection
+    /// ([`ArchHparams::indexer_full`]); the others reuse the previous one's.
+    IndexerFull,
 }
 
 impl LayerSel {
@@ -440,6 +552,8 @@ impl LayerSel {
             LayerSel::MoeFfn => !hp.dense_ffn(il),
             LayerSel::SlidingAttention => kind == LayerKind::SlidingAttention,
             LayerSel::FullAttention => kind == LayerKind::Attention,
+            LayerSel::Trunk => kind != LayerKind::NextN,
+            LayerSel::IndexerFull => kind != LayerKind::Recurrent && hp.indexer_full(il),
         }
     }
 }
@@ -532,6 +646,11 @@ pub trait ArchHparams {
     fn dense_ffn(&self, _il: u32) -> bool {
         false
     }
+    /// Whether attention block `il` computes its own sparse-attention selection (GLM5-Next's full
+    /// indexer blocks, and its MTP block); false where no table asks.
+    fn indexer_full(&self, _il: u32) -> bool {
+        false
+    }
     /// Whether the optional tensor `role` belongs in this model's files, as in files converted from the
     /// real model (e.g. no `output.weight` when the output is tied to the embedding).
     fn synth_writes(&self, role: Role) -> bool;
@@ -603,9 +722,11 @@ pub enum ModelHparams {
     Llama(LlamaHparams),
     Lfm2Moe(Lfm2MoeHparams),
     Gemma4(Gemma4Hparams),
+    /// Known and bound, not run: [`glm5_next::NOT_RUN`].
+    Glm5Next(Glm5NextHparams),
 }
 
-/// The architectures this crate knows, by `general.architecture`.
+/// The architectures this crate knows and the engine runs, by `general.architecture`.
 pub const ARCH_NAMES: &[&str] = &[
     qwen3moe::ARCH,
     qwen35moe::ARCH,
@@ -615,6 +736,10 @@ pub const ARCH_NAMES: &[&str] = &[
     lfm2moe::ARCH,
     gemma4::ARCH,
 ];
+
+/// The architectures this crate reads, binds and `synth` writes, but whose forward pass is not
+/// implemented: [`graph::ModelGraph::from_file`] refuses their files with the reason.
+pub const NOT_RUN_ARCH_NAMES: &[&str] = &[glm5_next::ARCH];
 
 impl ModelHparams {
     /// Reads the hyperparameters of the file's architecture from its metadata.
@@ -630,6 +755,7 @@ impl ModelHparams {
             llama::ARCH => Ok(ModelHparams::Llama(LlamaHparams::from_metadata(md)?)),
             lfm2moe::ARCH => Ok(ModelHparams::Lfm2Moe(Lfm2MoeHparams::from_metadata(md)?)),
             gemma4::ARCH => Ok(ModelHparams::Gemma4(Gemma4Hparams::from_metadata(md)?)),
+            glm5_next::ARCH => Ok(ModelHparams::Glm5Next(Glm5NextHparams::from_metadata(md)?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
                 ARCH_NAMES.join(", ")
@@ -646,6 +772,7 @@ impl ModelHparams {
             ModelHparams::Llama(h) => h,
             ModelHparams::Lfm2Moe(h) => h,
             ModelHparams::Gemma4(h) => h,
+            ModelHparams::Glm5Next(h) => h,
         }
     }
 }

@@ -294,9 +294,7 @@ impl ArchHparams for Qwen35MoeHparams {
             SsmValueDim => value_dim,
             SsmVHeads => self.ssm_time_step_rank as u64,
             SsmHeadDim => self.ssm_state_size as u64,
-            Ff | RopeHalf | Embd3 | FfExpGateUp | HeadKSwa | QProjSwa | KProjSwa | One => {
-                return None
-            }
+            _ => return None,
         };
         Some(v)
     }

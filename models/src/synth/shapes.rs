@@ -6,8 +6,8 @@ use poly_kernels::quant::GgmlType;
 
 use crate::arch::qwen35moe::Qwen35Form;
 use crate::arch::{
-    gemma3, gemma4, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Gemma4Hparams,
-    Lfm2MoeHparams, LlamaHparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+    gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Gemma4Hparams,
+    Glm5NextHparams, Lfm2MoeHparams, LlamaHparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
 };
 use crate::compute::Gating;
 
@@ -389,6 +389,14 @@ pub fn all_shapes() -> Vec<Shape> {
             hparams: ModelHparams::Gemma4(gemma4_26b_a4b()),
         },
         Shape {
+            arch: glm5_next::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "5 layers (KDA, MLA with a full indexer, KDA, MLA reusing it, MLA with its own) and an MTP block, 256 wide, 4 mHC streams, a dense first block, then 8 experts (2 used) of 64 and a shared one; indexer pools of 4, 16 cells kept",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Glm5Next(glm5_next_tiny(v)),
+        },
+        Shape {
             arch: llama::ARCH,
             name: "smollm2-135m",
             aliases: &["135m"],
@@ -452,6 +460,51 @@ fn gemma4_tiny(v: u64) -> Gemma4Hparams {
         n_expert_used: 2,
         n_ff_exp: 64,
         final_logit_softcapping: Some(30.0),
+    }
+}
+
+fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
+    // 8 indexer heads: with 2, a pool's score is exactly 0 (every head's relu 0) often enough that a
+    // token's top-k cut falls on a tie (16 of 100 tokens), which llama.cpp breaks in std::partial_sort's
+    // order (tests/witness/glm5_next_reference.py).
+    let n = 6;
+    Glm5NextHparams {
+        n_vocab: v,
+        n_ctx_train: TINY_CONTEXT,
+        n_embd: 256,
+        n_layer: n - 1,
+        n_nextn: 1,
+        n_ff: 256,
+        n_head: 4,
+        rms_eps: 1e-6,
+        norm_eps: Some(1e-6),
+        recurrent: vec![true, false, true, false, false, false],
+        ssm_conv_kernel: 4,
+        kda_head_dim: 32,
+        kda_gate_lower_bound: None,
+        q_lora_rank: 64,
+        kv_lora_rank: 64,
+        head_k_mla: 32,
+        head_v_mla: 32,
+        indexer_n_head: 8,
+        indexer_head_dim: 32,
+        indexer_top_k: 16,
+        indexer_kpool: 4,
+        indexer_select_tail: true,
+        indexer_full: vec![true, true, true, false, true],
+        hc_mult: 4,
+        hc_sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 64,
+        n_expert_shared: 1,
+        n_dense_lead: 1,
+        expert_weights_scale: 2.5,
+        expert_weights_norm: true,
+        gating: Gating::Sigmoid,
+        swiglu_clamp_exp: vec![0.0; n as usize],
+        swiglu_clamp_shexp: vec![0.0; n as usize],
     }
 }
 
