@@ -20,7 +20,7 @@ cp target/release/poly-engine target/release/polystrata "$D/bin/"
         --test cuda_prompt_attention --test cuda_fused --test cuda_moe_fused --test cuda_host_flags --test cuda_bench --lib --no-run --message-format=json
 } 2>/dev/null | python3 -c '
 import json, shutil, sys
-# Only the test targets asked for (a package's other binaries, such as fuzz_smoke, come along otherwise).
+# Only the test targets asked for (other binaries of a package, such as fuzz_smoke, come along otherwise).
 want = set(sys.argv[2].split())
 for line in sys.stdin:
     m = json.loads(line)
