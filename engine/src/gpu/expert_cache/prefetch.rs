@@ -29,8 +29,9 @@
 //! them, or the compute stream waits for their event between cuts).
 //!
 //! Measured on an H100 host held to 8 GB (BENCHMARKS.md, "Copies ahead"): one expert a layer gains
-//! 2–9% (its guess is right 92–98% of the time); two lose 2–5%, since a second expert's copy (35–50 µs)
-//! outlasts the card's stretch and holds the bus and host memory into the next layer's share. The guess
+//! 2–9% (its guess is right 92–98% of the time); two are 4–11% slower than one, since a second expert's
+//! copy (35–50 µs) outlasts the card's stretch and holds the bus and host memory into the next layer's
+//! share. The guess
 //! runs on the share's threads once they are free: on one thread beside the share it read the f32
 //! router at a single core's memory rate (~300 µs a qwen35moe layer) and halved the answers.
 
