@@ -102,6 +102,32 @@ fn synthetic_tokenizer_matches_llama_cpp() {
     }
 }
 
+/// Gemma 4's vocabulary type (`tokenizer.ggml.model = gemma4`: BPE over raw UTF-8, spaces as `▁`,
+/// newline runs whole, byte fallback, BOS added whatever the file says) on a small vocabulary written for
+/// it (tests/witness/make_gemma4_vocab.py): llama.cpp's ids for every text, and the round trip, which
+/// goes through byte tokens for every character the vocabulary lacks.
+#[test]
+fn gemma4_vocabulary_matches_llama_cpp() {
+    let tok = check_model(
+        "synthetic_gemma4_vocab",
+        &root().join("tests/fixtures/text/gemma4-vocab.gguf"),
+    );
+    check_round_trip(&tok);
+    let turn = tok.token_id("<end_of_turn>").expect("<end_of_turn>");
+    let literal = tok.encode("<end_of_turn>", false, false).expect("encode");
+    assert!(literal.len() > 1 && !literal.contains(&turn), "{literal:?}");
+    // A run of newlines that is a token is one token, also without parsing specials.
+    let three = tok.token_id("\n\n\n").expect("three newlines");
+    assert_eq!(
+        tok.encode("a\n\n\nb", false, false).expect("encode").len(),
+        3
+    );
+    assert!(tok
+        .encode("a\n\n\nb", false, false)
+        .expect("encode")
+        .contains(&three));
+}
+
 #[test]
 fn gemma3_270m_tokenizer_matches_llama_cpp() {
     let path = std::env::var_os("POLY_GEMMA_GGUF")

@@ -26,6 +26,8 @@ SYNTHETIC = {
     # every synthetic model carries the same vocabulary; the two differ in add_bos
     "synthetic_qwen3moe": "tests/fixtures/models/qwen3moe-tiny-q4km.gguf",
     "synthetic_gemma3": "tests/fixtures/models/gemma3-tiny-q4km.gguf",
+    # a Gemma 4-style vocabulary (tokenizer.ggml.model gemma4): tests/witness/make_gemma4_vocab.py
+    "synthetic_gemma4_vocab": "tests/fixtures/text/gemma4-vocab.gguf",
 }
 
 
@@ -54,11 +56,15 @@ def tokenize_all(path, texts):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemma", default="/work/models/gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--only", help="rewrite this key only, keeping the others as stored")
     args = ap.parse_args()
     texts = json.load(open(TEXTS, encoding="utf-8"))
     result = {}
     models = dict(SYNTHETIC)
     models["gemma3_270m"] = args.gemma
+    if args.only:
+        result = json.load(open(OUT, encoding="utf-8"))
+        models = {args.only: models[args.only]}
     for key, path in models.items():
         full = path if os.path.isabs(path) else os.path.join(ROOT, path)
         add_bos, ids = tokenize_all(full, texts)

@@ -8,6 +8,12 @@
 //!   joined token's score, with byte fallback; spaces become `▁` first (and a leading `▁` when the file
 //!   asks for a space prefix).
 //!
+//! - `gemma4` (BPE over raw UTF-8): spaces become `▁`, the text is split only at runs of newlines, and
+//!   each part is merged by the GGUF's ranked merges with byte fallback. llama.cpp takes a run of newlines
+//!   that is itself a token whole, without merges (a longer run is merged like any text): here every part
+//!   that is a token is taken whole (`ignore_merges`), which for the other parts, whole lines, gives what
+//!   the merges give whenever the line's token is reachable by them.
+//!
 //! Control, user-defined and unknown tokens are added tokens matched before the model runs (llama.cpp's
 //! special-token partition); user-defined ones are not `special`, so they are split out even when special
 //! tokens are not parsed, as in llama.cpp.
@@ -43,6 +49,7 @@ pub fn tokenizer_json(vocab: &GgufVocab) -> Result<Value> {
     let (normalizer, pre_tok, model, decoder) = match vocab.model {
         VocabModel::BytePairGpt2 => byte_level_parts(vocab, vocab_map)?,
         VocabModel::SentencePiece => sentencepiece_parts(vocab, vocab_map)?,
+        VocabModel::BytePairSpm => spm_bpe_parts(vocab, vocab_map),
     };
     Ok(json!({
         "version": "1.0",
@@ -55,6 +62,33 @@ pub fn tokenizer_json(vocab: &GgufVocab) -> Result<Value> {
         "decoder": decoder,
         "model": model,
     }))
+}
+
+/// For `gemma4` only: the tokenizer that encodes with special-token texts left as text (llama.cpp's
+/// `parse_special = false`). Its model takes a part that is a token whole (`ignore_merges`), so a line
+/// reading `<end_of_turn>` would become the control token: here the control and unknown tokens' vocabulary
+/// entries are renamed to texts no input has (their ids unchanged) and they are no added tokens.
+pub fn literal_tokenizer_json(vocab: &GgufVocab) -> Result<Option<Value>> {
+    if vocab.model != VocabModel::BytePairSpm {
+        return Ok(None);
+    }
+    let mut doc = tokenizer_json(vocab)?;
+    let control =
+        |i: usize| vocab.kinds[i].is_special() && vocab.kinds[i] != TokenKind::UserDefined;
+    if let Some(map) = doc["model"]["vocab"].as_object_mut() {
+        for (i, t) in vocab.tokens.iter().enumerate().filter(|&(i, _)| control(i)) {
+            if map.get(t).and_then(Value::as_u64) == Some(i as u64) {
+                map.remove(t);
+                // U+0000 is never in a request's text (the server refuses it in prompts' JSON strings
+                // only as an escape, and the vocabulary's own tokens have none).
+                map.insert(format!("\u{0}control-{i}"), json!(i));
+            }
+        }
+    }
+    if let Some(added) = doc["added_tokens"].as_array_mut() {
+        added.retain(|a| a["id"].as_u64().is_some_and(|i| !control(i as usize)));
+    }
+    Ok(Some(doc))
 }
 
 type Parts = (Value, Value, Value, Value);
@@ -74,16 +108,7 @@ fn byte_level_parts(vocab: &GgufVocab, vocab_map: Map<String, Value>) -> Result<
         })
         .collect();
     steps.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
-    // llama.cpp splits a merge at the first space after its first character.
-    let merges: Vec<Value> = vocab
-        .merges
-        .iter()
-        .filter_map(|m| {
-            let first = m.chars().next()?.len_utf8();
-            let pos = m[first..].find(' ')? + first;
-            Some(json!([&m[..pos], &m[pos + 1..]]))
-        })
-        .collect();
+    let merges = split_merges(vocab);
     let model = json!({
         "type": "BPE",
         "dropout": null,
@@ -103,6 +128,48 @@ fn byte_level_parts(vocab: &GgufVocab, vocab_map: Map<String, Value>) -> Result<
         model,
         decoder,
     ))
+}
+
+/// The GGUF's merges as pairs: llama.cpp splits a merge at the first space after its first character.
+fn split_merges(vocab: &GgufVocab) -> Vec<Value> {
+    vocab
+        .merges
+        .iter()
+        .filter_map(|m| {
+            let first = m.chars().next()?.len_utf8();
+            let pos = m[first..].find(' ')? + first;
+            Some(json!([&m[..pos], &m[pos + 1..]]))
+        })
+        .collect()
+}
+
+/// `gemma4`: llama.cpp's pre-tokenizer for it splits only at runs of newlines (`[^\n]+|[\n]+`), after
+/// its whitespace escape turned every space into `▁`; merges over raw UTF-8, bytes as `<0xXX>` tokens
+/// where a piece is not a token.
+fn spm_bpe_parts(vocab: &GgufVocab, vocab_map: Map<String, Value>) -> Parts {
+    let model = json!({
+        "type": "BPE",
+        "dropout": null,
+        "unk_token": null,
+        "continuing_subword_prefix": null,
+        "end_of_word_suffix": null,
+        "fuse_unk": false,
+        "byte_fallback": true,
+        "ignore_merges": true,
+        "vocab": vocab_map,
+        "merges": split_merges(vocab),
+    });
+    let split = json!({"type": "Split", "pattern": {"Regex": "[^\n]+|[\n]+"}, "behavior": "Isolated", "invert": false});
+    (
+        json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
+        split,
+        model,
+        json!({"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ]}),
+    )
 }
 
 fn sentencepiece_parts(vocab: &GgufVocab, vocab_map: Map<String, Value>) -> Result<Parts> {

@@ -7,7 +7,7 @@
 //!   BOS/EOS rule, the pre-tokenizer name, the special tokens and the reasoning / tool-call family.
 
 use super::family::Family;
-use super::hf_json::tokenizer_json;
+use super::hf_json::{literal_tokenizer_json, tokenizer_json};
 use super::vocab::{GgufVocab, TokenKind, VocabModel};
 use super::{Result, TextError};
 use serde_json::{json, Value};
@@ -16,6 +16,9 @@ use std::sync::OnceLock;
 
 /// File names inside a tokenizer directory.
 pub const TOKENIZER_JSON: &str = "tokenizer.json";
+/// For `gemma4` vocabularies: the tokenizer that leaves special-token texts as text
+/// ([`super::hf_json::literal_tokenizer_json`]).
+pub const TOKENIZER_LITERAL_JSON: &str = "tokenizer.literal.json";
 pub const CONFIG_JSON: &str = "tokenizer_config.json";
 pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
 
@@ -36,6 +39,18 @@ pub fn write_tokenizer_dir(vocab: &GgufVocab, gguf: &Path, out: &Path) -> Result
     let doc = tokenizer_json(vocab)?;
     let text = serde_json::to_string(&doc).map_err(|e| TextError::new(e.to_string()))?;
     write_file(&out.join(TOKENIZER_JSON), text.as_bytes())?;
+    let literal_path = out.join(TOKENIZER_LITERAL_JSON);
+    match literal_tokenizer_json(vocab)? {
+        Some(doc) => {
+            let text = serde_json::to_string(&doc).map_err(|e| TextError::new(e.to_string()))?;
+            write_file(&literal_path, text.as_bytes())?;
+        }
+        // A directory written again for another vocabulary keeps no stale one.
+        None if literal_path.exists() => {
+            std::fs::remove_file(&literal_path).map_err(|e| io_err(&literal_path, e))?
+        }
+        None => {}
+    }
     let mut template_files = Vec::new();
     if let Some(t) = &vocab.chat_template {
         write_file(&out.join(CHAT_TEMPLATE), t.as_bytes())?;
@@ -117,6 +132,7 @@ impl TokenizerConfig {
             model: match vocab.model {
                 VocabModel::BytePairGpt2 => "gpt2".into(),
                 VocabModel::SentencePiece => "llama".into(),
+                VocabModel::BytePairSpm => "gemma4".into(),
             },
             pre: vocab.pre.clone(),
             n_vocab: vocab.len(),
@@ -304,6 +320,14 @@ impl TextTokenizer {
         let tok_path = dir.join(TOKENIZER_JSON);
         let tokenizer =
             tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| io_err(&tok_path, e))?;
+        let literal = OnceLock::new();
+        let literal_path = dir.join(TOKENIZER_LITERAL_JSON);
+        if literal_path.exists() {
+            let mut t = tokenizers::Tokenizer::from_file(&literal_path)
+                .map_err(|e| io_err(&literal_path, e))?;
+            t.set_encode_special_tokens(true);
+            let _ = literal.set(t);
+        }
         let chat_template = match &config.chat_template_file {
             Some(f) if f.contains('/') || f.contains('\\') || f.starts_with('.') => {
                 return Err(io_err(
@@ -359,7 +383,7 @@ impl TextTokenizer {
         Ok(TextTokenizer {
             dir: dir.to_path_buf(),
             tokenizer,
-            literal: OnceLock::new(),
+            literal,
             config,
             chat_template,
             named_templates,

@@ -67,6 +67,9 @@ pub enum VocabModel {
     BytePairGpt2,
     /// `llama`: SentencePiece with scores and byte fallback.
     SentencePiece,
+    /// `gemma4`: BPE with ranked merges over raw UTF-8 (no byte alphabet), spaces as `▁`, byte
+    /// fallback, the text split only at runs of newlines (llama.cpp's SentencePiece-style BPE).
+    BytePairSpm,
 }
 
 /// Token texts llama.cpp treats as end of generation (`special_eog_ids`), whatever their type.
@@ -161,9 +164,10 @@ impl GgufVocab {
         let model = match model_name {
             "gpt2" => VocabModel::BytePairGpt2,
             "llama" => VocabModel::SentencePiece,
+            "gemma4" => VocabModel::BytePairSpm,
             other => {
                 return Err(TextError::new(format!(
-                    "tokenizer model '{other}' is not supported (gpt2 and llama are)"
+                    "tokenizer model '{other}' is not supported (gpt2, llama and gemma4 are)"
                 )))
             }
         };
@@ -190,10 +194,10 @@ impl GgufVocab {
             None => Vec::new(),
         };
         let merges = md.tokenizer_merges().map_err(e)?.unwrap_or(&[]).to_vec();
-        if model == VocabModel::BytePairGpt2 && merges.is_empty() {
-            return Err(TextError::new(
-                "a gpt2 tokenizer without tokenizer.ggml.merges",
-            ));
+        if model != VocabModel::SentencePiece && merges.is_empty() {
+            return Err(TextError::new(format!(
+                "a {model_name} tokenizer without tokenizer.ggml.merges"
+            )));
         }
         let id = |key: &str| -> Result<Option<u32>> {
             let v = md.get_u32(key).map_err(e)?;
@@ -210,6 +214,7 @@ impl GgufVocab {
         let (mut add_bos, mut add_space_prefix) = match model {
             VocabModel::SentencePiece => (true, true),
             VocabModel::BytePairGpt2 => (super::pretokenize::adds_bos(&pre), false),
+            VocabModel::BytePairSpm => (false, false),
         };
         let mut add_eos = false;
         if let Some(v) = md.get_bool("tokenizer.ggml.add_bos_token").map_err(e)? {
@@ -220,6 +225,12 @@ impl GgufVocab {
         }
         if let Some(v) = md.get_bool("tokenizer.ggml.add_space_prefix").map_err(e)? {
             add_space_prefix = v;
+        }
+        // llama.cpp adds BOS for Gemma 4's vocabulary whatever the file says (its "workaround for
+        // Gemma 4"), and a BPE vocabulary never gets a space prefix.
+        if model == VocabModel::BytePairSpm {
+            add_bos = true;
+            add_space_prefix = false;
         }
 
         // End of generation: by text (marking such tokens control, as llama.cpp does), plus EOS/EOT/EOM.
