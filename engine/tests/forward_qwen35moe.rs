@@ -10,7 +10,6 @@ use poly_engine::generate::prefill;
 use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{Forward, ModelHparams, StateSpec};
-use poly_models::compute::Logits;
 use poly_models::synth::shapes::find_shape;
 
 mod common;
@@ -97,67 +96,17 @@ fn trunk_layers_carry_recurrent_or_kv_state_by_kind() {
 
 #[test]
 fn prompt_in_one_call_several_calls_or_token_by_token_gives_the_same_next_token() {
-    let model = model();
-    let n_vocab = model.info().n_vocab;
-    let prompt = random_tokens(45, n_vocab, 1);
-    let next = |ubatch: usize| {
-        let mut state = model.new_state(256);
-        let logits = prefill(model, &mut state, &prompt, ubatch).unwrap();
-        assert_eq!(logits.len(), n_vocab);
-        assert_eq!(state.n_past(), prompt.len());
-        (softmax(&logits), state)
-    };
-    let (whole, whole_state) = next(512);
-    // The distribution is not degenerate: the test compares something.
-    let top = whole.iter().copied().fold(0.0, f64::max);
-    assert!(top > 0.01 && top < 0.999, "top probability {top}");
-    for ubatch in [16, 7, 3, 1] {
-        let (p, state) = next(ubatch);
-        let d = max_diff(&whole, &p);
-        assert!(d <= 1e-3, "ubatch {ubatch}: probabilities differ by {d}");
-        assert_eq!(state.tokens(), whole_state.tokens());
-    }
-    // The state matters: the same last token read without the prompt before it predicts otherwise.
-    let mut fresh = model.new_state(256);
-    let alone = softmax(&prefill(model, &mut fresh, &prompt[prompt.len() - 1..], 1).unwrap());
-    assert!(
-        max_diff(&whole, &alone) > 1e-2,
-        "the prompt before the last token changed nothing"
-    );
+    common::check_prompt_splits(model(), 45, &[16, 7, 3, 1], 1e-3);
 }
 
 #[test]
 fn logits_of_every_row_match_reading_one_token_at_a_time() {
-    let model = model();
-    let n_vocab = model.info().n_vocab;
-    let prompt = random_tokens(12, n_vocab, 2);
-    let mut state = model.new_state(64);
-    let all = model.eval(&mut state, &prompt, Logits::All).unwrap();
-    assert_eq!(all.len(), prompt.len() * n_vocab);
-    let mut one = model.new_state(64);
-    for (i, &t) in prompt.iter().enumerate() {
-        let l = model.eval(&mut one, &[t], Logits::Last).unwrap();
-        let d = max_diff(&softmax(&all[i * n_vocab..(i + 1) * n_vocab]), &softmax(&l));
-        assert!(d <= 1e-3, "position {i}: probabilities differ by {d}");
-    }
+    common::check_rows_match_single_tokens(model(), 1e-3);
 }
 
 #[test]
 fn a_forked_state_continues_like_the_original() {
-    let model = model();
-    let n_vocab = model.info().n_vocab;
-    let prompt = random_tokens(20, n_vocab, 3);
-    let more = random_tokens(5, n_vocab, 4);
-    let mut state = model.new_state(64);
-    prefill(model, &mut state, &prompt, 8).unwrap();
-    let mut fork = state.clone();
-    let a = model.eval(&mut state, &more, Logits::Last).unwrap();
-    let b = model.eval(&mut fork, &more, Logits::Last).unwrap();
-    assert_eq!(a, b);
-    // Reading the continuation again from the advanced state gives something else: the recurrent
-    // state moved on.
-    let c = model.eval(&mut fork, &more, Logits::Last).unwrap();
-    assert!(max_diff(&softmax(&a), &softmax(&c)) > 1e-3);
+    common::check_forked_state_continues(model());
 }
 
 /// Rewrites the `qwen35moe` file at `src` in Clover's form (`clover_moe`): keys under `clover_moe.`, no

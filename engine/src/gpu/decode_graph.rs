@@ -533,10 +533,14 @@ impl MoeSteps {
             match (point, prep.take()) {
                 // The card's experts, staged and replayed beside the CPU's share of them.
                 (HostPoint::CpuShare(i), Some((j, p))) if *i == j => {
-                    let ahead = Ahead::of(steps, j)?;
                     step_at(steps, j)?
                         .experts((dev, cpu), cache, p, times, |_, _| segment.replay())?;
-                    ahead.copy(cpu, cache, times)?;
+                    if crate::knobs::forward().copy_ahead > 0 {
+                        let clock = Instant::now();
+                        let guess = guess_next(steps, j, (cpu, cache))?;
+                        copy_ahead(steps, j + 1, &guess, (cpu, cache))?;
+                        times.ahead += clock.elapsed();
+                    }
                 }
                 (HostPoint::CpuShare(i), _) => {
                     return Err(CudaError::Invalid(format!(
@@ -591,9 +595,9 @@ fn meet_host(
     times: &mut HostTimes,
 ) -> CudaResult<()> {
     let warm = crate::knobs::forward().cpu_warm;
+    let ahead = crate::knobs::forward().copy_ahead > 0;
     // This layer's experts guessed (missing from the card) at the previous layer's point.
     let mut guess: Vec<usize> = Vec::new();
-    let mut x: Vec<f32> = Vec::new();
     for i in 0..steps.len() {
         let wait = || flags.wait_set(dev, route_flag(i), FLAG_WAIT);
         let waited = match guess.is_empty() {
@@ -617,8 +621,6 @@ fn meet_host(
                 guess.iter().filter(|&&e| ids.contains(&(e as i32))).count() as u64;
             guess.clear();
         }
-        let ahead = Ahead::of(steps, i)?;
-        let step = step_at(steps, i)?;
         let prep = step.prepare((dev, cpu), cache, times)?;
         step.experts((dev, cpu), cache, prep, times, |cache, copied| {
             if copied {
@@ -628,61 +630,54 @@ fn meet_host(
             }
         })?;
         flags.set(sum_flag(i))?;
-        ahead.copy(cpu, cache, times)?;
-        if warm && i + 1 < steps.len() {
-            x.clear();
-            x.extend_from_slice(step_at(steps, i)?.host_x.as_slice()?);
-            let next = step_at(steps, i + 1)?;
-            guess = cache.guess_missing(cpu, &next.moe, next.layer, &x);
+        // One guess of the next layer serves both the copies ahead and `--cpu-warm`.
+        if ahead || warm {
+            let clock = Instant::now();
+            let next_guess = guess_next(steps, i, (cpu, cache))?;
+            if ahead {
+                copy_ahead(steps, i + 1, &next_guess, (cpu, cache))?;
+                times.ahead += clock.elapsed();
+            }
+            if warm {
+                guess = next_guess;
+            }
         }
     }
     Ok(())
 }
 
-/// `--copy-ahead` at step `i`: the next step's MoE block and cache layer, and this step's input, from
-/// which the next router guesses that layer's experts; `None` parts when off or at the last step.
-struct Ahead {
-    next: Option<(Moe, usize)>,
-    x: Vec<f32>,
-    n: usize,
+/// Once step `i`'s share is done (the share's threads free, host memory idle while the card computes
+/// the layer between): step `i + 1`'s experts not on the card, guessed on the share's threads from step
+/// `i`'s input (its page-locked copy, read in place), likeliest first; none at the last step. (On one
+/// thread beside the share the guess read an f32 router at a single core's memory rate, 2 MB a
+/// qwen35moe layer: some 300 µs, longer than the share, measured on an H100 host.)
+fn guess_next(
+    steps: &[Option<MoeStep>],
+    i: usize,
+    (cpu, cache): (&CpuWeights, &mut ExpertCache),
+) -> CudaResult<Vec<usize>> {
+    match (steps.get(i), steps.get(i + 1)) {
+        (Some(Some(step)), Some(Some(next))) => {
+            Ok(cache.guess_missing(cpu, &next.moe, next.layer, step.host_x.as_slice()?))
+        }
+        _ => Ok(Vec::new()),
+    }
 }
 
-impl Ahead {
-    fn of(steps: &mut [Option<MoeStep>], i: usize) -> CudaResult<Ahead> {
-        let n = crate::knobs::forward().copy_ahead;
-        let next = match steps.get(i + 1) {
-            Some(Some(s)) if n > 0 => Some((s.moe, s.layer)),
-            _ => None,
-        };
-        let x = match next {
-            Some(_) => step_at(steps, i)?.host_x.as_slice()?.to_vec(),
-            None => Vec::new(),
-        };
-        Ok(Ahead { next, x, n })
-    }
-
-    /// Once the step's share is done (the share's threads free, host memory idle while the card
-    /// computes the layer between): the next layer's missing experts guessed on the share's threads
-    /// and the likeliest `n` copied to the card. (On one thread beside the share the guess read an f32
-    /// router at a single core's memory rate, 2 MB a qwen35moe layer: some 300 µs, longer than the
-    /// share, measured on an H100 host.)
-    fn copy(
-        &self,
-        cpu: &CpuWeights,
-        cache: &mut ExpertCache,
-        times: &mut HostTimes,
-    ) -> CudaResult<()> {
-        let Some((moe, layer)) = self.next else {
-            return Ok(());
-        };
-        let clock = Instant::now();
-        let mut guess = cache.guess_missing(cpu, &moe, layer, &self.x);
-        guess.truncate(self.n);
-        if !guess.is_empty() {
-            cache.copy_ahead(cpu, (layer, moe.n_expert_used), &guess)?;
-        }
-        times.ahead += clock.elapsed();
-        Ok(())
+/// `--copy-ahead`: the likeliest `--copy-ahead` of `guess` (step `next`'s experts, [`guess_next`])
+/// copied to the card while it computes the layer before.
+fn copy_ahead(
+    steps: &[Option<MoeStep>],
+    next: usize,
+    guess: &[usize],
+    (cpu, cache): (&CpuWeights, &mut ExpertCache),
+) -> CudaResult<()> {
+    let n = crate::knobs::forward().copy_ahead.min(guess.len());
+    match steps.get(next) {
+        Some(Some(step)) if n > 0 => cache
+            .copy_ahead(cpu, (step.layer, step.moe.n_expert_used), &guess[..n])
+            .map(|_| ()),
+        _ => Ok(()),
     }
 }
 

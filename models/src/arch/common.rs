@@ -6,6 +6,7 @@
 //! experts, [`ExpertHparams`]).
 
 use super::{check, uniform_u32, uniform_u32_req, vocab_size, ArchError};
+use crate::compute::{Compute, Unary};
 use crate::gguf::Metadata;
 
 /// llama.cpp's default `rope.freq_base`.
@@ -228,6 +229,18 @@ impl ExpertHparams {
     }
 }
 
+/// `cap · tanh(x / cap)` (Gemma's soft capping of the logits), or `x` without a cap.
+pub fn soft_cap<C: Compute>(c: &mut C, x: C::Act, cap: Option<f32>) -> C::Act {
+    match cap {
+        Some(cap) => {
+            let y = c.scale(&x, 1.0 / cap);
+            let y = c.unary(&y, Unary::Tanh);
+            c.scale(&y, cap)
+        }
+        None => x,
+    }
+}
+
 /// The RoPE position scale as llama.cpp's common loader derives it for every architecture: `1 /
 /// rope.scaling.factor` (or the old key `rope.scale_linear`), 1 when absent or 0, and 1 when
 /// `rope.scaling.type` is `none`. YaRN and LongRoPE change the angles in ways the `Rope` op does not
@@ -412,11 +425,45 @@ mod tests {
     }
 }
 
+/// Metadata for the architectures' tests.
+#[cfg(test)]
+pub(crate) mod test_metadata {
+    use crate::arch::ArchHparams;
+    use crate::gguf::{Metadata, Value};
+
+    /// The metadata `hp` writes, as a file's (with its vocabulary size where it writes none), `edit`ed
+    /// as `(key, value)` pairs first.
+    pub(crate) fn metadata_of(
+        hp: &dyn ArchHparams,
+        edit: impl FnOnce(&mut Vec<(String, Value)>),
+    ) -> Metadata {
+        let arch = hp.arch_name();
+        let mut kv = hp.to_metadata();
+        let vocab = format!("{arch}.vocab_size");
+        if !kv.iter().any(|(k, _)| *k == vocab) {
+            kv.push((vocab, Value::U32(hp.common().n_vocab as u32)));
+        }
+        edit(&mut kv);
+        let mut m = Metadata::new("test");
+        assert!(m.insert_new("general.architecture".into(), Value::String(arch.into())));
+        for (k, v) in kv {
+            assert!(m.insert_new(k, v));
+        }
+        m
+    }
+
+    /// `kv` with `{arch}.{suffix}` set to `v` (replacing it).
+    pub(crate) fn set_key(kv: &mut Vec<(String, Value)>, arch: &str, suffix: &str, v: Value) {
+        let key = format!("{arch}.{suffix}");
+        kv.retain(|(k, _)| *k != key);
+        kv.push((key, v));
+    }
+}
+
 #[cfg(test)]
 mod shape_tests {
     use super::*;
     use crate::arch::ModelHparams;
-    use crate::gguf::Value;
     use crate::synth::shapes::all_shapes;
 
     /// Every architecture's `common()` is what [`CommonHparams::read`] reads back from the metadata it
@@ -428,15 +475,8 @@ mod shape_tests {
         for shape in shapes {
             let hp = shape.hparams.as_dyn();
             let arch = hp.arch_name();
-            let mut md = Metadata::new("test");
-            assert!(md.insert_new("general.architecture".into(), Value::String(arch.into())));
-            for (k, v) in hp.to_metadata() {
-                assert!(md.insert_new(k, v));
-            }
+            let md = test_metadata::metadata_of(hp, |_| {});
             let c = hp.common();
-            if md.arch_u32_opt("vocab_size").ok().flatten().is_none() {
-                assert!(md.insert_new(format!("{arch}.vocab_size"), Value::U32(c.n_vocab as u32)));
-            }
             let read = match arch {
                 crate::arch::lfm2moe::ARCH | crate::arch::glm5_next::ARCH => {
                     CommonHparams::read_hybrid(&md, arch)

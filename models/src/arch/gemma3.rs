@@ -9,7 +9,7 @@
 //! Follows llama.cpp's `src/models/gemma3.cpp` (hyperparameters, tensors, graph); [`Gemma3Graph`] is the
 //! forward pass.
 
-use super::common::{rope_freq_scale, whole_head_common, CommonHparams};
+use super::common::{rope_freq_scale, soft_cap, whole_head_common, CommonHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, def, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role,
@@ -432,14 +432,7 @@ impl Forward for Gemma3Graph {
             (inp, cur) = c.add_rms_norm(&ffn_out, &sa_out, Some(next_norm), eps, n_embd);
         }
         let logits = c.matmul(self.output, &cur);
-        match hp.final_logit_softcapping {
-            Some(cap) => {
-                let x = c.scale(&logits, 1.0 / cap);
-                let x = c.unary(&x, Unary::Tanh);
-                c.scale(&x, cap)
-            }
-            None => logits,
-        }
+        soft_cap(c, logits, hp.final_logit_softcapping)
     }
 }
 

@@ -26,7 +26,7 @@
 //! experts fused), sliding-window blocks without a V projection (HF's Gemma 4 drops V on global blocks
 //! only), non-linear RoPE scaling.
 
-use super::common::{rope_freq_scale, CommonHparams, ExpertHparams};
+use super::common::{rope_freq_scale, soft_cap, CommonHparams, ExpertHparams};
 use super::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use super::{
     arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
@@ -725,14 +725,7 @@ impl Forward for Gemma4Graph {
             cur
         };
         let logits = c.matmul(self.output, &cur);
-        match hp.final_logit_softcapping {
-            Some(cap) => {
-                let x = c.scale(&logits, 1.0 / cap);
-                let x = c.unary(&x, Unary::Tanh);
-                c.scale(&x, cap)
-            }
-            None => logits,
-        }
+        soft_cap(c, logits, hp.final_logit_softcapping)
     }
 }
 
@@ -753,13 +746,7 @@ mod tests {
 
     /// The metadata `hp` writes, with a vocabulary size, as a file's.
     fn metadata(hp: &Gemma4Hparams) -> Metadata {
-        let mut md = Metadata::new("test");
-        assert!(md.insert_new("general.architecture".into(), Value::String(ARCH.into())));
-        for (k, v) in hp.to_metadata() {
-            assert!(md.insert_new(k, v));
-        }
-        assert!(md.insert_new(format!("{ARCH}.vocab_size"), Value::U32(hp.n_vocab as u32)));
-        md
+        crate::arch::common::test_metadata::metadata_of(hp, |_| {})
     }
 
     /// `hp`'s metadata with `key` (under `gemma4.`) set to `v`, or removed when `None`.

@@ -662,24 +662,12 @@ mod tests {
         h
     }
 
-    fn md_of(h: &Glm5NextHparams, edit: impl FnOnce(&mut Vec<(String, Value)>)) -> Metadata {
-        let mut kv = h.to_metadata();
-        kv.push((format!("{ARCH}.vocab_size"), Value::U32(h.n_vocab as u32)));
-        edit(&mut kv);
-        let mut m = Metadata::new("test");
-        assert!(m.insert_new("general.architecture".into(), Value::String(ARCH.into())));
-        for (k, v) in kv {
-            assert!(m.insert_new(k, v));
-        }
-        m
-    }
+    use crate::arch::common::test_metadata::{metadata_of as md_of, set_key};
 
     type MetadataPairs = Vec<(String, Value)>;
 
     fn set(kv: &mut MetadataPairs, suffix: &str, v: Value) {
-        let key = format!("{ARCH}.{suffix}");
-        kv.retain(|(k, _)| *k != key);
-        kv.push((key, v));
+        set_key(kv, ARCH, suffix, v);
     }
 
     #[test]
