@@ -13,6 +13,8 @@ mkdir -p "$D/bin"
 TESTS=${TESTS:-"witness_gpu gpu_forward gpu_expert_cache cuda_ops cuda_elementwise cuda_layer_ops cuda_prompt_attention cuda_fused cuda_moe_fused cuda_host_flags cuda_bench poly_kernels"}
 cargo build --release -p poly-engine --bin poly-engine -p polystrata --bin polystrata
 cp target/release/poly-engine target/release/polystrata "$D/bin/"
+# BASE: a poly-engine binary to compare with (packed as poly-engine-base; the ours phase runs it beside).
+[ -n "${BASE:-}" ] && cp "$BASE" "$D/bin/poly-engine-base"
 {
     cargo test --release -p poly-tests --test witness_gpu --no-run --message-format=json
     cargo test --release -p poly-engine --test gpu_forward --test gpu_expert_cache --no-run --message-format=json
@@ -30,7 +32,8 @@ for line in sys.stdin:
 strip --strip-debug "$D"/bin/*
 tar cJf "$D/bin.tar.xz" -C "$D/bin" .
 rm -rf "$D/bin"
-[ -f "$D/llama.cpp.tar.xz" ] || tar cJf "$D/llama.cpp.tar.xz" -C .carry llama.cpp
+# NO_LLAMA=1: llama.cpp's source is carried in a call of its own.
+[ "${NO_LLAMA:-0}" = 1 ] || [ -f "$D/llama.cpp.tar.xz" ] || tar cJf "$D/llama.cpp.tar.xz" -C .carry llama.cpp
 cp ../shared/device/llamacpp_build_cuda.sh "$D/" 2>/dev/null || cp .carry/llamacpp_build_cuda.sh "$D/"
 ls -la "$D"
 # What a call carries: the tracked files plus this folder, against the device's 64 MiB a call.

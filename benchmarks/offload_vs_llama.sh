@@ -92,15 +92,16 @@ for k in ("pp", "tg"):
 e = d.get("experts")
 if e:
     out.append("VRAM share %.3f, %s/%s in VRAM, top10 %.3f" % (e.get("vram_share") or 0, e.get("in_vram"), e.get("slots"), e.get("route_top10_share") or 0))
-    out.append("decode: %s copied, %s on CPU (cpu %.0f us + %.0f us/expert, copy %.0f us/expert), uploads %s (on card %s), ahead %s (routed %s)" % (
+    out.append("decode: %s copied, %s on CPU (cpu %.0f us + %.0f us/expert, copy %.0f us/expert, card waits %.0f us + %.0f us/copy), uploads %s (on card %s), ahead %s (routed %s)" % (
         e.get("staged_decode"), e.get("cpu_experts"), e.get("cpu_us_overhead") or 0, e.get("cpu_us_per_expert") or 0,
-        e.get("copy_us_per_expert") or 0, e.get("uploads"), e.get("admitted_on_card", "-"),
+        e.get("copy_us_per_expert") or 0, e.get("card_wait_us_base") or 0, e.get("card_wait_us_per_copy") or 0,
+        e.get("uploads"), e.get("admitted_on_card", "-"),
         e.get("ahead_copied", "-"), e.get("ahead_routed", "-")))
 print("  " + " | ".join(out))
 PY
     [ $rc = 0 ] || { echo "  rc=$rc: $(tail -2 $R/b.err)" | tee -a "$S"; }
     smi_stop
-    grep -E "expert cache:|segmented|host points" $R/b.err | head -3 >> "$S"
+    grep -E "expert cache:|segmented|host points|own waits|--copy-ahead:" $R/b.err | head -5 >> "$S"
     { echo "## $label"; cat $R/b.json; grep -E "POLY_GPU_PROFILE|host|decode" $R/b.err | head -20; } >> "$OUT/ours-raw.txt"
 }
 
@@ -133,11 +134,14 @@ if [ "$PHASE" = ours ]; then
         if [ -n "${VARIANTS:-}" ]; then
             IFS=';' read -ra VS <<< "$VARIANTS"
             for round in $(seq ${ROUNDS:-1}); do
+                # VBASE=1: the base binary (bin/poly-engine-base) in each round too, at its defaults.
+                [ "${VBASE:-0}" = 1 ] && [ -x /tmp/bin/poly-engine-base ] && bench "$m ${BUDGET}MiB BASE tg${VGEN:-128}" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen ${VGEN:-128} --reps 2 --no-expert-profile
                 tg_with ${VGEN:-128}
                 # shellcheck disable=SC2086 # a flag set, split on purpose
                 for v in "${VS[@]}"; do tg_with ${VGEN:-128} $v; done
             done
         fi
+        [ "${VBASE:-0}" = 1 ] && [ -x /tmp/bin/poly-engine-base ] && POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB BASE tg64 profiled" /tmp/bin/poly-engine-base --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         POLY_GPU_PROFILE=1 bench "$m ${BUDGET}MiB NEW tg64 profiled" $E --model $F --gpu 0 --vram-reserve-mib $RESERVE --prompt 0 --gen 64 --reps 2 --no-expert-profile
         grep -A12 "POLY_GPU_PROFILE summary" $R/b.err | grep -iE "decode|host|route|share|prepare|finish|ahead" | head -8 >> "$S"
     done

@@ -44,6 +44,29 @@ pub struct ForwardOptions {
     /// At a partly resident token's host points, up to this many of the next MoE layer's guessed missing
     /// experts copied to the card while it computes the layer between (`--copy-ahead`; 0: none).
     pub copy_ahead: usize,
+    /// Who guesses the next MoE layer's experts for `--copy-ahead` and `--cpu-warm` (`--guess-on`).
+    pub guess_on: GuessOn,
+    /// When a layer's copies ahead are queued (`--copy-ahead-at`).
+    pub copy_ahead_at: CopyAheadAt,
+}
+
+/// Who guesses the next MoE layer's experts (its router applied to this layer's input) (`--guess-on`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuessOn {
+    /// The card: one more router launch in the token's graph before the route point, its ids handed
+    /// down with the layer's own, so the guess is there when the host meets the layer.
+    Card,
+    /// The CPU share's threads, once the layer's share is done (reading the f32 router from host memory).
+    Host,
+}
+
+/// When a layer's copies ahead (the next layer's guessed experts) are queued (`--copy-ahead-at`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyAheadAt {
+    /// At the layer's route point, right after its copies on demand (beside the CPU's share).
+    Route,
+    /// Once the layer's CPU share is done and its sum written (while the card computes the layer between).
+    Sum,
 }
 
 /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
@@ -96,6 +119,8 @@ impl Default for ForwardOptions {
             host_points: HostPoints::Flags,
             cpu_warm: false,
             copy_ahead: DEFAULT_COPY_AHEAD,
+            guess_on: GuessOn::Card,
+            copy_ahead_at: CopyAheadAt::Sum,
         }
     }
 }
@@ -160,6 +185,12 @@ impl Knobs {
         if f.copy_ahead != d.copy_ahead {
             put("copy-ahead", f.copy_ahead.to_string());
         }
+        if f.guess_on == GuessOn::Host {
+            put("guess-on", "host".into());
+        }
+        if f.copy_ahead_at == CopyAheadAt::Route {
+            put("copy-ahead-at", "route".into());
+        }
         if self.kv != KvPrecision::default() {
             put("kv", self.kv.name().into());
         }
@@ -215,16 +246,20 @@ mod tests {
         k.forward.host_points = HostPoints::Cuts;
         k.forward.cpu_warm = true;
         k.forward.copy_ahead = 0;
+        k.forward.guess_on = GuessOn::Host;
+        k.forward.copy_ahead_at = CopyAheadAt::Route;
         k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("copy-ahead", "0"),
+            ("copy-ahead-at", "route"),
             ("cpu-share", "rayon"),
             ("cpu-warm", "on"),
             ("fuse", "off"),
             ("gpu-handoff", "copy"),
             ("gpu-host-points", "cuts"),
             ("gpu-segments", "off"),
+            ("guess-on", "host"),
             ("kv", "q8_0"),
             ("mmq", "off"),
             ("moe-glu", "off"),

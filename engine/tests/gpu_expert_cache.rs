@@ -552,8 +552,9 @@ fn one_graph_tokens_equal_segmented_ones() {
 /// The next layer's experts copied ahead (`--copy-ahead`) are computed by the card from their scratch
 /// slots exactly as the same experts copied on demand: with every expert missing and computed on the
 /// card, the tokens and probabilities are the very same with copies ahead and without, in one graph a
-/// token and in its cuts; and the copies ahead were routed to (the guess runs the next router on this
-/// layer's input).
+/// token and in its cuts, with the card's guess copied at the route point or after the share and with
+/// the share's threads' guess; and the copies ahead were routed to (the guess runs the next router on
+/// this layer's input).
 #[test]
 fn copies_ahead_equal_copies_on_demand() {
     if !gpu_present() {
@@ -565,25 +566,36 @@ fn copies_ahead_equal_copies_on_demand() {
         for points in ["flags", "cuts"] {
             let common = ["--missing-experts", "card", "--gpu-host-points", points];
             let (off, _) = run_binary(&path, &[&common[..], &["--copy-ahead", "0"]].concat());
-            let (on, log) = run_binary(&path, &[&common[..], &["--copy-ahead", "8"]].concat());
-            let routed_ahead = log
-                .lines()
-                .find_map(|l| l.split(" copied ahead (").nth(1))
-                .and_then(|r| r.split(' ').next())
-                .and_then(|n| n.parse::<u64>().ok());
-            eprintln!(
-                "{name} {points}: {} lines, equal: {}, routed ahead: {routed_ahead:?}",
-                on.lines().count(),
-                on == off
-            );
-            if on != off || on.lines().count() < 12 {
-                failures.push(format!("{name} {points}: ahead\n{on}\non demand\n{off}"));
-            }
-            // A dense model (gemma3) has no expert cache and nothing to copy ahead.
-            if name.contains("moe") && routed_ahead.is_none_or(|n| n == 0) {
-                failures.push(format!(
-                    "{name} {points}: nothing copied ahead was routed: {log}"
-                ));
+            // The card's guess, copied once the share is done (the defaults) or at the route
+            // point; the share's threads' guess.
+            for how in [
+                &[][..],
+                &["--copy-ahead-at", "route"][..],
+                &["--guess-on", "host"][..],
+            ] {
+                let (on, log) =
+                    run_binary(&path, &[&common[..], &["--copy-ahead", "8"], how].concat());
+                let routed_ahead = log
+                    .lines()
+                    .find_map(|l| l.split(" copied ahead (").nth(1))
+                    .and_then(|r| r.split(' ').next())
+                    .and_then(|n| n.parse::<u64>().ok());
+                eprintln!(
+                    "{name} {points} {how:?}: {} lines, equal: {}, routed ahead: {routed_ahead:?}",
+                    on.lines().count(),
+                    on == off
+                );
+                if on != off || on.lines().count() < 12 {
+                    failures.push(format!(
+                        "{name} {points} {how:?}: ahead\n{on}\non demand\n{off}"
+                    ));
+                }
+                // A dense model (gemma3) has no expert cache and nothing to copy ahead.
+                if name.contains("moe") && routed_ahead.is_none_or(|n| n == 0) {
+                    failures.push(format!(
+                        "{name} {points} {how:?}: nothing copied ahead was routed: {log}"
+                    ));
+                }
             }
         }
     }

@@ -209,8 +209,11 @@ extern "C" __global__ void host_signal(unsigned int * flags, const int index) {
 
 // Returns once `flags[index]` holds the token's number (the host's writes before it are then visible to
 // the kernels after), or after `timeout_ns`: then `flags[1]` gets the number, which the host reports as an
-// error, and the stream goes on (a host that failed never leaves the card spinning).
-extern "C" __global__ void host_wait(unsigned int * flags, const int index, const unsigned long long timeout_ns) {
+// error, and the stream goes on (a host that failed never leaves the card spinning). `waited[index]` gets
+// the nanoseconds the card spent here (host memory as well: a posted write, read by the host after the
+// token, for the profile of where a token's time goes).
+extern "C" __global__ void host_wait(unsigned int * flags, const int index, const unsigned long long timeout_ns,
+                                     unsigned long long * waited) {
     launch_prologue();
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
@@ -220,8 +223,9 @@ extern "C" __global__ void host_wait(unsigned int * flags, const int index, cons
     while (load_acquire_sys(flags + index) != seq) {
         if (global_ns() - start > timeout_ns) {
             asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(flags + 1), "r"(seq) : "memory");
-            return;
+            break;
         }
         __nanosleep(100);
     }
+    waited[index] = global_ns() - start;
 }

@@ -301,6 +301,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             "cpu_us_overhead": c.cpu_us_overhead,
             "cpu_us_per_expert": c.cpu_us_per_expert,
             "copy_us_per_expert": c.copy_us_per_expert,
+            "card_wait_us_base": c.card_wait_us_base,
+            "card_wait_us_per_copy": c.card_wait_us_per_copy,
             "cpu_experts": c.cpu_experts,
             "cpu_seconds": c.cpu_seconds,
             "routed": c.routed,

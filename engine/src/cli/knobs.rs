@@ -4,7 +4,10 @@
 //! defaults are today's behaviour.
 
 use clap::{Args, ValueEnum};
-use poly_engine::knobs::{CpuShareThreads, ForwardOptions, Handoff, HostPoints, Knobs};
+use poly_engine::knobs::{
+    CopyAheadAt as CopyAheadAtKnob, CpuShareThreads, ForwardOptions, GuessOn as GuessOnKnob,
+    Handoff, HostPoints, Knobs,
+};
 use poly_engine::state::KvPrecision;
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
 
@@ -90,6 +93,20 @@ pub enum GpuHostPoints {
     Cuts,
 }
 
+/// Who guesses the next MoE layer's experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GuessOn {
+    Card,
+    Host,
+}
+
+/// When a layer's copies ahead are queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CopyAheadAt {
+    Route,
+    Sum,
+}
+
 /// Which kernel launches overlap the one before them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum GpuPdl {
@@ -171,6 +188,17 @@ pub struct KnobArgs {
     /// the next layer).
     #[arg(long, value_name = "N", default_value_t = poly_engine::knobs::DEFAULT_COPY_AHEAD)]
     copy_ahead: usize,
+    /// Who guesses the next MoE layer's experts for --copy-ahead and --cpu-warm: the card (one more
+    /// router launch in the token's graph, its ids handed down with the layer's own at the route point)
+    /// or the CPU share's threads once the layer's share is done (they read the f32 router from host
+    /// memory, 31-38 us a layer measured on an H100 host, before the copies can start).
+    #[arg(long, value_enum, default_value_t = GuessOn::Card)]
+    guess_on: GuessOn,
+    /// When a layer's copies ahead are queued: at its route point right after its copies on demand
+    /// (the bus then works beside the CPU's share), or once its CPU share is done (while the card
+    /// computes the layer between).
+    #[arg(long, value_enum, default_value_t = CopyAheadAt::Sum)]
+    copy_ahead_at: CopyAheadAt,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -274,6 +302,14 @@ impl KnobArgs {
                 },
                 cpu_warm: self.cpu_warm.on(),
                 copy_ahead: self.copy_ahead,
+                guess_on: match self.guess_on {
+                    GuessOn::Card => GuessOnKnob::Card,
+                    GuessOn::Host => GuessOnKnob::Host,
+                },
+                copy_ahead_at: match self.copy_ahead_at {
+                    CopyAheadAt::Route => CopyAheadAtKnob::Route,
+                    CopyAheadAt::Sum => CopyAheadAtKnob::Sum,
+                },
                 host_points: match self.gpu_host_points {
                     GpuHostPoints::Flags => HostPoints::Flags,
                     GpuHostPoints::Cuts => HostPoints::Cuts,

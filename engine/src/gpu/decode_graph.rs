@@ -157,6 +157,31 @@ pub struct MoeStep {
     host_x: PinnedHost<f32>,
     /// `host_sum` holds zeros (the host skips writing them again).
     sum_is_zero: bool,
+    /// `--guess-on card`: the next MoE step's experts guessed on the card (none at the last step).
+    guess: Option<CardGuess>,
+    /// The experts the last token copied on demand for this step (beside the card's wait at its staged
+    /// flag, the split's measure of the card's side).
+    copied_on_demand: usize,
+}
+
+/// The next MoE step's experts guessed on the card (`--guess-on card`): its router applied to this step's
+/// input, queued before the route point, its ids handed down with the step's own, so the host knows the
+/// guess as soon as it meets the step (on the share's threads it took 31–38 µs a layer after the share,
+/// reading the f32 router from host memory, before the copies ahead could start).
+struct CardGuess {
+    /// The next step's MoE layer (its router and `k`).
+    moe: Moe,
+    /// `[k]` its likeliest experts, likeliest first, and their weights (unused).
+    ids: DeviceBuffer<i32>,
+    weights: DeviceBuffer<f32>,
+    host_ids: PinnedHost<i32>,
+}
+
+/// Whether the steps guess the next layer's experts on the card: `--guess-on card` with a use for the
+/// guess (`--copy-ahead` or `--cpu-warm`).
+pub fn guesses_on_card() -> bool {
+    let f = crate::knobs::forward();
+    f.guess_on == crate::knobs::GuessOn::Card && (f.copy_ahead > 0 || f.cpu_warm)
 }
 
 impl MoeStep {
@@ -189,7 +214,45 @@ impl MoeStep {
             host_weights: dev.pinned(k)?,
             host_x: dev.pinned(n_embd)?,
             sum_is_zero: true,
+            guess: None,
+            copied_on_demand: 0,
         })
+    }
+
+    /// Makes the step guess the experts of the next MoE step, `next`, on the card (its router applied to
+    /// this step's input): buffers for a capture's launches ([`MoeStep::card_guess`]) and their download.
+    pub fn guess_next_on_card(&mut self, dev: &Device, next: &Moe) -> CudaResult<()> {
+        let k = next.n_expert_used;
+        self.guess = Some(CardGuess {
+            moe: *next,
+            ids: dev.zeros(k)?,
+            weights: dev.zeros(k)?,
+            host_ids: dev.pinned(k)?,
+        });
+        Ok(())
+    }
+
+    /// The next step's MoE layer and the buffers its guessed ids and weights go into, where the step
+    /// guesses on the card.
+    pub fn card_guess(&mut self) -> Option<(Moe, &mut DeviceBuffer<i32>, &mut DeviceBuffer<f32>)> {
+        self.guess
+            .as_mut()
+            .map(|g| (g.moe, &mut g.ids, &mut g.weights))
+    }
+
+    /// After the route point: the next step's experts the card guessed, likeliest first (none where the
+    /// step does not guess on the card).
+    pub fn guessed_on_card(&self) -> CudaResult<Vec<usize>> {
+        match &self.guess {
+            Some(g) => Ok(g
+                .host_ids
+                .as_slice()?
+                .iter()
+                .filter_map(|&e| usize::try_from(e).ok())
+                .filter(|&e| e < g.moe.n_expert)
+                .collect()),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Queues the host copies of the router's ids and weights and of the layer's input `x` (after the
@@ -202,15 +265,22 @@ impl MoeStep {
         // graphs and flags before its steps).
         unsafe {
             if handoff_by_kernel() {
-                return HostCopies::new()
+                let mut copies = HostCopies::new();
+                copies
                     .download(&self.ids, &mut self.host_ids)?
                     .download(&self.weights, &mut self.host_weights)?
-                    .download(x, &mut self.host_x)?
-                    .queue(dev);
+                    .download(x, &mut self.host_x)?;
+                if let Some(g) = self.guess.as_mut() {
+                    copies.download(&g.ids, &mut g.host_ids)?;
+                }
+                return copies.queue(dev);
             }
             dev.queue_download(&self.ids, &mut self.host_ids)?;
             dev.queue_download(&self.weights, &mut self.host_weights)?;
             dev.queue_download(x, &mut self.host_x)?;
+            if let Some(g) = self.guess.as_mut() {
+                dev.queue_download(&g.ids, &mut g.host_ids)?;
+            }
         }
         Ok(())
     }
@@ -327,6 +397,7 @@ impl MoeStep {
     ) -> CudaResult<()> {
         let copied = prep.waits_for_copies();
         let StepPrep { share, copies, .. } = prep;
+        self.copied_on_demand = copies.len();
         let Some(share) = share else {
             self.stage((dev, cpu), cache, &copies, times)?;
             launch(cache, copied)?;
@@ -436,6 +507,11 @@ pub struct HostTimes {
     pub warmed_bytes: u64,
     /// `--copy-ahead`: queueing the next layer's copies ahead.
     pub ahead: Duration,
+    /// One graph a token: the card's own waits at the staged flags (for the host's decisions and the
+    /// copies on demand or ahead) and at the sum flags (for the CPU's share), and the tokens they cover.
+    pub card_staged_wait: Duration,
+    pub card_sum_wait: Duration,
+    pub card_tokens: u64,
 }
 
 impl HostTimes {
@@ -454,6 +530,9 @@ impl HostTimes {
         self.guessed_right += o.guessed_right;
         self.warmed_bytes += o.warmed_bytes;
         self.ahead += o.ahead;
+        self.card_staged_wait += o.card_staged_wait;
+        self.card_sum_wait += o.card_sum_wait;
+        self.card_tokens += o.card_tokens;
     }
 }
 
@@ -494,6 +573,19 @@ impl MoeSteps {
         let flags = flags
             .as_mut()
             .ok_or_else(|| CudaError::Invalid("a one-graph token without its flags".into()))?;
+        // The card's waits of the token before (past them all: the host read its logits since); those
+        // at the staged flags measure the card's side of the split.
+        if flags.token() > 0 {
+            for (i, step) in steps.iter().enumerate() {
+                let staged = flags.card_waited(staged_flag(i))?;
+                if let Some(step) = step {
+                    cache.record_card_wait(step.copied_on_demand, staged);
+                }
+                times.card_staged_wait += staged;
+                times.card_sum_wait += flags.card_waited(sum_flag(i))?;
+            }
+            times.card_tokens += 1;
+        }
         flags.next_token()?;
         last.replay()?;
         cache.set_linked(true);
@@ -525,6 +617,7 @@ impl MoeSteps {
             times,
             ..
         } = self;
+        let plan = AheadPlan::in_force();
         // The choices of the step whose experts' segment comes next.
         let mut prep: Option<(usize, StepPrep)> = None;
         // The step whose layer is finished once the next segment is queued.
@@ -533,12 +626,24 @@ impl MoeSteps {
             match (point, prep.take()) {
                 // The card's experts, staged and replayed beside the CPU's share of them.
                 (HostPoint::CpuShare(i), Some((j, p))) if *i == j => {
-                    step_at(steps, j)?
-                        .experts((dev, cpu), cache, p, times, |_, _| segment.replay())?;
-                    if crate::knobs::forward().copy_ahead > 0 {
+                    let next = next_step(steps, j);
+                    let step = step_at(steps, j)?;
+                    let card_guess = step.guessed_on_card()?;
+                    let mut early = Duration::ZERO;
+                    step.experts((dev, cpu), cache, p, times, |cache, _| {
+                        segment.replay()?;
+                        if plan.at_route {
+                            let clock = Instant::now();
+                            copy_ahead(next, &card_guess, (cpu, cache))?;
+                            early = clock.elapsed();
+                        }
+                        Ok(())
+                    })?;
+                    times.ahead += early;
+                    if plan.after_share {
                         let clock = Instant::now();
-                        let guess = guess_next(steps, j, (cpu, cache))?;
-                        copy_ahead(steps, j + 1, &guess, (cpu, cache))?;
+                        let guess = plan.next_guess(steps, j, card_guess, (cpu, cache))?;
+                        copy_ahead(next, &guess, (cpu, cache))?;
                         times.ahead += clock.elapsed();
                     }
                 }
@@ -586,7 +691,9 @@ impl MoeSteps {
 /// The host's side of a one-graph token (queued whole): at each step's route flag the previous layer is
 /// finished (the card passed its experts and reads no routed slot until this layer's staged flag) and
 /// this layer prepared; its copies on demand are queued and its staged flag set after them (by the copy
-/// stream, or at once without copies) beside the CPU's share, whose sum then releases the card.
+/// stream, or at once without copies) beside the CPU's share, whose sum then releases the card. The
+/// next layer's likeliest missing experts are copied ahead after the staged flag (`--copy-ahead-at
+/// route`) or once the sum is written (`sum`).
 fn meet_host(
     steps: &mut [Option<MoeStep>],
     flags: &HostFlags,
@@ -594,8 +701,7 @@ fn meet_host(
     cache: &mut ExpertCache,
     times: &mut HostTimes,
 ) -> CudaResult<()> {
-    let warm = crate::knobs::forward().cpu_warm;
-    let ahead = crate::knobs::forward().copy_ahead > 0;
+    let plan = AheadPlan::in_force();
     // This layer's experts guessed (missing from the card) at the previous layer's point.
     let mut guess: Vec<usize> = Vec::new();
     for i in 0..steps.len() {
@@ -613,6 +719,7 @@ fn meet_host(
         if i > 0 {
             step_at(steps, i - 1)?.finish((dev, cpu), cache, times)?;
         }
+        let next = next_step(steps, i);
         let step = step_at(steps, i)?;
         if !guess.is_empty() {
             let ids = step.host_ids.as_slice()?;
@@ -621,24 +728,32 @@ fn meet_host(
                 guess.iter().filter(|&&e| ids.contains(&(e as i32))).count() as u64;
             guess.clear();
         }
+        let card_guess = step.guessed_on_card()?;
         let prep = step.prepare((dev, cpu), cache, times)?;
+        let mut early = Duration::ZERO;
         step.experts((dev, cpu), cache, prep, times, |cache, copied| {
-            if copied {
-                cache.flag_after_copies(flags, staged_flag(i))
-            } else {
-                flags.set(staged_flag(i))
+            match copied {
+                true => cache.flag_after_copies(flags, staged_flag(i))?,
+                false => flags.set(staged_flag(i))?,
             }
+            if plan.at_route {
+                let clock = Instant::now();
+                copy_ahead(next, &card_guess, (cpu, cache))?;
+                early = clock.elapsed();
+            }
+            Ok(())
         })?;
         flags.set(sum_flag(i))?;
+        times.ahead += early;
         // One guess of the next layer serves both the copies ahead and `--cpu-warm`.
-        if ahead || warm {
+        if plan.after_share || plan.warm {
             let clock = Instant::now();
-            let next_guess = guess_next(steps, i, (cpu, cache))?;
-            if ahead {
-                copy_ahead(steps, i + 1, &next_guess, (cpu, cache))?;
+            let next_guess = plan.next_guess(steps, i, card_guess, (cpu, cache))?;
+            if plan.after_share {
+                copy_ahead(next, &next_guess, (cpu, cache))?;
                 times.ahead += clock.elapsed();
             }
-            if warm {
+            if plan.warm {
                 guess = next_guess;
             }
         }
@@ -646,11 +761,63 @@ fn meet_host(
     Ok(())
 }
 
-/// Once step `i`'s share is done (the share's threads free, host memory idle while the card computes
-/// the layer between): step `i + 1`'s experts not on the card, guessed on the share's threads from step
-/// `i`'s input (its page-locked copy, read in place), likeliest first; none at the last step. (On one
-/// thread beside the share the guess read an f32 router at a single core's memory rate, 2 MB a
-/// qwen35moe layer: some 300 µs, longer than the share, measured on an H100 host.)
+/// What a token's host points do with the next layer's guess (the knobs in force).
+#[derive(Clone, Copy)]
+struct AheadPlan {
+    /// Copies ahead queued at the route point, after the layer's copies on demand (the card's guess).
+    at_route: bool,
+    /// Copies ahead queued once the layer's share is done.
+    after_share: bool,
+    /// `--cpu-warm`.
+    warm: bool,
+    /// The guess is the card's (else the share's threads make it after the share).
+    on_card: bool,
+}
+
+impl AheadPlan {
+    fn in_force() -> AheadPlan {
+        let f = crate::knobs::forward();
+        let ahead = f.copy_ahead > 0;
+        let on_card = guesses_on_card();
+        let at_route = ahead && on_card && f.copy_ahead_at == crate::knobs::CopyAheadAt::Route;
+        AheadPlan {
+            at_route,
+            after_share: ahead && !at_route,
+            warm: f.cpu_warm,
+            on_card,
+        }
+    }
+
+    /// Step `i + 1`'s experts not on the card, likeliest first: of the card's guess `on_card` (handed
+    /// down at step `i`'s route point), or guessed now on the share's threads.
+    fn next_guess(
+        self,
+        steps: &[Option<MoeStep>],
+        i: usize,
+        on_card: Vec<usize>,
+        (cpu, cache): (&CpuWeights, &mut ExpertCache),
+    ) -> CudaResult<Vec<usize>> {
+        match (self.on_card, next_step(steps, i)) {
+            (true, Some((layer, _))) => Ok(cache.not_resident(layer, on_card)),
+            (true, None) => Ok(Vec::new()),
+            (false, _) => guess_next(steps, i, (cpu, cache)),
+        }
+    }
+}
+
+/// Step `i + 1`'s cache layer and experts per token (none at the last step).
+fn next_step(steps: &[Option<MoeStep>], i: usize) -> Option<(usize, usize)> {
+    match steps.get(i + 1) {
+        Some(Some(next)) => Some((next.layer, next.moe.n_expert_used)),
+        _ => None,
+    }
+}
+
+/// `--guess-on host`: once step `i`'s share is done (the share's threads free, host memory idle while
+/// the card computes the layer between), step `i + 1`'s experts not on the card, guessed on the share's
+/// threads from step `i`'s input (its page-locked copy, read in place), likeliest first; none at the
+/// last step. (On one thread beside the share the guess read an f32 router at a single core's memory
+/// rate, 2 MB a qwen35moe layer: some 300 µs, longer than the share, measured on an H100 host.)
 fn guess_next(
     steps: &[Option<MoeStep>],
     i: usize,
@@ -664,19 +831,18 @@ fn guess_next(
     }
 }
 
-/// `--copy-ahead`: the likeliest `--copy-ahead` of `guess` (step `next`'s experts, [`guess_next`])
-/// copied to the card while it computes the layer before.
+/// `--copy-ahead`: the likeliest `--copy-ahead` of `guess` (experts of the next step, `next`: its cache
+/// layer and experts per token) not on the card, copied to it while it computes the layer before.
 fn copy_ahead(
-    steps: &[Option<MoeStep>],
-    next: usize,
+    next: Option<(usize, usize)>,
     guess: &[usize],
     (cpu, cache): (&CpuWeights, &mut ExpertCache),
 ) -> CudaResult<()> {
-    let n = crate::knobs::forward().copy_ahead.min(guess.len());
-    match steps.get(next) {
-        Some(Some(step)) if n > 0 => cache
-            .copy_ahead(cpu, (step.layer, step.moe.n_expert_used), &guess[..n])
-            .map(|_| ()),
+    let n = crate::knobs::forward().copy_ahead;
+    match next {
+        Some(next) if n > 0 && !guess.is_empty() => {
+            cache.copy_ahead(cpu, next, guess, n).map(|_| ())
+        }
         _ => Ok(()),
     }
 }

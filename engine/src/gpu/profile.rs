@@ -249,8 +249,19 @@ impl Profiler {
             );
             if h.ahead > std::time::Duration::ZERO {
                 s += &format!(
-                    "--copy-ahead: queueing the next layers' copies {:.3} per call (counts in the                      bench's experts.ahead_copied / ahead_routed)\n",
+                    "--copy-ahead: queueing the next layers' copies {:.3} per call (counts in the \
+                     bench's experts.ahead_copied / ahead_routed)\n",
                     ms(h.ahead) / n,
+                );
+            }
+            if h.card_tokens > 0 {
+                let t = h.card_tokens as f64;
+                s += &format!(
+                    "one graph a token, the card's own waits per token: at the staged flags (the host's \
+                     decisions, copies on demand and ahead) {:.3}, at the sum flags (the CPU's share) \
+                     {:.3}\n",
+                    ms(h.card_staged_wait) / t,
+                    ms(h.card_sum_wait) / t,
                 );
             }
             if h.guessed > 0 {

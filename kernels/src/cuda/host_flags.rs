@@ -32,13 +32,18 @@ pub struct HostFlags {
     host: *const AtomicU32,
     /// The number of the token under way (never 0, which a new flag holds).
     token: u32,
+    /// Per word, the nanoseconds the card last spent waiting at that flag (written by `host_wait`).
+    waited: PinnedHost<u64>,
+    /// The host address of `waited`, taken once (as `host`).
+    waited_host: *const u64,
 }
 
-// SAFETY: `host` points into `words`, which this object owns and which does not move (page-locked
-// memory); every access through it, the host's and the card's, is atomic, so sharing or sending the
-// flags between threads races on nothing.
+// SAFETY: `host` points into `words` and `waited_host` into `waited`, which this object owns and which
+// do not move (page-locked memory); every access through `host`, the host's and the card's, is atomic,
+// and `waited` is only read by the host (volatile reads of whole words), so sharing or sending the flags
+// between threads races on nothing.
 unsafe impl Send for HostFlags {}
-// SAFETY: as for `Send`: shared access is atomic loads and stores only.
+// SAFETY: as for `Send`: shared access is atomic loads and stores, and volatile reads.
 unsafe impl Sync for HostFlags {}
 
 impl std::fmt::Debug for HostFlags {
@@ -55,10 +60,14 @@ impl HostFlags {
         }
         let words = dev.pinned::<u32>(HEADER_WORDS + n)?;
         let host = words.host_ptr()?.cast::<AtomicU32>();
+        let waited = dev.pinned::<u64>(HEADER_WORDS + n)?;
+        let waited_host = waited.host_ptr()?;
         Ok(HostFlags {
             words,
             host,
             token: 0,
+            waited,
+            waited_host,
         })
     }
 
@@ -162,6 +171,17 @@ impl HostFlags {
         Ok(clock.elapsed())
     }
 
+    /// How long the card last waited at flag `i` (its last token's wait). Read only once the card is
+    /// past that wait (after the token's end): before, the value is the previous token's.
+    pub fn card_waited(&self, i: usize) -> CudaResult<Duration> {
+        self.flag(i)?;
+        // SAFETY: `waited_host[..len]` is this object's page-locked allocation of u64 (the index is a
+        // checked flag's word), alive as long as `self`; the card writes a word only inside `host_wait`,
+        // and a volatile read of an aligned u64 sees either the old or the new value.
+        let ns = unsafe { std::ptr::read_volatile(self.waited_host.add(HEADER_WORDS + i)) };
+        Ok(Duration::from_nanos(ns))
+    }
+
     /// The device address of flag `i`.
     pub fn device_address(&self, i: usize) -> CudaResult<u64> {
         self.flag(i)?;
@@ -191,18 +211,20 @@ impl HostFlags {
         let f = dev.function(KernelModule::Elementwise, name)?;
         let flags = self.words.device_address();
         let index = (HEADER_WORDS + i) as i32;
+        let waited = self.waited.device_address();
         let mut b = dev.launch_builder(&f);
         b.arg(&flags).arg(&index);
         if let Some(ns) = &timeout_ns {
-            b.arg(ns);
+            b.arg(ns).arg(&waited);
         }
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: `flags` is the device address of this object's page-locked words and `index` one of its
-        // flags (checked), which the kernels alone touch; the owner keeps the flags alive as long as a
+        // SAFETY: `flags` (and `waited`) are the device addresses of this object's page-locked words and
+        // `index` one of its flags (checked), which the kernels alone touch (the host only reads
+        // `waited`); the owner keeps the flags alive as long as a
         // queued launch or a graph holding one may run.
         unsafe { b.launch(cfg) }?;
         dev.after_launch(name)

@@ -105,6 +105,10 @@ pub struct CacheStats {
     pub cpu_us_overhead: f64,
     pub cpu_us_per_expert: f64,
     pub copy_us_per_expert: f64,
+    /// The card's measured wait at a single token's staged flag, µs: before any copy on demand, and per
+    /// copy (0 and 0 until measured; [`MissingCosts::card_wait`]).
+    pub card_wait_us_base: f64,
+    pub card_wait_us_per_copy: f64,
     /// The measured skew of the routing: the share of the routings counted that went to each layer's
     /// most-routed tenth of its experts (0.1 for perfectly even routing; 0 before any).
     pub route_top10_share: f64,
@@ -112,7 +116,7 @@ pub struct CacheStats {
 
 /// The measured skew's definition, shared with the CPU backend's counts.
 pub use crate::cpu::moe::top_tenth_share;
-use split::{fetch_inputs, share_pool, soonest, CpuCostFit, CpuProbe};
+use split::{fetch_inputs, share_pool, soonest, CostFit, CpuProbe};
 pub use split::{split_missing, CpuShare, MissingCosts, StepPrep};
 
 /// The cache of one backend.
@@ -157,7 +161,10 @@ pub struct ExpertCache {
     /// Which of them a token may leave out (off: none).
     skip: skip::MissingSkip,
     costs: MissingCosts,
-    cpu_fit: CpuCostFit,
+    cpu_fit: CostFit,
+    /// The card's waits at single tokens' staged flags against their copies on demand
+    /// ([`MissingCosts::card_wait`]).
+    card_wait_fit: CostFit,
     cpu_probe: CpuProbe,
     /// `[layer][matrix][expert]`: the card's address of each expert matrix in the page-locked file
     /// (empty when the file is not page-locked whole), for [`MissingExperts::Mapped`].
@@ -262,7 +269,8 @@ impl ExpertCache {
             missing: MissingExperts::default(),
             skip: skip::MissingSkip::default(),
             costs: MissingCosts::guess(slot_bytes),
-            cpu_fit: CpuCostFit::default(),
+            cpu_fit: CostFit::default(),
+            card_wait_fit: CostFit::default(),
             cpu_probe: CpuProbe::default(),
             mapped,
             layers,
@@ -385,6 +393,8 @@ impl ExpertCache {
             cpu_us_overhead: self.costs.cpu_overhead * 1e6,
             cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
             copy_us_per_expert: self.costs.copy_per_expert * 1e6,
+            card_wait_us_base: self.costs.card_wait.map_or(0.0, |(a, _)| a * 1e6),
+            card_wait_us_per_copy: self.costs.card_wait.map_or(0.0, |(_, b)| b * 1e6),
             route_top10_share: top_tenth_share(&self.routed_counts),
             ..self.stats
         }
@@ -682,6 +692,19 @@ impl ExpertCache {
         let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, m.n_expert_used, &pool);
         guess.retain(|&expert| self.policy.resident(ExpertKey { layer, expert }).is_none());
         guess
+    }
+
+    /// A single token's layer waited `waited` at its staged flag on the card with `copies` experts
+    /// copied on demand (read after the token): the split's measure of the card's side.
+    pub fn record_card_wait(&mut self, copies: usize, waited: std::time::Duration) {
+        self.card_wait_fit.add(copies, waited.as_secs_f64());
+        self.costs.card_wait = self.card_wait_fit.fitted_line();
+    }
+
+    /// Of `experts` (of `layer`), those not on the card, in their order.
+    pub fn not_resident(&self, layer: usize, mut experts: Vec<usize>) -> Vec<usize> {
+        experts.retain(|&expert| self.policy.resident(ExpertKey { layer, expert }).is_none());
+        experts
     }
 
     /// `beside` (the wait for the card) on this thread while the share's threads read `experts` of `m`

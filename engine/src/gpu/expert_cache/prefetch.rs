@@ -181,16 +181,17 @@ impl ExpertCache {
     }
 
     /// A single token's copies ahead (`--copy-ahead`): of `guess` (experts of `layer`, the next MoE
-    /// layer, likeliest first: [`ExpertCache::guess_missing`]), those not on the card, as many as fit
-    /// beside `k` copies on demand in the layer's half of the first scratch pool, copied over the bus
-    /// (only straight from the page-locked file: through the staging buffers this thread would copy them
-    /// itself). Called once the current layer's CPU share is done, so the copies read host memory while
-    /// the card computes. Returns how many were queued.
+    /// layer, likeliest first: the card's guess or [`ExpertCache::guess_missing`]), the first `n` not on
+    /// the card, as many as fit beside `k` copies on demand in the layer's half of the first scratch
+    /// pool, copied over the bus (only straight from the page-locked file: through the staging buffers
+    /// this thread would copy them itself). Called at the current layer's route point after its copies
+    /// on demand, or once its CPU share is done. Returns how many were queued.
     pub fn copy_ahead(
         &mut self,
         cpu: &CpuWeights,
         (layer, k): (usize, usize),
         guess: &[usize],
+        n: usize,
     ) -> CudaResult<usize> {
         self.prefetch = None;
         let Some(n_expert) = self.layers.get(layer).map(|l| l.n_expert) else {
@@ -207,7 +208,7 @@ impl ExpertCache {
             .filter(|&expert| {
                 expert < n_expert && self.policy.resident(ExpertKey { layer, expert }).is_none()
             })
-            .take(room)
+            .take(room.min(n))
             .collect();
         if experts.is_empty() {
             return Ok(0);

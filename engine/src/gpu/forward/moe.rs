@@ -235,6 +235,13 @@ impl<'a> GpuForward<'a> {
         if !capturing && i == g.steps.steps.len() {
             let step = MoeStep::new(dev, (layer, tables), m, x.cols, shared.is_some())?;
             g.steps.steps.push(Some(step));
+            // The step before guesses this one's experts (its captured launches will).
+            if let (true, Some(Some(before))) = (
+                guesses_on_card(),
+                i.checked_sub(1).and_then(|b| g.steps.steps.get_mut(b)),
+            ) {
+                before.guess_next_on_card(dev, m)?;
+            }
         }
         let mut step = g
             .steps
@@ -266,6 +273,13 @@ impl<'a> GpuForward<'a> {
             )));
         }
         self.route(x, m, &mut step.ids, &mut step.weights)?;
+        // The next layer's experts guessed from this layer's input (a replay's host reads them at the
+        // route point; the running call has no use for them).
+        if capturing {
+            if let Some((next, ids, weights)) = step.card_guess() {
+                self.route(x, &next, ids, weights)?;
+            }
+        }
         step.queue_downloads(dev, x.buf()?)?;
         let mut times = HostTimes::default();
         if capturing {
