@@ -106,7 +106,7 @@ pub struct CacheStats {
     pub cpu_us_per_expert: f64,
     pub copy_us_per_expert: f64,
     /// The card's measured wait at a single token's staged flag, µs: before any copy on demand, and per
-    /// copy (0 and 0 until measured; [`MissingCosts::card_wait`]).
+    /// copy (0 and 0 until measured; [`MissingCosts::card_wait`], which `--copy-cost bulk` ignores).
     pub card_wait_us_base: f64,
     pub card_wait_us_per_copy: f64,
     /// The measured skew of the routing: the share of the routings counted that went to each layer's
@@ -393,8 +393,14 @@ impl ExpertCache {
             cpu_us_overhead: self.costs.cpu_overhead * 1e6,
             cpu_us_per_expert: self.costs.cpu_per_expert * 1e6,
             copy_us_per_expert: self.costs.copy_per_expert * 1e6,
-            card_wait_us_base: self.costs.card_wait.map_or(0.0, |(a, _)| a * 1e6),
-            card_wait_us_per_copy: self.costs.card_wait.map_or(0.0, |(_, b)| b * 1e6),
+            card_wait_us_base: self
+                .card_wait_fit
+                .fitted_line()
+                .map_or(0.0, |(a, _)| a * 1e6),
+            card_wait_us_per_copy: self
+                .card_wait_fit
+                .fitted_line()
+                .map_or(0.0, |(_, b)| b * 1e6),
             route_top10_share: top_tenth_share(&self.routed_counts),
             ..self.stats
         }
@@ -698,7 +704,10 @@ impl ExpertCache {
     /// copied on demand (read after the token): the split's measure of the card's side.
     pub fn record_card_wait(&mut self, copies: usize, waited: std::time::Duration) {
         self.card_wait_fit.add(copies, waited.as_secs_f64());
-        self.costs.card_wait = self.card_wait_fit.fitted_line();
+        self.costs.card_wait = match crate::knobs::forward().copy_cost {
+            crate::knobs::CopyCost::Measured => self.card_wait_fit.fitted_line(),
+            crate::knobs::CopyCost::Bulk => None,
+        };
     }
 
     /// Of `experts` (of `layer`), those not on the card, in their order.
