@@ -132,7 +132,7 @@ impl Default for ForwardOptions {
             copy_ahead: DEFAULT_COPY_AHEAD,
             guess_on: GuessOn::Card,
             copy_ahead_at: CopyAheadAt::Sum,
-            copy_cost: CopyCost::Measured,
+            copy_cost: CopyCost::Bulk,
         }
     }
 }
@@ -203,8 +203,8 @@ impl Knobs {
         if f.copy_ahead_at == CopyAheadAt::Route {
             put("copy-ahead-at", "route".into());
         }
-        if f.copy_cost == CopyCost::Bulk {
-            put("copy-cost", "bulk".into());
+        if f.copy_cost == CopyCost::Measured {
+            put("copy-cost", "measured".into());
         }
         if self.kv != KvPrecision::default() {
             put("kv", self.kv.name().into());
@@ -263,13 +263,13 @@ mod tests {
         k.forward.copy_ahead = 0;
         k.forward.guess_on = GuessOn::Host;
         k.forward.copy_ahead_at = CopyAheadAt::Route;
-        k.forward.copy_cost = CopyCost::Bulk;
+        k.forward.copy_cost = CopyCost::Measured;
         k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("copy-ahead", "0"),
             ("copy-ahead-at", "route"),
-            ("copy-cost", "bulk"),
+            ("copy-cost", "measured"),
             ("cpu-share", "rayon"),
             ("cpu-warm", "on"),
             ("fuse", "off"),

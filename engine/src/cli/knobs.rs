@@ -209,8 +209,9 @@ pub struct KnobArgs {
     /// How the split of a partly resident token's missing experts between copies on demand and the CPU
     /// prices a copy: by the card's own waits at its staged flags (one graph a token: a line fitted to
     /// the wait against the copies, which sees the copy stream's queue and the bus as the CPU's share
-    /// leaves it), or by the bulk copy rate measured when the cache was filled.
-    #[arg(long, value_enum, default_value_t = CopyCost::Measured)]
+    /// leaves it), or by the bulk copy rate measured when the cache was filled (the default until
+    /// `measured` is timed against it on a card).
+    #[arg(long, value_enum, default_value_t = CopyCost::Bulk)]
     copy_cost: CopyCost,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
