@@ -48,17 +48,6 @@ pub struct ForwardOptions {
     pub guess_on: GuessOn,
     /// When a layer's copies ahead are queued (`--copy-ahead-at`).
     pub copy_ahead_at: CopyAheadAt,
-    /// How the split of a token's missing experts prices a copy on demand (`--copy-cost`).
-    pub copy_cost: CopyCost,
-}
-
-/// How the split of a single token's missing experts prices the card's side (`--copy-cost`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyCost {
-    /// By the card's measured waits at its staged flags (one graph a token), plus its own experts.
-    Measured,
-    /// By the bulk copy rate measured when the cache was filled (the former model).
-    Bulk,
 }
 
 /// Who guesses the next MoE layer's experts (its router applied to this layer's input) (`--guess-on`).
@@ -132,7 +121,6 @@ impl Default for ForwardOptions {
             copy_ahead: DEFAULT_COPY_AHEAD,
             guess_on: GuessOn::Card,
             copy_ahead_at: CopyAheadAt::Sum,
-            copy_cost: CopyCost::Bulk,
         }
     }
 }
@@ -203,9 +191,6 @@ impl Knobs {
         if f.copy_ahead_at == CopyAheadAt::Route {
             put("copy-ahead-at", "route".into());
         }
-        if f.copy_cost == CopyCost::Measured {
-            put("copy-cost", "measured".into());
-        }
         if self.kv != KvPrecision::default() {
             put("kv", self.kv.name().into());
         }
@@ -263,13 +248,11 @@ mod tests {
         k.forward.copy_ahead = 0;
         k.forward.guess_on = GuessOn::Host;
         k.forward.copy_ahead_at = CopyAheadAt::Route;
-        k.forward.copy_cost = CopyCost::Measured;
         k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
             ("copy-ahead", "0"),
             ("copy-ahead-at", "route"),
-            ("copy-cost", "measured"),
             ("cpu-share", "rayon"),
             ("cpu-warm", "on"),
             ("fuse", "off"),

@@ -5,8 +5,8 @@
 
 use clap::{Args, ValueEnum};
 use poly_engine::knobs::{
-    CopyAheadAt as CopyAheadAtKnob, CopyCost as CopyCostKnob, CpuShareThreads, ForwardOptions,
-    GuessOn as GuessOnKnob, Handoff, HostPoints, Knobs,
+    CopyAheadAt as CopyAheadAtKnob, CpuShareThreads, ForwardOptions, GuessOn as GuessOnKnob,
+    Handoff, HostPoints, Knobs,
 };
 use poly_engine::state::KvPrecision;
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
@@ -107,13 +107,6 @@ pub enum CopyAheadAt {
     Sum,
 }
 
-/// How the split prices a copy on demand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum CopyCost {
-    Measured,
-    Bulk,
-}
-
 /// Which kernel launches overlap the one before them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum GpuPdl {
@@ -206,13 +199,6 @@ pub struct KnobArgs {
     /// computes the layer between).
     #[arg(long, value_enum, default_value_t = CopyAheadAt::Sum)]
     copy_ahead_at: CopyAheadAt,
-    /// How the split of a partly resident token's missing experts between copies on demand and the CPU
-    /// prices a copy: by the card's own waits at its staged flags (one graph a token: a line fitted to
-    /// the wait against the copies, which sees the copy stream's queue and the bus as the CPU's share
-    /// leaves it), or by the bulk copy rate measured when the cache was filled (the default until
-    /// `measured` is timed against it on a card).
-    #[arg(long, value_enum, default_value_t = CopyCost::Bulk)]
-    copy_cost: CopyCost,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -319,10 +305,6 @@ impl KnobArgs {
                 guess_on: match self.guess_on {
                     GuessOn::Card => GuessOnKnob::Card,
                     GuessOn::Host => GuessOnKnob::Host,
-                },
-                copy_cost: match self.copy_cost {
-                    CopyCost::Measured => CopyCostKnob::Measured,
-                    CopyCost::Bulk => CopyCostKnob::Bulk,
                 },
                 copy_ahead_at: match self.copy_ahead_at {
                     CopyAheadAt::Route => CopyAheadAtKnob::Route,

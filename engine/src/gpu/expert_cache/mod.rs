@@ -106,7 +106,7 @@ pub struct CacheStats {
     pub cpu_us_per_expert: f64,
     pub copy_us_per_expert: f64,
     /// The card's measured wait at a single token's staged flag, µs: before any copy on demand, and per
-    /// copy (0 and 0 until measured; [`MissingCosts::card_wait`], which `--copy-cost bulk` ignores).
+    /// copy (a line fitted over the last ~50 MoE steps; 0 and 0 until the steps vary enough).
     pub card_wait_us_base: f64,
     pub card_wait_us_per_copy: f64,
     /// The measured skew of the routing: the share of the routings counted that went to each layer's
@@ -162,8 +162,7 @@ pub struct ExpertCache {
     skip: skip::MissingSkip,
     costs: MissingCosts,
     cpu_fit: CostFit,
-    /// The card's waits at single tokens' staged flags against their copies on demand
-    /// ([`MissingCosts::card_wait`]).
+    /// The card's waits at single tokens' staged flags against their copies on demand.
     card_wait_fit: CostFit,
     cpu_probe: CpuProbe,
     /// `[layer][matrix][expert]`: the card's address of each expert matrix in the page-locked file
@@ -701,13 +700,12 @@ impl ExpertCache {
     }
 
     /// A single token's layer waited `waited` at its staged flag on the card with `copies` experts
-    /// copied on demand (read after the token): the split's measure of the card's side.
+    /// copied on demand (read after the token), for the figures ([`CacheStats::card_wait_us_base`]).
+    /// The split does not use it: priced by this line instead of the bulk rate it was slower on an
+    /// H100 host (q35s 113.5 against 121.5 t/s; the line read 24–53 µs + 55–75 µs a copy, about the
+    /// bulk rate).
     pub fn record_card_wait(&mut self, copies: usize, waited: std::time::Duration) {
         self.card_wait_fit.add(copies, waited.as_secs_f64());
-        self.costs.card_wait = match crate::knobs::forward().copy_cost {
-            crate::knobs::CopyCost::Measured => self.card_wait_fit.fitted_line(),
-            crate::knobs::CopyCost::Bulk => None,
-        };
     }
 
     /// Of `experts` (of `layer`), those not on the card, in their order.

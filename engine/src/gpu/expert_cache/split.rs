@@ -16,29 +16,13 @@ use crate::cpu::{CpuWeights, Mat};
 /// `cpu_overhead + c · cpu_per_expert` (fitted over the tokens answered so far: fetching the activation,
 /// starting the thread pool and returning the sum cost the same for one expert as for eight), a copy's
 /// `copy_latency + j · copy_per_expert` (the rate from the bulk copy that filled the cache).
-///
-/// Where a token is one graph, the card's side is measured as the card sees it: `card_wait`, a line
-/// `a + b · j` fitted to how long the card waited at a layer's staged flag when `j` experts were
-/// copied on demand (the host's decisions, the copy stream's queue, and the copies at the rate they get
-/// while the CPU's share reads the same host memory), followed by its own experts (`card_experts`).
-/// Measured on an H100 host at 8 GB (q3u): the card waited 118 µs a layer there, about twice what the
-/// bulk rate predicts for the copies the split made, while it waited 10 µs for the CPU's sum.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MissingCosts {
     pub cpu_overhead: f64,
     pub cpu_per_expert: f64,
     pub copy_per_expert: f64,
     pub copy_latency: f64,
-    /// `(a, b)`: the card's wait at a staged flag for `j` copies on demand, `a + b · j` seconds.
-    pub card_wait: Option<(f64, f64)>,
-    /// The card's experts after that wait (a single token's routed experts, one fused launch or three).
-    pub card_experts: f64,
 }
-
-/// The card's time for a single token's routed experts after the staged flag, until measured otherwise:
-/// gate and up, down and the sum took about 35 µs a layer of q3u on an H100 (Nsight Compute, BENCHMARKS.md
-/// "Where a resident token's MoE time goes").
-const CARD_EXPERTS_GUESS: f64 = 35e-6;
 
 impl MissingCosts {
     /// First guesses for experts of `slot_bytes` until measured: the CPU at 30 GB/s after 50 µs, copies
@@ -49,8 +33,6 @@ impl MissingCosts {
             cpu_per_expert: slot_bytes as f64 / 30e9,
             copy_per_expert: slot_bytes as f64 / 25e9,
             copy_latency: 20e-6,
-            card_wait: None,
-            card_experts: CARD_EXPERTS_GUESS,
         }
     }
 }
@@ -145,9 +127,9 @@ impl CpuProbe {
 
 /// How many of a token's `missing` uncached experts to copy to the card (the rest go to the CPU) so that
 /// both sides finish soonest: the `j` minimizing the later of the CPU's time for `missing - j` and the
-/// card's side for `j` ([`MissingCosts::finish_token`]).
+/// copies' time for `j` (the card's own compute of them is small beside either).
 pub fn split_missing(missing: usize, costs: &MissingCosts) -> usize {
-    soonest(missing, |j| costs.finish_token(missing - j, j))
+    soonest(missing, |j| costs.finish((missing - j) as f64, j))
 }
 
 /// The `c` in `0..=n` whose `finish(c)` is least (the first of equals).
@@ -158,23 +140,6 @@ pub(super) fn soonest(n: usize, finish: impl Fn(usize) -> f64) -> usize {
 }
 
 impl MissingCosts {
-    /// When both sides of a single token's layer are done: the CPU computing `cpu` experts, and the
-    /// card's experts after `copies` copied on demand. With the card's waits measured, the card's side
-    /// is its wait plus its experts, whether it copies or not (a copy on demand then costs what it
-    /// measurably delays the card); else the copies' time alone ([`MissingCosts::finish`]).
-    pub(super) fn finish_token(&self, cpu: usize, copies: usize) -> f64 {
-        match self.card_wait {
-            Some((a, b)) => {
-                let cpu = match cpu {
-                    0 => 0.0,
-                    c => self.cpu_overhead + c as f64 * self.cpu_per_expert,
-                };
-                cpu.max(a + b * copies as f64 + self.card_experts)
-            }
-            None => self.finish(cpu as f64, copies),
-        }
-    }
-
     /// When both sides are done: the CPU computing `cpu_rows` expert products of one row each (its
     /// overhead once, nothing without any) and `copies` experts copied.
     pub(super) fn finish(&self, cpu_rows: f64, copies: usize) -> f64 {
