@@ -1,7 +1,11 @@
-//! The serve loop: announces READY, then answers what the reader passes on. One GEN runs at a time;
-//! others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). While a GEN runs, the loop
-//! looks at its input between tokens ([`Session::poll`]) so that CANCEL, STATS and QUIT take effect at
-//! once. QUIT and the end of stdin cancel what runs and waits, then end the loop.
+//! The serve loop: announces READY, then answers what the reader passes on. Up to `--parallel` GENs run at
+//! once (one by default); others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). The
+//! running ones take turns, one forward call each (a part of a prompt, or one written token), in the
+//! order they started: each writes a token in every round, so a short answer is not held up by a long
+//! one. The turns are interleaved, not batched: each is its own forward call on its own state (the
+//! forward pass reads one sequence per call). While GENs run, the loop looks at its input after each
+//! turn's forward call ([`Session::poll`]) so that CANCEL, STATS and QUIT take effect at once. QUIT and
+//! the end of stdin cancel what runs and waits, then end the loop.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -15,7 +19,7 @@ use poly_protocol::{
 use serde_json::json;
 
 use super::input::Input;
-use super::request::Job;
+use super::request::{Job, Running, Stepped};
 use super::store::{Conversation, Store};
 use super::{memory, send, ServeOptions, QUEUE_DEPTH};
 use crate::model::Model;
@@ -51,13 +55,16 @@ pub struct Session<'a, W: Write> {
     /// Whether answers guess tokens from repeats where they can ([`super::repeats`]).
     pub(super) guesses: bool,
     pub(super) store: Store,
+    /// Most requests running at once (`--parallel`).
+    parallel: usize,
     queue: VecDeque<Job>,
+    /// The running requests but the one taking its turn, in the order of their next turns.
+    active: VecDeque<Box<Running>>,
     inputs: Receiver<Input>,
     out: &'a mut W,
-    /// The id of the request that runs.
-    running: Option<String>,
-    /// The conversation it works on, as it was when it started (out of the store meanwhile).
-    pub(super) in_flight: Option<ConversationInfo>,
+    /// The request taking its turn: its id, and the conversation it works on as it was when it started
+    /// (out of the store meanwhile).
+    stepping: Option<(String, ConversationInfo)>,
     quitting: bool,
     totals: Totals,
     /// The placement's settings that differ from the defaults, echoed in READY with the knobs.
@@ -105,16 +112,17 @@ impl<'a, W: Write> Session<'a, W> {
             long_ubatch,
             guesses: opts.guesses,
             store: Store::new(opts.park_bytes),
+            parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
+            active: VecDeque::new(),
             inputs,
             out,
-            running: None,
+            stepping: None,
             placement_echo: if model.on_gpu() {
                 opts.placement.non_default()
             } else {
                 Vec::new()
             },
-            in_flight: None,
             quitting: false,
             totals: Totals::default(),
         }
@@ -145,6 +153,7 @@ impl<'a, W: Write> Session<'a, W> {
             knobs: crate::knobs::in_force_non_default(self.model.kv())
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
+                .chain((self.parallel != 1).then(|| ("parallel".into(), self.parallel.to_string())))
                 .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
@@ -173,10 +182,29 @@ impl<'a, W: Write> Session<'a, W> {
         self.send(&FromEngine::Ready(ready))?;
         loop {
             if self.quitting {
+                while let Some(running) = self.active.pop_front() {
+                    let ended = self.cancel(running);
+                    self.report(ended)?;
+                }
                 return self.cancel_queued();
             }
-            if let Some(job) = self.queue.pop_front() {
-                self.run_job(job)?;
+            while self.active.len() < self.parallel {
+                let Some(job) = self.queue.pop_front() else {
+                    break;
+                };
+                match self.start(job) {
+                    Stepped::Going(running) => self.active.push_back(running),
+                    ended => self.report(ended)?,
+                }
+            }
+            if let Some(running) = self.active.pop_front() {
+                self.stepping = Some((running.job.id.clone(), running.started_on.clone()));
+                let stepped = self.step(running);
+                self.stepping = None;
+                match stepped? {
+                    Stepped::Going(running) => self.active.push_back(running),
+                    ended => self.report(ended)?,
+                }
                 continue;
             }
             // Idle: wait for input (a closed channel is the reader gone: end of input).
@@ -205,7 +233,7 @@ impl<'a, W: Write> Session<'a, W> {
         Ok(control)
     }
 
-    /// Answers one input. Returns [`Control::Cancel`] when it stops the running request.
+    /// Answers one input. Returns [`Control::Cancel`] when it stops the request taking its turn.
     fn handle(&mut self, input: Input) -> std::io::Result<Control> {
         match input {
             Input::Message(msg) => self.handle_message(msg),
@@ -240,7 +268,8 @@ impl<'a, W: Write> Session<'a, W> {
         match msg {
             ToEngine::Gen(gen) => {
                 let id = gen.id.clone();
-                let taken = self.running.as_deref() == Some(id.as_str())
+                let taken = self.stepping_id() == Some(id.as_str())
+                    || self.active.iter().any(|r| r.job.id == id)
                     || self.queue.iter().any(|j| j.id == id);
                 if taken {
                     self.error(
@@ -263,10 +292,13 @@ impl<'a, W: Write> Session<'a, W> {
                 Ok(Control::Continue)
             }
             ToEngine::Cancel(poly_protocol::Cancel { id }) => {
-                if self.running.as_deref() == Some(id.as_str()) {
+                if self.stepping_id() == Some(id.as_str()) {
                     return Ok(Control::Cancel);
                 }
-                if let Some(i) = self.queue.iter().position(|j| j.id == id) {
+                if let Some(running) = self.active.iter_mut().find(|r| r.job.id == id) {
+                    // It ends at its next turn, before its next token.
+                    running.cancel_requested = true;
+                } else if let Some(i) = self.queue.iter().position(|j| j.id == id) {
                     if let Some(job) = self.queue.remove(i) {
                         self.done_unstarted(&job)?;
                     }
@@ -317,14 +349,15 @@ impl<'a, W: Write> Session<'a, W> {
         Ok(())
     }
 
-    /// Runs one request to its DONE or ERR.
-    fn run_job(&mut self, job: Job) -> std::io::Result<()> {
-        self.running = Some(job.id.clone());
-        let result = self.execute(&job);
-        self.running = None;
-        self.in_flight = None;
-        match result? {
-            Ok(done) => {
+    fn stepping_id(&self) -> Option<&str> {
+        self.stepping.as_ref().map(|(id, _)| id.as_str())
+    }
+
+    /// Sends what an ended request left: its DONE, or an ERR for the engine's failure.
+    fn report(&mut self, ended: Stepped) -> std::io::Result<()> {
+        match ended {
+            Stepped::Going(_) => Ok(()),
+            Stepped::Ended(Ok(done)) => {
                 self.totals.requests += 1;
                 self.totals.prompt_tokens += u64::from(done.prompt_tokens);
                 self.totals.cached_tokens += u64::from(done.cached_tokens);
@@ -334,9 +367,9 @@ impl<'a, W: Write> Session<'a, W> {
                 }
                 self.send(&FromEngine::Done(done))
             }
-            Err(e) => {
+            Stepped::Ended(Err((id, e))) => {
                 self.totals.failed += 1;
-                self.error(Some(job.id), ErrorCode::Internal, e.0)
+                self.error(Some(id), ErrorCode::Internal, e.0)
             }
         }
     }
@@ -360,11 +393,19 @@ impl<'a, W: Write> Session<'a, W> {
             .chain(self.store.parked().iter().map(|c| info(c, false)))
             .collect();
         let t = &self.totals;
+        // The request taking its turn, else the next to take one.
+        let (running, running_conversation) = match (&self.stepping, self.active.front()) {
+            (Some((id, conv)), _) => (Some(id.clone()), Some(conv.clone())),
+            (None, Some(r)) => (Some(r.job.id.clone()), Some(r.started_on.clone())),
+            (None, None) => (None, None),
+        };
         let extra = json!({
             "rss_peak_bytes": rss_peak,
             "evicted": self.store.evicted,
-            "running": self.running,
-            "running_conversation": self.in_flight,
+            "running": running,
+            "running_conversation": running_conversation,
+            "active_requests": self.active.len() + usize::from(self.stepping.is_some()),
+            "parallel": self.parallel,
             "requests": t.requests,
             "cancelled": t.cancelled,
             "failed": t.failed,
