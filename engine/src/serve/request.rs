@@ -152,6 +152,10 @@ struct Answering {
     repeats: Option<Repeats>,
     /// Guessed tokens in the state past the last written one, with the logits that follow each.
     ahead: VecDeque<(u32, Vec<f32>)>,
+    /// The forward call the turn ends with, made by the session for every turn of a round together
+    /// ([`Session::finish_turns`]): the token just written and the guesses that follow it. Empty when
+    /// none is owed.
+    call: Vec<u32>,
 }
 
 /// A request that has started: its conversation, out of the store until it ends, and how far it got.
@@ -318,17 +322,18 @@ impl<W: std::io::Write> Session<'_, W> {
             generated: 0,
             repeats: guesses.then(Repeats::default),
             ahead: VecDeque::new(),
+            call: Vec::new(),
         }));
         Ok(None)
     }
 
-    /// Writes the next token (its `T` line), looks at the input, then computes the logits of the one
-    /// after it (or takes them from a kept guess). `Some` when it ended.
+    /// Writes the next token (its `T` line), looks at the input, then takes the logits of the one after
+    /// it from a kept guess, or leaves the forward call that computes them in `call` for
+    /// [`Session::finish_turns`]. `Some` when it ended.
     fn write_token(
         &mut self,
         r: &mut Running,
     ) -> std::io::Result<Option<Result<Finished, EngineError>>> {
-        let model = self.model;
         let job = &r.job;
         let Phase::Answer(a) = &mut r.phase else {
             return Ok(None);
@@ -389,29 +394,59 @@ impl<W: std::io::Write> Session<'_, W> {
             ),
             None => Vec::new(),
         };
-        let mut call = vec![token];
-        call.extend_from_slice(&guesses);
-        let want = if guesses.is_empty() {
-            Logits::Last
-        } else {
-            Logits::All
-        };
-        let rows = match model.eval(&mut conv.state, &call, want) {
-            Ok(l) => l,
-            Err(e) => return Ok(Some(Err(e))),
-        };
-        if guesses.is_empty() {
-            r.logits = rows;
-        } else {
-            let n_vocab = model.info().n_vocab;
-            let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
-            r.logits = rows.next().unwrap_or_default();
-            a.ahead.extend(guesses.into_iter().zip(rows));
-            if let Some(rep) = a.repeats.as_mut() {
-                rep.window_started();
-            }
-        }
+        a.call = vec![token];
+        a.call.extend_from_slice(&guesses);
         Ok(None)
+    }
+
+    /// The forward calls the round's turns left ([`Session::write_token`]), made together where the
+    /// model can ([`Model::eval_many`]: one call for every state, the weights read once), each turn's
+    /// rows then taken as its next logits and guesses. Returns the turns in the same order, those whose
+    /// call failed ended.
+    pub(super) fn finish_turns(&mut self, turns: VecDeque<Box<Running>>) -> Vec<Stepped> {
+        let model = self.model;
+        let n_vocab = model.info().n_vocab;
+        let mut turns = turns;
+        let results = {
+            let mut calls: Vec<(&mut crate::state::SeqState, &[u32])> =
+                turns.iter_mut().filter_map(|r| r.owed_call()).collect();
+            if calls.len() > 1 && calls.iter().all(|(s, _)| model.batches_states(s)) {
+                self.calls_over_states += 1;
+            }
+            model.eval_many(&mut calls)
+        };
+        let mut results = results.into_iter();
+        let mut out = Vec::with_capacity(turns.len());
+        for mut r in turns {
+            let failed = match &mut r.phase {
+                Phase::Answer(a) if !a.call.is_empty() => {
+                    let call = std::mem::take(&mut a.call);
+                    match results.next() {
+                        Some(Ok(rows)) if call.len() == 1 => {
+                            r.logits = rows;
+                            None
+                        }
+                        Some(Ok(rows)) => {
+                            let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
+                            r.logits = rows.next().unwrap_or_default();
+                            a.ahead.extend(call[1..].iter().copied().zip(rows));
+                            if let Some(rep) = a.repeats.as_mut() {
+                                rep.window_started();
+                            }
+                            None
+                        }
+                        Some(Err(e)) => Some(e),
+                        None => Some(EngineError("no result for a forward call".into())),
+                    }
+                }
+                _ => None,
+            };
+            out.push(match failed {
+                None => Stepped::Going(r),
+                Some(e) => self.end(*r, Err(e)),
+            });
+        }
+        out
     }
 
     /// Ends `r`: keeps its conversation (published when it completed, handed back unchanged otherwise)
@@ -481,6 +516,14 @@ impl<W: std::io::Write> Session<'_, W> {
 }
 
 impl Running {
+    /// The state and the tokens of the forward call its turn left, if it left one.
+    fn owed_call(&mut self) -> Option<(&mut crate::state::SeqState, &[u32])> {
+        match &self.phase {
+            Phase::Answer(a) if !a.call.is_empty() => Some((&mut self.conv.state, &a.call)),
+            _ => None,
+        }
+    }
+
     /// How it ends when cancelled now.
     fn cancelled(&self) -> Finished {
         let (generated, prefill_ms, decode_ms) = match &self.phase {

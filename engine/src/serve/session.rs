@@ -1,11 +1,13 @@
 //! The serve loop: announces READY, then answers what the reader passes on. Up to `--parallel` GENs run at
 //! once (one by default); others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). The
-//! running ones take turns, one forward call each (a part of a prompt, or one written token), in the
-//! order they started: each writes a token in every round, so a short answer is not held up by a long
-//! one. The turns are interleaved, not batched: each is its own forward call on its own state (the
-//! forward pass reads one sequence per call). While GENs run, the loop looks at its input after each
-//! turn's forward call ([`Session::poll`]) so that CANCEL, STATS and QUIT take effect at once. QUIT and
-//! the end of stdin cancel what runs and waits, then end the loop.
+//! running ones take turns in rounds, in the order they started: in each round a request reads a part of
+//! its prompt, or writes one token, so a short answer is not held up by a long one. The written tokens'
+//! forward calls of a round are made together ([`Session::finish_turns`]): on the CPU in
+//! batch-invariant arithmetic, for models without recurrent layers, as one forward call over all their
+//! states (the weights read once for every row, each row's result bit for bit its own call's); else one
+//! after the other. While GENs run, the loop looks at its input after each turn ([`Session::poll`]) so
+//! that CANCEL, STATS and QUIT take effect at once. QUIT and the end of stdin cancel what runs and waits,
+//! then end the loop.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -58,8 +60,10 @@ pub struct Session<'a, W: Write> {
     /// Most requests running at once (`--parallel`).
     parallel: usize,
     queue: VecDeque<Job>,
-    /// The running requests but the one taking its turn, in the order of their next turns.
+    /// The running requests yet to take their turn in this round, in order.
     active: VecDeque<Box<Running>>,
+    /// Those that took it, in order, some owing the forward call that ends their turn.
+    turned: VecDeque<Box<Running>>,
     inputs: Receiver<Input>,
     out: &'a mut W,
     /// The request taking its turn: its id, and the conversation it works on as it was when it started
@@ -67,6 +71,8 @@ pub struct Session<'a, W: Write> {
     stepping: Option<(String, ConversationInfo)>,
     quitting: bool,
     totals: Totals,
+    /// Forward calls made over several requests' states at once (STATS's `calls_over_states`).
+    pub(super) calls_over_states: u64,
     /// The placement's settings that differ from the defaults, echoed in READY with the knobs.
     placement_echo: Vec<(String, String)>,
 }
@@ -115,6 +121,7 @@ impl<'a, W: Write> Session<'a, W> {
             parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
             active: VecDeque::new(),
+            turned: VecDeque::new(),
             inputs,
             out,
             stepping: None,
@@ -125,6 +132,7 @@ impl<'a, W: Write> Session<'a, W> {
             },
             quitting: false,
             totals: Totals::default(),
+            calls_over_states: 0,
         }
     }
 
@@ -197,14 +205,8 @@ impl<'a, W: Write> Session<'a, W> {
                     ended => self.report(ended)?,
                 }
             }
-            if let Some(running) = self.active.pop_front() {
-                self.stepping = Some((running.job.id.clone(), running.started_on.clone()));
-                let stepped = self.step(running);
-                self.stepping = None;
-                match stepped? {
-                    Stepped::Going(running) => self.active.push_back(running),
-                    ended => self.report(ended)?,
-                }
+            if !self.active.is_empty() {
+                self.round()?;
                 continue;
             }
             // Idle: wait for input (a closed channel is the reader gone: end of input).
@@ -269,7 +271,7 @@ impl<'a, W: Write> Session<'a, W> {
             ToEngine::Gen(gen) => {
                 let id = gen.id.clone();
                 let taken = self.stepping_id() == Some(id.as_str())
-                    || self.active.iter().any(|r| r.job.id == id)
+                    || self.others().any(|r| r.job.id == id)
                     || self.queue.iter().any(|j| j.id == id);
                 if taken {
                     self.error(
@@ -295,7 +297,12 @@ impl<'a, W: Write> Session<'a, W> {
                 if self.stepping_id() == Some(id.as_str()) {
                     return Ok(Control::Cancel);
                 }
-                if let Some(running) = self.active.iter_mut().find(|r| r.job.id == id) {
+                let running = self
+                    .active
+                    .iter_mut()
+                    .chain(self.turned.iter_mut())
+                    .find(|r| r.job.id == id);
+                if let Some(running) = running {
                     // It ends at its next turn, before its next token.
                     running.cancel_requested = true;
                 } else if let Some(i) = self.queue.iter().position(|j| j.id == id) {
@@ -349,6 +356,47 @@ impl<'a, W: Write> Session<'a, W> {
         Ok(())
     }
 
+    /// One turn of every running request, in order, then the forward calls the turns left, together.
+    /// A QUIT ends the round at once (the loop then cancels everything).
+    fn round(&mut self) -> std::io::Result<()> {
+        while let Some(running) = self.active.pop_front() {
+            self.stepping = Some((running.job.id.clone(), running.started_on.clone()));
+            let stepped = self.step(running);
+            self.stepping = None;
+            match stepped? {
+                Stepped::Going(running) => self.turned.push_back(running),
+                ended => self.report(ended)?,
+            }
+            if self.quitting {
+                break;
+            }
+        }
+        let turned = std::mem::take(&mut self.turned);
+        let finished = if self.quitting {
+            turned.into_iter().map(Stepped::Going).collect()
+        } else {
+            self.finish_turns(turned)
+        };
+        // The next round: those that went on first, in order, then any the QUIT left untaken.
+        let untaken = std::mem::take(&mut self.active);
+        for stepped in finished {
+            match stepped {
+                Stepped::Going(running) => self.active.push_back(running),
+                ended => self.report(ended)?,
+            }
+        }
+        self.active.extend(untaken);
+        Ok(())
+    }
+
+    /// The running requests but the one taking its turn.
+    fn others(&self) -> impl Iterator<Item = &Running> {
+        self.active
+            .iter()
+            .chain(self.turned.iter())
+            .map(|r| r.as_ref())
+    }
+
     fn stepping_id(&self) -> Option<&str> {
         self.stepping.as_ref().map(|(id, _)| id.as_str())
     }
@@ -394,7 +442,7 @@ impl<'a, W: Write> Session<'a, W> {
             .collect();
         let t = &self.totals;
         // The request taking its turn, else the next to take one.
-        let (running, running_conversation) = match (&self.stepping, self.active.front()) {
+        let (running, running_conversation) = match (&self.stepping, self.others().next()) {
             (Some((id, conv)), _) => (Some(id.clone()), Some(conv.clone())),
             (None, Some(r)) => (Some(r.job.id.clone()), Some(r.started_on.clone())),
             (None, None) => (None, None),
@@ -404,8 +452,9 @@ impl<'a, W: Write> Session<'a, W> {
             "evicted": self.store.evicted,
             "running": running,
             "running_conversation": running_conversation,
-            "active_requests": self.active.len() + usize::from(self.stepping.is_some()),
+            "active_requests": self.others().count() + usize::from(self.stepping.is_some()),
             "parallel": self.parallel,
+            "calls_over_states": self.calls_over_states,
             "requests": t.requests,
             "cancelled": t.cancelled,
             "failed": t.failed,
