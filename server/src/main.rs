@@ -159,7 +159,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     queue: usize,
     /// Requests that run at once (the engine is started with `--parallel N` and writes their tokens in
-    /// turns, so a short request is not held up by a long one; its total rate stays one request's).
+    /// turns, so a short request is not held up by a long one; the total rate stays about one request's).
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     parallel: u32,

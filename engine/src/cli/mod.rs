@@ -59,9 +59,10 @@ struct ServeArgs {
     /// MiB of RAM that parked conversations may hold (least recently used dropped first).
     #[arg(long, default_value_t = 1024)]
     park_mib: usize,
-    /// Most requests running at once, each on its own conversation state, taking turns one forward call
-    /// each (a written token, or a part of a prompt); others wait in the queue. Interleaved, not batched:
-    /// the total rate stays about one request's, but a short answer no longer waits for a long one.
+    /// Most requests running at once, each on its own conversation state, taking turns (a written token,
+    /// or a part of a prompt, each); others wait in the queue. A round's written tokens are one forward
+    /// call on the CPU for models without recurrent layers, else one call each; a short answer no longer
+    /// waits for a long one.
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=64))]
     parallel: u32,
