@@ -260,6 +260,14 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
             ),
         );
     }
+    if loaded.model.on_gpu() && opts.parallel > 1 {
+        // Each request keeps its own state on the card, used in turns: checked on the CPU only so far.
+        eprintln!(
+            "poly-engine: --parallel {} on a card: requests take turns one call each; not yet checked on a \
+             card (benchmarks/parallel_check.py compares their answers with answers alone)",
+            opts.parallel
+        );
+    }
     if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }
