@@ -423,6 +423,70 @@ impl Model {
         Ok(out.data)
     }
 
+    /// Whether [`Model::eval_many`] reads several states in one forward call: on the CPU, in
+    /// batch-invariant arithmetic (so that each state's rows come out bit for bit as in a call of its
+    /// own), for states without recurrent layers.
+    pub fn batches_states(&self, state: &SeqState) -> bool {
+        self.gpu.is_none()
+            && self.arithmetic == Arithmetic::BatchInvariant
+            && !state.has_recurrent()
+    }
+
+    /// Reads each call's tokens into its state and returns every row's logits, call by call. Where
+    /// [`Model::batches_states`] says so for every state, that is one forward call for all of them (the
+    /// weights read once for all rows), else one call each. Each call's result is its own: a call that
+    /// cannot be made (a token outside the vocabulary, no room) fails alone, the others go on.
+    pub fn eval_many(
+        &self,
+        calls: &mut [(&mut SeqState, &[u32])],
+    ) -> Vec<Result<Vec<f32>, EngineError>> {
+        let together = calls.len() > 1
+            && calls.iter().all(|(s, t)| {
+                self.batches_states(s) && !t.is_empty() && self.check_call(s, t).is_ok()
+            });
+        if !together {
+            // A call of one row asks for the last row's logits, as a decoding step always did.
+            return calls
+                .iter_mut()
+                .map(|(state, tokens)| {
+                    let want = if tokens.len() == 1 {
+                        Logits::Last
+                    } else {
+                        Logits::All
+                    };
+                    self.eval(state, tokens, want)
+                })
+                .collect();
+        }
+        if let Some(e) = calls.iter_mut().find_map(|(s, _)| s.sync().err()) {
+            let e = EngineError(e);
+            return calls.iter().map(|_| Err(e.clone())).collect();
+        }
+        let counts: Vec<usize> = calls.iter().map(|(_, t)| t.len()).collect();
+        let tokens: Vec<u32> = calls.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let out = {
+            let states: Vec<&mut SeqState> = calls.iter_mut().map(|(s, _)| &mut **s).collect();
+            let mut c = CpuForward::many(&self.weights, states, &counts, &tokens)
+                .with_arithmetic(self.arithmetic)
+                .with_route_counts(&self.routes);
+            self.graph.forward(&mut c)
+        };
+        let n_vocab = self.info().n_vocab;
+        let mut rows = out.data.chunks(n_vocab);
+        calls
+            .iter_mut()
+            .map(|(state, tokens)| {
+                state.push_tokens(tokens);
+                Ok(rows
+                    .by_ref()
+                    .take(tokens.len())
+                    .flatten()
+                    .copied()
+                    .collect())
+            })
+            .collect()
+    }
+
     /// Checks that `tokens` are in the vocabulary, fit in `state`'s context and that the state belongs
     /// to this model.
     fn check_call(&self, state: &SeqState, tokens: &[u32]) -> Result<(), EngineError> {

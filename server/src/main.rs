@@ -88,9 +88,19 @@ struct BenchmarkArgs {
     /// One JSON object on stdout instead of the table.
     #[arg(long)]
     json: bool,
-    /// The long prompts' lengths in tokens, comma-separated (the short prompt always runs too).
-    #[arg(long, value_parser = polystrata::bench::parse_prompt_tokens, default_value = "2000,8000")]
-    prompt_tokens: PromptLengths,
+    /// The long prompts' lengths in tokens, comma-separated (the short prompt always runs too; default
+    /// 2000,8000). With --concurrent: the first is every request's prompt length (default 64).
+    #[arg(long, value_parser = polystrata::bench::parse_prompt_tokens)]
+    prompt_tokens: Option<PromptLengths>,
+    /// Instead: N clients sending chats at once through the supervisor (answers/s, latency).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    concurrent: Option<u32>,
+    /// With --concurrent: requests each client sends, one after the other.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    chats: u32,
+    /// With --concurrent: requests running at once (the server's --parallel; default: N).
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u32).range(1..=64))]
+    parallel: Option<u32>,
     /// How many times to send every prompt.
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -145,9 +155,14 @@ struct ServeArgs {
     /// unless --load names another; repeatable.
     #[arg(long = "gguf", value_name = "FILE")]
     gguf: Vec<PathBuf>,
-    /// Requests that may wait behind the running one; more get 503 with Retry-After.
+    /// Requests that may wait behind the running ones; more get 503 with Retry-After.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Requests that run at once (the engine is started with `--parallel N` and writes their tokens in
+    /// turns, so a short request is not held up by a long one; the total rate stays about one request's).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    parallel: u32,
     /// Seconds a switch waits for the running request before it is refused.
     #[arg(long, default_value_t = 120)]
     switch_wait: u64,
@@ -264,11 +279,32 @@ fn main() -> ExitCode {
             }
             run_server(registry, serve)
         }
+        Some(Command::Benchmark(b)) if b.concurrent.is_some() => {
+            let clients = b.concurrent.unwrap_or(1) as usize;
+            polystrata::bench::concurrent::run(
+                registry,
+                polystrata::bench::concurrent::ConcurrentOptions {
+                    model: b.model,
+                    clients,
+                    parallel: b.parallel.map_or(clients, |p| p as usize),
+                    chats: b.chats as usize,
+                    prompt_tokens: b
+                        .prompt_tokens
+                        .and_then(|p| p.first().copied())
+                        .unwrap_or(64),
+                    answer_tokens: b.answer_tokens,
+                    json: b.json,
+                    ready_timeout: std::time::Duration::from_secs(b.ready_timeout),
+                },
+            )
+        }
         Some(Command::Benchmark(b)) => polystrata::bench::run(
             registry,
             polystrata::bench::BenchOptions {
                 model: b.model,
-                long_prompts: b.prompt_tokens,
+                long_prompts: b
+                    .prompt_tokens
+                    .unwrap_or_else(|| polystrata::bench::DEFAULT_LONG_PROMPTS.to_vec()),
                 runs: b.runs,
                 answer_tokens: b.answer_tokens,
                 json: b.json,
@@ -459,6 +495,7 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
     runtime.block_on(async move {
         let limits = Limits {
             queue: args.queue,
+            parallel: args.parallel as usize,
             switch_wait: std::time::Duration::from_secs(args.switch_wait),
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout),
             stall: (args.stall_timeout > 0)
@@ -481,8 +518,9 @@ fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
         };
         // The bounds in force, once: what an operator needs to read a refusal or a killed engine.
         eprintln!(
-            "polystrata: queue {}, switch wait {} s, ready timeout {} s, stall timeout {}, \
+            "polystrata: {} requests at once, queue {}, switch wait {} s, ready timeout {} s, stall timeout {}, \
              {} connections, header timeout {} s, body timeout {} s, bodies up to {} MiB, idle unload {}",
+            limits.parallel,
             limits.queue,
             args.switch_wait,
             args.ready_timeout,

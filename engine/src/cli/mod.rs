@@ -59,6 +59,13 @@ struct ServeArgs {
     /// MiB of RAM that parked conversations may hold (least recently used dropped first).
     #[arg(long, default_value_t = 1024)]
     park_mib: usize,
+    /// Most requests running at once, each on its own conversation state, taking turns (a written token,
+    /// or a part of a prompt, each); others wait in the queue. A round's written tokens are one forward
+    /// call on the CPU for models without recurrent layers, else one call each; a short answer no longer
+    /// waits for a long one.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    parallel: u32,
     /// Keep a checkpoint of recurrent layers every N prompt tokens read (0: only where asked; default
     /// 2048, or --long-ubatch where prompts are read in long calls).
     #[arg(long, value_name = "N")]
@@ -302,6 +309,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 long_ubatch: a.long_ubatch,
                 guesses: !a.no_draft,
                 warm_up: !a.no_warmup,
+                parallel: a.parallel as usize,
                 device,
                 placement: a.placement.placement(
                     a.max_context,

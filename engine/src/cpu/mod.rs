@@ -21,6 +21,7 @@ pub mod profile;
 mod tests;
 pub(crate) mod warm;
 
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use rayon::prelude::*;
@@ -386,10 +387,12 @@ fn split_kv_chunk(n_kv: usize, threads: usize) -> Option<usize> {
     (padded >= 512).then(|| padded.div_ceil(threads.max(1)))
 }
 
-/// One forward call on the CPU: a batch of tokens advancing one sequence's state.
+/// One forward call on the CPU: a batch of tokens advancing one sequence's state, or several sequences'
+/// states at once ([`CpuForward::many`]: each its own rows, the weights read once for all).
 pub struct CpuForward<'a> {
     weights: &'a CpuWeights,
-    state: &'a mut SeqState,
+    /// The states the call advances, each with the rows of `tokens` it reads.
+    seqs: Vec<(&'a mut SeqState, Range<usize>)>,
     tokens: &'a [u32],
     logits: Logits,
     positions: Vec<u32>,
@@ -420,10 +423,51 @@ impl<'a> CpuForward<'a> {
         let pos0 = state.n_past() as u32;
         CpuForward {
             weights,
-            state,
+            seqs: vec![(state, 0..tokens.len())],
             tokens,
             logits,
             positions: (0..tokens.len() as u32).map(|i| pos0 + i).collect(),
+            arithmetic: Arithmetic::default(),
+            routes: None,
+            routers: None,
+        }
+    }
+
+    /// A call reading `tokens` into several states: state `i` reads the next `counts[i]` of them at its
+    /// next positions, and every row's logits are returned. Matrix products and experts see all rows
+    /// together (one read of the weights); attention reads each state's own cache. States with recurrent
+    /// layers are not taken (their operations read one state). The caller checks the tokens as for
+    /// [`CpuForward::new`] and records them in each state afterwards.
+    pub fn many(
+        weights: &'a CpuWeights,
+        states: Vec<&'a mut SeqState>,
+        counts: &[usize],
+        tokens: &'a [u32],
+    ) -> CpuForward<'a> {
+        assert_eq!(states.len(), counts.len(), "one row count per state");
+        assert_eq!(
+            counts.iter().sum::<usize>(),
+            tokens.len(),
+            "rows and tokens"
+        );
+        let mut positions = Vec::with_capacity(tokens.len());
+        let mut seqs = Vec::with_capacity(states.len());
+        for (state, &n) in states.into_iter().zip(counts) {
+            assert!(
+                !state.has_recurrent(),
+                "several states in one call: recurrent layers are not taken"
+            );
+            let pos0 = state.n_past() as u32;
+            let start = positions.len();
+            positions.extend((0..n as u32).map(|i| pos0 + i));
+            seqs.push((state, start..positions.len()));
+        }
+        CpuForward {
+            weights,
+            seqs,
+            tokens,
+            logits: Logits::All,
+            positions,
             arithmetic: Arithmetic::default(),
             routes: None,
             routers: None,
@@ -448,8 +492,28 @@ impl<'a> CpuForward<'a> {
         self
     }
 
+    /// The first state's position (the call's only one but in [`CpuForward::many`]).
     fn pos0(&self) -> u32 {
-        self.state.n_past() as u32
+        self.seqs.first().map_or(0, |(s, _)| s.n_past() as u32)
+    }
+
+    /// The call's one state: recurrent operations read one ([`CpuForward::many`] refuses their states).
+    fn only_state(&mut self) -> &mut SeqState {
+        assert_eq!(
+            self.seqs.len(),
+            1,
+            "a recurrent operation over several states"
+        );
+        &mut *self.seqs[0].0
+    }
+}
+
+/// Rows `rows` of `x`.
+fn row_range(x: &Mat, rows: &Range<usize>) -> Mat {
+    Mat {
+        rows: rows.len(),
+        cols: x.cols,
+        data: x.data[rows.start * x.cols..rows.end * x.cols].to_vec(),
     }
 }
 
@@ -686,103 +750,27 @@ impl Compute for CpuForward<'_> {
 
     fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
         let _span = profile::span("attention");
-        let pos0 = self.pos0() as usize;
-        // A Q8_0 cache: queries, keys and values rotated as llama.cpp rotates them around a quantized
-        // cache, the output rotated back.
-        let rot = self.state.kv_rotation();
-        let rotated = |x: &Mat, n: Option<usize>| {
-            n.map(|n| {
-                let mut r = x.clone();
-                attention::hadamard_ggml(&mut r.data, n);
-                r
-            })
-        };
-        let (q_rot, k_rot, v_rot) = (rotated(q, rot.k), rotated(k, rot.k), rotated(v, rot.v));
-        let (q, k, v) = (
-            q_rot.as_ref().unwrap_or(q),
-            k_rot.as_ref().unwrap_or(k),
-            v_rot.as_ref().unwrap_or(v),
-        );
-        let LayerState::Kv(cache) = self.state.layer_mut(layer) else {
-            panic!("attention on layer {layer}, whose state is not a KV cache");
-        };
-        assert_eq!(
-            cache.len(),
-            pos0,
-            "attention: layer {layer}'s KV cache is not at the batch's position"
-        );
-        cache.append(&k.data, &v.data);
-        let p = attention::AttnParams {
-            n_head: a.n_head,
-            n_head_kv: a.n_head_kv,
-            head_dim_k: a.head_dim_k,
-            head_dim_v: a.head_dim_v,
-            scale: a.scale,
-            window: a.window,
-            softcap: a.softcap,
-        };
-        let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
-        if cache.precision == KvPrecision::Q8_0 {
-            // llama.cpp's one path over a quantized cache, for every batch (so batch-invariant too).
-            attention::attention_ggml_q8_0(
-                &q.data,
-                &self.positions,
-                cache.keys_q8_0(),
-                cache.values_q8_0(),
-                &p,
-                &mut out.data,
-            );
-            if let Some(n) = rot.v {
-                attention::hadamard_ggml(&mut out.data, n);
-            }
-            return out;
+        let arithmetic = self.arithmetic;
+        if let [(state, _)] = self.seqs.as_mut_slice() {
+            return attend(state, layer, (q, k, v), a, &self.positions, arithmetic);
         }
-        let (keys, values) = (cache.keys(), cache.values());
-        let invariant = self.arithmetic == Arithmetic::BatchInvariant;
-        match cache.precision {
-            // Batch-invariant: the vector path for every query count, over all positions in order (no
-            // split-KV, whose chunks follow the thread count), as llama.cpp decodes below 512 positions.
-            KvPrecision::F16 if invariant => {
-                attention::attention_ggml_f16(
-                    &q.data,
-                    &self.positions,
-                    keys,
-                    values,
-                    &p,
-                    None,
-                    &mut out.data,
-                );
-            }
-            // llama.cpp's CPU flash attention over its F16 cache, step for step: the tiled path for
-            // batches of 64 queries or more, the vector path below that.
-            KvPrecision::F16 if q.rows >= attention::GGML_FA_TILE_Q => {
-                attention::attention_ggml_f16_tiled(
-                    &q.data,
-                    &self.positions,
-                    keys,
-                    values,
-                    &p,
-                    &mut out.data,
-                );
-            }
-            KvPrecision::F16 => {
-                let chunk = (q.rows == 1)
-                    .then(|| split_kv_chunk(cache.len(), rayon::current_num_threads()))
-                    .flatten();
-                attention::attention_ggml_f16(
-                    &q.data,
-                    &self.positions,
-                    keys,
-                    values,
-                    &p,
-                    chunk,
-                    &mut out.data,
-                );
-            }
-            KvPrecision::F32 => {
-                attention::attention(&q.data, &self.positions, keys, values, &p, &mut out.data);
-            }
-            KvPrecision::Q8_0 => unreachable!("read above"),
+        // Several states: each attends over its own cache with its own rows.
+        let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
+        for (state, rows) in &mut self.seqs {
+            let qkv = (
+                &row_range(q, rows),
+                &row_range(k, rows),
+                &row_range(v, rows),
+            );
+            let o = attend(
+                state,
+                layer,
+                qkv,
+                a,
+                &self.positions[rows.clone()],
+                arithmetic,
+            );
+            out.data[rows.start * out.cols..rows.end * out.cols].copy_from_slice(&o.data);
         }
         out
     }
@@ -847,7 +835,7 @@ impl Compute for CpuForward<'_> {
         let info = self.weights.info(kernel);
         let taps = info.row_len() as usize;
         let w = self.weights.f32(kernel);
-        let LayerState::Recurrent(s) = self.state.layer_mut(layer) else {
+        let LayerState::Recurrent(s) = self.only_state().layer_mut(layer) else {
             panic!("ssm_conv on layer {layer}, whose state is not recurrent");
         };
         assert_eq!(
@@ -861,7 +849,7 @@ impl Compute for CpuForward<'_> {
 
     fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Mat>, net: &DeltaNet) -> Mat {
         let _span = profile::span("gated_delta_net");
-        let LayerState::Recurrent(s) = self.state.layer_mut(layer) else {
+        let LayerState::Recurrent(s) = self.only_state().layer_mut(layer) else {
             panic!("gated_delta_net on layer {layer}, whose state is not recurrent");
         };
         let shape = recurrent::DeltaShape {
@@ -890,6 +878,117 @@ impl Compute for CpuForward<'_> {
             logits: self.logits,
         }
     }
+}
+
+/// Attention of `q`'s rows over `state`'s cache of layer `layer`, after appending `k` and `v` to it; the
+/// rows sit at `positions`.
+fn attend(
+    state: &mut SeqState,
+    layer: usize,
+    (q, k, v): (&Mat, &Mat, &Mat),
+    a: &Attention,
+    positions: &[u32],
+    arithmetic: Arithmetic,
+) -> Mat {
+    let pos0 = state.n_past();
+    // A Q8_0 cache: queries, keys and values rotated as llama.cpp rotates them around a quantized
+    // cache, the output rotated back.
+    let rot = state.kv_rotation();
+    let rotated = |x: &Mat, n: Option<usize>| {
+        n.map(|n| {
+            let mut r = x.clone();
+            attention::hadamard_ggml(&mut r.data, n);
+            r
+        })
+    };
+    let (q_rot, k_rot, v_rot) = (rotated(q, rot.k), rotated(k, rot.k), rotated(v, rot.v));
+    let (q, k, v) = (
+        q_rot.as_ref().unwrap_or(q),
+        k_rot.as_ref().unwrap_or(k),
+        v_rot.as_ref().unwrap_or(v),
+    );
+    let LayerState::Kv(cache) = state.layer_mut(layer) else {
+        panic!("attention on layer {layer}, whose state is not a KV cache");
+    };
+    assert_eq!(
+        cache.len(),
+        pos0,
+        "attention: layer {layer}'s KV cache is not at the batch's position"
+    );
+    cache.append(&k.data, &v.data);
+    let p = attention::AttnParams {
+        n_head: a.n_head,
+        n_head_kv: a.n_head_kv,
+        head_dim_k: a.head_dim_k,
+        head_dim_v: a.head_dim_v,
+        scale: a.scale,
+        window: a.window,
+        softcap: a.softcap,
+    };
+    let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
+    if cache.precision == KvPrecision::Q8_0 {
+        // llama.cpp's one path over a quantized cache, for every batch (so batch-invariant too).
+        attention::attention_ggml_q8_0(
+            &q.data,
+            positions,
+            cache.keys_q8_0(),
+            cache.values_q8_0(),
+            &p,
+            &mut out.data,
+        );
+        if let Some(n) = rot.v {
+            attention::hadamard_ggml(&mut out.data, n);
+        }
+        return out;
+    }
+    let (keys, values) = (cache.keys(), cache.values());
+    let invariant = arithmetic == Arithmetic::BatchInvariant;
+    match cache.precision {
+        // Batch-invariant: the vector path for every query count, over all positions in order (no
+        // split-KV, whose chunks follow the thread count), as llama.cpp decodes below 512 positions.
+        KvPrecision::F16 if invariant => {
+            attention::attention_ggml_f16(
+                &q.data,
+                positions,
+                keys,
+                values,
+                &p,
+                None,
+                &mut out.data,
+            );
+        }
+        // llama.cpp's CPU flash attention over its F16 cache, step for step: the tiled path for
+        // batches of 64 queries or more, the vector path below that.
+        KvPrecision::F16 if q.rows >= attention::GGML_FA_TILE_Q => {
+            attention::attention_ggml_f16_tiled(
+                &q.data,
+                positions,
+                keys,
+                values,
+                &p,
+                &mut out.data,
+            );
+        }
+        KvPrecision::F16 => {
+            let chunk = (q.rows == 1)
+                .then(|| split_kv_chunk(cache.len(), rayon::current_num_threads()))
+                .flatten();
+            attention::attention_ggml_f16(
+                &q.data,
+                positions,
+                keys,
+                values,
+                &p,
+                chunk,
+                &mut out.data,
+            );
+        }
+        KvPrecision::F32 => {
+            attention::attention(&q.data, positions, keys, values, &p, &mut out.data);
+        }
+        KvPrecision::Q8_0 => unreachable!("read above"),
+    }
+    out
 }
 
 #[cfg(test)]

@@ -4,9 +4,10 @@
 //!
 //! - [`input`]: a thread reads stdin line by line (bounded) and passes what it parsed through a channel,
 //!   so CANCEL and STATS are seen while a GEN runs;
-//! - [`session`]: the serve loop: one request runs at a time, others wait in a bounded FIFO queue;
-//! - [`request`]: checking a GEN and running it (reading the prompt from the kept state, checkpoints,
-//!   cancellation between tokens);
+//! - [`session`]: the serve loop: up to `--parallel` requests run at once, taking turns one forward call
+//!   each (one at a time by default), others wait in a bounded FIFO queue;
+//! - [`request`]: checking a GEN and running it step by step (reading the prompt from the kept state,
+//!   checkpoints, cancellation between tokens);
 //! - [`store`]: the conversations kept between requests;
 //! - [`memory`]: the process's resident memory for STATS.
 //!
@@ -31,7 +32,7 @@ use poly_protocol::{ErrorCode, ErrorReply, FromEngine};
 
 use crate::model::{Arithmetic, EngineError, Model};
 
-/// Requests that may wait while one runs; a GEN beyond them is answered `busy`.
+/// Requests that may wait while `--parallel` run; a GEN beyond them is answered `busy`.
 pub const QUEUE_DEPTH: usize = 8;
 
 /// How the engine process serves.
@@ -68,6 +69,8 @@ pub struct ServeOptions {
     pub guesses: bool,
     /// The warm-up before READY on a GPU ([`warm_up`]); `--no-warmup` turns it off.
     pub warm_up: bool,
+    /// Most requests running at once, taking turns token by token (`--parallel`; 1: one at a time).
+    pub parallel: usize,
 }
 
 /// Prompt tokens per forward call on a GPU unless told otherwise: the grouped expert kernels read each
@@ -255,6 +258,14 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
                 "cannot serve {}: its context_length is 0; give --max-context N",
                 opts.model.display()
             ),
+        );
+    }
+    if loaded.model.on_gpu() && opts.parallel > 1 {
+        // Each request keeps its own state on the card, used in turns: checked on the CPU only so far.
+        eprintln!(
+            "poly-engine: --parallel {} on a card: requests take turns one call each; not yet checked on a \
+             card (benchmarks/parallel_check.py compares their answers with answers alone)",
+            opts.parallel
         );
     }
     if loaded.model.on_gpu() && opts.warm_up {

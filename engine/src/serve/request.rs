@@ -1,6 +1,8 @@
 //! One GEN: checked when it arrives ([`Job::check`]: every error a request can carry is answered before
-//! it waits), then run ([`Session::execute`]): resume from the kept state, read the rest of the prompt
-//! (taking checkpoints), write tokens with `T` lines, looking at the input between tokens.
+//! it waits), then started ([`Session::start`]: resume from the kept state) and stepped
+//! ([`Session::step`], one forward call at a time, so that up to `--parallel` requests take turns): read
+//! the rest of the prompt (taking checkpoints), write tokens with `T` lines, looking at the input between
+//! tokens.
 //!
 //! Reading only the rest of a prompt after a kept prefix runs the same computation as reading it whole,
 //! except that the prompt is split into forward calls at other places, and the CPU kernels' summation
@@ -9,15 +11,19 @@
 //! fixtures the greedy tokens agree and probabilities move by a few hundredths; replaying the same calls
 //! gives the same numbers bit for bit (`engine/tests/serve_conversations.rs`).
 
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use poly_models::arch::ModelInfo;
 use poly_models::compute::Logits;
-use poly_protocol::{Done, ErrorCode, FromEngine, Gen, Progress, StopReason, Tokens};
+use poly_protocol::{
+    ConversationInfo, Done, ErrorCode, FromEngine, Gen, Progress, StopReason, Tokens,
+};
 
 use super::repeats::Repeats;
 use super::session::{Control, Session};
-use super::store::Conversation;
+use super::store::{Conversation, Origin, Undo};
+use crate::gpu::expert_cache::CacheStats;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
 
@@ -128,11 +134,62 @@ struct Finished {
     draft_accepted: u64,
 }
 
+/// Where a running request is.
+enum Phase {
+    /// Reading its prompt; `pos` tokens of it are in the state.
+    Prompt { pos: usize },
+    /// Writing tokens: the logits of the next one are ready.
+    Answer(Box<Answering>),
+}
+
+/// The writing side of a running request.
+struct Answering {
+    prefill_ms: f64,
+    decoding: Instant,
+    sampler: Sampler,
+    generated: usize,
+    /// Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
+    repeats: Option<Repeats>,
+    /// Guessed tokens in the state past the last written one, with the logits that follow each.
+    ahead: VecDeque<(u32, Vec<f32>)>,
+    /// The forward call the turn ends with, made by the session for every turn of a round together
+    /// ([`Session::finish_turns`]): the token just written and the guesses that follow it. Empty when
+    /// none is owed.
+    call: Vec<u32>,
+}
+
+/// A request that has started: its conversation, out of the store until it ends, and how far it got.
+/// [`Session::step`] advances it by one forward call (a part of its prompt, or one written token), so
+/// that several can take turns.
+pub(super) struct Running {
+    pub(super) job: Job,
+    conv: Conversation,
+    origin: Origin,
+    undo: Undo,
+    /// Prompt tokens the kept state spared.
+    cached: usize,
+    /// The conversation as it was when the request started (STATS's `running_conversation`).
+    pub(super) started_on: ConversationInfo,
+    experts_before: Option<CacheStats>,
+    started: Instant,
+    /// The logits of the last row read.
+    logits: Vec<f32>,
+    phase: Phase,
+    /// A CANCEL for it arrived while another request was stepping: it ends at its next step.
+    pub(super) cancel_requested: bool,
+}
+
+/// What a step left: the request goes on, or its outcome (the DONE to send, or the engine's failure).
+pub(super) enum Stepped {
+    Going(Box<Running>),
+    Ended(Result<Done, (String, EngineError)>),
+}
+
 impl<W: std::io::Write> Session<'_, W> {
-    /// Runs `job` on its conversation and keeps the result (published when it completes, handed back
-    /// unchanged otherwise). The outer error is stdout or stdin failing; the inner one the DONE to send
-    /// or the engine's failure.
-    pub(super) fn execute(&mut self, job: &Job) -> std::io::Result<Result<Done, EngineError>> {
+    /// Starts `job` on its conversation: takes it out of the store (a conversation another running
+    /// request holds is not there, so this one starts from a fresh state of the same name; the last to
+    /// complete is kept) and goes back to where the prompt departs from it.
+    pub(super) fn start(&mut self, job: Job) -> Stepped {
         let model = self.model;
         let n_ctx = self.n_ctx;
         let (mut conv, origin) = self
@@ -141,16 +198,272 @@ impl<W: std::io::Write> Session<'_, W> {
         let resume = conv.resume_point(&job.prompt);
         let undo = conv.rewind(resume);
         let cached = conv.state.n_past();
-        self.in_flight = Some(poly_protocol::ConversationInfo {
+        let started_on = ConversationInfo {
             id: conv.id.clone().unwrap_or_default(),
             tokens: cached as u32,
             active: true,
             bytes: conv.bytes() as u64,
             checkpoints: conv.n_checkpoints() as u32,
-        });
-        let experts_before = model.expert_stats();
-        let result = self.generate(&mut conv, job);
+        };
+        let mut running = Running {
+            experts_before: model.expert_stats(),
+            started: Instant::now(),
+            phase: Phase::Prompt { pos: cached },
+            logits: Vec::new(),
+            job,
+            conv,
+            origin,
+            undo,
+            cached,
+            started_on,
+            cancel_requested: false,
+        };
+        let end = running.job.prompt.len();
+        if end > cached + self.call_tokens(end - cached) {
+            if let Err(e) = model.expect_tokens(&mut running.conv.state, end - cached) {
+                return self.end(running, Err(e));
+            }
+        }
+        Stepped::Going(Box::new(running))
+    }
+
+    /// One forward call of `running` (the next part of its prompt, or the next token written) with the
+    /// lines it sends, and a look at the input after it. The outer error is stdout or stdin failing.
+    pub(super) fn step(&mut self, mut running: Box<Running>) -> std::io::Result<Stepped> {
+        if running.cancel_requested {
+            let cancelled = running.cancelled();
+            return Ok(self.end(*running, Ok(cancelled)));
+        }
+        let result = match running.phase {
+            Phase::Prompt { pos } => self.read_prompt(&mut running, pos)?,
+            Phase::Answer(_) => self.write_token(&mut running)?,
+        };
+        Ok(match result {
+            None => Stepped::Going(running),
+            Some(outcome) => self.end(*running, outcome),
+        })
+    }
+
+    /// Ends `running` as cancelled (QUIT, the end of input).
+    pub(super) fn cancel(&mut self, running: Box<Running>) -> Stepped {
+        let cancelled = running.cancelled();
+        self.end(*running, Ok(cancelled))
+    }
+
+    /// Tokens of the next forward call of a prompt with `remaining` tokens left to read: a long call
+    /// while more than one ordinary call's worth remain, so the rest is never a long call's sliver.
+    fn call_tokens(&self, remaining: usize) -> usize {
+        if self.long_ubatch > 0 && remaining > self.ubatch {
+            self.long_ubatch
+        } else {
+            self.ubatch
+        }
+    }
+
+    /// Reads the prompt's next forward call from `pos` (taking checkpoints); after the last one the
+    /// request turns to writing. `Some` when it ended.
+    fn read_prompt(
+        &mut self,
+        r: &mut Running,
+        mut pos: usize,
+    ) -> std::io::Result<Option<Result<Finished, EngineError>>> {
+        let model = self.model;
+        let every = self.checkpoint_every;
+        let job = &r.job;
+        let end = job.prompt.len();
+        // KV caches are cut anywhere: only recurrent layers need checkpoints (and the reads split there).
+        let recurrent = r.conv.state.has_recurrent();
+        if pos < end {
+            if recurrent && job.checkpoint_here(pos, every) {
+                r.conv.add_checkpoint();
+            }
+            let next = recurrent
+                .then(|| job.next_checkpoint(pos, end, every))
+                .flatten()
+                .unwrap_or(end)
+                .min(pos + self.call_tokens(end - pos));
+            let want = if next == end {
+                Logits::Last
+            } else {
+                Logits::None
+            };
+            r.logits = match model.eval(&mut r.conv.state, &job.prompt[pos..next], want) {
+                Ok(l) => l,
+                Err(e) => return Ok(Some(Err(e))),
+            };
+            pos = next;
+            if pos < end {
+                r.phase = Phase::Prompt { pos };
+                // A long read sends nothing else until its first token: this line tells the server the
+                // engine is working, not stopped (its stall bound counts from the last line).
+                self.send(&FromEngine::Progress(Progress {
+                    id: job.id.clone(),
+                    prompt_read: pos as u32,
+                    prompt_tokens: end as u32,
+                }))?;
+                if self.poll()? == Control::Cancel {
+                    return Ok(Some(Ok(r.cancelled())));
+                }
+                return Ok(None);
+            }
+        }
+        if recurrent && job.checkpoint_here(end, every) {
+            r.conv.add_checkpoint();
+        }
+        let mut sampler = Sampler::new(job.sampler.clone());
+        for &t in &job.prompt {
+            sampler.accept(t);
+        }
+        let guesses = self.guesses && !model.on_gpu() && !recurrent;
+        r.phase = Phase::Answer(Box::new(Answering {
+            prefill_ms: ms(r.started),
+            decoding: Instant::now(),
+            sampler,
+            generated: 0,
+            repeats: guesses.then(Repeats::default),
+            ahead: VecDeque::new(),
+            call: Vec::new(),
+        }));
+        Ok(None)
+    }
+
+    /// Writes the next token (its `T` line), looks at the input, then takes the logits of the one after
+    /// it from a kept guess, or leaves the forward call that computes them in `call` for
+    /// [`Session::finish_turns`]. `Some` when it ended.
+    fn write_token(
+        &mut self,
+        r: &mut Running,
+    ) -> std::io::Result<Option<Result<Finished, EngineError>>> {
+        let job = &r.job;
+        let Phase::Answer(a) = &mut r.phase else {
+            return Ok(None);
+        };
+        let conv = &mut r.conv;
+        if a.generated >= job.max_tokens {
+            return Ok(Some(Ok(a.finish(StopReason::Length, conv))));
+        }
+        let lp = TopLogprobs::new(&r.logits);
+        let token = a.sampler.sample(&r.logits);
+        a.sampler.accept(token);
+        a.generated += 1;
+        let top = (job.top_logprobs > 0).then(|| vec![lp.top(job.top_logprobs)]);
+        self.send(&FromEngine::Tokens(Tokens {
+            id: job.id.clone(),
+            tokens: vec![token],
+            logprobs: vec![lp.of(token)],
+            top,
+        }))?;
+        if job.stop_tokens.contains(&token) {
+            return Ok(Some(Ok(a.finish(StopReason::Stop, conv))));
+        }
+        if a.generated >= job.max_tokens || conv.state.room() == 0 {
+            return Ok(Some(Ok(a.finish(StopReason::Length, conv))));
+        }
+        if self.poll()? == Control::Cancel {
+            return Ok(Some(Ok(Finished {
+                reason: StopReason::Cancel,
+                generated: a.generated,
+                prefill_ms: a.prefill_ms,
+                decode_ms: ms(a.decoding),
+                draft_proposed: 0,
+                draft_accepted: 0,
+            })));
+        }
+        // The token was guessed: its logits were computed with the guess.
+        if let Some((guess, row)) = a.ahead.pop_front() {
+            if guess == token {
+                if let Some(rep) = a.repeats.as_mut() {
+                    rep.kept_one();
+                }
+                r.logits = row;
+                return Ok(None);
+            }
+            if let Some(rep) = a.repeats.as_mut() {
+                rep.window_missed();
+            }
+            // The rest of the window follows a wrong guess.
+            let kept = conv.state.n_past() - 1 - a.ahead.len();
+            a.ahead.clear();
+            conv.state.truncate(kept);
+        }
+        let guesses = match a.repeats.as_mut() {
+            Some(rep) => rep.propose(
+                conv.state.tokens(),
+                token,
+                conv.state.room().saturating_sub(1),
+            ),
+            None => Vec::new(),
+        };
+        a.call = vec![token];
+        a.call.extend_from_slice(&guesses);
+        Ok(None)
+    }
+
+    /// The forward calls the round's turns left ([`Session::write_token`]), made together where the
+    /// model can ([`Model::eval_many`]: one call for every state, the weights read once), each turn's
+    /// rows then taken as its next logits and guesses. Returns the turns in the same order, those whose
+    /// call failed ended.
+    pub(super) fn finish_turns(&mut self, turns: VecDeque<Box<Running>>) -> Vec<Stepped> {
+        let model = self.model;
+        let n_vocab = model.info().n_vocab;
+        let mut turns = turns;
+        let results = {
+            let mut calls: Vec<(&mut crate::state::SeqState, &[u32])> =
+                turns.iter_mut().filter_map(|r| r.owed_call()).collect();
+            if calls.len() > 1 && calls.iter().all(|(s, _)| model.batches_states(s)) {
+                self.calls_over_states += 1;
+            }
+            model.eval_many(&mut calls)
+        };
+        let mut results = results.into_iter();
+        let mut out = Vec::with_capacity(turns.len());
+        for mut r in turns {
+            let failed = match &mut r.phase {
+                Phase::Answer(a) if !a.call.is_empty() => {
+                    let call = std::mem::take(&mut a.call);
+                    match results.next() {
+                        Some(Ok(rows)) if call.len() == 1 => {
+                            r.logits = rows;
+                            None
+                        }
+                        Some(Ok(rows)) => {
+                            let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
+                            r.logits = rows.next().unwrap_or_default();
+                            a.ahead.extend(call[1..].iter().copied().zip(rows));
+                            if let Some(rep) = a.repeats.as_mut() {
+                                rep.window_started();
+                            }
+                            None
+                        }
+                        Some(Err(e)) => Some(e),
+                        None => Some(EngineError("no result for a forward call".into())),
+                    }
+                }
+                _ => None,
+            };
+            out.push(match failed {
+                None => Stepped::Going(r),
+                Some(e) => self.end(*r, Err(e)),
+            });
+        }
+        out
+    }
+
+    /// Ends `r`: keeps its conversation (published when it completed, handed back unchanged otherwise)
+    /// and makes its DONE, or says how the engine failed.
+    fn end(&mut self, r: Running, result: Result<Finished, EngineError>) -> Stepped {
+        let model = self.model;
+        let Running {
+            job,
+            mut conv,
+            origin,
+            undo,
+            cached,
+            experts_before,
+            ..
+        } = r;
         let experts_after = model.expert_stats();
+        // With several requests running the cache's figures between start and end are theirs together.
         let experts_vram_share = match (experts_before, experts_after) {
             (Some(a), Some(b)) if b.routed > a.routed => {
                 Some((b.routed_vram - a.routed_vram) as f64 / (b.routed - a.routed) as f64)
@@ -173,204 +486,82 @@ impl<W: std::io::Write> Session<'_, W> {
             eprintln!("poly-engine: the expert profile was not saved: {e}");
         }
         let finished = match result {
-            Ok(Ok(f)) if f.reason != StopReason::Cancel => {
-                self.store.publish(conv, origin);
-                Ok(f)
+            Ok(f) if f.reason != StopReason::Cancel => {
+                self.store.publish(conv);
+                f
             }
             other => {
                 undo.apply(&mut conv);
                 self.store.put_back(conv, origin);
-                other?
+                match other {
+                    Ok(f) => f,
+                    Err(e) => return Stepped::Ended(Err((job.id, e))),
+                }
             }
         };
-        Ok(finished.map(|f| Done {
+        Stepped::Ended(Ok(Done {
             id: job.id.clone(),
-            reason: f.reason,
+            reason: finished.reason,
             prompt_tokens: job.prompt.len() as u32,
             cached_tokens: cached as u32,
-            generated: f.generated as u32,
-            prefill_ms: f.prefill_ms,
-            decode_ms: f.decode_ms,
+            generated: finished.generated as u32,
+            prefill_ms: finished.prefill_ms,
+            decode_ms: finished.decode_ms,
             experts_vram_share,
-            draft_proposed: f.draft_proposed as u32,
-            draft_accepted: f.draft_accepted as u32,
+            draft_proposed: finished.draft_proposed as u32,
+            draft_accepted: finished.draft_accepted as u32,
             experts_left_out,
         }))
     }
+}
 
-    /// Tokens of the next forward call of a prompt with `remaining` tokens left to read: a long call
-    /// while more than one ordinary call's worth remain, so the rest is never a long call's sliver.
-    fn call_tokens(&self, remaining: usize) -> usize {
-        if self.long_ubatch > 0 && remaining > self.ubatch {
-            self.long_ubatch
-        } else {
-            self.ubatch
+impl Running {
+    /// The state and the tokens of the forward call its turn left, if it left one.
+    fn owed_call(&mut self) -> Option<(&mut crate::state::SeqState, &[u32])> {
+        match &self.phase {
+            Phase::Answer(a) if !a.call.is_empty() => Some((&mut self.conv.state, &a.call)),
+            _ => None,
         }
     }
 
-    /// Reads the prompt past what `conv` holds, then writes tokens.
-    fn generate(
-        &mut self,
-        conv: &mut Conversation,
-        job: &Job,
-    ) -> std::io::Result<Result<Finished, EngineError>> {
-        let model = self.model;
-        let every = self.checkpoint_every;
-        // KV caches are cut anywhere: only recurrent layers need checkpoints (and the reads split there).
-        let recurrent = conv.state.has_recurrent();
-        let cancelled = |generated, prefill_ms, decode_ms| {
-            Ok(Ok(Finished {
-                reason: StopReason::Cancel,
-                generated,
-                prefill_ms,
-                decode_ms,
-                draft_proposed: 0,
-                draft_accepted: 0,
-            }))
+    /// How it ends when cancelled now.
+    fn cancelled(&self) -> Finished {
+        let (generated, prefill_ms, decode_ms) = match &self.phase {
+            Phase::Prompt { .. } => (0, ms(self.started), 0.0),
+            Phase::Answer(a) => (a.generated, a.prefill_ms, ms(a.decoding)),
         };
-        let started = Instant::now();
-        let end = job.prompt.len();
-        let mut pos = conv.state.n_past();
-        let mut logits = Vec::new();
-        if end > pos + self.call_tokens(end - pos) {
-            if let Err(e) = model.expect_tokens(&mut conv.state, end - pos) {
-                return Ok(Err(e));
-            }
-        }
-        while pos < end {
-            if recurrent && job.checkpoint_here(pos, every) {
-                conv.add_checkpoint();
-            }
-            let next = recurrent
-                .then(|| job.next_checkpoint(pos, end, every))
-                .flatten()
-                .unwrap_or(end)
-                .min(pos + self.call_tokens(end - pos));
-            let want = if next == end {
-                Logits::Last
-            } else {
-                Logits::None
-            };
-            logits = match model.eval(&mut conv.state, &job.prompt[pos..next], want) {
-                Ok(l) => l,
-                Err(e) => return Ok(Err(e)),
-            };
-            pos = next;
-            if pos < end {
-                // A long read sends nothing else until its first token: this line tells the server the
-                // engine is working, not stopped (its stall bound counts from the last line).
-                self.send(&FromEngine::Progress(Progress {
-                    id: job.id.clone(),
-                    prompt_read: pos as u32,
-                    prompt_tokens: end as u32,
-                }))?;
-                if self.poll()? == Control::Cancel {
-                    return cancelled(0, ms(started), 0.0);
-                }
-            }
-        }
-        if recurrent && job.checkpoint_here(end, every) {
-            conv.add_checkpoint();
-        }
-        let prefill_ms = ms(started);
-        let decoding = Instant::now();
-        let mut sampler = Sampler::new(job.sampler.clone());
-        for &t in &job.prompt {
-            sampler.accept(t);
-        }
-        let mut generated = 0usize;
-        // Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
-        let mut repeats =
-            (self.guesses && !model.on_gpu() && !conv.state.has_recurrent()).then(Repeats::default);
-        // Guessed tokens in the state past the last written one, with the logits that follow each.
-        let mut ahead: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
-        let n_vocab = model.info().n_vocab;
-        let reason = loop {
-            if generated >= job.max_tokens {
-                break StopReason::Length;
-            }
-            let lp = TopLogprobs::new(&logits);
-            let token = sampler.sample(&logits);
-            sampler.accept(token);
-            generated += 1;
-            let top = (job.top_logprobs > 0).then(|| vec![lp.top(job.top_logprobs)]);
-            self.send(&FromEngine::Tokens(Tokens {
-                id: job.id.clone(),
-                tokens: vec![token],
-                logprobs: vec![lp.of(token)],
-                top,
-            }))?;
-            if job.stop_tokens.contains(&token) {
-                break StopReason::Stop;
-            }
-            if generated >= job.max_tokens || conv.state.room() == 0 {
-                break StopReason::Length;
-            }
-            if self.poll()? == Control::Cancel {
-                return cancelled(generated, prefill_ms, ms(decoding));
-            }
-            // The token was guessed: its logits were computed with the guess.
-            if let Some((guess, row)) = ahead.pop_front() {
-                if guess == token {
-                    if let Some(r) = repeats.as_mut() {
-                        r.kept_one();
-                    }
-                    logits = row;
-                    continue;
-                }
-                if let Some(r) = repeats.as_mut() {
-                    r.window_missed();
-                }
-                // The rest of the window follows a wrong guess.
-                let kept = conv.state.n_past() - 1 - ahead.len();
-                ahead.clear();
-                conv.state.truncate(kept);
-            }
-            let guesses = match repeats.as_mut() {
-                Some(r) => r.propose(
-                    conv.state.tokens(),
-                    token,
-                    conv.state.room().saturating_sub(1),
-                ),
-                None => Vec::new(),
-            };
-            let mut call = vec![token];
-            call.extend_from_slice(&guesses);
-            let want = if guesses.is_empty() {
-                Logits::Last
-            } else {
-                Logits::All
-            };
-            let rows = match model.eval(&mut conv.state, &call, want) {
-                Ok(l) => l,
-                Err(e) => return Ok(Err(e)),
-            };
-            if guesses.is_empty() {
-                logits = rows;
-            } else {
-                let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
-                logits = rows.next().unwrap_or_default();
-                ahead.extend(guesses.into_iter().zip(rows));
-                if let Some(r) = repeats.as_mut() {
-                    r.window_started();
-                }
-            }
-        };
-        // Guesses past the last written token leave the state: it ends where an answer written token by
-        // token ends (before its last token).
-        if !ahead.is_empty() {
-            let kept = conv.state.n_past() - ahead.len();
-            conv.state.truncate(kept);
-        }
-        let (draft_proposed, draft_accepted) = repeats.map_or((0, 0), |r| (r.proposed, r.accepted));
-        Ok(Ok(Finished {
-            reason,
+        Finished {
+            reason: StopReason::Cancel,
             generated,
             prefill_ms,
-            decode_ms: ms(decoding),
+            decode_ms,
+            draft_proposed: 0,
+            draft_accepted: 0,
+        }
+    }
+}
+
+impl Answering {
+    /// The answer ended for `reason`: guesses past the last written token leave the state, so it ends
+    /// where an answer written token by token ends (before its last token).
+    fn finish(&mut self, reason: StopReason, conv: &mut Conversation) -> Finished {
+        if !self.ahead.is_empty() {
+            let kept = conv.state.n_past() - self.ahead.len();
+            conv.state.truncate(kept);
+            self.ahead.clear();
+        }
+        let (draft_proposed, draft_accepted) = self
+            .repeats
+            .as_ref()
+            .map_or((0, 0), |r| (r.proposed, r.accepted));
+        Finished {
+            reason,
+            generated: self.generated,
+            prefill_ms: self.prefill_ms,
+            decode_ms: ms(self.decoding),
             draft_proposed,
             draft_accepted,
-        }))
+        }
     }
 }
 

@@ -1,7 +1,13 @@
-//! The serve loop: announces READY, then answers what the reader passes on. One GEN runs at a time;
-//! others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). While a GEN runs, the loop
-//! looks at its input between tokens ([`Session::poll`]) so that CANCEL, STATS and QUIT take effect at
-//! once. QUIT and the end of stdin cancel what runs and waits, then end the loop.
+//! The serve loop: announces READY, then answers what the reader passes on. Up to `--parallel` GENs run at
+//! once (one by default); others wait in a FIFO queue of [`QUEUE_DEPTH`] (beyond it: ERR `busy`). The
+//! running ones take turns in rounds, in the order they started: in each round a request reads a part of
+//! its prompt, or writes one token, so a short answer is not held up by a long one. The written tokens'
+//! forward calls of a round are made together ([`Session::finish_turns`]): on the CPU in
+//! batch-invariant arithmetic, for models without recurrent layers, as one forward call over all their
+//! states (the weights read once for every row, each row's result bit for bit its own call's); else one
+//! after the other. While GENs run, the loop looks at its input after each turn ([`Session::poll`]) so
+//! that CANCEL, STATS and QUIT take effect at once. QUIT and the end of stdin cancel what runs and waits,
+//! then end the loop.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -15,7 +21,7 @@ use poly_protocol::{
 use serde_json::json;
 
 use super::input::Input;
-use super::request::Job;
+use super::request::{Job, Running, Stepped};
 use super::store::{Conversation, Store};
 use super::{memory, send, ServeOptions, QUEUE_DEPTH};
 use crate::model::Model;
@@ -51,15 +57,22 @@ pub struct Session<'a, W: Write> {
     /// Whether answers guess tokens from repeats where they can ([`super::repeats`]).
     pub(super) guesses: bool,
     pub(super) store: Store,
+    /// Most requests running at once (`--parallel`).
+    parallel: usize,
     queue: VecDeque<Job>,
+    /// The running requests yet to take their turn in this round, in order.
+    active: VecDeque<Box<Running>>,
+    /// Those that took it, in order, some owing the forward call that ends their turn.
+    turned: VecDeque<Box<Running>>,
     inputs: Receiver<Input>,
     out: &'a mut W,
-    /// The id of the request that runs.
-    running: Option<String>,
-    /// The conversation it works on, as it was when it started (out of the store meanwhile).
-    pub(super) in_flight: Option<ConversationInfo>,
+    /// The request taking its turn: its id, and the conversation it works on as it was when it started
+    /// (out of the store meanwhile).
+    stepping: Option<(String, ConversationInfo)>,
     quitting: bool,
     totals: Totals,
+    /// Forward calls made over several requests' states at once (STATS's `calls_over_states`).
+    pub(super) calls_over_states: u64,
     /// The placement's settings that differ from the defaults, echoed in READY with the knobs.
     placement_echo: Vec<(String, String)>,
 }
@@ -105,18 +118,21 @@ impl<'a, W: Write> Session<'a, W> {
             long_ubatch,
             guesses: opts.guesses,
             store: Store::new(opts.park_bytes),
+            parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
+            active: VecDeque::new(),
+            turned: VecDeque::new(),
             inputs,
             out,
-            running: None,
+            stepping: None,
             placement_echo: if model.on_gpu() {
                 opts.placement.non_default()
             } else {
                 Vec::new()
             },
-            in_flight: None,
             quitting: false,
             totals: Totals::default(),
+            calls_over_states: 0,
         }
     }
 
@@ -145,6 +161,7 @@ impl<'a, W: Write> Session<'a, W> {
             knobs: crate::knobs::in_force_non_default(self.model.kv())
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
+                .chain((self.parallel != 1).then(|| ("parallel".into(), self.parallel.to_string())))
                 .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),
@@ -173,10 +190,23 @@ impl<'a, W: Write> Session<'a, W> {
         self.send(&FromEngine::Ready(ready))?;
         loop {
             if self.quitting {
+                while let Some(running) = self.active.pop_front() {
+                    let ended = self.cancel(running);
+                    self.report(ended)?;
+                }
                 return self.cancel_queued();
             }
-            if let Some(job) = self.queue.pop_front() {
-                self.run_job(job)?;
+            while self.active.len() < self.parallel {
+                let Some(job) = self.queue.pop_front() else {
+                    break;
+                };
+                match self.start(job) {
+                    Stepped::Going(running) => self.active.push_back(running),
+                    ended => self.report(ended)?,
+                }
+            }
+            if !self.active.is_empty() {
+                self.round()?;
                 continue;
             }
             // Idle: wait for input (a closed channel is the reader gone: end of input).
@@ -205,7 +235,7 @@ impl<'a, W: Write> Session<'a, W> {
         Ok(control)
     }
 
-    /// Answers one input. Returns [`Control::Cancel`] when it stops the running request.
+    /// Answers one input. Returns [`Control::Cancel`] when it stops the request taking its turn.
     fn handle(&mut self, input: Input) -> std::io::Result<Control> {
         match input {
             Input::Message(msg) => self.handle_message(msg),
@@ -240,7 +270,8 @@ impl<'a, W: Write> Session<'a, W> {
         match msg {
             ToEngine::Gen(gen) => {
                 let id = gen.id.clone();
-                let taken = self.running.as_deref() == Some(id.as_str())
+                let taken = self.stepping_id() == Some(id.as_str())
+                    || self.others().any(|r| r.job.id == id)
                     || self.queue.iter().any(|j| j.id == id);
                 if taken {
                     self.error(
@@ -263,10 +294,18 @@ impl<'a, W: Write> Session<'a, W> {
                 Ok(Control::Continue)
             }
             ToEngine::Cancel(poly_protocol::Cancel { id }) => {
-                if self.running.as_deref() == Some(id.as_str()) {
+                if self.stepping_id() == Some(id.as_str()) {
                     return Ok(Control::Cancel);
                 }
-                if let Some(i) = self.queue.iter().position(|j| j.id == id) {
+                let running = self
+                    .active
+                    .iter_mut()
+                    .chain(self.turned.iter_mut())
+                    .find(|r| r.job.id == id);
+                if let Some(running) = running {
+                    // It ends at its next turn, before its next token.
+                    running.cancel_requested = true;
+                } else if let Some(i) = self.queue.iter().position(|j| j.id == id) {
                     if let Some(job) = self.queue.remove(i) {
                         self.done_unstarted(&job)?;
                     }
@@ -317,14 +356,56 @@ impl<'a, W: Write> Session<'a, W> {
         Ok(())
     }
 
-    /// Runs one request to its DONE or ERR.
-    fn run_job(&mut self, job: Job) -> std::io::Result<()> {
-        self.running = Some(job.id.clone());
-        let result = self.execute(&job);
-        self.running = None;
-        self.in_flight = None;
-        match result? {
-            Ok(done) => {
+    /// One turn of every running request, in order, then the forward calls the turns left, together.
+    /// A QUIT ends the round at once (the loop then cancels everything).
+    fn round(&mut self) -> std::io::Result<()> {
+        while let Some(running) = self.active.pop_front() {
+            self.stepping = Some((running.job.id.clone(), running.started_on.clone()));
+            let stepped = self.step(running);
+            self.stepping = None;
+            match stepped? {
+                Stepped::Going(running) => self.turned.push_back(running),
+                ended => self.report(ended)?,
+            }
+            if self.quitting {
+                break;
+            }
+        }
+        let turned = std::mem::take(&mut self.turned);
+        let finished = if self.quitting {
+            turned.into_iter().map(Stepped::Going).collect()
+        } else {
+            self.finish_turns(turned)
+        };
+        // The next round: those that went on first, in order, then any the QUIT left untaken.
+        let untaken = std::mem::take(&mut self.active);
+        for stepped in finished {
+            match stepped {
+                Stepped::Going(running) => self.active.push_back(running),
+                ended => self.report(ended)?,
+            }
+        }
+        self.active.extend(untaken);
+        Ok(())
+    }
+
+    /// The running requests but the one taking its turn.
+    fn others(&self) -> impl Iterator<Item = &Running> {
+        self.active
+            .iter()
+            .chain(self.turned.iter())
+            .map(|r| r.as_ref())
+    }
+
+    fn stepping_id(&self) -> Option<&str> {
+        self.stepping.as_ref().map(|(id, _)| id.as_str())
+    }
+
+    /// Sends what an ended request left: its DONE, or an ERR for the engine's failure.
+    fn report(&mut self, ended: Stepped) -> std::io::Result<()> {
+        match ended {
+            Stepped::Going(_) => Ok(()),
+            Stepped::Ended(Ok(done)) => {
                 self.totals.requests += 1;
                 self.totals.prompt_tokens += u64::from(done.prompt_tokens);
                 self.totals.cached_tokens += u64::from(done.cached_tokens);
@@ -334,9 +415,9 @@ impl<'a, W: Write> Session<'a, W> {
                 }
                 self.send(&FromEngine::Done(done))
             }
-            Err(e) => {
+            Stepped::Ended(Err((id, e))) => {
                 self.totals.failed += 1;
-                self.error(Some(job.id), ErrorCode::Internal, e.0)
+                self.error(Some(id), ErrorCode::Internal, e.0)
             }
         }
     }
@@ -360,11 +441,20 @@ impl<'a, W: Write> Session<'a, W> {
             .chain(self.store.parked().iter().map(|c| info(c, false)))
             .collect();
         let t = &self.totals;
+        // The request taking its turn, else the next to take one.
+        let (running, running_conversation) = match (&self.stepping, self.others().next()) {
+            (Some((id, conv)), _) => (Some(id.clone()), Some(conv.clone())),
+            (None, Some(r)) => (Some(r.job.id.clone()), Some(r.started_on.clone())),
+            (None, None) => (None, None),
+        };
         let extra = json!({
             "rss_peak_bytes": rss_peak,
             "evicted": self.store.evicted,
-            "running": self.running,
-            "running_conversation": self.in_flight,
+            "running": running,
+            "running_conversation": running_conversation,
+            "active_requests": self.others().count() + usize::from(self.stepping.is_some()),
+            "parallel": self.parallel,
+            "calls_over_states": self.calls_over_states,
             "requests": t.requests,
             "cancelled": t.cancelled,
             "failed": t.failed,

@@ -222,23 +222,41 @@ impl Store {
     }
 
     /// Makes `conv`, whose request completed, the active conversation; a different active one is parked.
-    pub fn publish(&mut self, mut conv: Conversation, origin: Origin) {
+    /// One of the same name (requests of one conversation that ran at once, `--parallel`: the second
+    /// started from a fresh state) is older and dropped, active or parked: the last to complete is kept.
+    pub fn publish(&mut self, mut conv: Conversation) {
         self.clock += 1;
         conv.last_used = self.clock;
-        if origin != Origin::Active {
-            if let Some(old) = self.active.take() {
+        if let Some(name) = conv.id.as_deref() {
+            self.parked.retain(|c| c.id.as_deref() != Some(name));
+        }
+        if let Some(old) = self.active.take() {
+            if old.id.is_none() || old.id != conv.id {
                 self.park(old);
             }
         }
         self.active = Some(conv);
     }
 
-    /// Hands back `conv` (already undone) whose request did not complete, to where it came from.
+    /// Hands back `conv` (already undone) whose request did not complete, to where it came from, unless
+    /// a conversation of its name was published meanwhile (requests running at once): that one is newer.
     pub fn put_back(&mut self, conv: Conversation, origin: Origin) {
+        let superseded = conv.id.as_deref().is_some_and(|name| {
+            self.active
+                .iter()
+                .chain(&self.parked)
+                .any(|c| c.id.as_deref() == Some(name))
+        });
         match origin {
-            Origin::Active => self.active = Some(conv),
-            // It fit before the request and is as it was.
-            Origin::Parked => self.parked.push(conv),
+            _ if superseded => {}
+            Origin::Active if self.active.is_none() => self.active = Some(conv),
+            // Another conversation became active while this one's request ran.
+            Origin::Active => self.park(conv),
+            // It fit before the request and is as it was (others parked meanwhile may leave less room).
+            Origin::Parked if self.parked_bytes() + conv.bytes() <= self.park_limit => {
+                self.parked.push(conv)
+            }
+            Origin::Parked => self.park(conv),
             Origin::New => {}
         }
     }
@@ -396,7 +414,7 @@ mod tests {
             let (mut conv, origin) = store.take(Some(name), new_state);
             assert_eq!(origin, Origin::New);
             read(&mut conv.state, &[1, 2]);
-            store.publish(conv, origin);
+            store.publish(conv);
         }
         // d is active; a was dropped for b and c.
         assert_eq!(store.active().and_then(|c| c.id.as_deref()), Some("d"));
@@ -408,7 +426,7 @@ mod tests {
         // b comes back whole; a failed request on c hands it back unchanged.
         let (b, origin) = store.take(Some("b"), new_state);
         assert_eq!((origin, b.state.tokens()), (Origin::Parked, &[1, 2][..]));
-        store.publish(b, origin);
+        store.publish(b);
         let (mut c, origin) = store.take(Some("c"), new_state);
         let undo = c.rewind(0);
         read(&mut c.state, &[5]);
@@ -422,15 +440,58 @@ mod tests {
         // A request naming no conversation continues the active one.
         let (a, origin) = store.take(None, new_state);
         assert_eq!((origin, a.id.as_deref()), (Origin::Active, Some("b")));
-        store.publish(a, origin);
+        store.publish(a);
         // An unnamed conversation is not parked: nothing could bring it back.
         let mut store = Store::new(1 << 20);
         let (anon, origin) = store.take(None, new_state);
         assert_eq!(origin, Origin::New);
-        store.publish(anon, origin);
-        let (named, origin) = store.take(Some("n"), new_state);
-        store.publish(named, origin);
+        store.publish(anon);
+        let (named, _) = store.take(Some("n"), new_state);
+        store.publish(named);
         assert!(store.parked().is_empty());
         assert_eq!(store.active().and_then(|c| c.id.as_deref()), Some("n"));
+    }
+
+    #[test]
+    fn requests_of_one_conversation_at_once_keep_the_last_completed() {
+        let mut store = Store::new(1 << 20);
+        let new_state = || SeqState::with_precision(&[KV], 64, KvPrecision::F32);
+        let (mut first, origin) = store.take(Some("c"), new_state);
+        read(&mut first.state, &[1, 2]);
+        store.publish(first);
+        // Two requests of "c" at once: the second finds it taken and starts afresh.
+        let (mut a, a_origin) = store.take(Some("c"), new_state);
+        let (mut b, b_origin) = store.take(Some("c"), new_state);
+        assert_eq!(
+            (origin, a_origin, b_origin),
+            (Origin::New, Origin::Active, Origin::New)
+        );
+        read(&mut a.state, &[3]);
+        read(&mut b.state, &[1, 2, 4]);
+        // b completes first, then a: a's state is kept, once.
+        store.publish(b);
+        store.publish(a);
+        assert_eq!(
+            store.active().map(|c| c.state.tokens()),
+            Some(&[1, 2, 3][..])
+        );
+        assert!(store.parked().is_empty());
+        // A request that did not complete gives way to one of its name that did meanwhile.
+        let (c, c_origin) = store.take(Some("c"), new_state);
+        let (mut d, _) = store.take(Some("c"), new_state);
+        read(&mut d.state, &[9]);
+        store.publish(d);
+        store.put_back(c, c_origin);
+        assert_eq!(store.active().map(|c| c.state.tokens()), Some(&[9][..]));
+        assert!(store.parked().is_empty());
+        // Another conversation published while the active one's request ran: the latter is parked.
+        let (e, e_origin) = store.take(None, new_state);
+        let (mut f, _) = store.take(Some("f"), new_state);
+        read(&mut f.state, &[5]);
+        store.publish(f);
+        store.put_back(e, e_origin);
+        assert_eq!(store.active().and_then(|c| c.id.as_deref()), Some("f"));
+        assert_eq!(store.parked().len(), 1);
+        assert_eq!(store.parked()[0].state.tokens(), [9]);
     }
 }

@@ -12,10 +12,12 @@
 //! expert and draft figures, and from outside the engine ([`probe`]) its peak VRAM and RAM and the mean
 //! GPU and CPU load.
 //!
+//! - [`concurrent`]: `--concurrent N`, answers per second with N chats at once;
 //! - [`prompts`]: the text and the prompts cut from it;
 //! - [`probe`]: `/proc` and `nvidia-smi` readings around a request;
 //! - [`report`]: the results, as JSON or a table.
 
+pub mod concurrent;
 pub mod probe;
 pub mod prompts;
 pub mod report;

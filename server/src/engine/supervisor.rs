@@ -1,8 +1,13 @@
-//! The supervisor: which model is in use, its engine child and its text side; requests run one at a time
-//! in arrival order (a bounded queue, beyond it `Busy`); the one switch path every way of changing the
+//! The supervisor: which model is in use, its engine child and its text side; up to `--parallel` requests
+//! run at once (one by default; the engine takes them in turns, token by token), the rest wait in
+//! arrival order (a bounded queue, beyond it `Busy`); the one switch path every way of changing the
 //! model goes through.
 //!
-//! A switch finds the model and checks it, waits for the running request (at most
+//! A request holds a [`Lease`]: one of the `--parallel` slots, taken in arrival order, and a shared hold
+//! on the engine. A switch, an unload or a restart holds the engine alone, so it waits for every running
+//! request, and requests that come after it wait for it.
+//!
+//! A switch finds the model and checks it, waits for the running requests (at most
 //! [`Limits::switch_wait`]), stops the old engine before starting the new one (two models are never in
 //! memory together), waits for READY, and on failure starts the earlier model again. An engine that died
 //! is started again by the next request.
@@ -15,7 +20,7 @@ use crate::telemetry::Telemetry;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::OwnedMutexGuard;
+use tokio::sync::{OwnedRwLockReadGuard, OwnedSemaphorePermit, RwLock, Semaphore};
 
 /// Why a request or a switch cannot be served. The HTTP layer maps each kind to each API's error shape.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,8 +55,10 @@ impl ServeError {
 /// The supervisor's limits.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Requests waiting for the engine beyond the one running; more get `Busy`.
+    /// Requests waiting for the engine beyond the running ones; more get `Busy`.
     pub queue: usize,
+    /// Requests running at once (`--parallel`; the engine is started with it and takes them in turns).
+    pub parallel: usize,
     /// How long a switch waits for the running request.
     pub switch_wait: Duration,
     /// How long an engine may take to load before READY.
@@ -74,6 +81,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             queue: 64,
+            parallel: 1,
             switch_wait: Duration::from_secs(120),
             ready_timeout: Duration::from_secs(600),
             stall: Some(DEFAULT_STALL),
@@ -167,7 +175,12 @@ pub struct CurrentModel {
 
 pub struct Supervisor {
     registry: Arc<Registry>,
-    slot: Arc<tokio::sync::Mutex<Slot>>,
+    /// Shared by the running requests, held alone by a switch, an unload or a restart.
+    slot: Arc<RwLock<Slot>>,
+    /// The `--parallel` places for running requests, handed out in arrival order.
+    places: Arc<Semaphore>,
+    /// Requests holding the engine (leases alive).
+    running: Arc<AtomicUsize>,
     waiting: Arc<AtomicUsize>,
     view: Mutex<View>,
     limits: Limits,
@@ -198,7 +211,9 @@ pub enum KeepAlive {
 
 /// The right to use the engine: held for a whole request, released on drop (the next in line goes).
 pub struct Lease {
-    guard: OwnedMutexGuard<Slot>,
+    guard: OwnedRwLockReadGuard<Slot>,
+    _place: OwnedSemaphorePermit,
+    _running: QueueTicket,
     _queued: QueueTicket,
     counters: Arc<Counters>,
     telemetry: Arc<Telemetry>,
@@ -262,6 +277,8 @@ impl Supervisor {
         Supervisor {
             registry,
             slot: Arc::default(),
+            places: Arc::new(Semaphore::new(limits.parallel.max(1))),
+            running: Arc::default(),
             waiting: Arc::default(),
             view: Mutex::default(),
             limits,
@@ -334,11 +351,16 @@ impl Supervisor {
         &self.telemetry
     }
 
-    /// Requests holding or waiting for the engine: (running, waiting behind it).
+    /// Requests holding or waiting for the engine: (running, waiting behind them).
     pub fn queue(&self) -> (usize, usize) {
         let all = self.waiting.load(Ordering::SeqCst);
-        let running = usize::from(self.slot_busy());
-        (running, all.saturating_sub(running))
+        let running = self.running.load(Ordering::SeqCst).min(all);
+        (running, all - running)
+    }
+
+    /// Requests that may run at once (`--parallel`).
+    pub fn parallel(&self) -> usize {
+        self.limits.parallel.max(1)
     }
 
     /// The engine's STATS when it is idle and answers within `timeout` (a working engine answers only
@@ -428,9 +450,9 @@ impl Supervisor {
         }
     }
 
-    /// Whether a request holds the engine now.
+    /// Whether a request (or a switch) holds the engine now.
     fn slot_busy(&self) -> bool {
-        self.slot.try_lock().is_err()
+        self.slot.try_write().is_err()
     }
 
     /// The model in use.
@@ -488,12 +510,18 @@ impl Supervisor {
     fn enter_queue(&self) -> Result<QueueTicket, ServeError> {
         let before = self.waiting.fetch_add(1, Ordering::SeqCst);
         let ticket = QueueTicket(self.waiting.clone());
-        // One request runs and `queue` wait: `before` counts the running one too.
-        if before > self.limits.queue {
+        // `parallel` requests run and `queue` wait: `before` counts the running ones too.
+        let parallel = self.parallel();
+        if before >= self.limits.queue + parallel {
             Counters::add(&self.counters.refused_busy);
+            let behind = if parallel == 1 {
+                "the running one".to_string()
+            } else {
+                format!("the {parallel} running")
+            };
             return Err(ServeError::Busy(format!(
-                "{} requests are waiting behind the running one (the queue holds {}); try again shortly",
-                before - 1,
+                "{} requests are waiting behind {behind} (the queue holds {}); try again shortly",
+                before - parallel,
                 self.limits.queue
             )));
         }
@@ -509,23 +537,44 @@ impl Supervisor {
             Some(name) => Some(self.resolve(name).await?),
             None => None,
         };
-        let mut guard = self.slot.clone().lock_owned().await;
-        let target = match wanted {
-            Some(entry) => entry,
-            None => match &guard.model {
-                Some(m) => m.clone(),
-                None => self.default_model().await?,
-            },
+        // A place among the running requests, in arrival order (the semaphore is fair and never closed).
+        let place = self
+            .places
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ServeError::Engine("the server is shutting down".into()))?;
+        // The model in use with its engine up is shared; anything else is changed holding it alone.
+        let shared = self.slot.clone().read_owned().await;
+        let target = match (&wanted, &shared.model) {
+            (Some(entry), _) => entry.clone(),
+            (None, Some(m)) => m.clone(),
+            (None, None) => self.default_model().await?,
         };
-        let same = guard.model.as_ref().is_some_and(|m| m.id == target.id);
-        let alive = guard.engine.as_ref().is_some_and(|e| !e.is_dead());
-        if !same {
-            self.switch_locked(&mut guard, target).await?;
-        } else if !alive {
-            self.restart_locked(&mut guard).await?;
-        }
+        let ready = |slot: &Slot| {
+            slot.model.as_ref().is_some_and(|m| m.id == target.id)
+                && slot.engine.as_ref().is_some_and(|e| !e.is_dead())
+        };
+        let guard = if ready(&shared) {
+            shared
+        } else {
+            drop(shared);
+            let mut alone = self.slot.clone().write_owned().await;
+            // Another request may have switched or restarted meanwhile.
+            if !ready(&alone) {
+                if alone.model.as_ref().is_some_and(|m| m.id == target.id) {
+                    self.restart_locked(&mut alone).await?;
+                } else {
+                    self.switch_locked(&mut alone, target).await?;
+                }
+            }
+            alone.downgrade()
+        };
+        self.running.fetch_add(1, Ordering::SeqCst);
         Ok(Lease {
             guard,
+            _place: place,
+            _running: QueueTicket(self.running.clone()),
             _queued: ticket,
             counters: self.counters.clone(),
             telemetry: self.telemetry.clone(),
@@ -537,7 +586,7 @@ impl Supervisor {
     pub async fn switch(&self, name: &str) -> Result<CurrentModel, ServeError> {
         let target = self.resolve(name).await?;
         let mut guard =
-            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
+            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().write_owned())
                 .await
                 .map_err(|_| {
                     ServeError::SwitchTimeout(format!(
@@ -562,7 +611,7 @@ impl Supervisor {
     /// Stops the engine of the model in use (the model stays chosen; the next request starts it again).
     pub async fn unload(&self) -> Result<CurrentModel, ServeError> {
         let mut guard =
-            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().lock_owned())
+            tokio::time::timeout(self.limits.switch_wait, self.slot.clone().write_owned())
                 .await
                 .map_err(|_| {
                     ServeError::SwitchTimeout(format!(
@@ -583,7 +632,7 @@ impl Supervisor {
     /// A request still running after `grace` is not waited for: the engine's process group is killed
     /// and the request ends with the engine's death.
     pub async fn shutdown(&self, grace: Duration) {
-        match tokio::time::timeout(grace, self.slot.clone().lock_owned()).await {
+        match tokio::time::timeout(grace, self.slot.clone().write_owned()).await {
             Ok(mut guard) => {
                 if let Some(mut engine) = guard.engine.take() {
                     engine.stop(self.limits.stop).await;
@@ -762,6 +811,25 @@ impl Supervisor {
                 }
             }
             eprintln!("polystrata: {}: {note}", entry.id);
+        }
+        // The engine takes as many requests at once as the supervisor sends (`--parallel`), whatever a
+        // run config says: more would wait in the engine's short queue, fewer would waste places here.
+        let parallel = self.parallel();
+        let asked = args.iter().position(|a| a == "--parallel");
+        match asked {
+            Some(at) => {
+                if let Some(v) = args.get_mut(at + 1) {
+                    if *v != parallel.to_string() {
+                        eprintln!(
+                            "polystrata: {}: the run config's --parallel {v} is replaced by the server's {parallel}",
+                            entry.id
+                        );
+                        *v = parallel.to_string();
+                    }
+                }
+            }
+            None if parallel > 1 => args.extend(["--parallel".to_string(), parallel.to_string()]),
+            None => {}
         }
         let launch = Launch {
             exe: config.exe.clone(),

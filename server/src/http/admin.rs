@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 pub async fn health(state: &AppState) -> Response<RespBody> {
     let engine = state.supervisor.engine_health().await;
     let current = state.supervisor.current();
+    let (running, waiting) = state.supervisor.queue();
     let (code, status, problem) = match engine {
         EngineHealth::Stalled(why) => (StatusCode::SERVICE_UNAVAILABLE, "stalled", Some(why)),
         EngineHealth::Ok | EngineHealth::NotRunning => (StatusCode::OK, "ok", None),
@@ -22,6 +23,8 @@ pub async fn health(state: &AppState) -> Response<RespBody> {
         "model": current.model,
         "loaded": current.loaded,
         "requests": state.supervisor.counters(),
+        // The places for requests running at once (`--parallel`) and the queue behind them.
+        "slots": {"parallel": state.supervisor.parallel(), "running": running, "waiting": waiting},
     });
     if let (Some(p), Some(o)) = (problem, body.as_object_mut()) {
         o.insert("problem".into(), json!(p));

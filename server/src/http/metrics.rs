@@ -106,6 +106,12 @@ pub async fn metrics(state: &AppState) -> Response<RespBody> {
         "Requests waiting for the engine.",
         waiting as f64,
     );
+    out.metric(
+        "polystrata_parallel_slots",
+        "gauge",
+        "Requests that may run at once (--parallel).",
+        sup.parallel() as f64,
+    );
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
     out.labelled(
         "polystrata_requests_total",
