@@ -46,6 +46,8 @@ pub struct ForwardOptions {
     pub copy_ahead: usize,
     /// Who guesses the next MoE layer's experts for `--copy-ahead` and `--cpu-warm` (`--guess-on`).
     pub guess_on: GuessOn,
+    /// When a one-graph token's admissions over the bus are queued (`--bus-admissions-at`).
+    pub bus_admissions_at: BusAdmissionsAt,
     /// When a layer's copies ahead are queued (`--copy-ahead-at`).
     pub copy_ahead_at: CopyAheadAt,
 }
@@ -67,6 +69,19 @@ pub enum CopyAheadAt {
     Route,
     /// Once the layer's CPU share is done and its sum written (while the card computes the layer between).
     Sum,
+}
+
+/// When a one-graph token queues the admissions a layer earned over the bus (`--bus-admissions-at`). The
+/// copy stream runs its copies in order, and the next layer's card experts wait on a flag it sets after
+/// that layer's copies on demand or ahead: admissions queued before those delay them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BusAdmissionsAt {
+    /// When the layer is finished, at the next layer's route point: before that layer's copies.
+    Finish,
+    /// Planned there (victims leave the cache before the next layer's choices), queued after the next
+    /// layer's staged flag and its copies ahead, while the card computes. Not yet measured on a card
+    /// (written in a session without device time), so not the default.
+    Ahead,
 }
 
 /// How a segmented token's graph meets the host at its MoE layers (`--gpu-host-points`).
@@ -121,6 +136,7 @@ impl Default for ForwardOptions {
             copy_ahead: DEFAULT_COPY_AHEAD,
             guess_on: GuessOn::Card,
             copy_ahead_at: CopyAheadAt::Sum,
+            bus_admissions_at: BusAdmissionsAt::Finish,
         }
     }
 }
@@ -191,6 +207,9 @@ impl Knobs {
         if f.copy_ahead_at == CopyAheadAt::Route {
             put("copy-ahead-at", "route".into());
         }
+        if f.bus_admissions_at == BusAdmissionsAt::Ahead {
+            put("bus-admissions-at", "ahead".into());
+        }
         if self.kv != KvPrecision::default() {
             put("kv", self.kv.name().into());
         }
@@ -248,9 +267,11 @@ mod tests {
         k.forward.copy_ahead = 0;
         k.forward.guess_on = GuessOn::Host;
         k.forward.copy_ahead_at = CopyAheadAt::Route;
+        k.forward.bus_admissions_at = BusAdmissionsAt::Ahead;
         k.kv = KvPrecision::Q8_0;
         let echoed: Vec<(String, String)> = k.non_default().into_iter().collect();
         let want = [
+            ("bus-admissions-at", "ahead"),
             ("copy-ahead", "0"),
             ("copy-ahead-at", "route"),
             ("cpu-share", "rayon"),

@@ -490,3 +490,87 @@ fn bench_moe_token_fused() {
         report(&format!("moe token {name}, graph"), secs, bytes);
     }
 }
+
+/// The i-quants on the card at llama.cpp's `test-backend-ops perf` shapes (issue 16 §5), to set beside its
+/// `MUL_MAT(type_a=…,type_b=f32,m=4096,n=N,k=14336)` and `MUL_MAT_ID(…,n_mats=128,n_used=8,m=768,n=1,k=2048)`
+/// lines on the same card: `benchmarks/iquant_card_vs_llama.sh` runs both and pairs them. As there, the
+/// activations come in f32, so each call quantizes them (`quantize_q8_1`) before the product. Printed per
+/// type: eager launches (as test-backend-ops times its graphs) and the same calls replayed from a graph.
+/// The formats the issue names, IQ4_XS/IQ4_NL and Q4_K for scale.
+#[test]
+#[ignore = "benchmark for the GPU machine"]
+fn bench_iquants_as_test_backend_ops() {
+    let Some(dev) = device() else { return };
+    println!("device: {} ({})", dev.name(), dev.arch());
+    let (m, k) = (4096, 14336);
+    let mut rng = Rng::new(16);
+    let types = [
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ4_XS,
+        GgmlType::IQ4_NL,
+        GgmlType::Q4_K,
+    ];
+    for ty in types {
+        let w = random_weights(ty, &mut rng, m * k);
+        let wd = DeviceMatrix::upload(&dev, ty, m, k, &w).expect("upload");
+        for n in [1usize, 8, 512] {
+            let x: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+            let xd = dev.upload(&x).expect("x");
+            let mut xq = dev.zeros::<BlockQ8_1>(n * k / 32).expect("xq");
+            let mut y = dev.zeros::<f32>(n * m).expect("y");
+            let mut call = |dv: &Device| -> Result<(), CudaError> {
+                ops::quantize_q8_1(dv, &xd, &mut xq)?;
+                match n {
+                    1 => ops::matvec_q(dv, &wd, &xq, &mut y),
+                    _ => poly_kernels::cuda::prompt::matmul_q(dv, &wd, &xq, &mut y),
+                }
+            };
+            let eager = time_launches(&dev, || call(&dev).expect("launch"));
+            let graph = dev
+                .capture(|dv| (0..ITERS).try_for_each(|_| call(dv)))
+                .expect("capture");
+            let replayed = time_launches(&dev, || graph.replay().expect("replay")) / ITERS as f64;
+            println!(
+                "iq MUL_MAT type_a={} m={m} n={n} k={k}: eager {:.2} us, graph {:.2} us, {:.1} MB of weights",
+                ty.name().to_lowercase(),
+                eager * 1e6,
+                replayed * 1e6,
+                w.len() as f64 / 1e6
+            );
+        }
+    }
+    // MUL_MAT_ID at Qwen3-30B-A3B's expert shape, one token, 8 of 128 experts (the two i-quants
+    // test-backend-ops measures there).
+    let eight: Vec<i32> = vec![3, 17, 29, 64, 77, 90, 101, 126];
+    let idsd = dev.upload(&eight).expect("ids");
+    for ty in [GgmlType::IQ2_XS, GgmlType::IQ4_XS, GgmlType::Q4_K] {
+        let (rows, cols, n_expert) = (768, 2048, 128);
+        let w = random_weights(ty, &mut rng, rows * cols * n_expert);
+        let stacked = StackedExperts::upload(&dev, ty, (rows, cols, n_expert), &w).expect("upload");
+        let x: Vec<f32> = (0..cols).map(|_| rng.normal()).collect();
+        let xd = dev.upload(&x).expect("x");
+        let mut xq = dev.zeros::<BlockQ8_1>(cols / 32).expect("xq");
+        let mut y = dev.zeros::<f32>(eight.len() * rows).expect("y");
+        let mut call = |dv: &Device| -> Result<(), CudaError> {
+            ops::quantize_q8_1(dv, &xd, &mut xq)?;
+            ops::matvec_experts_q(dv, stacked.table(), &idsd, &xq, ExpertInput::Shared, &mut y)
+        };
+        let eager = time_launches(&dev, || call(&dev).expect("launch"));
+        let graph = dev
+            .capture(|dv| (0..ITERS).try_for_each(|_| call(dv)))
+            .expect("capture");
+        let replayed = time_launches(&dev, || graph.replay().expect("replay")) / ITERS as f64;
+        println!(
+            "iq MUL_MAT_ID type_a={} n_mats={n_expert} n_used=8 m={rows} n=1 k={cols}: eager {:.2} us, graph {:.2} us",
+            ty.name().to_lowercase(),
+            eager * 1e6,
+            replayed * 1e6
+        );
+    }
+}

@@ -5,8 +5,8 @@
 
 use clap::{Args, ValueEnum};
 use poly_engine::knobs::{
-    CopyAheadAt as CopyAheadAtKnob, CpuShareThreads, ForwardOptions, GuessOn as GuessOnKnob,
-    Handoff, HostPoints, Knobs,
+    BusAdmissionsAt as BusAdmissionsAtKnob, CopyAheadAt as CopyAheadAtKnob, CpuShareThreads,
+    ForwardOptions, GuessOn as GuessOnKnob, Handoff, HostPoints, Knobs,
 };
 use poly_engine::state::KvPrecision;
 use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
@@ -98,6 +98,13 @@ pub enum GpuHostPoints {
 pub enum GuessOn {
     Card,
     Host,
+}
+
+/// When a one-graph token's admissions over the bus are queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BusAdmissionsAt {
+    Finish,
+    Ahead,
 }
 
 /// When a layer's copies ahead are queued.
@@ -201,6 +208,13 @@ pub struct KnobArgs {
     /// Measured on an H100 host at 8 GB: route no faster than sum on four files.
     #[arg(long, value_enum, default_value_t = CopyAheadAt::Sum)]
     copy_ahead_at: CopyAheadAt,
+    /// When a partly resident token (one graph) queues the admissions a layer earned over the bus: when
+    /// the layer is finished, at the next layer's route point (finish: the copy stream then runs them
+    /// before that layer's copies, which the card's experts wait for), or planned there and queued once
+    /// the next layer's staged flag and copies ahead are queued (ahead: the bus carries them while the
+    /// card computes; not yet measured on a card, hence not the default).
+    #[arg(long, value_enum, default_value_t = BusAdmissionsAt::Finish)]
+    bus_admissions_at: BusAdmissionsAt,
     /// One token's gate and up experts in one fused launch (was POLY_MOE_GLU).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     moe_glu: Switch,
@@ -311,6 +325,10 @@ impl KnobArgs {
                 copy_ahead_at: match self.copy_ahead_at {
                     CopyAheadAt::Route => CopyAheadAtKnob::Route,
                     CopyAheadAt::Sum => CopyAheadAtKnob::Sum,
+                },
+                bus_admissions_at: match self.bus_admissions_at {
+                    BusAdmissionsAt::Finish => BusAdmissionsAtKnob::Finish,
+                    BusAdmissionsAt::Ahead => BusAdmissionsAtKnob::Ahead,
                 },
                 host_points: match self.gpu_host_points {
                     GpuHostPoints::Flags => HostPoints::Flags,

@@ -702,6 +702,21 @@ fn meet_host(
     times: &mut HostTimes,
 ) -> CudaResult<()> {
     let plan = AheadPlan::in_force();
+    cache.hold_bus_admissions(plan.bus_later);
+    let r = meet_steps(steps, flags, (dev, cpu), cache, times, plan);
+    cache.hold_bus_admissions(false);
+    r
+}
+
+/// [`meet_host`]'s steps in order.
+fn meet_steps(
+    steps: &mut [Option<MoeStep>],
+    flags: &HostFlags,
+    (dev, cpu): (&Device, &CpuWeights),
+    cache: &mut ExpertCache,
+    times: &mut HostTimes,
+    plan: AheadPlan,
+) -> CudaResult<()> {
     // This layer's experts guessed (missing from the card) at the previous layer's point.
     let mut guess: Vec<usize> = Vec::new();
     for i in 0..steps.len() {
@@ -757,6 +772,10 @@ fn meet_host(
                 guess = next_guess;
             }
         }
+        // The admissions the previous layer earned over the bus, behind this layer's copies.
+        let clock = Instant::now();
+        cache.queue_bus_admissions(cpu)?;
+        times.admit += clock.elapsed();
     }
     Ok(())
 }
@@ -772,6 +791,9 @@ struct AheadPlan {
     warm: bool,
     /// The guess is the card's (else the share's threads make it after the share).
     on_card: bool,
+    /// `--bus-admissions-at ahead`: a finished layer's admissions over the bus queued after the next
+    /// layer's staged flag and copies ahead.
+    bus_later: bool,
 }
 
 impl AheadPlan {
@@ -785,6 +807,7 @@ impl AheadPlan {
             after_share: ahead && !at_route,
             warm: f.cpu_warm,
             on_card,
+            bus_later: f.bus_admissions_at == crate::knobs::BusAdmissionsAt::Ahead,
         }
     }
 

@@ -16,6 +16,7 @@
 //!   computed on the CPU ([`CpuShare`]) meanwhile; and the policy may admit a few of them (uploads on the
 //!   copy stream; a slot's entry switched only after its copy completed).
 
+mod bus_later;
 pub mod layout;
 pub mod placement;
 pub mod policy;
@@ -185,6 +186,9 @@ pub struct ExpertCache {
     defer_tables: bool,
     /// A one-graph token's host points are under way ([`ExpertCache::set_linked`]).
     linked: bool,
+    /// `--bus-admissions-at ahead`: admissions over the bus planned at a layer's finish whose copies wait
+    /// to be queued ([`ExpertCache::queue_bus_admissions`]); `None` queues them at once.
+    bus_later: Option<Vec<policy::Upload>>,
     /// The copy stream could not set a flag (no stream memory operations): the host waits and sets it.
     host_sets_flags: bool,
     /// The threads of single tokens' CPU shares, once one was computed.
@@ -278,6 +282,7 @@ impl ExpertCache {
             dirty: Vec::new(),
             defer_tables: false,
             linked: false,
+            bus_later: None,
             host_sets_flags: false,
             cpu_pool: None,
             routed_counts: counts.iter().map(|&n| vec![0; n]).collect(),
@@ -433,6 +438,9 @@ impl ExpertCache {
         self.copy.synchronize()?;
         dev.synchronize()?;
         self.pending.clear();
+        if let Some(held) = self.bus_later.as_mut() {
+            held.clear();
+        }
         self.staged = None;
         self.prefetch = None;
         self.prefetch_plan = None;
@@ -1292,6 +1300,16 @@ impl ExpertCache {
         if !self.linked {
             self.copy.wait_for_compute(dev)?;
         }
+        if let Some(later) = self.bus_later.as_mut() {
+            later.extend_from_slice(plan);
+            return Ok(());
+        }
+        self.queue_uploads(cpu, plan)
+    }
+
+    /// Queues the copies of `plan`'s newcomers (their victims' entries cleared) on the copy stream, each
+    /// resident once the stream passed it.
+    fn queue_uploads(&mut self, cpu: &CpuWeights, plan: &[policy::Upload]) -> CudaResult<()> {
         for u in plan {
             if let Err(e) = self.upload(cpu, u.expert, u.slot, Dest::Cache) {
                 self.policy.abandon(u.slot);
