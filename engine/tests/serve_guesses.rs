@@ -1,7 +1,7 @@
 //! Guessed tokens from repeats (issue 18), through the real binary on the CPU: an answer written with
 //! guesses is the answer written without them (`--no-draft`), token for token and log-probability for
-//! log-probability, greedy and sampled, and DONE counts the guesses; a model with recurrent layers, whose
-//! state cannot be cut back, guesses nothing.
+//! log-probability, greedy and sampled, and DONE counts the guesses; models with recurrent layers
+//! (qwen35moe, lfm2moe), whose state goes back to a window's start and reads the kept tokens again, too.
 //!
 //! The prompts repeat a stretch of tokens, and the tiny random models' greedy answers fall into loops of
 //! their own: both give the guesser matches. Cost: a dozen engine processes on tiny models, seconds.
@@ -9,7 +9,8 @@
 mod serve_support;
 
 use poly_protocol::{Done, FromEngine, Gen, ToEngine, Tokens};
-use serve_support::{Engine, Rng, FIXTURES};
+use serve_support::{fixture, Engine, Rng, FIXTURES};
+use std::path::Path;
 
 /// The answer's lines and its DONE.
 fn answer(e: &mut Engine, gen: Gen) -> (Vec<Tokens>, Done) {
@@ -30,15 +31,15 @@ fn repeated_prompt(seed: u64, n: usize, n_vocab: u32) -> Vec<u32> {
     [part.clone(), part.clone(), part].concat()
 }
 
-fn gens(prompt: &[u32]) -> [Gen; 2] {
+fn gens(prompt: &[u32], max_tokens: u32) -> [Gen; 2] {
     [
         Gen {
-            max_tokens: Some(40),
+            max_tokens: Some(max_tokens),
             top_logprobs: Some(2),
             ..Gen::new("greedy", prompt.to_vec())
         },
         Gen {
-            max_tokens: Some(40),
+            max_tokens: Some(max_tokens),
             temperature: Some(0.9),
             seed: Some(7),
             ..Gen::new("sampled", prompt.to_vec())
@@ -61,89 +62,166 @@ fn q8_0_caches_cut_back_as_f16_ones_do() {
     );
 }
 
+/// A recurrent model whose guesses are often right: the tiny qwen35moe shape written with its token
+/// mixing (attention and delta-net outputs) at gain 0.05, so a token's next token depends mostly on the
+/// token itself and greedy answers repeat; the recurrent state still moves every logit a little, so a
+/// state restored wrongly after a wrong guess shows in the log-probabilities compared.
+#[test]
+fn a_recurrent_state_goes_back_after_a_wrong_guess() {
+    let dir = std::env::temp_dir().join(format!("poly-guesses-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("qwen35moe-quiet.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .args([
+            "synth",
+            "--arch",
+            "qwen35moe",
+            "--shape",
+            "tiny",
+            "--seed",
+            "5",
+        ])
+        .args(["--mixing-gain", "0.01", "--out"])
+        .arg(&path)
+        .output()
+        .expect("synth runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (proposed, kept) = compare_answers(&path, &[], (&[], 160));
+    std::fs::remove_dir_all(&dir).ok();
+    eprintln!("quiet qwen35moe: {proposed} guessed, {kept} kept");
+    assert!(
+        kept > 0 && proposed > kept,
+        "{proposed} guessed, {kept} kept"
+    );
+}
+
 /// [`answers_with_guesses_are_the_answers_without`] with `flags` added to both engines; returns the
 /// guesses kept.
-fn guesses_change_nothing(flags: &[&str]) -> u32 {
+fn guesses_change_nothing(flags: &[&str]) -> u64 {
     let mut accepted = 0;
     for name in [
         "qwen3moe-tiny-q4km.gguf",
         FIXTURES[4],
         "llama-tiny-q4km.gguf",
+        // Recurrent layers: restored to a window's start after a wrong guess.
+        FIXTURES[2],
+        "lfm2moe-tiny-q4km.gguf",
     ] {
-        let args = |more: &[&'static str]| [&["--cpu"][..], more, flags].concat();
-        let mut with = Engine::start(name, &args(&[]));
-        let mut without = Engine::start(name, &args(&["--no-draft"]));
-        for e in [&with, &without] {
-            let knobs = &e.ready.as_ref().expect("READY").knobs;
-            let kv = flags.windows(2).find(|w| w[0] == "--kv").map(|w| w[1]);
-            assert_eq!(
-                knobs.get("kv").map(String::as_str),
-                kv,
-                "{name}: READY's knobs"
-            );
+        // Recurrent models' random answers rarely repeat: a long random prompt before the repeated
+        // part gives their written tokens earlier occurrences to start (mostly wrong) windows from.
+        let recurrent = name.starts_with("qwen35moe") || name.starts_with("lfm2moe");
+        let lead = if recurrent { 300 } else { 0 };
+        let lead = Rng::new(11).tokens(lead, 2048);
+        let (proposed, kept) = compare_answers(&fixture(name), flags, (&lead, 40));
+        // A recurrent state must have gone back to a window's start at least once (a guess was
+        // wrong), or the test proved nothing about it.
+        if recurrent {
+            assert!(proposed > kept, "{name}: {proposed} guessed, {kept} kept");
         }
-        let guesses = |e: &Engine| e.ready.as_ref().and_then(|r| r.guesses.clone());
-        assert_eq!(guesses(&with).as_deref(), Some("repeats"), "{name}");
-        assert_eq!(guesses(&without).as_deref(), Some("off"), "{name}");
-        let prompt = repeated_prompt(3, 12, with.n_vocab());
-        for (a, b) in gens(&prompt).into_iter().zip(gens(&prompt)) {
-            let what = format!("{name} {}", a.id);
-            // A fresh conversation each: the kept state of the one before is not what is compared.
-            let (a, b) = (
-                Gen {
-                    conversation: Some(format!("{}-w", a.id)),
-                    ..a
-                },
-                Gen {
-                    conversation: Some(format!("{}-o", b.id)),
-                    ..b
-                },
-            );
-            let (ta, da) = answer(&mut with, a);
-            let (tb, db) = answer(&mut without, b);
-            assert_eq!(ta, tb, "{what}: the answer's lines");
-            assert_eq!(
-                (da.reason, da.generated),
-                (db.reason, db.generated),
-                "{what}"
-            );
-            assert_eq!((db.draft_proposed, db.draft_accepted), (0, 0), "{what}");
-            assert!(da.draft_accepted <= da.draft_proposed, "{what}: {da:?}");
-            eprintln!(
-                "{what}: {} tokens, {} guessed, {} kept",
-                da.generated, da.draft_proposed, da.draft_accepted
-            );
-            accepted += da.draft_accepted;
-        }
-        // The state an answer with guesses keeps is the one without: the same continuation.
-        let next = |e: &mut Engine, conv: &str| {
-            let (t, _) = answer(
-                e,
-                Gen {
-                    max_tokens: Some(8),
-                    conversation: Some(conv.into()),
-                    ..Gen::new("next", [prompt.clone(), vec![5, 6]].concat())
-                },
-            );
-            t.iter()
-                .flat_map(|t| t.tokens.clone())
-                .collect::<Vec<u32>>()
-        };
-        assert_eq!(
-            next(&mut with, "greedy-w"),
-            next(&mut without, "greedy-o"),
-            "{name}: the kept state"
-        );
+        accepted += kept;
     }
     accepted
 }
 
-#[test]
-fn a_recurrent_model_guesses_nothing() {
-    let mut e = Engine::start(FIXTURES[2], &["--cpu"]);
-    let prompt = repeated_prompt(5, 12, e.n_vocab());
-    let [greedy, _] = gens(&prompt);
-    let (t, d) = answer(&mut e, greedy);
-    assert!(!t.is_empty());
-    assert_eq!((d.draft_proposed, d.draft_accepted), (0, 0));
+/// The answers (greedy and sampled) of an engine on `model` that guesses, against one that does not,
+/// line for line, and the state each keeps; returns the guesses proposed and kept. The prompt is
+/// `lead` then a stretch said three times; the answers are at most `max_tokens` long.
+fn compare_answers(model: &Path, flags: &[&str], (lead, max_tokens): (&[u32], u32)) -> (u64, u64) {
+    let name = model
+        .file_name()
+        .map_or(String::new(), |n| n.to_string_lossy().to_string());
+    // One matching token starts a window: the tiny random models' answers repeat single tokens often
+    // and longer stretches rarely, so guesses are tried, kept and missed on every model.
+    let args =
+        |more: &[&'static str]| [&["--cpu", "--repeats-min-match", "1"][..], more, flags].concat();
+    let mut with = Engine::start_path(model, &args(&[]));
+    let mut without = Engine::start_path(model, &args(&["--no-draft"]));
+    for e in [&with, &without] {
+        let knobs = &e.ready.as_ref().expect("READY").knobs;
+        assert_eq!(
+            knobs.get("repeats-min-match").map(String::as_str),
+            Some("1"),
+            "{name}: READY's knobs"
+        );
+        let kv = flags.windows(2).find(|w| w[0] == "--kv").map(|w| w[1]);
+        assert_eq!(
+            knobs.get("kv").map(String::as_str),
+            kv,
+            "{name}: READY's knobs"
+        );
+    }
+    let guesses = |e: &Engine| e.ready.as_ref().and_then(|r| r.guesses.clone());
+    assert_eq!(guesses(&with).as_deref(), Some("repeats"), "{name}");
+    assert_eq!(guesses(&without).as_deref(), Some("off"), "{name}");
+    let prompt = [lead.to_vec(), repeated_prompt(3, 12, with.n_vocab())].concat();
+    let (mut proposed, mut kept) = (0, 0);
+    let mut greedy = Vec::new();
+    for (a, b) in gens(&prompt, max_tokens)
+        .into_iter()
+        .zip(gens(&prompt, max_tokens))
+    {
+        let what = format!("{name} {}", a.id);
+        // A fresh conversation each: the kept state of the one before is not what is compared.
+        let (a, b) = (
+            Gen {
+                conversation: Some(format!("{}-w", a.id)),
+                ..a
+            },
+            Gen {
+                conversation: Some(format!("{}-o", b.id)),
+                ..b
+            },
+        );
+        let (ta, da) = answer(&mut with, a);
+        let (tb, db) = answer(&mut without, b);
+        assert_eq!(ta, tb, "{what}: the answer's lines");
+        if what.ends_with("greedy") {
+            greedy = ta.iter().flat_map(|t| t.tokens.clone()).collect();
+        }
+        assert_eq!(
+            (da.reason, da.generated),
+            (db.reason, db.generated),
+            "{what}"
+        );
+        assert_eq!((db.draft_proposed, db.draft_accepted), (0, 0), "{what}");
+        assert!(da.draft_accepted <= da.draft_proposed, "{what}: {da:?}");
+        eprintln!(
+            "{what}: {} tokens, {} guessed, {} kept",
+            da.generated, da.draft_proposed, da.draft_accepted
+        );
+        proposed += u64::from(da.draft_proposed);
+        kept += u64::from(da.draft_accepted);
+    }
+    // The state an answer with guesses keeps is the one without: the same continuation, from the
+    // answer's end (the conversation goes on) and from the prompt's (it goes back).
+    let next = |e: &mut Engine, conv: &str, prompt: Vec<u32>| {
+        let (t, _) = answer(
+            e,
+            Gen {
+                max_tokens: Some(8),
+                conversation: Some(conv.into()),
+                ..Gen::new("next", prompt)
+            },
+        );
+        t.iter()
+            .flat_map(|t| t.tokens.clone())
+            .collect::<Vec<u32>>()
+    };
+    let on = [prompt.clone(), greedy, vec![5, 6]].concat();
+    assert_eq!(
+        next(&mut with, "greedy-w", on.clone()),
+        next(&mut without, "greedy-o", on),
+        "{name}: the kept state, gone on"
+    );
+    let back = [prompt.clone(), vec![5, 6]].concat();
+    assert_eq!(
+        next(&mut with, "greedy-w", back.clone()),
+        next(&mut without, "greedy-o", back),
+        "{name}: the kept state, gone back"
+    );
+    (proposed, kept)
 }

@@ -82,6 +82,12 @@ struct ServeArgs {
     /// the model's state can be cut back; the answer is the same either way).
     #[arg(long)]
     no_draft: bool,
+    /// Guesses from repeats: how many of the conversation's last tokens (the one just written included)
+    /// must have occurred before for what followed them then to be guessed (llama.cpp's n-gram lookup
+    /// size). Fewer guess more often and more wrongly; the answer is the same either way.
+    #[arg(long, value_name = "N", default_value_t = poly_engine::serve::DEFAULT_REPEATS_MIN_MATCH,
+          value_parser = clap::value_parser!(u32).range(1..=16))]
+    repeats_min_match: u32,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -308,6 +314,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 ubatch: a.ubatch,
                 long_ubatch: a.long_ubatch,
                 guesses: !a.no_draft,
+                repeats_min_match: a.repeats_min_match as usize,
                 warm_up: !a.no_warmup,
                 parallel: a.parallel as usize,
                 device,

@@ -50,6 +50,11 @@ pub struct SynthArgs {
     /// what synth always wrote, routers drawn for random isotropic states).
     #[arg(long, value_name = "BOOL")]
     calibrate_routers: Option<bool>,
+    /// Attention, delta-net and short-convolution outputs scaled by this gain (default 1, or 0.3 when
+    /// calibrating routers). Near 0 a token's next token depends mostly on the token itself, so greedy
+    /// answers fall into repeats: a model on which guessed tokens are right often (issue 18's tests).
+    #[arg(long, value_name = "F")]
+    mixing_gain: Option<f32>,
     /// Measure the routing of a forward pass over fresh random tokens after writing (default: when
     /// calibrating; with --calibrate-routers false it measures the routers as drawn).
     #[arg(long, value_name = "BOOL")]
@@ -242,8 +247,16 @@ pub fn run(args: SynthArgs) -> CliResult {
     let calibrate = args.calibrate_routers.unwrap_or(args.route_skew.is_some());
     let mut s = Synthesis::prepare(&opts)?;
     let calibrate = calibrate && !s.routing.is_empty();
-    if calibrate {
-        s = s.with_mixing_gain(CALIBRATED_MIXING_GAIN);
+    let gain = match (args.mixing_gain, calibrate) {
+        (Some(g), _) if g.is_finite() && g >= 0.0 => g,
+        (Some(g), _) => {
+            return Err(SynthError(format!("--mixing-gain {g}: a finite gain of 0 or more")).into())
+        }
+        (None, true) => CALIBRATED_MIXING_GAIN,
+        (None, false) => 1.0,
+    };
+    if gain != 1.0 {
+        s = s.with_mixing_gain(gain);
     }
     print_plan(&s);
     print_routing(&s, skew);
@@ -280,7 +293,7 @@ pub fn run(args: SynthArgs) -> CliResult {
         let t = Instant::now();
         match calibrate::calibrate_file(&out, &s.router_parts(), args.calibration_tokens, s.seed) {
             Ok(n) => eprintln!(
-                "  calibrated {n} routers on the model's own hidden states ({} random tokens, one forward call; attention and delta-net outputs written at gain {CALIBRATED_MIXING_GAIN}) in {:.2} s",
+                "  calibrated {n} routers on the model's own hidden states ({} random tokens, one forward call; attention and delta-net outputs written at gain {gain}) in {:.2} s",
                 args.calibration_tokens,
                 t.elapsed().as_secs_f64()
             ),

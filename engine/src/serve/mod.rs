@@ -67,6 +67,8 @@ pub struct ServeOptions {
     /// Guessed tokens (from repeats, where the model's state can be cut back on the CPU); `--no-draft`
     /// turns them off.
     pub guesses: bool,
+    /// Tokens that must repeat before their sequel is guessed (`--repeats-min-match`).
+    pub repeats_min_match: usize,
     /// The warm-up before READY on a GPU ([`warm_up`]); `--no-warmup` turns it off.
     pub warm_up: bool,
     /// Most requests running at once, taking turns token by token (`--parallel`; 1: one at a time).
@@ -77,6 +79,10 @@ pub struct ServeOptions {
 /// expert's weights once per tile of its tokens, so more tokens per call means fewer weight reads (llama.cpp's
 /// best `-ub` for long prompts on the H200 was 2048 as well).
 pub const GPU_UBATCH: usize = 2048;
+
+/// `--repeats-min-match` unless told otherwise: two matching tokens are common chance in a
+/// conversation; three rarely are.
+pub const DEFAULT_REPEATS_MIN_MATCH: u32 = 3;
 
 /// Prompt tokens per forward call of a long prompt on a card that holds only part of the routed experts:
 /// each call copies every layer's uncached experts to the card once, so fewer, larger calls copy less;

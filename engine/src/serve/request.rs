@@ -26,6 +26,7 @@ use super::store::{Conversation, Origin, Undo};
 use crate::gpu::expert_cache::CacheStats;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
+use crate::state::Checkpoint;
 
 /// A checked GEN, ready to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -152,6 +153,12 @@ struct Answering {
     repeats: Option<Repeats>,
     /// Guessed tokens in the state past the last written one, with the logits that follow each.
     ahead: VecDeque<(u32, Vec<f32>)>,
+    /// A state with recurrent layers, which cannot be cut back: where it stood at or before the start of
+    /// the window in `ahead` (taken before a call that guesses). A wrong guess restores it and the call
+    /// after reads again the tokens kept since ([`Answering::cut_back`]).
+    window_start: Option<Checkpoint>,
+    /// Rows at the head of `call` that read kept tokens again after a restore: their logits are known.
+    replayed: usize,
     /// The forward call the turn ends with, made by the session for every turn of a round together
     /// ([`Session::finish_turns`]): the token just written and the guesses that follow it. Empty when
     /// none is owed.
@@ -314,14 +321,16 @@ impl<W: std::io::Write> Session<'_, W> {
         for &t in &job.prompt {
             sampler.accept(t);
         }
-        let guesses = self.guesses && !model.on_gpu() && !recurrent;
+        let guesses = self.guesses && !model.on_gpu();
         r.phase = Phase::Answer(Box::new(Answering {
             prefill_ms: ms(r.started),
             decoding: Instant::now(),
             sampler,
             generated: 0,
-            repeats: guesses.then(Repeats::default),
+            repeats: guesses.then(|| Repeats::new(self.repeats_min_match)),
             ahead: VecDeque::new(),
+            window_start: None,
+            replayed: 0,
             call: Vec::new(),
         }));
         Ok(None)
@@ -360,14 +369,7 @@ impl<W: std::io::Write> Session<'_, W> {
             return Ok(Some(Ok(a.finish(StopReason::Length, conv))));
         }
         if self.poll()? == Control::Cancel {
-            return Ok(Some(Ok(Finished {
-                reason: StopReason::Cancel,
-                generated: a.generated,
-                prefill_ms: a.prefill_ms,
-                decode_ms: ms(a.decoding),
-                draft_proposed: 0,
-                draft_accepted: 0,
-            })));
+            return Ok(Some(Ok(a.finish(StopReason::Cancel, conv))));
         }
         // The token was guessed: its logits were computed with the guess.
         if let Some((guess, row)) = a.ahead.pop_front() {
@@ -384,17 +386,33 @@ impl<W: std::io::Write> Session<'_, W> {
             // The rest of the window follows a wrong guess.
             let kept = conv.state.n_past() - 1 - a.ahead.len();
             a.ahead.clear();
-            conv.state.truncate(kept);
+            match a.cut_back(conv, kept) {
+                Some(again) => a.call = again,
+                None => {
+                    return Ok(Some(Err(EngineError(
+                        "the state could not be taken back before a wrong guess".into(),
+                    ))))
+                }
+            }
         }
         let guesses = match a.repeats.as_mut() {
+            // Room for the kept tokens read again, the token and its guesses.
             Some(rep) => rep.propose(
                 conv.state.tokens(),
                 token,
-                conv.state.room().saturating_sub(1),
+                conv.state.room().saturating_sub(1 + a.call.len()),
             ),
             None => Vec::new(),
         };
-        a.call = vec![token];
+        a.replayed = a.call.len();
+        // Where a recurrent state goes back to should a guess be wrong: here, or where a restore left
+        // it (the tokens read again since then are in the state's tokens once the call is made).
+        if guesses.is_empty() {
+            a.window_start = None;
+        } else if a.replayed == 0 && conv.state.has_recurrent() {
+            a.window_start = Some(conv.state.checkpoint());
+        }
+        a.call.push(token);
         a.call.extend_from_slice(&guesses);
         Ok(None)
     }
@@ -427,10 +445,16 @@ impl<W: std::io::Write> Session<'_, W> {
                             None
                         }
                         Some(Ok(rows)) => {
-                            let mut rows = rows.chunks_exact(n_vocab).map(<[f32]>::to_vec);
+                            // The kept tokens read again come first: their logits were used.
+                            let replayed = std::mem::take(&mut a.replayed);
+                            let mut rows = rows
+                                .chunks_exact(n_vocab)
+                                .skip(replayed)
+                                .map(<[f32]>::to_vec);
                             r.logits = rows.next().unwrap_or_default();
-                            a.ahead.extend(call[1..].iter().copied().zip(rows));
-                            if let Some(rep) = a.repeats.as_mut() {
+                            let guesses = &call[replayed + 1..];
+                            a.ahead.extend(guesses.iter().copied().zip(rows));
+                            if let (Some(rep), false) = (a.repeats.as_mut(), guesses.is_empty()) {
                                 rep.window_started();
                             }
                             None
@@ -547,8 +571,13 @@ impl Answering {
     fn finish(&mut self, reason: StopReason, conv: &mut Conversation) -> Finished {
         if !self.ahead.is_empty() {
             let kept = conv.state.n_past() - self.ahead.len();
-            conv.state.truncate(kept);
             self.ahead.clear();
+            // A recurrent state goes back to the window's start: the kept tokens after it leave the
+            // state too, and the conversation's next prompt reads them again. A state that cannot go
+            // back is not kept at all (the next prompt is read whole).
+            if self.cut_back(conv, kept).is_none() {
+                conv.state.clear();
+            }
         }
         let (draft_proposed, draft_accepted) = self
             .repeats
@@ -562,6 +591,21 @@ impl Answering {
             draft_proposed,
             draft_accepted,
         }
+    }
+}
+
+impl Answering {
+    /// Takes the state back to its first `kept` tokens after a wrong guess: KV caches are cut there; a
+    /// state with recurrent layers is restored to the window's start, and the kept tokens after it are
+    /// returned, to be read again at the head of the next call (`replayed`). `None` when it cannot go
+    /// back (no window start: a call that guesses on a recurrent state takes one first).
+    fn cut_back(&mut self, conv: &mut Conversation, kept: usize) -> Option<Vec<u32>> {
+        if conv.state.truncate(kept) {
+            return Some(Vec::new());
+        }
+        let start = self.window_start.as_ref()?;
+        let again = conv.state.tokens().get(start.n_past()..kept)?.to_vec();
+        conv.state.restore(start).then_some(again)
     }
 }
 

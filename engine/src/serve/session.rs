@@ -56,6 +56,8 @@ pub struct Session<'a, W: Write> {
     pub(super) long_ubatch: usize,
     /// Whether answers guess tokens from repeats where they can ([`super::repeats`]).
     pub(super) guesses: bool,
+    /// Tokens that must repeat before their sequel is guessed ([`super::repeats::Repeats::new`]).
+    pub(super) repeats_min_match: usize,
     pub(super) store: Store,
     /// Most requests running at once (`--parallel`).
     parallel: usize,
@@ -117,6 +119,7 @@ impl<'a, W: Write> Session<'a, W> {
             ubatch,
             long_ubatch,
             guesses: opts.guesses,
+            repeats_min_match: opts.repeats_min_match,
             store: Store::new(opts.park_bytes),
             parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
@@ -162,6 +165,16 @@ impl<'a, W: Write> Session<'a, W> {
                 .into_iter()
                 .chain(self.placement_echo.iter().cloned())
                 .chain((self.parallel != 1).then(|| ("parallel".into(), self.parallel.to_string())))
+                .chain(
+                    (self.repeats_min_match != super::DEFAULT_REPEATS_MIN_MATCH as usize).then(
+                        || {
+                            (
+                                "repeats-min-match".into(),
+                                self.repeats_min_match.to_string(),
+                            )
+                        },
+                    ),
+                )
                 .collect(),
             protocol: poly_protocol::PROTOCOL_VERSION,
             model: model_path.display().to_string(),

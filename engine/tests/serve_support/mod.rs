@@ -61,6 +61,16 @@ impl Engine {
         e
     }
 
+    /// Starts `poly-engine --model <model> <args>` on any file and reads its READY line.
+    pub fn start_path(model: &std::path::Path, args: &[&str]) -> Engine {
+        let mut e = Engine::spawn(model, args);
+        match e.next() {
+            FromEngine::Ready(r) => e.ready = Some(r),
+            other => panic!("expected READY, got {other:?}"),
+        }
+        e
+    }
+
     /// Starts the binary on `model` without waiting for anything.
     pub fn spawn(model: &std::path::Path, args: &[&str]) -> Engine {
         let mut child = Command::new(env!("CARGO_BIN_EXE_poly-engine"))
