@@ -16,12 +16,107 @@
 //! (their rows' logits are dropped: the recurrences run token by token, so the state they leave is the
 //! one token-by-token reading leaves). Not on the card yet: one that holds only part of the experts would
 //! stage them for every checking call.
+//!
+//! When to guess, and how many ([`GuessRates`], [`Repeats::window_len`]): a window is worth making only
+//! while calls that guess write tokens faster than calls that do not. Both rates are measured (seconds
+//! per written token, decayed so that recent calls count most) over the session, since they are the
+//! model's and the machine's; when guessing is slower it pauses, its measurements are forgotten, and
+//! after the pause it is tried afresh. A window is as long as the answer's measured acceptance says its
+//! guesses are likely to last: `1 / (1 − acceptance)` guesses, at most 8.
 
 /// Most tokens guessed at once.
 const MAX_WINDOW: usize = 8;
 
 /// Longest wait (in written tokens) after windows that kept nothing.
 const MAX_BACKOFF: usize = 32;
+
+/// How much a decayed sum keeps of what it held at each new call: the last ten or so calls count.
+const DECAY: f64 = 0.9;
+
+/// Written tokens without guesses after guessing measured slower, before it is tried again.
+const PAUSE: usize = 32;
+
+/// Seconds and written tokens, decayed call by call.
+#[derive(Clone, Copy, Debug, Default)]
+struct Decayed {
+    secs: f64,
+    tokens: f64,
+}
+
+impl Decayed {
+    fn add_call(&mut self, secs: f64, tokens: f64) {
+        self.secs = DECAY * self.secs + secs;
+        self.tokens = DECAY * self.tokens + tokens;
+    }
+
+    /// Seconds per written token, once a few tokens were measured.
+    fn rate(&self) -> Option<f64> {
+        (self.tokens >= 2.0).then(|| self.secs / self.tokens)
+    }
+}
+
+/// The measured speeds of answer calls with guesses and without, over a session (the model's and the
+/// machine's), and whether guessing pays.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GuessRates {
+    /// Calls that wrote one token and read nothing again.
+    plain: Decayed,
+    /// Calls that checked guesses or read kept tokens again after a wrong one, and the tokens their
+    /// rows wrote (the first row's, and each kept guess's).
+    guessing: Decayed,
+    /// Written tokens left before guessing is tried again.
+    paused_for: usize,
+    /// Times guessing was measured slower and paused.
+    pub pauses: u64,
+}
+
+impl GuessRates {
+    /// A call of one row without guesses took `secs`.
+    pub fn plain_call(&mut self, secs: f64) {
+        self.plain.add_call(secs, 1.0);
+    }
+
+    /// A call that checked guesses (or read kept tokens again) took `secs`; its first row writes a token.
+    pub fn guessing_call(&mut self, secs: f64) {
+        self.guessing.add_call(secs, 1.0);
+    }
+
+    /// One more token written from a guessing call's rows (a kept guess).
+    pub fn guess_kept(&mut self) {
+        self.guessing.tokens += 1.0;
+    }
+
+    /// Whether the next written token may start a window: not while paused; paused (and the guessing
+    /// measurements forgotten, to be taken afresh after the pause) when guessing writes slower than not
+    /// guessing; yes while either rate is unknown.
+    pub fn allow(&mut self) -> bool {
+        if self.paused_for > 0 {
+            self.paused_for -= 1;
+            return false;
+        }
+        match (self.guessing.rate(), self.plain.rate()) {
+            (Some(g), Some(p)) if g > p => {
+                self.paused_for = PAUSE;
+                self.pauses += 1;
+                self.guessing = Decayed::default();
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Milliseconds per written token without guesses and with them (null while unknown), and the
+    /// pause's remaining tokens: STATS's `guesses`.
+    pub fn report(&self) -> serde_json::Value {
+        let ms = |r: Option<f64>| r.map(|s| s * 1e3);
+        serde_json::json!({
+            "plain_ms_per_token": ms(self.plain.rate()),
+            "guessing_ms_per_token": ms(self.guessing.rate()),
+            "paused_for": self.paused_for,
+            "pauses": self.pauses,
+        })
+    }
+}
 
 /// The guesser's state for one answer, and its counts.
 #[derive(Debug)]
@@ -34,6 +129,12 @@ pub struct Repeats {
     kept: usize,
     /// Fewest tokens that must match before their sequel is guessed (`--repeats-min-match`).
     min_match: usize,
+    /// Guesses in the window being checked.
+    in_flight: usize,
+    /// This answer's guesses reached (kept, or the first wrong one of a window) and kept, decayed window
+    /// by window: its acceptance.
+    reached: f64,
+    kept_decayed: f64,
     pub proposed: u64,
     pub accepted: u64,
 }
@@ -46,6 +147,9 @@ impl Repeats {
             backoff: 1,
             kept: 0,
             min_match: min_match.max(1),
+            in_flight: 0,
+            reached: 0.0,
+            kept_decayed: 0.0,
             proposed: 0,
             accepted: 0,
         }
@@ -59,7 +163,7 @@ impl Repeats {
             self.skip -= 1;
             return Vec::new();
         }
-        let room = room.min(MAX_WINDOW);
+        let room = room.min(self.window_len());
         let len = history.len() + 1;
         let n = self.min_match;
         if room == 0 || len <= n {
@@ -79,16 +183,34 @@ impl Repeats {
         guesses
     }
 
-    /// A window of guesses went into a checking call.
-    pub fn window_started(&mut self) {
-        self.kept = 0;
+    /// Most guesses in the next window: as long as the answer's measured acceptance `a` says a run of
+    /// kept guesses lasts, `1 / (1 − a)`, between 1 and [`MAX_WINDOW`] (the most before anything is
+    /// measured).
+    pub fn window_len(&self) -> usize {
+        if self.reached < 1.0 {
+            return MAX_WINDOW;
+        }
+        let a = (self.kept_decayed / self.reached).clamp(0.0, 1.0);
+        if a >= 1.0 - 1.0 / MAX_WINDOW as f64 {
+            return MAX_WINDOW;
+        }
+        ((1.0 / (1.0 - a)).ceil() as usize).clamp(1, MAX_WINDOW)
     }
 
-    /// The window's next guess was the token written.
+    /// A window of `n` guesses went into a checking call.
+    pub fn window_started(&mut self, n: usize) {
+        self.kept = 0;
+        self.in_flight = n;
+    }
+
+    /// The window's next guess was the token written (the last of the window ends it).
     pub fn kept_one(&mut self) {
         self.accepted += 1;
         self.kept += 1;
         self.backoff = 1;
+        if self.kept == self.in_flight {
+            self.window_ended(self.kept);
+        }
     }
 
     /// The window's next guess was not the token written: the window ends; one that kept nothing
@@ -98,6 +220,14 @@ impl Repeats {
             self.skip = self.backoff;
             self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
         }
+        self.window_ended(self.kept + 1);
+    }
+
+    /// A window ended having reached `reached` of its guesses (those kept, and a wrong one).
+    fn window_ended(&mut self, reached: usize) {
+        self.reached = DECAY * self.reached + reached as f64;
+        self.kept_decayed = DECAY * self.kept_decayed + self.kept as f64;
+        self.in_flight = 0;
     }
 }
 
@@ -125,13 +255,79 @@ mod tests {
     }
 
     #[test]
+    fn windows_are_as_long_as_the_acceptance_says() {
+        let mut r = Repeats::new(3);
+        assert_eq!(r.window_len(), MAX_WINDOW);
+        // Every window's first guess wrong: one guess a window.
+        for _ in 0..4 {
+            r.window_started(8);
+            r.window_missed();
+        }
+        assert_eq!(r.window_len(), 1);
+        // Windows keep 1 of 2 reached (one kept, then a wrong one): acceptance heads to 1/2, windows of 2.
+        let mut r = Repeats::new(3);
+        for _ in 0..40 {
+            r.window_started(4);
+            r.kept_one();
+            r.window_missed();
+        }
+        assert_eq!(r.window_len(), 2);
+        // Whole windows kept: the longest.
+        for _ in 0..40 {
+            r.window_started(2);
+            r.kept_one();
+            r.kept_one();
+        }
+        assert_eq!(r.window_len(), MAX_WINDOW);
+        // The window caps what is proposed.
+        let mut r = Repeats::new(1);
+        r.window_started(8);
+        r.window_missed();
+        // (The fruitless window's back-off first.)
+        assert!(r.propose(&[9, 1, 2, 3, 9], 1, 8).is_empty());
+        assert_eq!(r.propose(&[9, 1, 2, 3, 9], 1, 8), vec![2]);
+    }
+
+    #[test]
+    fn guessing_pauses_while_it_writes_slower() {
+        let mut rates = GuessRates::default();
+        // Nothing measured: guess.
+        assert!(rates.allow());
+        // Plain calls 10 ms a token; windows 30 ms a call writing 2 tokens (15 ms a token): slower.
+        for _ in 0..10 {
+            rates.plain_call(0.010);
+            rates.guessing_call(0.030);
+            rates.guess_kept();
+        }
+        assert!(!rates.allow());
+        assert_eq!(rates.pauses, 1);
+        // Paused for PAUSE tokens (the first refusal counted), then tried afresh.
+        for _ in 0..PAUSE {
+            assert!(!rates.allow());
+        }
+        assert!(rates.allow());
+        // Windows that write 4 tokens a 30 ms call (7.5 ms a token) pay: no pause.
+        for _ in 0..10 {
+            rates.guessing_call(0.030);
+            for _ in 0..3 {
+                rates.guess_kept();
+            }
+        }
+        assert!(rates.allow());
+        assert_eq!(rates.pauses, 1);
+        let report = rates.report();
+        assert_eq!(report["paused_for"], 0);
+        assert!((report["plain_ms_per_token"].as_f64().unwrap() - 10.0).abs() < 1e-6);
+    }
+
+    #[test]
     fn fruitless_windows_back_off() {
         let mut r = Repeats::new(3);
         let seq = [1, 2, 3, 9, 1, 2];
         let window = |r: &mut Repeats| {
             let g = r.propose(&seq, 3, 4);
             if !g.is_empty() {
-                r.window_started();
+                r.window_started(g.len());
             }
             !g.is_empty()
         };

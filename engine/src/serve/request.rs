@@ -376,6 +376,7 @@ impl<W: std::io::Write> Session<'_, W> {
             if guess == token {
                 if let Some(rep) = a.repeats.as_mut() {
                     rep.kept_one();
+                    self.guess_rates.guess_kept();
                 }
                 r.logits = row;
                 return Ok(None);
@@ -396,13 +397,14 @@ impl<W: std::io::Write> Session<'_, W> {
             }
         }
         let guesses = match a.repeats.as_mut() {
-            // Room for the kept tokens read again, the token and its guesses.
-            Some(rep) => rep.propose(
+            // Room for the kept tokens read again, the token and its guesses; only while guessing
+            // writes faster than not.
+            Some(rep) if self.guess_rates.allow() => rep.propose(
                 conv.state.tokens(),
                 token,
                 conv.state.room().saturating_sub(1 + a.call.len()),
             ),
-            None => Vec::new(),
+            _ => Vec::new(),
         };
         a.replayed = a.call.len();
         // Where a recurrent state goes back to should a guess be wrong: here, or where a restore left
@@ -425,13 +427,17 @@ impl<W: std::io::Write> Session<'_, W> {
         let model = self.model;
         let n_vocab = model.info().n_vocab;
         let mut turns = turns;
-        let results = {
+        let (results, secs) = {
             let mut calls: Vec<(&mut crate::state::SeqState, &[u32])> =
                 turns.iter_mut().filter_map(|r| r.owed_call()).collect();
             if calls.len() > 1 && calls.iter().all(|(s, _)| model.batches_states(s)) {
                 self.calls_over_states += 1;
             }
-            model.eval_many(&mut calls)
+            let clock = Instant::now();
+            let results = model.eval_many(&mut calls);
+            // Each turn's share of the call's time: what a token (or a window) cost it.
+            let secs = clock.elapsed().as_secs_f64() / calls.len().max(1) as f64;
+            (results, secs)
         };
         let mut results = results.into_iter();
         let mut out = Vec::with_capacity(turns.len());
@@ -442,6 +448,9 @@ impl<W: std::io::Write> Session<'_, W> {
                     match results.next() {
                         Some(Ok(rows)) if call.len() == 1 => {
                             r.logits = rows;
+                            if a.repeats.is_some() {
+                                self.guess_rates.plain_call(secs);
+                            }
                             None
                         }
                         Some(Ok(rows)) => {
@@ -454,8 +463,11 @@ impl<W: std::io::Write> Session<'_, W> {
                             r.logits = rows.next().unwrap_or_default();
                             let guesses = &call[replayed + 1..];
                             a.ahead.extend(guesses.iter().copied().zip(rows));
-                            if let (Some(rep), false) = (a.repeats.as_mut(), guesses.is_empty()) {
-                                rep.window_started();
+                            if let Some(rep) = a.repeats.as_mut() {
+                                if !guesses.is_empty() {
+                                    rep.window_started(guesses.len());
+                                }
+                                self.guess_rates.guessing_call(secs);
                             }
                             None
                         }

@@ -58,6 +58,8 @@ pub struct Session<'a, W: Write> {
     pub(super) guesses: bool,
     /// Tokens that must repeat before their sequel is guessed ([`super::repeats::Repeats::new`]).
     pub(super) repeats_min_match: usize,
+    /// Whether guessing pays, measured over the session's answers.
+    pub(super) guess_rates: super::repeats::GuessRates,
     pub(super) store: Store,
     /// Most requests running at once (`--parallel`).
     parallel: usize,
@@ -120,6 +122,7 @@ impl<'a, W: Write> Session<'a, W> {
             long_ubatch,
             guesses: opts.guesses,
             repeats_min_match: opts.repeats_min_match,
+            guess_rates: Default::default(),
             store: Store::new(opts.park_bytes),
             parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
@@ -474,6 +477,7 @@ impl<'a, W: Write> Session<'a, W> {
             "prompt_tokens": t.prompt_tokens,
             "cached_tokens": t.cached_tokens,
             "generated": t.generated,
+            "guesses": self.guess_rates.report(),
         });
         let mut extra = extra;
         if let (Some(c), serde_json::Value::Object(m)) = (self.model.expert_stats(), &mut extra) {
