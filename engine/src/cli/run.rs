@@ -265,6 +265,14 @@ pub fn run(args: RunArgs) -> CliResult {
                 c.skipped.bytes >> 20
             );
         }
+        if c.swapped.steps > 0 {
+            eprintln!(
+                "swapped in (--cache-bias): {} experts, {:.4} of a token's routed weight per layer on \
+                 average",
+                c.swapped.experts,
+                c.swapped.mean_weight()
+            );
+        }
     }
     Ok(())
 }

@@ -307,6 +307,10 @@ impl GpuBackend {
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;
         cache.set_skip(p.skip);
+        // A few KiB of vectors after the cache was sized: n_expert floats per layer.
+        cache
+            .set_cache_bias(&self.dev, p.cache_bias)
+            .map_err(cuda_err)?;
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);
@@ -448,6 +452,10 @@ impl GpuBackend {
         tokens: &[u32],
     ) -> Result<Vec<f32>, EngineError> {
         self.take_back(cpu).map_err(cuda_err)?;
+        // `--cache-bias`: the token's routers read the residency as it is now (a graph's replay too).
+        if let Some(cache) = lock(&self.experts).as_mut() {
+            cache.refresh_bias(&self.dev).map_err(cuda_err)?;
+        }
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         // One-token calls overlap their kernels' launches (`--gpu-pdl`); a decode graph captured here
@@ -599,6 +607,10 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), CudaError> {
+        // `--cache-bias`: a single token's routers read the residency as it is now.
+        if let (1, Some(cache)) = (tokens.len(), lock(&self.experts).as_mut()) {
+            cache.refresh_bias(&self.dev)?;
+        }
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         // The launches of a call of `tokens.len()` rows (`--gpu-pdl` decides whether they overlap).

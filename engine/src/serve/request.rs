@@ -482,6 +482,17 @@ impl<W: std::io::Write> Session<'_, W> {
             }
             _ => None,
         };
+        // The choices `--cache-bias` made in this answer (absent when it is off).
+        let experts_swapped_in = match (experts_before, experts_after) {
+            (Some(a), Some(b)) if b.swapped.steps > a.swapped.steps => {
+                let d = b.swapped.since(&a.swapped);
+                Some(poly_protocol::SwappedIn {
+                    experts: d.experts,
+                    weight_share: d.mean_weight(),
+                })
+            }
+            _ => None,
+        };
         if let Err(e) = model.save_expert_profile() {
             eprintln!("poly-engine: the expert profile was not saved: {e}");
         }
@@ -511,6 +522,7 @@ impl<W: std::io::Write> Session<'_, W> {
             draft_proposed: finished.draft_proposed as u32,
             draft_accepted: finished.draft_accepted as u32,
             experts_left_out,
+            experts_swapped_in,
         }))
     }
 }

@@ -35,6 +35,9 @@ pub struct Placement {
     pub missing_experts: MissingExperts,
     /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`; off: none).
     pub skip: MissingSkip,
+    /// Added to a single token's router probabilities of the cached experts before its top-k
+    /// (`--cache-bias`; 0: off; [`super::bias`]).
+    pub cache_bias: f32,
     /// The most tokens one forward call will carry (0: [`crate::generate::DEFAULT_UBATCH`]). The
     /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
     /// largest call needs and the budget holds with them.
@@ -127,6 +130,11 @@ impl Placement {
                 self.skip.weight.is_some(),
                 "skip-weight",
                 self.skip.weight.map_or_else(String::new, |f| f.to_string()),
+            ),
+            (
+                self.cache_bias != d.cache_bias,
+                "cache-bias",
+                self.cache_bias.to_string(),
             ),
         ]
         .into_iter()
@@ -252,6 +260,7 @@ mod tests {
                 tail: Some(3),
                 weight: Some(0.05),
             },
+            cache_bias: 0.25,
             ..Placement::new()
         };
         let echoed: Vec<(String, String)> = p.non_default();
@@ -262,6 +271,7 @@ mod tests {
             ("missing-experts", "cpu"),
             ("tail-skip", "3"),
             ("skip-weight", "0.05"),
+            ("cache-bias", "0.25"),
         ]
         .map(|(a, b)| (a.to_string(), b.to_string()));
         assert_eq!(echoed, want);
