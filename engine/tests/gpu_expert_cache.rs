@@ -653,9 +653,9 @@ fn the_card_refuses_the_architectures_it_cannot_run() {
     assert!(n_refused >= REFUSED.len(), "refused fixtures: {n_refused}");
 }
 
-/// `--tail-skip` and `--skip-weight` (approximate, off by default): with every expert missing, a tail
-/// past every rank leaves nothing out and writes the exact answer; a tail of 1 and a weight share of
-/// 0.99 leave experts out and say how many.
+/// `--tail-skip`, `--skip-weight` and `--cold-mass` (approximate, off by default): with every expert
+/// missing, a tail past every rank leaves nothing out and writes the exact answer; a tail of 1, a weight
+/// share of 0.99 and a cold mass of 0.5 (at most 2 a token) leave experts out and say how many.
 #[test]
 fn skips_leave_out_uncached_experts_and_say_so() {
     if !gpu_present() {
@@ -663,7 +663,7 @@ fn skips_leave_out_uncached_experts_and_say_so() {
     }
     let left_out = |log: &str| {
         log.lines()
-            .find_map(|l| l.strip_prefix("left out (--tail-skip / --skip-weight): "))
+            .find_map(|l| l.strip_prefix("left out (--tail-skip / --skip-weight / --cold-mass): "))
             .and_then(|r| r.split(' ').next())
             .and_then(|n| n.parse::<u64>().ok())
     };
@@ -682,8 +682,13 @@ fn skips_leave_out_uncached_experts_and_say_so() {
                 left_out(&log)
             ));
         }
-        for skip in [["--tail-skip", "1"], ["--skip-weight", "0.99"]] {
-            let (_, log) = run_binary(&path, &[&card[..], &skip[..]].concat());
+        let skips: [&[&str]; 3] = [
+            &["--tail-skip", "1"],
+            &["--skip-weight", "0.99"],
+            &["--cold-mass", "0.5", "--cold-max", "2"],
+        ];
+        for skip in skips {
+            let (_, log) = run_binary(&path, &[&card[..], skip].concat());
             eprintln!("{name} {skip:?}: left out {:?}", left_out(&log));
             if left_out(&log).is_none_or(|n| n == 0) {
                 failures.push(format!("{name} {skip:?}: nothing left out\n{log}"));

@@ -123,8 +123,8 @@ pub struct Done {
     pub draft_proposed: u32,
     #[serde(default)]
     pub draft_accepted: u32,
-    /// What an approximate mode (`--tail-skip`, `--skip-weight`) left out of this request's answer;
-    /// absent when none is set.
+    /// What an approximate mode (`--tail-skip`, `--skip-weight`, `--cold-mass`) left out of this
+    /// request's answer; absent when none is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts_left_out: Option<LeftOut>,
     /// The routed choices of this request's answer that `--cache-bias` made (cached experts chosen in

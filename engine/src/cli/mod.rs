@@ -173,6 +173,14 @@ pub struct PlacementArgs {
     /// (0 < F < 1) of the token's routed weight is left out (overrides --tail-skip).
     #[arg(long, value_name = "F", value_parser = parse_fraction)]
     skip_weight: Option<f32>,
+    /// Approximate, off by default (Krasis's cold-mass pruning): a single token's lightest experts that
+    /// are not in VRAM are left out, lightest first, while together they carry at most P (0 < P < 1) of
+    /// its routed weight (overrides --tail-skip and --skip-weight).
+    #[arg(long, value_name = "P", value_parser = parse_fraction)]
+    cold_mass: Option<f32>,
+    /// With --cold-mass: at most M experts a token left out (default: no cap but P).
+    #[arg(long, value_name = "M", requires = "cold_mass")]
+    cold_max: Option<usize>,
     /// Approximate, off by default: F (0 < F <= 1; 0: off) added to a single token's router probability of
     /// every expert in VRAM before its top-k, so its routing leans to the card; the chosen experts keep
     /// their unbiased weights (prompts untouched). 1 puts every cached expert first. DONE and STATS count
@@ -230,6 +238,8 @@ impl PlacementArgs {
             skip: MissingSkip {
                 tail: self.tail_skip,
                 weight: self.skip_weight,
+                cold_mass: self.cold_mass,
+                cold_max: self.cold_max,
             },
             cache_bias: self.cache_bias,
             call_tokens,
@@ -373,8 +383,17 @@ mod tests {
         assert!(p.skip.is_off());
         assert_eq!(p.cache_bias, 0.0);
         assert!(p.non_default().is_empty());
-        let p = placement(&["--cache-bias", "0.05"]).expect("flags");
+        let p = placement(&[
+            "--cache-bias",
+            "0.05",
+            "--cold-mass",
+            "0.1",
+            "--cold-max",
+            "2",
+        ])
+        .expect("flags");
         assert_eq!(p.cache_bias, 0.05);
+        assert_eq!((p.skip.cold_mass, p.skip.cold_max), (Some(0.1), Some(2)));
         assert_eq!(
             placement(&["--cache-bias", "0"]).expect("0").cache_bias,
             0.0
@@ -387,6 +406,8 @@ mod tests {
             &["--cache-bias", "1.5"][..],
             &["--cache-bias", "-0.1"],
             &["--cache-bias", "NaN"],
+            &["--cold-mass", "1"],
+            &["--cold-max", "2"],
         ] {
             assert!(placement(bad).is_err(), "{bad:?}");
         }

@@ -470,7 +470,8 @@ impl<W: std::io::Write> Session<'_, W> {
             }
             _ => None,
         };
-        // What `--tail-skip` / `--skip-weight` left out of this answer (absent when neither is set).
+        // What `--tail-skip` / `--skip-weight` / `--cold-mass` left out of this answer (absent when none
+        // is set).
         let experts_left_out = match (experts_before, experts_after) {
             (Some(a), Some(b)) if b.skipped.steps > a.skipped.steps => {
                 let d = b.skipped.since(&a.skipped);

@@ -92,7 +92,7 @@ pub struct CacheStats {
     /// those, the ones the layer then routed to (computed on the card from their scratch slots).
     pub ahead_copied: u64,
     pub ahead_routed: u64,
-    /// Single tokens' uncached experts left out (`--tail-skip`, `--skip-weight`).
+    /// Single tokens' uncached experts left out (`--tail-skip`, `--skip-weight`, `--cold-mass`).
     pub skipped: skip::Skipped,
     /// Single tokens' routed choices that `--cache-bias` made (cached experts in place of uncached ones).
     pub swapped: bias::Swapped,

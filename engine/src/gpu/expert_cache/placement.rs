@@ -33,7 +33,7 @@ pub struct Placement {
     pub staging_only: bool,
     /// Where a single token's uncached experts are computed.
     pub missing_experts: MissingExperts,
-    /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`; off: none).
+    /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`, `--cold-mass`; off: none).
     pub skip: MissingSkip,
     /// Added to a single token's router probabilities of the cached experts before its top-k
     /// (`--cache-bias`; 0: off; [`super::bias`]).
@@ -130,6 +130,20 @@ impl Placement {
                 self.skip.weight.is_some(),
                 "skip-weight",
                 self.skip.weight.map_or_else(String::new, |f| f.to_string()),
+            ),
+            (
+                self.skip.cold_mass.is_some(),
+                "cold-mass",
+                self.skip
+                    .cold_mass
+                    .map_or_else(String::new, |f| f.to_string()),
+            ),
+            (
+                self.skip.cold_max.is_some(),
+                "cold-max",
+                self.skip
+                    .cold_max
+                    .map_or_else(String::new, |n| n.to_string()),
             ),
             (
                 self.cache_bias != d.cache_bias,
@@ -259,6 +273,8 @@ mod tests {
             skip: MissingSkip {
                 tail: Some(3),
                 weight: Some(0.05),
+                cold_mass: Some(0.1),
+                cold_max: Some(2),
             },
             cache_bias: 0.25,
             ..Placement::new()
@@ -271,6 +287,8 @@ mod tests {
             ("missing-experts", "cpu"),
             ("tail-skip", "3"),
             ("skip-weight", "0.05"),
+            ("cold-mass", "0.1"),
+            ("cold-max", "2"),
             ("cache-bias", "0.25"),
         ]
         .map(|(a, b)| (a.to_string(), b.to_string()));
