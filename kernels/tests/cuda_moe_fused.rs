@@ -412,6 +412,12 @@ fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
         for f in [0.0f32, 0.002, 0.02, 0.2, 1.0] {
             let bias: Vec<f32> = cached.iter().map(|&c| if c { f } else { 0.0 }).collect();
             let d_bias = dev.upload(&bias).unwrap();
+            // The same vector inside a larger buffer (another router's before it, large values): the
+            // launch reads from its offset.
+            let mut shared = vec![5.0f32; 7];
+            shared.extend(&bias);
+            shared.extend([5.0f32; 3]);
+            let d_shared = dev.upload(&shared).unwrap();
             let what = format!("{n_expert} experts k {k} {gating:?} bias {f}");
             // route_topk over several tokens, each warp its own token.
             let logits: Vec<f32> = normals(&mut rng, n_tokens * n_expert)
@@ -423,7 +429,8 @@ fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
             let mut weights = dev.zeros::<f32>(n_tokens * k).unwrap();
             let mut changed = dev.zeros::<i32>(n_tokens).unwrap();
             let b = SelectionBias {
-                bias: &d_bias,
+                bias: &d_shared,
+                offset: 7,
                 changed: Some(&mut changed),
             };
             ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).unwrap();
@@ -487,6 +494,7 @@ fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
             let mut f_changed = dev.zeros::<i32>(1).unwrap();
             let b = SelectionBias {
                 bias: &d_bias,
+                offset: 0,
                 changed: Some(&mut f_changed),
             };
             ops::router_topk_biased(
@@ -503,7 +511,8 @@ fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
             let mut s_w = dev.zeros::<f32>(k).unwrap();
             let mut s_changed = dev.zeros::<i32>(1).unwrap();
             let b = SelectionBias {
-                bias: &d_bias,
+                bias: &d_shared,
+                offset: 7,
                 changed: Some(&mut s_changed),
             };
             ops::route_topk_biased(&dev, &f_logits, &r, Some(b), &mut s_ids, &mut s_w).unwrap();
@@ -520,8 +529,8 @@ fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
     assert_no_failures(failures);
 }
 
-/// A biased choice never takes a NaN probability before a number (the CPU puts NaN last), and a bias
-/// without `changed` writes nothing there; a k above 32 with `changed` is refused.
+/// A biased choice never takes a NaN probability before a number (the CPU puts NaN last), also without
+/// `changed`; a k above 32 with `changed` is refused, and so is a vector that runs past its buffer.
 #[test]
 fn a_selection_bias_keeps_nan_last_and_refuses_k_above_32_with_changed() {
     let Some(dev) = device() else { return };
@@ -544,6 +553,7 @@ fn a_selection_bias_keeps_nan_last_and_refuses_k_above_32_with_changed() {
     let mut weights = dev.zeros::<f32>(k).unwrap();
     let b = SelectionBias {
         bias: &d_bias,
+        offset: 0,
         changed: None,
     };
     ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).unwrap();
@@ -560,9 +570,19 @@ fn a_selection_bias_keeps_nan_last_and_refuses_k_above_32_with_changed() {
     let mut changed = dev.zeros::<i32>(1).unwrap();
     let b = SelectionBias {
         bias: &d_bias,
+        offset: 0,
         changed: Some(&mut changed),
     };
     assert!(
         ops::route_topk_biased(&dev, &d_logits, &wide, Some(b), &mut ids, &mut weights).is_err()
     );
+    // A vector that would run past its buffer is refused.
+    let mut ids = dev.zeros::<i32>(k).unwrap();
+    let mut weights = dev.zeros::<f32>(k).unwrap();
+    let b = SelectionBias {
+        bias: &d_bias,
+        offset: 1,
+        changed: None,
+    };
+    assert!(ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).is_err());
 }

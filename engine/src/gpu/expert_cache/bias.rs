@@ -11,15 +11,18 @@
 //!   1 flatten every token's mixture towards uniform: the approximation would reach every token, not
 //!   only those whose choice it changed.
 //! - **What counts as cached**: an expert resident in the cache's pool (the policy's `resident`),
-//!   written to the card per layer as F or 0 (`[n_expert]` floats the router kernels read, so a decode
-//!   graph's replays read the residency of their own token). Experts in scratch slots (a prompt call's
+//!   written to the card as F or 0 per expert (one buffer of every layer's `n_expert` floats, each
+//!   layer's router reading its own part, so a decode graph's replays read the residency of their own
+//!   token). Experts in scratch slots (a prompt call's
 //!   staged ones, a token's copies ahead or on demand) are not cached: they are there for one token,
 //!   and a copy ahead is the guess of the unbiased choice. The expert tables are not the signal: a
 //!   segmented token's layers' tables are rewritten only for their next reader (so they lag the
 //!   residency), with `--missing-experts mapped` every entry is non-null, and a prompt's point at scratch.
-//! - **When the vectors are written**: at the start of each single-token call, for the layers whose
-//!   residency changed since ([`super::policy::CachePolicy::take_residency_changes`]), in stream order
-//!   before the token's launches. So a token routes by the residency at its start: an expert that a later
+//! - **When the vectors are written**: at the start of each single-token call where a layer's residency
+//!   changed since the last ([`super::policy::CachePolicy::take_residency_changes`]): those layers'
+//!   parts of a host copy are rewritten and the buffer goes to the card in one copy (an admission changes
+//!   a few layers a token; one write per layer would cost an API call each), in stream order before the
+//!   token's launches. So a token routes by the residency at its start: an expert that a later
 //!   layer's admission evicts during the token may still be preferred (and is then copied or computed on
 //!   the CPU, exact either way), and one admitted during the token counts from the next.
 //! - **Where**: single-token calls (answers) on a partly resident cache; prompt calls are untouched (a
@@ -50,52 +53,65 @@ pub fn vector(n_expert: usize, f: f32, resident: impl Fn(usize) -> bool) -> Vec<
         .collect()
 }
 
-/// The bias vectors on the card, one per MoE layer of the cache (none while off).
+/// The bias vectors on the card: one buffer of every MoE layer's `n_expert` floats (none while off),
+/// and its host copy.
 #[derive(Default)]
 pub struct DeviceBias {
     f: f32,
-    vectors: Vec<DeviceBuffer<f32>>,
+    /// `[layer]`: where the layer's vector starts; one more entry, the end.
+    offsets: Vec<usize>,
+    host: Vec<f32>,
+    buffer: Option<DeviceBuffer<f32>>,
 }
 
 impl DeviceBias {
     /// Vectors of `n_experts[l]` zeros for `f` > 0 (none for 0); the caller writes them before the
     /// first token that reads them.
     pub fn new(dev: &Device, f: f32, n_experts: &[usize]) -> CudaResult<DeviceBias> {
-        let vectors = match is_on(f) {
-            true => n_experts
-                .iter()
-                .map(|&n| dev.zeros::<f32>(n))
-                .collect::<CudaResult<_>>()?,
-            false => Vec::new(),
+        let mut offsets = vec![0];
+        for &n in n_experts {
+            offsets.push(offsets[offsets.len() - 1] + n);
+        }
+        let total = offsets[offsets.len() - 1];
+        let buffer = match is_on(f) && total > 0 {
+            true => Some(dev.zeros::<f32>(total)?),
+            false => None,
         };
-        Ok(DeviceBias { f, vectors })
-    }
-
-    /// The bias F (0: off).
-    pub fn f(&self) -> f32 {
-        self.f
+        Ok(DeviceBias {
+            f,
+            host: vec![0.0; if buffer.is_some() { total } else { 0 }],
+            offsets,
+            buffer,
+        })
     }
 
     /// Whether the routers of single tokens get a bias.
     pub fn is_on(&self) -> bool {
-        is_on(self.f) && !self.vectors.is_empty()
+        self.buffer.is_some()
     }
 
-    /// Layer `layer`'s vector on the card.
-    pub fn layer(&self, layer: usize) -> Option<&DeviceBuffer<f32>> {
-        self.vectors.get(layer).filter(|_| is_on(self.f))
+    /// Layer `layer`'s vector on the card: the buffer and where in it the vector starts.
+    pub fn layer(&self, layer: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
+        let start = *self.offsets.get(layer)?;
+        self.offsets.get(layer + 1)?;
+        self.buffer.as_ref().map(|b| (b, start))
     }
 
-    /// Writes layer `layer`'s vector (in stream order on the compute stream).
-    pub fn write(
-        &mut self,
-        dev: &Device,
-        layer: usize,
-        resident: impl Fn(usize) -> bool,
-    ) -> CudaResult<()> {
-        let f = self.f;
-        match self.vectors.get_mut(layer) {
-            Some(v) => dev.write(&vector(v.len(), f, resident), v),
+    /// Rewrites layer `layer`'s part of the host copy (F where `resident`).
+    pub fn set_layer(&mut self, layer: usize, resident: impl Fn(usize) -> bool) {
+        let (Some(&start), Some(&end)) = (self.offsets.get(layer), self.offsets.get(layer + 1))
+        else {
+            return;
+        };
+        if let Some(part) = self.host.get_mut(start..end) {
+            part.copy_from_slice(&vector(end - start, self.f, resident));
+        }
+    }
+
+    /// The host copy to the card (in stream order on the compute stream).
+    pub fn upload(&mut self, dev: &Device) -> CudaResult<()> {
+        match self.buffer.as_mut() {
+            Some(b) => dev.write(&self.host, b),
             None => Ok(()),
         }
     }
@@ -111,9 +127,9 @@ impl super::ExpertCache {
         Ok(())
     }
 
-    /// The bias vector a single token's router of `layer` reads: `--cache-bias` set and the cache lacking
-    /// experts (one that holds them all chooses without it).
-    pub fn selection_bias(&self, layer: usize) -> Option<&DeviceBuffer<f32>> {
+    /// The bias vector a single token's router of `layer` reads (the buffer and the vector's offset in
+    /// it): `--cache-bias` set and the cache lacking experts (one that holds them all chooses without it).
+    pub fn selection_bias(&self, layer: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
         match self.bias.is_on() && !self.holds_all() {
             true => self.bias.layer(layer),
             false => None,
@@ -121,8 +137,9 @@ impl super::ExpertCache {
     }
 
     /// Before a single-token call: the bias vectors of the layers whose residency changed since the last
-    /// call (all of them after [`super::ExpertCache::set_cache_bias`]) written, in stream order before the
-    /// call's launches. Nothing while the bias is off.
+    /// call (all of them after [`super::ExpertCache::set_cache_bias`]) rewritten and the buffer written to
+    /// the card in one copy, in stream order before the call's launches. Nothing while the bias is off or
+    /// nothing changed.
     pub fn refresh_bias(&mut self, dev: &Device) -> CudaResult<()> {
         if !self.bias.is_on() {
             return Ok(());
@@ -132,6 +149,9 @@ impl super::ExpertCache {
             true => (0..self.layers.len()).collect(),
             false => changed,
         };
+        if layers.is_empty() {
+            return Ok(());
+        }
         for layer in layers {
             let policy = &self.policy;
             let resident = |expert: usize| {
@@ -139,12 +159,12 @@ impl super::ExpertCache {
                     .resident(super::policy::ExpertKey { layer, expert })
                     .is_some()
             };
-            if let Err(e) = self.bias.write(dev, layer, resident) {
-                self.bias_stale = true;
-                return Err(e);
-            }
+            self.bias.set_layer(layer, resident);
         }
-        Ok(())
+        let r = self.bias.upload(dev);
+        // A failed write leaves the card's copy in doubt: all of it again next time.
+        self.bias_stale = r.is_err();
+        r
     }
 }
 
@@ -243,6 +263,27 @@ mod tests {
             route_biased(&logits, Gating::Softmax, Some(&zero), k, true, 1.0),
             plain
         );
+    }
+
+    /// The host copy of one buffer for all layers: each layer's part at its offset, rewritten alone.
+    #[test]
+    fn each_layer_has_its_part_of_the_one_buffer() {
+        let mut b = DeviceBias {
+            f: 0.5,
+            offsets: vec![0, 3, 7],
+            host: vec![0.0; 7],
+            buffer: None,
+        };
+        b.set_layer(1, |e| e == 0 || e == 3);
+        assert_eq!(b.host, vec![0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.5]);
+        b.set_layer(0, |e| e == 2);
+        assert_eq!(b.host[..3], [0.0, 0.0, 0.5]);
+        b.set_layer(1, |_| false);
+        assert_eq!(b.host[3..], [0.0; 4]);
+        // A layer past the end changes nothing; without a buffer no layer is offered.
+        b.set_layer(2, |_| true);
+        assert_eq!(b.host.iter().filter(|&&v| v > 0.0).count(), 1);
+        assert!(b.layer(0).is_none() && !b.is_on());
     }
 
     #[test]

@@ -117,8 +117,9 @@ impl<'a> GpuForward<'a> {
             true => Some(self.pool.i32(dev, 1)?),
             false => None,
         };
-        let selection = bias.map(|bias| ops::SelectionBias {
+        let selection = bias.map(|(bias, offset)| ops::SelectionBias {
             bias,
+            offset,
             changed: changed.as_mut(),
         });
         let routed = self.route(x, m, (&mut ids, &mut weights), selection);
@@ -174,7 +175,7 @@ impl<'a> GpuForward<'a> {
 
     /// `--cache-bias`'s vector for `m`'s router in a call of `rows` tokens: a single token's on a cache
     /// that lacks experts ([`ExpertCache::selection_bias`]); else none (the routers as without the flag).
-    fn cache_bias(&self, m: &Moe, rows: usize) -> Option<&DeviceBuffer<f32>> {
+    fn cache_bias(&self, m: &Moe, rows: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
         let cache = self.experts.as_deref().filter(|_| rows == 1)?;
         cache.selection_bias(cache.layer_of(m.gate_exps)?)
     }
@@ -311,8 +312,9 @@ impl<'a> GpuForward<'a> {
             true => self.cache_bias(m, x.rows),
             false => None,
         };
-        let selection = bias.map(|bias| ops::SelectionBias {
+        let selection = bias.map(|(bias, offset)| ops::SelectionBias {
             bias,
+            offset,
             changed: Some(&mut step.changed),
         });
         self.route(x, m, (&mut step.ids, &mut step.weights), selection)?;
@@ -323,8 +325,9 @@ impl<'a> GpuForward<'a> {
                 .card_guess()
                 .and_then(|(next, ..)| self.cache_bias(&next, x.rows));
             if let Some((next, ids, weights)) = step.card_guess() {
-                let selection = next_bias.map(|bias| ops::SelectionBias {
+                let selection = next_bias.map(|(bias, offset)| ops::SelectionBias {
                     bias,
+                    offset,
                     changed: None,
                 });
                 self.route(x, &next, (ids, weights), selection)?;
