@@ -1249,6 +1249,8 @@ impl ExpertCache {
             .pool
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("an admission into a cache of no slots".into()))?;
+        // The layers of the newcomers made resident at once.
+        let mut placed = Vec::new();
         for u in plan {
             let from = staged
                 .map
@@ -1282,8 +1284,15 @@ impl ExpertCache {
             } else {
                 // In stream order every later launch sees the copy: resident at once.
                 self.policy.complete(u.slot);
+                placed.push(u.expert.layer);
             }
             self.stats.admitted_on_card += 1;
+        }
+        // With the tables deferred (a segmented token with cuts) finish_layer does not point the
+        // layer's tables again: marked, so their next reader (a prompt call, an eager token) finds the
+        // newcomer in its slot rather than a null entry, which gives zeros.
+        if self.defer_tables {
+            placed.into_iter().for_each(|l| self.mark_tables(l));
         }
         Ok(())
     }
