@@ -452,10 +452,6 @@ impl GpuBackend {
         tokens: &[u32],
     ) -> Result<Vec<f32>, EngineError> {
         self.take_back(cpu).map_err(cuda_err)?;
-        // `--cache-bias`: the token's routers read the residency as it is now (a graph's replay too).
-        if let Some(cache) = lock(&self.experts).as_mut() {
-            cache.refresh_bias(&self.dev).map_err(cuda_err)?;
-        }
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         // One-token calls overlap their kernels' launches (`--gpu-pdl`); a decode graph captured here
@@ -466,6 +462,11 @@ impl GpuBackend {
             .kv_room(cpu, &mut seq_slot, state, 1)
             .map_err(cuda_err)?;
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows).map_err(cuda_err)?;
+        // `--cache-bias`: the token's routers read the residency as it is now, after the KV rows took
+        // what slots they needed (a graph's replay too).
+        if let Some(cache) = lock(&self.experts).as_mut() {
+            cache.refresh_bias(&self.dev).map_err(cuda_err)?;
+        }
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.rows());
         {
@@ -607,10 +608,6 @@ impl GpuBackend {
         logits: Logits,
         run: impl FnOnce(&mut GpuForward<'_>) -> (forward::DevAct, R),
     ) -> Result<(Vec<f32>, R), CudaError> {
-        // `--cache-bias`: a single token's routers read the residency as it is now.
-        if let (1, Some(cache)) = (tokens.len(), lock(&self.experts).as_mut()) {
-            cache.refresh_bias(&self.dev)?;
-        }
         let mut phases = CallPhases::default();
         let clock = Instant::now();
         // The launches of a call of `tokens.len()` rows (`--gpu-pdl` decides whether they overlap).
@@ -618,6 +615,11 @@ impl GpuBackend {
         let mut seq_slot = lock(&self.seq);
         let kv_rows = self.kv_room(cpu, &mut seq_slot, state, tokens.len())?;
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows)?;
+        // `--cache-bias`: a single token's routers read the residency as it is now, after the KV rows
+        // took what slots they needed.
+        if let (1, Some(cache)) = (tokens.len(), lock(&self.experts).as_mut()) {
+            cache.refresh_bias(&self.dev)?;
+        }
         // The call writes KV rows `pos0..pos0 + n` and the recurrent states: what copies of the card's
         // state others may read hold there goes to host memory first. A prompt call may fail half way
         // (out of memory) with recurrent states half advanced: the caller's own recurrent states are
