@@ -18,11 +18,11 @@
 //!   and a copy ahead is the guess of the unbiased choice. The expert tables are not the signal: a
 //!   segmented token's layers' tables are rewritten only for their next reader (so they lag the
 //!   residency), with `--missing-experts mapped` every entry is non-null, and a prompt's point at scratch.
-//! - **When the vectors are written**: at the start of each single-token call where a layer's residency
-//!   changed since the last ([`super::policy::CachePolicy::take_residency_changes`]): those layers'
-//!   parts of a host copy are rewritten and the buffer goes to the card in one copy (an admission changes
-//!   a few layers a token; one write per layer would cost an API call each), in stream order before the
-//!   token's launches. So a token routes by the residency at its start: an expert that a later
+//! - **When the vectors are written**: at each single-token call where a layer's residency changed since
+//!   the last ([`super::policy::CachePolicy::take_residency_changes`]), once its KV rows found room (which
+//!   may give up or take back slots), in stream order before its launches: those layers' parts of a host
+//!   copy are rewritten and the buffer goes to the card in one copy (an admission changes a few layers a
+//!   token; one write per layer would cost an API call each). So a token routes by the residency at its start: an expert that a later
 //!   layer's admission evicts during the token may still be preferred (and is then copied or computed on
 //!   the CPU, exact either way), and one admitted during the token counts from the next.
 //! - **Where**: single-token calls (answers) on a partly resident cache; prompt calls are untouched (a
@@ -130,10 +130,16 @@ impl super::ExpertCache {
     /// The bias vector a single token's router of `layer` reads (the buffer and the vector's offset in
     /// it): `--cache-bias` set and the cache lacking experts (one that holds them all chooses without it).
     pub fn selection_bias(&self, layer: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
-        match self.bias.is_on() && !self.holds_all() {
-            true => self.bias.layer(layer),
-            false => None,
+        match self.holds_all() {
+            true => None,
+            false => self.bias_vector(layer),
         }
+    }
+
+    /// The bias vector of `layer` whenever `--cache-bias` is set (a segmented step made biased keeps its
+    /// bias: its downloads include the choices' word).
+    pub fn bias_vector(&self, layer: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
+        self.bias.layer(layer)
     }
 
     /// Before a single-token call: the bias vectors of the layers whose residency changed since the last

@@ -306,10 +306,15 @@ impl<'a> GpuForward<'a> {
                 shared.is_some()
             )));
         }
-        // The step's bias was decided when it was made (the downloads follow it): a replay reads the
-        // bias vector's contents of its own token.
+        // The step's bias was decided when it was made, and its downloads follow that (the choices' word
+        // among them): so the capture after the running call passes the vector even if the running call's
+        // admissions completed the cache meanwhile (a segmented graph gives way to a whole one at the next
+        // token then). A replay reads the vector's contents of its own token.
         let bias = match step.biased {
-            true => self.cache_bias(m, x.rows),
+            true => self
+                .experts
+                .as_deref()
+                .and_then(|c| c.bias_vector(step.layer)),
             false => None,
         };
         let selection = bias.map(|(bias, offset)| ops::SelectionBias {
