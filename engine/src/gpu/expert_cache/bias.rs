@@ -34,6 +34,10 @@
 //!   id). A small F (0.01–0.05) swaps only near-ties. F = 0 is off: the routers get no bias at all, the
 //!   launches and values of a run without the flag.
 //!
+//! The guesses of the next layer's experts for `--copy-ahead` and `--cpu-warm` lean the same way (the
+//! card's guess reads the layer's vector; the host's, `--guess-on host`, the host copy of it), so what is
+//! copied ahead is what the biased choice will want.
+//!
 //! The router kernels also say which of a token's choices the bias made (those not among the unbiased
 //! top-k): DONE's `experts_swapped_in` and STATS count them and the share of the routed weight they carry
 //! ([`Swapped`]), where the host sees the token's routing (not with `--missing-experts mapped`, whose
@@ -108,6 +112,12 @@ impl DeviceBias {
         }
     }
 
+    /// Layer `layer`'s part of the host copy (what the card holds since the last upload).
+    pub fn host_layer(&self, layer: usize) -> Option<&[f32]> {
+        let (&start, &end) = (self.offsets.get(layer)?, self.offsets.get(layer + 1)?);
+        self.host.get(start..end).filter(|_| self.is_on())
+    }
+
     /// The host copy to the card (in stream order on the compute stream).
     pub fn upload(&mut self, dev: &Device) -> CudaResult<()> {
         match self.buffer.as_mut() {
@@ -133,6 +143,15 @@ impl super::ExpertCache {
         match self.holds_all() {
             true => None,
             false => self.bias_vector(layer),
+        }
+    }
+
+    /// The host's copy of the vector a single token's router of `layer` reads (as
+    /// [`super::ExpertCache::selection_bias`]), for the host's guess of its choice (`--guess-on host`).
+    pub fn host_bias(&self, layer: usize) -> Option<&[f32]> {
+        match self.holds_all() {
+            true => None,
+            false => self.bias.host_layer(layer),
         }
     }
 
@@ -289,7 +308,7 @@ mod tests {
         // A layer past the end changes nothing; without a buffer no layer is offered.
         b.set_layer(2, |_| true);
         assert_eq!(b.host.iter().filter(|&&v| v > 0.0).count(), 1);
-        assert!(b.layer(0).is_none() && !b.is_on());
+        assert!(b.layer(0).is_none() && b.host_layer(1).is_none() && !b.is_on());
     }
 
     #[test]

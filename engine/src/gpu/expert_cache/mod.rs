@@ -705,7 +705,10 @@ impl ExpertCache {
         let Some(pool) = split::share_pool(&mut self.cpu_pool) else {
             return Vec::new();
         };
-        let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, m.n_expert_used, &pool);
+        // Leaning as the card's choice will (`--cache-bias`), by the vectors last written.
+        let bias = self.host_bias(layer);
+        let k = m.n_expert_used;
+        let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, (k, bias), &pool);
         guess.retain(|&expert| self.policy.resident(ExpertKey { layer, expert }).is_none());
         guess
     }
