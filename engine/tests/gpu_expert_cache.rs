@@ -653,9 +653,9 @@ fn the_card_refuses_the_architectures_it_cannot_run() {
     assert!(n_refused >= REFUSED.len(), "refused fixtures: {n_refused}");
 }
 
-/// `--tail-skip` and `--skip-weight` (approximate, off by default): with every expert missing, a tail
-/// past every rank leaves nothing out and writes the exact answer; a tail of 1 and a weight share of
-/// 0.99 leave experts out and say how many.
+/// `--tail-skip`, `--skip-weight` and `--cold-mass` (approximate, off by default): with every expert
+/// missing, a tail past every rank leaves nothing out and writes the exact answer; a tail of 1, a weight
+/// share of 0.99 and a cold mass of 0.5 (at most 2 a token) leave experts out and say how many.
 #[test]
 fn skips_leave_out_uncached_experts_and_say_so() {
     if !gpu_present() {
@@ -663,7 +663,7 @@ fn skips_leave_out_uncached_experts_and_say_so() {
     }
     let left_out = |log: &str| {
         log.lines()
-            .find_map(|l| l.strip_prefix("left out (--tail-skip / --skip-weight): "))
+            .find_map(|l| l.strip_prefix("left out (--tail-skip / --skip-weight / --cold-mass): "))
             .and_then(|r| r.split(' ').next())
             .and_then(|n| n.parse::<u64>().ok())
     };
@@ -682,12 +682,143 @@ fn skips_leave_out_uncached_experts_and_say_so() {
                 left_out(&log)
             ));
         }
-        for skip in [["--tail-skip", "1"], ["--skip-weight", "0.99"]] {
-            let (_, log) = run_binary(&path, &[&card[..], &skip[..]].concat());
+        let skips: [&[&str]; 3] = [
+            &["--tail-skip", "1"],
+            &["--skip-weight", "0.99"],
+            &["--cold-mass", "0.5", "--cold-max", "2"],
+        ];
+        for skip in skips {
+            let (_, log) = run_binary(&path, &[&card[..], skip].concat());
             eprintln!("{name} {skip:?}: left out {:?}", left_out(&log));
             if left_out(&log).is_none_or(|n| n == 0) {
                 failures.push(format!("{name} {skip:?}: nothing left out\n{log}"));
             }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// `--cache-bias F` (approximate, off by default) on a partly resident cache (three quarters of the
+/// experts, frozen, missing experts copied on demand; the answer tokens through the segmented graphs):
+/// - F = 0 is the run without it, bit for bit, and counts nothing;
+/// - a cache that holds every expert chooses without the bias: F = 1 there is bit for bit the run
+///   without it;
+/// - F = 1 (above every probability) makes every routed expert of an answer token a cached one, so no
+///   expert is copied on demand or computed on the CPU for a token, and the figures DONE reports say how
+///   many choices it swapped in (some) and their weight (a share between 0 and 1);
+/// - through the binary with no expert in VRAM (the bias vectors all zeros: the biased kernels on the
+///   real path), `--cache-bias 1` writes what the run without it writes, and says it swapped nothing in.
+#[test]
+fn a_cache_bias_leans_answers_to_cached_experts_and_says_so() {
+    if !gpu_present() {
+        return;
+    }
+    let swapped_in = |log: &str| {
+        log.lines()
+            .find_map(|l| l.strip_prefix("swapped in (--cache-bias): "))
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    let bits = |r: &Run| -> Vec<Vec<u32>> {
+        let mut all = vec![r
+            .prompt_one
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<u32>>()];
+        all.extend(
+            r.steps
+                .iter()
+                .map(|s| s.iter().map(|v| v.to_bits()).collect()),
+        );
+        all
+    };
+    let mut failures = Vec::new();
+    for path in fixtures() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.contains("moe") {
+            continue;
+        }
+        let all = on_gpu(
+            &path,
+            placement(None, (0, Admissions::All), false, MissingExperts::Card),
+        );
+        let Some(stats) = all.expert_stats() else {
+            continue;
+        };
+        let (reference, fed) = run(&all, &[]);
+        drop(all);
+        let slots = stats.policy.slots;
+        let slot_bytes = stats.bytes / slots.max(1);
+        let three_quarters = Some(slot_bytes * (3 * slots / 4));
+        let with_bias = |budget: Option<usize>, f: f32| {
+            let p = Placement {
+                cache_bias: f,
+                ..placement(budget, (0, Admissions::All), false, MissingExperts::Card)
+            };
+            let m = on_gpu(&path, p);
+            let (r, _) = run(&m, &fed);
+            (r, m.expert_stats().unwrap_or_default())
+        };
+        // Every expert in VRAM: the bias is not applied.
+        let (held, st) = with_bias(None, 1.0);
+        if bits(&held) != bits(&reference) || st.swapped.steps != 0 {
+            failures.push(format!(
+                "{name}: F = 1 with every expert in VRAM differs ({} steps counted)",
+                st.swapped.steps
+            ));
+        }
+        let (plain, plain_st) = with_bias(three_quarters, 0.0);
+        let (zero, zero_st) = with_bias(three_quarters, 0.0);
+        if bits(&plain) != bits(&zero) || zero_st.swapped != Default::default() {
+            failures.push(format!("{name}: F = 0 is not the run without it"));
+        }
+        let (leaned, st) = with_bias(three_quarters, 1.0);
+        let mut agree = Agreement::default();
+        for (a, b) in reference.steps.iter().zip(&leaned.steps) {
+            agree.add(a, b);
+        }
+        eprintln!(
+            "{name}: 3/4 in VRAM: without the bias {} copied for tokens (decode share {:?}); F = 1: {} \
+             copied, {} on the CPU, decode share {:?}, {} choices swapped in over {} steps carrying {:.3} \
+             of a step's weight; decode top5 {:.4} against every expert in VRAM",
+            plain_st.staged_decode,
+            plain.decode_share,
+            st.staged_decode,
+            st.cpu_experts,
+            leaned.decode_share,
+            st.swapped.experts,
+            st.swapped.steps,
+            st.swapped.mean_weight(),
+            agree.top5
+        );
+        if st.staged_decode != 0 || st.cpu_experts != 0 || leaned.decode_share != Some(1.0) {
+            failures.push(format!(
+                "{name}: F = 1 left routed experts off the card: {} copied, {} on the CPU, share {:?}",
+                st.staged_decode, st.cpu_experts, leaned.decode_share
+            ));
+        }
+        if plain_st.staged_decode > 0 && st.swapped.experts == 0 {
+            failures.push(format!("{name}: F = 1 swapped nothing in"));
+        }
+        let w = st.swapped.mean_weight();
+        if st.swapped.steps == 0 || !(0.0..1.0).contains(&w) {
+            failures.push(format!(
+                "{name}: swapped figures {:?} (mean weight {w})",
+                st.swapped
+            ));
+        }
+        // The binary, no expert in VRAM: the biased kernels with a zero vector change nothing.
+        let card = ["--missing-experts", "card"];
+        let (exact, _) = run_binary(&path, &card);
+        let (zero, _) = run_binary(&path, &[&card[..], &["--cache-bias", "0"]].concat());
+        let (biased, log) = run_binary(&path, &[&card[..], &["--cache-bias", "1"]].concat());
+        if zero != exact || biased != exact || swapped_in(&log) != Some(0) {
+            failures.push(format!(
+                "{name}: --cache-bias with nothing in VRAM: equal {} {}, swapped {:?}\n{log}",
+                zero == exact,
+                biased == exact,
+                swapped_in(&log)
+            ));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -152,16 +152,18 @@ extern "C" __global__ void delta_gates(const float * __restrict__ beta, const fl
     gate_out[i] = sp * a[h];
 }
 
-// Up to four copies of 32-bit words in one launch, any side of each in the host's page-locked memory (its
-// device address): a partly resident token's hand-over between the card and the host at each MoE layer
-// (the router's ids and weights and the layer's input down, the CPU's sum and the token's expert addresses
-// up) as one kernel beside the others, where copy-engine transfers cost a hand-off between engines each.
-// Writes to the host are visible to it once the stream passed the kernel (a synchronize); the host's
-// writes before a launch are visible to the kernel. Grid-stride over each copy's words.
+// Up to HOST_COPIES_MAX copies of 32-bit words in one launch, any side of each in the host's page-locked
+// memory (its device address): a partly resident token's hand-over between the card and the host at each
+// MoE layer (the router's ids and weights, the layer's input, the next layer's guessed ids and the choices
+// a cache bias made down; the CPU's sum and the token's expert addresses up) as one kernel beside the
+// others, where copy-engine transfers cost a hand-off between engines each. Writes to the host are visible
+// to it once the stream passed the kernel (a synchronize); the host's writes before a launch are visible to
+// the kernel. Grid-stride over each copy's words. pinned.rs's HOST_COPIES_MAX is this one (its test).
+#define HOST_COPIES_MAX 6
 struct HostCopyArgs {
-    unsigned long long src[4];
-    unsigned long long dst[4];
-    int words[4];
+    unsigned long long src[HOST_COPIES_MAX];
+    unsigned long long dst[HOST_COPIES_MAX];
+    int words[HOST_COPIES_MAX];
     int n_copies;
 };
 

@@ -13,9 +13,23 @@
 // barrier), then the weights normalized and scaled. A chosen entry's key becomes -inf and a NaN's is -1,
 // so NaN sorts below every probability (which are >= 0) and still above the chosen ones; ties go to the
 // lower id. The weights are written in the order chosen and summed in that order.
+//
+// BIASED (a selection bias, n_expert floats in device memory, as llama.cpp's exp_probs_b): the experts are
+// chosen by probability plus bias, their weights are still the unbiased probabilities (the bias only
+// chooses). A NaN's biased key is -FLT_MAX (below every number, above the chosen entries' -inf), as the
+// CPU's top_k puts NaN last. With changed (one int per token), bit j of it says that the j-th choice is
+// one the unbiased choice would not have made: the unbiased k-th key is found first (k rounds of the next
+// key below the last, nothing cleared), and a chosen expert ranking after it was brought in by the bias.
+// The unbiased instantiation is the kernel as it was, so a launch without a bias computes and costs the
+// same.
+#define ROUTE_NAN_BIASED_KEY (-3.402823466e38f)
+
+template <bool BIASED>
 static __device__ __forceinline__ void choose_experts(const float * l, float * probs, int n_expert, int k,
                                                       int gating, int norm, float scale,
-                                                      int32_t * __restrict__ ids, float * __restrict__ weights) {
+                                                      const float * __restrict__ bias,
+                                                      int32_t * __restrict__ ids, float * __restrict__ weights,
+                                                      int32_t * __restrict__ changed) {
     const int lane = threadIdx.x;
     if (gating == 0) {
         float mx = -POLY_INF;
@@ -38,13 +52,49 @@ static __device__ __forceinline__ void choose_experts(const float * l, float * p
             probs[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
         }
     }
+    // BIASED with changed: the unbiased k-th key (last_v, last_i); every lane ends with the same.
+    float last_v = POLY_INF;
+    int last_i = -1;
+    if (BIASED && changed != nullptr) {
+        __syncwarp();
+        for (int j = 0; j < k; ++j) {
+            float v = -POLY_INF;
+            int idx = 0x7fffffff;
+            for (int e = lane; e < n_expert; e += WARP_SIZE) {
+                float p = probs[e];
+                p = p != p ? -1.0f : p;
+                const bool after = p < last_v || (p == last_v && e > last_i);
+                if (after && p > v) {
+                    v = p;
+                    idx = e;
+                }
+            }
+#pragma unroll
+            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                const float ov = __shfl_xor_sync(FULL_MASK, v, offset);
+                const int oi = __shfl_xor_sync(FULL_MASK, idx, offset);
+                if (ov > v || (ov == v && oi < idx)) {
+                    v = ov;
+                    idx = oi;
+                }
+            }
+            last_v = v;
+            last_i = idx;
+        }
+    }
+    uint32_t swapped_mask = 0;
     float chosen_sum = 0.0f;
     for (int j = 0; j < k; ++j) {
         float v = -POLY_INF;
         int idx = 0x7fffffff;
         for (int e = lane; e < n_expert; e += WARP_SIZE) {
             float p = probs[e];
-            p = p != p ? -1.0f : p;
+            if (BIASED) {
+                p += bias[e];
+                p = p != p ? ROUTE_NAN_BIASED_KEY : p;
+            } else {
+                p = p != p ? -1.0f : p;
+            }
             if (p > v) { // e rises within a lane: the first of equal keys is the lowest id
                 v = p;
                 idx = e;
@@ -62,15 +112,26 @@ static __device__ __forceinline__ void choose_experts(const float * l, float * p
         // Every lane holds the same (v, idx) now; the owner lane writes the choice and clears its entry.
         const int owner = idx % WARP_SIZE;
         float p = 0.0f;
+        int swapped = 0;
         if (lane == owner) {
             p = probs[idx];
             probs[idx] = -POLY_INF;
             ids[j] = idx;
             weights[j] = p;
+            if (BIASED) {
+                const float key = p != p ? -1.0f : p;
+                swapped = !(key > last_v || (key == last_v && idx <= last_i));
+            }
         }
         chosen_sum += __shfl_sync(FULL_MASK, p, owner);
+        if (BIASED) {
+            swapped_mask |= (uint32_t) __shfl_sync(FULL_MASK, swapped, owner) << j;
+        }
     }
     __syncwarp();
+    if (BIASED && changed != nullptr && lane == 0) {
+        *changed = (int32_t) swapped_mask;
+    }
     const float renorm = norm ? 1.0f / fmaxf(chosen_sum, ROUTE_MIN_WEIGHT_SUM) : 1.0f;
     for (int j = lane; j < k; j += WARP_SIZE) {
         float w = weights[j];
@@ -81,33 +142,52 @@ static __device__ __forceinline__ void choose_experts(const float * l, float * p
     }
 }
 
+// Either instantiation: a null bias chooses as the kernel always did.
+static __device__ __forceinline__ void choose_experts_any(const float * l, float * probs, int n_expert, int k,
+                                                          int gating, int norm, float scale,
+                                                          const float * __restrict__ bias,
+                                                          int32_t * __restrict__ ids, float * __restrict__ weights,
+                                                          int32_t * __restrict__ changed) {
+    if (bias != nullptr) {
+        choose_experts<true>(l, probs, n_expert, k, gating, norm, scale, bias, ids, weights, changed);
+    } else {
+        choose_experts<false>(l, probs, n_expert, k, gating, norm, scale, nullptr, ids, weights, nullptr);
+    }
+}
+
 // logits: [n_tokens, n_expert]; ids: [n_tokens, k] int32; weights: [n_tokens, k]. gating: 0 softmax,
-// 1 sigmoid. Block (32, tokens per block): one warp per token; dynamic shared memory: n_expert floats per
-// warp. Grid: ceil(n_tokens / tokens per block).
+// 1 sigmoid. bias: null, or [n_expert] added to every token's probabilities for the choice only; changed:
+// null, or [n_tokens] (with a bias: the choices the bias made, bit j for choice j; k <= 32). Block (32,
+// tokens per block): one warp per token; dynamic shared memory: n_expert floats per warp. Grid:
+// ceil(n_tokens / tokens per block).
 extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_tokens, int n_expert, int k,
                                       int gating, int norm, float scale, int32_t * __restrict__ ids,
-                                      float * __restrict__ weights) {
+                                      float * __restrict__ weights, const float * __restrict__ bias,
+                                      int32_t * __restrict__ changed) {
     launch_prologue();
     extern __shared__ float probs_all[];
     const int64_t token = (int64_t) blockIdx.x * blockDim.y + threadIdx.y;
     if (token >= n_tokens) {
         return; // a whole warp: the warp is the unit of work and no barrier spans the block
     }
-    choose_experts(logits + token * n_expert, probs_all + threadIdx.y * n_expert, n_expert, k, gating, norm,
-                   scale, ids + token * k, weights + token * k);
+    choose_experts_any(logits + token * n_expert, probs_all + threadIdx.y * n_expert, n_expert, k, gating,
+                       norm, scale, bias, ids + token * k, weights + token * k,
+                       changed != nullptr ? changed + token : nullptr);
 }
 
 // The router of one token fused with the choice of its experts: block e (of n_expert) computes logit e =
 // W[e, :] . x (W: the one matrix of a one-expert address table, as the engine keeps float matrices) as
 // matvec_f.cu's matvec_experts_f32 (float_dot.cuh's row dot: the same value) into logits; the block
 // that finishes last (last_block_of, ticket: one counter, 0 between launches) chooses the experts as
-// route_topk does from all the logits. Block (32, MATVEC_F_WARPS); dynamic shared memory: n_expert floats.
+// route_topk does from all the logits (bias and changed as route_topk's, for the one token). Block (32,
+// MATVEC_F_WARPS); dynamic shared memory: n_expert floats.
 #define ROUTER_TOPK_ENTRY(name, L)                                                                              \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_F_WARPS)                                    \
         router_topk_##name(const uint64_t * __restrict__ table, const float * __restrict__ x, int ncols, int n_expert, \
                            int k, int gating, int norm, float scale, float * __restrict__ logits,               \
                            unsigned int * __restrict__ ticket, int32_t * __restrict__ ids,                      \
-                           float * __restrict__ weights) { launch_prologue();                                   \
+                           float * __restrict__ weights, const float * __restrict__ bias,                       \
+                           int32_t * __restrict__ changed) { launch_prologue();                                 \
         extern __shared__ float probs[];                                                                        \
         const int e = blockIdx.x;                                                                               \
         const L::elem * w = (const L::elem *) table[0];                                                         \
@@ -116,7 +196,7 @@ extern "C" __global__ void route_topk(const float * __restrict__ logits, int n_t
             logits[e] = v;                                                                                      \
         }                                                                                                       \
         if (last_block_of(ticket, gridDim.x) && threadIdx.y == 0) {                                             \
-            choose_experts(logits, probs, n_expert, k, gating, norm, scale, ids, weights);                      \
+            choose_experts_any(logits, probs, n_expert, k, gating, norm, scale, bias, ids, weights, changed);   \
         }                                                                                                       \
     }
 

@@ -2,16 +2,17 @@
 //! finishes a piece of work last completes it) against the launches they replace, bit for bit: the router
 //! with the choice of experts, gate and up with the quantization of their output, the down experts with the
 //! weighted sum of the slots; each run several times and inside a captured graph's replays (the tickets
-//! must come back to zero every time). Also the warp-per-token choice of experts on ties and NaN.
+//! must come back to zero every time). Also the warp-per-token choice of experts on ties and NaN, and the
+//! choice with a selection bias (the engine's `--cache-bias`) against the CPU's rule.
 //!
 //! Runs on the GPU machine; without a CUDA device (CI) each test prints "skipped: no CUDA device" and
 //! passes.
 
 #![cfg(feature = "cuda")]
 
-use poly_kernels::cuda::ops::{self, ExpertInput, Routing, SlotSum, Tickets};
+use poly_kernels::cuda::ops::{self, ExpertInput, Routing, SelectionBias, SlotSum, Tickets};
 use poly_kernels::cuda::{BlockQ8_1, Device, DeviceBuffer, StackedExperts};
-use poly_kernels::ops::topk::{route, Gating};
+use poly_kernels::ops::topk::{changed_by_bias, route, route_biased, Gating};
 use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
@@ -385,4 +386,203 @@ fn fused_token_experts_replay_in_a_graph() {
     }
     check_tickets_zero(&dev, &tickets, &mut failures, "after the replays");
     assert_no_failures(failures);
+}
+
+/// A selection bias (`--cache-bias`: F on the experts a cache holds, 0 elsewhere) chooses as the CPU's
+/// `route_biased` does — the experts by probability plus bias, their weights the unbiased probabilities,
+/// renormalized over the chosen — and the launch says which choices the bias made as the CPU's
+/// `changed_by_bias` does; over several tokens of one launch (`route_topk`) and one token of the fused
+/// router (`router_topk`), softmax and sigmoid. A zero bias chooses as no bias, bit for bit, and changes
+/// nothing; a bias of 1 (above every probability) makes every choice a biased expert while k of them exist.
+#[test]
+fn a_selection_bias_chooses_as_the_cpu_and_says_what_it_changed() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(23);
+    let mut failures = Vec::new();
+    let mut tickets = Tickets::new(&dev, TICKETS).unwrap();
+    let n_tokens = 9;
+    for (n_expert, k, gating, cols) in [
+        (128, 8, Gating::Softmax, 512),
+        (64, 6, Gating::Sigmoid, 256),
+        (256, 8, Gating::Softmax, 256),
+    ] {
+        let r = routing(n_expert, k, gating);
+        // Every third expert "cached".
+        let cached: Vec<bool> = (0..n_expert).map(|e| e % 3 == 1).collect();
+        for f in [0.0f32, 0.002, 0.02, 0.2, 1.0] {
+            let bias: Vec<f32> = cached.iter().map(|&c| if c { f } else { 0.0 }).collect();
+            let d_bias = dev.upload(&bias).unwrap();
+            // The same vector inside a larger buffer (another router's before it, large values): the
+            // launch reads from its offset.
+            let mut shared = vec![5.0f32; 7];
+            shared.extend(&bias);
+            shared.extend([5.0f32; 3]);
+            let d_shared = dev.upload(&shared).unwrap();
+            let what = format!("{n_expert} experts k {k} {gating:?} bias {f}");
+            // route_topk over several tokens, each warp its own token.
+            let logits: Vec<f32> = normals(&mut rng, n_tokens * n_expert)
+                .iter()
+                .map(|v| 2.0 * v)
+                .collect();
+            let d_logits = dev.upload(&logits).unwrap();
+            let mut ids = dev.zeros::<i32>(n_tokens * k).unwrap();
+            let mut weights = dev.zeros::<f32>(n_tokens * k).unwrap();
+            let mut changed = dev.zeros::<i32>(n_tokens).unwrap();
+            let b = SelectionBias {
+                bias: &d_shared,
+                offset: 7,
+                changed: Some(&mut changed),
+            };
+            ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).unwrap();
+            let (got_i, got_w, got_c) = (
+                dev.download(&ids).unwrap(),
+                dev.download(&weights).unwrap(),
+                dev.download(&changed).unwrap(),
+            );
+            for t in 0..n_tokens {
+                let l = &logits[t * n_expert..(t + 1) * n_expert];
+                let cpu = route_biased(l, gating, Some(&bias), k, true, 1.0);
+                let cpu_ids: Vec<i32> = cpu.iter().map(|p| p.0 as i32).collect();
+                let row = &got_i[t * k..(t + 1) * k];
+                if row != cpu_ids.as_slice() {
+                    failures.push(format!("{what} token {t}: {row:?}, the CPU {cpu_ids:?}"));
+                    continue;
+                }
+                for (j, p) in cpu.iter().enumerate() {
+                    let w = got_w[t * k + j];
+                    if (w - p.1).abs() > 1e-5 * p.1.abs().max(1e-3) {
+                        failures.push(format!(
+                            "{what} token {t} choice {j}: weight {w}, the CPU {}",
+                            p.1
+                        ));
+                    }
+                }
+                let want_c = changed_by_bias(l, gating, &bias, k);
+                if got_c[t] as u32 != want_c {
+                    failures.push(format!(
+                        "{what} token {t}: changed {:#b}, the CPU {want_c:#b}",
+                        got_c[t]
+                    ));
+                }
+                if f == 1.0 && row.iter().any(|&e| !cached[e as usize]) {
+                    failures.push(format!(
+                        "{what} token {t}: {row:?} holds an unbiased expert"
+                    ));
+                }
+            }
+            if f == 0.0 {
+                // No bias at all: the same ids and weights, bit for bit.
+                let mut p_ids = dev.zeros::<i32>(n_tokens * k).unwrap();
+                let mut p_w = dev.zeros::<f32>(n_tokens * k).unwrap();
+                ops::route_topk(&dev, &d_logits, &r, &mut p_ids, &mut p_w).unwrap();
+                if dev.download(&p_ids).unwrap() != got_i
+                    || differing_bits(&dev.download(&p_w).unwrap(), &got_w) > 0
+                {
+                    failures.push(format!("{what}: a zero bias chose otherwise than none"));
+                }
+                if got_c.iter().any(|&c| c != 0) {
+                    failures.push(format!("{what}: a zero bias changed {got_c:?}"));
+                }
+            }
+            // The fused router of one token with the same bias: route_topk_biased's choice of its logits.
+            let w = random_weights(GgmlType::F32, &mut rng, n_expert * cols);
+            let router =
+                StackedExperts::upload(&dev, GgmlType::F32, (n_expert, cols, 1), &w).unwrap();
+            let x = dev.upload(&normals(&mut rng, cols)).unwrap();
+            let mut f_logits = dev.zeros::<f32>(n_expert).unwrap();
+            let (mut f_ids, mut f_w) = (dev.zeros::<i32>(k).unwrap(), dev.zeros::<f32>(k).unwrap());
+            let mut f_changed = dev.zeros::<i32>(1).unwrap();
+            let b = SelectionBias {
+                bias: &d_bias,
+                offset: 0,
+                changed: Some(&mut f_changed),
+            };
+            ops::router_topk_biased(
+                &dev,
+                (router.table(), &x),
+                &r,
+                Some(b),
+                (&mut f_logits, &mut tickets),
+                (&mut f_ids, &mut f_w),
+            )
+            .unwrap();
+            check_tickets_zero(&dev, &tickets, &mut failures, &what);
+            let mut s_ids = dev.zeros::<i32>(k).unwrap();
+            let mut s_w = dev.zeros::<f32>(k).unwrap();
+            let mut s_changed = dev.zeros::<i32>(1).unwrap();
+            let b = SelectionBias {
+                bias: &d_shared,
+                offset: 7,
+                changed: Some(&mut s_changed),
+            };
+            ops::route_topk_biased(&dev, &f_logits, &r, Some(b), &mut s_ids, &mut s_w).unwrap();
+            if dev.download(&f_ids).unwrap() != dev.download(&s_ids).unwrap()
+                || differing_bits(&dev.download(&f_w).unwrap(), &dev.download(&s_w).unwrap()) > 0
+                || dev.download(&f_changed).unwrap() != dev.download(&s_changed).unwrap()
+            {
+                failures.push(format!(
+                    "{what}: router_topk_biased differs from route_topk_biased"
+                ));
+            }
+        }
+    }
+    assert_no_failures(failures);
+}
+
+/// A biased choice never takes a NaN probability before a number (the CPU puts NaN last), also without
+/// `changed`; a k above 32 with `changed` is refused, and so is a vector that runs past its buffer.
+#[test]
+fn a_selection_bias_keeps_nan_last_and_refuses_k_above_32_with_changed() {
+    let Some(dev) = device() else { return };
+    let (n_expert, k) = (64, 8);
+    let mut logits = vec![0.0f32; n_expert];
+    for (e, v) in logits.iter_mut().enumerate() {
+        *v = (e as f32 * 0.37).sin();
+    }
+    for e in [1, 4, 7] {
+        logits[e] = f32::NAN;
+    }
+    // The NaN experts biased too: still last.
+    let bias: Vec<f32> = (0..n_expert)
+        .map(|e| if e % 3 == 1 { 0.5 } else { 0.0 })
+        .collect();
+    let d_logits = dev.upload(&logits).unwrap();
+    let d_bias = dev.upload(&bias).unwrap();
+    let r = routing(n_expert, k, Gating::Sigmoid);
+    let mut ids = dev.zeros::<i32>(k).unwrap();
+    let mut weights = dev.zeros::<f32>(k).unwrap();
+    let b = SelectionBias {
+        bias: &d_bias,
+        offset: 0,
+        changed: None,
+    };
+    ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).unwrap();
+    let got = dev.download(&ids).unwrap();
+    let cpu: Vec<i32> = route_biased(&logits, Gating::Sigmoid, Some(&bias), k, true, 1.0)
+        .iter()
+        .map(|p| p.0 as i32)
+        .collect();
+    assert_eq!(got, cpu, "against the CPU");
+    assert!(!got.iter().any(|e| [1, 4, 7].contains(e)), "{got:?}");
+    let wide = routing(64, 33, Gating::Sigmoid);
+    let mut ids = dev.zeros::<i32>(33).unwrap();
+    let mut weights = dev.zeros::<f32>(33).unwrap();
+    let mut changed = dev.zeros::<i32>(1).unwrap();
+    let b = SelectionBias {
+        bias: &d_bias,
+        offset: 0,
+        changed: Some(&mut changed),
+    };
+    assert!(
+        ops::route_topk_biased(&dev, &d_logits, &wide, Some(b), &mut ids, &mut weights).is_err()
+    );
+    // A vector that would run past its buffer is refused.
+    let mut ids = dev.zeros::<i32>(k).unwrap();
+    let mut weights = dev.zeros::<f32>(k).unwrap();
+    let b = SelectionBias {
+        bias: &d_bias,
+        offset: 1,
+        changed: None,
+    };
+    assert!(ops::route_topk_biased(&dev, &d_logits, &r, Some(b), &mut ids, &mut weights).is_err());
 }

@@ -108,7 +108,7 @@ fn host_copies_by_kernel_move_every_word() {
     };
     let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
     assert_eq!(dev.download(&back).unwrap(), doubled);
-    // Lengths that differ and a fifth copy are refused.
+    // Lengths that differ and a copy past HOST_COPIES_MAX are refused.
     let short = dev.zeros::<f32>(3).unwrap();
     // SAFETY: nothing is queued.
     unsafe {

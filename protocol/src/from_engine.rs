@@ -123,10 +123,23 @@ pub struct Done {
     pub draft_proposed: u32,
     #[serde(default)]
     pub draft_accepted: u32,
-    /// What an approximate mode (`--tail-skip`, `--skip-weight`) left out of this request's answer;
-    /// absent when none is set.
+    /// What an approximate mode (`--tail-skip`, `--skip-weight`, `--cold-mass`) left out of this
+    /// request's answer; absent when none is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts_left_out: Option<LeftOut>,
+    /// The routed choices of this request's answer that `--cache-bias` made (cached experts chosen in
+    /// place of uncached ones); absent when it is off or no answer token met the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts_swapped_in: Option<SwappedIn>,
+}
+
+/// Routed choices `--cache-bias` made in a request's answer tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SwappedIn {
+    /// Choices it made (a cached expert chosen where the unbiased top-k had an uncached one).
+    pub experts: u64,
+    /// The mean share of a token's routed weight (per MoE layer) that those experts carry.
+    pub weight_share: f64,
 }
 
 /// Uncached experts an approximate mode left out of a request's answer tokens.
@@ -325,6 +338,7 @@ mod tests {
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,
+            experts_swapped_in: None,
         }));
         round_trip(FromEngine::Err(ErrorReply {
             id: None,
@@ -369,6 +383,7 @@ mod tests {
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,
+            experts_swapped_in: None,
         });
         assert_eq!(
             done.to_line(),

@@ -35,7 +35,7 @@ mod to_engine;
 pub use error::{ErrorCode, ProtocolError};
 pub use from_engine::{
     ConversationInfo, Done, ErrorReply, FromEngine, LeftOut, Progress, PromptCalls, Ready, Stats,
-    StopReason, Tokens,
+    StopReason, SwappedIn, Tokens,
 };
 pub use line::{read_line_bounded, LineRead};
 pub use to_engine::{Cancel, Gen, ToEngine};

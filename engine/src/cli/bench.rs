@@ -296,6 +296,8 @@ pub fn run(args: BenchArgs) -> CliResult {
             "left_out": c.skipped.experts,
             "left_out_weight_share": c.skipped.mean_weight(),
             "left_out_bytes": c.skipped.bytes,
+            "swapped_in": c.swapped.experts,
+            "swapped_in_weight_share": c.swapped.mean_weight(),
             "admitted_on_card": c.admitted_on_card,
             "route_top10_share": c.route_top10_share,
             "cpu_us_overhead": c.cpu_us_overhead,

@@ -179,6 +179,27 @@ pub struct PlacementArgs {
     /// (0 < F < 1) of the token's routed weight is left out (overrides --tail-skip).
     #[arg(long, value_name = "F", value_parser = parse_fraction)]
     skip_weight: Option<f32>,
+    /// Approximate, off by default (Krasis's cold-mass pruning): a single token's lightest experts that
+    /// are not in VRAM are left out, lightest first, while together they carry at most P (0 < P < 1) of
+    /// its routed weight (overrides --tail-skip and --skip-weight).
+    #[arg(long, value_name = "P", value_parser = parse_fraction)]
+    cold_mass: Option<f32>,
+    /// With --cold-mass: at most M experts a token left out (default: no cap but P).
+    #[arg(long, value_name = "M", requires = "cold_mass")]
+    cold_max: Option<usize>,
+    /// Approximate, off by default: F (0 < F <= 1; 0: off) added to a single token's router probability of
+    /// every expert in VRAM before its top-k, so its routing leans to the card; the chosen experts keep
+    /// their unbiased weights (prompts untouched). 1 puts every cached expert first. DONE and STATS count
+    /// the choices it changed.
+    #[arg(long, value_name = "F", default_value_t = 0.0, value_parser = parse_cache_bias)]
+    cache_bias: f32,
+}
+
+fn parse_cache_bias(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("a number from 0 to 1, not {s:?}")),
+    }
 }
 
 fn parse_fraction(s: &str) -> Result<f32, String> {
@@ -223,7 +244,10 @@ impl PlacementArgs {
             skip: MissingSkip {
                 tail: self.tail_skip,
                 weight: self.skip_weight,
+                cold_mass: self.cold_mass,
+                cold_max: self.cold_max,
             },
+            cache_bias: self.cache_bias,
             call_tokens,
         }
     }
@@ -338,6 +362,61 @@ pub fn run(cli: Cli) -> ExitCode {
         Err(e) => {
             eprintln!("poly-engine: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        p: PlacementArgs,
+    }
+
+    fn placement(args: &[&str]) -> Result<Placement, clap::Error> {
+        let argv = std::iter::once("t").chain(args.iter().copied());
+        T::try_parse_from(argv).map(|t| t.p.placement(0, 0))
+    }
+
+    /// The approximate placement flags, parsed once into the placement: off by default, each setting its
+    /// field, values out of range refused.
+    #[test]
+    fn the_approximate_modes_are_off_by_default_and_parsed_into_the_placement() {
+        let p = placement(&[]).expect("no flags");
+        assert!(p.skip.is_off());
+        assert_eq!(p.cache_bias, 0.0);
+        assert!(p.non_default().is_empty());
+        let p = placement(&[
+            "--cache-bias",
+            "0.05",
+            "--cold-mass",
+            "0.1",
+            "--cold-max",
+            "2",
+        ])
+        .expect("flags");
+        assert_eq!(p.cache_bias, 0.05);
+        assert_eq!((p.skip.cold_mass, p.skip.cold_max), (Some(0.1), Some(2)));
+        assert_eq!(
+            placement(&["--cache-bias", "0"]).expect("0").cache_bias,
+            0.0
+        );
+        assert_eq!(
+            placement(&["--cache-bias", "1"]).expect("1").cache_bias,
+            1.0
+        );
+        for bad in [
+            &["--cache-bias", "1.5"][..],
+            &["--cache-bias", "-0.1"],
+            &["--cache-bias", "NaN"],
+            &["--cold-mass", "1"],
+            &["--cold-max", "2"],
+        ] {
+            assert!(placement(bad).is_err(), "{bad:?}");
         }
     }
 }

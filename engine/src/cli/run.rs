@@ -258,11 +258,19 @@ pub fn run(args: RunArgs) -> CliResult {
         );
         if c.skipped.steps > 0 {
             eprintln!(
-                "left out (--tail-skip / --skip-weight): {} experts, {:.4} of a token's routed weight \
-                 per layer on average, {} MiB not read",
+                "left out (--tail-skip / --skip-weight / --cold-mass): {} experts, {:.4} of a token's \
+                 routed weight per layer on average, {} MiB not read",
                 c.skipped.experts,
                 c.skipped.mean_weight(),
                 c.skipped.bytes >> 20
+            );
+        }
+        if c.swapped.steps > 0 {
+            eprintln!(
+                "swapped in (--cache-bias): {} experts, {:.4} of a token's routed weight per layer on \
+                 average",
+                c.swapped.experts,
+                c.swapped.mean_weight()
             );
         }
     }

@@ -36,12 +36,14 @@ const WARM_CHUNK: usize = 128 << 10;
 
 /// The `n` experts `m`'s router scores highest for the one-token input `x` (`[n_embd]`), highest first,
 /// computed on `pool`. A guess only: the router's logits in the file's format with the single-row dot
-/// product, ranked by [`poly_kernels::ops::topk::top_k`].
+/// product, ranked by [`poly_kernels::ops::topk::top_k`]; with `bias` (`--cache-bias`'s vector of the
+/// layer: the choice the card will make), by probability plus bias
+/// ([`poly_kernels::ops::topk::route_biased`]).
 pub(crate) fn likeliest_experts(
     w: &CpuWeights,
     m: &Moe,
     x: &[f32],
-    n: usize,
+    (n, bias): (usize, Option<&[f32]>),
     pool: &HotPool,
 ) -> Vec<usize> {
     let router = w.matrix(m.router);
@@ -67,7 +69,20 @@ pub(crate) fn likeliest_experts(
         .into_iter()
         .flat_map(|l| l.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect();
-    poly_kernels::ops::topk::top_k(&logits, n)
+    match bias.filter(|b| b.len() == logits.len()) {
+        Some(b) => {
+            use poly_kernels::ops::topk::{route_biased, Gating as KGating};
+            let gating = match m.gating {
+                poly_models::compute::Gating::Softmax => KGating::Softmax,
+                poly_models::compute::Gating::Sigmoid => KGating::Sigmoid,
+            };
+            route_biased(&logits, gating, Some(b), n, false, 1.0)
+                .into_iter()
+                .map(|(e, _)| e as usize)
+                .collect()
+        }
+        None => poly_kernels::ops::topk::top_k(&logits, n),
+    }
 }
 
 /// Reads the gate, up and down matrices of `m`'s `experts` on `pool`'s workers while this thread runs
@@ -137,10 +152,20 @@ mod tests {
             moe_observed(&w, &xm, &m, Arithmetic::LlamaCpp, None, |r| {
                 routed = r[0].iter().map(|&(e, _)| e as usize).collect()
             });
-            let mut guess = likeliest_experts(&w, &m, &x, m.n_expert_used, &pool);
+            let mut guess = likeliest_experts(&w, &m, &x, (m.n_expert_used, None), &pool);
             guess.sort_unstable();
             routed.sort_unstable();
             assert_eq!(guess, routed, "seed {seed}");
+            // `--cache-bias`'s lean: a zero vector guesses the same, a bias of 1 on every other expert
+            // only those.
+            let zeros = vec![0.0f32; m.n_expert];
+            let mut same = likeliest_experts(&w, &m, &x, (m.n_expert_used, Some(&zeros)), &pool);
+            same.sort_unstable();
+            assert_eq!(same, routed, "seed {seed}, a zero bias");
+            let odd: Vec<f32> = (0..m.n_expert).map(|e| (e % 2) as f32).collect();
+            let leaned = likeliest_experts(&w, &m, &x, (m.n_expert_used, Some(&odd)), &pool);
+            assert_eq!(leaned.len(), m.n_expert_used);
+            assert!(leaned.iter().all(|e| e % 2 == 1), "seed {seed}: {leaned:?}");
         }
         let all: Vec<usize> = (0..m.n_expert).collect();
         let bytes: usize = [m.gate_exps, m.up_exps, m.down_exps]

@@ -162,6 +162,11 @@ pub struct MoeStep {
     /// The experts the last token copied on demand for this step (beside the card's wait at its staged
     /// flag, the split's measure of the card's side).
     copied_on_demand: usize,
+    /// `--cache-bias`: the router reads the cache's bias vector of the layer and writes which choices it
+    /// made into `changed` (`[1]`), handed down with the ids; false: no bias, nothing more handed down.
+    pub biased: bool,
+    pub changed: DeviceBuffer<i32>,
+    host_changed: PinnedHost<i32>,
 }
 
 /// The next MoE step's experts guessed on the card (`--guess-on card`): its router applied to this step's
@@ -191,8 +196,7 @@ impl MoeStep {
         dev: &Device,
         (layer, layer_tables): (usize, &[ExpertTable; 3]),
         moe: &Moe,
-        n_embd: usize,
-        shared: bool,
+        (n_embd, shared, biased): (usize, bool, bool),
     ) -> CudaResult<MoeStep> {
         let k = moe.n_expert_used;
         let spec = |t: &ExpertTable| (t.ty, t.rows, t.cols);
@@ -216,6 +220,9 @@ impl MoeStep {
             sum_is_zero: true,
             guess: None,
             copied_on_demand: 0,
+            biased,
+            changed: dev.zeros(1)?,
+            host_changed: dev.pinned(1)?,
         })
     }
 
@@ -273,6 +280,9 @@ impl MoeStep {
                 if let Some(g) = self.guess.as_mut() {
                     copies.download(&g.ids, &mut g.host_ids)?;
                 }
+                if self.biased {
+                    copies.download(&self.changed, &mut self.host_changed)?;
+                }
                 return copies.queue(dev);
             }
             dev.queue_download(&self.ids, &mut self.host_ids)?;
@@ -280,6 +290,9 @@ impl MoeStep {
             dev.queue_download(x, &mut self.host_x)?;
             if let Some(g) = self.guess.as_mut() {
                 dev.queue_download(&g.ids, &mut g.host_ids)?;
+            }
+            if self.biased {
+                dev.queue_download(&self.changed, &mut self.host_changed)?;
             }
         }
         Ok(())
@@ -306,17 +319,23 @@ impl MoeStep {
             host_ids,
             host_x,
             host_weights,
+            host_changed,
             layer,
+            biased,
             ..
         } = self;
         let ids = host_ids.as_slice()?;
+        let changed = match biased {
+            true => host_changed.as_slice()?.first().map_or(0, |&c| c as u32),
+            false => 0,
+        };
         let fetch = || {
             Ok((
                 host_x.as_slice()?.to_vec(),
                 host_weights.as_slice()?.to_vec(),
             ))
         };
-        let prep = cache.prepare_step((dev, cpu), *layer, ids, fetch);
+        let prep = cache.prepare_step((dev, cpu), *layer, (ids, changed), fetch);
         times.prepare += clock.elapsed();
         times.steps += 1;
         prep

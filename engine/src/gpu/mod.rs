@@ -307,6 +307,10 @@ impl GpuBackend {
             .set_missing_experts(&self.dev, p.missing_experts)
             .map_err(cuda_err)?;
         cache.set_skip(p.skip);
+        // A few KiB of vectors after the cache was sized: n_expert floats per layer.
+        cache
+            .set_cache_bias(&self.dev, p.cache_bias)
+            .map_err(cuda_err)?;
         if let (Some(path), false) = (path, p.no_profile) {
             let prof = stored.unwrap_or_else(|| ExpertProfile::empty(binding, &shape));
             cache.set_profile(path, prof);
@@ -458,6 +462,11 @@ impl GpuBackend {
             .kv_room(cpu, &mut seq_slot, state, 1)
             .map_err(cuda_err)?;
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows).map_err(cuda_err)?;
+        // `--cache-bias`: the token's routers read the residency as it is now, after the KV rows took
+        // what slots they needed (a graph's replay too).
+        if let Some(cache) = lock(&self.experts).as_mut() {
+            cache.refresh_bias(&self.dev).map_err(cuda_err)?;
+        }
         let pos0 = state.n_past();
         let rows = forward::decode_kv_rows(pos0 + 1, seq.rows());
         {
@@ -606,6 +615,11 @@ impl GpuBackend {
         let mut seq_slot = lock(&self.seq);
         let kv_rows = self.kv_room(cpu, &mut seq_slot, state, tokens.len())?;
         let seq = DeviceSeq::follow(&self.dev, &mut seq_slot, state, kv_rows)?;
+        // `--cache-bias`: a single token's routers read the residency as it is now, after the KV rows
+        // took what slots they needed.
+        if let (1, Some(cache)) = (tokens.len(), lock(&self.experts).as_mut()) {
+            cache.refresh_bias(&self.dev)?;
+        }
         // The call writes KV rows `pos0..pos0 + n` and the recurrent states: what copies of the card's
         // state others may read hold there goes to host memory first. A prompt call may fail half way
         // (out of memory) with recurrent states half advanced: the caller's own recurrent states are

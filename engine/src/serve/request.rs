@@ -506,7 +506,8 @@ impl<W: std::io::Write> Session<'_, W> {
             }
             _ => None,
         };
-        // What `--tail-skip` / `--skip-weight` left out of this answer (absent when neither is set).
+        // What `--tail-skip` / `--skip-weight` / `--cold-mass` left out of this answer (absent when none
+        // is set).
         let experts_left_out = match (experts_before, experts_after) {
             (Some(a), Some(b)) if b.skipped.steps > a.skipped.steps => {
                 let d = b.skipped.since(&a.skipped);
@@ -514,6 +515,17 @@ impl<W: std::io::Write> Session<'_, W> {
                     experts: d.experts,
                     weight_share: d.mean_weight(),
                     bytes: d.bytes,
+                })
+            }
+            _ => None,
+        };
+        // The choices `--cache-bias` made in this answer (absent when it is off).
+        let experts_swapped_in = match (experts_before, experts_after) {
+            (Some(a), Some(b)) if b.swapped.steps > a.swapped.steps => {
+                let d = b.swapped.since(&a.swapped);
+                Some(poly_protocol::SwappedIn {
+                    experts: d.experts,
+                    weight_share: d.mean_weight(),
                 })
             }
             _ => None,
@@ -547,6 +559,7 @@ impl<W: std::io::Write> Session<'_, W> {
             draft_proposed: finished.draft_proposed as u32,
             draft_accepted: finished.draft_accepted as u32,
             experts_left_out,
+            experts_swapped_in,
         }))
     }
 }

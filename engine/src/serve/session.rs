@@ -361,6 +361,7 @@ impl<'a, W: Write> Session<'a, W> {
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,
+            experts_swapped_in: None,
         };
         self.send(&FromEngine::Done(done))
     }
@@ -494,6 +495,13 @@ impl<'a, W: Write> Session<'a, W> {
                     json!(c.skipped.mean_weight()),
                 );
                 m.insert("experts_left_out_bytes".into(), json!(c.skipped.bytes));
+            }
+            if c.swapped.steps > 0 {
+                m.insert("experts_swapped_in".into(), json!(c.swapped.experts));
+                m.insert(
+                    "experts_swapped_in_weight_share".into(),
+                    json!(c.swapped.mean_weight()),
+                );
             }
         }
         Stats {

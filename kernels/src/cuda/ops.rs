@@ -825,12 +825,67 @@ pub struct Routing {
     pub scale: f32,
 }
 
+/// A selection bias for the choice of experts (as llama.cpp's `exp_probs_b`): the `n_expert` floats of
+/// `bias` from element `offset` on (device memory read by every launch that chooses with it, so the host
+/// may rewrite it between launches and a captured graph reads what it holds at each replay; one buffer
+/// may hold the vectors of many routers) are added to each expert's probability before the top-k, and
+/// the chosen experts' weights are still their unbiased probabilities
+/// ([`crate::ops::topk::route_biased`]). With `changed` (`[n_tokens]`), the launch also writes per token
+/// which of its choices the bias made: bit `j` set when the `j`-th chosen expert is not among the `k` the
+/// unbiased probabilities choose (ties to the lower id either way); `k` ≤ 32 then.
+pub struct SelectionBias<'a> {
+    pub bias: &'a DeviceBuffer<f32>,
+    pub offset: usize,
+    pub changed: Option<&'a mut DeviceBuffer<i32>>,
+}
+
+impl SelectionBias<'_> {
+    /// The device address of the routing's first bias value (checked by [`check_bias`]).
+    fn address(&self) -> u64 {
+        self.bias.address() + (self.offset * std::mem::size_of::<f32>()) as u64
+    }
+}
+
+/// Checks a selection bias against a routing of `n_tokens` tokens.
+fn check_bias(what: &str, r: &Routing, n_tokens: usize, b: &SelectionBias<'_>) -> CudaResult<()> {
+    if b.offset + r.n_expert > b.bias.len() {
+        return invalid(format!(
+            "{what}: {} bias values from {} in a buffer of {}",
+            r.n_expert,
+            b.offset,
+            b.bias.len()
+        ));
+    }
+    if let Some(c) = &b.changed {
+        check_len(&format!("{what} changed"), c, n_tokens)?;
+        if r.k > 32 {
+            return invalid(format!(
+                "{what}: the choices a bias made are bits of one word: k {} > 32",
+                r.k
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Routes every token of `logits` (`[n_tokens, n_expert]`): `ids` and `weights` get `[n_tokens, k]`, the
 /// likeliest first, as [`crate::ops::topk::route`] computes them.
 pub fn route_topk(
     dev: &Device,
     logits: &DeviceBuffer<f32>,
     r: &Routing,
+    ids: &mut DeviceBuffer<i32>,
+    weights: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    route_topk_biased(dev, logits, r, None, ids, weights)
+}
+
+/// [`route_topk`] with an optional [`SelectionBias`] (none: the same launch, the same values).
+pub fn route_topk_biased(
+    dev: &Device,
+    logits: &DeviceBuffer<f32>,
+    r: &Routing,
+    mut bias: Option<SelectionBias<'_>>,
     ids: &mut DeviceBuffer<i32>,
     weights: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
@@ -845,6 +900,9 @@ pub fn route_topk(
     let n_tokens = logits.len() / r.n_expert;
     check_len("route_topk ids", ids, n_tokens * r.k)?;
     check_len("route_topk weights", weights, n_tokens * r.k)?;
+    if let Some(b) = &bias {
+        check_bias("route_topk", r, n_tokens, b)?;
+    }
     // One warp per token, up to 4 tokens a block as shared memory allows (n_expert floats each).
     let per_warp = r.n_expert * 4;
     let warps = (ROUTE_SHARED_MAX / per_warp)
@@ -853,6 +911,8 @@ pub fn route_topk(
     let n_tokens_i = as_i32("n_tokens", n_tokens)?;
     let (gating, norm) = routing_flags(r);
     let f = dev.function(KernelModule::Route, "route_topk")?;
+    let null: u64 = 0;
+    let bias_address = bias.as_ref().map_or(0, SelectionBias::address);
     let mut b = dev.launch_builder(&f);
     b.arg(logits.slice())
         .arg(&n_tokens_i)
@@ -863,6 +923,7 @@ pub fn route_topk(
         .arg(&r.scale)
         .arg(ids.slice_mut())
         .arg(weights.slice_mut());
+    push_bias(&mut b, &mut bias, (&bias_address, &null));
     let blocks = u32::try_from(n_tokens.div_ceil(warps))
         .map_err(|_| CudaError::Invalid(format!("route_topk: {n_tokens} tokens")))?;
     let cfg = LaunchConfig {
@@ -870,10 +931,25 @@ pub fn route_topk(
         block_dim: (32, warps as u32, 1),
         shared_mem_bytes: (warps * per_warp) as u32,
     };
-    // SAFETY: logits hold n_tokens × n_expert floats, ids and weights n_tokens × k (checked above); each of
-    // the block's warps has n_expert floats of dynamic shared memory.
+    // SAFETY: logits hold n_tokens × n_expert floats, ids and weights n_tokens × k (checked above), the bias
+    // buffer n_expert floats from its address and changed n_tokens ints, or they are null (checked above;
+    // the kernel checks for null); each of the block's warps has n_expert floats of dynamic shared memory.
     unsafe { b.launch(cfg) }?;
     dev.after_launch("route_topk")
+}
+
+/// The last two arguments of a routing launch: the bias's address (`bias_address`: 0 without one) and
+/// the choices it made, or null.
+fn push_bias<'a>(
+    b: &mut super::launch::KernelLaunch<'a>,
+    bias: &'a mut Option<SelectionBias<'_>>,
+    (bias_address, null): (&'a u64, &'a u64),
+) {
+    b.arg(bias_address);
+    match bias.as_mut().and_then(|s| s.changed.as_mut()) {
+        Some(c) => b.arg(c.slice_mut()),
+        None => b.arg(null),
+    };
 }
 
 /// Dynamic shared memory the routing kernels ask for at most (the default limit of a launch).
@@ -917,6 +993,18 @@ pub fn router_topk(
     (logits, tickets): (&mut DeviceBuffer<f32>, &mut Tickets),
     (ids, weights): (&mut DeviceBuffer<i32>, &mut DeviceBuffer<f32>),
 ) -> CudaResult<()> {
+    router_topk_biased(dev, (w, x), r, None, (logits, tickets), (ids, weights))
+}
+
+/// [`router_topk`] with an optional [`SelectionBias`] (none: the same launch, the same values).
+pub fn router_topk_biased(
+    dev: &Device,
+    (w, x): (&ExpertTable, &DeviceBuffer<f32>),
+    r: &Routing,
+    mut bias: Option<SelectionBias<'_>>,
+    (logits, tickets): (&mut DeviceBuffer<f32>, &mut Tickets),
+    (ids, weights): (&mut DeviceBuffer<i32>, &mut DeviceBuffer<f32>),
+) -> CudaResult<()> {
     let (n_expert, k) = check_routing("router_topk", r)?;
     let name = match w.ty {
         GgmlType::F32 => "router_topk_f32",
@@ -936,9 +1024,14 @@ pub fn router_topk(
     check_len("router_topk ids", ids, r.k)?;
     check_len("router_topk weights", weights, r.k)?;
     tickets.check("router_topk", 1)?;
+    if let Some(b) = &bias {
+        check_bias("router_topk", r, 1, b)?;
+    }
     let ncols = as_i32("cols", w.cols)?;
     let (gating, norm) = routing_flags(r);
     let f = dev.function(KernelModule::Route, name)?;
+    let null: u64 = 0;
+    let bias_address = bias.as_ref().map_or(0, SelectionBias::address);
     let mut b = dev.launch_builder(&f);
     b.arg(w.table_address())
         .arg(x.slice())
@@ -952,6 +1045,7 @@ pub fn router_topk(
         .arg(tickets.buf.slice_mut())
         .arg(ids.slice_mut())
         .arg(weights.slice_mut());
+    push_bias(&mut b, &mut bias, (&bias_address, &null));
     let cfg = LaunchConfig {
         grid_dim: (r.n_expert as u32, 1, 1),
         block_dim: MATVEC_BLOCK,
@@ -959,8 +1053,9 @@ pub fn router_topk(
     };
     // SAFETY: the table's one address is the start of n_expert rows × cols of its format that lives as long
     // as the table's owner (rows checked above), x holds cols
-    // floats, logits n_expert, ids and weights k (checked above), the tickets at least one, zero before
-    // and after the launch; the last block has n_expert floats of dynamic shared memory.
+    // floats, logits n_expert, ids and weights k, the bias buffer n_expert floats from its address and
+    // changed one int, or they are null (checked above), the tickets at least one, zero before and after
+    // the launch; the last block has n_expert floats of dynamic shared memory.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }

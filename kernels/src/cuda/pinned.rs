@@ -185,8 +185,10 @@ impl Device {
     }
 }
 
-/// At most this many copies in one [`HostCopies`] launch.
-pub const HOST_COPIES_MAX: usize = 4;
+/// At most this many copies in one [`HostCopies`] launch (elementwise.cu's `HOST_COPIES_MAX`): a
+/// segmented token's route point hands down five (ids, weights, input, the next layer's guess and
+/// `--cache-bias`'s choices).
+pub const HOST_COPIES_MAX: usize = 6;
 
 /// The kernel's argument struct (`HostCopyArgs` in elementwise.cu), field for field.
 #[repr(C)]
@@ -301,5 +303,18 @@ impl HostCopies {
         // and untouched while the launch may run.
         unsafe { b.launch(cfg) }?;
         dev.after_launch("copy_words")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HOST_COPIES_MAX;
+
+    /// The kernel's argument struct has the Rust side's number of copies.
+    #[test]
+    fn the_kernel_takes_as_many_copies_as_the_host_gives() {
+        let cu = include_str!("../../cuda/elementwise.cu");
+        assert!(cu.contains(&format!("#define HOST_COPIES_MAX {HOST_COPIES_MAX}\n")));
+        assert!(cu.contains("unsigned long long src[HOST_COPIES_MAX];"));
     }
 }

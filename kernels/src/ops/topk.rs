@@ -82,6 +82,20 @@ pub fn route_biased(
     out
 }
 
+/// Which of [`route_biased`]'s choices the bias made: bit `j` set when its `j`-th chosen expert is not
+/// among the `k` that [`route`] chooses from the same `logits` (the card's `changed` output, for its
+/// tests and the engine's figures). At most 32 choices.
+pub fn changed_by_bias(logits: &[f32], gating: Gating, bias: &[f32], k: usize) -> u32 {
+    let biased = route_biased(logits, gating, Some(bias), k, false, 1.0);
+    let plain = route(logits, gating, k, false, 1.0);
+    biased
+        .iter()
+        .take(32)
+        .enumerate()
+        .filter(|(_, (e, _))| !plain.iter().any(|(p, _)| p == e))
+        .fold(0, |mask, (j, _)| mask | 1 << j)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +149,9 @@ mod tests {
         let r = route_biased(&logits, Gating::Sigmoid, Some(&bias), 2, true, 1.0);
         let s = sig(-1.0) + sig(2.0);
         assert!((r[0].1 - sig(-1.0) / s).abs() < 1e-6 && (r[1].1 - sig(2.0) / s).abs() < 1e-6);
+        // Expert 2 was brought in by the bias (choice 0), expert 1 would have been chosen anyway.
+        assert_eq!(changed_by_bias(&logits, Gating::Sigmoid, &bias, 2), 0b01);
+        assert_eq!(changed_by_bias(&logits, Gating::Sigmoid, &[0.0; 4], 2), 0);
         // No bias is route's choice.
         assert_eq!(
             route_biased(&logits, Gating::Sigmoid, None, 2, true, 1.0),

@@ -5,6 +5,8 @@
 //! - [`policy`]: the bookkeeping (initial set, admission, victims by recency and frequency); no device.
 //! - [`profile`]: the routing counts saved beside the model, bound to its file.
 //! - [`placement`]: how much VRAM the cache gets (`--vram-reserve-mib`, `--expert-budget-mib`).
+//! - [`skip`] and [`bias`]: the approximate modes of issue 23, off by default (a single token's uncached
+//!   experts left out; its routing leaned to the cached experts).
 //! - this module: the device side. One [`SlotPool`] holds the cached experts; each layer's three
 //!   [`ExpertTable`]s point at its resident experts and are null elsewhere (the kernels give zeros there).
 //!   A second pool of one layer's worth of *scratch* slots receives a prompt call's uncached experts
@@ -16,6 +18,7 @@
 //!   computed on the CPU ([`CpuShare`]) meanwhile; and the policy may admit a few of them (uploads on the
 //!   copy stream; a slot's entry switched only after its copy completed).
 
+pub mod bias;
 mod bus_later;
 pub mod layout;
 pub mod placement;
@@ -90,8 +93,10 @@ pub struct CacheStats {
     /// those, the ones the layer then routed to (computed on the card from their scratch slots).
     pub ahead_copied: u64,
     pub ahead_routed: u64,
-    /// Single tokens' uncached experts left out (`--tail-skip`, `--skip-weight`).
+    /// Single tokens' uncached experts left out (`--tail-skip`, `--skip-weight`, `--cold-mass`).
     pub skipped: skip::Skipped,
+    /// Single tokens' routed choices that `--cache-bias` made (cached experts in place of uncached ones).
+    pub swapped: bias::Swapped,
     /// Expert products the CPU computed for single tokens, and the wall seconds it took (the card
     /// computing its share meanwhile).
     pub cpu_experts: u64,
@@ -161,6 +166,10 @@ pub struct ExpertCache {
     missing: MissingExperts,
     /// Which of them a token may leave out (off: none).
     skip: skip::MissingSkip,
+    /// `--cache-bias`: the vectors single tokens' routers read, and whether every layer's must be written
+    /// before the next token (set, or a write failed).
+    bias: bias::DeviceBias,
+    bias_stale: bool,
     costs: MissingCosts,
     cpu_fit: CostFit,
     /// The card's waits at single tokens' staged flags against their copies on demand.
@@ -271,6 +280,8 @@ impl ExpertCache {
             profile: None,
             missing: MissingExperts::default(),
             skip: skip::MissingSkip::default(),
+            bias: bias::DeviceBias::default(),
+            bias_stale: false,
             costs: MissingCosts::guess(slot_bytes),
             cpu_fit: CostFit::default(),
             card_wait_fit: CostFit::default(),
@@ -702,7 +713,10 @@ impl ExpertCache {
         let Some(pool) = split::share_pool(&mut self.cpu_pool) else {
             return Vec::new();
         };
-        let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, m.n_expert_used, &pool);
+        // Leaning as the card's choice will (`--cache-bias`), by the vectors last written.
+        let bias = self.host_bias(layer);
+        let k = m.n_expert_used;
+        let mut guess = crate::cpu::warm::likeliest_experts(cpu, m, x, (k, bias), &pool);
         guess.retain(|&expert| self.policy.resident(ExpertKey { layer, expert }).is_none());
         guess
     }
@@ -777,7 +791,8 @@ impl ExpertCache {
     }
 
     /// Before `layer`'s expert launches of a call of `n_tokens` whose routing ids are `ids`
-    /// (`[n_tokens, k]`, on the host): counts the routings, and makes every routed expert computable:
+    /// (`[n_tokens, k]`, on the host; `changed`: a single token's choices that `--cache-bias` made, the
+    /// router's bits): counts the routings, and makes every routed expert computable:
     /// - a prompt call (`n_tokens > 1`): the uncached ones are staged into scratch slots and the tables
     ///   point there until [`ExpertCache::finish_layer`];
     /// - a single token: returns the uncached routings for the CPU (`fetch` gives the token's activation
@@ -786,15 +801,14 @@ impl ExpertCache {
         &mut self,
         dev: &Device,
         cpu: &CpuWeights,
-        layer: usize,
-        n_tokens: usize,
-        ids: &[i32],
+        (layer, n_tokens): (usize, usize),
+        (ids, changed): (&[i32], u32),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<Option<CpuShare>> {
         // This call's launches read the layers' tables.
         self.defer_tables = false;
         let share = self
-            .prepare_routing(dev, cpu, (layer, n_tokens, ids), fetch)
+            .prepare_routing(dev, cpu, (layer, n_tokens, ids, changed), fetch)
             .and_then(|StepPrep { share, copies, .. }| {
                 self.stage_copies(dev, cpu, layer, &copies).map(|()| share)
             });
@@ -813,11 +827,11 @@ impl ExpertCache {
         &mut self,
         (dev, cpu): (&Device, &CpuWeights),
         layer: usize,
-        ids: &[i32],
+        (ids, changed): (&[i32], u32),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<StepPrep> {
         self.defer_tables = true;
-        self.prepare_routing(dev, cpu, (layer, 1, ids), fetch)
+        self.prepare_routing(dev, cpu, (layer, 1, ids, changed), fetch)
     }
 
     /// After [`ExpertCache::prepare_step`]: its copies on demand queued (the compute stream waits for
@@ -919,7 +933,7 @@ impl ExpertCache {
         &mut self,
         dev: &Device,
         cpu: &CpuWeights,
-        (layer, n_tokens, ids): (usize, usize, &[i32]),
+        (layer, n_tokens, ids, changed): (usize, usize, &[i32], u32),
         fetch: impl FnOnce() -> CudaResult<(Vec<f32>, Vec<f32>)>,
     ) -> CudaResult<StepPrep> {
         let n_expert = self.layers[layer].n_expert;
@@ -984,17 +998,30 @@ impl ExpertCache {
             .filter(|&j| (ids[j] as usize) < n_expert && !on_card(&self.policy, ids[j] as usize))
             .collect();
         // The token's activation and routing weights, fetched once: before the copies are queued (a
-        // download queued after them would wait for them), and before the skip, which reads the weights.
+        // download queued after them would wait for them), and before the skip and the bias's figures,
+        // which read the weights.
         let mut fetch = Some(fetch);
         let mut fetched = None;
         let mut left_any = false;
         if !self.skip.is_off() {
             self.stats.skipped.steps += 1;
         }
-        if !self.skip.is_off() && !missing_slots.is_empty() {
+        let skips = !self.skip.is_off() && !missing_slots.is_empty();
+        // `--cache-bias`'s figures: a step that it changed needs the weights of its choices.
+        let swapped = self.bias.is_on() && changed != 0;
+        if self.bias.is_on() && !swapped {
+            self.stats.swapped.add(0, &[]);
+        }
+        if skips || swapped {
             if let Some(f) = fetch.take() {
                 let inputs = fetch_inputs(f, ids.len())?;
-                let left = self.skip.left_out(&missing_slots, &inputs.1);
+                if swapped {
+                    self.stats.swapped.add(changed, &inputs.1);
+                }
+                let left = match skips {
+                    true => self.skip.left_out(&missing_slots, &inputs.1),
+                    false => Vec::new(),
+                };
                 if !left.is_empty() {
                     let s = &mut self.stats.skipped;
                     s.experts += left.len() as u64;
@@ -1233,6 +1260,8 @@ impl ExpertCache {
             .pool
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("an admission into a cache of no slots".into()))?;
+        // The layers of the newcomers made resident at once.
+        let mut placed = Vec::new();
         for u in plan {
             let from = staged
                 .map
@@ -1266,8 +1295,15 @@ impl ExpertCache {
             } else {
                 // In stream order every later launch sees the copy: resident at once.
                 self.policy.complete(u.slot);
+                placed.push(u.expert.layer);
             }
             self.stats.admitted_on_card += 1;
+        }
+        // With the tables deferred (a segmented token with cuts) finish_layer does not point the
+        // layer's tables again: marked, so their next reader (a prompt call, an eager token) finds the
+        // newcomer in its slot rather than a null entry, which gives zeros.
+        if self.defer_tables {
+            placed.into_iter().for_each(|l| self.mark_tables(l));
         }
         Ok(())
     }

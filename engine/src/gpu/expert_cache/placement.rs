@@ -33,8 +33,11 @@ pub struct Placement {
     pub staging_only: bool,
     /// Where a single token's uncached experts are computed.
     pub missing_experts: MissingExperts,
-    /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`; off: none).
+    /// Which of them a token may leave out (`--tail-skip`, `--skip-weight`, `--cold-mass`; off: none).
     pub skip: MissingSkip,
+    /// Added to a single token's router probabilities of the cached experts before its top-k
+    /// (`--cache-bias`; 0: off; [`super::bias`]).
+    pub cache_bias: f32,
     /// The most tokens one forward call will carry (0: [`crate::generate::DEFAULT_UBATCH`]). The
     /// warm-up before the cache is sized reads that many, so the scratch buffers it leaves are those the
     /// largest call needs and the budget holds with them.
@@ -127,6 +130,25 @@ impl Placement {
                 self.skip.weight.is_some(),
                 "skip-weight",
                 self.skip.weight.map_or_else(String::new, |f| f.to_string()),
+            ),
+            (
+                self.skip.cold_mass.is_some(),
+                "cold-mass",
+                self.skip
+                    .cold_mass
+                    .map_or_else(String::new, |f| f.to_string()),
+            ),
+            (
+                self.skip.cold_max.is_some(),
+                "cold-max",
+                self.skip
+                    .cold_max
+                    .map_or_else(String::new, |n| n.to_string()),
+            ),
+            (
+                self.cache_bias != d.cache_bias,
+                "cache-bias",
+                self.cache_bias.to_string(),
             ),
         ]
         .into_iter()
@@ -251,7 +273,10 @@ mod tests {
             skip: MissingSkip {
                 tail: Some(3),
                 weight: Some(0.05),
+                cold_mass: Some(0.1),
+                cold_max: Some(2),
             },
+            cache_bias: 0.25,
             ..Placement::new()
         };
         let echoed: Vec<(String, String)> = p.non_default();
@@ -262,6 +287,9 @@ mod tests {
             ("missing-experts", "cpu"),
             ("tail-skip", "3"),
             ("skip-weight", "0.05"),
+            ("cold-mass", "0.1"),
+            ("cold-max", "2"),
+            ("cache-bias", "0.25"),
         ]
         .map(|(a, b)| (a.to_string(), b.to_string()));
         assert_eq!(echoed, want);

@@ -112,6 +112,9 @@ pub struct CachePolicy {
     /// by the ticks since holds; a missing expert at or below it plus the margin cannot be admitted, and
     /// [`CachePolicy::plan`] stops before scanning every slot (thousands, up to twice per layer and token).
     coldest: Option<(f32, Vec<u64>)>,
+    /// `[layer]`: an expert of the layer became or stopped being resident since
+    /// [`CachePolicy::take_residency_changes`] (for `--cache-bias`'s vectors on the card).
+    residency_changed: Vec<bool>,
 }
 
 impl CachePolicy {
@@ -131,7 +134,21 @@ impl CachePolicy {
             n_holding: 0,
             n_experts: experts_per_layer.iter().sum(),
             coldest: None,
+            // A new cache: every layer's residency is news.
+            residency_changed: vec![true; experts_per_layer.len()],
         }
+    }
+
+    /// The layers whose residency changed since the last call (a new policy: all of them), in order.
+    pub fn take_residency_changes(&mut self) -> Vec<usize> {
+        let changed = self
+            .residency_changed
+            .iter()
+            .enumerate()
+            .filter_map(|(l, &c)| c.then_some(l))
+            .collect();
+        self.residency_changed.iter_mut().for_each(|c| *c = false);
+        changed
     }
 
     /// Admissions decided by `rule` from here on (the scores kept, taken as decayed by the new rate).
@@ -183,6 +200,13 @@ impl CachePolicy {
         self.n_free = self.n_free + usize::from(state == SlotState::Free)
             - usize::from(old == SlotState::Free);
         self.n_holding = self.n_holding + usize::from(holds(state)) - usize::from(holds(old));
+        for s in [old, state] {
+            if let SlotState::Holds(k) = s {
+                if let Some(c) = self.residency_changed.get_mut(k.layer) {
+                    *c |= old != state;
+                }
+            }
+        }
         self.slots[slot] = state;
     }
 
@@ -479,6 +503,43 @@ mod tests {
         assert_eq!(p.resident(key(0, 3)), Some(0));
         assert_eq!(p.stats().uploads, 1);
         assert_eq!(p.stats().evictions, 0);
+    }
+
+    /// What `--cache-bias` rewrites on the card: the layers an expert entered or left, each once.
+    #[test]
+    fn residency_changes_name_the_layers_whose_experts_came_or_went() {
+        let mut p = CachePolicy::new(&[4, 4, 4], 2);
+        assert_eq!(p.take_residency_changes(), vec![0, 1, 2], "a new cache");
+        assert!(p.take_residency_changes().is_empty());
+        p.place(0, key(1, 0));
+        p.place(1, key(2, 3));
+        assert_eq!(p.take_residency_changes(), vec![1, 2]);
+        // A layer-0 expert routed often replaces the cold one of layer 2 (or 1): loading is no change
+        // for layer 0 yet, the victim's leaving is one for its layer.
+        for _ in 0..10 {
+            p.record(0, &[2], 1);
+            p.record(1, &[0], 1);
+        }
+        let ups = p.plan(0, &[2], &[2], 1);
+        assert_eq!(ups.len(), 1);
+        let victim = ups[0].victim.map(|v| v.layer);
+        assert_eq!(victim, Some(2));
+        assert_eq!(p.take_residency_changes(), vec![2]);
+        p.complete(ups[0].slot);
+        assert_eq!(
+            p.take_residency_changes(),
+            vec![0],
+            "resident once its copy completed"
+        );
+        // Completing again (nothing loading) and abandoning a free slot change nothing.
+        p.complete(ups[0].slot);
+        assert!(p.take_residency_changes().is_empty());
+        p.abandon(ups[0].slot);
+        assert_eq!(
+            p.take_residency_changes(),
+            vec![0],
+            "a resident expert abandoned leaves"
+        );
     }
 
     #[test]

@@ -106,10 +106,32 @@ impl<'a> GpuForward<'a> {
             .experts
             .as_deref()
             .and_then(|c| c.layer_of(m.gate_exps));
-        // Router logits [n, n_expert], then ids and weights [n, k] on the card.
+        // Router logits [n, n_expert], then ids and weights [n, k] on the card; a single token's leaning to
+        // the cached experts (`--cache-bias`), and which choices it made where the host reads the routing
+        // (not from the mapped file: such a token needs no host).
         let mut ids = self.pool.i32(dev, slots)?;
         let mut weights = self.pool.f32(dev, slots)?;
-        self.route(x, m, &mut ids, &mut weights)?;
+        let bias = self.cache_bias(m, n);
+        let counted = bias.is_some() && !self.experts.as_deref().is_some_and(|c| c.reads_mapped());
+        let mut changed = match counted {
+            true => Some(self.pool.i32(dev, 1)?),
+            false => None,
+        };
+        let selection = bias.map(|(bias, offset)| ops::SelectionBias {
+            bias,
+            offset,
+            changed: changed.as_mut(),
+        });
+        let routed = self.route(x, m, (&mut ids, &mut weights), selection);
+        let changed_bits = match (&routed, &changed) {
+            (Ok(()), Some(c)) => dev.download(c).map(|v| v.first().map_or(0, |&b| b as u32)),
+            _ => Ok(0),
+        };
+        if let Some(c) = changed {
+            self.pool.put_i32(c);
+        }
+        routed?;
+        let changed_bits = changed_bits?;
         // Experts the cache lacks: staged for a prompt, the CPU's share for one token.
         let cpu_share = match (cached, self.experts.as_deref_mut()) {
             // A single token whose missing experts the kernels read from the mapped file needs nothing.
@@ -118,7 +140,8 @@ impl<'a> GpuForward<'a> {
             {
                 let host_ids = dev.download(&ids)?;
                 let fetch = || Ok((dev.download(x.buf()?)?, dev.download(&weights)?));
-                cache.prepare(dev, self.cpu, layer, n, &host_ids, fetch)?
+                let routing = (host_ids.as_slice(), changed_bits);
+                cache.prepare(dev, self.cpu, (layer, n), routing, fetch)?
             }
             (Some(_), Some(cache)) => {
                 // A capture is not a token (its replays are counted by the backend); experts read from
@@ -150,13 +173,21 @@ impl<'a> GpuForward<'a> {
         r.map(|()| None)
     }
 
-    /// The router's logits `[n, n_expert]` of `x`, then each token's experts and weights `[n, k]` on the card.
+    /// `--cache-bias`'s vector for `m`'s router in a call of `rows` tokens: a single token's on a cache
+    /// that lacks experts ([`ExpertCache::selection_bias`]); else none (the routers as without the flag).
+    fn cache_bias(&self, m: &Moe, rows: usize) -> Option<(&DeviceBuffer<f32>, usize)> {
+        let cache = self.experts.as_deref().filter(|_| rows == 1)?;
+        cache.selection_bias(cache.layer_of(m.gate_exps)?)
+    }
+
+    /// The router's logits `[n, n_expert]` of `x`, then each token's experts and weights `[n, k]` on the
+    /// card, chosen with `bias` where one is given.
     fn route(
         &self,
         x: &DevAct,
         m: &Moe,
-        ids: &mut DeviceBuffer<i32>,
-        weights: &mut DeviceBuffer<f32>,
+        (ids, weights): (&mut DeviceBuffer<i32>, &mut DeviceBuffer<f32>),
+        bias: Option<ops::SelectionBias<'_>>,
     ) -> CudaResult<()> {
         let dev = self.dev;
         let routing = Routing {
@@ -179,10 +210,11 @@ impl<'a> GpuForward<'a> {
                 let t = self.op_begin();
                 let mut logits = self.pool.f32(dev, m.n_expert)?;
                 let mut tickets = self.pool.tickets(dev)?;
-                let r = ops::router_topk(
+                let r = ops::router_topk_biased(
                     dev,
                     (s.table(), x.buf()?),
                     &routing,
+                    bias,
                     (&mut logits, &mut tickets),
                     (ids, weights),
                 );
@@ -203,7 +235,7 @@ impl<'a> GpuForward<'a> {
         self.matmul_into(m.router, x, &mut la)?;
         self.op_end("moe.router", t);
         let t = self.op_begin();
-        ops::route_topk(dev, la.buf()?, &routing, ids, weights)?;
+        ops::route_topk_biased(dev, la.buf()?, &routing, bias, ids, weights)?;
         self.op_end("moe.route_topk", t);
         Ok(())
     }
@@ -233,7 +265,9 @@ impl<'a> GpuForward<'a> {
         let (i, capturing) = (g.steps.next, g.capturing);
         g.steps.next += 1;
         if !capturing && i == g.steps.steps.len() {
-            let step = MoeStep::new(dev, (layer, tables), m, x.cols, shared.is_some())?;
+            let biased = cache.selection_bias(layer).is_some();
+            let shape = (x.cols, shared.is_some(), biased);
+            let step = MoeStep::new(dev, (layer, tables), m, shape)?;
             g.steps.steps.push(Some(step));
             // The step before guesses this one's experts (its captured launches will).
             if let (true, Some(Some(before))) = (
@@ -272,12 +306,36 @@ impl<'a> GpuForward<'a> {
                 shared.is_some()
             )));
         }
-        self.route(x, m, &mut step.ids, &mut step.weights)?;
+        // The step's bias was decided when it was made, and its downloads follow that (the choices' word
+        // among them): so the capture after the running call passes the vector even if the running call's
+        // admissions completed the cache meanwhile (a segmented graph gives way to a whole one at the next
+        // token then). A replay reads the vector's contents of its own token.
+        let bias = match step.biased {
+            true => self
+                .experts
+                .as_deref()
+                .and_then(|c| c.bias_vector(step.layer)),
+            false => None,
+        };
+        let selection = bias.map(|(bias, offset)| ops::SelectionBias {
+            bias,
+            offset,
+            changed: Some(&mut step.changed),
+        });
+        self.route(x, m, (&mut step.ids, &mut step.weights), selection)?;
         // The next layer's experts guessed from this layer's input (a replay's host reads them at the
-        // route point; the running call has no use for them).
+        // route point; the running call has no use for them), leaning as that layer's choice will.
         if capturing {
+            let next_bias = step
+                .card_guess()
+                .and_then(|(next, ..)| self.cache_bias(&next, x.rows));
             if let Some((next, ids, weights)) = step.card_guess() {
-                self.route(x, &next, ids, weights)?;
+                let selection = next_bias.map(|(bias, offset)| ops::SelectionBias {
+                    bias,
+                    offset,
+                    changed: None,
+                });
+                self.route(x, &next, (ids, weights), selection)?;
             }
         }
         step.queue_downloads(dev, x.buf()?)?;
