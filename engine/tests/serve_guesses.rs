@@ -90,7 +90,7 @@ fn a_recurrent_state_goes_back_after_a_wrong_guess() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let (proposed, kept) = compare_answers(&path, &[], (&[], 160));
+    let (proposed, kept) = totals(&compare_answers(&path, &[], (&[], 160)));
     std::fs::remove_dir_all(&dir).ok();
     eprintln!("quiet qwen35moe: {proposed} guessed, {kept} kept");
     assert!(
@@ -116,7 +116,7 @@ fn guesses_change_nothing(flags: &[&str]) -> u64 {
         let recurrent = name.starts_with("qwen35moe") || name.starts_with("lfm2moe");
         let lead = if recurrent { 300 } else { 0 };
         let lead = Rng::new(11).tokens(lead, 2048);
-        let (proposed, kept) = compare_answers(&fixture(name), flags, (&lead, 40));
+        let (proposed, kept) = totals(&compare_answers(&fixture(name), flags, (&lead, 40)));
         // A recurrent state must have gone back to a window's start at least once (a guess was
         // wrong), or the test proved nothing about it.
         if recurrent {
@@ -127,10 +127,61 @@ fn guesses_change_nothing(flags: &[&str]) -> u64 {
     accepted
 }
 
+/// A draft model (`--draft`) of the same vocabulary: the model as its own draft guesses nearly every
+/// greedy token right (its rows are computed alike, one token a call); another model guesses some; a recurrent
+/// main model takes them as it takes repeats; the answers are the answers without guesses either way.
+#[test]
+fn a_draft_model_guesses_and_changes_nothing() {
+    for (main, draft) in [
+        ("llama-tiny-q4km.gguf", "llama-tiny-q4km.gguf"),
+        ("qwen3moe-tiny-q4km.gguf", "llama-tiny-q4k-q8.gguf"),
+        (FIXTURES[2], "qwen3moe-tiny-q4k-q8.gguf"),
+    ] {
+        let draft_path = fixture(draft).to_string_lossy().to_string();
+        let gens = compare_answers(&fixture(main), &["--draft", &draft_path], (&[], 40));
+        let (proposed, kept) = totals(&gens);
+        eprintln!("{main} drafted by {draft}: {proposed} guessed, {kept} kept");
+        assert!(proposed > 0, "{main} drafted by {draft}: nothing guessed");
+        if main == draft {
+            let (id, p, k) = &gens[0];
+            assert_eq!(id, "greedy");
+            // Nearly all: the draft writes the raw likeliest token, the sampler may apply penalties.
+            assert!(
+                *p > 8 && *k * 10 >= *p * 9,
+                "{main} as its own draft: {k} of {p} greedy guesses kept"
+            );
+        }
+    }
+}
+
+/// A draft model the engine cannot use is refused at start with the reason: one with recurrent layers.
+#[test]
+fn a_recurrent_draft_model_is_refused_with_the_reason() {
+    let draft = fixture(FIXTURES[2]).to_string_lossy().to_string();
+    let mut e = Engine::spawn(&fixture(FIXTURES[0]), &["--cpu", "--draft", &draft]);
+    match e.next() {
+        FromEngine::Err(err) => assert!(
+            err.message.contains("draft model") && err.message.contains("recurrent"),
+            "{}",
+            err.message
+        ),
+        other => panic!("expected ERR, got {other:?}"),
+    }
+}
+
+/// Guesses proposed and kept over `gens`.
+fn totals(gens: &[(String, u64, u64)]) -> (u64, u64) {
+    gens.iter().fold((0, 0), |(p, k), (_, a, b)| (p + a, k + b))
+}
+
 /// The answers (greedy and sampled) of an engine on `model` that guesses, against one that does not,
-/// line for line, and the state each keeps; returns the guesses proposed and kept. The prompt is
+/// line for line, and the state each keeps; returns each answer's id, guesses proposed and kept. The prompt is
 /// `lead` then a stretch said three times; the answers are at most `max_tokens` long.
-fn compare_answers(model: &Path, flags: &[&str], (lead, max_tokens): (&[u32], u32)) -> (u64, u64) {
+fn compare_answers(
+    model: &Path,
+    flags: &[&str],
+    (lead, max_tokens): (&[u32], u32),
+) -> Vec<(String, u64, u64)> {
     let name = model
         .file_name()
         .map_or(String::new(), |n| n.to_string_lossy().to_string());
@@ -155,10 +206,14 @@ fn compare_answers(model: &Path, flags: &[&str], (lead, max_tokens): (&[u32], u3
         );
     }
     let guesses = |e: &Engine| e.ready.as_ref().and_then(|r| r.guesses.clone());
-    assert_eq!(guesses(&with).as_deref(), Some("repeats"), "{name}");
+    let source = match flags.contains(&"--draft") {
+        true => "draft",
+        false => "repeats",
+    };
+    assert_eq!(guesses(&with).as_deref(), Some(source), "{name}");
     assert_eq!(guesses(&without).as_deref(), Some("off"), "{name}");
     let prompt = [lead.to_vec(), repeated_prompt(3, 12, with.n_vocab())].concat();
-    let (mut proposed, mut kept) = (0, 0);
+    let mut counts = Vec::new();
     let mut greedy = Vec::new();
     for (a, b) in gens(&prompt, max_tokens)
         .into_iter()
@@ -193,8 +248,12 @@ fn compare_answers(model: &Path, flags: &[&str], (lead, max_tokens): (&[u32], u3
             "{what}: {} tokens, {} guessed, {} kept",
             da.generated, da.draft_proposed, da.draft_accepted
         );
-        proposed += u64::from(da.draft_proposed);
-        kept += u64::from(da.draft_accepted);
+        let id = what.rsplit(' ').next().unwrap_or_default().to_string();
+        counts.push((
+            id,
+            u64::from(da.draft_proposed),
+            u64::from(da.draft_accepted),
+        ));
     }
     // The state an answer with guesses keeps is the one without: the same continuation, from the
     // answer's end (the conversation goes on) and from the prompt's (it goes back).
@@ -223,5 +282,5 @@ fn compare_answers(model: &Path, flags: &[&str], (lead, max_tokens): (&[u32], u3
         next(&mut without, "greedy-o", back),
         "{name}: the kept state, gone back"
     );
-    (proposed, kept)
+    counts
 }

@@ -88,6 +88,11 @@ struct ServeArgs {
     #[arg(long, value_name = "N", default_value_t = poly_engine::serve::DEFAULT_REPEATS_MIN_MATCH,
           value_parser = clap::value_parser!(u32).range(1..=16))]
     repeats_min_match: u32,
+    /// A draft model of the same vocabulary (a GGUF file, run on the CPU beside a model on the CPU):
+    /// its greedy tokens are guessed instead of the conversation's repeats, and checked as those are (the
+    /// answer is the same either way). Its state is KV caches only.
+    #[arg(long, value_name = "FILE")]
+    draft: Option<PathBuf>,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -339,6 +344,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 long_ubatch: a.long_ubatch,
                 guesses: !a.no_draft,
                 repeats_min_match: a.repeats_min_match as usize,
+                draft: a.draft,
                 warm_up: !a.no_warmup,
                 parallel: a.parallel as usize,
                 device,

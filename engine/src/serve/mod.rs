@@ -14,6 +14,7 @@
 //! On a GPU, a short read and a few tokens before READY ([`warm_up`], `--no-warmup` skips it) load the
 //! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
+mod draft;
 mod input;
 pub(crate) mod memory;
 mod repeats;
@@ -22,7 +23,7 @@ mod session;
 pub mod store;
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -69,6 +70,9 @@ pub struct ServeOptions {
     pub guesses: bool,
     /// Tokens that must repeat before their sequel is guessed (`--repeats-min-match`).
     pub repeats_min_match: usize,
+    /// A draft model of the same vocabulary whose greedy tokens are guessed instead of repeats
+    /// (`--draft`; on the CPU).
+    pub draft: Option<PathBuf>,
     /// The warm-up before READY on a GPU ([`warm_up`]); `--no-warmup` turns it off.
     pub warm_up: bool,
     /// Most requests running at once, taking turns token by token (`--parallel`; 1: one at a time).
@@ -220,6 +224,28 @@ fn fail(out: &mut impl Write, message: String) -> ExitCode {
     ExitCode::FAILURE
 }
 
+/// The draft model at `path` for `main`, on the CPU in `arithmetic`, or why not.
+fn load_draft(path: &Path, main: &Model, arithmetic: Arithmetic) -> Result<Model, String> {
+    if main.on_gpu() {
+        return Err("guesses run with a model on the CPU only for now (give --cpu)".into());
+    }
+    let draft = Model::load(path)
+        .map_err(|e| e.to_string())?
+        .with_arithmetic(arithmetic);
+    match draft::refuses(main, &draft) {
+        Some(why) => Err(why),
+        None => {
+            eprintln!(
+                "poly-engine: draft model {} ({}, {} layers)",
+                path.display(),
+                draft.info().arch,
+                draft.new_state(1).n_layers()
+            );
+            Ok(draft)
+        }
+    }
+}
+
 /// The stack of the pool's threads, the session's among them (the main thread's size).
 const SESSION_STACK: usize = 8 << 20;
 
@@ -274,6 +300,18 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
             opts.parallel
         );
     }
+    let draft = match &opts.draft {
+        Some(path) => match load_draft(path, &loaded.model, opts.arithmetic) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                return fail(
+                    &mut out,
+                    format!("cannot use {} as the draft model: {e}", path.display()),
+                )
+            }
+        },
+        None => None,
+    };
     if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }
@@ -285,6 +323,7 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
         inputs,
         &mut out,
     );
+    session.draft = draft.as_ref();
     match session.run(&opts.model, loaded.experts_total) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -159,8 +159,7 @@ impl Repeats {
     /// most `room`: what followed the latest earlier occurrence of its last `min_match` tokens. None
     /// while backing off. Reads the conversation in place (no copy of it per token).
     pub fn propose(&mut self, history: &[u32], last: u32, room: usize) -> Vec<u32> {
-        if self.skip > 0 {
-            self.skip -= 1;
+        if !self.ready() {
             return Vec::new();
         }
         let room = room.min(self.window_len());
@@ -179,6 +178,21 @@ impl Repeats {
             return Vec::new();
         };
         let guesses: Vec<u32> = (i + n..len).take(room).map(at).collect();
+        self.proposed += guesses.len() as u64;
+        guesses
+    }
+
+    /// Whether this written token may start a window (not while backing off after fruitless ones).
+    pub fn ready(&mut self) -> bool {
+        if self.skip > 0 {
+            self.skip -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// `guesses` from another source (a draft model) counted as proposed.
+    pub fn count_proposed(&mut self, guesses: Vec<u32>) -> Vec<u32> {
         self.proposed += guesses.len() as u64;
         guesses
     }

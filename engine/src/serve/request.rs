@@ -26,7 +26,7 @@ use super::store::{Conversation, Origin, Undo};
 use crate::gpu::expert_cache::CacheStats;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
-use crate::state::Checkpoint;
+use crate::state::{Checkpoint, SeqState};
 
 /// A checked GEN, ready to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -151,6 +151,9 @@ struct Answering {
     generated: usize,
     /// Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
     repeats: Option<Repeats>,
+    /// The draft model's state (`--draft`): the conversation's tokens, brought up to the kept ones before
+    /// each window ([`super::draft`]).
+    draft_state: Option<SeqState>,
     /// Guessed tokens in the state past the last written one, with the logits that follow each.
     ahead: VecDeque<(u32, Vec<f32>)>,
     /// A state with recurrent layers, which cannot be cut back: where it stood at or before the start of
@@ -328,6 +331,10 @@ impl<W: std::io::Write> Session<'_, W> {
             sampler,
             generated: 0,
             repeats: guesses.then(|| Repeats::new(self.repeats_min_match)),
+            draft_state: self
+                .draft
+                .filter(|_| guesses)
+                .map(|d| d.new_state(r.conv.state.n_ctx())),
             ahead: VecDeque::new(),
             window_start: None,
             replayed: 0,
@@ -396,14 +403,34 @@ impl<W: std::io::Write> Session<'_, W> {
                 }
             }
         }
-        let guesses = match a.repeats.as_mut() {
-            // Room for the kept tokens read again, the token and its guesses; only while guessing
-            // writes faster than not.
-            Some(rep) if self.guess_rates.allow() => rep.propose(
-                conv.state.tokens(),
-                token,
-                conv.state.room().saturating_sub(1 + a.call.len()),
-            ),
+        // Room for the kept tokens read again, the token and its guesses; guesses only while they
+        // write faster than none.
+        // Guesses past the answer's length would never be checked.
+        let room = conv
+            .state
+            .room()
+            .saturating_sub(1 + a.call.len())
+            .min(job.max_tokens.saturating_sub(a.generated));
+        let guesses = match (a.repeats.as_mut(), a.draft_state.as_mut(), self.draft) {
+            (Some(rep), Some(ds), Some(draft)) if self.guess_rates.allow() => {
+                let kept = [conv.state.tokens(), &a.call, &[token]].concat();
+                let n = match rep.ready() {
+                    true => rep.window_len().min(room),
+                    false => 0,
+                };
+                match super::draft::guesses(draft, ds, &kept, n) {
+                    Ok(g) => rep.count_proposed(g),
+                    Err(e) => {
+                        // The answer goes on without the draft model.
+                        eprintln!("poly-engine: the draft model failed ({e}); no more guesses");
+                        a.draft_state = None;
+                        Vec::new()
+                    }
+                }
+            }
+            (Some(rep), None, None) if self.guess_rates.allow() => {
+                rep.propose(conv.state.tokens(), token, room)
+            }
             _ => Vec::new(),
         };
         a.replayed = a.call.len();

@@ -60,6 +60,8 @@ pub struct Session<'a, W: Write> {
     pub(super) repeats_min_match: usize,
     /// Whether guessing pays, measured over the session's answers.
     pub(super) guess_rates: super::repeats::GuessRates,
+    /// A draft model whose tokens are guessed instead of repeats (`--draft`).
+    pub(super) draft: Option<&'a Model>,
     pub(super) store: Store,
     /// Most requests running at once (`--parallel`).
     parallel: usize,
@@ -123,6 +125,7 @@ impl<'a, W: Write> Session<'a, W> {
             guesses: opts.guesses,
             repeats_min_match: opts.repeats_min_match,
             guess_rates: Default::default(),
+            draft: None,
             store: Store::new(opts.park_bytes),
             parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
@@ -190,10 +193,10 @@ impl<'a, W: Write> Session<'a, W> {
             experts_total,
             experts_vram: self.model.experts_in_vram() as u64,
             guesses: Some(
-                if self.guesses && !self.model.on_gpu() {
-                    "repeats"
-                } else {
-                    "off"
+                match (self.guesses && !self.model.on_gpu(), self.draft) {
+                    (true, Some(_)) => "draft",
+                    (true, None) => "repeats",
+                    (false, _) => "off",
                 }
                 .into(),
             ),
