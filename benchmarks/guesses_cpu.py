@@ -4,7 +4,14 @@
 alternated over rounds. Checks that both write the same tokens.
 
 usage: guesses_cpu.py --engine target/release/poly-engine --model SmolLM2.gguf --tokenizer DIR
-                      [--threads 2] [--rounds 3] [--max-tokens 200]
+                      [--threads 2] [--rounds 3] [--max-tokens 200] [--engine-base OLD_BINARY]
+
+A synthetic model has no tokenizer: `--ids N` gives it a prompt of N random token ids said twice (task
+"ids") instead of the two chats; `--flags "..."` adds engine flags to every process (e.g.
+`--repeats-min-match 1`).
+
+--engine-base runs an earlier build with guesses too, in the same rotation (a third column, and its ratio
+to `--no-draft`): a change of the guessing policy measured against the one before it.
 
 DIR is `polystrata tokenizer --gguf MODEL --out DIR`'s tokenizer.json directory; the prompts are ChatML
 (SmolLM2-Instruct's template, its default system prompt). Needs the `tokenizers` package.
@@ -12,7 +19,6 @@ DIR is `polystrata tokenizer --gguf MODEL --out DIR`'s tokenizer.json directory;
 import argparse
 import json
 import subprocess
-import time
 
 DOCUMENT = (
     "The expert cache keeps the routed experts that the answer uses most in the memory of the card. "
@@ -64,36 +70,61 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--engine", required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--ids", type=int, default=0)
+    ap.add_argument("--flags", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--engine-base")
     a = ap.parse_args()
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(a.tokenizer + "/tokenizer.json")
-    print("| task | tokens | guessed / kept | answer t/s with guesses | `--no-draft` | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, user in TASKS.items():
-        prompt = tok.encode(chatml(user), add_special_tokens=False).ids
-        rates = {"with": [], "without": []}
+    more = a.flags.split()
+    variants = {"with": (a.engine, more), "without": (a.engine, more + ["--no-draft"])}
+    if a.engine_base:
+        variants["base"] = (a.engine_base, more)
+    if a.ids:
+        import random
+        rng = random.Random(5)
+        part = [rng.randrange(1, 2000) for _ in range(a.ids)]
+        prompts = {"ids": part + part}
+        tok = None
+    else:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(a.tokenizer + "/tokenizer.json")
+        prompts = {name: tok.encode(chatml(user), add_special_tokens=False).ids for name, user in TASKS.items()}
+    base_cols = " base with guesses | base ratio |" if a.engine_base else ""
+    print("| task | tokens | guessed / kept | answer t/s with guesses | `--no-draft` | ratio |" + base_cols)
+    print("| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if a.engine_base else ""))
+    for name, prompt in prompts.items():
+        rates = {k: [] for k in variants}
+        names = list(variants)
         for r in range(a.rounds):
-            order = ["with", "without"] if r % 2 == 0 else ["without", "with"]
+            # Each round starts with the next variant, so none always goes first.
+            order = names[r % len(names):] + names[:r % len(names)]
             outs = {}
             for which in order:
-                extra = [] if which == "with" else ["--no-draft"]
-                t0 = time.time()
-                tokens, done = run(a.engine, a.model, a.threads, extra, prompt, a.max_tokens)
+                engine, extra = variants[which]
+                tokens, done = run(engine, a.model, a.threads, extra, prompt, a.max_tokens)
                 outs[which] = (tokens, done)
                 rates[which].append(done["generated"] / (done["decode_ms"] / 1e3))
-            assert outs["with"][0] == outs["without"][0], f"{name}: the answers differ"
+            for which in outs:
+                assert outs[which][0] == outs["without"][0], f"{name}: {which}'s answer differs"
         done = outs["with"][1]
-        w = sorted(rates["with"])[len(rates["with"]) // 2]
-        o = sorted(rates["without"])[len(rates["without"]) // 2]
-        print(f"| {name} | {done['generated']} | {done['draft_proposed']} / {done['draft_accepted']} | "
-              f"{w:.1f} ({', '.join('%.1f' % x for x in rates['with'])}) | "
-              f"{o:.1f} ({', '.join('%.1f' % x for x in rates['without'])}) | {w / o:.2f}× |")
-        if name == "copy":
+
+        def med(k):
+            return sorted(rates[k])[len(rates[k]) // 2]
+
+        def cell(k):
+            return f"{med(k):.1f} ({', '.join('%.1f' % x for x in rates[k])})"
+
+        w, o = med("with"), med("without")
+        row = (f"| {name} | {done['generated']} | {done['draft_proposed']} / {done['draft_accepted']} | "
+               f"{cell('with')} | {cell('without')} | {w / o:.2f}× |")
+        if a.engine_base:
+            b = outs["base"][1]
+            row += f" {cell('base')} ({b['draft_proposed']} / {b['draft_accepted']}) | {med('base') / o:.2f}× |"
+        print(row)
+        if name == "copy" and tok:
             print("<!-- copy answer: " + tok.decode(outs["with"][0])[:200].replace("\n", " ") + " -->")
 
 

@@ -22,10 +22,15 @@
 //! per written token, decayed so that recent calls count most) over the session, since they are the
 //! model's and the machine's; when guessing is slower it pauses, its measurements are forgotten, and
 //! after the pause it is tried afresh. A window is as long as the answer's measured acceptance says its
-//! guesses are likely to last: `1 / (1 − acceptance)` guesses, at most 8.
+//! guesses are likely to last: `1 / (1 − acceptance)` guesses, at most 8 (2 before it is measured).
 
 /// Most tokens guessed at once.
 const MAX_WINDOW: usize = 8;
+
+/// Guesses in an answer's first window, before its acceptance is measured: a window's rows cost about a
+/// token each where the output matrix is large (a qwen35moe of 248,320 tokens on two threads lost a
+/// quarter of its answer rate to one wrong window of 8), so the first is a short probe.
+const FIRST_WINDOW: usize = 2;
 
 /// Longest wait (in written tokens) after windows that kept nothing.
 const MAX_BACKOFF: usize = 32;
@@ -198,11 +203,11 @@ impl Repeats {
     }
 
     /// Most guesses in the next window: as long as the answer's measured acceptance `a` says a run of
-    /// kept guesses lasts, `1 / (1 − a)`, between 1 and [`MAX_WINDOW`] (the most before anything is
-    /// measured).
+    /// kept guesses lasts, `1 / (1 − a)`, between 1 and [`MAX_WINDOW`] ([`FIRST_WINDOW`] before anything
+    /// is measured).
     pub fn window_len(&self) -> usize {
         if self.reached < 1.0 {
-            return MAX_WINDOW;
+            return FIRST_WINDOW;
         }
         let a = (self.kept_decayed / self.reached).clamp(0.0, 1.0);
         if a >= 1.0 - 1.0 / MAX_WINDOW as f64 {
@@ -252,11 +257,16 @@ mod tests {
     #[test]
     fn the_sequel_of_the_latest_match_is_guessed() {
         let mut r = Repeats::new(3);
-        // 7 8 9 occurred twice before; the latest is followed by 4 5.
+        // 7 8 9 occurred twice before; the latest is followed by 4 5. The first window is a probe.
         let seq = [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8];
+        assert_eq!(r.propose(&seq, 9, 8), vec![4, 5]);
+        // Windows kept whole: the window grows to the room.
+        r.window_started(2);
+        r.kept_one();
+        r.kept_one();
         assert_eq!(r.propose(&seq, 9, 8), vec![4, 5, 6, 7, 8, 9]);
         assert_eq!(r.propose(&seq, 9, 2), vec![4, 5]);
-        assert_eq!(r.proposed, 8);
+        assert_eq!(r.proposed, 10);
         // No earlier occurrence of the tail, or too short a sequence.
         assert!(r.propose(&[1, 2, 3, 4, 5], 6, 8).is_empty());
         assert!(r.propose(&[1, 1], 1, 8).is_empty());
@@ -271,7 +281,7 @@ mod tests {
     #[test]
     fn windows_are_as_long_as_the_acceptance_says() {
         let mut r = Repeats::new(3);
-        assert_eq!(r.window_len(), MAX_WINDOW);
+        assert_eq!(r.window_len(), FIRST_WINDOW);
         // Every window's first guess wrong: one guess a window.
         for _ in 0..4 {
             r.window_started(8);
