@@ -60,6 +60,49 @@ impl Decayed {
     }
 }
 
+/// What a call costs by its rows, fitted over a session's answer calls: `one` second for a call of one
+/// row, `extra` for each more.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowCost {
+    pub one: f64,
+    pub extra: f64,
+}
+
+/// A decayed least-squares line of seconds against rows.
+#[derive(Clone, Copy, Debug, Default)]
+struct CallFit {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl CallFit {
+    fn add(&mut self, rows: f64, secs: f64) {
+        let d = DECAY;
+        self.n = d * self.n + 1.0;
+        self.x = d * self.x + rows;
+        self.y = d * self.y + secs;
+        self.xx = d * self.xx + rows * rows;
+        self.xy = d * self.xy + rows * secs;
+    }
+
+    /// The line, once calls of more than one size were measured (a negative slope, noise, reads 0).
+    fn cost(&self) -> Option<RowCost> {
+        let var = self.n * self.xx - self.x * self.x;
+        if self.n < 3.0 || var <= 1e-9 * self.n * self.n {
+            return None;
+        }
+        let extra = ((self.n * self.xy - self.x * self.y) / var).max(0.0);
+        let base = (self.y - extra * self.x) / self.n;
+        Some(RowCost {
+            one: (base + extra).max(1e-9),
+            extra,
+        })
+    }
+}
+
 /// The measured speeds of answer calls with guesses and without, over a session (the model's and the
 /// machine's), and whether guessing pays.
 #[derive(Clone, Copy, Debug, Default)]
@@ -71,6 +114,8 @@ pub struct GuessRates {
     guessing: Decayed,
     /// Written tokens left before guessing is tried again.
     paused_for: usize,
+    /// Every answer call's seconds against its rows.
+    fit: CallFit,
     /// Times guessing was measured slower and paused.
     pub pauses: u64,
 }
@@ -79,11 +124,19 @@ impl GuessRates {
     /// A call of one row without guesses took `secs`.
     pub fn plain_call(&mut self, secs: f64) {
         self.plain.add_call(secs, 1.0);
+        self.fit.add(1.0, secs);
     }
 
-    /// A call that checked guesses (or read kept tokens again) took `secs`; its first row writes a token.
-    pub fn guessing_call(&mut self, secs: f64) {
+    /// A call of `rows` rows that checked guesses (or read kept tokens again) took `secs`; its first row
+    /// writes a token.
+    pub fn guessing_call(&mut self, secs: f64, rows: usize) {
         self.guessing.add_call(secs, 1.0);
+        self.fit.add(rows as f64, secs);
+    }
+
+    /// What a call's rows cost, once measured.
+    pub fn row_cost(&self) -> Option<RowCost> {
+        self.fit.cost()
     }
 
     /// One more token written from a guessing call's rows (a kept guess).
@@ -114,7 +167,10 @@ impl GuessRates {
     /// pause's remaining tokens: STATS's `guesses`.
     pub fn report(&self) -> serde_json::Value {
         let ms = |r: Option<f64>| r.map(|s| s * 1e3);
+        let cost = self.fit.cost();
         serde_json::json!({
+            "call_ms": cost.map(|c| c.one * 1e3),
+            "row_ms": cost.map(|c| c.extra * 1e3),
             "plain_ms_per_token": ms(self.plain.rate()),
             "guessing_ms_per_token": ms(self.guessing.rate()),
             "paused_for": self.paused_for,
@@ -167,7 +223,7 @@ impl Repeats {
         if !self.ready() {
             return Vec::new();
         }
-        let room = room.min(self.window_len());
+        let room = room.min(MAX_WINDOW);
         let len = history.len() + 1;
         let n = self.min_match;
         if room == 0 || len <= n {
@@ -202,18 +258,33 @@ impl Repeats {
         guesses
     }
 
-    /// Most guesses in the next window: as long as the answer's measured acceptance `a` says a run of
-    /// kept guesses lasts, `1 / (1 − a)`, between 1 and [`MAX_WINDOW`] ([`FIRST_WINDOW`] before anything
-    /// is measured).
-    pub fn window_len(&self) -> usize {
+    /// Most guesses in the next window, from the answer's measured acceptance `a` (a guess kept given the
+    /// one before it was): with the calls' measured cost, the length that writes the most tokens a second,
+    /// `(1 + a + a² + … + a^L) / (one + L·extra)`; without it, as long as a run of kept guesses lasts,
+    /// `1 / (1 − a)`. Between 1 and [`MAX_WINDOW`]; [`FIRST_WINDOW`] before anything is measured.
+    pub fn window_len(&self, cost: Option<RowCost>) -> usize {
         if self.reached < 1.0 {
             return FIRST_WINDOW;
         }
         let a = (self.kept_decayed / self.reached).clamp(0.0, 1.0);
-        if a >= 1.0 - 1.0 / MAX_WINDOW as f64 {
-            return MAX_WINDOW;
+        let Some(c) = cost else {
+            if a >= 1.0 - 1.0 / MAX_WINDOW as f64 {
+                return MAX_WINDOW;
+            }
+            return ((1.0 / (1.0 - a)).ceil() as usize).clamp(1, MAX_WINDOW);
+        };
+        let (mut best, mut best_rate) = (1, f64::MIN);
+        let mut written = 1.0;
+        let mut p = 1.0;
+        for l in 1..=MAX_WINDOW {
+            p *= a;
+            written += p;
+            let rate = written / (c.one + l as f64 * c.extra);
+            if rate > best_rate * (1.0 + 1e-9) {
+                (best, best_rate) = (l, rate);
+            }
         }
-        ((1.0 / (1.0 - a)).ceil() as usize).clamp(1, MAX_WINDOW)
+        best
     }
 
     /// A window of `n` guesses went into a checking call.
@@ -257,16 +328,11 @@ mod tests {
     #[test]
     fn the_sequel_of_the_latest_match_is_guessed() {
         let mut r = Repeats::new(3);
-        // 7 8 9 occurred twice before; the latest is followed by 4 5. The first window is a probe.
+        // 7 8 9 occurred twice before; the latest is followed by 4 5.
         let seq = [7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8];
-        assert_eq!(r.propose(&seq, 9, 8), vec![4, 5]);
-        // Windows kept whole: the window grows to the room.
-        r.window_started(2);
-        r.kept_one();
-        r.kept_one();
         assert_eq!(r.propose(&seq, 9, 8), vec![4, 5, 6, 7, 8, 9]);
         assert_eq!(r.propose(&seq, 9, 2), vec![4, 5]);
-        assert_eq!(r.proposed, 10);
+        assert_eq!(r.proposed, 8);
         // No earlier occurrence of the tail, or too short a sequence.
         assert!(r.propose(&[1, 2, 3, 4, 5], 6, 8).is_empty());
         assert!(r.propose(&[1, 1], 1, 8).is_empty());
@@ -281,13 +347,13 @@ mod tests {
     #[test]
     fn windows_are_as_long_as_the_acceptance_says() {
         let mut r = Repeats::new(3);
-        assert_eq!(r.window_len(), FIRST_WINDOW);
+        assert_eq!(r.window_len(None), FIRST_WINDOW);
         // Every window's first guess wrong: one guess a window.
         for _ in 0..4 {
             r.window_started(8);
             r.window_missed();
         }
-        assert_eq!(r.window_len(), 1);
+        assert_eq!(r.window_len(None), 1);
         // Windows keep 1 of 2 reached (one kept, then a wrong one): acceptance heads to 1/2, windows of 2.
         let mut r = Repeats::new(3);
         for _ in 0..40 {
@@ -295,21 +361,40 @@ mod tests {
             r.kept_one();
             r.window_missed();
         }
-        assert_eq!(r.window_len(), 2);
+        assert_eq!(r.window_len(None), 2);
+        // With the calls' cost: rows nearly free (a hundredth of a call) make windows longer at the
+        // same acceptance; rows as dear as calls keep them short.
+        let cheap = RowCost {
+            one: 1.0,
+            extra: 0.01,
+        };
+        let dear = RowCost {
+            one: 1.0,
+            extra: 1.0,
+        };
+        assert!(
+            r.window_len(Some(cheap)) > 2,
+            "{}",
+            r.window_len(Some(cheap))
+        );
+        assert_eq!(r.window_len(Some(dear)), 1);
         // Whole windows kept: the longest.
         for _ in 0..40 {
             r.window_started(2);
             r.kept_one();
             r.kept_one();
         }
-        assert_eq!(r.window_len(), MAX_WINDOW);
-        // The window caps what is proposed.
+        assert_eq!(r.window_len(None), MAX_WINDOW);
+        assert_eq!(
+            r.window_len(Some(RowCost {
+                one: 1.0,
+                extra: 0.1
+            })),
+            MAX_WINDOW
+        );
+        // The room caps what is proposed.
         let mut r = Repeats::new(1);
-        r.window_started(8);
-        r.window_missed();
-        // (The fruitless window's back-off first.)
-        assert!(r.propose(&[9, 1, 2, 3, 9], 1, 8).is_empty());
-        assert_eq!(r.propose(&[9, 1, 2, 3, 9], 1, 8), vec![2]);
+        assert_eq!(r.propose(&[9, 1, 2, 3, 9], 1, 1), vec![2]);
     }
 
     #[test]
@@ -320,7 +405,7 @@ mod tests {
         // Plain calls 10 ms a token; windows 30 ms a call writing 2 tokens (15 ms a token): slower.
         for _ in 0..10 {
             rates.plain_call(0.010);
-            rates.guessing_call(0.030);
+            rates.guessing_call(0.030, 3);
             rates.guess_kept();
         }
         assert!(!rates.allow());
@@ -332,13 +417,22 @@ mod tests {
         assert!(rates.allow());
         // Windows that write 4 tokens a 30 ms call (7.5 ms a token) pay: no pause.
         for _ in 0..10 {
-            rates.guessing_call(0.030);
+            rates.guessing_call(0.030, 3);
             for _ in 0..3 {
                 rates.guess_kept();
             }
         }
         assert!(rates.allow());
         assert_eq!(rates.pauses, 1);
+        // Calls of 1 row at 10 ms, of 3 rows at 30 ms... the fit reads 10 ms a row.
+        for _ in 0..10 {
+            rates.guessing_call(0.030, 3);
+        }
+        let c = rates.row_cost().expect("fitted");
+        assert!(
+            (c.extra - 0.010).abs() < 1e-6 && (c.one - 0.010).abs() < 1e-6,
+            "{c:?}"
+        );
         let report = rates.report();
         assert_eq!(report["paused_for"], 0);
         assert!((report["plain_ms_per_token"].as_f64().unwrap() - 10.0).abs() < 1e-6);

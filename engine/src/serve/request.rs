@@ -415,7 +415,7 @@ impl<W: std::io::Write> Session<'_, W> {
             (Some(rep), Some(ds), Some(draft)) if self.guess_rates.allow() => {
                 let kept = [conv.state.tokens(), &a.call, &[token]].concat();
                 let n = match rep.ready() {
-                    true => rep.window_len().min(room),
+                    true => rep.window_len(self.guess_rates.row_cost()).min(room),
                     false => 0,
                 };
                 match super::draft::guesses(draft, ds, &kept, n) {
@@ -429,7 +429,8 @@ impl<W: std::io::Write> Session<'_, W> {
                 }
             }
             (Some(rep), None, None) if self.guess_rates.allow() => {
-                rep.propose(conv.state.tokens(), token, room)
+                let n = rep.window_len(self.guess_rates.row_cost()).min(room);
+                rep.propose(conv.state.tokens(), token, n)
             }
             _ => Vec::new(),
         };
@@ -494,7 +495,7 @@ impl<W: std::io::Write> Session<'_, W> {
                                 if !guesses.is_empty() {
                                     rep.window_started(guesses.len());
                                 }
-                                self.guess_rates.guessing_call(secs);
+                                self.guess_rates.guessing_call(secs, call.len());
                             }
                             None
                         }
