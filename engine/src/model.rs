@@ -425,11 +425,9 @@ impl Model {
 
     /// Whether [`Model::eval_many`] reads several states in one forward call: on the CPU, in
     /// batch-invariant arithmetic (so that each state's rows come out bit for bit as in a call of its
-    /// own), for states without recurrent layers.
-    pub fn batches_states(&self, state: &SeqState) -> bool {
-        self.gpu.is_none()
-            && self.arithmetic == Arithmetic::BatchInvariant
-            && !state.has_recurrent()
+    /// own; a recurrent layer runs each state's recurrence over its own rows).
+    pub fn batches_states(&self, _state: &SeqState) -> bool {
+        self.gpu.is_none() && self.arithmetic == Arithmetic::BatchInvariant
     }
 
     /// Reads each call's tokens into its state and returns every row's logits, call by call. Where

@@ -1,8 +1,9 @@
 //! [`Model::eval_many`]: one forward call over several sequence states (each its own rows, attention over
 //! its own cache) gives every state the logits and the state that a call of its own gives, bit for bit,
-//! in batch-invariant arithmetic: the KV fixtures (qwen3moe, gemma3 with its sliding window, llama), at
-//! depths past 512 where one state's attention differs most from another's, with calls of one row and
-//! of several (a written token and its guesses). A recurrent model and llama.cpp's orders fall back to
+//! in batch-invariant arithmetic: the KV fixtures (qwen3moe, gemma3 with its sliding window, llama) and
+//! the recurrent ones (qwen35moe's delta-net, lfm2moe's short convolutions: each state's recurrence over
+//! its own rows), at depths past 512 where one state's attention differs most from another's, with
+//! calls of one row and of several (a written token and its guesses). llama.cpp's orders fall back to
 //! one call per state, with the same results. Cost: a few seconds per fixture.
 
 use std::path::PathBuf;
@@ -80,10 +81,16 @@ fn one_call_over_several_states_gives_each_its_own_call() {
         "gemma3-tiny-q4k-q8.gguf",
         "llama-tiny-q4km.gguf",
         "qwen35moe-tiny-q4km.gguf",
+        "lfm2moe-tiny-q4km.gguf",
     ] {
         let model = Model::load(fixture(name))
             .expect("fixture loads")
             .with_arithmetic(Arithmetic::BatchInvariant);
+        let probe = model.new_state(1);
+        assert!(
+            model.batches_states(&probe),
+            "{name}: one call over several states"
+        );
         // Depths on both sides of 512 and of the sliding window; one row each, then uneven rows.
         let depths = [5, 530, 37];
         check(&model, &depths, &[vec![7], vec![11], vec![13]], name);

@@ -61,7 +61,7 @@ struct ServeArgs {
     park_mib: usize,
     /// Most requests running at once, each on its own conversation state, taking turns (a written token,
     /// or a part of a prompt, each); others wait in the queue. A round's written tokens are one forward
-    /// call on the CPU for models without recurrent layers, else one call each; a short answer no longer
+    /// call on the CPU (recurrent layers run each state's own rows), else one call each; a short answer no longer
     /// waits for a long one.
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=64))]

@@ -36,7 +36,7 @@ use poly_models::compute::{
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
-use crate::state::{KvPrecision, LayerState, SeqState};
+use crate::state::{KvPrecision, LayerState, RecurrentState, SeqState};
 
 /// A row-major `[rows, cols]` f32 activation.
 #[derive(Clone, Debug, PartialEq)]
@@ -435,8 +435,8 @@ impl<'a> CpuForward<'a> {
 
     /// A call reading `tokens` into several states: state `i` reads the next `counts[i]` of them at its
     /// next positions, and every row's logits are returned. Matrix products and experts see all rows
-    /// together (one read of the weights); attention reads each state's own cache. States with recurrent
-    /// layers are not taken (their operations read one state). The caller checks the tokens as for
+    /// together (one read of the weights); attention reads each state's own cache, and a recurrent
+    /// layer runs each state's recurrence over its own rows. The caller checks the tokens as for
     /// [`CpuForward::new`] and records them in each state afterwards.
     pub fn many(
         weights: &'a CpuWeights,
@@ -453,10 +453,6 @@ impl<'a> CpuForward<'a> {
         let mut positions = Vec::with_capacity(tokens.len());
         let mut seqs = Vec::with_capacity(states.len());
         for (state, &n) in states.into_iter().zip(counts) {
-            assert!(
-                !state.has_recurrent(),
-                "several states in one call: recurrent layers are not taken"
-            );
             let pos0 = state.n_past() as u32;
             let start = positions.len();
             positions.extend((0..n as u32).map(|i| pos0 + i));
@@ -497,15 +493,28 @@ impl<'a> CpuForward<'a> {
         self.seqs.first().map_or(0, |(s, _)| s.n_past() as u32)
     }
 
-    /// The call's one state: recurrent operations read one ([`CpuForward::many`] refuses their states).
-    fn only_state(&mut self) -> &mut SeqState {
-        assert_eq!(
-            self.seqs.len(),
-            1,
-            "a recurrent operation over several states"
-        );
-        &mut *self.seqs[0].0
+    /// Each state's recurrent state of `layer` with the call's rows it reads (`op` names the operation
+    /// for the panic a layer without one deserves).
+    fn recurrent_states(
+        &mut self,
+        layer: usize,
+        op: &str,
+    ) -> Vec<(&mut RecurrentState, Range<usize>)> {
+        self.seqs
+            .iter_mut()
+            .map(|(state, rows)| {
+                let LayerState::Recurrent(s) = state.layer_mut(layer) else {
+                    panic!("{op} on layer {layer}, whose state is not recurrent");
+                };
+                (s, rows.clone())
+            })
+            .collect()
     }
+}
+
+/// Rows `rows` of `x`, in place.
+fn rows_of<'m>(x: &'m Mat, rows: &Range<usize>) -> &'m [f32] {
+    &x.data[rows.start * x.cols..rows.end * x.cols]
 }
 
 /// Rows `rows` of `x`.
@@ -835,39 +844,47 @@ impl Compute for CpuForward<'_> {
         let info = self.weights.info(kernel);
         let taps = info.row_len() as usize;
         let w = self.weights.f32(kernel);
-        let LayerState::Recurrent(s) = self.only_state().layer_mut(layer) else {
-            panic!("ssm_conv on layer {layer}, whose state is not recurrent");
-        };
-        assert_eq!(
-            taps, s.conv_kernel,
-            "ssm_conv: kernel length differs from the state's"
-        );
-        let mut out = Mat::zeros(x.rows, x.cols);
-        recurrent::conv1d_causal(&x.data, x.cols, w, taps, &mut s.conv, &mut out.data);
+        let cols = x.cols;
+        let mut out = Mat::zeros(x.rows, cols);
+        for (s, rows) in self.recurrent_states(layer, "ssm_conv") {
+            assert_eq!(
+                taps, s.conv_kernel,
+                "ssm_conv: kernel length differs from the state's"
+            );
+            let span = rows.start * cols..rows.end * cols;
+            recurrent::conv1d_causal(
+                &x.data[span.clone()],
+                cols,
+                w,
+                taps,
+                &mut s.conv,
+                &mut out.data[span],
+            );
+        }
         out
     }
 
     fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Mat>, net: &DeltaNet) -> Mat {
         let _span = profile::span("gated_delta_net");
-        let LayerState::Recurrent(s) = self.only_state().layer_mut(layer) else {
-            panic!("gated_delta_net on layer {layer}, whose state is not recurrent");
-        };
         let shape = recurrent::DeltaShape {
             n_heads: net.n_v_heads,
             head_k: net.head_k,
             head_v: net.head_v,
         };
-        let mut out = Mat::zeros(x.v.rows, net.n_v_heads * net.head_v);
-        recurrent::gated_delta_rule(
-            &x.q.data,
-            &x.k.data,
-            &x.v.data,
-            &x.gate.data,
-            &x.beta.data,
-            shape,
-            &mut s.delta,
-            &mut out.data,
-        );
+        let out_cols = net.n_v_heads * net.head_v;
+        let mut out = Mat::zeros(x.v.rows, out_cols);
+        for (s, rows) in self.recurrent_states(layer, "gated_delta_net") {
+            recurrent::gated_delta_rule(
+                rows_of(x.q, &rows),
+                rows_of(x.k, &rows),
+                rows_of(x.v, &rows),
+                rows_of(x.gate, &rows),
+                rows_of(x.beta, &rows),
+                shape,
+                &mut s.delta,
+                &mut out.data[rows.start * out_cols..rows.end * out_cols],
+            );
+        }
         out
     }
 

@@ -3,7 +3,7 @@
 //! running ones take turns in rounds, in the order they started: in each round a request reads a part of
 //! its prompt, or writes one token, so a short answer is not held up by a long one. The written tokens'
 //! forward calls of a round are made together ([`Session::finish_turns`]): on the CPU in
-//! batch-invariant arithmetic, for models without recurrent layers, as one forward call over all their
+//! batch-invariant arithmetic (recurrent layers too, each state's recurrence over its own rows), as one forward call over all their
 //! states (the weights read once for every row, each row's result bit for bit its own call's); else one
 //! after the other. While GENs run, the loop looks at its input after each turn ([`Session::poll`]) so
 //! that CANCEL, STATS and QUIT take effect at once. QUIT and the end of stdin cancel what runs and waits,
