@@ -82,7 +82,8 @@ type PromptLengths = Vec<usize>;
 
 #[derive(clap::Args)]
 struct BenchmarkArgs {
-    /// The model (a registry id, alias or unique part of an id).
+    /// The model (a registry id, alias or unique part of an id), or a GGUF file's path (registered in
+    /// the home as `serve --gguf` does).
     #[arg(long)]
     model: String,
     /// One JSON object on stdout instead of the table.
@@ -114,7 +115,8 @@ struct BenchmarkArgs {
 
 #[derive(clap::Args)]
 struct VerifyArgs {
-    /// The model (a registry id, alias or unique part of an id).
+    /// The model (a registry id, alias or unique part of an id), or a GGUF file's path (registered in
+    /// the home as `serve --gguf` does).
     model: String,
     /// Prompts, from places spread over the text.
     #[arg(long, default_value_t = 3)]
@@ -234,22 +236,12 @@ fn main() -> ExitCode {
     if args.list_models {
         return list_models(&registry);
     }
-    if let Some(mut model) = args.model {
+    if let Some(model) = args.model {
         // `--model ./file.gguf`: the file is registered in the home, then chatted with by its id.
-        if polystrata::by_path::is_gguf_path(&model) {
-            match polystrata::by_path::register(registry.home(), std::path::Path::new(&model)) {
-                Ok(id) => model = id,
-                Err(e) => {
-                    eprintln!("polystrata: cannot serve {model}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            }
-        } else if polystrata::by_path::looks_like_path(&model) {
-            eprintln!(
-                "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
-            );
-            return ExitCode::FAILURE;
-        }
+        let model = match model_or_file(&registry, model) {
+            Ok(m) => m,
+            Err(code) => return code,
+        };
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
@@ -279,7 +271,11 @@ fn main() -> ExitCode {
             }
             run_server(registry, serve)
         }
-        Some(Command::Benchmark(b)) if b.concurrent.is_some() => {
+        Some(Command::Benchmark(mut b)) if b.concurrent.is_some() => {
+            b.model = match model_or_file(&registry, b.model) {
+                Ok(m) => m,
+                Err(code) => return code,
+            };
             let clients = b.concurrent.unwrap_or(1) as usize;
             polystrata::bench::concurrent::run(
                 registry,
@@ -299,9 +295,12 @@ fn main() -> ExitCode {
             )
         }
         Some(Command::Benchmark(b)) => polystrata::bench::run(
-            registry,
+            registry.clone(),
             polystrata::bench::BenchOptions {
-                model: b.model,
+                model: match model_or_file(&registry, b.model) {
+                    Ok(m) => m,
+                    Err(code) => return code,
+                },
                 long_prompts: b
                     .prompt_tokens
                     .unwrap_or_else(|| polystrata::bench::DEFAULT_LONG_PROMPTS.to_vec()),
@@ -312,9 +311,12 @@ fn main() -> ExitCode {
             },
         ),
         Some(Command::Verify(v)) => polystrata::verify::run(
-            registry,
+            registry.clone(),
             polystrata::verify::VerifyOptions {
-                model: v.model,
+                model: match model_or_file(&registry, v.model) {
+                    Ok(m) => m,
+                    Err(code) => return code,
+                },
                 prompts: v.prompts,
                 prompt_tokens: v.prompt_tokens,
                 answer_tokens: v.answer_tokens,
@@ -345,6 +347,25 @@ fn main() -> ExitCode {
             eprintln!("polystrata: say `serve`, `benchmark`, `ps` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
+    }
+}
+
+/// A command's `--model`: a registry name as given, or a GGUF file's path registered in the home (as
+/// `serve --gguf` does) and named by its id; a name written as a path that names no file is an error
+/// here, before anything starts.
+fn model_or_file(registry: &Registry, model: String) -> Result<String, ExitCode> {
+    if polystrata::by_path::is_gguf_path(&model) {
+        polystrata::by_path::register(registry.home(), std::path::Path::new(&model)).map_err(|e| {
+            eprintln!("polystrata: cannot serve {model}: {e}");
+            ExitCode::FAILURE
+        })
+    } else if polystrata::by_path::looks_like_path(&model) {
+        eprintln!(
+            "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
+        );
+        Err(ExitCode::FAILURE)
+    } else {
+        Ok(model)
     }
 }
 
