@@ -40,7 +40,9 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
     home.add_model(
         "gemma3-tiny",
         "gemma3-tiny-q4km.gguf",
-        json!({"notes": NOTES}),
+        // A display name that holds the id, as setup's demo has ("Gemma 3 270M (demo)"): the picker
+        // shows it once, not with the id again.
+        json!({"notes": NOTES, "display_name": "Gemma 3 tiny (gemma3-tiny)"}),
     );
     // A model whose engine exits at once: its load fails and the server keeps the model it had.
     home.write_config(
