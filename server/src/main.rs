@@ -245,6 +245,7 @@ fn main() -> ExitCode {
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
+            resolved_home: registry.home().to_path_buf(),
             port: args.port.unwrap_or_else(|| recorded_port(registry.home())),
         });
     }

@@ -52,7 +52,8 @@ pub async fn models(state: &AppState) -> Response<RespBody> {
         .collect();
     json_response(
         StatusCode::OK,
-        &json!({"models": models, "current": current}),
+        // The home read, so a model not found can be looked for in the right place.
+        &json!({"models": models, "current": current, "home": state.supervisor.home()}),
     )
 }
 
