@@ -80,14 +80,21 @@ fn commands_after_serve_read_the_home_it_served() {
     assert!(listed.status.success(), "{stdout}");
     assert!(stdout.starts_with("tiny "), "{stdout}");
 
-    let missing = run(&["benchmark", "--model", "demo"]);
-    assert!(!missing.status.success());
-    let stderr = String::from_utf8_lossy(&missing.stderr);
-    assert!(stderr.contains("model \"demo\" not found"), "{stderr}");
-    assert!(
-        stderr.contains(&format!("home {}", canonical.display())),
-        "the error names the home it read: {stderr}"
-    );
+    // The benchmark (both kinds) and verify name the home they read when the model is not there.
+    for args in [
+        &["benchmark", "--model", "demo"][..],
+        &["benchmark", "--model", "demo", "--concurrent", "2"],
+        &["verify", "demo"],
+    ] {
+        let missing = run(args);
+        assert!(!missing.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&missing.stderr);
+        assert!(stderr.contains("\"demo\""), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("home {}", canonical.display())),
+            "{args:?}: the error names the home it read: {stderr}"
+        );
+    }
 
     // setup.sh reads it too (here `--stop`, which finds no server recorded there).
     let stop = std::process::Command::new("bash")

@@ -333,14 +333,7 @@ fn model_in_home(home: &std::path::Path, name: &str) -> Result<String, String> {
         .iter()
         .filter_map(|m| serde_json::to_value(m).ok())
         .collect();
-    resolve(&models, name).map_err(|e| {
-        format!(
-            "{e}; home {} (--home DIR or POLYSTRATA_HOME picks another; else the last `serve`'s, \
-             remembered in {})",
-            home.display(),
-            crate::home::remembered_home_file().display()
-        )
-    })
+    resolve(&models, name).map_err(|e| format!("{e}; {}", crate::home::home_read_note(home)))
 }
 
 /// The id `name` stands for: an id or alias exactly, else the one model whose id or display name contains
