@@ -171,7 +171,8 @@ fn llama_server_routes_timings_and_refusals() {
     assert_eq!(c.status, 200);
     assert!(c.json()["timings"]["predicted_n"].is_number());
 
-    // A chat with no length and no temperature: the defaults apply and it ends.
+    // A chat with no length and no temperature: the defaults apply and it ends (the length a run config
+    // gives is checked in a_run_configs_sampling_is_every_apis_default).
     let d = server.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "Hi"}], "seed": 1}),
@@ -413,4 +414,57 @@ fn a_context_over_the_training_context_is_clamped() {
         log.contains("--max-context 999999 is over the model's training context; clamped to"),
         "{log}"
     );
+}
+
+/// A run config's `sampling` is the default of every API's chat: a chat that gives no length gets its
+/// `max_tokens` (OpenAI chat, the Responses API, Ollama's chat), a request's own length wins, raw
+/// completions keep OpenAI's 16, and `/props` says each value came from the run config.
+#[test]
+fn a_run_configs_sampling_is_every_apis_default() {
+    const LEN: u64 = 5;
+    let home = Home::new("compat-sampling");
+    home.add_model(
+        "tiny",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"sampling": {"max_tokens": LEN, "temperature": 0.0, "top_k": 7}}),
+    );
+    let server = Server::start(&home, &["--load", "tiny"]);
+    let props = server.get("/props").json();
+    let params = &props["default_generation_settings"]["params"];
+    assert_eq!(params["chat_n_predict"], LEN, "{params}");
+    assert_eq!(params["top_k"], 7, "{params}");
+    assert_eq!(
+        props["sampling_defaults"]["sources"]["top_k"], "run config",
+        "{props}"
+    );
+    // The fixture writes noise and does not stop within a few greedy tokens: the default length ends it.
+    let messages = json!([{"role": "user", "content": "Tell me a long story."}]);
+    let chat = server.post("/v1/chat/completions", &json!({"messages": messages}));
+    assert_eq!(chat.status, 200, "{}", chat.text());
+    let chat = chat.json();
+    assert_eq!(chat["usage"]["completion_tokens"], LEN, "{chat}");
+    assert_eq!(chat["choices"][0]["finish_reason"], "length", "{chat}");
+    let own = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": LEN + 3}),
+    );
+    assert_eq!(own.json()["usage"]["completion_tokens"], LEN + 3);
+    let responses = server.post("/v1/responses", &json!({"input": "Tell me a long story."}));
+    assert_eq!(responses.status, 200, "{}", responses.text());
+    let responses = responses.json();
+    assert_eq!(responses["usage"]["output_tokens"], LEN, "{responses}");
+    assert_eq!(responses["status"], "incomplete", "{responses}");
+    let ollama = server.post(
+        "/api/chat",
+        &json!({"model": "tiny", "messages": messages, "stream": false}),
+    );
+    assert_eq!(ollama.status, 200, "{}", ollama.text());
+    let ollama = ollama.json();
+    assert_eq!(ollama["eval_count"], LEN, "{ollama}");
+    assert_eq!(ollama["done_reason"], "length", "{ollama}");
+    // A raw completion is not a chat: OpenAI's 16.
+    let raw = server.post("/v1/completions", &json!({"prompt": "Once upon a time"}));
+    assert_eq!(raw.status, 200, "{}", raw.text());
+    assert_eq!(raw.json()["usage"]["completion_tokens"], 16);
+    server.stop();
 }
