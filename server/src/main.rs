@@ -409,17 +409,20 @@ fn ps_text(c: &serde_json::Value) -> String {
         Some(s) => format!("{s}s"),
     };
     let mut out = format!(
-        "{:<28} {:>8} {:>10} {:>10} {:>8} {:>10}\n",
-        "MODEL", "PID", "RSS", "LOADED", "IDLE", "UNLOADS IN"
+        "{:<28} {:>8} {:>10} {:>10} {:>10} {:>8} {:>10}\n",
+        "MODEL", "PID", "RSS", "VRAM", "LOADED", "IDLE", "UNLOADS IN"
     );
+    let mib = |k: &str| {
+        c[k].as_u64()
+            .map_or("-".to_string(), |b| format!("{} MiB", b >> 20))
+    };
     match (c["model"].as_str(), c["loaded"].as_bool()) {
         (Some(model), Some(true)) => {
-            let rss = c["rss_bytes"]
-                .as_u64()
-                .map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
             out.push_str(&format!(
-                "{model:<28} {:>8} {rss:>10} {:>10} {:>8} {:>10}\n",
+                "{model:<28} {:>8} {:>10} {:>10} {:>10} {:>8} {:>10}\n",
                 c["pid"].as_i64().map_or("-".to_string(), |p| p.to_string()),
+                mib("rss_bytes"),
+                mib("vram_bytes"),
                 dur(secs("loaded_for_s")),
                 dur(secs("idle_for_s")),
                 secs("unload_in_s").map_or("never".to_string(), |s| dur(Some(s))),
@@ -614,5 +617,35 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ps_text;
+    use serde_json::json;
+
+    #[test]
+    fn ps_says_the_memory_and_the_times() {
+        let gpu = ps_text(&json!({"model": "qwen36", "loaded": true, "pid": 42,
+            "rss_bytes": 300u64 << 20, "vram_bytes": 8123u64 << 20, "loaded_for_s": 725,
+            "idle_for_s": 41, "unload_in_s": null}));
+        let row = gpu.lines().nth(1).unwrap_or_default();
+        assert!(gpu.starts_with("MODEL") && gpu.contains("VRAM"), "{gpu}");
+        for part in [
+            "qwen36", "42", "300 MiB", "8123 MiB", "12m05s", "41s", "never",
+        ] {
+            assert!(row.contains(part), "{part} missing: {gpu}");
+        }
+        // On the CPU the engine reports no VRAM.
+        let cpu = ps_text(&json!({"model": "tiny", "loaded": true, "pid": 7,
+            "rss_bytes": 20u64 << 20, "loaded_for_s": 3, "idle_for_s": 1, "unload_in_s": 90}));
+        let row = cpu.lines().nth(1).unwrap_or_default();
+        assert!(
+            row.contains("20 MiB") && row.contains(" - ") && row.contains("1m30s"),
+            "{cpu}"
+        );
+        assert!(ps_text(&json!({"model": "tiny", "loaded": false})).contains("not loaded"));
+        assert!(ps_text(&json!({"model": null})).contains("nothing loaded"));
     }
 }
