@@ -454,6 +454,32 @@ fn a_run_configs_sampling_is_every_apis_default() {
     let responses = responses.json();
     assert_eq!(responses["usage"]["output_tokens"], LEN, "{responses}");
     assert_eq!(responses["status"], "incomplete", "{responses}");
+    // The item the length cut is incomplete too, as OpenAI's, streamed and not.
+    assert_eq!(responses["output"][0]["type"], "message", "{responses}");
+    assert_eq!(
+        responses["output"][0]["status"], "incomplete",
+        "{responses}"
+    );
+    let mut stream = Stream::open(
+        &server.addr,
+        "/v1/responses",
+        &json!({"input": "Tell me a long story.", "stream": true}),
+    );
+    assert_eq!(stream.status, 200);
+    let events: Vec<Value> = stream
+        .rest()
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_item.done")
+        .collect();
+    assert_eq!(done.len(), 1, "{events:?}");
+    assert_eq!(done[0]["item"]["status"], "incomplete", "{events:?}");
+    let last = events.last().expect("events");
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    assert_eq!(last["response"]["output"][0]["status"], "incomplete");
     let ollama = server.post(
         "/api/chat",
         &json!({"model": "tiny", "messages": messages, "stream": false}),
