@@ -496,6 +496,9 @@ fn model_list(registry: &Registry) -> String {
         if let Some(p) = &e.problem {
             let _ = writeln!(out, "    problem: {p}");
         }
+        if let Some(n) = &e.context_note {
+            let _ = writeln!(out, "    context: {n}");
+        }
         if let Some(n) = &e.notes {
             let _ = writeln!(out, "    notes: {n}");
         }

@@ -408,6 +408,20 @@ fn a_context_over_the_training_context_is_clamped() {
         n_ctx, listed,
         "the engine and the registry say the same context"
     );
+    // --list-models says it too, where a user looks first.
+    let out = common::polystrata()
+        .arg("--list-models")
+        .arg("--home")
+        .arg(&home.dir)
+        .output()
+        .expect("--list-models");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("context {listed}"))
+            && text.contains("    context: ")
+            && text.contains("999999"),
+        "{text}"
+    );
     server.stop();
     let log = std::fs::read_to_string(home.dir.join("server.log")).expect("server.log");
     assert!(
