@@ -508,3 +508,41 @@ fn a_run_configs_sampling_is_every_apis_default() {
     assert_eq!(raw.json()["usage"]["completion_tokens"], 16);
     server.stop();
 }
+
+/// Ollama's `/api/show` says the same of a model whether it is in use or not: its template (the
+/// tokenizer directory's, or the run config's family template) and the capabilities read from it.
+/// Desktop clients ask it of every model in their list, most of them not loaded.
+#[test]
+fn ollama_show_is_the_same_for_a_model_not_in_use() {
+    let home = Home::new("compat-show");
+    home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    home.add_model(
+        "other",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"chat_template": "gemma3"}),
+    );
+    let server = Server::start(&home, &["--load", "tiny"]);
+    let show = |model: &str| {
+        let r = server.post("/api/show", &json!({"model": model}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let in_use = show("tiny");
+    let template = in_use["template"].as_str().unwrap_or_default().to_string();
+    assert!(template.contains("im_start"), "{in_use}");
+    let other = show("other");
+    assert!(
+        other["template"]
+            .as_str()
+            .is_some_and(|t| t.contains("start_of_turn")),
+        "the run config's family template of a model not in use: {other}"
+    );
+    let r = server.post("/api/models/load", &json!({"model": "other"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let not_in_use = show("tiny");
+    assert_eq!(not_in_use["template"], in_use["template"], "{not_in_use}");
+    assert_eq!(not_in_use["capabilities"], in_use["capabilities"]);
+    assert_eq!(not_in_use["parameters"], in_use["parameters"]);
+    assert_eq!(show("other")["template"], other["template"]);
+    server.stop();
+}
