@@ -1,18 +1,17 @@
 //! `polystrata serve --parallel N` with the real engine, through the official `openai` Python client
 //! (tests/server/parallel.py): with two places a short request sent while a long answer streams is
 //! answered while the long one still streams; with one (the default) it waits until the long one ends.
-//! `/health`, `/metrics` and `/props`' `total_slots` show the places, and `/health` and `/metrics` the
-//! requests running and waiting while one holds the engine (stopped with SIGSTOP so it cannot end).
+//! `/health`, `/metrics` and `/props`' `total_slots` show the places (queue_shown.rs: the requests
+//! running and waiting).
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: two servers, a few hundred tokens of the tiny qwen3moe fixture each.
 
 mod common;
 
-use common::{Home, Server, Stream};
+use common::{Home, Server};
 use serde_json::{json, Value};
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 fn python() -> String {
     std::env::var("POLYSTRATA_PYTHON").unwrap_or_else(|_| "python3".into())
@@ -91,66 +90,4 @@ fn a_short_request_waits_for_the_long_one_with_one_place() {
     assert_eq!(health["slots"]["parallel"], 1, "{health}");
     assert!(metrics.contains("polystrata_parallel_slots 1"), "{metrics}");
     assert_eq!(props["total_slots"], 1, "{props}");
-}
-
-/// While a request holds the only place (its engine stopped with SIGSTOP mid-answer, so it cannot end
-/// meanwhile) and another waits, `/health`'s `slots` and `/metrics`' llama-server gauges say so; both
-/// are answered once the engine goes on.
-#[test]
-fn health_and_metrics_show_the_running_and_waiting_requests() {
-    let home = Home::new("queue-shown");
-    home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
-    let server = Server::start(&home, &["--load", "qwen3"]);
-    let pid = server.engine_pid().expect("the engine's pid");
-    let signal = |sig: &str| {
-        let ok = Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "kill {sig} {pid}");
-    };
-    let mut long = Stream::open(
-        &server.addr,
-        "/v1/completions",
-        &json!({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": true, "temperature": 0}),
-    );
-    assert_eq!(long.status, 200);
-    long.next_data().expect("a first token");
-    signal("-STOP");
-    let addr = server.addr.clone();
-    let queued = std::thread::spawn(move || {
-        let body = json!({"prompt": [1, 2, 3], "max_tokens": 2}).to_string();
-        common::request(&addr, "POST", "/v1/completions", Some(body.as_bytes()), &[])
-    });
-    let start = Instant::now();
-    loop {
-        let health = server.get("/health").json();
-        if health["slots"] == json!({"parallel": 1, "running": 1, "waiting": 1}) {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "/health never showed one running and one waiting: {health}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let metrics = server.get("/metrics").text();
-    assert!(
-        metrics.contains("\nllamacpp:requests_processing 1\n"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("\nllamacpp:requests_deferred 1\n"),
-        "{metrics}"
-    );
-    signal("-CONT");
-    let rest = long.rest();
-    assert!(rest.last().is_some_and(|l| l == "[DONE]"), "{rest:?}");
-    let queued = queued.join().expect("the queued request");
-    assert_eq!(queued.status, 200, "{}", queued.text());
-    assert_eq!(
-        server.get("/health").json()["slots"],
-        json!({"parallel": 1, "running": 0, "waiting": 0})
-    );
-    server.stop();
 }
