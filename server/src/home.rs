@@ -54,6 +54,16 @@ pub fn remembered_home_file() -> PathBuf {
     config.join("polystrata").join("home")
 }
 
+/// What a "model not found" adds so the user knows where it was looked for: the home read and how to
+/// pick another.
+pub fn home_read_note(home: &Path) -> String {
+    format!(
+        "home {} (--home DIR or POLYSTRATA_HOME picks another; else the last `serve`'s, remembered in {})",
+        home.display(),
+        remembered_home_file().display()
+    )
+}
+
 /// The remembered home, if the file names a directory that still exists.
 pub fn remembered_home() -> Option<PathBuf> {
     let text = std::fs::read_to_string(remembered_home_file()).ok()?;

@@ -82,7 +82,8 @@ type PromptLengths = Vec<usize>;
 
 #[derive(clap::Args)]
 struct BenchmarkArgs {
-    /// The model (a registry id, alias or unique part of an id).
+    /// The model (a registry id, alias or unique part of an id), or a GGUF file's path (registered in
+    /// the home as `serve --gguf` does).
     #[arg(long)]
     model: String,
     /// One JSON object on stdout instead of the table.
@@ -114,7 +115,8 @@ struct BenchmarkArgs {
 
 #[derive(clap::Args)]
 struct VerifyArgs {
-    /// The model (a registry id, alias or unique part of an id).
+    /// The model (a registry id, alias or unique part of an id), or a GGUF file's path (registered in
+    /// the home as `serve --gguf` does).
     model: String,
     /// Prompts, from places spread over the text.
     #[arg(long, default_value_t = 3)]
@@ -234,25 +236,16 @@ fn main() -> ExitCode {
     if args.list_models {
         return list_models(&registry);
     }
-    if let Some(mut model) = args.model {
+    if let Some(model) = args.model {
         // `--model ./file.gguf`: the file is registered in the home, then chatted with by its id.
-        if polystrata::by_path::is_gguf_path(&model) {
-            match polystrata::by_path::register(registry.home(), std::path::Path::new(&model)) {
-                Ok(id) => model = id,
-                Err(e) => {
-                    eprintln!("polystrata: cannot serve {model}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            }
-        } else if polystrata::by_path::looks_like_path(&model) {
-            eprintln!(
-                "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
-            );
-            return ExitCode::FAILURE;
-        }
+        let model = match model_or_file(&registry, model) {
+            Ok(m) => m,
+            Err(code) => return code,
+        };
         return polystrata::chat::run(polystrata::chat::ChatOptions {
             model,
             home: args.home,
+            resolved_home: registry.home().to_path_buf(),
             port: args.port.unwrap_or_else(|| recorded_port(registry.home())),
         });
     }
@@ -279,7 +272,11 @@ fn main() -> ExitCode {
             }
             run_server(registry, serve)
         }
-        Some(Command::Benchmark(b)) if b.concurrent.is_some() => {
+        Some(Command::Benchmark(mut b)) if b.concurrent.is_some() => {
+            b.model = match model_or_file(&registry, b.model) {
+                Ok(m) => m,
+                Err(code) => return code,
+            };
             let clients = b.concurrent.unwrap_or(1) as usize;
             polystrata::bench::concurrent::run(
                 registry,
@@ -299,9 +296,12 @@ fn main() -> ExitCode {
             )
         }
         Some(Command::Benchmark(b)) => polystrata::bench::run(
-            registry,
+            registry.clone(),
             polystrata::bench::BenchOptions {
-                model: b.model,
+                model: match model_or_file(&registry, b.model) {
+                    Ok(m) => m,
+                    Err(code) => return code,
+                },
                 long_prompts: b
                     .prompt_tokens
                     .unwrap_or_else(|| polystrata::bench::DEFAULT_LONG_PROMPTS.to_vec()),
@@ -312,9 +312,12 @@ fn main() -> ExitCode {
             },
         ),
         Some(Command::Verify(v)) => polystrata::verify::run(
-            registry,
+            registry.clone(),
             polystrata::verify::VerifyOptions {
-                model: v.model,
+                model: match model_or_file(&registry, v.model) {
+                    Ok(m) => m,
+                    Err(code) => return code,
+                },
                 prompts: v.prompts,
                 prompt_tokens: v.prompt_tokens,
                 answer_tokens: v.answer_tokens,
@@ -345,6 +348,25 @@ fn main() -> ExitCode {
             eprintln!("polystrata: say `serve`, `benchmark`, `ps` or `--list-models` (see --help)");
             ExitCode::from(2)
         }
+    }
+}
+
+/// A command's `--model`: a registry name as given, or a GGUF file's path registered in the home (as
+/// `serve --gguf` does) and named by its id; a name written as a path that names no file is an error
+/// here, before anything starts.
+fn model_or_file(registry: &Registry, model: String) -> Result<String, ExitCode> {
+    if polystrata::by_path::is_gguf_path(&model) {
+        polystrata::by_path::register(registry.home(), std::path::Path::new(&model)).map_err(|e| {
+            eprintln!("polystrata: cannot serve {model}: {e}");
+            ExitCode::FAILURE
+        })
+    } else if polystrata::by_path::looks_like_path(&model) {
+        eprintln!(
+            "polystrata: cannot serve {model}: no such file (a model name has no `/` and no .gguf)"
+        );
+        Err(ExitCode::FAILURE)
+    } else {
+        Ok(model)
     }
 }
 
@@ -387,17 +409,20 @@ fn ps_text(c: &serde_json::Value) -> String {
         Some(s) => format!("{s}s"),
     };
     let mut out = format!(
-        "{:<28} {:>8} {:>10} {:>10} {:>8} {:>10}\n",
-        "MODEL", "PID", "RSS", "LOADED", "IDLE", "UNLOADS IN"
+        "{:<28} {:>8} {:>10} {:>10} {:>10} {:>8} {:>10}\n",
+        "MODEL", "PID", "RSS", "VRAM", "LOADED", "IDLE", "UNLOADS IN"
     );
+    let mib = |k: &str| {
+        c[k].as_u64()
+            .map_or("-".to_string(), |b| format!("{} MiB", b >> 20))
+    };
     match (c["model"].as_str(), c["loaded"].as_bool()) {
         (Some(model), Some(true)) => {
-            let rss = c["rss_bytes"]
-                .as_u64()
-                .map_or("-".to_string(), |b| format!("{} MiB", b >> 20));
             out.push_str(&format!(
-                "{model:<28} {:>8} {rss:>10} {:>10} {:>8} {:>10}\n",
+                "{model:<28} {:>8} {:>10} {:>10} {:>10} {:>8} {:>10}\n",
                 c["pid"].as_i64().map_or("-".to_string(), |p| p.to_string()),
+                mib("rss_bytes"),
+                mib("vram_bytes"),
                 dur(secs("loaded_for_s")),
                 dur(secs("idle_for_s")),
                 secs("unload_in_s").map_or("never".to_string(), |s| dur(Some(s))),
@@ -470,6 +495,9 @@ fn model_list(registry: &Registry) -> String {
         }
         if let Some(p) = &e.problem {
             let _ = writeln!(out, "    problem: {p}");
+        }
+        if let Some(n) = &e.context_note {
+            let _ = writeln!(out, "    context: {n}");
         }
         if let Some(n) = &e.notes {
             let _ = writeln!(out, "    notes: {n}");
@@ -592,5 +620,35 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ps_text;
+    use serde_json::json;
+
+    #[test]
+    fn ps_says_the_memory_and_the_times() {
+        let gpu = ps_text(&json!({"model": "qwen36", "loaded": true, "pid": 42,
+            "rss_bytes": 300u64 << 20, "vram_bytes": 8123u64 << 20, "loaded_for_s": 725,
+            "idle_for_s": 41, "unload_in_s": null}));
+        let row = gpu.lines().nth(1).unwrap_or_default();
+        assert!(gpu.starts_with("MODEL") && gpu.contains("VRAM"), "{gpu}");
+        for part in [
+            "qwen36", "42", "300 MiB", "8123 MiB", "12m05s", "41s", "never",
+        ] {
+            assert!(row.contains(part), "{part} missing: {gpu}");
+        }
+        // On the CPU the engine reports no VRAM.
+        let cpu = ps_text(&json!({"model": "tiny", "loaded": true, "pid": 7,
+            "rss_bytes": 20u64 << 20, "loaded_for_s": 3, "idle_for_s": 1, "unload_in_s": 90}));
+        let row = cpu.lines().nth(1).unwrap_or_default();
+        assert!(
+            row.contains("20 MiB") && row.contains(" - ") && row.contains("1m30s"),
+            "{cpu}"
+        );
+        assert!(ps_text(&json!({"model": "tiny", "loaded": false})).contains("not loaded"));
+        assert!(ps_text(&json!({"model": null})).contains("nothing loaded"));
     }
 }

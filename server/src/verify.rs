@@ -71,7 +71,9 @@ pub fn run(registry: Arc<Registry>, opts: VerifyOptions) -> ExitCode {
 }
 
 fn verify(registry: &Registry, opts: &VerifyOptions) -> Result<bool, String> {
-    let entry = registry.find(&opts.model)?;
+    let entry = registry
+        .find(&opts.model)
+        .map_err(|e| format!("{e}; {}", crate::home::home_read_note(registry.home())))?;
     let config = entry
         .config
         .as_ref()

@@ -184,3 +184,37 @@ fn a_relative_home_finds_its_tokenizer_directory() {
         "{config}"
     );
 }
+
+/// `polystrata benchmark --model FILE.gguf` takes the file as the chat and `serve --gguf` do: it is
+/// registered in the home and measured under its id; a path naming no file stops before any engine.
+#[test]
+fn the_benchmark_takes_a_file_by_path() {
+    let home = Home::new("by-path-bench");
+    let gguf = fixture("qwen3moe-tiny-q4km.gguf");
+    let out = common::polystrata()
+        .arg("benchmark")
+        .arg("--home")
+        .arg(&home.dir)
+        .arg("--model")
+        .arg(&gguf)
+        .args(["--json", "--prompt-tokens", "20", "--answer-tokens", "2"])
+        .output()
+        .expect("run polystrata benchmark");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "benchmark by path failed: {stderr}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("the benchmark's JSON");
+    assert_eq!(report["model"], "qwen3moe-tiny-q4km", "{report}");
+    assert!(home.dir.join("strata-qwen3moe-tiny-q4km.json").is_file());
+
+    let out = common::polystrata()
+        .arg("benchmark")
+        .arg("--home")
+        .arg(&home.dir)
+        .args(["--model", "./missing.gguf", "--answer-tokens", "2"])
+        .output()
+        .expect("run polystrata benchmark");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no such file"), "{stderr}");
+}

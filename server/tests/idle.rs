@@ -48,6 +48,13 @@ fn an_unused_engine_is_unloaded_and_keep_alive_overrides() {
         text.contains("tiny") && text.contains("MiB") && text.contains(&pid.to_string()),
         "{text}"
     );
+    // The VRAM column, empty on the CPU: the engine reports none (`vram_bytes` null).
+    assert!(text.starts_with("MODEL") && text.contains("VRAM"), "{text}");
+    let current = server.get("/api/models/current").json();
+    assert!(
+        current.get("vram_bytes").is_some_and(|v| v.is_null()),
+        "{current}"
+    );
 
     wait_until("the idle unload", Duration::from_secs(10), || {
         !process_alive(pid)

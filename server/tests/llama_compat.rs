@@ -171,7 +171,8 @@ fn llama_server_routes_timings_and_refusals() {
     assert_eq!(c.status, 200);
     assert!(c.json()["timings"]["predicted_n"].is_number());
 
-    // A chat with no length and no temperature: the defaults apply and it ends.
+    // A chat with no length and no temperature: the defaults apply and it ends (the length a run config
+    // gives is checked in a_run_configs_sampling_is_every_apis_default).
     let d = server.post(
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "Hi"}], "seed": 1}),
@@ -407,10 +408,141 @@ fn a_context_over_the_training_context_is_clamped() {
         n_ctx, listed,
         "the engine and the registry say the same context"
     );
+    // --list-models says it too, where a user looks first.
+    let out = common::polystrata()
+        .arg("--list-models")
+        .arg("--home")
+        .arg(&home.dir)
+        .output()
+        .expect("--list-models");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("context {listed}"))
+            && text.contains("    context: ")
+            && text.contains("999999"),
+        "{text}"
+    );
     server.stop();
     let log = std::fs::read_to_string(home.dir.join("server.log")).expect("server.log");
     assert!(
         log.contains("--max-context 999999 is over the model's training context; clamped to"),
         "{log}"
     );
+}
+
+/// A run config's `sampling` is the default of every API's chat: a chat that gives no length gets its
+/// `max_tokens` (OpenAI chat, the Responses API, Ollama's chat), a request's own length wins, raw
+/// completions keep OpenAI's 16, and `/props` says each value came from the run config.
+#[test]
+fn a_run_configs_sampling_is_every_apis_default() {
+    const LEN: u64 = 5;
+    let home = Home::new("compat-sampling");
+    home.add_model(
+        "tiny",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"sampling": {"max_tokens": LEN, "temperature": 0.0, "top_k": 7}}),
+    );
+    let server = Server::start(&home, &["--load", "tiny"]);
+    let props = server.get("/props").json();
+    let params = &props["default_generation_settings"]["params"];
+    assert_eq!(params["chat_n_predict"], LEN, "{params}");
+    assert_eq!(params["top_k"], 7, "{params}");
+    assert_eq!(
+        props["sampling_defaults"]["sources"]["top_k"], "run config",
+        "{props}"
+    );
+    // The fixture writes noise and does not stop within a few greedy tokens: the default length ends it.
+    let messages = json!([{"role": "user", "content": "Tell me a long story."}]);
+    let chat = server.post("/v1/chat/completions", &json!({"messages": messages}));
+    assert_eq!(chat.status, 200, "{}", chat.text());
+    let chat = chat.json();
+    assert_eq!(chat["usage"]["completion_tokens"], LEN, "{chat}");
+    assert_eq!(chat["choices"][0]["finish_reason"], "length", "{chat}");
+    let own = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": LEN + 3}),
+    );
+    assert_eq!(own.json()["usage"]["completion_tokens"], LEN + 3);
+    let responses = server.post("/v1/responses", &json!({"input": "Tell me a long story."}));
+    assert_eq!(responses.status, 200, "{}", responses.text());
+    let responses = responses.json();
+    assert_eq!(responses["usage"]["output_tokens"], LEN, "{responses}");
+    assert_eq!(responses["status"], "incomplete", "{responses}");
+    // The item the length cut is incomplete too, as OpenAI's, streamed and not.
+    assert_eq!(responses["output"][0]["type"], "message", "{responses}");
+    assert_eq!(
+        responses["output"][0]["status"], "incomplete",
+        "{responses}"
+    );
+    let mut stream = Stream::open(
+        &server.addr,
+        "/v1/responses",
+        &json!({"input": "Tell me a long story.", "stream": true}),
+    );
+    assert_eq!(stream.status, 200);
+    let events: Vec<Value> = stream
+        .rest()
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_item.done")
+        .collect();
+    assert_eq!(done.len(), 1, "{events:?}");
+    assert_eq!(done[0]["item"]["status"], "incomplete", "{events:?}");
+    let last = events.last().expect("events");
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    assert_eq!(last["response"]["output"][0]["status"], "incomplete");
+    let ollama = server.post(
+        "/api/chat",
+        &json!({"model": "tiny", "messages": messages, "stream": false}),
+    );
+    assert_eq!(ollama.status, 200, "{}", ollama.text());
+    let ollama = ollama.json();
+    assert_eq!(ollama["eval_count"], LEN, "{ollama}");
+    assert_eq!(ollama["done_reason"], "length", "{ollama}");
+    // A raw completion is not a chat: OpenAI's 16.
+    let raw = server.post("/v1/completions", &json!({"prompt": "Once upon a time"}));
+    assert_eq!(raw.status, 200, "{}", raw.text());
+    assert_eq!(raw.json()["usage"]["completion_tokens"], 16);
+    server.stop();
+}
+
+/// Ollama's `/api/show` says the same of a model whether it is in use or not: its template (the
+/// tokenizer directory's, or the run config's family template) and the capabilities read from it.
+/// Desktop clients ask it of every model in their list, most of them not loaded.
+#[test]
+fn ollama_show_is_the_same_for_a_model_not_in_use() {
+    let home = Home::new("compat-show");
+    home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    home.add_model(
+        "other",
+        "qwen3moe-tiny-q4km.gguf",
+        json!({"chat_template": "gemma3"}),
+    );
+    let server = Server::start(&home, &["--load", "tiny"]);
+    let show = |model: &str| {
+        let r = server.post("/api/show", &json!({"model": model}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let in_use = show("tiny");
+    let template = in_use["template"].as_str().unwrap_or_default().to_string();
+    assert!(template.contains("im_start"), "{in_use}");
+    let other = show("other");
+    assert!(
+        other["template"]
+            .as_str()
+            .is_some_and(|t| t.contains("start_of_turn")),
+        "the run config's family template of a model not in use: {other}"
+    );
+    let r = server.post("/api/models/load", &json!({"model": "other"}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let not_in_use = show("tiny");
+    assert_eq!(not_in_use["template"], in_use["template"], "{not_in_use}");
+    assert_eq!(not_in_use["capabilities"], in_use["capabilities"]);
+    assert_eq!(not_in_use["parameters"], in_use["parameters"]);
+    assert_eq!(show("other")["template"], other["template"]);
+    server.stop();
 }

@@ -1,7 +1,8 @@
 //! `polystrata serve --parallel N` with the real engine, through the official `openai` Python client
 //! (tests/server/parallel.py): with two places a short request sent while a long answer streams is
 //! answered while the long one still streams; with one (the default) it waits until the long one ends.
-//! `/health` and `/metrics` show the places.
+//! `/health`, `/metrics` and `/props`' `total_slots` show the places (queue_shown.rs: the requests
+//! running and waiting).
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: two servers, a few hundred tokens of the tiny qwen3moe fixture each.
@@ -23,7 +24,8 @@ const LONG_TOKENS: u32 = 600;
 const LONG_CHUNKS: u64 = 100;
 
 /// Runs parallel.py against a server started with `args`, returning its JSON report.
-fn long_and_short(tag: &str, args: &[&str]) -> (Value, Value, String) {
+/// Returns parallel.py's report, `/health`, `/metrics` and `/props` after it.
+fn long_and_short(tag: &str, args: &[&str]) -> (Value, Value, String, Value) {
     let home = Home::new(tag);
     home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
     let server = Server::start(&home, args);
@@ -49,7 +51,8 @@ fn long_and_short(tag: &str, args: &[&str]) -> (Value, Value, String) {
     assert_eq!(report["short_tokens"], 4, "{report}");
     let health = server.get("/health").json();
     let metrics = server.get("/metrics").text();
-    (report, health, metrics)
+    let props = server.get("/props").json();
+    (report, health, metrics, props)
 }
 
 fn seconds(v: &Value) -> f64 {
@@ -58,7 +61,7 @@ fn seconds(v: &Value) -> f64 {
 
 #[test]
 fn a_short_request_is_answered_while_a_long_one_streams_with_two_places() {
-    let (report, health, metrics) = long_and_short("parallel-2", &["--parallel", "2"]);
+    let (report, health, metrics, props) = long_and_short("parallel-2", &["--parallel", "2"]);
     assert!(
         seconds(&report["short_done"]) < seconds(&report["long_done"]),
         "{report}"
@@ -72,11 +75,13 @@ fn a_short_request_is_answered_while_a_long_one_streams_with_two_places() {
         "{health}"
     );
     assert!(metrics.contains("polystrata_parallel_slots 2"), "{metrics}");
+    // llama-server's `/props` says its `-np` as `total_slots`.
+    assert_eq!(props["total_slots"], 2, "{props}");
 }
 
 #[test]
 fn a_short_request_waits_for_the_long_one_with_one_place() {
-    let (report, health, metrics) = long_and_short("parallel-1", &[]);
+    let (report, health, metrics, props) = long_and_short("parallel-1", &[]);
     assert!(
         seconds(&report["short_done"]) > seconds(&report["long_done"]),
         "{report}"
@@ -84,4 +89,5 @@ fn a_short_request_waits_for_the_long_one_with_one_place() {
     assert_eq!(report["long_chunks_after_short"], 0, "{report}");
     assert_eq!(health["slots"]["parallel"], 1, "{health}");
     assert!(metrics.contains("polystrata_parallel_slots 1"), "{metrics}");
+    assert_eq!(props["total_slots"], 1, "{props}");
 }

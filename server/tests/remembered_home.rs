@@ -80,14 +80,21 @@ fn commands_after_serve_read_the_home_it_served() {
     assert!(listed.status.success(), "{stdout}");
     assert!(stdout.starts_with("tiny "), "{stdout}");
 
-    let missing = run(&["benchmark", "--model", "demo"]);
-    assert!(!missing.status.success());
-    let stderr = String::from_utf8_lossy(&missing.stderr);
-    assert!(stderr.contains("model \"demo\" not found"), "{stderr}");
-    assert!(
-        stderr.contains(&format!("home {}", canonical.display())),
-        "the error names the home it read: {stderr}"
-    );
+    // The benchmark (both kinds) and verify name the home they read when the model is not there.
+    for args in [
+        &["benchmark", "--model", "demo"][..],
+        &["benchmark", "--model", "demo", "--concurrent", "2"],
+        &["verify", "demo"],
+    ] {
+        let missing = run(args);
+        assert!(!missing.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&missing.stderr);
+        assert!(stderr.contains("\"demo\""), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("home {}", canonical.display())),
+            "{args:?}: the error names the home it read: {stderr}"
+        );
+    }
 
     // setup.sh reads it too (here `--stop`, which finds no server recorded there).
     let stop = std::process::Command::new("bash")
@@ -123,4 +130,66 @@ fn commands_after_serve_read_the_home_it_served() {
         )),
         "{stdout}"
     );
+}
+
+/// The terminal chat names the home it read when the model is not there: with no server on the port it
+/// stops before starting one (issue 20: "installed: none" without the home); with a server it names the
+/// server's home.
+#[test]
+fn the_chat_names_the_home_when_the_model_is_missing() {
+    let home = Home::new("chat-missing");
+    let empty = home.dir.join("empty");
+    std::fs::create_dir_all(&empty).expect("an empty home");
+    // A port nothing listens on: bound, then let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let out = common::polystrata()
+        .env_remove("POLYSTRATA_HOME")
+        .arg("--home")
+        .arg(&empty)
+        .args(["--port", &port, "--model", "demo"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run the chat");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("no model is called \"demo\"; installed: none"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("home {}", empty.display())),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("starting a server"), "{stdout}");
+
+    // A server on the port: its home is named.
+    home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let server = Server::start(&home, &[]);
+    let port = server
+        .addr
+        .rsplit(':')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let out = common::polystrata()
+        .env_remove("POLYSTRATA_HOME")
+        .arg("--home")
+        .arg(&empty)
+        .args(["--port", &port, "--model", "demo"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run the chat");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("installed: tiny")
+            && stderr.contains(&format!("the server reads home {}", home.dir.display())),
+        "{stderr}"
+    );
+    server.stop();
 }

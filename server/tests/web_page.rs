@@ -40,7 +40,13 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
     home.add_model(
         "gemma3-tiny",
         "gemma3-tiny-q4km.gguf",
-        json!({"notes": NOTES}),
+        // A display name that holds the id, as setup's demo has ("Gemma 3 270M (demo)"): the picker
+        // shows it once, not with the id again.
+        // Its run config asks for more context than the model was trained for: the page says so
+        // beside the notes (the registry's context_note).
+        json!({"notes": NOTES, "display_name": "Gemma 3 tiny (gemma3-tiny)",
+               "args": ["--model", common::fixture("gemma3-tiny-q4km.gguf"),
+                        "--max-context", "999999", "--threads", "1"]}),
     );
     // A model whose engine exits at once: its load fails and the server keeps the model it had.
     home.write_config(
@@ -66,6 +72,7 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
         .args(["--pick", "gemma3-tiny", "--other", "qwen3-tiny"])
         .args(["--broken", "broken-engine"])
         .args(["--notes", NOTES])
+        .arg("--clamped")
         .arg("--shot")
         .arg(&shot)
         .output()

@@ -63,6 +63,7 @@ function showNotice(entry) {
   const lines = [];
   if (entry && entry.base) lines.push(entry.display_name + " is a small base model: it continues text and does not follow a conversation.");
   if (entry && entry.notes) lines.push(entry.notes);
+  if (entry && entry.context_note) lines.push(entry.context_note + ".");
   ui.notice.textContent = lines.join(" ");
   ui.notice.hidden = lines.length === 0;
 }

@@ -37,6 +37,7 @@ fn table(dir: &Path, source: Value, files: Value) -> String {
     let t = json!({"families": [{
         "name": "tiny", "display": "Tiny Gemma 3", "arch": "gemma3", "chat_template": "gemma3",
         "notes": "a synthetic test model", "default_context": 512,
+        "sampling": {"temperature": 0.7, "top_k": 32, "max_tokens": 300},
         "sizes": [{"name": "Q4_K_M", "source": source, "files": files,
                    "expert_bytes": 0, "vram_before_experts": 1_000_000_000u64}]
     }, {
@@ -277,6 +278,23 @@ fn a_context_past_the_training_context_is_clamped_with_a_note() {
     );
     let config = run_config(&home);
     assert_eq!(config["args"][3], "4096", "{config}");
+}
+
+/// The family's generation defaults go into the run config's `sampling`, where the server takes a
+/// request's missing sampling fields and a chat's default answer length from (issue 20: greedy with no
+/// length limit made a first chat run for minutes).
+#[test]
+fn the_familys_sampling_defaults_go_into_the_run_config() {
+    let (_, server, tmp, families) = tiny_from_hf("sampling");
+    let home = tmp.path().join("home");
+    let out = install_tiny(&server, &families, &home, &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let config = run_config(&home);
+    assert_eq!(
+        config["sampling"],
+        json!({"temperature": 0.7, "top_k": 32, "max_tokens": 300}),
+        "{config}"
+    );
 }
 
 #[test]

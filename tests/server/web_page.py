@@ -266,6 +266,9 @@ def run(args, cdp):
     if args.notes:
         notice = cdp.eval("document.getElementById('notice').hidden ? '' : document.getElementById('notice').textContent")
         check(args.notes in notice, f"the notice says {notice!r}")
+    if args.clamped:
+        check("--max-context 999999" in notice and "clamped to" in notice,
+              f"the notice does not say the context was clamped: {notice!r}")
 
     # Stop: a long answer is cut off by the Stop button (the fetch is aborted, the server cancels).
     cdp.eval("localStorage.setItem('polystrata.maxTokens', '3000')")
@@ -383,6 +386,7 @@ def main():
     ap.add_argument("--shot", required=True)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--notes", default="", help="text the picked model's notes hold")
+    ap.add_argument("--clamped", action="store_true", help="the picked model's context was clamped")
     args = ap.parse_args()
     profile = tempfile.mkdtemp(prefix="polystrata-chromium-")
     browser, port = start_browser(profile)

@@ -146,10 +146,12 @@ pub async fn measure(
             "--concurrent, --chats, --prompt-tokens and --answer-tokens must be at least 1".into(),
         );
     }
-    supervisor
-        .switch(&opts.model)
-        .await
-        .map_err(|e| e.message().to_string())?;
+    supervisor.switch(&opts.model).await.map_err(|e| match e {
+        crate::engine::supervisor::ServeError::ModelNotFound(m) => {
+            format!("{m}; {}", crate::home::home_read_note(supervisor.home()))
+        }
+        other => other.message().to_string(),
+    })?;
     let (ready, text, model) = {
         let lease = supervisor
             .lease(Some(&opts.model))

@@ -125,12 +125,9 @@ pub async fn measure(supervisor: &Supervisor, opts: &BenchOptions) -> Result<Rep
     let loading = Instant::now();
     supervisor.switch(&opts.model).await.map_err(|e| match e {
         // Say which home was read: a model installed into another home is otherwise a mystery.
-        ServeError::ModelNotFound(m) => format!(
-            "{m}; home {} (--home DIR or POLYSTRATA_HOME picks another; else the last `serve`'s, \
-             remembered in {})",
-            supervisor.home().display(),
-            crate::home::remembered_home_file().display()
-        ),
+        ServeError::ModelNotFound(m) => {
+            format!("{m}; {}", crate::home::home_read_note(supervisor.home()))
+        }
         other => other.message().to_string(),
     })?;
     let load_s = loading.elapsed().as_secs_f64();

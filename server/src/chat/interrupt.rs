@@ -119,19 +119,22 @@ async fn futures_poll_once<F: std::future::Future + Unpin>(mut f: F) -> Option<F
     .await
 }
 
-/// SIGTERM to the chat's server, then a wait for it to end (it stops its engine first), at most 15 s.
+/// SIGTERM to the chat's server, then a wait for it to end (it stops its engine first), at most 15 s:
+/// the chat is its parent, and a thread blocked in `waitpid` reaps it and says so.
 fn stop_server(pid: i32) {
     let pid = nix::unistd::Pid::from_raw(pid);
     if nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).is_err() {
         return;
     }
-    for _ in 0..150 {
-        // The chat is its parent: reap it, which also tells that it ended.
-        match nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-            Ok(nix::sys::wait::WaitStatus::StillAlive) => {
-                std::thread::sleep(Duration::from_millis(100))
-            }
-            _ => return,
-        }
+    let (ended_tx, ended) = std::sync::mpsc::channel();
+    let waiter = std::thread::Builder::new()
+        .name("server-exit".into())
+        .spawn(move || {
+            let _ = nix::sys::wait::waitpid(pid, None);
+            let _ = ended_tx.send(());
+        });
+    if waiter.is_ok() {
+        // Ended, or the 15 s are up (the chat exits either way), or the waiter is gone.
+        let _ = ended.recv_timeout(Duration::from_secs(15));
     }
 }

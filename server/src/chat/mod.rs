@@ -24,7 +24,10 @@ use std::time::Instant;
 /// What `polystrata --model NAME` was given.
 pub struct ChatOptions {
     pub model: String,
+    /// `--home` as given (the server the chat starts is given it too).
     pub home: Option<PathBuf>,
+    /// The home read: `--home`, else `POLYSTRATA_HOME`, else the remembered one, else the default.
+    pub resolved_home: PathBuf,
     pub port: u16,
 }
 
@@ -42,6 +45,11 @@ pub fn run(opts: ChatOptions) -> ExitCode {
         println!("using the server on port {}", opts.port);
         None
     } else {
+        // A name the home does not have stops here, naming the home, before a server is started for it.
+        if let Err(e) = model_in_home(&opts.resolved_home, &opts.model) {
+            eprintln!("polystrata: {e}");
+            return ExitCode::FAILURE;
+        }
         println!("starting a server on port {} ...", opts.port);
         match LocalServer::start(opts.home.as_deref(), opts.port) {
             Ok(s) => Some(s),
@@ -229,8 +237,13 @@ impl Chat {
 
     /// Loads the model `name` names and starts a new conversation with it.
     fn switch(&mut self, name: &str) -> Result<(), String> {
-        let (models, _) = self.models()?;
-        let id = resolve(&models, name)?;
+        let r = self.client.models().map_err(|e| e.to_string())?;
+        let models = r["models"].as_array().cloned().unwrap_or_default();
+        let id = resolve(&models, name).map_err(|e| match r["home"].as_str() {
+            // The server's home, which is not the chat's own when it was started with another.
+            Some(home) => format!("{e}; the server reads home {home}"),
+            None => e,
+        })?;
         println!("loading {id} ...");
         let started = Instant::now();
         if let Err(e) = self.client.load(&id) {
@@ -312,6 +325,17 @@ impl Chat {
     }
 }
 
+/// Whether the home has a model `name` stands for (as [`resolve`] reads names), else why not, naming
+/// the home and where it came from.
+fn model_in_home(home: &std::path::Path, name: &str) -> Result<String, String> {
+    let models: Vec<Value> = crate::registry::Registry::new(home.to_path_buf())
+        .scan()
+        .iter()
+        .filter_map(|m| serde_json::to_value(m).ok())
+        .collect();
+    resolve(&models, name).map_err(|e| format!("{e}; {}", crate::home::home_read_note(home)))
+}
+
 /// The id `name` stands for: an id or alias exactly, else the one model whose id or display name contains
 /// it (ignoring case).
 fn resolve(models: &[Value], name: &str) -> Result<String, String> {
@@ -338,6 +362,7 @@ fn resolve(models: &[Value], name: &str) -> Result<String, String> {
         .collect();
     match matches.as_slice() {
         [one] => Ok(one.clone()),
+        [] if models.is_empty() => Err(format!("no model is called {name:?}; installed: none")),
         [] => Err(format!(
             "no model is called {name:?}; installed: {}",
             models.iter().map(id_of).collect::<Vec<_>>().join(", ")

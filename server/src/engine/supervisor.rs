@@ -20,7 +20,7 @@ use crate::telemetry::Telemetry;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{OwnedRwLockReadGuard, OwnedSemaphorePermit, RwLock, Semaphore};
+use tokio::sync::{Notify, OwnedRwLockReadGuard, OwnedSemaphorePermit, RwLock, Semaphore};
 
 /// Why a request or a switch cannot be served. The HTTP layer maps each kind to each API's error shape.
 #[derive(Clone, Debug, PartialEq)]
@@ -189,6 +189,9 @@ pub struct Supervisor {
     counters: Arc<Counters>,
     telemetry: Arc<Telemetry>,
     idle: Arc<Mutex<Idle>>,
+    /// Wakes the idle watcher when what it judges by changes: a request lets the engine go, a switch or
+    /// an unload ends, a `keep_alive` is set.
+    idle_changed: Arc<Notify>,
 }
 
 /// When the engine was last used and started, and the keep-alive in force.
@@ -217,13 +220,29 @@ pub struct Lease {
     _queued: QueueTicket,
     counters: Arc<Counters>,
     telemetry: Arc<Telemetry>,
-    idle: Arc<Mutex<Idle>>,
+    /// Last: dropped after the guard and the tickets, so the idle watcher it wakes finds them gone.
+    _idle: IdleTouch,
 }
 
-impl Drop for Lease {
+/// The idle clock restarted and the idle watcher woken when a request lets the engine go.
+struct IdleTouch {
+    idle: Arc<Mutex<Idle>>,
+    changed: Arc<Notify>,
+}
+
+impl Drop for IdleTouch {
     fn drop(&mut self) {
-        // The idle clock starts when the last request lets the engine go.
         lock(&self.idle).last_used = Instant::now();
+        self.changed.notify_one();
+    }
+}
+
+/// Wakes the idle watcher when dropped; made before a write guard is taken, so it drops after it.
+struct IdleWake(Arc<Notify>);
+
+impl Drop for IdleWake {
+    fn drop(&mut self) {
+        self.0.notify_one();
     }
 }
 
@@ -291,12 +310,14 @@ impl Supervisor {
                 started: None,
                 keep_alive: KeepAlive::Default,
             })),
+            idle_changed: Arc::new(Notify::new()),
         }
     }
 
     /// Sets how long the engine stays loaded once unused (an Ollama request's `keep_alive`).
     pub fn set_keep_alive(&self, keep: KeepAlive) {
         lock(&self.idle).keep_alive = keep;
+        self.idle_changed.notify_one();
     }
 
     /// The idle bound in force (`None`: the engine stays).
@@ -308,31 +329,41 @@ impl Supervisor {
         }
     }
 
+    /// How long the idle watcher may sleep before the engine is due to be unloaded: `Some(0)` now,
+    /// `None` until something changes (no bound, no engine, or requests holding or waiting for it).
+    fn idle_due_in(&self) -> Option<Duration> {
+        let bound = self.idle_bound()?;
+        let alive = view_engine_alive(&lock(&self.view));
+        if !alive || self.slot_busy() || self.waiting.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        Some(bound.saturating_sub(lock(&self.idle).last_used.elapsed()))
+    }
+
     /// Unloads the engine once it has been unused for the idle bound (`--idle-unload`, an Ollama
-    /// `keep_alive`); runs until the server ends. Checked twice a second: an unload is a process
-    /// stop, so a bound is kept to within about that.
+    /// `keep_alive`); runs until the server ends. It sleeps until the engine is due or until
+    /// `idle_changed` says a request let it go, a switch or unload ended or the bound changed.
     pub async fn watch_idle(self: Arc<Self>) {
         loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let Some(bound) = self.idle_bound() else {
-                continue;
-            };
-            let alive = view_engine_alive(&lock(&self.view));
-            let unused = lock(&self.idle).last_used.elapsed();
-            if !alive
-                || self.slot_busy()
-                || self.waiting.load(Ordering::SeqCst) > 0
-                || unused < bound
-            {
-                continue;
-            }
-            eprintln!(
-                "polystrata: unused for {} s (idle bound {} s): unloading",
-                unused.as_secs(),
-                bound.as_secs()
-            );
-            if let Err(e) = self.unload().await {
-                eprintln!("polystrata: idle unload failed: {}", e.message());
+            match self.idle_due_in() {
+                None => self.idle_changed.notified().await,
+                Some(due) if !due.is_zero() => {
+                    tokio::select! {
+                        _ = self.idle_changed.notified() => {}
+                        _ = tokio::time::sleep(due) => {}
+                    }
+                }
+                Some(_) => {
+                    let bound = self.idle_bound().unwrap_or_default();
+                    eprintln!(
+                        "polystrata: unused for {} s (idle bound {} s): unloading",
+                        lock(&self.idle).last_used.elapsed().as_secs(),
+                        bound.as_secs()
+                    );
+                    if let Err(e) = self.unload().await {
+                        eprintln!("polystrata: idle unload failed: {}", e.message());
+                    }
+                }
             }
         }
     }
@@ -532,6 +563,9 @@ impl Supervisor {
     /// given (switching to it if another is in use), else for the model in use (or the only installed
     /// one). An engine that died is started again here.
     pub async fn lease(&self, model: Option<&str>) -> Result<Lease, ServeError> {
+        // Dropped last: a request that fails before it holds the engine (its ticket and any guard
+        // gone) wakes the idle watcher too.
+        let _wake = IdleWake(self.idle_changed.clone());
         let ticket = self.enter_queue()?;
         let wanted = match model.filter(|m| !m.is_empty()) {
             Some(name) => Some(self.resolve(name).await?),
@@ -578,13 +612,18 @@ impl Supervisor {
             _queued: ticket,
             counters: self.counters.clone(),
             telemetry: self.telemetry.clone(),
-            idle: self.idle.clone(),
+            _idle: IdleTouch {
+                idle: self.idle.clone(),
+                changed: self.idle_changed.clone(),
+            },
         })
     }
 
     /// The one switch path: HTTP, the terminal chat and the web page all come here.
     pub async fn switch(&self, name: &str) -> Result<CurrentModel, ServeError> {
         let target = self.resolve(name).await?;
+        // Dropped after the guard: the idle watcher then judges the new engine (its clock restarted).
+        let _wake = IdleWake(self.idle_changed.clone());
         let mut guard =
             tokio::time::timeout(self.limits.switch_wait, self.slot.clone().write_owned())
                 .await
@@ -610,6 +649,7 @@ impl Supervisor {
 
     /// Stops the engine of the model in use (the model stays chosen; the next request starts it again).
     pub async fn unload(&self) -> Result<CurrentModel, ServeError> {
+        let _wake = IdleWake(self.idle_changed.clone());
         let mut guard =
             tokio::time::timeout(self.limits.switch_wait, self.slot.clone().write_owned())
                 .await

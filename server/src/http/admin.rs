@@ -52,7 +52,8 @@ pub async fn models(state: &AppState) -> Response<RespBody> {
         .collect();
     json_response(
         StatusCode::OK,
-        &json!({"models": models, "current": current}),
+        // The home read, so a model not found can be looked for in the right place.
+        &json!({"models": models, "current": current, "home": state.supervisor.home()}),
     )
 }
 
@@ -67,12 +68,24 @@ pub async fn current(state: &AppState) -> Response<RespBody> {
             .find(|m| &m.id == id),
         None => None,
     };
+    // The engine's VRAM where it reports it (asked only while idle, as /api/ps does; null on the CPU).
+    let vram = match current.loaded {
+        true => state
+            .supervisor
+            .idle_engine_stats(std::time::Duration::from_millis(500))
+            .await
+            .and_then(|s| s.vram_bytes),
+        false => None,
+    };
     let mut v = serde_json::to_value(&current).unwrap_or(Value::Null);
-    if let (Value::Object(o), Some(e)) = (&mut v, entry) {
-        o.insert(
-            "entry".into(),
-            serde_json::to_value(e).unwrap_or(Value::Null),
-        );
+    if let Value::Object(o) = &mut v {
+        o.insert("vram_bytes".into(), json!(vram));
+        if let Some(e) = entry {
+            o.insert(
+                "entry".into(),
+                serde_json::to_value(e).unwrap_or(Value::Null),
+            );
+        }
     }
     json_response(StatusCode::OK, &v)
 }

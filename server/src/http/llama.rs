@@ -57,7 +57,7 @@ fn flag(body: &Value, key: &str, default: bool) -> Result<bool, ApiError> {
 }
 
 /// `GET /props`: llama-server's `default_generation_settings` (`n_ctx`, `params` with the sampling
-/// defaults and `n_predict`), `total_slots`, `model_path`, `modalities`, `chat_template`, `bos_token`,
+/// defaults and `n_predict`), `total_slots` (`--parallel`), `model_path`, `modalities`, `chat_template`, `bos_token`,
 /// `eos_token`, `build_info`; and ours: `model`, `family`, `device`, `loaded`, `sampling_defaults`
 /// (each value with where it came from).
 pub async fn props(state: &AppState) -> Result<Response<RespBody>, ApiError> {
@@ -101,7 +101,8 @@ pub async fn props(state: &AppState) -> Result<Response<RespBody>, ApiError> {
             "speculative": entry.as_ref().is_some_and(|e| e.mtp),
             "is_processing": state.supervisor.queue().0 > 0,
         },
-        "total_slots": 1,
+        // llama-server's `-np`: the requests that run at once (`--parallel`).
+        "total_slots": state.supervisor.parallel(),
         "model_path": path,
         "modalities": {"vision": false, "audio": false},
         "chat_template": text.template_source(),

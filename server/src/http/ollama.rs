@@ -172,7 +172,7 @@ pub async fn ps(state: &AppState) -> Response<RespBody> {
 }
 
 /// `POST /api/show` `{"model"}`: details, parameters (the sampling defaults as Modelfile lines), the
-/// template (for the model in use), model info and capabilities.
+/// template, model info and capabilities, the same whether the model is in use or not.
 pub async fn show(state: &AppState, body: Value) -> Result<Response<RespBody>, ApiError> {
     let Some(name) = model_name(&body)? else {
         return Err(ApiError::bad_request("`model` (a model name) is required"));
@@ -186,16 +186,34 @@ pub async fn show(state: &AppState, body: Value) -> Result<Response<RespBody>, A
         .current_text()
         .filter(|(id, _)| id == &entry.id);
     let arch = entry.backend.clone().unwrap_or_default();
-    let defaults = match &current {
-        Some((_, text)) => text.defaults().clone(),
+    let (defaults, template) = match &current {
+        Some((_, text)) => (
+            text.defaults().clone(),
+            text.template_source().map(str::to_string),
+        ),
         None => {
             let config = entry.config.clone();
-            let path = config.as_ref().and_then(|c| c.model_path());
-            let sampling = config.map(|c| c.sampling).unwrap_or_default();
             let arch = arch.clone();
-            // Reads the GGUF's header: off the runtime.
+            // Reads the GGUF's header and the tokenizer directory's template (not its vocabulary):
+            // off the runtime. A model not in use shows the same details as one in use.
             tokio::task::spawn_blocking(move || {
-                Defaults::for_model(&sampling, path.as_deref(), &arch)
+                let path = config.as_ref().and_then(|c| c.model_path());
+                let template = config.as_ref().and_then(|c| {
+                    let gguf = c.tokenizer.as_deref().and_then(|dir| {
+                        crate::text::tokenizer_dir::read_chat_template(dir)
+                            .ok()
+                            .flatten()
+                    });
+                    crate::text::template::resolve_template(
+                        gguf.as_deref(),
+                        c.chat_template.as_deref(),
+                    )
+                });
+                let sampling = config.map(|c| c.sampling).unwrap_or_default();
+                (
+                    Defaults::for_model(&sampling, path.as_deref(), &arch),
+                    template,
+                )
             })
             .await
             .map_err(|e| ApiError::new(Kind::Internal, format!("reading the model failed: {e}")))?
@@ -206,10 +224,7 @@ pub async fn show(state: &AppState, body: Value) -> Result<Response<RespBody>, A
         .iter()
         .map(|(k, v)| format!("{k} {v}\n"))
         .collect();
-    let template = current
-        .as_ref()
-        .and_then(|(_, t)| t.template_source().map(str::to_string))
-        .unwrap_or_default();
+    let template = template.unwrap_or_default();
     let mut capabilities = vec!["completion"];
     if template.contains("tools") {
         capabilities.push("tools");

@@ -257,12 +257,17 @@ impl Meta {
     /// The response object; `finish` absent while in progress.
     fn response(&self, answer: &Answer, finish: Option<&Finish>) -> Value {
         let mut output = Vec::new();
-        if finish.is_some() {
+        if let Some(f) = finish {
+            // The item the length cut is `incomplete`, as OpenAI's: the reasoning when nothing
+            // followed it, else the message.
+            let cut = last_item_status(f);
             if !answer.reasoning.is_empty() {
-                output.push(self.reasoning_item(&answer.reasoning, "completed"));
+                let last = answer.text.is_empty() && answer.calls.is_empty();
+                let status = if last { cut } else { "completed" };
+                output.push(self.reasoning_item(&answer.reasoning, status));
             }
             if !answer.text.is_empty() || answer.calls.is_empty() {
-                output.push(self.message_item(&answer.text, "completed"));
+                output.push(self.message_item(&answer.text, cut));
             }
             for (n, (name, args)) in answer.calls.iter().enumerate() {
                 output.push(self.call_item(n, name, args));
@@ -420,7 +425,8 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
                 Piece::Reasoning(t) => {
                     let mut ok = true;
                     if open != Open::Reasoning {
-                        ok &= close(&mut ev, &meta, &answer, &mut open, &mut index).await;
+                        ok &= close(&mut ev, &meta, &answer, &mut open, &mut index, "completed")
+                            .await;
                         ok &= ev
                             .send(
                                 "response.output_item.added",
@@ -442,7 +448,8 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
                 Piece::Content(t) => {
                     let mut ok = true;
                     if open != Open::Text {
-                        ok &= close(&mut ev, &meta, &answer, &mut open, &mut index).await;
+                        ok &= close(&mut ev, &meta, &answer, &mut open, &mut index, "completed")
+                            .await;
                         ok &= ev
                             .send(
                                 "response.output_item.added",
@@ -470,7 +477,8 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
                         .await
                 }
                 Piece::ToolCall { name, arguments } => {
-                    let mut ok = close(&mut ev, &meta, &answer, &mut open, &mut index).await;
+                    let mut ok =
+                        close(&mut ev, &meta, &answer, &mut open, &mut index, "completed").await;
                     let n = answer.calls.len();
                     let item = meta.call_item(n, &name, &arguments);
                     let mut added = item.clone();
@@ -516,7 +524,15 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
     drop(gen);
     if answer.text.is_empty() && answer.calls.is_empty() && open != Open::Text {
         // An empty answer still has its message item, as the whole response shows it.
-        let _ = close(&mut ev, &meta, &answer, &mut open, &mut index).await;
+        let _ = close(
+            &mut ev,
+            &meta,
+            &answer,
+            &mut open,
+            &mut index,
+            last_item_status(&finish),
+        )
+        .await;
         let _ = ev
             .send(
                 "response.output_item.added",
@@ -526,7 +542,15 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
             .await;
         open = Open::Text;
     }
-    let _ = close(&mut ev, &meta, &answer, &mut open, &mut index).await;
+    let _ = close(
+        &mut ev,
+        &meta,
+        &answer,
+        &mut open,
+        &mut index,
+        last_item_status(&finish),
+    )
+    .await;
     let done = meta.response(&answer, Some(&finish));
     let kind = if done["status"] == "incomplete" {
         "response.incomplete"
@@ -536,6 +560,14 @@ async fn stream(mut gen: Generation, meta: Meta, tx: mpsc::Sender<Bytes>) {
     let _ = ev.send(kind, json!({"response": done})).await;
 }
 
+/// The status of the answer's last item: `incomplete` when the length ended it.
+fn last_item_status(finish: &Finish) -> &'static str {
+    match finish.reason {
+        FinishReason::Length => "incomplete",
+        _ => "completed",
+    }
+}
+
 /// Closes the open output item (its `done` events); false when the client is gone.
 async fn close(
     ev: &mut Events,
@@ -543,6 +575,7 @@ async fn close(
     answer: &Answer,
     open: &mut Open,
     index: &mut usize,
+    status: &str,
 ) -> bool {
     let ok = match open {
         Open::None => return true,
@@ -551,7 +584,7 @@ async fn close(
                 "item_id": format!("rs_{}", meta.gen_id), "content_index": 0, "text": answer.reasoning}))
                 .await
                 && ev.send("response.output_item.done", json!({"output_index": *index,
-                    "item": meta.reasoning_item(&answer.reasoning, "completed")})).await
+                    "item": meta.reasoning_item(&answer.reasoning, status)})).await
         }
         Open::Text => {
             let part = json!({"type": "output_text", "text": answer.text, "annotations": []});
@@ -561,7 +594,7 @@ async fn close(
                 && ev.send("response.content_part.done", json!({"output_index": *index,
                     "item_id": meta.msg_id(), "content_index": 0, "part": part})).await
                 && ev.send("response.output_item.done", json!({"output_index": *index,
-                    "item": meta.message_item(&answer.text, "completed")})).await
+                    "item": meta.message_item(&answer.text, status)})).await
         }
     };
     *open = Open::None;

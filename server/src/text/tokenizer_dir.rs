@@ -310,6 +310,34 @@ impl std::fmt::Debug for TextTokenizer {
     }
 }
 
+/// The chat template file a tokenizer config names, read from its directory (a name reaching outside
+/// it is refused).
+fn template_file(dir: &Path, cfg_path: &Path, file: Option<&str>) -> Result<Option<String>> {
+    match file {
+        Some(f) if f.contains('/') || f.contains('\\') || f.starts_with('.') => Err(io_err(
+            cfg_path,
+            format!("template file '{f}' is outside the directory"),
+        )),
+        Some(f) => {
+            let p = dir.join(f);
+            Ok(Some(
+                std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?,
+            ))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The chat template of the tokenizer directory `dir` alone, without loading its vocabulary (for a
+/// model's details while another model is in use).
+pub fn read_chat_template(dir: &Path) -> Result<Option<String>> {
+    let cfg_path = dir.join(CONFIG_JSON);
+    let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
+    let cfg_json: Value = serde_json::from_str(&cfg_text).map_err(|e| io_err(&cfg_path, e))?;
+    let config = TokenizerConfig::from_json(&cfg_json).map_err(|e| io_err(&cfg_path, e))?;
+    template_file(dir, &cfg_path, config.chat_template_file.as_deref())
+}
+
 impl TextTokenizer {
     /// Loads the tokenizer directory `dir`.
     pub fn load(dir: &Path) -> Result<TextTokenizer> {
@@ -328,19 +356,7 @@ impl TextTokenizer {
             t.set_encode_special_tokens(true);
             let _ = literal.set(t);
         }
-        let chat_template = match &config.chat_template_file {
-            Some(f) if f.contains('/') || f.contains('\\') || f.starts_with('.') => {
-                return Err(io_err(
-                    &cfg_path,
-                    format!("template file '{f}' is outside the directory"),
-                ))
-            }
-            Some(f) => {
-                let p = dir.join(f);
-                Some(std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?)
-            }
-            None => None,
-        };
+        let chat_template = template_file(dir, &cfg_path, config.chat_template_file.as_deref())?;
         let mut named_templates = Vec::new();
         for (name, file) in &config.named_templates {
             // A config names files inside its own directory only.
