@@ -331,10 +331,17 @@ impl<W: std::io::Write> Session<'_, W> {
             sampler,
             generated: 0,
             repeats: guesses.then(|| Repeats::new(self.repeats_min_match)),
-            draft_state: self
-                .draft
-                .filter(|_| guesses)
-                .map(|d| d.new_state(r.conv.state.n_ctx())),
+            // The conversation's own draft state where the last answer left one (brought up to the
+            // kept tokens before the first window), else a fresh one.
+            draft_state: match self.draft.filter(|_| guesses) {
+                Some(d) => Some(
+                    r.conv
+                        .draft
+                        .take()
+                        .unwrap_or_else(|| d.new_state(r.conv.state.n_ctx())),
+                ),
+                None => None,
+            },
             ahead: VecDeque::new(),
             window_start: None,
             replayed: 0,
@@ -632,6 +639,8 @@ impl Answering {
                 conv.state.clear();
             }
         }
+        // The draft model's state goes with the conversation for its next answer.
+        conv.draft = self.draft_state.take();
         let (draft_proposed, draft_accepted) = self
             .repeats
             .as_ref()

@@ -23,6 +23,9 @@ pub struct Conversation {
     /// The name the server gave it (`None`: requests that named none).
     pub id: Option<String>,
     pub state: SeqState,
+    /// The draft model's state of the same tokens (`--draft`), as the last answer left it: the next
+    /// answer brings it up to the kept tokens instead of reading the conversation again.
+    pub draft: Option<SeqState>,
     /// Sorted by position, all at or before the state's position, each taken on this very token
     /// history. Shared so that a request's undo copy costs nothing.
     checkpoints: Vec<Arc<Checkpoint>>,
@@ -35,14 +38,17 @@ impl Conversation {
         Conversation {
             id,
             state,
+            draft: None,
             checkpoints: Vec::new(),
             last_used: 0,
         }
     }
 
-    /// Bytes held: the state and its checkpoints.
+    /// Bytes held: the state, its checkpoints and the draft model's state.
     pub fn bytes(&self) -> usize {
-        self.state.bytes() + self.checkpoints.iter().map(|c| c.bytes()).sum::<usize>()
+        self.state.bytes()
+            + self.checkpoints.iter().map(|c| c.bytes()).sum::<usize>()
+            + self.draft.as_ref().map_or(0, SeqState::bytes)
     }
 
     /// Checkpoints kept.
