@@ -823,3 +823,107 @@ fn a_cache_bias_leans_answers_to_cached_experts_and_says_so() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `poly-engine run` on `path` with `extra`: each step's token and probability, and the log.
+fn run_steps(path: &Path, extra: &[&str]) -> (Vec<(u32, f64)>, String) {
+    let bin = std::env::var("POLY_ENGINE_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_poly-engine").to_string());
+    let out = std::process::Command::new(bin)
+        .args(["run", "--gpu", "0", "--ignore-eos", "--max-tokens", "24"])
+        .args(["--top", "1", "--n-ctx", "256", "--no-expert-profile"])
+        .args(["--prompt-tokens", "1,5,9,14,20,27,35,44,54,65,77,90"])
+        .arg("--model")
+        .arg(path)
+        .args(extra)
+        .output()
+        .expect("poly-engine runs");
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{extra:?}: {log}");
+    // "   3 token   1572 p 0.9286  top 1572:0.9286"
+    let steps = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match (w.get(1), w.get(2), w.get(3), w.get(4)) {
+                (Some(&"token"), Some(t), Some(&"p"), Some(p)) => {
+                    Some((t.parse().ok()?, p.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    (steps, log)
+}
+
+/// `--bus-admissions-at ahead` (a finished layer's admissions over the bus queued after the next layer's
+/// staged flag and copies ahead) answers as the default does. On an F16 model, whose experts the card and
+/// the CPU multiply alike to rounding: half the experts cached, the cache following the answer on any
+/// miss, missing experts on the CPU (so admissions go over the bus); both orders write the greedy tokens
+/// of every expert in VRAM, with probabilities within the float placements' bound, and admissions over
+/// the bus happened. (Written without a card to run it on: the fifth session of 2026-12-06 had no
+/// device time.)
+#[test]
+fn bus_admissions_after_the_copies_answer_as_at_finish() {
+    if !gpu_present() {
+        return;
+    }
+    let path = float_model("qwen3moe");
+    let all = on_gpu(
+        &path,
+        placement(None, (0, Admissions::All), false, MissingExperts::Split),
+    );
+    let bytes = all.expert_stats().expect("a MoE model").bytes;
+    drop(all);
+    let half_mib = ((bytes / 2) >> 20).max(1).to_string();
+    let (reference, _) = run_steps(&path, &[]);
+    assert!(reference.len() >= 24, "{reference:?}");
+    let mut failures = Vec::new();
+    for when in ["finish", "ahead"] {
+        let (steps, log) = run_steps(
+            &path,
+            &[
+                "--expert-budget-mib",
+                &half_mib,
+                "--expert-uploads",
+                "2",
+                "--expert-noise-margin",
+                "0",
+                "--missing-experts",
+                "cpu",
+                "--bus-admissions-at",
+                when,
+            ],
+        );
+        let admitted = log
+            .lines()
+            .find_map(|l| {
+                l.split("; ")
+                    .find_map(|p| p.strip_suffix(" from scratch slots)"))
+            })
+            .and_then(|p| {
+                let (all, card) = p.split_once(" admitted (")?;
+                Some((all.parse::<u64>().ok()?, card.parse::<u64>().ok()?))
+            });
+        eprintln!(
+            "{when}: {} steps, admitted (all, from scratch) {admitted:?}",
+            steps.len()
+        );
+        match admitted {
+            Some((all, card)) if all > card => {}
+            other => failures.push(format!(
+                "{when}: no admission over the bus ({other:?}): {log}"
+            )),
+        }
+        if steps.len() != reference.len()
+            || steps
+                .iter()
+                .zip(&reference)
+                .any(|(a, b)| a.0 != b.0 || (a.1 - b.1).abs() > 0.01)
+        {
+            failures.push(format!(
+                "{when}: {steps:?}\nagainst every expert in VRAM {reference:?}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

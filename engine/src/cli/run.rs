@@ -253,8 +253,15 @@ pub fn run(args: RunArgs) -> CliResult {
     if let Some(c) = model.expert_stats() {
         eprintln!(
             "expert cache: {} of {} routings from VRAM; {} experts copied on demand, {} computed on \
-             the CPU, {} copied ahead ({} of them routed)",
-            c.routed_vram, c.routed, c.staged_decode, c.cpu_experts, c.ahead_copied, c.ahead_routed
+             the CPU, {} copied ahead ({} of them routed); {} admitted ({} from scratch slots)",
+            c.routed_vram,
+            c.routed,
+            c.staged_decode,
+            c.cpu_experts,
+            c.ahead_copied,
+            c.ahead_routed,
+            c.policy.uploads,
+            c.admitted_on_card
         );
         if c.skipped.steps > 0 {
             eprintln!(
