@@ -491,6 +491,19 @@ fn bench_moe_token_fused() {
     }
 }
 
+/// Seconds per `call` launched eagerly, and per call replayed from a graph of [`ITERS`] of them.
+fn eager_and_graph(
+    dev: &Device,
+    call: &mut impl FnMut(&Device) -> Result<(), CudaError>,
+) -> (f64, f64) {
+    let eager = time_launches(dev, || call(dev).expect("launch"));
+    let graph = dev
+        .capture(|dv| (0..ITERS).try_for_each(|_| call(dv)))
+        .expect("capture");
+    let replayed = time_launches(dev, || graph.replay().expect("replay")) / ITERS as f64;
+    (eager, replayed)
+}
+
 /// The i-quants on the card at llama.cpp's `test-backend-ops perf` shapes (issue 16 §5), to set beside its
 /// `MUL_MAT(type_a=…,type_b=f32,m=4096,n=N,k=14336)` and `MUL_MAT_ID(…,n_mats=128,n_used=8,m=768,n=1,k=2048)`
 /// lines on the same card: `benchmarks/iquant_card_vs_llama.sh` runs both and pairs them. As there, the
@@ -531,11 +544,7 @@ fn bench_iquants_as_test_backend_ops() {
                     _ => poly_kernels::cuda::prompt::matmul_q(dv, &wd, &xq, &mut y),
                 }
             };
-            let eager = time_launches(&dev, || call(&dev).expect("launch"));
-            let graph = dev
-                .capture(|dv| (0..ITERS).try_for_each(|_| call(dv)))
-                .expect("capture");
-            let replayed = time_launches(&dev, || graph.replay().expect("replay")) / ITERS as f64;
+            let (eager, replayed) = eager_and_graph(&dev, &mut call);
             println!(
                 "iq MUL_MAT type_a={} m={m} n={n} k={k}: eager {:.2} us, graph {:.2} us, {:.1} MB of weights",
                 ty.name().to_lowercase(),
@@ -561,11 +570,7 @@ fn bench_iquants_as_test_backend_ops() {
             ops::quantize_q8_1(dv, &xd, &mut xq)?;
             ops::matvec_experts_q(dv, stacked.table(), &idsd, &xq, ExpertInput::Shared, &mut y)
         };
-        let eager = time_launches(&dev, || call(&dev).expect("launch"));
-        let graph = dev
-            .capture(|dv| (0..ITERS).try_for_each(|_| call(dv)))
-            .expect("capture");
-        let replayed = time_launches(&dev, || graph.replay().expect("replay")) / ITERS as f64;
+        let (eager, replayed) = eager_and_graph(&dev, &mut call);
         println!(
             "iq MUL_MAT_ID type_a={} n_mats={n_expert} n_used=8 m={rows} n=1 k={cols}: eager {:.2} us, graph {:.2} us",
             ty.name().to_lowercase(),

@@ -28,3 +28,18 @@ pub mod telemetry;
 pub mod text;
 pub mod verify;
 pub mod web;
+
+/// The multi-threaded tokio runtime of a command (the server, the benchmarks), or `None` with the reason
+/// on stderr.
+pub fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("polystrata: cannot start the runtime: {e}");
+            None
+        }
+    }
+}

@@ -510,15 +510,8 @@ fn model_list(registry: &Registry) -> String {
 }
 
 fn run_server(registry: Arc<Registry>, args: ServeArgs) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("polystrata: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = polystrata::runtime() else {
+        return ExitCode::FAILURE;
     };
     runtime.block_on(async move {
         let limits = Limits {

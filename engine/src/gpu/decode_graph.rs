@@ -792,9 +792,11 @@ fn meet_steps(
             }
         }
         // The admissions the previous layer earned over the bus, behind this layer's copies.
-        let clock = Instant::now();
-        cache.queue_bus_admissions(cpu)?;
-        times.admit += clock.elapsed();
+        if plan.bus_later {
+            let clock = Instant::now();
+            cache.queue_bus_admissions(cpu)?;
+            times.admit += clock.elapsed();
+        }
     }
     Ok(())
 }

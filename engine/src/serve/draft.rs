@@ -31,25 +31,36 @@ pub fn refuses(main: &Model, draft: &Model) -> Option<String> {
     None
 }
 
-/// The draft model's state brought to `kept` (the main model's kept tokens, the one just written last),
-/// then up to `n` tokens it writes greedily after them.
+/// The draft model's state brought to the main model's kept tokens, `history` then `tail` (the tokens
+/// read again after a restore and the one just written; passed in two parts so that a token's window
+/// does not copy the conversation), then up to `n` tokens it writes greedily after them.
 pub fn guesses(
     draft: &Model,
     state: &mut SeqState,
-    kept: &[u32],
+    (history, tail): (&[u32], &[u32]),
     n: usize,
 ) -> Result<Vec<u32>, EngineError> {
-    if n == 0 || kept.is_empty() {
+    let len = history.len() + tail.len();
+    if n == 0 || len == 0 {
         return Ok(Vec::new());
     }
+    let mut same = common_prefix(state.tokens(), history);
+    if same == history.len() {
+        same += common_prefix(&state.tokens()[same..], tail);
+    }
     // At least the last kept token is read again: its row's logits give the first guess.
-    let same = common_prefix(state.tokens(), kept).min(kept.len() - 1);
+    let same = same.min(len - 1);
     if !state.truncate(same) {
         return Err(EngineError(
             "the draft model's state cannot be cut back".into(),
         ));
     }
-    let mut logits = draft.eval(state, &kept[same..], Logits::Last)?;
+    // What the state lacks: a few tokens, unless the conversation went back since the last window.
+    let unread: Vec<u32> = match same.checked_sub(history.len()) {
+        Some(t) => tail[t..].to_vec(),
+        None => [&history[same..], tail].concat(),
+    };
+    let mut logits = draft.eval(state, &unread, Logits::Last)?;
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let g = greedy(&logits);

@@ -420,12 +420,15 @@ impl<W: std::io::Write> Session<'_, W> {
             .min(job.max_tokens.saturating_sub(a.generated));
         let guesses = match (a.repeats.as_mut(), a.draft_state.as_mut(), self.draft) {
             (Some(rep), Some(ds), Some(draft)) if self.guess_rates.allow() => {
-                let kept = [conv.state.tokens(), &a.call, &[token]].concat();
                 let n = match rep.ready() {
                     true => rep.window_len(self.guess_rates.row_cost()).min(room),
                     false => 0,
                 };
-                match super::draft::guesses(draft, ds, &kept, n) {
+                a.call.push(token);
+                let kept = (conv.state.tokens(), a.call.as_slice());
+                let g = super::draft::guesses(draft, ds, kept, n);
+                a.call.pop();
+                match g {
                     Ok(g) => rep.count_proposed(g),
                     Err(e) => {
                         // The answer goes on without the draft model.

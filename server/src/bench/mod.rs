@@ -72,15 +72,8 @@ pub fn parse_prompt_tokens(s: &str) -> Result<Vec<usize>, String> {
 
 /// Runs the benchmark and prints its report (a table, or one JSON object with `json`) on stdout.
 pub fn run(registry: Arc<Registry>, opts: BenchOptions) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("polystrata: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = crate::runtime() else {
+        return ExitCode::FAILURE;
     };
     let outcome = runtime.block_on(async {
         let limits = Limits {

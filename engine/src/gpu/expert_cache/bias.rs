@@ -107,8 +107,11 @@ impl DeviceBias {
         else {
             return;
         };
+        let f = self.f;
         if let Some(part) = self.host.get_mut(start..end) {
-            part.copy_from_slice(&vector(end - start, self.f, resident));
+            for (e, v) in part.iter_mut().enumerate() {
+                *v = if resident(e) { f } else { 0.0 };
+            }
         }
     }
 
