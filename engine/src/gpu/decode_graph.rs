@@ -615,10 +615,11 @@ impl MoeSteps {
             flags.release();
         }
         r?;
-        // The card is past every point: the last layer's admissions may wait for it as usual.
-        match steps.len() {
-            0 => Ok(()),
-            n => step_at(steps, n - 1)?.finish((dev, cpu), cache, times),
+        // The card is past every point: the last layer's admissions may wait for it as usual (finished
+        // at its own sum, `--finish-layers-at sum`, it is done).
+        match (steps.len(), AheadPlan::in_force().finish_at_sum) {
+            (0, _) | (_, true) => Ok(()),
+            (n, false) => step_at(steps, n - 1)?.finish((dev, cpu), cache, times),
         }
     }
 
@@ -707,12 +708,13 @@ impl MoeSteps {
     }
 }
 
-/// The host's side of a one-graph token (queued whole): at each step's route flag the previous layer is
-/// finished (the card passed its experts and reads no routed slot until this layer's staged flag) and
-/// this layer prepared; its copies on demand are queued and its staged flag set after them (by the copy
-/// stream, or at once without copies) beside the CPU's share, whose sum then releases the card. The
-/// next layer's likeliest missing experts are copied ahead after the staged flag (`--copy-ahead-at
-/// route`) or once the sum is written (`sum`).
+/// The host's side of a one-graph token (queued whole): at each step's route flag this layer is
+/// prepared; its copies on demand are queued and its staged flag set after them (by the copy stream, or
+/// at once without copies) beside the CPU's share, whose sum then releases the card. The next layer's
+/// likeliest missing experts are copied ahead after the staged flag (`--copy-ahead-at route`) or once
+/// the sum is written (`sum`). The layer is finished (its admissions planned) right after that, while
+/// the card computes on (`--finish-layers-at sum`), or at the next step's route flag, when the card
+/// passed its experts (`route`).
 fn meet_host(
     steps: &mut [Option<MoeStep>],
     flags: &HostFlags,
@@ -750,7 +752,7 @@ fn meet_steps(
             }
         };
         times.route_wait += waited?;
-        if i > 0 {
+        if i > 0 && !plan.finish_at_sum {
             step_at(steps, i - 1)?.finish((dev, cpu), cache, times)?;
         }
         let next = next_step(steps, i);
@@ -797,6 +799,20 @@ fn meet_steps(
             cache.queue_bus_admissions(cpu)?;
             times.admit += clock.elapsed();
         }
+        // This layer finished while the card computes on towards the next router (its admissions
+        // planned; their copies over the bus held behind the next layer's when `bus_later`). Its
+        // on-card copies read this layer's half of the scratch slots, which the next copies ahead
+        // leave alone; their victims are never experts this layer routed to, which the card may
+        // still be reading.
+        if plan.finish_at_sum {
+            step_at(steps, i)?.finish((dev, cpu), cache, times)?;
+        }
+    }
+    // The last layer's admissions held for a next layer that does not come.
+    if plan.bus_later && plan.finish_at_sum {
+        let clock = Instant::now();
+        cache.queue_bus_admissions(cpu)?;
+        times.admit += clock.elapsed();
     }
     Ok(())
 }
@@ -815,6 +831,9 @@ struct AheadPlan {
     /// `--bus-admissions-at ahead`: a finished layer's admissions over the bus queued after the next
     /// layer's staged flag and copies ahead.
     bus_later: bool,
+    /// `--finish-layers-at sum`: a layer finished once its own sum and copies ahead are queued, not at
+    /// the next layer's route point.
+    finish_at_sum: bool,
 }
 
 impl AheadPlan {
@@ -829,6 +848,7 @@ impl AheadPlan {
             warm: f.cpu_warm,
             on_card,
             bus_later: f.bus_admissions_at == crate::knobs::BusAdmissionsAt::Ahead,
+            finish_at_sum: f.finish_layers_at == crate::knobs::FinishLayersAt::Sum,
         }
     }
 

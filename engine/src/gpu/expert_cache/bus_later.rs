@@ -1,8 +1,9 @@
 //! Admissions over the bus queued after the next layer's copies (`--bus-admissions-at ahead`).
 //!
-//! A one-graph token finishes layer `i − 1` at layer `i`'s route point, where the admissions layer
-//! `i − 1` earned are planned: victims chosen and taken out of the cache's residents, so layer `i`'s
-//! choices that follow already treat them as missing. Their copies over the bus, though, would go on the
+//! A one-graph token finishes layer `i − 1` before layer `i`'s choices (right after its own sum, or at
+//! layer `i`'s route point: `--finish-layers-at`), where the admissions layer `i − 1` earned are
+//! planned: victims chosen and taken out of the cache's residents, so layer `i`'s choices that follow
+//! already treat them as missing. Their copies over the bus, though, would go on the
 //! copy stream ahead of layer `i`'s copies on demand and ahead — and the card's experts of layer `i` wait
 //! on a flag the copy stream sets after those. So the copies wait here until the host has queued layer
 //! `i`'s flag and its copies ahead, then go while the card computes (measured on an H100 host: about
