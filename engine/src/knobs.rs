@@ -134,7 +134,9 @@ pub enum CpuShareThreads {
 }
 
 /// `--copy-ahead`'s default.
-pub const DEFAULT_COPY_AHEAD: usize = 1;
+/// Measured at 8 GB (2026-12-06) with the CPU computing the missing experts: two ahead as fast as one
+/// or faster on four synthetic files on two H100 hosts (q35s 160.1 against 155.1 t/s).
+pub const DEFAULT_COPY_AHEAD: usize = 2;
 
 impl Default for ForwardOptions {
     fn default() -> Self {

@@ -198,9 +198,9 @@ pub struct KnobArgs {
     /// MoE layer's experts guessed from this layer's input (the next router applied to it) and not on
     /// the card copied to it over the bus while the card computes the layer between, when host memory
     /// is otherwise idle; those the layer then routes to are computed on the card. 0 turns it off.
-    /// Measured on an H100 host at 8 GB: 1 gave +2% to +9% over 0 on four files; 2 was 4-11% slower
-    /// than 1 on all four (the copies outlast the card's stretch and hold the bus and host memory into
-    /// the next layer).
+    /// Measured on H100 hosts at 8 GB: 1 gave +2% to +9% over 0 on four files; with copies on demand
+    /// beside them 2 was 4-11% slower than 1, and with the CPU computing every other missing expert
+    /// (`--missing-experts cpu`, the default) 2 was as fast or faster on all four (2026-12-06).
     #[arg(long, value_name = "N", default_value_t = poly_engine::knobs::DEFAULT_COPY_AHEAD)]
     copy_ahead: usize,
     /// Who guesses the next MoE layer's experts for --copy-ahead and --cpu-warm: the card (one more

@@ -62,7 +62,9 @@ impl ExpertCache {
     ) -> CudaResult<Option<CpuShare>> {
         let n_expert = self.layers[layer].n_expert;
         let small = ids.len() < super::prefetch::ROUTINGS_PER_EXPERT * n_expert;
-        if self.missing != MissingExperts::Split
+        // `--missing-experts` says where a single token's experts go; a small prompt call splits by
+        // cost under `split` and `cpu` alike (`card` and `mapped` stage every one).
+        if !matches!(self.missing, MissingExperts::Split | MissingExperts::Cpu)
             || !small
             || !self.direct_copies()
             || staged.is_empty()
