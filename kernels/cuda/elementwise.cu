@@ -231,3 +231,53 @@ extern "C" __global__ void host_wait(unsigned int * flags, const int index, cons
     }
     waited[index] = global_ns() - start;
 }
+
+// A host point and the hand-over copies beside it in one launch (`--fuse host-points`), where three
+// launches a MoE layer were two: the copies down (`copy_words`) then the route signal (`host_signal`);
+// the staged wait (`host_wait`) then the step's sources up; the sum's wait then the sum up. With
+// `wait >= 0` thread 0 first waits as `host_wait` does (the same time-out, `waited[wait]` written); the
+// block's threads then copy; with `signal >= 0`, once every thread's writes are visible to the host (each
+// thread's system fence, then the block's barrier), thread 0 signals as `host_signal` does. One block:
+// the hand-over copies are a few thousand words at most.
+struct HostPointArgs {
+    unsigned long long flags;
+    unsigned long long waited;
+    unsigned long long timeout_ns;
+    int wait;
+    int signal;
+};
+
+extern "C" __global__ void copy_words_at_flags(const HostCopyArgs a, const HostPointArgs p) {
+    launch_prologue();
+    unsigned int * flags = (unsigned int *) p.flags;
+    if (p.wait >= 0 && threadIdx.x == 0) {
+        const unsigned int seq = load_acquire_sys(flags);
+        const unsigned long long start = global_ns();
+        while (load_acquire_sys(flags + p.wait) != seq) {
+            if (global_ns() - start > p.timeout_ns) {
+                asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(flags + 1), "r"(seq) : "memory");
+                break;
+            }
+            __nanosleep(100);
+        }
+        ((unsigned long long *) p.waited)[p.wait] = global_ns() - start;
+    }
+    // Thread 0's acquire and the barrier order the host's writes before every thread's reads; the reads
+    // are volatile so none is served from a line cached before the wait.
+    __syncthreads();
+    for (int c = 0; c < a.n_copies; ++c) {
+        const volatile uint32_t * src = (const volatile uint32_t *) a.src[c];
+        uint32_t * __restrict__ dst = (uint32_t *) a.dst[c];
+        for (int i = threadIdx.x; i < a.words[c]; i += blockDim.x) {
+            dst[i] = src[i];
+        }
+    }
+    if (p.signal >= 0) {
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned int seq = load_acquire_sys(flags);
+            asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(flags + p.signal), "r"(seq) : "memory");
+        }
+    }
+}

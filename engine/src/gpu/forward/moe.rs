@@ -5,6 +5,7 @@
 use super::fused::{fuse_on, Fusion};
 use super::*;
 use poly_kernels::cuda::ops::Tickets;
+use poly_kernels::cuda::HostPointArgs;
 
 /// The card's routed-expert outputs before they are summed per token.
 pub(super) enum CardExperts {
@@ -338,11 +339,12 @@ impl<'a> GpuForward<'a> {
                 self.route(x, &next, (ids, weights), selection)?;
             }
         }
-        step.queue_downloads(dev, x.buf()?)?;
+        let at = self.fused_point(HostPoint::Route(i))?;
+        step.queue_downloads(dev, x.buf()?, at.as_ref())?;
         let mut times = HostTimes::default();
-        if capturing {
+        if capturing && at.is_none() {
             self.host_point(HostPoint::Route(i))?;
-        } else {
+        } else if !capturing {
             step.wait_route(dev, &mut times)?;
         }
         // The shared expert while the host decides (a segment of its own between the two host points).
@@ -369,16 +371,20 @@ impl<'a> GpuForward<'a> {
                 prep.share
             }
         };
-        if capturing {
+        let at = self.fused_point(HostPoint::Staged(i))?;
+        if capturing && at.is_none() {
             self.host_point(HostPoint::Staged(i))?;
         }
-        step.queue_sources(dev)?;
+        step.queue_sources(dev, at.as_ref())?;
         let [g, u, d] = &step.tables;
         let y = self
             .moe_slots(x, &step.slot_ids, m, [g, u, d], None)?
             .ok_or_else(|| CudaError::Invalid("a segmented step's experts were summed".into()))?;
-        let r = if capturing {
+        let at = self.fused_point(HostPoint::CpuShare(i))?;
+        let r = if capturing && at.is_none() {
             self.host_point(HostPoint::CpuShare(i))
+        } else if capturing {
+            Ok(())
         } else {
             match self.experts.as_deref_mut() {
                 Some(cache) => step
@@ -391,7 +397,7 @@ impl<'a> GpuForward<'a> {
         };
         let t = self.op_begin();
         let r = r
-            .and_then(|()| step.queue_sum(dev, out.buf_mut()?))
+            .and_then(|()| step.queue_sum(dev, out.buf_mut()?, at.as_ref()))
             .and_then(|()| {
                 ops::moe_combine(
                     dev,
@@ -405,6 +411,20 @@ impl<'a> GpuForward<'a> {
         self.pool.put_f32(y);
         self.op_end("moe.combine", t);
         r.map(|()| shared_out)
+    }
+
+    /// With `--fuse host-points`, while a one-graph token is captured: the arguments of the hand-over
+    /// launch that meets `point` itself ([`HostPoint::fused_args`]); none otherwise (the point is then
+    /// queued on its own, [`GpuForward::host_point`]).
+    fn fused_point(&self, point: HostPoint) -> CudaResult<Option<HostPointArgs>> {
+        let flags = match &self.graph {
+            Some(g) if g.capturing && fuse_on(Fusion::HostPoints) => g.steps.flags.as_ref(),
+            _ => None,
+        };
+        match flags {
+            Some(flags) => point.fused_args(flags),
+            None => Ok(None),
+        }
     }
 
     /// A host point met by a capture: the card's side of its flag queued when the token is one graph
