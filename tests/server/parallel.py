@@ -1,7 +1,7 @@
 """Two chats at once through the official `openai` client: a long streamed answer, and a short request
-sent once the long one's first chunk has come. Prints one JSON object: when each ended (monotonic
-seconds), how each finished, and how many of the long answer's chunks came after the short answer was
-complete, so that server/tests/parallel.rs can tell whether the short one waited for the long one.
+sent once the long one's first chunk has come. Prints one JSON object: when each ended and when the long
+one's last chunk came (monotonic seconds), how each finished, and how many of the long answer's chunks
+came after the short answer was complete, so that server/tests/parallel.rs can tell whether the short one waited for the long one.
 
 Driven by server/tests/parallel.rs, which passes:
   POLYSTRATA_URL    http://127.0.0.1:PORT
@@ -61,5 +61,9 @@ result["short_finish"] = short.choices[0].finish_reason
 result["short_tokens"] = short.usage.completion_tokens
 worker.join(600)
 result["long_chunks"] = len(long_chunk_times)
+# When the long answer's last chunk came: `long_done` is taken after the stream's teardown, on another
+# thread, so with one place it can read a moment after the short answer's end though the short one
+# waited for every chunk.
+result["long_last_chunk"] = long_chunk_times[-1] if long_chunk_times else None
 result["long_chunks_after_short"] = sum(1 for t in long_chunk_times if t > result["short_done"])
 print(json.dumps(result))
