@@ -90,6 +90,83 @@ pub fn attention(
     );
 }
 
+/// Attention of each query over the cells it selected (a sparse-attention indexer's choice): query `i`
+/// sees the positions `cells[offsets[i]..offsets[i + 1]]` (ascending, below the cache length) and no
+/// others. As llama.cpp's flash attention reads an F16 cache, the query is rounded to f16; scores, the
+/// softmax and the weighted sum of values are f32. Shapes as in [`attention`]; `offsets` has one more
+/// entry than there are queries. A query without cells gets zeros.
+pub fn attention_cells(
+    q: &[f32],
+    (cells, offsets): (&[u32], &[usize]),
+    k: &[f32],
+    v: &[f32],
+    p: &AttnParams,
+    out: &mut [f32],
+) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let n_q = offsets.len().saturating_sub(1);
+    assert!(
+        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv),
+        "attention_cells: bad head counts"
+    );
+    assert_eq!(
+        q.len(),
+        n_q * p.n_head * dk,
+        "attention_cells: q has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        n_q * p.n_head * dv,
+        "attention_cells: out has the wrong length"
+    );
+    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
+    let n_kv = k.len() / k_row.max(1);
+    assert_eq!(
+        v.len(),
+        n_kv * v_row,
+        "attention_cells: v has the wrong length"
+    );
+    assert!(
+        cells.iter().all(|&c| (c as usize) < n_kv),
+        "attention_cells: a cell is past the cache"
+    );
+    let group = p.n_head / p.n_head_kv;
+    out.par_chunks_mut(dv).enumerate().for_each_init(
+        || (Vec::new(), vec![0f32; dk]),
+        |(scores, qh16): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
+            let (i, h) = (idx / p.n_head, idx % p.n_head);
+            let hk = h / group;
+            let sel = &cells[offsets[i]..offsets[i + 1]];
+            o.fill(0.0);
+            if sel.is_empty() {
+                return;
+            }
+            let qh = &q[(i * p.n_head + h) * dk..][..dk];
+            qh16.iter_mut()
+                .zip(qh)
+                .for_each(|(r, &x)| *r = half::f16::from_f32(x).to_f32());
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for &c in sel {
+                let mut s = p.scale * dot(qh16, &k[c as usize * k_row + hk * dk..][..dk]);
+                if let Some(cap) = p.softcap {
+                    s = cap * (s / cap).tanh();
+                }
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for (&c, s) in sel.iter().zip(scores.iter()) {
+                let w = (s - max).exp();
+                sum += w;
+                axpy(w, &v[c as usize * v_row + hk * dv..][..dv], o);
+            }
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+        },
+    );
+}
+
 /// Checks the shapes [`attention`] documents; returns the number of key/value positions.
 fn check_shapes(
     q: &[f32],

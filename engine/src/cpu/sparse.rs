@@ -1,0 +1,220 @@
+//! The CPU's bodies of the operations only it runs ([`Compute::layer_norm`], the hyper-connection
+//! streams, per-head products, the k-pool indexer and attention over the cells it selects): each works
+//! row by row, so its values do not depend on how many rows a call holds or on the thread count, and a
+//! conversation read in several calls gives what one call gives.
+//!
+//! [`Compute::layer_norm`]: poly_models::compute::Compute::layer_norm
+
+use std::ops::Range;
+
+use poly_kernels::ops::{attention, hyper, indexer, norm};
+use poly_models::compute::{Attention, HyperConnection, KPoolIndexer, WeightId};
+
+use super::{par_rows_map, rows_of, CpuWeights, Mat};
+use crate::state::{KvPrecision, LayerState, SeqState};
+
+/// `(x − mean)/sqrt(var + eps) ⊙ weight + bias` over each row.
+pub(super) fn layer_norm(
+    w: &CpuWeights,
+    x: &Mat,
+    (weight, bias): (Option<WeightId>, Option<WeightId>),
+    eps: f32,
+) -> Mat {
+    let (weight, bias) = (weight.map(|id| w.f32(id)), bias.map(|id| w.f32(id)));
+    let mut out = Mat::zeros(x.rows, x.cols);
+    par_rows_map(&x.data, x.cols, &mut out.data, x.cols, |_, x, o| {
+        norm::layer_norm(x, x.len(), (weight, bias), eps, o)
+    });
+    out
+}
+
+/// Each row's block input and mixing weights ([`poly_models::compute::Compute::hc_pre`]).
+pub(super) fn hc_pre(w: &CpuWeights, streams: &Mat, mix: &Mat, hc: &HyperConnection) -> (Mat, Mat) {
+    let (scale, base) = (w.f32(hc.scale), w.f32(hc.base));
+    let n_mix = (2 + hc.hc) * hc.hc;
+    assert!(
+        mix.cols == n_mix && mix.rows == streams.rows && streams.cols.is_multiple_of(hc.hc),
+        "hc_pre: the streams and mixes do not fit {} streams",
+        hc.hc
+    );
+    let mut weights = Mat::zeros(mix.rows, n_mix);
+    let shape = (hc.hc, hc.sinkhorn_iters, hc.eps);
+    par_rows_map(&mix.data, n_mix, &mut weights.data, n_mix, |_, m, o| {
+        hyper::hc_weights(m, scale, base, shape, o)
+    });
+    let n_embd = streams.cols / hc.hc;
+    let mut x = Mat::zeros(streams.rows, n_embd);
+    par_rows_map(
+        &streams.data,
+        streams.cols,
+        &mut x.data,
+        n_embd,
+        |r, s, o| hyper::hc_pre(s, &weights.row(r)[..hc.hc], o),
+    );
+    (x, weights)
+}
+
+/// Each row's new streams ([`poly_models::compute::Compute::hc_post`]).
+pub(super) fn hc_post(x: &Mat, streams: &Mat, weights: &Mat) -> Mat {
+    let hc = streams.cols / x.cols.max(1);
+    assert!(
+        x.rows == streams.rows && weights.rows == x.rows && weights.cols == (2 + hc) * hc,
+        "hc_post: shapes differ"
+    );
+    let mut out = Mat::zeros(streams.rows, streams.cols);
+    par_rows_map(
+        &streams.data,
+        streams.cols,
+        &mut out.data,
+        streams.cols,
+        |r, s, o| hyper::hc_post(x.row(r), s, &weights.row(r)[hc..], o),
+    );
+    out
+}
+
+/// Head `h` of each row times head `h`'s matrix of `w` (`[in, out, n_head]`).
+pub(super) fn matmul_heads(w: &CpuWeights, id: WeightId, x: &Mat) -> Mat {
+    let info = w.info(id);
+    let dim = |i: usize| info.dims.get(i).copied().unwrap_or(1) as usize;
+    let (n_in, n_out, n_head) = (dim(0), dim(1), dim(2));
+    assert_eq!(
+        x.cols,
+        n_in * n_head,
+        "matmul_heads: the activation is not n_head rows of the matrices' width"
+    );
+    let m = w.f32(id);
+    let mut out = Mat::zeros(x.rows, n_out * n_head);
+    par_rows_map(&x.data, x.cols, &mut out.data, n_out * n_head, |_, x, o| {
+        for h in 0..n_head {
+            let xh = &x[h * n_in..(h + 1) * n_in];
+            let wh = &m[h * n_out * n_in..(h + 1) * n_out * n_in];
+            for (o, row) in o[h * n_out..(h + 1) * n_out]
+                .iter_mut()
+                .zip(wh.chunks_exact(n_in))
+            {
+                *o = poly_kernels::ops::dot(xh, row);
+            }
+        }
+    });
+    out
+}
+
+/// The KV cache of `layer` in `state`, after appending `k` and `v` (`op` names the operation for the
+/// panics a wrong state deserves; the graph's own layer states make them unreachable).
+fn extend_cache<'s>(
+    state: &'s mut SeqState,
+    layer: usize,
+    (k, v): (&[f32], &[f32]),
+    op: &str,
+) -> &'s crate::state::KvCache {
+    let pos0 = state.n_past();
+    let LayerState::Kv(cache) = state.layer_mut(layer) else {
+        panic!("{op} on layer {layer}, whose state is not a cache");
+    };
+    assert_eq!(
+        cache.len(),
+        pos0,
+        "{op}: layer {layer}'s cache is not at the batch's position"
+    );
+    assert_ne!(
+        cache.precision,
+        KvPrecision::Q8_0,
+        "{op}: Q8_0 caches are refused at load for this graph"
+    );
+    cache.append(k, v);
+    cache
+}
+
+/// The states of one call with the rows each reads, and the rows' positions.
+pub(super) type Seqs<'s, 'a> = &'s mut [(&'a mut SeqState, Range<usize>)];
+
+/// [`poly_models::compute::Compute::kpool_select`] for every state of the call.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn kpool_select(
+    w: &CpuWeights,
+    seqs: Seqs<'_, '_>,
+    positions: &[u32],
+    layer: usize,
+    (q, k, gate, wts): (&Mat, &Mat, &Mat, &Mat),
+    idx: &KPoolIndexer,
+) -> Mat {
+    let shape = indexer::KPoolShape {
+        n_head: idx.n_head,
+        head_dim: idx.head_dim,
+        kpool: idx.kpool,
+        top_pools: idx.top_k / idx.kpool,
+        select_tail: idx.select_tail,
+    };
+    let width = shape.max_cells();
+    let ape = w.f32(idx.ape);
+    let mut out = Mat::from_vec(q.rows, width, vec![-1.0; q.rows * width]);
+    for (state, rows) in seqs.iter_mut() {
+        let cache = extend_cache(
+            state,
+            layer,
+            (rows_of(k, rows), rows_of(gate, rows)),
+            "kpool_select",
+        );
+        let pooled = indexer::pool_keys(cache.keys(), cache.values(), ape, idx.kpool, idx.head_dim);
+        let dst = &mut out.data[rows.start * width..rows.end * width];
+        par_rows_map(rows_of(q, rows), q.cols, dst, width, |r, qr, o| {
+            let i = rows.start + r;
+            let pos = positions[i] as usize;
+            let cells = indexer::select_cells(qr, wts.row(i), &pooled, pos, &shape);
+            for (o, c) in o.iter_mut().zip(cells) {
+                *o = c as f32;
+            }
+        });
+    }
+    out
+}
+
+/// [`poly_models::compute::Compute::attention_cells`] for every state of the call.
+pub(super) fn attention_cells(
+    seqs: Seqs<'_, '_>,
+    layer: usize,
+    (q, k, v): (&Mat, &Mat, &Mat),
+    a: &Attention,
+    sel: &Mat,
+) -> Mat {
+    assert_eq!(sel.rows, q.rows, "attention_cells: a selection per row");
+    let p = attention::AttnParams {
+        n_head: a.n_head,
+        n_head_kv: a.n_head_kv,
+        head_dim_k: a.head_dim_k,
+        head_dim_v: a.head_dim_v,
+        scale: a.scale,
+        window: a.window,
+        softcap: a.softcap,
+    };
+    let width = a.n_head * a.head_dim_v;
+    let mut out = Mat::zeros(q.rows, width);
+    for (state, rows) in seqs.iter_mut() {
+        let cache = extend_cache(
+            state,
+            layer,
+            (rows_of(k, rows), rows_of(v, rows)),
+            "attention_cells",
+        );
+        let mut cells = Vec::new();
+        let mut offsets = vec![0];
+        for r in rows.clone() {
+            cells.extend(
+                sel.row(r)
+                    .iter()
+                    .take_while(|&&c| c >= 0.0)
+                    .map(|&c| c as u32),
+            );
+            offsets.push(cells.len());
+        }
+        attention::attention_cells(
+            rows_of(q, rows),
+            (&cells, &offsets),
+            cache.keys(),
+            cache.values(),
+            &p,
+            &mut out.data[rows.start * width..rows.end * width],
+        );
+    }
+    out
+}
