@@ -329,6 +329,8 @@ fn a_glm5_next_file_is_written_and_run_on_the_cpu() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    assert!(out.contains("3 generated"), "{out}");
+    // One line per written token: "   0 token   1272 p 0.2012  top ...".
+    let written = out.lines().filter(|l| l.contains(" token ")).count();
+    assert_eq!(written, 3, "{out}");
     std::fs::remove_dir_all(dir).ok();
 }

@@ -166,6 +166,46 @@ def kda(m, x, il):
     gated = rms(o, m.eps) * m.w(b + "ssm_norm.weight") * sig(g2)
     return gated.reshape(T, -1) @ m.w(b + "attn_output.weight").T
 
+def partial_sort_top_k(s, k):
+    """The indices ggml's CPU top_k keeps: libstdc++'s std::partial_sort (value greater first) of 0..n,
+    whose __heap_select keeps, among equal values at the cut, those its heap of the first k holds."""
+    idx = list(range(len(s)))
+
+    def comp(a, b):
+        return s[a] > s[b]
+
+    def push_heap(h, hole, top, value):
+        parent = (hole - 1) // 2
+        while hole > top and comp(h[parent], value):
+            h[hole] = h[parent]
+            hole = parent
+            parent = (hole - 1) // 2
+        h[hole] = value
+
+    def adjust_heap(h, hole, n, value):
+        top = second = hole
+        while second < (n - 1) // 2:
+            second = 2 * (second + 1)
+            if comp(h[second], h[second - 1]):
+                second -= 1
+            h[hole] = h[second]
+            hole = second
+        if n % 2 == 0 and second == (n - 2) // 2:
+            second = 2 * (second + 1)
+            h[hole] = h[second - 1]
+            hole = second - 1
+        push_heap(h, hole, top, value)
+
+    heap = idx[:k]
+    if k >= 2:
+        for parent in range((k - 2) // 2, -1, -1):
+            adjust_heap(heap, parent, k, heap[parent])
+    for i in idx[k:]:
+        if comp(i, heap[0]):
+            adjust_heap(heap, 0, k, i)
+    return np.array(sorted(heap))
+
+
 def indexer(m, x, qr, il):
     b = f"blk.{il}."
     T, kp = x.shape[0], m.kp
@@ -193,7 +233,7 @@ def indexer(m, x, qr, il):
         if len(vis) > n_top:
             s = score[t, vis]
             order = np.argsort(-s, kind="stable")
-            chosen = vis[order[:n_top]]
+            chosen = vis[partial_sort_top_k(s, n_top)]
             if s[order[n_top - 1]] == s[order[n_top]]:
                 ties += 1
         else:

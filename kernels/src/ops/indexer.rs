@@ -74,8 +74,8 @@ pub fn pool_keys(
 
 /// The cells a query at position `pos` attends to, ascending: the cells of its best `top_pools` complete
 /// pools (those ending at or before `pos`; all of them when there are no more), scored as
-/// `Σ_h relu(q_h · pool) · w[h]` (`q` `[n_head, head_dim]`, `w` `[n_head]`; equal scores keep the lower
-/// pool), and with `select_tail` the cells of its own incomplete pool up to `pos`. `pooled` is
+/// `Σ_h relu(q_h · pool) · w[h]` (`q` `[n_head, head_dim]`, `w` `[n_head]`; among equal scores at the
+/// cut those ggml's `top_k` keeps: [`super::topk::top_k_partial_sort`]), and with `select_tail` the cells of its own incomplete pool up to `pos`. `pooled` is
 /// [`pool_keys`]' output (at least the pools `pos` can see).
 pub fn select_cells(q: &[f32], w: &[f32], pooled: &[f32], pos: usize, s: &KPoolShape) -> Vec<u32> {
     let (kp, dim) = (s.kpool, s.head_dim);
@@ -98,9 +98,8 @@ pub fn select_cells(q: &[f32], w: &[f32], pooled: &[f32], pos: usize, s: &KPoolS
                     .sum()
             })
             .collect();
-        pools.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-        pools.truncate(s.top_pools);
-        pools.sort_unstable();
+        // llama.cpp's choice among equal scores at the cut (an all-zero relu score is common).
+        pools = super::topk::top_k_partial_sort(&scores, s.top_pools);
     }
     let mut cells: Vec<u32> = pools
         .iter()

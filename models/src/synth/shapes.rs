@@ -392,7 +392,7 @@ pub fn all_shapes() -> Vec<Shape> {
             arch: glm5_next::ARCH,
             name: "tiny",
             aliases: &[],
-            description: "4 layers (KDA, MLA with a full indexer, KDA, MLA reusing it) and an MTP block, 256 wide, 4 mHC streams, 2 heads, a dense first block, then 4 experts (2 used) of 64 and a shared one; indexer pools of 4, 16 cells kept",
+            description: "4 layers (KDA, MLA with a full indexer, KDA, MLA reusing it) and an MTP block, 64 wide, 4 mHC streams, 2 heads, a dense first block, then 4 experts (2 used) of 64 and a shared one; indexer pools of 4, 16 cells kept",
             default_type: GgmlType::Q8_0,
             hparams: ModelHparams::Glm5Next(glm5_next_tiny(v)),
         },
@@ -466,14 +466,15 @@ fn gemma4_tiny(v: u64) -> Gemma4Hparams {
 fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
     // 8 indexer heads: with 2, a pool's score is exactly 0 (every head's relu 0) often enough that a
     // token's top-k cut falls on a tie (16 of 100 tokens), which llama.cpp breaks in std::partial_sort's
-    // order (tests/witness/glm5_next_reference.py). Small enough that a fixture is under 3 MB (the
-    // unquantized mHC matrices are 96 KiB each at 256 wide): 4 trunk blocks, 2 heads, latents of 32,
-    // 4 experts.
+    // order (tests/witness/glm5_next_reference.py). Small enough that the witness fixture, in F32, is
+    // under 3 MB: 64 wide, 4 trunk blocks, 2 heads, latents of 32, 4 experts. (In F32: on quantized
+    // files this tiny model turns last-bit differences into probability differences of a few
+    // hundredths, tests/witness/README.md.)
     let n = 5;
     Glm5NextHparams {
         n_vocab: v,
         n_ctx_train: TINY_CONTEXT,
-        n_embd: 256,
+        n_embd: 64,
         n_layer: n - 1,
         n_nextn: 1,
         n_ff: 128,
