@@ -319,5 +319,24 @@ mod tests {
         assert!(q35.needs_fused_moe().is_none());
         let llama = uses_of("llama-tiny-q4km.gguf");
         assert_eq!(llama, GraphUses::default());
+        // Only glm5-next uses operations the card lacks.
+        assert!([&lfm, &q35, &g4]
+            .iter()
+            .all(|u| u.needs_cpu_only_ops().is_none()));
+        let glm = uses_of("glm5-next-tiny-f32.gguf");
+        assert!(glm.moe_selection_bias && glm.gated_delta_net && glm.ssm_conv);
+        let ops = glm
+            .needs_cpu_only_ops()
+            .expect("operations only the CPU runs");
+        for what in [
+            "mHC",
+            "k-pool",
+            "selected",
+            "per key channel",
+            "per-head",
+            "layer norm",
+        ] {
+            assert!(ops.contains(what), "{what}: {ops}");
+        }
     }
 }
