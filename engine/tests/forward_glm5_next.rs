@@ -115,7 +115,7 @@ fn blocks_then_conv_and_indexer_states_are_laid_out_by_kind() {
                 s,
                 StateSpec::Kv {
                     n_head_kv: 1,
-                    head_dim_k: 32,
+                    head_dim_k: 64,
                     head_dim_v: 32,
                     window: None
                 }

@@ -416,10 +416,11 @@ pub trait Compute {
         cpu_only("matmul_heads")
     }
 
-    /// The k-pool indexer of `layer` (whose state is its cache: one row of key and gate per position):
-    /// appends the batch's keys `k` (layer-normed) and pool gates `gate` (`[n, head_dim]` each, rounded
-    /// to f16 as an f16 cache holds them), pools every complete pool of `kpool` cells (per channel, a
-    /// softmax over its members of gate + `ape` weighs their keys), and for each token scores the pools
+    /// The k-pool indexer of `layer` (whose state is its cache: per position a key row of `2·head_dim`,
+    /// the key then, in a pool's last cell, the pool's key, and the gate as the value): appends the
+    /// batch's keys `k` (layer-normed) and pool gates `gate` (`[n, head_dim]` each, rounded to f16 as an
+    /// f16 cache holds them), pools every pool the batch completes (per channel, a softmax over its
+    /// members of gate + `ape` weighs their keys), and for each token scores the pools
     /// it can see (those ending at or before it) as `Σ_h relu(q_h·pool)·w_h` (`q` `[n, n_head·head_dim]`,
     /// `w` `[n, n_head]`), keeping the best `top_k / kpool` and, with `select_tail`, the cells of its own
     /// incomplete pool. Returns `[n, max_cells]`: each token's cells (positions) ascending as f32, then

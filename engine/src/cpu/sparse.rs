@@ -128,8 +128,11 @@ fn extend_cache<'s>(
 /// The states of one call with the rows each reads, and the rows' positions.
 pub(super) type Seqs<'s, 'a> = &'s mut [(&'a mut SeqState, Range<usize>)];
 
-/// [`poly_models::compute::Compute::kpool_select`] for every state of the call.
-#[allow(clippy::too_many_arguments)]
+/// [`poly_models::compute::Compute::kpool_select`] for every state of the call. The indexer's cache row
+/// of a cell is its key then, in the last cell of a pool, that pool's key (zeros elsewhere), and its gate
+/// as the value: a pool's key is computed once, when the call that completes it appends its last cell
+/// (from its members' rows as the cache holds them), so a decoded token reads the pooled keys instead
+/// of pooling the whole context again, and cutting the cache cuts the pools with it.
 pub(super) fn kpool_select(
     w: &CpuWeights,
     seqs: Seqs<'_, '_>,
@@ -145,22 +148,61 @@ pub(super) fn kpool_select(
         top_pools: idx.top_k / idx.kpool,
         select_tail: idx.select_tail,
     };
+    let (dim, kp) = (idx.head_dim, idx.kpool);
     let width = shape.max_cells();
     let ape = w.f32(idx.ape);
     let mut out = Mat::from_vec(q.rows, width, vec![-1.0; q.rows * width]);
     for (state, rows) in seqs.iter_mut() {
-        let cache = extend_cache(
-            state,
-            layer,
-            (rows_of(k, rows), rows_of(gate, rows)),
-            "kpool_select",
+        let pos0 = state.n_past();
+        let LayerState::Kv(cache) = state.layer_mut(layer) else {
+            panic!("kpool_select on layer {layer}, whose state is not a cache");
+        };
+        assert_eq!(
+            cache.len(),
+            pos0,
+            "kpool_select: layer {layer}'s cache is not at the batch's position"
         );
-        let pooled = indexer::pool_keys(cache.keys(), cache.values(), ape, idx.kpool, idx.head_dim);
+        assert!(
+            cache.precision != KvPrecision::Q8_0 && cache.head_dim_k == 2 * dim,
+            "kpool_select: layer {layer}'s cache is not an f16/f32 cache of key and pooled key"
+        );
+        let round = |x: &f32| match cache.precision {
+            KvPrecision::F16 => half::f16::from_f32(*x).to_f32(),
+            _ => *x,
+        };
+        // The members of the pool in progress (cached), then the batch's rows as the cache will hold
+        // them: the pools this call completes.
+        let start = pos0 - pos0 % kp;
+        let n = rows.len();
+        let mut keys = Vec::with_capacity((pos0 + n - start) * dim);
+        let mut gates = Vec::with_capacity(keys.capacity());
+        for c in start..pos0 {
+            keys.extend_from_slice(&cache.keys()[c * 2 * dim..][..dim]);
+            gates.extend_from_slice(&cache.values()[c * dim..][..dim]);
+        }
+        keys.extend(rows_of(k, rows).iter().map(round));
+        gates.extend(rows_of(gate, rows).iter().map(round));
+        let completed = indexer::pool_keys(&keys, &gates, ape, kp, dim);
+        let mut krows = vec![0f32; n * 2 * dim];
+        for (i, row) in krows.chunks_exact_mut(2 * dim).enumerate() {
+            row[..dim].copy_from_slice(&keys[(pos0 - start + i) * dim..][..dim]);
+        }
+        for (j, pooled) in completed.chunks_exact(dim).enumerate() {
+            // Its last cell is in this call: the pool in progress was incomplete before it.
+            let i = start + j * kp + kp - 1 - pos0;
+            krows[i * 2 * dim + dim..(i + 1) * 2 * dim].copy_from_slice(pooled);
+        }
+        cache.append(&krows, &gates[(pos0 - start) * dim..]);
+        let pooled = indexer::PooledKeys {
+            data: cache.keys(),
+            stride: kp * 2 * dim,
+            offset: (kp - 1) * 2 * dim + dim,
+        };
         let dst = &mut out.data[rows.start * width..rows.end * width];
         par_rows_map(rows_of(q, rows), q.cols, dst, width, |r, qr, o| {
             let i = rows.start + r;
             let pos = positions[i] as usize;
-            let cells = indexer::select_cells(qr, wts.row(i), &pooled, pos, &shape);
+            let cells = indexer::select_cells(qr, wts.row(i), pooled, pos, &shape);
             for (o, c) in o.iter_mut().zip(cells) {
                 *o = c as f32;
             }

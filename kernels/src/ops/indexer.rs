@@ -72,12 +72,28 @@ pub fn pool_keys(
     out
 }
 
+/// Where the pooled keys are: pool `p`'s key is `data[p·stride + offset ..][..head_dim]` ([`pool_keys`]'
+/// output is `(data, head_dim, 0)`; a cache that keeps each pool's key in its last cell's row has its own
+/// stride and offset).
+#[derive(Clone, Copy, Debug)]
+pub struct PooledKeys<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+}
+
 /// The cells a query at position `pos` attends to, ascending: the cells of its best `top_pools` complete
 /// pools (those ending at or before `pos`; all of them when there are no more), scored as
 /// `Σ_h relu(q_h · pool) · w[h]` (`q` `[n_head, head_dim]`, `w` `[n_head]`; among equal scores at the
-/// cut those ggml's `top_k` keeps: [`super::topk::top_k_partial_sort`]), and with `select_tail` the cells of its own incomplete pool up to `pos`. `pooled` is
-/// [`pool_keys`]' output (at least the pools `pos` can see).
-pub fn select_cells(q: &[f32], w: &[f32], pooled: &[f32], pos: usize, s: &KPoolShape) -> Vec<u32> {
+/// cut those ggml's `top_k` keeps: [`super::topk::top_k_partial_sort`]), and with `select_tail` the
+/// cells of its own incomplete pool up to `pos`. `pooled` holds at least the pools `pos` can see.
+pub fn select_cells(
+    q: &[f32],
+    w: &[f32],
+    pooled: PooledKeys<'_>,
+    pos: usize,
+    s: &KPoolShape,
+) -> Vec<u32> {
     let (kp, dim) = (s.kpool, s.head_dim);
     assert_eq!(
         q.len(),
@@ -86,12 +102,15 @@ pub fn select_cells(q: &[f32], w: &[f32], pooled: &[f32], pos: usize, s: &KPoolS
     );
     assert_eq!(w.len(), s.n_head, "select_cells: w has the wrong length");
     let visible = (pos + 1) / kp;
-    assert!(pooled.len() >= visible * dim, "select_cells: pools missing");
+    assert!(
+        visible == 0 || (visible - 1) * pooled.stride + pooled.offset + dim <= pooled.data.len(),
+        "select_cells: pools missing"
+    );
     let mut pools: Vec<usize> = (0..visible).collect();
     if visible > s.top_pools {
         let scores: Vec<f32> = (0..visible)
             .map(|p| {
-                let key = &pooled[p * dim..(p + 1) * dim];
+                let key = &pooled.data[p * pooled.stride + pooled.offset..][..dim];
                 q.chunks_exact(dim)
                     .zip(w)
                     .map(|(qh, &wh)| super::dot(qh, key).max(0.0) * wh)
@@ -134,14 +153,18 @@ mod tests {
             select_tail: true,
         };
         // Pools 0, 1, 2 with keys 1, 3, 2; one head of weight 1, query 1.
-        let pooled = [1.0f32, 3.0, 2.0];
+        let pooled = PooledKeys {
+            data: &[1.0f32, 3.0, 2.0],
+            stride: 1,
+            offset: 0,
+        };
         // At position 4 pools 0 and 1 are complete: pool 1 wins; cell 4 is the tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], &pooled, 4, &s), vec![2, 3, 4]);
+        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 4, &s), vec![2, 3, 4]);
         // At position 5 pool 2 completes; pool 1 still wins and there is no tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], &pooled, 5, &s), vec![2, 3]);
+        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 5, &s), vec![2, 3]);
         // At position 1 the only pool is visible: all of it.
-        assert_eq!(select_cells(&[1.0], &[1.0], &pooled, 1, &s), vec![0, 1]);
+        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 1, &s), vec![0, 1]);
         // At position 0 only the tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], &pooled, 0, &s), vec![0]);
+        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 0, &s), vec![0]);
     }
 }

@@ -4,8 +4,8 @@
 //! The layer states ([`Forward::layer_states`]): one per trunk block (a KDA block's Q convolution and
 //! its delta-rule matrices; an MLA block's cache of the normed KV latent, as keys and values alike),
 //! then, in block order, each KDA block's K and V convolutions and each full-indexer block's indexer
-//! cache (a KV cache of one `key_length` head: the layer-normed key as the key, the pool gate as the
-//! value, both rounded to f16 as llama.cpp's cache rounds them). Every state is one the engine already
+//! cache (a KV cache of one head: as the key the layer-normed key and, in a pool's last cell, the pool's
+//! key; the pool gate as the value; rounded to f16 as llama.cpp's cache rounds them). Every state is one the engine already
 //! keeps, cuts, parks and restores, so a conversation read in several calls is the one read at once.
 //!
 //! The MTP block is not run (llama.cpp has no graph for it either). The SwiGLU limits
@@ -174,10 +174,11 @@ impl Glm5NextGraph {
             } else {
                 let indexer = if hp.indexer_full[il as usize] {
                     let dim = hp.indexer_head_dim as usize;
+                    // Key rows hold the token's key, then its pool's key in a pool's last cell.
                     let state = next_state(
                         StateSpec::Kv {
                             n_head_kv: 1,
-                            head_dim_k: dim,
+                            head_dim_k: 2 * dim,
                             head_dim_v: dim,
                             window: None,
                         },
