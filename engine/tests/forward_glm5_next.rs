@@ -228,3 +228,65 @@ fn a_gpu_or_q8_0_caches_asked_for_refuse_the_model_with_the_reason() {
         .expect_err("refused");
     assert!(e.0.contains("q8_0") && e.0.contains("k-pool"), "{e}");
 }
+
+/// The other forms the file may ask for: the decay's lower-bound form (`kda.gate_lower_bound`) and no
+/// tail (`kpool_select_tail` false: a token before its first complete pool attends to nothing, its
+/// attention output zeros, as llama.cpp's). Both run, differ from the tiny shape's forms, and carry
+/// across calls bit for bit. (Against llama.cpp, on the F32 fixture rewritten with these keys: within
+/// 7.5e-4 at 25 tokens and 2e-4 at 500 and 2000; see the commit that added this test.)
+#[test]
+fn the_lower_bound_decay_and_no_tail_forms_run_and_carry_across_calls() {
+    let dir: PathBuf =
+        std::env::temp_dir().join(format!("poly-engine-glm5-forms-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = random_tokens(40, 2048, 9);
+    let last_row = |m: &Model, calls: &[usize]| {
+        let mut state = m.new_state(64);
+        let (mut at, mut out) = (0, Vec::new());
+        for &n in calls.iter().cycle() {
+            if at == tokens.len() {
+                break;
+            }
+            let n = n.min(tokens.len() - at);
+            out = m
+                .eval(&mut state, &tokens[at..at + n], Logits::Last)
+                .unwrap();
+            at += n;
+        }
+        out
+    };
+    let load = |name: &str, edit: &dyn Fn(&mut poly_models::arch::Glm5NextHparams)| {
+        let mut shape = find_shape("glm5-next", "tiny").unwrap();
+        let ModelHparams::Glm5Next(h) = &mut shape.hparams else {
+            unreachable!("a glm5-next shape")
+        };
+        edit(h);
+        let path = dir.join(name);
+        write_synth(shape, GgmlType::Q8_0, 3, &path);
+        let m = Model::load(&path)
+            .unwrap()
+            .with_arithmetic(Arithmetic::BatchInvariant);
+        std::fs::remove_file(&path).unwrap();
+        m
+    };
+    let base = last_row(invariant(), &[40]);
+    for (name, edit) in [
+        (
+            "lower-bound.gguf",
+            &(|h: &mut poly_models::arch::Glm5NextHparams| h.kda_gate_lower_bound = Some(-5.0))
+                as &dyn Fn(&mut poly_models::arch::Glm5NextHparams),
+        ),
+        ("no-tail.gguf", &|h| h.indexer_select_tail = false),
+    ] {
+        let m = load(name, edit);
+        let whole = last_row(&m, &[40]);
+        assert!(whole.iter().all(|x| x.is_finite()), "{name}");
+        assert!(
+            max_diff(&softmax(&whole), &softmax(&base)) > 1e-3,
+            "{name}: the form changed nothing"
+        );
+        for calls in [&[1usize][..], &[7, 3, 13]] {
+            assert_eq!(last_row(&m, calls), whole, "{name}: calls of {calls:?}");
+        }
+    }
+}

@@ -47,9 +47,7 @@ impl GraphUses {
              per-expert scales)",
         )
     }
-}
 
-impl GraphUses {
     /// What a backend that runs only the common operations says of these uses: `None` when they need
     /// none of the CPU's own ([`GraphUses::cpu_only`]).
     pub fn needs_cpu_only_ops(&self) -> Option<String> {
