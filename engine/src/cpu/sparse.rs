@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use poly_kernels::ops::{attention, hyper, indexer, norm};
+use poly_kernels::ops::{attention, hyper, indexer, norm, recurrent};
 use poly_models::compute::{Attention, HyperConnection, KPoolIndexer, WeightId};
 
 use super::{par_rows_map, rows_of, CpuWeights, Mat};
@@ -85,15 +85,15 @@ pub(super) fn matmul_heads(w: &CpuWeights, id: WeightId, x: &Mat) -> Mat {
     let m = w.f32(id);
     let mut out = Mat::zeros(x.rows, n_out * n_head);
     par_rows_map(&x.data, x.cols, &mut out.data, n_out * n_head, |_, x, o| {
+        // Each head's product as ggml's F32 mul_mat computes it for a permuted (non-contiguous)
+        // activation: every output one ggml_vec_dot_f32, whatever the row count.
         for h in 0..n_head {
-            let xh = &x[h * n_in..(h + 1) * n_in];
-            let wh = &m[h * n_out * n_in..(h + 1) * n_out * n_in];
-            for (o, row) in o[h * n_out..(h + 1) * n_out]
-                .iter_mut()
-                .zip(wh.chunks_exact(n_in))
-            {
-                *o = poly_kernels::ops::dot(xh, row);
-            }
+            recurrent::dot_rows_ggml(
+                &m[h * n_out * n_in..(h + 1) * n_out * n_in],
+                n_in,
+                &x[h * n_in..(h + 1) * n_in],
+                &mut o[h * n_out..(h + 1) * n_out],
+            );
         }
     });
     out

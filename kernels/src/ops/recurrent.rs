@@ -265,6 +265,35 @@ fn delta_head(x: &DeltaInputs<'_>, h: usize, s: &mut [f32], o: &mut [f32]) {
     }
 }
 
+/// `out[r] = dot_ggml(m[r], x)` for every `cols`-long row `r` of `m`: ggml's F32 `mul_mat` on its vector
+/// path (a non-contiguous activation, such as MLA's per-head products, never takes tinyBLAS), with FMA
+/// instructions where the CPU has them.
+pub fn dot_rows_ggml(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(
+        cols > 0 && x.len() == cols && m.len() == out.len() * cols,
+        "dot_rows_ggml: wrong lengths"
+    );
+    if crate::quant::has_avx2_fma() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `has_avx2_fma` checked that the CPU has FMA.
+        return unsafe { dot_rows_ggml_fma(m, cols, x, out) };
+    }
+    dot_rows_body(m, cols, x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn dot_rows_ggml_fma(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    dot_rows_body(m, cols, x, out)
+}
+
+#[inline(always)]
+fn dot_rows_body(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(m.chunks_exact(cols)) {
+        *o = dot_ggml(row, x);
+    }
+}
+
 /// Dot product in the order of ggml's `ggml_vec_dot_f32` on AVX2 + FMA: four accumulators of eight
 /// lanes, each fed by fused multiply-adds over 32-element steps, summed pairwise (accumulators 0+2 and
 /// 1+3, then those two; then the upper four lanes onto the lower four, then adjacent pairs), and the
