@@ -945,7 +945,7 @@ impl Compute for CpuForward<'_> {
         cells: &Mat,
     ) -> Mat {
         let _span = profile::span("attention");
-        sparse::attention_cells(&mut self.seqs, layer, (q, k, v), a, cells)
+        sparse::attention_cells(&mut self.seqs, layer, (q, k, v), a, cells, self.arithmetic)
     }
 
     fn batch(&self) -> Batch<'_> {

@@ -202,8 +202,8 @@ pub(super) fn kpool_select(
         par_rows_map(rows_of(q, rows), q.cols, dst, width, |r, qr, o| {
             let i = rows.start + r;
             let pos = positions[i] as usize;
-            let cells = indexer::select_cells(qr, wts.row(i), pooled, pos, &shape);
-            for (o, c) in o.iter_mut().zip(cells) {
+            let slots = indexer::select_slots(qr, wts.row(i), pooled, pos, &shape);
+            for (o, c) in o.iter_mut().zip(slots) {
                 *o = c as f32;
             }
         });
@@ -211,13 +211,21 @@ pub(super) fn kpool_select(
     out
 }
 
-/// [`poly_models::compute::Compute::attention_cells`] for every state of the call.
+/// Calls of at most this many tokens take llama.cpp's gathered path (`build_inp_kpool`'s `max_ub`),
+/// larger ones its masked flash attention.
+const GATHER_MAX_TOKENS: usize = 16;
+
+/// [`poly_models::compute::Compute::attention_cells`] for every state of the call, in llama.cpp's
+/// arithmetic: a state reading at most 16 tokens (every state, in batch-invariant arithmetic, so a
+/// prompt read in any split computes as decoding does) attends over its gathered slots, a larger read
+/// takes the flash attention over the f16 cache with the unselected cells masked.
 pub(super) fn attention_cells(
     seqs: Seqs<'_, '_>,
     layer: usize,
     (q, k, v): (&Mat, &Mat, &Mat),
     a: &Attention,
     sel: &Mat,
+    arithmetic: super::Arithmetic,
 ) -> Mat {
     assert_eq!(sel.rows, q.rows, "attention_cells: a selection per row");
     let p = attention::AttnParams {
@@ -232,30 +240,44 @@ pub(super) fn attention_cells(
     let width = a.n_head * a.head_dim_v;
     let mut out = Mat::zeros(q.rows, width);
     for (state, rows) in seqs.iter_mut() {
+        let pos0 = state.n_past() as u32;
         let cache = extend_cache(
             state,
             layer,
             (rows_of(k, rows), rows_of(v, rows)),
             "attention_cells",
         );
+        let dst = &mut out.data[rows.start * width..rows.end * width];
+        if arithmetic == super::Arithmetic::BatchInvariant || rows.len() <= GATHER_MAX_TOKENS {
+            let slots: Vec<i64> = rows_of(sel, rows).iter().map(|&c| c as i64).collect();
+            attention::attention_gathered_ggml(
+                rows_of(q, rows),
+                (&slots, sel.cols),
+                cache.keys(),
+                cache.values(),
+                &p,
+                dst,
+            );
+            continue;
+        }
+        // The mask's live cells of each query, ascending.
         let mut cells = Vec::new();
         let mut offsets = vec![0];
         for r in rows.clone() {
-            cells.extend(
-                sel.row(r)
-                    .iter()
-                    .take_while(|&&c| c >= 0.0)
-                    .map(|&c| c as u32),
-            );
+            let at = cells.len();
+            cells.extend(sel.row(r).iter().filter(|&&c| c >= 0.0).map(|&c| c as u32));
+            cells[at..].sort_unstable();
             offsets.push(cells.len());
         }
-        attention::attention_cells(
+        let positions: Vec<u32> = (0..rows.len() as u32).map(|i| pos0 + i).collect();
+        attention::attention_ggml_f16_cells(
             rows_of(q, rows),
+            &positions,
             (&cells, &offsets),
             cache.keys(),
             cache.values(),
             &p,
-            &mut out.data[rows.start * width..rows.end * width],
+            dst,
         );
     }
     out

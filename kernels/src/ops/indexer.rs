@@ -82,52 +82,56 @@ pub struct PooledKeys<'a> {
     pub offset: usize,
 }
 
-/// The cells a query at position `pos` attends to, ascending: the cells of its best `top_pools` complete
-/// pools (those ending at or before `pos`; all of them when there are no more), scored as
-/// `Σ_h relu(q_h · pool) · w[h]` (`q` `[n_head, head_dim]`, `w` `[n_head]`; among equal scores at the
-/// cut those ggml's `top_k` keeps: [`super::topk::top_k_partial_sort`]), and with `select_tail` the
-/// cells of its own incomplete pool up to `pos`. `pooled` holds at least the pools `pos` can see.
-pub fn select_cells(
+/// The cells a query at position `pos` attends to, in the slots llama.cpp gathers them into
+/// (`max_cells` of them, −1 for a slot its mask kills): its best `top_pools` complete pools (those ending
+/// at or before `pos`; all of them when there are no more), scored as `Σ_h relu(q_h · pool) · w[h]`
+/// (`q` `[n_head, head_dim]`, `w` `[n_head]`; among equal scores at the cut those ggml's `top_k` keeps:
+/// [`super::topk::top_k_partial_sort`]), in descending score (equal scores by pool), each pool's cells
+/// in order, then −1 up to `top_pools` pools; with `select_tail` then the cells of its own incomplete
+/// pool from `pos` backwards, −1 for the rest of the `kpool − 1` tail slots. `pooled` holds at least the
+/// pools `pos` can see.
+pub fn select_slots(
     q: &[f32],
     w: &[f32],
     pooled: PooledKeys<'_>,
     pos: usize,
     s: &KPoolShape,
-) -> Vec<u32> {
+) -> Vec<i64> {
     let (kp, dim) = (s.kpool, s.head_dim);
     assert_eq!(
         q.len(),
         s.n_head * dim,
-        "select_cells: q has the wrong length"
+        "select_slots: q has the wrong length"
     );
-    assert_eq!(w.len(), s.n_head, "select_cells: w has the wrong length");
+    assert_eq!(w.len(), s.n_head, "select_slots: w has the wrong length");
     let visible = (pos + 1) / kp;
     assert!(
         visible == 0 || (visible - 1) * pooled.stride + pooled.offset + dim <= pooled.data.len(),
-        "select_cells: pools missing"
+        "select_slots: pools missing"
     );
-    let mut pools: Vec<usize> = (0..visible).collect();
-    if visible > s.top_pools {
-        let scores: Vec<f32> = (0..visible)
-            .map(|p| {
-                let key = &pooled.data[p * pooled.stride + pooled.offset..][..dim];
-                q.chunks_exact(dim)
-                    .zip(w)
-                    .map(|(qh, &wh)| super::dot(qh, key).max(0.0) * wh)
-                    .sum()
-            })
-            .collect();
-        // llama.cpp's choice among equal scores at the cut (an all-zero relu score is common).
-        pools = super::topk::top_k_partial_sort(&scores, s.top_pools);
-    }
-    let mut cells: Vec<u32> = pools
-        .iter()
-        .flat_map(|&p| (p * kp..(p + 1) * kp).map(|c| c as u32))
+    let scores: Vec<f32> = (0..visible)
+        .map(|p| {
+            let key = &pooled.data[p * pooled.stride + pooled.offset..][..dim];
+            q.chunks_exact(dim)
+                .zip(w)
+                .map(|(qh, &wh)| super::dot(qh, key).max(0.0) * wh)
+                .sum()
+        })
         .collect();
-    if s.select_tail {
-        cells.extend((visible * kp..=pos).map(|c| c as u32));
+    // llama.cpp's choice among equal scores at the cut (an all-zero relu score is common), then its
+    // order: the chosen pools by descending score.
+    let mut pools = super::topk::top_k_partial_sort(&scores, s.top_pools);
+    pools.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    let mut slots = Vec::with_capacity(s.max_cells());
+    for &p in &pools {
+        slots.extend((p * kp..(p + 1) * kp).map(|c| c as i64));
     }
-    cells
+    slots.resize(s.top_pools * kp, -1);
+    if s.select_tail {
+        let n_tail = (pos + 1) % kp;
+        slots.extend((0..kp - 1).map(|k| if k < n_tail { (pos - k) as i64 } else { -1 }));
+    }
+    slots
 }
 
 #[cfg(test)]
@@ -149,7 +153,7 @@ mod tests {
             n_head: 1,
             head_dim: 1,
             kpool: 2,
-            top_pools: 1,
+            top_pools: 2,
             select_tail: true,
         };
         // Pools 0, 1, 2 with keys 1, 3, 2; one head of weight 1, query 1.
@@ -158,13 +162,15 @@ mod tests {
             stride: 1,
             offset: 0,
         };
-        // At position 4 pools 0 and 1 are complete: pool 1 wins; cell 4 is the tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 4, &s), vec![2, 3, 4]);
-        // At position 5 pool 2 completes; pool 1 still wins and there is no tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 5, &s), vec![2, 3]);
-        // At position 1 the only pool is visible: all of it.
-        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 1, &s), vec![0, 1]);
+        let sel = |pos| select_slots(&[1.0], &[1.0], pooled, pos, &s);
+        // At position 4 pools 0 and 1 are complete: both, the better first; cell 4 is the tail.
+        assert_eq!(sel(4), vec![2, 3, 0, 1, 4]);
+        // At position 5 pool 2 completes: pools 1 and 2 win; no tail.
+        assert_eq!(sel(5), vec![2, 3, 4, 5, -1]);
+        // At position 1 the only pool is visible, the other slots dead.
+        assert_eq!(sel(1), vec![0, 1, -1, -1, -1]);
         // At position 0 only the tail.
-        assert_eq!(select_cells(&[1.0], &[1.0], pooled, 0, &s), vec![0]);
+        assert_eq!(sel(0), vec![-1, -1, -1, -1, 0]);
+        assert_eq!(s.max_cells(), 5);
     }
 }
