@@ -42,6 +42,7 @@ const FIXTURES: &[&str] = &[
     "gemma4-tiny-q4km.gguf",
     "gemma4-tiny-q4k-q8.gguf",
     "glm5-next-tiny-f32.gguf",
+    "glm5-next-tiny-q8_0.gguf",
 ];
 
 /// A seeded prompt (splitmix64) of `n` tokens below `n_vocab`.
@@ -266,10 +267,11 @@ fn gemma4_fixtures_are_split_invariant() {
     check_fixture(FIXTURES[7]);
 }
 
-/// glm5-next's fixture: its KDA states, latent caches and indexer caches carry across calls exactly.
+/// glm5-next's fixtures: their KDA states, latent caches and indexer caches carry across calls exactly.
 #[test]
-fn glm5_next_fixture_is_split_invariant() {
+fn glm5_next_fixtures_are_split_invariant() {
     check_fixture(FIXTURES[8]);
+    check_fixture(FIXTURES[9]);
 }
 
 /// The real Gemma 3 270M Q4_K_M, where it is on disk.

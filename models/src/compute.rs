@@ -423,8 +423,9 @@ pub trait Compute {
     /// members of gate + `ape` weighs their keys), and for each token scores the pools
     /// it can see (those ending at or before it) as `Σ_h relu(q_h·pool)·w_h` (`q` `[n, n_head·head_dim]`,
     /// `w` `[n, n_head]`), keeping the best `top_k / kpool` and, with `select_tail`, the cells of its own
-    /// incomplete pool. Returns `[n, max_cells]`: each token's cells (positions) ascending as f32, then
-    /// −1 in the unused slots.
+    /// incomplete pool. Returns `[n, max_cells]`: each token's cells (positions, as f32) in the slots
+    /// llama.cpp gathers them into — the kept pools by descending score, each pool's cells in order, −1
+    /// for pools it cannot see, then its incomplete pool's cells from itself backwards, −1 for the rest.
     fn kpool_select(
         &mut self,
         _layer: usize,
@@ -439,7 +440,8 @@ pub trait Compute {
 
     /// [`Compute::attention`] where each token sees only the cells `cells` names for it (a
     /// [`Compute::kpool_select`] result of the same rows): extends `layer`'s KV cache with `k` and `v`,
-    /// then attends. The query is rounded to f16 as flash attention over an f16 cache rounds it.
+    /// then attends, in llama.cpp's arithmetic for the call (the CPU: over the gathered slots for calls of
+    /// at most 16 tokens, a masked flash attention over the f16 cache for larger ones).
     fn attention_cells(
         &mut self,
         _layer: usize,

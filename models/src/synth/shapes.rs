@@ -466,10 +466,8 @@ fn gemma4_tiny(v: u64) -> Gemma4Hparams {
 fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
     // 8 indexer heads: with 2, a pool's score is exactly 0 (every head's relu 0) often enough that a
     // token's top-k cut falls on a tie (16 of 100 tokens), which llama.cpp breaks in std::partial_sort's
-    // order (tests/witness/glm5_next_reference.py). Small enough that the witness fixture, in F32, is
-    // under 3 MB: 64 wide, 4 trunk blocks, 2 heads, latents of 32, 4 experts. (In F32: on quantized
-    // files this tiny model turns last-bit differences into probability differences of a few
-    // hundredths, tests/witness/README.md.)
+    // order (tests/witness/glm5_next_reference.py). Small enough that a witness fixture is under 3 MB
+    // even in F32: 64 wide, 4 trunk blocks, 2 heads, latents of 32, 4 experts.
     let n = 5;
     Glm5NextHparams {
         n_vocab: v,
