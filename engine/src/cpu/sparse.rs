@@ -1,7 +1,9 @@
 //! The CPU's bodies of the operations only it runs ([`Compute::layer_norm`], the hyper-connection
-//! streams, per-head products, the k-pool indexer and attention over the cells it selects): each works
-//! row by row, so its values do not depend on how many rows a call holds or on the thread count, and a
-//! conversation read in several calls gives what one call gives.
+//! streams, per-head products, the k-pool indexer and attention over the cells it selects), in
+//! llama.cpp's CPU arithmetic (its glm5-next witness matches to the references' precision). Each works
+//! row by row except attention over the selected cells, which, as llama.cpp's, takes one form for calls
+//! of at most 16 tokens and another for larger ones; in batch-invariant arithmetic it takes the first
+//! always, so a conversation read in several calls gives, bit for bit, what one call gives.
 //!
 //! [`Compute::layer_norm`]: poly_models::compute::Compute::layer_norm
 
@@ -125,7 +127,7 @@ fn extend_cache<'s>(
     cache
 }
 
-/// The states of one call with the rows each reads, and the rows' positions.
+/// The states of one call, each with the rows of the call it reads.
 pub(super) type Seqs<'s, 'a> = &'s mut [(&'a mut SeqState, Range<usize>)];
 
 /// [`poly_models::compute::Compute::kpool_select`] for every state of the call. The indexer's cache row
