@@ -13,8 +13,8 @@ use poly_engine::cpu::{CpuForward, CpuWeights, Mat};
 use poly_engine::state::SeqState;
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Logits, Moe, Rope, Unary,
-    WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, HyperConnection, KPoolIndexer,
+    Logits, Moe, Rope, Unary, WeightId,
 };
 use poly_models::gguf::GgufFile;
 
@@ -111,6 +111,47 @@ impl Compute for Recorder<'_> {
     fn gated_delta_net(&mut self, layer: usize, x: DeltaNetInputs<'_, Mat>, net: &DeltaNet) -> Mat {
         let m = self.cpu.gated_delta_net(layer, x, net);
         self.keep("gated_delta_net", m)
+    }
+    fn layer_norm(&mut self, x: &Mat, w: Option<WeightId>, b: Option<WeightId>, eps: f32) -> Mat {
+        let m = self.cpu.layer_norm(x, w, b, eps);
+        self.keep("layer_norm", m)
+    }
+    fn hc_pre(&mut self, streams: &Mat, mix: &Mat, hc: &HyperConnection) -> (Mat, Mat) {
+        let (x, w) = self.cpu.hc_pre(streams, mix, hc);
+        let w = self.keep("hc_weights", w);
+        (self.keep("hc_pre", x), w)
+    }
+    fn hc_post(&mut self, x: &Mat, streams: &Mat, w: &Mat) -> Mat {
+        let m = self.cpu.hc_post(x, streams, w);
+        self.keep("hc_post", m)
+    }
+    fn matmul_heads(&mut self, w: WeightId, x: &Mat) -> Mat {
+        let m = self.cpu.matmul_heads(w, x);
+        self.keep("matmul_heads", m)
+    }
+    fn kpool_select(
+        &mut self,
+        layer: usize,
+        q: &Mat,
+        k: &Mat,
+        gate: &Mat,
+        w: &Mat,
+        idx: &KPoolIndexer,
+    ) -> Mat {
+        let m = self.cpu.kpool_select(layer, q, k, gate, w, idx);
+        self.keep("kpool_select", m)
+    }
+    fn attention_cells(
+        &mut self,
+        layer: usize,
+        q: &Mat,
+        k: &Mat,
+        v: &Mat,
+        a: &Attention,
+        cells: &Mat,
+    ) -> Mat {
+        let m = self.cpu.attention_cells(layer, q, k, v, a, cells);
+        self.keep("attention_cells", m)
     }
     fn batch(&self) -> Batch<'_> {
         self.cpu.batch()

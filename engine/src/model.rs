@@ -83,6 +83,12 @@ impl Model {
             if self.gpu.is_some() {
                 return Err(EngineError(Q8_0_KV_CPU_ONLY.into()));
             }
+            // The operations only the CPU runs read f16 or f32 cache rows.
+            if let Some(ops) = self.graph.uses(self.weights.file()).needs_cpu_only_ops() {
+                return Err(EngineError(format!(
+                    "--kv q8_0: this model's caches are read by {ops}, which take f16 or f32 rows only"
+                )));
+            }
             for (il, spec) in self.graph.layer_states().iter().enumerate() {
                 if let poly_models::arch::StateSpec::Kv {
                     head_dim_k,

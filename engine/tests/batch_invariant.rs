@@ -41,6 +41,8 @@ const FIXTURES: &[&str] = &[
     "gemma3-tiny-q4k-q8.gguf",
     "gemma4-tiny-q4km.gguf",
     "gemma4-tiny-q4k-q8.gguf",
+    "glm5-next-tiny-f32.gguf",
+    "glm5-next-tiny-q8_0.gguf",
 ];
 
 /// A seeded prompt (splitmix64) of `n` tokens below `n_vocab`.
@@ -263,6 +265,13 @@ fn gemma3_fixtures_are_split_invariant() {
 fn gemma4_fixtures_are_split_invariant() {
     check_fixture(FIXTURES[6]);
     check_fixture(FIXTURES[7]);
+}
+
+/// glm5-next's fixtures: their KDA states, latent caches and indexer caches carry across calls exactly.
+#[test]
+fn glm5_next_fixtures_are_split_invariant() {
+    check_fixture(FIXTURES[8]);
+    check_fixture(FIXTURES[9]);
 }
 
 /// The real Gemma 3 270M Q4_K_M, where it is on disk.

@@ -56,7 +56,7 @@ fn fixtures() -> Vec<PathBuf> {
 }
 
 /// Whether the card runs the model at `path`: a fixture of an architecture it refuses (lfm2moe's selection
-/// bias, gemma4's MoE form) is left out, saying so.
+/// bias, gemma4's MoE form, glm5-next's operations only the CPU runs) is left out, saying so.
 fn card_runs(path: &Path) -> bool {
     let why = Model::load(path).ok().and_then(|m| m.gpu_refuses());
     if let Some(why) = &why {

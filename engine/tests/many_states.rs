@@ -82,6 +82,7 @@ fn one_call_over_several_states_gives_each_its_own_call() {
         "llama-tiny-q4km.gguf",
         "qwen35moe-tiny-q4km.gguf",
         "lfm2moe-tiny-q4km.gguf",
+        "glm5-next-tiny-f32.gguf",
     ] {
         let model = Model::load(fixture(name))
             .expect("fixture loads")

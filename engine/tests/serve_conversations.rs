@@ -230,6 +230,12 @@ fn qwen35moe_continued_prompts_match_fresh_reads() {
     continued_prompts_match_fresh_reads(FIXTURES[3], 4, DEFAULT_ARITHMETIC);
 }
 
+/// glm5-next: KDA states at checkpoints, the latent and indexer caches cut with the conversation.
+#[test]
+fn glm5_next_continued_prompts_match_fresh_reads() {
+    continued_prompts_match_fresh_reads("glm5-next-tiny-f32.gguf", 7, DEFAULT_ARITHMETIC);
+}
+
 #[test]
 fn gemma3_continued_prompts_match_fresh_reads() {
     continued_prompts_match_fresh_reads(FIXTURES[4], 5, DEFAULT_ARITHMETIC);

@@ -110,10 +110,17 @@ fn guesses_change_nothing(flags: &[&str]) -> u64 {
         // Recurrent layers: restored to a window's start after a wrong guess.
         FIXTURES[2],
         "lfm2moe-tiny-q4km.gguf",
+        "glm5-next-tiny-f32.gguf",
     ] {
+        // glm5-next's indexer and sparse attention read f16 or f32 caches only: --kv q8_0 is refused.
+        if name.starts_with("glm5-next") && flags.contains(&"q8_0") {
+            continue;
+        }
         // Recurrent models' random answers rarely repeat: a long random prompt before the repeated
         // part gives their written tokens earlier occurrences to start (mostly wrong) windows from.
-        let recurrent = name.starts_with("qwen35moe") || name.starts_with("lfm2moe");
+        let recurrent = ["qwen35moe", "lfm2moe", "glm5-next"]
+            .iter()
+            .any(|a| name.starts_with(a));
         let lead = if recurrent { 300 } else { 0 };
         let lead = Rng::new(11).tokens(lead, 2048);
         let (proposed, kept) = totals(&compare_answers(&fixture(name), flags, (&lead, 40)));

@@ -197,13 +197,62 @@ pub struct DeltaNet {
 }
 
 /// The inputs of [`Compute::gated_delta_net`]: `q` and `k` `[n, n_v_heads·head_k]` (L2-normed, repeated to
-/// the value heads), `v` `[n, n_v_heads·head_v]`, `gate` (log-decay) and `beta` `[n, n_v_heads]`.
+/// the value heads), `v` `[n, n_v_heads·head_v]`, `gate` (log-decay) `[n, n_v_heads]`, or `[n,
+/// n_v_heads·head_k]` for a decay per key channel (Kimi delta attention: `S[j][i] ← e^{gate[i]}·S[j][i]`;
+/// only the CPU runs that form), and `beta` `[n, n_v_heads]`.
 pub struct DeltaNetInputs<'a, A> {
     pub q: &'a A,
     pub k: &'a A,
     pub v: &'a A,
     pub gate: &'a A,
     pub beta: &'a A,
+}
+
+/// Hyper-connection residual streams (mHC, GLM5-Next's): `hc` streams of `n_embd` values per token, read
+/// into a block's input and written back by weights computed per token from `mix` (the flattened streams'
+/// RMS norm times the block's mixing matrix, `(2 + hc)·hc` values). See [`Compute::hc_pre`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HyperConnection {
+    /// Streams.
+    pub hc: usize,
+    /// `[3]`: the scales of the pre, post and combination mixes.
+    pub scale: WeightId,
+    /// `[(2 + hc)·hc]`: their bias.
+    pub base: WeightId,
+    /// Sinkhorn iterations of the combination matrix.
+    pub sinkhorn_iters: usize,
+    pub eps: f32,
+}
+
+/// A k-pool sparse-attention indexer (GLM5-Next's DSA indexer), its cache in the state of the layer
+/// [`Compute::kpool_select`] is given. See that operation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KPoolIndexer {
+    pub n_head: usize,
+    pub head_dim: usize,
+    /// Cells per pool.
+    pub kpool: usize,
+    /// Cells a token keeps (a multiple of `kpool`): `top_k / kpool` pools.
+    pub top_k: usize,
+    /// A token also sees the cells of its own incomplete pool.
+    pub select_tail: bool,
+    /// `[head_dim, kpool]`: the pool position bias added to the gates.
+    pub ape: WeightId,
+}
+
+impl KPoolIndexer {
+    /// Most cells one token selects: the width of [`Compute::kpool_select`]'s result.
+    pub fn max_cells(&self) -> usize {
+        self.top_k / self.kpool * self.kpool + if self.select_tail { self.kpool - 1 } else { 0 }
+    }
+}
+
+/// What a backend without one of the operations only the CPU runs says, if a graph reached it: the
+/// backend refuses such a graph at load ([`crate::arch::GraphUses::cpu_only`]), so this never runs.
+fn cpu_only(op: &str) -> ! {
+    panic!(
+        "{op} is an operation this backend does not run; a graph that uses it is refused at load"
+    )
 }
 
 /// The operations of a forward pass. Every method returns a new activation; inputs are not changed.
@@ -326,6 +375,84 @@ pub trait Compute {
         x: DeltaNetInputs<'_, Self::Act>,
         net: &DeltaNet,
     ) -> Self::Act;
+
+    // ----- Operations only the CPU runs (GLM5-Next's) ----------------------------------------------------
+    // A backend that lacks them keeps these bodies: the graphs using them are refused at load (what
+    // [`crate::arch::ModelGraph::uses`] finds), so the bodies are never reached.
+
+    /// Layer norm over each whole row: `(x − mean)/sqrt(var + eps) ⊙ weight + bias` (ggml's `norm`).
+    fn layer_norm(
+        &mut self,
+        _x: &Self::Act,
+        _weight: Option<WeightId>,
+        _bias: Option<WeightId>,
+        _eps: f32,
+    ) -> Self::Act {
+        cpu_only("layer_norm")
+    }
+
+    /// A block's input from the hyper-connection `streams` (`[n, hc·n_embd]`) and the per-token weights
+    /// derived from `mix` (`[n, (2 + hc)·hc]`): returns `(Σ_s pre[s]·stream[s]` `[n, n_embd]`, the weights
+    /// `[n, (2 + hc)·hc]` for [`Compute::hc_post`]), with `pre = sigmoid(s0·m + b) + eps`, `post =
+    /// 2·sigmoid(s1·m + b)` and the Sinkhorn-normalized combination matrix (`poly_kernels::ops::hyper`).
+    fn hc_pre(
+        &mut self,
+        _streams: &Self::Act,
+        _mix: &Self::Act,
+        _hc: &HyperConnection,
+    ) -> (Self::Act, Self::Act) {
+        cpu_only("hc_pre")
+    }
+
+    /// New hyper-connection streams from a block's output `x` (`[n, n_embd]`), the old `streams` and the
+    /// weights [`Compute::hc_pre`] returned: `stream'[d] = post[d]·x + Σ_s comb(d, s)·stream[s]`.
+    fn hc_post(&mut self, _x: &Self::Act, _streams: &Self::Act, _weights: &Self::Act) -> Self::Act {
+        cpu_only("hc_post")
+    }
+
+    /// A product per head: `w` is `[in, out, n_head]`, `x` `[n, n_head·in]`; head `h` of the result
+    /// (`[n, n_head·out]`) is `x_h·W_hᵀ` (MLA's absorbed K and V expansions).
+    fn matmul_heads(&mut self, _w: WeightId, _x: &Self::Act) -> Self::Act {
+        cpu_only("matmul_heads")
+    }
+
+    /// The k-pool indexer of `layer` (whose state is its cache: per position a key row of `2·head_dim`,
+    /// the key then, in a pool's last cell, the pool's key, and the gate as the value): appends the
+    /// batch's keys `k` (layer-normed) and pool gates `gate` (`[n, head_dim]` each, rounded to f16 as an
+    /// f16 cache holds them), pools every pool the batch completes (per channel, a softmax over its
+    /// members of gate + `ape` weighs their keys), and for each token scores the pools
+    /// it can see (those ending at or before it) as `Σ_h relu(q_h·pool)·w_h` (`q` `[n, n_head·head_dim]`,
+    /// `w` `[n, n_head]`), keeping the best `top_k / kpool` and, with `select_tail`, the cells of its own
+    /// incomplete pool. Returns `[n, max_cells]`: each token's cells (positions, as f32) in the slots
+    /// llama.cpp gathers them into — the kept pools by descending score, each pool's cells in order, −1
+    /// for pools it cannot see, then its incomplete pool's cells from itself backwards, −1 for the rest.
+    fn kpool_select(
+        &mut self,
+        _layer: usize,
+        _q: &Self::Act,
+        _k: &Self::Act,
+        _gate: &Self::Act,
+        _w: &Self::Act,
+        _idx: &KPoolIndexer,
+    ) -> Self::Act {
+        cpu_only("kpool_select")
+    }
+
+    /// [`Compute::attention`] where each token sees only the cells `cells` names for it (a
+    /// [`Compute::kpool_select`] result of the same rows): extends `layer`'s KV cache with `k` and `v`,
+    /// then attends, in llama.cpp's arithmetic for the call (the CPU: over the gathered slots for calls of
+    /// at most 16 tokens, a masked flash attention over the f16 cache for larger ones).
+    fn attention_cells(
+        &mut self,
+        _layer: usize,
+        _q: &Self::Act,
+        _k: &Self::Act,
+        _v: &Self::Act,
+        _attn: &Attention,
+        _cells: &Self::Act,
+    ) -> Self::Act {
+        cpu_only("attention_cells")
+    }
 
     /// The batch this forward call runs.
     fn batch(&self) -> Batch<'_>;

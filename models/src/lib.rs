@@ -33,6 +33,7 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "llama",
     "lfm2moe",
     "gemma4",
+    "glm5-next",
 ];
 
 #[cfg(all(test, feature = "compute"))]

@@ -1,8 +1,8 @@
 //! The committed witness fixtures are complete and consistent: every reference parses and passes its
 //! own checks, names a committed model whose SHA-256 it records (or says how to fetch one that is not
-//! committed), and every architecture has two type mixes with the five prompt lengths; the fixture models
-//! open with our GGUF reader and have the types their names promise. (The engine comparison itself is
-//! tests/tests/witness_cpu.rs.)
+//! committed), and every architecture has two type mixes (glm5-next: F32 and Q8_0, its tiny shape
+//! being too narrow for Q4_K rows) with the five prompt lengths; the fixture models open with our GGUF reader and have the types their names promise. (The
+//! engine comparison itself is tests/tests/witness_cpu.rs.)
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -14,8 +14,9 @@ use poly_tests::witness::{load_references, references_dir, sha256_file};
 const SYNTH_PROMPT_LENGTHS: [usize; 5] = [25, 100, 500, 2000, 4000];
 /// The committed models together stay small (the brief aims at 15 MB; the tiny shapes make it larger:
 /// this bounds growth, see tests/witness/README.md). 40 MiB held the first four architectures; lfm2moe's
-/// two files (2.5 and 3.1 MiB) moved it to 48; gemma4's two (1.3 and 1.4 MiB) fit under it (46.5 MiB).
-const MAX_FIXTURE_MODEL_BYTES: u64 = 48 << 20;
+/// two files (2.5 and 3.1 MiB) moved it to 48; gemma4's two (1.3 and 1.4 MiB) fit under it (46.5 MiB);
+/// glm5-next's F32 and Q8_0 files (2.8 and 1.1 MiB) moved it to 51 (50.4 MiB).
+const MAX_FIXTURE_MODEL_BYTES: u64 = 51 << 20;
 
 #[test]
 fn every_reference_matches_a_committed_or_fetchable_model() {
@@ -65,6 +66,7 @@ fn every_reference_matches_a_committed_or_fetchable_model() {
         "llama",
         "lfm2moe",
         "gemma4",
+        "glm5-next",
     ] {
         let models = per_arch.get(arch).cloned().unwrap_or_default();
         assert!(models.len() >= 2, "{arch}: {models:?}");
@@ -146,11 +148,24 @@ fn fixture_models_open_and_have_the_promised_types() {
                 all.contains(&GgmlType::Q4_K) && all.contains(&GgmlType::Q6_K),
                 "{name}: {all:?}"
             );
+        } else if name.ends_with("-q8_0.gguf") {
+            // synth's default for the shape: every quantizable class Q8_0.
+            for pat in ["ffn_up_exps", "attn_q.weight", "token_embd"] {
+                assert_eq!(
+                    types_of(pat),
+                    BTreeSet::from([GgmlType::Q8_0]),
+                    "{name}: {pat}"
+                );
+            }
+        } else if name.ends_with("-f32.gguf") {
+            // Every tensor as synth writes it in F32 (glm5-next's witness: tests/witness/README.md).
+            let all: BTreeSet<GgmlType> = f.tensor_infos().iter().map(|t| t.ty).collect();
+            assert_eq!(all, BTreeSet::from([GgmlType::F32]), "{name}");
         } else {
             panic!("unexpected fixture model {name}");
         }
     }
-    assert!(seen >= 8, "expected eight fixture models, found {seen}");
+    assert!(seen >= 14, "expected fourteen fixture models, found {seen}");
     assert!(
         total <= MAX_FIXTURE_MODEL_BYTES,
         "fixture models take {total} bytes"

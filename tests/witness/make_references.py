@@ -100,6 +100,10 @@ FIXTURE_MODELS = [
     ("gemma4-tiny-q4km", "gemma4", ["--type", "F32"], llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M),
     # The embedding in Q4_K too: the two gemma4 files together stay under 3 MB.
     ("gemma4-tiny-q4k-q8", "gemma4", ["--types", "expert=Q4_K,attn=Q8_0,embd=Q4_K"], None),
+    # glm5-next's tiny shape is 64 wide, too narrow for Q4_K rows (256): an F32 file and a Q8_0 one
+    # (every quantizable class at the shape's Q8_0; mHC, indexer, KDA gates and MLA latents F32).
+    ("glm5-next-tiny-f32", "glm5-next", ["--type", "F32"], None),
+    ("glm5-next-tiny-q8_0", "glm5-next", [], None),
 ]
 SYNTH_SEED = 1
 

@@ -17,6 +17,7 @@
 pub(crate) mod expert_job;
 pub mod moe;
 pub mod profile;
+mod sparse;
 #[cfg(test)]
 mod tests;
 pub(crate) mod warm;
@@ -31,8 +32,8 @@ use poly_kernels::ops::{act, attention, norm, recurrent, rope};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Logits, Moe, Rope, RopeKind,
-    Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, HyperConnection, KPoolIndexer,
+    Logits, Moe, Rope, RopeKind, Unary, WeightId,
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
@@ -886,6 +887,65 @@ impl Compute for CpuForward<'_> {
             );
         }
         out
+    }
+
+    fn layer_norm(
+        &mut self,
+        x: &Mat,
+        weight: Option<WeightId>,
+        bias: Option<WeightId>,
+        eps: f32,
+    ) -> Mat {
+        let _span = profile::span("layer_norm");
+        sparse::layer_norm(self.weights, x, (weight, bias), eps)
+    }
+
+    fn hc_pre(&mut self, streams: &Mat, mix: &Mat, hc: &HyperConnection) -> (Mat, Mat) {
+        let _span = profile::span("hc_pre");
+        sparse::hc_pre(self.weights, streams, mix, hc)
+    }
+
+    fn hc_post(&mut self, x: &Mat, streams: &Mat, weights: &Mat) -> Mat {
+        let _span = profile::span("hc_post");
+        sparse::hc_post(x, streams, weights)
+    }
+
+    fn matmul_heads(&mut self, w: WeightId, x: &Mat) -> Mat {
+        let _span = profile::span("matmul_heads");
+        sparse::matmul_heads(self.weights, w, x)
+    }
+
+    fn kpool_select(
+        &mut self,
+        layer: usize,
+        q: &Mat,
+        k: &Mat,
+        gate: &Mat,
+        w: &Mat,
+        idx: &KPoolIndexer,
+    ) -> Mat {
+        let _span = profile::span("kpool_select");
+        sparse::kpool_select(
+            self.weights,
+            &mut self.seqs,
+            &self.positions,
+            layer,
+            (q, k, gate, w),
+            idx,
+        )
+    }
+
+    fn attention_cells(
+        &mut self,
+        layer: usize,
+        q: &Mat,
+        k: &Mat,
+        v: &Mat,
+        a: &Attention,
+        cells: &Mat,
+    ) -> Mat {
+        let _span = profile::span("attention");
+        sparse::attention_cells(&mut self.seqs, layer, (q, k, v), a, cells, self.arithmetic)
     }
 
     fn batch(&self) -> Batch<'_> {

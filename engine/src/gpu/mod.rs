@@ -191,9 +191,11 @@ impl GpuBackend {
     /// can.
     pub fn refuses(graph: &ModelGraph, cpu: &CpuWeights) -> Option<String> {
         let uses = graph.uses(cpu.file());
-        let lacks: Vec<&str> = [uses.needs_moe_selection_bias(), uses.needs_fused_moe()]
+        let lacks: Vec<String> = [uses.needs_moe_selection_bias(), uses.needs_fused_moe()]
             .into_iter()
             .flatten()
+            .map(str::to_owned)
+            .chain(uses.needs_cpu_only_ops())
             .collect();
         (!lacks.is_empty()).then(|| {
             format!(

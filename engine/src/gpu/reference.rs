@@ -11,7 +11,8 @@
 
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, HyperConnection, KPoolIndexer,
+    Moe, Rope, Unary, WeightId,
 };
 
 use crate::cpu::{CpuForward, CpuWeights, Mat};
@@ -111,6 +112,40 @@ impl Compute for Q81Cpu<'_> {
     }
     fn gated_delta_net(&mut self, l: usize, x: DeltaNetInputs<'_, Mat>, n: &DeltaNet) -> Mat {
         self.cpu.gated_delta_net(l, x, n)
+    }
+    fn layer_norm(&mut self, x: &Mat, w: Option<WeightId>, b: Option<WeightId>, eps: f32) -> Mat {
+        self.cpu.layer_norm(x, w, b, eps)
+    }
+    fn hc_pre(&mut self, s: &Mat, m: &Mat, hc: &HyperConnection) -> (Mat, Mat) {
+        self.cpu.hc_pre(s, m, hc)
+    }
+    fn hc_post(&mut self, x: &Mat, s: &Mat, w: &Mat) -> Mat {
+        self.cpu.hc_post(x, s, w)
+    }
+    fn matmul_heads(&mut self, w: WeightId, x: &Mat) -> Mat {
+        self.cpu.matmul_heads(w, x)
+    }
+    fn kpool_select(
+        &mut self,
+        l: usize,
+        q: &Mat,
+        k: &Mat,
+        g: &Mat,
+        w: &Mat,
+        i: &KPoolIndexer,
+    ) -> Mat {
+        self.cpu.kpool_select(l, q, k, g, w, i)
+    }
+    fn attention_cells(
+        &mut self,
+        l: usize,
+        q: &Mat,
+        k: &Mat,
+        v: &Mat,
+        a: &Attention,
+        c: &Mat,
+    ) -> Mat {
+        self.cpu.attention_cells(l, q, k, v, a, c)
     }
     fn batch(&self) -> Batch<'_> {
         self.cpu.batch()

@@ -6,16 +6,20 @@
 //! the arithmetic of ggml's CPU backend where that matters for agreement with llama.cpp (accumulation
 //! precision, the order RoPE angles are computed in), and is tested against a naive `f64` reference.
 //!
-//! - [`norm`]: RMS and L2 norms over groups of columns.
+//! - [`norm`]: RMS, L2 and layer norms over groups of columns.
 //! - [`rope`]: rotary position embedding, normal and NeoX pairing, partial rotation, linear scaling.
 //! - [`softmax`]: softmax, log-softmax, sigmoid-style squashing of router logits.
 //! - [`attention`]: causal grouped-query attention of a block of queries over a K/V sequence.
 //! - [`act`]: SiLU, GELU (tanh approximation), sigmoid, softplus.
 //! - [`topk`]: the `k` largest values, and mixture-of-experts routing weights.
-//! - [`recurrent`]: the causal conv1d step and the gated delta rule.
+//! - [`recurrent`]: the causal conv1d step and the gated delta rule (a decay per head or per key channel).
+//! - [`hyper`]: hyper-connection residual streams (mHC) and their Sinkhorn-normalized mixing.
+//! - [`indexer`]: the k-pool sparse-attention indexer (pooled keys, the cells each query keeps).
 
 pub mod act;
 pub mod attention;
+pub mod hyper;
+pub mod indexer;
 pub mod norm;
 pub mod recurrent;
 pub mod rope;

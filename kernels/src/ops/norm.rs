@@ -50,6 +50,42 @@ pub fn l2_norm(x: &[f32], group: usize, eps: f32, out: &mut [f32]) {
     }
 }
 
+/// `out = (x − mean) / sqrt(var + eps) ⊙ weight + bias` for every group of `group` values (ggml's `norm`:
+/// mean and variance summed in f64, the scale in f32), `weight` and `bias` (`group` values each) when
+/// given.
+pub fn layer_norm(
+    x: &[f32],
+    group: usize,
+    (weight, bias): (Option<&[f32]>, Option<&[f32]>),
+    eps: f32,
+    out: &mut [f32],
+) {
+    assert!(
+        group > 0 && x.len().is_multiple_of(group),
+        "layer_norm: bad group"
+    );
+    assert_eq!(x.len(), out.len(), "layer_norm: out has the wrong length");
+    for (xs, ys) in x.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        let sum: f64 = xs.iter().map(|&v| v as f64).sum();
+        let mean = (sum / group as f64) as f32;
+        let mut sum2 = 0f64;
+        for (y, &v) in ys.iter_mut().zip(xs) {
+            *y = v - mean;
+            sum2 += (*y * *y) as f64;
+        }
+        let scale = 1.0 / ((sum2 / group as f64) as f32 + eps).sqrt();
+        for (i, y) in ys.iter_mut().enumerate() {
+            *y *= scale;
+            if let Some(w) = weight {
+                *y *= w[i];
+            }
+            if let Some(b) = bias {
+                *y += b[i];
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,5 +149,18 @@ mod tests {
         let mut o = [0f32; 2];
         l2_norm(&tiny, 2, 1e-2, &mut o);
         assert!((o[0] - 1e-2).abs() < 1e-7);
+    }
+
+    #[test]
+    fn layer_norm_centres_scales_and_shifts_each_group() {
+        let x = [1.0f32, 2.0, 3.0, 4.0, -1.0, 1.0, -1.0, 1.0];
+        let (w, b) = ([2.0f32, 2.0, 2.0, 2.0], [0.5f32; 4]);
+        let mut out = [0f32; 8];
+        layer_norm(&x, 4, (Some(&w), Some(&b)), 0.0, &mut out);
+        let s = 1.0 / 1.25f32.sqrt();
+        let want = [-1.5 * s, -0.5 * s, 0.5 * s, 1.5 * s, -1.0, 1.0, -1.0, 1.0];
+        for (i, (&o, &wv)) in out.iter().zip(&want).enumerate() {
+            assert!((o - (wv * 2.0 + 0.5)).abs() < 1e-5, "{i}: {o}");
+        }
     }
 }

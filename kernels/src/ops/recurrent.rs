@@ -115,8 +115,9 @@ pub struct DeltaShape {
 /// the matrix `S` with row `j` for value dimension `j`). For each token and head, with `g = e^{gate}`:
 /// `S ← g·S`; `δ = β(v − S·k)`; `S ← S + δ·kᵀ`; `out = (S·q) / √head_k`.
 ///
-/// `q` and `k` are `[n, n_heads·head_k]`, `v` and `out` `[n, n_heads·head_v]`, `gate` and `beta`
-/// `[n, n_heads]`.
+/// `q` and `k` are `[n, n_heads·head_k]`, `v` and `out` `[n, n_heads·head_v]`, `beta` `[n, n_heads]`,
+/// `gate` `[n, n_heads]` (one decay per head) or `[n, n_heads·head_k]` (one per key channel, Kimi delta
+/// attention's form: `S[j][i] ← e^{gate[i]}·S[j][i]`, as ggml's `gated_delta_net` with a `[head_k]` gate).
 ///
 /// The arithmetic is that of ggml's CPU `gated_delta_net` on AVX2 + FMA, operation for operation, so the
 /// results equal llama.cpp's bit for bit given equal inputs: the dot products of [`dot_ggml`], the rank-one
@@ -142,11 +143,10 @@ pub fn gated_delta_rule(
         n_heads > 0 && head_k > 0 && head_v > 0,
         "delta rule: empty shape"
     );
-    let n = gate.len() / n_heads;
-    assert_eq!(
-        gate.len(),
-        n * n_heads,
-        "delta rule: gate is not whole rows"
+    let n = beta.len() / n_heads;
+    assert!(
+        gate.len() == n * n_heads || gate.len() == n * n_heads * head_k,
+        "delta rule: gate is neither one value per head nor one per key channel"
     );
     assert_eq!(
         beta.len(),
@@ -234,13 +234,23 @@ fn delta_head(x: &DeltaInputs<'_>, h: usize, s: &mut [f32], o: &mut [f32]) {
     } = x.shape;
     let scale = 1.0 / (head_k as f32).sqrt();
     let mut delta = vec![0f32; head_v];
+    let mut decay = vec![0f32; head_k];
     for t in 0..x.n {
         let qt = &x.q[(t * n_heads + h) * head_k..][..head_k];
         let kt = &x.k[(t * n_heads + h) * head_k..][..head_k];
         let vt = &x.v[(t * n_heads + h) * head_v..][..head_v];
-        let g = x.gate[t * n_heads + h].exp();
         let b = x.beta[t * n_heads + h];
-        s.iter_mut().for_each(|e| *e *= g);
+        if x.gate.len() == x.n * n_heads {
+            let g = x.gate[t * n_heads + h].exp();
+            s.iter_mut().for_each(|e| *e *= g);
+        } else {
+            // One decay per key channel: every value row's element i decays by e^{gate[i]}.
+            let gt = &x.gate[(t * n_heads + h) * head_k..][..head_k];
+            decay.iter_mut().zip(gt).for_each(|(d, &g)| *d = g.exp());
+            for row in s.chunks_exact_mut(head_k) {
+                row.iter_mut().zip(&decay).for_each(|(e, &d)| *e *= d);
+            }
+        }
         for (j, d) in delta.iter_mut().enumerate() {
             *d = (vt[j] - dot_ggml(&s[j * head_k..(j + 1) * head_k], kt)) * b;
         }
@@ -252,6 +262,35 @@ fn delta_head(x: &DeltaInputs<'_>, h: usize, s: &mut [f32], o: &mut [f32]) {
         for j in 0..head_v {
             o[t * head_v + j] = dot_ggml(&s[j * head_k..(j + 1) * head_k], qt) * scale;
         }
+    }
+}
+
+/// `out[r] = dot_ggml(m[r], x)` for every `cols`-long row `r` of `m`: ggml's F32 `mul_mat` on its vector
+/// path (a non-contiguous activation, such as MLA's per-head products, never takes tinyBLAS), with FMA
+/// instructions where the CPU has them.
+pub fn dot_rows_ggml(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    assert!(
+        cols > 0 && x.len() == cols && m.len() == out.len() * cols,
+        "dot_rows_ggml: wrong lengths"
+    );
+    if crate::quant::has_avx2_fma() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `has_avx2_fma` checked that the CPU has FMA.
+        return unsafe { dot_rows_ggml_fma(m, cols, x, out) };
+    }
+    dot_rows_body(m, cols, x, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn dot_rows_ggml_fma(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    dot_rows_body(m, cols, x, out)
+}
+
+#[inline(always)]
+fn dot_rows_body(m: &[f32], cols: usize, x: &[f32], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(m.chunks_exact(cols)) {
+        *o = dot_ggml(row, x);
     }
 }
 

@@ -96,6 +96,74 @@ pub fn changed_by_bias(logits: &[f32], gating: Gating, bias: &[f32], k: usize) -
         .fold(0, |mask, (j, _)| mask | 1 << j)
 }
 
+/// The indices of the `k` largest values of `x` as ggml's CPU `top_k` chooses them: libstdc++'s
+/// `std::partial_sort` of the indices `0..n` with the comparator "value greater", whose selection
+/// (`__heap_select`: a heap of the first `k`, each later index replacing the heap's top only when its
+/// value is strictly greater) keeps, among equal values at the cut, the ones its heap happens to hold.
+/// The set is what llama.cpp's sparse-attention indexer keeps; returned ascending.
+pub fn top_k_partial_sort(x: &[f32], k: usize) -> Vec<usize> {
+    let k = k.min(x.len());
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    if k == 0 {
+        return Vec::new();
+    }
+    // comp(a, b): a goes before b (a's value is greater).
+    let comp = |a: usize, b: usize| x[a] > x[b];
+    // libstdc++'s __push_heap: moves `value` up from `hole` towards `top`.
+    let push_heap = |h: &mut [usize], mut hole: usize, top: usize, value: usize| {
+        let mut parent = hole.wrapping_sub(1) / 2;
+        while hole > top && comp(h[parent], value) {
+            h[hole] = h[parent];
+            hole = parent;
+            parent = hole.wrapping_sub(1) / 2;
+        }
+        h[hole] = value;
+    };
+    // libstdc++'s __adjust_heap.
+    let adjust_heap = |h: &mut [usize], mut hole: usize, len: usize, value: usize| {
+        let top = hole;
+        let mut second = hole;
+        while len >= 2 && second < (len - 1) / 2 {
+            second = 2 * (second + 1);
+            if comp(h[second], h[second - 1]) {
+                second -= 1;
+            }
+            h[hole] = h[second];
+            hole = second;
+        }
+        if len.is_multiple_of(2) && len >= 2 && second == (len - 2) / 2 {
+            second = 2 * (second + 1);
+            h[hole] = h[second - 1];
+            hole = second - 1;
+        }
+        push_heap(h, hole, top, value);
+    };
+    // __make_heap over the first k.
+    if k >= 2 {
+        let mut parent = (k - 2) / 2;
+        loop {
+            let value = idx[parent];
+            adjust_heap(&mut idx[..k], parent, k, value);
+            if parent == 0 {
+                break;
+            }
+            parent -= 1;
+        }
+    }
+    // __heap_select: a later index replaces the top (the least kept) when comp says it goes first.
+    for i in k..idx.len() {
+        if comp(idx[i], idx[0]) {
+            // __pop_heap(first, middle, i): the old top goes to i, i's index sifts in from the top.
+            let value = idx[i];
+            idx[i] = idx[0];
+            adjust_heap(&mut idx[..k], 0, k, value);
+        }
+    }
+    let mut kept = idx[..k].to_vec();
+    kept.sort_unstable();
+    kept
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,5 +225,22 @@ mod tests {
             route_biased(&logits, Gating::Sigmoid, None, 2, true, 1.0),
             route(&logits, Gating::Sigmoid, 2, true, 1.0)
         );
+    }
+
+    #[test]
+    fn partial_sort_top_k_keeps_the_largest_and_breaks_ties_as_its_heap_does() {
+        let x = [0.5f32, 3.0, 1.0, 2.0, 0.0, 4.0];
+        assert_eq!(top_k_partial_sort(&x, 3), vec![1, 3, 5]);
+        assert_eq!(top_k_partial_sort(&x, 10), vec![0, 1, 2, 3, 4, 5]);
+        // Equal values: the later ones never replace a kept one of the same value.
+        assert_eq!(top_k_partial_sort(&[0.0; 6], 2), vec![0, 1]);
+        assert_eq!(top_k_partial_sort(&[0.0, 0.0, 1.0, 0.0], 2), vec![0, 2]);
+        // Every distinct-value case agrees with a full sort.
+        let y: Vec<f32> = (0..40).map(|i| ((i * 37) % 41) as f32).collect();
+        for k in 0..=40 {
+            let mut want = top_k(&y, k);
+            want.sort_unstable();
+            assert_eq!(top_k_partial_sort(&y, k), want, "k {k}");
+        }
     }
 }

@@ -250,6 +250,7 @@ pub enum ModelGraph {
     Llama(llama::LlamaGraph),
     Lfm2Moe(lfm2moe::Lfm2MoeGraph),
     Gemma4(gemma4::Gemma4Graph),
+    Glm5Next(glm5_next::Glm5NextGraph),
 }
 
 impl ModelGraph {
@@ -287,7 +288,11 @@ impl ModelGraph {
                 file.metadata(),
                 file,
             )?)),
-            ModelHparams::Glm5Next(_) => Err(ArchError(glm5_next::NOT_RUN.into())),
+            ModelHparams::Glm5Next(h) => Ok(ModelGraph::Glm5Next(glm5_next::Glm5NextGraph::new(
+                h,
+                &tensors,
+                file.metadata(),
+            )?)),
         }
     }
 
@@ -301,7 +306,8 @@ impl ModelGraph {
             | ModelGraph::Gemma3(_)
             | ModelGraph::Llama(_)
             | ModelGraph::Lfm2Moe(_)
-            | ModelGraph::Gemma4(_) => Vec::new(),
+            | ModelGraph::Gemma4(_)
+            | ModelGraph::Glm5Next(_) => Vec::new(),
         }
     }
 }
@@ -332,6 +338,7 @@ impl Forward for ModelGraph {
             ModelGraph::Llama(g) => g.info(),
             ModelGraph::Lfm2Moe(g) => g.info(),
             ModelGraph::Gemma4(g) => g.info(),
+            ModelGraph::Glm5Next(g) => g.info(),
         }
     }
 
@@ -343,6 +350,7 @@ impl Forward for ModelGraph {
             ModelGraph::Llama(g) => g.layer_states(),
             ModelGraph::Lfm2Moe(g) => g.layer_states(),
             ModelGraph::Gemma4(g) => g.layer_states(),
+            ModelGraph::Glm5Next(g) => g.layer_states(),
         }
     }
 
@@ -354,6 +362,7 @@ impl Forward for ModelGraph {
             ModelGraph::Llama(g) => g.forward(c),
             ModelGraph::Lfm2Moe(g) => g.forward(c),
             ModelGraph::Gemma4(g) => g.forward(c),
+            ModelGraph::Glm5Next(g) => g.forward(c),
         }
     }
 }

@@ -22,9 +22,8 @@
 //!   attention blocks, dense leading FFNs, then sigmoid-routed experts with a selection bias.
 //! - [`gemma4`]: Gemma 4 (26B-A4B): sliding-window and global attention blocks of different head sizes,
 //!   a dense GELU MLP beside routed experts (fused gate/up, per-expert scales) in every block.
-//! - [`glm5_next`]: GLM5-Next (GLM 5.3 Flash): hyperparameters and tensor table only; its forward pass
-//!   (mHC streams, KDA and sparse MLA blocks, the k-pool indexer) is not implemented, so a file is read,
-//!   bound and refused with the reason.
+//! - [`glm5_next`]: GLM5-Next (GLM 5.3 Flash): mHC residual streams, KDA blocks beside sparse MLA
+//!   blocks whose cells a k-pool indexer selects, DeepSeek-style experts; run on the CPU only.
 
 pub mod clover_moe;
 pub mod common;
@@ -722,7 +721,6 @@ pub enum ModelHparams {
     Llama(LlamaHparams),
     Lfm2Moe(Lfm2MoeHparams),
     Gemma4(Gemma4Hparams),
-    /// Known and bound, not run: [`glm5_next::NOT_RUN`].
     Glm5Next(Glm5NextHparams),
 }
 
@@ -735,11 +733,12 @@ pub const ARCH_NAMES: &[&str] = &[
     llama::ARCH,
     lfm2moe::ARCH,
     gemma4::ARCH,
+    glm5_next::ARCH,
 ];
 
 /// The architectures this crate reads, binds and `synth` writes, but whose forward pass is not
-/// implemented: [`graph::ModelGraph::from_file`] refuses their files with the reason.
-pub const NOT_RUN_ARCH_NAMES: &[&str] = &[glm5_next::ARCH];
+/// implemented: [`graph::ModelGraph::from_file`] refuses their files with the reason (none now).
+pub const NOT_RUN_ARCH_NAMES: &[&str] = &[];
 
 impl ModelHparams {
     /// Reads the hyperparameters of the file's architecture from its metadata.

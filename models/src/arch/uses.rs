@@ -5,8 +5,8 @@
 
 use super::graph::{Forward, ModelGraph};
 use crate::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe, Rope,
-    Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, HyperConnection,
+    KPoolIndexer, Logits, Moe, Rope, Unary, WeightId,
 };
 use crate::gguf::GgufFile;
 
@@ -27,6 +27,10 @@ pub struct GraphUses {
     pub conv_without_delta_net: bool,
     /// The gated delta rule ([`Compute::gated_delta_net`]).
     pub gated_delta_net: bool,
+    /// The operations, or forms of them, that only the CPU backend runs (GLM5-Next's: layer norm,
+    /// hyper-connection streams, per-head products, the k-pool indexer, attention over selected cells,
+    /// a delta rule with a decay per key channel), each named once in the order first used.
+    pub cpu_only: Vec<&'static str>,
 }
 
 impl GraphUses {
@@ -42,6 +46,18 @@ impl GraphUses {
             "MoE blocks in Gemma 4's form (a router on its own input, fused gate/up experts, \
              per-expert scales)",
         )
+    }
+
+    /// What a backend that runs only the common operations says of these uses: `None` when they need
+    /// none of the CPU's own ([`GraphUses::cpu_only`]).
+    pub fn needs_cpu_only_ops(&self) -> Option<String> {
+        (!self.cpu_only.is_empty()).then(|| self.cpu_only.join(", "))
+    }
+
+    fn cpu_only(&mut self, what: &'static str) {
+        if !self.cpu_only.contains(&what) {
+            self.cpu_only.push(what);
+        }
     }
 }
 
@@ -198,7 +214,67 @@ impl Compute for Probe<'_> {
     ) -> Shape {
         self.uses.gated_delta_net = true;
         self.delta_layers.push(layer);
+        if n.head_k > 1 && x.gate.1 == n.n_v_heads * n.head_k {
+            self.uses
+                .cpu_only("a delta rule with a decay per key channel (KDA)");
+        }
         (x.v.0, n.n_v_heads * n.head_v)
+    }
+
+    fn layer_norm(&mut self, x: &Shape, _: Option<WeightId>, _: Option<WeightId>, _: f32) -> Shape {
+        self.uses.cpu_only("layer norm");
+        *x
+    }
+
+    fn hc_pre(&mut self, streams: &Shape, mix: &Shape, hc: &HyperConnection) -> (Shape, Shape) {
+        self.uses
+            .cpu_only("hyper-connection residual streams (mHC)");
+        ((streams.0, streams.1 / hc.hc.max(1)), *mix)
+    }
+
+    fn hc_post(&mut self, _: &Shape, streams: &Shape, _: &Shape) -> Shape {
+        self.uses
+            .cpu_only("hyper-connection residual streams (mHC)");
+        *streams
+    }
+
+    fn matmul_heads(&mut self, w: WeightId, x: &Shape) -> Shape {
+        self.uses.cpu_only("per-head products (MLA)");
+        let heads = self
+            .file
+            .tensor_infos()
+            .get(w.0 as usize)
+            .and_then(|t| t.dims.get(2).copied())
+            .unwrap_or(1) as usize;
+        (x.0, self.rows_of(w) * heads)
+    }
+
+    fn kpool_select(
+        &mut self,
+        _: usize,
+        q: &Shape,
+        _: &Shape,
+        _: &Shape,
+        _: &Shape,
+        idx: &KPoolIndexer,
+    ) -> Shape {
+        self.uses
+            .cpu_only("the k-pool sparse-attention indexer and its cache");
+        (q.0, idx.max_cells())
+    }
+
+    fn attention_cells(
+        &mut self,
+        _: usize,
+        q: &Shape,
+        _: &Shape,
+        _: &Shape,
+        a: &Attention,
+        _: &Shape,
+    ) -> Shape {
+        self.uses
+            .cpu_only("attention over the cells an indexer selected");
+        (q.0, a.n_head * a.head_dim_v)
     }
 
     fn batch(&self) -> Batch<'_> {
@@ -241,5 +317,24 @@ mod tests {
         assert!(q35.needs_fused_moe().is_none());
         let llama = uses_of("llama-tiny-q4km.gguf");
         assert_eq!(llama, GraphUses::default());
+        // Only glm5-next uses operations the card lacks.
+        assert!([&lfm, &q35, &g4]
+            .iter()
+            .all(|u| u.needs_cpu_only_ops().is_none()));
+        let glm = uses_of("glm5-next-tiny-f32.gguf");
+        assert!(glm.moe_selection_bias && glm.gated_delta_net && glm.ssm_conv);
+        let ops = glm
+            .needs_cpu_only_ops()
+            .expect("operations only the CPU runs");
+        for what in [
+            "mHC",
+            "k-pool",
+            "selected",
+            "per key channel",
+            "per-head",
+            "layer norm",
+        ] {
+            assert!(ops.contains(what), "{what}: {ops}");
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! GLM5-Next (`glm5-next`: GLM 5.3 Flash): its hyperparameters and tensor table. The engine does not run
-//! it yet: [`super::ModelGraph::from_file`] reads and binds a file, then refuses it with [`NOT_RUN`].
+//! GLM5-Next (`glm5-next`: GLM 5.3 Flash): its hyperparameters and tensor table (this file) and its
+//! forward pass ([`forward`], [`Glm5NextGraph`]). Only the CPU runs it: the forward pass uses operations
+//! the card lacks ([`crate::arch::GraphUses::cpu_only`]), so the GPU backend refuses it at load.
 //!
 //! The model, as llama.cpp's `src/models/glm5-next.cpp` of the pinned sdist computes it:
 //! - mHC residual streams: the embedding is repeated into `hyper_connection.count` (4) streams. Around the
@@ -40,6 +41,10 @@
 //!   llama.cpp loads them only for its MTP graph, which it does not implement yet; the trunk never
 //!   reads them.
 
+pub mod forward;
+
+pub use forward::Glm5NextGraph;
+
 use super::common::CommonHparams;
 use super::{
     arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
@@ -50,13 +55,6 @@ use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
 pub const ARCH: &str = "glm5-next";
-
-/// Why the engine refuses a `glm5-next` file: what its forward pass needs that the engine lacks.
-pub const NOT_RUN: &str = "glm5-next (GLM 5.3 Flash) is not run by the engine yet: its forward pass \
-needs operations the engine lacks: the mHC residual streams (4 streams, Sinkhorn-normalized mixing), \
-KDA blocks (three conv states, a per-channel decay in the delta rule), MLA attention over a latent cache \
-(per-head absorbed K and V), and the k-pool sparse-attention indexer (its own cache of keys, gates and \
-pooled keys, a top-k selection of pools per token) that decides which cells each token attends to";
 
 /// Hyperparameters of a `glm5-next` model (llama.cpp's `llama_model_glm5_next::load_arch_hparams`).
 #[derive(Clone, Debug, PartialEq)]
