@@ -41,7 +41,10 @@ smi_start() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -
 smi_stop() { kill $SMI 2>/dev/null; wait $SMI 2>/dev/null; echo "  peak VRAM used on the card: $(sort -n $R/vram.txt | tail -1) MiB" | tee -a "$S"; }
 
 if [ "$PHASE" = prep ]; then
-    tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
+    # A carry over a call's limit came as parts, unpacked into /tmp/bin by earlier calls
+    # (make_gpu_carry.sh says how); llama.cpp's source likewise may come in a call of its own.
+    [ -f $C/bin.tar.xz ] && tar xJf $C/bin.tar.xz -C /tmp/bin
+    [ -f $C/llama.cpp.tar.xz ] && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$S"
     lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|L3)" | tee -a "$S"
     # LLAMA=0: a stay that measures ours only (no build).
