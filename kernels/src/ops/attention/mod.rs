@@ -10,10 +10,14 @@
 //! [`attention_ggml_f16`] (llama.cpp's vector path over an F16 cache, for smaller batches and decoding:
 //! f16 query, one-pass softmax, values summed in f16). Over a Q8_0 cache (`--kv q8_0`),
 //! [`attention_ggml_q8_0`] is llama.cpp's one path for a quantized cache (Q8_0 query, values summed in
-//! f32), with [`hadamard_ggml`] for the rotations llama.cpp applies around such a cache.
+//! f32), with [`hadamard_ggml`] for the rotations llama.cpp applies around such a cache. [`cells`]:
+//! attention over the cells a sparse-attention indexer selected.
 
 use super::{axpy, dot};
 use rayon::prelude::*;
+
+mod cells;
+pub use cells::{attention_gathered_ggml, attention_ggml_f16_cells};
 
 /// The shape and options of an attention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -88,260 +92,6 @@ pub fn attention(
             o.iter_mut().for_each(|x| *x *= inv);
         },
     );
-}
-
-/// Attention of each query over the cells it selected (a sparse-attention indexer's choice): query `i`
-/// sees the positions `cells[offsets[i]..offsets[i + 1]]` (ascending, below the cache length) and no
-/// others. As llama.cpp's flash attention reads an F16 cache, the query is rounded to f16; scores, the
-/// softmax and the weighted sum of values are f32. Shapes as in [`attention`]; `offsets` has one more
-/// entry than there are queries. A query without cells gets zeros.
-pub fn attention_cells(
-    q: &[f32],
-    (cells, offsets): (&[u32], &[usize]),
-    k: &[f32],
-    v: &[f32],
-    p: &AttnParams,
-    out: &mut [f32],
-) {
-    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    let n_q = offsets.len().saturating_sub(1);
-    assert!(
-        p.n_head > 0 && p.n_head_kv > 0 && p.n_head.is_multiple_of(p.n_head_kv),
-        "attention_cells: bad head counts"
-    );
-    assert_eq!(
-        q.len(),
-        n_q * p.n_head * dk,
-        "attention_cells: q has the wrong length"
-    );
-    assert_eq!(
-        out.len(),
-        n_q * p.n_head * dv,
-        "attention_cells: out has the wrong length"
-    );
-    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
-    let n_kv = k.len() / k_row.max(1);
-    assert_eq!(
-        v.len(),
-        n_kv * v_row,
-        "attention_cells: v has the wrong length"
-    );
-    assert!(
-        cells.iter().all(|&c| (c as usize) < n_kv),
-        "attention_cells: a cell is past the cache"
-    );
-    let group = p.n_head / p.n_head_kv;
-    out.par_chunks_mut(dv).enumerate().for_each_init(
-        || (Vec::new(), vec![0f32; dk]),
-        |(scores, qh16): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
-            let (i, h) = (idx / p.n_head, idx % p.n_head);
-            let hk = h / group;
-            let sel = &cells[offsets[i]..offsets[i + 1]];
-            o.fill(0.0);
-            if sel.is_empty() {
-                return;
-            }
-            let qh = &q[(i * p.n_head + h) * dk..][..dk];
-            qh16.iter_mut()
-                .zip(qh)
-                .for_each(|(r, &x)| *r = half::f16::from_f32(x).to_f32());
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for &c in sel {
-                let mut s = p.scale * dot(qh16, &k[c as usize * k_row + hk * dk..][..dk]);
-                if let Some(cap) = p.softcap {
-                    s = cap * (s / cap).tanh();
-                }
-                max = max.max(s);
-                scores.push(s);
-            }
-            let mut sum = 0f32;
-            for (&c, s) in sel.iter().zip(scores.iter()) {
-                let w = (s - max).exp();
-                sum += w;
-                axpy(w, &v[c as usize * v_row + hk * dv..][..dv], o);
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|x| *x *= inv);
-        },
-    );
-}
-
-/// llama.cpp's flash attention over an F16 cache where each query sees only the cells a mask leaves
-/// (`cells[offsets[i]..offsets[i + 1]]`, ascending, within causality): the vector path of
-/// [`attention_ggml_f16`] for fewer than [`GGML_FA_TILE_Q`] queries, the tiled path of
-/// [`attention_ggml_f16_tiled`] from there, each skipping the masked cells as ggml's kernels do.
-pub fn attention_ggml_f16_cells(
-    q: &[f32],
-    positions: &[u32],
-    (cells, offsets): (&[u32], &[usize]),
-    k: &[f32],
-    v: &[f32],
-    p: &AttnParams,
-    out: &mut [f32],
-) {
-    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    check_shapes(q, positions, k, v, p, out);
-    assert_eq!(
-        offsets.len(),
-        positions.len() + 1,
-        "attention: one cell list per query"
-    );
-    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
-    let group = p.n_head / p.n_head_kv;
-    let n_q = positions.len();
-    if n_q >= GGML_FA_TILE_Q {
-        let tasks: Vec<(usize, usize)> = (0..p.n_head)
-            .flat_map(|h| (0..n_q).step_by(GGML_FA_TILE_Q).map(move |i0| (h, i0)))
-            .collect();
-        let mask = Some((cells, offsets));
-        let results: Vec<Vec<f32>> = tasks
-            .par_iter()
-            .map(|&(h, i0)| {
-                let rows = i0..(i0 + GGML_FA_TILE_Q).min(n_q);
-                #[cfg(target_arch = "x86_64")]
-                if crate::quant::has_avx2_fma() {
-                    // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                    return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows, mask) };
-                }
-                tiled_task(q, positions, k, v, p, h, rows, mask)
-            })
-            .collect();
-        for (&(h, i0), res) in tasks.iter().zip(&results) {
-            for (r, o) in res.chunks_exact(dv).enumerate() {
-                out[((i0 + r) * p.n_head + h) * dv..][..dv].copy_from_slice(o);
-            }
-        }
-        return;
-    }
-    out.par_chunks_mut(dv).enumerate().for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(qh16, acc): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
-            let (i, h) = (idx / p.n_head, idx % p.n_head);
-            let one = VectorQuery {
-                q: &q[(i * p.n_head + h) * dk..][..dk],
-                k: &k[(h / group) * dk..],
-                v: &v[(h / group) * dv..],
-                k_row,
-                v_row,
-                first: 0,
-                last: positions[i] as usize,
-                chunk: usize::MAX,
-                split: false,
-                cells: Some(&cells[offsets[i]..offsets[i + 1]]),
-            };
-            #[cfg(target_arch = "x86_64")]
-            if crate::quant::has_avx2_fma() {
-                // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time).
-                return unsafe { vector_query_fma(&one, p, qh16, acc, o) };
-            }
-            vector_query::<PortableF16>(&one, p, qh16, acc, o);
-        },
-    );
-}
-
-/// llama.cpp's attention over gathered cells (its sparse-attention path for calls of at most 16
-/// tokens): query `i` sees the `n_sel` slots `slots[i·n_sel..]`, a cell each or −1 for a slot its mask
-/// kills, in that order. Per query and head, as ggml's F32 `mul_mat`, `soft_max_ext` and `mul_mat`
-/// compute it: the query in f32, each slot's score one `ggml_vec_dot_f32` times `scale` (a dead slot
-/// −∞), the softmax of [`super::softmax::softmax_ggml`] over the slots, each output value one
-/// `ggml_vec_dot_f32` over the slots of the values and the weights (a dead slot's weight 0). A query
-/// without live slots gets zeros.
-pub fn attention_gathered_ggml(
-    q: &[f32],
-    (slots, n_sel): (&[i64], usize),
-    k: &[f32],
-    v: &[f32],
-    p: &AttnParams,
-    out: &mut [f32],
-) {
-    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
-    let n_q = slots.len() / n_sel.max(1);
-    assert!(
-        p.softcap.is_none() && n_sel > 0 && slots.len() == n_q * n_sel,
-        "attention_gathered: slots are not n_sel per query, or a softcap"
-    );
-    assert_eq!(
-        q.len(),
-        n_q * p.n_head * dk,
-        "attention_gathered: q has the wrong length"
-    );
-    assert_eq!(
-        out.len(),
-        n_q * p.n_head * dv,
-        "attention_gathered: out has the wrong length"
-    );
-    let (k_row, v_row) = (p.n_head_kv * dk, p.n_head_kv * dv);
-    let n_kv = k.len() / k_row.max(1);
-    assert!(
-        slots.iter().all(|&c| c < n_kv as i64),
-        "attention_gathered: a cell is past the cache"
-    );
-    let group = p.n_head / p.n_head_kv;
-    out.par_chunks_mut(dv).enumerate().for_each(|(idx, o)| {
-        let (i, h) = (idx / p.n_head, idx % p.n_head);
-        let hk = h / group;
-        let one = Gathered {
-            q: &q[(i * p.n_head + h) * dk..][..dk],
-            slots: &slots[i * n_sel..(i + 1) * n_sel],
-            k: &k[hk * dk..],
-            v: &v[hk * dv..],
-            k_row,
-            v_row,
-        };
-        #[cfg(target_arch = "x86_64")]
-        if crate::quant::has_avx2_fma() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-            return unsafe { gathered_query_fma(&one, p, o) };
-        }
-        gathered_query(&one, p, o)
-    });
-}
-
-/// One query and head of [`attention_gathered_ggml`].
-struct Gathered<'a> {
-    q: &'a [f32],
-    slots: &'a [i64],
-    k: &'a [f32],
-    v: &'a [f32],
-    k_row: usize,
-    v_row: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gathered_query_fma(one: &Gathered<'_>, p: &AttnParams, o: &mut [f32]) {
-    gathered_query(one, p, o)
-}
-
-#[inline(always)]
-fn gathered_query(one: &Gathered<'_>, p: &AttnParams, o: &mut [f32]) {
-    use super::recurrent::dot_ggml;
-    let dk = p.head_dim_k;
-    let mut w: Vec<f32> = one
-        .slots
-        .iter()
-        .map(|&c| match c {
-            c if c >= 0 => dot_ggml(&one.k[c as usize * one.k_row..][..dk], one.q) * p.scale,
-            _ => f32::NEG_INFINITY,
-        })
-        .collect();
-    if one.slots.iter().all(|&c| c < 0) {
-        o.fill(0.0);
-        return;
-    }
-    super::softmax::softmax_ggml(&mut w);
-    let mut col = vec![0f32; one.slots.len()];
-    for (d, y) in o.iter_mut().enumerate() {
-        for (x, &c) in col.iter_mut().zip(one.slots) {
-            *x = if c >= 0 {
-                one.v[c as usize * one.v_row + d]
-            } else {
-                0.0
-            };
-        }
-        *y = dot_ggml(&col, &w);
-    }
 }
 
 /// Checks the shapes [`attention`] documents; returns the number of key/value positions.
@@ -549,6 +299,44 @@ mod x86_f16 {
     }
 }
 
+/// The online softmax of one query and head over `positions` (in order) with the f16 accumulator:
+/// `acc` gets the unnormalized weighted sum of values; returns the running maximum and sum of weights.
+#[inline(always)]
+fn online_softmax<F: F16Steps>(
+    one: &VectorQuery<'_>,
+    p: &AttnParams,
+    qh16: &[f32],
+    acc: &mut [f32],
+    positions: impl Iterator<Item = usize>,
+) -> (f32, f32) {
+    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
+    acc.fill(0.0);
+    for j in positions {
+        let d = dot_f16_ggml(qh16, &one.k[j * one.k_row..][..dk]);
+        let x = match p.softcap {
+            // ggml folds 1/cap into the scale.
+            Some(cap) => cap * (d * (p.scale / cap)).tanh(),
+            None => d * p.scale,
+        };
+        let vj = &one.v[j * one.v_row..][..dv];
+        let (ms, vs);
+        if x > m {
+            ms = (m - x).exp();
+            m = x;
+            vs = 1.0;
+            F::scale(acc, ms);
+        } else {
+            ms = 1.0;
+            vs = (x - m).exp();
+        }
+        F::mad(acc, vj, vs);
+        // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
+        s = s.mul_add(ms, vs);
+    }
+    (m, s)
+}
+
 /// The output of one query and head of [`attention_ggml_f16`] into `o`.
 #[inline(always)]
 fn vector_query<F: F16Steps>(
@@ -558,7 +346,7 @@ fn vector_query<F: F16Steps>(
     acc: &mut Vec<f32>,
     o: &mut [f32],
 ) {
-    let (dk, dv) = (p.head_dim_k, p.head_dim_v);
+    let dv = p.head_dim_v;
     qh16.clear();
     qh16.extend(one.q.iter().map(|&x| round_f16(x)));
     acc.resize(dv, 0.0);
@@ -566,29 +354,7 @@ fn vector_query<F: F16Steps>(
     o.fill(0.0);
     if let Some(cells) = one.cells {
         // A mask's live cells only, in one pass (ggml's `if (mv == -INFINITY) continue;`).
-        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
-        acc.fill(0.0);
-        for &j in cells {
-            let j = j as usize;
-            let d = dot_f16_ggml(qh16, &one.k[j * one.k_row..][..dk]);
-            let x = match p.softcap {
-                Some(cap) => cap * (d * (p.scale / cap)).tanh(),
-                None => d * p.scale,
-            };
-            let vj = &one.v[j * one.v_row..][..dv];
-            let (ms, vs);
-            if x > m {
-                ms = (m - x).exp();
-                m = x;
-                vs = 1.0;
-                F::scale(acc, ms);
-            } else {
-                ms = 1.0;
-                vs = (x - m).exp();
-            }
-            F::mad(acc, vj, vs);
-            s = s.mul_add(ms, vs);
-        }
+        let (_, s) = online_softmax::<F>(one, p, qh16, acc, cells.iter().map(|&j| j as usize));
         let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
         o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
         return;
@@ -602,30 +368,7 @@ fn vector_query<F: F16Steps>(
             continue;
         }
         // One chunk: the online softmax with the f16 accumulator.
-        let (mut m, mut s) = (f32::NEG_INFINITY, 0f32);
-        acc.fill(0.0);
-        for j in lo..end {
-            let d = dot_f16_ggml(qh16, &one.k[j * one.k_row..][..dk]);
-            let x = match p.softcap {
-                // ggml folds 1/cap into the scale.
-                Some(cap) => cap * (d * (p.scale / cap)).tanh(),
-                None => d * p.scale,
-            };
-            let vj = &one.v[j * one.v_row..][..dv];
-            let (ms, vs);
-            if x > m {
-                ms = (m - x).exp();
-                m = x;
-                vs = 1.0;
-                F::scale(acc, ms);
-            } else {
-                ms = 1.0;
-                vs = (x - m).exp();
-            }
-            F::mad(acc, vj, vs);
-            // GCC contracts ggml's `S*ms + vs` into one fused multiply-add.
-            s = s.mul_add(ms, vs);
-        }
+        let (m, s) = online_softmax::<F>(one, p, qh16, acc, lo..end);
         if !one.split {
             let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
             o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
