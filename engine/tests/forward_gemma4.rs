@@ -85,18 +85,7 @@ fn logits_of_every_row_match_reading_one_token_at_a_time() {
 /// device is opened (so on a machine without one too), not run without it.
 #[test]
 fn a_gpu_asked_for_refuses_the_model_with_the_reason() {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("poly-engine-gemma4-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("gemma4-q8_0.gguf");
-    write_synth(
-        find_shape("gemma4", "tiny").unwrap(),
-        GgmlType::Q8_0,
-        3,
-        &path,
-    );
-    let mut model = Model::load(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
+    let mut model = common::load_synth("gemma4", "tiny", GgmlType::Q8_0, "gemma4-gpu");
     let e = model
         .use_device(poly_engine::gpu::DeviceChoice::Gpu(0))
         .expect_err("refused");

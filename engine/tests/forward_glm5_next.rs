@@ -27,42 +27,15 @@ use common::{max_diff, random_tokens, softmax, write_synth};
 /// orders do; [`invariant`] checks the Q8_0 file exactly instead.
 fn model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let dir: PathBuf =
-            std::env::temp_dir().join(format!("poly-engine-glm5-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("glm5-next-f32.gguf");
-        write_synth(
-            find_shape("glm5-next", "tiny").unwrap(),
-            GgmlType::F32,
-            3,
-            &path,
-        );
-        let model = Model::load(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        model
-    })
+    MODEL.get_or_init(|| common::load_synth("glm5-next", "tiny", GgmlType::F32, "glm5-f32"))
 }
 
 /// The tiny shape in Q8_0 in batch-invariant arithmetic, loaded once.
 fn invariant() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let dir: PathBuf =
-            std::env::temp_dir().join(format!("poly-engine-glm5-bi-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("glm5-next-q8_0.gguf");
-        write_synth(
-            find_shape("glm5-next", "tiny").unwrap(),
-            GgmlType::Q8_0,
-            3,
-            &path,
-        );
-        let model = Model::load(&path)
-            .unwrap()
-            .with_arithmetic(Arithmetic::BatchInvariant);
-        std::fs::remove_file(&path).unwrap();
-        model
+        common::load_synth("glm5-next", "tiny", GgmlType::Q8_0, "glm5-bi")
+            .with_arithmetic(Arithmetic::BatchInvariant)
     })
 }
 
@@ -205,18 +178,7 @@ fn a_checkpoint_brings_the_conversation_back() {
 /// reason before any device is opened (so on a machine without one too); Q8_0 caches are refused too.
 #[test]
 fn a_gpu_or_q8_0_caches_asked_for_refuse_the_model_with_the_reason() {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("poly-engine-glm5-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("glm5-next-q8_0.gguf");
-    write_synth(
-        find_shape("glm5-next", "tiny").unwrap(),
-        GgmlType::Q8_0,
-        3,
-        &path,
-    );
-    let mut model = Model::load(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
+    let mut model = common::load_synth("glm5-next", "tiny", GgmlType::Q8_0, "glm5-gpu");
     let e = model
         .use_device(poly_engine::gpu::DeviceChoice::Gpu(0))
         .expect_err("refused");

@@ -89,18 +89,7 @@ fn a_forked_state_continues_like_the_original() {
 /// before any device is opened (so on a machine without one too), not run without it.
 #[test]
 fn a_gpu_asked_for_refuses_the_model_with_the_reason() {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("poly-engine-lfm2moe-gpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("lfm2moe-q8_0.gguf");
-    write_synth(
-        find_shape("lfm2moe", "tiny").unwrap(),
-        GgmlType::Q8_0,
-        3,
-        &path,
-    );
-    let mut model = Model::load(&path).unwrap();
-    std::fs::remove_file(&path).unwrap();
+    let mut model = common::load_synth("lfm2moe", "tiny", GgmlType::Q8_0, "lfm2moe-gpu");
     let e = model
         .use_device(poly_engine::gpu::DeviceChoice::Gpu(0))
         .expect_err("refused");

@@ -29,6 +29,24 @@ pub fn write_synth(shape: Shape, ty: GgmlType, seed: u64, path: &Path) {
         .unwrap();
 }
 
+/// The synth shape `arch`/`shape` in `ty` (seed 3), written to a temporary file of `tag`'s name, loaded,
+/// and the file removed once mapped.
+#[allow(dead_code)]
+pub fn load_synth(arch: &str, shape: &str, ty: GgmlType, tag: &str) -> poly_engine::Model {
+    let dir = std::env::temp_dir().join(format!("poly-engine-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{tag}.gguf"));
+    write_synth(
+        poly_models::synth::shapes::find_shape(arch, shape).unwrap(),
+        ty,
+        3,
+        &path,
+    );
+    let model = poly_engine::Model::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    model
+}
+
 /// `n` token ids drawn uniformly from the vocabulary.
 pub fn random_tokens(n: usize, n_vocab: usize, seed: u64) -> Vec<u32> {
     let mut rng = Rng::new(seed);
