@@ -512,6 +512,18 @@ pub enum LayerKind {
     NextN,
 }
 
+impl LayerKind {
+    /// Block `il` of a file whose `n_layer` trunk blocks are recurrent or attention (`recurrent`) and
+    /// whose blocks after them are MTP blocks (qwen35moe, glm5-next).
+    pub fn of_trunk_then_nextn(il: u32, n_layer: u32, recurrent: bool) -> LayerKind {
+        match (il >= n_layer, recurrent) {
+            (true, _) => LayerKind::NextN,
+            (false, true) => LayerKind::Recurrent,
+            (false, false) => LayerKind::Attention,
+        }
+    }
+}
+
 /// Which blocks hold a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerSel {

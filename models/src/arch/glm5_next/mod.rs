@@ -407,13 +407,7 @@ impl ArchHparams for Glm5NextHparams {
     }
 
     fn layer_kind(&self, il: u32) -> LayerKind {
-        if il >= self.n_layer {
-            LayerKind::NextN
-        } else if self.is_recurrent(il) {
-            LayerKind::Recurrent
-        } else {
-            LayerKind::Attention
-        }
+        LayerKind::of_trunk_then_nextn(il, self.n_layer, self.is_recurrent(il))
     }
 
     fn dense_ffn(&self, il: u32) -> bool {
