@@ -123,24 +123,27 @@ pub fn attention_gathered_ggml(
         "attention_gathered: a cell is past the cache"
     );
     let group = p.n_head / p.n_head_kv;
-    out.par_chunks_mut(dv).enumerate().for_each(|(idx, o)| {
-        let (i, h) = (idx / p.n_head, idx % p.n_head);
-        let hk = h / group;
-        let one = Gathered {
-            q: &q[(i * p.n_head + h) * dk..][..dk],
-            slots: &slots[i * n_sel..(i + 1) * n_sel],
-            k: &k[hk * dk..],
-            v: &v[hk * dv..],
-            k_row,
-            v_row,
-        };
-        #[cfg(target_arch = "x86_64")]
-        if crate::quant::has_avx2_fma() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-            return unsafe { gathered_query_fma(&one, p, o) };
-        }
-        gathered_query(&one, p, o)
-    });
+    out.par_chunks_mut(dv).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |scratch: &mut (Vec<f32>, Vec<f32>), (idx, o)| {
+            let (i, h) = (idx / p.n_head, idx % p.n_head);
+            let hk = h / group;
+            let one = Gathered {
+                q: &q[(i * p.n_head + h) * dk..][..dk],
+                slots: &slots[i * n_sel..(i + 1) * n_sel],
+                k: &k[hk * dk..],
+                v: &v[hk * dv..],
+                k_row,
+                v_row,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
+                return unsafe { gathered_query_fma(&one, p, scratch, o) };
+            }
+            gathered_query(&one, p, scratch, o)
+        },
+    );
 }
 
 /// One query and head of [`attention_gathered_ggml`].
@@ -155,28 +158,38 @@ struct Gathered<'a> {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn gathered_query_fma(one: &Gathered<'_>, p: &AttnParams, o: &mut [f32]) {
-    gathered_query(one, p, o)
+unsafe fn gathered_query_fma(
+    one: &Gathered<'_>,
+    p: &AttnParams,
+    scratch: &mut (Vec<f32>, Vec<f32>),
+    o: &mut [f32],
+) {
+    gathered_query(one, p, scratch, o)
 }
 
+/// `scratch`: the worker's buffers for the slots' weights and one value column (reused, not allocated per
+/// query and head).
 #[inline(always)]
-fn gathered_query(one: &Gathered<'_>, p: &AttnParams, o: &mut [f32]) {
+fn gathered_query(
+    one: &Gathered<'_>,
+    p: &AttnParams,
+    (w, col): &mut (Vec<f32>, Vec<f32>),
+    o: &mut [f32],
+) {
     use crate::ops::recurrent::dot_ggml;
     let dk = p.head_dim_k;
-    let mut w: Vec<f32> = one
-        .slots
-        .iter()
-        .map(|&c| match c {
-            c if c >= 0 => dot_ggml(&one.k[c as usize * one.k_row..][..dk], one.q) * p.scale,
-            _ => f32::NEG_INFINITY,
-        })
-        .collect();
+    w.clear();
+    w.extend(one.slots.iter().map(|&c| match c {
+        c if c >= 0 => dot_ggml(&one.k[c as usize * one.k_row..][..dk], one.q) * p.scale,
+        _ => f32::NEG_INFINITY,
+    }));
     if one.slots.iter().all(|&c| c < 0) {
         o.fill(0.0);
         return;
     }
-    crate::ops::softmax::softmax_ggml(&mut w);
-    let mut col = vec![0f32; one.slots.len()];
+    crate::ops::softmax::softmax_ggml(w);
+    col.clear();
+    col.resize(one.slots.len(), 0.0);
     for (d, y) in o.iter_mut().enumerate() {
         for (x, &c) in col.iter_mut().zip(one.slots) {
             *x = if c >= 0 {
@@ -185,6 +198,6 @@ fn gathered_query(one: &Gathered<'_>, p: &AttnParams, o: &mut [f32]) {
                 0.0
             };
         }
-        *y = dot_ggml(&col, &w);
+        *y = dot_ggml(col, w);
     }
 }
