@@ -66,9 +66,13 @@ fn a_short_request_is_answered_while_a_long_one_streams_with_two_places() {
         seconds(&report["short_done"]) < seconds(&report["long_done"]),
         "{report}"
     );
-    // Most of the long answer came after the short one was complete.
+    // Part of the long answer came after the short one was complete (with one place none does). How
+    // much depends on the machine: CI's two busy cores once saw 32 of 127 chunks after it.
     let after = report["long_chunks_after_short"].as_u64().unwrap_or(0);
-    assert!(after >= LONG_CHUNKS / 2, "{report}");
+    assert!(
+        after >= 1 && seconds(&report["short_done"]) < seconds(&report["long_last_chunk"]),
+        "{report}"
+    );
     assert_eq!(
         health["slots"],
         json!({"parallel": 2, "running": 0, "waiting": 0}),
