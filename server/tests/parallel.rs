@@ -23,6 +23,11 @@ fn python() -> String {
 const LONG_TOKENS: u32 = 600;
 const LONG_CHUNKS: u64 = 100;
 
+/// The client stamps each chunk when its thread gets to it (Python's threads take turns), so on a busy
+/// machine a few of the long answer's chunks, already received, are stamped after the short answer's end
+/// even with one place (CI saw 5 of 127); with two places CI saw 32 and more.
+const LAG_CHUNKS: u64 = 8;
+
 /// Runs parallel.py against a server started with `args`, returning its JSON report.
 /// Returns parallel.py's report, `/health`, `/metrics` and `/props` after it.
 fn long_and_short(tag: &str, args: &[&str]) -> (Value, Value, String, Value) {
@@ -66,13 +71,9 @@ fn a_short_request_is_answered_while_a_long_one_streams_with_two_places() {
         seconds(&report["short_done"]) < seconds(&report["long_done"]),
         "{report}"
     );
-    // Part of the long answer came after the short one was complete (with one place none does). How
-    // much depends on the machine: CI's two busy cores once saw 32 of 127 chunks after it.
+    // Part of the long answer came after the short one was complete: more than the client's lag.
     let after = report["long_chunks_after_short"].as_u64().unwrap_or(0);
-    assert!(
-        after >= 1 && seconds(&report["short_done"]) < seconds(&report["long_last_chunk"]),
-        "{report}"
-    );
+    assert!(after >= LAG_CHUNKS * 2, "{report}");
     assert_eq!(
         health["slots"],
         json!({"parallel": 2, "running": 0, "waiting": 0}),
@@ -86,13 +87,11 @@ fn a_short_request_is_answered_while_a_long_one_streams_with_two_places() {
 #[test]
 fn a_short_request_waits_for_the_long_one_with_one_place() {
     let (report, health, metrics, props) = long_and_short("parallel-1", &[]);
-    // The short answer ended after the long one's last chunk (not after `long_done`, which the client
-    // takes after the stream's teardown on another thread: CI once read it 0.3 ms after the short end).
-    assert!(
-        seconds(&report["short_done"]) > seconds(&report["long_last_chunk"]),
-        "{report}"
-    );
-    assert_eq!(report["long_chunks_after_short"], 0, "{report}");
+    // The short answer ended after the long one (up to the client's lag in stamping its chunks).
+    let after = report["long_chunks_after_short"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    assert!(after <= LAG_CHUNKS, "{report}");
     assert_eq!(health["slots"]["parallel"], 1, "{health}");
     assert!(metrics.contains("polystrata_parallel_slots 1"), "{metrics}");
     assert_eq!(props["total_slots"], 1, "{props}");
