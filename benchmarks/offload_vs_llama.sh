@@ -73,7 +73,8 @@ if [ "$PHASE" = prep ]; then
     stamp "wait for the llama.cpp build"
     [ "${LLAMA:-1}" = 1 ] && while [ ! -e /tmp/lcb/build.done ] && [ ! -e /tmp/lcb/build.failed ]; do sleep 2; done
     tail -2 /tmp/lcb/llama_build.txt | tee -a "$S"
-    cp $R/*.txt "$OUT/" 2>/dev/null
+    # RAW=0: the raw files stay in $R (a device call brings back at most 8 files from its $OUT).
+    [ "${RAW:-1}" = 1 ] && cp $R/*.txt "$OUT/" 2>/dev/null
     stamp done
 fi
 
