@@ -17,6 +17,7 @@ static __device__ __forceinline__ void scale_min_k4(const uint8_t * q, int j, in
 struct mmq_q4_K {
     static constexpr int qk = QK_K;
     static constexpr bool k16 = false;
+    static constexpr bool offset = true;
     typedef block_q4_K block;
     static __device__ __forceinline__ int quants(const block * b, int sub, int i) {
         const int v = get_int_b4(b->qs, 8 * (sub / 2) + i);
@@ -32,6 +33,7 @@ struct mmq_q4_K {
 struct mmq_q5_K {
     static constexpr int qk = QK_K;
     static constexpr bool k16 = false;
+    static constexpr bool offset = true;
     typedef block_q5_K block;
     static __device__ __forceinline__ int quants(const block * b, int sub, int i) {
         const int v = get_int_b4(b->qs, 8 * (sub / 2) + i);
@@ -68,6 +70,7 @@ struct mmq_q6_K {
 struct mmq_q8_0 {
     static constexpr int qk = 32;
     static constexpr bool k16 = false;
+    static constexpr bool offset = false;
     typedef block_q8_0 block;
     static __device__ __forceinline__ int quants(const block * b, int, int i) {
         return get_int_b2(b->qs, i);

@@ -1,6 +1,8 @@
-// The int8 tensor-core matrix x matrix for prompt batches: the Rust side (kernels/src/cuda/module.rs) puts
-// this text after common.cuh in front of matmul_mma.cu, which defines the formats and instantiates
-// MMQ_ENTRY_POINTS for them.
+// The int8 tensor-core matrix x matrix for prompt batches, shared by matmul_mma.cu (Q4_K, Q5_K, Q6_K, Q8_0)
+// and mmq_iq.cu (the i-quants): the Rust side (kernels/src/cuda/module.rs) puts this text after common.cuh
+// in front of both, and each file defines its formats and instantiates MMQ_ENTRY_POINTS for them. Two
+// modules rather than one because NVRTC takes about 22 s per architecture for the nine i-quants and 12 s for
+// the four others (development CPU): a launch outside a graph capture compiles only the module it needs.
 //
 // Quantized matrix x matrix for prompt batches on the int8 tensor cores (mma.sync m16n8k32 / m16n8k16, s8 x s8
 // -> s32; sm_80 and later): llama.cpp's mmq idea. Activations are block_q8_1 (quantize.cu); a thread block
@@ -31,9 +33,16 @@
 #define MMQ_STRIDE (MMQ_K / 4 + 4)
 
 // ----- formats: the quants of one 32-value sub-block as int8, 4 at a time, and its (scale, offset) --------
-// quants(b, sub, i): values 4i..4i+3 of sub-block `sub` of weight block b; value = scale * q - offset
-// (k16 formats: scale.x for values 0..15, scale.y for 16..31, no offset).
-
+// A format is a struct with qk (values per block), k16, `typedef <layout> block;` and either
+//   quants(b, sub, i): values 4i..4i+3 of sub-block `sub` of weight block b, and scale(b, sub): read through
+//   a_stage_generic (no prefetch); or
+//   raw, load(b, sub) and unpack(raw, q[8]) -> scale: a_stage_sub (below) prefetches `raw` (the bits of one
+//   sub-block) into registers before the products and unpacks all 8 ints after them.
+// value = scale.x * q - scale.y (k16 formats: scale.x for values 0..15, scale.y for 16..31, no offset).
+// A format without k16 also says `offset`: false where scale.y is always 0, so the products skip the offset
+// term. Besides the work, that keeps such formats finite for huge activations: s_x is an f16 (up to 32 max|x|),
+// which overflows to inf from max|x| of about 2048 in a block, and 0 * inf would be NaN.
+// a_stage_of<F> names the stage; the file of a format with a stage of its own specializes it.
 
 // ----- the tensor core instructions ---------------------------------------------------------------------
 
@@ -91,8 +100,46 @@ struct a_stage_generic {
     }
 };
 
-template <typename F> struct a_stage_of { typedef a_stage_generic<F> type; };
+// Formats with `raw` / load / unpack: a thread item is one 32-value sub-block of one row (MMQ_ROWS x
+// MMQ_SUBS items, 2 per thread). fetch loads each item's raw bits (a few words: the lattice formats' indexes,
+// signs and scale bits) into registers; store unpacks them into the sub-block's 8 ints of int8 and its
+// scale. One item per sub-block reads the bits every int of the sub-block shares (the scale word, the
+// block's d) once, where a_stage_generic would read them for each int.
+template <typename F>
+struct a_stage_sub {
+    typedef typename F::block block;
+    static constexpr int items = MMQ_ROWS * MMQ_SUBS / (MMQ_WARPS * WARP_SIZE);
+    typename F::raw raw[items];
+    __device__ __forceinline__ void fetch(const uint8_t * __restrict__ w, int64_t row_bytes, int nrows, int row0,
+                                          int k0, int tid) {
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            const int r = idx / MMQ_SUBS, s = idx % MMQ_SUBS;
+            const int row = min(row0 + r, nrows - 1);
+            const int v = k0 + 32 * s;
+            const block * b = (const block *) (w + row * row_bytes) + v / F::qk;
+            raw[it] = F::load(b, (v % F::qk) / 32);
+        }
+    }
+    // Item (r, s) writes ints 8s..8s+7 of row r: the four threads of a row and the next row's four (36 ints
+    // on) cover all 32 banks once per 16-byte phase.
+    __device__ __forceinline__ void store(int * sa, float2 * sa_scale, int tid) const {
+#pragma unroll
+        for (int it = 0; it < items; ++it) {
+            const int idx = tid + it * MMQ_WARPS * WARP_SIZE;
+            const int r = idx / MMQ_SUBS, s = idx % MMQ_SUBS;
+            int q[8];
+            const float2 sc = F::unpack(raw[it], q);
+            int * dst = sa + r * MMQ_STRIDE + 8 * s;
+            *(int4 *) dst = make_int4(q[0], q[1], q[2], q[3]);
+            *(int4 *) (dst + 4) = make_int4(q[4], q[5], q[6], q[7]);
+            sa_scale[r * MMQ_SUBS + s] = sc;
+        }
+    }
+};
 
+template <typename F> struct a_stage_of { typedef a_stage_generic<F> type; };
 
 // Tokens: one q8_1 block (d, s, 32 quants: 9 words) per thread item; tokens past ncol are zeros.
 template <int BN>
@@ -206,10 +253,17 @@ static __device__ __forceinline__ void mmq_tile(const uint8_t * __restrict__ w, 
                         mma_k32(a, b, c);
                         const float2 d0 = sb_ds[(8 * nt + 2 * t) * MMQ_SUBS + s];
                         const float2 d1 = sb_ds[(8 * nt + 2 * t + 1) * MMQ_SUBS + s];
-                        acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
-                        acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
-                        acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
-                        acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
+                        if constexpr (F::offset) {
+                            acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, fmaf(-sc_lo.y, d0.y, acc[nt][0]));
+                            acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, fmaf(-sc_lo.y, d1.y, acc[nt][1]));
+                            acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, fmaf(-sc_hi.y, d0.y, acc[nt][2]));
+                            acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, fmaf(-sc_hi.y, d1.y, acc[nt][3]));
+                        } else {
+                            acc[nt][0] = fmaf((float) c[0], sc_lo.x * d0.x, acc[nt][0]);
+                            acc[nt][1] = fmaf((float) c[1], sc_lo.x * d1.x, acc[nt][1]);
+                            acc[nt][2] = fmaf((float) c[2], sc_hi.x * d0.x, acc[nt][2]);
+                            acc[nt][3] = fmaf((float) c[3], sc_hi.x * d1.x, acc[nt][3]);
+                        }
                     }
                 } else {
                     const int a0[2] = {a_lo[t], a_hi[t]};

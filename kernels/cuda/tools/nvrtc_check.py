@@ -25,6 +25,7 @@ HEADERS = {
     "matvec_f": ["float_dot.cuh"],
     "route": ["float_dot.cuh"],
     "matmul_mma": ["mmq.cuh"],
+    "mmq_iq": ["iq_grids.cuh", "mmq.cuh"],
 }
 
 
