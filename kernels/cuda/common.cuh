@@ -186,7 +186,7 @@ struct block_iq4_xs {
     uint8_t qs[128];
 };
 
-// The i-quants (lattice formats; the grids are in iq_grids.cuh, in front of matvec_iq.cu only).
+// The i-quants (lattice formats; the grids are in iq_grids.cuh, in front of matvec_iq.cu and mmq_iq.cu only).
 struct block_iq2_xxs {
     uint16_t d;
     uint16_t qs[QK_K / 8]; // per 32 values: 4 grid indexes (bytes), then 4 x 7 sign bits and a 4-bit scale

@@ -7,6 +7,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use poly_kernels::cuda::ops::{self, ExpertInput};
+use poly_kernels::cuda::prompt;
 use poly_kernels::cuda::{BlockQ8_1, CudaError, Device, DeviceMatrix, StackedExperts};
 use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
@@ -508,8 +509,10 @@ fn eager_and_graph(
 /// `MUL_MAT(type_a=…,type_b=f32,m=4096,n=N,k=14336)` and `MUL_MAT_ID(…,n_mats=128,n_used=8,m=768,n=1,k=2048)`
 /// lines on the same card: `benchmarks/iquant_card_vs_llama.sh` runs both and pairs them. As there, the
 /// activations come in f32, so each call quantizes them (`quantize_q8_1`) before the product. Printed per
-/// type: eager launches (as test-backend-ops times its graphs) and the same calls replayed from a graph.
-/// The formats the issue names, IQ4_XS/IQ4_NL and Q4_K for scale.
+/// type: eager launches (as test-backend-ops times its graphs) and the same calls replayed from a graph,
+/// with the path `matmul_q` took (`prompt::matmul_path`: the tensor cores or the dp4a tiles); at n = 8 also
+/// the dp4a kernel (`dp4a` lines), to set the tensor cores' threshold by. The formats the issue names,
+/// IQ4_XS/IQ4_NL and Q4_K for scale.
 #[test]
 #[ignore = "benchmark for the GPU machine"]
 fn bench_iquants_as_test_backend_ops() {
@@ -541,17 +544,34 @@ fn bench_iquants_as_test_backend_ops() {
                 ops::quantize_q8_1(dv, &xd, &mut xq)?;
                 match n {
                     1 => ops::matvec_q(dv, &wd, &xq, &mut y),
-                    _ => poly_kernels::cuda::prompt::matmul_q(dv, &wd, &xq, &mut y),
+                    _ => prompt::matmul_q(dv, &wd, &xq, &mut y),
                 }
             };
             let (eager, replayed) = eager_and_graph(&dev, &mut call);
+            let path = match n {
+                1 => "matvec".to_string(),
+                _ => format!("{:?}", prompt::matmul_path(&dev, ty, k, n)),
+            };
             println!(
-                "iq MUL_MAT type_a={} m={m} n={n} k={k}: eager {:.2} us, graph {:.2} us, {:.1} MB of weights",
+                "iq MUL_MAT type_a={} m={m} n={n} k={k}: eager {:.2} us, graph {:.2} us, {:.1} MB of weights ({path})",
                 ty.name().to_lowercase(),
                 eager * 1e6,
                 replayed * 1e6,
                 w.len() as f64 / 1e6
             );
+            if n == 8 {
+                let mut dp4a = |dv: &Device| -> Result<(), CudaError> {
+                    ops::quantize_q8_1(dv, &xd, &mut xq)?;
+                    prompt::matmul_q_dp4a(dv, &wd, &xq, &mut y)
+                };
+                let (eager, replayed) = eager_and_graph(&dev, &mut dp4a);
+                println!(
+                    "iq MUL_MAT dp4a type_a={} m={m} n={n} k={k}: eager {:.2} us, graph {:.2} us",
+                    ty.name().to_lowercase(),
+                    eager * 1e6,
+                    replayed * 1e6
+                );
+            }
         }
     }
     // MUL_MAT_ID at Qwen3-30B-A3B's expert shape, one token, 8 of 128 experts (the two i-quants

@@ -13,7 +13,7 @@
 use poly_kernels::cuda::attention::{
     attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
 };
-use poly_kernels::cuda::prompt::{self, ExpertGrouping};
+use poly_kernels::cuda::prompt::{self, ExpertGrouping, MatmulPath};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
 use poly_kernels::cuda::sample::{self, DrawParams};
 use poly_kernels::cuda::{ops, BlockQ8_1, Device, DeviceMatrix, StackedExperts};
@@ -802,6 +802,92 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     assert_no_failures(failures);
 }
 
+/// The nine i-quants with tensor-core kernels (`mmq_iq.cu`).
+const IQ_MMA_TYPES: [GgmlType; 9] = [
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
+/// The i-quants' tensor-core kernels (`mmq_iq.cu`) for a plain matrix at 8, 64 and 512 tokens, against the
+/// CPU (whose activations are rounded to Q8_K or Q8_0 as the card's to q8_1: the bound of the other
+/// formats) and against the dp4a kernel (the same q8_1 activations: only the order of the sums differs). The
+/// rows (200) leave a partial row tile. Each product is required to run on the tensor cores: `matmul_q_mma`
+/// has no other path, and `matmul_path` must say that `matmul_q` takes them from 16 tokens (8 for the
+/// lattice formats), so the test cannot pass on the dp4a fallback. Every tile size runs at 64 tokens, and
+/// tiles of 16 and 128 at 512 (many token tiles).
+#[test]
+fn iquant_prompt_matmul_on_the_tensor_cores_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut failures = Vec::new();
+    for (i, ty) in IQ_MMA_TYPES.into_iter().enumerate() {
+        let (rows, cols) = (200, 512);
+        assert!(
+            prompt::has_mma(&dev, ty, cols),
+            "{ty}: no tensor-core kernels on {} ({})",
+            dev.name(),
+            dev.arch()
+        );
+        let mut rng = Rng::new(480 + i as u64);
+        let w = random_weights(ty, &mut rng, rows * cols);
+        let m = QuantMatrix::new(ty, rows, cols, &w).unwrap();
+        let wd = DeviceMatrix::upload(&dev, ty, rows, cols, &w).unwrap();
+        for n in [8usize, 64, 512] {
+            let x = normals(&mut rng, n * cols);
+            let mut want = vec![0f32; n * rows];
+            for t in 0..n {
+                matvec(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &mut want[t * rows..(t + 1) * rows],
+                );
+            }
+            let xd = dev.upload(&x).unwrap();
+            let mut xq = dev.zeros::<BlockQ8_1>(x.len() / 32).unwrap();
+            ops::quantize_q8_1(&dev, &xd, &mut xq).unwrap();
+            let mut yd = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_q_dp4a(&dev, &wd, &xq, &mut yd).unwrap();
+            let dp4a = dev.download(&yd).unwrap();
+            let tiles: &[usize] = match n {
+                8 => &[16],
+                64 => &[16, 32, 64, 128],
+                _ => &[16, 128],
+            };
+            let mut check = |what: String, got: &[f32]| {
+                failures.extend(nmse_check(&what, got, &want, 5e-4));
+                failures.extend(nmse_check(&format!("{what} vs dp4a"), got, &dp4a, 1e-6));
+            };
+            for &tile in tiles {
+                let mut y = dev.zeros::<f32>(n * rows).unwrap();
+                prompt::matmul_q_mma(&dev, &wd, &xq, tile, &mut y).unwrap();
+                check(
+                    format!("mma matmul {ty} {rows}x{cols} n {n} tile {tile}"),
+                    &dev.download(&y).unwrap(),
+                );
+            }
+            // What matmul_q picks: the tensor cores from 16 tokens (8 for the lattice formats).
+            let path = prompt::matmul_path(&dev, ty, cols, n);
+            let lattice = !matches!(ty, GgmlType::IQ4_NL | GgmlType::IQ4_XS);
+            if n >= 16 || lattice {
+                assert_eq!(path, MatmulPath::Mma, "{ty} n {n}");
+            }
+            let mut y = dev.zeros::<f32>(n * rows).unwrap();
+            prompt::matmul_q(&dev, &wd, &xq, &mut y).unwrap();
+            check(
+                format!("matmul_q {ty} {rows}x{cols} n {n} ({path:?})"),
+                &dev.download(&y).unwrap(),
+            );
+        }
+    }
+    assert_no_failures(failures);
+}
+
 /// The float prompt matmul (`matmul_f`: F32, F16, BF16 weights, f32 activations) against the CPU, over
 /// shapes that leave partial tiles of rows, tokens and columns.
 #[test]
@@ -924,6 +1010,7 @@ fn expert_grouped_matmul_matches_cpu() {
         GgmlType::IQ3_S,
         GgmlType::IQ1_S,
         GgmlType::IQ1_M,
+        GgmlType::IQ4_NL,
     ]
     .into_iter()
     .enumerate()
@@ -962,14 +1049,32 @@ fn expert_grouped_matmul_matches_cpu() {
             }
         }
 
-        // Tiles of 8 rows (dp4a) and, for the formats with tensor-core kernels, of 16, 32, 64 and 128 (padded
-        // with empty tiles as the engine pads them).
-        let tile_sizes: &[usize] = if prompt::has_mma(&dev, ty, cols) {
-            &[prompt::MATMUL_TILE, 16, 32, 64, 128]
-        } else {
-            &[prompt::MATMUL_TILE]
-        };
-        for &tile in tile_sizes {
+        // Tiles of 8 rows (dp4a) and of 16, 32, 64 and 128 (tensor cores: every format here has them;
+        // padded with empty tiles as the engine pads them). The paths are required, so a format that lost
+        // its tensor-core kernels (or a pair that fell back to two launches) fails instead of passing on
+        // the dp4a kernels.
+        assert!(
+            prompt::has_mma(&dev, ty, cols),
+            "{ty}: no tensor-core kernels on {}",
+            dev.name()
+        );
+        let t = stacked.table();
+        for tile in [prompt::MATMUL_TILE, 16, 32, 64, 128] {
+            let (single, pair) = if tile == prompt::MATMUL_TILE {
+                (MatmulPath::Dp4a, MatmulPath::Dp4a)
+            } else {
+                (MatmulPath::Mma, MatmulPath::MmaPair)
+            };
+            assert_eq!(
+                prompt::experts_path(&dev, t, tile).unwrap(),
+                single,
+                "{ty} tile {tile}"
+            );
+            assert_eq!(
+                prompt::experts_pair_path(&dev, [t, t], tile).unwrap(),
+                pair,
+                "{ty} tile {tile}"
+            );
             let g = ExpertGrouping::with_tile(&ids, k, n_expert, tile);
             let tiles = g.tile_table(ExpertGrouping::max_tiles(n * k, n_expert, tile));
             let (rowsd, slotd, tilesd) = (
@@ -1000,7 +1105,6 @@ fn expert_grouped_matmul_matches_cpu() {
                 dev.zeros::<f32>(n * k * rows).unwrap(),
                 dev.zeros::<f32>(n * k * rows).unwrap(),
             );
-            let t = stacked.table();
             prompt::matmul_experts_q_pair(&dev, [t, t], &tilesd, tile, &xq, [&mut ya, &mut yb])
                 .unwrap();
             let single = dev.download(&ys).unwrap();

@@ -110,7 +110,8 @@ def build(tmp):
     common = open(os.path.join(CUDA, "common.cuh")).read()
     matvec = open(os.path.join(CUDA, "matvec_iq.cu")).read()
     grids = open(os.path.join(CUDA, "iq_grids.cuh")).read()
-    layouts = common[common.index("#define QK_K 256"):]
+    # The block layouts and get_int_b2/b4 (the rest of common.cuh is device code).
+    layouts = section(common, "#define QK_K 256", "// ----- shared by several modules")
     dots = section(matvec, "// ----- i-quants (IQ2_XXS .. IQ1_M)", "// ----- end of the i-quants")
     src = "\n".join([SHIMS, layouts, grids, dots, DRIVER])
     cpp = os.path.join(tmp, "iq_host.cpp")

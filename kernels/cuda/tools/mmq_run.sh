@@ -20,7 +20,7 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$S"; }
 log() { echo "===== $1" >> "$L"; cat "$2" >> "$L"; }
 
 stamp "== kernel tests against the CPU"
-for t in prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu float_prompt_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
+for t in prompt_matmul_on_the_tensor_cores_matches_cpu iquant_prompt_matmul_on_the_tensor_cores_matches_cpu expert_grouped_matmul_matches_cpu float_prompt_matmul_matches_cpu prompt_matmul_matches_cpu_and_equals_the_matvec; do
     timeout 100 $C/cuda_layer_ops --exact $t --nocapture > /tmp/mmq_t.txt 2>&1
     echo "$t rc=$?" | tee -a "$S"
     grep -E "nmse|panicked|rror" /tmp/mmq_t.txt | grep -vE "vs dp4a|vs matvec" | head -60 | sed 's/^/    /' | tee -a "$S"

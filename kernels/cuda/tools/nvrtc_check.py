@@ -24,6 +24,8 @@ HEADERS = {
     "matvec_iq": ["iq_grids.cuh", "matvec.cuh"],
     "matvec_f": ["float_dot.cuh"],
     "route": ["float_dot.cuh"],
+    "matmul_mma": ["mmq.cuh"],
+    "mmq_iq": ["iq_grids.cuh", "mmq.cuh"],
 }
 
 

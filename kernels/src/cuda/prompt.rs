@@ -1,10 +1,11 @@
 //! Matrix×matrix for prompt batches (`matmul_*` of `kernels/cuda/matvec.cuh`, instantiated in matvec_q.cu
 //! and matvec_iq.cu): the matvec kernels' integer dot products over tiles of [`MATMUL_TILE`] tokens, so each
-//! weight block comes from memory once per tile (the tensor-core kernels of `matmul_mma.cu` where the format
-//! has one: module `mma`); and the expert-grouped form for MoE prompts: the (token, expert) pairs sorted by
-//! expert ([`group_by_expert`] on the card, [`ExpertGrouping`] on the host), the quantized activations
-//! gathered into that order, each tile one expert's run of rows (gate and up in one launch), the outputs
-//! combined back per token with the routing weights.
+//! weight block comes from memory once per tile (the tensor-core kernels of `mmq.cuh` where the format has
+//! one: Q4_K, Q5_K, Q6_K, Q8_0 in `matmul_mma.cu`, the nine i-quants in `mmq_iq.cu`; module `mma`;
+//! [`matmul_path`] says which a product takes); and the expert-grouped form for MoE prompts: the (token,
+//! expert) pairs sorted by expert ([`group_by_expert`] on the card, [`ExpertGrouping`] on the host), the
+//! quantized activations gathered into that order, each tile one expert's run of rows (gate and up in one
+//! launch), the outputs combined back per token with the routing weights.
 
 mod mma;
 
@@ -30,6 +31,61 @@ fn matmul_kernel(ty: GgmlType, experts: bool) -> CudaResult<(KernelModule, &'sta
             fmt.matmul
         },
     ))
+}
+
+/// Which kernels a prompt product takes: the int8 tensor cores (`mmq.cuh`, instantiated in `matmul_mma.cu`
+/// and `mmq_iq.cu`; `MmaPair`: gate and up in one launch of `mmq_experts_pair_*`) or the dp4a tiles of
+/// [`MATMUL_TILE`] tokens (`matmul_*` of `matvec_q.cu` and `matvec_iq.cu`). The functions that say it are
+/// those the launchers decide by, so a test can require the path it means to check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulPath {
+    MmaPair,
+    Mma,
+    Dp4a,
+}
+
+/// The kernels [`matmul_q`] takes for `n` tokens of a matrix of `ty` with rows of `cols` values on `dev`.
+pub fn matmul_path(dev: &Device, ty: GgmlType, cols: usize, n: usize) -> MatmulPath {
+    if n >= mma::min_tokens(ty) && mma::takes(dev, ty, cols) {
+        MatmulPath::Mma
+    } else {
+        MatmulPath::Dp4a
+    }
+}
+
+/// The kernels [`matmul_experts_q`] takes for `table` with tiles of `tile_rows` rows (an error for a tile
+/// size the format has no kernel for).
+pub fn experts_path(dev: &Device, table: &ExpertTable, tile_rows: usize) -> CudaResult<MatmulPath> {
+    if tile_rows == MATMUL_TILE {
+        Ok(MatmulPath::Dp4a)
+    } else if mma::takes(dev, table.ty, table.cols) {
+        Ok(MatmulPath::Mma)
+    } else {
+        invalid(format!(
+            "matmul_experts {}: tiles of {tile_rows} rows",
+            table.ty
+        ))
+    }
+}
+
+/// The kernels [`matmul_experts_q_pair`] takes for `tables` with tiles of `tile_rows` rows: one launch of
+/// both on the tensor cores when they have one format and shape (and `--mmq-pair off` did not ask for two),
+/// else [`experts_path`] of each.
+pub fn experts_pair_path(
+    dev: &Device,
+    tables: [&ExpertTable; 2],
+    tile_rows: usize,
+) -> CudaResult<MatmulPath> {
+    let [ta, tb] = tables;
+    let same = (ta.ty, ta.rows, ta.cols, ta.n_expert) == (tb.ty, tb.rows, tb.cols, tb.n_expert);
+    let path = experts_path(dev, ta, tile_rows)?;
+    Ok(
+        if same && path == MatmulPath::Mma && !mma::pair_disabled() {
+            MatmulPath::MmaPair
+        } else {
+            path
+        },
+    )
 }
 
 /// Whether [`matmul_experts_q`] takes experts of `ty`.
@@ -87,7 +143,7 @@ pub fn matmul_q(
     }
     let n = xq.len() / per_token;
     check_len("matmul y", y, n * w.rows)?;
-    if n >= mma::MIN_TOKENS && mma::takes(dev, w.ty, w.cols) {
+    if matmul_path(dev, w.ty, w.cols, n) == MatmulPath::Mma {
         return mma::matmul(dev, w, xq, n, y);
     }
     matmul_q_dp4a(dev, w, xq, y)
@@ -392,13 +448,7 @@ pub fn matmul_experts_q(
     xq: &DeviceBuffer<BlockQ8_1>,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    if tile_rows != MATMUL_TILE {
-        if !mma::takes(dev, table.ty, table.cols) {
-            return invalid(format!(
-                "matmul_experts {}: tiles of {tile_rows} rows",
-                table.ty
-            ));
-        }
+    if experts_path(dev, table, tile_rows)? == MatmulPath::Mma {
         return mma::matmul_experts(dev, table, tiles, tile_rows, xq, y);
     }
     let (module, name) = matmul_kernel(table.ty, true)?;
@@ -454,9 +504,7 @@ pub fn matmul_experts_q_pair(
     ys: [&mut DeviceBuffer<f32>; 2],
 ) -> CudaResult<()> {
     let [ta, tb] = tables;
-    let same = (ta.ty, ta.rows, ta.cols, ta.n_expert) == (tb.ty, tb.rows, tb.cols, tb.n_expert);
-    if same && tile_rows != MATMUL_TILE && mma::takes(dev, ta.ty, ta.cols) && !mma::pair_disabled()
-    {
+    if experts_pair_path(dev, tables, tile_rows)? == MatmulPath::MmaPair {
         return mma::matmul_experts_pair(dev, tables, tiles, tile_rows, xq, ys);
     }
     let [ya, yb] = ys;

@@ -1,6 +1,8 @@
-//! Launchers of the tensor-core prompt kernels (`kernels/cuda/matmul_mma.cu`): int8 `mma.sync` over tiles
-//! of [`MMQ_ROWS`] weight rows × 16, 32, 64 or 128 tokens, for the formats with such a kernel (Q4_K, Q5_K, Q6_K,
-//! Q8_0) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose them.
+//! Launchers of the tensor-core prompt kernels (`kernels/cuda/mmq.cuh`, instantiated in `matmul_mma.cu` and
+//! `mmq_iq.cu`): int8 `mma.sync` over tiles of [`MMQ_ROWS`] weight rows × 16, 32, 64 or 128 tokens, for the
+//! formats with such a kernel (Q4_K, Q5_K, Q6_K, Q8_0, and IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+//! IQ3_S, IQ4_NL, IQ4_XS) on Ampere and later; [`super::matmul_q`] and [`super::matmul_experts_q`] choose
+//! them.
 
 use super::super::module::KernelModule;
 use super::super::ops::{as_i32, check_len, invalid};
@@ -12,7 +14,8 @@ use cudarc::driver::LaunchConfig;
 pub const MMQ_ROWS: usize = 128;
 /// Values of a row per step (`MMQ_K`): the row length must be a multiple.
 const MMQ_K: usize = 128;
-/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less).
+/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less), but
+/// for the lattice i-quants ([`min_tokens`]).
 pub const MIN_TOKENS: usize = 16;
 const BLOCK: (u32, u32, u32) = (32, 8, 1);
 /// Blocks that keep a large card busy (two per SM of an H100/H200, with two blocks resident per SM).
@@ -21,35 +24,84 @@ const ENOUGH_BLOCKS: usize = 256;
 /// The token tiles the kernels come in.
 pub const TILES: [usize; 4] = [16, 32, 64, 128];
 
-/// The kernels of a format: (plain, experts) for tiles of 16, 32, 64 and 128 tokens.
-fn kernels(ty: GgmlType) -> Option<[(&'static str, &'static str); 4]> {
-    Some(match ty {
-        GgmlType::Q4_K => [
-            ("mmq_q4_k_16", "mmq_experts_q4_k_16"),
-            ("mmq_q4_k_32", "mmq_experts_q4_k_32"),
-            ("mmq_q4_k_64", "mmq_experts_q4_k_64"),
-            ("mmq_q4_k_128", "mmq_experts_q4_k_128"),
-        ],
-        GgmlType::Q5_K => [
-            ("mmq_q5_k_16", "mmq_experts_q5_k_16"),
-            ("mmq_q5_k_32", "mmq_experts_q5_k_32"),
-            ("mmq_q5_k_64", "mmq_experts_q5_k_64"),
-            ("mmq_q5_k_128", "mmq_experts_q5_k_128"),
-        ],
-        GgmlType::Q6_K => [
-            ("mmq_q6_k_16", "mmq_experts_q6_k_16"),
-            ("mmq_q6_k_32", "mmq_experts_q6_k_32"),
-            ("mmq_q6_k_64", "mmq_experts_q6_k_64"),
-            ("mmq_q6_k_128", "mmq_experts_q6_k_128"),
-        ],
-        GgmlType::Q8_0 => [
-            ("mmq_q8_0_16", "mmq_experts_q8_0_16"),
-            ("mmq_q8_0_32", "mmq_experts_q8_0_32"),
-            ("mmq_q8_0_64", "mmq_experts_q8_0_64"),
-            ("mmq_q8_0_128", "mmq_experts_q8_0_128"),
-        ],
-        _ => return None,
-    })
+/// One format's tensor-core kernels: the three entry points `MMQ_ENTRY_POINTS(<suffix>, F, <tile>, ..)` makes
+/// in `mmq.cuh`, for each tile of [`TILES`], and the module whose file instantiates them.
+struct MmqFormat {
+    ty: GgmlType,
+    module: KernelModule,
+    /// `mmq_<suffix>_<tile>`: one matrix.
+    plain: [&'static str; 4],
+    /// `mmq_experts_<suffix>_<tile>`: tokens grouped by expert.
+    experts: [&'static str; 4],
+    /// `mmq_experts_pair_<suffix>_<tile>`: two expert tables (gate and up) in one launch.
+    pair: [&'static str; 4],
+}
+
+macro_rules! mmq_formats {
+    ($($ty:ident => $module:ident, $suffix:literal;)*) => {
+        /// Every format with tensor-core kernels.
+        const MMQ_FORMATS: &[MmqFormat] = &[$(MmqFormat {
+            ty: GgmlType::$ty,
+            module: KernelModule::$module,
+            plain: [
+                concat!("mmq_", $suffix, "_16"),
+                concat!("mmq_", $suffix, "_32"),
+                concat!("mmq_", $suffix, "_64"),
+                concat!("mmq_", $suffix, "_128"),
+            ],
+            experts: [
+                concat!("mmq_experts_", $suffix, "_16"),
+                concat!("mmq_experts_", $suffix, "_32"),
+                concat!("mmq_experts_", $suffix, "_64"),
+                concat!("mmq_experts_", $suffix, "_128"),
+            ],
+            pair: [
+                concat!("mmq_experts_pair_", $suffix, "_16"),
+                concat!("mmq_experts_pair_", $suffix, "_32"),
+                concat!("mmq_experts_pair_", $suffix, "_64"),
+                concat!("mmq_experts_pair_", $suffix, "_128"),
+            ],
+        }),*];
+    };
+}
+
+mmq_formats! {
+    Q4_K => MatmulMma, "q4_k";
+    Q5_K => MatmulMma, "q5_k";
+    Q6_K => MatmulMma, "q6_k";
+    Q8_0 => MatmulMma, "q8_0";
+    IQ1_S => MmqIq, "iq1_s";
+    IQ1_M => MmqIq, "iq1_m";
+    IQ2_XXS => MmqIq, "iq2_xxs";
+    IQ2_XS => MmqIq, "iq2_xs";
+    IQ2_S => MmqIq, "iq2_s";
+    IQ3_XXS => MmqIq, "iq3_xxs";
+    IQ3_S => MmqIq, "iq3_s";
+    IQ4_NL => MmqIq, "iq4_nl";
+    IQ4_XS => MmqIq, "iq4_xs";
+}
+
+/// The tensor-core kernels of `ty`, if it has them.
+fn format(ty: GgmlType) -> Option<&'static MmqFormat> {
+    MMQ_FORMATS.iter().find(|f| f.ty == ty)
+}
+
+/// Fewest tokens for which a plain matmul of `ty` takes the tensor cores ([`MIN_TOKENS`], and 8 for the
+/// lattice i-quants: their dp4a kernel decodes each weight's grid entry and signs again for every token of
+/// its tile of 8, while these kernels decode a step's weights once for the whole tile, so even a tile of 16
+/// holding 8 tokens does less work; not yet timed on a card: `cuda_bench`'s
+/// `bench_iquants_as_test_backend_ops` prints both at n = 8).
+pub fn min_tokens(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::IQ1_S
+        | GgmlType::IQ1_M
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S => 8,
+        _ => MIN_TOKENS,
+    }
 }
 
 /// Whether `--mmq off` turned the tensor-core kernels off (to measure against the dp4a ones).
@@ -78,22 +130,36 @@ pub fn pair_disabled() -> bool {
 
 /// Whether a tensor-core kernel takes rows of `cols` values of `ty` on `dev` (sm_80 or later).
 pub fn takes(dev: &Device, ty: GgmlType, cols: usize) -> bool {
-    kernels(ty).is_some()
+    format(ty).is_some()
         && cols > 0
         && cols.is_multiple_of(MMQ_K)
         && dev.compute_capability().0 >= 8
         && !disabled()
 }
 
-fn kernel_name(ty: GgmlType, experts: bool, tile: usize) -> CudaResult<&'static str> {
-    let Some(k) = kernels(ty) else {
+/// The kernel of `ty` for tiles of `tile` tokens (plain, grouped by expert or the pair of grouped tables)
+/// and its module.
+fn kernel(ty: GgmlType, kind: Kind, tile: usize) -> CudaResult<(KernelModule, &'static str)> {
+    let Some(f) = format(ty) else {
         return invalid(format!("no tensor-core matmul for {ty}"));
     };
     let Some(i) = TILES.iter().position(|&t| t == tile) else {
         return invalid(format!("tensor-core matmul: tiles of {tile} tokens"));
     };
-    let (plain, exp) = k[i];
-    Ok(if experts { exp } else { plain })
+    let names = match kind {
+        Kind::Plain => &f.plain,
+        Kind::Experts => &f.experts,
+        Kind::Pair => &f.pair,
+    };
+    Ok((f.module, names[i]))
+}
+
+/// Which of a format's entry points.
+#[derive(Clone, Copy)]
+enum Kind {
+    Plain,
+    Experts,
+    Pair,
 }
 
 /// `y = x·Wᵀ` for `n` tokens (`xq` `[n, cols/32]` blocks, `y` `[n, rows]`, checked by the caller).
@@ -129,7 +195,7 @@ pub fn matmul_tiled(
     tile: usize,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let name = kernel_name(w.ty, false, tile)?;
+    let (module, name) = kernel(w.ty, Kind::Plain, tile)?;
     check_len("mmq x", xq, n * (w.cols / BlockQ8_1::ELEMS))?;
     check_len("mmq y", y, n * w.rows)?;
     let tiles = n.div_ceil(tile);
@@ -146,7 +212,7 @@ pub fn matmul_tiled(
         block_dim: BLOCK,
         shared_mem_bytes: 0,
     };
-    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let f = dev.function(module, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(w.data().slice())
         .arg(xq.slice())
@@ -175,8 +241,7 @@ pub fn matmul_experts_pair(
     if (ta.ty, ta.rows, ta.cols, ta.n_expert) != (tb.ty, tb.rows, tb.cols, tb.n_expert) {
         return invalid("mmq_experts_pair: tables of different shapes".to_string());
     }
-    let name = kernel_name(ta.ty, true, tile)?;
-    let name = pair_name(name)?;
+    let (module, name) = kernel(ta.ty, Kind::Pair, tile)?;
     let per_row = ta.cols / BlockQ8_1::ELEMS;
     if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
         return invalid(format!(
@@ -206,7 +271,7 @@ pub fn matmul_experts_pair(
         block_dim: BLOCK,
         shared_mem_bytes: 0,
     };
-    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let f = dev.function(module, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(ta.table_address())
         .arg(tb.table_address())
@@ -222,34 +287,6 @@ pub fn matmul_experts_pair(
     dev.after_launch(name)
 }
 
-/// The pair kernel of an experts kernel (`mmq_experts_q4_k_64` -> `mmq_experts_pair_q4_k_64`).
-fn pair_name(experts: &str) -> CudaResult<&'static str> {
-    const PAIRS: [&str; 16] = [
-        "mmq_experts_pair_q4_k_16",
-        "mmq_experts_pair_q4_k_32",
-        "mmq_experts_pair_q4_k_64",
-        "mmq_experts_pair_q4_k_128",
-        "mmq_experts_pair_q5_k_16",
-        "mmq_experts_pair_q5_k_32",
-        "mmq_experts_pair_q5_k_64",
-        "mmq_experts_pair_q5_k_128",
-        "mmq_experts_pair_q6_k_16",
-        "mmq_experts_pair_q6_k_32",
-        "mmq_experts_pair_q6_k_64",
-        "mmq_experts_pair_q6_k_128",
-        "mmq_experts_pair_q8_0_16",
-        "mmq_experts_pair_q8_0_32",
-        "mmq_experts_pair_q8_0_64",
-        "mmq_experts_pair_q8_0_128",
-    ];
-    let suffix = experts.trim_start_matches("mmq_experts_");
-    PAIRS
-        .iter()
-        .find(|p| p.trim_start_matches("mmq_experts_pair_") == suffix)
-        .copied()
-        .ok_or_else(|| super::super::CudaError::Invalid(format!("no pair kernel for {experts}")))
-}
-
 /// `y[r] = W_e·x[r]` over the tiles of `tiles` (`(expert, first row, rows ≤ tile)`, as
 /// [`super::ExpertGrouping::tile_table`]); `xq` `[n_sorted, cols/32]`, `y` `[n_sorted, rows]`.
 pub fn matmul_experts(
@@ -260,7 +297,7 @@ pub fn matmul_experts(
     xq: &DeviceBuffer<BlockQ8_1>,
     y: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    let name = kernel_name(table.ty, true, tile)?;
+    let (module, name) = kernel(table.ty, Kind::Experts, tile)?;
     let per_row = table.cols / BlockQ8_1::ELEMS;
     if per_row == 0 || !xq.len().is_multiple_of(per_row) || !tiles.len().is_multiple_of(3) {
         return invalid(format!(
@@ -288,7 +325,7 @@ pub fn matmul_experts(
         block_dim: BLOCK,
         shared_mem_bytes: 0,
     };
-    let f = dev.function(KernelModule::MatmulMma, name)?;
+    let f = dev.function(module, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(table.table_address())
         .arg(&n_exp)
@@ -310,27 +347,63 @@ mod tests {
 
     #[test]
     fn every_tensor_core_kernel_has_an_entry_point() {
-        let src = KernelModule::MatmulMma.source();
         for &ty in crate::quant::WEIGHT_TYPES {
-            let Some(k) = kernels(ty) else { continue };
-            for (tile, (plain, exp)) in TILES.into_iter().zip(k) {
-                // MMQ_ENTRY_POINTS(suffix, F, tile, min_blocks) makes mmq_<suffix>_<tile> and
-                // mmq_experts_<suffix>_<tile>.
-                let suffix = plain
+            let Some(f) = format(ty) else { continue };
+            let src = f.module.source();
+            for (i, tile) in TILES.into_iter().enumerate() {
+                // MMQ_ENTRY_POINTS(suffix, F, tile, min_blocks) makes mmq_<suffix>_<tile>,
+                // mmq_experts_<suffix>_<tile> and mmq_experts_pair_<suffix>_<tile>.
+                let suffix = f.plain[i]
                     .trim_start_matches("mmq_")
                     .trim_end_matches(&format!("_{tile}"));
-                assert_eq!(exp, format!("mmq_experts_{suffix}_{tile}"));
-                assert_eq!(
-                    pair_name(exp).unwrap(),
-                    format!("mmq_experts_pair_{suffix}_{tile}")
-                );
+                assert_eq!(f.experts[i], format!("mmq_experts_{suffix}_{tile}"));
+                assert_eq!(f.pair[i], format!("mmq_experts_pair_{suffix}_{tile}"));
                 assert!(
                     src.lines()
                         .any(|l| l.starts_with(&format!("MMQ_ENTRY_POINTS({suffix}, "))
                             && l.contains(&format!(", {tile}, "))),
-                    "{plain}"
+                    "{} in {}.cu",
+                    f.plain[i],
+                    f.module.name()
                 );
             }
         }
+        // The macro makes the three entry points from the suffix.
+        for stem in [
+            "mmq_##name##_##BN(",
+            "mmq_experts_##name##_##BN(",
+            "mmq_experts_pair_##name##_##BN(",
+        ] {
+            assert!(KernelModule::MmqIq.source().contains(stem), "{stem}");
+        }
+    }
+
+    #[test]
+    fn every_i_quant_has_tensor_core_kernels() {
+        for ty in [
+            GgmlType::IQ1_S,
+            GgmlType::IQ1_M,
+            GgmlType::IQ2_XXS,
+            GgmlType::IQ2_XS,
+            GgmlType::IQ2_S,
+            GgmlType::IQ3_XXS,
+            GgmlType::IQ3_S,
+            GgmlType::IQ4_NL,
+            GgmlType::IQ4_XS,
+        ] {
+            let f = format(ty).unwrap_or_else(|| panic!("{ty}"));
+            assert_eq!(f.module, KernelModule::MmqIq, "{ty}");
+        }
+        assert_eq!(MMQ_FORMATS.len(), 13);
+        for (i, f) in MMQ_FORMATS.iter().enumerate() {
+            assert!(
+                MMQ_FORMATS[i + 1..].iter().all(|g| g.ty != f.ty),
+                "{}",
+                f.ty
+            );
+        }
+        assert_eq!(min_tokens(GgmlType::IQ2_XXS), 8);
+        assert_eq!(min_tokens(GgmlType::IQ4_XS), MIN_TOKENS);
+        assert_eq!(min_tokens(GgmlType::Q4_K), MIN_TOKENS);
     }
 }
