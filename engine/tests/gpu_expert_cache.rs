@@ -528,9 +528,7 @@ fn run_binary(path: &PathBuf, extra: &[&str]) -> (String, String) {
 
 /// One graph a token whose MoE layers meet the host at page-locked flags writes the very tokens, and
 /// probabilities, that the segmented graphs write: the experts copied on demand (the copy stream sets
-/// the flag after its copies) and on the CPU (the host sets it), every expert missing, nothing admitted;
-/// and so does the one graph whose hand-overs meet the host points in their own launches (`--fuse
-/// host-points`, with the other default-off fusions kept off).
+/// the flag after its copies) and on the CPU (the host sets it), every expert missing, nothing admitted.
 #[test]
 fn one_graph_tokens_equal_segmented_ones() {
     if !gpu_present() {
@@ -548,28 +546,10 @@ fn one_graph_tokens_equal_segmented_ones() {
                 &path,
                 &["--missing-experts", missing, "--gpu-host-points", "cuts"],
             );
-            let (fused, _) = run_binary(
-                &path,
-                &[
-                    "--missing-experts",
-                    missing,
-                    "--fuse",
-                    "all,no-delta,no-glu-q8,no-down-sum",
-                ],
-            );
             let steps = flags.lines().count();
-            eprintln!(
-                "{name} {missing}: {steps} lines, equal: {}, fused host points equal: {}",
-                flags == cuts,
-                fused == flags
-            );
+            eprintln!("{name} {missing}: {steps} lines, equal: {}", flags == cuts);
             if flags != cuts || steps < 12 {
                 failures.push(format!("{name} {missing}: flags\n{flags}\ncuts\n{cuts}"));
-            }
-            if fused != flags {
-                failures.push(format!(
-                    "{name} {missing}: flags\n{flags}\nfused host points\n{fused}"
-                ));
             }
         }
     }

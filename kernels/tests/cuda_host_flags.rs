@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use poly_kernels::cuda::expert_slots::CopyStream;
-use poly_kernels::cuda::{HostCopies, HostFlags};
+use poly_kernels::cuda::HostFlags;
 
 mod common;
 use common::device;
@@ -122,59 +122,4 @@ fn a_captured_graph_meets_the_host_token_after_token() {
         assert!(dev.query().unwrap());
     }
     assert_eq!(flags.timed_out(), None);
-}
-
-/// `--fuse host-points`'s launch (`HostCopies::queue_at`): a hand-over's copies and its host point in one
-/// launch, captured and replayed token after token. Copies down, then the signal: once the host sees the
-/// flag, every word of the token's input is in its page-locked buffer. The wait, then copies up: the card
-/// holds at the flag (the stream does not finish), and what arrives is what the host wrote after the card
-/// reached the wait and before it set the flag. More words than the launch's one block has threads.
-#[test]
-fn a_hand_over_launch_waits_copies_and_signals() {
-    let Some(dev) = device() else { return };
-    let mut flags = HostFlags::new(&dev, 2).unwrap();
-    let n = 3000;
-    let mut d_src = dev.upload(&vec![0u32; n]).unwrap();
-    let mut d_dst = dev.upload(&vec![0u32; n]).unwrap();
-    let mut down = dev.pinned::<u32>(n).unwrap();
-    let mut up = dev.pinned::<u32>(n).unwrap();
-    let graph = dev
-        .capture(|dev| {
-            let mut copies = HostCopies::new();
-            // SAFETY: `down` outlives the graph (dropped after it below) and the host reads it only once
-            // the card signalled flag 0, after the copy.
-            unsafe { copies.download(&d_src, &mut down)? };
-            copies.queue_at(dev, &flags.point_args(None, Some(0), LONG)?)?;
-            let mut copies = HostCopies::new();
-            // SAFETY: `up` outlives the graph; the host writes it only while the card waits at flag 1.
-            unsafe { copies.upload(&up, &mut d_dst)? };
-            copies.queue_at(dev, &flags.point_args(Some(1), None, LONG)?)
-        })
-        .unwrap();
-    for t in 0..4u32 {
-        let input: Vec<u32> = (0..n as u32).map(|i| i * 7 + t).collect();
-        dev.write(&input, &mut d_src).unwrap();
-        flags.next_token().unwrap();
-        graph.replay().unwrap();
-        flags.wait_set(&dev, 0, LONG).unwrap();
-        assert_eq!(
-            down.as_slice().unwrap(),
-            &input[..],
-            "token {t}: signalled before its copies"
-        );
-        // The card waits at flag 1: the stream stays busy until the host sets it.
-        std::thread::sleep(Duration::from_millis(10));
-        assert!(!dev.query().unwrap(), "token {t}: the wait did not hold");
-        let answer: Vec<u32> = (0..n as u32).map(|i| i ^ (t << 20)).collect();
-        up.as_mut_slice().unwrap().copy_from_slice(&answer);
-        flags.set(1).unwrap();
-        dev.synchronize().unwrap();
-        assert_eq!(dev.download(&d_dst).unwrap(), answer, "token {t}");
-        assert!(flags.card_waited(1).unwrap() >= Duration::from_millis(5));
-    }
-    assert_eq!(flags.timed_out(), None);
-    // A flag out of range is an error, not a launch.
-    assert!(flags.point_args(Some(2), None, LONG).is_err());
-    assert!(flags.point_args(None, Some(2), LONG).is_err());
-    drop(graph);
 }

@@ -38,8 +38,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use poly_kernels::cuda::{
-    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostCopies, HostFlags, HostPointArgs,
-    LaunchGraph, PinnedHost,
+    CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostCopies, HostFlags, LaunchGraph,
+    PinnedHost,
 };
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{Moe, WeightId};
@@ -113,23 +113,6 @@ impl HostPoint {
             | HostPoint::CpuShare(i)
             | HostPoint::Staged(i) => i,
         }
-    }
-
-    /// With `--fuse host-points`, the hand-over launch that takes this point's place (the route signal
-    /// after the copies down, the staged and sum waits before the sources' and the sum's copies up):
-    /// its arguments, or none at `Prepare` and where the hand-overs are copy-engine transfers
-    /// (`--gpu-handoff copy`), which keep their own flag launches.
-    pub fn fused_args(self, flags: &HostFlags) -> CudaResult<Option<HostPointArgs>> {
-        if !handoff_by_kernel() {
-            return Ok(None);
-        }
-        let (wait, signal) = match self {
-            HostPoint::Route(i) => (None, Some(route_flag(i))),
-            HostPoint::Prepare(_) => return Ok(None),
-            HostPoint::Staged(i) => (Some(staged_flag(i)), None),
-            HostPoint::CpuShare(i) => (Some(sum_flag(i)), None),
-        };
-        flags.point_args(wait, signal, FLAG_WAIT).map(Some)
     }
 
     /// What a capture queues at this point when the token's graph meets the host through `flags`: the
@@ -282,13 +265,7 @@ impl MoeStep {
     /// Queues the host copies of the router's ids and weights and of the layer's input `x` (after the
     /// router, in stream order; captured, every replay makes them: a graph's activations keep their
     /// addresses): one kernel, or three copy-engine transfers with `--gpu-handoff copy`.
-    /// `at`: the route point's fused launch ([`HostPoint::fused_args`]), which signals after the copies.
-    pub fn queue_downloads(
-        &mut self,
-        dev: &Device,
-        x: &DeviceBuffer<f32>,
-        at: Option<&HostPointArgs>,
-    ) -> CudaResult<()> {
+    pub fn queue_downloads(&mut self, dev: &Device, x: &DeviceBuffer<f32>) -> CudaResult<()> {
         // SAFETY: the host reads the pinned copies only after the route point: a synchronize with the
         // stream that ran them, or (one graph a token) the route flag, which the card sets after them;
         // the step owns them for as long as the graph holding the copies (the decode graph drops its
@@ -306,10 +283,7 @@ impl MoeStep {
                 if self.biased {
                     copies.download(&self.changed, &mut self.host_changed)?;
                 }
-                return match at {
-                    Some(at) => copies.queue_at(dev, at),
-                    None => copies.queue(dev),
-                };
+                return copies.queue(dev);
             }
             dev.queue_download(&self.ids, &mut self.host_ids)?;
             dev.queue_download(&self.weights, &mut self.host_weights)?;
@@ -398,8 +372,7 @@ impl MoeStep {
     /// Queues the copy of the step's sources (written by [`MoeStep::stage`]) into its tables: before
     /// the card's expert launches, in stream order (a capture records it, so every replay copies the
     /// sources of its token).
-    /// `at`: the staged point's fused launch ([`HostPoint::fused_args`]), which waits before the copies.
-    pub fn queue_sources(&self, dev: &Device, at: Option<&HostPointArgs>) -> CudaResult<()> {
+    pub fn queue_sources(&self, dev: &Device) -> CudaResult<()> {
         // SAFETY: the host writes `host_sources` only in `stage`, after the route point (a synchronize,
         // or the card's route flag), which follows every earlier copy of them, and before this copy
         // runs (queued after, or behind the card's wait at the step's staged flag); the step owns them as
@@ -408,10 +381,7 @@ impl MoeStep {
             if handoff_by_kernel() {
                 let mut copies = HostCopies::new();
                 ExpertTable::add_group_upload(&mut copies, &self.tables, &self.host_sources)?;
-                return match at {
-                    Some(at) => copies.queue_at(dev, at),
-                    None => copies.queue(dev),
-                };
+                return copies.queue(dev);
             }
             ExpertTable::queue_group_upload(dev, &self.tables, &self.host_sources)
         }
@@ -419,25 +389,14 @@ impl MoeStep {
 
     /// Queues the upload of the CPU's sum (written at the CPU-share point) into `out`, where the card's
     /// weighted sum adds to it: the first node of the segment after that point.
-    /// `at`: the CPU-share point's fused launch ([`HostPoint::fused_args`]), which waits before the copy.
-    pub fn queue_sum(
-        &self,
-        dev: &Device,
-        out: &mut DeviceBuffer<f32>,
-        at: Option<&HostPointArgs>,
-    ) -> CudaResult<()> {
+    pub fn queue_sum(&self, dev: &Device, out: &mut DeviceBuffer<f32>) -> CudaResult<()> {
         // SAFETY: the host writes `host_sum` only at the CPU-share point, before this segment is queued
         // or replayed (or before it sets the sum flag the card waits on ahead of this copy) and after the
         // route point (a synchronize, or the route flag), which follows every earlier upload of it; the
         // step owns it as long as the graph holding the copy.
         unsafe {
             if handoff_by_kernel() {
-                let mut copies = HostCopies::new();
-                copies.upload(&self.host_sum, out)?;
-                return match at {
-                    Some(at) => copies.queue_at(dev, at),
-                    None => copies.queue(dev),
-                };
+                return HostCopies::new().upload(&self.host_sum, out)?.queue(dev);
             }
             dev.queue_upload(&self.host_sum, out)
         }

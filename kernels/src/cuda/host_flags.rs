@@ -230,33 +230,6 @@ impl HostFlags {
         dev.after_launch(name)
     }
 
-    /// The arguments of a hand-over launch at host points ([`super::HostCopies::queue_at`]): it waits at
-    /// flag `wait` first (as [`HostFlags::queue_wait`], at most `timeout`), then copies, then signals flag
-    /// `signal` (as [`HostFlags::queue_signal`]).
-    pub fn point_args(
-        &self,
-        wait: Option<usize>,
-        signal: Option<usize>,
-        timeout: Duration,
-    ) -> CudaResult<HostPointArgs> {
-        let word = |i: Option<usize>| -> CudaResult<i32> {
-            match i {
-                Some(i) => {
-                    self.flag(i)?;
-                    Ok((HEADER_WORDS + i) as i32)
-                }
-                None => Ok(-1),
-            }
-        };
-        Ok(HostPointArgs {
-            flags: self.words.device_address(),
-            waited: self.waited.device_address(),
-            timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
-            wait: word(wait)?,
-            signal: word(signal)?,
-        })
-    }
-
     /// Queues on `stream` the setting of flag `i` to the token under way, after the work queued on it
     /// before (the host's copy stream after a token's copies on demand).
     pub fn queue_set_on(&self, stream: &cudarc::driver::CudaStream, i: usize) -> CudaResult<()> {
@@ -269,22 +242,6 @@ impl HostFlags {
         Ok(())
     }
 }
-
-/// The host points of a hand-over launch (`HostPointArgs` in elementwise.cu), field for field: the flags'
-/// and the waits' device addresses, the wait's time-out, and the words waited at and signalled (-1: none).
-/// Made by [`HostFlags::point_args`], whose words they name.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct HostPointArgs {
-    pub(crate) flags: u64,
-    pub(crate) waited: u64,
-    pub(crate) timeout_ns: u64,
-    pub(crate) wait: i32,
-    pub(crate) signal: i32,
-}
-
-// Passed by its bytes: a plain `repr(C)` struct of 64- and 32-bit numbers, laid out as the kernel's.
-super::launch::value_args!(HostPointArgs);
 
 impl Device {
     /// Whether the compute stream's work so far completed, without waiting; a fault of a kernel run since

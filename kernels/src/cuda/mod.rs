@@ -36,7 +36,7 @@ pub use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 pub use device::Device;
 pub use formats::quantized_formats;
 pub use graph::LaunchGraph;
-pub use host_flags::{HostFlags, HostPointArgs};
+pub use host_flags::HostFlags;
 pub use module::{KernelModule, ModuleLoad, ModuleOrigin};
 pub use pinned::{HostCopies, PinnedHost, HOST_COPIES_MAX};
 pub use timing::TimingEvent;

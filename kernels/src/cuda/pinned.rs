@@ -304,29 +304,6 @@ impl HostCopies {
         unsafe { b.launch(cfg) }?;
         dev.after_launch("copy_words")
     }
-
-    /// Queues the copies as one launch at host points (`copy_words_at_flags`, one block): after the wait
-    /// and before the signal that `points` name ([`super::HostFlags::point_args`]), so a hand-over and its
-    /// host point take one launch instead of two. With no copies it still waits and signals.
-    pub fn queue_at(
-        &self,
-        dev: &Device,
-        points: &super::host_flags::HostPointArgs,
-    ) -> CudaResult<()> {
-        let f = dev.function(KernelModule::Elementwise, "copy_words_at_flags")?;
-        let mut b = dev.launch_builder(&f);
-        b.arg(&self.args).arg(points);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the copies as for `queue`; `points` names words of a live `HostFlags` (its
-        // `point_args` checked them), whose owner keeps them alive as long as a queued launch or a graph
-        // holding one may run, and which the kernels alone write (the host reads `waited`).
-        unsafe { b.launch(cfg) }?;
-        dev.after_launch("copy_words_at_flags")
-    }
 }
 
 #[cfg(test)]

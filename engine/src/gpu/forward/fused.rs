@@ -44,13 +44,10 @@ pub enum Fusion {
     GluQ8,
     /// `matvec_experts_q_sum` (one token's down experts summing the slots): `down-sum`.
     DownSum,
-    /// `copy_words_at_flags` (a one-graph token's hand-over copies and the host point beside them in one
-    /// launch: three launches a partly resident MoE layer fewer): `host-points`.
-    HostPoints,
 }
 
 impl Fusion {
-    const ALL: [Fusion; 13] = [
+    const ALL: [Fusion; 12] = [
         Fusion::AddNorm,
         Fusion::NormRope,
         Fusion::Many,
@@ -63,7 +60,6 @@ impl Fusion {
         Fusion::RouterTopk,
         Fusion::GluQ8,
         Fusion::DownSum,
-        Fusion::HostPoints,
     ];
 
     fn name(self) -> &'static str {
@@ -80,7 +76,6 @@ impl Fusion {
             Fusion::RouterTopk => "router-topk",
             Fusion::GluQ8 => "glu-q8",
             Fusion::DownSum => "down-sum",
-            Fusion::HostPoints => "host-points",
         }
     }
 }
@@ -98,15 +93,12 @@ impl Fusion {
 /// 16.1 µs plus 2.7 µs for the quantize it replaces, the down launch 20.6 µs against 13.8 µs plus 3.0 µs
 /// for the combine; with every weight in VRAM a token of the qwen3moe shape answered at 229 t/s with both
 /// on, 267 t/s with both off.
-/// `host-points`: written in a session whose device time was spent (2026-12-06, sixth); compiled by NVRTC
-/// without a card, not yet run. With every routing on the card a partly resident token's host points cost
-/// 28–31 µs a MoE layer on an H100 (BENCHMARKS.md), seven launches of which this takes three.
-const DEFAULT_OFF: &[Fusion] = &[
-    Fusion::DeltaGrouped,
-    Fusion::GluQ8,
-    Fusion::DownSum,
-    Fusion::HostPoints,
-];
+/// Tried and taken out (2026-12-06, seventh session): `host-points`, a one-graph token's hand-over copies and
+/// the host point beside each in one launch that spun on the flag itself. On an H100 it was slower wherever it
+/// ran (every routing on the card: qwen3moe 200.1/198.7 → 186.4/184.0 t/s, qwen35moe 187.5/179.7 →
+/// 172.1/176.2; at 8 GB qwen35moe 128.5/130.8 → 124.9/121.0) and a qwen3moe token at 8 GB never reached a
+/// host point: a stream's wait on a flag costs the card less than a kernel spinning on it.
+const DEFAULT_OFF: &[Fusion] = &[Fusion::DeltaGrouped, Fusion::GluQ8, Fusion::DownSum];
 
 /// The fusions `--fuse` leaves on: by default all but [`DEFAULT_OFF`]; `all` every one; `off` none; a
 /// comma-separated list of `no-NAME` (names of [`Fusion`]) turns those off, for measuring each one.

@@ -5,7 +5,6 @@
 use super::fused::{fuse_on, Fusion};
 use super::*;
 use poly_kernels::cuda::ops::Tickets;
-use poly_kernels::cuda::HostPointArgs;
 
 /// The card's routed-expert outputs before they are summed per token.
 pub(super) enum CardExperts {
@@ -339,12 +338,11 @@ impl<'a> GpuForward<'a> {
                 self.route(x, &next, (ids, weights), selection)?;
             }
         }
-        let at = self.fused_point(HostPoint::Route(i))?;
-        step.queue_downloads(dev, x.buf()?, at.as_ref())?;
+        step.queue_downloads(dev, x.buf()?)?;
         let mut times = HostTimes::default();
-        if capturing && at.is_none() {
+        if capturing {
             self.host_point(HostPoint::Route(i))?;
-        } else if !capturing {
+        } else {
             step.wait_route(dev, &mut times)?;
         }
         // The shared expert while the host decides (a segment of its own between the two host points).
@@ -371,20 +369,16 @@ impl<'a> GpuForward<'a> {
                 prep.share
             }
         };
-        let at = self.fused_point(HostPoint::Staged(i))?;
-        if capturing && at.is_none() {
+        if capturing {
             self.host_point(HostPoint::Staged(i))?;
         }
-        step.queue_sources(dev, at.as_ref())?;
+        step.queue_sources(dev)?;
         let [g, u, d] = &step.tables;
         let y = self
             .moe_slots(x, &step.slot_ids, m, [g, u, d], None)?
             .ok_or_else(|| CudaError::Invalid("a segmented step's experts were summed".into()))?;
-        let at = self.fused_point(HostPoint::CpuShare(i))?;
-        let r = if capturing && at.is_none() {
+        let r = if capturing {
             self.host_point(HostPoint::CpuShare(i))
-        } else if capturing {
-            Ok(())
         } else {
             match self.experts.as_deref_mut() {
                 Some(cache) => step
@@ -397,7 +391,7 @@ impl<'a> GpuForward<'a> {
         };
         let t = self.op_begin();
         let r = r
-            .and_then(|()| step.queue_sum(dev, out.buf_mut()?, at.as_ref()))
+            .and_then(|()| step.queue_sum(dev, out.buf_mut()?))
             .and_then(|()| {
                 ops::moe_combine(
                     dev,
@@ -411,20 +405,6 @@ impl<'a> GpuForward<'a> {
         self.pool.put_f32(y);
         self.op_end("moe.combine", t);
         r.map(|()| shared_out)
-    }
-
-    /// With `--fuse host-points`, while a one-graph token is captured: the arguments of the hand-over
-    /// launch that meets `point` itself ([`HostPoint::fused_args`]); none otherwise (the point is then
-    /// queued on its own, [`GpuForward::host_point`]).
-    fn fused_point(&self, point: HostPoint) -> CudaResult<Option<HostPointArgs>> {
-        let flags = match &self.graph {
-            Some(g) if g.capturing && fuse_on(Fusion::HostPoints) => g.steps.flags.as_ref(),
-            _ => None,
-        };
-        match flags {
-            Some(flags) => point.fused_args(flags),
-            None => Ok(None),
-        }
     }
 
     /// A host point met by a capture: the card's side of its flag queued when the token is one graph
