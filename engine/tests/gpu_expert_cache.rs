@@ -910,6 +910,10 @@ fn bus_admissions_after_the_copies_answer_as_at_finish() {
                 "0",
                 "--missing-experts",
                 "cpu",
+                // Admissions over the bus are what this test orders (the default, `card`, admits
+                // only experts the token copied, from their scratch slots).
+                "--expert-admissions",
+                "all",
                 "--bus-admissions-at",
                 when,
                 "--finish-layers-at",
