@@ -14,8 +14,7 @@ use cudarc::driver::LaunchConfig;
 pub const MMQ_ROWS: usize = 128;
 /// Values of a row per step (`MMQ_K`): the row length must be a multiple.
 const MMQ_K: usize = 128;
-/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less), but
-/// for the lattice i-quants ([`min_tokens`]).
+/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less).
 pub const MIN_TOKENS: usize = 16;
 const BLOCK: (u32, u32, u32) = (32, 8, 1);
 /// Blocks that keep a large card busy (two per SM of an H100/H200, with two blocks resident per SM).
@@ -86,22 +85,13 @@ fn format(ty: GgmlType) -> Option<&'static MmqFormat> {
     MMQ_FORMATS.iter().find(|f| f.ty == ty)
 }
 
-/// Fewest tokens for which a plain matmul of `ty` takes the tensor cores ([`MIN_TOKENS`], and 8 for the
-/// lattice i-quants: their dp4a kernel decodes each weight's grid entry and signs again for every token of
-/// its tile of 8, while these kernels decode a step's weights once for the whole tile, so even a tile of 16
-/// holding 8 tokens does less work; not yet timed on a card: `cuda_bench`'s
-/// `bench_iquants_as_test_backend_ops` prints both at n = 8).
-pub fn min_tokens(ty: GgmlType) -> usize {
-    match ty {
-        GgmlType::IQ1_S
-        | GgmlType::IQ1_M
-        | GgmlType::IQ2_XXS
-        | GgmlType::IQ2_XS
-        | GgmlType::IQ2_S
-        | GgmlType::IQ3_XXS
-        | GgmlType::IQ3_S => 8,
-        _ => MIN_TOKENS,
-    }
+/// Fewest tokens for which a plain matmul of `ty` takes the tensor cores: [`MIN_TOKENS`] for every format.
+/// The lattice i-quants took them from 8 tokens until measured (H100, 2026-12-06, `cuda_bench`'s
+/// `bench_iquants_as_test_backend_ops`, 4096 x 14336 at n = 8): their tensor-core tile of 16 took 171-327 µs
+/// against the dp4a kernel's 117-157 µs, the tile's half left empty costing more than the grid decodes the
+/// dp4a kernel repeats per token.
+pub fn min_tokens(_ty: GgmlType) -> usize {
+    MIN_TOKENS
 }
 
 /// Whether `--mmq off` turned the tensor-core kernels off (to measure against the dp4a ones).
@@ -402,7 +392,7 @@ mod tests {
                 f.ty
             );
         }
-        assert_eq!(min_tokens(GgmlType::IQ2_XXS), 8);
+        assert_eq!(min_tokens(GgmlType::IQ2_XXS), MIN_TOKENS);
         assert_eq!(min_tokens(GgmlType::IQ4_XS), MIN_TOKENS);
         assert_eq!(min_tokens(GgmlType::Q4_K), MIN_TOKENS);
     }
