@@ -151,8 +151,8 @@ struct Answering {
     generated: usize,
     /// Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
     repeats: Option<Repeats>,
-    /// The draft model's state (`--draft`): the conversation's tokens, brought up to the kept ones before
-    /// each window ([`super::draft`]).
+    /// The draft model's state (`--draft`; [`super::draft`]) or the draft block's (`--draft-block on`;
+    /// [`super::draft_block`]): the conversation's tokens, brought up to the kept ones before each window.
     draft_state: Option<SeqState>,
     /// Guessed tokens in the state past the last written one, with the logits that follow each.
     ahead: VecDeque<(u32, Vec<f32>)>,
@@ -205,6 +205,10 @@ impl<W: std::io::Write> Session<'_, W> {
         let (mut conv, origin) = self
             .store
             .take(job.conversation.as_deref(), || model.new_state(n_ctx));
+        // The draft block reads the trunk's hidden rows, the prompt's included.
+        if self.draft_block && self.guesses && !model.on_gpu() {
+            conv.state.keep_hidden(true);
+        }
         let resume = conv.resume_point(&job.prompt);
         let undo = conv.rewind(resume);
         let cached = conv.state.n_past();
@@ -340,6 +344,11 @@ impl<W: std::io::Write> Session<'_, W> {
                         .take()
                         .unwrap_or_else(|| d.new_state(r.conv.state.n_ctx())),
                 ),
+                None if guesses && self.draft_block => r
+                    .conv
+                    .draft
+                    .take()
+                    .or_else(|| model.new_draft_block_state(r.conv.state.n_ctx())),
                 None => None,
             },
             ahead: VecDeque::new(),
@@ -435,6 +444,26 @@ impl<W: std::io::Write> Session<'_, W> {
                         eprintln!("poly-engine: the draft model failed ({e}); no more guesses");
                         a.draft_state = None;
                         Vec::new()
+                    }
+                }
+            }
+            (Some(rep), Some(block), None) if self.guess_rates.allow() => {
+                // One guess a window, as llama.cpp's single MTP head drafts; none while kept tokens
+                // wait to be read again after a restore (their hidden rows are not computed yet).
+                let n = match rep.ready() && a.call.is_empty() {
+                    true => rep.window_len(self.guess_rates.row_cost()).min(room),
+                    false => 0,
+                };
+                if n == 0 {
+                    Vec::new()
+                } else {
+                    match super::draft_block::guesses(self.model, block, &mut conv.state, token) {
+                        Ok(g) => rep.count_proposed(g),
+                        Err(e) => {
+                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
+                            a.draft_state = None;
+                            Vec::new()
+                        }
                     }
                 }
             }
@@ -642,7 +671,7 @@ impl Answering {
                 conv.state.clear();
             }
         }
-        // The draft model's state goes with the conversation for its next answer.
+        // The draft model's (or draft block's) state goes with the conversation for its next answer.
         conv.draft = self.draft_state.take();
         let (draft_proposed, draft_accepted) = self
             .repeats
