@@ -162,6 +162,9 @@ struct Answering {
     window_start: Option<Checkpoint>,
     /// Rows at the head of `call` that read kept tokens again after a restore: their logits are known.
     replayed: usize,
+    /// Seconds the draft model or draft block took to guess `call`'s guesses: counted with the call, so
+    /// that guessing pauses when guesses and their drafting together write slower than no guesses.
+    drafting: f64,
     /// The forward call the turn ends with, made by the session for every turn of a round together
     /// ([`Session::finish_turns`]): the token just written and the guesses that follow it. Empty when
     /// none is owed.
@@ -354,6 +357,7 @@ impl<W: std::io::Write> Session<'_, W> {
             ahead: VecDeque::new(),
             window_start: None,
             replayed: 0,
+            drafting: 0.0,
             call: Vec::new(),
         }));
         Ok(None)
@@ -427,6 +431,7 @@ impl<W: std::io::Write> Session<'_, W> {
             .room()
             .saturating_sub(1 + a.call.len())
             .min(job.max_tokens.saturating_sub(a.generated));
+        let drafting = Instant::now();
         let guesses = match (a.repeats.as_mut(), a.draft_state.as_mut(), self.draft) {
             (Some(rep), Some(ds), Some(draft)) if self.guess_rates.allow() => {
                 let n = match rep.ready() {
@@ -473,6 +478,9 @@ impl<W: std::io::Write> Session<'_, W> {
             }
             _ => Vec::new(),
         };
+        if a.draft_state.is_some() {
+            a.drafting = drafting.elapsed().as_secs_f64();
+        }
         a.replayed = a.call.len();
         // Where a recurrent state goes back to should a guess be wrong: here, or where a restore left
         // it (the tokens read again since then are in the state's tokens once the call is made).
@@ -512,6 +520,7 @@ impl<W: std::io::Write> Session<'_, W> {
             let failed = match &mut r.phase {
                 Phase::Answer(a) if !a.call.is_empty() => {
                     let call = std::mem::take(&mut a.call);
+                    let secs = secs + std::mem::take(&mut a.drafting);
                     match results.next() {
                         Some(Ok(rows)) if call.len() == 1 => {
                             r.logits = rows;
