@@ -28,6 +28,17 @@ pub fn guesses(
     main: &mut SeqState,
     token: u32,
 ) -> Result<Vec<u32>, EngineError> {
+    let logits = draft_logits(model, block, main, token)?;
+    Ok(vec![super::draft::greedy(&logits)])
+}
+
+/// [`guesses`]'s draft logits (`n_vocab`) of the token after `token`.
+fn draft_logits(
+    model: &Model,
+    block: &mut SeqState,
+    main: &mut SeqState,
+    token: u32,
+) -> Result<Vec<f32>, EngineError> {
     let kept = main.tokens();
     let p = kept.len();
     // Rows of tokens the conversation still holds stay (a row depends only on the tokens up to its own).
@@ -52,5 +63,93 @@ pub fn guesses(
     // The next window reads from position p + 1, with the hidden row of p; the row of p − 1 stays for a
     // recurrent state restored to this window's start, which reads the token at p again.
     main.forget_hidden_before(p.saturating_sub(1));
-    Ok(vec![super::draft::greedy(&logits)])
+    Ok(logits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::Arithmetic;
+
+    /// Windows as an answer makes them on a recurrent model (a checkpoint before the checking call; a
+    /// wrong guess restores it and reads the token again), every other guess right: before each window
+    /// the draft block's logits are, bit for bit, those of a draft block read fresh over the kept tokens
+    /// with the hidden rows of one trunk call over them (batch-invariant arithmetic: rows do not depend
+    /// on the call's split). So no row of a cut guess, and no hidden row of one, stays behind.
+    #[test]
+    fn the_draft_block_after_kept_and_cut_guesses_is_a_fresh_one() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/models/qwen35moe-tiny-q4km.gguf");
+        let model = Model::load(path)
+            .expect("fixture")
+            .with_arithmetic(Arithmetic::BatchInvariant);
+        let n_vocab = model.info().n_vocab;
+        let n_embd = model.info().n_embd;
+        let prompt: Vec<u32> = (0..20).map(|i| (i * 97 + 13) % 2000).collect();
+        // The answer without guesses: greedy, token by token.
+        let mut plain = model.new_state(256);
+        let mut logits = model
+            .eval(&mut plain, &prompt, Logits::Last)
+            .expect("prompt");
+        let mut answer = Vec::new();
+        for _ in 0..16 {
+            let t = super::super::draft::greedy(&logits);
+            answer.push(t);
+            logits = model.eval(&mut plain, &[t], Logits::Last).expect("token");
+        }
+
+        let mut main = model.new_state(256);
+        main.keep_hidden(true);
+        model
+            .eval(&mut main, &prompt, Logits::Last)
+            .expect("prompt");
+        let mut block = model.new_draft_block_state(256).expect("a draft block");
+        let (mut i, mut windows, mut cut) = (0, 0, 0);
+        while i + 1 < answer.len() {
+            let token = answer[i];
+            let ours = draft_logits(&model, &mut block, &mut main, token).expect("draft");
+
+            // A fresh draft block over the kept tokens and the token, with one trunk call's hidden rows.
+            let kept: Vec<u32> = [main.tokens(), &[token]].concat();
+            let mut trunk = model.new_state(256);
+            trunk.keep_hidden(true);
+            model.eval(&mut trunk, &kept, Logits::Last).expect("trunk");
+            let mut hidden = vec![0.0; n_embd];
+            for q in 1..kept.len() {
+                hidden.extend_from_slice(trunk.hidden_row(q - 1).expect("row"));
+            }
+            let mut fresh = model.new_draft_block_state(256).expect("a draft block");
+            let want = model
+                .eval_draft_block(&mut fresh, (&kept, &hidden), Logits::Last)
+                .expect("fresh draft");
+            assert_eq!(ours.len(), n_vocab);
+            assert!(
+                ours == want,
+                "window {windows}: the draft block's logits differ from a fresh one's"
+            );
+
+            // Every other window guesses right.
+            let right = answer[i + 1];
+            let guess = match windows % 2 {
+                0 => right,
+                _ => (right + 1) % n_vocab as u32,
+            };
+            let start = main.checkpoint();
+            model
+                .eval(&mut main, &[token, guess], Logits::All)
+                .expect("check");
+            if guess == right {
+                i += 2;
+            } else {
+                assert!(main.restore(&start), "restore");
+                model
+                    .eval(&mut main, &[token], Logits::Last)
+                    .expect("again");
+                i += 1;
+                cut += 1;
+            }
+            windows += 1;
+        }
+        assert!(windows > 4 && cut > 1, "{windows} windows, {cut} cut");
+    }
 }
