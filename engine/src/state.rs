@@ -437,6 +437,11 @@ impl SeqState {
             .then(|| &h.data[(pos - h.from) * h.width..(pos - h.from + 1) * h.width])
     }
 
+    /// How many hidden rows are kept.
+    pub fn hidden_rows_kept(&self) -> usize {
+        self.hidden.as_ref().map_or(0, |h| h.end() - h.from)
+    }
+
     /// Drops the kept hidden rows before position `pos` (a draft block has read them).
     pub fn forget_hidden_before(&mut self, pos: usize) {
         if let Some(h) = self.hidden.as_mut() {

@@ -32,6 +32,57 @@ pub fn guesses(
     Ok(vec![super::draft::greedy(&logits)])
 }
 
+/// Trunk hidden rows kept before an answer that is not guessing brings the draft block up to them (one
+/// call of that many rows, instead of a conversation's worth of hidden rows held).
+pub const CATCH_UP_ROWS: usize = 256;
+
+/// The draft block's `block` state brought to `main`'s kept tokens: the rows it lacks read in one call
+/// (as llama.cpp's draft-mtp reads each of the target's batches), no logits. The prompt's reads call it
+/// after each forward call, so the hidden rows kept stay one call's worth.
+pub fn catch_up(
+    model: &Model,
+    block: &mut SeqState,
+    main: &mut SeqState,
+) -> Result<(), EngineError> {
+    let n = main.n_past();
+    let same = cut_to_kept(block, main.tokens(), n)?;
+    if same < n {
+        let tokens = main.tokens()[same..].to_vec();
+        let hidden = hidden_rows(model, main, same..n);
+        model.eval_draft_block(block, (&tokens, &hidden), Logits::None)?;
+        // The row of n − 1 pairs with the next token.
+        main.forget_hidden_before(n - 1);
+    }
+    Ok(())
+}
+
+/// Cuts `block` to its rows of tokens the conversation (`kept`) still holds, at most `max` of them: a row
+/// depends only on the tokens up to its own. Returns how many stay.
+fn cut_to_kept(block: &mut SeqState, kept: &[u32], max: usize) -> Result<usize, EngineError> {
+    let same = common_prefix(block.tokens(), kept).min(max);
+    if !block.truncate(same) {
+        return Err(EngineError(
+            "the draft block's state cannot be cut back".into(),
+        ));
+    }
+    Ok(same)
+}
+
+/// The hidden rows the draft block reads with the tokens of positions `rows`: the trunk's of the
+/// position before each. A row no longer kept (position 0's, a parked conversation's) reads zeros, as
+/// llama.cpp pairs the first token: the guesses are worse, the answer the same.
+fn hidden_rows(model: &Model, main: &SeqState, rows: std::ops::Range<usize>) -> Vec<f32> {
+    let n_embd = model.info().n_embd;
+    let mut hidden = Vec::with_capacity(rows.len() * n_embd);
+    for q in rows {
+        match q.checked_sub(1).and_then(|r| main.hidden_row(r)) {
+            Some(h) => hidden.extend_from_slice(h),
+            None => hidden.resize(hidden.len() + n_embd, 0.0),
+        }
+    }
+    hidden
+}
+
 /// [`guesses`]'s draft logits (`n_vocab`) of the token after `token`.
 fn draft_logits(
     model: &Model,
@@ -41,24 +92,9 @@ fn draft_logits(
 ) -> Result<Vec<f32>, EngineError> {
     let kept = main.tokens();
     let p = kept.len();
-    // Rows of tokens the conversation still holds stay (a row depends only on the tokens up to its own).
-    let same = common_prefix(block.tokens(), kept).min(p);
-    if !block.truncate(same) {
-        return Err(EngineError(
-            "the draft block's state cannot be cut back".into(),
-        ));
-    }
+    let same = cut_to_kept(block, kept, p)?;
     let tokens: Vec<u32> = kept[same..].iter().copied().chain([token]).collect();
-    let n_embd = model.info().n_embd;
-    let mut hidden = Vec::with_capacity(tokens.len() * n_embd);
-    for q in same..=p {
-        // A row no longer kept (a parked conversation's) reads zeros, as position 0 does: the guesses
-        // are worse, the answer the same.
-        match q.checked_sub(1).and_then(|r| main.hidden_row(r)) {
-            Some(h) => hidden.extend_from_slice(h),
-            None => hidden.resize(hidden.len() + n_embd, 0.0),
-        }
-    }
+    let hidden = hidden_rows(model, main, same..p + 1);
     let logits = model.eval_draft_block(block, (&tokens, &hidden), Logits::Last)?;
     // The next window reads from position p + 1, with the hidden row of p; the row of p − 1 stays for a
     // recurrent state restored to this window's start, which reads the token at p again.
@@ -104,6 +140,10 @@ mod tests {
             .eval(&mut main, &prompt, Logits::Last)
             .expect("prompt");
         let mut block = model.new_draft_block_state(256).expect("a draft block");
+        // As the prompt's reads do: the block reads the prompt, and only one hidden row stays.
+        catch_up(&model, &mut block, &mut main).expect("catch up");
+        assert_eq!(block.n_past(), prompt.len());
+        assert_eq!(main.hidden_rows_kept(), 1);
         let (mut i, mut windows, mut cut) = (0, 0, 0);
         while i + 1 < answer.len() {
             let token = answer[i];
@@ -145,6 +185,8 @@ mod tests {
                 model
                     .eval(&mut main, &[token], Logits::Last)
                     .expect("again");
+                // A pause in guessing: the block reads the kept rows without guessing.
+                catch_up(&model, &mut block, &mut main).expect("catch up");
                 i += 1;
                 cut += 1;
             }

@@ -308,6 +308,20 @@ impl<W: std::io::Write> Session<'_, W> {
                 Ok(l) => l,
                 Err(e) => return Ok(Some(Err(e))),
             };
+            // The draft block reads the prompt call by call, so its hidden rows stay one call's worth.
+            if self.draft_block && self.guesses && !model.on_gpu() {
+                let conv = &mut r.conv;
+                if conv.draft.is_none() {
+                    conv.draft = model.new_draft_block_state(conv.state.n_ctx());
+                }
+                if let Some(block) = conv.draft.as_mut() {
+                    if let Err(e) = super::draft_block::catch_up(model, block, &mut conv.state) {
+                        // The answer makes a fresh one.
+                        eprintln!("poly-engine: the draft block failed on the prompt ({e})");
+                        conv.draft = None;
+                    }
+                }
+            }
             pos = next;
             if pos < end {
                 r.phase = Phase::Prompt { pos };
@@ -452,14 +466,24 @@ impl<W: std::io::Write> Session<'_, W> {
                     }
                 }
             }
-            (Some(rep), Some(block), None) if self.guess_rates.allow() => {
+            (Some(rep), Some(block), None) => {
                 // One guess a window, as llama.cpp's single MTP head drafts; none while kept tokens
                 // wait to be read again after a restore (their hidden rows are not computed yet).
-                let n = match rep.ready() && a.call.is_empty() {
+                let n = match self.guess_rates.allow() && rep.ready() && a.call.is_empty() {
                     true => rep.window_len(self.guess_rates.row_cost()).min(room),
                     false => 0,
                 };
                 if n == 0 {
+                    // Not guessing for a while: the draft block reads the rows kept meanwhile in
+                    // calls of many, so they do not pile up.
+                    if conv.state.hidden_rows_kept() >= super::draft_block::CATCH_UP_ROWS {
+                        let caught =
+                            super::draft_block::catch_up(self.model, block, &mut conv.state);
+                        if let Err(e) = caught {
+                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
+                            a.draft_state = None;
+                        }
+                    }
                     Vec::new()
                 } else {
                     match super::draft_block::guesses(self.model, block, &mut conv.state, token) {
