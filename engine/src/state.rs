@@ -952,4 +952,44 @@ mod tests {
         assert_eq!(c.keys()[3], half::f16::from_f32(0.3).to_f32());
         assert_eq!(c.values().len(), 6);
     }
+
+    #[test]
+    fn hidden_rows_are_replaced_from_a_call_and_cut_with_the_state() {
+        let spec = StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: 2,
+            head_dim_v: 2,
+            window: None,
+        };
+        let mut s = SeqState::new(&[spec], 16);
+        s.record_hidden(0, 2, &[1.0, 1.0]);
+        assert_eq!(s.hidden_rows_kept(), 0, "not kept unless asked");
+        s.keep_hidden(true);
+        s.record_hidden(0, 2, &[0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+        // A call from position 2 replaces rows from 2 on (a guess's row read again).
+        s.record_hidden(2, 2, &[5.0, 5.0, 3.0, 3.0]);
+        assert_eq!(s.hidden_row(2), Some(&[5.0, 5.0][..]));
+        assert_eq!(s.hidden_row(3), Some(&[3.0, 3.0][..]));
+        assert_eq!(s.hidden_rows_kept(), 4);
+        s.forget_hidden_before(2);
+        assert_eq!((s.hidden_row(1), s.hidden_rows_kept()), (None, 2));
+        // A gap (rows before the call not kept) starts afresh at the call.
+        s.record_hidden(7, 2, &[7.0, 7.0]);
+        assert_eq!(
+            (s.hidden_row(3), s.hidden_row(7)),
+            (None, Some(&[7.0, 7.0][..]))
+        );
+        // Cutting the state cuts its rows.
+        s.push_tokens(&[0; 8]);
+        s.layer_mut(0)
+            .clone_from(&LayerState::new(&spec, KvPrecision::default()));
+        if let LayerState::Kv(c) = s.layer_mut(0) {
+            c.append(&[0.0; 16], &[0.0; 16]);
+        }
+        assert!(s.truncate(7));
+        assert_eq!(s.hidden_rows_kept(), 0);
+        assert_eq!(s.bytes() % 4, 0);
+        s.keep_hidden(false);
+        assert!(!s.keeps_hidden());
+    }
 }
