@@ -981,8 +981,6 @@ mod tests {
         );
         // Cutting the state cuts its rows.
         s.push_tokens(&[0; 8]);
-        s.layer_mut(0)
-            .clone_from(&LayerState::new(&spec, KvPrecision::default()));
         if let LayerState::Kv(c) = s.layer_mut(0) {
             c.append(&[0.0; 16], &[0.0; 16]);
         }
