@@ -202,6 +202,37 @@ fn the_draft_block_guesses_and_changes_nothing() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Two answers taking turns (`--parallel 2`: their calls read both states at once, each keeping its own
+/// hidden rows for its own draft block) with draft-block guesses are the answers without guesses.
+#[test]
+fn draft_block_guesses_in_answers_taking_turns_change_nothing() {
+    let model = fixture(FIXTURES[2]);
+    let run = |flags: &[&str]| {
+        let args = [&["--cpu", "--parallel", "2"][..], flags].concat();
+        let mut e = Engine::start_path(&model, &args);
+        let prompt = repeated_prompt(9, 30, e.n_vocab());
+        for g in gens(&prompt, 60) {
+            e.send(&ToEngine::Gen(g));
+        }
+        let mut lines = Vec::new();
+        let mut done = Vec::new();
+        while done.len() < 2 {
+            match e.next() {
+                FromEngine::Tokens(t) => lines.push(t),
+                FromEngine::Done(d) => done.push(d),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        lines.sort_by(|a, b| a.id.cmp(&b.id));
+        let proposed: u32 = done.iter().map(|d| d.draft_proposed).sum();
+        (lines, proposed)
+    };
+    let (with, proposed) = run(&["--draft-block", "on"]);
+    let (without, _) = run(&["--no-draft"]);
+    assert!(proposed > 0, "nothing guessed");
+    assert_eq!(with, without, "the answers' lines");
+}
+
 /// `--draft-block on` for a model without a draft block is refused at start with the reason.
 #[test]
 fn a_model_without_a_draft_block_is_refused_with_the_reason() {
