@@ -429,6 +429,50 @@ impl Model {
         Ok(out.data)
     }
 
+    /// An empty state of the model's own draft block (its MTP head) of at most `n_ctx` tokens, if the
+    /// model has one the forward pass runs.
+    pub fn new_draft_block_state(&self, n_ctx: usize) -> Option<SeqState> {
+        let spec = self.graph.draft_block_state()?;
+        Some(SeqState::with_precision(&[spec], n_ctx, self.kv))
+    }
+
+    /// Reads `tokens` into the draft block's `state` (from [`Model::new_draft_block_state`]) on the CPU,
+    /// token `i` with `hidden`'s row `i` (the trunk's hidden row of the position before it, kept by
+    /// [`SeqState::keep_hidden`]), and returns the draft's logits `logits` asks for: the guesses of the
+    /// token after each.
+    pub fn eval_draft_block(
+        &self,
+        state: &mut SeqState,
+        (tokens, hidden): (&[u32], &[f32]),
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        let info = self.info();
+        if self.graph.draft_block_state().is_none() || state.n_layers() != 1 {
+            return Err(EngineError(
+                "the model has no draft block, or the state is not its draft block's".into(),
+            ));
+        }
+        if tokens.is_empty()
+            || tokens.len() > state.room()
+            || tokens.iter().any(|&t| t as usize >= info.n_vocab)
+            || hidden.len() != tokens.len() * info.n_embd
+        {
+            return Err(EngineError(
+                "draft block: no tokens, no room, a token outside the vocabulary or hidden rows that \
+                 do not match the tokens"
+                    .into(),
+            ));
+        }
+        state.sync().map_err(EngineError)?;
+        let out = {
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic);
+            self.graph.forward_draft_block(&mut c, hidden)
+        };
+        state.push_tokens(tokens);
+        Ok(out.data)
+    }
+
     /// Whether [`Model::eval_many`] reads several states in one forward call: on the CPU, in
     /// batch-invariant arithmetic (so that each state's rows come out bit for bit as in a call of its
     /// own; a recurrent layer runs each state's recurrence over its own rows).

@@ -348,6 +348,29 @@ pub struct SeqState {
     n_ctx: usize,
     /// Where the layers' newest part is when the host's copy is behind.
     deferred: Option<Deferred>,
+    /// The trunk's hidden rows a draft block reads, when kept ([`SeqState::keep_hidden`]).
+    hidden: Option<HiddenRows>,
+}
+
+/// The trunk's post-norm hidden rows of positions `from..from + data.len() / width`: what the model's
+/// draft block reads with the token after each ([`poly_models::arch::Forward::forward_draft_block`]).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct HiddenRows {
+    from: usize,
+    width: usize,
+    data: Vec<f32>,
+}
+
+impl HiddenRows {
+    fn end(&self) -> usize {
+        self.from + self.data.len().checked_div(self.width).unwrap_or(0)
+    }
+
+    /// Drops the rows of positions `n` and after.
+    fn cut(&mut self, n: usize) {
+        let keep = n.saturating_sub(self.from).min(self.end() - self.from);
+        self.data.truncate(keep * self.width);
+    }
 }
 
 impl SeqState {
@@ -369,6 +392,69 @@ impl SeqState {
             tokens: Vec::new(),
             n_ctx,
             deferred: None,
+            hidden: None,
+        }
+    }
+
+    /// Whether forward calls keep the trunk's hidden rows in this state for a draft block (off: none
+    /// kept, and those kept are dropped).
+    pub fn keep_hidden(&mut self, on: bool) {
+        match on {
+            true => {
+                self.hidden.get_or_insert_with(HiddenRows::default);
+            }
+            false => self.hidden = None,
+        }
+    }
+
+    /// Whether forward calls keep the trunk's hidden rows ([`SeqState::keep_hidden`]).
+    pub fn keeps_hidden(&self) -> bool {
+        self.hidden.is_some()
+    }
+
+    /// Keeps `rows` (`width` each) as the hidden rows of positions `pos0..`, replacing those kept from
+    /// `pos0` on; rows kept before a gap or of another width are dropped. Nothing when not keeping.
+    pub fn record_hidden(&mut self, pos0: usize, width: usize, rows: &[f32]) {
+        let Some(h) = self.hidden.as_mut() else {
+            return;
+        };
+        if width == 0 || h.width != width || pos0 < h.from || pos0 > h.end() {
+            *h = HiddenRows {
+                from: pos0,
+                width,
+                data: Vec::new(),
+            };
+        } else {
+            h.cut(pos0);
+        }
+        h.data.extend_from_slice(rows);
+    }
+
+    /// The kept hidden row of position `pos`, if kept.
+    pub fn hidden_row(&self, pos: usize) -> Option<&[f32]> {
+        let h = self.hidden.as_ref()?;
+        (pos >= h.from && pos < h.end())
+            .then(|| &h.data[(pos - h.from) * h.width..(pos - h.from + 1) * h.width])
+    }
+
+    /// How many hidden rows are kept.
+    pub fn hidden_rows_kept(&self) -> usize {
+        self.hidden.as_ref().map_or(0, |h| h.end() - h.from)
+    }
+
+    /// Drops the kept hidden rows before position `pos` (a draft block has read them).
+    pub fn forget_hidden_before(&mut self, pos: usize) {
+        if let Some(h) = self.hidden.as_mut() {
+            let n = pos.saturating_sub(h.from).min(h.end() - h.from);
+            h.data.drain(..n * h.width);
+            h.from += n;
+        }
+    }
+
+    /// Drops the kept hidden rows of positions `n` and after (the state went back to `n` tokens).
+    fn cut_hidden(&mut self, n: usize) {
+        if let Some(h) = self.hidden.as_mut() {
+            h.cut(n);
         }
     }
 
@@ -473,6 +559,7 @@ impl SeqState {
             .map(|s| LayerState::new(s, precision))
             .collect();
         self.tokens.clear();
+        self.cut_hidden(0);
     }
 
     /// Whether a layer keeps a recurrent state (which cannot be rewound: going back needs a
@@ -493,6 +580,7 @@ impl SeqState {
             return true;
         }
         // A backend holding the rows past the host's cuts its copy instead of bringing it back.
+        self.cut_hidden(n);
         if let Some(cut) = self.deferred.as_ref().and_then(|d| d.0.truncated(n)) {
             self.deferred = Some(cut);
             self.tokens.truncate(n);
@@ -565,6 +653,7 @@ impl SeqState {
             }
         }
         self.tokens.truncate(cp.n_past);
+        self.cut_hidden(cp.n_past);
         true
     }
 
@@ -583,6 +672,7 @@ impl SeqState {
     /// layers as the host will.
     pub fn bytes(&self) -> usize {
         self.deferred.as_ref().map_or(0, |d| d.0.pending_bytes())
+            + self.hidden.as_ref().map_or(0, |h| h.data.len() * 4)
             + self
                 .layers
                 .iter()
@@ -861,5 +951,43 @@ mod tests {
         c.append_f16(&bits, &bits[..6]);
         assert_eq!(c.keys()[3], half::f16::from_f32(0.3).to_f32());
         assert_eq!(c.values().len(), 6);
+    }
+
+    #[test]
+    fn hidden_rows_are_replaced_from_a_call_and_cut_with_the_state() {
+        let spec = StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: 2,
+            head_dim_v: 2,
+            window: None,
+        };
+        let mut s = SeqState::new(&[spec], 16);
+        s.record_hidden(0, 2, &[1.0, 1.0]);
+        assert_eq!(s.hidden_rows_kept(), 0, "not kept unless asked");
+        s.keep_hidden(true);
+        s.record_hidden(0, 2, &[0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+        // A call from position 2 replaces rows from 2 on (a guess's row read again).
+        s.record_hidden(2, 2, &[5.0, 5.0, 3.0, 3.0]);
+        assert_eq!(s.hidden_row(2), Some(&[5.0, 5.0][..]));
+        assert_eq!(s.hidden_row(3), Some(&[3.0, 3.0][..]));
+        assert_eq!(s.hidden_rows_kept(), 4);
+        s.forget_hidden_before(2);
+        assert_eq!((s.hidden_row(1), s.hidden_rows_kept()), (None, 2));
+        // A gap (rows before the call not kept) starts afresh at the call.
+        s.record_hidden(7, 2, &[7.0, 7.0]);
+        assert_eq!(
+            (s.hidden_row(3), s.hidden_row(7)),
+            (None, Some(&[7.0, 7.0][..]))
+        );
+        // Cutting the state cuts its rows.
+        s.push_tokens(&[0; 8]);
+        if let LayerState::Kv(c) = s.layer_mut(0) {
+            c.append(&[0.0; 16], &[0.0; 16]);
+        }
+        assert!(s.truncate(7));
+        assert_eq!(s.hidden_rows_kept(), 0);
+        assert_eq!(s.bytes() % 4, 0);
+        s.keep_hidden(false);
+        assert!(!s.keeps_hidden());
     }
 }

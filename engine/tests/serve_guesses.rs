@@ -161,6 +161,88 @@ fn a_draft_model_guesses_and_changes_nothing() {
     }
 }
 
+/// The model's own draft block (`--draft-block on`: the MTP head of the qwen35moe fixtures, and of the
+/// quiet synthetic model): its guesses are checked as the others are, a wrong one cuts its KV rows back
+/// with the recurrent state's restore, and the answers are the answers without guesses, greedy and
+/// sampled, with the kept state the same.
+#[test]
+fn the_draft_block_guesses_and_changes_nothing() {
+    let dir = std::env::temp_dir().join(format!("poly-draft-block-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let quiet = dir.join("qwen35moe-quiet.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .args([
+            "synth",
+            "--arch",
+            "qwen35moe",
+            "--shape",
+            "tiny",
+            "--seed",
+            "5",
+        ])
+        .args(["--mixing-gain", "0.01", "--out"])
+        .arg(&quiet)
+        .output()
+        .expect("synth runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lead = Rng::new(11).tokens(100, 2048);
+    for model in [fixture(FIXTURES[2]), fixture(FIXTURES[3]), quiet] {
+        let gens = compare_answers(&model, &["--draft-block", "on"], (&lead, 40));
+        let (proposed, kept) = totals(&gens);
+        eprintln!(
+            "{}: draft block: {proposed} guessed, {kept} kept",
+            model.display()
+        );
+        assert!(proposed > 0, "{}: nothing guessed", model.display());
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two answers taking turns (`--parallel 2`: their calls read both states at once, each keeping its own
+/// hidden rows for its own draft block) with draft-block guesses are the answers without guesses.
+#[test]
+fn draft_block_guesses_in_answers_taking_turns_change_nothing() {
+    let model = fixture(FIXTURES[2]);
+    let run = |flags: &[&str]| {
+        let args = [&["--cpu", "--parallel", "2"][..], flags].concat();
+        let mut e = Engine::start_path(&model, &args);
+        let prompt = repeated_prompt(9, 30, e.n_vocab());
+        for g in gens(&prompt, 60) {
+            e.send(&ToEngine::Gen(g));
+        }
+        let mut lines = Vec::new();
+        let mut done = Vec::new();
+        while done.len() < 2 {
+            match e.next() {
+                FromEngine::Tokens(t) => lines.push(t),
+                FromEngine::Done(d) => done.push(d),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        lines.sort_by(|a, b| a.id.cmp(&b.id));
+        let proposed: u32 = done.iter().map(|d| d.draft_proposed).sum();
+        (lines, proposed)
+    };
+    let (with, proposed) = run(&["--draft-block", "on"]);
+    let (without, _) = run(&["--no-draft"]);
+    assert!(proposed > 0, "nothing guessed");
+    assert_eq!(with, without, "the answers' lines");
+}
+
+/// `--draft-block on` for a model without a draft block is refused at start with the reason.
+#[test]
+fn a_model_without_a_draft_block_is_refused_with_the_reason() {
+    let mut e = Engine::spawn(&fixture(FIXTURES[0]), &["--cpu", "--draft-block", "on"]);
+    match e.next() {
+        FromEngine::Err(err) => assert!(err.message.contains("no draft block"), "{}", err.message),
+        other => panic!("expected ERR, got {other:?}"),
+    }
+}
+
 /// A draft model the engine cannot use is refused at start with the reason: one with recurrent layers.
 #[test]
 fn a_recurrent_draft_model_is_refused_with_the_reason() {
@@ -213,9 +295,12 @@ fn compare_answers(
         );
     }
     let guesses = |e: &Engine| e.ready.as_ref().and_then(|r| r.guesses.clone());
-    let source = match flags.contains(&"--draft") {
-        true => "draft",
-        false => "repeats",
+    let source = if flags.contains(&"--draft") {
+        "draft"
+    } else if flags.contains(&"--draft-block") {
+        "draft-block"
+    } else {
+        "repeats"
     };
     assert_eq!(guesses(&with).as_deref(), Some(source), "{name}");
     assert_eq!(guesses(&without).as_deref(), Some("off"), "{name}");

@@ -454,6 +454,22 @@ pub trait Compute {
         cpu_only("attention_cells")
     }
 
+    /// Host rows as an activation, `rows.len() / width` of them (a draft block's input: the trunk's
+    /// hidden rows, which an earlier call kept through [`Compute::keep_hidden`]).
+    fn input(&mut self, _rows: &[f32], _width: usize) -> Self::Act {
+        cpu_only("input")
+    }
+
+    /// `[a | b]`: each row of `a` followed by the same row of `b` (ggml_concat on dimension 0).
+    fn concat_cols(&mut self, _a: &Self::Act, _b: &Self::Act) -> Self::Act {
+        cpu_only("concat_cols")
+    }
+
+    /// The trunk's hidden rows after the output norm, every row of the batch: what a draft block reads
+    /// for the next position (llama.cpp's `t_h_nextn`). A backend that runs no draft block drops them,
+    /// so the default does nothing.
+    fn keep_hidden(&mut self, _x: &Self::Act) {}
+
     /// The batch this forward call runs.
     fn batch(&self) -> Batch<'_>;
 

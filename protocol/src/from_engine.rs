@@ -58,7 +58,8 @@ pub struct Ready {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_calls: Option<PromptCalls>,
     /// Where answers take guessed tokens from: `repeats` (the conversation's own, on the CPU for models
-    /// whose state can be cut back) or `off` (absent from engines before it said).
+    /// whose state can be cut back), `draft` (a draft model's), `draft-block` (the model's own MTP block)
+    /// or `off` (absent from engines before it said).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guesses: Option<String>,
     /// The execution knobs (`poly-engine` flags such as `--mmq off`) that differ from their defaults, by

@@ -93,6 +93,13 @@ struct ServeArgs {
     /// answer is the same either way). Its state is KV caches only.
     #[arg(long, value_name = "FILE")]
     draft: Option<PathBuf>,
+    /// Guesses from the model's own draft block (the MTP head of a Qwen3.5/3.6 file), one token a window
+    /// on the CPU, checked as the others are (the answer is the same either way). Off until it is
+    /// measured to pay.
+    #[arg(long, value_name = "on|off", default_value = "off", conflicts_with = "draft",
+          action = clap::ArgAction::Set,
+          value_parser = parse_on_off)]
+    draft_block: bool,
     /// llama.cpp's summation orders, bit for bit with its CPU build, instead of the batch-invariant
     /// default (with them, a conversation resumed from a kept state or a prompt split into other calls
     /// can differ from a fresh read in the last bits, a few hundredths in probability on 4-bit models).
@@ -201,6 +208,15 @@ pub struct PlacementArgs {
     /// the choices it changed.
     #[arg(long, value_name = "F", default_value_t = 0.0, value_parser = parse_cache_bias)]
     cache_bias: f32,
+}
+
+/// `on` or `off` (a switch whose default may change once measured, so it is spelled out).
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: on or off")),
+    }
 }
 
 fn parse_cache_bias(s: &str) -> Result<f32, String> {
@@ -348,6 +364,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 guesses: !a.no_draft,
                 repeats_min_match: a.repeats_min_match as usize,
                 draft: a.draft,
+                draft_block: a.draft_block,
                 warm_up: !a.no_warmup,
                 parallel: a.parallel as usize,
                 device,

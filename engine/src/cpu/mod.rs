@@ -723,6 +723,38 @@ impl Compute for CpuForward<'_> {
         out
     }
 
+    fn input(&mut self, rows: &[f32], width: usize) -> Mat {
+        assert!(
+            width > 0 && rows.len().is_multiple_of(width),
+            "input: not whole rows of {width}"
+        );
+        Mat {
+            rows: rows.len() / width,
+            cols: width,
+            data: rows.to_vec(),
+        }
+    }
+
+    fn concat_cols(&mut self, a: &Mat, b: &Mat) -> Mat {
+        assert_eq!(a.rows, b.rows, "concat_cols: row counts differ");
+        let mut out = Mat::zeros(a.rows, a.cols + b.cols);
+        for i in 0..a.rows {
+            let o = out.row_mut(i);
+            o[..a.cols].copy_from_slice(a.row(i));
+            o[a.cols..].copy_from_slice(b.row(i));
+        }
+        out
+    }
+
+    fn keep_hidden(&mut self, x: &Mat) {
+        for (state, rows) in &mut self.seqs {
+            if state.keeps_hidden() {
+                let pos0 = state.n_past();
+                state.record_hidden(pos0, x.cols, rows_of(x, rows));
+            }
+        }
+    }
+
     fn rows(&mut self, x: &Mat, rows: &[usize]) -> Mat {
         let _span = profile::span("rows");
         let mut out = Mat::zeros(rows.len(), x.cols);

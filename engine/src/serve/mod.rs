@@ -15,6 +15,7 @@
 //! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
 mod draft;
+mod draft_block;
 mod input;
 pub(crate) mod memory;
 mod repeats;
@@ -73,6 +74,9 @@ pub struct ServeOptions {
     /// A draft model of the same vocabulary whose greedy tokens are guessed instead of repeats
     /// (`--draft`; on the CPU).
     pub draft: Option<PathBuf>,
+    /// Guesses from the model's own draft block (its MTP head; `--draft-block on`) instead of repeats,
+    /// on the CPU.
+    pub draft_block: bool,
     /// The warm-up before READY on a GPU ([`warm_up`]); `--no-warmup` turns it off.
     pub warm_up: bool,
     /// Most requests running at once, taking turns token by token (`--parallel`; 1: one at a time).
@@ -312,6 +316,16 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
         },
         None => None,
     };
+    if opts.draft_block && loaded.model.new_draft_block_state(1).is_none() {
+        return fail(
+            &mut out,
+            format!(
+                "--draft-block on: {} has no draft block this engine runs (an MTP block of full \
+                 attention after the trunk)",
+                opts.model.display()
+            ),
+        );
+    }
     if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }

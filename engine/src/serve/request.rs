@@ -151,8 +151,8 @@ struct Answering {
     generated: usize,
     /// Guesses from repeats where the state can be cut back and a call of a few rows is cheap.
     repeats: Option<Repeats>,
-    /// The draft model's state (`--draft`): the conversation's tokens, brought up to the kept ones before
-    /// each window ([`super::draft`]).
+    /// The draft model's state (`--draft`; [`super::draft`]) or the draft block's (`--draft-block on`;
+    /// [`super::draft_block`]): the conversation's tokens, brought up to the kept ones before each window.
     draft_state: Option<SeqState>,
     /// Guessed tokens in the state past the last written one, with the logits that follow each.
     ahead: VecDeque<(u32, Vec<f32>)>,
@@ -162,6 +162,9 @@ struct Answering {
     window_start: Option<Checkpoint>,
     /// Rows at the head of `call` that read kept tokens again after a restore: their logits are known.
     replayed: usize,
+    /// Seconds the draft model or draft block took to guess `call`'s guesses: counted with the call, so
+    /// that guessing pauses when guesses and their drafting together write slower than no guesses.
+    drafting: f64,
     /// The forward call the turn ends with, made by the session for every turn of a round together
     /// ([`Session::finish_turns`]): the token just written and the guesses that follow it. Empty when
     /// none is owed.
@@ -205,6 +208,10 @@ impl<W: std::io::Write> Session<'_, W> {
         let (mut conv, origin) = self
             .store
             .take(job.conversation.as_deref(), || model.new_state(n_ctx));
+        // The draft block reads the trunk's hidden rows, the prompt's included.
+        if self.draft_block && self.guesses && !model.on_gpu() {
+            conv.state.keep_hidden(true);
+        }
         let resume = conv.resume_point(&job.prompt);
         let undo = conv.rewind(resume);
         let cached = conv.state.n_past();
@@ -301,6 +308,20 @@ impl<W: std::io::Write> Session<'_, W> {
                 Ok(l) => l,
                 Err(e) => return Ok(Some(Err(e))),
             };
+            // The draft block reads the prompt call by call, so its hidden rows stay one call's worth.
+            if self.draft_block && self.guesses && !model.on_gpu() {
+                let conv = &mut r.conv;
+                if conv.draft.is_none() {
+                    conv.draft = model.new_draft_block_state(conv.state.n_ctx());
+                }
+                if let Some(block) = conv.draft.as_mut() {
+                    if let Err(e) = super::draft_block::catch_up(model, block, &mut conv.state) {
+                        // The answer makes a fresh one.
+                        eprintln!("poly-engine: the draft block failed on the prompt ({e})");
+                        conv.draft = None;
+                    }
+                }
+            }
             pos = next;
             if pos < end {
                 r.phase = Phase::Prompt { pos };
@@ -340,11 +361,17 @@ impl<W: std::io::Write> Session<'_, W> {
                         .take()
                         .unwrap_or_else(|| d.new_state(r.conv.state.n_ctx())),
                 ),
+                None if guesses && self.draft_block => r
+                    .conv
+                    .draft
+                    .take()
+                    .or_else(|| model.new_draft_block_state(r.conv.state.n_ctx())),
                 None => None,
             },
             ahead: VecDeque::new(),
             window_start: None,
             replayed: 0,
+            drafting: 0.0,
             call: Vec::new(),
         }));
         Ok(None)
@@ -418,6 +445,7 @@ impl<W: std::io::Write> Session<'_, W> {
             .room()
             .saturating_sub(1 + a.call.len())
             .min(job.max_tokens.saturating_sub(a.generated));
+        let drafting = Instant::now();
         let guesses = match (a.repeats.as_mut(), a.draft_state.as_mut(), self.draft) {
             (Some(rep), Some(ds), Some(draft)) if self.guess_rates.allow() => {
                 let n = match rep.ready() {
@@ -438,12 +466,45 @@ impl<W: std::io::Write> Session<'_, W> {
                     }
                 }
             }
+            (Some(rep), Some(block), None) => {
+                // One guess a window, as llama.cpp's single MTP head drafts; none while kept tokens
+                // wait to be read again after a restore (their hidden rows are not computed yet).
+                let n = match self.guess_rates.allow() && rep.ready() && a.call.is_empty() {
+                    true => rep.window_len(self.guess_rates.row_cost()).min(room),
+                    false => 0,
+                };
+                if n == 0 {
+                    // Not guessing for a while: the draft block reads the rows kept meanwhile in
+                    // calls of many, so they do not pile up.
+                    if conv.state.hidden_rows_kept() >= super::draft_block::CATCH_UP_ROWS {
+                        let caught =
+                            super::draft_block::catch_up(self.model, block, &mut conv.state);
+                        if let Err(e) = caught {
+                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
+                            a.draft_state = None;
+                        }
+                    }
+                    Vec::new()
+                } else {
+                    match super::draft_block::guesses(self.model, block, &mut conv.state, token) {
+                        Ok(g) => rep.count_proposed(g),
+                        Err(e) => {
+                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
+                            a.draft_state = None;
+                            Vec::new()
+                        }
+                    }
+                }
+            }
             (Some(rep), None, None) if self.guess_rates.allow() => {
                 let n = rep.window_len(self.guess_rates.row_cost()).min(room);
                 rep.propose(conv.state.tokens(), token, n)
             }
             _ => Vec::new(),
         };
+        if a.draft_state.is_some() {
+            a.drafting = drafting.elapsed().as_secs_f64();
+        }
         a.replayed = a.call.len();
         // Where a recurrent state goes back to should a guess be wrong: here, or where a restore left
         // it (the tokens read again since then are in the state's tokens once the call is made).
@@ -483,6 +544,7 @@ impl<W: std::io::Write> Session<'_, W> {
             let failed = match &mut r.phase {
                 Phase::Answer(a) if !a.call.is_empty() => {
                     let call = std::mem::take(&mut a.call);
+                    let secs = secs + std::mem::take(&mut a.drafting);
                     match results.next() {
                         Some(Ok(rows)) if call.len() == 1 => {
                             r.logits = rows;
@@ -642,7 +704,7 @@ impl Answering {
                 conv.state.clear();
             }
         }
-        // The draft model's state goes with the conversation for its next answer.
+        // The draft model's (or draft block's) state goes with the conversation for its next answer.
         conv.draft = self.draft_state.take();
         let (draft_proposed, draft_accepted) = self
             .repeats

@@ -62,6 +62,8 @@ pub struct Session<'a, W: Write> {
     pub(super) guess_rates: super::repeats::GuessRates,
     /// A draft model whose tokens are guessed instead of repeats (`--draft`).
     pub(super) draft: Option<&'a Model>,
+    /// Whether the model's own draft block guesses instead of repeats (`--draft-block on`).
+    pub(super) draft_block: bool,
     pub(super) store: Store,
     /// Most requests running at once (`--parallel`).
     parallel: usize,
@@ -126,6 +128,7 @@ impl<'a, W: Write> Session<'a, W> {
             repeats_min_match: opts.repeats_min_match,
             guess_rates: Default::default(),
             draft: None,
+            draft_block: opts.draft_block,
             store: Store::new(opts.park_bytes),
             parallel: opts.parallel.max(1),
             queue: VecDeque::new(),
@@ -195,6 +198,7 @@ impl<'a, W: Write> Session<'a, W> {
             guesses: Some(
                 match (self.guesses && !self.model.on_gpu(), self.draft) {
                     (true, Some(_)) => "draft",
+                    (true, None) if self.draft_block => "draft-block",
                     (true, None) => "repeats",
                     (false, _) => "off",
                 }

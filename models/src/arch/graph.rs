@@ -239,6 +239,21 @@ pub trait Forward {
     /// Runs the backend's batch through the model; returns `[rows, n_vocab]` logits for the rows
     /// [`crate::compute::Batch::output_rows`] names.
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act;
+
+    /// The state of the file's own draft block (an MTP head after the trunk, run apart from it), if the
+    /// model has one this forward pass runs: a state of this one layer, kept beside the trunk's.
+    fn draft_block_state(&self) -> Option<StateSpec> {
+        None
+    }
+
+    /// Runs the backend's batch through the draft block: token `i` of the batch at position `pos0 + i`
+    /// with `hidden`'s row `i` (`[n, n_embd]`), the trunk's hidden row ([`Compute::keep_hidden`]) of the
+    /// position before it. Returns the draft's logits of the rows the batch asks for, which guess the
+    /// token after each, extending the draft block's state (layer 0 of a
+    /// [`Forward::draft_block_state`] state). Only called where that state is `Some`.
+    fn forward_draft_block<C: Compute>(&self, _c: &mut C, _hidden: &[f32]) -> C::Act {
+        unreachable!("forward_draft_block of a model without a draft block")
+    }
 }
 
 /// The forward pass of any architecture whose forward is implemented.
@@ -363,6 +378,20 @@ impl Forward for ModelGraph {
             ModelGraph::Lfm2Moe(g) => g.forward(c),
             ModelGraph::Gemma4(g) => g.forward(c),
             ModelGraph::Glm5Next(g) => g.forward(c),
+        }
+    }
+
+    fn draft_block_state(&self) -> Option<StateSpec> {
+        match self {
+            ModelGraph::Qwen35Moe(g) => g.draft_block_state(),
+            _ => None,
+        }
+    }
+
+    fn forward_draft_block<C: Compute>(&self, c: &mut C, hidden: &[f32]) -> C::Act {
+        match self {
+            ModelGraph::Qwen35Moe(g) => g.forward_draft_block(c, hidden),
+            _ => unreachable!("forward_draft_block of a model without a draft block"),
         }
     }
 }

@@ -526,10 +526,9 @@ struct Block {
     shexp: SharedExpertTensors,
 }
 
-/// The MTP (next-token prediction) block's own tensors. Bound and kept for speculative decoding; the
-/// main forward pass does not run it.
+/// The MTP (next-token prediction) block's own tensors: the draft block
+/// ([`Forward::forward_draft_block`]), which the main forward pass does not run.
 #[derive(Clone, Debug)]
-#[allow(dead_code)]
 struct NextnBlock {
     /// A full-attention block like the trunk's.
     block: Block,
@@ -554,7 +553,6 @@ pub struct Qwen35MoeGraph {
     /// `output.weight`, or the token embedding when the file ties them.
     output: WeightId,
     blocks: Vec<Block>,
-    #[allow(dead_code)]
     nextn: Vec<NextnBlock>,
     /// The RoPE position scale ([`rope_freq_scale`]).
     rope_freq_scale: f32,
@@ -809,6 +807,53 @@ impl Forward for Qwen35MoeGraph {
             .collect()
     }
 
+    /// The first MTP block, when it is a full-attention block (llama.cpp runs only one, and only so).
+    fn draft_block_state(&self) -> Option<StateSpec> {
+        let nb = self.nextn.first()?;
+        matches!(nb.block.mixer, Mixer::Attention(_)).then_some(StateSpec::Kv {
+            n_head_kv: self.hp.n_head_kv as usize,
+            head_dim_k: self.hp.head_dim as usize,
+            head_dim_v: self.hp.head_dim as usize,
+            window: None,
+        })
+    }
+
+    /// llama.cpp's `graph_mtp`: the token (its embedding from the block's own table, else the model's)
+    /// and the trunk's post-norm hidden row of the position before, each RMS-normed (`enorm`, `hnorm`),
+    /// concatenated in that order and projected by `eh_proj`; then a gated full-attention block with its
+    /// own KV cache at the token's position and the routed plus shared experts; then the block's final
+    /// norm (else `output_norm`) and its head (else `output`).
+    fn forward_draft_block<C: Compute>(&self, c: &mut C, hidden: &[f32]) -> C::Act {
+        let (n_embd, eps) = (self.hp.n_embd as usize, self.hp.rms_eps);
+        let nb = &self.nextn[0];
+        let Mixer::Attention(m) = &nb.block.mixer else {
+            unreachable!("draft_block_state refuses a recurrent MTP block")
+        };
+        let (tokens, out_rows) = {
+            let b = c.batch();
+            (b.tokens.to_vec(), b.output_rows())
+        };
+        let e = c.embed(nb.embed_tokens.unwrap_or(self.tok_embd), &tokens);
+        let e = c.rms_norm(&e, Some(nb.enorm), eps, n_embd);
+        let h = c.input(hidden, n_embd);
+        let h = c.rms_norm(&h, Some(nb.hnorm), eps, n_embd);
+        let eh = c.concat_cols(&e, &h);
+        let inp = c.matmul(nb.eh_proj, &eh);
+        let cur = c.rms_norm(&inp, Some(nb.block.attn_norm), eps, n_embd);
+        // Layer 0: the draft block's state has this one layer.
+        let mixed = self.attention(c, 0, m, &cur);
+        let (ffn_residual, ffn_in) =
+            c.add_rms_norm(&mixed, &inp, Some(nb.block.post_attn_norm), eps, n_embd);
+        // The MoE's layer is the file's block number (what route counts and expert caches key on).
+        let ffn_out = self.ffn(c, self.blocks.len(), &nb.block, &ffn_in);
+        let head_norm = nb.head_norm.unwrap_or(self.output_norm);
+        let (_, mut cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(head_norm), eps, n_embd);
+        if out_rows.len() < tokens.len() {
+            cur = c.rows(&cur, &out_rows);
+        }
+        c.matmul(nb.head.unwrap_or(self.output), &cur)
+    }
+
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
         let (n_embd, eps) = (self.hp.n_embd as usize, self.hp.rms_eps);
         let (tokens, out_rows) = {
@@ -838,6 +883,9 @@ impl Forward for Qwen35MoeGraph {
             };
             (inp, cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(next_norm), eps, n_embd);
         }
+        // The post-norm hidden rows feed both the LM head and the draft block's next call (llama.cpp's
+        // `h_nextn`, taken before the rows are picked).
+        c.keep_hidden(&cur);
         if out_rows.len() < tokens.len() {
             cur = c.rows(&cur, &out_rows);
         }
