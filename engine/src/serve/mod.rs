@@ -316,6 +316,16 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
         },
         None => None,
     };
+    if opts.draft_block && loaded.model.on_gpu() {
+        // The card's forward keeps no hidden rows for the block (its Compute has no `keep_hidden`), so
+        // its guesses would read zeros: refused rather than guessing blind.
+        return fail(
+            &mut out,
+            "--draft-block on runs with the model on the CPU only so far (the card keeps no hidden rows \
+             for the draft block)"
+                .to_string(),
+        );
+    }
     if opts.draft_block && loaded.model.new_draft_block_state(1).is_none() {
         return fail(
             &mut out,
