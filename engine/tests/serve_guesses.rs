@@ -62,14 +62,26 @@ fn q8_0_caches_cut_back_as_f16_ones_do() {
     );
 }
 
-/// A recurrent model whose guesses are often right: the tiny qwen35moe shape written with its token
-/// mixing (attention and delta-net outputs) at gain 0.05, so a token's next token depends mostly on the
-/// token itself and greedy answers repeat; the recurrent state still moves every logit a little, so a
-/// state restored wrongly after a wrong guess shows in the log-probabilities compared.
+/// A recurrent model whose guesses are often right ([`write_quiet_qwen35moe`]): a state restored
+/// wrongly after a wrong guess shows in the log-probabilities compared.
 #[test]
 fn a_recurrent_state_goes_back_after_a_wrong_guess() {
     let dir = std::env::temp_dir().join(format!("poly-guesses-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = write_quiet_qwen35moe(&dir);
+    let (proposed, kept) = totals(&compare_answers(&path, &[], (&[], 160)));
+    std::fs::remove_dir_all(&dir).ok();
+    eprintln!("quiet qwen35moe: {proposed} guessed, {kept} kept");
+    assert!(
+        kept > 0 && proposed > kept,
+        "{proposed} guessed, {kept} kept"
+    );
+}
+
+/// Writes into `dir` the tiny qwen35moe shape with its token mixing at gain 0.01 (`synth --mixing-gain`):
+/// a token's next token depends mostly on the token itself, so greedy answers repeat and guesses are
+/// often right, while the recurrent state still moves every logit a little.
+fn write_quiet_qwen35moe(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("qwen35moe-quiet.gguf");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
         .args([
@@ -90,13 +102,7 @@ fn a_recurrent_state_goes_back_after_a_wrong_guess() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let (proposed, kept) = totals(&compare_answers(&path, &[], (&[], 160)));
-    std::fs::remove_dir_all(&dir).ok();
-    eprintln!("quiet qwen35moe: {proposed} guessed, {kept} kept");
-    assert!(
-        kept > 0 && proposed > kept,
-        "{proposed} guessed, {kept} kept"
-    );
+    path
 }
 
 /// [`answers_with_guesses_are_the_answers_without`] with `flags` added to both engines; returns the
@@ -169,26 +175,7 @@ fn a_draft_model_guesses_and_changes_nothing() {
 fn the_draft_block_guesses_and_changes_nothing() {
     let dir = std::env::temp_dir().join(format!("poly-draft-block-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let quiet = dir.join("qwen35moe-quiet.gguf");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
-        .args([
-            "synth",
-            "--arch",
-            "qwen35moe",
-            "--shape",
-            "tiny",
-            "--seed",
-            "5",
-        ])
-        .args(["--mixing-gain", "0.01", "--out"])
-        .arg(&quiet)
-        .output()
-        .expect("synth runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let quiet = write_quiet_qwen35moe(&dir);
     let lead = Rng::new(11).tokens(100, 2048);
     for model in [fixture(FIXTURES[2]), fixture(FIXTURES[3]), quiet] {
         let gens = compare_answers(&model, &["--draft-block", "on"], (&lead, 40));

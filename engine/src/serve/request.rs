@@ -209,7 +209,7 @@ impl<W: std::io::Write> Session<'_, W> {
             .store
             .take(job.conversation.as_deref(), || model.new_state(n_ctx));
         // The draft block reads the trunk's hidden rows, the prompt's included.
-        if self.draft_block && self.guesses && !model.on_gpu() {
+        if self.guessing_by_draft_block() {
             conv.state.keep_hidden(true);
         }
         let resume = conv.resume_point(&job.prompt);
@@ -309,7 +309,7 @@ impl<W: std::io::Write> Session<'_, W> {
                 Err(e) => return Ok(Some(Err(e))),
             };
             // The draft block reads the prompt call by call, so its hidden rows stay one call's worth.
-            if self.draft_block && self.guesses && !model.on_gpu() {
+            if self.guessing_by_draft_block() {
                 let conv = &mut r.conv;
                 if conv.draft.is_none() {
                     conv.draft = model.new_draft_block_state(conv.state.n_ctx());
@@ -345,7 +345,7 @@ impl<W: std::io::Write> Session<'_, W> {
         for &t in &job.prompt {
             sampler.accept(t);
         }
-        let guesses = self.guesses && !model.on_gpu();
+        let guesses = self.guessing();
         r.phase = Phase::Answer(Box::new(Answering {
             prefill_ms: ms(r.started),
             decoding: Instant::now(),
@@ -361,7 +361,7 @@ impl<W: std::io::Write> Session<'_, W> {
                         .take()
                         .unwrap_or_else(|| d.new_state(r.conv.state.n_ctx())),
                 ),
-                None if guesses && self.draft_block => r
+                None if self.guessing_by_draft_block() => r
                     .conv
                     .draft
                     .take()
@@ -473,28 +473,23 @@ impl<W: std::io::Write> Session<'_, W> {
                     true => rep.window_len(self.guess_rates.row_cost()).min(room),
                     false => 0,
                 };
-                if n == 0 {
+                let drafted = match n {
                     // Not guessing for a while: the draft block reads the rows kept meanwhile in
                     // calls of many, so they do not pile up.
-                    if conv.state.hidden_rows_kept() >= super::draft_block::CATCH_UP_ROWS {
-                        let caught =
-                            super::draft_block::catch_up(self.model, block, &mut conv.state);
-                        if let Err(e) = caught {
-                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
-                            a.draft_state = None;
-                        }
+                    0 if conv.state.hidden_rows_kept() >= super::draft_block::CATCH_UP_ROWS => {
+                        super::draft_block::catch_up(self.model, block, &mut conv.state)
+                            .map(|()| Vec::new())
                     }
+                    0 => Ok(Vec::new()),
+                    _ => super::draft_block::guesses(self.model, block, &mut conv.state, token)
+                        .map(|g| rep.count_proposed(g)),
+                };
+                drafted.unwrap_or_else(|e| {
+                    // The answer goes on without the draft block.
+                    eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
+                    a.draft_state = None;
                     Vec::new()
-                } else {
-                    match super::draft_block::guesses(self.model, block, &mut conv.state, token) {
-                        Ok(g) => rep.count_proposed(g),
-                        Err(e) => {
-                            eprintln!("poly-engine: the draft block failed ({e}); no more guesses");
-                            a.draft_state = None;
-                            Vec::new()
-                        }
-                    }
-                }
+                })
             }
             (Some(rep), None, None) if self.guess_rates.allow() => {
                 let n = rep.window_len(self.guess_rates.row_cost()).min(room);

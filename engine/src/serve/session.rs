@@ -196,7 +196,7 @@ impl<'a, W: Write> Session<'a, W> {
             experts_total,
             experts_vram: self.model.experts_in_vram() as u64,
             guesses: Some(
-                match (self.guesses && !self.model.on_gpu(), self.draft) {
+                match (self.guessing(), self.draft) {
                     (true, Some(_)) => "draft",
                     (true, None) if self.draft_block => "draft-block",
                     (true, None) => "repeats",
@@ -411,6 +411,17 @@ impl<'a, W: Write> Session<'a, W> {
         }
         self.active.extend(untaken);
         Ok(())
+    }
+
+    /// Whether answers guess tokens: `--guesses` on and the model on the CPU (a card checks no windows
+    /// yet).
+    pub(super) fn guessing(&self) -> bool {
+        self.guesses && !self.model.on_gpu()
+    }
+
+    /// Whether the model's own draft block makes the guesses (`--draft-block on`, guessing).
+    pub(super) fn guessing_by_draft_block(&self) -> bool {
+        self.draft_block && self.guessing()
     }
 
     /// The running requests but the one taking its turn.
