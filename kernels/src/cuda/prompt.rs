@@ -46,7 +46,7 @@ pub enum MatmulPath {
 
 /// The kernels [`matmul_q`] takes for `n` tokens of a matrix of `ty` with rows of `cols` values on `dev`.
 pub fn matmul_path(dev: &Device, ty: GgmlType, cols: usize, n: usize) -> MatmulPath {
-    if n >= mma::min_tokens(ty) && mma::takes(dev, ty, cols) {
+    if n >= mma::MIN_TOKENS && mma::takes(dev, ty, cols) {
         MatmulPath::Mma
     } else {
         MatmulPath::Dp4a

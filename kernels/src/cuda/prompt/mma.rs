@@ -14,7 +14,10 @@ use cudarc::driver::LaunchConfig;
 pub const MMQ_ROWS: usize = 128;
 /// Values of a row per step (`MMQ_K`): the row length must be a multiple.
 const MMQ_K: usize = 128;
-/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less).
+/// Fewest tokens for which a plain matmul takes the tensor cores (below, the dp4a tiles of 8 waste less), for
+/// every format. The lattice i-quants, which the dp4a kernel decodes again for every token, were measured too
+/// (H100, 2026-12-06, `cuda_bench`'s `bench_iquants_as_test_backend_ops`, 4096 x 14336 at n = 8): their
+/// tensor-core tile of 16 took 171-327 µs against the dp4a kernel's 117-157 µs.
 pub const MIN_TOKENS: usize = 16;
 const BLOCK: (u32, u32, u32) = (32, 8, 1);
 /// Blocks that keep a large card busy (two per SM of an H100/H200, with two blocks resident per SM).
@@ -83,15 +86,6 @@ mmq_formats! {
 /// The tensor-core kernels of `ty`, if it has them.
 fn format(ty: GgmlType) -> Option<&'static MmqFormat> {
     MMQ_FORMATS.iter().find(|f| f.ty == ty)
-}
-
-/// Fewest tokens for which a plain matmul of `ty` takes the tensor cores: [`MIN_TOKENS`] for every format.
-/// The lattice i-quants took them from 8 tokens until measured (H100, 2026-12-06, `cuda_bench`'s
-/// `bench_iquants_as_test_backend_ops`, 4096 x 14336 at n = 8): their tensor-core tile of 16 took 171-327 µs
-/// against the dp4a kernel's 117-157 µs, the tile's half left empty costing more than the grid decodes the
-/// dp4a kernel repeats per token.
-pub fn min_tokens(_ty: GgmlType) -> usize {
-    MIN_TOKENS
 }
 
 /// Whether `--mmq off` turned the tensor-core kernels off (to measure against the dp4a ones).
@@ -392,8 +386,5 @@ mod tests {
                 f.ty
             );
         }
-        assert_eq!(min_tokens(GgmlType::IQ2_XXS), MIN_TOKENS);
-        assert_eq!(min_tokens(GgmlType::IQ4_XS), MIN_TOKENS);
-        assert_eq!(min_tokens(GgmlType::Q4_K), MIN_TOKENS);
     }
 }
