@@ -15,8 +15,6 @@ Needs g++, numpy and gguf (`pip install gguf numpy`). From the repository root:
 """
 
 import ctypes
-import os
-import subprocess
 import sys
 import tempfile
 
@@ -24,8 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-CUDA = os.path.join(ROOT, "kernels", "cuda")
+from host_cuda import compile_host, random_blocks, read, section
 
 # (name, gguf type, block bytes, index of the format in the C table, where the f16 scale lives)
 FORMATS = [
@@ -37,41 +34,6 @@ FORMATS = [
     ("iq1_s", T.IQ1_S, 50, 5, "d"),
     ("iq1_m", T.IQ1_M, 56, 6, "iq1m"),
 ]
-
-SHIMS = r"""
-typedef signed char int8_t;
-typedef unsigned char uint8_t;
-typedef short int16_t;
-typedef unsigned short uint16_t;
-typedef int int32_t;
-typedef unsigned int uint32_t;
-typedef long long int64_t;
-typedef unsigned long long uint64_t;
-#define __device__
-#define __forceinline__ inline
-static inline int __dp4a(int a, int b, int c) {
-    for (int k = 0; k < 4; ++k) c += (int) (int8_t) (a >> (8 * k)) * (int) (int8_t) (b >> (8 * k));
-    return c;
-}
-static inline unsigned __vcmpne4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int k = 0; k < 4; ++k) if (((a >> (8 * k)) & 0xFF) != ((b >> (8 * k)) & 0xFF)) r |= 0xFFu << (8 * k);
-    return r;
-}
-static inline unsigned __vsub4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int k = 0; k < 4; ++k) r |= ((((a >> (8 * k)) & 0xFF) - ((b >> (8 * k)) & 0xFF)) & 0xFF) << (8 * k);
-    return r;
-}
-static inline float f16_to_f32(uint16_t h) {
-    const int s = h >> 15, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    float v;
-    if (e == 0) v = (float) m / 16777216.0f;            // subnormal: m * 2^-24
-    else if (e == 31) v = m ? __builtin_nanf("") : __builtin_inff();
-    else v = (1.0f + (float) m / 1024.0f) * __builtin_ldexpf(1.0f, e - 15);
-    return s ? -v : v;
-}
-"""
 
 DRIVER = r"""
 template <typename F>
@@ -100,26 +62,9 @@ extern "C" double row_dot(int fmt, const uint8_t * w, const block_q8_1 * x, int 
 """
 
 
-def section(text, start, end):
-    i = text.index(start)
-    j = text.index(end, i)
-    return text[i:j]
-
-
 def build(tmp):
-    common = open(os.path.join(CUDA, "common.cuh")).read()
-    matvec = open(os.path.join(CUDA, "matvec_iq.cu")).read()
-    grids = open(os.path.join(CUDA, "iq_grids.cuh")).read()
-    # The block layouts and get_int_b2/b4 (the rest of common.cuh is device code).
-    layouts = section(common, "#define QK_K 256", "// ----- shared by several modules")
-    dots = section(matvec, "// ----- i-quants (IQ2_XXS .. IQ1_M)", "// ----- end of the i-quants")
-    src = "\n".join([SHIMS, layouts, grids, dots, DRIVER])
-    cpp = os.path.join(tmp, "iq_host.cpp")
-    lib = os.path.join(tmp, "iq_host.so")
-    open(cpp, "w").write(src)
-    subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", lib, cpp],
-                   check=True)
-    dll = ctypes.CDLL(lib)
+    dots = section(read("matvec_iq.cu"), "// ----- i-quants (IQ2_XXS .. IQ1_M)", "// ----- end of the i-quants")
+    dll = compile_host(tmp, "iq_host", dots, DRIVER)
     dll.row_dot.restype = ctypes.c_double
     dll.row_dot.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return dll
@@ -141,19 +86,6 @@ def quantize_q8_1(x):
     raw[:, 4:] = q.view(np.uint8)
     deq = q.astype(np.float64) * d16.astype(np.float64)[:, None]
     return raw, deq.reshape(-1)
-
-
-def random_blocks(rng, n, size, scale_kind):
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    d = rng.uniform(0.5e-3, 4e-3, size=n).astype(np.float16).view(np.uint16)
-    if scale_kind == "d":
-        raw[:, 0] = d & 0xFF
-        raw[:, 1] = d >> 8
-    else:  # IQ1_M: nibble k of d in the top nibble of scale word k (bytes 48 + 2k + 1)
-        for k in range(4):
-            b = raw[:, 48 + 2 * k + 1]
-            raw[:, 48 + 2 * k + 1] = (b & 0x0F) | (((d >> (4 * k)) & 0x0F) << 4).astype(np.uint8)
-    return raw
 
 
 def main():

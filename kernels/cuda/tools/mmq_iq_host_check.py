@@ -19,8 +19,6 @@ Needs g++, numpy and gguf (`pip install gguf numpy`). From the repository root:
 """
 
 import ctypes
-import os
-import subprocess
 import sys
 import tempfile
 
@@ -28,8 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
-CUDA = os.path.join(ROOT, "kernels", "cuda")
+from host_cuda import compile_host, random_blocks, read, section
 
 # (name, gguf type, block bytes, values per block, index in the C switch, where the f16 scale lives)
 FORMATS = [
@@ -43,49 +40,6 @@ FORMATS = [
     ("iq4_nl", T.IQ4_NL, 18, 32, 7, "d"),
     ("iq4_xs", T.IQ4_XS, 136, 256, 8, "d"),
 ]
-
-SHIMS = r"""
-typedef signed char int8_t;
-typedef unsigned char uint8_t;
-typedef short int16_t;
-typedef unsigned short uint16_t;
-typedef int int32_t;
-typedef unsigned int uint32_t;
-typedef long long int64_t;
-typedef unsigned long long uint64_t;
-#define __device__
-#define __constant__
-#define __forceinline__ inline
-struct float2 { float x, y; };
-struct int2 { int x, y; };
-static inline float2 make_float2(float x, float y) { return float2{x, y}; }
-static inline int2 make_int2(int x, int y) { return int2{x, y}; }
-static inline unsigned __vcmpne4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int k = 0; k < 4; ++k) if (((a >> (8 * k)) & 0xFF) != ((b >> (8 * k)) & 0xFF)) r |= 0xFFu << (8 * k);
-    return r;
-}
-static inline unsigned __vsub4(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int k = 0; k < 4; ++k) r |= ((((a >> (8 * k)) & 0xFF) - ((b >> (8 * k)) & 0xFF)) & 0xFF) << (8 * k);
-    return r;
-}
-// PTX prmt (default mode): byte k of the result is byte (s >> 4k) & 7 of the 8 bytes {x, y}.
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-    const unsigned long long v = (unsigned long long) x | ((unsigned long long) y << 32);
-    unsigned r = 0;
-    for (int k = 0; k < 4; ++k) r |= (unsigned) ((v >> (8 * ((s >> (4 * k)) & 7))) & 0xFF) << (8 * k);
-    return r;
-}
-static inline float f16_to_f32(uint16_t h) {
-    const int s = h >> 15, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    float v;
-    if (e == 0) v = (float) m / 16777216.0f;            // subnormal: m * 2^-24
-    else if (e == 31) v = m ? __builtin_nanf("") : __builtin_inff();
-    else v = (1.0f + (float) m / 1024.0f) * __builtin_ldexpf(1.0f, e - 15);
-    return s ? -v : v;
-}
-"""
 
 DRIVER = r"""
 // One row of nblocks blocks unpacked as a_stage_sub does: every sub-block of every block through load and
@@ -133,43 +87,12 @@ extern "C" int unpack_row(int fmt, const uint8_t * w, int nblocks, float * out) 
 """
 
 
-def section(text, start, end):
-    i = text.index(start)
-    j = text.index(end, i)
-    return text[i:j]
-
-
 def build(tmp):
-    common = open(os.path.join(CUDA, "common.cuh")).read()
-    mmq_iq = open(os.path.join(CUDA, "mmq_iq.cu")).read()
-    grids = open(os.path.join(CUDA, "iq_grids.cuh")).read()
-    # The block layouts and get_int_b2/b4 (the rest of common.cuh is device code).
-    layouts = section(common, "#define QK_K 256", "// ----- shared by several modules")
-    formats = section(mmq_iq, "// The 8 sign bits", "// ----- end of the i-quant formats")
-    src = "\n".join([SHIMS, layouts, grids, formats, DRIVER])
-    cpp = os.path.join(tmp, "mmq_iq_host.cpp")
-    lib = os.path.join(tmp, "mmq_iq_host.so")
-    open(cpp, "w").write(src)
-    subprocess.run(["g++", "-O1", "-std=c++17", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o", lib, cpp],
-                   check=True)
-    dll = ctypes.CDLL(lib)
+    formats = section(read("mmq_iq.cu"), "// The 8 sign bits", "// ----- end of the i-quant formats")
+    dll = compile_host(tmp, "mmq_iq_host", formats, DRIVER)
     dll.unpack_row.restype = ctypes.c_int
     dll.unpack_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return dll
-
-
-def random_blocks(rng, n, size, scale_kind):
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    sign = rng.choice([-1.0, 1.0], size=n)
-    d = (sign * rng.uniform(0.5e-3, 4e-3, size=n)).astype(np.float16).view(np.uint16)
-    if scale_kind == "d":
-        raw[:, 0] = d & 0xFF
-        raw[:, 1] = d >> 8
-    else:  # IQ1_M: nibble k of d in the top nibble of scale word k (bytes 48 + 2k + 1)
-        for k in range(4):
-            b = raw[:, 48 + 2 * k + 1]
-            raw[:, 48 + 2 * k + 1] = (b & 0x0F) | (((d >> (4 * k)) & 0x0F) << 4).astype(np.uint8)
-    return raw
 
 
 def main():
@@ -181,7 +104,7 @@ def main():
         dll = build(tmp)
         for name, ty, size, qk, idx, scale_kind in FORMATS:
             nblocks = cols // qk
-            w = random_blocks(rng, rows * nblocks, size, scale_kind).reshape(rows, nblocks * size)
+            w = random_blocks(rng, rows * nblocks, size, scale_kind, signed_scale=True).reshape(rows, nblocks * size)
             want = dequantize(w, ty).astype(np.float32).reshape(rows, cols)
             worst = 0.0
             out = np.zeros(cols, dtype=np.float32)
