@@ -76,16 +76,30 @@ fn host_points_by_flags() -> bool {
 /// before either gives up (a failed host releases the card at once; this bounds what cannot).
 const FLAG_WAIT: Duration = Duration::from_secs(10);
 
+/// Flags a step holds when its token is one graph.
+const FLAGS_PER_STEP: usize = 4;
+
 /// Step `i`'s flags: the card passed its router (the host may read the ids); its copies on demand and
-/// sources are in place (the card's experts may start); the CPU's sum is written (the card adds it).
+/// sources are in place (the card's experts may start); the CPU's sum is written (the card adds it); the
+/// card's guess of the next step's experts is down (queued after the route point, so the router's
+/// hand-over does not wait for a second router).
 fn route_flag(i: usize) -> usize {
-    3 * i
+    FLAGS_PER_STEP * i
 }
 fn staged_flag(i: usize) -> usize {
-    3 * i + 1
+    FLAGS_PER_STEP * i + 1
 }
 fn sum_flag(i: usize) -> usize {
-    3 * i + 2
+    FLAGS_PER_STEP * i + 2
+}
+fn guess_flag(i: usize) -> usize {
+    FLAGS_PER_STEP * i + 3
+}
+
+/// Queues the card's signal that step `i`'s guess of the next step's experts is down (a token of one
+/// graph, after the guess's download).
+pub fn queue_guess_signal(dev: &Device, flags: &HostFlags, i: usize) -> CudaResult<()> {
+    flags.queue_signal(dev, guess_flag(i))
 }
 
 /// Where a segmented graph meets the host: with cuts, after one of its graphs; with flags, at a flag.
@@ -170,9 +184,12 @@ pub struct MoeStep {
 }
 
 /// The next MoE step's experts guessed on the card (`--guess-on card`): its router applied to this step's
-/// input, queued before the route point, its ids handed down with the step's own, so the host knows the
-/// guess as soon as it meets the step (on the share's threads it took 31–38 µs a layer after the share,
-/// reading the f32 router from host memory, before the copies ahead could start).
+/// input, so the host knows the guess without reading a router itself (on the share's threads it took
+/// 31–38 µs a layer after the share, reading the f32 router from host memory, before the copies ahead
+/// could start). In a token of one graph it is queued after the route point and handed down behind its
+/// own flag ([`guess_flag`]): the host needs it only once the CPU's share is under way, and queued before
+/// the route point its router delayed every layer's hand-over by one more router launch. With cuts it
+/// comes down with the step's ids.
 struct CardGuess {
     /// The next step's MoE layer (its router and `k`).
     moe: Moe,
@@ -262,10 +279,53 @@ impl MoeStep {
         }
     }
 
+    /// The next step's experts the card guessed, once `flags` says they are down (a token of one graph
+    /// queues the guess after the route point); none where the step does not guess on the card.
+    pub fn guessed_on_card_after(
+        &self,
+        dev: &Device,
+        flags: &HostFlags,
+        i: usize,
+    ) -> CudaResult<Vec<usize>> {
+        if self.guess.is_some() {
+            flags.wait_set(dev, guess_flag(i), FLAG_WAIT)?;
+        }
+        self.guessed_on_card()
+    }
+
+    /// Queues the host copy of the card's guess of the next step's experts (after its router, in stream
+    /// order), for a token of one graph that queues the guess after the route point; the caller signals
+    /// [`guess_flag`] after it.
+    pub fn queue_guess_download(&mut self, dev: &Device) -> CudaResult<()> {
+        let Some(g) = self.guess.as_mut() else {
+            return Ok(());
+        };
+        // SAFETY: the host reads the pinned copy only after the guess flag, which the card sets after
+        // it; the step owns it for as long as the graph holding the copy (as in `queue_downloads`).
+        unsafe {
+            if handoff_by_kernel() {
+                let mut copies = HostCopies::new();
+                copies.download(&g.ids, &mut g.host_ids)?;
+                return copies.queue(dev);
+            }
+            dev.queue_download(&g.ids, &mut g.host_ids)
+        }
+    }
+
     /// Queues the host copies of the router's ids and weights and of the layer's input `x` (after the
     /// router, in stream order; captured, every replay makes them: a graph's activations keep their
-    /// addresses): one kernel, or three copy-engine transfers with `--gpu-handoff copy`.
-    pub fn queue_downloads(&mut self, dev: &Device, x: &DeviceBuffer<f32>) -> CudaResult<()> {
+    /// addresses): one kernel, or three copy-engine transfers with `--gpu-handoff copy`. `with_guess`:
+    /// the card's guess of the next step comes down with them (else [`MoeStep::queue_guess_download`]).
+    pub fn queue_downloads(
+        &mut self,
+        dev: &Device,
+        x: &DeviceBuffer<f32>,
+        with_guess: bool,
+    ) -> CudaResult<()> {
+        let guess = match with_guess {
+            true => self.guess.as_mut(),
+            false => None,
+        };
         // SAFETY: the host reads the pinned copies only after the route point: a synchronize with the
         // stream that ran them, or (one graph a token) the route flag, which the card sets after them;
         // the step owns them for as long as the graph holding the copies (the decode graph drops its
@@ -277,7 +337,7 @@ impl MoeStep {
                     .download(&self.ids, &mut self.host_ids)?
                     .download(&self.weights, &mut self.host_weights)?
                     .download(x, &mut self.host_x)?;
-                if let Some(g) = self.guess.as_mut() {
+                if let Some(g) = guess {
                     copies.download(&g.ids, &mut g.host_ids)?;
                 }
                 if self.biased {
@@ -288,7 +348,7 @@ impl MoeStep {
             dev.queue_download(&self.ids, &mut self.host_ids)?;
             dev.queue_download(&self.weights, &mut self.host_weights)?;
             dev.queue_download(x, &mut self.host_x)?;
-            if let Some(g) = self.guess.as_mut() {
+            if let Some(g) = guess {
                 dev.queue_download(&g.ids, &mut g.host_ids)?;
             }
             if self.biased {
@@ -403,7 +463,7 @@ impl MoeStep {
     }
 
     /// The card's experts (`launch`: replayed, or released at their flag; told whether copies on demand
-    /// were queued) with the step's copies staged before them, and the CPU's share computed meanwhile:
+    /// were queued, and given the step to read) with the step's copies staged before them, and the CPU's share computed meanwhile:
     /// its threads start first, then this thread stages and launches beside them. Its sum (zeros without
     /// a share) goes into `host_sum`. [`MoeStep::finish`] finishes the layer in the cache after it.
     pub fn experts(
@@ -412,14 +472,14 @@ impl MoeStep {
         cache: &mut ExpertCache,
         prep: StepPrep,
         times: &mut HostTimes,
-        launch: impl FnOnce(&mut ExpertCache, bool) -> CudaResult<()>,
+        launch: impl FnOnce(&mut ExpertCache, bool, &MoeStep) -> CudaResult<()>,
     ) -> CudaResult<()> {
         let copied = prep.waits_for_copies();
         let StepPrep { share, copies, .. } = prep;
         self.copied_on_demand = copies.len();
         let Some(share) = share else {
             self.stage((dev, cpu), cache, &copies, times)?;
-            launch(cache, copied)?;
+            launch(cache, copied, self)?;
             return self.write_sum(None);
         };
         let clock = Instant::now();
@@ -429,7 +489,7 @@ impl MoeStep {
             let t = Instant::now();
             let r = self
                 .stage((dev, cpu), cache, &copies, times)
-                .and_then(|()| launch(cache, copied));
+                .and_then(|()| launch(cache, copied, self));
             beside_time = t.elapsed();
             r
         });
@@ -565,8 +625,8 @@ pub struct MoeSteps {
     pub steps: Vec<Option<MoeStep>>,
     /// The step the call reaches next.
     pub next: usize,
-    /// With `--gpu-host-points flags`, the flags of a captured token's host points (three a step), and
-    /// no segments: the whole token is one graph.
+    /// With `--gpu-host-points flags`, the flags of a captured token's host points
+    /// ([`FLAGS_PER_STEP`] a step), and no segments: the whole token is one graph.
     pub flags: Option<HostFlags>,
     /// The host points' time since [`DecodeGraphs::take_host_times`].
     times: HostTimes,
@@ -650,7 +710,7 @@ impl MoeSteps {
                     let step = step_at(steps, j)?;
                     let card_guess = step.guessed_on_card()?;
                     let mut early = Duration::ZERO;
-                    step.experts((dev, cpu), cache, p, times, |cache, _| {
+                    step.experts((dev, cpu), cache, p, times, |cache, _, _| {
                         segment.replay()?;
                         if plan.at_route {
                             let clock = Instant::now();
@@ -764,17 +824,20 @@ fn meet_steps(
                 guess.iter().filter(|&&e| ids.contains(&(e as i32))).count() as u64;
             guess.clear();
         }
-        let card_guess = step.guessed_on_card()?;
         let prep = step.prepare((dev, cpu), cache, times)?;
         let mut early = Duration::ZERO;
-        step.experts((dev, cpu), cache, prep, times, |cache, copied| {
+        // The card's guess comes down behind its own flag, after the route point.
+        let mut card_guess = None;
+        step.experts((dev, cpu), cache, prep, times, |cache, copied, step| {
             match copied {
                 true => cache.flag_after_copies(flags, staged_flag(i))?,
                 false => flags.set(staged_flag(i))?,
             }
             if plan.at_route {
                 let clock = Instant::now();
-                copy_ahead(next, &card_guess, (cpu, cache))?;
+                let guess = step.guessed_on_card_after(dev, flags, i)?;
+                copy_ahead(next, &guess, (cpu, cache))?;
+                card_guess = Some(guess);
                 early = clock.elapsed();
             }
             Ok(())
@@ -784,6 +847,10 @@ fn meet_steps(
         // One guess of the next layer serves both the copies ahead and `--cpu-warm`.
         if plan.after_share || plan.warm {
             let clock = Instant::now();
+            let card_guess = match card_guess {
+                Some(g) => g,
+                None => step.guessed_on_card_after(dev, flags, i)?,
+            };
             let next_guess = plan.next_guess(steps, i, card_guess, (cpu, cache))?;
             if plan.after_share {
                 copy_ahead(next, &next_guess, (cpu, cache))?;
@@ -1146,7 +1213,7 @@ fn capture(
     steps.next = 0;
     let by_flags = host_points_by_flags() && made_steps > 0;
     if by_flags {
-        let flags = HostFlags::new(dev, 3 * made_steps)?;
+        let flags = HostFlags::new(dev, FLAGS_PER_STEP * made_steps)?;
         if let Some(cache) = experts.as_deref_mut() {
             cache.ready_flags(&flags)?;
         }

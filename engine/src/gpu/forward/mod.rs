@@ -30,7 +30,9 @@ use poly_models::compute::{
 };
 use rayon::prelude::*;
 
-use super::decode_graph::{guesses_on_card, HostPoint, HostTimes, MoeStep, MoeSteps};
+use super::decode_graph::{
+    guesses_on_card, queue_guess_signal, HostPoint, HostTimes, MoeStep, MoeSteps,
+};
 use super::expert_cache::{CpuShare, ExpertCache};
 use super::pool::Pool;
 use super::profile::CallMarks;

@@ -323,25 +323,21 @@ impl<'a> GpuForward<'a> {
             changed: Some(&mut step.changed),
         });
         self.route(x, m, (&mut step.ids, &mut step.weights), selection)?;
-        // The next layer's experts guessed from this layer's input (a replay's host reads them at the
-        // route point; the running call has no use for them), leaning as that layer's choice will.
-        if capturing {
-            let next_bias = step
-                .card_guess()
-                .and_then(|(next, ..)| self.cache_bias(&next, x.rows));
-            if let Some((next, ids, weights)) = step.card_guess() {
-                let selection = next_bias.map(|(bias, offset)| ops::SelectionBias {
-                    bias,
-                    offset,
-                    changed: None,
-                });
-                self.route(x, &next, (ids, weights), selection)?;
-            }
+        // The next layer's experts guessed from this layer's input (a replay's host reads them; the
+        // running call has no use for them): in a token of one graph behind the route point and a flag
+        // of their own, with cuts before the route point.
+        let by_flags = self.graph.as_ref().is_some_and(|g| g.steps.flags.is_some());
+        if capturing && !by_flags {
+            self.guess_next(x, step)?;
         }
-        step.queue_downloads(dev, x.buf()?)?;
+        step.queue_downloads(dev, x.buf()?, !by_flags)?;
         let mut times = HostTimes::default();
         if capturing {
             self.host_point(HostPoint::Route(i))?;
+            if by_flags && self.guess_next(x, step)? {
+                step.queue_guess_download(dev)?;
+                self.signal_guess(i)?;
+            }
         } else {
             step.wait_route(dev, &mut times)?;
         }
@@ -405,6 +401,34 @@ impl<'a> GpuForward<'a> {
         self.pool.put_f32(y);
         self.op_end("moe.combine", t);
         r.map(|()| shared_out)
+    }
+
+    /// Queues the card's guess of the next MoE layer's experts from this layer's input `x`, leaning as
+    /// that layer's choice will; false where `step` does not guess.
+    fn guess_next(&mut self, x: &DevAct, step: &mut MoeStep) -> CudaResult<bool> {
+        let next_bias = step
+            .card_guess()
+            .and_then(|(next, ..)| self.cache_bias(&next, x.rows));
+        let Some((next, ids, weights)) = step.card_guess() else {
+            return Ok(false);
+        };
+        let selection = next_bias.map(|(bias, offset)| ops::SelectionBias {
+            bias,
+            offset,
+            changed: None,
+        });
+        self.route(x, &next, (ids, weights), selection)?;
+        Ok(true)
+    }
+
+    /// Queues the card's signal that step `i`'s guess is down (a capture of one graph a token).
+    fn signal_guess(&mut self, i: usize) -> CudaResult<()> {
+        let flags = self
+            .graph
+            .as_ref()
+            .and_then(|g| g.steps.flags.as_ref())
+            .ok_or_else(|| CudaError::Invalid("a guess's signal without flags".into()))?;
+        queue_guess_signal(self.dev, flags, i)
     }
 
     /// A host point met by a capture: the card's side of its flag queued when the token is one graph
