@@ -44,6 +44,9 @@ pub struct ForwardOptions {
     /// At a partly resident token's host points, up to this many of the next MoE layer's guessed missing
     /// experts copied to the card while it computes the layer between (`--copy-ahead`; 0: none).
     pub copy_ahead: usize,
+    /// The bus time a layer's copies ahead may take at the cache's measured copy rate, in µs
+    /// (`--copy-ahead-us`; 0: `copy_ahead` copies whatever they take).
+    pub copy_ahead_us: u32,
     /// Who guesses the next MoE layer's experts for `--copy-ahead` and `--cpu-warm` (`--guess-on`).
     pub guess_on: GuessOn,
     /// When a one-graph token's admissions over the bus are queued (`--bus-admissions-at`).
@@ -133,10 +136,16 @@ pub enum CpuShareThreads {
     PerExpert,
 }
 
-/// `--copy-ahead`'s default.
-/// Measured at 8 GB (2026-12-06) with the CPU computing the missing experts: two ahead as fast as one
-/// or faster on four synthetic files on two H100 hosts (q35s 160.1 against 155.1 t/s).
-pub const DEFAULT_COPY_AHEAD: usize = 2;
+/// `--copy-ahead`'s default: the most a layer copies ahead, the count itself set by
+/// [`DEFAULT_COPY_AHEAD_US`].
+pub const DEFAULT_COPY_AHEAD: usize = 4;
+
+/// `--copy-ahead-us`'s default. Measured on an H100 host at 8 GB with the copies queued at the route
+/// point (2026-12-06, eighth session): the best count was 2 for qwen3moe's experts of 2.6 MB (116 µs of
+/// bus a layer at the 58 µs an expert measured) and 3 for qwen35moe's of 1.7 MB (125 µs at 41.5), and
+/// one more copy was slower on both (174 and 166 µs, about a whole layer's time of 160–170 µs: the last
+/// copies land after the card wants them). The budget sits between.
+pub const DEFAULT_COPY_AHEAD_US: u32 = 140;
 
 impl Default for ForwardOptions {
     fn default() -> Self {
@@ -153,8 +162,9 @@ impl Default for ForwardOptions {
             host_points: HostPoints::Flags,
             cpu_warm: false,
             copy_ahead: DEFAULT_COPY_AHEAD,
+            copy_ahead_us: DEFAULT_COPY_AHEAD_US,
             guess_on: GuessOn::Card,
-            copy_ahead_at: CopyAheadAt::Sum,
+            copy_ahead_at: CopyAheadAt::Route,
             bus_admissions_at: BusAdmissionsAt::Ahead,
             finish_layers_at: FinishLayersAt::Sum,
         }
@@ -221,11 +231,14 @@ impl Knobs {
         if f.copy_ahead != d.copy_ahead {
             put("copy-ahead", f.copy_ahead.to_string());
         }
+        if f.copy_ahead_us != d.copy_ahead_us {
+            put("copy-ahead-us", f.copy_ahead_us.to_string());
+        }
         if f.guess_on == GuessOn::Host {
             put("guess-on", "host".into());
         }
-        if f.copy_ahead_at == CopyAheadAt::Route {
-            put("copy-ahead-at", "route".into());
+        if f.copy_ahead_at == CopyAheadAt::Sum {
+            put("copy-ahead-at", "sum".into());
         }
         if f.bus_admissions_at == BusAdmissionsAt::Finish {
             put("bus-admissions-at", "finish".into());
@@ -289,7 +302,8 @@ mod tests {
         k.forward.cpu_warm = true;
         k.forward.copy_ahead = 0;
         k.forward.guess_on = GuessOn::Host;
-        k.forward.copy_ahead_at = CopyAheadAt::Route;
+        k.forward.copy_ahead_us = 0;
+        k.forward.copy_ahead_at = CopyAheadAt::Sum;
         k.forward.bus_admissions_at = BusAdmissionsAt::Finish;
         k.forward.finish_layers_at = FinishLayersAt::Route;
         k.kv = KvPrecision::Q8_0;
@@ -297,7 +311,8 @@ mod tests {
         let want = [
             ("bus-admissions-at", "finish"),
             ("copy-ahead", "0"),
-            ("copy-ahead-at", "route"),
+            ("copy-ahead-at", "sum"),
+            ("copy-ahead-us", "0"),
             ("cpu-share", "rayon"),
             ("cpu-warm", "on"),
             ("finish-layers-at", "route"),

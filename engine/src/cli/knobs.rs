@@ -200,9 +200,17 @@ pub struct KnobArgs {
     /// is otherwise idle; those the layer then routes to are computed on the card. 0 turns it off.
     /// Measured on H100 hosts at 8 GB: 1 gave +2% to +9% over 0 on four files; with copies on demand
     /// beside them 2 was 4-11% slower than 1, and with the CPU computing every other missing expert
-    /// (`--missing-experts cpu`, the default) 2 was as fast or faster on all four (2026-12-06).
+    /// (`--missing-experts cpu`, the default) 2 was as fast or faster on all four (2026-12-06). The
+    /// count a layer copies is also bounded by --copy-ahead-us.
     #[arg(long, value_name = "N", default_value_t = poly_engine::knobs::DEFAULT_COPY_AHEAD)]
     copy_ahead: usize,
+    /// The bus time a layer's copies ahead may take, in microseconds at the copy rate the cache measured
+    /// when it was filled: a layer copies at most this budget's worth of experts (at least one), up to
+    /// --copy-ahead. 0: --copy-ahead's count whatever it takes. Measured on an H100 host at 8 GB with
+    /// the copies at the route point: 2 ahead was best for qwen3moe's experts (116 us of bus) and 3 for
+    /// qwen35moe's (125 us); one more was slower on both (174 and 166 us, as long as a whole layer).
+    #[arg(long, value_name = "US", default_value_t = poly_engine::knobs::DEFAULT_COPY_AHEAD_US)]
+    copy_ahead_us: u32,
     /// Who guesses the next MoE layer's experts for --copy-ahead and --cpu-warm: the card (one more
     /// router launch in the token's graph, its ids handed down with the layer's own at the route point)
     /// or the CPU share's threads once the layer's share is done (they read the f32 router from host
@@ -213,8 +221,11 @@ pub struct KnobArgs {
     /// When a layer's copies ahead are queued: at its route point right after its copies on demand
     /// (the bus then works beside the CPU's share; needs the card's guess, with --guess-on host they
     /// wait for the share), or once its CPU share is done (while the card computes the layer between).
-    /// Measured on an H100 host at 8 GB: route no faster than sum on four files.
-    #[arg(long, value_enum, default_value_t = CopyAheadAt::Sum)]
+    /// Measured on H100 hosts at 8 GB: with copies on demand beside them (2026-12-06, fourth session)
+    /// route was no faster than sum on four files; with the CPU computing every other missing expert
+    /// (the default) route gave q3u +10% (123 against 112 t/s) and let q35s copy 3 ahead (+4.5%), where
+    /// 3 after the share had gained nothing (eighth session).
+    #[arg(long, value_enum, default_value_t = CopyAheadAt::Route)]
     copy_ahead_at: CopyAheadAt,
     /// When a partly resident token (one graph) queues the admissions a layer earned over the bus:
     /// planned when the layer is finished and queued after the next layer's staged flag and copies
@@ -332,6 +343,7 @@ impl KnobArgs {
                 },
                 cpu_warm: self.cpu_warm.on(),
                 copy_ahead: self.copy_ahead,
+                copy_ahead_us: self.copy_ahead_us,
                 guess_on: match self.guess_on {
                     GuessOn::Card => GuessOnKnob::Card,
                     GuessOn::Host => GuessOnKnob::Host,

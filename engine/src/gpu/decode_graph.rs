@@ -962,14 +962,15 @@ fn guess_next(
     }
 }
 
-/// `--copy-ahead`: the likeliest `--copy-ahead` of `guess` (experts of the next step, `next`: its cache
+/// `--copy-ahead`: the likeliest of `guess` (as many as `--copy-ahead-us` allows, up to `--copy-ahead`) (experts of the next step, `next`: its cache
 /// layer and experts per token) not on the card, copied to it while it computes the layer before.
 fn copy_ahead(
     next: Option<(usize, usize)>,
     guess: &[usize],
     (cpu, cache): (&CpuWeights, &mut ExpertCache),
 ) -> CudaResult<()> {
-    let n = crate::knobs::forward().copy_ahead;
+    let f = crate::knobs::forward();
+    let n = cache.copies_ahead(f.copy_ahead, f.copy_ahead_us);
     match next {
         Some(next) if n > 0 && !guess.is_empty() => {
             cache.copy_ahead(cpu, next, guess, n).map(|_| ())

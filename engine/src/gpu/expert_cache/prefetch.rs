@@ -186,6 +186,12 @@ impl ExpertCache {
     /// pool, copied over the bus (only straight from the page-locked file: through the staging buffers
     /// this thread would copy them itself). Called at the current layer's route point after its copies
     /// on demand, or once its CPU share is done. Returns how many were queued.
+    /// How many guessed experts a layer copies ahead under `--copy-ahead n` and `--copy-ahead-us
+    /// budget_us`: `n`, or as many as the budget holds at the measured copy rate, at least one.
+    pub fn copies_ahead(&self, n: usize, budget_us: u32) -> usize {
+        copies_in_budget(n, budget_us, self.costs.copy_per_expert)
+    }
+
     pub fn copy_ahead(
         &mut self,
         cpu: &CpuWeights,
@@ -265,5 +271,35 @@ impl ExpertCache {
             self.mark_tables(layer);
         }
         Ok(())
+    }
+}
+
+/// `n` copies, or as many as `budget_us` holds at `per_copy` seconds a copy (at least one; `n` where the
+/// budget is 0 or the rate unknown).
+fn copies_in_budget(n: usize, budget_us: u32, per_copy: f64) -> usize {
+    if n == 0 || budget_us == 0 || per_copy.is_nan() || per_copy <= 0.0 {
+        return n;
+    }
+    let fit = (budget_us as f64 * 1e-6 / per_copy).floor() as usize;
+    fit.clamp(1, n)
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::copies_in_budget;
+
+    #[test]
+    fn the_bus_budget_sets_how_many_are_copied_ahead() {
+        // The measured rates of the two shapes (2026-12-06): 58 µs a qwen3moe expert, 41.5 a qwen35moe one.
+        assert_eq!(copies_in_budget(4, 140, 58e-6), 2);
+        assert_eq!(copies_in_budget(4, 140, 41.5e-6), 3);
+        // Never more than asked, never none when asked for some.
+        assert_eq!(copies_in_budget(2, 140, 10e-6), 2);
+        assert_eq!(copies_in_budget(4, 140, 500e-6), 1);
+        assert_eq!(copies_in_budget(0, 140, 10e-6), 0);
+        // No budget, or no measured rate: the count as asked.
+        assert_eq!(copies_in_budget(3, 0, 58e-6), 3);
+        assert_eq!(copies_in_budget(3, 140, 0.0), 3);
+        assert_eq!(copies_in_budget(3, 140, f64::NAN), 3);
     }
 }
