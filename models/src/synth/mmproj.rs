@@ -98,7 +98,7 @@ fn draw(name: &str, dims: &[u64], rng: &mut Rng) -> Vec<f32> {
 
 /// Writes a `qwen3vl_merger` projector of `shape` at `path`: matrices of more than one dimension in
 /// `matrix_type` (F32, F16 or BF16; the patch convolution as llama.cpp's converter keeps it, in the same
-/// type), vectors in F32.
+/// type), vectors and the position table in F32.
 pub fn write_qwen3vl_projector(
     shape: &ProjectorShape,
     matrix_type: GgmlType,
@@ -140,7 +140,8 @@ pub fn write_qwen3vl_projector(
     let table = tensor_table(hp);
     let mut types = Vec::with_capacity(table.len());
     for (name, dims) in &table {
-        let ty = if dims.len() > 1 {
+        // llama.cpp resamples the position table with `ggml_interpolate`, which reads only F32.
+        let ty = if dims.len() > 1 && name != "v.position_embd.weight" {
             matrix_type
         } else {
             GgmlType::F32

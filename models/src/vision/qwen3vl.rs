@@ -219,6 +219,66 @@ impl Linear<'_> {
     }
 }
 
+/// One slice of the patch convolution in the arithmetic ggml's `ggml_conv_2d` gives it: the patches
+/// (`im2col`) are made f16 and the kernel, as the other operand of an f16 product, too; a BF16 kernel keeps
+/// f32 patches instead (and is read in f32). Following it keeps the encoder within f32 rounding of
+/// llama.cpp's: the f16 rounding of the input alone moves the rows by about 2e-4 of their norm.
+struct PatchKernel {
+    /// The kernel as an f16 matrix (F32 and F16 kernels) or an f32 one (BF16 kernels).
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl PatchKernel {
+    fn new(w: QuantMatrix<'_>) -> Result<PatchKernel, VisionError> {
+        let mut values = vec![0f32; w.rows * w.cols];
+        dequantize(w.ty, w.data, &mut values).map_err(|e| VisionError(e.to_string()))?;
+        let (ty, data) = match w.ty {
+            GgmlType::F32 | GgmlType::F16 => (
+                GgmlType::F16,
+                values
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+            ),
+            GgmlType::BF16 => (
+                GgmlType::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+            other => {
+                return Err(VisionError(format!(
+                    "v.patch_embd.weight: type {other} not supported (F32, F16 or BF16)"
+                )))
+            }
+        };
+        Ok(PatchKernel {
+            ty,
+            rows: w.rows,
+            cols: w.cols,
+            data,
+        })
+    }
+
+    /// `n` patch rows through the kernel (made f16 first when the kernel is).
+    fn apply(&self, patches: &[f32], n: usize) -> Vec<f32> {
+        let w = QuantMatrix::new(self.ty, self.rows, self.cols, &self.data)
+            .expect("built with its own shape");
+        let mut y = vec![0f32; n * self.rows];
+        if self.ty == GgmlType::F16 {
+            let rounded: Vec<f32> = patches
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_f32())
+                .collect();
+            matmul(&w, &rounded, n, &mut y);
+        } else {
+            matmul(&w, patches, n, &mut y);
+        }
+        y
+    }
+}
+
 /// A layer norm's weight and bias.
 struct Norm {
     w: Vec<f32>,
@@ -246,7 +306,7 @@ struct Block<'a> {
 pub struct Qwen3VlEncoder<'a> {
     pub hp: Qwen3VlHparams,
     /// The two temporal slices of the patch convolution, as `[n_embd, 3·p·p]` matrices.
-    patch: [QuantMatrix<'a>; 2],
+    patch: [PatchKernel; 2],
     patch_bias: Vec<f32>,
     /// `[n_pos_side², n_embd]`.
     pos_embd: Vec<f32>,
@@ -321,8 +381,8 @@ impl<'a> Qwen3VlEncoder<'a> {
         }
         Ok(Qwen3VlEncoder {
             patch: [
-                matrix("v.patch_embd.weight")?,
-                matrix("v.patch_embd.weight.1")?,
+                PatchKernel::new(matrix("v.patch_embd.weight")?)?,
+                PatchKernel::new(matrix("v.patch_embd.weight.1")?)?,
             ],
             patch_bias: vector("v.patch_embd.bias")?,
             pos_embd: vector(POS_EMBD)?,
@@ -386,10 +446,9 @@ impl<'a> Qwen3VlEncoder<'a> {
                 }
             }
         }
-        let mut x = vec![0f32; n * e];
-        matmul(&self.patch[0], &patches, n, &mut x);
-        let mut second = vec![0f32; n * e];
-        matmul(&self.patch[1], &patches, n, &mut second);
+        let x_first = self.patch[0].apply(&patches, n);
+        let second = self.patch[1].apply(&patches, n);
+        let mut x = x_first;
         let side = hp.n_pos_side as usize;
         let pos = if (nx, ny) == (side, side) {
             self.pos_embd.clone()
