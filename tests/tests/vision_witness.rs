@@ -103,3 +103,45 @@ fn qwen3vl_rows_match_llama_cpp_mtmd() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The picture mtmd hands its encoder, byte for byte: decoding, `smart_resize`'s size, Pillow's
+/// fixed-point bicubic (up and down), the black bands of `PAD_CEIL` and the mean/std normalization.
+#[test]
+fn preprocessing_matches_llama_cpp_mtmd_exactly() {
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(vision_dir().join("references.json")).expect("references.json"),
+    )
+    .expect("references.json parses");
+    let dir = std::env::temp_dir().join(format!("poly-vision-pre-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("mmproj-tiny.gguf");
+    let shape = find_projector_shape("tiny").expect("tiny");
+    write_qwen3vl_projector(&shape, GgmlType::F32, 1, &path).expect("synth writes the projector");
+    let file = GgufFile::open(&path).expect("open");
+    let enc = Qwen3VlEncoder::load(&file).expect("load");
+    let cases = manifest["preprocessing"].as_array().expect("preprocessing");
+    assert_eq!(cases.len(), 3);
+    for case in cases {
+        let name = case["picture"].as_str().expect("picture");
+        let bytes = std::fs::read(vision_dir().join(name)).expect("picture");
+        let picture = decode(&bytes).expect("decodes");
+        let max_tokens = case["max_tokens"].as_u64().expect("max_tokens") as usize;
+        let prepared = enc.prepare(&picture, (DEFAULT_TOKEN_LIMITS.0, max_tokens));
+        assert_eq!(
+            (prepared.width, prepared.height),
+            pair(&case["resized"]),
+            "{name}"
+        );
+        let raw: Vec<u8> = prepared
+            .values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(
+            poly_tests::witness::sha256_hex(&raw),
+            case["sha256"].as_str().expect("sha256"),
+            "{name}: the preprocessed picture differs from mtmd's"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Writes the vision witness's test picture: a deterministic 64x48 RGB PNG (stdlib only).
+"""Writes the vision witness's test pictures: deterministic RGB PNGs (stdlib only), 64x48 by default.
 
 Gradients in each channel, a bright disc and a dark bar, so that the resize, the patches and the
-position embedding all see structure. Usage: python3 tests/witness/make_vision_picture.py OUT.png
+position embedding all see structure.
+Usage: python3 tests/witness/make_vision_picture.py OUT.png [WIDTH HEIGHT]
 """
 import struct
 import sys
 import zlib
 
-W, H = 64, 48
+W, H = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) == 4 else (64, 48)
 
 
 def pixel(x, y):

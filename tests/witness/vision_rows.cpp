@@ -65,7 +65,8 @@ int main(int argc, char ** argv) {
     params.device = nullptr;
     params.flash_attn_type = flash ? CLIP_FLASH_ATTN_TYPE_ENABLED : CLIP_FLASH_ATTN_TYPE_DISABLED;
     params.image_min_tokens = -1;
-    params.image_max_tokens = -1;
+    // VISION_ROWS_MAX_TOKENS=N: mtmd's --image-max-tokens (pictures scaled down to at most N merged rows).
+    params.image_max_tokens = getenv("VISION_ROWS_MAX_TOKENS") ? atoi(getenv("VISION_ROWS_MAX_TOKENS")) : -1;
     params.warmup = false;
     if (const char * dir = getenv("VISION_ROWS_TRACE")) {
         params.cb_eval = trace_tensor;

@@ -174,6 +174,27 @@ mod tests {
     use super::*;
     use crate::gguf::GgufFile;
     use crate::vision::qwen3vl::Qwen3VlEncoder;
+    use crate::vision::VisionEncoder;
+
+    #[test]
+    fn a_file_without_a_projector_type_is_not_a_projector() {
+        let dir = std::env::temp_dir().join(format!("poly-mmproj-none-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("plain.gguf");
+        let mut w = GgufWriter::new();
+        w.add_kv("general.architecture", Value::String("clip".into()));
+        w.write_to_path(&path, |_, _, _| Ok(())).expect("write");
+        let file = GgufFile::open(&path).expect("open");
+        let err = VisionEncoder::load(&file).err().expect("refused");
+        assert!(err.0.contains("projector_type"), "{err}");
+        let mut w = GgufWriter::new();
+        w.add_kv("clip.projector_type", Value::String("gemma3".into()));
+        w.write_to_path(&path, |_, _, _| Ok(())).expect("write");
+        let file = GgufFile::open(&path).expect("open");
+        let err = VisionEncoder::load(&file).err().expect("refused");
+        assert!(err.0.contains("\"gemma3\" is not supported"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn the_tiny_projector_loads_with_the_hparams_it_was_written_with() {
@@ -200,6 +221,21 @@ mod tests {
         write_qwen3vl_projector(&shape, GgmlType::F16, 4, &again).expect("write");
         assert_ne!(std::fs::read(&path).ok(), std::fs::read(&again).ok());
         assert!(write_qwen3vl_projector(&shape, GgmlType::Q8_0, 3, &again).is_err());
+        // A picture whose sides are not multiples of two patches is refused, not cut.
+        let odd = crate::vision::picture::RgbF32 {
+            width: 48,
+            height: 32,
+            values: vec![0.0; 48 * 32 * 3],
+        };
+        assert!(enc.encode(&odd).is_err());
+        let even = crate::vision::picture::RgbF32 {
+            width: 64,
+            height: 32,
+            values: vec![0.1; 64 * 32 * 3],
+        };
+        let rows = enc.encode(&even).expect("encode");
+        assert_eq!((rows.n_x, rows.n_y, rows.width), (2, 1, 256));
+        assert!(rows.values.iter().all(|v| v.is_finite()));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
