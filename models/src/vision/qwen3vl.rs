@@ -12,6 +12,10 @@
 //! a final layer norm (`post_ln`), and the merger: four consecutive patch rows concatenated, then
 //! `mm.0` + GELU + `mm.2`, whose output width is the language model's embedding width.
 //!
+//! The arithmetic follows ggml's CPU backend where it rounds: the patches are made f16 for the convolution
+//! (`ggml_conv_2d`'s `im2col`), a product's activations take its F16 or BF16 weights' type, and GELU is
+//! read from ggml's f16 table. Attention is f32 (mtmd with flash attention off).
+//!
 //! Deepstack layers (Qwen3-VL's extra mergers of middle layers, concatenated to the output) are not read:
 //! Qwen3.5 and Qwen3.6 have none, and a file that declares them is refused.
 
@@ -202,6 +206,18 @@ pub fn tensor_table(hp: &Qwen3VlHparams) -> Vec<(String, Vec<u64>)> {
     t
 }
 
+/// The rounding ggml's CPU backend applies to the activations of a product with weights of `ty` (its
+/// `vec_dot_type`): F16 and BF16 weights take f16 and bf16 activations. (The quantized types' own
+/// activation formats are applied by `matmul` itself.) Following it keeps a projector published in F16 or
+/// BF16 within f32 rounding of mtmd instead of within the activations' rounding.
+fn round_for(ty: GgmlType) -> Option<fn(f32) -> f32> {
+    match ty {
+        GgmlType::F16 => Some(|v| half::f16::from_f32(v).to_f32()),
+        GgmlType::BF16 => Some(|v| half::bf16::from_f32(v).to_f32()),
+        _ => None,
+    }
+}
+
 /// A matrix product with bias: `y = x·Wᵀ + b`.
 struct Linear<'a> {
     w: QuantMatrix<'a>,
@@ -211,7 +227,13 @@ struct Linear<'a> {
 impl Linear<'_> {
     fn apply(&self, x: &[f32], n: usize) -> Vec<f32> {
         let mut y = vec![0f32; n * self.w.rows];
-        matmul(&self.w, x, n, &mut y);
+        match round_for(self.w.ty) {
+            Some(round) => {
+                let rounded: Vec<f32> = x.iter().map(|&v| round(v)).collect();
+                matmul(&self.w, &rounded, n, &mut y);
+            }
+            None => matmul(&self.w, x, n, &mut y),
+        }
         for row in y.chunks_exact_mut(self.w.rows) {
             row.iter_mut().zip(&self.b).for_each(|(v, b)| *v += b);
         }
