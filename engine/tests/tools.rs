@@ -334,3 +334,63 @@ fn a_glm5_next_file_is_written_and_run_on_the_cpu() {
     assert_eq!(written, 3, "{out}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `poly-engine synth --arch qwen3vl-mmproj` and `poly-engine encode-image`: the tiny projector written,
+/// the committed test picture encoded to 4×3 rows of 256, and the rows written with `--out` the ones
+/// llama.cpp's mtmd wrote for the same file (tests/tests/vision_witness.rs has the bounds' reasons).
+#[test]
+fn a_projector_is_synthesized_and_a_picture_encoded_to_mtmds_rows() {
+    let dir = temp_dir("vision");
+    let vision = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision");
+    let mmproj = dir.join("mmproj.gguf");
+    let o = Command::new(ENGINE)
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows_path = dir.join("rows.bin");
+    let o = Command::new(ENGINE)
+        .arg("encode-image")
+        .arg("--mmproj")
+        .arg(&mmproj)
+        .arg("--image")
+        .arg(vision.join("picture-64x48.png"))
+        .arg("--out")
+        .arg(&rows_path)
+        .output()
+        .expect("encode-image");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value =
+        serde_json::from_slice(&o.stdout).expect("encode-image prints JSON");
+    assert_eq!(report["resized"], serde_json::json!([128, 96]));
+    assert_eq!(report["grid"], serde_json::json!([4, 3]));
+    assert_eq!(report["rows"], 12);
+    assert_eq!(report["width"], 256);
+    let floats = |p: &Path| -> Vec<f64> {
+        std::fs::read(p)
+            .expect("rows")
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect()
+    };
+    let ours = floats(&rows_path);
+    let theirs = floats(&vision.join("qwen3vl-tiny-f32.rows.bin"));
+    assert_eq!(ours.len(), 12 * 256);
+    assert_eq!(ours.len(), theirs.len());
+    let diff: f64 = ours.iter().zip(&theirs).map(|(a, b)| (a - b).powi(2)).sum();
+    let norm: f64 = theirs.iter().map(|b| b * b).sum();
+    assert!((diff / norm).sqrt() < 2e-4, "{}", (diff / norm).sqrt());
+    // A file that is not a projector is refused with the reason.
+    let o = Command::new(ENGINE)
+        .arg("encode-image")
+        .arg("--mmproj")
+        .arg(vision.join("picture-64x48.png"))
+        .arg("--image")
+        .arg(vision.join("picture-64x48.png"))
+        .output()
+        .expect("encode-image");
+    assert!(!o.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

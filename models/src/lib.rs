@@ -5,6 +5,8 @@
 //! - `arch`: one file per architecture (hyperparameters from metadata, tensor name tables, and later the
 //!   layer math as hooks the engine calls).
 //! - `synth`: synthetic models of the real layouts, written directly in their target types.
+//! - `vision`: the vision encoders of projector (`mmproj`) files, one file per projector type, and picture
+//!   decoding and resizing.
 //!
 //! This crate knows no process, protocol or device: it describes files and models, the engine runs them.
 
@@ -17,6 +19,8 @@ pub mod arch;
 pub mod gguf;
 #[cfg(feature = "compute")]
 pub mod synth;
+#[cfg(feature = "compute")]
+pub mod vision;
 
 pub use gguf::{GgufError, GgufFile, GgufWriter, TensorInfo, Value};
 #[cfg(feature = "compute")]

@@ -3,11 +3,13 @@
 
 mod bench;
 mod dump;
+mod encode_image;
 mod inspect;
 mod kl;
 mod knobs;
 mod run;
 mod synth;
+
 mod verify;
 
 use clap::{Args, Parser, Subcommand};
@@ -285,6 +287,8 @@ enum Command {
     Dump(dump::DumpArgs),
     /// Write a synthetic model of a real layout (random weights in their target types).
     Synth(synth::SynthArgs),
+    /// Encode a picture with a vision projector (mmproj) file: the rows' shape and a checksum.
+    EncodeImage(encode_image::EncodeImageArgs),
     /// Run a model on prompt token ids: greedy (or sampled) tokens with their top-N probabilities.
     Run(run::RunArgs),
     /// Time reading a prompt and writing tokens, as llama-bench does (JSON on stdout).
@@ -311,6 +315,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Some(Command::Inspect(args)) => inspect::run(args),
         Some(Command::Dump(args)) => dump::run(args),
         Some(Command::Synth(args)) => synth::run(args),
+        Some(Command::EncodeImage(args)) => encode_image::run(args),
         Some(Command::Run(args)) => run::run(args),
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Kl(args)) => kl::run(args),

@@ -13,6 +13,7 @@ use poly_engine::calibrate;
 use poly_engine::cpu::moe::top_tenth_share;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{TensorClass, ARCH_NAMES, NOT_RUN_ARCH_NAMES};
+use poly_models::synth::mmproj::{find_projector_shape, projector_shapes, write_qwen3vl_projector};
 use poly_models::synth::plan::{TypeChoice, CALIBRATED_MIXING_GAIN};
 use poly_models::synth::shapes::{all_shapes, find_shape};
 use poly_models::synth::{check_class_type, SynthError, SynthOptions, Synthesis};
@@ -23,7 +24,8 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Architecture: qwen3moe, qwen35moe, gemma3, llama, lfm2moe or gemma4 (see --list-shapes).
+    /// Architecture: qwen3moe, qwen35moe, gemma3, llama, lfm2moe or gemma4, or qwen3vl-mmproj for a vision
+    /// projector (see --list-shapes).
     #[arg(long, required_unless_present = "list_shapes")]
     arch: Option<String>,
     /// Shape: tiny, small, or the real model's name (see --list-shapes; case-insensitive).
@@ -111,6 +113,35 @@ fn list_shapes() {
         };
         println!("{:<10} {:<16} {}{aliases}", s.arch, s.name, s.description);
     }
+    for s in projector_shapes() {
+        println!("{MMPROJ_ARCH} {:<16} {}", s.name, s.description);
+    }
+}
+
+/// `--arch` of the Qwen3-VL / Qwen3.5 / Qwen3.6 vision projector (`clip.projector_type` `qwen3vl_merger`).
+const MMPROJ_ARCH: &str = "qwen3vl-mmproj";
+
+/// Writes a projector file: matrices in `--type` (F32, F16 or BF16; default F16, as the published
+/// projectors), vectors in F32.
+fn write_projector(shape_name: &str, ty: Option<&str>, seed: u64, out: &Path) -> CliResult {
+    let shape = find_projector_shape(shape_name).ok_or_else(|| {
+        let names: Vec<&str> = projector_shapes().iter().map(|s| s.name).collect();
+        format!(
+            "unknown shape {shape_name:?} for {MMPROJ_ARCH} (shapes: {})",
+            names.join(", ")
+        )
+    })?;
+    let ty = match ty {
+        Some(t) => parse_type(t)?,
+        None => GgmlType::F16,
+    };
+    write_qwen3vl_projector(&shape, ty, seed, out)?;
+    eprintln!(
+        "synth: {MMPROJ_ARCH} {} ({ty} matrices, seed {seed}) -> {}",
+        shape.name,
+        out.display()
+    );
+    Ok(())
 }
 
 fn gb(bytes: u64) -> String {
@@ -204,6 +235,9 @@ pub fn run(args: SynthArgs) -> CliResult {
     let (Some(arch), Some(shape_name), Some(out)) = (args.arch, args.shape, args.out) else {
         return Err("--arch, --shape and --out are required".into());
     };
+    if arch.eq_ignore_ascii_case(MMPROJ_ARCH) {
+        return write_projector(&shape_name, args.default_type.as_deref(), args.seed, &out);
+    }
     let known = || ARCH_NAMES.iter().chain(NOT_RUN_ARCH_NAMES);
     if !known().any(|a| a.eq_ignore_ascii_case(&arch)) {
         let names: Vec<&str> = known().copied().collect();

@@ -8,6 +8,8 @@
 //!
 //! - [`norm`]: RMS, L2 and layer norms over groups of columns.
 //! - [`rope`]: rotary position embedding, normal and NeoX pairing, partial rotation, linear scaling.
+//! - [`rope_2d`]: the two-dimensional rotary embedding of vision encoders (a patch's row and column).
+//! - [`resample`]: bilinear resampling of a grid of vectors (a position-embedding table to another grid).
 //! - [`softmax`]: softmax, log-softmax, sigmoid-style squashing of router logits.
 //! - [`attention`]: causal grouped-query attention of a block of queries over a K/V sequence.
 //! - [`act`]: SiLU, GELU (tanh approximation), sigmoid, softplus.
@@ -22,7 +24,9 @@ pub mod hyper;
 pub mod indexer;
 pub mod norm;
 pub mod recurrent;
+pub mod resample;
 pub mod rope;
+pub mod rope_2d;
 pub mod softmax;
 pub mod topk;
 

@@ -12,12 +12,14 @@
 //!   pass (run by `poly-engine synth`, which has the forward pass), and the routing estimate on random
 //!   hidden states.
 //! - [`fill`]: filling a tensor's bytes in parallel, deterministically for a seed.
+//! - [`mmproj`]: projector (`mmproj`) files of the vision encoders' layouts.
 //! - [`vocab`]: the small byte-level BPE vocabulary and chat template.
 //!
 //! [`Synthesis::prepare`] plans a model and simulates its routers; [`Synthesis::write`] streams it to disk,
 //! generating the next tensor while the previous one is written.
 
 pub mod fill;
+pub mod mmproj;
 pub mod plan;
 pub mod route;
 pub mod shapes;

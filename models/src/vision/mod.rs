@@ -1,0 +1,86 @@
+//! Vision encoders: the projector files (`mmproj`, the `clip` layout llama.cpp's `tools/mtmd` reads) that
+//! turn a picture into rows as wide as a language model's token embedding.
+//!
+//! - [`picture`]: decoding PNG, JPEG and WebP, mtmd's resize (Pillow's fixed-point resampling, its
+//!   `smart_resize` sizes) and normalization.
+//! - [`qwen3vl`]: `qwen3vl_merger`, the encoder of Qwen3-VL, Qwen3.5 and Qwen3.6.
+//!
+//! One file per projector type, as `arch/` has one per architecture: its hyperparameters, its tensor
+//! table and its forward pass, written over `poly-kernels`' primitives.
+
+pub mod picture;
+pub mod qwen3vl;
+
+use crate::gguf::GgufFile;
+
+/// An error of a vision encoder: a message for people.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionError(pub String);
+
+impl std::fmt::Display for VisionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for VisionError {}
+
+/// A picture's rows: `n_x · n_y` rows of `width` values, row-major over the merged patch grid (`n_x`
+/// columns), in the order the language model reads them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImageRows {
+    pub n_x: usize,
+    pub n_y: usize,
+    pub width: usize,
+    pub values: Vec<f32>,
+}
+
+impl ImageRows {
+    pub fn n_rows(&self) -> usize {
+        self.n_x * self.n_y
+    }
+}
+
+/// The projector type a file declares (`clip.vision.projector_type`, else `clip.projector_type`).
+pub fn projector_type(file: &GgufFile) -> Result<String, VisionError> {
+    let md = file.metadata();
+    for key in ["clip.vision.projector_type", "clip.projector_type"] {
+        if let Some(t) = md.get_str(key).map_err(|e| VisionError(e.to_string()))? {
+            return Ok(t.to_string());
+        }
+    }
+    Err(VisionError(
+        "not a projector file: no clip.projector_type".into(),
+    ))
+}
+
+/// A loaded vision encoder of one of the supported projector types.
+pub enum VisionEncoder<'a> {
+    Qwen3Vl(qwen3vl::Qwen3VlEncoder<'a>),
+}
+
+impl<'a> VisionEncoder<'a> {
+    /// Loads the encoder `file` declares; other projector types are an error that names them.
+    pub fn load(file: &'a GgufFile) -> Result<VisionEncoder<'a>, VisionError> {
+        match projector_type(file)?.as_str() {
+            qwen3vl::PROJECTOR_TYPE => {
+                Ok(VisionEncoder::Qwen3Vl(qwen3vl::Qwen3VlEncoder::load(file)?))
+            }
+            other => Err(VisionError(format!(
+                "projector type {other:?} is not supported (supported: {})",
+                qwen3vl::PROJECTOR_TYPE
+            ))),
+        }
+    }
+
+    /// Decodes, resizes, normalizes and encodes a picture file's bytes with the projector's default
+    /// token limits.
+    pub fn encode_picture(&self, bytes: &[u8]) -> Result<ImageRows, VisionError> {
+        let picture = picture::decode(bytes).map_err(VisionError)?;
+        match self {
+            VisionEncoder::Qwen3Vl(enc) => {
+                enc.encode(&enc.prepare(&picture, qwen3vl::DEFAULT_TOKEN_LIMITS))
+            }
+        }
+    }
+}
