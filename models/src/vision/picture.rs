@@ -5,8 +5,15 @@
 //! mtmd's `img_tool` reimplements, so a picture resized here has the same bytes as mtmd's: bilinear,
 //! bicubic (`a = −0.5`, as Pillow) or Lanczos-3 filters whose support widens with the downscaling factor.
 
-use image::ImageReader;
+use image::{ImageReader, Limits};
 use std::io::Cursor;
+
+/// The largest side of a picture this decodes: a picture arrives from the network, and a few bytes of
+/// header can claim any size. The encoders resize to at most some thousands of pixels a side anyway.
+pub const MAX_SIDE: u32 = 16_384;
+
+/// The most memory a picture's decoding may take (a 16,384 × 4,096 RGBA picture).
+pub const MAX_DECODE_BYTES: u64 = 256 << 20;
 
 /// An 8-bit RGB picture, row-major, three bytes a pixel.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,9 +51,14 @@ pub enum Fit {
 /// Decodes a PNG, JPEG or WebP picture (recognized by its bytes) to RGB; transparency is dropped, as
 /// mtmd's decoder (stb_image asked for three channels) drops it.
 pub fn decode(bytes: &[u8]) -> Result<Rgb8, String> {
-    let reader = ImageReader::new(Cursor::new(bytes))
+    let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| format!("reading the picture: {e}"))?;
+    let mut limits = Limits::default();
+    limits.max_image_width = Some(MAX_SIDE);
+    limits.max_image_height = Some(MAX_SIDE);
+    limits.max_alloc = Some(MAX_DECODE_BYTES);
+    reader.limits(limits);
     let format = reader.format();
     let img = reader.decode().map_err(|e| match format {
         Some(f) => format!("decoding the {f:?} picture: {e}"),
@@ -314,6 +326,52 @@ mod tests {
             width: w,
             height: h,
             pixels,
+        }
+    }
+
+    /// A PNG claiming `width × height` RGB pixels whose data is an empty zlib stream.
+    fn png_header(width: u32, height: u32) -> Vec<u8> {
+        fn crc32(bytes: &[u8]) -> u32 {
+            let mut crc = !0u32;
+            for &b in bytes {
+                crc ^= b as u32;
+                for _ in 0..8 {
+                    crc = if crc & 1 == 1 {
+                        (crc >> 1) ^ 0xEDB8_8320
+                    } else {
+                        crc >> 1
+                    };
+                }
+            }
+            !crc
+        }
+        let mut ihdr = width.to_be_bytes().to_vec();
+        ihdr.extend(height.to_be_bytes());
+        ihdr.extend([8, 2, 0, 0, 0]);
+        let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+        let empty_zlib = [0x78, 0x9c, 0x03, 0x00, 0x00, 0x00, 0x00, 0x01];
+        for (kind, data) in [
+            (b"IHDR", &ihdr[..]),
+            (b"IDAT", &empty_zlib[..]),
+            (b"IEND", &[][..]),
+        ] {
+            let mut chunk = kind.to_vec();
+            chunk.extend(data);
+            png.extend((data.len() as u32).to_be_bytes());
+            png.extend(&chunk);
+            png.extend(crc32(&chunk).to_be_bytes());
+        }
+        png
+    }
+
+    #[test]
+    fn a_picture_claiming_a_huge_size_is_refused_without_taking_its_memory() {
+        // At a sane size the decoder gets past the header and fails on the missing rows.
+        let small = decode(&png_header(64, 48)).expect_err("no picture data");
+        assert!(!small.contains("limit"), "{small}");
+        for (w, h) in [(100_000, 100_000), (MAX_SIDE + 1, 16), (16_000, 16_000)] {
+            let e = decode(&png_header(w, h)).expect_err("a huge picture must be refused");
+            assert!(e.contains("limit"), "{w}×{h}: {e}");
         }
     }
 
