@@ -226,7 +226,8 @@ J
         # SERVER_PROFILE=1: the server's engine profiled (POLY_GPU_PROFILE passes its allow-list), its
         # summary in the server's log, to set beside bench's.
         [ "${SERVER_PROFILE:-0}" = 1 ] && export POLY_GPU_PROFILE=1
-        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens 2000,8000,30000 --answer-tokens 128 --runs ${SERVER_RUNS:-1} > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
+        # SERVER_PROMPTS: the long prompts' lengths (default 2000,8000,30000).
+        timeout 240 /tmp/bin/polystrata benchmark --home $H --model $m-8gb-$lu --prompt-tokens ${SERVER_PROMPTS:-2000,8000,30000} --answer-tokens 128 --runs ${SERVER_RUNS:-1} > $OUT/server-$m-$lu.txt 2> $R/server-$m-$lu.err
         echo "  polystrata benchmark $m-8gb (--long-ubatch $lu) rc=$?" | tee -a "$S"
         smi_stop
         cat $OUT/server-$m-$lu.txt >> "$S"; tail -3 $R/server-$m-$lu.err >> "$S"; grep -E "vram:|expert cache:" $R/server-$m-$lu.err | tail -8 >> "$S"
