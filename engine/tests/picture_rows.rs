@@ -2,7 +2,8 @@
 //! rows that are the token embeddings' own at the positions text would have give the text's logits bit
 //! for bit; a picture's grid positions (time, row, column) change the logits from its second row on; the
 //! text after a picture sits at the picture's first position plus its span, whether the prompt is read in
-//! one call or in pieces; and models without multi-section RoPE refuse pictures.
+//! one call or in pieces, and when read beside a state without a picture (`eval_many`); calls whose
+//! picture does not fit are refused.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -162,4 +163,26 @@ fn pictures_that_do_not_fit_the_call_are_refused() {
         .eval_picture(&mut state, &prompt, (0, &narrow), Logits::Last)
         .is_err());
     assert_eq!(state.n_past(), 0);
+}
+
+#[test]
+fn states_with_and_without_a_picture_read_together_as_alone() {
+    let (m, _) = model();
+    let prompt = random_tokens(10, m.info().n_vocab, 4);
+    let picture = picture_of(&prompt[2..8], 2, 3);
+    let (mut a, mut b) = (m.new_state(64), m.new_state(64));
+    m.eval_picture(&mut a, &prompt, (2, &picture), Logits::None)
+        .unwrap();
+    m.eval(&mut b, &prompt, Logits::None).unwrap();
+    let (mut a_alone, mut b_alone) = (a.clone(), b.clone());
+    let next = [prompt[0], prompt[5], prompt[9]];
+    assert!(m.batches_states(&a));
+    let together = m.eval_many(&mut [(&mut a, &next[..]), (&mut b, &next[..])]);
+    let alone = [
+        m.eval(&mut a_alone, &next, Logits::All).unwrap(),
+        m.eval(&mut b_alone, &next, Logits::All).unwrap(),
+    ];
+    assert_eq!(together[0].as_ref().unwrap(), &alone[0]);
+    assert_eq!(together[1].as_ref().unwrap(), &alone[1]);
+    assert_ne!(alone[0], alone[1]);
 }
