@@ -7,6 +7,7 @@ use std::sync::Arc;
 use poly_models::arch::{Forward, ModelGraph, ModelInfo};
 use poly_models::compute::Logits;
 use poly_models::gguf::GgufFile;
+use poly_models::vision::{mrope_positions, mrope_span, ImageRows};
 
 use crate::cpu::moe::RouteCounts;
 pub use crate::cpu::Arithmetic;
@@ -429,6 +430,70 @@ impl Model {
         Ok(out.data)
     }
 
+    /// Reads `tokens` into `state` as [`Model::eval`] does, with `picture`'s rows in place of the token
+    /// embeddings of the rows from `at` on (its placeholder tokens, which the state records), as llama.cpp's
+    /// mtmd decodes a picture: its rows at their multi-section RoPE positions (time, row, column), causal in
+    /// row order, and the text after it positioned from the picture's span on. On the CPU only, for a
+    /// model whose forward pass has multi-section RoPE ([`Forward::multi_section_rope`]).
+    pub fn eval_picture(
+        &self,
+        state: &mut SeqState,
+        tokens: &[u32],
+        (at, picture): (usize, &ImageRows),
+        logits: Logits,
+    ) -> Result<Vec<f32>, EngineError> {
+        if self.gpu.is_some() {
+            return Err(EngineError(
+                "pictures are read on the CPU only for now".into(),
+            ));
+        }
+        if self.graph.multi_section_rope().is_none() {
+            return Err(EngineError(format!(
+                "{} reads no pictures (its RoPE has no sections)",
+                self.info().arch
+            )));
+        }
+        let n_rows = picture.n_rows();
+        if picture.width != self.info().n_embd
+            || picture.values.len() != n_rows * picture.width
+            || n_rows == 0
+            || at + n_rows > tokens.len()
+        {
+            return Err(EngineError(format!(
+                "a picture of {n_rows} rows {} wide does not fit rows {at}.. of a call of {} tokens \
+                 {} wide",
+                picture.width,
+                tokens.len(),
+                self.info().n_embd
+            )));
+        }
+        self.check_call(state, tokens)?;
+        let n0 = state.n_past();
+        let text = |c: usize| {
+            let p = state.rope_position(c);
+            [p, p, p, 0]
+        };
+        let picture_pos0 = state.rope_position(n0 + at);
+        let after = picture_pos0 + mrope_span(picture);
+        let mut positions: Vec<[u32; 4]> = (n0..n0 + at).map(text).collect();
+        positions.extend(mrope_positions(picture, picture_pos0));
+        positions.extend((0..(tokens.len() - at - n_rows) as u32).map(|k| {
+            let p = after + k;
+            [p, p, p, 0]
+        }));
+        state.sync().map_err(EngineError)?;
+        let out = {
+            let mut c = CpuForward::new(&self.weights, state, tokens, logits)
+                .with_arithmetic(self.arithmetic)
+                .with_route_counts(&self.routes)
+                .with_given_rows(at, &picture.values, positions);
+            self.graph.forward(&mut c)
+        };
+        state.push_tokens(tokens);
+        state.record_picture(n0 + at + n_rows, n_rows, mrope_span(picture) as usize);
+        Ok(out.data)
+    }
+
     /// An empty state of the model's own draft block (its MTP head) of at most `n_ctx` tokens, if the
     /// model has one the forward pass runs.
     pub fn new_draft_block_state(&self, n_ctx: usize) -> Option<SeqState> {
@@ -551,6 +616,11 @@ impl Model {
                 state.n_ctx(),
                 state.n_past()
             )));
+        }
+        if self.gpu.is_some() && state.has_pictures() {
+            return Err(EngineError(
+                "a sequence that read a picture goes on on the CPU only for now".into(),
+            ));
         }
         if state.n_layers() != self.graph.layer_states().len() {
             return Err(EngineError(

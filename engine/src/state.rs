@@ -350,6 +350,10 @@ pub struct SeqState {
     deferred: Option<Deferred>,
     /// The trunk's hidden rows a draft block reads, when kept ([`SeqState::keep_hidden`]).
     hidden: Option<HiddenRows>,
+    /// After each picture read under multi-section RoPE: the first cell after it and how many positions
+    /// the cells from there lag behind their index (a picture's rows advance the positions by its span,
+    /// not by its row count), cumulative, in order.
+    picture_lags: Vec<(usize, u32)>,
 }
 
 /// The trunk's post-norm hidden rows of positions `from..from + data.len() / width`: what the model's
@@ -393,6 +397,7 @@ impl SeqState {
             n_ctx,
             deferred: None,
             hidden: None,
+            picture_lags: Vec::new(),
         }
     }
 
@@ -449,6 +454,36 @@ impl SeqState {
             h.data.drain(..n * h.width);
             h.from += n;
         }
+    }
+
+    /// The RoPE position of cell `cell` when it holds text: its index less the lag of the pictures read
+    /// before it ([`SeqState::record_picture`]).
+    pub fn rope_position(&self, cell: usize) -> u32 {
+        let lag = self
+            .picture_lags
+            .iter()
+            .rev()
+            .find(|&&(from, _)| from <= cell)
+            .map_or(0, |&(_, lag)| lag);
+        (cell as u32).saturating_sub(lag)
+    }
+
+    /// Whether a picture was read under multi-section RoPE, so that positions and cells differ.
+    pub fn has_pictures(&self) -> bool {
+        !self.picture_lags.is_empty()
+    }
+
+    /// Records that the cells up to `end` ended with a picture of `n_rows` rows spanning `span` positions:
+    /// the text from `end` on sits `n_rows - span` positions further behind its index.
+    pub fn record_picture(&mut self, end: usize, n_rows: usize, span: usize) {
+        let lag = self.picture_lags.last().map_or(0, |&(_, l)| l);
+        let lag = lag + n_rows.saturating_sub(span) as u32;
+        self.picture_lags.push((end, lag));
+    }
+
+    /// Forgets the pictures that ended after cell `n`.
+    fn cut_pictures(&mut self, n: usize) {
+        self.picture_lags.retain(|&(from, _)| from <= n);
     }
 
     /// Drops the kept hidden rows of positions `n` and after (the state went back to `n` tokens).
@@ -560,6 +595,7 @@ impl SeqState {
             .collect();
         self.tokens.clear();
         self.cut_hidden(0);
+        self.cut_pictures(0);
     }
 
     /// Whether a layer keeps a recurrent state (which cannot be rewound: going back needs a
@@ -581,6 +617,7 @@ impl SeqState {
         }
         // A backend holding the rows past the host's cuts its copy instead of bringing it back.
         self.cut_hidden(n);
+        self.cut_pictures(n);
         if let Some(cut) = self.deferred.as_ref().and_then(|d| d.0.truncated(n)) {
             self.deferred = Some(cut);
             self.tokens.truncate(n);
@@ -654,6 +691,7 @@ impl SeqState {
         }
         self.tokens.truncate(cp.n_past);
         self.cut_hidden(cp.n_past);
+        self.cut_pictures(cp.n_past);
         true
     }
 

@@ -394,3 +394,57 @@ fn a_projector_is_synthesized_and_a_picture_encoded_to_mtmds_rows() {
     assert!(!o.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `poly-engine run --image --mmproj --image-at` as a user runs it: the tiny qwen35moe and projector
+/// written by `synth` (F32, seed 1), the committed picture read before prompt token 5. The first step's
+/// likeliest token and its probability are llama.cpp's for the same prompt (the last row of the reference
+/// `tests/tests/picture_witness.rs` compares, flash attention off), the probability within 1e-3 (that
+/// test's bound). A picture with no prompt token after it is refused.
+#[test]
+fn run_reads_a_picture_into_the_prompt_as_llama_cpp_does() {
+    let dir = temp_dir("run-image");
+    let vision = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision");
+    let (model, mmproj) = (dir.join("q35.gguf"), dir.join("mmproj.gguf"));
+    for (arch, out) in [("qwen35moe", &model), ("qwen3vl-mmproj", &mmproj)] {
+        let o = Command::new(ENGINE)
+            .args(["synth", "--arch", arch, "--shape", "tiny"])
+            .args(["--type", "F32", "--seed", "1", "--out"])
+            .arg(out)
+            .output()
+            .expect("synth");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let run = |prompt: &str, at: &str| {
+        Command::new(ENGINE)
+            .args(["run", "--cpu", "--json", "--max-tokens", "1", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", prompt, "--image-at", at, "--mmproj"])
+            .arg(&mmproj)
+            .arg("--image")
+            .arg(vision.join("picture-64x48.png"))
+            .output()
+            .expect("run")
+    };
+    let o = run("11,22,33,44,55,66,77,88,99", "5");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let step: serde_json::Value =
+        serde_json::from_slice(o.stdout.split(|&b| b == b'\n').next().expect("a step"))
+            .expect("a JSON step");
+    // llama.cpp's last row: the fourth of the reference's rows of 2048 logits.
+    let logits: Vec<f64> = std::fs::read(vision.join("picture-logits-off.bin"))
+        .expect("reference")
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+        .collect();
+    let last = &logits[3 * 2048..];
+    let max = last.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = last.iter().map(|v| (v - max).exp()).sum();
+    let top = last.iter().position(|&v| v == max).expect("a top token");
+    assert_eq!(step["token"], top);
+    let prob = step["prob"].as_f64().expect("prob");
+    assert!((prob - 1.0 / z).abs() < 1e-3, "{prob} against {}", 1.0 / z);
+    let o = run("11,22", "2");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("after it"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -100,6 +100,10 @@ pub struct Rope {
     /// Per-pair frequency factors (`[n_rot / 2]` F32, Llama 3.1+'s `rope_freqs.weight`): pair `i`'s angle
     /// is divided by factor `i` before the position scale, as ggml's `ggml_rope_ext` with `freq_factors`.
     pub freq_factors: Option<WeightId>,
+    /// Multi-section RoPE's sections (`rope.dimension_sections`, interleaved as Qwen3-VL's IMRoPE): where a
+    /// call gives its rows four positions each (a picture's time, row and column), pair `i` turns by the
+    /// one its sector names (`poly_kernels::ops::rope_multi`). `None`: one position a row.
+    pub sections: Option<[u32; 4]>,
 }
 
 /// Causal attention of a batch over the layer's KV cache (which the call extends with the batch's K and V).

@@ -1,13 +1,17 @@
 //! `poly-engine run`: reads prompt token ids, generates tokens on the CPU, and prints every step's token
-//! and the likeliest tokens with their probabilities (as JSON lines with `--json`).
+//! and the likeliest tokens with their probabilities (as JSON lines with `--json`). With `--image` and
+//! `--mmproj` a picture, encoded by the projector, is read before prompt token `--image-at` (on the CPU).
 
 use super::CliResult;
 use clap::Args;
 use poly_engine::generate::{generate, GenerateOptions, Step, DEFAULT_UBATCH};
 use poly_engine::model::Arithmetic;
 use poly_engine::sample::{Sampler, SamplerConfig};
-use poly_engine::state::KvPrecision;
+use poly_engine::state::{KvPrecision, SeqState};
 use poly_engine::{EngineError, Model};
+use poly_models::compute::Logits;
+use poly_models::vision::{ImageRows, VisionEncoder};
+use poly_models::GgufFile;
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
@@ -90,10 +94,53 @@ pub struct RunArgs {
     /// and on any thread count (default: llama.cpp's orders, which depend on both).
     #[arg(long)]
     batch_invariant: bool,
+    /// A picture (PNG, JPEG, WebP) read into the prompt, encoded by --mmproj's projector (CPU only).
+    #[arg(long, value_name = "FILE", requires = "mmproj")]
+    image: Option<PathBuf>,
+    /// The vision projector GGUF (`mmproj`) that encodes --image.
+    #[arg(long, value_name = "FILE", requires = "image")]
+    mmproj: Option<PathBuf>,
+    /// Where the picture goes: before this prompt token (default 0: before the prompt). At least one
+    /// prompt token must follow it.
+    #[arg(long, default_value_t = 0, requires = "image")]
+    image_at: usize,
+    /// The token id the picture's rows stand for in the sequence's record (their embeddings are replaced).
+    #[arg(long, default_value_t = 0, requires = "image")]
+    image_token: u32,
     #[command(flatten)]
     placement: super::PlacementArgs,
     #[command(flatten)]
     pub knobs: super::knobs::KnobArgs,
+}
+
+/// The rows of the picture in `image` as the projector in `mmproj` encodes it.
+fn encode_picture(
+    image: &std::path::Path,
+    mmproj: &std::path::Path,
+) -> Result<ImageRows, Box<dyn std::error::Error>> {
+    let file = GgufFile::open(mmproj)?;
+    let bytes = std::fs::read(image).map_err(|e| format!("reading {}: {e}", image.display()))?;
+    Ok(VisionEncoder::load(&file)?.encode_picture(&bytes)?)
+}
+
+/// Reads the prompt tokens before `at` and then the picture's rows (standing for `token`s) into `state`.
+fn read_picture(
+    model: &Model,
+    state: &mut SeqState,
+    prompt: &[u32],
+    (at, token): (usize, u32),
+    rows: &ImageRows,
+) -> Result<(), EngineError> {
+    if at >= prompt.len() {
+        return Err(EngineError(format!(
+            "--image-at {at}: the picture needs prompt tokens after it (the prompt has {})",
+            prompt.len()
+        )));
+    }
+    let mut tokens = prompt[..at].to_vec();
+    tokens.extend(std::iter::repeat_n(token, rows.n_rows()));
+    model.eval_picture(state, &tokens, (at, rows), Logits::None)?;
+    Ok(())
 }
 
 /// Token ids separated by commas and/or white space.
@@ -221,6 +268,28 @@ pub fn run(args: RunArgs) -> CliResult {
         penalty_last_n: args.repeat_last_n,
         seed: args.seed,
     });
+
+    let prompt = match (&args.image, &args.mmproj) {
+        (Some(image), Some(mmproj)) => {
+            let rows = encode_picture(image, mmproj)?;
+            read_picture(
+                &model,
+                &mut state,
+                &prompt,
+                (args.image_at, args.image_token),
+                &rows,
+            )?;
+            for &t in &prompt[..args.image_at] {
+                sampler.accept(t);
+            }
+            eprintln!(
+                "picture: {}×{} rows read before prompt token {}",
+                rows.n_x, rows.n_y, args.image_at
+            );
+            prompt[args.image_at..].to_vec()
+        }
+        _ => prompt,
+    };
 
     let mut out = std::io::stdout();
     let mut io_error = None;

@@ -28,7 +28,7 @@ use std::sync::{Arc, OnceLock};
 use rayon::prelude::*;
 
 use poly_kernels::matmul::{matmul, matmul_ordered, matvec, QuantMatrix};
-use poly_kernels::ops::{act, attention, norm, recurrent, rope};
+use poly_kernels::ops::{act, attention, norm, recurrent, rope, rope_multi};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
@@ -396,7 +396,14 @@ pub struct CpuForward<'a> {
     seqs: Vec<(&'a mut SeqState, Range<usize>)>,
     tokens: &'a [u32],
     logits: Logits,
+    /// Each row's cell in its state's cache (its attention sees the cells up to it); also its RoPE
+    /// position unless `rope_positions` says otherwise.
     positions: Vec<u32>,
+    /// Each row's four multi-section RoPE positions, where they are not its cell: a call with a
+    /// picture's rows, or one after a picture was read.
+    rope_positions: Option<Vec<[u32; 4]>>,
+    /// Rows that replace the token embeddings from a row of the call on (a picture's).
+    given_rows: Option<(usize, &'a [f32])>,
     arithmetic: Arithmetic,
     /// Where the call counts its routings, when someone measures them.
     routes: Option<&'a moe::RouteCounts>,
@@ -422,12 +429,15 @@ impl<'a> CpuForward<'a> {
         logits: Logits,
     ) -> CpuForward<'a> {
         let pos0 = state.n_past() as u32;
+        let rope_positions = text_rope_positions(state, tokens.len());
         CpuForward {
             weights,
             seqs: vec![(state, 0..tokens.len())],
             tokens,
             logits,
             positions: (0..tokens.len() as u32).map(|i| pos0 + i).collect(),
+            rope_positions,
+            given_rows: None,
             arithmetic: Arithmetic::default(),
             routes: None,
             routers: None,
@@ -453,10 +463,16 @@ impl<'a> CpuForward<'a> {
         );
         let mut positions = Vec::with_capacity(tokens.len());
         let mut seqs = Vec::with_capacity(states.len());
+        let any_pictures = states.iter().any(|s| s.has_pictures());
+        let mut rope_positions = Vec::new();
         for (state, &n) in states.into_iter().zip(counts) {
             let pos0 = state.n_past() as u32;
             let start = positions.len();
             positions.extend((0..n as u32).map(|i| pos0 + i));
+            if any_pictures {
+                let cells = state.n_past()..state.n_past() + n;
+                rope_positions.extend(cells.map(|c| text_position(state, c)));
+            }
             seqs.push((state, start..positions.len()));
         }
         CpuForward {
@@ -465,10 +481,31 @@ impl<'a> CpuForward<'a> {
             tokens,
             logits: Logits::All,
             positions,
+            rope_positions: any_pictures.then_some(rope_positions),
+            given_rows: None,
             arithmetic: Arithmetic::default(),
             routes: None,
             routers: None,
         }
+    }
+
+    /// The same call with `rows` (`n_embd` values each) in place of the token embeddings of the rows
+    /// from `at` on (a picture's rows, which replace its placeholder tokens), at the multi-section RoPE
+    /// positions `rope_positions` (one for each row of the call). The caller checks that they fit.
+    pub fn with_given_rows(
+        mut self,
+        at: usize,
+        rows: &'a [f32],
+        rope_positions: Vec<[u32; 4]>,
+    ) -> CpuForward<'a> {
+        assert_eq!(
+            rope_positions.len(),
+            self.tokens.len(),
+            "one position a row"
+        );
+        self.given_rows = Some((at, rows));
+        self.rope_positions = Some(rope_positions);
+        self
     }
 
     /// The same call counting its routings in `routes`.
@@ -513,6 +550,22 @@ impl<'a> CpuForward<'a> {
     }
 }
 
+/// A text row's four multi-section RoPE positions: llama.cpp's `[p, p, p, 0]` at the cell's position.
+fn text_position(state: &SeqState, cell: usize) -> [u32; 4] {
+    let p = state.rope_position(cell);
+    [p, p, p, 0]
+}
+
+/// The multi-section positions of `n` text rows read next into `state`, when a picture read before
+/// moved them off their cells; `None` when they are their cells.
+fn text_rope_positions(state: &SeqState, n: usize) -> Option<Vec<[u32; 4]>> {
+    state.has_pictures().then(|| {
+        (state.n_past()..state.n_past() + n)
+            .map(|c| text_position(state, c))
+            .collect()
+    })
+}
+
 /// Rows `rows` of `x`, in place.
 fn rows_of<'m>(x: &'m Mat, rows: &Range<usize>) -> &'m [f32] {
     &x.data[rows.start * x.cols..rows.end * x.cols]
@@ -555,6 +608,9 @@ impl Compute for CpuForward<'_> {
             .zip(tokens)
             .with_min_len(16)
             .for_each(|(o, &t)| weights.row_into(table, t as usize, o));
+        if let Some((at, rows)) = self.given_rows {
+            out.data[at * n_embd..at * n_embd + rows.len()].copy_from_slice(rows);
+        }
         out
     }
 
@@ -776,6 +832,25 @@ impl Compute for CpuForward<'_> {
             freq_base: r.freq_base,
             freq_scale: r.freq_scale,
         };
+        if let Some(positions) = &self.rope_positions {
+            let sections = r
+                .sections
+                .expect("rows with four positions reach a RoPE without sections (refused before)");
+            assert!(
+                r.freq_factors.is_none(),
+                "multi-section RoPE with frequency factors"
+            );
+            let mut out = x.clone();
+            match par_rows(out.data.len(), x.cols) {
+                Some(rows) => out
+                    .data
+                    .par_chunks_mut(rows * x.cols)
+                    .zip(positions.par_chunks(rows))
+                    .for_each(|(o, pos)| rope_multi::rope_multi(o, pos, sections, &p)),
+                None => rope_multi::rope_multi(&mut out.data, positions, sections, &p),
+            }
+            return out;
+        }
         // Llama 3.1+'s rope_freqs.weight ([n_rot / 2] F32), when the model has one.
         let factors = r.freq_factors.map(|w| self.weights.f32(w));
         let mut out = x.clone();

@@ -8,6 +8,7 @@
 //!
 //! - [`norm`]: RMS, L2 and layer norms over groups of columns.
 //! - [`rope`]: rotary position embedding, normal and NeoX pairing, partial rotation, linear scaling.
+//! - [`rope_multi`]: interleaved multi-section rotary embedding (four positions a row: Qwen3-VL's IMRoPE).
 //! - [`rope_2d`]: the two-dimensional rotary embedding of vision encoders (a patch's row and column).
 //! - [`resample`]: bilinear resampling of a grid of vectors (a position-embedding table to another grid).
 //! - [`softmax`]: softmax, log-softmax, sigmoid-style squashing of router logits.
@@ -27,6 +28,7 @@ pub mod recurrent;
 pub mod resample;
 pub mod rope;
 pub mod rope_2d;
+pub mod rope_multi;
 pub mod softmax;
 pub mod topk;
 

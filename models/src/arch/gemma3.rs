@@ -297,6 +297,7 @@ impl Gemma3Graph {
             freq_base: hp.rope_freq_base,
             freq_scale: rope_freq_scale(md, ARCH)?,
             freq_factors: None,
+            sections: None,
         };
         let rope_swa = Rope {
             freq_base: hp.rope_freq_base_swa,

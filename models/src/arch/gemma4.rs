@@ -578,6 +578,7 @@ impl Gemma4Graph {
             freq_base: hp.rope_freq_base,
             freq_scale: rope_freq_scale(md, ARCH)?,
             freq_factors,
+            sections: None,
         };
         let rope_swa = Rope {
             kind: RopeKind::Neox,
@@ -586,6 +587,7 @@ impl Gemma4Graph {
             freq_base: hp.rope_freq_base_swa,
             freq_scale: 1.0,
             freq_factors: None,
+            sections: None,
         };
         let info = ModelInfo::new(
             ARCH,

@@ -240,6 +240,13 @@ pub trait Forward {
     /// [`crate::compute::Batch::output_rows`] names.
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act;
 
+    /// The sections of the model's multi-section RoPE, when it has one: a picture's rows then sit at
+    /// positions of their own (time, row, column: [`crate::vision::mrope_positions`]) and the text after
+    /// a picture goes on from its span. `None`: the forward pass reads no pictures.
+    fn multi_section_rope(&self) -> Option<[u32; 4]> {
+        None
+    }
+
     /// The state of the file's own draft block (an MTP head after the trunk, run apart from it), if the
     /// model has one this forward pass runs: a state of this one layer, kept beside the trunk's.
     fn draft_block_state(&self) -> Option<StateSpec> {
@@ -378,6 +385,13 @@ impl Forward for ModelGraph {
             ModelGraph::Lfm2Moe(g) => g.forward(c),
             ModelGraph::Gemma4(g) => g.forward(c),
             ModelGraph::Glm5Next(g) => g.forward(c),
+        }
+    }
+
+    fn multi_section_rope(&self) -> Option<[u32; 4]> {
+        match self {
+            ModelGraph::Qwen35Moe(g) => g.multi_section_rope(),
+            _ => None,
         }
     }
 

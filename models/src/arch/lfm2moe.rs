@@ -481,6 +481,7 @@ impl Lfm2MoeGraph {
             freq_base: hp.rope_freq_base,
             freq_scale: rope_freq_scale(md, ARCH)?,
             freq_factors: None,
+            sections: None,
         };
         let info = ModelInfo::new(
             ARCH,

@@ -286,6 +286,7 @@ impl LlamaGraph {
             freq_scale: rope_freq_scale(md, ARCH)?,
             // llama.cpp's get_rope_factors: blk.0's rope_freqs for every block (TENSOR_DUPLICATED).
             freq_factors: t.global(Role::RopeFreqs),
+            sections: None,
         };
         let info = ModelInfo::new(
             ARCH,

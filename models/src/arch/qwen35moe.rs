@@ -556,6 +556,9 @@ pub struct Qwen35MoeGraph {
     nextn: Vec<NextnBlock>,
     /// The RoPE position scale ([`rope_freq_scale`]).
     rope_freq_scale: f32,
+    /// `rope.dimension_sections`, for rows given four positions (a picture's); `None` for Clover's files,
+    /// whose sections this forward pass does not read.
+    rope_sections: Option<[u32; 4]>,
 }
 
 impl Qwen35MoeGraph {
@@ -648,6 +651,7 @@ impl Qwen35MoeGraph {
         let tok_embd = t.global_req(Role::TokenEmbd)?;
         Ok(Qwen35MoeGraph {
             rope_freq_scale: rope_freq_scale(md, ARCH)?,
+            rope_sections: (hp.form != Qwen35Form::Clover).then_some(hp.rope_sections),
             tok_embd,
             output_norm: t.global_req(Role::OutputNorm)?,
             output: t.global(Role::Output).unwrap_or(tok_embd),
@@ -735,7 +739,8 @@ impl Qwen35MoeGraph {
     ) -> C::Act {
         let hp = &self.hp;
         let (head_dim, eps) = (hp.head_dim as usize, hp.rms_eps);
-        // Text positions: multi-section RoPE is NeoX over the rotated dimensions (checked at load).
+        // Text positions: multi-section RoPE is NeoX over the rotated dimensions (checked at load); rows
+        // with four positions (a picture's) turn by the sections.
         let rope = Rope {
             kind: RopeKind::Neox,
             head_dim,
@@ -743,6 +748,7 @@ impl Qwen35MoeGraph {
             freq_base: hp.rope_freq_base,
             freq_scale: self.rope_freq_scale,
             freq_factors: None,
+            sections: self.rope_sections,
         };
         let attn = Attention {
             n_head: hp.n_head as usize,
@@ -852,6 +858,10 @@ impl Forward for Qwen35MoeGraph {
             cur = c.rows(&cur, &out_rows);
         }
         c.matmul(nb.head.unwrap_or(self.output), &cur)
+    }
+
+    fn multi_section_rope(&self) -> Option<[u32; 4]> {
+        self.rope_sections
     }
 
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {

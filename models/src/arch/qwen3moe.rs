@@ -308,6 +308,7 @@ impl Forward for Qwen3MoeGraph {
             freq_base: hp.rope_freq_base,
             freq_scale: self.rope_freq_scale,
             freq_factors: None,
+            sections: None,
         };
         let attn = Attention {
             n_head: hp.n_head as usize,

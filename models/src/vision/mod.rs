@@ -84,3 +84,49 @@ impl<'a> VisionEncoder<'a> {
         }
     }
 }
+
+/// The multi-section RoPE positions of a picture's rows when its first row's time position is `pos0`, as
+/// llama.cpp's mtmd gives them to an M-RoPE language model: every row at time `pos0`, row `r` and column
+/// `c` of the merged grid at `pos0 + r` and `pos0 + c` in the second and third sections, 0 in the fourth.
+pub fn mrope_positions(rows: &ImageRows, pos0: u32) -> Vec<[u32; 4]> {
+    (0..rows.n_rows())
+        .map(|i| {
+            let (r, c) = ((i / rows.n_x) as u32, (i % rows.n_x) as u32);
+            [pos0, pos0 + r, pos0 + c, 0]
+        })
+        .collect()
+}
+
+/// How far a picture moves the positions of what follows it under multi-section RoPE: the larger side of
+/// its merged grid (mtmd's `n_pos`), not its row count; the text after it starts at `pos0 + span`.
+pub fn mrope_span(rows: &ImageRows) -> u32 {
+    rows.n_x.max(rows.n_y) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mrope_positions_walk_the_grid_by_row_then_column() {
+        let rows = ImageRows {
+            n_x: 3,
+            n_y: 2,
+            width: 1,
+            values: vec![0.0; 6],
+        };
+        let p = mrope_positions(&rows, 10);
+        assert_eq!(
+            p,
+            vec![
+                [10, 10, 10, 0],
+                [10, 10, 11, 0],
+                [10, 10, 12, 0],
+                [10, 11, 10, 0],
+                [10, 11, 11, 0],
+                [10, 11, 12, 0],
+            ]
+        );
+        assert_eq!(mrope_span(&rows), 3);
+    }
+}
