@@ -469,13 +469,10 @@ impl Model {
         }
         self.check_call(state, tokens)?;
         let n0 = state.n_past();
-        let text = |c: usize| {
-            let p = state.rope_position(c);
-            [p, p, p, 0]
-        };
         let picture_pos0 = state.rope_position(n0 + at);
         let after = picture_pos0 + mrope_span(picture);
-        let mut positions: Vec<[u32; 4]> = (n0..n0 + at).map(text).collect();
+        let mut positions: Vec<[u32; 4]> =
+            (n0..n0 + at).map(|c| state.text_rope_position(c)).collect();
         positions.extend(mrope_positions(picture, picture_pos0));
         positions.extend((0..(tokens.len() - at - n_rows) as u32).map(|k| {
             let p = after + k;

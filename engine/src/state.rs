@@ -468,6 +468,13 @@ impl SeqState {
         (cell as u32).saturating_sub(lag)
     }
 
+    /// Cell `cell`'s four multi-section RoPE positions when it holds text: llama.cpp's `[p, p, p, 0]` at
+    /// [`SeqState::rope_position`].
+    pub fn text_rope_position(&self, cell: usize) -> [u32; 4] {
+        let p = self.rope_position(cell);
+        [p, p, p, 0]
+    }
+
     /// Whether a picture was read under multi-section RoPE, so that positions and cells differ.
     pub fn has_pictures(&self) -> bool {
         !self.picture_lags.is_empty()

@@ -13,7 +13,7 @@ use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 
 mod common;
-use common::{device, random_weights};
+use common::{device, random_weights, I_QUANTS};
 
 /// The H200's measured device memory rate (`shared/device/README.md`).
 const CARD_GBPS: f64 = 4300.0;
@@ -520,19 +520,7 @@ fn bench_iquants_as_test_backend_ops() {
     println!("device: {} ({})", dev.name(), dev.arch());
     let (m, k) = (4096, 14336);
     let mut rng = Rng::new(16);
-    let types = [
-        GgmlType::IQ1_S,
-        GgmlType::IQ1_M,
-        GgmlType::IQ2_XXS,
-        GgmlType::IQ2_XS,
-        GgmlType::IQ2_S,
-        GgmlType::IQ3_XXS,
-        GgmlType::IQ3_S,
-        GgmlType::IQ4_XS,
-        GgmlType::IQ4_NL,
-        GgmlType::Q4_K,
-    ];
-    for ty in types {
+    for ty in I_QUANTS.into_iter().chain([GgmlType::Q4_K]) {
         let w = random_weights(ty, &mut rng, m * k);
         let wd = DeviceMatrix::upload(&dev, ty, m, k, &w).expect("upload");
         for n in [1usize, 8, 512] {

@@ -26,7 +26,7 @@ use poly_kernels::quant::{dequantize, GgmlType};
 use poly_kernels::rng::Rng;
 
 mod common;
-use common::{assert_no_failures, device, nmse, normals, random_weights};
+use common::{assert_no_failures, device, nmse, normals, random_weights, I_QUANTS};
 
 fn nmse_check(what: &str, gpu: &[f32], cpu: &[f32], bound: f64) -> Option<String> {
     let e = nmse(gpu, cpu);
@@ -802,19 +802,6 @@ fn prompt_matmul_on_the_tensor_cores_matches_cpu() {
     assert_no_failures(failures);
 }
 
-/// The nine i-quants with tensor-core kernels (`mmq_iq.cu`).
-const IQ_MMA_TYPES: [GgmlType; 9] = [
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-];
-
 /// The i-quants' tensor-core kernels (`mmq_iq.cu`) for a plain matrix at 8, 64 and 512 tokens, against the
 /// CPU (whose activations are rounded to Q8_K or Q8_0 as the card's to q8_1: the bound of the other
 /// formats) and against the dp4a kernel (the same q8_1 activations: only the order of the sums differs). The
@@ -826,7 +813,7 @@ const IQ_MMA_TYPES: [GgmlType; 9] = [
 fn iquant_prompt_matmul_on_the_tensor_cores_matches_cpu() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
-    for (i, ty) in IQ_MMA_TYPES.into_iter().enumerate() {
+    for (i, ty) in I_QUANTS.into_iter().enumerate() {
         let (rows, cols) = (200, 512);
         assert!(
             prompt::has_mma(&dev, ty, cols),

@@ -471,7 +471,7 @@ impl<'a> CpuForward<'a> {
             positions.extend((0..n as u32).map(|i| pos0 + i));
             if any_pictures {
                 let cells = state.n_past()..state.n_past() + n;
-                rope_positions.extend(cells.map(|c| text_position(state, c)));
+                rope_positions.extend(cells.map(|c| state.text_rope_position(c)));
             }
             seqs.push((state, start..positions.len()));
         }
@@ -550,20 +550,28 @@ impl<'a> CpuForward<'a> {
     }
 }
 
-/// A text row's four multi-section RoPE positions: llama.cpp's `[p, p, p, 0]` at the cell's position.
-fn text_position(state: &SeqState, cell: usize) -> [u32; 4] {
-    let p = state.rope_position(cell);
-    [p, p, p, 0]
-}
-
 /// The multi-section positions of `n` text rows read next into `state`, when a picture read before
 /// moved them off their cells; `None` when they are their cells.
 fn text_rope_positions(state: &SeqState, n: usize) -> Option<Vec<[u32; 4]>> {
     state.has_pictures().then(|| {
         (state.n_past()..state.n_past() + n)
-            .map(|c| text_position(state, c))
+            .map(|c| state.text_rope_position(c))
             .collect()
     })
+}
+
+/// `rotate(rows, their positions)` over `out`'s rows, in parallel chunks of rows when the matrix is
+/// large enough ([`par_rows`]).
+fn rope_by_rows<P: Sync>(out: &mut Mat, positions: &[P], rotate: impl Fn(&mut [f32], &[P]) + Sync) {
+    let cols = out.cols;
+    match par_rows(out.data.len(), cols) {
+        Some(rows) => out
+            .data
+            .par_chunks_mut(rows * cols)
+            .zip(positions.par_chunks(rows))
+            .for_each(|(o, pos)| rotate(o, pos)),
+        None => rotate(&mut out.data, positions),
+    }
 }
 
 /// Rows `rows` of `x`, in place.
@@ -832,6 +840,7 @@ impl Compute for CpuForward<'_> {
             freq_base: r.freq_base,
             freq_scale: r.freq_scale,
         };
+        let mut out = x.clone();
         if let Some(positions) = &self.rope_positions {
             let sections = r
                 .sections
@@ -840,28 +849,16 @@ impl Compute for CpuForward<'_> {
                 r.freq_factors.is_none(),
                 "multi-section RoPE with frequency factors"
             );
-            let mut out = x.clone();
-            match par_rows(out.data.len(), x.cols) {
-                Some(rows) => out
-                    .data
-                    .par_chunks_mut(rows * x.cols)
-                    .zip(positions.par_chunks(rows))
-                    .for_each(|(o, pos)| rope_multi::rope_multi(o, pos, sections, &p)),
-                None => rope_multi::rope_multi(&mut out.data, positions, sections, &p),
-            }
+            rope_by_rows(&mut out, positions, |o, pos| {
+                rope_multi::rope_multi(o, pos, sections, &p)
+            });
             return out;
         }
         // Llama 3.1+'s rope_freqs.weight ([n_rot / 2] F32), when the model has one.
         let factors = r.freq_factors.map(|w| self.weights.f32(w));
-        let mut out = x.clone();
-        match par_rows(out.data.len(), x.cols) {
-            Some(rows) => out
-                .data
-                .par_chunks_mut(rows * x.cols)
-                .zip(self.positions.par_chunks(rows))
-                .for_each(|(o, pos)| rope::rope_with_factors(o, pos, &p, factors)),
-            None => rope::rope_with_factors(&mut out.data, &self.positions, &p, factors),
-        }
+        rope_by_rows(&mut out, &self.positions, |o, pos| {
+            rope::rope_with_factors(o, pos, &p, factors)
+        });
         out
     }
 

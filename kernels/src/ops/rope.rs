@@ -75,17 +75,31 @@ pub fn rope_with_factors(
     if let Some(f) = factors {
         assert_eq!(f.len(), p.n_rot / 2, "rope: one frequency factor per pair");
     }
-    if positions.is_empty() {
+    rotate_rows(x, positions.len(), p, |r, cache| {
+        angles_with_factors(p, factors, positions[r], cache)
+    });
+}
+
+/// Rotates the `n_rows` rows of `x` (whole heads of `p.head_dim`, pairs as `p.mode` says) in place, row `r`
+/// by the `(cos, sin)` of its `p.n_rot / 2` pairs that `row_angles(r, cache)` writes: the rotation every
+/// RoPE variant shares (one position a row, [`super::rope_multi`]'s four, [`super::rope_2d`]'s two).
+pub(crate) fn rotate_rows(
+    x: &mut [f32],
+    n_rows: usize,
+    p: &RopeParams,
+    mut row_angles: impl FnMut(usize, &mut [(f32, f32)]),
+) {
+    if n_rows == 0 {
         assert!(x.is_empty(), "rope: rows without positions");
         return;
     }
-    assert_eq!(x.len() % positions.len(), 0, "rope: rows of unequal length");
-    let width = x.len() / positions.len();
+    assert_eq!(x.len() % n_rows, 0, "rope: rows of unequal length");
+    let width = x.len() / n_rows;
     assert_eq!(width % p.head_dim, 0, "rope: row is not whole heads");
     let half = p.n_rot / 2;
     let mut cache = vec![(0f32, 0f32); half];
-    for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
-        angles_with_factors(p, factors, pos, &mut cache);
+    for (r, row) in x.chunks_exact_mut(width).enumerate() {
+        row_angles(r, &mut cache);
         for head in row.chunks_exact_mut(p.head_dim) {
             for (i, &(c, s)) in cache.iter().enumerate() {
                 let (a, b) = match p.mode {

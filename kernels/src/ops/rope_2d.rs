@@ -7,6 +7,8 @@
 //! `head_dim/2` dimensions, restarted for the second axis). ggml forms the angles by repeated multiplication
 //! in f32 from the position, as [`super::rope`] does, and so does this.
 
+use super::rope::{rotate_rows, RopeMode, RopeParams};
+
 /// Rotates `x`, rows of whole heads of `head_dim` values, row `r` at patch `(rows[r], cols[r])`, in place.
 ///
 /// `head_dim` must be a multiple of 4; `rows` and `cols` have one entry per row of `x`.
@@ -20,17 +22,17 @@ pub fn rope_2d(x: &mut [f32], (rows, cols): (&[u32], &[u32]), head_dim: usize, f
         cols.len(),
         "rope_2d: one row and column per row"
     );
-    if rows.is_empty() {
-        assert!(x.is_empty(), "rope_2d: rows without positions");
-        return;
-    }
-    assert_eq!(x.len() % rows.len(), 0, "rope_2d: rows of unequal length");
-    let width = x.len() / rows.len();
-    assert_eq!(width % head_dim, 0, "rope_2d: row is not whole heads");
     let (half, quarter) = (head_dim / 2, head_dim / 4);
+    let p = RopeParams {
+        mode: RopeMode::Neox,
+        head_dim,
+        n_rot: head_dim,
+        freq_base,
+        freq_scale: 1.0,
+    };
     let theta_scale = freq_base.powf(-2.0 / half as f32);
-    let mut cache = vec![(0f32, 0f32); half];
-    for ((row, &py), &px) in x.chunks_exact_mut(width).zip(rows).zip(cols) {
+    rotate_rows(x, rows.len(), &p, |r, cache| {
+        let (py, px) = (rows[r], cols[r]);
         let (mut theta_y, mut theta_x) = (py as f32, px as f32);
         for (i, c) in cache.iter_mut().enumerate() {
             // ggml restarts the second axis' angle at its own position when its section begins.
@@ -42,15 +44,7 @@ pub fn rope_2d(x: &mut [f32], (rows, cols): (&[u32], &[u32]), head_dim: usize, f
             theta_y *= theta_scale;
             theta_x *= theta_scale;
         }
-        for head in row.chunks_exact_mut(head_dim) {
-            for (i, &(c, s)) in cache.iter().enumerate() {
-                let (x0, x1) = (head[i], head[i + half]);
-                // `x0*cos - x1*sin` and `x0*sin + x1*cos` as GCC compiles ggml's `rotate_pairs`.
-                head[i] = x0.mul_add(c, -(x1 * s));
-                head[i + half] = x0.mul_add(s, x1 * c);
-            }
-        }
-    }
+    });
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! rotation is computed as [`super::rope`] computes it, so a row whose four positions every pair reads alike
 //! is rotated exactly as NeoX RoPE rotates it.
 
-use super::rope::{RopeMode, RopeParams};
+use super::rope::{rotate_rows, RopeMode, RopeParams};
 
 /// Which of a row's four positions pair `pair` reads, for `sections` (interleaved, as qwen3vl's IMRoPE).
 pub fn section_of_pair(sections: [u32; 4], pair: usize) -> usize {
@@ -46,30 +46,9 @@ pub fn rope_multi(x: &mut [f32], positions: &[[u32; 4]], sections: [u32; 4], p: 
         p.n_rot.is_multiple_of(2) && p.n_rot <= p.head_dim && p.head_dim > 0,
         "rope_multi: n_rot must be even and at most head_dim"
     );
-    if positions.is_empty() {
-        assert!(x.is_empty(), "rope_multi: rows without positions");
-        return;
-    }
-    assert_eq!(
-        x.len() % positions.len(),
-        0,
-        "rope_multi: rows of unequal length"
-    );
-    let width = x.len() / positions.len();
-    assert_eq!(width % p.head_dim, 0, "rope_multi: row is not whole heads");
-    let half = p.n_rot / 2;
-    let mut cache = vec![(0f32, 0f32); half];
-    for (row, &pos) in x.chunks_exact_mut(width).zip(positions) {
-        angles(p, sections, pos, &mut cache);
-        for head in row.chunks_exact_mut(p.head_dim) {
-            for (i, &(c, s)) in cache.iter().enumerate() {
-                let (x0, x1) = (head[i], head[i + half]);
-                // As `rope::rope`: the first product fused with the sum, as GCC compiles ggml's.
-                head[i] = x0.mul_add(c, -(x1 * s));
-                head[i + half] = x0.mul_add(s, x1 * c);
-            }
-        }
-    }
+    rotate_rows(x, positions.len(), p, |r, cache| {
+        angles(p, sections, positions[r], cache)
+    });
 }
 
 #[cfg(test)]

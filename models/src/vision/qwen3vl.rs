@@ -472,10 +472,12 @@ impl<'a> Qwen3VlEncoder<'a> {
         let second = self.patch[1].apply(&patches, n);
         let mut x = x_first;
         let side = hp.n_pos_side as usize;
-        let pos = if (nx, ny) == (side, side) {
-            self.pos_embd.clone()
+        let resampled;
+        let pos: &[f32] = if (nx, ny) == (side, side) {
+            &self.pos_embd
         } else {
-            bilinear_align_corners(&self.pos_embd, (side, side), e, (nx, ny))
+            resampled = bilinear_align_corners(&self.pos_embd, (side, side), e, (nx, ny));
+            &resampled
         };
         for (i, (row, s)) in x
             .chunks_exact_mut(e)
