@@ -28,6 +28,59 @@ static __device__ __forceinline__ void launch_prologue() {
 #endif
 }
 
+// POLY_L2_PREFETCH (0 or 1) comes before this text (kernels/src/cuda/module.rs, `--gpu-prefetch`).
+#ifndef POLY_L2_PREFETCH
+#define POLY_L2_PREFETCH 0
+#endif
+
+// Asks the L2 cache to fetch [p, p + bytes) (its 16-byte aligned interior) in the background: sm_90's bulk
+// prefetch, issued by the calling thread alone; nothing on older cards or with the knob off. A hint only:
+// every access to the card's memory, kernels' and copies' alike, meets in the L2, so a prefetch never
+// changes a value read later, and it may name memory that kernels before this one are still writing.
+static __device__ __forceinline__ void prefetch_l2(const void * p, int64_t bytes) {
+#if POLY_L2_PREFETCH && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uint64_t a = (uint64_t) p;
+    const uint64_t end = (a + (uint64_t) bytes) & ~15ull;
+    // Pieces of at most 1 MiB: the instruction takes a 32-bit size.
+    for (uint64_t s = (a + 15) & ~15ull; s < end; s += 1u << 20) {
+        const uint32_t n = (uint32_t) (end - s < (1u << 20) ? end - s : (1u << 20));
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s), "r"(n) : "memory");
+    }
+#endif
+}
+
+// The most bytes of one matrix a launch prefetches before its wait: the dense weights of a layer fit many
+// times in a large card's L2 (50 MB on the H100), an output head of 100+ MB would only evict what the
+// kernels after it read.
+#define PREFETCH_MAX_BYTES (16ll << 20)
+// How many of a launch's first blocks share that prefetch (the first blocks start first; a small grid's
+// blocks are all its own).
+#define PREFETCH_BLOCKS 16
+
+// This block's share of the prefetch of [p, p + min(bytes, PREFETCH_MAX_BYTES)): the launch's first
+// PREFETCH_BLOCKS blocks (of blockIdx.x, in row y = z = 0) take one piece each, thread (0, 0, 0) asks.
+static __device__ __forceinline__ void prefetch_l2_share(const void * p, int64_t bytes) {
+    const int parts = (int) gridDim.x < PREFETCH_BLOCKS ? (int) gridDim.x : PREFETCH_BLOCKS;
+    if (threadIdx.x != 0 || threadIdx.y != 0 || threadIdx.z != 0 || blockIdx.y != 0 || blockIdx.z != 0 ||
+        (int) blockIdx.x >= parts) {
+        return;
+    }
+    const int64_t total = bytes < PREFETCH_MAX_BYTES ? bytes : PREFETCH_MAX_BYTES;
+    const int64_t piece = (total / parts + 127) & ~127ll;
+    const int64_t from = piece * blockIdx.x;
+    if (from < total) {
+        prefetch_l2((const uint8_t *) p + from, piece < total - from ? piece : total - from);
+    }
+}
+
+// The first statement of a kernel whose weights are its arguments (never written by a kernel): their
+// share of the prefetch (prefetch_l2_share: what no kernel before it changes may be asked for before the
+// wait), then launch_prologue.
+static __device__ __forceinline__ void launch_prologue_prefetch(const void * p, int64_t bytes) {
+    prefetch_l2_share(p, bytes);
+    launch_prologue();
+}
+
 // f16 bits -> f32 (exact).
 static __device__ __forceinline__ float f16_to_f32(uint16_t h) {
     float f;

@@ -398,14 +398,63 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
     }
 }
 
+// ----- L2 prefetch (common.cuh's prefetch_l2) -------------------------------------------------------------
+
+// The bytes of an nrows x ncols matrix of format F.
+template <typename F>
+static __device__ __forceinline__ int64_t matrix_bytes(int ncols, int nrows) {
+    return (int64_t) nrows * (ncols / F::qk) * (int64_t) sizeof(typename F::block);
+}
+
+// matvec_many's matrices: each one's share of the prefetch, then the prologue.
+template <typename F>
+static __device__ __forceinline__ void launch_prologue_prefetch_many(const MatvecManyArgs & p) {
+#pragma unroll
+    for (int m = 0; m < MATVEC_MANY_MAX; ++m) {
+        if (m < p.n_mat) {
+            prefetch_l2_share((const void *) p.w[m], matrix_bytes<F>(p.ncols, p.nrows[m]));
+        }
+    }
+    launch_prologue();
+}
+
+// After the prologue of a one-token expert launch (grid (row blocks, slots)): block (s, 0) asks the L2 for
+// the whole matrix of slot s's expert in each table given (null: none), so the launch's later blocks find
+// their rows there. The routing is only known after the wait, hence not before it.
+static __device__ __forceinline__ void prefetch_slot_experts(const uint64_t * __restrict__ table_a,
+                                                             const uint64_t * __restrict__ table_b,
+                                                             const int32_t * __restrict__ ids, int n_expert,
+                                                             int64_t bytes) {
+#if POLY_L2_PREFETCH
+    if (threadIdx.x != 0 || threadIdx.y != 0 || blockIdx.y != 0 || blockIdx.x >= gridDim.y) {
+        return;
+    }
+    const int32_t expert = ids[blockIdx.x];
+    if (expert < 0 || expert >= n_expert) {
+        return;
+    }
+    const int64_t n = bytes < PREFETCH_MAX_BYTES ? bytes : PREFETCH_MAX_BYTES;
+    const uint64_t a = table_a[expert];
+    if (a != 0) {
+        prefetch_l2((const void *) a, n);
+    }
+    const uint64_t b = table_b != nullptr ? table_b[expert] : 0;
+    if (b != 0) {
+        prefetch_l2((const void *) b, n);
+    }
+#endif
+}
+
 #define MATVEC_ENTRY_POINTS(name, F)                                                                           \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
         matvec_##name(const uint8_t * __restrict__ w, const block_q8_1 * __restrict__ x, float * __restrict__ y, \
-                      int ncols, int nrows, int wpr, int rpg) { launch_prologue();                             \
+                      int ncols, int nrows, int wpr, int rpg) {                                                \
+        launch_prologue_prefetch(w, matrix_bytes<F>(ncols, nrows));                                            \
         matvec<F>(w, x, y, ncols, nrows, wpr, rpg);                                                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
-        matvec_many_##name(const MatvecManyArgs p, const block_q8_1 * __restrict__ x) { launch_prologue();   \
+        matvec_many_##name(const MatvecManyArgs p, const block_q8_1 * __restrict__ x) {                        \
+        launch_prologue_prefetch_many<F>(p);                                                                   \
         matvec_many<F>(p, x);                                                                                  \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
@@ -413,6 +462,7 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
                               int n_expert, const block_q8_1 * __restrict__ x, int64_t x_stride_blocks,      \
                               float * __restrict__ y, int ncols, int nrows, int wpr, int rpg,                \
                               const ExpertsSum sum) { launch_prologue();                                       \
+        prefetch_slot_experts(expert_table, nullptr, ids, n_expert, matrix_bytes<F>(ncols, nrows));            \
         matvec_experts<F>(expert_table, ids, n_expert, x, x_stride_blocks, y, ncols, nrows, wpr, rpg, sum);    \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \
@@ -421,6 +471,7 @@ static __device__ __forceinline__ void matmul_experts(const uint64_t * __restric
                                   const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
                                   int nrows, int wpr, int rpg, block_q8_1 * __restrict__ hq,                   \
                                   unsigned int * tickets) { launch_prologue();                                 \
+        prefetch_slot_experts(gate_table, up_table, ids, n_expert, matrix_bytes<F>(ncols, nrows));             \
         matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg, hq, tickets); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \

@@ -10,7 +10,8 @@
 #define MATVEC_F_ENTRY_POINTS(name, L)                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_F_WARPS)                                    \
         matvec_##name(const L::elem * __restrict__ w, const float * __restrict__ x, float * __restrict__ y,     \
-                      int ncols, int nrows) { launch_prologue();                                                \
+                      int ncols, int nrows) {                                                                   \
+        launch_prologue_prefetch(w, (int64_t) nrows * ncols * (int64_t) sizeof(typename L::elem));             \
         const int row = blockIdx.x;                                                                             \
         if (row >= nrows) {                                                                                     \
             return;                                                                                             \

@@ -34,6 +34,10 @@ pub struct GpuKernelOptions {
     /// Which launches are programmatic dependent launches on sm_90+ (each kernel's launch and prologue
     /// overlap the kernel before it).
     pub launch_overlap: LaunchOverlap,
+    /// One-token matvec launches ask the L2 cache for their weights (sm_90's bulk prefetch) before
+    /// their prologue's wait, so the fetch overlaps the kernel before them; expert launches for their
+    /// slots' experts once the routing is known (common.cuh's `prefetch_l2`).
+    pub l2_prefetch: bool,
 }
 
 /// `--gpu-pdl`: which kernel launches overlap the kernel before them (kernels/src/cuda/launch.rs).
@@ -82,6 +86,7 @@ impl Default for GpuKernelOptions {
             matvec_warps_per_row: 4,
             matvec_rows_per_group: 1,
             launch_overlap: LaunchOverlap::Decode,
+            l2_prefetch: true,
         }
     }
 }
@@ -151,6 +156,9 @@ impl KernelOptions {
         }
         if g.launch_overlap != dg.launch_overlap {
             out.push(("gpu-pdl", g.launch_overlap.name().to_string()));
+        }
+        if g.l2_prefetch != dg.l2_prefetch {
+            out.push(("gpu-prefetch", on_off(g.l2_prefetch)));
         }
         let (c, dc) = (&self.cpu, &d.cpu);
         if c.simd != dc.simd {

@@ -273,6 +273,10 @@ pub struct KnobArgs {
     /// the kernel before it): those of one-token calls, all, or none.
     #[arg(long, value_enum, default_value_t = GpuPdl::Decode)]
     gpu_pdl: GpuPdl,
+    /// One-token matvec launches ask the card's L2 cache for their weights before they wait for the
+    /// kernel before them, and expert launches for their slots' experts (sm_90+; off: no prefetch).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    gpu_prefetch: Switch,
     /// Any SIMD CPU kernel (off: the portable code; was POLY_NO_SIMD).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     cpu_simd: Switch,
@@ -316,6 +320,7 @@ impl KnobArgs {
                         GpuPdl::Decode => LaunchOverlap::Decode,
                         GpuPdl::All => LaunchOverlap::All,
                     },
+                    l2_prefetch: self.gpu_prefetch.on(),
                 },
                 cpu: CpuKernelOptions {
                     simd: self.cpu_simd.on(),

@@ -153,10 +153,13 @@ impl KernelModule {
         }
     }
 
-    /// What NVRTC compiles: `common.cuh`, the module's other headers, then the file (each part after a
-    /// `#line`, so NVRTC's messages give the file's own line numbers).
+    /// What NVRTC compiles: the kernel knobs' macros, `common.cuh`, the module's other headers, then the
+    /// file (each part after a `#line`, so NVRTC's messages give the file's own line numbers).
     pub fn source(self) -> String {
-        let mut src = String::from(COMMON);
+        // The knobs that choose code inside the kernels, as macros common.cuh reads.
+        let prefetch = u8::from(crate::options::get().gpu.l2_prefetch);
+        let mut src =
+            format!("#define POLY_L2_PREFETCH {prefetch}\n#line 1 \"common.cuh\"\n{COMMON}");
         for (name, text) in self.headers() {
             src.push_str(&format!("\n#line 1 \"{name}\"\n{text}"));
         }
