@@ -28,7 +28,8 @@ static __device__ __forceinline__ void launch_prologue() {
 #endif
 }
 
-// POLY_L2_PREFETCH (0 or 1) comes before this text (kernels/src/cuda/module.rs, `--gpu-prefetch`).
+// POLY_L2_PREFETCH (0 off, 1 own, 2 ahead) comes before this text (kernels/src/cuda/module.rs,
+// `--gpu-prefetch`).
 #ifndef POLY_L2_PREFETCH
 #define POLY_L2_PREFETCH 0
 #endif

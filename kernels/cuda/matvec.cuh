@@ -420,7 +420,9 @@ static __device__ __forceinline__ void launch_prologue_prefetch_many(const Matve
 
 // After the prologue of a one-token expert launch (grid (row blocks, slots)): block (s, 0) asks the L2 for
 // the whole matrix of slot s's expert in each table given (null: none), so the launch's later blocks find
-// their rows there. The routing is only known after the wait, hence not before it.
+// their rows there; the gate and up launch also for the down experts after it (`next_table`, its matrices
+// `next_bytes` each; null: none), which then arrive while gate and up compute. The routing is only known
+// after the wait, hence not before it.
 static __device__ __forceinline__ void prefetch_slot_experts(const uint64_t * __restrict__ table_a,
                                                              const uint64_t * __restrict__ table_b,
                                                              const int32_t * __restrict__ ids, int n_expert,
@@ -430,7 +432,7 @@ static __device__ __forceinline__ void prefetch_slot_experts(const uint64_t * __
         return;
     }
     const int32_t expert = ids[blockIdx.x];
-    if (expert < 0 || expert >= n_expert) {
+    if (table_a == nullptr || expert < 0 || expert >= n_expert) {
         return;
     }
     const int64_t n = bytes < PREFETCH_MAX_BYTES ? bytes : PREFETCH_MAX_BYTES;
@@ -470,8 +472,12 @@ static __device__ __forceinline__ void prefetch_slot_experts(const uint64_t * __
                                   const int32_t * __restrict__ ids, int n_expert,                              \
                                   const block_q8_1 * __restrict__ x, float * __restrict__ h, int ncols,        \
                                   int nrows, int wpr, int rpg, block_q8_1 * __restrict__ hq,                   \
-                                  unsigned int * tickets) { launch_prologue();                                 \
+                                  unsigned int * tickets, const uint64_t * __restrict__ next_table,            \
+                                  int64_t next_bytes) { launch_prologue();                                     \
         prefetch_slot_experts(gate_table, up_table, ids, n_expert, matrix_bytes<F>(ncols, nrows));             \
+        if (POLY_L2_PREFETCH >= 2) {                                                                           \
+            prefetch_slot_experts(next_table, nullptr, ids, n_expert, next_bytes);                             \
+        }                                                                                                      \
         matvec_experts_glu<F>(gate_table, up_table, ids, n_expert, x, h, ncols, nrows, wpr, rpg, hq, tickets); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP_SIZE * MATVEC_WARPS)                                     \

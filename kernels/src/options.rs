@@ -34,10 +34,38 @@ pub struct GpuKernelOptions {
     /// Which launches are programmatic dependent launches on sm_90+ (each kernel's launch and prologue
     /// overlap the kernel before it).
     pub launch_overlap: LaunchOverlap,
-    /// One-token matvec launches ask the L2 cache for their weights (sm_90's bulk prefetch) before
-    /// their prologue's wait, so the fetch overlaps the kernel before them; expert launches for their
-    /// slots' experts once the routing is known (common.cuh's `prefetch_l2`).
-    pub l2_prefetch: bool,
+    /// What one-token launches ask the L2 cache for ahead of their reads (common.cuh's `prefetch_l2`).
+    pub l2_prefetch: L2Prefetch,
+}
+
+/// `--gpu-prefetch`: what one-token launches ask the card's L2 cache for (sm_90's bulk prefetch; a hint,
+/// the same values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum L2Prefetch {
+    /// Nothing.
+    Off,
+    /// Matvec launches their weights before their prologue's wait (so the fetch overlaps the kernel
+    /// before them); expert launches their slots' whole experts once the routing is known.
+    Own,
+    /// Besides, the gate and up launch the down experts of its slots, which then arrive while it
+    /// computes.
+    Ahead,
+}
+
+impl L2Prefetch {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            L2Prefetch::Off => "off",
+            L2Prefetch::Own => "own",
+            L2Prefetch::Ahead => "ahead",
+        }
+    }
+
+    /// The value of the macro `POLY_L2_PREFETCH` the kernels read (0, 1, 2).
+    pub fn level(self) -> u8 {
+        self as u8
+    }
 }
 
 /// `--gpu-pdl`: which kernel launches overlap the kernel before them (kernels/src/cuda/launch.rs).
@@ -86,7 +114,7 @@ impl Default for GpuKernelOptions {
             matvec_warps_per_row: 4,
             matvec_rows_per_group: 1,
             launch_overlap: LaunchOverlap::Decode,
-            l2_prefetch: true,
+            l2_prefetch: L2Prefetch::Ahead,
         }
     }
 }
@@ -158,7 +186,7 @@ impl KernelOptions {
             out.push(("gpu-pdl", g.launch_overlap.name().to_string()));
         }
         if g.l2_prefetch != dg.l2_prefetch {
-            out.push(("gpu-prefetch", on_off(g.l2_prefetch)));
+            out.push(("gpu-prefetch", g.l2_prefetch.name().to_string()));
         }
         let (c, dc) = (&self.cpu, &d.cpu);
         if c.simd != dc.simd {

@@ -10,7 +10,9 @@ use poly_engine::knobs::{
     HostPoints, Knobs,
 };
 use poly_engine::state::KvPrecision;
-use poly_kernels::options::{CpuKernelOptions, GpuKernelOptions, KernelOptions, LaunchOverlap};
+use poly_kernels::options::{
+    CpuKernelOptions, GpuKernelOptions, KernelOptions, L2Prefetch, LaunchOverlap,
+};
 
 /// A knob that is on or off (`1` and `0` are taken too, as the variables took them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -128,6 +130,14 @@ pub enum GpuPdl {
     Off,
     Decode,
     All,
+}
+
+/// What one-token launches ask the card's L2 cache for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuPrefetch {
+    Off,
+    Own,
+    Ahead,
 }
 
 fn one_two_four(s: &str) -> Result<u32, String> {
@@ -273,10 +283,11 @@ pub struct KnobArgs {
     /// the kernel before it): those of one-token calls, all, or none.
     #[arg(long, value_enum, default_value_t = GpuPdl::Decode)]
     gpu_pdl: GpuPdl,
-    /// One-token matvec launches ask the card's L2 cache for their weights before they wait for the
-    /// kernel before them, and expert launches for their slots' experts (sm_90+; off: no prefetch).
-    #[arg(long, value_enum, default_value_t = Switch::On)]
-    gpu_prefetch: Switch,
+    /// What one-token launches ask the card's L2 cache for (sm_90+): `own` (matvecs their weights
+    /// before they wait for the kernel before them, expert launches their slots' experts), `ahead`
+    /// (besides, gate and up the down experts after them), or `off`.
+    #[arg(long, value_enum, default_value_t = GpuPrefetch::Ahead)]
+    gpu_prefetch: GpuPrefetch,
     /// Any SIMD CPU kernel (off: the portable code; was POLY_NO_SIMD).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     cpu_simd: Switch,
@@ -320,7 +331,11 @@ impl KnobArgs {
                         GpuPdl::Decode => LaunchOverlap::Decode,
                         GpuPdl::All => LaunchOverlap::All,
                     },
-                    l2_prefetch: self.gpu_prefetch.on(),
+                    l2_prefetch: match self.gpu_prefetch {
+                        GpuPrefetch::Off => L2Prefetch::Off,
+                        GpuPrefetch::Own => L2Prefetch::Own,
+                        GpuPrefetch::Ahead => L2Prefetch::Ahead,
+                    },
                 },
                 cpu: CpuKernelOptions {
                     simd: self.cpu_simd.on(),

@@ -157,7 +157,7 @@ impl KernelModule {
     /// file (each part after a `#line`, so NVRTC's messages give the file's own line numbers).
     pub fn source(self) -> String {
         // The knobs that choose code inside the kernels, as macros common.cuh reads.
-        let prefetch = u8::from(crate::options::get().gpu.l2_prefetch);
+        let prefetch = crate::options::get().gpu.l2_prefetch.level();
         let mut src =
             format!("#define POLY_L2_PREFETCH {prefetch}\n#line 1 \"common.cuh\"\n{COMMON}");
         for (name, text) in self.headers() {
@@ -438,9 +438,13 @@ mod tests {
     }
 
     #[test]
-    fn every_module_starts_with_the_common_text() {
+    fn every_module_starts_with_the_knobs_then_the_common_text() {
+        let level = crate::options::get().gpu.l2_prefetch.level();
+        let knobs = format!("#define POLY_L2_PREFETCH {level}\n#line 1 \"common.cuh\"\n");
         for m in KernelModule::ALL {
-            assert!(m.source().starts_with(COMMON));
+            let src = m.source();
+            assert!(src.starts_with(&knobs), "{}", m.name());
+            assert!(src[knobs.len()..].starts_with(COMMON), "{}", m.name());
             assert_eq!(KernelModule::ALL[m.index()], m);
         }
     }

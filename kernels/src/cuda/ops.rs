@@ -449,7 +449,20 @@ pub fn matvec_experts_glu_q(
     xq: &DeviceBuffer<BlockQ8_1>,
     h: &mut DeviceBuffer<f32>,
 ) -> CudaResult<()> {
-    glu_launch(dev, tables, (ids, xq), h, None)
+    glu_launch(dev, tables, (ids, xq), h, None, None)
+}
+
+/// [`matvec_experts_glu_q`] whose launch also asks the card's L2 cache for the slots' experts of `down`
+/// (the launch after it) while gate and up compute (`--gpu-prefetch`; a hint: the same values).
+pub fn matvec_experts_glu_q_ahead(
+    dev: &Device,
+    tables: (&ExpertTable, &ExpertTable),
+    down: &ExpertTable,
+    ids: &DeviceBuffer<i32>,
+    xq: &DeviceBuffer<BlockQ8_1>,
+    h: &mut DeviceBuffer<f32>,
+) -> CudaResult<()> {
+    glu_launch(dev, tables, (ids, xq), h, None, Some(down))
 }
 
 /// [`matvec_experts_glu_q`] that also quantizes `h` into `hq` for the down experts in the same launch (the
@@ -462,7 +475,7 @@ pub fn matvec_experts_glu_q8(
     h: &mut DeviceBuffer<f32>,
     (hq, tickets): (&mut DeviceBuffer<BlockQ8_1>, &mut Tickets),
 ) -> CudaResult<()> {
-    glu_launch(dev, tables, (ids, xq), h, Some((hq, tickets)))
+    glu_launch(dev, tables, (ids, xq), h, Some((hq, tickets)), None)
 }
 
 /// Whether [`matvec_experts_glu_q8`] takes gate and up experts of this shape (rows in whole q8_1 blocks,
@@ -481,6 +494,7 @@ fn glu_launch(
     (ids, xq): (&DeviceBuffer<i32>, &DeviceBuffer<BlockQ8_1>),
     h: &mut DeviceBuffer<f32>,
     quantized: Option<(&mut DeviceBuffer<BlockQ8_1>, &mut Tickets)>,
+    next: Option<&ExpertTable>,
 ) -> CudaResult<()> {
     if (gate.ty, gate.rows, gate.cols, gate.n_expert) != (up.ty, up.rows, up.cols, up.n_expert) {
         return invalid(format!(
@@ -516,6 +530,11 @@ fn glu_launch(
         }
         None => (0, 0),
     };
+    // The next launch's experts, prefetched (ids index both launches' tables alike).
+    let (next_addr, next_bytes) = match next {
+        Some(t) if t.n_expert == gate.n_expert => (*t.table_address(), t.expert_bytes() as i64),
+        _ => (0u64, 0i64),
+    };
     let f = dev.function(fmt.module, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(gate.table_address())
@@ -529,12 +548,15 @@ fn glu_launch(
         .arg(&wpr)
         .arg(&rpg)
         .arg(&hq_addr)
-        .arg(&tickets_addr);
+        .arg(&tickets_addr)
+        .arg(&next_addr)
+        .arg(&next_bytes);
     // SAFETY: both tables hold n_expert addresses, each 0 or the start of a rows × cols matrix of their
     // (common) format that lives as long as the tables' owner; the kernel reads ids[0..n_slots] and gives
     // 0 for ids outside 0..n_expert; x holds cols/32 blocks and h n_slots × rows floats (checked above).
     // With hq (0 otherwise), hq holds h's blocks and the tickets one per block (checked above), both
-    // borrowed mutably for the launch; the tickets are zero before and after it.
+    // borrowed mutably for the launch; the tickets are zero before and after it. The next table (0: none)
+    // holds n_expert addresses of matrices of next_bytes each, only prefetched, never read by the kernel.
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }

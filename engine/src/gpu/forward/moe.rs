@@ -733,7 +733,7 @@ impl<'a> GpuForward<'a> {
                 &mut h,
                 (&mut hq, &mut *tickets),
             ),
-            false => ops::matvec_experts_glu_q(dev, (gate_t, up_t), ids, xq, &mut h),
+            false => ops::matvec_experts_glu_q_ahead(dev, (gate_t, up_t), down_t, ids, xq, &mut h),
         });
         self.op_end("moe.gate_up", t);
         let r = match glu_q8 {
