@@ -188,6 +188,7 @@ impl Generation {
             top_logprobs: sampling.top_logprobs,
             conversation: resume.conversation,
             checkpoint_at: resume.checkpoint_at,
+            pictures: Vec::new(),
         };
         let events = lease.engine().generate(gen).map_err(Failure::died)?;
         Ok(Generation {

@@ -1,0 +1,204 @@
+//! GENs with pictures through the engine process (`poly-engine --model FILE --mmproj FILE`): the tiny
+//! qwen35moe fixture and the tiny projector `synth --arch qwen3vl-mmproj` writes (F32, seed 1). A GEN's
+//! answer with a picture is `poly-engine run --image`'s for the same prompt and picture, token for token
+//! and bit for bit (both batch-invariant); the kept conversation is reused past a picture only for the
+//! same picture; bad pictures are one ERR each and the engine answers the next request as before; an
+//! engine without a projector refuses pictures, and a projector on a model that reads none is refused at
+//! start.
+
+mod serve_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use poly_protocol::{encode_base64, ErrorCode, FromEngine, Gen, Picture};
+use serve_support::{Answer, Engine};
+
+const ENGINE: &str = env!("CARGO_BIN_EXE_poly-engine");
+const MODEL: &str = "qwen35moe-tiny-q4km.gguf";
+/// The prompt of `run --image`, the picture before its token [`AT`], standing for token [`PLACEHOLDER`].
+const PROMPT: [u32; 9] = [11, 22, 33, 44, 55, 66, 77, 88, 99];
+const AT: usize = 5;
+const PLACEHOLDER: u32 = 7;
+const STEPS: usize = 6;
+
+fn vision(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/vision")
+        .join(name)
+}
+
+/// A temporary directory with the tiny projector in it (removed by the caller).
+fn projector(tag: &str) -> (PathBuf, PathBuf) {
+    let dir =
+        std::env::temp_dir().join(format!("poly-serve-pictures-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let mmproj = dir.join("mmproj.gguf");
+    let o = Command::new(ENGINE)
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (dir, mmproj)
+}
+
+/// `poly-engine run --image`'s greedy tokens and log-probabilities (batch-invariant, end tokens ignored).
+fn run_image(mmproj: &Path, picture: &Path) -> (Vec<u32>, Vec<f32>) {
+    let prompt: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
+    let o = Command::new(ENGINE)
+        .args([
+            "run",
+            "--cpu",
+            "--json",
+            "--batch-invariant",
+            "--ignore-eos",
+        ])
+        .args(["--max-tokens", &STEPS.to_string(), "--model"])
+        .arg(serve_support::fixture(MODEL))
+        .args(["--prompt-tokens", &prompt.join(",")])
+        .args(["--image-at", &AT.to_string()])
+        .args(["--image-token", &PLACEHOLDER.to_string(), "--mmproj"])
+        .arg(mmproj)
+        .arg("--image")
+        .arg(picture)
+        .output()
+        .expect("run");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            let step: serde_json::Value = serde_json::from_str(l).expect("a JSON step");
+            let token = step["token"].as_u64().expect("token") as u32;
+            // Written from an f32, read back exactly.
+            let logprob = step["logprob"].as_f64().expect("logprob") as f32;
+            (token, logprob)
+        })
+        .unzip()
+}
+
+/// The GEN of [`PROMPT`] with `picture` on its placeholder, a checkpoint asked for after the picture.
+fn gen(id: &str, picture: &Path) -> Gen {
+    let mut tokens = PROMPT[..AT].to_vec();
+    tokens.push(PLACEHOLDER);
+    tokens.extend_from_slice(&PROMPT[AT..]);
+    Gen {
+        max_tokens: Some(STEPS as u32),
+        stop_tokens: Some(Vec::new()),
+        // The token after the picture's, in the request's own positions.
+        checkpoint_at: Some(AT as u32 + 2),
+        pictures: vec![Picture {
+            at: AT as u32,
+            data: encode_base64(&std::fs::read(picture).expect("picture")),
+        }],
+        ..Gen::new(id, tokens)
+    }
+}
+
+fn answer(e: &mut Engine, g: &Gen) -> Answer {
+    e.gen(g).unwrap_or_else(|err| panic!("{}: {err:?}", g.id))
+}
+
+#[test]
+fn a_picture_in_a_gen_answers_as_run_image_and_keeps_pictures_apart() {
+    let (dir, mmproj) = projector("answers");
+    let (a, b) = (
+        vision("picture-64x48.png"),
+        vision("picture-64x48-gradient.png"),
+    );
+    let (want_a, want_a_lp) = run_image(&mmproj, &a);
+    let (want_b, want_b_lp) = run_image(&mmproj, &b);
+    assert_ne!(want_a_lp, want_b_lp, "two pictures, two answers");
+
+    let mmproj_arg = mmproj.to_str().expect("a UTF-8 path");
+    let mut e = Engine::start(MODEL, &["--cpu", "--mmproj", mmproj_arg]);
+    let vision_echo = e.ready.as_ref().and_then(|r| r.vision.clone());
+    assert_eq!(
+        vision_echo.map(|v| (v.mmproj, v.projector)),
+        Some((mmproj_arg.to_string(), "qwen3vl_merger".to_string()))
+    );
+
+    let first = answer(&mut e, &gen("a1", &a));
+    assert_eq!(first.ids(), want_a);
+    assert_eq!(first.logprobs(), want_a_lp, "bit for bit with run --image");
+    // The placeholder widened to the picture's 4×3 rows.
+    assert_eq!(first.done.prompt_tokens as usize, PROMPT.len() + 12);
+    assert_eq!(first.done.cached_tokens, 0);
+
+    // The same picture again: resumed from the checkpoint after it (request position 7, widened 18).
+    let again = answer(&mut e, &gen("a2", &a));
+    assert_eq!(again.done.cached_tokens, 7 + 11);
+    assert_eq!(
+        (again.ids(), again.logprobs()),
+        (want_a.clone(), want_a_lp.clone())
+    );
+
+    // Another picture of the same size: the same tokens, but nothing past the text before it is reused.
+    let other = answer(&mut e, &gen("b1", &b));
+    assert!(
+        other.done.cached_tokens as usize <= AT,
+        "{}",
+        other.done.cached_tokens
+    );
+    assert_eq!((other.ids(), other.logprobs()), (want_b, want_b_lp));
+
+    // Bad pictures: one ERR each, nothing else changes.
+    let mut bad = gen("bad1", &a);
+    bad.pictures[0].data = "not base64!".into();
+    let err = e.gen(&bad).expect_err("bad base64");
+    assert_eq!(err.code, ErrorCode::BadRequest);
+    assert!(err.message.contains("base64"), "{}", err.message);
+    bad.id = "bad2".into();
+    bad.pictures[0].data = encode_base64(b"these bytes are no picture");
+    let err = e.gen(&bad).expect_err("not a picture");
+    assert_eq!(err.code, ErrorCode::BadRequest);
+    assert!(err.message.contains("pictures[0]"), "{}", err.message);
+
+    // And back to the first picture: the kept state (picture b's) is not taken for it.
+    let back = answer(&mut e, &gen("a3", &a));
+    assert!(back.done.cached_tokens as usize <= AT);
+    assert_eq!((back.ids(), back.logprobs()), (want_a, want_a_lp));
+    drop(e);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn pictures_need_a_projector_and_a_model_that_reads_them() {
+    // No --mmproj: pictures are refused, text is answered.
+    let mut e = Engine::start(MODEL, &["--cpu"]);
+    assert!(e.ready.as_ref().is_some_and(|r| r.vision.is_none()));
+    let g = Gen {
+        pictures: vec![Picture {
+            at: 1,
+            data: "AAAA".into(),
+        }],
+        max_tokens: Some(1),
+        ..Gen::new("p1", vec![1, 2, 3])
+    };
+    let err = e.gen(&g).expect_err("no projector");
+    assert_eq!(err.code, ErrorCode::BadRequest);
+    assert!(err.message.contains("--mmproj"), "{}", err.message);
+    let text = Gen {
+        max_tokens: Some(1),
+        ..Gen::new("t1", vec![1, 2, 3])
+    };
+    assert_eq!(e.gen(&text).expect("text").done.generated, 1);
+    drop(e);
+
+    // A projector beside a model without multi-section RoPE: one ERR (id null) and no READY.
+    let (dir, mmproj) = projector("refused");
+    let mut e = Engine::spawn(
+        &serve_support::fixture("qwen3moe-tiny-q4km.gguf"),
+        &["--cpu", "--mmproj", mmproj.to_str().expect("a UTF-8 path")],
+    );
+    match e.next() {
+        FromEngine::Err(err) => {
+            assert!(err.id.is_none());
+            assert!(err.message.contains("reads no pictures"), "{}", err.message);
+        }
+        other => panic!("expected ERR, got {other:?}"),
+    }
+    assert!(!e.wait().success());
+    let _ = std::fs::remove_dir_all(dir);
+}
