@@ -61,6 +61,8 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
     let Some(Value::Array(input)) = body.get("messages") else {
         return Err(ApiError::bad_request("`messages` (an array) is required"));
     };
+    // A user message's `image` blocks, in order; a mark stands in its text where each was.
+    let mut pictures = Vec::new();
     if input.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty"));
     }
@@ -86,7 +88,14 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
                                 json!({"role": "tool", "tool_call_id": id, "content": result}),
                             );
                         }
-                        Some(kind @ ("image" | "document")) => {
+                        Some("image") => {
+                            pictures.push(super::pictures::anthropic_picture(
+                                b,
+                                &format!("messages[{i}] image"),
+                            )?);
+                            text.push(crate::model_text::PICTURE_MARK);
+                        }
+                        Some(kind @ "document") => {
                             return Err(super::unsupported::text_only(
                                 body.get("model").and_then(Value::as_str),
                                 &format!("a content block of type {kind:?} (messages[{i}])"),
@@ -196,6 +205,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         enable_thinking,
         extra: Default::default(),
         parse_special: body.get("parse_special").and_then(Value::as_bool) == Some(true),
+        pictures,
     })
 }
 
@@ -267,6 +277,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         &sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     if stream {

@@ -312,6 +312,7 @@ pub async fn responses(state: Arc<AppState>, body: Value) -> Result<Response<Res
         &req.sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     if req.stream {
