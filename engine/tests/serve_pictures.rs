@@ -160,6 +160,35 @@ fn a_picture_in_a_gen_answers_as_run_image_and_keeps_pictures_apart() {
     assert!(back.done.cached_tokens as usize <= AT);
     assert_eq!((back.ids(), back.logprobs()), (want_a, want_a_lp));
     drop(e);
+
+    // A server cannot know the rows: max_tokens beyond the room the widened prompt leaves is cut to it.
+    let mut e = Engine::start(
+        MODEL,
+        &["--cpu", "--mmproj", mmproj_arg, "--max-context", "32"],
+    );
+    let long = Gen {
+        max_tokens: Some(1000),
+        ..gen("long", &a)
+    };
+    let done = answer(&mut e, &long).done;
+    assert_eq!((done.prompt_tokens, done.generated), (21, 11));
+    assert_eq!(done.reason, poly_protocol::StopReason::Length);
+    // A prompt whose pictures leave no room is refused as too long.
+    let mut e2 = Engine::start(
+        MODEL,
+        &["--cpu", "--mmproj", mmproj_arg, "--max-context", "21"],
+    );
+    let err = e2.gen(&gen("full", &a)).expect_err("no room");
+    assert_eq!(err.code, ErrorCode::ContextOverflow);
+    // One whose pictures outgrow the context is refused when the rows are read, before it waits.
+    let mut e3 = Engine::start(
+        MODEL,
+        &["--cpu", "--mmproj", mmproj_arg, "--max-context", "20"],
+    );
+    let err = e3.gen(&gen("over", &a)).expect_err("over");
+    assert_eq!(err.code, ErrorCode::ContextOverflow);
+    assert!(err.message.contains("pictures[..=0]"), "{}", err.message);
+    drop((e, e2, e3));
     let _ = std::fs::remove_dir_all(dir);
 }
 

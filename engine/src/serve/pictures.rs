@@ -12,7 +12,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, OnceLock};
 
 use poly_models::vision::{ImageRows, VisionEncoder};
-use poly_protocol::Picture;
+use poly_protocol::{ErrorCode, Picture};
 
 /// One picture of a checked request, in the widened prompt's positions.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,12 +63,16 @@ impl Widened {
 }
 
 /// Decodes and encodes `pictures` (base64 image files, checked in order by the protocol) with `vision`
-/// and widens `tokens` at each picture's `at`. The message says which picture failed and why.
+/// and widens `tokens` at each picture's `at`. The message says which picture failed and why. A prompt
+/// that outgrows `n_ctx` stops the reading there (`context_overflow`), so a request holds at most a
+/// context's worth of rows however many pictures it names.
 pub fn widen(
     tokens: &[u32],
     pictures: &[Picture],
     vision: Option<&VisionEncoder>,
-) -> Result<Widened, String> {
+    n_ctx: usize,
+) -> Result<Widened, (ErrorCode, String)> {
+    let bad = |m: String| (ErrorCode::BadRequest, m);
     if pictures.is_empty() {
         return Ok(Widened {
             tokens: tokens.to_vec(),
@@ -76,11 +80,11 @@ pub fn widen(
         });
     }
     let Some(vision) = vision else {
-        return Err(
+        return Err(bad(
             "the request has pictures, but this engine has no projector to read them (start it with \
              --mmproj FILE)"
                 .into(),
-        );
+        ));
     };
     let mut out = Vec::with_capacity(tokens.len());
     let mut read = Vec::with_capacity(pictures.len());
@@ -89,15 +93,26 @@ pub fn widen(
         let at = p.at as usize;
         // The protocol checked the order and that a token follows each picture.
         let Some(&placeholder) = tokens.get(at) else {
-            return Err(format!("pictures[{i}].at {at} is outside the prompt"));
+            return Err(bad(format!("pictures[{i}].at {at} is outside the prompt")));
         };
         let bytes = poly_protocol::decode_base64(&p.data)
-            .map_err(|e| format!("pictures[{i}].data: {e}"))?;
+            .map_err(|e| bad(format!("pictures[{i}].data: {e}")))?;
         let rows = vision
             .encode_picture(&bytes)
-            .map_err(|e| format!("pictures[{i}]: {e}"))?;
+            .map_err(|e| bad(format!("pictures[{i}]: {e}")))?;
         if rows.n_rows() == 0 {
-            return Err(format!("pictures[{i}]: the projector wrote no rows"));
+            return Err(bad(format!("pictures[{i}]: the projector wrote no rows")));
+        }
+        // The rows so far, the tokens left and the placeholders of the pictures left.
+        let widened = out.len() + (at - from) + rows.n_rows() + (tokens.len() - at - 1);
+        if widened > n_ctx {
+            return Err((
+                ErrorCode::ContextOverflow,
+                format!(
+                    "with pictures[..={i}] read, the prompt is {widened} tokens, over the context of \
+                     {n_ctx}"
+                ),
+            ));
         }
         out.extend_from_slice(&tokens[from..at]);
         let start = out.len();

@@ -78,11 +78,15 @@ impl Job {
             ));
         }
         let max_tokens = gen.max_tokens() as usize;
-        let widened = match pictures::widen(&gen.tokens, &gen.pictures, vision) {
-            Ok(w) => w,
-            Err(m) => return bad(m),
-        };
+        let widened = pictures::widen(&gen.tokens, &gen.pictures, vision, n_ctx)?;
         let prompt_len = widened.tokens.len();
+        // A server cannot know how many rows the pictures take (the projector decides), so it cannot
+        // size max_tokens to the room left: with pictures, the answer is cut to the room instead of
+        // refused, as long as the widened prompt leaves room for one token.
+        let max_tokens = match widened.pictures.is_empty() {
+            true => max_tokens,
+            false => max_tokens.min(n_ctx.saturating_sub(prompt_len).max(1)),
+        };
         if prompt_len.saturating_add(max_tokens) > n_ctx {
             return Err((
                 ErrorCode::ContextOverflow,
