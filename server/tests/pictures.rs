@@ -2,9 +2,9 @@
 //! fixture with the tiny projector `poly-engine synth --arch qwen3vl-mmproj` writes, named by its run
 //! config's `mmproj`. An OpenAI `image_url` data URL is answered with the log-probabilities the engine
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
-//! `image` block gets the same answer; another picture another answer; a bad picture a 400 and the next
-//! request its answer. Refused with a 400 that says why: remote URLs (OpenAI and Anthropic), and pictures
-//! for a model whose run config names no projector.
+//! `image` block gets the same answer; an Ollama chat's `images` are answered; another picture gets
+//! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
+//! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector.
 
 mod common;
 
@@ -233,6 +233,19 @@ fn pictures_through_openai_and_anthropic() {
     );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_ne!(logprobs_of(&r.json()), got, "another picture, other logits");
+
+    // Ollama's chat: `images` before the message's text.
+    let r = server.post(
+        "/api/chat",
+        &json!({"model": "vision", "stream": false, "options": {"temperature": 0, "num_predict": 4},
+                "messages": [{"role": "user", "content": "What is this?", "images": [encode_base64(&a)]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ollama = r.json();
+    assert!(
+        ollama["prompt_eval_count"].as_u64().unwrap_or(0) > prompt_tokens,
+        "{ollama}"
+    );
 
     // Refusals, each a 400 that says why, and the next request answered.
     let refused = |path: &str, body: &Value, needle: &str| {
