@@ -4,7 +4,8 @@
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
 //! `image` block gets the same answer; an Ollama chat's `images` are answered; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
-//! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector.
+//! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
+//! (without switching to it).
 
 mod common;
 
@@ -234,6 +235,10 @@ fn pictures_through_openai_and_anthropic() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_ne!(logprobs_of(&r.json()), got, "another picture, other logits");
 
+    // llama-server's /props says the loaded model reads pictures.
+    let props = server.get("/props").json();
+    assert_eq!(props["modalities"]["vision"], true, "{props}");
+
     // Ollama's chat: `images` before the message's text.
     let r = server.post(
         "/api/chat",
@@ -291,4 +296,7 @@ fn pictures_through_openai_and_anthropic() {
              "data": encode_base64(&a)}}]}]}),
         "text only",
     );
+    // Refused from the registry, before the text model's engine was started for them.
+    let current = server.get("/api/models/current").json();
+    assert_eq!(current["model"], "vision", "{current}");
 }

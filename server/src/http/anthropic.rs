@@ -258,6 +258,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         Some(_) => return Err(ApiError::bad_request("`model` must be a string")),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    super::prepare::refuse_pictures_early(&state, model.as_deref(), &input).await?;
     let chat = Arc::new(input);
     let (lease, (rendered, prompt, resume)) =
         leased_with(&state, model.as_deref(), move |text, n_ctx| {

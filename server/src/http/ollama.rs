@@ -624,6 +624,7 @@ pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<RespBody
         pictures,
         ..ChatInput::default()
     });
+    super::prepare::refuse_pictures_early(&state, model.as_deref(), &input).await?;
     if empty {
         // Ollama loads the model for a chat without messages and answers at once.
         return load_only(&state, model.as_deref(), Api::Chat, started).await;

@@ -233,6 +233,7 @@ pub async fn chat_completions(
     body: Value,
 ) -> Result<Response<RespBody>, ApiError> {
     let req = parse_chat(&body)?;
+    super::prepare::refuse_pictures_early(&state, req.model.as_deref(), &req.input).await?;
     let input = Arc::new(req.input);
     let chat = input.clone();
     let (lease, (rendered, prompt, resume)) =

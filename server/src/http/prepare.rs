@@ -76,6 +76,35 @@ pub async fn leased_with<T: Send + 'static>(
     Ok((lease, prepared))
 }
 
+/// Refuses pictures for a model whose run config names no projector before its engine is taken, so
+/// that such a request does not switch models only to be refused (the engine's READY decides for the
+/// model that passes, [`crate::generate::Generation::start_in`]). A name that finds no model is left to
+/// the lease to answer.
+pub async fn refuse_pictures_early(
+    state: &AppState,
+    model: Option<&str>,
+    chat: &ChatInput,
+) -> Result<(), ApiError> {
+    if chat.pictures.is_empty() {
+        return Ok(());
+    }
+    let entries = state.supervisor.models().await;
+    let name = match model.filter(|m| !m.is_empty()) {
+        Some(m) => m.to_string(),
+        None => match state.supervisor.current_id() {
+            Some(id) => id,
+            None => return Ok(()),
+        },
+    };
+    match crate::registry::find_in(&entries, &name) {
+        Ok(entry) if !entry.multimodal => Err(super::unsupported::text_only(
+            Some(&entry.id),
+            "pictures (its run config names no projector, `mmproj`)",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The `ApiError` of a prompt that cannot be tokenized.
 pub fn encode_error(e: EncodeError) -> ApiError {
     match e {
