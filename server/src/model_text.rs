@@ -445,7 +445,13 @@ impl ModelText {
             None => &input.messages[..],
         };
         let conversation = (!opening.is_empty()).then(|| {
-            let text = Value::Array(opening.to_vec()).to_string();
+            let mut text = Value::Array(opening.to_vec()).to_string();
+            // The opening's pictures are marks in its text: two chats that open with other pictures are
+            // two conversations (each kept), not one that the engine would read again.
+            let shown = text.matches(PICTURE_MARK).count();
+            for picture in input.pictures.iter().take(shown) {
+                text.push_str(picture);
+            }
             format!("chat-{:016x}", fnv1a64(text.as_bytes()))
         });
         Resume {
