@@ -241,6 +241,21 @@ fn pictures_through_openai_and_anthropic() {
     // Its own answer (the same tokens as picture a's requests, whose kept state is not taken for it).
     assert_eq!(direct(&b, got_b.len()), got_b, "picture b's own answer");
 
+    // The Responses API: a user's input_image with a data URL.
+    let r = server.post(
+        "/v1/responses",
+        &json!({"model": "vision", "max_output_tokens": STEPS, "temperature": 0,
+                "input": [{"role": "user", "content": [
+                    {"type": "input_image", "image_url": data_url(&a)}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["usage"]["input_tokens"].as_u64(),
+        Some(prompt_tokens),
+        "{}",
+        r.text()
+    );
+
     // llama-server's /props says the loaded model reads pictures.
     let props = server.get("/props").json();
     assert_eq!(props["modalities"]["vision"], true, "{props}");
