@@ -2,16 +2,17 @@
 //! qwen35moe fixture and the tiny projector `synth --arch qwen3vl-mmproj` writes (F32, seed 1). A GEN's
 //! answer with a picture is `poly-engine run --image`'s for the same prompt and picture, token for token
 //! and bit for bit (both batch-invariant); the kept conversation is reused past a picture only for the
-//! same picture; bad pictures are one ERR each and the engine answers the next request as before; an
-//! engine without a projector refuses pictures, and a projector on a model that reads none is refused at
-//! start.
+//! same picture, up to the first picture that differs (with a fresh read's answer); two requests with
+//! pictures running at once (`--parallel 2`) give their answers alone; bad pictures are one ERR each and
+//! the engine answers the next request as before; an engine without a projector refuses pictures, and a
+//! projector on a model that reads none is refused at start.
 
 mod serve_support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use poly_protocol::{encode_base64, ErrorCode, FromEngine, Gen, Picture};
+use poly_protocol::{encode_base64, ErrorCode, FromEngine, Gen, Picture, ToEngine};
 use serve_support::{Answer, Engine};
 
 const ENGINE: &str = env!("CARGO_BIN_EXE_poly-engine");
@@ -229,5 +230,104 @@ fn pictures_need_a_projector_and_a_model_that_reads_them() {
         other => panic!("expected ERR, got {other:?}"),
     }
     assert!(!e.wait().success());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A GEN of two pictures: `first` after token 2, `second` after token 6, with a checkpoint asked for
+/// where the second picture's placeholder stands.
+fn two_pictures(id: &str, first: &Path, second: &Path) -> Gen {
+    let data = |p: &Path| encode_base64(&std::fs::read(p).expect("picture"));
+    Gen {
+        max_tokens: Some(STEPS as u32),
+        stop_tokens: Some(Vec::new()),
+        checkpoint_at: Some(6),
+        pictures: vec![
+            Picture {
+                at: 2,
+                data: data(first),
+            },
+            Picture {
+                at: 6,
+                data: data(second),
+            },
+        ],
+        ..Gen::new(
+            id,
+            vec![11, 22, PLACEHOLDER, 33, 44, 55, PLACEHOLDER, 66, 77],
+        )
+    }
+}
+
+#[test]
+fn a_prompt_resumes_up_to_the_first_picture_that_differs_with_a_fresh_reads_answer() {
+    let (dir, mmproj) = projector("two");
+    let (a, b) = (
+        vision("picture-64x48.png"),
+        vision("picture-64x48-gradient.png"),
+    );
+    let args = ["--cpu", "--mmproj", mmproj.to_str().expect("a UTF-8 path")];
+    let mut e = Engine::start(MODEL, &args);
+    let first = answer(&mut e, &two_pictures("ab", &a, &b));
+    // Two pictures of 12 rows where two placeholders stood.
+    assert_eq!(first.done.prompt_tokens, 9 + 2 * 11);
+    // The same first picture, another second one: resumed at the checkpoint before the second (request
+    // position 6, widened 17), nothing of the second picture taken.
+    let second = answer(&mut e, &two_pictures("aa", &a, &a));
+    assert_eq!(second.done.cached_tokens, 6 + 11);
+    // And its answer is a fresh engine's for the same request, bit for bit.
+    let mut fresh = Engine::start(MODEL, &args);
+    let alone = answer(&mut fresh, &two_pictures("aa", &a, &a));
+    assert_eq!(alone.done.cached_tokens, 0);
+    assert_eq!(
+        (second.ids(), second.logprobs()),
+        (alone.ids(), alone.logprobs())
+    );
+    assert_ne!(
+        first.logprobs(),
+        second.logprobs(),
+        "the second picture counts"
+    );
+    drop((e, fresh));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn pictures_of_requests_running_at_once_give_the_answers_they_give_alone() {
+    let (dir, mmproj) = projector("parallel");
+    let (a, b) = (
+        vision("picture-64x48.png"),
+        vision("picture-64x48-gradient.png"),
+    );
+    let want = [run_image(&mmproj, &a), run_image(&mmproj, &b)];
+    let mmproj_arg = mmproj.to_str().expect("a UTF-8 path");
+    let mut e = Engine::start(MODEL, &["--cpu", "--mmproj", mmproj_arg, "--parallel", "2"]);
+    let gens = [
+        Gen {
+            conversation: Some("ca".into()),
+            ..gen("pa", &a)
+        },
+        Gen {
+            conversation: Some("cb".into()),
+            ..gen("pb", &b)
+        },
+    ];
+    for g in &gens {
+        e.send(&ToEngine::Gen(g.clone()));
+    }
+    let mut got: [(Vec<u32>, Vec<f32>); 2] = Default::default();
+    let mut done = 0;
+    while done < 2 {
+        match e.next() {
+            FromEngine::Tokens(t) => {
+                let i = usize::from(t.id == "pb");
+                got[i].0.extend(&t.tokens);
+                got[i].1.extend(&t.logprobs);
+            }
+            FromEngine::Done(_) => done += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, want);
+    drop(e);
     let _ = std::fs::remove_dir_all(dir);
 }
