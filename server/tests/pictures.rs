@@ -219,6 +219,15 @@ fn pictures_through_openai_and_anthropic() {
         + usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
     assert_eq!(input, prompt_tokens, "{anthropic}");
 
+    // count_tokens counts the picture as its picture tokens (the rows are the engine's to decide).
+    let r = server.post(
+        "/v1/messages/count_tokens",
+        &json!({"model": "vision", "messages": [{"role": "user", "content": [{"type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": encode_base64(&a)}}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["input_tokens"].as_u64(), Some(prompt_tokens - 11));
+
     // Text with the picture is answered; another picture gives other numbers.
     let mut with_text = openai_picture("vision", &data_url(&a));
     with_text["messages"][0]["content"]

@@ -323,9 +323,15 @@ pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<Resp
             .render_chat(&input)
             .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
         // Without a context (no engine yet) the count is bounded by the body only, as before.
-        text.encode_chat(&rendered, n_ctx.unwrap_or(u32::MAX))
-            .map_err(encode_error)
-            .map(|t| t.len())
+        let n_ctx = n_ctx.unwrap_or(u32::MAX);
+        // A picture counts as its picture tokens: its rows are the projector's to decide, in the engine.
+        match input.pictures.is_empty() {
+            true => text.encode_chat(&rendered, n_ctx).map(|t| t.len()),
+            false => text
+                .encode_chat_pictures(&rendered, n_ctx)
+                .map(|(t, _)| t.len()),
+        }
+        .map_err(encode_error)
     })
     .await?;
     Ok(json_response(
