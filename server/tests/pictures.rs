@@ -269,6 +269,15 @@ fn pictures_through_openai_and_anthropic() {
     let props = server.get("/props").json();
     assert_eq!(props["modalities"]["vision"], true, "{props}");
 
+    // Ollama's /api/show says `vision` for it, not for the text model.
+    for (model, vision) in [("vision", true), ("text", false)] {
+        let show = server.post("/api/show", &json!({"model": model})).json();
+        let says = show["capabilities"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|v| v == "vision"));
+        assert_eq!(says, vision, "{model}: {show}");
+    }
+
     // Ollama's chat: `images` before the message's text.
     let r = server.post(
         "/api/chat",

@@ -232,6 +232,10 @@ pub async fn show(state: &AppState, body: Value) -> Result<Response<RespBody>, A
     if template.contains("think") {
         capabilities.push("thinking");
     }
+    // Ollama's name for reading pictures: a run config that names a projector that is there.
+    if entry.multimodal {
+        capabilities.push("vision");
+    }
     let (_, modified) = file_facts(&entry);
     let mut info = Map::new();
     info.insert("general.architecture".into(), json!(arch));
