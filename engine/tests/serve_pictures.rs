@@ -135,6 +135,16 @@ fn a_picture_in_a_gen_answers_as_run_image_and_keeps_pictures_apart() {
         (want_a.clone(), want_a_lp.clone())
     );
 
+    // The picture was encoded once: the second request took its rows from the engine's cache.
+    e.send(&ToEngine::Stats);
+    match e.next() {
+        FromEngine::Stats(s) => assert_eq!(
+            (&s.extra["pictures_encoded"], &s.extra["pictures_reused"]),
+            (&serde_json::json!(1), &serde_json::json!(1))
+        ),
+        other => panic!("expected STATS, got {other:?}"),
+    }
+
     // Another picture of the same size: the same tokens, but nothing past the text before it is reused.
     let other = answer(&mut e, &gen("b1", &b));
     assert!(

@@ -36,6 +36,53 @@ pub fn picture_key(bytes: &[u8]) -> u64 {
     h.finish()
 }
 
+/// The pictures encoded last, by [`picture_key`]: a chat sends its whole conversation every turn, so
+/// the same picture comes again with each question about it, and encoding it again would cost each turn
+/// the encoder's time (seconds for a real projector on the CPU). Bounded in rows' bytes and entries,
+/// the least recently used dropped first.
+#[derive(Debug, Default)]
+pub struct PictureCache {
+    /// Least recently used first.
+    entries: Vec<(u64, Arc<ImageRows>)>,
+    /// Pictures encoded, and pictures whose rows were found here (STATS).
+    pub encoded: u64,
+    pub reused: u64,
+}
+
+/// The most rows' bytes [`PictureCache`] keeps (a few large pictures' rows on a real model).
+pub const PICTURE_CACHE_BYTES: usize = 256 << 20;
+/// The most pictures it keeps.
+pub const PICTURE_CACHE_ENTRIES: usize = 16;
+
+impl PictureCache {
+    /// The rows of the picture whose file bytes are `bytes` (key `key`), encoded by `encode` unless kept.
+    fn rows(
+        &mut self,
+        key: u64,
+        encode: impl FnOnce() -> Result<ImageRows, String>,
+    ) -> Result<Arc<ImageRows>, String> {
+        if let Some(i) = self.entries.iter().position(|(k, _)| *k == key) {
+            let entry = self.entries.remove(i);
+            let rows = entry.1.clone();
+            self.entries.push(entry);
+            self.reused += 1;
+            return Ok(rows);
+        }
+        let rows = Arc::new(encode()?);
+        self.encoded += 1;
+        self.entries.push((key, rows.clone()));
+        let bytes = |e: &[(u64, Arc<ImageRows>)]| -> usize {
+            e.iter().map(|(_, r)| r.values.len() * 4).sum()
+        };
+        while self.entries.len() > PICTURE_CACHE_ENTRIES
+            || (self.entries.len() > 1 && bytes(&self.entries) > PICTURE_CACHE_BYTES)
+        {
+            self.entries.remove(0);
+        }
+        Ok(rows)
+    }
+}
+
 /// A request's prompt with its pictures read: the widened tokens and the pictures in them.
 #[derive(Debug)]
 pub struct Widened {
@@ -71,6 +118,7 @@ pub fn widen(
     pictures: &[Picture],
     vision: Option<&VisionEncoder>,
     n_ctx: usize,
+    cache: &mut PictureCache,
 ) -> Result<Widened, (ErrorCode, String)> {
     let bad = |m: String| (ErrorCode::BadRequest, m);
     if pictures.is_empty() {
@@ -97,8 +145,11 @@ pub fn widen(
         };
         let bytes = poly_protocol::decode_base64(&p.data)
             .map_err(|e| bad(format!("pictures[{i}].data: {e}")))?;
-        let rows = vision
-            .encode_picture(&bytes)
+        let key = picture_key(&bytes);
+        let rows = cache
+            .rows(key, || {
+                vision.encode_picture(&bytes).map_err(|e| e.to_string())
+            })
             .map_err(|e| bad(format!("pictures[{i}]: {e}")))?;
         if rows.n_rows() == 0 {
             return Err(bad(format!("pictures[{i}]: the projector wrote no rows")));
@@ -120,8 +171,8 @@ pub fn widen(
         read.push(JobPicture {
             start,
             end: out.len(),
-            key: picture_key(&bytes),
-            rows: Arc::new(rows),
+            key,
+            rows,
         });
         from = at + 1;
     }
@@ -181,6 +232,30 @@ mod tests {
         assert_eq!(call_end(&pics, 10, 30), 12);
         assert_eq!(call_end(&pics, 12, 13), 20);
         assert_eq!(call_end(&pics, 20, 30), 30);
+    }
+
+    #[test]
+    fn the_cache_keeps_the_latest_pictures_within_its_bounds() {
+        let mut cache = PictureCache::default();
+        let rows = |n: usize| ImageRows {
+            n_x: n,
+            n_y: 1,
+            width: 1,
+            values: vec![n as f32; n],
+        };
+        for k in 0..PICTURE_CACHE_ENTRIES as u64 + 1 {
+            cache.rows(k, || Ok(rows(1))).unwrap();
+        }
+        assert_eq!(cache.encoded, PICTURE_CACHE_ENTRIES as u64 + 1);
+        // Picture 0 went first; 1 is still kept (and now the most recent).
+        assert_eq!(cache.rows(1, || Err("kept".into())).unwrap().n_x, 1);
+        assert_eq!(cache.reused, 1);
+        assert!(cache.rows(0, || Err("encoded again".into())).is_err());
+        // A failed encoding keeps nothing; rows over the byte bound push the others out.
+        assert_eq!(cache.entries.len(), PICTURE_CACHE_ENTRIES);
+        let big = PICTURE_CACHE_BYTES / 4;
+        cache.rows(99, || Ok(rows(big))).unwrap();
+        assert_eq!(cache.entries.len(), 1);
     }
 
     #[test]

@@ -55,6 +55,7 @@ impl Job {
         info: &ModelInfo,
         n_ctx: usize,
         vision: Option<&VisionEncoder>,
+        cache: &mut pictures::PictureCache,
     ) -> Result<Job, (ErrorCode, String)> {
         let bad = |m: String| Err((ErrorCode::BadRequest, m));
         // The parser checked it already; checking again keeps a Gen built elsewhere honest.
@@ -78,7 +79,7 @@ impl Job {
             ));
         }
         let max_tokens = gen.max_tokens() as usize;
-        let widened = pictures::widen(&gen.tokens, &gen.pictures, vision, n_ctx)?;
+        let widened = pictures::widen(&gen.tokens, &gen.pictures, vision, n_ctx, cache)?;
         let prompt_len = widened.tokens.len();
         // A server cannot know how many rows the pictures take (the projector decides), so it cannot
         // size max_tokens to the room left: with pictures, the answer is cut to the room instead of

@@ -86,6 +86,8 @@ pub struct Session<'a, W: Write> {
     placement_echo: Vec<(String, String)>,
     /// The projector that reads GENs' pictures (`--mmproj`) and its file, echoed in READY.
     pub(super) vision: Option<(&'a VisionEncoder<'a>, &'a Path)>,
+    /// The pictures encoded last, kept for the next turns that send them again.
+    pictures: super::pictures::PictureCache,
 }
 
 impl<'a, W: Write> Session<'a, W> {
@@ -149,6 +151,7 @@ impl<'a, W: Write> Session<'a, W> {
             totals: Totals::default(),
             calls_over_states: 0,
             vision: None,
+            pictures: Default::default(),
         }
     }
 
@@ -318,7 +321,8 @@ impl<'a, W: Write> Session<'a, W> {
                     )?;
                 } else {
                     let vision = self.vision.map(|(v, _)| v);
-                    match Job::check(gen, self.model.info(), self.n_ctx, vision) {
+                    let cache = &mut self.pictures;
+                    match Job::check(gen, self.model.info(), self.n_ctx, vision, cache) {
                         Ok(job) => self.queue.push_back(job),
                         Err((code, message)) => self.error(Some(id), code, message)?,
                     }
@@ -506,6 +510,8 @@ impl<'a, W: Write> Session<'a, W> {
             "cached_tokens": t.cached_tokens,
             "generated": t.generated,
             "guesses": self.guess_rates.report(),
+            "pictures_encoded": self.pictures.encoded,
+            "pictures_reused": self.pictures.reused,
         });
         let mut extra = extra;
         if let (Some(c), serde_json::Value::Object(m)) = (self.model.expert_stats(), &mut extra) {
