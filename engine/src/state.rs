@@ -354,6 +354,18 @@ pub struct SeqState {
     /// the cells from there lag behind their index (a picture's rows advance the positions by its span,
     /// not by its row count), cumulative, in order.
     picture_lags: Vec<(usize, u32)>,
+    /// The cells each picture's rows took and the key of the picture ([`SeqState::key_last_picture`];
+    /// 0 unless given), in order: what tells two pictures of the same size apart when a prompt is
+    /// matched against the kept tokens, whose placeholders are the same.
+    picture_marks: Vec<PictureMark>,
+}
+
+/// Where a picture's rows are in a sequence's cells and which picture it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PictureMark {
+    pub start: usize,
+    pub end: usize,
+    pub key: u64,
 }
 
 /// The trunk's post-norm hidden rows of positions `from..from + data.len() / width`: what the model's
@@ -398,6 +410,7 @@ impl SeqState {
             deferred: None,
             hidden: None,
             picture_lags: Vec::new(),
+            picture_marks: Vec::new(),
         }
     }
 
@@ -486,11 +499,30 @@ impl SeqState {
         let lag = self.picture_lags.last().map_or(0, |&(_, l)| l);
         let lag = lag + n_rows.saturating_sub(span) as u32;
         self.picture_lags.push((end, lag));
+        self.picture_marks.push(PictureMark {
+            start: end.saturating_sub(n_rows),
+            end,
+            key: 0,
+        });
+    }
+
+    /// Names the picture read last: `key` stands for its content (a hash of its file), so that a prompt
+    /// with another picture in its place does not resume from this state past it.
+    pub fn key_last_picture(&mut self, key: u64) {
+        if let Some(m) = self.picture_marks.last_mut() {
+            m.key = key;
+        }
+    }
+
+    /// The pictures read, in order.
+    pub fn picture_marks(&self) -> &[PictureMark] {
+        &self.picture_marks
     }
 
     /// Forgets the pictures that ended after cell `n`.
     fn cut_pictures(&mut self, n: usize) {
         self.picture_lags.retain(|&(from, _)| from <= n);
+        self.picture_marks.retain(|m| m.end <= n);
     }
 
     /// Drops the kept hidden rows of positions `n` and after (the state went back to `n` tokens).

@@ -66,6 +66,17 @@ pub struct Ready {
     /// flag name without `--`; empty (and absent from the line) when every one is the default.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub knobs: BTreeMap<String, String>,
+    /// The projector that reads a GEN's pictures (`--mmproj`); absent: the engine reads text only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vision: Option<Vision>,
+}
+
+/// READY's `vision`: the projector file and its type (`qwen3vl_merger`), which says how a picture's
+/// placeholder is written around (Qwen-VL: `<|vision_start|>`, the placeholder, `<|vision_end|>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vision {
+    pub mmproj: String,
+    pub projector: String,
 }
 
 /// How a prompt is read: in calls of `ubatch` tokens, or `long_ubatch` while more than `ubatch` remain
@@ -317,6 +328,10 @@ mod tests {
                 checkpoint_every: 8192,
             }),
             knobs: [("mmq".to_string(), "off".to_string())].into(),
+            vision: Some(Vision {
+                mmproj: "/m/mmproj.gguf".into(),
+                projector: "qwen3vl_merger".into(),
+            }),
         }));
         round_trip(FromEngine::Tokens(Tokens {
             id: "r1".into(),

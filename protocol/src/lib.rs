@@ -27,18 +27,20 @@
 //! assert_eq!(line, r#"T {"id":"r1","tokens":[42],"logprobs":[-0.25]}"#);
 //! ```
 
+mod base64;
 mod error;
 mod from_engine;
 mod line;
 mod to_engine;
 
+pub use base64::{decode_base64, encode_base64};
 pub use error::{ErrorCode, ProtocolError};
 pub use from_engine::{
     ConversationInfo, Done, ErrorReply, FromEngine, LeftOut, Progress, PromptCalls, Ready, Stats,
-    StopReason, SwappedIn, Tokens,
+    StopReason, SwappedIn, Tokens, Vision,
 };
 pub use line::{read_line_bounded, LineRead};
-pub use to_engine::{Cancel, Gen, ToEngine};
+pub use to_engine::{Cancel, Gen, Picture, ToEngine, MAX_PICTURES};
 
 /// The protocol version the engine announces in its `READY` line.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -65,7 +65,24 @@ pub struct Gen {
     /// cannot be rewound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_at: Option<u32>,
+    /// Pictures read into the prompt (a model served with a projector, `--mmproj`): each stands for the
+    /// one token at its `at`, which the engine widens to the picture's rows. Absent: text only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pictures: Vec<Picture>,
 }
+
+/// One picture of a `GEN`: the encoded image file (PNG, JPEG or WebP) in base64, and the index in
+/// `tokens` of the placeholder token it replaces. The engine encodes it with its projector into rows and
+/// reads them where the placeholder stands, each row recorded as that token; the tokens after it move
+/// back by the rows less one.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Picture {
+    pub at: u32,
+    pub data: String,
+}
+
+/// The most pictures one `GEN` may carry (each is encoded before the request runs).
+pub const MAX_PICTURES: usize = 64;
 
 impl Gen {
     pub const DEFAULT_MAX_TOKENS: u32 = 256;
@@ -162,6 +179,39 @@ impl Gen {
         }
         if self.repeat_penalty == Some(0.0) {
             return bad("GEN: repeat_penalty must be above 0".into());
+        }
+        self.check_pictures()
+            .map_err(|m| ProtocolError::bad_request(Some(self.id.clone()), format!("GEN: {m}")))
+    }
+
+    /// Pictures in prompt order, each on its own token with at least one token after it (the request's
+    /// logits come from a token of text), none empty, at most [`MAX_PICTURES`].
+    fn check_pictures(&self) -> Result<(), String> {
+        if self.pictures.len() > MAX_PICTURES {
+            return Err(format!(
+                "{} pictures; at most {MAX_PICTURES}",
+                self.pictures.len()
+            ));
+        }
+        let mut after = None;
+        for (i, p) in self.pictures.iter().enumerate() {
+            if after.is_some_and(|a| p.at <= a) {
+                return Err(format!(
+                    "pictures[{i}].at {} is not after the picture before it",
+                    p.at
+                ));
+            }
+            if p.at as usize + 1 >= self.tokens.len() {
+                return Err(format!(
+                    "pictures[{i}].at {} needs a prompt token after it (the prompt has {})",
+                    p.at,
+                    self.tokens.len()
+                ));
+            }
+            if p.data.is_empty() {
+                return Err(format!("pictures[{i}].data is empty"));
+            }
+            after = Some(p.at);
         }
         Ok(())
     }
@@ -364,6 +414,33 @@ mod tests {
         assert!(err(&format!(r#"CANCEL {{"id":"{long}"}}"#))
             .message
             .contains("longer"));
+    }
+
+    #[test]
+    fn pictures_round_trip_and_are_checked() {
+        let line = r#"GEN {"id":"r1","tokens":[1,2,3,4],"pictures":[{"at":1,"data":"Zm9v"},{"at":2,"data":"YmFy"}]}"#;
+        let req = ToEngine::parse(line).unwrap();
+        let ToEngine::Gen(g) = &req else {
+            panic!("not a GEN")
+        };
+        assert_eq!(g.pictures.len(), 2);
+        assert_eq!(ToEngine::parse(&req.to_line()).unwrap(), req);
+        // Without pictures the line is what version 1 always wrote.
+        let plain = ToEngine::Gen(Gen::new("r1", vec![1]));
+        assert!(!plain.to_line().contains("pictures"));
+        for (pictures, needle) in [
+            (r#"[{"at":2,"data":"a"},{"at":1,"data":"b"}]"#, "not after"),
+            (r#"[{"at":1,"data":"a"},{"at":1,"data":"b"}]"#, "not after"),
+            (r#"[{"at":3,"data":"a"}]"#, "after it"),
+            (r#"[{"at":1,"data":""}]"#, "empty"),
+            (r#"[{"at":1}]"#, "pictures"),
+        ] {
+            let e = err(&format!(
+                r#"GEN {{"id":"r2","tokens":[1,2,3,4],"pictures":{pictures}}}"#
+            ));
+            assert_eq!(e.id.as_deref(), Some("r2"));
+            assert!(e.message.contains(needle), "{}", e.message);
+        }
     }
 
     #[test]

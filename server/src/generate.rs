@@ -96,6 +96,22 @@ pub enum FinishReason {
     Cancelled,
 }
 
+/// Why an engine that announced `vision` in READY cannot read a request's pictures, if it cannot.
+fn refuses_pictures(vision: Option<&poly_protocol::Vision>, model: &str) -> Option<String> {
+    match vision {
+        None => Some(format!(
+            "messages hold pictures, but model {model:?} reads text only (its run config names no \
+             projector, `mmproj`); send text"
+        )),
+        // The picture tokens around each placeholder are Qwen-VL's (`crate::model_text`).
+        Some(v) if v.projector != "qwen3vl_merger" => Some(format!(
+            "the engine's projector {:?} is not one this server writes pictures for",
+            v.projector
+        )),
+        Some(_) => None,
+    }
+}
+
 /// A generation in progress. Dropping it without finishing cancels the engine request (best effort).
 pub struct Generation {
     lease: Lease,
@@ -119,10 +135,20 @@ impl Generation {
         sampling: &Sampling,
         output: Output,
     ) -> Result<Generation, Failure> {
-        Generation::start_in(lease, id, prompt, sampling, output, Resume::default())
+        Generation::start_in(
+            lease,
+            id,
+            prompt,
+            sampling,
+            output,
+            Resume::default(),
+            Vec::new(),
+        )
     }
 
-    /// Sends the request to the engine as part of the conversation `resume` names.
+    /// Sends the request to the engine as part of the conversation `resume` names, with `pictures` at
+    /// their placeholders in `prompt`. Pictures for an engine without a projector are refused here with
+    /// the APIs' text-only message.
     pub fn start_in(
         lease: Lease,
         id: String,
@@ -130,6 +156,7 @@ impl Generation {
         sampling: &Sampling,
         output: Output,
         resume: Resume,
+        pictures: Vec<poly_protocol::Picture>,
     ) -> Result<Generation, Failure> {
         let text: Arc<ModelText> = lease.text();
         let ready = lease.engine().ready().clone();
@@ -139,6 +166,11 @@ impl Generation {
         };
         if prompt.is_empty() {
             return Err(refused("the prompt is empty".into()));
+        }
+        if !pictures.is_empty() {
+            if let Some(why) = refuses_pictures(ready.vision.as_ref(), &lease.model().id) {
+                return Err(refused(why));
+            }
         }
         let room = ready.n_ctx.saturating_sub(prompt.len() as u32);
         if room == 0 {
@@ -188,6 +220,7 @@ impl Generation {
             top_logprobs: sampling.top_logprobs,
             conversation: resume.conversation,
             checkpoint_at: resume.checkpoint_at,
+            pictures,
         };
         let events = lease.engine().generate(gen).map_err(Failure::died)?;
         Ok(Generation {

@@ -109,6 +109,9 @@ pub struct RunConfig {
     pub chat_template: Option<String>,
     /// A draft (MTP) model the config names.
     pub draft: Option<String>,
+    /// The vision projector (`mmproj` GGUF) the engine reads pictures with (`--mmproj`), relative to
+    /// `cwd`. Only a run config names it: a request's names never become paths.
+    pub mmproj: Option<PathBuf>,
     pub memory_debug: bool,
     /// Seconds this model's engine may owe an answer and send nothing before it is killed and replaced
     /// (0: never); else the server's `--stall-timeout`.
@@ -139,6 +142,8 @@ struct RunConfigFile {
     chat_template: Option<String>,
     #[serde(default)]
     draft: Option<String>,
+    #[serde(default)]
+    mmproj: Option<String>,
     #[serde(default)]
     memory_debug: bool,
     #[serde(default)]
@@ -301,6 +306,7 @@ fn parse_config(
     let parsed: RunConfigFile = serde_json::from_value(Value::Object(raw.clone()))
         .map_err(|e| format!("bad run config: {e}"))?;
     let cwd = resolve(home, parsed.cwd.as_deref().unwrap_or("."));
+    let cwd_for_mmproj = cwd.clone();
     Ok(RunConfig {
         name,
         file: file.to_path_buf(),
@@ -312,6 +318,7 @@ fn parse_config(
         notes: parsed.notes,
         chat_template: parsed.chat_template,
         draft: parsed.draft,
+        mmproj: parsed.mmproj.map(|m| resolve(&cwd_for_mmproj, &m)),
         memory_debug: parsed.memory_debug,
         stall_timeout_s: parsed.stall_timeout_s,
         sampling: parsed.sampling,

@@ -38,7 +38,21 @@ pub struct ChatInput {
     /// Off by default: only the template's own markers are control tokens, so text from a user cannot
     /// forge turns or roles (`<|im_end|><|im_start|>system` stays text).
     pub parse_special: bool,
+    /// The pictures (base64 image files) whose places [`PICTURE_MARK`]s hold in `messages`, in order.
+    pub pictures: Vec<String>,
 }
+
+/// Where a picture stood in a message's text (`crate::http::pictures` puts it there): a private-use
+/// character no template treats specially, written as the model's picture tokens when the prompt is
+/// tokenized ([`ModelText::encode_chat_pictures`]).
+pub const PICTURE_MARK: char = '\u{E002}';
+
+/// The tokens around a picture's placeholder, as llama.cpp's mtmd writes them for the Qwen-VL projectors
+/// (`qwen3vl_merger`, the one the engine reads): `<|vision_start|>`, the placeholder the engine widens to
+/// the picture's rows, `<|vision_end|>`.
+pub const PICTURE_OPEN: &str = "<|vision_start|>";
+pub const PICTURE_PAD: &str = "<|image_pad|>";
+pub const PICTURE_CLOSE: &str = "<|vision_end|>";
 
 /// A rendered chat prompt and how the reply must be read.
 #[derive(Clone, Debug)]
@@ -48,6 +62,9 @@ pub struct RenderedChat {
     /// tokenized as plain text ([`ModelText::encode_chat`]).
     pub literal: Vec<std::ops::Range<usize>>,
     pub parser: ParserSetup,
+    /// The GEN's pictures at their placeholders, once the prompt is tokenized
+    /// ([`crate::http::prepare::chat_prompt`]); empty for a text chat.
+    pub pictures: Vec<poly_protocol::Picture>,
 }
 
 /// Where message text lies in a rendered prompt: a message string that holds a special-token text is
@@ -232,6 +249,7 @@ impl ModelText {
                 tools: input.tools.clone().unwrap_or_default(),
                 starts_in_reasoning,
             },
+            pictures: Vec::new(),
         })
     }
 
@@ -312,6 +330,71 @@ impl ModelText {
             .map_err(EncodeError::Failed)
     }
 
+    /// The ids of a rendered chat with pictures within `n_ctx`, as [`ModelText::encode_chat`], with each
+    /// [`PICTURE_MARK`] written as [`PICTURE_OPEN`], the placeholder and [`PICTURE_CLOSE`]; and the
+    /// placeholders' indices, in order. The placeholder is [`PICTURE_PAD`]'s id, or 0 in a vocabulary
+    /// without it (the engine reads the picture's rows in its place whatever its id).
+    pub fn encode_chat_pictures(
+        &self,
+        chat: &RenderedChat,
+        n_ctx: u32,
+    ) -> Result<(Vec<u32>, Vec<usize>), EncodeError> {
+        self.check_size(&chat.prompt, n_ctx)?;
+        self.encode_marked(&chat.prompt, &chat.literal)
+            .map_err(EncodeError::Failed)
+    }
+
+    /// [`ModelText::encode_segments`] with [`PICTURE_MARK`]s written as picture tokens: the ids and the
+    /// placeholders' indices.
+    fn encode_marked(
+        &self,
+        text: &str,
+        literal: &[std::ops::Range<usize>],
+    ) -> Result<(Vec<u32>, Vec<usize>), String> {
+        let tok = &self.tokenizer;
+        let err = |e: crate::text::TextError| e.to_string();
+        let open = tok.encode(PICTURE_OPEN, false, true).map_err(err)?;
+        let close = tok.encode(PICTURE_CLOSE, false, true).map_err(err)?;
+        let pad = tok.token_id(PICTURE_PAD).unwrap_or(0);
+        // The text as segments read with special-token texts as tokens, or (message text holding
+        // them) as plain text.
+        let mut segments = Vec::new();
+        let mut at = 0;
+        for r in literal {
+            if r.start > at {
+                segments.push((at..r.start, false));
+            }
+            segments.push((r.clone(), true));
+            at = r.end;
+        }
+        if at < text.len() {
+            segments.push((at..text.len(), false));
+        }
+        let config = &tok.config;
+        let mut ids = Vec::new();
+        let mut places = Vec::new();
+        if config.add_bos {
+            ids.extend(config.bos.as_ref().map(|t| t.id));
+        }
+        for (range, plain) in segments {
+            for (k, piece) in text[range].split(PICTURE_MARK).enumerate() {
+                if k > 0 {
+                    ids.extend_from_slice(&open);
+                    places.push(ids.len());
+                    ids.push(pad);
+                    ids.extend_from_slice(&close);
+                }
+                if !piece.is_empty() {
+                    ids.extend(tok.encode(piece, false, !plain).map_err(err)?);
+                }
+            }
+        }
+        if config.add_eos {
+            ids.extend(config.eos.as_ref().map(|t| t.id));
+        }
+        Ok((ids, places))
+    }
+
     /// `text` tokenized in segments: the ranges of `literal` as plain text, the rest with special-token
     /// texts as tokens; BOS and EOS as the model adds them to a whole text.
     fn encode_segments(
@@ -362,7 +445,13 @@ impl ModelText {
             None => &input.messages[..],
         };
         let conversation = (!opening.is_empty()).then(|| {
-            let text = Value::Array(opening.to_vec()).to_string();
+            let mut text = Value::Array(opening.to_vec()).to_string();
+            // The opening's pictures are marks in its text: two chats that open with other pictures are
+            // two conversations (each kept), not one that the engine would read again.
+            let shown = text.matches(PICTURE_MARK).count();
+            for picture in input.pictures.iter().take(shown) {
+                text.push_str(picture);
+            }
             format!("chat-{:016x}", fnv1a64(text.as_bytes()))
         });
         Resume {
@@ -375,7 +464,10 @@ impl ModelText {
     /// told, or when it is the whole prompt).
     fn turn_start(&self, input: &ChatInput, prompt: &[u32]) -> Option<usize> {
         let (without, literal) = self.render_marked(input, false).ok()?;
-        let tokens = self.encode_segments(&without, &literal).ok()?;
+        let tokens = match input.pictures.is_empty() {
+            true => self.encode_segments(&without, &literal).ok()?,
+            false => self.encode_marked(&without, &literal).ok()?.0,
+        };
         let shared = tokens
             .iter()
             .zip(prompt)

@@ -243,8 +243,13 @@ impl Registry {
             .as_ref()
             .map(|s| params_of(s.size_label.as_deref(), s.n_elements))
             .unwrap_or((None, None));
-        let multimodal =
-            config.args.iter().any(|a| a == "--mmproj") || config.raw.contains_key("mmproj");
+        // Pictures are read only with the projector there (a configured one that is missing would stop
+        // the engine at its start).
+        if let Some(m) = config.mmproj.as_ref().filter(|m| !m.is_file()) {
+            problems.push(format!("projector (mmproj) {} not found", m.display()));
+        }
+        let multimodal = config.args.iter().any(|a| a == "--mmproj")
+            || config.mmproj.as_ref().is_some_and(|m| m.is_file());
         let trained = summary
             .as_ref()
             .and_then(|s| s.context_length)

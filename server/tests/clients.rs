@@ -3,6 +3,9 @@
 //! Gemma 3 270M with its run config naming Gemma 3's turn format when its GGUF is present
 //! (`POLY_GEMMA_GGUF`, which tests/run.sh sets, else /work/models/gemma-3-270m-q4_k_m.gguf).
 //!
+//! A picture and a question through both clients go to the tiny qwen35moe with the tiny projector
+//! `poly-engine synth --arch qwen3vl-mmproj` writes (its run config's `mmproj`).
+//!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: about 40 short generations per model; under a minute in release on 2 cores.
 
@@ -38,6 +41,34 @@ fn openai_and_anthropic_packages_as_clients() {
     let home = Home::new("clients");
     home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
     home.add_model("gemma3", "gemma3-tiny-q4km.gguf", json!({}));
+    let mmproj = home.dir.join("mmproj-tiny.gguf");
+    let synth = Command::new(common::engine_bin())
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(
+        synth.status.success(),
+        "{}",
+        String::from_utf8_lossy(&synth.stderr)
+    );
+    // Pictures are read on the CPU.
+    let vision = common::fixture("qwen35moe-tiny-q4km.gguf");
+    let vision_args = json!([
+        "--model",
+        vision,
+        "--max-context",
+        "4096",
+        "--threads",
+        "1",
+        "--cpu"
+    ]);
+    home.add_model(
+        "vision",
+        "qwen35moe-tiny-q4km.gguf",
+        json!({"mmproj": mmproj, "args": vision_args}),
+    );
     let mut models = vec!["qwen3", "gemma3"];
     if let Some(gguf) = gemma_270m() {
         let tok = home.tokenizer_for("gemma-270m", &gguf);
@@ -60,6 +91,11 @@ fn openai_and_anthropic_packages_as_clients() {
         .arg(&script)
         .env("POLYSTRATA_URL", format!("http://{}", server.addr))
         .env("POLYSTRATA_MODELS", models.join(","))
+        .env("POLYSTRATA_VISION_MODEL", "vision")
+        .env(
+            "POLYSTRATA_PICTURE",
+            common::workspace_root().join("tests/fixtures/vision/picture-64x48.png"),
+        )
         .output()
         .expect("run clients.py");
     let stdout = String::from_utf8_lossy(&out.stdout);

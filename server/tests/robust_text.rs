@@ -5,6 +5,7 @@
 //!
 //! Real tokenizers: the tiny qwen3moe fixture (ChatML markers) always; SmolLM2-135M-Instruct
 //! (`POLY_SMOLLM2_GGUF`) and Gemma 3 270M (`POLY_GEMMA_GGUF`) when tests/run.sh provides them.
+//! A picture beside a typed control text keeps its place (issue 21 stage 3).
 //! Cost: well under a second per model (Gemma 3's 262,144-token vocabulary: a few seconds).
 
 mod common;
@@ -136,4 +137,48 @@ fn a_message_without_special_texts_is_tokenized_as_before() {
         text.encode_chat(&rendered, 1 << 20).expect("encodes"),
         text.encode(&rendered.prompt).expect("encodes")
     );
+}
+
+/// A picture's mark in a message that also holds a control token's text (tokenized as plain text): the
+/// picture gets its place, written as the picture tokens around the placeholder, and the typed control
+/// text stays text.
+#[test]
+fn a_picture_beside_typed_control_texts_keeps_its_place() {
+    use polystrata::model_text::{PICTURE_CLOSE, PICTURE_MARK, PICTURE_OPEN};
+    let home = Home::new("forgery-picture");
+    let text = model_text(
+        &home,
+        "qwen3",
+        &common::fixture("qwen3moe-tiny-q4km.gguf"),
+        None,
+    );
+    let im_end = id_of(&text, "<|im_end|>");
+    let input = ChatInput {
+        pictures: vec!["Zm9v".into()],
+        ..chat(&format!("<|im_end|> look {PICTURE_MARK} here"), false)
+    };
+    let rendered = text.render_chat(&input).expect("renders");
+    assert!(!rendered.literal.is_empty(), "the message is kept as text");
+    let (ids, places) = text
+        .encode_chat_pictures(&rendered, 1 << 20)
+        .expect("encodes");
+    assert_eq!(places.len(), 1);
+    let plain = text
+        .encode_chat(
+            &text.render_chat(&chat("hi", false)).expect("renders"),
+            1 << 20,
+        )
+        .expect("encodes");
+    assert_eq!(
+        count(&ids, im_end),
+        count(&plain, im_end),
+        "typed text stays text"
+    );
+    let (open, close) = (
+        text.encode(PICTURE_OPEN).expect("encodes"),
+        text.encode(PICTURE_CLOSE).expect("encodes"),
+    );
+    let at = places[0];
+    assert_eq!(&ids[at - open.len()..at], &open[..]);
+    assert_eq!(&ids[at + 1..at + 1 + close.len()], &close[..]);
 }

@@ -3,6 +3,7 @@
 Driven by server/tests/clients.rs, which starts the server over real engine children and passes:
   POLYSTRATA_URL     http://127.0.0.1:PORT
   POLYSTRATA_MODELS  comma-separated model ids to chat with (each gets every check)
+  POLYSTRATA_VISION_MODEL, POLYSTRATA_PICTURE  (optional) a model that reads pictures and a PNG to show it
 Synthetic models write noise, so the checks are about the protocol: shapes, streaming, tools carried in
 the conversation, usage, logprobs, and errors; parsing of each family's formats is proven in the text
 side's own tests.
@@ -10,6 +11,7 @@ side's own tests.
 usage: python clients.py   (exits non-zero on the first failure, printing which check failed)
 """
 
+import base64
 import json
 import os
 import sys
@@ -356,6 +358,68 @@ def openai_responses(model):
             check(e.status_code == 400, str(e))
 
 
+def pictures(model, path):
+    """A picture and a question through both clients: answered; remote pictures refused with a 400."""
+    with open(path, "rb") as f:
+        data = base64.b64encode(f.read()).decode()
+    r = oa.chat.completions.create(
+        model=model,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+                ],
+            }
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    check(r.choices[0].finish_reason in ("stop", "length"), f"finish {r.choices[0].finish_reason}")
+    # The picture's rows are prompt tokens: many more than the question's words.
+    check(r.usage.prompt_tokens > 12, f"prompt tokens {r.usage.prompt_tokens}")
+    m = an.messages.create(
+        model=model,
+        max_tokens=4,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                    {"type": "text", "text": "What is in this picture?"},
+                ],
+            }
+        ],
+    )
+    check(m.type == "message" and m.usage.output_tokens > 0, f"anthropic {m}")
+    try:
+        oa.chat.completions.create(
+            model=model,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+            ],
+            max_tokens=4,
+        )
+        raise AssertionError("a remote picture was accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and "not fetched" in str(e), str(e))
+    try:
+        an.messages.create(
+            model=model,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}],
+                }
+            ],
+        )
+        raise AssertionError("a remote picture was accepted")
+    except anthropic.BadRequestError as e:
+        check(e.status_code == 400 and "not fetched" in str(e), str(e))
+
+
 def main():
     if "--scripted" in sys.argv:
         checks = [("scripted tool calls", scripted_tool_calls)]
@@ -370,6 +434,10 @@ def main():
             (f"{m}: openai responses", lambda m=m: openai_responses(m)),
             (f"{m}: anthropic messages", lambda m=m: anthropic_messages(m)),
         ]
+    vision = os.environ.get("POLYSTRATA_VISION_MODEL")
+    if vision:
+        picture = os.environ["POLYSTRATA_PICTURE"]
+        checks.append((f"{vision}: pictures", lambda: pictures(vision, picture)))
     run(checks)
 
 

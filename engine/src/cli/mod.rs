@@ -111,6 +111,10 @@ struct ServeArgs {
     /// count, gives the same results bit for bit.
     #[arg(long)]
     batch_invariant: bool,
+    /// A vision projector (`mmproj` GGUF, the `clip` layout llama.cpp's mtmd reads) that reads the
+    /// pictures GENs carry into the prompt (on the CPU; READY's `vision` echoes it).
+    #[arg(long, value_name = "FILE")]
+    mmproj: Option<PathBuf>,
     /// No warm-up before READY on a GPU (a short read and a few tokens that load the kernels and capture
     /// the shallow decode graph; was POLY_WARMUP=0).
     #[arg(long)]
@@ -372,6 +376,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 draft_block: a.draft_block,
                 warm_up: !a.no_warmup,
                 parallel: a.parallel as usize,
+                mmproj: a.mmproj,
                 device,
                 placement: a.placement.placement(
                     a.max_context,

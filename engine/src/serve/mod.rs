@@ -18,6 +18,7 @@ mod draft;
 mod draft_block;
 mod input;
 pub(crate) mod memory;
+mod pictures;
 mod repeats;
 mod request;
 mod session;
@@ -81,6 +82,8 @@ pub struct ServeOptions {
     pub warm_up: bool,
     /// Most requests running at once, taking turns token by token (`--parallel`; 1: one at a time).
     pub parallel: usize,
+    /// The vision projector (`mmproj`) that reads GENs' pictures (`--mmproj`; on the CPU).
+    pub mmproj: Option<PathBuf>,
 }
 
 /// Prompt tokens per forward call on a GPU unless told otherwise: the grouped expert kernels read each
@@ -250,6 +253,32 @@ fn load_draft(path: &Path, main: &Model, arithmetic: Arithmetic) -> Result<Model
     }
 }
 
+/// The projector in `file` for `model`, or why it cannot read pictures into it.
+fn load_vision<'f>(
+    file: &'f GgufFile,
+    model: &Model,
+) -> Result<poly_models::vision::VisionEncoder<'f>, String> {
+    if poly_models::arch::Forward::multi_section_rope(model.graph()).is_none() {
+        return Err(format!(
+            "{} reads no pictures (its RoPE has no sections)",
+            model.info().arch
+        ));
+    }
+    let vision = poly_models::vision::VisionEncoder::load(file).map_err(|e| e.to_string())?;
+    if vision.out_width() != model.info().n_embd {
+        return Err(format!(
+            "its rows are {} wide, the model's embedding {}",
+            vision.out_width(),
+            model.info().n_embd
+        ));
+    }
+    eprintln!(
+        "poly-engine: projector {} for pictures",
+        vision.projector_type()
+    );
+    Ok(vision)
+}
+
 /// The stack of the pool's threads, the session's among them (the main thread's size).
 const SESSION_STACK: usize = 8 << 20;
 
@@ -336,6 +365,40 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
             ),
         );
     }
+    // Loaded here, before READY, so that a projector that cannot serve this model is one ERR at start
+    // rather than one per request.
+    // On a card the engine serves text only: pictures are read on the CPU so far, and a run config that
+    // names a projector (setup writes one) must not keep the model from loading.
+    let mmproj_path = opts.mmproj.as_ref().filter(|p| {
+        let on_card = loaded.model.on_gpu();
+        if on_card {
+            eprintln!(
+                "poly-engine: {} not used: pictures are read with the model on the CPU only for now \
+                 (give --cpu); this engine reads text only",
+                p.display()
+            );
+        }
+        !on_card
+    });
+    let mmproj = match mmproj_path {
+        Some(path) => match GgufFile::open(path) {
+            Ok(file) => Some((file, path.as_path())),
+            Err(e) => return fail(&mut out, format!("cannot read {}: {e}", path.display())),
+        },
+        None => None,
+    };
+    let vision = match &mmproj {
+        Some((file, path)) => match load_vision(file, &loaded.model) {
+            Ok(v) => Some((v, *path)),
+            Err(e) => {
+                return fail(
+                    &mut out,
+                    format!("cannot use {} as the projector: {e}", path.display()),
+                )
+            }
+        },
+        None => None,
+    };
     if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }
@@ -348,6 +411,7 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
         &mut out,
     );
     session.draft = draft.as_ref();
+    session.vision = vision.as_ref().map(|(v, path)| (v, *path));
     match session.run(&opts.model, loaded.experts_total) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

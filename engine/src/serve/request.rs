@@ -20,13 +20,15 @@ use poly_protocol::{
     ConversationInfo, Done, ErrorCode, FromEngine, Gen, Progress, StopReason, Tokens,
 };
 
+use super::pictures::{self, JobPicture};
 use super::repeats::Repeats;
 use super::session::{Control, Session};
 use super::store::{Conversation, Origin, Undo};
 use crate::gpu::expert_cache::CacheStats;
 use crate::model::EngineError;
 use crate::sample::{Sampler, SamplerConfig, TopLogprobs};
-use crate::state::{Checkpoint, SeqState};
+use crate::state::{Checkpoint, PictureMark, SeqState};
+use poly_models::vision::VisionEncoder;
 
 /// A checked GEN, ready to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -40,11 +42,21 @@ pub struct Job {
     pub conversation: Option<String>,
     /// A position of the prompt to keep a checkpoint at.
     pub checkpoint_at: Option<usize>,
+    /// The pictures read into `prompt` (widened: each picture's placeholder repeated once per row).
+    pub pictures: Vec<JobPicture>,
 }
 
 impl Job {
     /// Checks `gen` against the model and the context; the error's code and message otherwise.
-    pub fn check(gen: Gen, info: &ModelInfo, n_ctx: usize) -> Result<Job, (ErrorCode, String)> {
+    /// Pictures are decoded and encoded here with `vision` (a bad one is refused before the request
+    /// waits) and the prompt widened by their rows; `prompt_tokens` and the context count the rows.
+    pub fn check(
+        gen: Gen,
+        info: &ModelInfo,
+        n_ctx: usize,
+        vision: Option<&VisionEncoder>,
+        cache: &mut pictures::PictureCache,
+    ) -> Result<Job, (ErrorCode, String)> {
         let bad = |m: String| Err((ErrorCode::BadRequest, m));
         // The parser checked it already; checking again keeps a Gen built elsewhere honest.
         if let Err(e) = gen.check() {
@@ -67,7 +79,15 @@ impl Job {
             ));
         }
         let max_tokens = gen.max_tokens() as usize;
-        let prompt_len = gen.tokens.len();
+        let widened = pictures::widen(&gen.tokens, &gen.pictures, vision, n_ctx, cache)?;
+        let prompt_len = widened.tokens.len();
+        // A server cannot know how many rows the pictures take (the projector decides), so it cannot
+        // size max_tokens to the room left: with pictures, the answer is cut to the room instead of
+        // refused, as long as the widened prompt leaves room for one token.
+        let max_tokens = match widened.pictures.is_empty() {
+            true => max_tokens,
+            false => max_tokens.min(n_ctx.saturating_sub(prompt_len).max(1)),
+        };
         if prompt_len.saturating_add(max_tokens) > n_ctx {
             return Err((
                 ErrorCode::ContextOverflow,
@@ -78,11 +98,14 @@ impl Job {
         }
         let top_logprobs = (gen.top_logprobs() as usize).min(n_vocab);
         let checkpoint_at = gen.checkpoint_at.map(|p| p as usize);
-        if let Some(p) = checkpoint_at.filter(|&p| p > prompt_len) {
+        if let Some(p) = checkpoint_at.filter(|&p| p > gen.tokens.len()) {
             return bad(format!(
-                "checkpoint_at {p} lies beyond the prompt of {prompt_len} tokens"
+                "checkpoint_at {p} lies beyond the prompt of {} tokens",
+                gen.tokens.len()
             ));
         }
+        // Named in the request's tokens; kept in the widened prompt's.
+        let checkpoint_at = checkpoint_at.map(|p| widened.position(p));
         let sampler = SamplerConfig {
             temperature: gen.temperature(),
             top_k: gen.top_k() as usize,
@@ -97,7 +120,8 @@ impl Job {
         };
         Ok(Job {
             id: gen.id,
-            prompt: gen.tokens,
+            prompt: widened.tokens,
+            pictures: widened.pictures,
             max_tokens,
             sampler,
             stop_tokens,
@@ -105,6 +129,28 @@ impl Job {
             conversation: gen.conversation,
             checkpoint_at,
         })
+    }
+
+    /// Where its pictures are, as the kept states record them.
+    fn picture_marks(&self) -> Vec<PictureMark> {
+        self.pictures
+            .iter()
+            .map(|p| PictureMark {
+                start: p.start,
+                end: p.end,
+                key: p.key,
+            })
+            .collect()
+    }
+
+    /// The picture whose rows start at prompt position `pos`, if one does.
+    fn picture_at(&self, pos: usize) -> Option<&JobPicture> {
+        self.pictures.iter().find(|p| p.start == pos)
+    }
+
+    /// Whether prompt position `pos` is a picture's row (not a token of text).
+    fn in_picture(&self, pos: usize) -> bool {
+        self.pictures.iter().any(|p| p.start <= pos && pos < p.end)
     }
 
     /// Whether a checkpoint belongs at prompt position `pos`: every `every` tokens and where asked.
@@ -212,7 +258,7 @@ impl<W: std::io::Write> Session<'_, W> {
         if self.guessing_by_draft_block() {
             conv.state.keep_hidden(true);
         }
-        let resume = conv.resume_point(&job.prompt);
+        let resume = conv.resume_point(&job.prompt, &job.picture_marks());
         let undo = conv.rewind(resume);
         let cached = conv.state.n_past();
         let started_on = ConversationInfo {
@@ -299,12 +345,20 @@ impl<W: std::io::Write> Session<'_, W> {
                 .flatten()
                 .unwrap_or(end)
                 .min(pos + self.call_tokens(end - pos));
+            let next = pictures::call_end(&job.pictures, pos, next);
             let want = if next == end {
                 Logits::Last
             } else {
                 Logits::None
             };
-            r.logits = match model.eval(&mut r.conv.state, &job.prompt[pos..next], want) {
+            let call = &job.prompt[pos..next];
+            let read = match job.picture_at(pos) {
+                Some(p) => model
+                    .eval_picture(&mut r.conv.state, call, (0, &p.rows), want)
+                    .inspect(|_| r.conv.state.key_last_picture(p.key)),
+                None => model.eval(&mut r.conv.state, call, want),
+            };
+            r.logits = match read {
                 Ok(l) => l,
                 Err(e) => return Ok(Some(Err(e))),
             };
@@ -342,8 +396,11 @@ impl<W: std::io::Write> Session<'_, W> {
             r.conv.add_checkpoint();
         }
         let mut sampler = Sampler::new(job.sampler.clone());
-        for &t in &job.prompt {
-            sampler.accept(t);
+        // A picture's rows are no tokens the answer could repeat (`run --image` leaves them out too).
+        for (i, &t) in job.prompt.iter().enumerate() {
+            if !job.in_picture(i) {
+                sampler.accept(t);
+            }
         }
         let guesses = self.guessing();
         r.phase = Phase::Answer(Box::new(Answering {

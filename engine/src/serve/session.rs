@@ -25,6 +25,7 @@ use super::request::{Job, Running, Stepped};
 use super::store::{Conversation, Store};
 use super::{memory, send, ServeOptions, QUEUE_DEPTH};
 use crate::model::Model;
+use poly_models::vision::VisionEncoder;
 
 /// Running totals for STATS.
 #[derive(Debug, Default)]
@@ -83,6 +84,10 @@ pub struct Session<'a, W: Write> {
     pub(super) calls_over_states: u64,
     /// The placement's settings that differ from the defaults, echoed in READY with the knobs.
     placement_echo: Vec<(String, String)>,
+    /// The projector that reads GENs' pictures (`--mmproj`) and its file, echoed in READY.
+    pub(super) vision: Option<(&'a VisionEncoder<'a>, &'a Path)>,
+    /// The pictures encoded last, kept for the next turns that send them again.
+    pictures: super::pictures::PictureCache,
 }
 
 impl<'a, W: Write> Session<'a, W> {
@@ -145,6 +150,8 @@ impl<'a, W: Write> Session<'a, W> {
             quitting: false,
             totals: Totals::default(),
             calls_over_states: 0,
+            vision: None,
+            pictures: Default::default(),
         }
     }
 
@@ -208,6 +215,10 @@ impl<'a, W: Write> Session<'a, W> {
                 ubatch: self.ubatch as u32,
                 long_ubatch: self.long_ubatch as u32,
                 checkpoint_every: self.checkpoint_every as u32,
+            }),
+            vision: self.vision.map(|(v, path)| poly_protocol::Vision {
+                mmproj: path.display().to_string(),
+                projector: v.projector_type().into(),
             }),
         };
         self.send(&FromEngine::Ready(ready))?;
@@ -309,7 +320,9 @@ impl<'a, W: Write> Session<'a, W> {
                         format!("{QUEUE_DEPTH} requests are already waiting"),
                     )?;
                 } else {
-                    match Job::check(gen, self.model.info(), self.n_ctx) {
+                    let vision = self.vision.map(|(v, _)| v);
+                    let cache = &mut self.pictures;
+                    match Job::check(gen, self.model.info(), self.n_ctx, vision, cache) {
                         Ok(job) => self.queue.push_back(job),
                         Err((code, message)) => self.error(Some(id), code, message)?,
                     }
@@ -497,6 +510,8 @@ impl<'a, W: Write> Session<'a, W> {
             "cached_tokens": t.cached_tokens,
             "generated": t.generated,
             "guesses": self.guess_rates.report(),
+            "pictures_encoded": self.pictures.encoded,
+            "pictures_reused": self.pictures.reused,
         });
         let mut extra = extra;
         if let (Some(c), serde_json::Value::Object(m)) = (self.model.expert_stats(), &mut extra) {

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use crate::state::{Checkpoint, SeqState};
+use crate::state::{Checkpoint, PictureMark, SeqState};
 
 /// Most checkpoints one conversation keeps (each holds every recurrent layer's state: tens of MiB on a
 /// large model).
@@ -59,8 +59,21 @@ impl Conversation {
     /// The furthest position of `prompt` this conversation can resume from: within the prefix the
     /// state shares with `prompt`, and before the prompt's last token (whose logits the request needs,
     /// so it is always read). KV-only states resume anywhere; others at their end or at a checkpoint.
-    pub fn resume_point(&self, prompt: &[u32]) -> usize {
-        let shared = common_prefix(self.state.tokens(), prompt);
+    ///
+    /// `pictures` are the prompt's: the state is the prompt's only up to the first picture that is not
+    /// the same (same cells, same key) on both sides, as placeholders are alike for every picture of a
+    /// size; and a read never resumes inside a picture, which is read whole.
+    pub fn resume_point(&self, prompt: &[u32], pictures: &[PictureMark]) -> usize {
+        let mut shared = common_prefix(self.state.tokens(), prompt);
+        let kept = self.state.picture_marks();
+        for m in kept.iter().chain(pictures) {
+            if m.start < shared && !(kept.contains(m) && pictures.contains(m)) {
+                shared = m.start;
+            }
+        }
+        if let Some(m) = pictures.iter().find(|m| m.start < shared && shared < m.end) {
+            shared = m.start;
+        }
         let limit = shared.min(prompt.len().saturating_sub(1));
         if !self.state.has_recurrent() || limit == self.state.n_past() {
             return limit;
@@ -357,14 +370,14 @@ mod tests {
     #[test]
     fn resume_points_respect_what_can_be_rewound() {
         let mut kv = Conversation::new(None, fresh(&[KV], &[1, 2, 3, 4, 5]));
-        assert_eq!(kv.resume_point(&[1, 2, 3, 4, 5, 6]), 5);
-        assert_eq!(kv.resume_point(&[1, 2, 3, 9]), 3);
+        assert_eq!(kv.resume_point(&[1, 2, 3, 4, 5, 6], &[]), 5);
+        assert_eq!(kv.resume_point(&[1, 2, 3, 9], &[]), 3);
         assert_eq!(
-            kv.resume_point(&[1, 2, 3]),
+            kv.resume_point(&[1, 2, 3], &[]),
             2,
             "the last token is read again"
         );
-        assert_eq!(kv.resume_point(&[7]), 0);
+        assert_eq!(kv.resume_point(&[7], &[]), 0);
         kv.rewind(3);
         read(&mut kv.state, &[9]);
         assert_eq!(kv.state, fresh(&[KV], &[1, 2, 3, 9]));
@@ -378,13 +391,13 @@ mod tests {
         h.add_checkpoint();
         read(&mut h.state, &[3, 4, 5]);
         assert_eq!(h.n_checkpoints(), 1);
-        assert_eq!(h.resume_point(&[1, 2, 3, 4, 5, 6]), 5, "its end");
+        assert_eq!(h.resume_point(&[1, 2, 3, 4, 5, 6], &[]), 5, "its end");
         assert_eq!(
-            h.resume_point(&[1, 2, 3, 9]),
+            h.resume_point(&[1, 2, 3, 9], &[]),
             2,
             "the checkpoint before the cut"
         );
-        assert_eq!(h.resume_point(&[1, 9]), 0);
+        assert_eq!(h.resume_point(&[1, 9], &[]), 0);
         let undo = h.rewind(2);
         read(&mut h.state, &[3, 9]);
         assert_eq!(h.state, fresh(&[KV, REC], &[1, 2, 3, 9]));
@@ -405,10 +418,42 @@ mod tests {
         }
         assert_eq!(h.n_checkpoints(), MAX_CHECKPOINTS);
         assert_eq!(
-            h.resume_point(&[1, 2, 3, 9]),
+            h.resume_point(&[1, 2, 3, 9], &[]),
             0,
             "the checkpoint at 2 is gone"
         );
+    }
+
+    #[test]
+    fn resume_points_stop_at_the_first_picture_that_differs() {
+        let mark = |start, end, key| PictureMark { start, end, key };
+        // Kept: [1, P P P, 2, 3] with picture 7 at cells 1..4.
+        let mut state = fresh(&[KV], &[1, 0, 0, 0, 2, 3]);
+        state.record_picture(4, 3, 3);
+        state.key_last_picture(7);
+        let kv = Conversation::new(None, state);
+        let prompt = [1, 0, 0, 0, 2, 3, 4];
+        assert_eq!(
+            kv.resume_point(&prompt, &[mark(1, 4, 7)]),
+            6,
+            "the same picture"
+        );
+        assert_eq!(
+            kv.resume_point(&prompt, &[mark(1, 4, 8)]),
+            1,
+            "another picture"
+        );
+        assert_eq!(
+            kv.resume_point(&prompt, &[]),
+            1,
+            "text where the picture was"
+        );
+        // A prompt with a picture where the state holds text of the same tokens.
+        let text = Conversation::new(None, fresh(&[KV], &[1, 0, 0, 0, 2, 3]));
+        assert_eq!(text.resume_point(&prompt, &[mark(1, 4, 7)]), 1);
+        // Never inside a picture: a state that ends within the prompt's picture resumes at its start.
+        let short = Conversation::new(None, fresh(&[KV], &[1, 0, 0]));
+        assert_eq!(short.resume_point(&prompt, &[mark(1, 4, 7)]), 1);
     }
 
     #[test]

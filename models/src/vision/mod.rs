@@ -73,6 +73,20 @@ impl<'a> VisionEncoder<'a> {
         }
     }
 
+    /// The width of the rows it writes (the language model's embedding width it was made for).
+    pub fn out_width(&self) -> usize {
+        match self {
+            VisionEncoder::Qwen3Vl(enc) => enc.hp.n_out as usize,
+        }
+    }
+
+    /// The projector type it reads (`clip.projector_type`).
+    pub fn projector_type(&self) -> &'static str {
+        match self {
+            VisionEncoder::Qwen3Vl(_) => qwen3vl::PROJECTOR_TYPE,
+        }
+    }
+
     /// Decodes, resizes, normalizes and encodes a picture file's bytes with the projector's default
     /// token limits.
     pub fn encode_picture(&self, bytes: &[u8]) -> Result<ImageRows, VisionError> {

@@ -324,6 +324,7 @@ impl EngineProcess {
                 prompt_calls: None,
                 guesses: None,
                 knobs: Default::default(),
+                vision: None,
             },
             writer,
             shared: shared.clone(),

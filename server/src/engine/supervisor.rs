@@ -871,6 +871,13 @@ impl Supervisor {
             None if parallel > 1 => args.extend(["--parallel".to_string(), parallel.to_string()]),
             None => {}
         }
+        // The run config's projector reads the pictures of chat requests (an explicit --mmproj in the
+        // args wins).
+        if let Some(m) = &config.mmproj {
+            if !args.iter().any(|a| a == "--mmproj") {
+                args.extend(["--mmproj".to_string(), m.display().to_string()]);
+            }
+        }
         let launch = Launch {
             exe: config.exe.clone(),
             args,

@@ -61,6 +61,8 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
     let Some(Value::Array(input)) = body.get("messages") else {
         return Err(ApiError::bad_request("`messages` (an array) is required"));
     };
+    // A user message's `image` blocks, in order; a mark stands in its text where each was.
+    let mut pictures = Vec::new();
     if input.is_empty() {
         return Err(ApiError::bad_request("`messages` is empty"));
     }
@@ -86,7 +88,14 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
                                 json!({"role": "tool", "tool_call_id": id, "content": result}),
                             );
                         }
-                        Some(kind @ ("image" | "document")) => {
+                        Some("image") => {
+                            pictures.push(super::pictures::anthropic_picture(
+                                b,
+                                &format!("messages[{i}] image"),
+                            )?);
+                            text.push(crate::model_text::PICTURE_MARK);
+                        }
+                        Some(kind @ "document") => {
                             return Err(super::unsupported::text_only(
                                 body.get("model").and_then(Value::as_str),
                                 &format!("a content block of type {kind:?} (messages[{i}])"),
@@ -196,6 +205,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
         enable_thinking,
         extra: Default::default(),
         parse_special: body.get("parse_special").and_then(Value::as_bool) == Some(true),
+        pictures,
     })
 }
 
@@ -248,6 +258,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         Some(_) => return Err(ApiError::bad_request("`model` must be a string")),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    super::prepare::refuse_pictures_early(&state, model.as_deref(), &input).await?;
     let chat = Arc::new(input);
     let (lease, (rendered, prompt, resume)) =
         leased_with(&state, model.as_deref(), move |text, n_ctx| {
@@ -267,6 +278,7 @@ pub async fn messages(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         &sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     if stream {
@@ -311,9 +323,15 @@ pub async fn count_tokens(state: &AppState, body: Value) -> Result<Response<Resp
             .render_chat(&input)
             .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
         // Without a context (no engine yet) the count is bounded by the body only, as before.
-        text.encode_chat(&rendered, n_ctx.unwrap_or(u32::MAX))
-            .map_err(encode_error)
-            .map(|t| t.len())
+        let n_ctx = n_ctx.unwrap_or(u32::MAX);
+        // A picture counts as its picture tokens: its rows are the projector's to decide, in the engine.
+        match input.pictures.is_empty() {
+            true => text.encode_chat(&rendered, n_ctx).map(|t| t.len()),
+            false => text
+                .encode_chat_pictures(&rendered, n_ctx)
+                .map(|(t, _)| t.len()),
+        }
+        .map_err(encode_error)
     })
     .await?;
     Ok(json_response(

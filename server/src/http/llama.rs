@@ -104,7 +104,11 @@ pub async fn props(state: &AppState) -> Result<Response<RespBody>, ApiError> {
         // llama-server's `-np`: the requests that run at once (`--parallel`).
         "total_slots": state.supervisor.parallel(),
         "model_path": path,
-        "modalities": {"vision": false, "audio": false},
+        // Pictures are read where the engine said so in READY (a projector, on the CPU).
+        "modalities": {
+            "vision": ready.as_ref().is_some_and(|r| r.vision.is_some()),
+            "audio": false,
+        },
         "chat_template": text.template_source(),
         "bos_token": bos,
         "eos_token": eos,

@@ -11,6 +11,7 @@ pub mod llama;
 pub mod metrics;
 pub mod ollama;
 pub mod openai;
+pub mod pictures;
 pub mod prepare;
 pub mod responses;
 mod sampling;

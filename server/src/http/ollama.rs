@@ -232,6 +232,10 @@ pub async fn show(state: &AppState, body: Value) -> Result<Response<RespBody>, A
     if template.contains("think") {
         capabilities.push("thinking");
     }
+    // Ollama's name for reading pictures: a run config that names a projector that is there.
+    if entry.multimodal {
+        capabilities.push("vision");
+    }
     let (_, modified) = file_facts(&entry);
     let mut info = Map::new();
     info.insert("general.architecture".into(), json!(arch));
@@ -352,12 +356,14 @@ fn has_images(v: &Value) -> bool {
         .is_some_and(|a| !a.is_empty())
 }
 
-/// Ollama messages as the OpenAI-shaped messages the templates read.
-fn chat_messages(body: &Value, model: Option<&str>) -> Result<Vec<Value>, ApiError> {
+/// Ollama messages as the OpenAI-shaped messages the templates read, and their pictures (`images`, base64)
+/// in order: each message's pictures go before its text, as Ollama puts them, a picture mark each.
+fn chat_messages(body: &Value) -> Result<(Vec<Value>, Vec<String>), ApiError> {
     let Some(Value::Array(input)) = body.get("messages") else {
         return Err(ApiError::bad_request("`messages` (an array) is required"));
     };
     let mut out = Vec::with_capacity(input.len());
+    let mut pictures = Vec::new();
     for (i, m) in input.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if !matches!(role, "system" | "user" | "assistant" | "tool") {
@@ -365,12 +371,18 @@ fn chat_messages(body: &Value, model: Option<&str>) -> Result<Vec<Value>, ApiErr
                 "messages[{i}].role must be system, user, assistant or tool"
             )));
         }
-        if has_images(m) {
-            return Err(text_only(model, &format!("images (messages[{i}])")));
-        }
+        let images = super::pictures::ollama_pictures(
+            m.get("images").unwrap_or(&Value::Null),
+            &format!("messages[{i}]"),
+        )?;
+        let marks: String = images
+            .iter()
+            .map(|_| crate::model_text::PICTURE_MARK)
+            .collect();
+        pictures.extend(images);
         let content = match m.get("content") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
+            None | Some(Value::Null) => marks,
+            Some(Value::String(s)) => marks + s,
             Some(_) => {
                 return Err(ApiError::bad_request(format!(
                     "messages[{i}].content must be a string"
@@ -397,7 +409,7 @@ fn chat_messages(body: &Value, model: Option<&str>) -> Result<Vec<Value>, ApiErr
         }
         out.push(msg);
     }
-    Ok(out)
+    Ok((out, pictures))
 }
 
 /// Ollama's figures of a finished answer, durations in nanoseconds.
@@ -599,7 +611,7 @@ pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<RespBody
     let model = model_name(&body)?;
     refuse_ollama_format(&body)?;
     state.supervisor.set_keep_alive(keep_alive(&body)?);
-    let messages = chat_messages(&body, model.as_deref())?;
+    let (messages, pictures) = chat_messages(&body)?;
     let sampling = options(&body)?;
     let stream = stream_flag(&body)?;
     let tools = match body.get("tools") {
@@ -613,8 +625,10 @@ pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<RespBody
         messages,
         tools,
         enable_thinking: think(&body),
+        pictures,
         ..ChatInput::default()
     });
+    super::prepare::refuse_pictures_early(&state, model.as_deref(), &input).await?;
     if empty {
         // Ollama loads the model for a chat without messages and answers at once.
         return load_only(&state, model.as_deref(), Api::Chat, started).await;
@@ -640,6 +654,7 @@ pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<RespBody
         &sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     answer(gen, meta, stream).await
@@ -742,7 +757,7 @@ pub async fn generate(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         load_ns: started.elapsed().as_nanos(),
     };
     let id = state.supervisor.next_request_id();
-    let gen = Generation::start_in(lease, id, prompt, &sampling, output, resume)
+    let gen = Generation::start_in(lease, id, prompt, &sampling, output, resume, Vec::new())
         .map_err(ApiError::from)?;
     answer(gen, meta, stream).await
 }
@@ -800,24 +815,27 @@ mod tests {
     }
 
     #[test]
-    fn messages_are_converted_and_images_refused() {
-        let m = chat_messages(
-            &json!({"messages": [
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "thinking": "hm",
-                 "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
-                {"role": "tool", "content": "42", "tool_name": "f"},
-            ]}),
-            None,
-        )
+    fn messages_are_converted_and_images_marked() {
+        let (m, pictures) = chat_messages(&json!({"messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "thinking": "hm",
+             "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+            {"role": "tool", "content": "42", "tool_name": "f"},
+        ]}))
         .expect("valid");
+        assert!(pictures.is_empty());
         assert_eq!(m[1]["reasoning_content"], "hm");
         assert_eq!(m[1]["tool_calls"][0]["function"]["arguments"]["a"], 1);
         assert_eq!(m[2]["name"], "f");
-        let img = chat_messages(
-            &json!({"messages": [{"role": "user", "content": "x", "images": ["AAAA"]}]}),
-            Some("m"),
+        let (m, pictures) = chat_messages(
+            &json!({"messages": [{"role": "user", "content": "x", "images": ["AAAA", "Zm9v"]}]}),
+        )
+        .expect("pictures");
+        assert_eq!(pictures, ["AAAA", "Zm9v"]);
+        assert_eq!(m[0]["content"], "\u{E002}\u{E002}x");
+        let bad = chat_messages(
+            &json!({"messages": [{"role": "user", "content": "x", "images": ["@@"]}]}),
         );
-        assert!(img.is_err());
+        assert!(bad.is_err());
     }
 }

@@ -6,7 +6,7 @@ use super::body::{channel_response, json_response, sse_event, RespBody};
 use super::errors::{ApiError, Kind};
 use super::prepare::{chat_prompt, encode_error, leased_with};
 use super::sampling::{integer, sampling};
-use super::unsupported::{refuse_constrained_output, refuse_media_parts};
+use super::unsupported::refuse_constrained_output;
 use super::AppState;
 use crate::generate::{Finish, FinishReason, Generation, Output, Sampling, Step, TokenLogprob};
 use crate::model_text::{ChatInput, ModelText, Piece};
@@ -90,13 +90,16 @@ pub(super) struct ChatRequest {
 }
 
 pub(super) fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
-    let messages = match body.get("messages") {
+    let mut messages = match body.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m.clone(),
         Some(Value::Array(_)) => return Err(ApiError::bad_request("`messages` is empty")),
         _ => return Err(ApiError::bad_request("`messages` (an array) is required")),
     };
     refuse_constrained_output(body)?;
-    refuse_media_parts(&messages, body.get("model").and_then(Value::as_str))?;
+    let pictures = super::pictures::take_openai_pictures(
+        &mut messages,
+        body.get("model").and_then(Value::as_str),
+    )?;
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
         if !matches!(
@@ -175,6 +178,7 @@ pub(super) fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
             enable_thinking,
             extra,
             parse_special: bool_field(body, "parse_special")?,
+            pictures,
         },
         sampling,
         stream: bool_field(body, "stream")?,
@@ -229,6 +233,7 @@ pub async fn chat_completions(
     body: Value,
 ) -> Result<Response<RespBody>, ApiError> {
     let req = parse_chat(&body)?;
+    super::prepare::refuse_pictures_early(&state, req.model.as_deref(), &req.input).await?;
     let input = Arc::new(req.input);
     let chat = input.clone();
     let (lease, (rendered, prompt, resume)) =
@@ -246,6 +251,7 @@ pub async fn chat_completions(
         &req.sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     let meta = Meta {

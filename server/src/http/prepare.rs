@@ -76,6 +76,35 @@ pub async fn leased_with<T: Send + 'static>(
     Ok((lease, prepared))
 }
 
+/// Refuses pictures for a model whose run config names no projector before its engine is taken, so
+/// that such a request does not switch models only to be refused (the engine's READY decides for the
+/// model that passes, [`crate::generate::Generation::start_in`]). A name that finds no model is left to
+/// the lease to answer.
+pub async fn refuse_pictures_early(
+    state: &AppState,
+    model: Option<&str>,
+    chat: &ChatInput,
+) -> Result<(), ApiError> {
+    if chat.pictures.is_empty() {
+        return Ok(());
+    }
+    let entries = state.supervisor.models().await;
+    let name = match model.filter(|m| !m.is_empty()) {
+        Some(m) => m.to_string(),
+        None => match state.supervisor.current_id() {
+            Some(id) => id,
+            None => return Ok(()),
+        },
+    };
+    match crate::registry::find_in(&entries, &name) {
+        Ok(entry) if !entry.multimodal => Err(super::unsupported::text_only(
+            Some(&entry.id),
+            "pictures (its run config names no projector, `mmproj`)",
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The `ApiError` of a prompt that cannot be tokenized.
 pub fn encode_error(e: EncodeError) -> ApiError {
     match e {
@@ -94,10 +123,36 @@ pub fn chat_prompt(
     chat: &ChatInput,
     n_ctx: u32,
 ) -> Result<(RenderedChat, Vec<u32>, Resume), ApiError> {
-    let rendered = text
+    let mut rendered = text
         .render_chat(chat)
         .map_err(|e| ApiError::bad_request(format!("cannot build the prompt: {e}")))?;
-    let prompt = text.encode_chat(&rendered, n_ctx).map_err(encode_error)?;
+    if chat.pictures.is_empty() {
+        let prompt = text.encode_chat(&rendered, n_ctx).map_err(encode_error)?;
+        let resume = text.resume_hints(chat, &prompt);
+        return Ok((rendered, prompt, resume));
+    }
+    let (prompt, places) = text
+        .encode_chat_pictures(&rendered, n_ctx)
+        .map_err(encode_error)?;
+    // A mark typed in a message, or a template that drops or repeats message text, would put a
+    // picture where none was sent or lose one: each picture must have exactly its place.
+    if places.len() != chat.pictures.len() {
+        return Err(ApiError::bad_request(format!(
+            "the prompt has {} places for pictures and the request {} pictures (the chat template \
+             dropped or repeated a message holding one, or a message holds the reserved character \
+             U+E002)",
+            places.len(),
+            chat.pictures.len()
+        )));
+    }
+    rendered.pictures = places
+        .into_iter()
+        .zip(&chat.pictures)
+        .map(|(at, data)| poly_protocol::Picture {
+            at: at as u32,
+            data: data.clone(),
+        })
+        .collect();
     let resume = text.resume_hints(chat, &prompt);
     Ok((rendered, prompt, resume))
 }

@@ -19,8 +19,9 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
-/// The text of a content given as a string or as parts (`input_text`, `output_text`, `text`); image,
-/// audio and file parts are refused as the chat route refuses them.
+/// The text of a content given as a string or as parts (`input_text`, `output_text`, `text`); image
+/// parts outside a user's message ([`picture_parts`] reads those), audio and file parts are refused as
+/// the chat route refuses them.
 fn content_text(content: &Value, at: usize) -> Result<String, ApiError> {
     match content {
         Value::String(s) => Ok(s.clone()),
@@ -51,6 +52,34 @@ fn content_text(content: &Value, at: usize) -> Result<String, ApiError> {
             "input[{at}].content must be text or an array of parts"
         ))),
     }
+}
+
+/// A user message's parts with pictures (`input_image` with an `image_url`) as the chat route's parts:
+/// `input_text` as `text`, `input_image` as `image_url`, whose pictures the chat route takes
+/// ([`super::pictures::take_openai_pictures`]); `None` when the content holds no picture.
+fn picture_parts(content: &Value, at: usize) -> Result<Option<Value>, ApiError> {
+    let Value::Array(parts) = content else {
+        return Ok(None);
+    };
+    if !parts.iter().any(|p| p["type"] == "input_image") {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for p in parts {
+        out.push(match p.get("type").and_then(Value::as_str) {
+            Some("input_image") => match p.get("image_url").and_then(Value::as_str) {
+                Some(url) => json!({"type": "image_url", "image_url": {"url": url}}),
+                None => {
+                    return Err(ApiError::bad_request(format!(
+                        "input[{at}]: an input_image needs an `image_url` (a data URL; this server \
+                         keeps no files)"
+                    )))
+                }
+            },
+            _ => json!({"type": "text", "text": content_text(&json!([p]), at)?}),
+        });
+    }
+    Ok(Some(Value::Array(out)))
 }
 
 /// `input` (a string or items) and `instructions` as chat messages.
@@ -86,8 +115,12 @@ fn messages(body: &Value) -> Result<Vec<Value>, ApiError> {
                         "input[{at}].role must be user, system, developer or assistant"
                     )));
                 }
-                let text = content_text(item.get("content").unwrap_or(&Value::Null), at)?;
-                out.push(json!({"role": role, "content": text}));
+                let content = item.get("content").unwrap_or(&Value::Null);
+                let content = match picture_parts(content, at)? {
+                    Some(parts) if role == "user" => parts,
+                    _ => Value::String(content_text(content, at)?),
+                };
+                out.push(json!({"role": role, "content": content}));
             }
             "function_call" => {
                 let call = json!({
@@ -291,6 +324,7 @@ impl Meta {
 pub async fn responses(state: Arc<AppState>, body: Value) -> Result<Response<RespBody>, ApiError> {
     let chat = as_chat(&body)?;
     let req = parse_chat(&chat)?;
+    super::prepare::refuse_pictures_early(&state, req.model.as_deref(), &req.input).await?;
     let input = Arc::new(req.input);
     let for_prompt = input.clone();
     let (lease, (rendered, prompt, resume)) =
@@ -312,6 +346,7 @@ pub async fn responses(state: Arc<AppState>, body: Value) -> Result<Response<Res
         &req.sampling,
         Output::Chat(rendered.parser),
         resume,
+        rendered.pictures,
     )
     .map_err(ApiError::from)?;
     if req.stream {
@@ -627,8 +662,24 @@ mod tests {
         assert_eq!(chat["tools"][0]["function"]["name"], "w");
         assert!(parse_chat(&chat).is_ok());
         assert!(as_chat(&json!({"input": "x", "previous_response_id": "resp_1"})).is_err());
-        assert!(as_chat(&json!({"input": [{"role": "user", "content": [
+        // A user's input_image becomes the chat route's image_url part; a system message's is refused.
+        let pictured = as_chat(&json!({"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is it?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,Zm9v"}]}]}))
+        .expect("converted");
+        assert_eq!(
+            pictured["messages"][0]["content"][1]["image_url"]["url"],
+            "data:image/png;base64,Zm9v"
+        );
+        assert_eq!(
+            parse_chat(&pictured).expect("parsed").input.pictures,
+            ["Zm9v"]
+        );
+        assert!(as_chat(&json!({"input": [{"role": "system", "content": [
             {"type": "input_image", "image_url": "data:"}]}]}))
+        .is_err());
+        assert!(as_chat(&json!({"input": [{"role": "user", "content": [
+            {"type": "input_image", "file_id": "f1"}]}]}))
         .is_err());
         let fmt = as_chat(&json!({"input": "x", "text": {"format": {"type": "json_object"}}}))
             .expect("converted");
