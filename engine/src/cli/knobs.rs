@@ -285,8 +285,9 @@ pub struct KnobArgs {
     gpu_pdl: GpuPdl,
     /// What one-token launches ask the card's L2 cache for (sm_90+): `own` (matvecs their weights
     /// before they wait for the kernel before them, expert launches their slots' experts), `ahead`
-    /// (besides, gate and up the down experts after them), or `off`.
-    #[arg(long, value_enum, default_value_t = GpuPrefetch::Ahead)]
+    /// (besides, gate and up the down experts after them), or `off` (the default until a card has
+    /// measured the others).
+    #[arg(long, value_enum, default_value_t = GpuPrefetch::Off)]
     gpu_prefetch: GpuPrefetch,
     /// Any SIMD CPU kernel (off: the portable code; was POLY_NO_SIMD).
     #[arg(long, value_enum, default_value_t = Switch::On)]

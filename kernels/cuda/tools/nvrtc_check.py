@@ -40,7 +40,7 @@ def find_nvrtc():
 
 
 def source(module):
-    # The knobs' macros at their defaults, as module.rs puts them first.
+    # The knobs' macros as module.rs puts them first, with every prefetch compiled in (--gpu-prefetch ahead).
     src = '#define POLY_L2_PREFETCH 2\n#line 1 "common.cuh"\n' + open(os.path.join(CUDA, "common.cuh")).read()
     for h in HEADERS.get(module, []):
         src += f'\n#line 1 "{h}"\n' + open(os.path.join(CUDA, h)).read()
