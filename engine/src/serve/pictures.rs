@@ -91,21 +91,18 @@ pub struct Widened {
 }
 
 impl Widened {
-    /// Where position `p` of the request's own tokens lands in the widened prompt.
+    /// Where position `p` of the request's own tokens lands in the widened prompt: past the rows the
+    /// pictures whose placeholders stood before `p` added.
     pub fn position(&self, p: usize) -> usize {
-        p + self
-            .pictures
-            .iter()
-            .enumerate()
-            // Picture i's placeholder stood at start - (rows added before it).
-            .filter(|(i, q)| q.start - self.added_before(*i) < p)
-            .map(|(_, q)| q.end - q.start - 1)
-            .sum::<usize>()
-    }
-
-    /// Tokens the pictures before picture `i` added.
-    fn added_before(&self, i: usize) -> usize {
-        self.pictures[..i].iter().map(|q| q.end - q.start - 1).sum()
+        let mut added = 0;
+        for q in &self.pictures {
+            // Picture q's placeholder stood at q.start less the rows the pictures before it added.
+            if q.start - added >= p {
+                break;
+            }
+            added += q.end - q.start - 1;
+        }
+        p + added
     }
 }
 

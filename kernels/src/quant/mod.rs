@@ -23,6 +23,19 @@ use crate::rng::Rng;
 
 pub use crate::ggml_type::GgmlType;
 
+/// The nine i-quants (the lattice formats and IQ4_NL/IQ4_XS), each with kernels of its own on the card.
+pub const I_QUANTS: [GgmlType; 9] = [
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
 /// The weight formats the engine computes with (the list); every one has a [`QuantOps`].
 pub const WEIGHT_TYPES: &[GgmlType] = &[
     GgmlType::F32,

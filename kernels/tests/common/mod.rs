@@ -7,18 +7,9 @@ use poly_kernels::quant::{fill_random, GgmlType};
 use poly_kernels::rng::Rng;
 use std::sync::Arc;
 
-/// The nine i-quants (the lattice formats and IQ4_NL/IQ4_XS), each with its own kernels on the card.
-pub const I_QUANTS: [GgmlType; 9] = [
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-];
+// Re-exported for the binaries that use it (each binary uses a part of this module).
+#[allow(unused_imports)]
+pub use poly_kernels::quant::I_QUANTS;
 
 /// Device 0, or `None` (after saying so) when this machine has none.
 pub fn device() -> Option<Arc<Device>> {

@@ -364,17 +364,7 @@ mod tests {
 
     #[test]
     fn every_i_quant_has_tensor_core_kernels() {
-        for ty in [
-            GgmlType::IQ1_S,
-            GgmlType::IQ1_M,
-            GgmlType::IQ2_XXS,
-            GgmlType::IQ2_XS,
-            GgmlType::IQ2_S,
-            GgmlType::IQ3_XXS,
-            GgmlType::IQ3_S,
-            GgmlType::IQ4_NL,
-            GgmlType::IQ4_XS,
-        ] {
+        for ty in crate::quant::I_QUANTS {
             let f = format(ty).unwrap_or_else(|| panic!("{ty}"));
             assert_eq!(f.module, KernelModule::MmqIq, "{ty}");
         }
