@@ -2,7 +2,8 @@
 //! fixture with the tiny projector `poly-engine synth --arch qwen3vl-mmproj` writes, named by its run
 //! config's `mmproj`. An OpenAI `image_url` data URL is answered with the log-probabilities the engine
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
-//! `image` block gets the same answer; an Ollama chat's `images` are answered; another picture gets
+//! `image` block gets the same answer; an Ollama chat's `images` are answered, and `/api/generate`'s
+//! the same; a JPEG is answered as the engine answers it; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
 //! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
 //! (without switching to it).
@@ -291,12 +292,59 @@ fn pictures_through_openai_and_anthropic() {
         "{ollama}"
     );
 
+    // Ollama's generate: `images` before the prompt, the same conversation as the chat above, so the
+    // same (greedy) answer.
+    let r = server.post(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "options": {"temperature": 0, "num_predict": 4},
+                "prompt": "What is this?", "images": [encode_base64(&a)]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let generated = r.json();
+    assert_eq!(
+        generated["response"], ollama["message"]["content"],
+        "{generated} against {ollama}"
+    );
+    // A JPEG (decoded as mtmd's stb_image decodes it) is read too, and is another picture.
+    let jpeg = picture("jpeg/big-420.jpg");
+    let r = server.post(
+        "/v1/chat/completions",
+        &openai_picture(
+            "vision",
+            &format!("data:image/jpeg;base64,{}", encode_base64(&jpeg)),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got_jpeg = logprobs_of(&r.json());
+    assert_eq!(
+        direct(&jpeg, got_jpeg.len()),
+        got_jpeg,
+        "the JPEG's own answer"
+    );
+    assert_ne!(got_jpeg, got, "another picture, other logits");
+
     // Refusals, each a 400 that says why, and the next request answered.
     let refused = |path: &str, body: &Value, needle: &str| {
         let r = server.post(path, body);
         assert_eq!(r.status, 400, "{path}: {}", r.text());
         assert!(r.text().contains(needle), "{path}: {}", r.text());
     };
+    refused(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "prompt": "x", "raw": true,
+                "images": [encode_base64(&a)]}),
+        "raw",
+    );
+    refused(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "prompt": "x", "images": ["@@"]}),
+        "images[0]",
+    );
+    refused(
+        "/api/generate",
+        &json!({"model": "text", "stream": false, "prompt": "x", "images": [encode_base64(&a)]}),
+        "text only",
+    );
     refused(
         "/v1/chat/completions",
         &openai_picture("vision", "https://example.com/cat.png"),
