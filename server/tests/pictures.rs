@@ -3,7 +3,8 @@
 //! config's `mmproj`. An OpenAI `image_url` data URL is answered with the log-probabilities the engine
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
 //! `image` block gets the same answer; an Ollama chat's `images` are answered, and `/api/generate`'s
-//! the same; a JPEG is answered as the engine answers it; another picture gets
+//! the same; a JPEG is answered as the engine answers it; pictures in tool results (OpenAI `tool`
+//! messages, Anthropic `tool_result` blocks) are read, the same either way; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
 //! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
 //! (without switching to it).
@@ -322,6 +323,57 @@ fn pictures_through_openai_and_anthropic() {
         "the JPEG's own answer"
     );
     assert_ne!(got_jpeg, got, "another picture, other logits");
+
+    // A picture a tool returned: an OpenAI `tool` message's image part and an Anthropic `tool_result`'s
+    // image block, read where the tool's answer stands, and the same conversation either way.
+    let openai_tool = |picture: &[u8]| {
+        json!({"model": "vision", "max_tokens": STEPS, "temperature": 0, "logprobs": true,
+               "tools": [{"type": "function", "function": {"name": "screenshot", "description": "d",
+                          "parameters": {"type": "object", "properties": {}}}}],
+               "messages": [
+                   {"role": "user", "content": "What is on the screen?"},
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "type": "function",
+                       "function": {"name": "screenshot", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "t1", "content": [
+                       {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]})
+    };
+    let r = server.post("/v1/chat/completions", &openai_tool(&a));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let tool_a = r.json();
+    let r = server.post("/v1/chat/completions", &openai_tool(&b));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_ne!(
+        logprobs_of(&r.json()),
+        logprobs_of(&tool_a),
+        "another picture in the tool result, other logits"
+    );
+    let r = server.post(
+        "/v1/messages",
+        &json!({"model": "vision", "max_tokens": STEPS, "temperature": 0,
+                "tools": [{"name": "screenshot", "description": "d",
+                           "input_schema": {"type": "object", "properties": {}}}],
+                "messages": [
+                    {"role": "user", "content": "What is on the screen?"},
+                    {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                     "data": encode_base64(&a)}}]}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let anthropic_tool = r.json();
+    let usage = &anthropic_tool["usage"];
+    let input = usage["input_tokens"].as_u64().unwrap_or(0)
+        + usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(
+        input,
+        tool_a["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        "{anthropic_tool} against {tool_a}"
+    );
+    assert_eq!(
+        anthropic_tool["content"][0]["text"], tool_a["choices"][0]["message"]["content"],
+        "{anthropic_tool} against {tool_a}"
+    );
 
     // Refusals, each a 400 that says why, and the next request answered.
     let refused = |path: &str, body: &Value, needle: &str| {
