@@ -19,8 +19,9 @@ const ui = {
   temperature: el("set-temperature"), maxTokens: el("set-max-tokens"), system: el("set-system"),
   attach: el("attach"), file: el("picture-file"), attachments: el("attachments"),
 };
-// The largest picture the page attaches (the server's request body limit is larger than its base64).
-const MAX_PICTURE_BYTES = 20 * 1024 * 1024;
+// The largest picture the page attaches: its base64 (4/3 of it) goes in every request of the
+// conversation, whose body the server takes up to 8 MiB by default (`--max-body-mib`).
+const MAX_PICTURE_BYTES = 5 * 1024 * 1024;
 const SETTINGS = { temperature: "polystrata.temperature", maxTokens: "polystrata.maxTokens", system: "polystrata.system" };
 const state = { models: [], current: null, conversations: [], active: null, abort: null, loading: false, vision: false, pending: [] };
 
@@ -140,7 +141,7 @@ function renderPending() {
 function attachFiles(files) {
   for (const f of files) {
     if (!/^image\/(png|jpeg|webp)$/.test(f.type)) { setStatus("not a PNG, JPEG or WebP picture: " + (f.name || f.type), "error"); continue; }
-    if (f.size > MAX_PICTURE_BYTES) { setStatus("the picture is larger than 20 MB: " + f.name, "error"); continue; }
+    if (f.size > MAX_PICTURE_BYTES) { setStatus("the picture is larger than 5 MB: " + f.name, "error"); continue; }
     const reader = new FileReader();
     reader.onload = () => { state.pending.push(reader.result); renderPending(); };
     reader.readAsDataURL(f);

@@ -15,7 +15,7 @@ Usage:
       quit, a second one quits and stops the chat's server.
   chat_terminal.py picture --bin POLYSTRATA --home HOME --port PORT --first vision --second qwen --picture F
       a server runs with a model that reads pictures: /image refuses a missing file, a directory, a file
-      past 20 MB and one that is no picture, attaches F, and the next message's answer is the server's
+      past 5 MB and one that is no picture, attaches F, and the next message's answer is the server's
       answer to F and the text over HTTP; a text model refuses /image.
 Exits non-zero with the reason (and the transcript) on the first failure.
 """
@@ -202,7 +202,7 @@ def post(port, path, body):
 
 def picture(args, term):
     """`/image PATH` attaches the user's picture to the next message: the answer is the server's answer
-    to the same picture and text sent over HTTP; a missing file, a directory, a file past 20 MB and a
+    to the same picture and text sent over HTTP; a missing file, a directory, a file past 5 MB and a
     file that is no picture are refused; a model that reads no pictures refuses /image."""
     term.expect(rf"using the server on port {args.port}", 30)
     _, m = term.expect(r"loading (\S+) \.\.\.", 60)
@@ -214,10 +214,10 @@ def picture(args, term):
     work = os.path.dirname(os.path.abspath(args.picture))
     huge = os.path.join(args.home, "huge.jpg")
     with open(huge, "wb") as f:
-        f.truncate(21 << 20)
+        f.truncate(6 << 20)
     for arg, needle in ((os.path.join(args.home, "missing.png"), "missing.png"),
                         (work, "is a directory"),
-                        (huge, "up to 20 MB"),
+                        (huge, "up to 5 MB"),
                         (os.path.abspath(__file__), "not a PNG, JPEG or WebP")):
         term.send(f"/image {arg}")
         shown, _ = term.expect(prompt(model), 10)

@@ -38,8 +38,9 @@ const HELP: &str =
 for the next message; /image alone lists them, /image clear drops them), /help, /quit (or /bye); Ctrl-C \
 stops an answer, twice at the prompt quits";
 
-/// The largest picture `/image` attaches (its base64 goes in one request body).
-const MAX_PICTURE_BYTES: u64 = 20 << 20;
+/// The largest picture `/image` attaches: its base64 (4/3 of it) goes in every request of the
+/// conversation, whose body the server takes up to 8 MiB by default (`--max-body-mib`).
+const MAX_PICTURE_BYTES: u64 = 5 << 20;
 
 /// Runs the chat until `/quit` or the end of stdin.
 pub fn run(opts: ChatOptions) -> ExitCode {
@@ -423,8 +424,9 @@ fn picture_data_url(path: &std::path::Path) -> Result<String, String> {
     }
     if meta.len() > MAX_PICTURE_BYTES {
         return Err(format!(
-            "{shown} is {} MB; pictures up to {} MB are sent",
-            meta.len() >> 20,
+            "{shown} is {:.1} MB; pictures up to {} MB are sent (the server takes request bodies up to \
+             8 MiB unless started with --max-body-mib)",
+            meta.len() as f64 / f64::from(1 << 20),
             MAX_PICTURE_BYTES >> 20
         ));
     }
@@ -540,7 +542,7 @@ mod tests {
         let f = std::fs::File::create(&huge).unwrap();
         f.set_len(MAX_PICTURE_BYTES + 1).unwrap();
         let e = picture_data_url(&huge).unwrap_err();
-        assert!(e.contains("up to 20 MB"), "{e}");
+        assert!(e.contains("up to 5 MB"), "{e}");
         let e = picture_data_url(&dir.join("missing.png")).unwrap_err();
         assert!(e.contains("missing.png"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
