@@ -1,10 +1,16 @@
 """Writes the JPEG fixtures of tests/fixtures/vision/jpeg/ with Pillow: one picture (smooth gradients, noise,
 hard edges, saturated colours, so that the IDCT clamps and the chroma filters have work) saved in the modes
-the decoder has paths for. Deterministic (seeded); run by jpeg_stb_witness.sh.
-    python make_jpeg_fixtures.py OUT_DIR
+the decoder has paths for; with libjpeg-turbo's cjpeg (CJPEG, e.g. /usr/bin/cjpeg of Debian's
+libjpeg-turbo-progs) also the samplings Pillow does not write (4:4:0, 4:1:1, 4:1:0, chroma sampled finer
+than luma), an RGB JPEG and an arithmetic-coded one (stb refuses it). Deterministic (seeded); run by
+jpeg_stb_witness.sh.
+    python make_jpeg_fixtures.py OUT_DIR [CJPEG]
 """
+import os
 import random
+import subprocess
 import sys
+import tempfile
 
 from PIL import Image
 
@@ -51,3 +57,23 @@ thin = picture(1, 9, 3)
 save(thin, "one-column-420", quality=90, subsampling=2)
 save(picture(2, 1, 4), "two-pixels-420", quality=90, subsampling=2)
 save(picture(17, 2, 5), "seventeen-by-two-422", quality=90, subsampling=1)
+
+CJPEG = sys.argv[2] if len(sys.argv) > 2 else ""
+if CJPEG:
+    tmp = tempfile.mkdtemp()
+    for img, tag in ((odd, "odd"), (big, "big")):
+        ppm = os.path.join(tmp, f"{tag}.ppm")
+        img.save(ppm)
+        for name, flags in (
+            ("cjpeg-440", ["-sample", "1x2"]),
+            ("cjpeg-411", ["-sample", "4x1"]),
+            ("cjpeg-410", ["-sample", "4x2"]),
+            ("cjpeg-chroma-finer", ["-sample", "1x1,2x2,1x1"]),
+            ("cjpeg-440-progressive", ["-sample", "1x2", "-progressive"]),
+            ("cjpeg-rgb", ["-rgb"]),
+            ("cjpeg-arithmetic", ["-arithmetic"]),
+        ):
+            if tag == "big" and name not in ("cjpeg-440", "cjpeg-411"):
+                continue
+            out = f"{OUT}/{tag}-{name}.jpg"
+            subprocess.run([CJPEG, "-quality", "85", *flags, "-outfile", out, ppm], check=True)

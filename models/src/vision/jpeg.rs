@@ -1466,20 +1466,34 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/jpeg")
     }
 
-    /// The fixtures stb decoded: (name, width, height).
-    fn witnessed() -> Vec<(String, usize, usize)> {
+    fn stb_lines() -> Vec<Vec<String>> {
         let list = std::fs::read_to_string(fixtures().join("stb.txt")).expect("stb.txt");
         list.lines()
-            .map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                assert_eq!(f.len(), 3, "stb.txt: {l}");
-                (
-                    f[0].to_string(),
-                    f[1].parse().unwrap(),
-                    f[2].parse().unwrap(),
-                )
-            })
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
             .collect()
+    }
+
+    /// The fixtures stb decoded: (name, width, height).
+    fn witnessed() -> Vec<(String, usize, usize)> {
+        stb_lines()
+            .into_iter()
+            .filter(|f| f.len() == 3)
+            .map(|f| (f[0].clone(), f[1].parse().unwrap(), f[2].parse().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn what_stb_refuses_is_refused() {
+        let refused: Vec<String> = stb_lines()
+            .into_iter()
+            .filter(|f| f.len() == 2 && f[1] == "refused")
+            .map(|f| f[0].clone())
+            .collect();
+        // The arithmetic-coded fixture (cjpeg -arithmetic): stb reads Huffman-coded JPEGs only.
+        assert!(!refused.is_empty(), "the witness refused nothing");
+        for name in refused {
+            assert!(decode(&fixture(&name)).is_err(), "{name} decoded");
+        }
     }
 
     fn fixture(name: &str) -> Vec<u8> {
