@@ -16,6 +16,9 @@
 //! - The bit reader: 9-bit fast Huffman tables, the fast AC table, zeros fed after a marker or the end of
 //!   the data, a restart marker expected where the interval says (else the scan ends: corrupt data
 //!   rather than none), an unknown marker between scans ending the picture as it stands.
+//! - Where stb hands back memory it never wrote (no scan at all, blocks after a missing restart marker,
+//!   a progressive picture cut before its end), this refuses (no scan) or gives zeros' colour and
+//!   finishes the coefficients it has: stb's bytes there are whatever its heap held.
 //! - Baseline and progressive (spectral selection, successive approximation, EOB runs), 1, 3 or 4
 //!   components (Adobe CMYK and YCCK as stb converts them; RGB by component ids or Adobe transform 0).
 //!
@@ -785,10 +788,12 @@ impl<'a> Decoder<'a> {
         self.restart_interval = 0;
         self.decode_header()?;
         let mut m = self.bits.get_marker();
+        let mut scans = 0;
         while m != 0xd9 {
             if m == 0xda {
                 self.process_scan_header()?;
                 self.parse_entropy_coded_data()?;
+                scans += 1;
                 if self.bits.marker == MARKER_NONE {
                     self.bits.marker = self.skip_junk_at_end();
                 }
@@ -814,6 +819,10 @@ impl<'a> Decoder<'a> {
                 }
                 m = self.bits.get_marker();
             }
+        }
+        // stb returns its never-written buffers here (whatever the memory held): refused instead.
+        if scans == 0 {
+            return Err(corrupt("no image data (no scan before the end)"));
         }
         if self.progressive {
             self.finish_progressive();
@@ -1660,6 +1669,15 @@ mod tests {
                 }
             }
         }
+        // A header and tables but no scan: no picture (stb hands back unwritten memory).
+        let name = &witnessed()[0].0;
+        let good = fixture(name);
+        let sos = good
+            .windows(2)
+            .position(|w| w == [0xff, 0xda])
+            .expect("a scan");
+        let e = decode(&good[..sos]).unwrap_err();
+        assert!(e.contains("no image data"), "{e}");
         assert!(decode(b"").is_err());
         assert!(decode(&[0xff, 0xd8]).is_err());
         assert!(decode(b"\xff\xd8\xff\xd9").is_err());
