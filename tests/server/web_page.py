@@ -419,6 +419,25 @@ def run_pictures(args, cdp):
     check(len(shown) == 1 and shown[0][1] > 0, f"the picture is not shown in the conversation: {shown}")
     check(cdp.eval("document.getElementById('attachments').hidden"), "the preview stays after sending")
     print(f"picture sent ({len(want)} base64 characters), answered: {answer[:60]!r}")
+    # A picture pasted into the box is attached too (a paste event carrying a file, as a browser makes
+    # one from the clipboard); its x removes it; pasted text stays text.
+    pasted = cdp.eval(
+        f"(() => {{ const bytes = Uint8Array.from(atob({json.dumps(want)}), c => c.charCodeAt(0));"
+        f" const dt = new DataTransfer(); dt.items.add(new File([bytes], 'pasted', {{type: {json.dumps(mime)}}}));"
+        " const ev = new ClipboardEvent('paste', {clipboardData: dt, cancelable: true, bubbles: true});"
+        " document.getElementById('input').dispatchEvent(ev); return ev.defaultPrevented; })()"
+    )
+    check(pasted, "the page did not take the pasted picture")
+    cdp.wait_for("document.querySelectorAll('#attachments img').length === 1", "the pasted picture's preview", 10)
+    cdp.eval("document.querySelector('#attachments .remove').click()")
+    check(cdp.eval("document.getElementById('attachments').hidden"), "the x did not remove the picture")
+    text_paste = cdp.eval(
+        "(() => { const dt = new DataTransfer(); dt.setData('text/plain', 'words');"
+        " const ev = new ClipboardEvent('paste', {clipboardData: dt, cancelable: true, bubbles: true});"
+        " document.getElementById('input').dispatchEvent(ev); return ev.defaultPrevented; })()"
+    )
+    check(not text_paste, "a text paste was taken as a picture")
+    print("paste: a picture attached and removed, text left alone")
     shot = cdp.call("Page.captureScreenshot", format="png")["data"]
     os.makedirs(os.path.dirname(os.path.abspath(args.shot)), exist_ok=True)
     with open(args.shot, "wb") as f:
