@@ -33,10 +33,14 @@ const FAST_BITS: u32 = 9;
 const FAST_SIZE: usize = 1 << FAST_BITS;
 const MARKER_NONE: u8 = 0xff;
 
-/// How many blocks all scans together may decode, as a multiple of the frame's blocks (a progressive
-/// picture visits each block once a scan, a scan of one component only its blocks: libjpeg's ten-scan
-/// script visits fewer than six times the frame's blocks).
-const SCAN_BLOCK_FACTOR: u64 = 16;
+/// How many blocks all scans together may decode, as a multiple of the frame's blocks. A baseline
+/// picture decodes each block once (one scan, or one scan a component); a progressive one visits each
+/// block once a scan, a scan of one component only its blocks: libjpeg's ten-scan script visits fewer
+/// than six times the frame's blocks, and encoders that search scan scripts (mozjpeg) write more scans,
+/// so the progressive bound is wide. A visit costs at most one block's decoding (and a baseline one an
+/// IDCT), so the bound keeps a few bytes of scan headers repeated from costing minutes.
+const BASELINE_SCAN_FACTOR: u64 = 4;
+const PROGRESSIVE_SCAN_FACTOR: u64 = 64;
 
 /// `(1 << n) - 1`.
 const BMASK: [u32; 17] = [
@@ -733,7 +737,12 @@ impl<'a> Decoder<'a> {
                 self.width, self.height
             ));
         }
-        self.blocks_left = blocks * SCAN_BLOCK_FACTOR;
+        self.blocks_left = blocks
+            * if self.progressive {
+                PROGRESSIVE_SCAN_FACTOR
+            } else {
+                BASELINE_SCAN_FACTOR
+            };
         let progressive = self.progressive;
         for comp in &mut self.comps {
             comp.data = vec![0; comp.w2 * comp.h2];
@@ -1708,13 +1717,25 @@ mod tests {
     fn scans_repeated_past_the_pictures_size_are_refused() {
         // No Huffman tables (stb reads them as all-zero tables: every block decodes from no bits), and
         // the same scan over and over: each costs a whole picture of blocks for 10 bytes.
-        let mut b = header(256, 256);
         let scan = [0xff, 0xda, 0, 12, 3, 1, 0, 2, 0, 3, 0, 0, 63, 0];
-        for _ in 0..(SCAN_BLOCK_FACTOR + 2) {
-            b.extend_from_slice(&scan);
-        }
-        b.extend_from_slice(&[0xff, 0xd9]);
-        let e = decode(&b).unwrap_err();
+        let repeated = |mut b: Vec<u8>, scan: &[u8], n: u64| {
+            for _ in 0..n {
+                b.extend_from_slice(scan);
+            }
+            b.extend_from_slice(&[0xff, 0xd9]);
+            decode(&b)
+        };
+        let within = repeated(header(256, 256), &scan, BASELINE_SCAN_FACTOR);
+        assert!(within.is_ok(), "{within:?}");
+        let e = repeated(header(256, 256), &scan, BASELINE_SCAN_FACTOR + 1).unwrap_err();
+        assert!(e.contains("more scan data"), "{e}");
+        // Progressive: the interleaved DC scan, many times more.
+        let mut progressive = header(256, 256);
+        progressive[3] = 0xc2;
+        let dc = [0xff, 0xda, 0, 12, 3, 1, 0, 2, 0, 3, 0, 0, 0, 0];
+        let within = repeated(progressive.clone(), &dc, PROGRESSIVE_SCAN_FACTOR);
+        assert!(within.is_ok(), "{within:?}");
+        let e = repeated(progressive, &dc, PROGRESSIVE_SCAN_FACTOR + 1).unwrap_err();
         assert!(e.contains("more scan data"), "{e}");
         // One such scan is a (grey) picture, as stb makes it.
         let mut one = header(16, 16);
