@@ -341,7 +341,7 @@ impl Chat {
                 "{model} reads no pictures (its run config names no projector, `mmproj`)"
             ));
         }
-        let url = picture_data_url(&expand_home(arg))?;
+        let url = picture_data_url(&picture_path(arg))?;
         self.pictures.push((arg.to_string(), url));
         println!(
             "attached {arg}; {} picture(s) go with your next message",
@@ -403,7 +403,22 @@ impl Chat {
     }
 }
 
-/// `~/…` under `$HOME`; any other path as given (relative to the chat's working directory).
+/// The path `/image` was given, as a shell would read it: quotes around it (a file dragged into a
+/// terminal comes quoted) and backslashes before spaces dropped, `~/…` under `$HOME`; relative to the
+/// chat's working directory.
+fn picture_path(arg: &str) -> PathBuf {
+    let quoted = arg.len() >= 2
+        && ((arg.starts_with('\'') && arg.ends_with('\''))
+            || (arg.starts_with('"') && arg.ends_with('"')));
+    let path = if quoted {
+        arg[1..arg.len() - 1].to_string()
+    } else {
+        arg.replace("\\ ", " ")
+    };
+    expand_home(&path)
+}
+
+/// `~/…` under `$HOME`; any other path as given.
 fn expand_home(path: &str) -> PathBuf {
     match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
         (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
@@ -524,6 +539,15 @@ mod tests {
         let bytes = b"\x89PNG\r\n\x1a\nrest of it";
         std::fs::write(&png, bytes).unwrap();
         let url = picture_data_url(&png).unwrap();
+        let shown = png.display().to_string();
+        for typed in [
+            format!("'{shown}'"),
+            format!("\"{shown}\""),
+            shown.replace(' ', "\\ "),
+            shown.clone(),
+        ] {
+            assert_eq!(picture_path(&typed), png, "{typed}");
+        }
         assert_eq!(
             url,
             format!(
