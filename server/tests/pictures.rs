@@ -4,7 +4,8 @@
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
 //! `image` block gets the same answer; an Ollama chat's `images` are answered, and `/api/generate`'s
 //! the same; a JPEG is answered as the engine answers it; pictures in tool results (OpenAI `tool`
-//! messages, Anthropic `tool_result` blocks) are read, the same either way; another picture gets
+//! messages, Anthropic `tool_result` blocks, Responses `function_call_output`s) are read, the same
+//! conversation each way; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
 //! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
 //! (without switching to it).
@@ -373,6 +374,25 @@ fn pictures_through_openai_and_anthropic() {
     assert_eq!(
         anthropic_tool["content"][0]["text"], tool_a["choices"][0]["message"]["content"],
         "{anthropic_tool} against {tool_a}"
+    );
+
+    // The Responses API: a function_call_output with an input_image, the same conversation again.
+    let r = server.post(
+        "/v1/responses",
+        &json!({"model": "vision", "max_output_tokens": STEPS, "temperature": 0,
+                "tools": [{"type": "function", "name": "screenshot", "description": "d",
+                           "parameters": {"type": "object", "properties": {}}}],
+                "input": [
+                    {"role": "user", "content": "What is on the screen?"},
+                    {"type": "function_call", "call_id": "t1", "name": "screenshot", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "t1", "output": [
+                        {"type": "input_image", "image_url": data_url(&a)}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let responses_tool = r.json();
+    assert_eq!(
+        responses_tool["usage"]["input_tokens"], tool_a["usage"]["prompt_tokens"],
+        "{responses_tool} against {tool_a}"
     );
 
     // Refusals, each a 400 that says why, and the next request answered.
