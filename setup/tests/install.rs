@@ -687,6 +687,11 @@ fn vision_installs_the_projector_checked_and_the_registry_says_multimodal_while_
         let home = tmp.path().join(format!("home-{vision}"));
         let out = install_tiny(&server, &families, &home, &["--vision", vision]);
         assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("pictures are read while the model runs on the CPU"),
+            "{}",
+            stderr(&out)
+        );
         let config = run_config(&home);
         assert_eq!(config["mmproj"], format!("models/{PROJECTOR}"), "{config}");
         assert_eq!(config["vision"], device, "{config}");
@@ -705,6 +710,7 @@ fn vision_installs_the_projector_checked_and_the_registry_says_multimodal_while_
     let home = tmp.path().join("home-no");
     let out = install_tiny(&server, &families, &home, &["--vision", "no"]);
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("vision projector installed"));
     assert!(run_config(&home).get("mmproj").is_none());
     assert!(!home.join("models").join(PROJECTOR).exists());
     assert!(
