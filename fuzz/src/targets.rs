@@ -158,3 +158,22 @@ pub fn chat_template(data: &[u8]) {
         assert!(out.len() <= 64 << 20, "the output bound holds");
     }
 }
+
+/// Arbitrary bytes as a picture (`picture::decode`: JPEG by the crate's stb-exact decoder, PNG and WebP
+/// by `image`): an error or a picture within the size bound whose buffer holds its pixels, never a
+/// panic.
+pub fn picture(data: &[u8]) {
+    use poly_models::vision::picture::{decode, MAX_SIDE};
+    if let Ok(p) = decode(data) {
+        assert!(p.width > 0 && p.height > 0, "an empty picture decoded");
+        assert!(
+            p.width <= MAX_SIDE as usize && p.height <= MAX_SIDE as usize,
+            "past the bound"
+        );
+        assert_eq!(
+            p.pixels.len(),
+            p.width * p.height * 3,
+            "the buffer holds the pixels"
+        );
+    }
+}

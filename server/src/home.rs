@@ -172,6 +172,16 @@ pub struct HomeContents {
 
 impl RunConfig {
     /// The path of the GGUF the engine is told to load: the value after `--model` in `args`.
+    /// The vision projector the engine is given: the run config's `mmproj`, else a `--mmproj` in its
+    /// args (relative to `cwd`, as the engine reads it).
+    pub fn projector_path(&self) -> Option<PathBuf> {
+        if let Some(m) = &self.mmproj {
+            return Some(m.clone());
+        }
+        let at = self.args.iter().position(|a| a == "--mmproj")?;
+        Some(resolve(&self.cwd, self.args.get(at + 1)?))
+    }
+
     pub fn model_path(&self) -> Option<PathBuf> {
         let at = self.args.iter().position(|a| a == "--model")?;
         let value = self.args.get(at + 1)?;

@@ -244,12 +244,12 @@ impl Registry {
             .map(|s| params_of(s.size_label.as_deref(), s.n_elements))
             .unwrap_or((None, None));
         // Pictures are read only with the projector there (a configured one that is missing would stop
-        // the engine at its start).
-        if let Some(m) = config.mmproj.as_ref().filter(|m| !m.is_file()) {
+        // the engine at its start), whether the run config's `mmproj` or a `--mmproj` in its args names it.
+        let projector = config.projector_path();
+        if let Some(m) = projector.as_ref().filter(|m| !m.is_file()) {
             problems.push(format!("projector (mmproj) {} not found", m.display()));
         }
-        let multimodal = config.args.iter().any(|a| a == "--mmproj")
-            || config.mmproj.as_ref().is_some_and(|m| m.is_file());
+        let multimodal = projector.as_ref().is_some_and(|m| m.is_file());
         let trained = summary
             .as_ref()
             .and_then(|s| s.context_length)
@@ -440,6 +440,57 @@ pub fn params_of(size_label: Option<&str>, n_elements: u64) -> (Option<String>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multimodal_only_with_the_projector_file_there() {
+        let home =
+            std::env::temp_dir().join(format!("polystrata-registry-mmproj-{}", std::process::id()));
+        std::fs::create_dir_all(&home).unwrap();
+        let write = |name: &str, config: serde_json::Value| {
+            std::fs::write(home.join(format!("strata-{name}.json")), config.to_string()).unwrap();
+        };
+        write(
+            "by-field",
+            serde_json::json!({"exe": "/bin/true", "args": ["--model", "m.gguf"], "mmproj": "field.gguf"}),
+        );
+        write(
+            "by-arg",
+            serde_json::json!({"exe": "/bin/true", "args": ["--model", "m.gguf", "--mmproj", "arg.gguf"]}),
+        );
+        write(
+            "text",
+            serde_json::json!({"exe": "/bin/true", "args": ["--model", "m.gguf"]}),
+        );
+        let scan = || {
+            let entries = Registry::new(home.clone()).scan();
+            let get = |id: &str| entries.iter().find(|e| e.id == id).cloned().expect(id);
+            (get("by-field"), get("by-arg"), get("text"))
+        };
+        let (field, arg, text) = scan();
+        assert!(!field.multimodal && !arg.multimodal && !text.multimodal);
+        assert!(
+            field
+                .problem
+                .as_deref()
+                .unwrap_or("")
+                .contains("field.gguf not found"),
+            "{:?}",
+            field.problem
+        );
+        assert!(
+            arg.problem
+                .as_deref()
+                .unwrap_or("")
+                .contains("arg.gguf not found"),
+            "{:?}",
+            arg.problem
+        );
+        std::fs::write(home.join("field.gguf"), b"GGUF").unwrap();
+        std::fs::write(home.join("arg.gguf"), b"GGUF").unwrap();
+        let (field, arg, text) = scan();
+        assert!(field.multimodal && arg.multimodal && !text.multimodal);
+        std::fs::remove_dir_all(&home).unwrap();
+    }
 
     #[test]
     fn quantization_labels_from_file_names() {

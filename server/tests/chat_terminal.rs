@@ -26,6 +26,10 @@ fn two_models(tag: &str) -> Home {
 }
 
 fn drive(mode: &str, home: &Home, port: u16, names: &[&str]) {
+    drive_with(mode, home, port, names, &[]);
+}
+
+fn drive_with(mode: &str, home: &Home, port: u16, names: &[&str], extra: &[String]) {
     let script = common::workspace_root().join("tests/server/chat_terminal.py");
     let mut cmd = Command::new(python());
     cmd.env("XDG_CONFIG_HOME", common::config_dir())
@@ -39,6 +43,7 @@ fn drive(mode: &str, home: &Home, port: u16, names: &[&str]) {
     if let Some(second) = names.get(1) {
         cmd.args(["--second", second]);
     }
+    cmd.args(extra);
     let out = cmd.output().expect("run tests/server/chat_terminal.py");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -83,5 +88,44 @@ fn the_chat_switches_a_running_server_and_leaves_it_running() {
     assert_eq!(
         server.get("/api/models/current").json()["model"],
         "gemma3-tiny"
+    );
+}
+
+/// `/image PATH` with a model that reads pictures (the tiny qwen35moe fixture with the tiny projector
+/// `poly-engine synth` writes): refusals, then the picture with the next message, answered as the server
+/// answers the same picture and text over HTTP; a text model refuses `/image`.
+#[test]
+fn image_attaches_a_local_picture_to_the_next_message() {
+    let home = Home::new("chat-picture");
+    let mmproj = home.dir.join("mmproj-tiny.gguf");
+    let o = Command::new(common::engine_bin())
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let gguf = common::fixture("qwen35moe-tiny-q4km.gguf");
+    home.add_model(
+        "vision-tiny",
+        "qwen35moe-tiny-q4km.gguf",
+        json!({"mmproj": mmproj,
+               "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
+    );
+    home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let server = Server::start_logged(&home, &["--load", "vision-tiny"], &[]);
+    let port: u16 = server
+        .addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the server's port");
+    let picture = common::workspace_root().join("tests/fixtures/vision/picture-64x48.png");
+    drive_with(
+        "picture",
+        &home,
+        port,
+        &["vision-tiny", "qwen3-tiny"],
+        &["--picture".into(), picture.display().to_string()],
     );
 }

@@ -2,7 +2,10 @@
 //! fixture with the tiny projector `poly-engine synth --arch qwen3vl-mmproj` writes, named by its run
 //! config's `mmproj`. An OpenAI `image_url` data URL is answered with the log-probabilities the engine
 //! gives for the same tokens and picture over the protocol; the same picture as an Anthropic base64
-//! `image` block gets the same answer; an Ollama chat's `images` are answered; another picture gets
+//! `image` block gets the same answer; an Ollama chat's `images` are answered, and `/api/generate`'s
+//! the same; a JPEG is answered as the engine answers it; pictures in tool results (OpenAI `tool`
+//! messages, Anthropic `tool_result` blocks, Responses `function_call_output`s) are read, the same
+//! conversation each way; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
 //! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
 //! (without switching to it).
@@ -291,12 +294,129 @@ fn pictures_through_openai_and_anthropic() {
         "{ollama}"
     );
 
+    // Ollama's generate: `images` before the prompt, the same conversation as the chat above, so the
+    // same (greedy) answer.
+    let r = server.post(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "options": {"temperature": 0, "num_predict": 4},
+                "prompt": "What is this?", "images": [encode_base64(&a)]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let generated = r.json();
+    assert_eq!(
+        generated["response"], ollama["message"]["content"],
+        "{generated} against {ollama}"
+    );
+    // A JPEG (decoded as mtmd's stb_image decodes it) is read too, and is another picture.
+    let jpeg = picture("jpeg/big-420.jpg");
+    let r = server.post(
+        "/v1/chat/completions",
+        &openai_picture(
+            "vision",
+            &format!("data:image/jpeg;base64,{}", encode_base64(&jpeg)),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let got_jpeg = logprobs_of(&r.json());
+    assert_eq!(
+        direct(&jpeg, got_jpeg.len()),
+        got_jpeg,
+        "the JPEG's own answer"
+    );
+    assert_ne!(got_jpeg, got, "another picture, other logits");
+
+    // A picture a tool returned: an OpenAI `tool` message's image part and an Anthropic `tool_result`'s
+    // image block, read where the tool's answer stands, and the same conversation either way.
+    let openai_tool = |picture: &[u8]| {
+        json!({"model": "vision", "max_tokens": STEPS, "temperature": 0, "logprobs": true,
+               "tools": [{"type": "function", "function": {"name": "screenshot", "description": "d",
+                          "parameters": {"type": "object", "properties": {}}}}],
+               "messages": [
+                   {"role": "user", "content": "What is on the screen?"},
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "t1", "type": "function",
+                       "function": {"name": "screenshot", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "t1", "content": [
+                       {"type": "image_url", "image_url": {"url": data_url(picture)}}]}]})
+    };
+    let r = server.post("/v1/chat/completions", &openai_tool(&a));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let tool_a = r.json();
+    let r = server.post("/v1/chat/completions", &openai_tool(&b));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_ne!(
+        logprobs_of(&r.json()),
+        logprobs_of(&tool_a),
+        "another picture in the tool result, other logits"
+    );
+    let r = server.post(
+        "/v1/messages",
+        &json!({"model": "vision", "max_tokens": STEPS, "temperature": 0,
+                "tools": [{"name": "screenshot", "description": "d",
+                           "input_schema": {"type": "object", "properties": {}}}],
+                "messages": [
+                    {"role": "user", "content": "What is on the screen?"},
+                    {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                     "data": encode_base64(&a)}}]}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let anthropic_tool = r.json();
+    let usage = &anthropic_tool["usage"];
+    let input = usage["input_tokens"].as_u64().unwrap_or(0)
+        + usage["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    assert_eq!(
+        input,
+        tool_a["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        "{anthropic_tool} against {tool_a}"
+    );
+    assert_eq!(
+        anthropic_tool["content"][0]["text"], tool_a["choices"][0]["message"]["content"],
+        "{anthropic_tool} against {tool_a}"
+    );
+
+    // The Responses API: a function_call_output with an input_image, the same conversation again.
+    let r = server.post(
+        "/v1/responses",
+        &json!({"model": "vision", "max_output_tokens": STEPS, "temperature": 0,
+                "tools": [{"type": "function", "name": "screenshot", "description": "d",
+                           "parameters": {"type": "object", "properties": {}}}],
+                "input": [
+                    {"role": "user", "content": "What is on the screen?"},
+                    {"type": "function_call", "call_id": "t1", "name": "screenshot", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "t1", "output": [
+                        {"type": "input_image", "image_url": data_url(&a)}]}]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let responses_tool = r.json();
+    assert_eq!(
+        responses_tool["usage"]["input_tokens"], tool_a["usage"]["prompt_tokens"],
+        "{responses_tool} against {tool_a}"
+    );
+
     // Refusals, each a 400 that says why, and the next request answered.
     let refused = |path: &str, body: &Value, needle: &str| {
         let r = server.post(path, body);
         assert_eq!(r.status, 400, "{path}: {}", r.text());
         assert!(r.text().contains(needle), "{path}: {}", r.text());
     };
+    refused(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "prompt": "x", "raw": true,
+                "images": [encode_base64(&a)]}),
+        "raw",
+    );
+    refused(
+        "/api/generate",
+        &json!({"model": "vision", "stream": false, "prompt": "x", "images": ["@@"]}),
+        "images[0]",
+    );
+    refused(
+        "/api/generate",
+        &json!({"model": "text", "stream": false, "prompt": "x", "images": [encode_base64(&a)]}),
+        "text only",
+    );
     refused(
         "/v1/chat/completions",
         &openai_picture("vision", "https://example.com/cat.png"),

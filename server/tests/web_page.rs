@@ -97,3 +97,61 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
         "gemma3-tiny"
     );
 }
+
+/// A model that reads pictures (the tiny qwen35moe fixture with the tiny projector `poly-engine synth`
+/// writes, named by its run config's `mmproj`) and one that reads none: the page shows the Picture button
+/// for the first only, sends a chosen JPEG with the question as an `image_url` data URL of the file's
+/// bytes, shows it in the conversation (after a reload too), and the answer comes.
+#[test]
+fn the_page_sends_a_picture_to_a_model_that_reads_them_in_chromium() {
+    let home = Home::new("web-pictures");
+    let mmproj = home.dir.join("mmproj-tiny.gguf");
+    let o = Command::new(common::engine_bin())
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let gguf = common::fixture("qwen35moe-tiny-q4km.gguf");
+    home.add_model(
+        "vision-tiny",
+        "qwen35moe-tiny-q4km.gguf",
+        json!({"mmproj": mmproj,
+               "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
+    );
+    home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    let server = Server::start_logged(&home, &["--load", "vision-tiny"], &[]);
+    let shot = artifacts().join("picture.png");
+    let _ = std::fs::remove_file(&shot);
+    let picture = common::workspace_root().join("tests/fixtures/vision/jpeg/big-420.jpg");
+    let out = Command::new(python())
+        .arg(common::workspace_root().join("tests/server/web_page.py"))
+        .args(["--url", &server.url("/")])
+        .arg("--picture")
+        .arg(&picture)
+        .args([
+            "--vision-model",
+            "vision-tiny",
+            "--text-model",
+            "qwen3-tiny",
+        ])
+        .args(["--max-tokens", "4"])
+        .arg("--shot")
+        .arg(&shot)
+        .output()
+        .expect("run tests/server/web_page.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stdout}{stderr}");
+    let log = std::fs::read_to_string(home.dir.join("server.log")).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "the browser test failed:\n{stdout}\n{stderr}\nserver log:\n{log}"
+    );
+    assert!(stdout.contains("web page: ok") && stdout.contains("picture sent"));
+    assert!(std::fs::read(&shot).is_ok_and(|p| p.starts_with(b"\x89PNG")));
+    // The page switched the server to the text model.
+    let stats = server.get("/api/models/current").json();
+    assert_eq!(stats["model"], "qwen3-tiny", "{stats}");
+}

@@ -4,7 +4,9 @@
 // assistant message's data-state and data-chunks). Settings (temperature, answer length, system prompt)
 // are kept in localStorage; each answer shows its speed (time to first token, tokens/s from the server's
 // `timings`, the share of experts served from VRAM); answers can be copied and regenerated, questions
-// edited.
+// edited. A model that reads pictures (`/props` `modalities.vision` once loaded, the registry's
+// `multimodal` before) gets a Picture button (and paste into the box): the pictures go with the next
+// message as `image_url` data-URL parts and show in the conversation.
 "use strict";
 
 const STORE = "polystrata.conversations";
@@ -15,9 +17,13 @@ const ui = {
   messages: el("messages"), list: el("conversations"), input: el("input"), send: el("send"),
   stop: el("stop"), form: el("composer"), newChat: el("new-chat"),
   temperature: el("set-temperature"), maxTokens: el("set-max-tokens"), system: el("set-system"),
+  attach: el("attach"), file: el("picture-file"), attachments: el("attachments"),
 };
+// The largest picture the page attaches: its base64 (4/3 of it) goes in every request of the
+// conversation, whose body the server takes up to 8 MiB by default (`--max-body-mib`).
+const MAX_PICTURE_BYTES = 5 * 1024 * 1024;
 const SETTINGS = { temperature: "polystrata.temperature", maxTokens: "polystrata.maxTokens", system: "polystrata.system" };
-const state = { models: [], current: null, conversations: [], active: null, abort: null, loading: false };
+const state = { models: [], current: null, conversations: [], active: null, abort: null, loading: false, vision: false, pending: [] };
 
 // --- requests ---------------------------------------------------------------------------------------
 function headers() {
@@ -90,6 +96,64 @@ async function refreshModels() {
   else if (entry) setStatus(entry.status === "loaded" ? "loaded" : entry.status, entry.status === "loaded" ? "loaded" : "unloaded");
   else setStatus("no model loaded", "unloaded");
   showNotice(entry);
+  await refreshVision(entry);
+}
+
+// --- pictures ---------------------------------------------------------------------------------------
+// Whether the model in use reads pictures: the loaded engine's word (`/props`), else the registry's
+// (`multimodal`: its run config names a projector that is there).
+async function refreshVision(entry) {
+  let vision = !!(entry && entry.multimodal);
+  if (entry && entry.status === "loaded") {
+    try {
+      const props = await api("/props");
+      vision = !!(props.modalities && props.modalities.vision);
+    } catch (_) { /* unloaded meanwhile: the registry's word stands */ }
+  }
+  state.vision = vision;
+  ui.attach.hidden = !vision;
+  document.body.dataset.vision = vision ? "1" : "";
+  if (!vision && state.pending.length) { state.pending = []; renderPending(); }
+}
+
+function renderPending() {
+  ui.attachments.innerHTML = "";
+  state.pending.forEach((url, i) => {
+    const box = document.createElement("span");
+    box.className = "attachment";
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "picture to send";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "remove";
+    remove.textContent = "x";
+    remove.title = "Remove this picture";
+    remove.onclick = () => { state.pending.splice(i, 1); renderPending(); };
+    box.appendChild(img);
+    box.appendChild(remove);
+    ui.attachments.appendChild(box);
+  });
+  ui.attachments.hidden = state.pending.length === 0;
+}
+
+// Reads picture files (chosen or pasted) into data URLs waiting for the next message.
+function attachFiles(files) {
+  for (const f of files) {
+    if (!/^image\/(png|jpeg|webp)$/.test(f.type)) { setStatus("not a PNG, JPEG or WebP picture: " + (f.name || f.type), "error"); continue; }
+    if (f.size > MAX_PICTURE_BYTES) { setStatus("the picture is larger than 5 MB: " + f.name, "error"); continue; }
+    const reader = new FileReader();
+    reader.onload = () => { state.pending.push(reader.result); renderPending(); };
+    reader.readAsDataURL(f);
+  }
+}
+
+// A message's content as the API takes it: the text alone, or the pictures then the text as parts.
+function apiContent(m) {
+  if (!m.pictures || !m.pictures.length) return m.content;
+  const parts = m.pictures.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (m.content) parts.push({ type: "text", text: m.content });
+  return parts;
 }
 
 async function loadModel(id) {
@@ -177,6 +241,17 @@ function messageView(m) {
     details.appendChild(rtext);
     div.appendChild(details);
   }
+  if (m.pictures && m.pictures.length) {
+    const pics = document.createElement("div");
+    pics.className = "pictures";
+    for (const url of m.pictures) {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "picture sent";
+      pics.appendChild(img);
+    }
+    div.appendChild(pics);
+  }
   const content = document.createElement("div");
   content.className = "content";
   if (m.role === "assistant") content.innerHTML = renderMarkdown(m.content || "");
@@ -242,7 +317,7 @@ function regenerate(m) {
   const question = conv.messages[at - 1];
   conv.messages = conv.messages.slice(0, at - 1);
   save();
-  send(question.content);
+  send(question.content, question.pictures || []);
 }
 
 function edit(m) {
@@ -254,6 +329,8 @@ function edit(m) {
   save();
   renderAll();
   ui.input.value = m.content;
+  state.pending = state.vision ? (m.pictures || []).slice() : [];
+  renderPending();
   ui.input.focus();
 }
 
@@ -305,12 +382,14 @@ async function readSse(resp, onEvent) {
   }
 }
 
-async function send(text) {
+async function send(text, pictures) {
   if (!state.active) newConversation();
   const conv = state.active;
   const model = state.current || (state.models.find((m) => m.status !== "unavailable") || {}).id;
-  conv.messages.push({ role: "user", content: text });
-  if (conv.title === "New chat") conv.title = text.slice(0, 40);
+  const question = { role: "user", content: text };
+  if (pictures && pictures.length) question.pictures = pictures;
+  conv.messages.push(question);
+  if (conv.title === "New chat") conv.title = text ? text.slice(0, 40) : "Picture";
   const reply = { role: "assistant", content: "", reasoning: "", model, state: "streaming" };
   conv.messages.push(reply);
   conv.updated = Date.now();
@@ -334,7 +413,7 @@ async function send(text) {
   ui.send.disabled = true;
   ui.stop.hidden = false;
   const set = settings();
-  const history = conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: m.content }));
+  const history = conv.messages.filter((m) => m !== reply && !m.error).map((m) => ({ role: m.role, content: apiContent(m) }));
   const body = { model, stream: true, messages: set.system ? [{ role: "system", content: set.system }].concat(history) : history };
   if (set.maxTokens) body.max_tokens = set.maxTokens;
   if (set.temperature !== null && !Number.isNaN(set.temperature)) body.temperature = set.temperature;
@@ -380,9 +459,20 @@ async function send(text) {
 ui.form.addEventListener("submit", (ev) => {
   ev.preventDefault();
   const text = ui.input.value.trim();
-  if (!text || state.abort || state.loading) return;
+  if ((!text && !state.pending.length) || state.abort || state.loading) return;
   ui.input.value = "";
-  send(text);
+  const pictures = state.pending;
+  state.pending = [];
+  renderPending();
+  send(text, pictures);
+});
+ui.attach.addEventListener("click", () => ui.file.click());
+ui.file.addEventListener("change", () => { attachFiles([...ui.file.files]); ui.file.value = ""; });
+// A picture pasted into the box is attached (for a model that reads pictures); text pastes as usual.
+ui.input.addEventListener("paste", (ev) => {
+  if (!state.vision || !ev.clipboardData) return;
+  const files = [...ev.clipboardData.items].filter((i) => i.kind === "file" && i.type.startsWith("image/")).map((i) => i.getAsFile()).filter(Boolean);
+  if (files.length) { ev.preventDefault(); attachFiles(files); }
 });
 ui.input.addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); ui.form.requestSubmit(); }

@@ -265,6 +265,15 @@ pub fn install(
         max_context,
         ..opts.clone()
     };
+    if installed.iter().any(|(r, _)| *r == Role::Mmproj) {
+        // The run config's `vision` records where the encoder should run; the engine has no encoder on
+        // the card yet.
+        eprintln!(
+            "setup: vision projector installed: pictures are read while the model runs on the CPU; a \
+             model on a card reads none yet (its engine logs the projector and the server refuses \
+             pictures as text only)"
+        );
+    }
     let tokenizer_rel = format!("packs/{}/tokenizer", family.name);
     write_tokenizer(&server, &model, &opts.home.join(&tokenizer_rel))?;
     let config = write_run_config(family, size, opts, &engine, &installed, &tokenizer_rel)?;

@@ -631,3 +631,102 @@ fn families_the_engine_cannot_run_are_refused_with_the_reason() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("unknown family"), "{}", stderr(&out));
 }
+
+/// `--vision`: the size's projector (`role: mmproj`) is fetched at the pinned revision and checked by
+/// the hash the host publishes, like the model; the run config names it (`mmproj`, `vision` cpu or
+/// gpu) and the registry says `multimodal true` while the file is there, false (with the problem) once
+/// it is gone; `--vision no` fetches nothing of it; a projector whose bytes are not the published
+/// ones installs nothing.
+#[test]
+fn vision_installs_the_projector_checked_and_the_registry_says_multimodal_while_it_is_there() {
+    const PROJECTOR: &str = "mmproj-F16.gguf";
+    let model = std::fs::read(fixture_gguf()).expect("fixture");
+    let tmp = TempDir::new("vision");
+    let synth = tmp.path().join("mmproj.gguf");
+    let o = Command::new(bin_dir().join("poly-engine"))
+        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&synth)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let projector = std::fs::read(&synth).expect("projector");
+    let serve = |served: &[u8], published: &[u8]| {
+        let server = FileServer::start();
+        server.route(
+            &format!("/api/models/test/tiny/revision/{COMMIT}?blobs=true"),
+            Route::Json(
+                json!({"sha": COMMIT, "siblings": [
+                    {"rfilename": FILE, "size": model.len(),
+                     "lfs": {"sha256": sha256_hex(&model), "size": model.len()}},
+                    {"rfilename": PROJECTOR, "size": published.len(),
+                     "lfs": {"sha256": sha256_hex(published), "size": published.len()}},
+                ]})
+                .to_string(),
+            ),
+        );
+        server.route(
+            &format!("/test/tiny/resolve/{COMMIT}/{FILE}"),
+            Route::file(model.clone()),
+        );
+        server.route(
+            &format!("/test/tiny/resolve/{COMMIT}/{PROJECTOR}"),
+            Route::file(served.to_vec()),
+        );
+        server
+    };
+    // The revision pinned, as the table's Qwen3.6 sizes pin theirs.
+    let families = table(
+        tmp.path(),
+        json!({"hugging_face": {"repo": "test/tiny", "revision": COMMIT}}),
+        json!([{"path": FILE, "sha256": sha256_hex(&model)},
+               {"path": PROJECTOR, "role": "mmproj", "sha256": null}]),
+    );
+    let server = serve(&projector, &projector);
+    for (vision, device) in [("cpu", "cpu"), ("yes", "gpu")] {
+        let home = tmp.path().join(format!("home-{vision}"));
+        let out = install_tiny(&server, &families, &home, &["--vision", vision]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains("pictures are read while the model runs on the CPU"),
+            "{}",
+            stderr(&out)
+        );
+        let config = run_config(&home);
+        assert_eq!(config["mmproj"], format!("models/{PROJECTOR}"), "{config}");
+        assert_eq!(config["vision"], device, "{config}");
+        let installed = home.join("models").join(PROJECTOR);
+        assert_eq!(std::fs::read(&installed).expect("projector"), projector);
+        let listing = list_models(&home);
+        assert!(listing.contains("multimodal true"), "{listing}");
+        std::fs::remove_file(&installed).expect("remove the projector");
+        let listing = list_models(&home);
+        assert!(
+            listing.contains("multimodal false") && listing.contains("not found"),
+            "{listing}"
+        );
+    }
+    let before = server.seen().len();
+    let home = tmp.path().join("home-no");
+    let out = install_tiny(&server, &families, &home, &["--vision", "no"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("vision projector installed"));
+    assert!(run_config(&home).get("mmproj").is_none());
+    assert!(!home.join("models").join(PROJECTOR).exists());
+    assert!(
+        !server.seen()[before..]
+            .iter()
+            .any(|s| format!("{s:?}").contains(PROJECTOR)),
+        "--vision no fetched the projector"
+    );
+    assert!(list_models(&home).contains("multimodal false"));
+    // Other bytes than the host publishes: refused, nothing installed.
+    let mut other = projector.clone();
+    other[100] ^= 1;
+    let bad = serve(&other, &projector);
+    let home = tmp.path().join("home-bad");
+    let out = install_tiny(&bad, &families, &home, &["--vision", "cpu"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("does not match"), "{}", stderr(&out));
+    assert!(!home.join("strata-tiny.json").exists());
+}

@@ -13,10 +13,15 @@ Usage:
       Ctrl-C (SIGINT to the chat's process group, as a terminal sends it) during a long answer stops the
       answer (the server cancels it and keeps running), the chat goes on; Ctrl-C at the prompt says how to
       quit, a second one quits and stops the chat's server.
+  chat_terminal.py picture --bin POLYSTRATA --home HOME --port PORT --first vision --second qwen --picture F
+      a server runs with a model that reads pictures: /image refuses a missing file, a directory, a file
+      past 5 MB and one that is no picture, attaches F, and the next message's answer is the server's
+      answer to F and the text over HTTP; a text model refuses /image.
 Exits non-zero with the reason (and the transcript) on the first failure.
 """
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -188,6 +193,70 @@ def shared(args, term):
     check(current["model"] == model and current["loaded"], f"the shared server now has {current}")
 
 
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def picture(args, term):
+    """`/image PATH` attaches the user's picture to the next message: the answer is the server's answer
+    to the same picture and text sent over HTTP; a missing file, a directory, a file past 5 MB and a
+    file that is no picture are refused; a model that reads no pictures refuses /image."""
+    term.expect(rf"using the server on port {args.port}", 30)
+    _, m = term.expect(r"loading (\S+) \.\.\.", 60)
+    model = m.group(1)
+    term.expect(prompt(model), 180)
+    for line in ("/set max_tokens 4", "/set temperature 0"):
+        term.send(line)
+        term.expect(prompt(model), 10)
+    work = os.path.dirname(os.path.abspath(args.picture))
+    huge = os.path.join(args.home, "huge.jpg")
+    with open(huge, "wb") as f:
+        f.truncate(6 << 20)
+    for arg, needle in ((os.path.join(args.home, "missing.png"), "missing.png"),
+                        (work, "is a directory"),
+                        (huge, "up to 5 MB"),
+                        (os.path.abspath(__file__), "not a PNG, JPEG or WebP")):
+        term.send(f"/image {arg}")
+        shown, _ = term.expect(prompt(model), 10)
+        check("error:" in shown and needle in shown, f"/image {arg}: {shown!r}")
+    term.send(f"/image {args.picture}")
+    shown, _ = term.expect(prompt(model), 10)
+    check("attached" in shown, f"/image {args.picture}: {shown!r}")
+    term.send("/image")
+    shown, _ = term.expect(prompt(model), 10)
+    check(args.picture in shown, f"/image lists {shown!r}")
+    text = "What is in this picture?"
+    shown = chat_once(term, model, text)
+    with open(args.picture, "rb") as f:
+        data = base64.b64encode(f.read()).decode()
+    mime = "image/png" if args.picture.endswith(".png") else "image/jpeg"
+    direct = post(args.port, "/v1/chat/completions", {
+        "model": model, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}},
+            {"type": "text", "text": text}]}]})
+    want = direct["choices"][0]["message"]["content"].strip()
+    check(want != "" and want in shown, f"the chat showed {shown!r}; over HTTP the same picture gets {want!r}")
+    # The picture went with that message only: /image lists none now.
+    term.send("/image")
+    shown, _ = term.expect(prompt(model), 10)
+    check("no pictures attached" in shown, f"/image after the message: {shown!r}")
+    if args.second:
+        term.send(f"/model switch {args.second}")
+        _, m = term.expect(r"loading (\S+) \.\.\.", 30)
+        other = m.group(1)
+        term.expect(prompt(other), 180)
+        term.send(f"/image {args.picture}")
+        shown, _ = term.expect(prompt(other), 10)
+        check("reads no pictures" in shown, f"/image for a text model: {shown!r}")
+    term.eof()
+    rc = term.wait(30)
+    check(rc == 0, f"the chat exited {rc} at EOF")
+
+
 def ctrl_c(term):
     os.killpg(term.proc.pid, signal.SIGINT)
 
@@ -233,18 +302,19 @@ def interrupt(args, term):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["own", "shared", "interrupt"])
+    ap.add_argument("mode", choices=["own", "shared", "interrupt", "picture"])
     ap.add_argument("--bin", required=True)
     ap.add_argument("--home", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--first", required=True)
     ap.add_argument("--second", default="")
+    ap.add_argument("--picture", default="", help="picture mode: the picture /image attaches")
     args = ap.parse_args()
     argv = [args.bin, "--home", args.home, "--port", str(args.port), "--model", args.first]
     term = Terminal(argv)
     t0 = time.monotonic()
     try:
-        {"own": own, "shared": shared, "interrupt": interrupt}[args.mode](args, term)
+        {"own": own, "shared": shared, "interrupt": interrupt, "picture": picture}[args.mode](args, term)
         dim = b"\x1b[2m" in term.raw
         print(f"chat {args.mode}: ok in {time.monotonic() - t0:.1f} s (reasoning dimmed: {dim})")
     except Exception as e:

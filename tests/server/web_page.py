@@ -6,6 +6,7 @@ fragments joined) is a few dozen lines, which keeps the test free of pip package
 thing to install (Debian: `apt-get install -y chromium`).
 
 Usage: web_page.py --url http://127.0.0.1:PORT/ --pick MODEL --other MODEL --broken MODEL --shot OUT.png
+       web_page.py --url ... --picture FILE --vision-model MODEL --text-model MODEL --shot OUT.png
 The page must list the three models; a load of the broken one must fail; the script picks MODEL in the header, sends a message, watches the answer
 stream in, checks the Markdown renderer escapes HTML and reasoning shows collapsed, reloads and finds the conversation kept, and saves
 a screenshot. It exits non-zero with the reason on the first failure.
@@ -377,12 +378,94 @@ def more(args, cdp):
     print(f"phone layout: input {widths[0]:.0f} px, screenshot {phone}")
 
 
+def run_pictures(args, cdp):
+    """A model that reads pictures: the Picture button shows, a chosen file is previewed, sent with the
+    question as an image_url data URL of the file's bytes, shown in the conversation and answered; after a
+    reload the picture is still shown; a text model hides the button."""
+    cdp.call("Page.enable")
+    cdp.call("Runtime.enable")
+    cdp.call("DOM.enable")
+    cdp.call("Page.navigate", url=args.url)
+    cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the page to read /api/models", 60)
+    cdp.eval(f"localStorage.setItem('polystrata.maxTokens', '{args.max_tokens}')")
+    cdp.eval("localStorage.setItem('polystrata.temperature', '0')")
+    cdp.wait_for("document.body.dataset.modelState === 'loaded'", f"{args.vision_model} loaded", 60)
+    check(cdp.eval("document.body.dataset.vision") == "1", "the page does not say the model reads pictures")
+    check(not cdp.eval("document.getElementById('attach').hidden"), "no Picture button for a model that reads pictures")
+    cdp.eval("(() => { const f = window.fetch; window.__bodies = [];"
+             " window.fetch = (u, i) => { if (i && i.body && String(u).includes('chat')) window.__bodies.push(JSON.parse(i.body));"
+             " return f(u, i); }; })()")
+    # Choose the file as a person would through the file dialog (DevTools sets the input's files and the
+    # page gets its change event).
+    root = cdp.call("DOM.getDocument")["root"]["nodeId"]
+    node = cdp.call("DOM.querySelector", nodeId=root, selector="#picture-file")["nodeId"]
+    cdp.call("DOM.setFileInputFiles", nodeId=node, files=[os.path.abspath(args.picture)])
+    cdp.wait_for("document.querySelectorAll('#attachments img').length === 1", "the picture's preview", 10)
+    cdp.eval("document.getElementById('input').value = 'What is in this picture?';"
+             " document.getElementById('composer').requestSubmit()")
+    answer_done(cdp, 0, "the answer about the picture")
+    with open(args.picture, "rb") as f:
+        want = base64.b64encode(f.read()).decode()
+    mime = "image/png" if args.picture.endswith(".png") else "image/jpeg"
+    body = cdp.eval("window.__bodies[window.__bodies.length - 1]")
+    content = body["messages"][-1]["content"]
+    check(isinstance(content, list) and len(content) == 2, f"the message's content: {str(content)[:200]}")
+    check(content[0].get("type") == "image_url" and content[0]["image_url"]["url"] == f"data:{mime};base64,{want}",
+          f"the picture part is not the file's data URL: {str(content[0])[:200]}")
+    check(content[1] == {"type": "text", "text": "What is in this picture?"}, f"the text part: {content[1]}")
+    answer = cdp.eval("document.querySelector('.message.assistant .content').textContent")
+    check(answer.strip() != "", "the answer is empty")
+    shown = cdp.eval("[...document.querySelectorAll('.message.user .pictures img')].map(i => [i.src.length, i.naturalWidth])")
+    check(len(shown) == 1 and shown[0][1] > 0, f"the picture is not shown in the conversation: {shown}")
+    check(cdp.eval("document.getElementById('attachments').hidden"), "the preview stays after sending")
+    print(f"picture sent ({len(want)} base64 characters), answered: {answer[:60]!r}")
+    # A picture pasted into the box is attached too (a paste event carrying a file, as a browser makes
+    # one from the clipboard); its x removes it; pasted text stays text.
+    pasted = cdp.eval(
+        f"(() => {{ const bytes = Uint8Array.from(atob({json.dumps(want)}), c => c.charCodeAt(0));"
+        f" const dt = new DataTransfer(); dt.items.add(new File([bytes], 'pasted', {{type: {json.dumps(mime)}}}));"
+        " const ev = new ClipboardEvent('paste', {clipboardData: dt, cancelable: true, bubbles: true});"
+        " document.getElementById('input').dispatchEvent(ev); return ev.defaultPrevented; })()"
+    )
+    check(pasted, "the page did not take the pasted picture")
+    cdp.wait_for("document.querySelectorAll('#attachments img').length === 1", "the pasted picture's preview", 10)
+    cdp.eval("document.querySelector('#attachments .remove').click()")
+    check(cdp.eval("document.getElementById('attachments').hidden"), "the x did not remove the picture")
+    text_paste = cdp.eval(
+        "(() => { const dt = new DataTransfer(); dt.setData('text/plain', 'words');"
+        " const ev = new ClipboardEvent('paste', {clipboardData: dt, cancelable: true, bubbles: true});"
+        " document.getElementById('input').dispatchEvent(ev); return ev.defaultPrevented; })()"
+    )
+    check(not text_paste, "a text paste was taken as a picture")
+    print("paste: a picture attached and removed, text left alone")
+    shot = cdp.call("Page.captureScreenshot", format="png")["data"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.shot)), exist_ok=True)
+    with open(args.shot, "wb") as f:
+        f.write(base64.b64decode(shot))
+    # Kept with the conversation.
+    cdp.call("Page.reload")
+    cdp.wait_for("document.body && document.body.dataset.ready === '1'", "the reloaded page", 60)
+    check(cdp.eval("document.querySelectorAll('.message.user .pictures img').length") == 1, "the picture is gone after a reload")
+    # A text model: no Picture button.
+    cdp.eval(
+        f"(() => {{ const p = document.getElementById('model-picker'); p.value = {json.dumps(args.text_model)};"
+        " p.dispatchEvent(new Event('change')); })()"
+    )
+    cdp.wait_for(f"document.body.dataset.modelState === 'loaded' && document.getElementById('model-picker').value === {json.dumps(args.text_model)}"
+                 " && !document.body.dataset.vision", f"{args.text_model} loaded", 120)
+    check(cdp.eval("document.getElementById('attach').hidden"), "a Picture button for a text model")
+    print("text model: no Picture button")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
-    ap.add_argument("--pick", required=True)
-    ap.add_argument("--other", required=True)
-    ap.add_argument("--broken", required=True, help="a model whose engine fails to start")
+    ap.add_argument("--pick")
+    ap.add_argument("--other")
+    ap.add_argument("--broken", help="a model whose engine fails to start")
+    ap.add_argument("--picture", help="pictures mode: a PNG or JPEG to send to --vision-model")
+    ap.add_argument("--vision-model", help="pictures mode: the loaded model, which reads pictures")
+    ap.add_argument("--text-model", help="pictures mode: a model that reads none")
     ap.add_argument("--shot", required=True)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--notes", default="", help="text the picked model's notes hold")
@@ -392,7 +475,12 @@ def main():
     browser, port = start_browser(profile)
     try:
         cdp = DevTools(page_socket(port, 30), timeout=180)
-        run(args, cdp)
+        if args.picture:
+            run_pictures(args, cdp)
+        else:
+            if not (args.pick and args.other and args.broken):
+                raise RuntimeError("--pick, --other and --broken are needed (or --picture)")
+            run(args, cdp)
         print("web page: ok")
     except Exception as e:  # the reason is what the test shows
         print(f"web page: FAILED: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@
 //! One file per projector type, as `arch/` has one per architecture: its hyperparameters, its tensor
 //! table and its forward pass, written over `poly-kernels`' primitives.
 
+pub mod jpeg;
 pub mod picture;
 pub mod qwen3vl;
 

@@ -50,7 +50,13 @@ pub enum Fit {
 
 /// Decodes a PNG, JPEG or WebP picture (recognized by its bytes) to RGB; transparency is dropped, as
 /// mtmd's decoder (stb_image asked for three channels) drops it.
+///
+/// A JPEG (first byte `0xFF`, where PNG and WebP have `0x89` and `R`) is decoded by [`super::jpeg`],
+/// byte for byte as mtmd's stb_image decodes it; PNG and WebP by the `image` crate.
 pub fn decode(bytes: &[u8]) -> Result<Rgb8, String> {
+    if bytes.first() == Some(&0xff) {
+        return super::jpeg::decode(bytes).map_err(|e| format!("decoding the JPEG picture: {e}"));
+    }
     let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| format!("reading the picture: {e}"))?;
@@ -384,7 +390,7 @@ mod tests {
     }
 
     #[test]
-    fn png_and_webp_decode_exactly_and_jpeg_closely() {
+    fn png_and_webp_decode_exactly_and_another_encoders_jpeg_closely() {
         let img = sample();
         assert_eq!(decode(&encode(&img, ImageFormat::Png)).expect("png"), img);
         // image's WebP encoder writes lossless WebP.

@@ -3,7 +3,8 @@
 //! chat ends. Lines are read from stdin (so it works on a terminal, a pty or a pipe); answers stream as
 //! they come, reasoning dimmed. Commands: `/model`, `/model list`, `/model switch NAME` (a new
 //! conversation), `/model info [NAME]`, `/model unload`, `/new`, `/set max_tokens|temperature V`,
-//! `/help`, `/quit` (or `/bye`). Ctrl-C stops an answer; twice at the prompt it quits (`interrupt`).
+//! `/image PATH` (a local picture for the next message, for a model that reads pictures), `/help`,
+//! `/quit` (or `/bye`). Ctrl-C stops an answer; twice at the prompt it quits (`interrupt`).
 //! Part of a model's name is enough when only one name has it.
 
 mod interrupt;
@@ -33,7 +34,13 @@ pub struct ChatOptions {
 
 const HELP: &str =
     "commands: /model (the model in use), /model list, /model switch NAME, /model info [NAME], \
-/model unload, /new (a new conversation), /set max_tokens N, /set temperature T, /help, /quit (or /bye); Ctrl-C stops an answer, twice at the prompt quits";
+/model unload, /new (a new conversation), /set max_tokens N, /set temperature T, /image PATH (a picture \
+for the next message; /image alone lists them, /image clear drops them), /help, /quit (or /bye); Ctrl-C \
+stops an answer, twice at the prompt quits";
+
+/// The largest picture `/image` attaches: its base64 (4/3 of it) goes in every request of the
+/// conversation, whose body the server takes up to 8 MiB by default (`--max-body-mib`).
+const MAX_PICTURE_BYTES: u64 = 5 << 20;
 
 /// Runs the chat until `/quit` or the end of stdin.
 pub fn run(opts: ChatOptions) -> ExitCode {
@@ -68,6 +75,7 @@ pub fn run(opts: ChatOptions) -> ExitCode {
         client,
         model: None,
         history: Vec::new(),
+        pictures: Vec::new(),
         settings: serde_json::Map::new(),
         color: std::io::stdout().is_terminal(),
     };
@@ -125,6 +133,8 @@ struct Chat {
     /// The chat's model; requests name it, so a server unloaded in between loads it again.
     model: Option<String>,
     history: Vec<Value>,
+    /// Pictures attached for the next message (`/image`): the path as given and its data URL.
+    pictures: Vec<(String, String)>,
     /// Sampling fields sent with every request (`/set`).
     settings: serde_json::Map<String, Value>,
     color: bool,
@@ -133,6 +143,15 @@ struct Chat {
 impl Chat {
     fn command(&mut self, input: &str) -> Flow {
         let words: Vec<&str> = input.split_whitespace().collect();
+        // A path may hold spaces: everything after `/image `.
+        if let Some(rest) = input.strip_prefix("/image") {
+            if rest.is_empty() || rest.starts_with(char::is_whitespace) {
+                if let Err(e) = self.image(rest.trim()) {
+                    println!("error: {e}");
+                }
+                return Flow::Continue;
+            }
+        }
         let result = match words.as_slice() {
             ["/quit"] | ["/exit"] | ["/q"] | ["/bye"] => return Flow::Quit,
             ["/help"] | ["/?"] => {
@@ -141,6 +160,7 @@ impl Chat {
             }
             ["/new"] => {
                 self.history.clear();
+                self.pictures.clear();
                 println!("a new conversation");
                 Ok(())
             }
@@ -255,6 +275,7 @@ impl Chat {
         );
         self.model = Some(id);
         self.history.clear();
+        self.pictures.clear();
         Ok(())
     }
 
@@ -286,9 +307,64 @@ impl Chat {
         Ok(())
     }
 
+    /// `/image PATH`: the picture at PATH (the user's own file, read here) goes with the next message;
+    /// `/image` lists the pictures waiting, `/image clear` drops them.
+    fn image(&mut self, arg: &str) -> Result<(), String> {
+        match arg {
+            "" => {
+                if self.pictures.is_empty() {
+                    println!("no pictures attached; /image PATH attaches one to the next message");
+                }
+                for (path, _) in &self.pictures {
+                    println!("  {path}");
+                }
+                return Ok(());
+            }
+            "clear" => {
+                self.pictures.clear();
+                println!("no pictures attached");
+                return Ok(());
+            }
+            _ => {}
+        }
+        let model = self
+            .model
+            .clone()
+            .ok_or("no model in use; /model switch NAME first")?;
+        let (models, _) = self.models()?;
+        let reads = models
+            .iter()
+            .find(|m| m["id"] == model.as_str())
+            .is_some_and(|m| m["multimodal"].as_bool() == Some(true));
+        if !reads {
+            return Err(format!(
+                "{model} reads no pictures (its run config names no projector, `mmproj`)"
+            ));
+        }
+        let url = picture_data_url(&picture_path(arg))?;
+        self.pictures.push((arg.to_string(), url));
+        println!(
+            "attached {arg}; {} picture(s) go with your next message",
+            self.pictures.len()
+        );
+        Ok(())
+    }
+
     /// Sends a user message and streams the answer.
     fn say(&mut self, text: &str) {
-        self.history.push(json!({"role": "user", "content": text}));
+        let pictures = std::mem::take(&mut self.pictures);
+        let content = if pictures.is_empty() {
+            json!(text)
+        } else {
+            let mut parts: Vec<Value> = pictures
+                .iter()
+                .map(|(_, url)| json!({"type": "image_url", "image_url": {"url": url}}))
+                .collect();
+            parts.push(json!({"type": "text", "text": text}));
+            Value::Array(parts)
+        };
+        self.history
+            .push(json!({"role": "user", "content": content}));
         let mut body = json!({
             "model": self.model,
             "messages": self.history,
@@ -309,8 +385,10 @@ impl Chat {
                     .push(json!({"role": "assistant", "content": content}));
             }
             Err(e) => {
-                // The question stays unanswered: take it back so the next one is not sent twice.
+                // The question stays unanswered: take it back so the next one is not sent twice (its
+                // pictures wait for the next message again).
                 self.history.pop();
+                self.pictures = pictures;
                 println!("error: {e}");
             }
         }
@@ -323,6 +401,64 @@ impl Chat {
         let (_, content) = printer.finish();
         (content, result.map_err(|e| e.to_string()))
     }
+}
+
+/// The path `/image` was given, as a shell would read it: quotes around it (a file dragged into a
+/// terminal comes quoted) and backslashes before spaces dropped, `~/…` under `$HOME`; relative to the
+/// chat's working directory.
+fn picture_path(arg: &str) -> PathBuf {
+    let quoted = arg.len() >= 2
+        && ((arg.starts_with('\'') && arg.ends_with('\''))
+            || (arg.starts_with('"') && arg.ends_with('"')));
+    let path = if quoted {
+        arg[1..arg.len() - 1].to_string()
+    } else {
+        arg.replace("\\ ", " ")
+    };
+    expand_home(&path)
+}
+
+/// `~/…` under `$HOME`; any other path as given.
+fn expand_home(path: &str) -> PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(path),
+    }
+}
+
+/// The picture file at `path` as a `data:` URL: a regular file of at most [`MAX_PICTURE_BYTES`] whose
+/// bytes are a PNG, JPEG or WebP; else why not.
+fn picture_data_url(path: &std::path::Path) -> Result<String, String> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| format!("{shown}: {e}"))?;
+    if meta.is_dir() {
+        return Err(format!("{shown} is a directory, not a picture"));
+    }
+    if !meta.is_file() {
+        return Err(format!("{shown} is not a regular file"));
+    }
+    if meta.len() > MAX_PICTURE_BYTES {
+        return Err(format!(
+            "{shown} is {:.1} MB; pictures up to {} MB are sent (the server takes request bodies up to \
+             8 MiB unless started with --max-body-mib)",
+            meta.len() as f64 / f64::from(1 << 20),
+            MAX_PICTURE_BYTES >> 20
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("{shown}: {e}"))?;
+    let mime = if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
+        "image/png"
+    } else if bytes.starts_with(&[0xff, 0xd8, 0xff]) {
+        "image/jpeg"
+    } else if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
+        "image/webp"
+    } else {
+        return Err(format!("{shown} is not a PNG, JPEG or WebP picture"));
+    };
+    Ok(format!(
+        "data:{mime};base64,{}",
+        poly_protocol::encode_base64(&bytes)
+    ))
 }
 
 /// Whether the home has a model `name` stands for (as [`resolve`] reads names), else why not, naming
@@ -392,6 +528,48 @@ mod tests {
         assert_eq!(resolve(&models(), "270M").unwrap(), "gemma3");
         assert_eq!(resolve(&models(), "3.6").unwrap(), "qwen3.6-35b");
         assert_eq!(resolve(&models(), "q").unwrap(), "qwen3-30b");
+    }
+
+    #[test]
+    fn image_reads_pictures_and_refuses_directories_huge_files_and_other_bytes() {
+        let dir =
+            std::env::temp_dir().join(format!("polystrata-chat-image-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let png = dir.join("a b.png");
+        let bytes = b"\x89PNG\r\n\x1a\nrest of it";
+        std::fs::write(&png, bytes).unwrap();
+        let url = picture_data_url(&png).unwrap();
+        let shown = png.display().to_string();
+        for typed in [
+            format!("'{shown}'"),
+            format!("\"{shown}\""),
+            shown.replace(' ', "\\ "),
+            shown.clone(),
+        ] {
+            assert_eq!(picture_path(&typed), png, "{typed}");
+        }
+        assert_eq!(
+            url,
+            format!(
+                "data:image/png;base64,{}",
+                poly_protocol::encode_base64(bytes)
+            )
+        );
+        let e = picture_data_url(&dir).unwrap_err();
+        assert!(e.contains("is a directory"), "{e}");
+        let text = dir.join("notes.txt");
+        std::fs::write(&text, "hello").unwrap();
+        let e = picture_data_url(&text).unwrap_err();
+        assert!(e.contains("not a PNG, JPEG or WebP"), "{e}");
+        // A sparse file past the limit: refused from its size, not read.
+        let huge = dir.join("huge.jpg");
+        let f = std::fs::File::create(&huge).unwrap();
+        f.set_len(MAX_PICTURE_BYTES + 1).unwrap();
+        let e = picture_data_url(&huge).unwrap_err();
+        assert!(e.contains("up to 5 MB"), "{e}");
+        let e = picture_data_url(&dir.join("missing.png")).unwrap_err();
+        assert!(e.contains("missing.png"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

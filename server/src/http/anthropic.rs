@@ -49,6 +49,32 @@ fn text_of(content: &Value) -> Result<String, ApiError> {
     }
 }
 
+/// A `tool_result`'s content as the tool message's text: its text blocks, and a picture mark where each
+/// `image` block stood (the picture appended to `pictures`), as a user message's pictures are read.
+fn tool_result_text(
+    content: &Value,
+    what: &str,
+    pictures: &mut Vec<String>,
+) -> Result<String, ApiError> {
+    let Value::Array(blocks) = content else {
+        return text_of(content);
+    };
+    let mut out = String::new();
+    for (k, b) in blocks.iter().enumerate() {
+        match b.get("type").and_then(Value::as_str) {
+            Some("image") => {
+                pictures.push(super::pictures::anthropic_picture(
+                    b,
+                    &format!("{what}.content[{k}]"),
+                )?);
+                out.push(crate::model_text::PICTURE_MARK);
+            }
+            _ => out.push_str(&text_of(&Value::Array(vec![b.clone()]))?),
+        }
+    }
+    Ok(out)
+}
+
 /// Turns an Anthropic conversation into OpenAI-shaped messages (what the chat templates read).
 pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
     let mut messages = Vec::new();
@@ -76,20 +102,26 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
                     other => vec![json!({"type": "text", "text": text_of(other)?})],
                 };
                 let mut text = String::new();
-                for b in &blocks {
+                // The user text's pictures: after the tool results' (the tool messages come first).
+                let mut own_pictures = Vec::new();
+                for (j, b) in blocks.iter().enumerate() {
                     match b.get("type").and_then(Value::as_str) {
                         Some("text") => {
                             text.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
                         }
                         Some("tool_result") => {
                             let id = b.get("tool_use_id").and_then(Value::as_str).unwrap_or("");
-                            let result = text_of(b.get("content").unwrap_or(&Value::Null))?;
+                            let result = tool_result_text(
+                                b.get("content").unwrap_or(&Value::Null),
+                                &format!("messages[{i}].content[{j}]"),
+                                &mut pictures,
+                            )?;
                             messages.push(
                                 json!({"role": "tool", "tool_call_id": id, "content": result}),
                             );
                         }
                         Some("image") => {
-                            pictures.push(super::pictures::anthropic_picture(
+                            own_pictures.push(super::pictures::anthropic_picture(
                                 b,
                                 &format!("messages[{i}] image"),
                             )?);
@@ -116,6 +148,7 @@ pub fn to_chat_input(body: &Value) -> Result<ChatInput, ApiError> {
                 if !text.is_empty() {
                     messages.push(json!({"role": "user", "content": text}));
                 }
+                pictures.extend(own_pictures);
             }
             Some("assistant") => {
                 let blocks = match content {
@@ -546,6 +579,36 @@ fn block_stop(index: usize, open: Open) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pictures_in_tool_results_take_their_places_in_the_order_rendered() {
+        let image = |data: &str| json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}});
+        let input = to_chat_input(&json!({
+            "messages": [
+                {"role": "user", "content": "look"},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                // The user's own picture comes first in the blocks, but its message is rendered after
+                // the tool message: the pictures follow the rendered order.
+                {"role": "user", "content": [
+                    image("QUFB"),
+                    {"type": "tool_result", "tool_use_id": "t1",
+                     "content": [{"type": "text", "text": "the screen:"}, image("QkJC")]},
+                    {"type": "text", "text": "and mine"},
+                ]},
+            ],
+        }))
+        .expect("converted");
+        let mark = crate::model_text::PICTURE_MARK;
+        assert_eq!(input.pictures, ["QkJC", "QUFB"]);
+        assert_eq!(input.messages[2]["role"], "tool");
+        assert_eq!(input.messages[2]["content"], format!("the screen:{mark}"));
+        assert_eq!(input.messages[3]["content"], format!("{mark}and mine"));
+        let bad = to_chat_input(&json!({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}]}));
+        assert!(bad.expect_err("a URL").message.contains("not fetched"));
+    }
 
     #[test]
     fn conversation_with_tool_use_and_result_becomes_chat_messages() {

@@ -11,7 +11,7 @@ use super::llama::build_info;
 use super::openai::{next_or_gone, next_or_left, CANCEL_WAIT};
 use super::prepare::{chat_prompt, encode_error, leased_with};
 use super::sampling::sampling;
-use super::unsupported::{refuse_ollama_format, text_only};
+use super::unsupported::refuse_ollama_format;
 use super::AppState;
 use crate::defaults::Defaults;
 use crate::engine::supervisor::KeepAlive;
@@ -350,12 +350,6 @@ fn think(body: &Value) -> Option<bool> {
     }
 }
 
-fn has_images(v: &Value) -> bool {
-    v.get("images")
-        .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty())
-}
-
 /// Ollama messages as the OpenAI-shaped messages the templates read, and their pictures (`images`, base64)
 /// in order: each message's pictures go before its text, as Ollama puts them, a picture mark each.
 fn chat_messages(body: &Value) -> Result<(Vec<Value>, Vec<String>), ApiError> {
@@ -681,16 +675,17 @@ async fn load_only(
     Ok(json_response(StatusCode::OK, &Value::Object(o)))
 }
 
-/// `POST /api/generate`: `prompt` (with `system`) through the chat template, or as is with
-/// `"raw": true`. `suffix`, `template`, `context` and `images` are refused (400).
+/// `POST /api/generate`: `prompt` (with `system`, and `images` before the prompt's text) through the
+/// chat template, or as is with `"raw": true` (no `images` then). `suffix`, `template` and `context` are
+/// refused (400).
 pub async fn generate(state: Arc<AppState>, body: Value) -> Result<Response<RespBody>, ApiError> {
     let started = Instant::now();
     let model = model_name(&body)?;
     refuse_ollama_format(&body)?;
     state.supervisor.set_keep_alive(keep_alive(&body)?);
-    if has_images(&body) {
-        return Err(text_only(model.as_deref(), "images"));
-    }
+    // Pictures go before the prompt's text, as `/api/chat` puts a message's `images`.
+    let pictures =
+        super::pictures::ollama_pictures(body.get("images").unwrap_or(&Value::Null), "")?;
     for key in ["suffix", "template"] {
         if body
             .get(key)
@@ -722,31 +717,48 @@ pub async fn generate(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         .unwrap_or("")
         .to_string();
     let raw = body.get("raw").and_then(Value::as_bool).unwrap_or(false);
+    if raw && !pictures.is_empty() {
+        return Err(ApiError::bad_request(
+            "`images` with `\"raw\": true`: a raw prompt has no template to place the pictures in; send \
+             them without `raw` (the model's template puts them before the prompt)",
+        ));
+    }
     let sampling = options(&body)?;
     let stream = stream_flag(&body)?;
-    if prompt_text.is_empty() {
+    if prompt_text.is_empty() && pictures.is_empty() {
         return load_only(&state, model.as_deref(), Api::Generate, started).await;
     }
     let mut messages = Vec::new();
     if !system.is_empty() {
         messages.push(json!({"role": "system", "content": system}));
     }
-    messages.push(json!({"role": "user", "content": prompt_text}));
+    let marks: String = pictures
+        .iter()
+        .map(|_| crate::model_text::PICTURE_MARK)
+        .collect();
+    messages.push(json!({"role": "user", "content": marks + &prompt_text}));
     let input = Arc::new(ChatInput {
         messages,
         enable_thinking: think(&body),
+        pictures,
         ..ChatInput::default()
     });
-    let (lease, (output, prompt, resume)) =
+    super::prepare::refuse_pictures_early(&state, model.as_deref(), &input).await?;
+    let (lease, (output, prompt, resume, pictures)) =
         leased_with(&state, model.as_deref(), move |text, n_ctx| {
             if raw {
                 let ids = text
                     .encode_within(&prompt_text, n_ctx)
                     .map_err(encode_error)?;
-                Ok((Output::Raw, ids, Resume::default()))
+                Ok((Output::Raw, ids, Resume::default(), Vec::new()))
             } else {
                 let (rendered, ids, resume) = chat_prompt(text, &input, n_ctx)?;
-                Ok((Output::Chat(rendered.parser), ids, resume))
+                Ok((
+                    Output::Chat(rendered.parser),
+                    ids,
+                    resume,
+                    rendered.pictures,
+                ))
             }
         })
         .await?;
@@ -757,7 +769,7 @@ pub async fn generate(state: Arc<AppState>, body: Value) -> Result<Response<Resp
         load_ns: started.elapsed().as_nanos(),
     };
     let id = state.supervisor.next_request_id();
-    let gen = Generation::start_in(lease, id, prompt, &sampling, output, resume, Vec::new())
+    let gen = Generation::start_in(lease, id, prompt, &sampling, output, resume, pictures)
         .map_err(ApiError::from)?;
     answer(gen, meta, stream).await
 }

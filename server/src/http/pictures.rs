@@ -129,23 +129,27 @@ pub fn anthropic_picture(block: &Value, what: &str) -> Result<String, ApiError> 
     }
 }
 
-/// The pictures of an Ollama message's `images` (base64 strings), checked.
+/// The pictures of an Ollama `images` list (base64 strings), checked; `what` names what holds the list
+/// (a message, or "" for `/api/generate`'s body).
 pub fn ollama_pictures(images: &Value, what: &str) -> Result<Vec<String>, ApiError> {
+    let at = if what.is_empty() {
+        "images".to_string()
+    } else {
+        format!("{what}.images")
+    };
     match images {
         Value::Null => Ok(Vec::new()),
         Value::Array(list) => list
             .iter()
             .enumerate()
             .map(|(k, v)| match v.as_str() {
-                Some(s) => checked(s, &format!("{what}.images[{k}]")),
+                Some(s) => checked(s, &format!("{at}[{k}]")),
                 None => Err(ApiError::bad_request(format!(
-                    "{what}.images[{k}] must be a base64 string"
+                    "{at}[{k}] must be a base64 string"
                 ))),
             })
             .collect(),
-        _ => Err(ApiError::bad_request(format!(
-            "{what}.images must be an array"
-        ))),
+        _ => Err(ApiError::bad_request(format!("{at} must be an array"))),
     }
 }
 

@@ -145,10 +145,15 @@ fn messages(body: &Value) -> Result<Vec<Value>, ApiError> {
                 }
             }
             "function_call_output" => {
+                // A tool's output as text, or as parts with pictures (`input_image`), which the chat
+                // route reads where the tool's answer stands.
                 let output = match item.get("output") {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(other) => content_text(other, at)?,
-                    None => String::new(),
+                    Some(Value::String(s)) => Value::String(s.clone()),
+                    Some(other) => match picture_parts(other, at)? {
+                        Some(parts) => parts,
+                        None => Value::String(content_text(other, at)?),
+                    },
+                    None => Value::String(String::new()),
                 };
                 out.push(json!({"role": "tool",
                     "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
@@ -662,6 +667,19 @@ mod tests {
         assert_eq!(chat["tools"][0]["function"]["name"], "w");
         assert!(parse_chat(&chat).is_ok());
         assert!(as_chat(&json!({"input": "x", "previous_response_id": "resp_1"})).is_err());
+        // A tool output's input_image becomes an image_url part of the tool message.
+        let m = messages(&json!({"input": [
+            {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_text", "text": "the screen:"},
+                {"type": "input_image", "image_url": "data:image/png;base64,Zm9v"}]}]}))
+        .expect("messages");
+        assert_eq!(m[1]["role"], "tool");
+        assert_eq!(
+            m[1]["content"],
+            json!([{"type": "text", "text": "the screen:"},
+                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,Zm9v"}}])
+        );
         // A user's input_image becomes the chat route's image_url part; a system message's is refused.
         let pictured = as_chat(&json!({"input": [{"role": "user", "content": [
             {"type": "input_text", "text": "What is it?"},

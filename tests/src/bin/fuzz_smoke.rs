@@ -210,6 +210,26 @@ fn template_seeds() -> Vec<Vec<u8>> {
     seeds
 }
 
+fn picture_seeds() -> Vec<Vec<u8>> {
+    let mut seeds = Vec::new();
+    for dir in ["vision/jpeg", "vision"] {
+        let Ok(d) = std::fs::read_dir(poly_tests::fixtures_dir().join(dir)) else {
+            continue;
+        };
+        let mut paths: Vec<PathBuf> = d.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for p in paths {
+            let small = std::fs::metadata(&p)
+                .map(|m| m.len() < 8192)
+                .unwrap_or(false);
+            if small && matches!(p.extension().and_then(|e| e.to_str()), Some("jpg" | "png")) {
+                seeds.extend(std::fs::read(&p).ok());
+            }
+        }
+    }
+    seeds
+}
+
 struct Target {
     name: &'static str,
     run: fn(&[u8]),
@@ -260,6 +280,23 @@ const TARGETS: &[Target] = &[
             b" HTTP/1.0",
             b"/v1/completions",
             b"/api/models/load",
+        ],
+    },
+    Target {
+        name: "picture",
+        run: targets::picture,
+        seeds: picture_seeds,
+        dict: &[
+            b"\xff\xd8",
+            b"\xff\xd9",
+            b"\xff\xda\x00\x0c\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00",
+            b"\xff\xc2",
+            b"\xff\xc4",
+            b"\xff\xdd\x00\x04\x00\x01",
+            b"\xff\xd0",
+            b"\xff\x00",
+            b"\x22",
+            b"\x11",
         ],
     },
     Target {
