@@ -1,5 +1,5 @@
 #!/bin/bash
-# NOT RUN: the tenth session's device time (1,800 s) went to 14 asks between 04:08 and 05:36 UTC, none of
+# NOT RUN: the tenth session's device time (1,800 s) went to 17 asks between 04:08 and 05:35 UTC, none of
 # which got a machine (H100 and H200 alike: "no device machine could be started"), like the ninth session's.
 # The next stay, back to back on one warm machine (repository root on the device):
 #   here:  TESTS="gpu_forward cuda_ops" NO_LLAMA=1 bash benchmarks/make_gpu_carry.sh .carry/s10 (from the
