@@ -22,6 +22,7 @@
 #define STB_IMAGE_IMPLEMENTATION
 #include "stb/stb_image.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -109,9 +110,13 @@ int main(int argc, char ** argv) {
     const int width = clip_n_mmproj_embd(ctx);
     // clip_encode writes into a buffer the caller sized (as mtmd sizes it).
     std::vector<float> rows((size_t) n_rows * width, NAN);
-    if (!clip_image_batch_encode(ctx, 1, &batch, rows)) {
+    // VISION_ROWS_THREADS=N: the encoder's CPU threads (default 1, as the references were written).
+    const int n_threads = getenv("VISION_ROWS_THREADS") ? atoi(getenv("VISION_ROWS_THREADS")) : 1;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!clip_image_batch_encode(ctx, n_threads, &batch, rows)) {
         die("encoding failed");
     }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     for (float v : rows) {
         if (!std::isfinite(v)) {
             die("a row value is not finite (not written?)");
@@ -122,9 +127,10 @@ int main(int argc, char ** argv) {
         die("writing the rows failed");
     }
     fclose(out);
-    printf("{\"picture\":[%d,%d],\"resized\":[%d,%d],\"grid\":[%d,%d],\"rows\":%d,\"width\":%d}\n", w, h,
-           entry.nx(), entry.ny(), clip_n_output_tokens_x(ctx, &entry), clip_n_output_tokens_y(ctx, &entry),
-           n_rows, width);
+    printf("{\"picture\":[%d,%d],\"resized\":[%d,%d],\"grid\":[%d,%d],\"rows\":%d,\"width\":%d,\"threads\":%d,"
+           "\"encode_seconds\":%.3f}\n",
+           w, h, entry.nx(), entry.ny(), clip_n_output_tokens_x(ctx, &entry), clip_n_output_tokens_y(ctx, &entry),
+           n_rows, width, n_threads, seconds);
     clip_free(ctx);
     return 0;
 }

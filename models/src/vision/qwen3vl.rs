@@ -24,7 +24,7 @@ use super::{ImageRows, VisionError};
 use crate::gguf::GgufFile;
 use poly_kernels::matmul::{matmul, QuantMatrix};
 use poly_kernels::ops::act::gelu_ggml;
-use poly_kernels::ops::attention::{attention, AttnParams};
+use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::layer_norm;
 use poly_kernels::ops::resample::bilinear_align_corners;
 use poly_kernels::ops::rope_2d::rope_2d;
@@ -535,10 +535,9 @@ impl<'a> Qwen3VlEncoder<'a> {
             window: None,
             softcap: None,
         };
-        // Every patch sees every patch: causal attention with all queries at the last position.
-        let last = vec![n as u32 - 1; n];
+        // Every patch sees every patch.
         let mut att = vec![0f32; n * e];
-        attention(&q, &last, &k, &v, &params, &mut att);
+        attention_full(&q, &k, &v, n, &params, &mut att);
         let o = b.out.apply(&att, n);
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let h = b.ln2.apply(x, hp.eps);

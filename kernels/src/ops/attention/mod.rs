@@ -11,13 +11,16 @@
 //! f16 query, one-pass softmax, values summed in f16). Over a Q8_0 cache (`--kv q8_0`),
 //! [`attention_ggml_q8_0`] is llama.cpp's one path for a quantized cache (Q8_0 query, values summed in
 //! f32), with [`hadamard_ggml`] for the rotations llama.cpp applies around such a cache. [`cells`]:
-//! attention over the cells a sparse-attention indexer selected.
+//! attention over the cells a sparse-attention indexer selected. [`attention_full`]: every query sees
+//! every key (a vision encoder's patches), as two matrix products per head.
 
 use super::{axpy, dot};
 use rayon::prelude::*;
 
 mod cells;
+mod full;
 pub use cells::{attention_gathered_ggml, attention_ggml_f16_cells};
+pub use full::attention_full;
 
 /// The shape and options of an attention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
