@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use super::{
     gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams,
-    ModelHparams, Presence, Role,
+    ModelHparams, Presence, Role, TensorClass,
 };
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
@@ -209,7 +209,16 @@ pub fn bind_tensors(hp: &dyn ArchHparams, file: &GgufFile) -> Result<TensorMap, 
                     info.dims
                 )));
             }
-            if info.ty.ops().is_none() || info.ty.bytes_for(info.row_len()).is_none() {
+            if def.class == TensorClass::Index {
+                // An integer table is read as integers, never as a product's weight.
+                let fixed = poly_kernels::quant::GgmlType::I32;
+                if info.ty != fixed {
+                    return Err(ArchError(format!(
+                        "{arch}: tensor {name} is of type {}, the model needs {fixed}",
+                        info.ty
+                    )));
+                }
+            } else if info.ty.ops().is_none() || info.ty.bytes_for(info.row_len()).is_none() {
                 return Err(ArchError(format!(
                     "{arch}: tensor {name} is of type {}, which the engine does not compute with",
                     info.ty
@@ -315,6 +324,7 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
+            ModelHparams::Deepseek4(_) => Err(ArchError(super::deepseek4::NOT_RUN.into())),
         }
     }
 
