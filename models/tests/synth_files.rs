@@ -127,19 +127,22 @@ fn tiny_files_match_their_architecture() {
 }
 
 /// A `deepseek4` file binds against its table (its hash-routing table as I32 integers, whatever the
-/// weights' type) and is refused by the forward pass with the reason; its hash table names, for every
-/// token, distinct experts of the model.
+/// weights' type) into a forward pass whose operations only the CPU runs; its hash table names, for
+/// every token, distinct experts of the model.
 #[test]
-fn a_deepseek4_file_binds_and_is_refused_with_the_reason() {
+fn a_deepseek4_file_binds_into_a_forward_pass_only_the_cpu_runs() {
     let (_, path) = write(&options(tiny("deepseek4"), 5, 0.0), "deepseek4-graph.gguf");
     let file = GgufFile::open(&path).expect("open");
     let hp = ModelHparams::from_metadata(file.metadata()).expect("hparams");
     let ModelHparams::Deepseek4(h) = &hp else {
         panic!("not deepseek4: {hp:?}");
     };
-    poly_models::arch::bind_tensors(hp.as_dyn(), &file).expect("binds");
-    let err = ModelGraph::from_file(&file).expect_err("no forward pass yet");
-    assert!(err.0.contains("not written yet"), "{err}");
+    let graph = ModelGraph::from_file(&file).expect("deepseek4 binds");
+    let ops = graph
+        .uses(&file)
+        .needs_cpu_only_ops()
+        .expect("CPU-only operations");
+    assert!(ops.contains("DeepSeek V4"), "{ops}");
     let table = file
         .tensor("blk.0.ffn_gate_tid2eid.weight")
         .expect("hash table");

@@ -26,8 +26,7 @@
 //!   blocks whose cells a k-pool indexer selects, DeepSeek-style experts; run on the CPU only.
 //! - [`deepseek4`]: DeepSeek V4 (V4 Flash): mHC residual streams, one shared-KV attention head per block
 //!   over a sliding window plus compressed KV (CSA blocks with a lightning indexer, HCA blocks), grouped
-//!   low-rank output, hash-routed then sqrt-softplus-routed experts; read, bound and written by `synth`,
-//!   its forward pass not yet written.
+//!   low-rank output, hash-routed then sqrt-softplus-routed experts; run on the CPU only.
 
 pub mod clover_moe;
 pub mod common;
@@ -848,11 +847,12 @@ pub const ARCH_NAMES: &[&str] = &[
     lfm2moe::ARCH,
     gemma4::ARCH,
     glm5_next::ARCH,
+    deepseek4::ARCH,
 ];
 
 /// The architectures this crate reads, binds and `synth` writes, but whose forward pass is not
-/// implemented: [`graph::ModelGraph::from_file`] refuses their files with the reason.
-pub const NOT_RUN_ARCH_NAMES: &[&str] = &[deepseek4::ARCH];
+/// implemented: [`graph::ModelGraph::from_file`] refuses their files with the reason (none now).
+pub const NOT_RUN_ARCH_NAMES: &[&str] = &[];
 
 impl ModelHparams {
     /// Reads the hyperparameters of the file's architecture from its metadata.

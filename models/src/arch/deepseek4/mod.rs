@@ -1,7 +1,7 @@
 //! DeepSeek V4 (`deepseek4`: DeepSeek V4 Flash): its hyperparameters and tensor table, as llama.cpp's
-//! `src/models/deepseek4.cpp` of the pinned sdist loads them. The engine reads, binds and `synth` writes
-//! these files; the forward pass is not written yet, so [`crate::arch::ModelGraph::from_file`] refuses
-//! them with [`NOT_RUN`].
+//! `src/models/deepseek4.cpp` of the pinned sdist loads them, and its forward pass ([`forward`],
+//! [`Deepseek4Graph`]). Only the CPU runs it: the forward pass uses operations the card lacks
+//! ([`crate::arch::GraphUses::cpu_only`]), so the GPU backend refuses it at load.
 //!
 //! The model, as llama.cpp's graph computes it:
 //! - mHC residual streams as in `glm5-next` (`hyper_connection.count` streams, pre/post weights and the
@@ -32,6 +32,10 @@
 //!   I32) and only weigh them with the router. SwiGLU limits (`swiglu_clamp_*`) on both.
 //! - `nextn_predict_layers` MTP blocks after the trunk (converted files of the trunk have none).
 
+pub mod forward;
+
+pub use forward::Deepseek4Graph;
+
 use super::common::CommonHparams;
 use super::{
     arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
@@ -41,11 +45,6 @@ use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
 pub const ARCH: &str = "deepseek4";
-
-/// Why the engine refuses these files for now.
-pub const NOT_RUN: &str = "deepseek4: the engine reads and binds DeepSeek V4 files, but their forward \
-    pass (sliding-window attention with sinks over compressed KV, the lightning indexer, hash routing) \
-    is not written yet";
 
 /// llama.cpp's `expert_gating_func` number for sqrt-softplus, the only one it loads for `deepseek4`.
 pub const GATING_SQRT_SOFTPLUS: u32 = 4;
