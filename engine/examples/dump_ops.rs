@@ -153,6 +153,10 @@ impl Compute for Recorder<'_> {
         let m = self.cpu.attention_cells(layer, q, k, v, a, cells);
         self.keep("attention_cells", m)
     }
+    fn scale_bias(&mut self, x: &Mat, s: f32, b: f32) -> Mat {
+        let m = self.cpu.scale_bias(x, s, b);
+        self.keep("scale_bias", m)
+    }
     fn rope_tail(&mut self, x: &Mat, r: &TailRope, inverse: bool) -> Mat {
         let m = self.cpu.rope_tail(x, r, inverse);
         self.keep(

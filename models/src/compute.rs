@@ -562,6 +562,11 @@ pub trait Compute {
         cpu_only("attention_cells")
     }
 
+    /// `s·x + b` element-wise (ggml's `scale_bias`).
+    fn scale_bias(&mut self, _x: &Self::Act, _s: f32, _b: f32) -> Self::Act {
+        cpu_only("scale_bias")
+    }
+
     /// [`TailRope`] at the batch's positions, or turned back (`inverse`: the angle negated, ggml's
     /// `rope_ext_back`).
     fn rope_tail(&mut self, _x: &Self::Act, _rope: &TailRope, _inverse: bool) -> Self::Act {

@@ -13,6 +13,7 @@
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::attention::{self, AttnParams, FA_TILE_KV, GGML_FA_TILE_Q};
 use poly_kernels::ops::{act, norm, recurrent, softmax};
+use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Dsv4Attention, Dsv4AttnInputs, Dsv4Compressor, Dsv4Moe, TailRope};
 
 use super::moe::{self, ExpertSet};
@@ -86,8 +87,10 @@ pub(super) fn rope_tail(x: &Mat, positions: &[u32], r: &TailRope, inverse: bool)
     out
 }
 
-/// Group `g` of each row times rows `g·out..(g+1)·out` of `w` (`[in, groups·out]`): one ordinary matrix
-/// product per group, in llama.cpp's orders for the weight's type (its `mul_mat` of a 3-D weight).
+/// Group `g` of each row times rows `g·out..(g+1)·out` of `w` (`[in, groups·out]`): one matrix product
+/// per group in llama.cpp's orders for its `mul_mat` of a 3-D weight and a permuted activation (an F32
+/// weight: one `ggml_vec_dot_f32` per output; a quantized one: the activation quantized, as an ordinary
+/// product).
 pub(super) fn matmul_groups(
     w: &CpuWeights,
     id: poly_models::compute::WeightId,
@@ -103,6 +106,22 @@ pub(super) fn matmul_groups(
     let n_out = full.rows / groups;
     let rb = full.row_bytes();
     let mut out = Mat::zeros(x.rows, full.rows);
+    if full.ty == GgmlType::F32 {
+        // An F32 matrix with llama.cpp's permuted (non-contiguous) activation never takes tinyBLAS:
+        // every output one ggml_vec_dot_f32.
+        let m = w.f32(id);
+        for r in 0..x.rows {
+            for g in 0..groups {
+                recurrent::dot_rows_ggml(
+                    &m[g * n_out * n_in..(g + 1) * n_out * n_in],
+                    n_in,
+                    &x.row(r)[g * n_in..(g + 1) * n_in],
+                    &mut out.row_mut(r)[g * n_out..(g + 1) * n_out],
+                );
+            }
+        }
+        return out;
+    }
     for g in 0..groups {
         let m = QuantMatrix::new(
             full.ty,

@@ -1054,6 +1054,10 @@ impl Compute for CpuForward<'_> {
         sparse::attention_cells(&mut self.seqs, layer, (q, k, v), a, cells, self.arithmetic)
     }
 
+    fn scale_bias(&mut self, x: &Mat, s: f32, b: f32) -> Mat {
+        x.map(|v| v * s + b)
+    }
+
     fn rope_tail(&mut self, x: &Mat, r: &TailRope, inverse: bool) -> Mat {
         let _span = profile::span("rope");
         dsv4::rope_tail(x, &self.positions, r, inverse)

@@ -277,6 +277,11 @@ impl Compute for Probe<'_> {
         (q.0, a.n_head * a.head_dim_v)
     }
 
+    fn scale_bias(&mut self, x: &Shape, _: f32, _: f32) -> Shape {
+        self.uses.cpu_only("a scale and bias of every value");
+        *x
+    }
+
     fn rope_tail(&mut self, x: &Shape, _: &TailRope, _: bool) -> Shape {
         self.uses
             .cpu_only("RoPE of the heads' last values (DeepSeek V4)");

@@ -360,20 +360,19 @@ impl Deepseek4Graph {
         let pre = c.mul(&mix, &scale);
         let pre = c.add_weight(&pre, self.hc_head_base);
         let pre = c.unary(&pre, Unary::Sigmoid);
-        // Σ_s (pre_s + eps)·stream_s as Σ_s pre_s·stream_s + eps·Σ_s stream_s.
-        let mut sum: Option<(C::Act, C::Act)> = None;
+        let pre = c.scale_bias(&pre, 1.0, hp.hc_eps);
+        // The streams' weighted sum, stream after stream (llama.cpp's `build_hc_pre` outside blocks).
+        let mut sum: Option<C::Act> = None;
         for s in 0..hc {
             let w = c.cols(&pre, s, 1);
             let part = c.cols(streams, s * n_embd, n_embd);
             let weighted = c.mul(&part, &w);
             sum = Some(match sum {
-                Some((acc, plain)) => (c.add(&acc, &weighted), c.add(&plain, &part)),
-                None => (weighted, part),
+                Some(acc) => c.add(&acc, &weighted),
+                None => weighted,
             });
         }
-        let (acc, plain) = sum.expect("hyper_connection.count is 4");
-        let plain = c.scale(&plain, hp.hc_eps);
-        c.add(&acc, &plain)
+        sum.expect("hyper_connection.count is 4")
     }
 }
 
