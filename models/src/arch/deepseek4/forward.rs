@@ -11,6 +11,7 @@
 //! The MTP blocks are not run (llama.cpp runs them only in its MTP draft graph).
 
 use super::{Deepseek4Hparams, ARCH, CSA_RATIO, HCA_RATIO};
+use crate::arch::common::hc_block_input;
 use crate::arch::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use crate::arch::{ArchError, Role};
 use crate::compute::{
@@ -275,21 +276,6 @@ impl Deepseek4Graph {
         &self.hp
     }
 
-    /// The block's input from the streams and the weights that write its output back (llama.cpp's
-    /// `build_hc_pre`, as glm5-next's).
-    fn hc_in<C: Compute>(
-        &self,
-        c: &mut C,
-        streams: &C::Act,
-        hc_fn: WeightId,
-        hc: &HyperConnection,
-    ) -> (C::Act, C::Act) {
-        let width = hc.hc * self.hp.n_embd as usize;
-        let flat = c.rms_norm(streams, None, self.hp.rms_eps, width);
-        let mix = c.matmul(hc_fn, &flat);
-        c.hc_pre(streams, &mix, hc)
-    }
-
     /// A compressor's rows of `x`: its KV and gate projections.
     fn comp_rows<C: Compute>(&self, c: &mut C, m: &Compressor, x: &C::Act) -> (C::Act, C::Act) {
         let [kv, gate] = c.matmul_many([m.wkv, m.wgate], x);
@@ -404,11 +390,11 @@ impl Forward for Deepseek4Graph {
         let mut streams = c.repeat_heads(&x, n_embd, hc, false);
         for (il, b) in self.blocks.iter().enumerate() {
             // Every row goes through every block: the caches and compressor states need them all.
-            let (cur, w) = self.hc_in(c, &streams, b.hc_attn_fn, &b.hc_attn);
+            let (cur, w) = hc_block_input(c, &streams, (b.hc_attn_fn, &b.hc_attn), (n_embd, eps));
             let cur = c.rms_norm(&cur, Some(b.attn_norm), eps, n_embd);
             let out = self.attention(c, il, b, &cur);
             streams = c.hc_post(&out, &streams, &w);
-            let (cur, w) = self.hc_in(c, &streams, b.hc_ffn_fn, &b.hc_ffn);
+            let (cur, w) = hc_block_input(c, &streams, (b.hc_ffn_fn, &b.hc_ffn), (n_embd, eps));
             let cur = c.rms_norm(&cur, Some(b.ffn_norm), eps, n_embd);
             let out = c.dsv4_moe(il, &cur, &b.moe);
             streams = c.hc_post(&out, &streams, &w);

@@ -36,7 +36,7 @@ pub mod forward;
 
 pub use forward::Deepseek4Graph;
 
-use super::common::CommonHparams;
+use super::common::{f32_per_layer, CommonHparams};
 use super::{
     arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
     TensorDef,
@@ -254,19 +254,6 @@ pub const TENSORS: &[TensorDef] = &[
     opt(def(Role::NextnSharedHeadNorm, MTP, &[Embd], C::Norm)), // [n_embd]
 ];
 
-/// `<arch>.<suffix>` as one f32 per block (a scalar or an array), `None` when absent.
-fn f32_per_layer(md: &Metadata, suffix: &str, n: usize) -> Result<Option<Vec<f32>>, ArchError> {
-    if let Some(v) = md.arch_f32_array_opt(suffix)? {
-        check(
-            ARCH,
-            v.len() == n,
-            &format!("{suffix} has {} values for {n} blocks", v.len()),
-        )?;
-        return Ok(Some(v));
-    }
-    Ok(md.arch_f32_opt(suffix)?.map(|x| vec![x; n]))
-}
-
 /// `rope.scaling.*`: YaRN when the type says so, none when absent; other types are refused.
 fn read_yarn(md: &Metadata) -> Result<Option<Yarn>, ArchError> {
     match md.arch_str_opt("rope.scaling.type")? {
@@ -311,10 +298,10 @@ impl Deepseek4Hparams {
             gating == GATING_SQRT_SOFTPLUS,
             "expert_gating_func must be 4, sqrt-softplus (llama.cpp's loader expects it)",
         )?;
-        let swiglu_clamp_exp = f32_per_layer(md, "swiglu_clamp_exp", n)?
+        let swiglu_clamp_exp = f32_per_layer(md, ARCH, "swiglu_clamp_exp", n)?
             .ok_or_else(|| ArchError(format!("{ARCH}: swiglu_clamp_exp is missing")))?;
-        let swiglu_clamp_shexp =
-            f32_per_layer(md, "swiglu_clamp_shexp", n)?.unwrap_or_else(|| swiglu_clamp_exp.clone());
+        let swiglu_clamp_shexp = f32_per_layer(md, ARCH, "swiglu_clamp_shexp", n)?
+            .unwrap_or_else(|| swiglu_clamp_exp.clone());
         let hp = Deepseek4Hparams {
             n_vocab: c.n_vocab,
             n_ctx_train: c.n_ctx_train,
