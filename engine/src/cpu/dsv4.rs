@@ -1,14 +1,15 @@
 //! The CPU's bodies of DeepSeek V4's own operations: RoPE of the heads' last values (and back), the
 //! grouped output product, attention over a window and compressed KV with sinks and the lightning
-//! indexer, and the sqrt-softplus / hash-routed experts with SwiGLU limits; as llama.cpp's
-//! `src/models/deepseek4.cpp` computes them (within its spread: the compressors' token rows are kept at
-//! the cache's precision where llama.cpp keeps them in f32, and the indexer's Hadamard rotation, which
-//! cancels in its products, is left out).
+//! indexer, and the sqrt-softplus / hash-routed experts with SwiGLU limits; in the arithmetic of
+//! llama.cpp's CPU kernels for `src/models/deepseek4.cpp` (ggml's soft_max and sum_rows for the
+//! entries, the Hadamard-turned indexer keys, flash attention's vector and tiled paths with sinks, the
+//! fused RoPE rotation), so that its outputs follow llama.cpp's to the last bit where they can.
 //!
 //! A compressor's state is a KV cache of one head whose key row is a token's KV row followed, in the
 //! last token of a compressed entry, by the entry, and whose value row is the token's gate row (with its
-//! position bias): an entry is made once, by the call that completes it, from its tokens' rows as the
-//! cache holds them, so a conversation read in several calls gives what one call gives.
+//! position bias), kept in f32 as llama.cpp keeps them: an entry is made once, by the call that
+//! completes it, from its tokens' rows as the cache holds them, so a conversation read in several calls
+//! gives what one call gives.
 
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::attention::{self, AttnParams, FA_TILE_KV, GGML_FA_TILE_Q};
