@@ -13,8 +13,8 @@ use poly_engine::cpu::{CpuForward, CpuWeights, Mat};
 use poly_engine::state::SeqState;
 use poly_models::arch::{Forward, ModelGraph};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, HyperConnection, KPoolIndexer,
-    Logits, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Dsv4Attention, Dsv4AttnInputs, Dsv4Moe,
+    FusedMoe, HyperConnection, KPoolIndexer, Logits, Moe, Rope, TailRope, Unary, WeightId,
 };
 use poly_models::gguf::GgufFile;
 
@@ -152,6 +152,38 @@ impl Compute for Recorder<'_> {
     ) -> Mat {
         let m = self.cpu.attention_cells(layer, q, k, v, a, cells);
         self.keep("attention_cells", m)
+    }
+    fn scale_bias(&mut self, x: &Mat, s: f32, b: f32) -> Mat {
+        let m = self.cpu.scale_bias(x, s, b);
+        self.keep("scale_bias", m)
+    }
+    fn rope_tail(&mut self, x: &Mat, r: &TailRope, inverse: bool) -> Mat {
+        let m = self.cpu.rope_tail(x, r, inverse);
+        self.keep(
+            if inverse {
+                "rope_tail_back"
+            } else {
+                "rope_tail"
+            },
+            m,
+        )
+    }
+    fn matmul_groups(&mut self, w: WeightId, x: &Mat, groups: usize) -> Mat {
+        let m = self.cpu.matmul_groups(w, x, groups);
+        self.keep("matmul_groups", m)
+    }
+    fn dsv4_attention(
+        &mut self,
+        layer: usize,
+        x: Dsv4AttnInputs<'_, Mat>,
+        a: &Dsv4Attention,
+    ) -> Mat {
+        let m = self.cpu.dsv4_attention(layer, x, a);
+        self.keep("dsv4_attention", m)
+    }
+    fn dsv4_moe(&mut self, layer: usize, x: &Mat, moe: &Dsv4Moe) -> Mat {
+        let m = self.cpu.dsv4_moe(layer, x, moe);
+        self.keep("dsv4_moe", m)
     }
     fn batch(&self) -> Batch<'_> {
         self.cpu.batch()

@@ -251,6 +251,110 @@ impl KPoolIndexer {
     }
 }
 
+/// RoPE in ggml's normal mode (adjacent pairs) on the last `n_rot` values of each head, optionally with
+/// YaRN (`ext_factor` above 0), as llama.cpp's `ggml_rope_ext` after `ggml_rope_set_offset(head_dim −
+/// n_rot)` turns DeepSeek V4's heads. YaRN's magnitude correction is cancelled by the attention factor
+/// llama.cpp passes with it, so only the angles change.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TailRope {
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub freq_base: f32,
+    pub freq_scale: f32,
+    /// 0: no YaRN.
+    pub ext_factor: f32,
+    pub n_ctx_orig: u32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+}
+
+/// DeepSeek V4's KV compressor of one block ([`Dsv4Attention::comp`]): every `ratio` tokens make one
+/// entry, the per-channel softmax over its tokens' gate rows (the gate plus `ape`'s row of the token's
+/// place in the block) weighing their KV rows; with `overlap` (ratio 4) the rows are two halves wide and
+/// an entry also weighs the previous block's tokens by their first halves (its own by their second).
+/// The entry is RMS-normed (`norm`, `eps`) and turned at its first token's position (`rope`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dsv4Compressor {
+    pub ratio: usize,
+    pub overlap: bool,
+    /// The entry's width (the head size, or the indexer's key size).
+    pub dim: usize,
+    /// `[rows' width, ratio]`: the gate's position bias.
+    pub ape: WeightId,
+    pub norm: WeightId,
+    pub eps: f32,
+    pub rope: TailRope,
+    /// The entries are turned by the normalized Walsh-Hadamard matrix before the cache keeps them (the
+    /// lightning indexer's keys, as llama.cpp keeps them; the indexer turns its queries alike, which
+    /// cancels in their products but not in the cache's rounding).
+    pub hadamard: bool,
+    /// The layer state holding the tokens' rows and the entries.
+    pub state: usize,
+}
+
+/// DeepSeek V4's lightning indexer of a CSA block: scores each visible compressed entry `e` of its own
+/// compressor as `Σ_h relu(q_h·k_e)·w_h` and keeps the `top_k` best.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dsv4Indexer {
+    pub n_head: usize,
+    pub top_k: usize,
+    pub comp: Dsv4Compressor,
+}
+
+/// DeepSeek V4's attention of one block ([`Compute::dsv4_attention`]): `n_head` query heads over one
+/// K = V head of `head_dim`, over the last `window` tokens and, with a compressor, its entries (every
+/// visible one, or the indexer's choice), with a sink logit per head in the softmax.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dsv4Attention {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub window: usize,
+    /// `[n_head]`: each head's sink logit.
+    pub sinks: WeightId,
+    pub comp: Option<Dsv4Compressor>,
+    pub indexer: Option<Dsv4Indexer>,
+}
+
+/// The rows [`Compute::dsv4_attention`] reads: `q` `[n, n_head·head_dim]` and `kv` `[n, head_dim]`
+/// (normed and turned); the compressor's KV and gate rows (gate without `ape`); the indexer's queries
+/// `[n, heads·key]` (turned), head weights `[n, heads]` and its compressor's rows.
+pub struct Dsv4AttnInputs<'a, A> {
+    pub q: &'a A,
+    pub kv: &'a A,
+    pub comp: Option<(&'a A, &'a A)>,
+    pub indexer: Option<Dsv4IndexerInputs<'a, A>>,
+}
+
+/// The indexer's rows of [`Dsv4AttnInputs`].
+pub struct Dsv4IndexerInputs<'a, A> {
+    pub q: &'a A,
+    pub weights: &'a A,
+    pub kv: &'a A,
+    pub score: &'a A,
+}
+
+/// DeepSeek V4's experts ([`Compute::dsv4_moe`]): sqrt-softplus scores of the router, the experts chosen
+/// by score plus `selection_bias`, or by the token's row of `hash` (I32 `[n_used, n_vocab]`); their
+/// scores renormalized (`norm_weights`) and scaled; SwiGLU limited by `clamp` (0: none) in the routed
+/// experts and `clamp_shared` in the shared one, which is added.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dsv4Moe {
+    pub router: WeightId,
+    pub gate_exps: WeightId,
+    pub up_exps: WeightId,
+    pub down_exps: WeightId,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub selection_bias: Option<WeightId>,
+    pub hash: Option<WeightId>,
+    pub norm_weights: bool,
+    pub weights_scale: f32,
+    pub clamp: f32,
+    pub shared: SharedExpert,
+    pub clamp_shared: f32,
+}
+
 /// What a backend without one of the operations only the CPU runs says, if a graph reached it: the
 /// backend refuses such a graph at load ([`crate::arch::GraphUses::cpu_only`]), so this never runs.
 fn cpu_only(op: &str) -> ! {
@@ -456,6 +560,40 @@ pub trait Compute {
         _cells: &Self::Act,
     ) -> Self::Act {
         cpu_only("attention_cells")
+    }
+
+    /// `s·x + b` element-wise (ggml's `scale_bias`).
+    fn scale_bias(&mut self, _x: &Self::Act, _s: f32, _b: f32) -> Self::Act {
+        cpu_only("scale_bias")
+    }
+
+    /// [`TailRope`] at the batch's positions, or turned back (`inverse`: the angle negated, ggml's
+    /// `rope_ext_back`).
+    fn rope_tail(&mut self, _x: &Self::Act, _rope: &TailRope, _inverse: bool) -> Self::Act {
+        cpu_only("rope_tail")
+    }
+
+    /// A product per group: `w` is `[in, groups·out]`, `x` `[n, groups·in]`; group `g` of the result
+    /// (`[n, groups·out]`) is `x_g` times rows `g·out..(g+1)·out` of `w` (DeepSeek V4's grouped output).
+    fn matmul_groups(&mut self, _w: WeightId, _x: &Self::Act, _groups: usize) -> Self::Act {
+        cpu_only("matmul_groups")
+    }
+
+    /// DeepSeek V4's attention of `layer` ([`Dsv4Attention`]): appends the batch's K = V rows to the
+    /// layer's cache, its compressors' rows (and the entries the batch completes) to their states, and
+    /// attends; the result is `[n, n_head·head_dim]`, not yet turned back.
+    fn dsv4_attention(
+        &mut self,
+        _layer: usize,
+        _x: Dsv4AttnInputs<'_, Self::Act>,
+        _a: &Dsv4Attention,
+    ) -> Self::Act {
+        cpu_only("dsv4_attention")
+    }
+
+    /// DeepSeek V4's routed and shared experts of `layer` on `x` ([`Dsv4Moe`]).
+    fn dsv4_moe(&mut self, _layer: usize, _x: &Self::Act, _m: &Dsv4Moe) -> Self::Act {
+        cpu_only("dsv4_moe")
     }
 
     /// Host rows as an activation, `rows.len() / width` of them (a draft block's input: the trunk's

@@ -38,6 +38,7 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "lfm2moe",
     "gemma4",
     "glm5-next",
+    "deepseek4",
 ];
 
 #[cfg(all(test, feature = "compute"))]

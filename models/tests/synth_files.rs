@@ -3,14 +3,16 @@
 //! as planned.
 
 use poly_kernels::quant::{self, GgmlType};
-use poly_models::arch::{resolve_tensors, ModelGraph, ModelHparams, Presence, Role, TensorClass};
+use poly_models::arch::{
+    resolve_tensors, LayerKind, LayerSel, ModelGraph, ModelHparams, Presence, Role, TensorClass,
+};
 use poly_models::gguf::GgufFile;
 use poly_models::synth::plan::TypeChoice;
 use poly_models::synth::shapes::{find_shape, Shape};
 use poly_models::synth::{SynthOptions, Synthesis};
 use std::path::PathBuf;
 
-const ARCHS: &[&str] = &["qwen3moe", "qwen35moe", "gemma3", "glm5-next"];
+const ARCHS: &[&str] = &["qwen3moe", "qwen35moe", "gemma3", "glm5-next", "deepseek4"];
 
 fn tmp(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("poly-synth-test-{}", std::process::id()));
@@ -95,16 +97,23 @@ fn tiny_files_match_their_architecture() {
                 .tensor_info(&d.name)
                 .unwrap_or_else(|| panic!("{arch}: {} missing", d.name));
             assert_eq!(info.dims, d.dims, "{}", d.name);
-            let want = if d.class.f32_only() || d.dims.len() == 1 || d.class == TensorClass::Router
-            {
+            let want = if let Some(fixed) = d.class.fixed_type() {
+                fixed
+            } else if d.dims.len() == 1 || d.class == TensorClass::Router {
                 GgmlType::F32
             } else {
                 GgmlType::Q8_0
             };
             assert_eq!(info.ty, want, "{}", d.name);
         }
-        // Every required row of the table is represented in some block.
-        for def in hp.as_dyn().tensor_defs() {
+        // Every required row of the table is represented in some block (MTP rows where the shape has
+        // an MTP block: deepseek4's tiny shape, like converted trunk files, has none).
+        let h = hp.as_dyn();
+        let has_mtp = (0..h.n_layer_all()).any(|il| h.layer_kind(il) == LayerKind::NextN);
+        for def in h.tensor_defs() {
+            if def.layers == Some(LayerSel::NextN) && !has_mtp {
+                continue;
+            }
             if def.presence == Presence::Required {
                 assert!(
                     expected.iter().any(|d| d.role == def.role),
@@ -115,6 +124,55 @@ fn tiny_files_match_their_architecture() {
         }
         std::fs::remove_file(&path).ok();
     }
+}
+
+/// A `deepseek4` file binds against its table (its hash-routing table as I32 integers, whatever the
+/// weights' type) into a forward pass whose operations only the CPU runs; its hash table names, for
+/// every token, distinct experts of the model.
+#[test]
+fn a_deepseek4_file_binds_into_a_forward_pass_only_the_cpu_runs() {
+    let (_, path) = write(&options(tiny("deepseek4"), 5, 0.0), "deepseek4-graph.gguf");
+    let file = GgufFile::open(&path).expect("open");
+    let hp = ModelHparams::from_metadata(file.metadata()).expect("hparams");
+    let ModelHparams::Deepseek4(h) = &hp else {
+        panic!("not deepseek4: {hp:?}");
+    };
+    let graph = ModelGraph::from_file(&file).expect("deepseek4 binds");
+    let ops = graph
+        .uses(&file)
+        .needs_cpu_only_ops()
+        .expect("CPU-only operations");
+    assert!(ops.contains("DeepSeek V4"), "{ops}");
+    let table = file
+        .tensor("blk.0.ffn_gate_tid2eid.weight")
+        .expect("hash table");
+    assert_eq!(table.ty(), GgmlType::I32);
+    let ids: Vec<i32> = table
+        .data
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let k = h.n_expert_used as usize;
+    assert_eq!(ids.len(), k * h.n_vocab as usize);
+    let mut seen = vec![0usize; h.n_expert as usize];
+    for row in ids.chunks_exact(k) {
+        assert!(
+            row.iter().all(|&e| (0..h.n_expert as i32).contains(&e)),
+            "{row:?}"
+        );
+        assert!(
+            row.iter().enumerate().all(|(i, e)| !row[..i].contains(e)),
+            "{row:?}"
+        );
+        for &e in row {
+            seen[e as usize] += 1;
+        }
+    }
+    assert!(
+        seen.iter().all(|&n| n > 0),
+        "every expert is some token's: {seen:?}"
+    );
+    std::fs::remove_file(&path).ok();
 }
 
 /// A `glm5-next` file is read and bound against its table into a forward pass whose operations only the

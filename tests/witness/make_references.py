@@ -104,6 +104,10 @@ FIXTURE_MODELS = [
     # (every quantizable class at the shape's Q8_0; mHC, indexer, KDA gates and MLA latents F32).
     ("glm5-next-tiny-f32", "glm5-next", ["--type", "F32"], None),
     ("glm5-next-tiny-q8_0", "glm5-next", [], None),
+    # deepseek4's tiny shape is 64 wide too: an F32 file and a Q8_0 one (mHC, compressor position
+    # biases and the indexer's head weights F32, the hash-routing table I32).
+    ("deepseek4-tiny-f32", "deepseek4", ["--type", "F32"], None),
+    ("deepseek4-tiny-q8_0", "deepseek4", [], None),
 ]
 SYNTH_SEED = 1
 

@@ -14,6 +14,7 @@
 //! computes and, for long decodes, on the thread count) or one order per operation for every call
 //! ([`Arithmetic::BatchInvariant`]), so that any split of a prompt into calls gives the same bits.
 
+mod dsv4;
 pub(crate) mod expert_job;
 pub mod moe;
 pub mod profile;
@@ -32,8 +33,9 @@ use poly_kernels::ops::{act, attention, norm, recurrent, rope, rope_multi};
 use poly_kernels::quant::{dequantize, f32_tinyblas_order, unrepacked_order, BatchDot, GgmlType};
 use poly_models::arch::{ModelGraph, ValueMap};
 use poly_models::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, HyperConnection, KPoolIndexer,
-    Logits, Moe, Rope, RopeKind, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Dsv4Attention, Dsv4AttnInputs, Dsv4Moe,
+    FusedMoe, HyperConnection, KPoolIndexer, Logits, Moe, Rope, RopeKind, TailRope, Unary,
+    WeightId,
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
 
@@ -1050,6 +1052,41 @@ impl Compute for CpuForward<'_> {
     ) -> Mat {
         let _span = profile::span("attention");
         sparse::attention_cells(&mut self.seqs, layer, (q, k, v), a, cells, self.arithmetic)
+    }
+
+    fn scale_bias(&mut self, x: &Mat, s: f32, b: f32) -> Mat {
+        x.map(|v| v * s + b)
+    }
+
+    fn rope_tail(&mut self, x: &Mat, r: &TailRope, inverse: bool) -> Mat {
+        let _span = profile::span("rope");
+        dsv4::rope_tail(x, &self.positions, r, inverse)
+    }
+
+    fn matmul_groups(&mut self, w: WeightId, x: &Mat, groups: usize) -> Mat {
+        let _span = profile::span("matmul_groups");
+        dsv4::matmul_groups(self.weights, w, x, (groups, self.arithmetic))
+    }
+
+    fn dsv4_attention(
+        &mut self,
+        layer: usize,
+        x: Dsv4AttnInputs<'_, Mat>,
+        a: &Dsv4Attention,
+    ) -> Mat {
+        let _span = profile::span("attention");
+        dsv4::dsv4_attention(
+            self.weights,
+            &mut self.seqs,
+            layer,
+            &x,
+            (a, self.arithmetic),
+        )
+    }
+
+    fn dsv4_moe(&mut self, _layer: usize, x: &Mat, m: &Dsv4Moe) -> Mat {
+        let _span = profile::span("moe");
+        dsv4::dsv4_moe(self.weights, x, self.tokens, m, self.arithmetic)
     }
 
     fn batch(&self) -> Batch<'_> {

@@ -137,6 +137,7 @@ pub fn fused_moe_observed(
         down: m.down_exps,
         down_scale: m.down_scale.map(|s| w.f32(s)),
         act: m.act,
+        clamp: 0.0,
     };
     run_experts(w, x, &routes, &set, m.n_expert, arith)
 }
@@ -157,6 +158,9 @@ pub(crate) struct ExpertSet<'a> {
     /// Each expert's output scale (`[n_expert]`), applied before its routing weight.
     down_scale: Option<&'a [f32]>,
     act: Unary,
+    /// SwiGLU's limit (DeepSeek V4's `swiglu_clamp_exp`): the gate at most, the up part within ±;
+    /// 0: none.
+    clamp: f32,
 }
 
 impl ExpertSet<'static> {
@@ -170,6 +174,21 @@ impl ExpertSet<'static> {
             down: m.down_exps,
             down_scale: None,
             act: m.act,
+            clamp: 0.0,
+        }
+    }
+
+    /// Experts of separate gate, up and down tensors, SwiGLU limited by `clamp` (0: none).
+    pub(crate) fn split(
+        (gate, up, down): (WeightId, WeightId, WeightId),
+        clamp: f32,
+    ) -> ExpertSet<'static> {
+        ExpertSet {
+            proj: Proj::Split { gate, up },
+            down,
+            down_scale: None,
+            act: Unary::Silu,
+            clamp,
         }
     }
 }
@@ -179,10 +198,27 @@ impl ExpertSet<'_> {
     fn scale(&self, e: usize) -> Option<f32> {
         self.down_scale.map(|s| s[e])
     }
+
+    /// `gate ← act(gate) ⊙ up`, limited when the set has a limit.
+    fn activate(&self, gate: &mut [f32], up: &[f32]) {
+        if self.clamp > 0.0 {
+            swiglu_clamp(gate, up, self.clamp);
+        } else {
+            activate(self.act, gate, up);
+        }
+    }
+}
+
+/// `gate ← silu(min(gate, limit)) · clamp(up, −limit, limit)`, as ggml's `swiglu_clamp` computes it.
+pub(crate) fn swiglu_clamp(gate: &mut [f32], up: &[f32], limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = g.min(limit);
+        *g = x / (1.0 + (-x).exp()) * u.clamp(-limit, limit);
+    }
 }
 
 /// The routed experts of every token of `x`, summed with their weights in each token's routing order.
-fn run_experts(
+pub(crate) fn run_experts(
     w: &CpuWeights,
     x: &Mat,
     routes: &[Vec<(u32, f32)>],
@@ -308,7 +344,7 @@ fn decode_set(w: &CpuWeights, x: &Mat, set: &ExpertSet<'_>, route: &[(u32, f32)]
                 matvec_many(&mut jobs);
             }
             for (g, u) in gate.chunks_mut(n_ff).zip(up.chunks(n_ff)) {
-                activate(set.act, g, u);
+                set.activate(g, u);
             }
             (gate, n_ff)
         }
@@ -335,7 +371,7 @@ fn decode_set(w: &CpuWeights, x: &Mat, set: &ExpertSet<'_>, route: &[(u32, f32)]
             let mut hidden = Vec::with_capacity(k * n_ff);
             for row in gu.chunks_mut(width) {
                 let (g, u) = row.split_at_mut(n_ff);
-                activate(set.act, g, u);
+                set.activate(g, u);
                 hidden.extend_from_slice(g);
             }
             (hidden, n_ff)
@@ -448,7 +484,7 @@ fn expert_of(w: &CpuWeights, set: &ExpertSet<'_>, e: usize, xs: &Mat, arith: Ari
             let up = expert_mul(&w.sub_matrix(up, e), xs, arith);
             let cols = gate.cols;
             for (g, u) in gate.data.chunks_mut(cols).zip(up.data.chunks(cols)) {
-                activate(set.act, g, u);
+                set.activate(g, u);
             }
             gate
         }
@@ -458,7 +494,7 @@ fn expert_of(w: &CpuWeights, set: &ExpertSet<'_>, e: usize, xs: &Mat, arith: Ari
             let mut hidden = Mat::zeros(xs.rows, n_ff);
             for (row, h) in gu.data.chunks_mut(width).zip(hidden.data.chunks_mut(n_ff)) {
                 let (g, u) = row.split_at_mut(n_ff);
-                activate(set.act, g, u);
+                set.activate(g, u);
                 h.copy_from_slice(g);
             }
             hidden

@@ -9,6 +9,39 @@ use super::{check, uniform_u32, uniform_u32_req, vocab_size, ArchError};
 use crate::compute::{Compute, Unary};
 use crate::gguf::Metadata;
 
+/// `<arch>.<suffix>` as one f32 per block (a scalar or an array of `n`), `None` when absent (glm5-next's
+/// and deepseek4's SwiGLU limits).
+pub(crate) fn f32_per_layer(
+    md: &Metadata,
+    arch: &str,
+    suffix: &str,
+    n: usize,
+) -> Result<Option<Vec<f32>>, ArchError> {
+    if let Some(v) = md.arch_f32_array_opt(suffix)? {
+        check(
+            arch,
+            v.len() == n,
+            &format!("{suffix} has {} values for {n} blocks", v.len()),
+        )?;
+        return Ok(Some(v));
+    }
+    Ok(md.arch_f32_opt(suffix)?.map(|x| vec![x; n]))
+}
+
+/// A block's input from hyper-connection `streams` and the weights that write its output back
+/// (llama.cpp's `build_hc_pre`, the same in glm5-next and deepseek4): the flattened streams' RMS norm
+/// (no weight) times the mixing matrix `hc_fn` gives the mixes [`Compute::hc_pre`] turns into both.
+pub(crate) fn hc_block_input<C: Compute>(
+    c: &mut C,
+    streams: &C::Act,
+    (hc_fn, hc): (crate::compute::WeightId, &crate::compute::HyperConnection),
+    (n_embd, rms_eps): (usize, f32),
+) -> (C::Act, C::Act) {
+    let flat = c.rms_norm(streams, None, rms_eps, hc.hc * n_embd);
+    let mix = c.matmul(hc_fn, &flat);
+    c.hc_pre(streams, &mix, hc)
+}
+
 /// llama.cpp's default `rope.freq_base`.
 pub const DEFAULT_ROPE_FREQ_BASE: f32 = 10000.0;
 

@@ -18,8 +18,8 @@
 use std::collections::HashMap;
 
 use super::{
-    gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, ArchError, ArchHparams,
-    ModelHparams, Presence, Role,
+    deepseek4, gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, ArchError,
+    ArchHparams, ModelHparams, Presence, Role, TensorClass,
 };
 use crate::compute::{Compute, WeightId};
 use crate::gguf::{GgufFile, Metadata};
@@ -209,7 +209,16 @@ pub fn bind_tensors(hp: &dyn ArchHparams, file: &GgufFile) -> Result<TensorMap, 
                     info.dims
                 )));
             }
-            if info.ty.ops().is_none() || info.ty.bytes_for(info.row_len()).is_none() {
+            if def.class == TensorClass::Index {
+                // An integer table is read as integers, never as a product's weight.
+                let fixed = poly_kernels::quant::GgmlType::I32;
+                if info.ty != fixed {
+                    return Err(ArchError(format!(
+                        "{arch}: tensor {name} is of type {}, the model needs {fixed}",
+                        info.ty
+                    )));
+                }
+            } else if info.ty.ops().is_none() || info.ty.bytes_for(info.row_len()).is_none() {
                 return Err(ArchError(format!(
                     "{arch}: tensor {name} is of type {}, which the engine does not compute with",
                     info.ty
@@ -273,6 +282,7 @@ pub enum ModelGraph {
     Lfm2Moe(lfm2moe::Lfm2MoeGraph),
     Gemma4(gemma4::Gemma4Graph),
     Glm5Next(glm5_next::Glm5NextGraph),
+    Deepseek4(deepseek4::Deepseek4Graph),
 }
 
 impl ModelGraph {
@@ -315,6 +325,9 @@ impl ModelGraph {
                 &tensors,
                 file.metadata(),
             )?)),
+            ModelHparams::Deepseek4(h) => Ok(ModelGraph::Deepseek4(
+                deepseek4::Deepseek4Graph::new(h, &tensors, file.metadata())?,
+            )),
         }
     }
 
@@ -329,7 +342,8 @@ impl ModelGraph {
             | ModelGraph::Llama(_)
             | ModelGraph::Lfm2Moe(_)
             | ModelGraph::Gemma4(_)
-            | ModelGraph::Glm5Next(_) => Vec::new(),
+            | ModelGraph::Glm5Next(_)
+            | ModelGraph::Deepseek4(_) => Vec::new(),
         }
     }
 }
@@ -361,6 +375,7 @@ impl Forward for ModelGraph {
             ModelGraph::Lfm2Moe(g) => g.info(),
             ModelGraph::Gemma4(g) => g.info(),
             ModelGraph::Glm5Next(g) => g.info(),
+            ModelGraph::Deepseek4(g) => g.info(),
         }
     }
 
@@ -373,6 +388,7 @@ impl Forward for ModelGraph {
             ModelGraph::Lfm2Moe(g) => g.layer_states(),
             ModelGraph::Gemma4(g) => g.layer_states(),
             ModelGraph::Glm5Next(g) => g.layer_states(),
+            ModelGraph::Deepseek4(g) => g.layer_states(),
         }
     }
 
@@ -385,6 +401,7 @@ impl Forward for ModelGraph {
             ModelGraph::Lfm2Moe(g) => g.forward(c),
             ModelGraph::Gemma4(g) => g.forward(c),
             ModelGraph::Glm5Next(g) => g.forward(c),
+            ModelGraph::Deepseek4(g) => g.forward(c),
         }
     }
 

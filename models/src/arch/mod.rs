@@ -24,9 +24,13 @@
 //!   a dense GELU MLP beside routed experts (fused gate/up, per-expert scales) in every block.
 //! - [`glm5_next`]: GLM5-Next (GLM 5.3 Flash): mHC residual streams, KDA blocks beside sparse MLA
 //!   blocks whose cells a k-pool indexer selects, DeepSeek-style experts; run on the CPU only.
+//! - [`deepseek4`]: DeepSeek V4 (V4 Flash): mHC residual streams, one shared-KV attention head per block
+//!   over a sliding window plus compressed KV (CSA blocks with a lightning indexer, HCA blocks), grouped
+//!   low-rank output, hash-routed then sqrt-softplus-routed experts; run on the CPU only.
 
 pub mod clover_moe;
 pub mod common;
+pub mod deepseek4;
 pub mod gemma3;
 pub mod gemma4;
 pub mod glm5_next;
@@ -38,8 +42,10 @@ pub mod qwen3moe;
 pub mod uses;
 
 use crate::gguf::{GgufError, Metadata, Value};
+use poly_kernels::quant::GgmlType;
 
 pub use common::{CommonHparams, ExpertHparams};
+pub use deepseek4::Deepseek4Hparams;
 pub use gemma3::Gemma3Hparams;
 pub use gemma4::Gemma4Hparams;
 pub use glm5_next::Glm5NextHparams;
@@ -105,6 +111,8 @@ pub enum TensorClass {
     /// mixing weights, the sparse-attention indexer's projections, the KDA gates' low-rank factors, the
     /// MLA latent projections): always F32 here.
     Unquantized,
+    /// Integer tables (deepseek4's hash routing, token → experts): always I32, never a weight of a product.
+    Index,
 }
 
 /// (class, command-line name, what it covers)
@@ -146,6 +154,11 @@ const CLASS_TABLE: &[(TensorClass, &str, &str)] = &[
         "unquantized",
         "matrices llama.cpp never quantizes (glm5-next's mHC, indexer, KDA gates, MLA latent; F32)",
     ),
+    (
+        TensorClass::Index,
+        "index",
+        "integer tables (deepseek4's hash routing; I32)",
+    ),
 ];
 
 impl TensorClass {
@@ -185,6 +198,18 @@ impl TensorClass {
             self,
             TensorClass::Norm | TensorClass::DeltaNetParam | TensorClass::Unquantized
         )
+    }
+
+    /// The one type the class is stored in, where it has one (F32 for [`TensorClass::f32_only`], I32
+    /// for [`TensorClass::Index`]).
+    pub fn fixed_type(self) -> Option<GgmlType> {
+        if self.f32_only() {
+            Some(GgmlType::F32)
+        } else if self == TensorClass::Index {
+            Some(GgmlType::I32)
+        } else {
+            None
+        }
     }
 }
 
@@ -296,6 +321,29 @@ pub enum Role {
     IndexerAttnQB,
     IndexerKpoolGate,
     IndexerKpoolApe,
+    /// DeepSeek V4 attention: the one shared K/V projection (`attn_kv`; its norm is [`Role::AttnKvANorm`]),
+    /// the per-head attention sinks, the grouped low-rank output (`attn_output_a` per group, then
+    /// `attn_output_b`).
+    AttnKv,
+    AttnSinks,
+    AttnOutA,
+    AttnOutB,
+    /// DeepSeek V4's mHC head: the streams' weights into the final norm (`output_hc_*`).
+    HcHeadFn,
+    HcHeadBase,
+    HcHeadScale,
+    /// DeepSeek V4's KV compressor (CSA and HCA blocks): its KV and gate projections, the gate's position
+    /// bias within a compressed block, and the compressed entries' norm.
+    AttnCompressorKv,
+    AttnCompressorGate,
+    AttnCompressorApe,
+    AttnCompressorNorm,
+    /// DeepSeek V4's lightning indexer keys' compressor (its gate and position bias are
+    /// [`Role::IndexerKpoolGate`] and [`Role::IndexerKpoolApe`], the same names).
+    IndexerCompressorKv,
+    IndexerCompressorNorm,
+    /// DeepSeek V4's hash routing: each token's experts (I32 `[n_expert_used, n_vocab]`).
+    FfnGateTid2eid,
     NextnEhProj,
     NextnEnorm,
     NextnHnorm,
@@ -402,6 +450,20 @@ impl Role {
             Role::IndexerAttnQB => "blk.{}.indexer.attn_q_b.weight",
             Role::IndexerKpoolGate => "blk.{}.indexer_compressor_gate.weight",
             Role::IndexerKpoolApe => "blk.{}.indexer_compressor_ape.weight",
+            Role::AttnKv => "blk.{}.attn_kv.weight",
+            Role::AttnSinks => "blk.{}.attn_sinks.weight",
+            Role::AttnOutA => "blk.{}.attn_output_a.weight",
+            Role::AttnOutB => "blk.{}.attn_output_b.weight",
+            Role::HcHeadFn => "output_hc_fn.weight",
+            Role::HcHeadBase => "output_hc_base.weight",
+            Role::HcHeadScale => "output_hc_scale.weight",
+            Role::AttnCompressorKv => "blk.{}.attn_compressor_kv.weight",
+            Role::AttnCompressorGate => "blk.{}.attn_compressor_gate.weight",
+            Role::AttnCompressorApe => "blk.{}.attn_compressor_ape.weight",
+            Role::AttnCompressorNorm => "blk.{}.attn_compressor_norm.weight",
+            Role::IndexerCompressorKv => "blk.{}.indexer_compressor_kv.weight",
+            Role::IndexerCompressorNorm => "blk.{}.indexer_compressor_norm.weight",
+            Role::FfnGateTid2eid => "blk.{}.ffn_gate_tid2eid.weight",
             Role::NextnEhProj => "blk.{}.nextn.eh_proj.weight",
             Role::NextnEnorm => "blk.{}.nextn.enorm.weight",
             Role::NextnHnorm => "blk.{}.nextn.hnorm.weight",
@@ -496,6 +558,21 @@ pub enum Dim {
     IndexerQProj,
     /// Tokens pooled into one indexer key (`attention.indexer.kpool`).
     KPool,
+    /// The hyper-connection streams (`hyper_connection.count`).
+    Hc,
+    /// `2 · head_k`: a CSA compressor's two overlapping halves (DeepSeek V4).
+    HeadK2,
+    /// `2 · indexer key size`: the indexer compressor's two halves.
+    IndexerDim2,
+    /// Tokens compressed into one entry in CSA blocks (4) and in HCA blocks (128).
+    CsaRatio,
+    HcaRatio,
+    /// `n_head · head_k / o_groups`: one output group's input (DeepSeek V4's `attn_output_a` rows).
+    OGroupIn,
+    /// `o_groups · o_lora_rank`: every group's low-rank output side by side.
+    OLora,
+    /// Experts each token is routed to (the hash table's rows).
+    ExpertUsed,
 }
 
 /// What kind of block a layer is.
@@ -548,6 +625,15 @@ pub enum LayerSel {
     /// Attention blocks that compute their own sparse-attention selection
     /// ([`ArchHparams::indexer_full`]); the others reuse the previous one's.
     IndexerFull,
+    /// Blocks whose KV is compressed by 4 with an indexer choosing entries (DeepSeek V4's CSA:
+    /// [`ArchHparams::compress_ratio`] 4).
+    Csa,
+    /// Blocks whose KV is compressed by 128, all entries attended (DeepSeek V4's HCA: ratio 128).
+    Hca,
+    /// Blocks whose experts a token's id chooses ([`ArchHparams::hash_routed`]).
+    HashRouted,
+    /// MoE blocks routed by the router with a selection bias (not hash-routed).
+    BiasRouted,
 }
 
 impl LayerSel {
@@ -565,6 +651,10 @@ impl LayerSel {
             LayerSel::FullAttention => kind == LayerKind::Attention,
             LayerSel::Trunk => kind != LayerKind::NextN,
             LayerSel::IndexerFull => kind != LayerKind::Recurrent && hp.indexer_full(il),
+            LayerSel::Csa => hp.compress_ratio(il) == 4,
+            LayerSel::Hca => hp.compress_ratio(il) == 128,
+            LayerSel::HashRouted => hp.hash_routed(il),
+            LayerSel::BiasRouted => !hp.hash_routed(il),
         }
     }
 }
@@ -662,6 +752,16 @@ pub trait ArchHparams {
     fn indexer_full(&self, _il: u32) -> bool {
         false
     }
+    /// Tokens compressed into one KV entry in block `il` (DeepSeek V4: 0, 4 or 128); 0 where no table
+    /// asks.
+    fn compress_ratio(&self, _il: u32) -> u32 {
+        0
+    }
+    /// Whether block `il`'s experts are chosen by the token's id (DeepSeek V4's first blocks); false
+    /// where no table asks.
+    fn hash_routed(&self, _il: u32) -> bool {
+        false
+    }
     /// Whether the optional tensor `role` belongs in this model's files, as in files converted from the
     /// real model (e.g. no `output.weight` when the output is tied to the embedding).
     fn synth_writes(&self, role: Role) -> bool;
@@ -734,6 +834,7 @@ pub enum ModelHparams {
     Lfm2Moe(Lfm2MoeHparams),
     Gemma4(Gemma4Hparams),
     Glm5Next(Glm5NextHparams),
+    Deepseek4(Deepseek4Hparams),
 }
 
 /// The architectures this crate knows and the engine runs, by `general.architecture`.
@@ -746,6 +847,7 @@ pub const ARCH_NAMES: &[&str] = &[
     lfm2moe::ARCH,
     gemma4::ARCH,
     glm5_next::ARCH,
+    deepseek4::ARCH,
 ];
 
 /// The architectures this crate reads, binds and `synth` writes, but whose forward pass is not
@@ -767,6 +869,9 @@ impl ModelHparams {
             lfm2moe::ARCH => Ok(ModelHparams::Lfm2Moe(Lfm2MoeHparams::from_metadata(md)?)),
             gemma4::ARCH => Ok(ModelHparams::Gemma4(Gemma4Hparams::from_metadata(md)?)),
             glm5_next::ARCH => Ok(ModelHparams::Glm5Next(Glm5NextHparams::from_metadata(md)?)),
+            deepseek4::ARCH => Ok(ModelHparams::Deepseek4(Deepseek4Hparams::from_metadata(
+                md,
+            )?)),
             other => Err(ArchError(format!(
                 "architecture {other:?} is not supported (known: {})",
                 ARCH_NAMES.join(", ")
@@ -784,6 +889,7 @@ impl ModelHparams {
             ModelHparams::Lfm2Moe(h) => h,
             ModelHparams::Gemma4(h) => h,
             ModelHparams::Glm5Next(h) => h,
+            ModelHparams::Deepseek4(h) => h,
         }
     }
 }

@@ -5,8 +5,8 @@
 
 use super::graph::{Forward, ModelGraph};
 use crate::compute::{
-    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, HyperConnection,
-    KPoolIndexer, Logits, Moe, Rope, Unary, WeightId,
+    Attention, Batch, Compute, DeltaNet, DeltaNetInputs, Dsv4Attention, Dsv4AttnInputs, Dsv4Moe,
+    FusedMoe, Gating, HyperConnection, KPoolIndexer, Logits, Moe, Rope, TailRope, Unary, WeightId,
 };
 use crate::gguf::GgufFile;
 
@@ -275,6 +275,40 @@ impl Compute for Probe<'_> {
         self.uses
             .cpu_only("attention over the cells an indexer selected");
         (q.0, a.n_head * a.head_dim_v)
+    }
+
+    fn scale_bias(&mut self, x: &Shape, _: f32, _: f32) -> Shape {
+        self.uses.cpu_only("a scale and bias of every value");
+        *x
+    }
+
+    fn rope_tail(&mut self, x: &Shape, _: &TailRope, _: bool) -> Shape {
+        self.uses
+            .cpu_only("RoPE of the heads' last values (DeepSeek V4)");
+        *x
+    }
+
+    fn matmul_groups(&mut self, w: WeightId, x: &Shape, _: usize) -> Shape {
+        self.uses
+            .cpu_only("grouped products (DeepSeek V4's output)");
+        (x.0, self.rows_of(w))
+    }
+
+    fn dsv4_attention(
+        &mut self,
+        _: usize,
+        x: Dsv4AttnInputs<'_, Shape>,
+        a: &Dsv4Attention,
+    ) -> Shape {
+        self.uses
+            .cpu_only("attention over a window and compressed KV (DeepSeek V4)");
+        (x.q.0, a.n_head * a.head_dim)
+    }
+
+    fn dsv4_moe(&mut self, _: usize, x: &Shape, _: &Dsv4Moe) -> Shape {
+        self.uses
+            .cpu_only("sqrt-softplus and hash-routed experts (DeepSeek V4)");
+        *x
     }
 
     fn batch(&self) -> Batch<'_> {

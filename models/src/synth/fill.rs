@@ -60,6 +60,27 @@ pub fn fill_tensor(
             let first = *first as usize;
             write_floats(t.ty, out, |i| if i < first { *a } else { *b }, name)
         }
+        Init::ExpertIds { n_expert, per_row } => {
+            if t.ty != GgmlType::I32 || *per_row == 0 || per_row > n_expert {
+                return Err(SynthError(format!(
+                    "{name}: expert ids are I32 rows of at most {n_expert} distinct experts"
+                )));
+            }
+            let mut rng = Rng::new(stream_seed(seed, index as u64, 0));
+            let (n, k) = (*n_expert as usize, *per_row as usize);
+            let mut ids: Vec<i32> = (0..n as i32).collect();
+            for row in out.chunks_exact_mut(4 * k) {
+                // A partial Fisher-Yates shuffle: the first k of the ids are the row's.
+                for i in 0..k {
+                    let j = i + (rng.f32() * (n - i) as f32) as usize;
+                    ids.swap(i, j.min(n - 1));
+                }
+                for (b, id) in row.chunks_exact_mut(4).zip(&ids[..k]) {
+                    b.copy_from_slice(&id.to_le_bytes());
+                }
+            }
+            Ok(())
+        }
         Init::Router { layer } => {
             let w = routers
                 .get(*layer as usize)

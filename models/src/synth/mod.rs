@@ -438,12 +438,18 @@ where
 /// Refuses types `synth` cannot write for a class: norms and the delta-net's small parameters are F32
 /// only, routers float only, and every type must be one the engine computes with.
 pub fn check_class_type(class: TensorClass, ty: GgmlType) -> Result<(), SynthError> {
-    if class.f32_only() && ty != GgmlType::F32 {
-        return Err(SynthError(format!(
-            "{} tensors ({}) are always F32 (llama.cpp needs them so), not {ty}",
-            class.name(),
-            class.description()
-        )));
+    if let Some(fixed) = class.fixed_type() {
+        if ty != fixed {
+            return Err(SynthError(format!(
+                "{} tensors ({}) are always {fixed} (llama.cpp needs them so), not {ty}",
+                class.name(),
+                class.description()
+            )));
+        }
+        if class == TensorClass::Index {
+            // Integer tables are no weights: the engine reads them as integers.
+            return Ok(());
+        }
     }
     if class == TensorClass::Router && !plan::ROUTER_TYPES.contains(&ty) {
         return Err(SynthError(format!(

@@ -37,6 +37,9 @@ pub enum Init {
     /// `a` for the first `first` values, `b` after them (F32): Gemma 4's RoPE factors, 1 for the pairs
     /// that turn and 1e30 for those that do not.
     Steps { first: u64, a: f32, b: f32 },
+    /// Rows of `per_row` distinct expert ids below `n_expert` (I32): DeepSeek V4's hash routing, one row
+    /// per token.
+    ExpertIds { n_expert: u32, per_row: u32 },
 }
 
 /// One tensor as it will be written.
@@ -65,8 +68,8 @@ pub const ROUTER_TYPES: &[GgmlType] = &[GgmlType::F32, GgmlType::F16, GgmlType::
 impl TypeChoice {
     /// The type asked for tensors of `class` (before any fallback).
     pub fn for_class(&self, class: TensorClass) -> GgmlType {
-        if class.f32_only() {
-            return GgmlType::F32;
+        if let Some(t) = class.fixed_type() {
+            return t;
         }
         if let Some(&(_, t)) = self.overrides.iter().rev().find(|(c, _)| *c == class) {
             return t;
@@ -176,6 +179,12 @@ pub fn plan(hp: &ModelHparams, descs: Vec<TensorDesc>, types: &TypeChoice) -> Ve
                 Role::FfnGateInp => Init::Router {
                     layer: desc.layer.unwrap_or(0),
                 },
+                Role::FfnGateTid2eid => Init::ExpertIds {
+                    n_expert: h.dim(Dim::Expert).unwrap_or(1) as u32,
+                    per_row: desc.dims[0] as u32,
+                },
+                // Attention sinks: one logit per head beside the scores, of their order.
+                Role::AttnSinks => Init::Gaussian { rms: 1.0 },
                 Role::FfnGateInpShexp => Init::Gaussian {
                     rms: 1.0 / fan_in.sqrt(),
                 },

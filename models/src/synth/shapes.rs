@@ -4,10 +4,12 @@
 
 use poly_kernels::quant::GgmlType;
 
+use crate::arch::deepseek4::{Yarn, CSA_RATIO, HCA_RATIO};
 use crate::arch::qwen35moe::Qwen35Form;
 use crate::arch::{
-    gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, Gemma3Hparams, Gemma4Hparams,
-    Glm5NextHparams, Lfm2MoeHparams, LlamaHparams, ModelHparams, Qwen35MoeHparams, Qwen3MoeHparams,
+    deepseek4, gemma3, gemma4, glm5_next, lfm2moe, llama, qwen35moe, qwen3moe, Deepseek4Hparams,
+    Gemma3Hparams, Gemma4Hparams, Glm5NextHparams, Lfm2MoeHparams, LlamaHparams, ModelHparams,
+    Qwen35MoeHparams, Qwen3MoeHparams,
 };
 use crate::compute::Gating;
 
@@ -397,6 +399,22 @@ pub fn all_shapes() -> Vec<Shape> {
             hparams: ModelHparams::Glm5Next(glm5_next_tiny(v)),
         },
         Shape {
+            arch: deepseek4::ARCH,
+            name: "tiny",
+            aliases: &[],
+            description: "4 layers (window only, CSA, HCA, CSA), 64 wide, 4 mHC streams, 4 heads of 128 (32 turning) sharing one K/V head, window 16, 2 output groups; 4 experts (2 used) of 32 and a shared one, the first block hash-routed; indexer of 8 heads of 64 keeping 16 entries",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Deepseek4(deepseek4_tiny(v)),
+        },
+        Shape {
+            arch: deepseek4::ARCH,
+            name: "deepseek-v4-flash",
+            aliases: &["v4-flash", "flash"],
+            description: "DeepSeek-V4-Flash (284B-A13B): 43 layers (2 window-only, then CSA and HCA alternating), 4096 wide, 64 heads of 512 sharing one K/V head, window 128, 256 experts (6 used) of 2048 and a shared one, the first 3 blocks hash-routed, vocabulary 129280",
+            default_type: GgmlType::Q4_K,
+            hparams: ModelHparams::Deepseek4(deepseek4_v4_flash()),
+        },
+        Shape {
             arch: llama::ARCH,
             name: "smollm2-135m",
             aliases: &["135m"],
@@ -506,6 +524,107 @@ fn glm5_next_tiny(v: u64) -> Glm5NextHparams {
         gating: Gating::Sigmoid,
         swiglu_clamp_exp: vec![0.0; n as usize],
         swiglu_clamp_shexp: vec![0.0; n as usize],
+    }
+}
+
+fn deepseek4_v4_flash() -> Deepseek4Hparams {
+    // deepseek-ai/DeepSeek-V4-Flash config.json (as public ports read it): hidden 4096, 43 layers, 64
+    // heads of 512 (64 turning), q_lora 1024, 8 output groups of 1024, window 128; compress_ratios 0 for
+    // the first two layers, then 4 (CSA) and 128 (HCA) alternating; compressed blocks' RoPE base 160000
+    // with YaRN (factor 16 over 65536), the window's 10000 without; indexer 64 heads of 128 keeping 512;
+    // mHC 4 streams, 20 Sinkhorn iterations; 256 experts (6 used) of 2048, one shared, sqrt-softplus
+    // scores renormalized and scaled by 1.5, SwiGLU limit 10, the first 3 layers hash-routed; vocabulary
+    // 129280, context 1M.
+    let n = 43;
+    Deepseek4Hparams {
+        n_vocab: 129_280,
+        n_ctx_train: 1_048_576,
+        n_embd: 4096,
+        n_layer: n,
+        n_nextn: 0,
+        n_head: 64,
+        head_dim: 512,
+        n_rot: 64,
+        rms_eps: 1e-6,
+        rope_freq_base: 10_000.0,
+        compress_rope_freq_base: 160_000.0,
+        yarn: Some(Yarn {
+            factor: 16.0,
+            n_ctx_orig: 65_536,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }),
+        sliding_window: 128,
+        q_lora_rank: 1024,
+        o_groups: 8,
+        o_lora_rank: 1024,
+        compress_ratios: (0..n)
+            .map(|il| match il {
+                0 | 1 => 0,
+                _ if il % 2 == 0 => CSA_RATIO,
+                _ => HCA_RATIO,
+            })
+            .collect(),
+        indexer_n_head: 64,
+        indexer_head_dim: 128,
+        indexer_top_k: 512,
+        hc_mult: 4,
+        hc_sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        n_hash_layers: 3,
+        n_expert: 256,
+        n_expert_used: 6,
+        n_ff_exp: 2048,
+        n_expert_shared: 1,
+        expert_weights_scale: 1.5,
+        expert_weights_norm: true,
+        swiglu_clamp_exp: vec![10.0; n as usize],
+        swiglu_clamp_shexp: vec![10.0; n as usize],
+    }
+}
+
+fn deepseek4_tiny(v: u64) -> Deepseek4Hparams {
+    // Every kind of block in four: window only, CSA, HCA, CSA. A window of 16 and an indexer keeping 16
+    // entries: the compressed entries matter from a few dozen tokens on, the indexer chooses from 68
+    // (HCA's entries come from 128); with a window of 8 and 4 kept entries llama.cpp's own one- and
+    // two-thread runs differed by 0.03 in probability. Heads of 128 and indexer keys of 64: llama.cpp
+    // turns the indexer's keys and queries by a Hadamard matrix of at least 64 (and the heads too when
+    // both sizes are equal).
+    // About 3 MB in F32: 64 wide, 4 experts of 32.
+    let n = 4;
+    Deepseek4Hparams {
+        n_vocab: v,
+        n_ctx_train: TINY_CONTEXT,
+        n_embd: 64,
+        n_layer: n,
+        n_nextn: 0,
+        n_head: 4,
+        head_dim: 128,
+        n_rot: 32,
+        rms_eps: 1e-6,
+        rope_freq_base: 10_000.0,
+        compress_rope_freq_base: 160_000.0,
+        yarn: None,
+        sliding_window: 16,
+        q_lora_rank: 32,
+        o_groups: 2,
+        o_lora_rank: 16,
+        compress_ratios: vec![0, CSA_RATIO, HCA_RATIO, CSA_RATIO],
+        indexer_n_head: 8,
+        indexer_head_dim: 64,
+        indexer_top_k: 16,
+        hc_mult: 4,
+        hc_sinkhorn_iters: 20,
+        hc_eps: 1e-6,
+        n_hash_layers: 1,
+        n_expert: 4,
+        n_expert_used: 2,
+        n_ff_exp: 32,
+        n_expert_shared: 1,
+        expert_weights_scale: 1.5,
+        expert_weights_norm: true,
+        swiglu_clamp_exp: vec![10.0; n as usize],
+        swiglu_clamp_shexp: vec![10.0; n as usize],
     }
 }
 

@@ -7,7 +7,8 @@
 use rayon::prelude::*;
 
 use super::{
-    check_shapes, tiled_task, vector_query, AttnParams, PortableF16, VectorQuery, GGML_FA_TILE_Q,
+    check_shapes, online_softmax, round_f16, tiled_task, vector_query, AttnParams, F16Steps,
+    PortableF16, VectorQuery, GGML_FA_TILE_Q,
 };
 #[cfg(target_arch = "x86_64")]
 use super::{tiled_task_fma, vector_query_fma};
@@ -47,9 +48,9 @@ pub fn attention_ggml_f16_cells(
                 #[cfg(target_arch = "x86_64")]
                 if crate::quant::has_avx2_fma() {
                     // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                    return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows, mask) };
+                    return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows, (mask, None)) };
                 }
-                tiled_task(q, positions, k, v, p, h, rows, mask)
+                tiled_task(q, positions, k, v, p, h, rows, (mask, None))
             })
             .collect();
         for (&(h, i0), res) in tasks.iter().zip(&results) {
@@ -199,5 +200,121 @@ fn gathered_query(
             };
         }
         *y = dot_ggml(col, w);
+    }
+}
+
+/// llama.cpp's flash attention of one query and head with an attention sink (DeepSeek V4's), in its
+/// vector path (calls of fewer than [`GGML_FA_TILE_Q`] queries): the query rounded to f16, the cells
+/// `one.cells` in order with the f16 accumulator, then, on the accumulator widened to f32, the sink as a
+/// logit without a value (`ggml_compute_forward_flash_attn_ext_f16_one_chunk`'s `sinks`), and the
+/// division by the sum. `o` gets the head's output.
+pub fn attention_ggml_f16_cells_sink(
+    (q, cells): (&[f32], &[u32]),
+    (k, v, row): (&[f32], &[f32], usize),
+    p: &AttnParams,
+    sink: f32,
+    o: &mut [f32],
+) {
+    assert!(
+        p.n_head_kv == 1 && p.head_dim_k == row && p.head_dim_v == row && q.len() == row,
+        "attention with a sink: one K/V head of the rows' width"
+    );
+    let one = VectorQuery {
+        q,
+        k,
+        v,
+        k_row: row,
+        v_row: row,
+        first: 0,
+        last: usize::MAX,
+        chunk: usize::MAX,
+        split: false,
+        cells: Some(cells),
+    };
+    let (mut qh16, mut acc) = (Vec::with_capacity(row), vec![0f32; row]);
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked at run time).
+        return unsafe { sink_query_fma(&one, p, (&mut qh16, &mut acc), sink, o) };
+    }
+    sink_query::<PortableF16>(&one, p, (&mut qh16, &mut acc), sink, o);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sink_query_fma(
+    one: &VectorQuery<'_>,
+    p: &AttnParams,
+    bufs: (&mut Vec<f32>, &mut Vec<f32>),
+    sink: f32,
+    o: &mut [f32],
+) {
+    sink_query::<super::x86_f16::F16c>(one, p, bufs, sink, o)
+}
+
+#[inline(always)]
+fn sink_query<F: F16Steps>(
+    one: &VectorQuery<'_>,
+    p: &AttnParams,
+    (qh16, acc): (&mut Vec<f32>, &mut Vec<f32>),
+    sink: f32,
+    o: &mut [f32],
+) {
+    qh16.clear();
+    qh16.extend(one.q.iter().map(|&x| round_f16(x)));
+    let cells = one.cells.unwrap_or(&[]);
+    let (m, mut s) = online_softmax::<F>(one, p, qh16, acc, cells.iter().map(|&j| j as usize));
+    // GCC contracts ggml's `S*ms + vs` into one fused multiply-add, as in the loop.
+    if sink > m {
+        let ms = (m - sink).exp();
+        acc.iter_mut().for_each(|a| *a *= ms);
+        s = s.mul_add(ms, 1.0);
+    } else {
+        s = s.mul_add(1.0, (sink - m).exp());
+    }
+    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+    o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
+}
+
+/// [`attention_ggml_f16_cells`]' tiled path (calls of [`GGML_FA_TILE_Q`] queries or more) with a sink
+/// logit per head (`sinks`, `[n_head]`), as ggml's tiled flash attention applies it. Query `i` sees
+/// `cells[offsets[i]..offsets[i + 1]]` (ascending) and `last[i]` is its last cell (`k`'s rows may hold
+/// more than a cache: DeepSeek V4's compressed entries after its window, tile-aligned as llama.cpp's
+/// concatenation of the caches aligns them).
+pub fn attention_ggml_f16_cells_sinks_tiled(
+    q: &[f32],
+    (last, cells, offsets): (&[u32], &[u32], &[usize]),
+    (k, v): (&[f32], &[f32]),
+    p: &AttnParams,
+    sinks: &[f32],
+    out: &mut [f32],
+) {
+    let dv = p.head_dim_v;
+    let n_q = last.len();
+    assert!(
+        offsets.len() == n_q + 1 && sinks.len() == p.n_head && out.len() == n_q * p.n_head * dv,
+        "attention with sinks: one cell list per query, one sink per head"
+    );
+    let tasks: Vec<(usize, usize)> = (0..p.n_head)
+        .flat_map(|h| (0..n_q).step_by(GGML_FA_TILE_Q).map(move |i0| (h, i0)))
+        .collect();
+    let mask = Some((cells, offsets));
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(h, i0)| {
+            let rows = i0..(i0 + GGML_FA_TILE_Q).min(n_q);
+            let m = (mask, Some(sinks[h]));
+            #[cfg(target_arch = "x86_64")]
+            if crate::quant::has_avx2_fma() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
+                return unsafe { tiled_task_fma(q, last, k, v, p, h, rows, m) };
+            }
+            tiled_task(q, last, k, v, p, h, rows, m)
+        })
+        .collect();
+    for (&(h, i0), res) in tasks.iter().zip(&results) {
+        for (r, o) in res.chunks_exact(dv).enumerate() {
+            out[((i0 + r) * p.n_head + h) * dv..][..dv].copy_from_slice(o);
+        }
     }
 }

@@ -19,7 +19,10 @@ use rayon::prelude::*;
 
 mod cells;
 mod full;
-pub use cells::{attention_gathered_ggml, attention_ggml_f16_cells};
+pub use cells::{
+    attention_gathered_ggml, attention_ggml_f16_cells, attention_ggml_f16_cells_sink,
+    attention_ggml_f16_cells_sinks_tiled,
+};
 pub use full::attention_full;
 
 /// The shape and options of an attention call.
@@ -635,7 +638,7 @@ pub fn hadamard_ggml(x: &mut [f32], n: usize) {
 }
 
 /// Keys per tile of llama.cpp's tiled CPU flash attention (`GGML_FA_TILE_KV`).
-const FA_TILE_KV: usize = 64;
+pub const FA_TILE_KV: usize = 64;
 
 /// Output values per chunk of the tiled path's value sums: eight AVX2 registers, held over a tile's keys.
 const V_CHUNK: usize = 64;
@@ -672,9 +675,9 @@ pub fn attention_ggml_f16_tiled(
             #[cfg(target_arch = "x86_64")]
             if crate::quant::has_avx2_fma() {
                 // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows, None) };
+                return unsafe { tiled_task_fma(q, positions, k, v, p, h, rows, (None, None)) };
             }
-            tiled_task(q, positions, k, v, p, h, rows, None)
+            tiled_task(q, positions, k, v, p, h, rows, (None, None))
         })
         .collect();
     for (&(h, i0), res) in tasks.iter().zip(&results) {
@@ -696,9 +699,9 @@ unsafe fn tiled_task_fma(
     p: &AttnParams,
     h: usize,
     rows: std::ops::Range<usize>,
-    cells: Option<Cells<'_>>,
+    mask: (Option<Cells<'_>>, Option<f32>),
 ) -> Vec<f32> {
-    tiled_task(q, positions, k, v, p, h, rows, cells)
+    tiled_task(q, positions, k, v, p, h, rows, mask)
 }
 
 /// Each query's live cells (ascending): `cells[offsets[i]..offsets[i + 1]]`.
@@ -715,7 +718,7 @@ fn tiled_task(
     p: &AttnParams,
     h: usize,
     rows: std::ops::Range<usize>,
-    cells: Option<Cells<'_>>,
+    (cells, sink): (Option<Cells<'_>>, Option<f32>),
 ) -> Vec<f32> {
     const T: usize = FA_TILE_KV;
     let (dk, dv) = (p.head_dim_k, p.head_dim_v);
@@ -840,6 +843,16 @@ fn tiled_task(
         t0 += T;
     }
     for (r, o) in out.chunks_exact_mut(dv).enumerate() {
+        // An attention sink (a logit without a value), as ggml's tiled path applies it.
+        if let Some(sk) = sink {
+            if sk > m[r] {
+                let ms = (m[r] - sk).exp();
+                o.iter_mut().for_each(|x| *x *= ms);
+                s[r] = s[r].mul_add(ms, 1.0);
+            } else {
+                s[r] = s[r].mul_add(1.0, (sk - m[r]).exp());
+            }
+        }
         let inv = if s[r] == 0.0 { 0.0 } else { 1.0 / s[r] };
         o.iter_mut().for_each(|x| *x *= inv);
     }

@@ -12,6 +12,7 @@
 //! (`swiglu_clamp_*`) are read but not applied, as llama.cpp's graph does not apply them.
 
 use super::{Glm5NextHparams, ARCH};
+use crate::arch::common::hc_block_input;
 use crate::arch::graph::{Forward, ModelInfo, StateSpec, TensorMap};
 use crate::arch::{ArchError, ArchHparams, Role};
 use crate::compute::{
@@ -288,22 +289,6 @@ impl Glm5NextGraph {
         &self.hp
     }
 
-    /// The block's input from the streams and the weights that write its output back (llama.cpp's
-    /// `build_hc_pre`): the flattened streams' RMS norm (no weight) times the mixing matrix gives the
-    /// mixes the weights come from.
-    fn hc_in<C: Compute>(
-        &self,
-        c: &mut C,
-        streams: &C::Act,
-        hc_fn: WeightId,
-        hc: &HyperConnection,
-    ) -> (C::Act, C::Act) {
-        let width = hc.hc * self.hp.n_embd as usize;
-        let flat = c.rms_norm(streams, None, self.hp.rms_eps, width);
-        let mix = c.matmul(hc_fn, &flat);
-        c.hc_pre(streams, &mix, hc)
-    }
-
     /// A KDA block (llama.cpp's `build_kda_layer`) on the normed input `x`; block `il`'s own state holds
     /// the Q convolution and the delta rule.
     fn kda<C: Compute>(&self, c: &mut C, il: usize, m: &Kda, x: &C::Act) -> C::Act {
@@ -467,14 +452,14 @@ impl Forward for Glm5NextGraph {
         let mut sel = None;
         for (il, b) in self.blocks.iter().enumerate() {
             // Every row goes through every block: the caches and states need them all.
-            let (cur, w) = self.hc_in(c, &streams, b.hc_attn_fn, &b.hc_attn);
+            let (cur, w) = hc_block_input(c, &streams, (b.hc_attn_fn, &b.hc_attn), (n_embd, eps));
             let cur = c.rms_norm(&cur, Some(b.attn_norm), eps, n_embd);
             let out = match &b.mixer {
                 Mixer::Kda(m) => self.kda(c, il, m, &cur),
                 Mixer::Mla(m) => self.mla(c, il, m, &cur, &mut sel),
             };
             streams = c.hc_post(&out, &streams, &w);
-            let (cur, w) = self.hc_in(c, &streams, b.hc_ffn_fn, &b.hc_ffn);
+            let (cur, w) = hc_block_input(c, &streams, (b.hc_ffn_fn, &b.hc_ffn), (n_embd, eps));
             let cur = c.rms_norm(&cur, Some(b.ffn_norm), eps, n_embd);
             let out = match &b.ffn {
                 Ffn::Dense { gate, up, down } => {

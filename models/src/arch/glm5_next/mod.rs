@@ -45,7 +45,7 @@ pub mod forward;
 
 pub use forward::Glm5NextGraph;
 
-use super::common::CommonHparams;
+use super::common::{f32_per_layer, CommonHparams};
 use super::{
     arch_kv, check, def, opt, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Role, TensorClass,
     TensorDef,
@@ -289,19 +289,6 @@ fn gating_key(g: Gating) -> u32 {
     }
 }
 
-/// `<arch>.<suffix>` as one f32 per block (a scalar or an array), `None` when absent.
-fn f32_per_layer(md: &Metadata, suffix: &str, n: usize) -> Result<Option<Vec<f32>>, ArchError> {
-    if let Some(v) = md.arch_f32_array_opt(suffix)? {
-        check(
-            ARCH,
-            v.len() == n,
-            &format!("{suffix} has {} values for {n} blocks", v.len()),
-        )?;
-        return Ok(Some(v));
-    }
-    Ok(md.arch_f32_opt(suffix)?.map(|x| vec![x; n]))
-}
-
 impl Glm5NextHparams {
     /// Reads the hyperparameters from a file's metadata (the keys llama.cpp's loader reads).
     pub fn from_metadata(md: &Metadata) -> Result<Self, ArchError> {
@@ -335,9 +322,10 @@ impl Glm5NextHparams {
             None => vec![true; n_layer as usize],
         };
         let n = n_layer_all as usize;
-        let swiglu_clamp_exp = f32_per_layer(md, "swiglu_clamp_exp", n)?.unwrap_or(vec![0.0; n]);
-        let swiglu_clamp_shexp =
-            f32_per_layer(md, "swiglu_clamp_shexp", n)?.unwrap_or_else(|| swiglu_clamp_exp.clone());
+        let swiglu_clamp_exp =
+            f32_per_layer(md, ARCH, "swiglu_clamp_exp", n)?.unwrap_or(vec![0.0; n]);
+        let swiglu_clamp_shexp = f32_per_layer(md, ARCH, "swiglu_clamp_shexp", n)?
+            .unwrap_or_else(|| swiglu_clamp_exp.clone());
         let hp = Glm5NextHparams {
             n_vocab: c.n_vocab,
             n_ctx_train: c.n_ctx_train,
