@@ -97,21 +97,7 @@ fn the_chat_switches_a_running_server_and_leaves_it_running() {
 #[test]
 fn image_attaches_a_local_picture_to_the_next_message() {
     let home = Home::new("chat-picture");
-    let mmproj = home.dir.join("mmproj-tiny.gguf");
-    let o = Command::new(common::engine_bin())
-        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
-        .args(["--type", "F32", "--seed", "1", "--out"])
-        .arg(&mmproj)
-        .output()
-        .expect("synth");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let gguf = common::fixture("qwen35moe-tiny-q4km.gguf");
-    home.add_model(
-        "vision-tiny",
-        "qwen35moe-tiny-q4km.gguf",
-        json!({"mmproj": mmproj,
-               "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
-    );
+    home.add_vision_model("vision-tiny");
     home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
     let server = Server::start_logged(&home, &["--load", "vision-tiny"], &[]);
     let port: u16 = server

@@ -41,34 +41,8 @@ fn openai_and_anthropic_packages_as_clients() {
     let home = Home::new("clients");
     home.add_model("qwen3", "qwen3moe-tiny-q4km.gguf", json!({}));
     home.add_model("gemma3", "gemma3-tiny-q4km.gguf", json!({}));
-    let mmproj = home.dir.join("mmproj-tiny.gguf");
-    let synth = Command::new(common::engine_bin())
-        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
-        .args(["--type", "F32", "--seed", "1", "--out"])
-        .arg(&mmproj)
-        .output()
-        .expect("synth");
-    assert!(
-        synth.status.success(),
-        "{}",
-        String::from_utf8_lossy(&synth.stderr)
-    );
     // Pictures are read on the CPU.
-    let vision = common::fixture("qwen35moe-tiny-q4km.gguf");
-    let vision_args = json!([
-        "--model",
-        vision,
-        "--max-context",
-        "4096",
-        "--threads",
-        "1",
-        "--cpu"
-    ]);
-    home.add_model(
-        "vision",
-        "qwen35moe-tiny-q4km.gguf",
-        json!({"mmproj": mmproj, "args": vision_args}),
-    );
+    home.add_vision_model("vision");
     let mut models = vec!["qwen3", "gemma3"];
     if let Some(gguf) = gemma_270m() {
         let tok = home.tokenizer_for("gemma-270m", &gguf);

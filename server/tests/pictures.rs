@@ -16,7 +16,7 @@ use common::{Home, Server};
 use poly_protocol::{encode_base64, FromEngine, Gen, Picture, ToEngine};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 const FIXTURE: &str = "qwen35moe-tiny-q4km.gguf";
@@ -42,19 +42,6 @@ fn engine_args(gguf: &Path) -> Vec<String> {
         "1".into(),
         "--cpu".into(),
     ]
-}
-
-/// The tiny projector, written into the home.
-fn synth_projector(home: &Home) -> PathBuf {
-    let out = home.dir.join("mmproj-tiny.gguf");
-    let o = Command::new(common::engine_bin())
-        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
-        .args(["--type", "F32", "--seed", "1", "--out"])
-        .arg(&out)
-        .output()
-        .expect("synth");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    out
 }
 
 /// The greedy log-probabilities of `gen` from an engine started directly (the protocol, no server).
@@ -126,7 +113,7 @@ fn tokenize(server: &Server, text: &str) -> Vec<u32> {
 #[test]
 fn pictures_through_openai_and_anthropic() {
     let home = Home::new("pictures");
-    let mmproj = synth_projector(&home);
+    let mmproj = home.synth_projector();
     let gguf = common::fixture(FIXTURE);
     for (name, extra) in [("vision", json!({"mmproj": mmproj})), ("text", json!({}))] {
         let tok = home.tokenizer_for(name, &gguf);

@@ -105,21 +105,7 @@ fn the_page_picks_a_model_and_streams_an_answer_in_chromium() {
 #[test]
 fn the_page_sends_a_picture_to_a_model_that_reads_them_in_chromium() {
     let home = Home::new("web-pictures");
-    let mmproj = home.dir.join("mmproj-tiny.gguf");
-    let o = Command::new(common::engine_bin())
-        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
-        .args(["--type", "F32", "--seed", "1", "--out"])
-        .arg(&mmproj)
-        .output()
-        .expect("synth");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let gguf = common::fixture("qwen35moe-tiny-q4km.gguf");
-    home.add_model(
-        "vision-tiny",
-        "qwen35moe-tiny-q4km.gguf",
-        json!({"mmproj": mmproj,
-               "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
-    );
+    home.add_vision_model("vision-tiny");
     home.add_model("qwen3-tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
     let server = Server::start_logged(&home, &["--load", "vision-tiny"], &[]);
     let shot = artifacts().join("picture.png");

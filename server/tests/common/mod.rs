@@ -120,6 +120,32 @@ impl Home {
         self.write_config(name, &config);
     }
 
+    /// The tiny vision projector `poly-engine synth` writes (`qwen3vl-mmproj`, F32), in the home.
+    pub fn synth_projector(&self) -> PathBuf {
+        let out = self.dir.join("mmproj-tiny.gguf");
+        let o = Command::new(engine_bin())
+            .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+            .args(["--type", "F32", "--seed", "1", "--out"])
+            .arg(&out)
+            .output()
+            .expect("synth");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        out
+    }
+
+    /// A model that reads pictures: the tiny qwen35moe fixture with [`Home::synth_projector`]'s projector
+    /// named by its run config's `mmproj`, on the CPU (where pictures are read).
+    pub fn add_vision_model(&self, name: &str) {
+        let mmproj = self.synth_projector();
+        let gguf = fixture("qwen35moe-tiny-q4km.gguf");
+        self.add_model(
+            name,
+            "qwen35moe-tiny-q4km.gguf",
+            serde_json::json!({"mmproj": mmproj,
+                   "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
+        );
+    }
+
     pub fn write_config(&self, name: &str, config: &serde_json::Value) {
         std::fs::write(
             self.dir.join(format!("strata-{name}.json")),

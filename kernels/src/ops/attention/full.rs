@@ -9,6 +9,7 @@
 
 use super::AttnParams;
 use crate::matmul::{matmul_ordered, QuantMatrix};
+use crate::ops::softmax::softmax;
 use crate::quant::{f32_tinyblas_order, GgmlType};
 use rayon::prelude::*;
 
@@ -115,23 +116,16 @@ fn order(rows: usize) -> Option<&'static crate::quant::BatchDot> {
     (rows >= 2).then(f32_tinyblas_order)
 }
 
-/// A row of raw `q·k` scores turned into softmax weights: scaled (and soft-capped), then normalized.
+/// A row of raw `q·k` scores turned into softmax weights: scaled (and soft-capped), then
+/// [`softmax`].
 fn softmax_scores(row: &mut [f32], p: &AttnParams) {
-    let mut max = f32::NEG_INFINITY;
     for s in row.iter_mut() {
         *s *= p.scale;
         if let Some(cap) = p.softcap {
             *s = cap * (*s / cap).tanh();
         }
-        max = max.max(*s);
     }
-    let mut sum = 0f32;
-    for s in row.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|s| *s *= inv);
+    softmax(row);
 }
 
 #[cfg(test)]

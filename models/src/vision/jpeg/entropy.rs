@@ -173,6 +173,45 @@ impl Bits<'_> {
         }
     }
 
+    /// The next DC coefficient through `h`: the coded difference added to the component's prediction
+    /// `pred` (updated), times `scale` (the quantizer, or a progressive scan's `1 << succ_low`).
+    fn dc(&mut self, h: &Huffman, pred: &mut i32, scale: i32) -> Result<i16, String> {
+        let t = self.huff_decode(h);
+        if !(0..=15).contains(&t) {
+            return Err(corrupt("bad Huffman code"));
+        }
+        let diff = if t != 0 { self.extend_receive(t) } else { 0 };
+        let dc = pred
+            .checked_add(diff)
+            .ok_or_else(|| corrupt("bad DC delta"))?;
+        *pred = dc;
+        if !mul2shorts_valid(dc, scale) {
+            return Err(corrupt("DC out of range"));
+        }
+        Ok((dc * scale) as i16)
+    }
+
+    /// The next AC coefficient through the fast table `fac` (stb's `fast_ac`: run, size and value of the
+    /// short codes in one entry): `Some((run, value))` with its bits consumed, or `None` when the code
+    /// is not in the table (the caller decodes it through the Huffman table).
+    fn fast_ac(&mut self, fac: &[i16; FAST_SIZE]) -> Result<Option<(usize, i32)>, String> {
+        if self.code_bits < 16 {
+            self.grow();
+        }
+        let c = ((self.code_buffer >> (32 - FAST_BITS)) as usize) & (FAST_SIZE - 1);
+        let r = fac[c] as i32;
+        if r == 0 {
+            return Ok(None);
+        }
+        let s = r & 15;
+        if s > self.code_bits {
+            return Err(corrupt("bad Huffman code"));
+        }
+        self.code_buffer <<= s;
+        self.code_bits -= s;
+        Ok(Some((((r >> 4) & 15) as usize, r >> 8)))
+    }
+
     /// The next symbol of `h`, or -1 for a code not in it.
     fn huff_decode(&mut self, h: &Huffman) -> i32 {
         if self.code_bits < 16 {
@@ -295,39 +334,15 @@ impl Decoder<'_> {
         if bits.code_bits < 16 {
             bits.grow();
         }
-        let t = bits.huff_decode(hdc);
-        if !(0..=15).contains(&t) {
-            return Err(corrupt("bad Huffman code"));
-        }
         *data = [0; 64];
-        let diff = if t != 0 { bits.extend_receive(t) } else { 0 };
-        let dc = comp
-            .dc_pred
-            .checked_add(diff)
-            .ok_or_else(|| corrupt("bad DC delta"))?;
-        comp.dc_pred = dc;
-        if !mul2shorts_valid(dc, dequant[0] as i32) {
-            return Err(corrupt("DC out of range"));
-        }
-        data[0] = (dc * dequant[0] as i32) as i16;
+        data[0] = bits.dc(hdc, &mut comp.dc_pred, dequant[0] as i32)?;
         let mut k = 1usize;
         loop {
-            if bits.code_bits < 16 {
-                bits.grow();
-            }
-            let c = ((bits.code_buffer >> (32 - FAST_BITS)) as usize) & (FAST_SIZE - 1);
-            let r = fac[c] as i32;
-            if r != 0 {
-                k += ((r >> 4) & 15) as usize;
-                let s = r & 15;
-                if s > bits.code_bits {
-                    return Err(corrupt("bad Huffman code"));
-                }
-                bits.code_buffer <<= s;
-                bits.code_bits -= s;
+            if let Some((run, value)) = bits.fast_ac(fac)? {
+                k += run;
                 let zig = DEZIGZAG[k];
                 k += 1;
-                data[zig] = ((r >> 8).wrapping_mul(dequant[zig] as i32)) as i16;
+                data[zig] = (value.wrapping_mul(dequant[zig] as i32)) as i16;
             } else {
                 let rs = bits.huff_decode(hac);
                 if rs < 0 {
@@ -366,20 +381,11 @@ impl Decoder<'_> {
         let data = &mut comp.coeff[at..at + 64];
         if self.succ_high == 0 {
             data.fill(0);
-            let t = bits.huff_decode(&self.huff_dc[comp.hd]);
-            if !(0..=15).contains(&t) {
-                return Err(corrupt("bad Huffman code"));
-            }
-            let diff = if t != 0 { bits.extend_receive(t) } else { 0 };
-            let dc = comp
-                .dc_pred
-                .checked_add(diff)
-                .ok_or_else(|| corrupt("bad DC delta"))?;
-            comp.dc_pred = dc;
-            if !mul2shorts_valid(dc, 1 << self.succ_low) {
-                return Err(corrupt("DC out of range"));
-            }
-            data[0] = (dc * (1 << self.succ_low)) as i16;
+            data[0] = bits.dc(
+                &self.huff_dc[comp.hd],
+                &mut comp.dc_pred,
+                1 << self.succ_low,
+            )?;
         } else if bits.get_bit() {
             data[0] = data[0].wrapping_add((1i32 << self.succ_low) as i16);
         }
@@ -404,22 +410,11 @@ impl Decoder<'_> {
             }
             let mut k = self.spec_start;
             loop {
-                if bits.code_bits < 16 {
-                    bits.grow();
-                }
-                let c = ((bits.code_buffer >> (32 - FAST_BITS)) as usize) & (FAST_SIZE - 1);
-                let r = fac[c] as i32;
-                if r != 0 {
-                    k += ((r >> 4) & 15) as usize;
-                    let s = r & 15;
-                    if s > bits.code_bits {
-                        return Err(corrupt("bad Huffman code"));
-                    }
-                    bits.code_buffer <<= s;
-                    bits.code_bits -= s;
+                if let Some((run, value)) = bits.fast_ac(fac)? {
+                    k += run;
                     let zig = DEZIGZAG[k];
                     k += 1;
-                    data[zig] = ((r >> 8) * (1 << shift)) as i16;
+                    data[zig] = (value * (1 << shift)) as i16;
                 } else {
                     let rs = bits.huff_decode(hac);
                     if rs < 0 {
