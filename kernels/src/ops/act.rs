@@ -36,6 +36,24 @@ pub fn gelu_ggml(x: f32) -> f32 {
     }
 }
 
+/// The coefficient of quick GELU (`x·σ(1.702x)`), as ggml's `GELU_QUICK_COEF` (negated).
+const GELU_QUICK_COEF: f32 = -1.702;
+
+/// Quick GELU, `x·σ(1.702x)`, computed as ggml's `ggml_gelu_quick_f32` (`x·(1/(1 + expf(−1.702·x)))`).
+#[inline]
+pub fn gelu_quick(x: f32) -> f32 {
+    x * (1.0 / (1.0 + (GELU_QUICK_COEF * x).exp()))
+}
+
+/// Quick GELU as ggml's CPU backend computes it (`ggml_vec_gelu_quick_f32` and its GeGLU with
+/// `GGML_GELU_QUICK_FP16`): [`gelu_quick`] of `x` rounded to f16, itself rounded to f16 (a table of f16
+/// values indexed by the f16 bits of `x`). Unlike [`gelu_ggml`] there is no cut-off at ±10.
+#[inline]
+pub fn gelu_quick_ggml(x: f32) -> f32 {
+    let xh = half::f16::from_f32(x).to_f32();
+    half::f16::from_f32(gelu_quick(xh)).to_f32()
+}
+
 /// `1/(1+e^{-x})`.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
@@ -183,6 +201,14 @@ mod tests {
                 * (1.0
                     + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh());
             assert!((gelu(x) as f64 - g).abs() < 1e-5, "gelu {x}");
+            let q = xd / (1.0 + (-1.702 * xd).exp());
+            assert!((gelu_quick(x) as f64 - q).abs() < 1e-5, "gelu_quick {x}");
+            // The table's two f16 roundings (of x, then of the value) move it by about 2⁻¹¹ of each.
+            let bound = (xd.abs() + q.abs()) / 1024.0 + 1e-7;
+            assert!(
+                (gelu_quick_ggml(x) as f64 - q).abs() <= bound,
+                "gelu_quick_ggml {x}"
+            );
             let sp = (1.0 + xd.exp()).ln();
             assert!((softplus(x) as f64 - sp).abs() < 1e-5, "softplus {x}");
         }
