@@ -4,12 +4,14 @@
 //! - [`picture`]: decoding PNG, JPEG and WebP, mtmd's resize (Pillow's fixed-point resampling, its
 //!   `smart_resize` sizes) and normalization.
 //! - [`qwen3vl`]: `qwen3vl_merger`, the encoder of Qwen3-VL, Qwen3.5 and Qwen3.6.
+//! - [`products`]: the matrix products and patch convolution in ggml's arithmetic, shared by the encoders.
 //!
 //! One file per projector type, as `arch/` has one per architecture: its hyperparameters, its tensor
 //! table and its forward pass, written over `poly-kernels`' primitives.
 
 pub mod jpeg;
 pub mod picture;
+mod products;
 pub mod qwen3vl;
 
 use crate::gguf::GgufFile;

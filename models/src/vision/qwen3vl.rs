@@ -20,9 +20,10 @@
 //! Qwen3.5 and Qwen3.6 have none, and a file that declares them is refused.
 
 use super::picture::{normalize, resize, smart_size, Filter, Fit, Rgb8, RgbF32};
+use super::products::{product, PatchKernel};
 use super::{ImageRows, VisionError};
 use crate::gguf::GgufFile;
-use poly_kernels::matmul::{matmul, QuantMatrix};
+use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::act::gelu_ggml;
 use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::layer_norm;
@@ -206,18 +207,6 @@ pub fn tensor_table(hp: &Qwen3VlHparams) -> Vec<(String, Vec<u64>)> {
     t
 }
 
-/// The rounding ggml's CPU backend applies to the activations of a product with weights of `ty` (its
-/// `vec_dot_type`): F16 and BF16 weights take f16 and bf16 activations. (The quantized types' own
-/// activation formats are applied by `matmul` itself.) Following it keeps a projector published in F16 or
-/// BF16 within f32 rounding of mtmd instead of within the activations' rounding.
-fn round_for(ty: GgmlType) -> Option<fn(f32) -> f32> {
-    match ty {
-        GgmlType::F16 => Some(|v| half::f16::from_f32(v).to_f32()),
-        GgmlType::BF16 => Some(|v| half::bf16::from_f32(v).to_f32()),
-        _ => None,
-    }
-}
-
 /// A matrix product with bias: `y = x·Wᵀ + b`.
 struct Linear<'a> {
     w: QuantMatrix<'a>,
@@ -226,76 +215,9 @@ struct Linear<'a> {
 
 impl Linear<'_> {
     fn apply(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let mut y = vec![0f32; n * self.w.rows];
-        match round_for(self.w.ty) {
-            Some(round) => {
-                let rounded: Vec<f32> = x.iter().map(|&v| round(v)).collect();
-                matmul(&self.w, &rounded, n, &mut y);
-            }
-            None => matmul(&self.w, x, n, &mut y),
-        }
+        let mut y = product(&self.w, x, n);
         for row in y.chunks_exact_mut(self.w.rows) {
             row.iter_mut().zip(&self.b).for_each(|(v, b)| *v += b);
-        }
-        y
-    }
-}
-
-/// One slice of the patch convolution in the arithmetic ggml's `ggml_conv_2d` gives it: the patches
-/// (`im2col`) are made f16 and the kernel, as the other operand of an f16 product, too; a BF16 kernel keeps
-/// f32 patches instead (and is read in f32). Following it keeps the encoder within f32 rounding of
-/// llama.cpp's: the f16 rounding of the input alone moves the rows by about 2e-4 of their norm.
-struct PatchKernel {
-    /// The kernel as an f16 matrix (F32 and F16 kernels) or an f32 one (BF16 kernels).
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    data: Vec<u8>,
-}
-
-impl PatchKernel {
-    fn new(w: QuantMatrix<'_>) -> Result<PatchKernel, VisionError> {
-        let mut values = vec![0f32; w.rows * w.cols];
-        dequantize(w.ty, w.data, &mut values).map_err(|e| VisionError(e.to_string()))?;
-        let (ty, data) = match w.ty {
-            GgmlType::F32 | GgmlType::F16 => (
-                GgmlType::F16,
-                values
-                    .iter()
-                    .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
-                    .collect(),
-            ),
-            GgmlType::BF16 => (
-                GgmlType::F32,
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
-            other => {
-                return Err(VisionError(format!(
-                    "v.patch_embd.weight: type {other} not supported (F32, F16 or BF16)"
-                )))
-            }
-        };
-        Ok(PatchKernel {
-            ty,
-            rows: w.rows,
-            cols: w.cols,
-            data,
-        })
-    }
-
-    /// `n` patch rows through the kernel (made f16 first when the kernel is).
-    fn apply(&self, patches: &[f32], n: usize) -> Vec<f32> {
-        let w = QuantMatrix::new(self.ty, self.rows, self.cols, &self.data)
-            .expect("built with its own shape");
-        let mut y = vec![0f32; n * self.rows];
-        if self.ty == GgmlType::F16 {
-            let rounded: Vec<f32> = patches
-                .iter()
-                .map(|&v| half::f16::from_f32(v).to_f32())
-                .collect();
-            matmul(&w, &rounded, n, &mut y);
-        } else {
-            matmul(&w, patches, n, &mut y);
         }
         y
     }
@@ -403,8 +325,8 @@ impl<'a> Qwen3VlEncoder<'a> {
         }
         Ok(Qwen3VlEncoder {
             patch: [
-                PatchKernel::new(matrix("v.patch_embd.weight")?)?,
-                PatchKernel::new(matrix("v.patch_embd.weight.1")?)?,
+                PatchKernel::new(matrix("v.patch_embd.weight")?, "v.patch_embd.weight")?,
+                PatchKernel::new(matrix("v.patch_embd.weight.1")?, "v.patch_embd.weight.1")?,
             ],
             patch_bias: vector("v.patch_embd.bias")?,
             pos_embd: vector(POS_EMBD)?,
