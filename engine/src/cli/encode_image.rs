@@ -4,7 +4,6 @@
 use super::CliResult;
 use clap::Args;
 use poly_models::vision::picture::decode;
-use poly_models::vision::qwen3vl::DEFAULT_TOKEN_LIMITS;
 use poly_models::vision::{ImageRows, VisionEncoder};
 use poly_models::GgufFile;
 use std::path::PathBuf;
@@ -12,18 +11,20 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct EncodeImageArgs {
-    /// The projector file (`clip.projector_type` qwen3vl_merger).
+    /// The projector file (`clip.projector_type` qwen3vl_merger or gemma4v).
     #[arg(long)]
     mmproj: PathBuf,
     /// The picture: PNG, JPEG or WebP.
     #[arg(long)]
     image: PathBuf,
-    /// Fewest merged tokens the picture is resized to (mtmd's `--image-min-tokens`).
-    #[arg(long, default_value_t = DEFAULT_TOKEN_LIMITS.0)]
-    min_tokens: usize,
-    /// Most merged tokens the picture is resized to (mtmd's `--image-max-tokens`).
-    #[arg(long, default_value_t = DEFAULT_TOKEN_LIMITS.1)]
-    max_tokens: usize,
+    /// Fewest output rows the picture is resized to (mtmd's `--image-min-tokens`; default: the projector
+    /// type's, 8 for qwen3vl_merger, 70 for gemma4v).
+    #[arg(long)]
+    min_tokens: Option<usize>,
+    /// Most output rows the picture is resized to (mtmd's `--image-max-tokens`; default: the projector
+    /// type's, 4096 for qwen3vl_merger, 1120 for gemma4v).
+    #[arg(long)]
+    max_tokens: Option<usize>,
     /// Write the rows here, row after row, as little-endian f32.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -54,9 +55,13 @@ pub fn run(args: EncodeImageArgs) -> CliResult {
         std::fs::read(&args.image).map_err(|e| format!("reading {}: {e}", args.image.display()))?;
     let picture = decode(&bytes)?;
     let start = Instant::now();
-    let VisionEncoder::Qwen3Vl(enc) = &encoder;
-    let prepared = enc.prepare(&picture, (args.min_tokens, args.max_tokens));
-    let rows = enc.encode(&prepared)?;
+    let defaults = encoder.default_token_limits();
+    let tokens = (
+        args.min_tokens.unwrap_or(defaults.0),
+        args.max_tokens.unwrap_or(defaults.1),
+    );
+    let prepared = encoder.prepare(&picture, tokens);
+    let rows = encoder.encode(&prepared)?;
     let seconds = start.elapsed().as_secs_f64();
     let (sum, rms, digest) = checksum(&rows);
     println!(

@@ -14,6 +14,9 @@ use poly_engine::cpu::moe::top_tenth_share;
 use poly_kernels::quant::GgmlType;
 use poly_models::arch::{TensorClass, ARCH_NAMES, NOT_RUN_ARCH_NAMES};
 use poly_models::synth::mmproj::{find_projector_shape, projector_shapes, write_qwen3vl_projector};
+use poly_models::synth::mmproj_gemma4v::{
+    find_gemma4v_projector_shape, gemma4v_projector_shapes, write_gemma4v_projector,
+};
 use poly_models::synth::plan::{TypeChoice, CALIBRATED_MIXING_GAIN};
 use poly_models::synth::shapes::{all_shapes, find_shape};
 use poly_models::synth::{check_class_type, SynthError, SynthOptions, Synthesis};
@@ -24,8 +27,8 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct SynthArgs {
-    /// Architecture: qwen3moe, qwen35moe, gemma3, llama, lfm2moe or gemma4, or qwen3vl-mmproj for a vision
-    /// projector (see --list-shapes).
+    /// Architecture: qwen3moe, qwen35moe, gemma3, llama, lfm2moe or gemma4, or qwen3vl-mmproj or
+    /// gemma4v-mmproj for a vision projector (see --list-shapes).
     #[arg(long, required_unless_present = "list_shapes")]
     arch: Option<String>,
     /// Shape: tiny, small, or the real model's name (see --list-shapes; case-insensitive).
@@ -116,6 +119,35 @@ fn list_shapes() {
     for s in projector_shapes() {
         println!("{MMPROJ_ARCH} {:<16} {}", s.name, s.description);
     }
+    for s in gemma4v_projector_shapes() {
+        println!("{GEMMA4V_MMPROJ_ARCH} {:<16} {}", s.name, s.description);
+    }
+}
+
+/// `--arch` of Gemma 4's vision projector (`clip.projector_type` `gemma4v`).
+const GEMMA4V_MMPROJ_ARCH: &str = "gemma4v-mmproj";
+
+/// Writes a Gemma 4 projector file: matrices in `--type` (F32, F16 or BF16; default F16, as the
+/// published projectors), vectors and scalars in F32.
+fn write_gemma4v(shape_name: &str, ty: Option<&str>, seed: u64, out: &Path) -> CliResult {
+    let shape = find_gemma4v_projector_shape(shape_name).ok_or_else(|| {
+        let names: Vec<&str> = gemma4v_projector_shapes().iter().map(|s| s.name).collect();
+        format!(
+            "unknown shape {shape_name:?} for {GEMMA4V_MMPROJ_ARCH} (shapes: {})",
+            names.join(", ")
+        )
+    })?;
+    let ty = match ty {
+        Some(t) => parse_type(t)?,
+        None => GgmlType::F16,
+    };
+    write_gemma4v_projector(&shape, ty, seed, out)?;
+    eprintln!(
+        "synth: {GEMMA4V_MMPROJ_ARCH} {} ({ty} matrices, seed {seed}) -> {}",
+        shape.name,
+        out.display()
+    );
+    Ok(())
 }
 
 /// `--arch` of the Qwen3-VL / Qwen3.5 / Qwen3.6 vision projector (`clip.projector_type` `qwen3vl_merger`).
@@ -237,6 +269,9 @@ pub fn run(args: SynthArgs) -> CliResult {
     };
     if arch.eq_ignore_ascii_case(MMPROJ_ARCH) {
         return write_projector(&shape_name, args.default_type.as_deref(), args.seed, &out);
+    }
+    if arch.eq_ignore_ascii_case(GEMMA4V_MMPROJ_ARCH) {
+        return write_gemma4v(&shape_name, args.default_type.as_deref(), args.seed, &out);
     }
     let known = || ARCH_NAMES.iter().chain(NOT_RUN_ARCH_NAMES);
     if !known().any(|a| a.eq_ignore_ascii_case(&arch)) {

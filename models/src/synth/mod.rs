@@ -20,6 +20,7 @@
 
 pub mod fill;
 pub mod mmproj;
+pub mod mmproj_gemma4v;
 pub mod plan;
 pub mod route;
 pub mod shapes;

@@ -4,11 +4,13 @@
 //! - [`picture`]: decoding PNG, JPEG and WebP, mtmd's resize (Pillow's fixed-point resampling, its
 //!   `smart_resize` sizes) and normalization.
 //! - [`qwen3vl`]: `qwen3vl_merger`, the encoder of Qwen3-VL, Qwen3.5 and Qwen3.6.
+//! - [`gemma4v`]: `gemma4v`, the encoder of Gemma 4.
 //! - [`products`]: the matrix products and patch convolution in ggml's arithmetic, shared by the encoders.
 //!
 //! One file per projector type, as `arch/` has one per architecture: its hyperparameters, its tensor
 //! table and its forward pass, written over `poly-kernels`' primitives.
 
+pub mod gemma4v;
 pub mod jpeg;
 pub mod picture;
 mod products;
@@ -60,6 +62,7 @@ pub fn projector_type(file: &GgufFile) -> Result<String, VisionError> {
 /// A loaded vision encoder of one of the supported projector types.
 pub enum VisionEncoder<'a> {
     Qwen3Vl(qwen3vl::Qwen3VlEncoder<'a>),
+    Gemma4v(gemma4v::Gemma4vEncoder<'a>),
 }
 
 impl<'a> VisionEncoder<'a> {
@@ -69,9 +72,13 @@ impl<'a> VisionEncoder<'a> {
             qwen3vl::PROJECTOR_TYPE => {
                 Ok(VisionEncoder::Qwen3Vl(qwen3vl::Qwen3VlEncoder::load(file)?))
             }
+            gemma4v::PROJECTOR_TYPE => {
+                Ok(VisionEncoder::Gemma4v(gemma4v::Gemma4vEncoder::load(file)?))
+            }
             other => Err(VisionError(format!(
-                "projector type {other:?} is not supported (supported: {})",
-                qwen3vl::PROJECTOR_TYPE
+                "projector type {other:?} is not supported (supported: {}, {})",
+                qwen3vl::PROJECTOR_TYPE,
+                gemma4v::PROJECTOR_TYPE
             ))),
         }
     }
@@ -80,6 +87,7 @@ impl<'a> VisionEncoder<'a> {
     pub fn out_width(&self) -> usize {
         match self {
             VisionEncoder::Qwen3Vl(enc) => enc.hp.n_out as usize,
+            VisionEncoder::Gemma4v(enc) => enc.hp.n_out as usize,
         }
     }
 
@@ -87,6 +95,33 @@ impl<'a> VisionEncoder<'a> {
     pub fn projector_type(&self) -> &'static str {
         match self {
             VisionEncoder::Qwen3Vl(_) => qwen3vl::PROJECTOR_TYPE,
+            VisionEncoder::Gemma4v(_) => gemma4v::PROJECTOR_TYPE,
+        }
+    }
+
+    /// mtmd's least and most output rows of a picture for this projector type (its `--image-min-tokens`
+    /// and `--image-max-tokens` defaults).
+    pub fn default_token_limits(&self) -> (usize, usize) {
+        match self {
+            VisionEncoder::Qwen3Vl(_) => qwen3vl::DEFAULT_TOKEN_LIMITS,
+            VisionEncoder::Gemma4v(_) => gemma4v::DEFAULT_TOKEN_LIMITS,
+        }
+    }
+
+    /// Resizes and normalizes a decoded picture as mtmd does for this projector, to between `tokens.0`
+    /// and `tokens.1` output rows.
+    pub fn prepare(&self, picture: &picture::Rgb8, tokens: (usize, usize)) -> picture::RgbF32 {
+        match self {
+            VisionEncoder::Qwen3Vl(enc) => enc.prepare(picture, tokens),
+            VisionEncoder::Gemma4v(enc) => enc.prepare(picture, tokens),
+        }
+    }
+
+    /// Encodes a prepared picture.
+    pub fn encode(&self, prepared: &picture::RgbF32) -> Result<ImageRows, VisionError> {
+        match self {
+            VisionEncoder::Qwen3Vl(enc) => enc.encode(prepared),
+            VisionEncoder::Gemma4v(enc) => enc.encode(prepared),
         }
     }
 
@@ -94,11 +129,7 @@ impl<'a> VisionEncoder<'a> {
     /// token limits.
     pub fn encode_picture(&self, bytes: &[u8]) -> Result<ImageRows, VisionError> {
         let picture = picture::decode(bytes).map_err(VisionError)?;
-        match self {
-            VisionEncoder::Qwen3Vl(enc) => {
-                enc.encode(&enc.prepare(&picture, qwen3vl::DEFAULT_TOKEN_LIMITS))
-            }
-        }
+        self.encode(&self.prepare(&picture, self.default_token_limits()))
     }
 }
 
