@@ -395,6 +395,62 @@ fn a_projector_is_synthesized_and_a_picture_encoded_to_mtmds_rows() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `poly-engine synth --arch gemma4v-mmproj` and `poly-engine encode-image` on Gemma 4's projector: by
+/// default the picture is taken to Gemma 4's 70 rows at least (480×384, 10×8 pooled rows); with
+/// `--min-tokens 8` the rows are the ones llama.cpp's mtmd wrote for the same file
+/// (tests/tests/gemma4v_witness.rs has the bounds' reasons).
+#[test]
+fn a_gemma4_projector_is_synthesized_and_a_picture_encoded_to_mtmds_rows() {
+    let dir = temp_dir("vision-gemma4v");
+    let vision = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision");
+    let mmproj = dir.join("mmproj.gguf");
+    let o = Command::new(ENGINE)
+        .args(["synth", "--arch", "gemma4v-mmproj", "--shape", "tiny"])
+        .args(["--type", "F32", "--seed", "1", "--out"])
+        .arg(&mmproj)
+        .output()
+        .expect("synth");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let encode = |extra: &[&str], out: &Path| -> serde_json::Value {
+        let o = Command::new(ENGINE)
+            .arg("encode-image")
+            .arg("--mmproj")
+            .arg(&mmproj)
+            .arg("--image")
+            .arg(vision.join("picture-64x48.png"))
+            .args(extra)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .expect("encode-image");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).expect("encode-image prints JSON")
+    };
+    let rows_path = dir.join("rows.bin");
+    let report = encode(&[], &rows_path);
+    assert_eq!(report["resized"], serde_json::json!([480, 384]));
+    assert_eq!(report["grid"], serde_json::json!([10, 8]));
+    let report = encode(&["--min-tokens", "8"], &rows_path);
+    assert_eq!(report["resized"], serde_json::json!([192, 144]));
+    assert_eq!(report["grid"], serde_json::json!([4, 3]));
+    assert_eq!(report["width"], 256);
+    let floats = |p: &Path| -> Vec<f64> {
+        std::fs::read(p)
+            .expect("rows")
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect()
+    };
+    let ours = floats(&rows_path);
+    let theirs = floats(&vision.join("gemma4v-tiny-f32.rows.bin"));
+    assert_eq!(ours.len(), 12 * 256);
+    assert_eq!(ours.len(), theirs.len());
+    let diff: f64 = ours.iter().zip(&theirs).map(|(a, b)| (a - b).powi(2)).sum();
+    let norm: f64 = theirs.iter().map(|b| b * b).sum();
+    assert!((diff / norm).sqrt() < 1e-4, "{}", (diff / norm).sqrt());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `poly-engine run --image --mmproj --image-at` as a user runs it: the tiny qwen35moe and projector
 /// written by `synth` (F32, seed 1), the committed picture read before prompt token 5. The first step's
 /// likeliest token and its probability are llama.cpp's for the same prompt (the last row of the reference

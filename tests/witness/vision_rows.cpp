@@ -1,7 +1,7 @@
 // llama.cpp's mtmd image encoder (tools/mtmd's clip) on one picture: the projector file is loaded on the
 // CPU, the picture decoded with stb_image (three channels, as mtmd's helper decodes), preprocessed with the
 // projector type's own preprocessor (for qwen3vl_merger: smart resize to multiples of 32, Pillow bicubic,
-// mean/std) and encoded. Writes the rows (little-endian f32, row after row) to OUT and prints their shape
+// mean/std; for gemma4v the same to multiples of 48) and encoded. Writes the rows (little-endian f32, row after row) to OUT and prints their shape
 // as JSON. clip.h's internal API is used so that no language model is needed.
 //
 // FLASH is `off` (ggml's f32 soft_max attention, what the committed reference uses) or `on` (flash
@@ -65,7 +65,8 @@ int main(int argc, char ** argv) {
     params.use_gpu = false;
     params.device = nullptr;
     params.flash_attn_type = flash ? CLIP_FLASH_ATTN_TYPE_ENABLED : CLIP_FLASH_ATTN_TYPE_DISABLED;
-    params.image_min_tokens = -1;
+    // VISION_ROWS_MIN_TOKENS=N: mtmd's --image-min-tokens (pictures scaled up to at least N output rows).
+    params.image_min_tokens = getenv("VISION_ROWS_MIN_TOKENS") ? atoi(getenv("VISION_ROWS_MIN_TOKENS")) : -1;
     // VISION_ROWS_MAX_TOKENS=N: mtmd's --image-max-tokens (pictures scaled down to at most N merged rows).
     params.image_max_tokens = getenv("VISION_ROWS_MAX_TOKENS") ? atoi(getenv("VISION_ROWS_MAX_TOKENS")) : -1;
     params.warmup = false;
