@@ -467,9 +467,12 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
 }
 
 // Merges the splits of attn_decode_f16. Grid: (n_head, d/32); block: (32, 8): lane = dimension, the 8 warps
-// stride over the splits and sum through shared memory.
+// stride over the splits and sum through shared memory. With out_q (d a multiple of 32, so each block's 32
+// values are one q8_1 block) the output is also written quantized for the output projection, as
+// quantize_q8_1 would quantize it (the same quantize_value), one launch fewer.
 extern "C" __global__ void __launch_bounds__(256)
-    attn_decode_reduce(const float * __restrict__ partial, float * __restrict__ out, int n_head, int d, int n_split) {
+    attn_decode_reduce(const float * __restrict__ partial, float * __restrict__ out, block_q8_1 * __restrict__ out_q,
+                       int n_head, int d, int n_split) {
     launch_prologue();
     __shared__ float w_s[ATD_MAX_SPLIT];
     __shared__ float num_s[8][33];
@@ -526,6 +529,11 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int i = 0; i < 8; ++i) {
             t += num_s[i][lane];
         }
-        out[(int64_t) head * d + dd] = den > 0.0f ? t / den : 0.0f;
+        const float o = den > 0.0f ? t / den : 0.0f;
+        out[(int64_t) head * d + dd] = o;
+        // out_q comes only with d a multiple of 32: the whole warp is here.
+        if (out_q) {
+            quantize_value(o, out_q, (int64_t) head * d + dd);
+        }
     }
 }

@@ -91,3 +91,63 @@ extern "C" __global__ void add_rms_norm_q8_1(const float * __restrict__ a, const
         }
     }
 }
+
+// The end of an MoE block and the norm of the next, in one launch (one token): the routed experts' sum
+// `moe`, plus the shared expert's output times the sigmoid of its gate, plus the residual, then
+// add_rms_norm_q8_1's norm and quantized copy. Each piece is the expression of the launch it replaces, in
+// the same order and rounding: route.cu's moe_combine (from 0, fmaf over the slots in order) when the
+// slots come unsummed (k > 0; else `y` is the routed sum itself), elementwise.cu's ew_unary sigmoid and
+// ew_binary multiply and add (written __fmul_rn/__fadd_rn so no multiply-add is contracted), then the
+// residual add and the norm as add_rms_norm_q8_1 forms them. So sum_out, out and q are bit for bit those of
+// moe_combine, the shared expert's sigmoid, multiply and add, and add_rms_norm_q8_1.
+struct MoeAddNormArgs {
+    const float * y;           // [k, ncols] slot outputs, or [ncols] the routed sum (k == 0)
+    const float * weights;     // [k] the slots' weights (k > 0)
+    const float * shared;      // [ncols] the shared expert's output, or null
+    const float * shared_gate; // [1] its gate before the sigmoid, or null (no gate)
+    const float * residual;    // [ncols]
+    const float * weight;      // [ncols] the norm's weight, or null
+    float * sum_out;           // [ncols] the block's output (the next residual)
+    float * out;               // [ncols] normed
+    block_q8_1 * q;            // [ncols / 32] normed, quantized
+    int k, ncols;
+    float eps;
+};
+
+extern "C" __global__ void moe_add_rms_norm_q8_1(const MoeAddNormArgs a) {
+    launch_prologue();
+    __shared__ float scratch[32];
+    float gate = 1.0f;
+    if (a.shared_gate) {
+        const float v = a.shared_gate[0];
+        gate = 1.0f / (1.0f + expf(-v)); // ew_unary's sigmoid
+    }
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < a.ncols; i += blockDim.x) {
+        float m;
+        if (a.k > 0) {
+            m = 0.0f;
+            for (int j = 0; j < a.k; ++j) {
+                m = fmaf(a.weights[j], a.y[(int64_t) j * a.ncols + i], m);
+            }
+        } else {
+            m = a.y[i];
+        }
+        if (a.shared) {
+            const float sv = a.shared_gate ? __fmul_rn(a.shared[i], gate) : a.shared[i];
+            m = __fadd_rn(m, sv);
+        }
+        const float s = __fadd_rn(m, a.residual[i]);
+        a.sum_out[i] = s;
+        sum = fmaf(s, s, sum);
+    }
+    sum = block_sum(sum, scratch);
+    const float scale = rsqrtf(sum / (float) a.ncols + a.eps);
+    // Each thread reads back only the values it wrote itself.
+    for (int i = threadIdx.x; i < a.ncols; i += blockDim.x) {
+        const float v = a.sum_out[i] * scale;
+        const float o = a.weight ? v * a.weight[i] : v;
+        a.out[i] = o;
+        quantize_value(o, a.q, i);
+    }
+}

@@ -55,17 +55,12 @@ extern "C" __global__ void rope(const float * x, float * out, const int32_t * __
 // x, out: [nrows, n_heads * head_dim] (distinct); positions: [nrows]; freq_factors: [n_rot/2] or null. Grid
 // (nrows, n_heads); block: head_dim rounded up to a multiple of 32 threads, at most 1024 (rms_norm's count for
 // a group of head_dim); dynamic shared memory: head_dim floats.
-extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const float * __restrict__ weight,
-                                         float * __restrict__ out, const int32_t * __restrict__ positions,
-                                         int n_heads, int head_dim, int n_rot, int neox, float theta_scale,
-                                         float freq_scale, const float * __restrict__ freq_factors,
-                                         float eps) {
-    launch_prologue();
-    extern __shared__ float normed[];
-    __shared__ float scratch[32];
-    const int64_t row = blockIdx.x;
-    const float * head = x + (row * n_heads + blockIdx.y) * head_dim;
-    float * head_out = out + (row * n_heads + blockIdx.y) * head_dim;
+// One head of rms_norm_rope (below): normed into shared memory, then rotated.
+static __device__ __forceinline__ void norm_rope_head(const float * __restrict__ head, const float * __restrict__ weight,
+                                                      float * __restrict__ head_out, float * normed, float * scratch,
+                                                      int position, int head_dim, int n_rot, int neox,
+                                                      float theta_scale, float freq_scale,
+                                                      const float * __restrict__ freq_factors, float eps) {
     float sum = 0.0f;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
         sum = fmaf(head[i], head[i], sum);
@@ -79,7 +74,7 @@ extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const flo
     __syncthreads();
     const int half = n_rot / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float theta = (float) positions[row];
+        float theta = (float) position;
         for (int j = 0; j < i; ++j) {
             theta *= theta_scale;
         }
@@ -98,4 +93,42 @@ extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const flo
     for (int d = n_rot + threadIdx.x; d < head_dim; d += blockDim.x) {
         head_out[d] = normed[d];
     }
+}
+
+extern "C" __global__ void rms_norm_rope(const float * __restrict__ x, const float * __restrict__ weight,
+                                         float * __restrict__ out, const int32_t * __restrict__ positions,
+                                         int n_heads, int head_dim, int n_rot, int neox, float theta_scale,
+                                         float freq_scale, const float * __restrict__ freq_factors,
+                                         float eps) {
+    launch_prologue();
+    extern __shared__ float normed[];
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const int64_t at = (row * n_heads + blockIdx.y) * head_dim;
+    norm_rope_head(x + at, weight, out + at, normed, scratch, positions[row], head_dim, n_rot, neox, theta_scale,
+                   freq_scale, freq_factors, eps);
+}
+
+// rms_norm_rope of two tensors of the same rows and heads' shape (a layer's queries and keys, each with its
+// own norm weight), in one launch: blocks y < n_heads0 take head y of x0, the others head y - n_heads0 of x1,
+// each exactly as rms_norm_rope takes it (the same function), so the values are those of two launches.
+// Grid (nrows, n_heads0 + n_heads1); block and shared memory as rms_norm_rope's.
+extern "C" __global__ void rms_norm_rope_pair(const float * __restrict__ x0, const float * __restrict__ weight0,
+                                              float * __restrict__ out0, int n_heads0,
+                                              const float * __restrict__ x1, const float * __restrict__ weight1,
+                                              float * __restrict__ out1, const int32_t * __restrict__ positions,
+                                              int n_heads1, int head_dim, int n_rot, int neox, float theta_scale,
+                                              float freq_scale, const float * __restrict__ freq_factors,
+                                              float eps) {
+    launch_prologue();
+    extern __shared__ float normed[];
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const bool first = (int) blockIdx.y < n_heads0;
+    const int64_t at = first ? (row * n_heads0 + blockIdx.y) * head_dim
+                             : (row * n_heads1 + (blockIdx.y - n_heads0)) * head_dim;
+    const float * x = first ? x0 : x1;
+    float * out = first ? out0 : out1;
+    norm_rope_head(x + at, first ? weight0 : weight1, out + at, normed, scratch, positions[row], head_dim, n_rot,
+                   neox, theta_scale, freq_scale, freq_factors, eps);
 }

@@ -219,6 +219,151 @@ fn rms_norm_rope_matches_the_cpu_and_the_two_launches() {
         let mut out2 = dev.zeros::<f32>(x.len()).unwrap();
         ops::rope_into(&dev, &normed, &posd, &p, fd.as_ref(), &mut out2).unwrap();
         check_bits(&mut failures, &what, &got, &dev.download(&out2).unwrap());
+
+        // The pair launch: x as the first tensor and a second one of other heads (a layer's keys) with
+        // its own weight, each equal bit for bit to its own launch.
+        let heads1 = n_heads % 3 + 1;
+        let x1: Vec<f32> = normals(&mut rng, positions.len() * heads1 * head_dim);
+        let w1 = normals(&mut rng, head_dim);
+        let (x1d, w1d) = (dev.upload(&x1).unwrap(), dev.upload(&w1).unwrap());
+        let mut alone1 = dev.zeros::<f32>(x1.len()).unwrap();
+        fused::rms_norm_rope(
+            &dev,
+            (&x1d, Some(&w1d)),
+            1e-6,
+            &posd,
+            (&p, fd.as_ref()),
+            &mut alone1,
+        )
+        .unwrap();
+        let mut pair0 = dev.upload(&vec![f32::NAN; x.len()]).unwrap();
+        let mut pair1 = dev.upload(&vec![f32::NAN; x1.len()]).unwrap();
+        let inputs = [(&xd, wdopt), (&x1d, Some(&w1d))];
+        let rp = (&p, fd.as_ref());
+        fused::rms_norm_rope_pair(&dev, inputs, 1e-6, &posd, rp, [&mut pair0, &mut pair1]).unwrap();
+        let what =
+            format!("rms_norm_rope_pair {mode:?} head {head_dim} heads {n_heads} + {heads1}");
+        check_bits(&mut failures, &what, &dev.download(&pair0).unwrap(), &got);
+        let alone1 = dev.download(&alone1).unwrap();
+        check_bits(
+            &mut failures,
+            &what,
+            &dev.download(&pair1).unwrap(),
+            &alone1,
+        );
+    }
+    assert_no_failures(failures);
+}
+
+#[test]
+fn moe_add_rms_norm_equals_the_combine_the_shared_expert_and_the_norm() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(73);
+    let mut failures = Vec::new();
+    // (width, slots, shared expert, gated): qwen3moe's token (2048, 8 slots), qwen35moe's (2048, 8, gated
+    // shared expert), a routed sum given whole with an ungated shared expert, a narrow row.
+    for (n, k, shared, gated) in [
+        (2048, 8, false, false),
+        (2048, 8, true, true),
+        (1024, 0, true, false),
+        (96, 4, true, true),
+    ] {
+        let y: Vec<f32> = normals(&mut rng, k.max(1) * n);
+        let weights: Vec<f32> = (0..k).map(|j| 0.05 + 0.1 * j as f32).collect();
+        let sh = normals(&mut rng, n);
+        let gate = [0.7f32];
+        let residual: Vec<f32> = normals(&mut rng, n).iter().map(|v| v * 3.0).collect();
+        let w = normals(&mut rng, n);
+        let (yd, wtd, shd, gd) = (
+            dev.upload(&y).unwrap(),
+            dev.upload(&weights)
+                .unwrap_or_else(|_| dev.zeros::<f32>(1).unwrap()),
+            dev.upload(&sh).unwrap(),
+            dev.upload(&gate).unwrap(),
+        );
+        let (rd, wd) = (dev.upload(&residual).unwrap(), dev.upload(&w).unwrap());
+
+        // The separate launches, as the composed forward runs them.
+        let mut routed = dev.zeros::<f32>(n).unwrap();
+        match k {
+            0 => routed = dev.upload(&y).unwrap(),
+            _ => ops::moe_combine(&dev, &yd, &wtd, k, false, &mut routed).unwrap(),
+        }
+        let mut ffn_out = routed;
+        if shared {
+            let mut scaled = dev.zeros::<f32>(n).unwrap();
+            match gated {
+                true => {
+                    let mut sig = dev.zeros::<f32>(1).unwrap();
+                    ew::unary(&dev, &gd, UnaryFn::Sigmoid, &mut sig).unwrap();
+                    ew::binary(
+                        &dev,
+                        &shd,
+                        &sig,
+                        n,
+                        BinaryOp::Mul,
+                        Broadcast::PerRow,
+                        &mut scaled,
+                    )
+                    .unwrap();
+                }
+                false => scaled = dev.upload(&sh).unwrap(),
+            }
+            let mut sum = dev.zeros::<f32>(n).unwrap();
+            ew::binary(
+                &dev,
+                &ffn_out,
+                &scaled,
+                n,
+                BinaryOp::Add,
+                Broadcast::None,
+                &mut sum,
+            )
+            .unwrap();
+            ffn_out = sum;
+        }
+        let (mut sum_a, mut out_a) = (dev.zeros::<f32>(n).unwrap(), dev.zeros::<f32>(n).unwrap());
+        let mut q_a = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+        let outs = (&mut sum_a, &mut out_a);
+        fused::add_rms_norm(
+            &dev,
+            (&ffn_out, &rd),
+            n,
+            Some(&wd),
+            1e-6,
+            outs,
+            Some(&mut q_a),
+        )
+        .unwrap();
+
+        let (mut sum_b, mut out_b) = (dev.zeros::<f32>(n).unwrap(), dev.zeros::<f32>(n).unwrap());
+        let mut q_b = dev.zeros::<BlockQ8_1>(n / 32).unwrap();
+        let routed_in = match k {
+            0 => fused::RoutedOut::Summed(&yd),
+            _ => fused::RoutedOut::Slots {
+                y: &yd,
+                weights: &wtd,
+            },
+        };
+        let shared_in = shared.then(|| fused::SharedOut {
+            y: &shd,
+            gate: gated.then_some(&gd),
+        });
+        fused::moe_add_rms_norm(
+            &dev,
+            (routed_in, shared_in),
+            (&rd, Some(&wd), 1e-6),
+            (&mut sum_b, &mut out_b, &mut q_b),
+        )
+        .unwrap();
+        let what = format!("moe_add_rms_norm width {n} slots {k} shared {shared} gated {gated}");
+        let (sa, sb) = (dev.download(&sum_a).unwrap(), dev.download(&sum_b).unwrap());
+        check_bits(&mut failures, &format!("{what}: sum"), &sb, &sa);
+        let (oa, ob) = (dev.download(&out_a).unwrap(), dev.download(&out_b).unwrap());
+        check_bits(&mut failures, &format!("{what}: normed"), &ob, &oa);
+        if dev.download(&q_a).unwrap() != dev.download(&q_b).unwrap() {
+            failures.push(format!("{what}: the quantized copy differs"));
+        }
     }
     assert_no_failures(failures);
 }

@@ -109,7 +109,7 @@ fn bench_attention_decode() {
                         &p,
                         n_split,
                         scratch.as_mut(),
-                        &mut out,
+                        (&mut out, None),
                     )
                     .unwrap()
                 });
@@ -128,7 +128,7 @@ fn bench_attention_decode() {
                         &p,
                         n_split,
                         scratch.as_mut(),
-                        &mut out,
+                        (&mut out, None),
                     )
                 });
                 println!(

@@ -276,6 +276,9 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
             n_kv: Some(c.n_kv),
         })
     };
+    // With several splits the merge also writes the output quantized (heads of 32k values).
+    let quantized = c.n_split > 1 && d.is_multiple_of(32);
+    let mut out_q = quantized.then(|| dev.zeros::<BlockQ8_1>(want.len() / 32).unwrap());
     attention_decode_f16(
         dev,
         &qd,
@@ -284,10 +287,21 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
         p,
         c.n_split,
         scratch.as_mut(),
-        &mut out,
+        (&mut out, out_q.as_mut()),
     )
     .unwrap();
     let got = dev.download(&out).unwrap();
+    if let Some(q) = &out_q {
+        // quantize_q8_1 of the output, bit for bit.
+        let mut want_q = dev.zeros::<BlockQ8_1>(want.len() / 32).unwrap();
+        ops::quantize_q8_1(dev, &out, &mut want_q).unwrap();
+        if dev.download(q).unwrap() != dev.download(&want_q).unwrap() {
+            return Some(format!(
+                "attention_decode splits {}: the quantized output differs from quantize_q8_1's",
+                c.n_split
+            ));
+        }
+    }
     let what = format!(
         "attention_decode heads {}/{} d {d} position {} of {} rows (cache {}) splits {} window {:?} softcap {:?} store {}",
         p.n_head, p.n_head_kv, c.position, c.n_kv, c.rows, c.n_split, p.window, p.softcap, c.store

@@ -190,6 +190,16 @@ pub struct SharedExpert {
     pub act: Unary,
 }
 
+/// The norm that follows a block's output in [`Compute::moe_add_rms_norm`]: the residual the output is added
+/// to, then [`Compute::add_rms_norm`]'s weight, epsilon and group.
+#[derive(Clone, Copy, Debug)]
+pub struct NormAfter<'a, A> {
+    pub residual: &'a A,
+    pub weight: Option<WeightId>,
+    pub eps: f32,
+    pub group: usize,
+}
+
 /// The gated delta rule over the layer's recurrent state `S` (`[n_v_heads, head_v, head_k]`), as llama.cpp's
 /// `build_delta_net` computes it (`src/models/delta-net-base.cpp`): for each token and head, with
 /// `g = e^{gate}`, `S ← g·S`, then `S ← S + β·(v − S·k)·kᵀ`, output `S·q` (q scaled as llama.cpp does).
@@ -646,6 +656,31 @@ pub trait Compute {
         composed::rms_norm_rope(self, x, weight, eps, rope)
     }
 
+    /// [`Compute::rms_norm_rope`] of a layer's queries and of its keys, each with its own norm weight, at
+    /// the same rotation.
+    fn rms_norm_rope_pair(
+        &mut self,
+        [q, k]: [&Self::Act; 2],
+        [q_norm, k_norm]: [Option<WeightId>; 2],
+        eps: f32,
+        rope: &Rope,
+    ) -> [Self::Act; 2] {
+        composed::rms_norm_rope_pair(self, [q, k], [q_norm, k_norm], eps, rope)
+    }
+
+    /// The routed experts on `x` (with the shared expert beside them when given: [`Compute::moe_shared`]),
+    /// then [`Compute::add_rms_norm`] of their output and `after.residual`: the end of a MoE block and the
+    /// norm of the next. Returns `(sum, normed)`.
+    fn moe_add_rms_norm(
+        &mut self,
+        layer: usize,
+        x: &Self::Act,
+        (moe, shared): (&Moe, Option<&SharedExpert>),
+        after: NormAfter<'_, Self::Act>,
+    ) -> (Self::Act, Self::Act) {
+        composed::moe_add_rms_norm(self, layer, x, (moe, shared), after)
+    }
+
     /// `x·Wᵀ` for each of several matrices of the same input (the q, k and v projections), in order.
     fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &Self::Act) -> [Self::Act; N] {
         composed::matmul_many(self, ws, x)
@@ -718,7 +753,9 @@ pub trait Compute {
 /// trait's default bodies, and what a backend that fuses them runs when a shape does not fit its fused
 /// kernel (or fusion is switched off).
 pub mod composed {
-    use super::{Compute, DeltaNet, DeltaNetInputs, Moe, Rope, SharedExpert, Unary, WeightId};
+    use super::{
+        Compute, DeltaNet, DeltaNetInputs, Moe, NormAfter, Rope, SharedExpert, Unary, WeightId,
+    };
 
     /// [`Compute::moe_shared`]: `moe`, the shared expert, their sum.
     pub fn moe_shared<C: Compute + ?Sized>(
@@ -735,18 +772,32 @@ pub mod composed {
 
     /// The shared expert of [`Compute::moe_shared`] alone.
     pub fn shared_expert<C: Compute + ?Sized>(c: &mut C, x: &C::Act, s: &SharedExpert) -> C::Act {
+        match shared_expert_parts(c, x, s) {
+            (y, Some(gate)) => {
+                let scale = c.unary(&gate, Unary::Sigmoid);
+                c.mul(&y, &scale)
+            }
+            (y, None) => y,
+        }
+    }
+
+    /// The shared expert's output before its gate, and the gate's logit `[rows, 1]` when it has one
+    /// ([`shared_expert`] multiplies the two after a sigmoid).
+    pub fn shared_expert_parts<C: Compute + ?Sized>(
+        c: &mut C,
+        x: &C::Act,
+        s: &SharedExpert,
+    ) -> (C::Act, Option<C::Act>) {
         match s.gate_inp {
             Some(gate_inp) => {
-                let [gate, up, scale] = c.matmul_many([s.gate, s.up, gate_inp], x);
+                let [gate, up, logit] = c.matmul_many([s.gate, s.up, gate_inp], x);
                 let h = c.glu(&gate, &up, s.act);
-                let y = c.matmul(s.down, &h);
-                let scale = c.unary(&scale, Unary::Sigmoid);
-                c.mul(&y, &scale)
+                (c.matmul(s.down, &h), Some(logit))
             }
             None => {
                 let [gate, up] = c.matmul_many([s.gate, s.up], x);
                 let h = c.glu(&gate, &up, s.act);
-                c.matmul(s.down, &h)
+                (c.matmul(s.down, &h), None)
             }
         }
     }
@@ -775,6 +826,34 @@ pub mod composed {
     ) -> C::Act {
         let normed = c.rms_norm(x, weight, eps, rope.head_dim);
         c.rope(&normed, rope)
+    }
+
+    /// [`Compute::rms_norm_rope_pair`]: `rms_norm_rope` of the queries, then of the keys.
+    pub fn rms_norm_rope_pair<C: Compute + ?Sized>(
+        c: &mut C,
+        [q, k]: [&C::Act; 2],
+        [q_norm, k_norm]: [Option<WeightId>; 2],
+        eps: f32,
+        rope: &Rope,
+    ) -> [C::Act; 2] {
+        let q = c.rms_norm_rope(q, q_norm, eps, rope);
+        let k = c.rms_norm_rope(k, k_norm, eps, rope);
+        [q, k]
+    }
+
+    /// [`Compute::moe_add_rms_norm`]: `moe` (or `moe_shared`), then `add_rms_norm` with the residual.
+    pub fn moe_add_rms_norm<C: Compute + ?Sized>(
+        c: &mut C,
+        layer: usize,
+        x: &C::Act,
+        (moe, shared): (&Moe, Option<&SharedExpert>),
+        after: NormAfter<'_, C::Act>,
+    ) -> (C::Act, C::Act) {
+        let out = match shared {
+            Some(s) => c.moe_shared(layer, x, moe, s),
+            None => c.moe(layer, x, moe),
+        };
+        c.add_rms_norm(&out, after.residual, after.weight, after.eps, after.group)
     }
 
     /// [`Compute::matmul_many`]: one `matmul` per matrix, in order.

@@ -6,7 +6,7 @@
 
 use super::module::KernelModule;
 use super::ops::{as_i32, check_len, invalid};
-use super::{CudaResult, Device, DeviceBuffer};
+use super::{BlockQ8_1, CudaResult, Device, DeviceBuffer};
 use crate::ops::attention::AttnParams;
 use cudarc::driver::LaunchConfig;
 
@@ -337,7 +337,7 @@ pub fn attention_decode_f16(
     p: &AttnParams,
     n_split: usize,
     scratch: Option<&mut DeviceBuffer<f32>>,
-    out: &mut DeviceBuffer<f32>,
+    (out, out_q): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<BlockQ8_1>>),
 ) -> CudaResult<()> {
     if !decode_takes(p) {
         return invalid(format!("attention_decode: heads {p:?}"));
@@ -364,6 +364,19 @@ pub fn attention_decode_f16(
     check_len("attention_decode positions", positions, 1)?;
     check_len("attention_decode q", q, p.n_head * d)?;
     check_len("attention_decode out", out, p.n_head * d)?;
+    // The quantized copy comes from the merge of several splits, whose blocks hold 32 values each.
+    let out_q = match out_q {
+        Some(q) if n_split > 1 && d.is_multiple_of(BlockQ8_1::ELEMS) => {
+            check_len("attention_decode out_q", q, p.n_head * d / BlockQ8_1::ELEMS)?;
+            Some(q)
+        }
+        Some(_) => {
+            return invalid(format!(
+                "attention_decode: a quantized output needs several splits and heads of 32k values ({n_split} splits, d {d})"
+            ))
+        }
+        None => None,
+    };
     if n_kv == 0 || n_kv * row > k_len || n_kv * row > v_len {
         return invalid(format!(
             "attention_decode: {n_kv} cache rows of k {k_len} / v {v_len} values"
@@ -428,17 +441,19 @@ pub fn attention_decode_f16(
         let f = dev.function(KernelModule::Attention, "attn_decode_reduce")?;
         let mut b = dev.launch_builder(&f);
         let (heads, d_i, split_i) = (p.n_head as i32, d as i32, n_split as i32);
-        b.arg(scratch.slice())
-            .arg(out.slice_mut())
-            .arg(&heads)
-            .arg(&d_i)
-            .arg(&split_i);
+        b.arg(scratch.slice()).arg(out.slice_mut());
+        match out_q {
+            Some(q) => b.arg(q.slice_mut()),
+            None => b.arg(&null),
+        };
+        b.arg(&heads).arg(&d_i).arg(&split_i);
         let cfg = LaunchConfig {
             grid_dim: (p.n_head as u32, d.div_ceil(32) as u32, 1),
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: scratch holds n_split × n_head × (d + 2) floats and out n_head × d (checked above).
+        // SAFETY: scratch holds n_split × n_head × (d + 2) floats, out n_head × d and out_q (or null)
+        // n_head × d / 32 blocks with d a multiple of 32 (checked above).
         unsafe { b.launch(cfg) }?;
         dev.after_launch("attn_decode_reduce")?;
     }

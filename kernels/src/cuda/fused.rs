@@ -137,6 +137,174 @@ pub fn rms_norm_rope(
     dev.after_launch("rms_norm_rope")
 }
 
+/// [`rms_norm_rope`] of two tensors of the same rows and head size (a layer's queries and keys), each with
+/// its own norm weight and output, at the same positions and rotation: the values of two `rms_norm_rope`
+/// launches, in one.
+pub fn rms_norm_rope_pair(
+    dev: &Device,
+    [(x0, w0), (x1, w1)]: [(&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>); 2],
+    eps: f32,
+    positions: &DeviceBuffer<i32>,
+    (p, factors): (&RopeParams, Option<&DeviceBuffer<f32>>),
+    [out0, out1]: [&mut DeviceBuffer<f32>; 2],
+) -> CudaResult<()> {
+    check_len("rms_norm_rope_pair out0", out0, x0.len())?;
+    check_len("rms_norm_rope_pair out1", out1, x1.len())?;
+    if p.head_dim > NORM_ROPE_MAX_HEAD_DIM {
+        return invalid(format!(
+            "rms_norm_rope_pair: heads of {} values (at most {NORM_ROPE_MAX_HEAD_DIM})",
+            p.head_dim
+        ));
+    }
+    for w in [w0, w1].into_iter().flatten() {
+        check_len("rms_norm_rope_pair weight", w, p.head_dim)?;
+    }
+    let shape0 = RopeShape::new(x0.len(), positions.len(), p, factors)?;
+    let shape1 = RopeShape::new(x1.len(), positions.len(), p, factors)?;
+    let heads0 = as_i32("rms_norm_rope_pair heads", shape0.n_heads())?;
+    let null: u64 = 0;
+    let f = dev.function(KernelModule::Rope, "rms_norm_rope_pair")?;
+    let mut b = dev.launch_builder(&f);
+    b.arg(x0.slice());
+    match w0 {
+        Some(w) => b.arg(w.slice()),
+        None => b.arg(&null),
+    };
+    b.arg(out0.slice_mut()).arg(&heads0).arg(x1.slice());
+    match w1 {
+        Some(w) => b.arg(w.slice()),
+        None => b.arg(&null),
+    };
+    b.arg(out1.slice_mut());
+    shape1.push_args(&mut b, positions, factors);
+    b.arg(&eps);
+    let mut cfg = shape1.config();
+    cfg.grid_dim.1 += shape0.n_heads() as u32;
+    cfg.block_dim = (norm_threads(p.head_dim), 1, 1);
+    cfg.shared_mem_bytes = (p.head_dim * std::mem::size_of::<f32>()) as u32;
+    // SAFETY: x0/out0 and x1/out1 are pairs of distinct buffers of n_rows × heads × head_dim floats at the
+    // same n_rows (RopeShape::new checks each against positions), weights head_dim floats or null, factors
+    // n_rot/2 floats or null; block y reads and writes one head of the pair its index falls in, its shared
+    // memory holds head_dim floats (at most NORM_ROPE_MAX_HEAD_DIM).
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("rms_norm_rope_pair")
+}
+
+/// The kernel's argument struct (`MoeAddNormArgs` in quantize.cu), field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MoeAddNormArgs {
+    y: u64,
+    weights: u64,
+    shared: u64,
+    shared_gate: u64,
+    residual: u64,
+    weight: u64,
+    sum_out: u64,
+    out: u64,
+    q: u64,
+    k: i32,
+    ncols: i32,
+    eps: f32,
+}
+
+// Passed by its bytes: a plain `repr(C)` struct of device addresses and 32-bit numbers, laid out as the
+// kernel's `MoeAddNormArgs`.
+super::launch::value_args!(MoeAddNormArgs);
+
+/// One token's routed experts as [`moe_add_rms_norm`] takes them: the `k` slot outputs `[k, n]` with their
+/// weights (`moe_combine` sums them in the kernel), or their sum already formed.
+pub enum RoutedOut<'a> {
+    Slots {
+        y: &'a DeviceBuffer<f32>,
+        weights: &'a DeviceBuffer<f32>,
+    },
+    Summed(&'a DeviceBuffer<f32>),
+}
+
+/// The shared expert's part of [`moe_add_rms_norm`]: its output `[n]` and, when gated, its gate `[1]`
+/// before the sigmoid.
+pub struct SharedOut<'a> {
+    pub y: &'a DeviceBuffer<f32>,
+    pub gate: Option<&'a DeviceBuffer<f32>>,
+}
+
+/// The end of one token's MoE block and the norm of the next, in one launch: `sum = routed (+ shared ·
+/// σ(gate)) + residual` and `out = rms_norm(sum)·weight`, written also quantized into `q`. The values of
+/// `moe_combine`, the shared expert's `unary` sigmoid, `binary` multiply and add, then [`add_rms_norm`]
+/// with `q`, bit for bit. `n` (the residual's length) must be a multiple of 32.
+pub fn moe_add_rms_norm(
+    dev: &Device,
+    (routed, shared): (RoutedOut<'_>, Option<SharedOut<'_>>),
+    (residual, weight, eps): (&DeviceBuffer<f32>, Option<&DeviceBuffer<f32>>, f32),
+    (sum, out, q): (
+        &mut DeviceBuffer<f32>,
+        &mut DeviceBuffer<f32>,
+        &mut DeviceBuffer<BlockQ8_1>,
+    ),
+) -> CudaResult<()> {
+    let n = residual.len();
+    if n == 0 || !n.is_multiple_of(BlockQ8_1::ELEMS) {
+        return invalid(format!(
+            "moe_add_rms_norm: a row of {n} values (a multiple of 32)"
+        ));
+    }
+    let mut args = MoeAddNormArgs {
+        ncols: as_i32("moe_add_rms_norm width", n)?,
+        eps,
+        residual: residual.address(),
+        ..MoeAddNormArgs::default()
+    };
+    match routed {
+        RoutedOut::Slots { y, weights } => {
+            let k = weights.len();
+            if k == 0 {
+                return invalid("moe_add_rms_norm: no slot".into());
+            }
+            check_len("moe_add_rms_norm slots", y, k * n)?;
+            args.y = y.address();
+            args.weights = weights.address();
+            args.k = as_i32("moe_add_rms_norm slots", k)?;
+        }
+        RoutedOut::Summed(y) => {
+            check_len("moe_add_rms_norm routed", y, n)?;
+            args.y = y.address();
+        }
+    }
+    if let Some(s) = shared {
+        check_len("moe_add_rms_norm shared", s.y, n)?;
+        args.shared = s.y.address();
+        if let Some(g) = s.gate {
+            check_len("moe_add_rms_norm shared gate", g, 1)?;
+            args.shared_gate = g.address();
+        }
+    }
+    if let Some(w) = weight {
+        check_len("moe_add_rms_norm weight", w, n)?;
+        args.weight = w.address();
+    }
+    check_len("moe_add_rms_norm sum", sum, n)?;
+    check_len("moe_add_rms_norm out", out, n)?;
+    check_len("moe_add_rms_norm q", q, n / BlockQ8_1::ELEMS)?;
+    args.sum_out = sum.address();
+    args.out = out.address();
+    args.q = q.address();
+    let f = dev.function(KernelModule::Quantize, "moe_add_rms_norm_q8_1")?;
+    let mut b = dev.launch_builder(&f);
+    b.arg(&args);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (norm_threads(n), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every address in args is a live buffer of the length checked above (y k × n or n floats,
+    // weights k, shared n, its gate 1, residual, weight, sum and out n floats, q n/32 blocks; the optional
+    // ones null otherwise, which the kernel tests); n and the thread count are multiples of 32 as the
+    // quantization needs. The kernel writes only sum, out and q, which the caller lends mutably.
+    unsafe { b.launch(cfg) }?;
+    dev.after_launch("moe_add_rms_norm_q8_1")
+}
+
 /// The kernel's argument struct (`MatvecManyArgs` in matvec.cuh), field for field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

@@ -126,6 +126,11 @@ impl RopeShape {
         };
     }
 
+    /// Heads per row.
+    pub(super) fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
     pub(super) fn config(&self) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (self.n_rows as u32, self.n_heads as u32, 1),

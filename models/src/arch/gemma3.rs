@@ -407,8 +407,8 @@ impl Forward for Gemma3Graph {
 
             // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head, Q scaled.
             let [q, k, v] = c.matmul_many([b.wq, b.wk, b.wv], &cur);
-            let q = c.rms_norm_rope(&q, Some(b.q_norm), eps, rope);
-            let k = c.rms_norm_rope(&k, Some(b.k_norm), eps, rope);
+            let norms = [Some(b.q_norm), Some(b.k_norm)];
+            let [q, k] = c.rms_norm_rope_pair([&q, &k], norms, eps, rope);
             let q = c.scale(&q, self.q_scale);
             let att = c.attention(il, &q, &k, &v, &attn);
             let mut att_out = c.matmul(b.wo, &att);

@@ -684,8 +684,8 @@ impl Forward for Gemma4Graph {
                 }
                 None => c.rms_norm(&k, None, eps, head_dim),
             };
-            let q = c.rms_norm_rope(&q, Some(b.q_norm), eps, rope);
-            let k = c.rms_norm_rope(&k, Some(b.k_norm), eps, rope);
+            let norms = [Some(b.q_norm), Some(b.k_norm)];
+            let [q, k] = c.rms_norm_rope_pair([&q, &k], norms, eps, rope);
             let att = c.attention(il, &q, &k, &v, &attn);
             let att_out = c.matmul(b.wo, &att);
             // llama.cpp keeps every row through the last block (embeddings_nextn_masked is off) and

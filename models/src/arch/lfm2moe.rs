@@ -541,8 +541,8 @@ impl Lfm2MoeGraph {
             softcap: None,
         };
         let [q, k, v] = c.matmul_many([m.wq, m.wk, m.wv], x);
-        let q = c.rms_norm_rope(&q, Some(m.q_norm), hp.rms_eps, &self.rope);
-        let k = c.rms_norm_rope(&k, Some(m.k_norm), hp.rms_eps, &self.rope);
+        let norms = [Some(m.q_norm), Some(m.k_norm)];
+        let [q, k] = c.rms_norm_rope_pair([&q, &k], norms, hp.rms_eps, &self.rope);
         let out = c.attention(il, &q, &k, &v, &attn);
         c.matmul(m.wo, &out)
     }

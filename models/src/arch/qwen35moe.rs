@@ -20,8 +20,8 @@ use super::{
     TensorDef,
 };
 use crate::compute::{
-    Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, Rope, RopeKind, SharedExpert, Unary,
-    WeightId,
+    Attention, Compute, DeltaNet, DeltaNetInputs, Gating, Moe, NormAfter, Rope, RopeKind,
+    SharedExpert, Unary, WeightId,
 };
 use crate::gguf::{Metadata, Value};
 
@@ -762,16 +762,22 @@ impl Qwen35MoeGraph {
         let [q_gate, k, v] = c.matmul_many([m.wq_gate, m.wk, m.wv], x);
         let q = c.head_part(&q_gate, head_dim, 2, 0);
         let gate = c.head_part(&q_gate, head_dim, 2, 1);
-        let q = c.rms_norm_rope(&q, Some(m.q_norm), eps, &rope);
-        let k = c.rms_norm_rope(&k, Some(m.k_norm), eps, &rope);
+        let [q, k] = c.rms_norm_rope_pair([&q, &k], [Some(m.q_norm), Some(m.k_norm)], eps, &rope);
         let out = c.attention(il, &q, &k, &v, &attn);
         let gate = c.unary(&gate, Unary::Sigmoid);
         let out = c.mul(&out, &gate);
         c.matmul(m.wo, &out)
     }
 
-    /// Routed experts plus the gated shared expert (llama.cpp's `build_layer_ffn`) on the normed `x`.
-    fn ffn<C: Compute>(&self, c: &mut C, il: usize, b: &Block, x: &C::Act) -> C::Act {
+    /// Routed experts plus the gated shared expert (llama.cpp's `build_layer_ffn`) on the normed `x`, then
+    /// the residual add and the next norm (`after`): `(sum, normed)`.
+    fn ffn_add_rms_norm<C: Compute>(
+        &self,
+        c: &mut C,
+        (il, b): (usize, &Block),
+        x: &C::Act,
+        after: NormAfter<'_, C::Act>,
+    ) -> (C::Act, C::Act) {
         let s = &b.shexp;
         let shared = SharedExpert {
             gate: s.gate,
@@ -780,7 +786,7 @@ impl Qwen35MoeGraph {
             gate_inp: Some(s.gate_inp),
             act: Unary::Silu,
         };
-        c.moe_shared(il, x, &b.moe, &shared)
+        c.moe_add_rms_norm(il, x, (&b.moe, Some(&shared)), after)
     }
 }
 
@@ -851,9 +857,14 @@ impl Forward for Qwen35MoeGraph {
         let (ffn_residual, ffn_in) =
             c.add_rms_norm(&mixed, &inp, Some(nb.block.post_attn_norm), eps, n_embd);
         // The MoE's layer is the file's block number (what route counts and expert caches key on).
-        let ffn_out = self.ffn(c, self.blocks.len(), &nb.block, &ffn_in);
-        let head_norm = nb.head_norm.unwrap_or(self.output_norm);
-        let (_, mut cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(head_norm), eps, n_embd);
+        let after = NormAfter {
+            residual: &ffn_residual,
+            weight: Some(nb.head_norm.unwrap_or(self.output_norm)),
+            eps,
+            group: n_embd,
+        };
+        let block = (self.blocks.len(), &nb.block);
+        let (_, mut cur) = self.ffn_add_rms_norm(c, block, &ffn_in, after);
         if out_rows.len() < tokens.len() {
             cur = c.rows(&cur, &out_rows);
         }
@@ -886,12 +897,17 @@ impl Forward for Qwen35MoeGraph {
             // The post-attention norm is the FFN's input norm.
             let (ffn_residual, ffn_in) =
                 c.add_rms_norm(&mixed, &inp, Some(b.post_attn_norm), eps, n_embd);
-            let ffn_out = self.ffn(c, il, b, &ffn_in);
             let next_norm = match self.blocks.get(il + 1) {
                 Some(next) => next.attn_norm,
                 None => self.output_norm,
             };
-            (inp, cur) = c.add_rms_norm(&ffn_out, &ffn_residual, Some(next_norm), eps, n_embd);
+            let after = NormAfter {
+                residual: &ffn_residual,
+                weight: Some(next_norm),
+                eps,
+                group: n_embd,
+            };
+            (inp, cur) = self.ffn_add_rms_norm(c, (il, b), &ffn_in, after);
         }
         // The post-norm hidden rows feed both the LM head and the draft block's next call (llama.cpp's
         // `h_nextn`, taken before the rows are picked).

@@ -11,7 +11,7 @@ use super::{
     arch_kv, check, def, ArchError, ArchHparams, Dim, LayerKind, LayerSel, Presence, Role,
     TensorClass, TensorDef,
 };
-use crate::compute::{Attention, Compute, Gating, Moe, Rope, RopeKind, Unary, WeightId};
+use crate::compute::{Attention, Compute, Gating, Moe, NormAfter, Rope, RopeKind, Unary, WeightId};
 use crate::gguf::{Metadata, Value};
 
 /// `general.architecture`.
@@ -332,8 +332,8 @@ impl Forward for Qwen3MoeGraph {
         for (il, b) in self.blocks.iter().enumerate() {
             // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head.
             let [q, k, v] = c.matmul_many([b.wq, b.wk, b.wv], &cur);
-            let q = c.rms_norm_rope(&q, Some(b.q_norm), eps, &rope);
-            let k = c.rms_norm_rope(&k, Some(b.k_norm), eps, &rope);
+            let norms = [Some(b.q_norm), Some(b.k_norm)];
+            let [q, k] = c.rms_norm_rope_pair([&q, &k], norms, eps, &rope);
             let att = c.attention(il, &q, &k, &v, &attn);
             let mut att_out = c.matmul(b.wo, &att);
 
@@ -345,12 +345,17 @@ impl Forward for Qwen3MoeGraph {
 
             // Mixture of experts on the normed residual.
             let (ffn_inp, ffn_in) = c.add_rms_norm(&att_out, &inp, Some(b.ffn_norm), eps, n_embd);
-            let moe_out = c.moe(il, &ffn_in, &b.moe);
             let next_norm = match self.blocks.get(il + 1) {
                 Some(next) => next.attn_norm,
                 None => self.output_norm,
             };
-            (inp, cur) = c.add_rms_norm(&moe_out, &ffn_inp, Some(next_norm), eps, n_embd);
+            let after = NormAfter {
+                residual: &ffn_inp,
+                weight: Some(next_norm),
+                eps,
+                group: n_embd,
+            };
+            (inp, cur) = c.moe_add_rms_norm(il, &ffn_in, (&b.moe, None), after);
         }
         c.matmul(self.output, &cur)
     }

@@ -7,13 +7,18 @@
 //! instead ([`poly_models::compute::composed`]) and `--fuse no-many,no-norm-rope,...` turns single
 //! fusions off ([`Fusion`]), for before/after measurements; so does any shape a fused kernel does not take.
 
-use poly_kernels::cuda::fused::{self, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM};
+use poly_kernels::cuda::fused::{
+    self, RoutedOut, SharedOut, MATVEC_MANY_MAX, NORM_ROPE_MAX_HEAD_DIM,
+};
 use poly_kernels::cuda::recurrent;
 use poly_kernels::cuda::recurrent::DeltaInputs;
 use poly_kernels::cuda::{ops, BlockQ8_1, CudaError, CudaResult, DeviceBuffer, DeviceMatrix};
 use poly_kernels::ops::recurrent::DeltaShape;
-use poly_models::compute::{composed, DeltaNet, DeltaNetInputs, Rope, Unary, WeightId};
+use poly_models::compute::{
+    composed, DeltaNet, DeltaNetInputs, Moe, NormAfter, Rope, SharedExpert, Unary, WeightId,
+};
 
+use super::moe::MoeLeft;
 use super::{rope_params, DevAct, DeviceLayer, GpuForward};
 use crate::gpu::weights::GpuWeight;
 
@@ -44,10 +49,17 @@ pub enum Fusion {
     GluQ8,
     /// `matvec_experts_q_sum` (one token's down experts summing the slots): `down-sum`.
     DownSum,
+    /// `rms_norm_rope_pair` (a layer's query and key norms with their rotation): `norm-rope-pair`.
+    NormRopePair,
+    /// `attn_decode_reduce` writing its output quantized for the output projection: `attn-q8`.
+    AttnQ8,
+    /// `moe_add_rms_norm_q8_1` (one token's expert sum, shared expert, residual add and next norm):
+    /// `moe-norm`.
+    MoeNorm,
 }
 
 impl Fusion {
-    const ALL: [Fusion; 12] = [
+    const ALL: [Fusion; 15] = [
         Fusion::AddNorm,
         Fusion::NormRope,
         Fusion::Many,
@@ -60,6 +72,9 @@ impl Fusion {
         Fusion::RouterTopk,
         Fusion::GluQ8,
         Fusion::DownSum,
+        Fusion::NormRopePair,
+        Fusion::AttnQ8,
+        Fusion::MoeNorm,
     ];
 
     fn name(self) -> &'static str {
@@ -76,6 +91,9 @@ impl Fusion {
             Fusion::RouterTopk => "router-topk",
             Fusion::GluQ8 => "glu-q8",
             Fusion::DownSum => "down-sum",
+            Fusion::NormRopePair => "norm-rope-pair",
+            Fusion::AttnQ8 => "attn-q8",
+            Fusion::MoeNorm => "moe-norm",
         }
     }
 }
@@ -208,6 +226,97 @@ impl GpuForward<'_> {
             fused::rms_norm_rope(c.dev, (x.buf()?, w.as_deref()), eps, pos, rp, o)
         });
         out
+    }
+
+    /// [`poly_models::compute::Compute::moe_add_rms_norm`]: for one token whose experts the card computes
+    /// whole, the slots' weighted sum, the shared expert's gate and sum, the residual add and the next norm
+    /// (with its quantized copy) in one launch after the experts' own; elsewhere the composed sequence.
+    pub(super) fn fused_moe_add_rms_norm(
+        &mut self,
+        layer: usize,
+        x: &DevAct,
+        (m, shared): (&Moe, Option<&SharedExpert>),
+        after: NormAfter<'_, DevAct>,
+    ) -> (DevAct, DevAct) {
+        let n = x.cols;
+        let r = after.residual;
+        let fits = x.rows == 1
+            && (r.rows, r.cols) == (1, n)
+            && after.group == n
+            && n.is_multiple_of(BlockQ8_1::ELEMS)
+            && m.n_expert_used > 0
+            && self.segmented_layer(m).is_none();
+        let on = fuse_on(Fusion::MoeNorm) && fuse_on(Fusion::AddNorm);
+        if !on || !fits {
+            return composed::moe_add_rms_norm(self, layer, x, (m, shared), after);
+        }
+        let mut routed = self.alloc(1, n);
+        let mut left = None;
+        self.run("moe", x.len() == 0, |c| {
+            left = match c.moe_leaving(x, (m, None), &mut routed, true)? {
+                MoeLeft::Slots { y, weights } => Some((y, weights)),
+                _ => None,
+            };
+            Ok(())
+        });
+        let shared_parts = shared.map(|s| composed::shared_expert_parts(self, x, s));
+        let (mut sum, mut out) = (self.alloc(1, n), self.alloc(1, n));
+        self.run("add_rms_norm", false, |c| {
+            let w = after.weight.map(|w| c.vector(w)).transpose()?;
+            let routed_in = match &left {
+                Some((y, weights)) => RoutedOut::Slots { y, weights },
+                None => RoutedOut::Summed(routed.buf()?),
+            };
+            let shared_in = match &shared_parts {
+                Some((y, gate)) => Some(SharedOut {
+                    y: y.buf()?,
+                    gate: gate.as_ref().map(|g| g.buf()).transpose()?,
+                }),
+                None => None,
+            };
+            let (dev, out_id) = (c.dev, out.id);
+            let norm = (r.buf()?, w.as_deref(), after.eps);
+            let (s, o) = (sum.buf_mut()?, out.buf_mut()?);
+            c.with_new_q8(out_id, n / BlockQ8_1::ELEMS, |q| {
+                fused::moe_add_rms_norm(dev, (routed_in, shared_in), norm, (s, o, q))
+            })
+        });
+        if let Some((y, weights)) = left {
+            self.pool.put_f32(y);
+            self.pool.put_f32(weights);
+        }
+        (sum, out)
+    }
+
+    /// [`poly_models::compute::Compute::rms_norm_rope_pair`]: one launch for both.
+    pub(super) fn fused_rms_norm_rope_pair(
+        &mut self,
+        [q, k]: [&DevAct; 2],
+        [q_norm, k_norm]: [Option<WeightId>; 2],
+        eps: f32,
+        rope: &Rope,
+    ) -> [DevAct; 2] {
+        let fits = |x: &DevAct| {
+            rope.head_dim > 0
+                && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
+                && x.cols.is_multiple_of(rope.head_dim)
+        };
+        let on = fuse_on(Fusion::NormRope) && fuse_on(Fusion::NormRopePair);
+        if !on || !fits(q) || !fits(k) || q.rows != k.rows {
+            return composed::rms_norm_rope_pair(self, [q, k], [q_norm, k_norm], eps, rope);
+        }
+        let (mut q_out, mut k_out) = (self.alloc(q.rows, q.cols), self.alloc(k.rows, k.cols));
+        let p = rope_params(rope);
+        self.run("rms_norm_rope", q.len() == 0 || k.len() == 0, |c| {
+            let wq = q_norm.map(|w| c.vector(w)).transpose()?;
+            let wk = k_norm.map(|w| c.vector(w)).transpose()?;
+            let f = rope.freq_factors.map(|w| c.vector(w)).transpose()?;
+            let inputs = [(q.buf()?, wq.as_deref()), (k.buf()?, wk.as_deref())];
+            let outs = [q_out.buf_mut()?, k_out.buf_mut()?];
+            let (pos, rp) = (c.positions()?, (&p, f.as_deref()));
+            fused::rms_norm_rope_pair(c.dev, inputs, eps, pos, rp, outs)
+        });
+        [q_out, k_out]
     }
 
     /// [`poly_models::compute::Compute::matmul_many`]: for one token, the quantized matrices of one format
@@ -456,7 +565,7 @@ impl GpuForward<'_> {
 
     /// Runs `f` on a new quantized-input buffer of `blocks` blocks and keeps it in the cache as the
     /// quantized copy of activation `id` (the buffer `rms_norm_quantized` keeps).
-    fn with_new_q8(
+    pub(super) fn with_new_q8(
         &self,
         id: u64,
         blocks: usize,

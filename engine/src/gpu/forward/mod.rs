@@ -26,7 +26,7 @@ use poly_kernels::ops::rope::{RopeMode, RopeParams};
 use poly_kernels::ops::topk::Gating as KGating;
 use poly_models::compute::{
     composed, Attention, Batch, Compute, DeltaNet, DeltaNetInputs, FusedMoe, Gating, Logits, Moe,
-    Rope, RopeKind, SharedExpert, Unary, WeightId,
+    NormAfter, Rope, RopeKind, SharedExpert, Unary, WeightId,
 };
 use rayon::prelude::*;
 
@@ -43,6 +43,8 @@ use crate::cpu::CpuWeights;
 mod act;
 mod fused;
 mod moe;
+
+use fused::{fuse_on, Fusion};
 
 pub use fused::check_fuse_setting;
 
@@ -828,6 +830,15 @@ impl Compute for GpuForward<'_> {
                             n_kv: Some(n_kv),
                         })
                     };
+                    // The merge of several splits also writes the output quantized, kept as its
+                    // copy for the output projection (`attn-q8`: one quantize launch fewer).
+                    let quantized = fuse_on(Fusion::AttnQ8)
+                        && n_split > 1
+                        && p.head_dim_v.is_multiple_of(BlockQ8_1::ELEMS);
+                    let mut out_q = match quantized {
+                        true => Some(c.pool.q8(dev, out.len() / BlockQ8_1::ELEMS)?),
+                        false => None,
+                    };
                     let r = attention::attention_decode_f16(
                         dev,
                         q.buf()?,
@@ -836,10 +847,25 @@ impl Compute for GpuForward<'_> {
                         &p,
                         n_split,
                         scratch.as_mut(),
-                        out.buf_mut()?,
+                        (out.buf_mut()?, out_q.as_mut()),
                     );
                     if let Some(s) = scratch {
                         c.pool.put_f32(s);
+                    }
+                    if let Some(copy) = out_q {
+                        let mut kept = c.q8_cache.borrow_mut();
+                        match (&r, kept.take()) {
+                            (Ok(()), old) => {
+                                if let Some((_, old)) = old {
+                                    c.pool.put_q8(old);
+                                }
+                                *kept = Some((out.id, copy));
+                            }
+                            (Err(_), old) => {
+                                *kept = old;
+                                c.pool.put_q8(copy);
+                            }
+                        }
                     }
                     return r;
                 }
@@ -975,6 +1001,26 @@ impl Compute for GpuForward<'_> {
 
     fn rms_norm_rope(&mut self, x: &DevAct, w: Option<WeightId>, eps: f32, r: &Rope) -> DevAct {
         self.fused_rms_norm_rope(x, w, eps, r)
+    }
+
+    fn rms_norm_rope_pair(
+        &mut self,
+        qk: [&DevAct; 2],
+        norms: [Option<WeightId>; 2],
+        eps: f32,
+        r: &Rope,
+    ) -> [DevAct; 2] {
+        self.fused_rms_norm_rope_pair(qk, norms, eps, r)
+    }
+
+    fn moe_add_rms_norm(
+        &mut self,
+        layer: usize,
+        x: &DevAct,
+        experts: (&Moe, Option<&SharedExpert>),
+        after: NormAfter<'_, DevAct>,
+    ) -> (DevAct, DevAct) {
+        self.fused_moe_add_rms_norm(layer, x, experts, after)
     }
 
     fn matmul_many<const N: usize>(&mut self, ws: [WeightId; N], x: &DevAct) -> [DevAct; N] {

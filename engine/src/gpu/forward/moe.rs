@@ -16,6 +16,19 @@ pub(super) enum CardExperts {
     Summed,
 }
 
+/// What [`GpuForward::moe_leaving`] leaves to its caller besides the output it wrote.
+pub(super) enum MoeLeft {
+    /// The output is whole.
+    Nothing,
+    /// A segmented step's shared expert output, for the caller to add.
+    Shared(DevAct),
+    /// One token's slot outputs `[k, n_embd]` and their weights `[k]`, unsummed: the output is unwritten.
+    Slots {
+        y: DeviceBuffer<f32>,
+        weights: DeviceBuffer<f32>,
+    },
+}
+
 /// Where one token's down experts sum their slots in their own launch: the weights `[k]` and the layer's
 /// output, overwritten.
 pub(super) type SlotSumInto<'b> = (&'b DeviceBuffer<f32>, &'b mut DeviceBuffer<f32>);
@@ -86,6 +99,31 @@ impl<'a> GpuForward<'a> {
         shared: Option<&SharedExpert>,
         out: &mut DevAct,
     ) -> CudaResult<Option<DevAct>> {
+        match self.moe_leaving(x, (m, shared), out, false)? {
+            MoeLeft::Shared(s) => Ok(Some(s)),
+            MoeLeft::Nothing => Ok(None),
+            MoeLeft::Slots { y, weights } => {
+                // Not asked for: sum them as the layer would have.
+                let k = m.n_expert_used;
+                let r = ops::moe_combine(self.dev, &y, &weights, k, false, out.buf_mut()?);
+                self.pool.put_f32(y);
+                self.pool.put_f32(weights);
+                r.map(|()| None)
+            }
+        }
+    }
+
+    /// [`Self::moe_into`] without the last launch where it can: with `leave_slots`, one token whose
+    /// experts the card computes whole (no CPU share, not grouped, not a segmented step) leaves its slot
+    /// outputs and weights unsummed ([`MoeLeft::Slots`]) and `out` unwritten, for a launch that sums them
+    /// with what follows (`moe_add_rms_norm`).
+    pub(super) fn moe_leaving(
+        &mut self,
+        x: &DevAct,
+        (m, shared): (&Moe, Option<&SharedExpert>),
+        out: &mut DevAct,
+        leave_slots: bool,
+    ) -> CudaResult<MoeLeft> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         if m.selection_bias.is_some() {
@@ -100,7 +138,10 @@ impl<'a> GpuForward<'a> {
             )));
         }
         if let Some(layer) = self.segmented_layer(m) {
-            return self.moe_segmented(x, m, (layer, shared), out);
+            return Ok(match self.moe_segmented(x, m, (layer, shared), out)? {
+                Some(s) => MoeLeft::Shared(s),
+                None => MoeLeft::Nothing,
+            });
         }
         let cached = self
             .experts
@@ -158,19 +199,34 @@ impl<'a> GpuForward<'a> {
         let card_computes = !cpu_share.as_ref().is_some_and(|s| s.all);
         let r = if card_computes {
             let routing = (&ids, &weights);
-            self.moe_card_and_cpu(x, routing, m, (cached, cpu_share.as_ref()), out)
+            let share = (cached, cpu_share.as_ref(), leave_slots);
+            self.moe_card_and_cpu(x, routing, m, share, out)
         } else if let Some(share) = &cpu_share {
             let sum = share.compute_for(self.experts.as_deref_mut(), self.cpu, m);
-            out.buf_mut().and_then(|o| dev.write(&sum, o))
+            out.buf_mut()
+                .and_then(|o| dev.write(&sum, o))
+                .map(|()| None)
         } else {
-            Ok(())
+            Ok(None)
         };
-        if let (Some(layer), Some(cache)) = (cached, self.experts.as_deref_mut()) {
-            cache.finish_layer(dev, self.cpu, layer)?;
-        }
+        let finished = match (cached, self.experts.as_deref_mut()) {
+            (Some(layer), Some(cache)) => cache.finish_layer(dev, self.cpu, layer),
+            _ => Ok(()),
+        };
         self.pool.put_i32(ids);
-        self.pool.put_f32(weights);
-        r.map(|()| None)
+        match (r, finished) {
+            (Ok(Some(y)), Ok(())) => Ok(MoeLeft::Slots { y, weights }),
+            (r, finished) => {
+                self.pool.put_f32(weights);
+                let r = r.map(|left| {
+                    if let Some(y) = left {
+                        self.pool.put_f32(y);
+                    }
+                });
+                finished?;
+                r.map(|()| MoeLeft::Nothing)
+            }
+        }
     }
 
     /// `--cache-bias`'s vector for `m`'s router in a call of `rows` tokens: a single token's on a cache
@@ -466,9 +522,9 @@ impl<'a> GpuForward<'a> {
         x: &DevAct,
         (ids, weights): (&DeviceBuffer<i32>, &DeviceBuffer<f32>),
         m: &Moe,
-        (cached, cpu_share): (Option<usize>, Option<&CpuShare>),
+        (cached, cpu_share, leave_slots): (Option<usize>, Option<&CpuShare>, bool),
         out: &mut DevAct,
-    ) -> CudaResult<()> {
+    ) -> CudaResult<Option<DeviceBuffer<f32>>> {
         let dev = self.dev;
         let (n, k) = (x.rows, m.n_expert_used);
         let card = {
@@ -478,10 +534,11 @@ impl<'a> GpuForward<'a> {
                 let (y, g) = self.moe_grouped(x, ids, m, tables)?;
                 CardExperts::Grouped(y, g)
             } else {
-                // Without a CPU share the down experts may sum into the output themselves.
+                // Without a CPU share the down experts may sum into the output themselves (unless
+                // the caller sums the slots in a launch of its own).
                 let sum = match cpu_share {
-                    None => Some((weights, out.buf_mut()?)),
-                    Some(_) => None,
+                    None if !leave_slots => Some((weights, out.buf_mut()?)),
+                    _ => None,
                 };
                 match self.moe_slots(x, ids, m, tables, sum)? {
                     Some(y) => CardExperts::Slots(y),
@@ -497,6 +554,12 @@ impl<'a> GpuForward<'a> {
             }
             None => false,
         };
+        if let (CardExperts::Slots(_), false, true) = (&card, accumulate, leave_slots) {
+            let CardExperts::Slots(y) = card else {
+                unreachable!("matched just above")
+            };
+            return Ok(Some(y));
+        }
         let t = self.op_begin();
         let r = match card {
             CardExperts::Grouped(y, g) => {
@@ -521,7 +584,7 @@ impl<'a> GpuForward<'a> {
             CardExperts::Summed => Ok(()),
         };
         self.op_end("moe.combine", t);
-        r
+        r.map(|()| None)
     }
 
     /// Groups a prompt's routing (`ids` `[n, k]` on the card) by expert for the grouped kernels: on the
