@@ -10,9 +10,16 @@ static __device__ __forceinline__ float silu_f(float x) {
 
 #define CONV_MAX_KERNEL 8
 
+// One tap of the convolution's sum, in the CPU's order (kernels/src/ops/recurrent.rs, ggml's compiled
+// ssm_conv): the taps of whole groups of four add rounded products, the remaining taps are fused (so
+// Qwen3.5's 4 taps add rounded products and LFM2's 3 fuse all three).
+static __device__ __forceinline__ float conv_tap(float s, float x, float w, bool rounded) {
+    return rounded ? __fadd_rn(s, __fmul_rn(x, w)) : fmaf(x, w, s);
+}
+
 // x [n, channels]; weight [channels, kernel]; state [kernel-1, channels] (oldest first), advanced;
-// out [n, channels]. One thread per channel walks the tokens in order, the window in registers. Products
-// rounded, then added in tap order from zero (no fused multiply-add), as the CPU op: equal results.
+// out [n, channels]. One thread per channel walks the tokens in order, the window in registers. The taps
+// added in order from zero as the CPU op adds them (conv_tap): equal results.
 extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const float * __restrict__ weight,
                                          float * __restrict__ state, float * __restrict__ out, int n,
                                          int channels, int kernel, int apply_silu) {
@@ -33,7 +40,7 @@ extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const flo
         win[kernel - 1] = x[(int64_t) t * channels + c];
         float s = 0.0f;
         for (int i = 0; i < kernel; ++i) {
-            s = __fadd_rn(s, __fmul_rn(win[i], w[i]));
+            s = conv_tap(s, win[i], w[i], i < kernel / 4 * 4);
         }
         out[(int64_t) t * channels + c] = apply_silu ? silu_f(s) : s;
         for (int i = 0; i + 1 < kernel; ++i) {
@@ -45,8 +52,7 @@ extern "C" __global__ void conv1d_causal(const float * __restrict__ x, const flo
     }
 }
 
-// The prompt form of conv1d_causal: the same sums (products rounded, added in tap order from zero: equal
-// results), every output independent of the others, so the tokens spread over the card instead of one thread
+// The prompt form of conv1d_causal: the same sums (conv_tap in tap order from zero: equal results), every output independent of the others, so the tokens spread over the card instead of one thread
 // per channel walking them all (a latency-bound chain of 2,000 loads for a 2,000-token prompt). Output t reads
 // the window cat[t .. t+kernel) of cat = (state rows, then x rows); a thread computes CONV_TOKENS tokens of
 // one channel from one window in registers. The state is left for conv1d_state_advance (launched after it:
@@ -86,7 +92,7 @@ extern "C" __global__ void conv1d_causal_tokens(const float * __restrict__ x, co
 #pragma unroll
             for (int i = 0; i < CONV_MAX_KERNEL; ++i) {
                 if (i < kernel) {
-                    s = __fadd_rn(s, __fmul_rn(win[j + i], w[i]));
+                    s = conv_tap(s, win[j + i], w[i], i < kernel / 4 * 4);
                 }
             }
             out[(int64_t) t * channels + c] = apply_silu ? silu_f(s) : s;
