@@ -265,6 +265,14 @@ pub fn f32_tinyblas_order() -> &'static BatchDot {
     &float_ggml::F32_TINYBLAS
 }
 
+/// The order of llamafile's tinyBLAS F16 kernel, which llama.cpp's CPU backend (and mtmd's encoders) use
+/// for a batch of two rows or more times an F16 matrix once the activations are made f16: pass it to
+/// [`crate::matmul::matmul_ordered`] with activations that already hold f16 values. Rows whose length is no
+/// multiple of 8 keep F16's own dot product.
+pub fn f16_tinyblas_order() -> &'static BatchDot {
+    &float_ggml::F16_TINYBLAS
+}
+
 /// Writes random valid blocks of `ty` (zero mean, root-mean-square about `rms`) into `dst`.
 pub fn fill_random(
     ty: GgmlType,

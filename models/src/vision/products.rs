@@ -3,8 +3,8 @@
 //! (`ggml_conv_2d`) as an `im2col` product.
 
 use super::VisionError;
-use poly_kernels::matmul::{matmul, QuantMatrix};
-use poly_kernels::quant::{dequantize, GgmlType};
+use poly_kernels::matmul::{matmul, matmul_ordered, QuantMatrix};
+use poly_kernels::quant::{dequantize, f16_tinyblas_order, GgmlType};
 
 /// The rounding ggml's CPU backend applies to the activations of a product with weights of `ty` (its
 /// `vec_dot_type`): F16 and BF16 weights take f16 and bf16 activations. (The quantized types' own
@@ -24,7 +24,10 @@ pub(super) fn product(w: &QuantMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
     match round_for(w.ty) {
         Some(round) => {
             let rounded: Vec<f32> = x.iter().map(|&v| round(v)).collect();
-            matmul(w, &rounded, n, &mut y);
+            // F16 weights times a batch of f16 activations: llamafile's tinyBLAS order, as ggml's CPU
+            // backend runs mtmd's products (fused multiply-adds, each weight converted once for four rows).
+            let order = (w.ty == GgmlType::F16).then(f16_tinyblas_order);
+            matmul_ordered(w, &rounded, n, &mut y, order);
         }
         None => matmul(w, x, n, &mut y),
     }
@@ -84,7 +87,7 @@ impl PatchKernel {
                 .iter()
                 .map(|&v| half::f16::from_f32(v).to_f32())
                 .collect();
-            matmul(&w, &rounded, n, &mut y);
+            matmul_ordered(&w, &rounded, n, &mut y, Some(f16_tinyblas_order()));
         } else {
             matmul(&w, patches, n, &mut y);
         }
