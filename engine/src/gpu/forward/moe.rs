@@ -554,12 +554,11 @@ impl<'a> GpuForward<'a> {
             }
             None => false,
         };
-        if let (CardExperts::Slots(_), false, true) = (&card, accumulate, leave_slots) {
-            let CardExperts::Slots(y) = card else {
-                unreachable!("matched just above")
-            };
-            return Ok(Some(y));
-        }
+        // The caller sums the slots in a launch of its own.
+        let card = match card {
+            CardExperts::Slots(y) if leave_slots && !accumulate => return Ok(Some(y)),
+            card => card,
+        };
         let t = self.op_begin();
         let r = match card {
             CardExperts::Grouped(y, g) => {
