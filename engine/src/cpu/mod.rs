@@ -1142,6 +1142,7 @@ fn attend(
         scale: a.scale,
         window: a.window,
         softcap: a.softcap,
+        sees_together: None,
     };
     let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
     if cache.precision == KvPrecision::Q8_0 {
