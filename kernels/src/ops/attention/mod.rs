@@ -1254,7 +1254,8 @@ mod tests {
             (out, causal_out)
         };
         let row = n_head * d;
-        let paths: [(&str, &dyn Fn(&AttnParams, &mut [f32])); 3] = [
+        type Path<'a> = (&'a str, &'a dyn Fn(&AttnParams, &mut [f32]));
+        let paths: [Path; 3] = [
             ("f32", &|p, o| attention(&q, &positions, &k, &v, p, o)),
             ("vector", &|p, o| {
                 attention_ggml_f16(&q, &positions, &k, &v, p, None, o)
