@@ -430,11 +430,37 @@ impl Model {
         Ok(out.data)
     }
 
+    /// Whether a projector of type `projector_type` (`clip.projector_type`) writes rows this model reads:
+    /// Qwen3-VL's merger for a model with multi-section RoPE, Gemma 4's for a model that reads pictures
+    /// in line. The widths are checked apart ([`Model::eval_picture`]).
+    pub fn check_projector(&self, projector_type: &str) -> Result<(), EngineError> {
+        let wanted = if self.graph.multi_section_rope().is_some() {
+            poly_models::vision::qwen3vl::PROJECTOR_TYPE
+        } else if self.graph.reads_pictures_in_line() {
+            poly_models::vision::gemma4v::PROJECTOR_TYPE
+        } else {
+            return Err(EngineError(format!(
+                "{} reads no pictures (its RoPE has no sections and it reads none in line)",
+                self.info().arch
+            )));
+        };
+        if projector_type != wanted {
+            return Err(EngineError(format!(
+                "a {} model reads pictures from a {wanted} projector, not {projector_type}",
+                self.info().arch
+            )));
+        }
+        Ok(())
+    }
+
     /// Reads `tokens` into `state` as [`Model::eval`] does, with `picture`'s rows in place of the token
     /// embeddings of the rows from `at` on (its placeholder tokens, which the state records), as llama.cpp's
-    /// mtmd decodes a picture: its rows at their multi-section RoPE positions (time, row, column), causal in
-    /// row order, and the text after it positioned from the picture's span on. On the CPU only, for a
-    /// model whose forward pass has multi-section RoPE ([`Forward::multi_section_rope`]).
+    /// mtmd decodes a picture. Under multi-section RoPE ([`Forward::multi_section_rope`], Qwen3.6): its
+    /// rows at their positions (time, row, column), causal in row order, and the text after it
+    /// positioned from the picture's span on. A model that reads pictures in line
+    /// ([`Forward::reads_pictures_in_line`], Gemma 4): its rows at the next positions as text, seeing each
+    /// other where the forward pass says so (Gemma 4's sliding-window layers), and not scaled as token
+    /// embeddings are. On the CPU only.
     pub fn eval_picture(
         &self,
         state: &mut SeqState,
@@ -447,9 +473,10 @@ impl Model {
                 "pictures are read on the CPU only for now".into(),
             ));
         }
-        if self.graph.multi_section_rope().is_none() {
+        let sections = self.graph.multi_section_rope();
+        if sections.is_none() && !self.graph.reads_pictures_in_line() {
             return Err(EngineError(format!(
-                "{} reads no pictures (its RoPE has no sections)",
+                "{} reads no pictures (its RoPE has no sections and it reads none in line)",
                 self.info().arch
             )));
         }
@@ -469,25 +496,32 @@ impl Model {
         }
         self.check_call(state, tokens)?;
         let n0 = state.n_past();
-        let picture_pos0 = state.rope_position(n0 + at);
-        let after = picture_pos0 + mrope_span(picture);
-        let mut positions: Vec<[u32; 4]> =
-            (n0..n0 + at).map(|c| state.text_rope_position(c)).collect();
-        positions.extend(mrope_positions(picture, picture_pos0));
-        positions.extend((0..(tokens.len() - at - n_rows) as u32).map(|k| {
-            let p = after + k;
-            [p, p, p, 0]
-        }));
+        let rope_positions = sections.map(|_| {
+            let picture_pos0 = state.rope_position(n0 + at);
+            let after = picture_pos0 + mrope_span(picture);
+            let mut positions: Vec<[u32; 4]> =
+                (n0..n0 + at).map(|c| state.text_rope_position(c)).collect();
+            positions.extend(mrope_positions(picture, picture_pos0));
+            positions.extend((0..(tokens.len() - at - n_rows) as u32).map(|k| {
+                let p = after + k;
+                [p, p, p, 0]
+            }));
+            positions
+        });
         state.sync().map_err(EngineError)?;
         let out = {
             let mut c = CpuForward::new(&self.weights, state, tokens, logits)
                 .with_arithmetic(self.arithmetic)
                 .with_route_counts(&self.routes)
-                .with_given_rows(at, &picture.values, positions);
+                .with_given_rows(at, picture, rope_positions);
             self.graph.forward(&mut c)
         };
         state.push_tokens(tokens);
-        state.record_picture(n0 + at + n_rows, n_rows, mrope_span(picture) as usize);
+        let end = n0 + at + n_rows;
+        match sections {
+            Some(_) => state.record_picture(end, n_rows, mrope_span(picture) as usize),
+            None => state.record_picture_in_line(end, n_rows),
+        }
         Ok(out.data)
     }
 

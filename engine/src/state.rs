@@ -506,6 +506,17 @@ impl SeqState {
         });
     }
 
+    /// Records that the cells up to `end` ended with a picture of `n_rows` rows read at plain
+    /// consecutive positions (Gemma 4), so that positions stay the cells: only its mark, which tells it
+    /// from another picture of the same size.
+    pub fn record_picture_in_line(&mut self, end: usize, n_rows: usize) {
+        self.picture_marks.push(PictureMark {
+            start: end.saturating_sub(n_rows),
+            end,
+            key: 0,
+        });
+    }
+
     /// Names the picture read last: `key` stands for its content (a hash of its file), so that a prompt
     /// with another picture in its place does not resume from this state past it.
     pub fn key_last_picture(&mut self, key: u64) {

@@ -5,7 +5,9 @@
 //! same picture, up to the first picture that differs (with a fresh read's answer); two requests with
 //! pictures running at once (`--parallel 2`) give their answers alone; bad pictures are one ERR each and
 //! the engine answers the next request as before; an engine without a projector refuses pictures, and a
-//! projector on a model that reads none is refused at start.
+//! projector on a model that reads none is refused at start. The tiny gemma4 fixture with the tiny
+//! projector `synth --arch gemma4v-mmproj` writes: the same answer as `run --image`, the picture told
+//! apart from another of its size; each family's projector refused beside the other's model.
 
 mod serve_support;
 
@@ -29,14 +31,19 @@ fn vision(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A temporary directory with the tiny projector in it (removed by the caller).
+/// A temporary directory with the tiny Qwen3-VL projector in it (removed by the caller).
 fn projector(tag: &str) -> (PathBuf, PathBuf) {
+    projector_of(tag, "qwen3vl-mmproj")
+}
+
+/// A temporary directory with the tiny projector `synth --arch arch` writes in it (removed by the caller).
+fn projector_of(tag: &str, arch: &str) -> (PathBuf, PathBuf) {
     let dir =
         std::env::temp_dir().join(format!("poly-serve-pictures-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let mmproj = dir.join("mmproj.gguf");
     let o = Command::new(ENGINE)
-        .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+        .args(["synth", "--arch", arch, "--shape", "tiny"])
         .args(["--type", "F32", "--seed", "1", "--out"])
         .arg(&mmproj)
         .output()
@@ -45,8 +52,14 @@ fn projector(tag: &str) -> (PathBuf, PathBuf) {
     (dir, mmproj)
 }
 
-/// `poly-engine run --image`'s greedy tokens and log-probabilities (batch-invariant, end tokens ignored).
+/// `poly-engine run --image`'s greedy tokens and log-probabilities (batch-invariant, end tokens ignored)
+/// on [`MODEL`].
 fn run_image(mmproj: &Path, picture: &Path) -> (Vec<u32>, Vec<f32>) {
+    run_image_on(MODEL, mmproj, picture)
+}
+
+/// [`run_image`] on the fixture `model`.
+fn run_image_on(model: &str, mmproj: &Path, picture: &Path) -> (Vec<u32>, Vec<f32>) {
     let prompt: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
     let o = Command::new(ENGINE)
         .args([
@@ -57,7 +70,7 @@ fn run_image(mmproj: &Path, picture: &Path) -> (Vec<u32>, Vec<f32>) {
             "--ignore-eos",
         ])
         .args(["--max-tokens", &STEPS.to_string(), "--model"])
-        .arg(serve_support::fixture(MODEL))
+        .arg(serve_support::fixture(model))
         .args(["--prompt-tokens", &prompt.join(",")])
         .args(["--image-at", &AT.to_string()])
         .args(["--image-token", &PLACEHOLDER.to_string(), "--mmproj"])
@@ -340,4 +353,78 @@ fn pictures_of_requests_running_at_once_give_the_answers_they_give_alone() {
     assert_eq!(got, want);
     drop(e);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+const GEMMA4: &str = "gemma4-tiny-q4km.gguf";
+
+#[test]
+fn a_gemma4_picture_in_a_gen_answers_as_run_image() {
+    let (dir, mmproj) = projector_of("gemma4", "gemma4v-mmproj");
+    let (a, b) = (
+        vision("picture-64x48.png"),
+        vision("picture-64x48-gradient.png"),
+    );
+    let (want_a, want_a_lp) = run_image_on(GEMMA4, &mmproj, &a);
+    let (want_b, want_b_lp) = run_image_on(GEMMA4, &mmproj, &b);
+    assert_ne!(want_a_lp, want_b_lp, "two pictures, two answers");
+
+    let mmproj_arg = mmproj.to_str().expect("a UTF-8 path");
+    let mut e = Engine::start(GEMMA4, &["--cpu", "--mmproj", mmproj_arg]);
+    let vision_echo = e.ready.as_ref().and_then(|r| r.vision.clone());
+    assert_eq!(
+        vision_echo.map(|v| v.projector),
+        Some("gemma4v".to_string())
+    );
+    let first = answer(&mut e, &gen("g1", &a));
+    assert_eq!(first.ids(), want_a);
+    assert_eq!(first.logprobs(), want_a_lp, "bit for bit with run --image");
+    // The placeholder widened to the picture's 10×8 rows.
+    assert_eq!(first.done.prompt_tokens as usize, PROMPT.len() + 80);
+    // The same picture again: resumed past it, up to the prompt's last token (a model of KV caches
+    // only is cut anywhere, so no checkpoint bounds it).
+    let again = answer(&mut e, &gen("g2", &a));
+    assert_eq!(again.done.cached_tokens, first.done.prompt_tokens - 1);
+    assert_eq!(
+        (again.ids(), again.logprobs()),
+        (want_a.clone(), want_a_lp.clone())
+    );
+    // Another picture of the same size: nothing past the text before it is reused.
+    let other = answer(&mut e, &gen("g3", &b));
+    assert!(
+        other.done.cached_tokens as usize <= AT,
+        "{}",
+        other.done.cached_tokens
+    );
+    assert_eq!((other.ids(), other.logprobs()), (want_b, want_b_lp));
+    drop(e);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn each_familys_projector_is_refused_beside_the_others_model() {
+    let (dir, qwen) = projector_of("cross-qwen", "qwen3vl-mmproj");
+    let (dir_g, gemma) = projector_of("cross-gemma", "gemma4v-mmproj");
+    for (model, mmproj, wanted) in [
+        (GEMMA4, &qwen, "gemma4v"),
+        (MODEL, &gemma, "qwen3vl_merger"),
+    ] {
+        let mut e = Engine::spawn(
+            &serve_support::fixture(model),
+            &["--cpu", "--mmproj", mmproj.to_str().expect("a UTF-8 path")],
+        );
+        match e.next() {
+            FromEngine::Err(err) => {
+                assert!(err.id.is_none());
+                assert!(
+                    err.message.contains(&format!("from a {wanted} projector")),
+                    "{}",
+                    err.message
+                );
+            }
+            other => panic!("expected ERR, got {other:?}"),
+        }
+        assert!(!e.wait().success());
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(dir_g);
 }

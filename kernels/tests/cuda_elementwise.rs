@@ -166,6 +166,7 @@ fn attention_over_a_cache_prefix_equals_attention_over_exactly_those_rows() {
         scale: 0.125,
         window: None,
         softcap: None,
+        sees_together: None,
     };
     let (n_kv, cap, n_q) = (37, 128, 3);
     let kw = p.n_head_kv * p.head_dim_k;

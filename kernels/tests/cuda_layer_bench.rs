@@ -71,6 +71,7 @@ fn bench_attention_decode() {
             scale: 1.0 / (d as f32).sqrt(),
             window: None,
             softcap: None,
+            sees_together: None,
         };
         for (position, n_kv) in [(100usize, 256usize), (2000, 2048), (8000, 8192)] {
             let row = n_head_kv * d;
@@ -191,6 +192,7 @@ fn bench_attention() {
         scale: 0.088,
         window: None,
         softcap: None,
+        sees_together: None,
     };
     for (n_q, n_kv) in [
         (1usize, 512usize),

@@ -25,6 +25,7 @@ fn params(n_head: usize, n_head_kv: usize, d: usize) -> AttnParams {
         scale: 1.0 / (d as f32).sqrt(),
         window: None,
         softcap: None,
+        sees_together: None,
     }
 }
 

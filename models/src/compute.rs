@@ -120,6 +120,11 @@ pub struct Attention {
     /// `cap·tanh(s/cap)` on the scaled scores `s = scale·q·k` before the softmax (as ggml's flash
     /// attention applies it).
     pub softcap: Option<f32>,
+    /// Whether the rows of a picture read in the call see each other whatever their order (a row also
+    /// sees the picture's later rows; before it, still only its window): Gemma 4's sliding-window
+    /// layers, which llama.cpp's mtmd reads a picture into with causal attention off. Text is causal
+    /// either way.
+    pub picture_rows_see_each_other: bool,
 }
 
 /// How the router's logits become expert weights.
@@ -414,6 +419,13 @@ pub trait Compute {
 
     /// `s·x`.
     fn scale(&mut self, x: &Self::Act, s: f32) -> Self::Act;
+
+    /// `s·x` on the rows that are token embeddings, the rows of a picture read in the call left as
+    /// they are (Gemma 4 scales token embeddings by `√n_embd`, never a picture's rows, as llama.cpp's
+    /// `ubatch.token ? sqrtf(n_embd) : 1.0f`). Without pictures: [`Compute::scale`].
+    fn scale_token_rows(&mut self, x: &Self::Act, s: f32) -> Self::Act {
+        self.scale(x, s)
+    }
 
     /// `f(x)` element-wise.
     fn unary(&mut self, x: &Self::Act, f: Unary) -> Self::Act;

@@ -96,16 +96,23 @@ pub enum FinishReason {
     Cancelled,
 }
 
-/// Why an engine that announced `vision` in READY cannot read a request's pictures, if it cannot.
-fn refuses_pictures(vision: Option<&poly_protocol::Vision>, model: &str) -> Option<String> {
+/// Why an engine that announced `vision` in READY cannot read a request's pictures written for a
+/// projector of type `written_for` ([`crate::model_text::PictureTokens::projector`]), if it cannot.
+fn refuses_pictures(
+    vision: Option<&poly_protocol::Vision>,
+    model: &str,
+    written_for: &str,
+) -> Option<String> {
     match vision {
         None => Some(format!(
             "messages hold pictures, but model {model:?} reads text only (its run config names no \
              projector, `mmproj`); send text"
         )),
-        // The picture tokens around each placeholder are Qwen-VL's (`crate::model_text`).
-        Some(v) if v.projector != "qwen3vl_merger" => Some(format!(
-            "the engine's projector {:?} is not one this server writes pictures for",
+        // The picture tokens around each placeholder are those of the model's family
+        // (`crate::model_text::PictureTokens`), which mtmd writes for one projector type.
+        Some(v) if v.projector != written_for => Some(format!(
+            "the engine's projector {:?} is not the one model {model:?} writes pictures for \
+             ({written_for:?})",
             v.projector
         )),
         Some(_) => None,
@@ -168,7 +175,10 @@ impl Generation {
             return Err(refused("the prompt is empty".into()));
         }
         if !pictures.is_empty() {
-            if let Some(why) = refuses_pictures(ready.vision.as_ref(), &lease.model().id) {
+            let written_for = text.picture_tokens().projector;
+            if let Some(why) =
+                refuses_pictures(ready.vision.as_ref(), &lease.model().id, written_for)
+            {
                 return Err(refused(why));
             }
         }

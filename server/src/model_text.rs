@@ -48,11 +48,52 @@ pub struct ChatInput {
 pub const PICTURE_MARK: char = '\u{E002}';
 
 /// The tokens around a picture's placeholder, as llama.cpp's mtmd writes them for the Qwen-VL projectors
-/// (`qwen3vl_merger`, the one the engine reads): `<|vision_start|>`, the placeholder the engine widens to
-/// the picture's rows, `<|vision_end|>`.
+/// (`qwen3vl_merger`): `<|vision_start|>`, the placeholder the engine widens to the picture's rows,
+/// `<|vision_end|>`.
 pub const PICTURE_OPEN: &str = "<|vision_start|>";
 pub const PICTURE_PAD: &str = "<|image_pad|>";
 pub const PICTURE_CLOSE: &str = "<|vision_end|>";
+
+/// The texts a picture is written as in a prompt: the opening, the placeholder the engine widens to the
+/// picture's rows (its id, or 0 in a vocabulary without it: the engine reads the rows in its place
+/// whatever its id), the closing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PictureTokens {
+    /// The projector type (`clip.projector_type`) whose rows mtmd writes between these words: the
+    /// engine's must be it.
+    pub projector: &'static str,
+    pub open: &'static str,
+    pub pad: &'static str,
+    pub close: &'static str,
+}
+
+/// Qwen3-VL, Qwen3.5 and Qwen3.6 ([`PICTURE_OPEN`], [`PICTURE_PAD`], [`PICTURE_CLOSE`]).
+pub const QWEN_VL_PICTURE: PictureTokens = PictureTokens {
+    projector: "qwen3vl_merger",
+    open: PICTURE_OPEN,
+    pad: PICTURE_PAD,
+    close: PICTURE_CLOSE,
+};
+
+/// Gemma 4: mtmd writes `<|image>` and `<image|>` around a `gemma4v` projector's rows
+/// (`tools/mtmd/mtmd.cpp`); the placeholder is the token its chat template writes for a picture.
+pub const GEMMA4_PICTURE: PictureTokens = PictureTokens {
+    projector: "gemma4v",
+    open: "<|image>",
+    pad: "<|image|>",
+    close: "<image|>",
+};
+
+impl PictureTokens {
+    /// The picture texts of a model of architecture `arch` (`general.architecture`): Gemma 4's for
+    /// `gemma4`, else Qwen-VL's (the other family the engine reads pictures into).
+    pub fn for_architecture(arch: &str) -> PictureTokens {
+        match arch {
+            "gemma4" => GEMMA4_PICTURE,
+            _ => QWEN_VL_PICTURE,
+        }
+    }
+}
 
 /// A rendered chat prompt and how the reply must be read.
 #[derive(Clone, Debug)]
@@ -104,6 +145,8 @@ pub struct ModelText {
     template_source: Option<String>,
     /// The model's sampling defaults and default answer lengths.
     defaults: Defaults,
+    /// How a picture is written in a prompt ([`PictureTokens::for_architecture`]).
+    picture_tokens: PictureTokens,
 }
 
 /// Why a prompt could not be tokenized within its context.
@@ -178,7 +221,9 @@ impl ModelText {
             gguf.as_deref(),
             &tokenizer.config.architecture,
         );
+        let picture_tokens = PictureTokens::for_architecture(&tokenizer.config.architecture);
         Ok(ModelText {
+            picture_tokens,
             tokenizer: Arc::new(tokenizer),
             template,
             family,
@@ -187,6 +232,11 @@ impl ModelText {
             template_source,
             defaults,
         })
+    }
+
+    /// How the model's pictures are written in a prompt.
+    pub fn picture_tokens(&self) -> PictureTokens {
+        self.picture_tokens
     }
 
     /// The model's sampling defaults and default answer lengths.
@@ -331,9 +381,7 @@ impl ModelText {
     }
 
     /// The ids of a rendered chat with pictures within `n_ctx`, as [`ModelText::encode_chat`], with each
-    /// [`PICTURE_MARK`] written as [`PICTURE_OPEN`], the placeholder and [`PICTURE_CLOSE`]; and the
-    /// placeholders' indices, in order. The placeholder is [`PICTURE_PAD`]'s id, or 0 in a vocabulary
-    /// without it (the engine reads the picture's rows in its place whatever its id).
+    /// [`PICTURE_MARK`] written as the model's [`PictureTokens`]; and the placeholders' indices, in order.
     pub fn encode_chat_pictures(
         &self,
         chat: &RenderedChat,
@@ -353,9 +401,10 @@ impl ModelText {
     ) -> Result<(Vec<u32>, Vec<usize>), String> {
         let tok = &self.tokenizer;
         let err = |e: crate::text::TextError| e.to_string();
-        let open = tok.encode(PICTURE_OPEN, false, true).map_err(err)?;
-        let close = tok.encode(PICTURE_CLOSE, false, true).map_err(err)?;
-        let pad = tok.token_id(PICTURE_PAD).unwrap_or(0);
+        let words = self.picture_tokens;
+        let open = tok.encode(words.open, false, true).map_err(err)?;
+        let close = tok.encode(words.close, false, true).map_err(err)?;
+        let pad = tok.token_id(words.pad).unwrap_or(0);
         // The text as segments read with special-token texts as tokens, or (message text holding
         // them) as plain text.
         let mut segments = Vec::new();

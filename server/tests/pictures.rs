@@ -8,7 +8,9 @@
 //! conversation each way; another picture gets
 //! another answer; a bad picture a 400 and the next request its answer. Refused with a 400 that says why:
 //! remote URLs (OpenAI and Anthropic), and pictures for a model whose run config names no projector
-//! (without switching to it).
+//! (without switching to it). The tiny gemma4 fixture with the tiny `gemma4v` projector: an OpenAI
+//! `image_url` is written between Gemma 4's `<|image>` and `<image|>` and answered as the engine answers
+//! those tokens and picture over the protocol.
 
 mod common;
 
@@ -46,8 +48,13 @@ fn engine_args(gguf: &Path) -> Vec<String> {
 
 /// The greedy log-probabilities of `gen` from an engine started directly (the protocol, no server).
 fn engine_logprobs(mmproj: &Path, gen: Gen) -> Vec<f32> {
+    engine_logprobs_on(FIXTURE, mmproj, gen)
+}
+
+/// [`engine_logprobs`] on the fixture `fixture`.
+fn engine_logprobs_on(fixture: &str, mmproj: &Path, gen: Gen) -> Vec<f32> {
     let mut child = Command::new(common::engine_bin())
-        .args(engine_args(&common::fixture(FIXTURE)))
+        .args(engine_args(&common::fixture(fixture)))
         .arg("--mmproj")
         .arg(mmproj)
         .stdin(Stdio::piped())
@@ -445,4 +452,62 @@ fn pictures_through_openai_and_anthropic() {
     // Refused from the registry, before the text model's engine was started for them.
     let current = server.get("/api/models/current").json();
     assert_eq!(current["model"], "vision", "{current}");
+}
+
+#[test]
+fn a_gemma4_picture_is_written_in_gemma4s_words_and_answered_as_the_engine_answers() {
+    const GEMMA4: &str = "gemma4-tiny-q4km.gguf";
+    let home = Home::new("pictures-gemma4");
+    let mmproj = home.synth_projector_of("gemma4v-mmproj");
+    let gguf = common::fixture(GEMMA4);
+    let tok = home.tokenizer_for("vision", &gguf);
+    home.write_config(
+        "vision",
+        &json!({
+            "exe": common::engine_bin(),
+            "args": engine_args(&gguf),
+            "tokenizer": tok,
+            "model_name": "vision",
+            "mmproj": mmproj,
+        }),
+    );
+    let server = Server::start(&home, &[]);
+    let a = picture("picture-64x48.png");
+    let r = server.post(
+        "/v1/chat/completions",
+        &openai_picture("vision", &data_url(&a)),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let openai = r.json();
+    let got = logprobs_of(&openai);
+    assert_eq!(got.len(), STEPS as usize, "{openai}");
+    let prompt_tokens = openai["usage"]["prompt_tokens"].as_u64().expect("usage");
+
+    // The tiny gemma4 carries the synthetic ChatML vocabulary (no `<|image>` tokens: the words are
+    // written as text) and no `<|image|>` (the placeholder is 0).
+    let mut tokens = tokenize(&server, "<|im_start|>user\n");
+    tokens.extend(tokenize(&server, "<|image>"));
+    let at = tokens.len() as u32;
+    tokens.push(0);
+    tokens.extend(tokenize(&server, "<image|>"));
+    tokens.extend(tokenize(&server, "<|im_end|>\n<|im_start|>assistant\n"));
+    // 10×8 rows where one placeholder stood.
+    assert_eq!(prompt_tokens, tokens.len() as u64 + 79, "{openai}");
+    let gen = Gen {
+        max_tokens: Some(STEPS),
+        stop_tokens: Some(Vec::new()),
+        pictures: vec![Picture {
+            at,
+            data: encode_base64(&a),
+        }],
+        ..Gen::new("direct", tokens.clone())
+    };
+    assert_eq!(
+        engine_logprobs_on(GEMMA4, &mmproj, gen),
+        got,
+        "the protocol's answer"
+    );
+    // Qwen-VL's words would be another prompt: the server chose Gemma 4's.
+    let qwen_words = tokenize(&server, "<|vision_start|>");
+    assert!(!tokens.windows(qwen_words.len()).any(|w| w == qwen_words));
 }

@@ -28,63 +28,9 @@ use poly_models::synth::{SynthOptions, Synthesis};
 use poly_models::vision::{ImageRows, VisionEncoder};
 use poly_models::GgufFile;
 use poly_tests::fixtures_dir;
+use poly_tests::witness::picture::{ids, logit_gap, read_f32};
 use poly_tests::witness::sha256_file;
 use serde_json::Value;
-
-fn read_f32(path: &std::path::Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("an id") as u32)
-        .collect()
-}
-
-fn softmax(row: &[f32]) -> Vec<f64> {
-    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let e: Vec<f64> = row.iter().map(|&l| (l as f64 - m).exp()).collect();
-    let z: f64 = e.iter().sum();
-    e.iter().map(|v| v / z).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-        .expect("a row")
-}
-
-/// How far `ours` is from `theirs`, row by row of `n_vocab`: the largest `|Δlogit|` over the row's logit
-/// standard deviation, the largest next-token probability difference, and how many rows' top tokens differ.
-fn compare(ours: &[f32], theirs: &[f32], n_vocab: usize) -> (f64, f64, usize) {
-    assert_eq!(ours.len(), theirs.len(), "rows");
-    let (mut rel, mut prob, mut top) = (0f64, 0f64, 0);
-    for (a, b) in ours.chunks(n_vocab).zip(theirs.chunks(n_vocab)) {
-        let mean = b.iter().map(|&v| v as f64).sum::<f64>() / n_vocab as f64;
-        let sd =
-            (b.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n_vocab as f64).sqrt();
-        let d = a
-            .iter()
-            .zip(b)
-            .map(|(&x, &y)| (x as f64 - y as f64).abs())
-            .fold(0f64, f64::max);
-        rel = rel.max(d / sd);
-        let (pa, pb) = (softmax(a), softmax(b));
-        prob = pa
-            .iter()
-            .zip(&pb)
-            .map(|(x, y)| (x - y).abs())
-            .fold(prob, f64::max);
-        top += usize::from(argmax(a) != argmax(b));
-    }
-    (rel, prob, top)
-}
 
 #[test]
 fn a_prompt_with_a_picture_gives_llama_cpp_mtmds_logits() {
@@ -164,7 +110,8 @@ fn a_prompt_with_a_picture_gives_llama_cpp_mtmds_logits() {
             m["n_past_after"].as_u64().expect("n_past")
         );
         let ours = model.eval(&mut state, &after, Logits::All).unwrap();
-        let (rel, prob, top) = compare(&ours, &theirs, n_vocab);
+        let gap = logit_gap(&ours, &theirs, n_vocab);
+        let (rel, prob, top) = (gap.logit_over_sd, gap.probability, gap.top_tokens_differing);
         eprintln!(
             "{name}: max |Δlogit|/sd {rel:.3e}, max |Δp| {prob:.3e}, top tokens differing {top}/{}",
             after.len()

@@ -1,14 +1,16 @@
 // llama.cpp with its mtmd on a prompt of text, a picture and text, on the CPU: the language model and the
 // projector are loaded as llama.cpp's mtmd tools load them, the text before the picture is decoded as
 // token ids at positions 0.., the picture goes through mtmd (encoded, then decoded as mtmd's helper decodes
-// an image chunk: its own batch, its M-RoPE positions, n_past advanced by its position span), and the text
+// an image chunk: its own batch, its positions (M-RoPE's for Qwen-VL, plain ones for Gemma 4), causal
+// attention off where mtmd turns it off (Gemma 4), n_past advanced by its position span), and the text
 // after it is decoded from the new n_past with every row's logits requested. Writes those rows' logits
 // (little-endian f32, row after row) to OUT and prints a JSON line: the picture's grid, its rows, n_past
-// before and after it, n_vocab.
+// before and after it, n_vocab, whether mtmd used M-RoPE and non-causal attention.
 //
 // Usage: picture_logits MODEL MMPROJ PICTURE OUT.bin FLASH BEFORE AFTER
 //   FLASH: on|off (the language model's and the encoder's flash attention); BEFORE, AFTER: token ids,
-//   comma-separated (the text before and after the picture).
+//   comma-separated (the text before and after the picture). PICTURE_MIN_TOKENS=N: mtmd's
+//   --image-min-tokens (default: the projector's).
 // Build: tests/witness/build_picture_logits.sh.
 
 #include "llama.h"
@@ -93,6 +95,7 @@ int main(int argc, char ** argv) {
     vparams.n_threads = 1;
     vparams.warmup = false;
     vparams.flash_attn_type = cparams.flash_attn_type;
+    vparams.image_min_tokens = getenv("PICTURE_MIN_TOKENS") ? atoi(getenv("PICTURE_MIN_TOKENS")) : -1;
     mtmd_context * vctx = mtmd_init_from_file(argv[2], model, vparams);
     if (vctx == nullptr) {
         die("the projector did not load");
@@ -118,9 +121,6 @@ int main(int argc, char ** argv) {
     }
     if (picture == nullptr) {
         die("no picture chunk");
-    }
-    if (!mtmd_decode_use_mrope(vctx)) {
-        die("the model does not use M-RoPE");
     }
 
     const llama_pos n_before = (llama_pos) before.size();
@@ -152,9 +152,11 @@ int main(int argc, char ** argv) {
     const mtmd_image_tokens * tokens = mtmd_input_chunk_get_tokens_image(picture);
     mtmd_decoder_pos first = mtmd_image_tokens_get_decoder_pos(tokens, n_before, 0);
     printf("{\"rows\":%zu,\"n_pos\":%d,\"n_past_before\":%d,\"n_past_after\":%d,\"first_pos\":[%u,%u,%u,%u],"
-           "\"n_vocab\":%d}\n",
+           "\"n_vocab\":%d,\"mrope\":%s,\"non_causal\":%s}\n",
            mtmd_input_chunk_get_n_tokens(picture), (int) mtmd_input_chunk_get_n_pos(picture), (int) n_before,
-           (int) n_past, first.t, first.x, first.y, first.z, n_vocab);
+           (int) n_past, first.t, first.x, first.y, first.z, n_vocab,
+           mtmd_decode_use_mrope(vctx) ? "true" : "false",
+           mtmd_decode_use_non_causal(vctx, picture) ? "true" : "false");
     mtmd_input_chunks_free(chunks);
     mtmd_bitmap_free(bitmap);
     mtmd_free(vctx);

@@ -113,14 +113,17 @@ pub struct RunArgs {
     pub knobs: super::knobs::KnobArgs,
 }
 
-/// The rows of the picture in `image` as the projector in `mmproj` encodes it.
+/// The rows of the picture in `image` as the projector in `mmproj` encodes it for `model`.
 fn encode_picture(
+    model: &Model,
     image: &std::path::Path,
     mmproj: &std::path::Path,
 ) -> Result<ImageRows, Box<dyn std::error::Error>> {
     let file = GgufFile::open(mmproj)?;
     let bytes = std::fs::read(image).map_err(|e| format!("reading {}: {e}", image.display()))?;
-    Ok(VisionEncoder::load(&file)?.encode_picture(&bytes)?)
+    let encoder = VisionEncoder::load(&file)?;
+    model.check_projector(encoder.projector_type())?;
+    Ok(encoder.encode_picture(&bytes)?)
 }
 
 /// Reads the prompt tokens before `at` and then the picture's rows (standing for `token`s) into `state`.
@@ -271,7 +274,7 @@ pub fn run(args: RunArgs) -> CliResult {
 
     let prompt = match (&args.image, &args.mmproj) {
         (Some(image), Some(mmproj)) => {
-            let rows = encode_picture(image, mmproj)?;
+            let rows = encode_picture(&model, image, mmproj)?;
             read_picture(
                 &model,
                 &mut state,

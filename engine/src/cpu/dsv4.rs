@@ -435,6 +435,7 @@ pub(super) fn dsv4_attention(
             scale: a.scale,
             window: None,
             softcap: None,
+            sees_together: None,
         };
         if n < GGML_FA_TILE_Q || arith == Arithmetic::BatchInvariant {
             // llama.cpp's vector path of flash attention (the query rounded to f16, the f16

@@ -38,6 +38,7 @@ use poly_models::compute::{
     WeightId,
 };
 use poly_models::gguf::{GgufFile, TensorInfo};
+use poly_models::vision::ImageRows;
 
 use crate::state::{KvPrecision, LayerState, RecurrentState, SeqState};
 
@@ -404,8 +405,8 @@ pub struct CpuForward<'a> {
     /// Each row's four multi-section RoPE positions, where they are not its cell: a call with a
     /// picture's rows, or one after a picture was read.
     rope_positions: Option<Vec<[u32; 4]>>,
-    /// Rows that replace the token embeddings from a row of the call on (a picture's).
-    given_rows: Option<(usize, &'a [f32])>,
+    /// The rows of the call that a picture's rows replace the token embeddings of, and those rows.
+    given_rows: Option<(Range<usize>, &'a [f32])>,
     arithmetic: Arithmetic,
     /// Where the call counts its routings, when someone measures them.
     routes: Option<&'a moe::RouteCounts>,
@@ -491,23 +492,31 @@ impl<'a> CpuForward<'a> {
         }
     }
 
-    /// The same call with `rows` (`n_embd` values each) in place of the token embeddings of the rows
-    /// from `at` on (a picture's rows, which replace its placeholder tokens), at the multi-section RoPE
-    /// positions `rope_positions` (one for each row of the call). The caller checks that they fit.
+    /// The same call with `picture`'s rows in place of the token embeddings of the rows from `at` on
+    /// (they replace its placeholder tokens), at the multi-section RoPE positions `rope_positions` (one
+    /// for each row of the call) when given, else at their cells as text (a model that reads pictures
+    /// in line). The caller checks that they fit.
     pub fn with_given_rows(
         mut self,
         at: usize,
-        rows: &'a [f32],
-        rope_positions: Vec<[u32; 4]>,
+        picture: &'a ImageRows,
+        rope_positions: Option<Vec<[u32; 4]>>,
     ) -> CpuForward<'a> {
-        assert_eq!(
-            rope_positions.len(),
-            self.tokens.len(),
-            "one position a row"
-        );
-        self.given_rows = Some((at, rows));
-        self.rope_positions = Some(rope_positions);
+        if let Some(p) = &rope_positions {
+            assert_eq!(p.len(), self.tokens.len(), "one position a row");
+        }
+        self.given_rows = Some((at..at + picture.n_rows(), &picture.values));
+        if rope_positions.is_some() {
+            self.rope_positions = rope_positions;
+        }
         self
+    }
+
+    /// The first and last cells of the picture read in the call (its given rows), if any.
+    fn picture_cells(&self) -> Option<(u32, u32)> {
+        let (rows, _) = self.given_rows.as_ref()?;
+        let last = rows.end.checked_sub(1).filter(|&l| l >= rows.start)?;
+        Some((self.positions[rows.start], self.positions[last]))
     }
 
     /// The same call counting its routings in `routes`.
@@ -618,8 +627,8 @@ impl Compute for CpuForward<'_> {
             .zip(tokens)
             .with_min_len(16)
             .for_each(|(o, &t)| weights.row_into(table, t as usize, o));
-        if let Some((at, rows)) = self.given_rows {
-            out.data[at * n_embd..at * n_embd + rows.len()].copy_from_slice(rows);
+        if let Some((rows, values)) = &self.given_rows {
+            out.data[rows.start * n_embd..rows.end * n_embd].copy_from_slice(values);
         }
         out
     }
@@ -706,6 +715,15 @@ impl Compute for CpuForward<'_> {
     fn scale(&mut self, x: &Mat, s: f32) -> Mat {
         let _span = profile::span("scale");
         x.map(|v| v * s)
+    }
+
+    fn scale_token_rows(&mut self, x: &Mat, s: f32) -> Mat {
+        let mut out = self.scale(x, s);
+        if let Some((rows, _)) = &self.given_rows {
+            let span = rows.start * x.cols..rows.end * x.cols;
+            out.data[span.clone()].copy_from_slice(&x.data[span]);
+        }
+        out
     }
 
     fn unary(&mut self, x: &Mat, f: Unary) -> Mat {
@@ -867,8 +885,12 @@ impl Compute for CpuForward<'_> {
     fn attention(&mut self, layer: usize, q: &Mat, k: &Mat, v: &Mat, a: &Attention) -> Mat {
         let _span = profile::span("attention");
         let arithmetic = self.arithmetic;
+        let together = self
+            .picture_cells()
+            .filter(|_| a.picture_rows_see_each_other);
         if let [(state, _)] = self.seqs.as_mut_slice() {
-            return attend(state, layer, (q, k, v), a, &self.positions, arithmetic);
+            let positions = (self.positions.as_slice(), together);
+            return attend(state, layer, (q, k, v), a, positions, arithmetic);
         }
         // Several states: each attends over its own cache with its own rows.
         let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
@@ -878,12 +900,13 @@ impl Compute for CpuForward<'_> {
                 &row_range(k, rows),
                 &row_range(v, rows),
             );
+            // Several states' calls read no pictures (a picture is read in a call of one state).
             let o = attend(
                 state,
                 layer,
                 qkv,
                 a,
-                &self.positions[rows.clone()],
+                (&self.positions[rows.clone()], None),
                 arithmetic,
             );
             out.data[rows.start * out.cols..rows.end * out.cols].copy_from_slice(&o.data);
@@ -1099,13 +1122,13 @@ impl Compute for CpuForward<'_> {
 }
 
 /// Attention of `q`'s rows over `state`'s cache of layer `layer`, after appending `k` and `v` to it; the
-/// rows sit at `positions`.
+/// rows sit at `positions`, and those between the cells `together` (a picture's) see each other.
 fn attend(
     state: &mut SeqState,
     layer: usize,
     (q, k, v): (&Mat, &Mat, &Mat),
     a: &Attention,
-    positions: &[u32],
+    (positions, together): (&[u32], Option<(u32, u32)>),
     arithmetic: Arithmetic,
 ) -> Mat {
     let pos0 = state.n_past();
@@ -1142,6 +1165,7 @@ fn attend(
         scale: a.scale,
         window: a.window,
         softcap: a.softcap,
+        sees_together: together,
     };
     let mut out = Mat::zeros(q.rows, a.n_head * a.head_dim_v);
     if cache.precision == KvPrecision::Q8_0 {

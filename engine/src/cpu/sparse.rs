@@ -238,6 +238,7 @@ pub(super) fn attention_cells(
         scale: a.scale,
         window: a.window,
         softcap: a.softcap,
+        sees_together: None,
     };
     let width = a.n_head * a.head_dim_v;
     let mut out = Mat::zeros(q.rows, width);

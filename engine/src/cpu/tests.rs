@@ -186,6 +186,7 @@ fn stateful_ops_give_the_same_results_in_one_call_or_token_by_token() {
         scale: 0.5,
         window: Some(3),
         softcap: None,
+        picture_rows_see_each_other: false,
     };
     let net = DeltaNet {
         n_v_heads: 2,
@@ -260,6 +261,7 @@ fn q8_0_attention_is_the_f32_cache_s_within_rounding() {
         scale: 1.0 / (dk as f32).sqrt(),
         window: Some(6),
         softcap: None,
+        picture_rows_see_each_other: false,
     };
     let n = 9;
     let tokens = vec![0u32; n];

@@ -258,13 +258,10 @@ fn load_vision<'f>(
     file: &'f GgufFile,
     model: &Model,
 ) -> Result<poly_models::vision::VisionEncoder<'f>, String> {
-    if poly_models::arch::Forward::multi_section_rope(model.graph()).is_none() {
-        return Err(format!(
-            "{} reads no pictures (its RoPE has no sections)",
-            model.info().arch
-        ));
-    }
     let vision = poly_models::vision::VisionEncoder::load(file).map_err(|e| e.to_string())?;
+    model
+        .check_projector(vision.projector_type())
+        .map_err(|e| e.to_string())?;
     if vision.out_width() != model.info().n_embd {
         return Err(format!(
             "its rows are {} wide, the model's embedding {}",

@@ -473,6 +473,7 @@ mod tests {
             scale: 1.0,
             window: None,
             softcap: None,
+            sees_together: None,
         }
     }
 

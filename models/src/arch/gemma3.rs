@@ -403,6 +403,7 @@ impl Forward for Gemma3Graph {
                 scale: 1.0,
                 window: self.window(il as u32),
                 softcap: None,
+                picture_rows_see_each_other: false,
             };
 
             // Self-attention: per-head RMS-normed Q and K, NeoX RoPE over the whole head, Q scaled.

@@ -38,6 +38,9 @@ use crate::gguf::{GgufFile, Metadata, Value};
 /// `general.architecture`.
 pub const ARCH: &str = "gemma4";
 
+/// The embedding widths of Gemma 4 E2B and E4B, whose pictures mtmd reads causally.
+const E_MODEL_WIDTHS: [u32; 2] = [1536, 2560];
+
 /// llama.cpp's default RoPE base of sliding-window blocks.
 pub const DEFAULT_ROPE_FREQ_BASE_SWA: f32 = 10000.0;
 
@@ -626,11 +629,23 @@ impl Gemma4Graph {
     pub fn window(&self, il: u32) -> Option<u32> {
         self.hp.is_swa(il).then_some(self.hp.sliding_window)
     }
+
+    /// Whether a picture's rows see each other in block `il`: llama.cpp's mtmd reads a Gemma 4 picture
+    /// with causal attention off (`mtmd_decode_use_non_causal`), which makes only the sliding-window
+    /// blocks bidirectional (`LLAMA_NON_CAUSAL_TYPE_SWA_ONLY`), except for E2B and E4B (embeddings 1536
+    /// and 2560 wide), which mtmd keeps causal.
+    pub fn picture_rows_see_each_other(&self, il: u32) -> bool {
+        self.hp.is_swa(il) && !E_MODEL_WIDTHS.contains(&self.hp.n_embd)
+    }
 }
 
 impl Forward for Gemma4Graph {
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn reads_pictures_in_line(&self) -> bool {
+        true
     }
 
     fn layer_states(&self) -> Vec<StateSpec> {
@@ -657,7 +672,7 @@ impl Forward for Gemma4Graph {
         };
 
         let inp = c.embed(self.tok_embd, &tokens);
-        let mut inp = c.scale(&inp, (n_embd as f32).sqrt());
+        let mut inp = c.scale_token_rows(&inp, (n_embd as f32).sqrt());
         for (il, b) in self.blocks.iter().enumerate() {
             let rope = self.rope(il as u32);
             let (head_dim, n_head_kv) = hp.head(il as u32);
@@ -671,6 +686,7 @@ impl Forward for Gemma4Graph {
                 scale: 1.0,
                 window: self.window(il as u32),
                 softcap: None,
+                picture_rows_see_each_other: self.picture_rows_see_each_other(il as u32),
             };
 
             // Self-attention: per-head RMS-normed Q and K with RoPE, per-head RMS-normed V (no weight);

@@ -256,6 +256,12 @@ pub trait Forward {
         None
     }
 
+    /// Whether the forward pass reads a picture's rows at plain consecutive positions, as text (Gemma 4:
+    /// mtmd's `set_position_normal`), the rows' attention as [`crate::compute::Attention`] says.
+    fn reads_pictures_in_line(&self) -> bool {
+        false
+    }
+
     /// The state of the file's own draft block (an MTP head after the trunk, run apart from it), if the
     /// model has one this forward pass runs: a state of this one layer, kept beside the trunk's.
     fn draft_block_state(&self) -> Option<StateSpec> {
@@ -409,6 +415,13 @@ impl Forward for ModelGraph {
         match self {
             ModelGraph::Qwen35Moe(g) => g.multi_section_rope(),
             _ => None,
+        }
+    }
+
+    fn reads_pictures_in_line(&self) -> bool {
+        match self {
+            ModelGraph::Gemma4(g) => g.reads_pictures_in_line(),
+            _ => false,
         }
     }
 

@@ -539,6 +539,7 @@ impl Lfm2MoeGraph {
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: None,
             softcap: None,
+            picture_rows_see_each_other: false,
         };
         let [q, k, v] = c.matmul_many([m.wq, m.wk, m.wv], x);
         let norms = [Some(m.q_norm), Some(m.k_norm)];

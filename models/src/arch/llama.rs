@@ -346,6 +346,7 @@ impl Forward for LlamaGraph {
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: None,
             softcap: None,
+            picture_rows_see_each_other: false,
         };
 
         let mut inp = c.embed(self.tok_embd, &tokens);

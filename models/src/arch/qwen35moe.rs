@@ -758,6 +758,7 @@ impl Qwen35MoeGraph {
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: None,
             softcap: None,
+            picture_rows_see_each_other: false,
         };
         let [q_gate, k, v] = c.matmul_many([m.wq_gate, m.wk, m.wv], x);
         let q = c.head_part(&q_gate, head_dim, 2, 0);

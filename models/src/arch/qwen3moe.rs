@@ -318,6 +318,7 @@ impl Forward for Qwen3MoeGraph {
             scale: 1.0 / (head_dim as f32).sqrt(),
             window: None,
             softcap: None,
+            picture_rows_see_each_other: false,
         };
         let (tokens, out_rows) = {
             let b = c.batch();

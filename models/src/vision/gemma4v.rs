@@ -602,6 +602,7 @@ impl<'a> Gemma4vEncoder<'a> {
             scale: 1.0,
             window: None,
             softcap: None,
+            sees_together: None,
         };
         // Every patch sees every patch.
         let mut att = vec![0f32; n * hp.n_head as usize * hd];

@@ -456,6 +456,7 @@ impl<'a> Qwen3VlEncoder<'a> {
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
             softcap: None,
+            sees_together: None,
         };
         // Every patch sees every patch.
         let mut att = vec![0f32; n * e];

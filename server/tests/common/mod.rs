@@ -122,9 +122,14 @@ impl Home {
 
     /// The tiny vision projector `poly-engine synth` writes (`qwen3vl-mmproj`, F32), in the home.
     pub fn synth_projector(&self) -> PathBuf {
-        let out = self.dir.join("mmproj-tiny.gguf");
+        self.synth_projector_of("qwen3vl-mmproj")
+    }
+
+    /// The tiny projector `poly-engine synth --arch arch` writes (F32, seed 1), in the home.
+    pub fn synth_projector_of(&self, arch: &str) -> PathBuf {
+        let out = self.dir.join(format!("{arch}-tiny.gguf"));
         let o = Command::new(engine_bin())
-            .args(["synth", "--arch", "qwen3vl-mmproj", "--shape", "tiny"])
+            .args(["synth", "--arch", arch, "--shape", "tiny"])
             .args(["--type", "F32", "--seed", "1", "--out"])
             .arg(&out)
             .output()

@@ -11,6 +11,7 @@
 //! comparison ends.
 
 mod engine;
+pub mod picture;
 mod sha256;
 
 pub use engine::{

@@ -774,6 +774,7 @@ impl Compute for GpuForward<'_> {
                 scale: a.scale,
                 window: a.window,
                 softcap: a.softcap,
+                sees_together: None,
             };
             let dev = c.dev;
             let positions = match &c.graph {

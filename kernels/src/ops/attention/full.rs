@@ -162,6 +162,7 @@ mod tests {
                 scale: 1.0 / (dk as f32).sqrt(),
                 window: None,
                 softcap: None,
+                sees_together: None,
             };
             let q: Vec<f32> = (0..n * n_head * dk).map(|_| rng.normal()).collect();
             let k: Vec<f32> = (0..n * n_head_kv * dk).map(|_| rng.normal()).collect();
@@ -190,6 +191,7 @@ mod tests {
             scale: 1.0,
             window: None,
             softcap: None,
+            sees_together: None,
         };
         let q = vec![1.0f32; n * d];
         let mut k = vec![0.0f32; n * d];

@@ -38,6 +38,11 @@ pub struct AttnParams {
     pub window: Option<u32>,
     /// `cap·tanh(s/cap)` on the scaled scores `s` (as ggml's flash attention applies it).
     pub softcap: Option<f32>,
+    /// The first and last positions of rows that see each other whatever their order: a query among
+    /// them also sees the later ones, up to the last (the window still bounds what it sees before it).
+    /// A picture's rows in Gemma 4's sliding-window layers, as llama.cpp decodes a picture there with
+    /// causal attention off; `None`: causal.
+    pub sees_together: Option<(u32, u32)>,
 }
 
 impl AttnParams {
@@ -47,6 +52,16 @@ impl AttnParams {
         match self.window {
             Some(w) => (pos + 1).saturating_sub(w) as usize,
             None => 0,
+        }
+    }
+
+    /// The last position a query at `pos` sees: `pos`, or the end of the rows that see each other
+    /// ([`AttnParams::sees_together`]) when it is one of them.
+    #[inline]
+    pub fn last_visible(&self, pos: u32) -> usize {
+        match self.sees_together {
+            Some((first, last)) if (first..=last).contains(&pos) => last.max(pos) as usize,
+            _ => pos as usize,
         }
     }
 }
@@ -75,7 +90,7 @@ pub fn attention(
             let hk = h / group;
             let pos = positions[i];
             let first = p.first_visible(pos);
-            let last = pos as usize;
+            let last = p.last_visible(pos);
             let qh = &q[(i * p.n_head + h) * dk..][..dk];
             scores.clear();
             let mut max = f32::NEG_INFINITY;
@@ -143,8 +158,8 @@ fn check_shapes_of(
     let n_kv = k_len / k_row;
     assert_eq!(v_len, n_kv * v_row, "attention: v has the wrong length");
     assert!(
-        positions.iter().all(|&pos| (pos as usize) < n_kv),
-        "attention: a query position is past the keys"
+        positions.iter().all(|&pos| p.last_visible(pos) < n_kv),
+        "attention: a query position, or the last of the rows that see each other, is past the keys"
     );
     n_kv
 }
@@ -194,7 +209,7 @@ pub fn attention_ggml_f16(
                 k_row,
                 v_row,
                 first: p.first_visible(positions[i]),
-                last: positions[i] as usize,
+                last: p.last_visible(positions[i]),
                 chunk,
                 split: kv_chunk.is_some(),
                 cells: None,
@@ -456,7 +471,11 @@ pub fn attention_ggml_q8_0(
     let group = p.n_head / p.n_head_kv;
     // Where more than one query head reads each value row, the rows are dequantized once for the call
     // (exact, so the same sums), up to the last position a query sees.
-    let seen = positions.iter().map(|&x| x as usize + 1).max().unwrap_or(0);
+    let seen = positions
+        .iter()
+        .map(|&x| p.last_visible(x) + 1)
+        .max()
+        .unwrap_or(0);
     let v_f32 = (n_q * group > 1).then(|| {
         let w = p.n_head_kv * dv;
         let mut f = vec![0f32; seen * w];
@@ -483,7 +502,7 @@ pub fn attention_ggml_q8_0(
                 },
                 k_row,
                 first: p.first_visible(positions[i]),
-                last: positions[i] as usize,
+                last: p.last_visible(positions[i]),
             };
             #[cfg(target_arch = "x86_64")]
             if crate::quant::has_avx2_fma() {
@@ -735,7 +754,7 @@ fn tiled_task(
         .unwrap_or(0);
     let last = rows
         .clone()
-        .map(|i| positions[i] as usize)
+        .map(|i| p.last_visible(positions[i]))
         .max()
         .unwrap_or(0);
     // The tile's keys transposed (`kt[d·T + t]`), as ggml packs them.
@@ -751,9 +770,8 @@ fn tiled_task(
             }
         }
         for (r, i) in rows.clone().enumerate() {
-            let pos = positions[i] as usize;
             let lo = p.first_visible(positions[i]).max(t0);
-            let hi = (t0 + T).min(pos + 1);
+            let hi = (t0 + T).min(p.last_visible(positions[i]) + 1);
             if lo >= hi {
                 continue;
             }
@@ -935,9 +953,9 @@ mod tests {
             for h in 0..p.n_head {
                 let hk = h * p.n_head_kv / p.n_head;
                 let mut s = Vec::new();
-                for j in 0..=pos as usize {
+                for j in 0..=p.last_visible(pos) {
                     if let Some(w) = p.window {
-                        if pos as usize - j >= w as usize {
+                        if (pos as usize).saturating_sub(j) >= w as usize {
                             s.push(f64::NEG_INFINITY);
                             continue;
                         }
@@ -985,6 +1003,7 @@ mod tests {
                 scale: 1.0 / (dk as f32).sqrt(),
                 window,
                 softcap,
+                sees_together: None,
             };
             let k: Vec<f32> = normals(&mut rng, n_kv * n_head_kv * dk)
                 .iter()
@@ -1012,6 +1031,7 @@ mod tests {
             scale: 0.5,
             window: None,
             softcap: None,
+            sees_together: None,
         };
         let q = normals(&mut rng, 8);
         let mut k = normals(&mut rng, 4 * 10);
@@ -1043,6 +1063,7 @@ mod tests {
                 scale: 1.0 / (dk as f32).sqrt(),
                 window,
                 softcap,
+                sees_together: None,
             };
             // The cache holds f16 values, as the vector path requires.
             let f16s = |v: Vec<f32>| v.into_iter().map(round_f16).collect::<Vec<_>>();
@@ -1109,6 +1130,7 @@ mod tests {
                 scale: 1.0 / (dk as f32).sqrt(),
                 window,
                 softcap,
+                sees_together: None,
             };
             let f16s = |v: Vec<f32>| v.into_iter().map(round_f16).collect::<Vec<_>>();
             let k = f16s(normals(&mut rng, n_kv * n_head_kv * dk));
@@ -1162,6 +1184,7 @@ mod tests {
                 scale: 1.0 / (dk as f32).sqrt(),
                 window,
                 softcap,
+                sees_together: None,
             };
             let (kq, k) = q8_0_rows(&normals(&mut rng, n_kv * n_head_kv * dk));
             let (vq, v) = q8_0_rows(&normals(&mut rng, n_kv * n_head_kv * dv));
@@ -1195,6 +1218,86 @@ mod tests {
             attention_ggml_q8_0(q37, &[37], &k2, &v2, &p, &mut b);
             assert_eq!(a == b, window.is_some_and(|w| w <= 35), "{p:?}");
         }
+    }
+
+    #[test]
+    fn rows_that_see_each_other_see_the_later_ones_on_every_path() {
+        // Positions 20..=29 see each other (a picture's rows), in a window of 8; the query at 35 and
+        // those before 20 stay causal.
+        let mut rng = Rng::new(15);
+        let (n_head, n_head_kv, d, n_kv) = (4, 2, 32, 40);
+        let causal = AttnParams {
+            n_head,
+            n_head_kv,
+            head_dim_k: d,
+            head_dim_v: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: Some(8),
+            softcap: None,
+            sees_together: None,
+        };
+        let p = AttnParams {
+            sees_together: Some((20, 29)),
+            ..causal
+        };
+        let f16s = |v: Vec<f32>| v.into_iter().map(round_f16).collect::<Vec<_>>();
+        let k = f16s(normals(&mut rng, n_kv * n_head_kv * d));
+        let v = f16s(normals(&mut rng, n_kv * n_head_kv * d));
+        let positions: Vec<u32> = vec![20, 24, 29, 35, 5];
+        let q = f16s(normals(&mut rng, positions.len() * n_head * d));
+        let expect = reference(&q, &positions, &k, &v, &p);
+        let run = |f: &dyn Fn(&AttnParams, &mut [f32])| {
+            let mut out = vec![0f32; q.len()];
+            f(&p, &mut out);
+            let mut causal_out = vec![0f32; q.len()];
+            f(&causal, &mut causal_out);
+            (out, causal_out)
+        };
+        let row = n_head * d;
+        type Path<'a> = (&'a str, &'a dyn Fn(&AttnParams, &mut [f32]));
+        let paths: [Path; 3] = [
+            ("f32", &|p, o| attention(&q, &positions, &k, &v, p, o)),
+            ("vector", &|p, o| {
+                attention_ggml_f16(&q, &positions, &k, &v, p, None, o)
+            }),
+            ("tiled", &|p, o| {
+                attention_ggml_f16_tiled(&q, &positions, &k, &v, p, o)
+            }),
+        ];
+        for (name, f) in paths {
+            let (out, causal_out) = run(f);
+            let d = max_diff(&out, &expect);
+            assert!(d < 2e-3, "{name}: {d}");
+            // The picture's rows before its last changed (they see later rows); its last row, which
+            // has none to see, and the rows outside it did not.
+            for i in 0..2 {
+                assert_ne!(
+                    out[i * row..][..row],
+                    causal_out[i * row..][..row],
+                    "{name}"
+                );
+            }
+            assert_eq!(out[2 * row..], causal_out[2 * row..], "{name}");
+        }
+        // Over a Q8_0 cache: the same visibility (checked by keys past the picture not mattering and
+        // its last rows mattering to its first row).
+        let (kq, _) = q8_0_rows(&k);
+        let (vq, _) = q8_0_rows(&v);
+        let q20 = &q[..row];
+        let rk = q8_0_bytes(n_head_kv * d);
+        let changed = |rows: std::ops::Range<usize>| {
+            let mut k2 = kq.clone();
+            for j in rows {
+                k2[j * rk + 2..(j + 1) * rk].fill(9);
+            }
+            let (mut a, mut b) = (vec![0f32; row], vec![0f32; row]);
+            attention_ggml_q8_0(q20, &[20], &kq, &vq, &p, &mut a);
+            attention_ggml_q8_0(q20, &[20], &k2, &vq, &p, &mut b);
+            a != b
+        };
+        assert!(changed(29..30), "row 20 sees the picture's last row");
+        assert!(!changed(30..40), "nor anything after the picture");
+        assert!(!changed(0..13), "nor anything before its window");
     }
 
     #[test]

@@ -402,6 +402,7 @@ impl Glm5NextGraph {
             scale: 1.0 / (hp.head_k_mla as f32).sqrt(),
             window: None,
             softcap: None,
+            picture_rows_see_each_other: false,
         };
         let cells = sel
             .as_ref()
