@@ -150,9 +150,21 @@ pub fn write_qwen3vl_projector(
             .map_err(|e| SynthError(e.to_string()))?;
         types.push(ty);
     }
+    write_drawn(w, path, (&table, &types), (seed, 0x6d6d_7072_6f6a), draw)
+}
+
+/// Writes `w` to `path`, tensor `i` (`table[i]`, added as `types[i]`) drawn by `draw` from a random
+/// stream of its own (`seed` and `stream`, which tells projector types apart).
+pub(super) fn write_drawn(
+    w: GgufWriter,
+    path: &Path,
+    (table, types): (&[(String, Vec<u64>)], &[GgmlType]),
+    (seed, stream): (u64, u64),
+    draw: fn(&str, &[u64], &mut Rng) -> Vec<f32>,
+) -> Result<(), SynthError> {
     let mut failure = None;
     w.write_to_path(path, |i, info, out| {
-        let mut rng = Rng::new(stream_seed(seed, 0x6d6d_7072_6f6a, i as u64));
+        let mut rng = Rng::new(stream_seed(seed, stream, i as u64));
         let values = draw(&info.name, &table[i].1, &mut rng);
         match encode_floats(types[i], &values, &info.name) {
             Ok(bytes) => {

@@ -14,7 +14,7 @@ use poly_kernels::quant::GgmlType;
 use poly_kernels::rng::Rng;
 use std::path::Path;
 
-use super::fill::{encode_floats, stream_seed};
+use super::mmproj::write_drawn;
 use super::SynthError;
 use crate::gguf::{GgufWriter, Value};
 use crate::vision::gemma4v::{
@@ -189,23 +189,13 @@ pub fn write_gemma4v_projector(
             .map_err(|e| SynthError(e.to_string()))?;
         types.push(ty);
     }
-    let mut failure = None;
-    w.write_to_path(path, |i, info, out| {
-        let mut rng = Rng::new(stream_seed(seed, 0x0067_3476_7072_6f6a, i as u64));
-        let values = draw(&info.name, &table[i].1, &mut rng);
-        match encode_floats(types[i], &values, &info.name) {
-            Ok(bytes) => {
-                out.copy_from_slice(&bytes);
-                Ok(())
-            }
-            Err(e) => {
-                let msg = e.0.clone();
-                failure = Some(e);
-                Err(std::io::Error::other(msg))
-            }
-        }
-    })
-    .map_err(|e| failure.take().unwrap_or_else(|| SynthError(e.to_string())))
+    write_drawn(
+        w,
+        path,
+        (&table, &types),
+        (seed, 0x0067_3476_7072_6f6a),
+        draw,
+    )
 }
 
 #[cfg(test)]

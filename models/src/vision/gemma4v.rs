@@ -27,14 +27,14 @@
 
 use super::picture::{normalize, resize, smart_size, Filter, Fit, Rgb8, RgbF32};
 use super::products::{product, PatchKernel};
-use super::{ImageRows, VisionError};
+use super::{check_tensor_table, tensor_matrix, tensor_values, ImageRows, VisionError};
 use crate::gguf::GgufFile;
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::act::{gelu_ggml, gelu_quick_ggml, swiglu_ggml_rows};
 use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope_2d::rope_2d_halves;
-use poly_kernels::quant::{dequantize, GgmlType};
+use poly_kernels::quant::GgmlType;
 
 /// `clip.projector_type` (or `clip.vision.projector_type`) of this encoder.
 pub const PROJECTOR_TYPE: &str = "gemma4v";
@@ -328,17 +328,7 @@ impl<'a> Gemma4vEncoder<'a> {
     pub fn load(file: &'a GgufFile) -> Result<Gemma4vEncoder<'a>, VisionError> {
         let hp = Gemma4vHparams::from_file(file)?;
         let table = tensor_table(&hp);
-        for (name, dims) in &table {
-            let info = file
-                .tensor_info(name)
-                .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
-            if &info.dims != dims {
-                return Err(VisionError(format!(
-                    "{name}: dimensions {:?}, expected {dims:?}",
-                    info.dims
-                )));
-            }
-        }
+        check_tensor_table(file, &table)?;
         let e = u64::from(hp.n_embd);
         for name in [STD_BIAS, STD_SCALE] {
             if let Some(info) = file.tensor_info(name) {
@@ -375,25 +365,8 @@ impl<'a> Gemma4vEncoder<'a> {
                 other.name
             )));
         }
-        let matrix = |name: &str| -> Result<QuantMatrix<'a>, VisionError> {
-            let t = file.tensor(name).expect("checked above");
-            let (cols, rows) = (
-                t.dims()[..t.dims().len() - 1].iter().product::<u64>(),
-                t.dims()[t.dims().len() - 1],
-            );
-            QuantMatrix::new(t.ty(), rows as usize, cols as usize, t.data)
-                .map_err(|e| VisionError(format!("{name}: {e}")))
-        };
-        let vector = |name: &str| -> Result<Vec<f32>, VisionError> {
-            let t = file
-                .tensor(name)
-                .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
-            let n: u64 = t.dims().iter().product();
-            let mut out = vec![0f32; n as usize];
-            dequantize(t.ty(), t.data, &mut out)
-                .map_err(|e| VisionError(format!("{name}: {e}")))?;
-            Ok(out)
-        };
+        let matrix = |name: &str| tensor_matrix(file, name);
+        let vector = |name: &str| tensor_values(file, name);
         // clip.cpp's get_scalar: an F32 tensor of one value, else the default.
         let scalar = |name: &str, default: f32| -> Result<f32, VisionError> {
             let Some(t) = file.tensor(name) else {

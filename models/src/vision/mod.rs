@@ -17,6 +17,8 @@ mod products;
 pub mod qwen3vl;
 
 use crate::gguf::GgufFile;
+use poly_kernels::matmul::QuantMatrix;
+use poly_kernels::quant::dequantize;
 
 /// An error of a vision encoder: a message for people.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +59,46 @@ pub fn projector_type(file: &GgufFile) -> Result<String, VisionError> {
     Err(VisionError(
         "not a projector file: no clip.projector_type".into(),
     ))
+}
+
+/// Checks that `file` holds every tensor of `table` (name, ggml dimensions) with those dimensions.
+fn check_tensor_table(file: &GgufFile, table: &[(String, Vec<u64>)]) -> Result<(), VisionError> {
+    for (name, dims) in table {
+        let info = file
+            .tensor_info(name)
+            .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
+        if &info.dims != dims {
+            return Err(VisionError(format!(
+                "{name}: dimensions {:?}, expected {dims:?}",
+                info.dims
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Tensor `name` of `file` as a matrix read in place: its last dimension the rows, the others the columns.
+fn tensor_matrix<'a>(file: &'a GgufFile, name: &str) -> Result<QuantMatrix<'a>, VisionError> {
+    let t = file
+        .tensor(name)
+        .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
+    let (rows, cols) = match t.dims().split_last() {
+        Some((&rows, rest)) => (rows, rest.iter().product::<u64>()),
+        None => (0, 0),
+    };
+    QuantMatrix::new(t.ty(), rows as usize, cols as usize, t.data)
+        .map_err(|e| VisionError(format!("{name}: {e}")))
+}
+
+/// Tensor `name` of `file`, every value as f32.
+fn tensor_values(file: &GgufFile, name: &str) -> Result<Vec<f32>, VisionError> {
+    let t = file
+        .tensor(name)
+        .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
+    let n: u64 = t.dims().iter().product();
+    let mut out = vec![0f32; n as usize];
+    dequantize(t.ty(), t.data, &mut out).map_err(|e| VisionError(format!("{name}: {e}")))?;
+    Ok(out)
 }
 
 /// A loaded vision encoder of one of the supported projector types.

@@ -21,7 +21,7 @@
 
 use super::picture::{normalize, resize, smart_size, Filter, Fit, Rgb8, RgbF32};
 use super::products::{product, PatchKernel};
-use super::{ImageRows, VisionError};
+use super::{check_tensor_table, tensor_matrix, tensor_values, ImageRows, VisionError};
 use crate::gguf::GgufFile;
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::act::gelu_ggml;
@@ -29,7 +29,7 @@ use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::layer_norm;
 use poly_kernels::ops::resample::bilinear_align_corners;
 use poly_kernels::ops::rope_2d::rope_2d;
-use poly_kernels::quant::{dequantize, GgmlType};
+use poly_kernels::quant::GgmlType;
 
 /// `clip.projector_type` of this encoder.
 pub const PROJECTOR_TYPE: &str = "qwen3vl_merger";
@@ -264,34 +264,9 @@ impl<'a> Qwen3VlEncoder<'a> {
     /// Reads the hyperparameters and every tensor of `file`, checking each tensor's dimensions.
     pub fn load(file: &'a GgufFile) -> Result<Qwen3VlEncoder<'a>, VisionError> {
         let hp = Qwen3VlHparams::from_file(file)?;
-        for (name, dims) in tensor_table(&hp) {
-            let info = file
-                .tensor_info(&name)
-                .ok_or_else(|| VisionError(format!("missing tensor {name}")))?;
-            if info.dims != dims {
-                return Err(VisionError(format!(
-                    "{name}: dimensions {:?}, expected {dims:?}",
-                    info.dims
-                )));
-            }
-        }
-        let matrix = |name: &str| -> Result<QuantMatrix<'a>, VisionError> {
-            let t = file.tensor(name).expect("checked above");
-            let (cols, rows) = (
-                t.dims()[..t.dims().len() - 1].iter().product::<u64>(),
-                t.dims()[t.dims().len() - 1],
-            );
-            QuantMatrix::new(t.ty(), rows as usize, cols as usize, t.data)
-                .map_err(|e| VisionError(format!("{name}: {e}")))
-        };
-        let vector = |name: &str| -> Result<Vec<f32>, VisionError> {
-            let t = file.tensor(name).expect("checked above");
-            let n: u64 = t.dims().iter().product();
-            let mut out = vec![0f32; n as usize];
-            dequantize(t.ty(), t.data, &mut out)
-                .map_err(|e| VisionError(format!("{name}: {e}")))?;
-            Ok(out)
-        };
+        check_tensor_table(file, &tensor_table(&hp))?;
+        let matrix = |name: &str| tensor_matrix(file, name);
+        let vector = |name: &str| tensor_values(file, name);
         let linear = |base: &str| -> Result<Linear<'a>, VisionError> {
             Ok(Linear {
                 w: matrix(&format!("{base}.weight"))?,

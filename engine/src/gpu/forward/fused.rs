@@ -170,6 +170,14 @@ pub fn fuse_on(f: Fusion) -> bool {
         .is_some_and(|i| on[i])
 }
 
+/// Whether the fused norm-and-rotation kernels take `x`'s rows: whole heads of at most
+/// [`NORM_ROPE_MAX_HEAD_DIM`] values.
+fn norm_rope_fits(x: &DevAct, rope: &Rope) -> bool {
+    rope.head_dim > 0
+        && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
+        && x.cols.is_multiple_of(rope.head_dim)
+}
+
 impl GpuForward<'_> {
     /// [`poly_models::compute::Compute::add_rms_norm`]: one launch. One token's whole-row norm also
     /// writes its quantized copy for the matrices it feeds (as `rms_norm` does).
@@ -210,10 +218,7 @@ impl GpuForward<'_> {
         eps: f32,
         rope: &Rope,
     ) -> DevAct {
-        let fits = rope.head_dim > 0
-            && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
-            && x.cols.is_multiple_of(rope.head_dim);
-        if !fuse_on(Fusion::NormRope) || !fits {
+        if !fuse_on(Fusion::NormRope) || !norm_rope_fits(x, rope) {
             return composed::rms_norm_rope(self, x, weight, eps, rope);
         }
         let mut out = self.alloc(x.rows, x.cols);
@@ -296,13 +301,8 @@ impl GpuForward<'_> {
         eps: f32,
         rope: &Rope,
     ) -> [DevAct; 2] {
-        let fits = |x: &DevAct| {
-            rope.head_dim > 0
-                && rope.head_dim <= NORM_ROPE_MAX_HEAD_DIM
-                && x.cols.is_multiple_of(rope.head_dim)
-        };
         let on = fuse_on(Fusion::NormRope) && fuse_on(Fusion::NormRopePair);
-        if !on || !fits(q) || !fits(k) || q.rows != k.rows {
+        if !on || !norm_rope_fits(q, rope) || !norm_rope_fits(k, rope) || q.rows != k.rows {
             return composed::rms_norm_rope_pair(self, [q, k], [q_norm, k_norm], eps, rope);
         }
         let (mut q_out, mut k_out) = (self.alloc(q.rows, q.cols), self.alloc(k.rows, k.cols));
