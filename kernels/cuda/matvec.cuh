@@ -73,6 +73,10 @@ static __device__ __forceinline__ void rows_dot_n(const uint8_t * const (&w_row0
 #pragma unroll
             for (int m = 0; m < N_MAT; ++m) {
                 const typename F::block * w = (const typename F::block *) (w_row0[m] + (r < nr ? r : 0) * row_bytes);
+                // Weights live in the card's global memory (allocations, cache slots, mapped host memory):
+                // said so, the loads are global ones instead of generic ones (the expert kernels' addresses
+                // come from a table, so the compiler could not tell).
+                __builtin_assume(__isGlobal(w));
                 acc[m][r] += F::dot(w + kb, xb, iqs);
             }
         }

@@ -111,7 +111,8 @@ impl Default for GpuKernelOptions {
             mmq_expert_tile: None,
             mmq_old_expert_tiles: false,
             moe_group_host: false,
-            matvec_warps_per_row: 4,
+            // One warp a row: measured fastest on an H100 (kernels/src/cuda/ops.rs, max_warps_per_row).
+            matvec_warps_per_row: 1,
             matvec_rows_per_group: 1,
             launch_overlap: LaunchOverlap::Decode,
             // Off until measured on a card: written and compiled for sm_90 (NVRTC), never yet run on one.

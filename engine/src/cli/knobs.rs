@@ -275,9 +275,9 @@ pub struct KnobArgs {
     /// At most this many rows per warp group of the one-token matvec: 1, 2 or 4 (was POLY_MATVEC_RPG).
     #[arg(long, value_name = "N", default_value = "1", value_parser = one_two_four)]
     matvec_rpg: u32,
-    /// At most this many warps per row of the quantized matvec: 1, 2 or 4 (was
-    /// POLY_MATVEC_WARPS_PER_ROW).
-    #[arg(long, value_name = "N", default_value = "4", value_parser = one_two_four)]
+    /// At most this many warps per row of the one-token quantized matvec: 1, 2 or 4 (was
+    /// POLY_MATVEC_WARPS_PER_ROW; 4 before 2026-12-07).
+    #[arg(long, value_name = "N", default_value = "1", value_parser = one_two_four)]
     matvec_warps_per_row: u32,
     /// Which kernel launches are programmatic dependent launches on sm_90+ (each one's launch overlaps
     /// the kernel before it): those of one-token calls, all, or none.

@@ -120,22 +120,25 @@ fn threads_per_weight_block(ty: GgmlType) -> usize {
     q_format(ty).map_or(1, |f| f.threads_per_block)
 }
 
-/// Warps per output row of the quantized matvec kernels (so a thread block computes 4, 2 or 1 rows): one
-/// warp for a row of up to two warps' work (a second pass of one warp costs less than two warps' sums
-/// meeting in shared memory behind a barrier: an expert's down row of 768 Q4_K values, 48 threads' work,
-/// is one warp's in llama.cpp's mmvq too), else 4.
+/// Warps per output row of the few-token quantized matmul kernels (so a thread block computes 4, 2 or 1
+/// rows): one warp for a row of up to two warps' work (a second pass of one warp costs less than two
+/// warps' sums meeting in shared memory behind a barrier: an expert's down row of 768 Q4_K values, 48
+/// threads' work, is one warp's in llama.cpp's mmvq too), else 4. The one-token kernels take at most
+/// `--matvec-warps-per-row` of these ([`rows_config_capped`]).
 fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
     let threads = cols / ty.block_elems() * threads_per_weight_block(ty);
-    let wpr = match threads {
+    match threads {
         0..=64 => 1,
         _ => 4,
-    };
-    wpr.min(max_warps_per_row())
+    }
 }
 
-/// `--matvec-warps-per-row` (1, 2 or 4, default 4): at most this many warps share a row, so a block
-/// computes more rows with each thread looping over more weight blocks. A tuning knob for measurements;
-/// every value computes the same sums per thread group, in another order.
+/// `--matvec-warps-per-row` (1, 2 or 4, default 1): at most this many warps share a row of a one-token
+/// matvec, so a block computes more rows with each thread looping over more weight blocks. One warp a row
+/// measured fastest on an H100 (2026-12-07, BENCHMARKS.md "Issue 15, twelfth session"): every weight in
+/// VRAM, answers +11% (qwen3moe) and +13% (qwen35moe) against 4 (the four warps' sums meet in shared
+/// memory behind a barrier, and the launches have four times the blocks); held to 8 GB +2% and +5–7%.
+/// Every value computes the same sums per thread group, in another order.
 fn max_warps_per_row() -> u32 {
     match crate::options::get().gpu.matvec_warps_per_row {
         1 => 1,
@@ -191,16 +194,22 @@ pub(crate) fn q_matvec_rows_config(
     cols: usize,
     slots: usize,
 ) -> (LaunchConfig, i32, i32) {
-    rows_config_capped(ty, (rows, cols, slots), max_rows_per_group())
+    rows_config_capped(
+        ty,
+        (rows, cols, slots),
+        max_rows_per_group(),
+        max_warps_per_row(),
+    )
 }
 
-/// [`q_matvec_rows_config`] with at most `max_rpg` rows per group.
+/// [`q_matvec_rows_config`] with at most `max_rpg` rows per group and `max_wpr` warps per row.
 fn rows_config_capped(
     ty: GgmlType,
     (rows, cols, slots): (usize, usize, usize),
     max_rpg: usize,
+    max_wpr: u32,
 ) -> (LaunchConfig, i32, i32) {
-    let wpr = warps_per_row(ty, cols);
+    let wpr = warps_per_row(ty, cols).min(max_wpr);
     let rows_per_block = (MATVEC_BLOCK.1 / wpr) as usize;
     let blocks = |rpg: usize| rows.div_ceil(rows_per_block * rpg) * slots;
     let rpg = [4, 2, 1]
@@ -1170,14 +1179,17 @@ mod tests {
         // One token, rows grouped up to 4: 4 rows per group where 256 blocks remain, fewer where they
         // would not; with the cap at 1, the shape of q_matvec_config.
         let q4k = GgmlType::Q4_K;
-        let (cfg, wpr, rpg) = rows_config_capped(q4k, (768, 2048, 8), 4);
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (768, 2048, 8), 4, 4);
         assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 4, 4));
-        let (cfg, _, rpg) = rows_config_capped(q4k, (512, 2048, 1), 4);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (512, 2048, 1), 4, 4);
         assert_eq!((cfg.grid_dim.0, rpg), (256, 2));
-        let (cfg, _, rpg) = rows_config_capped(q4k, (128, 2048, 1), 4);
+        let (cfg, _, rpg) = rows_config_capped(q4k, (128, 2048, 1), 4, 4);
         assert_eq!((cfg.grid_dim.0, rpg), (128, 1));
-        let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1);
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (769, 768, 8), 1, 4);
         assert_eq!((cfg.grid_dim, wpr, rpg), ((193, 8, 1), 1, 1));
+        // One warp a row (the default cap): a block of 4 warps computes 4 rows of 2048 values.
+        let (cfg, wpr, rpg) = rows_config_capped(q4k, (768, 2048, 8), 1, 1);
+        assert_eq!((cfg.grid_dim, wpr, rpg), ((192, 8, 1), 1, 1));
     }
     #[test]
     fn ticketed_launches_take_the_model_shapes_and_refuse_the_rest() {
