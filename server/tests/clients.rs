@@ -4,7 +4,8 @@
 //! (`POLY_GEMMA_GGUF`, which tests/run.sh sets, else /work/models/gemma-3-270m-q4_k_m.gguf).
 //!
 //! A picture and a question through both clients go to the tiny qwen35moe with the tiny projector
-//! `poly-engine synth --arch qwen3vl-mmproj` writes (its run config's `mmproj`).
+//! `poly-engine synth --arch qwen3vl-mmproj` writes (its run config's `mmproj`), and to the tiny gemma4
+//! with the tiny `gemma4v` projector (Gemma 4's picture words, its rows seeing each other).
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: about 40 short generations per model; under a minute in release on 2 cores.
@@ -43,6 +44,16 @@ fn openai_and_anthropic_packages_as_clients() {
     home.add_model("gemma3", "gemma3-tiny-q4km.gguf", json!({}));
     // Pictures are read on the CPU.
     home.add_vision_model("vision");
+    let gemma4 = common::fixture("gemma4-tiny-q4km.gguf");
+    home.write_config(
+        "vision-gemma4",
+        &json!({
+            "exe": common::engine_bin(),
+            "args": ["--model", gemma4, "--max-context", "4096", "--threads", "1", "--cpu"],
+            "tokenizer": home.tokenizer_for("vision-gemma4", &gemma4),
+            "mmproj": home.synth_projector_of("gemma4v-mmproj"),
+        }),
+    );
     let mut models = vec!["qwen3", "gemma3"];
     if let Some(gguf) = gemma_270m() {
         let tok = home.tokenizer_for("gemma-270m", &gguf);
@@ -65,7 +76,7 @@ fn openai_and_anthropic_packages_as_clients() {
         .arg(&script)
         .env("POLYSTRATA_URL", format!("http://{}", server.addr))
         .env("POLYSTRATA_MODELS", models.join(","))
-        .env("POLYSTRATA_VISION_MODEL", "vision")
+        .env("POLYSTRATA_VISION_MODELS", "vision,vision-gemma4")
         .env(
             "POLYSTRATA_PICTURE",
             common::workspace_root().join("tests/fixtures/vision/picture-64x48.png"),
