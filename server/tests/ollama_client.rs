@@ -1,6 +1,7 @@
 //! The official `ollama` Python package as a client (tests/server/ollama_client.py) against
 //! `polystrata serve` with a real engine child on the tiny qwen3moe fixture: list, show, ps, chat and
-//! generate streamed and not, and errors.
+//! generate streamed and not, and errors; then a picture in a chat and a generate for the tiny qwen35moe
+//! and the tiny gemma4, each with its tiny projector (read on the CPU).
 //!
 //! Python: `POLYSTRATA_PYTHON`, else `python3`; it needs `pip install -r tests/server/requirements.txt`.
 //! Cost: about 10 short generations, a few seconds.
@@ -28,12 +29,32 @@ fn ollama_package_as_client() {
     );
     let home = Home::new("ollama");
     home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
+    home.add_vision_model("vision");
+    let gemma4 = common::fixture("gemma4-tiny-q4km.gguf");
+    home.write_config(
+        "vision-gemma4",
+        &json!({
+            "exe": common::engine_bin(),
+            "args": ["--model", gemma4, "--max-context", "4096", "--threads", "1", "--cpu"],
+            "tokenizer": home.tokenizer_for("vision-gemma4", &gemma4),
+            "mmproj": home.synth_projector_of("gemma4v-mmproj"),
+        }),
+    );
     let server = Server::start(&home, &["--load", "tiny"]);
     let script = common::workspace_root().join("tests/server/ollama_client.py");
     let out = Command::new(python())
         .arg(&script)
         .env("POLYSTRATA_URL", format!("http://{}", server.addr))
         .env("POLYSTRATA_MODEL", "tiny")
+        .env("POLYSTRATA_VISION_MODELS", "vision,vision-gemma4")
+        .env("POLYSTRATA_PICTURES", {
+            let dir = common::workspace_root().join("tests/fixtures/vision");
+            format!(
+                "{},{}",
+                dir.join("picture-64x48.png").display(),
+                dir.join("picture-64x48-gradient.png").display()
+            )
+        })
         .output()
         .expect("run ollama_client.py");
     let stdout = String::from_utf8_lossy(&out.stdout);

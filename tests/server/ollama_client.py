@@ -3,6 +3,8 @@
 Driven by server/tests/ollama_client.rs, which starts the server over a real engine child and passes:
   POLYSTRATA_URL    http://127.0.0.1:PORT
   POLYSTRATA_MODEL  the model id to chat with
+  POLYSTRATA_VISION_MODELS, POLYSTRATA_PICTURES  (optional) models that read pictures (comma-separated) and
+                                                  two PNGs to show them (comma-separated)
 Synthetic models write noise, so the checks are about the protocol: list, show, ps, chat and generate
 streamed and not (the stream equals the whole answer under greedy decoding), Ollama's figures, the
 `:latest` tag, options, and errors as `ollama.ResponseError` with their status.
@@ -99,11 +101,32 @@ def errors():
         check(e.status_code == 400 and "text only" in e.error, f"image: {e.status_code} {e.error}")
 
 
-for step in (listing, chat, generate, show_and_ps, errors):
+def pictures(model, path, other):
+    """A picture (the client reads the file) in a chat and another in a generate (a picture already read
+    would be found in the conversation cache): their rows are prompt tokens, and `show` says the model
+    reads pictures."""
+    check("vision" in (client.show(model).capabilities or []), f"{model}: capabilities")
+    question = [{"role": "user", "content": "What is this?"}]
+    alone = client.chat(model=model, messages=question, options=GREEDY)
+    seen = client.chat(model=model, messages=[dict(question[0], images=[path])], options=GREEDY)
+    check(seen.done and seen.eval_count == 8, f"{model}: chat {seen}")
+    check(
+        seen.prompt_eval_count >= alone.prompt_eval_count + 16,
+        f"{model}: prompt {seen.prompt_eval_count} with the picture, {alone.prompt_eval_count} without",
+    )
+    gen = client.generate(model=model, prompt="What is this?", images=[other], options=GREEDY)
+    check(gen.done and gen.eval_count == 8 and gen.prompt_eval_count >= 16, f"{model}: generate {gen}")
+
+
+STEPS = [(s.__name__, s) for s in (listing, chat, generate, show_and_ps, errors)]
+for vision in filter(None, os.environ.get("POLYSTRATA_VISION_MODELS", "").split(",")):
+    path, other = os.environ["POLYSTRATA_PICTURES"].split(",")
+    STEPS.append((f"{vision} pictures", lambda vision=vision: pictures(vision, path, other)))
+for name, step in STEPS:
     try:
         step()
     except Exception as e:  # noqa: BLE001 - report which check failed, then fail
-        print(f"FAILED {step.__name__}: {e!r}")
+        print(f"FAILED {name}: {e!r}")
         raise
-    print(f"ok {step.__name__}")
+    print(f"ok {name}")
 print("ollama client checks passed")
