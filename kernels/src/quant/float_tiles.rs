@@ -12,7 +12,7 @@
 //! multiply-adds.
 //!
 //! Kernels, chosen at run time: AVX-512 (F, VL, with the crate's other AVX-512 kernels: `--cpu-avx512`)
-//! 4×6, AVX2 (FMA, F16C) 4×3, and a portable 4×3 of the same operations. Rows and activation rows that
+//! 4×6, AVX2 (FMA, F16C) 4×2, and a portable 4×3 of the same operations. Rows and activation rows that
 //! do not fill a tile repeat the last one (computed and not written). The output is cut into blocks of
 //! [`BLOCK_ROWS`] weight rows by [`BLOCK_ACTS`] activation rows, spread over the rayon pool the call
 //! runs in; within a block the weight rows stay in cache for every activation tile.
@@ -154,7 +154,7 @@ pub(crate) fn gemm_with(
         match kernel {
             Kernel::Portable => block::<4, 3>(w, k, x, rows, acts, put, portable_tile),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => block::<4, 3>(w, k, x, rows, acts, put, |w, k, rs, xs| {
+            Kernel::Avx2 => block::<4, 2>(w, k, x, rows, acts, put, |w, k, rs, xs| {
                 simd_tile(w, k, rs, xs, |f16, k, wp, xp, o| {
                     // SAFETY: `Kernel::Avx2` is chosen only where AVX2, FMA and F16C were found
                     // (`has_avx2_fma`); `simd_tile` passes rows of `k` values, `k` a multiple of 8.
