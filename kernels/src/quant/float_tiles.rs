@@ -117,7 +117,7 @@ pub(crate) fn gemm(w: Weights<'_>, m: usize, k: usize, x: &[f32], n: usize, y: &
     gemm_with(Kernel::best(), w, m, k, x, n, y)
 }
 
-/// [`gemm`] with a chosen kernel (which the CPU must support: [`Kernel::best`] or below).
+/// [`gemm`] with a chosen kernel (one the CPU supports, as [`Kernel::best`] finds: else a panic).
 pub(crate) fn gemm_with(
     kernel: Kernel,
     w: Weights<'_>,
@@ -135,6 +135,13 @@ pub(crate) fn gemm_with(
     assert_eq!(wb.len(), m * k * width, "float_tiles: weights' length");
     assert_eq!(x.len(), n * k, "float_tiles: activations' length");
     assert_eq!(y.len(), n * m, "float_tiles: output's length");
+    // The SIMD kernels' safety rests on this (`kernel` is chosen by the caller).
+    #[cfg(target_arch = "x86_64")]
+    match kernel {
+        Kernel::Avx512 => assert!(super::has_avx512_vnni(), "float_tiles: no AVX-512 here"),
+        Kernel::Avx2 => assert!(super::has_avx2_fma(), "float_tiles: no AVX2 here"),
+        Kernel::Portable => {}
+    }
     if m == 0 || n == 0 {
         return;
     }
@@ -156,8 +163,9 @@ pub(crate) fn gemm_with(
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => block::<4, 2>(w, k, x, rows, acts, put, |w, k, rs, xs| {
                 simd_tile(w, k, rs, xs, |f16, k, wp, xp, o| {
-                    // SAFETY: `Kernel::Avx2` is chosen only where AVX2, FMA and F16C were found
-                    // (`has_avx2_fma`); `simd_tile` passes rows of `k` values, `k` a multiple of 8.
+                    // SAFETY: `Kernel::Avx2` runs only where AVX2, FMA and F16C were found
+                    // (`has_avx2_fma`, asserted above); `simd_tile` passes rows of `k` values, `k` a
+                    // multiple of 8.
                     unsafe {
                         if f16 {
                             super::x86::float_tiles::tile_avx2::<true>(k, wp, xp, o)
@@ -170,9 +178,9 @@ pub(crate) fn gemm_with(
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => block::<4, 6>(w, k, x, rows, acts, put, |w, k, rs, xs| {
                 simd_tile(w, k, rs, xs, |f16, k, wp, xp, o| {
-                    // SAFETY: `Kernel::Avx512` is chosen only where AVX-512 (F, VL among others), AVX2,
-                    // FMA and F16C were found (`has_avx512_vnni`); `simd_tile` passes rows of `k` values,
-                    // `k` a multiple of 8.
+                    // SAFETY: `Kernel::Avx512` runs only where AVX-512 (F, VL among others), AVX2, FMA
+                    // and F16C were found (`has_avx512_vnni`, asserted above); `simd_tile` passes rows
+                    // of `k` values, `k` a multiple of 8.
                     unsafe {
                         if f16 {
                             super::x86::float_tiles::tile_avx512::<true>(k, wp, xp, o)
