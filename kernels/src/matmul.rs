@@ -272,6 +272,11 @@ pub fn matmul_ordered(
 ) {
     assert_eq!(x.len(), n * w.cols, "matmul: x has the wrong length");
     assert_eq!(y.len(), n * w.rows, "matmul: y has the wrong length");
+    // tinyBLAS's float orders: register tiles of weight rows by activation rows (the same sums).
+    if let Some(weights) = crate::quant::float_tiles::for_matmul(w, batch, n) {
+        crate::quant::float_tiles::gemm(weights, w.rows, w.cols, x, n, y);
+        return;
+    }
     let ops = w.ops();
     let act_bytes = ops.act.bytes_for(w.cols);
     let mut act_buf = KeptBuffer::take(&ACT_BUFFER, n * act_bytes);

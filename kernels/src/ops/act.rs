@@ -36,6 +36,32 @@ pub fn gelu_ggml(x: f32) -> f32 {
     }
 }
 
+/// [`gelu_ggml`] of every element in place, over the rayon pool the call runs in, read from a table of its
+/// value at every f16 input (built once): inside (−10, 10) `gelu_ggml` rounds its input to f16 first, so
+/// there its value is a function of the f16 bits, which the table holds exactly (the same bits, without
+/// a `tanh` per element; ggml's CPU backend reads such a table too).
+pub fn gelu_ggml_in_place(xs: &mut [f32]) {
+    use rayon::prelude::*;
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let xh = crate::quant::float::f16_bits_to_f32(bits);
+                half::f16::from_f32(gelu(xh)).to_f32()
+            })
+            .collect()
+    });
+    xs.par_chunks_mut(1 << 14).for_each(|c| {
+        for v in c {
+            *v = if *v <= -10.0 || *v >= 10.0 {
+                gelu_ggml(*v)
+            } else {
+                table[crate::quant::float::f32_to_f16_bits(*v) as usize]
+            };
+        }
+    });
+}
+
 /// The coefficient of quick GELU (`x·σ(1.702x)`), as ggml's `GELU_QUICK_COEF` (negated).
 const GELU_QUICK_COEF: f32 = -1.702;
 
@@ -187,6 +213,22 @@ pub fn swiglu_ggml_rows(gate: &mut [f32], up: &[f32], row: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_ggml_in_place_equals_gelu_ggml() {
+        // Every f16 value, the edges of the cut-off, and random floats between the f16 values.
+        let mut xs: Vec<f32> = (0..=u16::MAX)
+            .map(|h| half::f16::from_bits(h).to_f32())
+            .filter(|v| !v.is_nan())
+            .collect();
+        xs.extend([-10.0, 10.0, -9.999, 9.999, -10.001, 10.001, 0.0, -0.0]);
+        let mut rng = crate::rng::Rng::new(9);
+        xs.extend((0..100_000).map(|_| rng.normal() * 4.0));
+        let want: Vec<u32> = xs.iter().map(|&x| gelu_ggml(x).to_bits()).collect();
+        gelu_ggml_in_place(&mut xs);
+        let got: Vec<u32> = xs.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn activations_match_f64_formulas() {

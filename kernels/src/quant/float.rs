@@ -88,7 +88,7 @@ fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
 /// f16 bits to f32 exactly as numpy converts them: NaN payloads are kept as they are (hardware and the
 /// `half` crate set the quiet bit of signalling NaNs; gguf-py's reference does not).
 #[inline(always)]
-pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+pub fn f16_bits_to_f32(h: u16) -> f32 {
     // Branch-free (so loops over it vectorize): exponent and mantissa moved into place, then scaled by
     // 2¹¹² to rebias, which also normalizes subnormals exactly; infinities and NaNs are assembled bit by
     // bit so payloads stay as they are.

@@ -11,6 +11,7 @@
 
 pub mod float;
 mod float_ggml;
+pub(crate) mod float_tiles;
 pub mod iquants;
 pub mod kquants;
 mod kquants_ggml;

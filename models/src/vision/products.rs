@@ -4,7 +4,9 @@
 
 use super::VisionError;
 use poly_kernels::matmul::{matmul, matmul_ordered, QuantMatrix};
+use poly_kernels::quant::float::{f16_bits_to_f32, f32_to_f16_bits};
 use poly_kernels::quant::{dequantize, f16_tinyblas_order, GgmlType};
+use rayon::prelude::*;
 
 /// The rounding ggml's CPU backend applies to the activations of a product with weights of `ty` (its
 /// `vec_dot_type`): F16 and BF16 weights take f16 and bf16 activations. (The quantized types' own
@@ -12,7 +14,8 @@ use poly_kernels::quant::{dequantize, f16_tinyblas_order, GgmlType};
 /// BF16 within f32 rounding of mtmd instead of within the activations' rounding.
 pub(super) fn round_for(ty: GgmlType) -> Option<fn(f32) -> f32> {
     match ty {
-        GgmlType::F16 => Some(|v| half::f16::from_f32(v).to_f32()),
+        // The inline conversions (`half`'s go through a run-time dispatch per call; the same bits).
+        GgmlType::F16 => Some(|v| f16_bits_to_f32(f32_to_f16_bits(v))),
         GgmlType::BF16 => Some(|v| half::bf16::from_f32(v).to_f32()),
         _ => None,
     }
@@ -23,7 +26,7 @@ pub(super) fn product(w: &QuantMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
     let mut y = vec![0f32; n * w.rows];
     match round_for(w.ty) {
         Some(round) => {
-            let rounded: Vec<f32> = x.iter().map(|&v| round(v)).collect();
+            let rounded: Vec<f32> = x.par_iter().map(|&v| round(v)).collect();
             // F16 weights times a batch of f16 activations: llamafile's tinyBLAS order, as ggml's CPU
             // backend runs mtmd's products (fused multiply-adds, each weight converted once for four rows).
             let order = (w.ty == GgmlType::F16).then(f16_tinyblas_order);
@@ -84,8 +87,8 @@ impl PatchKernel {
         let mut y = vec![0f32; n * self.rows];
         if self.ty == GgmlType::F16 {
             let rounded: Vec<f32> = patches
-                .iter()
-                .map(|&v| half::f16::from_f32(v).to_f32())
+                .par_iter()
+                .map(|&v| f16_bits_to_f32(f32_to_f16_bits(v)))
                 .collect();
             matmul_ordered(&w, &rounded, n, &mut y, Some(f16_tinyblas_order()));
         } else {

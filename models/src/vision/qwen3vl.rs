@@ -24,7 +24,7 @@ use super::products::{product, PatchKernel};
 use super::{check_tensor_table, tensor_matrix, tensor_values, ImageRows, VisionError};
 use crate::gguf::GgufFile;
 use poly_kernels::matmul::QuantMatrix;
-use poly_kernels::ops::act::gelu_ggml;
+use poly_kernels::ops::act::gelu_ggml_in_place;
 use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::layer_norm;
 use poly_kernels::ops::resample::bilinear_align_corners;
@@ -396,7 +396,7 @@ impl<'a> Qwen3VlEncoder<'a> {
         // Four consecutive patch rows are one merged row of 4·n_embd.
         let m = n / (MERGE * MERGE);
         let mut h = self.mm0.apply(&x, m);
-        h.iter_mut().for_each(|v| *v = gelu_ggml(*v));
+        gelu_ggml_in_place(&mut h);
         let out = self.mm2.apply(&h, m);
         Ok(ImageRows {
             n_x: nx / MERGE,
@@ -440,7 +440,7 @@ impl<'a> Qwen3VlEncoder<'a> {
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         let h = b.ln2.apply(x, hp.eps);
         let mut up = b.up.apply(&h, n);
-        up.iter_mut().for_each(|v| *v = gelu_ggml(*v));
+        gelu_ggml_in_place(&mut up);
         let down = b.down.apply(&up, n);
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
     }

@@ -59,21 +59,18 @@ pub fn attention_full(q: &[f32], k: &[f32], v: &[f32], n: usize, p: &AttnParams,
         p.n_head_kv * dv,
         p.n_head * dv,
     );
-    // Each key/value head's keys `[n, dk]` and values transposed `[dv, n]`, as f32 matrices' bytes.
-    let kv: Vec<(Vec<u8>, Vec<u8>)> = (0..p.n_head_kv)
+    // Each key/value head's keys `[n, dk]` and values transposed `[dv, n]`.
+    let kv: Vec<(Vec<f32>, Vec<f32>)> = (0..p.n_head_kv)
         .into_par_iter()
         .map(|hk| {
-            let keys: Vec<u8> = (0..n)
-                .flat_map(|j| {
-                    k[j * k_row + hk * dk..][..dk]
-                        .iter()
-                        .flat_map(|x| x.to_le_bytes())
-                })
-                .collect();
-            let mut values_t = vec![0u8; dv * n * 4];
+            let mut keys = Vec::with_capacity(n * dk);
             for j in 0..n {
-                for (d, x) in v[j * v_row + hk * dv..][..dv].iter().enumerate() {
-                    values_t[(d * n + j) * 4..][..4].copy_from_slice(&x.to_le_bytes());
+                keys.extend_from_slice(&k[j * k_row + hk * dk..][..dk]);
+            }
+            let mut values_t = vec![0f32; dv * n];
+            for j in 0..n {
+                for (d, &x) in v[j * v_row + hk * dv..][..dv].iter().enumerate() {
+                    values_t[d * n + j] = x;
                 }
             }
             (keys, values_t)
@@ -88,16 +85,19 @@ pub fn attention_full(q: &[f32], k: &[f32], v: &[f32], n: usize, p: &AttnParams,
             let (keys, values_t) = &kv[h / group];
             let first = b * QUERY_BLOCK;
             let rows = QUERY_BLOCK.min(n - first);
-            let qh: Vec<f32> = (first..first + rows)
-                .flat_map(|i| q[i * q_row + h * dk..][..dk].iter().copied())
-                .collect();
-            let k_mat = QuantMatrix::new(GgmlType::F32, n, dk, keys).expect("n rows of dk f32");
+            let mut qh = Vec::with_capacity(rows * dk);
+            for i in first..first + rows {
+                qh.extend_from_slice(&q[i * q_row + h * dk..][..dk]);
+            }
+            let k_mat =
+                QuantMatrix::new(GgmlType::F32, n, dk, as_bytes(keys)).expect("n rows of dk f32");
             let mut s = vec![0f32; rows * n];
             matmul_ordered(&k_mat, &qh, rows, &mut s, order(rows));
             for row in s.chunks_exact_mut(n) {
                 softmax_scores(row, p);
             }
-            let v_mat = QuantMatrix::new(GgmlType::F32, dv, n, values_t).expect("dv rows of n f32");
+            let v_mat = QuantMatrix::new(GgmlType::F32, dv, n, as_bytes(values_t))
+                .expect("dv rows of n f32");
             let mut o = vec![0f32; rows * dv];
             matmul_ordered(&v_mat, &s, rows, &mut o, order(rows));
             (h, first, o)
@@ -108,6 +108,14 @@ pub fn attention_full(q: &[f32], k: &[f32], v: &[f32], n: usize, p: &AttnParams,
             out[(first + r) * o_row + h * dv..][..dv].copy_from_slice(o);
         }
     }
+}
+
+/// `v`'s bytes, as an F32 matrix's data (little-endian: the matrix kernels read them as f32 again).
+fn as_bytes(v: &[f32]) -> &[u8] {
+    const { assert!(cfg!(target_endian = "little")) };
+    // SAFETY: the slice covers exactly `v`'s memory, which lives as long as the borrow; every byte of an
+    // f32 is initialized and u8 has no alignment requirement.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
 /// The order of the f32 products: llamafile's tinyBLAS (four activation rows at once) for blocks of two

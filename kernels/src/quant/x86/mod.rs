@@ -6,6 +6,7 @@
 
 pub(crate) mod act_avx2;
 pub(crate) mod float_avx2;
+pub(crate) mod float_tiles;
 pub(crate) mod iquants_avx2;
 pub(crate) mod kquants_avx2;
 pub(crate) mod kquants_avx512;
