@@ -153,32 +153,11 @@ fn par_zip2(
     }
 }
 
-/// ggml's GELU from a table of its value at every f16 input, built once: [`act::gelu_ggml`] rounds its
-/// input to f16 inside (-10, 10), so its value there is a function of the f16 bits, and the table holds
-/// exactly that function (no tanh per element; the results are the same bits).
-#[inline]
-fn gelu_ggml_table(x: f32) -> f32 {
-    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
-    if x <= -10.0 || x >= 10.0 {
-        return act::gelu_ggml(x);
-    }
-    let table = TABLE.get_or_init(|| {
-        (0..=u16::MAX)
-            .map(|bits| {
-                let xh = half::f16::from_bits(bits).to_f32();
-                half::f16::from_f32(act::gelu(xh)).to_f32()
-            })
-            .collect()
-    });
-    // The inline conversion (`half`'s goes through a run-time dispatch per call; the same bits).
-    table[poly_kernels::quant::float::f32_to_f16_bits(x) as usize]
-}
-
 /// `f(x)`.
 pub fn apply_unary(f: Unary, x: f32) -> f32 {
     match f {
         Unary::Silu => act::silu(x),
-        Unary::Gelu => gelu_ggml_table(x),
+        Unary::Gelu => act::gelu_ggml_tabled(x),
         Unary::Sigmoid => act::sigmoid(x),
         Unary::Softplus => act::softplus(x),
         Unary::Tanh => x.tanh(),
@@ -743,7 +722,7 @@ impl Compute for CpuForward<'_> {
                 out
             }
             // The table lookup inlined into the loop (one call per element was 2% of Gemma's prompt).
-            Unary::Gelu => x.map(gelu_ggml_table),
+            Unary::Gelu => x.map(act::gelu_ggml_tabled),
             _ => x.map(|v| apply_unary(f, v)),
         }
     }

@@ -36,13 +36,16 @@ pub fn gelu_ggml(x: f32) -> f32 {
     }
 }
 
-/// [`gelu_ggml`] of every element in place, over the rayon pool the call runs in, read from a table of its
-/// value at every f16 input (built once): inside (−10, 10) `gelu_ggml` rounds its input to f16 first, so
-/// there its value is a function of the f16 bits, which the table holds exactly (the same bits, without
-/// a `tanh` per element; ggml's CPU backend reads such a table too).
-pub fn gelu_ggml_in_place(xs: &mut [f32]) {
-    use rayon::prelude::*;
+/// [`gelu_ggml`] read from a table of its value at every f16 input (built once): inside (−10, 10)
+/// `gelu_ggml` rounds its input to f16 first, so there its value is a function of the f16 bits, which the
+/// table holds exactly (the same bits, without a `tanh` per element; ggml's CPU backend reads such a table
+/// too).
+#[inline]
+pub fn gelu_ggml_tabled(x: f32) -> f32 {
     static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    if x <= -10.0 || x >= 10.0 {
+        return gelu_ggml(x);
+    }
     let table = TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|bits| {
@@ -51,13 +54,16 @@ pub fn gelu_ggml_in_place(xs: &mut [f32]) {
             })
             .collect()
     });
+    // The inline conversion (`half`'s goes through a run-time dispatch per call; the same bits).
+    table[crate::quant::float::f32_to_f16_bits(x) as usize]
+}
+
+/// [`gelu_ggml_tabled`] of every element in place, over the rayon pool the call runs in.
+pub fn gelu_ggml_in_place(xs: &mut [f32]) {
+    use rayon::prelude::*;
     xs.par_chunks_mut(1 << 14).for_each(|c| {
         for v in c {
-            *v = if *v <= -10.0 || *v >= 10.0 {
-                gelu_ggml(*v)
-            } else {
-                table[crate::quant::float::f32_to_f16_bits(*v) as usize]
-            };
+            *v = gelu_ggml_tabled(*v);
         }
     });
 }
