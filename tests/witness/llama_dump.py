@@ -2,6 +2,7 @@
 """Dump llama.cpp's intermediate tensors of one decode call, to find where our engine first departs.
 
 usage: llama_dump.py MODEL OUT_DIR --tokens IDS [--prompt IDS] [--steps IDS] [--threads T] [--no-repack]
+                    [--f16]
 
 Runs llama.cpp as make_references.py does (same context settings): decodes --prompt in calls of at most
 n_batch tokens, then each --steps token alone (as the greedy steps of a reference are decoded), then
@@ -9,7 +10,8 @@ n_batch tokens, then each --steps token alone (as the greedy steps of a referenc
 (NAME the ggml tensor name, e.g. `attn_norm-0`, `Qcur-0`, `kqv_out-0`, `ffn_out-0`, `l_out-0`,
 `result_output`; K counts tensors of the same name, in graph order), with ggml's dimensions reversed
 (row-major, the token index outermost). IDS are comma-separated token ids. --no-repack keeps the weights
-out of llama.cpp's CPU_REPACK buffer (other summation orders), for comparison.
+out of llama.cpp's CPU_REPACK buffer (other summation orders), for comparison. --f16 saves the F16 tensors
+too (as float16: the K/V cache views and their concatenations, the flash-attention masks).
 
 engine/examples/dump_ops.rs writes our side (every Compute operation's output).
 """
@@ -63,6 +65,7 @@ def main() -> int:
     ap.add_argument("--steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-repack", action="store_true")
+    ap.add_argument("--f16", action="store_true", help="save the F16 tensors too")
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,12 +90,14 @@ def main() -> int:
         if ask:
             return dumping[0]
         t = GgmlTensor.from_address(ptr)
-        if t.type != 0:  # GGML_TYPE_F32 only
+        kinds = {0: np.float32, 1: np.float16} if a.f16 else {0: np.float32}  # GGML_TYPE_F32, F16
+        if t.type not in kinds:
             return True
+        dtype = kinds[t.type]
         ne, nb = list(t.ne), list(t.nb)
-        span = sum((ne[i] - 1) * nb[i] for i in range(4)) + 4
+        span = sum((ne[i] - 1) * nb[i] for i in range(4)) + np.dtype(dtype).itemsize
         raw = ctypes.string_at(t.data, span)
-        arr = np.ndarray(tuple(reversed(ne)), np.float32, raw, 0, tuple(reversed(nb))).copy()
+        arr = np.ndarray(tuple(reversed(ne)), dtype, raw, 0, tuple(reversed(nb))).copy()
         name = t.name.decode()
         k = seen.get(name, 0)
         seen[name] = k + 1

@@ -13,6 +13,7 @@
 
 use poly_kernels::matmul::QuantMatrix;
 use poly_kernels::ops::attention::{self, AttnParams, FA_TILE_KV, GGML_FA_TILE_Q};
+use poly_kernels::ops::topk::top_k_partial_sort;
 use poly_kernels::ops::{act, norm, recurrent, softmax};
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::{Dsv4Attention, Dsv4AttnInputs, Dsv4Compressor, Dsv4Moe, TailRope};
@@ -300,7 +301,9 @@ fn compress(
 
 /// Each row's chosen entries: the `top_k` best of those it sees (`(p + 1) / 4` at position `p`) by
 /// `Σ_h relu(q_h·k_e)·w_h` as ggml's CPU `lightning_indexer` sums it (each product one
-/// `ggml_vec_dot_f32`, the heads in order), the queries turned as the keys were; best first.
+/// `ggml_vec_dot_f32`, the heads in order), the queries turned as the keys were; ascending. Among
+/// equal scores at the cut (the relu leaves many entries at exactly 0) the ones ggml's `top_k` keeps:
+/// libstdc++'s `std::partial_sort` ([`top_k_partial_sort`]), not the lowest entries.
 fn select(
     entries: &[f32],
     dim: usize,
@@ -314,7 +317,7 @@ fn select(
     (0..n)
         .map(|i| {
             let visible = (pos0 + i + 1) / ratio;
-            let mut scored: Vec<(f32, usize)> = (0..visible)
+            let scores: Vec<f32> = (0..visible)
                 .map(|e| {
                     let k = &entries[e * dim..][..dim];
                     let mut score = 0f32;
@@ -324,12 +327,12 @@ fn select(
                         recurrent::dot_rows_ggml(k, dim, qh, &mut qk);
                         score += qk[0].max(0.0) * wts[i * n_head + h];
                     }
-                    (score, e)
+                    score
                 })
                 .collect();
-            scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            scored.truncate(top_k);
-            scored.into_iter().map(|(_, e)| e).collect()
+            // ggml's `top_k` over the row (the entries not yet seen are -inf there and never
+            // chosen over a seen one).
+            top_k_partial_sort(&scores, top_k)
         })
         .collect()
 }

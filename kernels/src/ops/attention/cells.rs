@@ -264,13 +264,16 @@ fn sink_query<F: F16Steps>(
     qh16.extend(one.q.iter().map(|&x| round_f16(x)));
     let cells = one.cells.unwrap_or(&[]);
     let (m, mut s) = online_softmax::<F>(one, p, qh16, acc, cells.iter().map(|&j| j as usize));
-    // GCC contracts ggml's `S*ms + vs` into one fused multiply-add, as in the loop.
+    // Unlike the loop's, GCC does not fuse this `S = S*ms + vs`: it moves `S*ms` into the branch
+    // where the sink is the new maximum (vs = 1) and adds there, two roundings (the AVX2 + FMA
+    // libggml-cpu: `vmulss` then `vaddss`); the other branch (ms = 1) adds exactly. The tiled path's
+    // does fuse.
     if sink > m {
         let ms = (m - sink).exp();
         acc.iter_mut().for_each(|a| *a *= ms);
-        s = s.mul_add(ms, 1.0);
+        s = s * ms + 1.0;
     } else {
-        s = s.mul_add(1.0, (sink - m).exp());
+        s += (sink - m).exp();
     }
     let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
     o.iter_mut().zip(acc.iter()).for_each(|(y, a)| *y = a * inv);
