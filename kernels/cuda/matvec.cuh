@@ -10,8 +10,8 @@
 // integer dot products (dp4a), as ggml-cuda's mmvq does; the per-format dot products follow vecdotq.cuh.
 //
 // Work split: a thread block of (32, MATVEC_WARPS) threads computes MATVEC_WARPS / warps_per_row output rows,
-// warps_per_row warps (1, 2 or 4: a launch argument the host picks so a short row, like the 768 columns of
-// an expert's down projection, does not leave most threads idle) per row. The QI/VDR threads that share one
+// warps_per_row warps (1, 2 or 4: a launch argument the host picks; one-token launches take one warp a row
+// unless `--matvec-warps-per-row` allows more, which measured slower on an H100) per row. The QI/VDR threads that share one
 // weight block each take VDR ints of its quants (`iqs`), a row's threads stride over the row's blocks, then
 // the row's warps reduce through shared memory. Entry points per format:
 //   matvec_<fmt>          : one matrix, one vector.
