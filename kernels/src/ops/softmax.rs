@@ -23,6 +23,26 @@ pub fn softmax(x: &mut [f32]) {
 /// maximum, then for whole groups of eight `ggml_v_expf(x − max)` with each group's sum (lanes added as
 /// `hsum` does) added to an f64 total, libm `expf` for the rest, then every value times `(f32)(1/total)`.
 pub fn softmax_ggml(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::has_avx2_fma() {
+        // SAFETY: this CPU has AVX2 and FMA (checked just above), all the function is compiled for.
+        return unsafe { softmax_ggml_fma(x) };
+    }
+    softmax_ggml_rows(x);
+}
+
+/// [`softmax_ggml`] compiled for AVX2 and FMA: `ggml_v_expf`'s fused multiply-adds become FMA
+/// instructions here (built without FMA, each is a call of the software `fmaf`; the same bits, many
+/// times slower: a vision encoder's softmax took a third of its time so).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_ggml_fma(x: &mut [f32]) {
+    softmax_ggml_rows(x);
+}
+
+/// [`softmax_ggml`]'s arithmetic, inlined into each caller so it takes the caller's target features.
+#[inline(always)]
+fn softmax_ggml_rows(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let main = x.len() - x.len() % 8;
     let mut sum = 0f64;
@@ -64,6 +84,28 @@ mod tests {
     use super::*;
     use crate::ops::testutil::{max_diff, normals};
     use crate::rng::Rng;
+
+    #[test]
+    fn softmax_ggml_with_fma_instructions_equals_its_portable_arithmetic() {
+        let mut rng = Rng::new(11);
+        for n in [1, 7, 8, 9, 64, 1199, 1200] {
+            // Scores from small to large spreads (ggml_v_expf's slow path past |x| > 126 included), and
+            // masked entries.
+            for spread in [0.1f32, 3.0, 60.0, 300.0] {
+                let x: Vec<f32> = (0..n)
+                    .map(|i| match i % 13 {
+                        5 => f32::NEG_INFINITY,
+                        _ => rng.normal() * spread,
+                    })
+                    .collect();
+                let (mut dispatched, mut portable) = (x.clone(), x);
+                softmax_ggml(&mut dispatched);
+                softmax_ggml_rows(&mut portable);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&dispatched), bits(&portable), "n {n}, spread {spread}");
+            }
+        }
+    }
 
     #[test]
     fn softmax_and_log_softmax_match_f64() {
