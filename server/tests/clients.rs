@@ -44,16 +44,7 @@ fn openai_and_anthropic_packages_as_clients() {
     home.add_model("gemma3", "gemma3-tiny-q4km.gguf", json!({}));
     // Pictures are read on the CPU.
     home.add_vision_model("vision");
-    let gemma4 = common::fixture("gemma4-tiny-q4km.gguf");
-    home.write_config(
-        "vision-gemma4",
-        &json!({
-            "exe": common::engine_bin(),
-            "args": ["--model", gemma4, "--max-context", "4096", "--threads", "1", "--cpu"],
-            "tokenizer": home.tokenizer_for("vision-gemma4", &gemma4),
-            "mmproj": home.synth_projector_of("gemma4v-mmproj"),
-        }),
-    );
+    home.add_gemma4_vision_model("vision-gemma4");
     let mut models = vec!["qwen3", "gemma3"];
     if let Some(gguf) = gemma_270m() {
         let tok = home.tokenizer_for("gemma-270m", &gguf);

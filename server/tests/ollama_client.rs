@@ -30,16 +30,7 @@ fn ollama_package_as_client() {
     let home = Home::new("ollama");
     home.add_model("tiny", "qwen3moe-tiny-q4km.gguf", json!({}));
     home.add_vision_model("vision");
-    let gemma4 = common::fixture("gemma4-tiny-q4km.gguf");
-    home.write_config(
-        "vision-gemma4",
-        &json!({
-            "exe": common::engine_bin(),
-            "args": ["--model", gemma4, "--max-context", "4096", "--threads", "1", "--cpu"],
-            "tokenizer": home.tokenizer_for("vision-gemma4", &gemma4),
-            "mmproj": home.synth_projector_of("gemma4v-mmproj"),
-        }),
-    );
+    home.add_gemma4_vision_model("vision-gemma4");
     let server = Server::start(&home, &["--load", "tiny"]);
     let script = common::workspace_root().join("tests/server/ollama_client.py");
     let out = Command::new(python())

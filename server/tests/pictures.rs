@@ -103,6 +103,18 @@ fn logprobs_of(answer: &Value) -> Vec<f32> {
         .collect()
 }
 
+/// The tiny ChatML template's prompt of a user message holding one picture alone, written as `open`, the
+/// placeholder 0 and `close`; and the placeholder's index.
+fn picture_prompt(server: &Server, open: &str, close: &str) -> (Vec<u32>, u32) {
+    let mut tokens = tokenize(server, "<|im_start|>user\n");
+    tokens.extend(tokenize(server, open));
+    let at = tokens.len() as u32;
+    tokens.push(0);
+    tokens.extend(tokenize(server, close));
+    tokens.extend(tokenize(server, "<|im_end|>\n<|im_start|>assistant\n"));
+    (tokens, at)
+}
+
 fn tokenize(server: &Server, text: &str) -> Vec<u32> {
     let r = server.post(
         "/tokenize",
@@ -173,12 +185,7 @@ fn pictures_through_openai_and_anthropic() {
     // The same tokens and picture over the protocol, to an engine of our own: the same numbers. The
     // tiny template is ChatML; the picture is written as its begin text, the placeholder (0: the tiny
     // vocabulary has no `<|image_pad|>`) and its end text.
-    let mut tokens = tokenize(&server, "<|im_start|>user\n");
-    tokens.extend(tokenize(&server, "<|vision_start|>"));
-    let at = tokens.len() as u32;
-    tokens.push(0);
-    tokens.extend(tokenize(&server, "<|vision_end|>"));
-    tokens.extend(tokenize(&server, "<|im_end|>\n<|im_start|>assistant\n"));
+    let (tokens, at) = picture_prompt(&server, "<|vision_start|>", "<|vision_end|>");
     assert_eq!(prompt_tokens, tokens.len() as u64 + 11, "{openai}");
     let direct = |picture: &[u8], n: usize| {
         let gen = Gen {
@@ -485,12 +492,7 @@ fn a_gemma4_picture_is_written_in_gemma4s_words_and_answered_as_the_engine_answe
 
     // The tiny gemma4 carries the synthetic ChatML vocabulary (no `<|image>` tokens: the words are
     // written as text) and no `<|image|>` (the placeholder is 0).
-    let mut tokens = tokenize(&server, "<|im_start|>user\n");
-    tokens.extend(tokenize(&server, "<|image>"));
-    let at = tokens.len() as u32;
-    tokens.push(0);
-    tokens.extend(tokenize(&server, "<image|>"));
-    tokens.extend(tokenize(&server, "<|im_end|>\n<|im_start|>assistant\n"));
+    let (tokens, at) = picture_prompt(&server, "<|image>", "<image|>");
     // 10×8 rows where one placeholder stood.
     assert_eq!(prompt_tokens, tokens.len() as u64 + 79, "{openai}");
     let gen = Gen {

@@ -25,13 +25,10 @@ use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::Logits;
 use poly_models::synth::mmproj_gemma4v::{find_gemma4v_projector_shape, write_gemma4v_projector};
-use poly_models::synth::plan::TypeChoice;
-use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 use poly_models::vision::{picture, ImageRows, VisionEncoder};
 use poly_models::GgufFile;
 use poly_tests::fixtures_dir;
-use poly_tests::witness::picture::{ids, logit_gap, read_f32};
+use poly_tests::witness::picture::{ids, logit_gap, read_f32, write_tiny_f32_model};
 use poly_tests::witness::sha256_file;
 use serde_json::Value;
 
@@ -50,24 +47,7 @@ fn a_gemma4_prompt_with_a_picture_gives_llama_cpp_mtmds_logits() {
     std::fs::create_dir_all(&dir).expect("temp dir");
 
     let lm_path = dir.join("gemma4-tiny-f32.gguf");
-    let opts = SynthOptions {
-        shape: find_shape("gemma4", "tiny").expect("tiny"),
-        types: TypeChoice {
-            default: GgmlType::F32,
-            overrides: Vec::new(),
-        },
-        seed: m["model_seed"].as_u64().expect("seed"),
-        route_skew: 0.0,
-    };
-    Synthesis::prepare(&opts)
-        .expect("a tiny gemma4")
-        .write(&lm_path, |_, _| {})
-        .expect("written");
-    assert_eq!(
-        sha256_file(&lm_path).expect("hashed"),
-        m["model_sha256"].as_str().expect("sha"),
-        "synth no longer writes the model the reference was made from"
-    );
+    write_tiny_f32_model("gemma4", &m, &lm_path);
     let mmproj_path = dir.join("gemma4v-tiny-f32.gguf");
     let shape = find_gemma4v_projector_shape("tiny").expect("tiny");
     let seed = m["projector_seed"].as_u64().expect("seed");

@@ -22,13 +22,10 @@ use poly_engine::Model;
 use poly_kernels::quant::GgmlType;
 use poly_models::compute::Logits;
 use poly_models::synth::mmproj::{find_projector_shape, write_qwen3vl_projector};
-use poly_models::synth::plan::TypeChoice;
-use poly_models::synth::shapes::find_shape;
-use poly_models::synth::{SynthOptions, Synthesis};
 use poly_models::vision::{ImageRows, VisionEncoder};
 use poly_models::GgufFile;
 use poly_tests::fixtures_dir;
-use poly_tests::witness::picture::{ids, logit_gap, read_f32};
+use poly_tests::witness::picture::{ids, logit_gap, read_f32, write_tiny_f32_model};
 use poly_tests::witness::sha256_file;
 use serde_json::Value;
 
@@ -43,24 +40,7 @@ fn a_prompt_with_a_picture_gives_llama_cpp_mtmds_logits() {
     std::fs::create_dir_all(&dir).expect("temp dir");
 
     let lm_path = dir.join("qwen35moe-tiny-f32.gguf");
-    let opts = SynthOptions {
-        shape: find_shape("qwen35moe", "tiny").expect("tiny"),
-        types: TypeChoice {
-            default: GgmlType::F32,
-            overrides: Vec::new(),
-        },
-        seed: m["model_seed"].as_u64().expect("seed"),
-        route_skew: 0.0,
-    };
-    Synthesis::prepare(&opts)
-        .unwrap()
-        .write(&lm_path, |_, _| {})
-        .unwrap();
-    assert_eq!(
-        sha256_file(&lm_path).unwrap(),
-        m["model_sha256"].as_str().expect("sha"),
-        "synth no longer writes the model the reference was made from"
-    );
+    write_tiny_f32_model("qwen35moe", &m, &lm_path);
     let mmproj_path = dir.join("mmproj-tiny-f32.gguf");
     let shape = find_projector_shape("tiny").expect("tiny");
     let seed = m["projector_seed"].as_u64().expect("seed");

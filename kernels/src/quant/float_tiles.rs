@@ -158,39 +158,63 @@ pub(crate) fn gemm_with(
             // write the same element, and `y` outlives the parallel loop.
             unsafe { *out.0.add(j * m + r) = v };
         };
+        #[cfg(target_arch = "x86_64")]
+        use super::x86::float_tiles::{tile_avx2, tile_avx512};
         match kernel {
             Kernel::Portable => block::<4, 3>(w, k, x, rows, acts, put, portable_tile),
+            // SAFETY (both arms): the kernel's features were found on this CPU (asserted above:
+            // `has_avx2_fma` for AVX2, FMA, F16C; `has_avx512_vnni` for AVX-512 F and VL besides).
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => block::<4, 2>(w, k, x, rows, acts, put, |w, k, rs, xs| {
-                simd_tile(w, k, rs, xs, |f16, k, wp, xp, o| {
-                    // SAFETY: `Kernel::Avx2` runs only where AVX2, FMA and F16C were found
-                    // (`has_avx2_fma`, asserted above); `simd_tile` passes rows of `k` values, `k` a
-                    // multiple of 8.
-                    unsafe {
-                        if f16 {
-                            super::x86::float_tiles::tile_avx2::<true>(k, wp, xp, o)
-                        } else {
-                            super::x86::float_tiles::tile_avx2::<false>(k, wp, xp, o)
-                        }
-                    }
-                })
-            }),
+            Kernel::Avx2 => unsafe {
+                simd_block::<2>(
+                    w,
+                    k,
+                    x,
+                    (rows, acts),
+                    put,
+                    [tile_avx2::<false>, tile_avx2::<true>],
+                )
+            },
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => block::<4, 6>(w, k, x, rows, acts, put, |w, k, rs, xs| {
-                simd_tile(w, k, rs, xs, |f16, k, wp, xp, o| {
-                    // SAFETY: `Kernel::Avx512` runs only where AVX-512 (F, VL among others), AVX2, FMA
-                    // and F16C were found (`has_avx512_vnni`, asserted above); `simd_tile` passes rows
-                    // of `k` values, `k` a multiple of 8.
-                    unsafe {
-                        if f16 {
-                            super::x86::float_tiles::tile_avx512::<true>(k, wp, xp, o)
-                        } else {
-                            super::x86::float_tiles::tile_avx512::<false>(k, wp, xp, o)
-                        }
-                    }
-                })
-            }),
+            Kernel::Avx512 => unsafe {
+                simd_block::<6>(
+                    w,
+                    k,
+                    x,
+                    (rows, acts),
+                    put,
+                    [tile_avx512::<false>, tile_avx512::<true>],
+                )
+            },
         }
+    });
+}
+
+/// A SIMD tile kernel: `out[j][i] = w_i · x_j` for 4 weight rows of `k` values and `RN` activation rows.
+#[cfg(target_arch = "x86_64")]
+type SimdTile<const RN: usize> =
+    unsafe fn(usize, [*const u8; 4], [*const f32; RN], &mut [[f32; 4]; RN]);
+
+/// [`block`] with a SIMD tile kernel: `kernels[1]` for f16 weights, `kernels[0]` for f32 ones.
+///
+/// # Safety
+/// The CPU must have the features the kernels are compiled for.
+#[cfg(target_arch = "x86_64")]
+unsafe fn simd_block<const RN: usize>(
+    w: Weights<'_>,
+    k: usize,
+    x: &[f32],
+    (rows, acts): (std::ops::Range<usize>, std::ops::Range<usize>),
+    put: impl Fn(usize, usize, f32),
+    kernels: [SimdTile<RN>; 2],
+) {
+    let kernel = kernels[usize::from(matches!(w, Weights::F16(_)))];
+    block::<4, RN>(w, k, x, rows, acts, put, |w, k, rs, xs| {
+        simd_tile(w, k, rs, xs, |k, wp, xp, o| {
+            // SAFETY: the caller vouches for the CPU's features; `simd_tile` passes rows of `k`
+            // values, `k` a multiple of 8 (asserted by `gemm_with`).
+            unsafe { kernel(k, wp, xp, o) }
+        })
     });
 }
 
@@ -224,8 +248,7 @@ fn block<const RM: usize, const RN: usize>(
     }
 }
 
-/// A SIMD tile: the rows' pointers (checked to hold `k` values each) handed to `kernel` with whether the
-/// weights are f16.
+/// A SIMD tile: the rows' pointers (checked to hold `k` values each) handed to `kernel`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn simd_tile<const RN: usize>(
@@ -233,13 +256,13 @@ fn simd_tile<const RN: usize>(
     k: usize,
     rows: [usize; 4],
     xs: [&[f32]; RN],
-    kernel: impl Fn(bool, usize, [*const u8; 4], [*const f32; RN], &mut [[f32; 4]; RN]),
+    kernel: impl Fn(usize, [*const u8; 4], [*const f32; RN], &mut [[f32; 4]; RN]),
 ) -> [[f32; 4]; RN] {
     let (wb, width) = w.bytes();
     let wp = rows.map(|r| wb[r * k * width..(r + 1) * k * width].as_ptr());
     let xp = xs.map(|x| x[..k].as_ptr());
     let mut out = [[0f32; 4]; RN];
-    kernel(matches!(w, Weights::F16(_)), k, wp, xp, &mut out);
+    kernel(k, wp, xp, &mut out);
     out
 }
 

@@ -80,20 +80,10 @@ impl PatchKernel {
         })
     }
 
-    /// `n` patch rows through the kernel (made f16 first when the kernel is).
+    /// `n` patch rows through the kernel: a [`product`] (the patches made f16 first when the kernel is).
     pub(super) fn apply(&self, patches: &[f32], n: usize) -> Vec<f32> {
         let w = QuantMatrix::new(self.ty, self.rows, self.cols, &self.data)
             .expect("built with its own shape");
-        let mut y = vec![0f32; n * self.rows];
-        if self.ty == GgmlType::F16 {
-            let rounded: Vec<f32> = patches
-                .par_iter()
-                .map(|&v| f16_bits_to_f32(f32_to_f16_bits(v)))
-                .collect();
-            matmul_ordered(&w, &rounded, n, &mut y, Some(f16_tinyblas_order()));
-        } else {
-            matmul(&w, patches, n, &mut y);
-        }
-        y
+        product(&w, patches, n)
     }
 }

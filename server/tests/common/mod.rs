@@ -141,11 +141,22 @@ impl Home {
     /// A model that reads pictures: the tiny qwen35moe fixture with [`Home::synth_projector`]'s projector
     /// named by its run config's `mmproj`, on the CPU (where pictures are read).
     pub fn add_vision_model(&self, name: &str) {
-        let mmproj = self.synth_projector();
-        let gguf = fixture("qwen35moe-tiny-q4km.gguf");
+        self.add_vision_model_of(name, "qwen35moe-tiny-q4km.gguf", "qwen3vl-mmproj");
+    }
+
+    /// A Gemma 4 model that reads pictures: the tiny gemma4 fixture with the tiny `gemma4v` projector,
+    /// on the CPU.
+    pub fn add_gemma4_vision_model(&self, name: &str) {
+        self.add_vision_model_of(name, "gemma4-tiny-q4km.gguf", "gemma4v-mmproj");
+    }
+
+    /// The fixture `gguf_name` with the tiny projector `synth --arch projector_arch` writes, on the CPU.
+    fn add_vision_model_of(&self, name: &str, gguf_name: &str, projector_arch: &str) {
+        let mmproj = self.synth_projector_of(projector_arch);
+        let gguf = fixture(gguf_name);
         self.add_model(
             name,
-            "qwen35moe-tiny-q4km.gguf",
+            gguf_name,
             serde_json::json!({"mmproj": mmproj,
                    "args": ["--model", gguf, "--max-context", "4096", "--threads", "1", "--cpu"]}),
         );

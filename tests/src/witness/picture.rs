@@ -1,6 +1,6 @@
 //! What the picture witnesses share (`tests/tests/picture_witness.rs` for Qwen3.6's pictures,
-//! `tests/tests/gemma4_picture_witness.rs` for Gemma 4's): reading the references' f32 files and id lists,
-//! and how far our logits are from llama.cpp's, row by row.
+//! `tests/tests/gemma4_picture_witness.rs` for Gemma 4's): the tiny model a reference was made from, reading
+//! the references' f32 files and id lists, and how far our logits are from llama.cpp's, row by row.
 
 use serde_json::Value;
 
@@ -72,6 +72,33 @@ pub fn logit_gap(ours: &[f32], theirs: &[f32], n_vocab: usize) -> LogitGap {
         gap.top_tokens_differing += usize::from(argmax(a) != argmax(b));
     }
     gap
+}
+
+/// Writes `synth`'s tiny F32 model of `arch` at `path` with the seed of a picture reference's metadata `m`
+/// (`model_seed`), and checks it is the file the reference was made from (`model_sha256`).
+pub fn write_tiny_f32_model(arch: &str, m: &Value, path: &std::path::Path) {
+    use poly_kernels::quant::GgmlType;
+    use poly_models::synth::plan::TypeChoice;
+    use poly_models::synth::shapes::find_shape;
+    use poly_models::synth::{SynthOptions, Synthesis};
+    let opts = SynthOptions {
+        shape: find_shape(arch, "tiny").expect("tiny"),
+        types: TypeChoice {
+            default: GgmlType::F32,
+            overrides: Vec::new(),
+        },
+        seed: m["model_seed"].as_u64().expect("seed"),
+        route_skew: 0.0,
+    };
+    Synthesis::prepare(&opts)
+        .expect("a tiny model")
+        .write(path, |_, _| {})
+        .expect("written");
+    assert_eq!(
+        super::sha256_file(path).expect("hashed"),
+        m["model_sha256"].as_str().expect("sha"),
+        "synth no longer writes the model the reference was made from"
+    );
 }
 
 #[cfg(test)]
