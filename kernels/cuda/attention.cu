@@ -222,14 +222,15 @@ extern "C" __global__ void attn_reduce(const float * __restrict__ partial, float
 
 // ----- one-token attention (flash decoding) -----------------------------------------------------------------
 // attn_decode_f16: the query of one token over a KV cache, for head dims d of 32, 64, 128, 256 (dk = dv) and
-// GQA groups of up to ATD_MAX_G heads. Grid: (n_split, n_head_kv); block: ATD_THREADS threads. The block
-// of split z serves every query head of KV head blockIdx.y (so each K and V row is read once for the whole
-// group) over the z-th of n_split equal parts of the keys the token sees. The parts are cut from the real
+// GQA groups of up to ATD_MAX_G heads. Grid: (n_split, n_head_kv, group blocks); block: ATD_THREADS threads.
+// The block of split x serves the query heads of KV head blockIdx.y that are its part of the group (all of
+// them for attn_decode_f16, G of them for the _gG entry points below; each K and V row is read once for a
+// block's heads) over the x-th of n_split equal parts of the keys the token sees. The parts are cut from the real
 // position read on the card, not from the launch's cache rows, so a graph captured for a bucket of rows
 // spends its blocks on the keys that exist and reads nothing past the position.
 //
 // Inside a block, d/8 consecutive threads hold one key: each loads 16 bytes (8 f16) of the key row and of
-// the value row, scores its 8 dimensions against every head of the group (queries in registers), and the
+// the value row, scores its 8 dimensions against every head of the block (queries in registers), and the
 // key's threads sum the scores with shuffles. The block's ATD_THREADS/(d/8) key slots walk the keys
 // ATD_UNROLL at a time (all loads of a step issued before any arithmetic), each slot keeping its own
 // running maximum, sum and accumulator (online softmax, f32); the slots merge through shared memory at the
@@ -271,18 +272,23 @@ static __device__ __forceinline__ uint4 f32x8_to_f16(const float * f) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-extern "C" __global__ void __launch_bounds__(ATD_THREADS)
-    attn_decode_f16(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
-                    uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
-                    float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {
+template <int G>
+static __device__ __forceinline__ void
+    attn_decode_heads(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
+                      uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
+                      float * __restrict__ out, float * __restrict__ partial, const AttnDecodeArgs a) {
     launch_prologue();
-    __shared__ float acc_s[ATD_THREADS * 8 * ATD_MAX_G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
-    __shared__ float ml_s[32 * ATD_MAX_G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
+    __shared__ float acc_s[ATD_THREADS * 8 * G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
+    __shared__ float ml_s[32 * G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
     const int tid = threadIdx.x;
     const int tpk = a.d / 8;            // threads per key
     const int kps = ATD_THREADS / tpk;  // key slots of the block
     const int slot = tid / tpk, sub = tid % tpk;
     const int group = a.n_head / a.n_head_kv;
+    // This block's heads of the group: gh (at most G) from h0 (blockIdx.z's share; G divides the group
+    // when the group is split, so gh < G only where one block takes a whole group smaller than G).
+    const int h0 = blockIdx.z * G;
+    const int gh = min(G, group - h0);
     const int hk = blockIdx.y, z = blockIdx.x;
 
     // The keys this split sees: its part of [first, last].
@@ -294,22 +300,22 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
     const int lo = first + z * chunk;
     const int hi = min(lo + chunk, last + 1); // exclusive
 
-    float qf[ATD_MAX_G][8];
+    float qf[G][8];
 #pragma unroll
-    for (int h = 0; h < ATD_MAX_G; ++h) {
+    for (int h = 0; h < G; ++h) {
         // 8 consecutive floats (32-byte aligned: d and the offset are multiples of 8) as two 16-byte loads.
         float4 lo4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), hi4 = lo4;
-        if (h < group) {
-            const float4 * qh = (const float4 *) (q + (int64_t) (hk * group + h) * a.d + sub * 8);
+        if (h < gh) {
+            const float4 * qh = (const float4 *) (q + (int64_t) (hk * group + h0 + h) * a.d + sub * 8);
             lo4 = qh[0];
             hi4 = qh[1];
         }
         qf[h][0] = lo4.x, qf[h][1] = lo4.y, qf[h][2] = lo4.z, qf[h][3] = lo4.w;
         qf[h][4] = hi4.x, qf[h][5] = hi4.y, qf[h][6] = hi4.z, qf[h][7] = hi4.w;
     }
-    float m[ATD_MAX_G], l[ATD_MAX_G], acc[ATD_MAX_G][8];
+    float m[G], l[G], acc[G][8];
 #pragma unroll
-    for (int h = 0; h < ATD_MAX_G; ++h) {
+    for (int h = 0; h < G; ++h) {
         m[h] = -POLY_INF;
         l[h] = 0.0f;
 #pragma unroll
@@ -334,8 +340,12 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
             if (kn != nullptr && j == p && j < hi) {
                 kk[u] = f32x8_to_f16(kn);
                 vv[u] = f32x8_to_f16(vn);
-                *(uint4 *) (kh + j * row) = kk[u];
-                *(uint4 *) (vh + j * row) = vv[u];
+                // One block of the group's stores the row (the others use the same values from registers
+                // and never read that row from memory).
+                if (blockIdx.z == 0) {
+                    *(uint4 *) (kh + j * row) = kk[u];
+                    *(uint4 *) (vh + j * row) = vv[u];
+                }
             } else if (j < hi) {
                 kk[u] = *(const uint4 *) (kh + j * row);
                 vv[u] = *(const uint4 *) (vh + j * row);
@@ -344,13 +354,13 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
                 vv[u] = make_uint4(0, 0, 0, 0);
             }
         }
-        float s[ATD_UNROLL][ATD_MAX_G];
+        float s[ATD_UNROLL][G];
 #pragma unroll
         for (int u = 0; u < ATD_UNROLL; ++u) {
             float kf[8];
             f16x8_to_f32(kk[u], kf);
 #pragma unroll
-            for (int h = 0; h < ATD_MAX_G; ++h) {
+            for (int h = 0; h < G; ++h) {
                 float d0 = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
@@ -364,14 +374,14 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
 #pragma unroll
             for (int u = 0; u < ATD_UNROLL; ++u) {
 #pragma unroll
-                for (int h = 0; h < ATD_MAX_G; ++h) {
+                for (int h = 0; h < G; ++h) {
                     s[u][h] += __shfl_xor_sync(FULL_MASK, s[u][h], off);
                 }
             }
         }
 #pragma unroll
-        for (int h = 0; h < ATD_MAX_G; ++h) {
-            if (h >= group) {
+        for (int h = 0; h < G; ++h) {
+            if (h >= gh) {
                 continue;
             }
             float mx = m[h];
@@ -412,46 +422,46 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
 
     // Merge the key slots.
 #pragma unroll
-    for (int h = 0; h < ATD_MAX_G; ++h) {
-        if (h < group) {
+    for (int h = 0; h < G; ++h) {
+        if (h < gh) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                acc_s[(slot * group + h) * a.d + sub * 8 + i] = acc[h][i];
+                acc_s[(slot * gh + h) * a.d + sub * 8 + i] = acc[h][i];
             }
             if (sub == 0) {
-                ml_s[slot * group + h][0] = m[h];
-                ml_s[slot * group + h][1] = l[h];
+                ml_s[slot * gh + h][0] = m[h];
+                ml_s[slot * gh + h][1] = l[h];
             }
         }
     }
     __syncthreads();
     // Per head: the largest slot maximum, each slot's weight (in place of its maximum) and the merged sum.
-    __shared__ float big_s[ATD_MAX_G], den_s[ATD_MAX_G];
-    if (tid < group) {
+    __shared__ float big_s[G], den_s[G];
+    if (tid < gh) {
         const int h = tid;
         float big = -POLY_INF;
         for (int sl = 0; sl < kps; ++sl) {
-            big = fmaxf(big, ml_s[sl * group + h][0]);
+            big = fmaxf(big, ml_s[sl * gh + h][0]);
         }
         const float big_safe = big == -POLY_INF ? 0.0f : big;
         float den = 0.0f;
         for (int sl = 0; sl < kps; ++sl) {
-            const float w = __expf(ml_s[sl * group + h][0] - big_safe);
-            ml_s[sl * group + h][0] = w;
-            den = fmaf(w, ml_s[sl * group + h][1], den);
+            const float w = __expf(ml_s[sl * gh + h][0] - big_safe);
+            ml_s[sl * gh + h][0] = w;
+            den = fmaf(w, ml_s[sl * gh + h][1], den);
         }
         big_s[h] = big;
         den_s[h] = den;
     }
     __syncthreads();
-    for (int idx = tid; idx < group * a.d; idx += ATD_THREADS) {
+    for (int idx = tid; idx < gh * a.d; idx += ATD_THREADS) {
         const int h = idx / a.d, dd = idx % a.d;
         const float big = big_s[h], den = den_s[h];
         float num = 0.0f;
         for (int sl = 0; sl < kps; ++sl) {
-            num = fmaf(ml_s[sl * group + h][0], acc_s[(sl * group + h) * a.d + dd], num);
+            num = fmaf(ml_s[sl * gh + h][0], acc_s[(sl * gh + h) * a.d + dd], num);
         }
-        const int head = hk * group + h;
+        const int head = hk * group + h0 + h;
         if (a.n_split == 1) {
             out[(int64_t) head * a.d + dd] = den > 0.0f ? num / den : 0.0f;
         } else {
@@ -465,6 +475,25 @@ extern "C" __global__ void __launch_bounds__(ATD_THREADS)
         }
     }
 }
+
+
+// The entry points: G heads of a GQA group per block. attn_decode_f16 takes the whole group (up to
+// ATD_MAX_G heads, grid z 1); the _g1/_g2/_g4 variants take 1, 2 or 4 of its heads (grid z group / G), so a
+// token's attention runs as more, shorter blocks: a block's warps execute the group's dot products,
+// shuffles and merge for its G heads only. Each head's arithmetic is the same in every variant (its
+// scores, its online softmax over the same slots, its merge), so all give the same bits.
+#define ATD_ENTRY(name, G)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATD_THREADS)                                                   \
+        name(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,   \
+             uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,      \
+             float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {                        \
+        attn_decode_heads<G>(q, positions, k, v, k_new, v_new, out, partial, a);                                \
+    }
+
+ATD_ENTRY(attn_decode_f16, ATD_MAX_G)
+ATD_ENTRY(attn_decode_f16_g1, 1)
+ATD_ENTRY(attn_decode_f16_g2, 2)
+ATD_ENTRY(attn_decode_f16_g4, 4)
 
 // Merges the splits of attn_decode_f16. Grid: (n_head, d/32); block: (32, 8): lane = dimension, the 8 warps
 // stride over the splits and sum through shared memory. With out_q (d a multiple of 32, so each block's 32

@@ -261,12 +261,14 @@ fn moe_add_rms_norm_equals_the_combine_the_shared_expert_and_the_norm() {
     let mut rng = Rng::new(73);
     let mut failures = Vec::new();
     // (width, slots, shared expert, gated): qwen3moe's token (2048, 8 slots), qwen35moe's (2048, 8, gated
-    // shared expert), a routed sum given whole with an ungated shared expert, a narrow row.
+    // shared expert), a routed sum given whole with an ungated shared expert, a narrow row, more slots
+    // than the kernel keeps in registers (summed a slot at a time).
     for (n, k, shared, gated) in [
         (2048, 8, false, false),
         (2048, 8, true, true),
         (1024, 0, true, false),
         (96, 4, true, true),
+        (512, 10, true, false),
     ] {
         let y: Vec<f32> = normals(&mut rng, k.max(1) * n);
         let weights: Vec<f32> = (0..k).map(|j| 0.05 + 0.1 * j as f32).collect();

@@ -8,7 +8,8 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use poly_kernels::cuda::attention::{
-    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, DecodeSplit,
+    KvCacheView,
 };
 use poly_kernels::cuda::attention_mma::attention_prompt;
 use poly_kernels::cuda::prompt::{self, ExpertGrouping};
@@ -108,7 +109,7 @@ fn bench_attention_decode() {
                         &posd,
                         DecodeCache::Read(cache),
                         &p,
-                        n_split,
+                        DecodeSplit::keys(n_split),
                         scratch.as_mut(),
                         (&mut out, None),
                     )
@@ -127,7 +128,7 @@ fn bench_attention_decode() {
                         &posd,
                         DecodeCache::Read(cache),
                         &p,
-                        n_split,
+                        DecodeSplit::keys(n_split),
                         scratch.as_mut(),
                         (&mut out, None),
                     )

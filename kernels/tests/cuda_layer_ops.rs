@@ -11,7 +11,8 @@
 #![cfg(feature = "cuda")]
 
 use poly_kernels::cuda::attention::{
-    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, KvCacheView,
+    attention_decode_f16, attention_f16, decode_scratch_len, AttnSplit, DecodeCache, DecodeSplit,
+    KvCacheView,
 };
 use poly_kernels::cuda::prompt::{self, ExpertGrouping, MatmulPath};
 use poly_kernels::cuda::recurrent::{self, DeltaInputs, L2Form};
@@ -257,40 +258,45 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
 
     let qd = dev.upload(&q).unwrap();
     let posd = dev.upload(&[c.position as i32]).unwrap();
-    let (mut kd, mut vd) = (dev.upload(&kbits).unwrap(), dev.upload(&vbits).unwrap());
     let (knd, vnd) = (dev.upload(&k_new).unwrap(), dev.upload(&v_new).unwrap());
-    let len = decode_scratch_len(p, c.n_split);
-    let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
-    let mut out = dev.zeros::<f32>(want.len()).unwrap();
-    let cache = if c.store {
-        DecodeCache::Store {
-            k_new: &knd,
-            v_new: &vnd,
-            k: &mut kd,
-            v: &mut vd,
-            n_kv: c.n_kv,
-        }
-    } else {
-        DecodeCache::Read(KvCacheView {
-            k: &kd,
-            v: &vd,
-            n_kv: Some(c.n_kv),
-        })
-    };
     // With several splits the merge also writes the output quantized (heads of 32k values).
     let quantized = c.n_split > 1 && d.is_multiple_of(32);
-    let mut out_q = quantized.then(|| dev.zeros::<BlockQ8_1>(want.len() / 32).unwrap());
-    attention_decode_f16(
-        dev,
-        &qd,
-        &posd,
-        cache,
-        p,
-        c.n_split,
-        scratch.as_mut(),
-        (&mut out, out_q.as_mut()),
-    )
-    .unwrap();
+    // One launch on a fresh copy of the cache: the output, its quantized copy, the cache after.
+    let launch = |split: DecodeSplit| {
+        let (mut kd, mut vd) = (dev.upload(&kbits).unwrap(), dev.upload(&vbits).unwrap());
+        let len = decode_scratch_len(p, c.n_split);
+        let mut scratch = (len > 0).then(|| dev.zeros::<f32>(len).unwrap());
+        let mut out = dev.zeros::<f32>(want.len()).unwrap();
+        let mut out_q = quantized.then(|| dev.zeros::<BlockQ8_1>(want.len() / 32).unwrap());
+        let cache = if c.store {
+            DecodeCache::Store {
+                k_new: &knd,
+                v_new: &vnd,
+                k: &mut kd,
+                v: &mut vd,
+                n_kv: c.n_kv,
+            }
+        } else {
+            DecodeCache::Read(KvCacheView {
+                k: &kd,
+                v: &vd,
+                n_kv: Some(c.n_kv),
+            })
+        };
+        attention_decode_f16(
+            dev,
+            &qd,
+            &posd,
+            cache,
+            p,
+            split,
+            scratch.as_mut(),
+            (&mut out, out_q.as_mut()),
+        )
+        .unwrap();
+        (out, out_q, kd, vd)
+    };
+    let (out, out_q, kd, vd) = launch(DecodeSplit::keys(c.n_split));
     let got = dev.download(&out).unwrap();
     if let Some(q) = &out_q {
         // quantize_q8_1 of the output, bit for bit.
@@ -300,6 +306,33 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
             return Some(format!(
                 "attention_decode splits {}: the quantized output differs from quantize_q8_1's",
                 c.n_split
+            ));
+        }
+    }
+    // The group's heads cut into blocks of 1, 2 or 4: the same output, quantized copy and cache, bit for
+    // bit (each head's arithmetic is the same in every cut).
+    let group = p.n_head / p.n_head_kv;
+    for h in [1, 2, 4]
+        .into_iter()
+        .filter(|&h| h < group && group.is_multiple_of(h))
+    {
+        let split = DecodeSplit {
+            n_split: c.n_split,
+            heads_per_block: Some(h),
+        };
+        let (o, oq, k2, v2) = launch(split);
+        let same_q = match (&oq, &out_q) {
+            (Some(a), Some(b)) => dev.download(a).unwrap() == dev.download(b).unwrap(),
+            _ => true,
+        };
+        let same_cache = dev.download(&k2).unwrap() == dev.download(&kd).unwrap()
+            && dev.download(&v2).unwrap() == dev.download(&vd).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let same_out = bits(&dev.download(&o).unwrap()) == bits(&got);
+        if !same_out || !same_q || !same_cache {
+            return Some(format!(
+                "attention_decode heads {}/{} splits {} position {}: {h} heads a block against the whole group's: output same {same_out}, quantized {same_q}, cache {same_cache}",
+                p.n_head, p.n_head_kv, c.n_split, c.position
             ));
         }
     }

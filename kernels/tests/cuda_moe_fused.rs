@@ -56,15 +56,28 @@ fn router_topk_equals_the_router_then_route_topk() {
     let mut rng = Rng::new(11);
     let mut failures = Vec::new();
     let mut tickets = Tickets::new(&dev, TICKETS).unwrap();
-    // (router format, experts, k, gating, width): qwen3moe, qwen35moe, a sigmoid router, F16 and BF16.
-    for (ty, n_expert, k, gating, cols) in [
-        (GgmlType::F32, 128, 8, Gating::Softmax, 2048),
-        (GgmlType::F32, 256, 8, Gating::Softmax, 2048),
-        (GgmlType::F32, 64, 6, Gating::Sigmoid, 1024),
-        (GgmlType::F16, 128, 8, Gating::Softmax, 2048),
-        (GgmlType::BF16, 60, 4, Gating::Softmax, 512),
+    // (router format, experts, k, gating, width, rows in equal pairs): qwen3moe, qwen35moe, a sigmoid
+    // router, F16 and BF16; 512 experts (4 a thread of the last block, more logits than a lane loads at
+    // once), 62 (keys ranked one at a time); pairs of equal rows, so equal logits (ties go to the lower
+    // id).
+    for (ty, n_expert, k, gating, cols, paired) in [
+        (GgmlType::F32, 128, 8, Gating::Softmax, 2048, false),
+        (GgmlType::F32, 256, 8, Gating::Softmax, 2048, false),
+        (GgmlType::F32, 64, 6, Gating::Sigmoid, 1024, false),
+        (GgmlType::F16, 128, 8, Gating::Softmax, 2048, false),
+        (GgmlType::BF16, 60, 4, Gating::Softmax, 512, false),
+        (GgmlType::F32, 512, 10, Gating::Softmax, 256, false),
+        (GgmlType::F32, 62, 6, Gating::Sigmoid, 256, false),
+        (GgmlType::F32, 128, 8, Gating::Softmax, 512, true),
     ] {
-        let w = random_weights(ty, &mut rng, n_expert * cols);
+        let mut w = random_weights(ty, &mut rng, n_expert * cols);
+        if paired {
+            let row_bytes = w.len() / n_expert;
+            for e in (0..n_expert).step_by(2) {
+                let (a, b) = w.split_at_mut((e + 1) * row_bytes);
+                b[..row_bytes].copy_from_slice(&a[e * row_bytes..]);
+            }
+        }
         let router = StackedExperts::upload(&dev, ty, (n_expert, cols, 1), &w).unwrap();
         let r = routing(n_expert, k, gating);
         let zero_ids = dev.zeros::<i32>(1).unwrap();

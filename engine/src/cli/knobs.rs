@@ -179,6 +179,10 @@ pub struct KnobArgs {
     /// Blocks the flash-decoding kernel aims at (default: the built-in target; was POLY_ATTN_BLOCKS).
     #[arg(long, value_name = "N", value_parser = positive)]
     attn_blocks: Option<usize>,
+    /// Query heads of a GQA group per block of the flash-decoding kernel (1, 2 or 4, taken down to one
+    /// that divides the group; default: the whole group in one block). The same bits either way.
+    #[arg(long, value_name = "N", value_parser = positive)]
+    attn_heads_per_block: Option<usize>,
     /// One-token calls as CUDA graphs (was POLY_GPU_GRAPHS).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     gpu_graphs: Switch,
@@ -351,6 +355,7 @@ impl KnobArgs {
                 moe_glu_fused: self.moe_glu.on(),
                 attn_kv_store_fused: self.attn_kv_store == KvStore::Fused,
                 attn_blocks: self.attn_blocks,
+                attn_heads_per_block: self.attn_heads_per_block,
                 gpu_graphs: self.gpu_graphs.on(),
                 gpu_segments: self.gpu_segments.on(),
                 cpu_share: match self.cpu_share {

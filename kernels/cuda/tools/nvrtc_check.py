@@ -7,6 +7,8 @@ Needs libnvrtc (`pip install nvidia-cuda-nvrtc-cu12`, or $NVRTC naming the libra
 
     python3 kernels/cuda/tools/nvrtc_check.py [module ...] [--arch sm_80,sm_90]
 
+With PTXAS_V=1 the log also holds ptxas' registers, spills and shared memory per kernel.
+
 (default: matvec_q and matvec_iq for sm_80 and sm_90).
 """
 
@@ -54,7 +56,7 @@ def compile_one(lib, module, arch):
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{module}.cu".encode(), 0, None, None)
     if rc != 0:
         raise RuntimeError(f"nvrtcCreateProgram: {rc}")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"] + ([b"--ptxas-options=-v"] if os.environ.get("PTXAS_V") else [])
     arr = (ctypes.c_char_p * len(opts))(*opts)
     t = time.time()
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)

@@ -298,6 +298,38 @@ pub fn decode_takes(p: &AttnParams) -> bool {
         && p.n_head / p.n_head_kv <= DECODE_MAX_GROUP
 }
 
+/// How [`attention_decode_f16`] cuts a token's attention into blocks: `n_split` parts of the keys it sees,
+/// and each GQA group's heads in blocks of `heads_per_block` ([`decode_heads_per_block`]: 1, 2 or 4 dividing
+/// the group, or the whole group, as `None` says). Every cut of the heads gives the same bits; more blocks
+/// of fewer heads are shorter (a block's warps run the dot products, shuffles and merge of its heads only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeSplit {
+    pub n_split: usize,
+    pub heads_per_block: Option<usize>,
+}
+
+impl DecodeSplit {
+    /// `n_split` parts of the keys, a block per GQA group.
+    pub fn keys(n_split: usize) -> Self {
+        DecodeSplit {
+            n_split,
+            heads_per_block: None,
+        }
+    }
+}
+
+/// The heads per block the kernel takes for a GQA group of `group` heads when `wanted` are asked for: the
+/// largest of the whole group, 4, 2 and 1 that is at most `wanted` (and at least 1) and divides the group.
+pub fn decode_heads_per_block(group: usize, wanted: usize) -> usize {
+    if group <= wanted.max(1) {
+        return group;
+    }
+    [4, 2, 1]
+        .into_iter()
+        .find(|&h| h <= wanted && group.is_multiple_of(h))
+        .unwrap_or(1)
+}
+
 /// Floats of the scratch [`attention_decode_f16`] needs with `n_split` splits (0 for one).
 pub fn decode_scratch_len(p: &AttnParams, n_split: usize) -> usize {
     if n_split <= 1 {
@@ -323,11 +355,12 @@ pub enum DecodeCache<'a> {
 }
 
 /// Attention of one token's query over the first `n_kv` rows of an f16 KV cache (flash decoding):
-/// `n_split` blocks per KV head each take an equal part of the keys the token sees, cut from its position
-/// read on the card (`positions` `[1]`), so a graph captured for a bucket of cache rows reads only the
-/// rows up to the position whatever the bucket; each block reads a key and value row once for all heads of
-/// its group. `q` `[n_head·d]`, `out` `[n_head·d]`; `scratch` holds [`decode_scratch_len`] floats when
-/// `n_split > 1` (a second launch merges the splits). The shapes must pass [`decode_takes`].
+/// `split.n_split` blocks per KV head (times the group's blocks, [`DecodeSplit`]) each take an equal part
+/// of the keys the token sees, cut from its position read on the card (`positions` `[1]`), so a graph
+/// captured for a bucket of cache rows reads only the rows up to the position whatever the bucket; each
+/// block reads a key and value row once for all its heads. `q` `[n_head·d]`, `out` `[n_head·d]`; `scratch`
+/// holds [`decode_scratch_len`] floats when `n_split > 1` (a second launch merges the splits). The shapes
+/// must pass [`decode_takes`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_decode_f16(
     dev: &Device,
@@ -335,13 +368,27 @@ pub fn attention_decode_f16(
     positions: &DeviceBuffer<i32>,
     cache: DecodeCache<'_>,
     p: &AttnParams,
-    n_split: usize,
+    split: DecodeSplit,
     scratch: Option<&mut DeviceBuffer<f32>>,
     (out, out_q): (&mut DeviceBuffer<f32>, Option<&mut DeviceBuffer<BlockQ8_1>>),
 ) -> CudaResult<()> {
     if !decode_takes(p) {
         return invalid(format!("attention_decode: heads {p:?}"));
     }
+    let n_split = split.n_split;
+    let group = p.n_head / p.n_head_kv;
+    let (name, group_blocks) = match split.heads_per_block {
+        None => ("attn_decode_f16", 1),
+        Some(h) if h >= group => ("attn_decode_f16", 1),
+        Some(1) => ("attn_decode_f16_g1", group),
+        Some(2) if group.is_multiple_of(2) => ("attn_decode_f16_g2", group / 2),
+        Some(4) if group.is_multiple_of(4) => ("attn_decode_f16_g4", group / 4),
+        Some(h) => {
+            return invalid(format!(
+                "attention_decode: {h} heads a block of a group of {group} (1, 2 or 4 dividing it)"
+            ))
+        }
+    };
     if n_split == 0 || n_split > DECODE_MAX_SPLIT {
         return invalid(format!("attention_decode: {n_split} splits"));
     }
@@ -405,11 +452,11 @@ pub fn attention_decode_f16(
         n_split: n_split as i32,
     };
     let cfg = LaunchConfig {
-        grid_dim: (n_split as u32, p.n_head_kv as u32, 1),
+        grid_dim: (n_split as u32, p.n_head_kv as u32, group_blocks as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let f = dev.function(KernelModule::Attention, "attn_decode_f16")?;
+    let f = dev.function(KernelModule::Attention, name)?;
     let mut b = dev.launch_builder(&f);
     b.arg(q.slice()).arg(positions.slice());
     // Without a store k_new and v_new go as null.
@@ -433,10 +480,11 @@ pub fn attention_decode_f16(
     // SAFETY: q and out hold n_head·d floats, positions one value, k and v at least n_kv rows, k_new and
     // v_new (with a store) n_head_kv·d floats (checked above); the kernel reads cache rows only up to
     // min(position, n_kv − 1) with 16-byte loads (d a multiple of 8 and rows of n_head_kv·d f16 keep them
-    // aligned), writes the position's row only with a store (the caches then borrowed mutably), and writes
-    // out (one split) or scratch (several: decode_scratch_len floats).
+    // aligned), writes the position's row only with a store (the caches then borrowed mutably; one block
+    // of each group's), and writes out (one split) or scratch (several: decode_scratch_len floats), each
+    // head by the one block of its part of the group (grid z: group_blocks, checked above).
     unsafe { b.launch(cfg) }?;
-    dev.after_launch("attn_decode_f16")?;
+    dev.after_launch(name)?;
     if let Some(scratch) = scratch {
         let f = dev.function(KernelModule::Attention, "attn_decode_reduce")?;
         let mut b = dev.launch_builder(&f);
@@ -505,6 +553,19 @@ mod tests {
         assert!(!decode_takes(&params(6, 3, 80)), "d not a power of two");
         assert!(!decode_takes(&params(32, 2, 128)), "group of 16");
         assert!(!decode_takes(&params(8, 2, 512)), "d over 256");
+    }
+
+    #[test]
+    fn heads_per_block_divide_the_group_or_take_it_whole() {
+        // qwen3moe's group of 8: each kernel's cut as asked, more than the group is the group.
+        assert_eq!(
+            [1, 2, 3, 4, 8, 16].map(|h| decode_heads_per_block(8, h)),
+            [1, 2, 2, 4, 8, 8]
+        );
+        // qwen35moe's group of 2 (16 heads, 2 KV heads); a group of 6 takes 2 for 4 (4 does not divide it).
+        assert_eq!([1, 2, 4].map(|h| decode_heads_per_block(2, h)), [1, 2, 2]);
+        assert_eq!([1, 4, 6].map(|h| decode_heads_per_block(6, h)), [1, 2, 6]);
+        assert_eq!(decode_heads_per_block(8, 0), 1, "at least one head");
         assert_eq!(decode_scratch_len(&params(32, 4, 128), 1), 0);
         assert_eq!(decode_scratch_len(&params(32, 4, 128), 64), 64 * 32 * 130);
     }

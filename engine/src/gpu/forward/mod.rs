@@ -111,6 +111,15 @@ fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
     by_blocks.min(by_keys).clamp(1, attention::DECODE_MAX_SPLIT)
 }
 
+/// `--attn-heads-per-block`'s cut of a GQA group for the flash-decoding kernel (none: the whole group in
+/// one block).
+fn decode_heads_per_block(p: &AttnParams) -> Option<usize> {
+    let group = p.n_head / p.n_head_kv.max(1);
+    crate::knobs::forward()
+        .attn_heads_per_block
+        .map(|h| attention::decode_heads_per_block(group, h))
+}
+
 /// The fewest keys a block of the flash-decoding kernel takes in a full bucket (below that the merge costs
 /// more than the blocks gain).
 const DECODE_MIN_KEYS: usize = 32;
@@ -840,13 +849,17 @@ impl Compute for GpuForward<'_> {
                         true => Some(c.pool.q8(dev, out.len() / BlockQ8_1::ELEMS)?),
                         false => None,
                     };
+                    let split = attention::DecodeSplit {
+                        n_split,
+                        heads_per_block: decode_heads_per_block(&p),
+                    };
                     let r = attention::attention_decode_f16(
                         dev,
                         q.buf()?,
                         positions,
                         cache,
                         &p,
-                        n_split,
+                        split,
                         scratch.as_mut(),
                         (out.buf_mut()?, out_q.as_mut()),
                     );
