@@ -272,12 +272,12 @@ static __device__ __forceinline__ uint4 f32x8_to_f16(const float * f) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The body of the entry points below (each begins with launch_prologue): G heads of a GQA group a block.
 template <int G>
 static __device__ __forceinline__ void
     attn_decode_heads(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,
                       uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,
                       float * __restrict__ out, float * __restrict__ partial, const AttnDecodeArgs a) {
-    launch_prologue();
     __shared__ float acc_s[ATD_THREADS * 8 * G]; // [slot][h][d]: KPS * d = 8 * ATD_THREADS
     __shared__ float ml_s[32 * G][2];            // [slot][h] (max, sum): d >= 32, so KPS <= 32
     const int tid = threadIdx.x;
@@ -487,6 +487,7 @@ static __device__ __forceinline__ void
         name(const float * __restrict__ q, const int32_t * __restrict__ positions, uint16_t * __restrict__ k,   \
              uint16_t * __restrict__ v, const float * __restrict__ k_new, const float * __restrict__ v_new,      \
              float * __restrict__ out, float * __restrict__ partial, AttnDecodeArgs a) {                        \
+        launch_prologue();                                                                                      \
         attn_decode_heads<G>(q, positions, k, v, k_new, v_new, out, partial, a);                                \
     }
 
