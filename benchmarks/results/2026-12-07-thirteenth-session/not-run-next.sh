@@ -8,8 +8,12 @@
 #   3. tg128 pp512 every weight in VRAM, default against 1, 2, 4 alternating; at 8 GB once the llama.cpp
 #      build is done (start it first: its last steps ran beside call C's 8 GB runs);
 #   4. Nsight Compute node by node at tg128's context for the best cut (attn_decode_f16_g* and the merge).
-#   here:  build poly-engine with polystrata (one feature set) and cuda_layer_ops; pack as callA.sh's header
-#          says; bash benchmarks/device_lean.sh on
+#   here:  cargo build --release -p poly-engine --bin poly-engine -p polystrata --bin polystrata (one
+#          feature set for every engine binary compared); cargo test --release -p poly-kernels --test
+#          cuda_layer_ops --no-run; copy poly-engine and the cuda_layer_ops executable into a folder, strip
+#          --strip-all, XZ_OPT=-9e tar cJf .carry/s13/bin.tar.xz -C FOLDER .; the llama.cpp source as
+#          ../shared/device/README.md says (.carry/s13/llama.cpp.tar.xz) with llamacpp_build_cuda.sh beside
+#          it; bash benchmarks/device_lean.sh on; carry .carry/s13
 #   there: DEVOUT=$OUT bash benchmarks/results/2026-12-07-thirteenth-session/not-run-next.sh
 set -u
 OUT=$DEVOUT; S=$OUT/next.txt; T0=$(date +%s); . benchmarks/results/2026-12-07-thirteenth-session/common.sh
