@@ -1,4 +1,5 @@
-# Thirteenth session's stay: shared helpers (sourced by callA.sh and callB.sh).
+# Thirteenth session's stay: shared helpers (sourced by callA.sh, callB.sh, callC.sh as .carry/s13/common.sh, and by
+# not-run-next.sh; prep_machine was added after the stay, for not-run-next.sh: callA-C write out its steps).
 export POLY_KERNEL_CACHE=/tmp/pkc
 C=.carry/s13; E=/tmp/bin/poly-engine; BE=/tmp/bin/poly-engine-base; LB=/tmp/lcb/build/bin/llama-bench
 T0=${T0:-$(date +%s)}
@@ -19,4 +20,19 @@ ident() { # model, label, args: BASE against this build, byte for byte
   if cmp -s /tmp/r-base.json /tmp/r-new.json; then st "identity $m $l: new = base ($(wc -l < /tmp/r-base.json) lines)"
   else st "identity $m $l: new != base"; cp /tmp/r-base.json $OUT/ident-$m-$l-base.json; cp /tmp/r-new.json $OUT/ident-$m-$l-new.json; fi
   grep -ciE "error|panick" /tmp/r-*.json.err | tr '\n' ' ' >> $S
+}
+prep_machine() { # a fresh machine: the binaries and llama.cpp's source unpacked, its build started (nice 19,
+  # its own session), q3u and q35s written to /dev/shm (waits for the writers, not the build)
+  mkdir -p /tmp/bin /dev/shm/m /tmp/lsrc /tmp/lcb
+  tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
+  setsid nice -n 19 bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > /tmp/lcb/llama_build.txt 2>&1 < /dev/null &
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $S
+  lscpu | grep -E "^(Model name|L3)" >> $S
+  $E synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 0 --out /dev/shm/m/q3u.gguf > /tmp/s1.txt 2>&1 &
+  local p1=$!
+  $E synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35s.gguf > /tmp/s2.txt 2>&1 &
+  local p2=$!
+  "$@" # what runs while the models are written (the card tests)
+  wait $p1 $p2
+  st "written: q3u $(grep -oE 'top 10%[^(]*' /tmp/s1.txt | head -1); q35s $(grep -oE 'top 10%[^(]*' /tmp/s2.txt | head -1)"
 }

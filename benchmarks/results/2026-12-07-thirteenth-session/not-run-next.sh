@@ -17,17 +17,11 @@
 #   there: DEVOUT=$OUT bash benchmarks/results/2026-12-07-thirteenth-session/not-run-next.sh
 set -u
 OUT=$DEVOUT; S=$OUT/next.txt; T0=$(date +%s); . benchmarks/results/2026-12-07-thirteenth-session/common.sh
-mkdir -p /tmp/bin /dev/shm/m /tmp/lsrc /tmp/lcb
-tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf $C/llama.cpp.tar.xz -C /tmp/lsrc
-setsid nice -n 19 bash $C/llamacpp_build_cuda.sh /tmp/lsrc/llama.cpp /tmp/lcb/build /tmp/lcb > /tmp/lcb/llama_build.txt 2>&1 < /dev/null &
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> $S
-$E synth --arch qwen3moe --shape qwen3-30b-a3b --type Q4_K --seed 1 --route-skew 0 --out /dev/shm/m/q3u.gguf > /tmp/s1.txt 2>&1 &
-P1=$!
-$E synth --arch qwen35moe --shape qwen3.6-35b-a3b --type Q4_K --seed 1 --route-skew 1 --out /dev/shm/m/q35s.gguf > /tmp/s2.txt 2>&1 &
-P2=$!
-timeout 170 /tmp/bin/cuda_layer_ops --test-threads 1 attention_decode > $OUT/test-cuda_layer_ops.txt 2>&1
-st "cuda_layer_ops attention_decode rc=$?: $(grep -E '^test result' $OUT/test-cuda_layer_ops.txt | tail -1)"
-wait $P1 $P2; st written
+decode_test() {
+  timeout 170 /tmp/bin/cuda_layer_ops --test-threads 1 attention_decode > $OUT/test-cuda_layer_ops.txt 2>&1
+  st "cuda_layer_ops attention_decode rc=$?: $(grep -E '^test result' $OUT/test-cuda_layer_ops.txt | tail -1)"
+}
+prep_machine decode_test
 for m in q3u q35s; do
   run $E $m /tmp/r-base.json
   for h in 1 2 4; do

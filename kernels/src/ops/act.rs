@@ -111,11 +111,12 @@ pub fn swiglu_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// `gelu(gate) · up`, element-wise into `gate` (GeGLU, with ggml's CPU GELU: [`gelu_ggml`]).
+/// `gelu(gate) · up`, element-wise into `gate` (GeGLU, with ggml's CPU GELU: [`gelu_ggml`], read from its
+/// table, [`gelu_ggml_tabled`]: the same bits).
 pub fn geglu_in_place(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "geglu: lengths differ");
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu_ggml(*g) * u;
+        *g = gelu_ggml_tabled(*g) * u;
     }
 }
 

@@ -30,7 +30,7 @@ use super::products::{product, PatchKernel};
 use super::{check_tensor_table, tensor_matrix, tensor_values, ImageRows, VisionError};
 use crate::gguf::GgufFile;
 use poly_kernels::matmul::QuantMatrix;
-use poly_kernels::ops::act::{gelu_ggml, gelu_quick_ggml, swiglu_ggml_rows};
+use poly_kernels::ops::act::{geglu_in_place, gelu_quick_ggml, swiglu_ggml_rows};
 use poly_kernels::ops::attention::{attention_full, AttnParams};
 use poly_kernels::ops::norm::rms_norm;
 use poly_kernels::ops::rope_2d::rope_2d_halves;
@@ -590,10 +590,7 @@ impl<'a> Gemma4vEncoder<'a> {
                 .iter_mut()
                 .zip(&up)
                 .for_each(|(g, u)| *g = gelu_quick_ggml(*g) * u),
-            Activation::Gelu => gate
-                .iter_mut()
-                .zip(&up)
-                .for_each(|(g, u)| *g = gelu_ggml(*g) * u),
+            Activation::Gelu => geglu_in_place(&mut gate, &up),
             Activation::Silu => swiglu_ggml_rows(&mut gate, &up, hp.n_ff as usize),
         }
         let down = norm(&b.down.apply(&gate, n), e, Some(&b.ffn_post_norm));
