@@ -27,8 +27,9 @@ pub struct ForwardOptions {
     pub attn_kv_store_fused: bool,
     /// The blocks the flash-decoding kernel aims at, instead of the built-in target.
     pub attn_blocks: Option<usize>,
-    /// Query heads per block of the flash-decoding kernel, instead of the whole GQA group.
-    pub attn_heads_per_block: Option<usize>,
+    /// Query heads per block of the flash-decoding kernel (at most; the group's size or more: the whole
+    /// GQA group in one block).
+    pub attn_heads_per_block: usize,
     /// One-token calls captured into CUDA graphs and replayed (off: every launch queued per token).
     pub gpu_graphs: bool,
     /// Tokens whose MoE layers need the host (a partly resident expert cache) as segmented graphs (off:
@@ -157,7 +158,7 @@ impl Default for ForwardOptions {
             moe_glu_fused: true,
             attn_kv_store_fused: true,
             attn_blocks: None,
-            attn_heads_per_block: None,
+            attn_heads_per_block: 2,
             gpu_graphs: true,
             gpu_segments: true,
             cpu_share: CpuShareThreads::Hot,
@@ -211,8 +212,8 @@ impl Knobs {
         if let Some(b) = f.attn_blocks {
             put("attn-blocks", b.to_string());
         }
-        if let Some(h) = f.attn_heads_per_block {
-            put("attn-heads-per-block", h.to_string());
+        if f.attn_heads_per_block != d.attn_heads_per_block {
+            put("attn-heads-per-block", f.attn_heads_per_block.to_string());
         }
         if f.gpu_graphs != d.gpu_graphs {
             put("gpu-graphs", "off".into());

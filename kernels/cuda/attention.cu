@@ -500,6 +500,8 @@ ATD_ENTRY(attn_decode_f16_g4, 4)
 // stride over the splits and sum through shared memory. With out_q (d a multiple of 32, so each block's 32
 // values are one q8_1 block) the output is also written quantized for the output projection, as
 // quantize_q8_1 would quantize it (the same quantize_value), one launch fewer.
+#define ATD_REDUCE_AHEAD 4
+
 extern "C" __global__ void __launch_bounds__(256)
     attn_decode_reduce(const float * __restrict__ partial, float * __restrict__ out, block_q8_1 * __restrict__ out_q,
                        int n_head, int d, int n_split) {
@@ -511,10 +513,20 @@ extern "C" __global__ void __launch_bounds__(256)
     const int lane = threadIdx.x, wy = threadIdx.y;
     const int tid = wy * WARP_SIZE + lane;
     const float * ml = partial + (int64_t) n_split * n_head * d;
-    float big = -POLY_INF;
-    for (int s = tid; s < n_split; s += 256) {
-        big = fmaxf(big, ml[((int64_t) s * n_head + head) * 2]);
+    const int dd = blockIdx.y * WARP_SIZE + lane;
+    // Every load this block needs, issued before the first reduction waits on any (one trip to memory
+    // instead of three): this thread's split maximum and sum (n_split <= ATD_MAX_SPLIT = the block's
+    // 256 threads: one split a thread at most) and its warp's first ATD_REDUCE_AHEAD splits' values.
+    const bool has_split = tid < n_split;
+    const float my_m = has_split ? ml[((int64_t) tid * n_head + head) * 2] : -POLY_INF;
+    const float my_l = has_split ? ml[((int64_t) tid * n_head + head) * 2 + 1] : 0.0f;
+    float ahead[ATD_REDUCE_AHEAD];
+#pragma unroll
+    for (int i = 0; i < ATD_REDUCE_AHEAD; ++i) {
+        const int s = wy + 8 * i;
+        ahead[i] = dd < d && s < n_split ? partial[((int64_t) s * n_head + head) * d + dd] : 0.0f;
     }
+    float big = fmaxf(-POLY_INF, my_m); // as the loop over splits began: a NaN maximum is passed over
     // block_max and block_sum take a one-dimensional block: use the flat index through a local copy.
     {
         float v0 = warp_max(big);
@@ -528,11 +540,10 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     const float big_safe = big == -POLY_INF ? 0.0f : big;
     float den = 0.0f;
-    for (int s = tid; s < n_split; s += 256) {
-        const float m = ml[((int64_t) s * n_head + head) * 2];
-        const float w = m == -POLY_INF ? 0.0f : __expf(m - big_safe);
-        w_s[s] = w;
-        den = fmaf(w, ml[((int64_t) s * n_head + head) * 2 + 1], den);
+    if (has_split) {
+        const float w = my_m == -POLY_INF ? 0.0f : __expf(my_m - big_safe);
+        w_s[tid] = w;
+        den = fmaf(w, my_l, den);
     }
     {
         float v0 = warp_sum(den);
@@ -543,11 +554,17 @@ extern "C" __global__ void __launch_bounds__(256)
         v0 = lane < 8 ? red[lane] : 0.0f;
         den = warp_sum(v0);
     }
-    const int dd = blockIdx.y * WARP_SIZE + lane;
     float num = 0.0f;
     if (dd < d) {
+#pragma unroll
+        for (int i = 0; i < ATD_REDUCE_AHEAD; ++i) {
+            const int s = wy + 8 * i;
+            if (s < n_split) {
+                num = fmaf(w_s[s], ahead[i], num);
+            }
+        }
 #pragma unroll 4
-        for (int s = wy; s < n_split; s += 8) {
+        for (int s = wy + 8 * ATD_REDUCE_AHEAD; s < n_split; s += 8) {
             num = fmaf(w_s[s], partial[((int64_t) s * n_head + head) * d + dd], num);
         }
     }

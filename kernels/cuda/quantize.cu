@@ -114,6 +114,10 @@ struct MoeAddNormArgs {
     float eps;
 };
 
+// Slots whose outputs a thread loads all at once before it sums them (the sum's order unchanged): a
+// token's k experts are 8 to 10 in the families here; more take the plain loop, one load at a time.
+#define MOE_ADD_MAX_K 16
+
 extern "C" __global__ void moe_add_rms_norm_q8_1(const MoeAddNormArgs a) {
     launch_prologue();
     __shared__ float scratch[32];
@@ -122,10 +126,30 @@ extern "C" __global__ void moe_add_rms_norm_q8_1(const MoeAddNormArgs a) {
         const float v = a.shared_gate[0];
         gate = 1.0f / (1.0f + expf(-v)); // ew_unary's sigmoid
     }
+    const bool unrolled = a.k > 0 && a.k <= MOE_ADD_MAX_K;
+    float w[MOE_ADD_MAX_K];
+#pragma unroll
+    for (int j = 0; j < MOE_ADD_MAX_K; ++j) {
+        w[j] = unrolled && j < a.k ? a.weights[j] : 0.0f;
+    }
     float sum = 0.0f;
     for (int i = threadIdx.x; i < a.ncols; i += blockDim.x) {
         float m;
-        if (a.k > 0) {
+        if (unrolled) {
+            // Every slot's load in flight together, then the sum in slot order as moe_combine's.
+            float v[MOE_ADD_MAX_K];
+#pragma unroll
+            for (int j = 0; j < MOE_ADD_MAX_K; ++j) {
+                v[j] = j < a.k ? a.y[(int64_t) j * a.ncols + i] : 0.0f;
+            }
+            m = 0.0f;
+#pragma unroll
+            for (int j = 0; j < MOE_ADD_MAX_K; ++j) {
+                if (j < a.k) {
+                    m = fmaf(w[j], v[j], m);
+                }
+            }
+        } else if (a.k > 0) {
             m = 0.0f;
             for (int j = 0; j < a.k; ++j) {
                 m = fmaf(a.weights[j], a.y[(int64_t) j * a.ncols + i], m);

@@ -24,6 +24,31 @@
 // same.
 #define ROUTE_NAN_BIASED_KEY (-3.402823466e38f)
 
+// The warp's largest (v, idx) by v, ties to the lower idx, into every lane (v never NaN: the callers map
+// NaN to a number first). On sm_80+ two warp reductions in hardware (redux.sync: one for the largest key,
+// one for the lowest index holding it) over a u32 image of v that keeps the order of floats (-0 taken as
+// +0, which it equals); before, five rounds of shuffles. The same result either way, so the choice of
+// experts does not depend on the card.
+static __device__ __forceinline__ void warp_arg_max(float & v, int & idx) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const uint32_t bits = __float_as_uint(v + 0.0f);
+    const uint32_t key = bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+    const uint32_t best = __reduce_max_sync(FULL_MASK, key);
+    idx = (int) __reduce_min_sync(FULL_MASK, key == best ? (uint32_t) idx : 0xffffffffu);
+    v = __uint_as_float(best & 0x80000000u ? best & 0x7fffffffu : ~best);
+#else
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, v, offset);
+        const int oi = __shfl_xor_sync(FULL_MASK, idx, offset);
+        if (ov > v || (ov == v && oi < idx)) {
+            v = ov;
+            idx = oi;
+        }
+    }
+#endif
+}
+
 template <bool BIASED>
 static __device__ __forceinline__ void choose_experts(const float * l, float * probs, int n_expert, int k,
                                                       int gating, int norm, float scale,
@@ -69,15 +94,7 @@ static __device__ __forceinline__ void choose_experts(const float * l, float * p
                     idx = e;
                 }
             }
-#pragma unroll
-            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-                const float ov = __shfl_xor_sync(FULL_MASK, v, offset);
-                const int oi = __shfl_xor_sync(FULL_MASK, idx, offset);
-                if (ov > v || (ov == v && oi < idx)) {
-                    v = ov;
-                    idx = oi;
-                }
-            }
+            warp_arg_max(v, idx);
             last_v = v;
             last_i = idx;
         }
@@ -100,15 +117,7 @@ static __device__ __forceinline__ void choose_experts(const float * l, float * p
                 idx = e;
             }
         }
-#pragma unroll
-        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, v, offset);
-            const int oi = __shfl_xor_sync(FULL_MASK, idx, offset);
-            if (ov > v || (ov == v && oi < idx)) {
-                v = ov;
-                idx = oi;
-            }
-        }
+        warp_arg_max(v, idx);
         // Every lane holds the same (v, idx) now; the owner lane writes the choice and clears its entry.
         const int owner = idx % WARP_SIZE;
         float p = 0.0f;

@@ -122,8 +122,10 @@ fn threads_per_weight_block(ty: GgmlType) -> usize {
 
 /// Warps per output row of the few-token quantized matmul kernels (so a thread block computes 4, 2 or 1
 /// rows): one warp for a row of up to two warps' work (a second pass of one warp costs less than two
-/// warps' sums meeting in shared memory behind a barrier: an expert's down row of 768 Q4_K values, 48
-/// threads' work, is one warp's in llama.cpp's mmvq too), else 4. The one-token kernels take at most
+/// warps' sums meeting in shared memory behind a barrier), else 4. llama.cpp's mmvq gives such short
+/// rows (an expert's down row of 768 Q4_K values, 48 threads' work) its `small_k` shape, four warps over
+/// a row and four rows a thread: tried for one token's launches on an H100 (2026-12-07, BENCHMARKS.md
+/// "Issue 15, fourteenth session"), answers 11-13% slower, taken out. The one-token kernels take at most
 /// `--matvec-warps-per-row` of these ([`rows_config_capped`]).
 fn warps_per_row(ty: GgmlType, cols: usize) -> u32 {
     let threads = cols / ty.block_elems() * threads_per_weight_block(ty);

@@ -111,13 +111,11 @@ fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
     by_blocks.min(by_keys).clamp(1, attention::DECODE_MAX_SPLIT)
 }
 
-/// `--attn-heads-per-block`'s cut of a GQA group for the flash-decoding kernel (none: the whole group in
-/// one block).
+/// `--attn-heads-per-block`'s cut of a GQA group for the flash-decoding kernel.
 fn decode_heads_per_block(p: &AttnParams) -> Option<usize> {
     let group = p.n_head / p.n_head_kv.max(1);
-    crate::knobs::forward()
-        .attn_heads_per_block
-        .map(|h| attention::decode_heads_per_block(group, h))
+    let wanted = crate::knobs::forward().attn_heads_per_block;
+    Some(attention::decode_heads_per_block(group, wanted))
 }
 
 /// The fewest keys a block of the flash-decoding kernel takes in a full bucket (below that the merge costs
