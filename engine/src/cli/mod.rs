@@ -13,7 +13,9 @@ mod synth;
 mod verify;
 
 use clap::{Args, Parser, Subcommand};
-use poly_engine::gpu::{AdmissionRule, Admissions, MissingExperts, MissingSkip, Placement};
+use poly_engine::gpu::{
+    AdmissionRule, Admissions, LendRefill, MissingExperts, MissingSkip, Placement,
+};
 use poly_engine::model::Arithmetic;
 use poly_engine::serve::{serve, ServeOptions, DEFAULT_ARITHMETIC};
 use std::path::PathBuf;
@@ -214,6 +216,17 @@ pub struct PlacementArgs {
     /// the choices it changed.
     #[arg(long, value_name = "F", default_value_t = 0.0, value_parser = parse_cache_bias)]
     cache_bias: f32,
+    /// The scratch the budget keeps is that of a call of N tokens (default: the largest call's, 2,048 in
+    /// the serve mode). A larger call borrows VRAM from the expert cache for its scratch (or takes free
+    /// room above the reserve) and the cache takes it back before the answer, so answers keep a larger
+    /// cache (a held card only).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    scratch_tokens: Option<u64>,
+    /// What the cache holds again when it takes back what it lent to a large call: the experts of the
+    /// highest scores before the call (`before`), of the highest scores now, the prompt's routings
+    /// counted (`now`), or those it held before (`resident`).
+    #[arg(long, value_enum, default_value_t = LendRefill::Before)]
+    lend_refill: LendRefill,
 }
 
 /// `on` or `off` (a switch whose default may change once measured, so it is spelled out).
@@ -279,6 +292,8 @@ impl PlacementArgs {
             },
             cache_bias: self.cache_bias,
             call_tokens,
+            scratch_tokens: self.scratch_tokens.map(|n| n as usize),
+            lend_refill: self.lend_refill,
         }
     }
 }

@@ -13,7 +13,7 @@
 
 use poly_kernels::cuda::CudaResult;
 
-use super::{lock, GpuBackend};
+use super::{lock, GpuBackend, LendRefill};
 use crate::cpu::CpuWeights;
 
 /// Scratch estimated beyond the warm-up's proportion (a quarter more, and this): the per-token share is
@@ -31,8 +31,8 @@ pub(super) struct Lent {
     tokens: usize,
     /// The scratch store's cap before.
     cap: Option<usize>,
-    /// The cache's ranking before the first call it lent to: the slots taken back hold what they held
-    /// for the answer, not the prompt's favourite experts.
+    /// The cache's ranking before the first call it lent to (`--lend-refill before`; `resident`: the
+    /// experts it held then ranked first), what the slots taken back are filled by unless `now`.
     ranking: Vec<Vec<u64>>,
 }
 
@@ -66,6 +66,9 @@ impl GpuBackend {
         if lent.as_ref().is_some_and(|l| l.tokens >= n) {
             return Ok(());
         }
+        if lent.is_none() && self.room_for(warm.scratch_for(n), reserve)? {
+            return Ok(());
+        }
         let mut experts = lock(&self.experts);
         let Some(cache) = experts.as_mut() else {
             return Ok(());
@@ -93,7 +96,10 @@ impl GpuBackend {
         let earlier = lent.take();
         let ranking = match &earlier {
             Some(l) => l.ranking.clone(),
-            None => cache.ranking(),
+            None => match self.lend_refill.get().copied().unwrap_or_default() {
+                LendRefill::Resident => cache.resident_first_ranking(),
+                LendRefill::Before | LendRefill::Now => cache.ranking(),
+            },
         };
         cache.give_up(&self.dev, cpu, give)?;
         let (cap, slots) = match earlier {
@@ -118,6 +124,22 @@ impl GpuBackend {
         Ok(())
     }
 
+    /// Where the free memory above the reserve holds `need` more scratch beside the kept buffers (a card
+    /// with room, every weight in VRAM): the store may grow by that much for good, and nothing is lent
+    /// or taken back. Whether it did.
+    fn room_for(&self, need: usize, reserve: usize) -> CudaResult<bool> {
+        let (free, _) = self.dev.memory_info()?;
+        if free.saturating_sub(reserve) < need {
+            return Ok(false);
+        }
+        let mut pool = lock(&self.pool);
+        let grown = pool.bytes().saturating_add(need);
+        if pool.cap().is_some_and(|c| c < grown) {
+            pool.set_cap(Some(grown));
+        }
+        Ok(true)
+    }
+
     /// Before a call of the warm-up's size or smaller: the scratch lent to larger calls is freed and the
     /// cache takes its slots back. Nothing when nothing was lent.
     pub(super) fn take_back(&self, cpu: &CpuWeights) -> CudaResult<()> {
@@ -140,7 +162,11 @@ impl GpuBackend {
         let clock = std::time::Instant::now();
         // The slots the budget gave up meanwhile (keep_budget) stay given up.
         let target = cache.n_slots() + l.slots;
-        cache.set_slots_ranked(&self.dev, cpu, target, &l.ranking)?;
+        let ranking = match self.lend_refill.get().copied().unwrap_or_default() {
+            LendRefill::Now => cache.ranking(),
+            LendRefill::Before | LendRefill::Resident => l.ranking,
+        };
+        cache.set_slots_ranked(&self.dev, cpu, target, &ranking)?;
         eprintln!(
             "expert cache: took back {} slots in {:.1} ms after calls of up to {} tokens (their scratch \
              {} MiB); {} experts in VRAM",

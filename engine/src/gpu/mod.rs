@@ -46,7 +46,7 @@ use crate::model::EngineError;
 use crate::state::{KvPrecision, SeqState};
 
 use expert_cache::placement::{cache_bytes, default_reserve, state_bytes};
-pub use expert_cache::placement::{Admissions, MissingExperts, Placement};
+pub use expert_cache::placement::{Admissions, LendRefill, MissingExperts, Placement};
 use expert_cache::profile::{profile_path, Binding, ExpertProfile};
 pub use expert_cache::skip::{MissingSkip, Skipped};
 pub use expert_cache::AdmissionRule;
@@ -123,6 +123,8 @@ pub struct GpuBackend {
     reserve: std::sync::OnceLock<usize>,
     /// The warm-up call the budget counted the scratch of.
     warm: std::sync::OnceLock<lend::WarmCall>,
+    /// What the cache holds again when it takes back lent slots (`--lend-refill`).
+    lend_refill: std::sync::OnceLock<LendRefill>,
     /// Slots the expert cache gave up for the scratch of calls larger than the warm-up's ([`lend`]).
     lent: Mutex<Option<lend::Lent>>,
     /// Slots the expert cache gave up for KV rows beyond those counted at load ([`kv_room`]).
@@ -177,6 +179,7 @@ impl GpuBackend {
             vram_high: std::sync::atomic::AtomicUsize::new(0),
             reserve: std::sync::OnceLock::new(),
             warm: std::sync::OnceLock::new(),
+            lend_refill: std::sync::OnceLock::new(),
             lent: Mutex::new(None),
             kv_lent: Mutex::new(0),
         };
@@ -216,11 +219,9 @@ impl GpuBackend {
         p: &Placement,
     ) -> Result<(), EngineError> {
         let info = graph.info();
-        // The largest call's worth of tokens, so its scratch is allocated before the free VRAM is measured.
-        let call_tokens = match p.call_tokens {
-            0 => crate::generate::DEFAULT_UBATCH,
-            n => n,
-        };
+        // The scratch the budget keeps is that of a call of this many tokens (larger calls borrow), so it
+        // is allocated before the free VRAM is measured.
+        let call_tokens = p.warm_tokens();
         let n_ctx_max = match p.n_ctx {
             0 => info.n_ctx_train.max(1) as usize,
             n => n,
@@ -248,6 +249,7 @@ impl GpuBackend {
             pool.cap_at_current();
             pool.bytes()
         };
+        let _ = self.lend_refill.set(p.lend_refill);
         let _ = self.warm.set(lend::WarmCall {
             tokens: n_warm,
             scratch,

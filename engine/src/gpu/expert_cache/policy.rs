@@ -117,6 +117,13 @@ pub struct CachePolicy {
     residency_changed: Vec<bool>,
 }
 
+/// A policy's scores, last uses and tokens seen ([`CachePolicy::history`]).
+pub struct PolicyHistory {
+    score: Vec<Vec<f32>>,
+    last_use: Vec<Vec<u64>>,
+    tick: Vec<u64>,
+}
+
 impl CachePolicy {
     /// A cache of `n_slots` empty slots over layers of `experts_per_layer[l]` experts.
     pub fn new(experts_per_layer: &[usize], n_slots: usize) -> CachePolicy {
@@ -136,6 +143,35 @@ impl CachePolicy {
             coldest: None,
             // A new cache: every layer's residency is news.
             residency_changed: vec![true; experts_per_layer.len()],
+        }
+    }
+
+    /// What the policy learned from the routings (scores, last uses, tokens seen), to carry into a policy
+    /// of another size ([`CachePolicy::restore_history`]).
+    pub fn history(&self) -> PolicyHistory {
+        PolicyHistory {
+            score: self.score.clone(),
+            last_use: self.last_use.clone(),
+            tick: self.tick.clone(),
+        }
+    }
+
+    /// Takes `h` (from a policy over the same layers) as this policy's scores, last uses and tokens seen:
+    /// a cache allocated again keeps ranking and admitting as before, not from scores reset to its fill's
+    /// ranking.
+    pub fn restore_history(&mut self, h: PolicyHistory) {
+        let same = |a: usize, b: usize| a == b;
+        let fits = same(h.score.len(), self.score.len())
+            && h.score
+                .iter()
+                .zip(&self.score)
+                .all(|(a, b)| same(a.len(), b.len()));
+        if fits {
+            self.score = h.score;
+            self.last_use = h.last_use;
+            self.tick = h.tick;
+            // The bound of resident scores was the old scores'.
+            self.coldest = None;
         }
     }
 
@@ -455,6 +491,26 @@ mod tests {
 
     fn key(layer: usize, expert: usize) -> ExpertKey {
         ExpertKey { layer, expert }
+    }
+
+    #[test]
+    fn a_policy_of_another_size_takes_the_scores_learned_so_far() {
+        let mut p = CachePolicy::new(&[4, 4], 3);
+        p.record(0, &[1, 1, 2], 2);
+        p.record(1, &[3], 1);
+        let before = p.score_counts();
+        let history = p.history();
+        // A cache allocated again: its fill ranks from scratch (each layer's best at 1).
+        let mut q = CachePolicy::new(&[4, 4], 5);
+        q.initial_set(&before);
+        assert_ne!(q.score_counts(), before);
+        q.restore_history(history);
+        assert_eq!(q.score_counts(), before);
+        assert_eq!(q.tick, vec![2, 1]);
+        // A history of other layers is not taken.
+        let mut r = CachePolicy::new(&[4], 2);
+        r.restore_history(q.history());
+        assert_eq!(r.score_counts(), vec![vec![0; 4]]);
     }
 
     #[test]

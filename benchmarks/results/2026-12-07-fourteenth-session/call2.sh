@@ -1,0 +1,7 @@
+#!/bin/bash
+# Fourteenth session, call 2: the command given inline right after call 1, on the same machine (its
+# /tmp/bin, /dev/shm/m and the llama.cpp build still there): held to 8 GB, bench tg64 at the server's
+# context, NEW with 2 heads a block, BASE and NEW (whole group) alternating, two rounds; llama.cpp tg64 at
+# --n-cpu-moe 28 (q3u) and 26 (q35s), every peak by nvidia-smi; results in c2.txt (the pp8000 lines at the
+# end ran at bench's 512-token calls, not comparable with llama.cpp's -ub 2048 and not used).
+S=$OUT/c2.txt; T0=$(date +%s); . .carry/s14/common.sh; TOTAL=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); RES=$(( TOTAL - 8192 )); smi_start() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > /tmp/vram.txt 2>/dev/null & SMI=$!; }; smi_stop() { kill $SMI; wait $SMI 2>/dev/null; st "  peak $(sort -n /tmp/vram.txt | tail -1) MiB"; }; for r in 1 2; do for m in q3u q35s; do G="--model /dev/shm/m/$m.gguf --vram-reserve-mib $RES --prompt 0 --gen 64 --reps 2 --no-expert-profile --max-context 34000"; smi_start; b "$m 8GB NEW hpb2" $E $G --attn-heads-per-block 2; smi_stop; b "$m 8GB BASE" $BE $G; b "$m 8GB NEW" $E $G; done; done; for x in "q3u 28" "q35s 26"; do set -- $x; smi_start; timeout 60 $LB -m /dev/shm/m/$1.gguf -ngl 99 --n-cpu-moe $2 -fa 1 -p 0 -n 64 -r 2 -o md 2>&1 | grep -E "tg|error" >> $S; smi_stop; done; for m in q3u q35s; do b "$m full NEW hpb2 pp8000" $E --model /dev/shm/m/$m.gguf --prompt 8000 --gen 0 --reps 1 --attn-heads-per-block 2; done; cat $S
