@@ -193,8 +193,12 @@ fn a_model_that_cannot_load_is_one_err_and_a_failure_exit() {
     let cut = dir.join("cut.gguf");
     std::fs::write(&cut, &real[..real.len() / 2]).unwrap();
     for path in [junk.clone(), cut.clone(), dir.join("missing.gguf")] {
-        let e = Engine::spawn(&path, &[]);
-        let (status, lines) = e.close();
+        let mut e = Engine::spawn(&path, &[]);
+        // The ERR is read while stdin is still open: a pipe closed with nothing sent says the server is
+        // gone, and an engine still loading may then exit without a word (the test below).
+        let first = e.next_line();
+        let (status, rest) = e.close();
+        let lines: Vec<String> = first.into_iter().chain(rest).collect();
         assert!(!status.success(), "{path:?}");
         assert_eq!(lines.len(), 1, "{path:?}: {lines:?}");
         match FromEngine::parse(&lines[0]).unwrap() {
@@ -206,6 +210,58 @@ fn a_model_that_cannot_load_is_one_err_and_a_failure_exit() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A server gone while the model loads (its end of stdin closed, nothing sent) ends the engine at once,
+/// not when the load is done: here a model path that is a FIFO nobody writes, whose opening never ends,
+/// so without the watch the engine would wait forever.
+#[test]
+fn an_engine_whose_server_is_gone_while_it_loads_exits_at_once() {
+    let dir = std::env::temp_dir().join(format!("poly-serve-orphan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("never-written.gguf");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("run mkfifo");
+    assert!(made.success(), "mkfifo {fifo:?}");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .arg("--model")
+        .arg(&fifo)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start poly-engine");
+    drop(child.stdin.take());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let status = child.wait();
+        let _ = tx.send(());
+        (child, status)
+    });
+    let ended = rx.recv_timeout(std::time::Duration::from_secs(60)).is_ok();
+    if !ended {
+        // Free the engine (and the waiter) by opening the FIFO for writing, then fail.
+        let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+    }
+    let (mut child, status) = waiter.join().expect("the waiter");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        ended,
+        "the engine still loading 60 s after its stdin closed"
+    );
+    let status = status.expect("wait");
+    assert_eq!(status.code(), Some(3), "the orphaned load's exit status");
+    let mut log = String::new();
+    use std::io::Read;
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut log)
+        .unwrap();
+    assert!(log.contains("closed the protocol pipe"), "{log}");
 }
 
 #[test]

@@ -18,6 +18,7 @@ mod draft;
 mod draft_block;
 mod input;
 pub(crate) mod memory;
+mod orphan;
 mod pictures;
 mod repeats;
 mod request;
@@ -281,6 +282,8 @@ const SESSION_STACK: usize = 8 << 20;
 
 /// [`serve`] on a worker of the pool it built.
 fn serve_on_pool(opts: ServeOptions) -> ExitCode {
+    // Until the session reads stdin: a server gone while the model loads ends the engine at once.
+    let loading = orphan::LoadWatch::start();
     let mut out = std::io::stdout().lock();
     let started = std::time::Instant::now();
     let loaded = match load(
@@ -399,6 +402,7 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
     if loaded.model.on_gpu() && opts.warm_up {
         warm_up(&loaded.model, n_ctx);
     }
+    loading.done();
     let inputs = input::spawn_reader(std::io::stdin());
     let mut session = session::Session::new(
         &loaded.model,
