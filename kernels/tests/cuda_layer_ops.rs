@@ -318,7 +318,7 @@ fn check_decode(dev: &Device, c: &DecodeCase, seed: u64) -> Option<String> {
     {
         let split = DecodeSplit {
             n_split: c.n_split,
-            heads_per_block: Some(h),
+            heads_per_block: h,
         };
         let (o, oq, k2, v2) = launch(split);
         let same_q = match (&oq, &out_q) {

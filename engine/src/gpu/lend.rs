@@ -32,8 +32,9 @@ pub(super) struct Lent {
     /// The scratch store's cap before.
     cap: Option<usize>,
     /// The cache's ranking before the first call it lent to (`--lend-refill before`; `resident`: the
-    /// experts it held then ranked first), what the slots taken back are filled by unless `now`.
-    ranking: Vec<Vec<u64>>,
+    /// experts it held then ranked first), what the slots taken back are filled by; `None` (`now`): the
+    /// ranking when they are taken back.
+    ranking: Option<Vec<Vec<u64>>>,
 }
 
 /// The warm-up call the budget was measured with: its tokens and the scratch it left.
@@ -94,11 +95,13 @@ impl GpuBackend {
         let give = give.min(cache.n_slots());
         let before = cache.experts_resident();
         let earlier = lent.take();
+        // What the slots taken back will be filled by, if it must be kept from now (`now` ranks then).
         let ranking = match &earlier {
             Some(l) => l.ranking.clone(),
             None => match self.lend_refill.get().copied().unwrap_or_default() {
-                LendRefill::Resident => cache.resident_first_ranking(),
-                LendRefill::Before | LendRefill::Now => cache.ranking(),
+                LendRefill::Before => Some(cache.ranking()),
+                LendRefill::Resident => Some(cache.resident_first_ranking()),
+                LendRefill::Now => None,
             },
         };
         cache.give_up(&self.dev, cpu, give)?;
@@ -162,10 +165,7 @@ impl GpuBackend {
         let clock = std::time::Instant::now();
         // The slots the budget gave up meanwhile (keep_budget) stay given up.
         let target = cache.n_slots() + l.slots;
-        let ranking = match self.lend_refill.get().copied().unwrap_or_default() {
-            LendRefill::Now => cache.ranking(),
-            LendRefill::Before | LendRefill::Resident => l.ranking,
-        };
+        let ranking = l.ranking.unwrap_or_else(|| cache.ranking());
         cache.set_slots_ranked(&self.dev, cpu, target, &ranking)?;
         eprintln!(
             "expert cache: took back {} slots in {:.1} ms after calls of up to {} tokens (their scratch \

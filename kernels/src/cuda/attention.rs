@@ -300,12 +300,13 @@ pub fn decode_takes(p: &AttnParams) -> bool {
 
 /// How [`attention_decode_f16`] cuts a token's attention into blocks: `n_split` parts of the keys it sees,
 /// and each GQA group's heads in blocks of `heads_per_block` ([`decode_heads_per_block`]: 1, 2 or 4 dividing
-/// the group, or the whole group, as `None` says). Every cut of the heads gives the same bits; more blocks
-/// of fewer heads are shorter (a block's warps run the dot products, shuffles and merge of its heads only).
+/// the group; the group's size or more: the whole group). Every cut of the heads gives the same bits; more
+/// blocks of fewer heads are shorter (a block's warps run the dot products, shuffles and merge of its heads
+/// only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeSplit {
     pub n_split: usize,
-    pub heads_per_block: Option<usize>,
+    pub heads_per_block: usize,
 }
 
 impl DecodeSplit {
@@ -313,7 +314,7 @@ impl DecodeSplit {
     pub fn keys(n_split: usize) -> Self {
         DecodeSplit {
             n_split,
-            heads_per_block: None,
+            heads_per_block: usize::MAX,
         }
     }
 }
@@ -378,12 +379,11 @@ pub fn attention_decode_f16(
     let n_split = split.n_split;
     let group = p.n_head / p.n_head_kv;
     let (name, group_blocks) = match split.heads_per_block {
-        None => ("attn_decode_f16", 1),
-        Some(h) if h >= group => ("attn_decode_f16", 1),
-        Some(1) => ("attn_decode_f16_g1", group),
-        Some(2) if group.is_multiple_of(2) => ("attn_decode_f16_g2", group / 2),
-        Some(4) if group.is_multiple_of(4) => ("attn_decode_f16_g4", group / 4),
-        Some(h) => {
+        h if h >= group => ("attn_decode_f16", 1),
+        1 => ("attn_decode_f16_g1", group),
+        2 if group.is_multiple_of(2) => ("attn_decode_f16_g2", group / 2),
+        4 if group.is_multiple_of(4) => ("attn_decode_f16_g4", group / 4),
+        h => {
             return invalid(format!(
                 "attention_decode: {h} heads a block of a group of {group} (1, 2 or 4 dividing it)"
             ))

@@ -160,12 +160,11 @@ impl CachePolicy {
     /// a cache allocated again keeps ranking and admitting as before, not from scores reset to its fill's
     /// ranking.
     pub fn restore_history(&mut self, h: PolicyHistory) {
-        let same = |a: usize, b: usize| a == b;
-        let fits = same(h.score.len(), self.score.len())
+        let fits = h.score.len() == self.score.len()
             && h.score
                 .iter()
                 .zip(&self.score)
-                .all(|(a, b)| same(a.len(), b.len()));
+                .all(|(a, b)| a.len() == b.len());
         if fits {
             self.score = h.score;
             self.last_use = h.last_use;

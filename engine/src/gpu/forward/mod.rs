@@ -112,10 +112,9 @@ fn decode_n_split(p: &AttnParams, n_kv: usize) -> usize {
 }
 
 /// `--attn-heads-per-block`'s cut of a GQA group for the flash-decoding kernel.
-fn decode_heads_per_block(p: &AttnParams) -> Option<usize> {
+fn decode_heads_per_block(p: &AttnParams) -> usize {
     let group = p.n_head / p.n_head_kv.max(1);
-    let wanted = crate::knobs::forward().attn_heads_per_block;
-    Some(attention::decode_heads_per_block(group, wanted))
+    attention::decode_heads_per_block(group, crate::knobs::forward().attn_heads_per_block)
 }
 
 /// The fewest keys a block of the flash-decoding kernel takes in a full bucket (below that the merge costs
