@@ -5,6 +5,7 @@ mod bench;
 mod dump;
 mod encode_image;
 mod inspect;
+mod kernels;
 mod kl;
 mod knobs;
 mod run;
@@ -315,6 +316,8 @@ enum Command {
     /// How far a run (`run --json --follow REFERENCE`) is from a reference run, step by step: mean and
     /// largest KL divergence, and the share of steps with the same likeliest token.
     Kl(kl::KlArgs),
+    /// Compile every CUDA kernel module for an architecture into the kernel cache (NVRTC, no GPU needed).
+    Kernels(kernels::KernelsArgs),
 }
 
 /// Runs the chosen subcommand, or serves the model.
@@ -338,6 +341,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Some(Command::Run(args)) => run::run(args),
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Kl(args)) => kl::run(args),
+        Some(Command::Kernels(args)) => kernels::run(args),
         None => {
             let a = cli.serve;
             let Some(model) = a.model else {

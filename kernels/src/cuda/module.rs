@@ -320,6 +320,35 @@ pub(crate) fn cubin(
     Ok((bytes, load))
 }
 
+/// Every module compiled for `arch` (`"sm_90"`) into the on-disk cache, or found there: NVRTC alone, no
+/// GPU, so a machine's first model load compiles nothing (`poly-engine kernels --arch`). An error when
+/// caching is off, the architecture is not `sm_` and digits, or a cubin could not be written.
+pub fn fill_cache(arch: &str) -> CudaResult<Vec<ModuleLoad>> {
+    let digits = arch.strip_prefix("sm_").unwrap_or("");
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(CudaError::Invalid(format!(
+            "{arch:?} is not an architecture like sm_90"
+        )));
+    }
+    if cache_dir().is_none() {
+        return Err(CudaError::Invalid(
+            "the kernel cache is off (POLY_KERNEL_CACHE=off, or no home directory)".to_string(),
+        ));
+    }
+    let mut loads = Vec::with_capacity(KernelModule::ALL.len());
+    for module in KernelModule::ALL {
+        let (_, load) = cubin(module, arch, false)?;
+        if let ModuleOrigin::Compiled { cached: false, .. } = load.origin {
+            return Err(CudaError::Invalid(format!(
+                "{}: the cubin could not be written to the cache",
+                module.name()
+            )));
+        }
+        loads.push(load);
+    }
+    Ok(loads)
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename, so a concurrent reader never sees half
 /// a cubin. Returns whether it worked.
 fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> bool {
@@ -429,6 +458,14 @@ mod tests {
                     Err(e) => panic!("{e}"),
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_cache_is_filled_only_for_an_architecture_named_as_nvrtc_names_it() {
+        for arch in ["90", "sm_", "sm_9a", "compute_90", "../sm_90"] {
+            let e = fill_cache(arch).unwrap_err().to_string();
+            assert!(e.contains("not an architecture"), "{arch}: {e}");
         }
     }
 
