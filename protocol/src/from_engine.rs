@@ -129,8 +129,13 @@ pub struct Done {
     pub generated: u32,
     pub prefill_ms: f64,
     pub decode_ms: f64,
-    /// The share of routed-expert uses served from VRAM (null on the CPU or for a dense model).
+    /// The share of routed-expert uses served from VRAM (null on the CPU or for a dense model), over the
+    /// whole request: for a long prompt mostly the prompt's.
     pub experts_vram_share: Option<f64>,
+    /// The same over the answer's tokens alone (after the prompt was read); absent where there is no
+    /// cache or no answer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts_vram_share_answer: Option<f64>,
     #[serde(default)]
     pub draft_proposed: u32,
     #[serde(default)]
@@ -351,6 +356,7 @@ mod tests {
             prefill_ms: 1.5,
             decode_ms: 3.25,
             experts_vram_share: None,
+            experts_vram_share_answer: None,
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,
@@ -396,6 +402,7 @@ mod tests {
             prefill_ms: 0.0,
             decode_ms: 0.0,
             experts_vram_share: None,
+            experts_vram_share_answer: None,
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,

@@ -79,8 +79,10 @@ pub struct Finish {
     /// `decode_ms`).
     pub prefill_ms: f64,
     pub decode_ms: f64,
-    /// DONE's share of routed-expert uses served from VRAM (`None` on the CPU or for a dense model).
+    /// DONE's share of routed-expert uses served from VRAM (`None` on the CPU or for a dense model), over
+    /// the request and over its answer alone.
     pub experts_vram_share: Option<f64>,
+    pub experts_vram_share_answer: Option<f64>,
     /// Tokens a draft model proposed, and how many of them were kept.
     pub draft_proposed: u32,
     pub draft_accepted: u32,
@@ -323,6 +325,7 @@ impl Generation {
                         prefill_ms: done.prefill_ms,
                         decode_ms: done.decode_ms,
                         experts_vram_share: done.experts_vram_share,
+                        experts_vram_share_answer: done.experts_vram_share_answer,
                         draft_proposed: done.draft_proposed,
                         draft_accepted: done.draft_accepted,
                     };

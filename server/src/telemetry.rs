@@ -99,6 +99,9 @@ pub fn timings(f: &Finish) -> Value {
     if let Some(share) = f.experts_vram_share {
         t["experts_vram_share"] = json!(share);
     }
+    if let Some(share) = f.experts_vram_share_answer {
+        t["experts_vram_share_answer"] = json!(share);
+    }
     if f.draft_proposed > 0 {
         t["draft_n"] = json!(f.draft_proposed);
         t["draft_n_accepted"] = json!(f.draft_accepted);
@@ -109,9 +112,10 @@ pub fn timings(f: &Finish) -> Value {
 /// The server log's line for one finished request.
 pub fn log_line(id: &str, model: &str, f: &Finish) -> String {
     let prompt_n = f.prompt_tokens.saturating_sub(f.cached_tokens);
-    let experts = match f.experts_vram_share {
-        Some(s) => format!("{:.1}%", s * 100.0),
-        None => "n/a".into(),
+    let experts = match (f.experts_vram_share, f.experts_vram_share_answer) {
+        (Some(s), Some(a)) => format!("{:.1}% (answer {:.1}%)", s * 100.0, a * 100.0),
+        (Some(s), None) => format!("{:.1}%", s * 100.0),
+        _ => "n/a".into(),
     };
     let draft = if f.draft_proposed > 0 {
         format!(", draft {}/{} accepted", f.draft_accepted, f.draft_proposed)
@@ -145,6 +149,7 @@ mod tests {
             prefill_ms: 40.0,
             decode_ms: 16.0,
             experts_vram_share: Some(0.5),
+            experts_vram_share_answer: Some(0.75),
             draft_proposed: draft,
             draft_accepted: draft / 2,
         }
@@ -186,6 +191,12 @@ mod tests {
         assert_eq!(s.draft_proposed, 4);
         assert!((s.prompt_seconds - 0.08).abs() < 1e-9);
         assert_eq!(s.experts_vram_share, Some(0.5));
-        assert!(log_line("r1", "m", &finish(4)).contains("draft 2/4 accepted"));
+        let line = log_line("r1", "m", &finish(4));
+        assert!(line.contains("draft 2/4 accepted"), "{line}");
+        assert!(
+            line.contains("experts from VRAM 50.0% (answer 75.0%)"),
+            "{line}"
+        );
+        assert_eq!(timings(&finish(0))["experts_vram_share_answer"], 0.75);
     }
 }

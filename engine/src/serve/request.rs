@@ -192,6 +192,9 @@ enum Phase {
 /// The writing side of a running request.
 struct Answering {
     prefill_ms: f64,
+    /// The expert cache's figures when the prompt was read, for the answer's own share of routings
+    /// served from VRAM.
+    experts_at_answer: Option<CacheStats>,
     decoding: Instant,
     sampler: Sampler,
     generated: usize,
@@ -405,6 +408,7 @@ impl<W: std::io::Write> Session<'_, W> {
         let guesses = self.guessing();
         r.phase = Phase::Answer(Box::new(Answering {
             prefill_ms: ms(r.started),
+            experts_at_answer: self.model.expert_stats(),
             decoding: Instant::now(),
             sampler,
             generated: 0,
@@ -641,6 +645,10 @@ impl<W: std::io::Write> Session<'_, W> {
     /// and makes its DONE, or says how the engine failed.
     fn end(&mut self, r: Running, result: Result<Finished, EngineError>) -> Stepped {
         let model = self.model;
+        let experts_at_answer = match &r.phase {
+            Phase::Answer(a) => a.experts_at_answer,
+            Phase::Prompt { .. } => None,
+        };
         let Running {
             job,
             mut conv,
@@ -652,12 +660,8 @@ impl<W: std::io::Write> Session<'_, W> {
         } = r;
         let experts_after = model.expert_stats();
         // With several requests running the cache's figures between start and end are theirs together.
-        let experts_vram_share = match (experts_before, experts_after) {
-            (Some(a), Some(b)) if b.routed > a.routed => {
-                Some((b.routed_vram - a.routed_vram) as f64 / (b.routed - a.routed) as f64)
-            }
-            _ => None,
-        };
+        let experts_vram_share = vram_share(experts_before, experts_after);
+        let experts_vram_share_answer = vram_share(experts_at_answer, experts_after);
         // What `--tail-skip` / `--skip-weight` / `--cold-mass` left out of this answer (absent when none
         // is set).
         let experts_left_out = match (experts_before, experts_after) {
@@ -708,11 +712,23 @@ impl<W: std::io::Write> Session<'_, W> {
             prefill_ms: finished.prefill_ms,
             decode_ms: finished.decode_ms,
             experts_vram_share,
+            experts_vram_share_answer,
             draft_proposed: finished.draft_proposed as u32,
             draft_accepted: finished.draft_accepted as u32,
             experts_left_out,
             experts_swapped_in,
         }))
+    }
+}
+
+/// The share of routed-expert uses served from VRAM between two readings of the cache's figures (none
+/// without a cache, or without a routing between them).
+fn vram_share(before: Option<CacheStats>, after: Option<CacheStats>) -> Option<f64> {
+    match (before, after) {
+        (Some(a), Some(b)) if b.routed > a.routed => {
+            Some((b.routed_vram - a.routed_vram) as f64 / (b.routed - a.routed) as f64)
+        }
+        _ => None,
     }
 }
 

@@ -378,6 +378,7 @@ impl<'a, W: Write> Session<'a, W> {
             prefill_ms: 0.0,
             decode_ms: 0.0,
             experts_vram_share: None,
+            experts_vram_share_answer: None,
             draft_proposed: 0,
             draft_accepted: 0,
             experts_left_out: None,

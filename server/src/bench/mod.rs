@@ -282,6 +282,7 @@ impl Bench<'_> {
             server,
             engine,
             experts_vram_share: done.experts_vram_share,
+            experts_vram_share_answer: done.experts_vram_share_answer,
             draft_proposed: done.draft_proposed,
             draft_accepted: done.draft_accepted,
             draft_acceptance: (done.draft_proposed > 0)

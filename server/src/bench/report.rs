@@ -56,8 +56,10 @@ pub struct RequestResult {
     pub time_to_first_token_ms: f64,
     pub server: Clock,
     pub engine: Clock,
-    /// DONE's share of routed-expert uses served from VRAM (null on the CPU or a dense model).
+    /// DONE's share of routed-expert uses served from VRAM (null on the CPU or a dense model): over the
+    /// request (a long prompt's routings weigh most), and over the answer's tokens alone.
     pub experts_vram_share: Option<f64>,
+    pub experts_vram_share_answer: Option<f64>,
     pub draft_proposed: u32,
     pub draft_accepted: u32,
     /// `draft_accepted / draft_proposed`; null when nothing was proposed.
@@ -107,6 +109,11 @@ pub struct Report {
     pub notes: Vec<String>,
 }
 
+/// A share as a percentage with one decimal, `n/a` when there is none.
+fn percent(share: Option<f64>) -> String {
+    share.map_or_else(|| "n/a".into(), |s| format!("{:.1}%", s * 100.0))
+}
+
 fn opt(v: Option<f64>, decimals: usize) -> String {
     v.map(|v| format!("{v:.decimals$}"))
         .unwrap_or_else(|| "-".into())
@@ -147,7 +154,7 @@ impl Report {
             "prompt t/s",
             "answer t/s",
             "gen",
-            "experts VRAM",
+            "experts VRAM all / answer",
             "draft acc",
             "VRAM peak",
             "RAM peak",
@@ -179,9 +186,11 @@ impl Report {
                         opt(r.engine.answer_tokens_per_s, 1)
                     ),
                     r.generated.to_string(),
-                    r.experts_vram_share
-                        .map(|s| format!("{:.1}%", s * 100.0))
-                        .unwrap_or_else(|| "n/a".into()),
+                    format!(
+                        "{} / {}",
+                        percent(r.experts_vram_share),
+                        percent(r.experts_vram_share_answer)
+                    ),
                     r.draft_acceptance
                         .map(|a| format!("{:.1}%", a * 100.0))
                         .unwrap_or_else(|| "n/a".into()),
