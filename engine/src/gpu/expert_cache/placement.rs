@@ -104,9 +104,10 @@ impl Placement {
     /// call's. With fewer, a larger call borrows VRAM from the cache for its scratch and gives it back
     /// before the answer ([`crate::gpu::lend`]'s path, or free room above the reserve where the card has
     /// it). Measured through the server at 8 GB on an H100 (2026-12-07): with 512 instead of the server's
-    /// 2,048 a chat answer gained 5-7% (a larger cache) and a 2,000-token prompt 17-26%, but the answer
-    /// after that prompt lost 10-20% (the refill reset the admission scores, since kept across a resize:
-    /// not yet measured), so the largest call's stays the default.
+    /// 2,048 a chat answer gained 2-11% (a larger cache) and a 2,000-token prompt 16-27%, but the answer
+    /// after that prompt lost 7-18%: lending and taking back the slots, and giving some up for KV rows,
+    /// each copied the whole cache from the host again (122 ms to take 466 slots back), so the largest
+    /// call's stays the default until a resize copies only what changes.
     pub fn warm_tokens(&self) -> usize {
         let largest = match self.call_tokens {
             0 => crate::generate::DEFAULT_UBATCH,
