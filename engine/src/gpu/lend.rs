@@ -37,11 +37,13 @@ pub(super) struct Lent {
     ranking: Option<Vec<Vec<u64>>>,
 }
 
-/// The warm-up call the budget was measured with: its tokens and the scratch it left.
+/// The warm-up call the budget was measured with: its tokens and the scratch it left, and what the cache
+/// fills the slots it lends to larger calls with when it takes them back (`--lend-refill`).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct WarmCall {
     pub tokens: usize,
     pub scratch: usize,
+    pub refill: LendRefill,
 }
 
 impl WarmCall {
@@ -98,7 +100,7 @@ impl GpuBackend {
         // What the slots taken back will be filled by, if it must be kept from now (`now` ranks then).
         let ranking = match &earlier {
             Some(l) => l.ranking.clone(),
-            None => match self.lend_refill.get().copied().unwrap_or_default() {
+            None => match warm.refill {
                 LendRefill::Before => Some(cache.ranking()),
                 LendRefill::Resident => Some(cache.resident_first_ranking()),
                 LendRefill::Now => None,
@@ -189,6 +191,7 @@ mod tests {
         let warm = WarmCall {
             tokens: 2048,
             scratch: 600 << 20,
+            refill: LendRefill::Before,
         };
         let four = warm.scratch_for(8192);
         assert!(four >= 4 * (600 << 20) + LEND_MARGIN, "{four}");

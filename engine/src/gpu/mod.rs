@@ -123,8 +123,6 @@ pub struct GpuBackend {
     reserve: std::sync::OnceLock<usize>,
     /// The warm-up call the budget counted the scratch of.
     warm: std::sync::OnceLock<lend::WarmCall>,
-    /// What the cache holds again when it takes back lent slots (`--lend-refill`).
-    lend_refill: std::sync::OnceLock<LendRefill>,
     /// Slots the expert cache gave up for the scratch of calls larger than the warm-up's ([`lend`]).
     lent: Mutex<Option<lend::Lent>>,
     /// Slots the expert cache gave up for KV rows beyond those counted at load ([`kv_room`]).
@@ -179,7 +177,6 @@ impl GpuBackend {
             vram_high: std::sync::atomic::AtomicUsize::new(0),
             reserve: std::sync::OnceLock::new(),
             warm: std::sync::OnceLock::new(),
-            lend_refill: std::sync::OnceLock::new(),
             lent: Mutex::new(None),
             kv_lent: Mutex::new(0),
         };
@@ -249,10 +246,10 @@ impl GpuBackend {
             pool.cap_at_current();
             pool.bytes()
         };
-        let _ = self.lend_refill.set(p.lend_refill);
         let _ = self.warm.set(lend::WarmCall {
             tokens: n_warm,
             scratch,
+            refill: p.lend_refill,
         });
         self.dev.synchronize().map_err(cuda_err)?;
         let (free, total) = self.dev.memory_info().map_err(cuda_err)?;

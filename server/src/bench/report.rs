@@ -191,9 +191,7 @@ impl Report {
                         percent(r.experts_vram_share),
                         percent(r.experts_vram_share_answer)
                     ),
-                    r.draft_acceptance
-                        .map(|a| format!("{:.1}%", a * 100.0))
-                        .unwrap_or_else(|| "n/a".into()),
+                    percent(r.draft_acceptance),
                     bytes(r.vram_peak_bytes),
                     bytes(r.ram_peak_bytes),
                     r.gpu_load

@@ -567,9 +567,9 @@ impl ExpertCache {
         let routed = std::mem::take(&mut self.routed_counts);
         self.fill(dev, cpu, n_slots, ranking)?;
         // A resize is not a new start: the run's figures go on, and so do the scores admissions compare
-        // (fill's reset them to its ranking, each layer's best at 1: newcomers then overtook the residents
-        // and the answer after a prompt that borrowed slots found 4-6 points fewer of its routings in
-        // VRAM, H100, 2026-12-07).
+        // (fill's reset them to its ranking, each layer's best at 1, so newcomers overtook the residents).
+        // The 4-6 share points a lent scratch seemed to cost the answer (H100, 2026-12-07) were the
+        // prompt's, read with the slots lent: DONE's share then counted the whole request.
         self.stats = stats;
         self.routed_counts = routed;
         self.policy.add_counts(&counts);
