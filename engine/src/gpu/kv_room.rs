@@ -134,7 +134,7 @@ impl GpuBackend {
         if n == 0 {
             return Ok(());
         }
-        cache.give_up(&self.dev, cpu, n)?;
+        let n = cache.give_up(&self.dev, cpu, n)?;
         *lock(&self.kv_lent) += n;
         eprintln!(
             "expert cache: gave up {n} slots ({} MiB) for KV rows up to {rows} ({} MiB more); {} \

@@ -106,7 +106,8 @@ impl GpuBackend {
                 LendRefill::Now => None,
             },
         };
-        cache.give_up(&self.dev, cpu, give)?;
+        // The pool frees whole allocations: what was given may be a little more than asked.
+        let give = cache.give_up(&self.dev, cpu, give)?;
         let (cap, slots) = match earlier {
             Some(l) => (l.cap, l.slots + give),
             None => (cap, give),

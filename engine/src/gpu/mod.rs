@@ -730,7 +730,7 @@ impl GpuBackend {
         if let Some(cache) = lock(&self.experts).as_mut() {
             let n = excess.div_ceil(cache.slot_bytes().max(1));
             match cache.give_up(&self.dev, cpu, n) {
-                Ok(()) => eprintln!(
+                Ok(n) => eprintln!(
                     "expert cache: gave up {n} experts ({} MiB) to keep {} MiB free; {} in VRAM",
                     (n * cache.slot_bytes()) >> 20,
                     reserve >> 20,

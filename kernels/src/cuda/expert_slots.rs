@@ -1,4 +1,4 @@
-//! The device pieces of the VRAM expert cache (issue 8): a [`SlotPool`] (one allocation cut into slots of
+//! The device pieces of the VRAM expert cache (issue 8): a [`SlotPool`] (allocations cut into slots of
 //! one expert's matrices), expert tables whose entries point into slots or are null
 //! ([`ExpertTable::empty`], [`ExpertTable::point`]), pinned [`StagingBuffer`]s and a [`CopyStream`] that
 //! copies them into slots beside the compute stream, ordered against it with [`CopyEvent`]s.
@@ -23,33 +23,107 @@ use super::buffer::check_shape;
 use super::{CudaError, CudaResult, Device, DeviceBuffer, ExpertTable, HostFlags};
 use crate::quant::GgmlType;
 
-/// One allocation of `n_slots` slots of `slot_bytes` each.
+/// Slots of one allocation of a [`SlotPool`] by default: a pool is cut into allocations of this many slots
+/// (the last smaller), so it shrinks by freeing its last allocations and grows by adding some, with the
+/// slots it keeps, and the experts in them, where they were (32 slots: 55-85 MB for the 30-35B models).
+pub const POOL_CHUNK_SLOTS: usize = 32;
+
+/// `n_slots` slots of `slot_bytes` each, over allocations of at most `chunk_slots` slots.
 pub struct SlotPool {
-    storage: DeviceBuffer<u8>,
+    /// The allocations in slot order; `starts[i]` is the first slot of `chunks[i]`.
+    chunks: Vec<DeviceBuffer<u8>>,
+    starts: Vec<usize>,
     slot_bytes: usize,
     n_slots: usize,
+    chunk_slots: usize,
 }
 
 impl std::fmt::Debug for SlotPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SlotPool[{} × {} B]", self.n_slots, self.slot_bytes)
+        write!(
+            f,
+            "SlotPool[{} × {} B in {} allocations]",
+            self.n_slots,
+            self.slot_bytes,
+            self.chunks.len()
+        )
     }
 }
 
 impl SlotPool {
-    /// Allocates `n_slots` (≥ 1) slots of `slot_bytes` (≥ 1) on `dev`.
+    /// Allocates `n_slots` (≥ 1) slots of `slot_bytes` (≥ 1) on `dev`, [`POOL_CHUNK_SLOTS`] an allocation.
     pub fn alloc(dev: &Device, slot_bytes: usize, n_slots: usize) -> CudaResult<SlotPool> {
-        let total = slot_bytes
-            .checked_mul(n_slots)
-            .filter(|&t| t > 0)
-            .ok_or_else(|| {
-                CudaError::Invalid(format!("slot pool of {n_slots} × {slot_bytes} bytes"))
-            })?;
-        Ok(SlotPool {
-            storage: dev.zeros(total)?,
+        SlotPool::alloc_in(dev, (slot_bytes, POOL_CHUNK_SLOTS), n_slots)
+    }
+
+    /// [`SlotPool::alloc`] with `chunk_slots` (≥ 1) slots an allocation: what it frees or adds at once.
+    pub fn alloc_in(
+        dev: &Device,
+        (slot_bytes, chunk_slots): (usize, usize),
+        n_slots: usize,
+    ) -> CudaResult<SlotPool> {
+        if slot_bytes == 0
+            || n_slots == 0
+            || chunk_slots == 0
+            || slot_bytes.checked_mul(n_slots).is_none()
+        {
+            return Err(CudaError::Invalid(format!(
+                "slot pool of {n_slots} × {slot_bytes} bytes, {chunk_slots} slots an allocation"
+            )));
+        }
+        let mut pool = SlotPool {
+            chunks: Vec::new(),
+            starts: Vec::new(),
             slot_bytes,
-            n_slots,
-        })
+            n_slots: 0,
+            chunk_slots,
+        };
+        pool.grow(dev, n_slots)?;
+        Ok(pool)
+    }
+
+    /// Adds `more` slots after the last (their contents zero); on an error the slots added before it stay.
+    pub fn grow(&mut self, dev: &Device, more: usize) -> CudaResult<()> {
+        let mut left = more;
+        while left > 0 {
+            let n = left.min(self.chunk_slots);
+            let bytes = self.slot_bytes.checked_mul(n).ok_or_else(|| {
+                CudaError::Invalid(format!("{n} slots of {} bytes", self.slot_bytes))
+            })?;
+            self.chunks.push(dev.zeros(bytes)?);
+            self.starts.push(self.n_slots);
+            self.n_slots += n;
+            left -= n;
+        }
+        Ok(())
+    }
+
+    /// The most slots at or below `n` the pool can shrink to ([`SlotPool::truncate`]): the first slot of
+    /// an allocation (or all of them, when `n` is at least that).
+    pub fn boundary_at_or_below(&self, n: usize) -> usize {
+        if n >= self.n_slots {
+            return self.n_slots;
+        }
+        let i = self.starts.partition_point(|&s| s <= n);
+        self.starts[i.saturating_sub(1)]
+    }
+
+    /// Frees every allocation from slot `n` on: `n` must be a boundary
+    /// ([`SlotPool::boundary_at_or_below`]). The caller knows no launch or copy still reads or writes
+    /// them (the device synchronized).
+    pub fn truncate(&mut self, n: usize) -> CudaResult<()> {
+        if n >= self.n_slots {
+            return Ok(());
+        }
+        let Ok(i) = self.starts.binary_search(&n) else {
+            return Err(CudaError::Invalid(format!(
+                "{n} slots: not a boundary of the pool's allocations"
+            )));
+        };
+        self.chunks.truncate(i);
+        self.starts.truncate(i);
+        self.n_slots = n;
+        Ok(())
     }
 
     /// Slots.
@@ -64,7 +138,19 @@ impl SlotPool {
 
     /// Bytes of the pool.
     pub fn bytes(&self) -> usize {
-        self.storage.num_bytes()
+        self.chunks.iter().map(|c| c.num_bytes()).sum()
+    }
+
+    /// The bytes of slot `slot` after every launch and copy queued on `dev`'s compute stream (for tests
+    /// and diagnosis).
+    pub fn read(&self, dev: &Device, slot: usize) -> CudaResult<Vec<u8>> {
+        let addr = self.address(slot, 0, self.slot_bytes)?;
+        let mut out = vec![0u8; self.slot_bytes];
+        dev.synchronize()?;
+        // SAFETY: `addr..addr + slot_bytes` lies in a live allocation of the pool (checked by `address`)
+        // and `out` holds as many bytes; the device synchronized, so no queued work writes the slot.
+        unsafe { result::memcpy_dtoh_sync(&mut out, addr) }?;
+        Ok(out)
     }
 
     /// The device address of `offset` in slot `slot`, for `len` bytes that must lie inside the slot.
@@ -75,7 +161,9 @@ impl SlotPool {
                 self.n_slots, self.slot_bytes
             )));
         }
-        Ok(self.storage.address() + (slot * self.slot_bytes + offset) as u64)
+        let i = self.starts.partition_point(|&s| s <= slot) - 1;
+        let within = slot - self.starts[i];
+        Ok(self.chunks[i].address() + (within * self.slot_bytes + offset) as u64)
     }
 }
 
@@ -357,7 +445,7 @@ fn slot_copy(
     let len = src_pool.slot_bytes;
     let from = src_pool.address(src_slot, 0, len)?;
     let to = dst_pool.address(dst_slot, 0, len)?;
-    if src_pool.storage.address() == dst_pool.storage.address() && src_slot == dst_slot {
+    if std::ptr::eq(src_pool, dst_pool) && src_slot == dst_slot {
         return Ok(());
     }
     // SAFETY: both ranges lie inside live allocations (checked by `address`) and are distinct slots (one

@@ -26,6 +26,7 @@ pub mod policy;
 mod prefetch;
 pub mod profile;
 mod prompt_share;
+mod resize;
 pub mod skip;
 mod split;
 #[cfg(test)]
@@ -446,33 +447,16 @@ impl ExpertCache {
         n_slots: usize,
         counts: &[Vec<u64>],
     ) -> CudaResult<()> {
-        self.copy.synchronize()?;
-        dev.synchronize()?;
-        self.pending.clear();
-        if let Some(held) = self.bus_later.as_mut() {
-            held.clear();
-        }
-        self.staged = None;
-        self.prefetch = None;
-        self.prefetch_plan = None;
-        self.filled = true;
+        self.quiesce(dev)?;
         self.pool = None;
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.n_expert).collect();
         self.policy = CachePolicy::new(&sizes, 0);
         self.policy.set_rule(self.rule);
         let total: usize = sizes.iter().sum();
-        let mut want = n_slots.min(total);
         // An allocation that fails gives fewer slots, not an error.
-        let pool = loop {
-            if want == 0 {
-                break None;
-            }
-            match SlotPool::alloc(dev, self.slot_bytes, want) {
-                Ok(p) => break Some(p),
-                Err(CudaError::Driver(_)) => want -= want.div_ceil(8),
-                Err(e) => return Err(e),
-            }
-        };
+        let chunk = resize::chunk_slots(total);
+        let pool = resize::alloc_fewer(dev, (self.slot_bytes, chunk), n_slots.min(total))?;
+        let want = pool.as_ref().map_or(0, SlotPool::n_slots);
         self.policy = CachePolicy::new(&sizes, want);
         self.policy.set_rule(self.rule);
         self.pool = pool;
@@ -498,21 +482,24 @@ impl ExpertCache {
         dev.synchronize()
     }
 
-    /// Gives up `1/fraction` of the slots (at least one), keeping the experts of the highest scores: the
-    /// cache is allocated again, smaller, and filled (copies complete before it returns).
+    /// Gives up `1/fraction` of the slots (at least one), keeping the experts of the highest scores
+    /// (resized in place: [`ExpertCache::set_slots_ranked`]; copies complete before it returns).
     pub fn shrink(&mut self, dev: &Device, cpu: &CpuWeights, fraction: usize) -> CudaResult<()> {
         let n = self.policy.n_slots();
         self.give_up(dev, cpu, (n / fraction.max(1)).max(1))
+            .map(drop)
     }
 
-    /// Gives up `n_slots` slots (all it has at most), keeping the experts of the highest scores, as
-    /// [`ExpertCache::shrink`].
-    pub fn give_up(&mut self, dev: &Device, cpu: &CpuWeights, n_slots: usize) -> CudaResult<()> {
+    /// Gives up at least `n_slots` slots (all it has at most; more where the pool's allocations end past
+    /// the count: [`ExpertCache::set_slots_ranked`]), keeping the experts of the highest scores, as
+    /// [`ExpertCache::shrink`]. Returns how many it gave up.
+    pub fn give_up(&mut self, dev: &Device, cpu: &CpuWeights, n_slots: usize) -> CudaResult<usize> {
         let n = self.policy.n_slots();
         if n == 0 || n_slots == 0 {
-            return Ok(());
+            return Ok(0);
         }
-        self.set_slots(dev, cpu, n.saturating_sub(n_slots))
+        self.set_slots(dev, cpu, n.saturating_sub(n_slots))?;
+        Ok(n - self.policy.n_slots())
     }
 
     /// Slots of the cache now.
@@ -520,9 +507,8 @@ impl ExpertCache {
         self.policy.n_slots()
     }
 
-    /// Allocates the cache again with `n_slots` slots (fewer or more: slots taken back after a long
-    /// prompt's scratch was lent) and fills it with the experts of the highest scores; the routings not
-    /// yet in the profile stay counted.
+    /// Resizes the cache to `n_slots` slots (fewer or more: slots taken back after a long prompt's
+    /// scratch was lent) holding the experts of the highest scores ([`ExpertCache::set_slots_ranked`]).
     pub fn set_slots(&mut self, dev: &Device, cpu: &CpuWeights, n_slots: usize) -> CudaResult<()> {
         let ranking = self.ranking();
         self.set_slots_ranked(dev, cpu, n_slots, &ranking)
@@ -546,35 +532,6 @@ impl ExpertCache {
             }
         }
         ranking
-    }
-
-    /// [`ExpertCache::set_slots`] ranking the experts by `ranking` (an earlier [`ExpertCache::ranking`]:
-    /// slots taken back after a long prompt are filled as the cache was before it, not with the
-    /// prompt's favourites).
-    pub fn set_slots_ranked(
-        &mut self,
-        dev: &Device,
-        cpu: &CpuWeights,
-        n_slots: usize,
-        ranking: &[Vec<u64>],
-    ) -> CudaResult<()> {
-        if n_slots == self.policy.n_slots() {
-            return Ok(());
-        }
-        let counts = self.policy.take_counts();
-        let history = self.policy.history();
-        let stats = self.stats;
-        let routed = std::mem::take(&mut self.routed_counts);
-        self.fill(dev, cpu, n_slots, ranking)?;
-        // A resize is not a new start: the run's figures go on, and so do the scores admissions compare
-        // (fill's reset them to its ranking, each layer's best at 1, so newcomers overtook the residents).
-        // The 4-6 share points a lent scratch seemed to cost the answer (H100, 2026-12-07) were the
-        // prompt's, read with the slots lent: DONE's share then counted the whole request.
-        self.stats = stats;
-        self.routed_counts = routed;
-        self.policy.add_counts(&counts);
-        self.policy.restore_history(history);
-        Ok(())
     }
 
     /// Copies expert `key`'s three matrices from the mapped file into `slot` of the cache's pool or of
