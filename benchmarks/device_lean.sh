@@ -4,6 +4,8 @@
 # fixtures the card tests read, the witness references and these scripts.
 #   on   takes everything else out of the index (the files stay in place) and hides it through
 #        .git/info/exclude, so calls carry the binaries and llama.cpp's source whole.
+#   on REGEX  keeps only the fixtures whose names match (e.g. 'qwen3moe-tiny-q4km|qwen35moe-tiny-q4km'):
+#        the card tests read what is there, and 55 MiB of fixtures leave a call room for little else.
 #   off  puts the index and the exclude file back as they were.
 # Never commit while it is on: the index then holds the deletions. `status` says which it is.
 set -euo pipefail
@@ -14,7 +16,9 @@ case "${1:-status}" in
 on)
     if grep -q "^$MARK" $EXCLUDE 2>/dev/null; then echo "already on"; exit 0; fi
     git diff --cached --quiet || { echo "the index has staged changes: commit or reset them first" >&2; exit 1; }
+    keep_fixtures=${2:-.}
     git ls-files | grep -vE '^(tests/fixtures/models/|tests/witness/|benchmarks/[^/]+\.(sh|py)$)' > .git/device_lean.list
+    git ls-files tests/fixtures/models/ | grep -vE "$keep_fixtures" >> .git/device_lean.list || true
     xargs -a .git/device_lean.list -d '\n' git rm -q --cached --
     { echo "$MARK on: everything below is tracked at HEAD"; sed 's|^|/|' .git/device_lean.list; echo "$MARK end"; } >> $EXCLUDE
     git ls-files -z | xargs -0 du -c --block-size=1 | tail -1 | awk '{printf "now %.1f MiB tracked\n", $1/1048576}'
