@@ -18,13 +18,18 @@ on)
     git diff --cached --quiet || { echo "the index has staged changes: commit or reset them first" >&2; exit 1; }
     keep_fixtures=${2:-.}
     git ls-files | grep -vE '^(tests/fixtures/models/|tests/witness/|benchmarks/[^/]+\.(sh|py)$)' > .git/device_lean.list
-    git ls-files tests/fixtures/models/ | grep -vE "$keep_fixtures" >> .git/device_lean.list || true
+    # .gitignore's own exception for the fixtures outranks the exclude file, so the others wait in .git
+    mkdir -p .git/device_lean_fixtures
+    git ls-files tests/fixtures/models/ | grep -vE "$keep_fixtures" | tee -a .git/device_lean.list |
+        xargs -r -d '\n' mv -t .git/device_lean_fixtures/ || true
     xargs -a .git/device_lean.list -d '\n' git rm -q --cached --
     { echo "$MARK on: everything below is tracked at HEAD"; sed 's|^|/|' .git/device_lean.list; echo "$MARK end"; } >> $EXCLUDE
     git ls-files -z | xargs -0 du -c --block-size=1 | tail -1 | awk '{printf "now %.1f MiB tracked\n", $1/1048576}'
     ;;
 off)
     grep -q "^$MARK" $EXCLUDE 2>/dev/null || { echo "already off"; exit 0; }
+    mv .git/device_lean_fixtures/* tests/fixtures/models/ 2>/dev/null || true
+    rmdir .git/device_lean_fixtures 2>/dev/null || true
     xargs -a .git/device_lean.list -d '\n' git reset -q --
     sed -i "/^$MARK on/,/^$MARK end/d" $EXCLUDE
     rm -f .git/device_lean.list
