@@ -100,21 +100,25 @@ pub enum MissingExperts {
 
 impl Placement {
     /// Tokens of the warm-up call before the cache is sized: the scratch buffers it leaves are those the
-    /// budget keeps for good. `--scratch-tokens` if given (at most the largest call's); else the largest
-    /// call's. With fewer, a larger call borrows VRAM from the cache for its scratch and gives it back
+    /// budget keeps for good. `--scratch-tokens` if given, else [`Placement::DEFAULT_SCRATCH_TOKENS`], at
+    /// most the largest call's. A larger call borrows VRAM from the cache for its scratch and gives it back
     /// before the answer ([`crate::gpu::lend`]'s path, or free room above the reserve where the card has
-    /// it). Measured through the server at 8 GB on an H100 (2026-12-07): with 512 instead of the server's
-    /// 2,048 a chat answer gained 2-11% (a larger cache) and a 2,000-token prompt 16-27%, but the answer
-    /// after that prompt lost 7-18%: lending and taking back the slots, and giving some up for KV rows,
-    /// each copied the whole cache from the host again (122 ms to take 466 slots back), so the largest
-    /// call's stays the default until a resize copies only what changes.
+    /// it); the cache is resized in place, so only experts new to it cross the bus. Measured through the
+    /// server at 8 GB on an H100 (2026-12-07, sixteenth session) against the largest call's (2,048): a chat
+    /// answer +1-6% (a larger cache), a 2,000-token prompt +21-38%, prompts of 8,000 and 30,000 within
+    /// 1-4% either way, the answers after them -6% to +4% (taking 484 slots back costs 30 ms).
     pub fn warm_tokens(&self) -> usize {
         let largest = match self.call_tokens {
             0 => crate::generate::DEFAULT_UBATCH,
             n => n,
         };
-        self.scratch_tokens.map_or(largest, |n| n.clamp(1, largest))
+        self.scratch_tokens
+            .unwrap_or(Self::DEFAULT_SCRATCH_TOKENS)
+            .clamp(1, largest)
     }
+
+    /// The call whose scratch the budget keeps unless `--scratch-tokens` says otherwise.
+    pub const DEFAULT_SCRATCH_TOKENS: usize = 512;
 
     /// Uploads per layer and token unless set otherwise.
     pub const DEFAULT_UPLOADS_PER_LAYER: usize = 2;
@@ -313,18 +317,24 @@ mod tests {
     }
 
     #[test]
-    fn the_budget_keeps_the_largest_call_s_scratch_unless_told() {
+    fn the_budget_keeps_a_512_token_call_s_scratch_unless_told() {
         let serve = |scratch_tokens| Placement {
             call_tokens: 2048,
             scratch_tokens,
             ..Placement::new()
         };
-        assert_eq!(serve(None).warm_tokens(), 2048);
+        assert_eq!(serve(None).warm_tokens(), 512);
         // Asked: within 1 ..= the largest call; larger calls then borrow from the cache.
-        assert_eq!(serve(Some(512)).warm_tokens(), 512);
+        assert_eq!(serve(Some(2048)).warm_tokens(), 2048);
+        assert_eq!(serve(Some(100)).warm_tokens(), 100);
         assert_eq!(serve(Some(100_000)).warm_tokens(), 2048);
-        // Calls of the default size (0): 512.
+        // Calls of the default size (0, 512 tokens) or smaller: the largest.
         assert_eq!(Placement::new().warm_tokens(), 512);
+        let small = Placement {
+            call_tokens: 64,
+            ..Placement::new()
+        };
+        assert_eq!(small.warm_tokens(), 64);
     }
 
     #[test]
