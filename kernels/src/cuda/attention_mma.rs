@@ -1,8 +1,9 @@
 //! Prompt attention on the f16 tensor cores (`kernels/cuda/attention_mma.cu`): the causal GQA attention of
 //! [`super::attention::attention_f16_cache`] for a batch of queries, flash-attention style (mma.sync
 //! m16n8k16, f32 accumulation, online softmax in f32; queries and softmax weights rounded to f16 for the
-//! products). For head dimensions 64, 128 and 256 (keys and values alike) on sm_80 and later; no split of the
-//! context (a prompt has blocks enough).
+//! products; keys and values copied to shared memory by cp.async, two tiles in flight, their fragments read
+//! by ldmatrix). For head dimensions 64, 128 and 256 (keys and values alike) on sm_80 and later; no split of
+//! the context (a prompt has blocks enough).
 
 use super::attention::KvCacheView;
 use super::module::KernelModule;
@@ -43,12 +44,10 @@ fn kernel(d: usize) -> Option<(&'static str, usize)> {
     }
 }
 
-/// Dynamic shared memory of a block: queries and one key tile (rows of d/2 + 4 words), one transposed
-/// value tile (rows of kt/2 + 4 words).
+/// Dynamic shared memory of a block: the queries (FA_ROWS rows) and two tiles of keys and two of values
+/// (kt rows each), every row d + 8 f16 values.
 fn shared_bytes(d: usize, kt: usize) -> usize {
-    let qw = d / 2 + 4;
-    let vw = kt / 2 + 4;
-    4 * (FA_ROWS * qw + kt * qw + d * vw)
+    2 * (FA_ROWS + 4 * kt) * (d + 8)
 }
 
 /// Whether `--fa off` turned the tensor-core attention off (to measure against attn_f16).
@@ -132,7 +131,9 @@ pub fn attention_prompt(
         .arg(cache.v.slice())
         .arg(out.slice_mut())
         .arg(&args);
-    // SAFETY: q and out hold n_q × n_head × d values, k and v at least n_kv rows (checked above); the kernel
+    // SAFETY: q and out hold n_q × n_head × d values, k and v at least n_kv rows (checked above), each its own
+    // allocation (so 16-byte aligned, as cp.async's 16-byte copies of a row's pieces need: rows are d f16
+    // values, d a multiple of 8); the kernel
     // reads keys and values only up to the largest position of its rows, clamped below n_kv, and writes
     // the rows of its (query, head) pairs; its dynamic shared memory is sized by shared_bytes as the kernel
     // lays it out (the function's limit raised to it).
