@@ -218,9 +218,9 @@ pub struct PlacementArgs {
     #[arg(long, value_name = "F", default_value_t = 0.0, value_parser = parse_cache_bias)]
     cache_bias: f32,
     /// The scratch the budget keeps is that of a call of N tokens (default 512, or the largest call's if
-    /// smaller; the serve mode's calls are 2,048). A larger call borrows VRAM from the expert cache for its scratch (or takes free
-    /// room above the reserve) and the cache takes it back before the answer, so answers keep a larger
-    /// cache (a held card only).
+    /// smaller; the serve mode's calls are 2,048). A larger call borrows VRAM from the expert cache for
+    /// its scratch (or takes free room above the reserve) and the cache takes it back before the answer,
+    /// so answers keep a larger cache (a held card only).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     scratch_tokens: Option<u64>,
     /// What the cache holds again when it takes back what it lent to a large call: the experts of the

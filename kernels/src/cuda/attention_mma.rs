@@ -131,12 +131,11 @@ pub fn attention_prompt(
         .arg(cache.v.slice())
         .arg(out.slice_mut())
         .arg(&args);
-    // SAFETY: q and out hold n_q × n_head × d values, k and v at least n_kv rows (checked above), each its own
-    // allocation (so 16-byte aligned, as cp.async's 16-byte copies of a row's pieces need: rows are d f16
-    // values, d a multiple of 8); the kernel
-    // reads keys and values only up to the largest position of its rows, clamped below n_kv, and writes
-    // the rows of its (query, head) pairs; its dynamic shared memory is sized by shared_bytes as the kernel
-    // lays it out (the function's limit raised to it).
+    // SAFETY: q and out hold n_q × n_head × d values, k and v at least n_kv rows (checked above), each its
+    // own allocation (so 16-byte aligned, as cp.async's 16-byte copies of a row's pieces need: rows are d
+    // f16 values, d a multiple of 8); the kernel reads keys and values only up to the largest position of
+    // its rows, clamped below n_kv, and writes the rows of its (query, head) pairs; its dynamic shared
+    // memory is sized by shared_bytes as the kernel lays it out (the function's limit raised to it).
     unsafe { b.launch(cfg) }?;
     dev.after_launch(name)
 }

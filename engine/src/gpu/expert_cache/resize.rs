@@ -78,27 +78,22 @@ impl ExpertCache {
         let sizes: Vec<usize> = self.layers.iter().map(|l| l.n_expert).collect();
         let n_slots = n_slots.min(sizes.iter().sum());
         // The slots of the old pool that remain, and the new size.
-        let kept = match self.pool.as_mut() {
-            _ if n_slots == 0 => 0,
-            Some(pool) if n_slots < old => pool.boundary_at_or_below(n_slots),
-            Some(pool) => {
-                // An allocation that fails gives fewer slots, not an error.
-                match pool.grow(dev, n_slots - old) {
-                    Ok(()) | Err(CudaError::Driver(_)) => old,
-                    Err(e) => return Err(e),
-                }
+        let (kept, n_new) = match self.pool.as_mut() {
+            _ if n_slots == 0 => (0, 0),
+            Some(pool) if n_slots < old => {
+                let kept = pool.boundary_at_or_below(n_slots);
+                (kept, kept)
             }
+            Some(pool) => match pool.grow(dev, n_slots - old) {
+                // An allocation that fails gives fewer slots, not an error.
+                Ok(()) | Err(CudaError::Driver(_)) => (old, pool.n_slots()),
+                Err(e) => return Err(e),
+            },
             None => {
                 let chunk = chunk_slots(sizes.iter().sum());
                 self.pool = alloc_fewer(dev, (self.slot_bytes, chunk), n_slots)?;
-                0
+                (0, self.pool.as_ref().map_or(0, SlotPool::n_slots))
             }
-        };
-        let n_new = match &self.pool {
-            _ if n_slots == 0 => 0,
-            Some(pool) if n_slots < old => kept.min(pool.n_slots()),
-            Some(pool) => pool.n_slots(),
-            None => 0,
         };
         let mut policy = CachePolicy::new(&sizes, n_new);
         policy.set_rule(self.rule);
@@ -113,7 +108,8 @@ impl ExpertCache {
             self.upload(cpu, key, slot, Dest::Cache)?;
         }
         self.copy.synchronize()?;
-        dev.synchronize()?;
+        // The moves read the slots that go on the compute stream, and a freed allocation is released in
+        // that stream's order: no wait before the truncation.
         match self.pool.as_mut() {
             Some(_) if n_new == 0 => self.pool = None,
             Some(pool) => pool.truncate(n_new)?,
