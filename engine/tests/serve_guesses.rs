@@ -82,7 +82,14 @@ fn a_recurrent_state_goes_back_after_a_wrong_guess() {
 /// a token's next token depends mostly on the token itself, so greedy answers repeat and guesses are
 /// often right, while the recurrent state still moves every logit a little.
 fn write_quiet_qwen35moe(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("qwen35moe-quiet.gguf");
+    write_tiny_qwen35moe(
+        &dir.join("qwen35moe-quiet.gguf"),
+        &["--mixing-gain", "0.01"],
+    )
+}
+
+/// Writes the tiny qwen35moe shape of seed 5 with synth's `flags` to `path`; returns synth's report.
+fn synth_tiny_qwen35moe(path: &Path, flags: &[&str]) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
         .args([
             "synth",
@@ -93,16 +100,57 @@ fn write_quiet_qwen35moe(dir: &Path) -> std::path::PathBuf {
             "--seed",
             "5",
         ])
-        .args(["--mixing-gain", "0.01", "--out"])
-        .arg(&path)
+        .args(flags)
+        .arg("--out")
+        .arg(path)
         .output()
         .expect("synth runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    path
+    let report = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{report}");
+    report
+}
+
+/// [`synth_tiny_qwen35moe`], returning the path.
+fn write_tiny_qwen35moe(path: &Path, flags: &[&str]) -> std::path::PathBuf {
+    synth_tiny_qwen35moe(path, flags);
+    path.to_path_buf()
+}
+
+/// A draft block written to agree with the model at a chosen share (`synth --draft-agreement`): a
+/// greedy answer keeps about that share of its guesses (a window's guess is right when the token it
+/// starts from is one of the share whose embedding the draft block reads), as synth's own measurement
+/// says, and the answers with guesses are the answers without, greedy and sampled.
+#[test]
+fn a_draft_block_written_to_agree_keeps_about_that_share() {
+    let dir = std::env::temp_dir().join(format!("poly-agree-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for rate in [0.8, 0.5] {
+        let path = dir.join(format!("qwen35moe-agree-{rate}.gguf"));
+        let report = synth_tiny_qwen35moe(&path, &["--draft-agreement", &rate.to_string()]);
+        let measured = report
+            .lines()
+            .find(|l| l.contains("draft agreement measured"))
+            .unwrap_or_else(|| panic!("no measurement in synth's report:\n{report}"));
+        let gens = compare_answers(&path, &["--draft-block", "on"], (&[], 320));
+        let (_, proposed, kept) = gens
+            .iter()
+            .find(|g| g.0 == "greedy")
+            .cloned()
+            .expect("the greedy answer");
+        let share = kept as f64 / proposed.max(1) as f64;
+        eprintln!(
+            "asked {rate}: {kept} of {proposed} greedy guesses kept ({share:.3}); synth:{measured}"
+        );
+        // Each window's guess is right as a coin of `rate` falls (whether the token it starts from is
+        // known; which tokens start windows depends on earlier windows only, the back-off after a miss
+        // and the pause when guessing measures slower): within three standard deviations.
+        let sd = (rate * (1.0 - rate) / proposed.max(1) as f64).sqrt();
+        assert!(
+            proposed >= 30 && (share - rate).abs() <= 3.0 * sd + 0.02,
+            "asked {rate}: {kept} of {proposed} greedy guesses kept"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// [`answers_with_guesses_are_the_answers_without`] with `flags` added to both engines; returns the

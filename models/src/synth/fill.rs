@@ -81,6 +81,10 @@ pub fn fill_tensor(
             }
             Ok(())
         }
+        Init::AgreeingEmbedding(plan) => super::agree::fill_embedding(plan, seed, t.ty, out),
+        Init::AgreeingEhProj(plan) => {
+            super::agree::fill_eh_proj(plan, stream_seed(seed, index as u64, 0), t.ty, out)
+        }
         Init::Router { layer } => {
             let w = routers
                 .get(*layer as usize)
@@ -111,7 +115,7 @@ pub fn fill_random_blocks(
 }
 
 /// Writes values `f(0), f(1), …` in a float type (F32, F16 or BF16) over all of `out`.
-fn write_floats(
+pub(super) fn write_floats(
     ty: GgmlType,
     out: &mut [u8],
     mut f: impl FnMut(usize) -> f32,

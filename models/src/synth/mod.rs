@@ -11,6 +11,8 @@
 //! - [`route`]: router weights with a popularity skew, their calibration on the hidden states of a forward
 //!   pass (run by `poly-engine synth`, which has the forward pass), and the routing estimate on random
 //!   hidden states.
+//! - [`agree`]: models whose draft block agrees with the main model at a chosen rate
+//!   (`--draft-agreement`).
 //! - [`fill`]: filling a tensor's bytes in parallel, deterministically for a seed.
 //! - [`mmproj`]: projector (`mmproj`) files of the vision encoders' layouts.
 //! - [`vocab`]: the small byte-level BPE vocabulary and chat template.
@@ -18,6 +20,7 @@
 //! [`Synthesis::prepare`] plans a model and simulates its routers; [`Synthesis::write`] streams it to disk,
 //! generating the next tensor while the previous one is written.
 
+pub mod agree;
 pub mod fill;
 pub mod mmproj;
 pub mod mmproj_gemma4v;
@@ -107,6 +110,9 @@ pub struct Synthesis {
     /// The type holding the most bytes (`general.file_type`).
     pub main_type: GgmlType,
     pub metadata: Vec<(String, Value)>,
+    /// The draft block's agreement, when the model is written for one
+    /// ([`Synthesis::with_draft_agreement`]).
+    pub agreement: Option<std::sync::Arc<agree::AgreementPlan>>,
 }
 
 /// What writing took.
@@ -173,6 +179,7 @@ impl Synthesis {
             size_label,
             main_type,
             metadata: Vec::new(),
+            agreement: None,
         };
         s.metadata = s.build_metadata();
         Ok(s)

@@ -17,7 +17,11 @@
 //!   (each post-norm adds RMS ≈ 1), its self-logit about 0.5σ (more makes greedy decoding repeat the last token), and the output norm's weight carries
 //!   the logit scale instead.
 
+use std::sync::Arc;
+
 use poly_kernels::quant::GgmlType;
+
+use super::agree::AgreementPlan;
 
 use crate::arch::{gemma4, ArchHparams, Dim, ModelHparams, Role, TensorClass, TensorDesc};
 
@@ -40,6 +44,12 @@ pub enum Init {
     /// Rows of `per_row` distinct expert ids below `n_expert` (I32): DeepSeek V4's hash routing, one row
     /// per token.
     ExpertIds { n_expert: u32, per_row: u32 },
+    /// The token embedding of a model whose draft block agrees with it at a chosen rate
+    /// ([`super::agree`]): each row the output head's row of the token's next token, in its half.
+    AgreeingEmbedding(Arc<AgreementPlan>),
+    /// That model's draft-block `eh_proj`: the first half of the token's embedding passed through, the
+    /// hidden row projected at random ([`super::agree`]).
+    AgreeingEhProj(Arc<AgreementPlan>),
 }
 
 /// One tensor as it will be written.
