@@ -1,6 +1,7 @@
 //! Guessed tokens from the model's own draft block (issue 18's first source, `--draft-block on`): the
-//! MTP head a Qwen3.5/3.6 file carries after its trunk reads the token just written with the trunk's
-//! hidden row of the position before it and guesses the token after (llama.cpp's `draft-mtp`, one token
+//! MTP head a Qwen3.5/3.6 or DeepSeek V4 file carries after its trunk reads the token just written with
+//! the trunk's hidden row of the position before it (`n_embd` wide, or every mHC stream of it:
+//! [`Model::draft_block_hidden_width`]) and guesses the token after (llama.cpp's `draft-mtp`, one token
 //! per window as its single-head form drafts). The main model checks the guess as it checks guesses from
 //! repeats ([`super::repeats`]: the same windows, the same rule for keeping a guess, so the answer is
 //! the one written without guesses, bit for bit).
@@ -72,12 +73,12 @@ fn cut_to_kept(block: &mut SeqState, kept: &[u32], max: usize) -> Result<usize, 
 /// position before each. A row no longer kept (position 0's, a parked conversation's) reads zeros, as
 /// llama.cpp pairs the first token: the guesses are worse, the answer the same.
 fn hidden_rows(model: &Model, main: &SeqState, rows: std::ops::Range<usize>) -> Vec<f32> {
-    let n_embd = model.info().n_embd;
-    let mut hidden = Vec::with_capacity(rows.len() * n_embd);
+    let width = model.draft_block_hidden_width();
+    let mut hidden = Vec::with_capacity(rows.len() * width);
     for q in rows {
         match q.checked_sub(1).and_then(|r| main.hidden_row(r)) {
             Some(h) => hidden.extend_from_slice(h),
-            None => hidden.resize(hidden.len() + n_embd, 0.0),
+            None => hidden.resize(hidden.len() + width, 0.0),
         }
     }
     hidden
