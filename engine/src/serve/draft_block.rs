@@ -117,11 +117,48 @@ mod tests {
     fn the_draft_block_after_kept_and_cut_guesses_is_a_fresh_one() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/models/qwen35moe-tiny-q4km.gguf");
-        let model = Model::load(path)
-            .expect("fixture")
-            .with_arithmetic(Arithmetic::BatchInvariant);
+        let model = Model::load(path).expect("fixture");
+        after_kept_and_cut_guesses(model);
+    }
+
+    /// The same for deepseek4's draft block (a window-only block reading every mHC stream of the
+    /// trunk's last block), on the synthetic `tiny-mtp` shape written to a temporary folder.
+    #[test]
+    fn deepseek4s_draft_block_after_kept_and_cut_guesses_is_a_fresh_one() {
+        use poly_kernels::quant::GgmlType;
+        use poly_models::synth::plan::TypeChoice;
+        use poly_models::synth::shapes::find_shape;
+        use poly_models::synth::{SynthOptions, Synthesis};
+        let dir = std::env::temp_dir().join(format!("poly-ds4-draft-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("deepseek4-tiny-mtp.gguf");
+        let opts = SynthOptions {
+            shape: find_shape("deepseek4", "tiny-mtp").expect("the tiny-mtp shape"),
+            types: TypeChoice {
+                default: GgmlType::Q8_0,
+                overrides: Vec::new(),
+            },
+            seed: 3,
+            route_skew: 0.0,
+        };
+        Synthesis::prepare(&opts)
+            .expect("plan")
+            .write(&path, |_, _| {})
+            .expect("write");
+        let model = Model::load(&path).expect("synthetic model");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(
+            model.draft_block_hidden_width(),
+            4 * model.info().n_embd,
+            "every stream"
+        );
+        after_kept_and_cut_guesses(model);
+    }
+
+    fn after_kept_and_cut_guesses(model: Model) {
+        let model = model.with_arithmetic(Arithmetic::BatchInvariant);
         let n_vocab = model.info().n_vocab;
-        let n_embd = model.info().n_embd;
+        let n_embd = model.draft_block_hidden_width();
         let prompt: Vec<u32> = (0..20).map(|i| (i * 97 + 13) % 2000).collect();
         // The answer without guesses: greedy, token by token.
         let mut plain = model.new_state(256);

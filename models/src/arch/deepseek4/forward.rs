@@ -94,8 +94,9 @@ pub struct Deepseek4Graph {
     hc_head_base: WeightId,
     hc_head_scale: WeightId,
     blocks: Vec<Block>,
-    /// The draft block, when the file has an MTP block llama.cpp's `graph_mtp` runs.
-    nextn: Option<NextnBlock>,
+    /// The draft block, when the file has an MTP block llama.cpp's `graph_mtp` runs (boxed: a block
+    /// is large beside the other graphs, and most files have none).
+    nextn: Option<Box<NextnBlock>>,
     /// The extra layer states after the blocks' own, in order.
     extra_states: Vec<StateSpec>,
 }
@@ -279,7 +280,7 @@ impl Deepseek4Graph {
         let il = hp.n_layer;
         let nextn = match t.layer_opt(Role::NextnEhProj, il) {
             Some(eh_proj) if hp.n_nextn > 0 && hp.ratio(il) == 0 && il >= hp.n_hash_layers => {
-                Some(NextnBlock {
+                Some(Box::new(NextnBlock {
                     block: block(il)?,
                     eh_proj,
                     enorm: t.layer(Role::NextnEnorm, il)?,
@@ -287,7 +288,7 @@ impl Deepseek4Graph {
                     embed_tokens: t.layer_opt(Role::NextnEmbedTokens, il),
                     head: t.layer_opt(Role::NextnSharedHeadHead, il),
                     head_norm: t.layer_opt(Role::NextnSharedHeadNorm, il),
-                })
+                }))
             }
             _ => None,
         };
