@@ -532,6 +532,12 @@ impl Model {
         Some(SeqState::with_precision(&[spec], n_ctx, self.kv))
     }
 
+    /// The width of the trunk's hidden rows the draft block reads (`n_embd`, or DeepSeek V4's row of
+    /// every mHC stream): what [`Model::eval_draft_block`] takes per token.
+    pub fn draft_block_hidden_width(&self) -> usize {
+        self.graph.draft_block_hidden_width()
+    }
+
     /// Reads `tokens` into the draft block's `state` (from [`Model::new_draft_block_state`]) on the CPU,
     /// token `i` with `hidden`'s row `i` (the trunk's hidden row of the position before it, kept by
     /// [`SeqState::keep_hidden`]), and returns the draft's logits `logits` asks for: the guesses of the
@@ -551,7 +557,7 @@ impl Model {
         if tokens.is_empty()
             || tokens.len() > state.room()
             || tokens.iter().any(|&t| t as usize >= info.n_vocab)
-            || hidden.len() != tokens.len() * info.n_embd
+            || hidden.len() != tokens.len() * self.draft_block_hidden_width()
         {
             return Err(EngineError(
                 "draft block: no tokens, no room, a token outside the vocabulary or hidden rows that \

@@ -1,4 +1,5 @@
-//! The draft block (qwen35moe's MTP head) against llama.cpp's own MTP graph: for the fixtures' prompts,
+//! The draft block (qwen35moe's and deepseek4's MTP heads) against llama.cpp's own MTP graph: for the
+//! references' prompts,
 //! each row's draft probabilities (the token after the next, guessed from the token at the row and the
 //! trunk's hidden row before it) are llama.cpp's within the CPU witness rule (`poly_tests::witness::Rule`:
 //! the same likeliest token unless llama.cpp's two likeliest are within 0.02; each of llama.cpp's five
@@ -7,7 +8,9 @@
 //! feeds it), one thread, f16 caches.
 //!
 //! Both sides run their own trunk: the comparison covers the hidden rows the trunk keeps for the block
-//! (post-norm, the position before) as well as the block.
+//! (qwen35moe's post-norm row, deepseek4's last mHC streams; the position before) as well as the block.
+//! A reference whose model is no committed fixture names the `poly-engine synth` arguments that write
+//! it (`"synth"`, seeded: the same file each time), and the model is written to a temporary folder.
 
 use std::path::PathBuf;
 
@@ -32,7 +35,7 @@ fn probs(logits: &[f32]) -> Vec<f64> {
 /// Our draft logits for every row of `tokens` (one call of the trunk, the block read in two calls, as
 /// the engine reads it in pieces), `n_vocab` per row.
 fn draft_rows(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let n_embd = model.info().n_embd;
+    let n_embd = model.draft_block_hidden_width();
     let mut state = model.new_state(512);
     state.keep_hidden(true);
     model.eval(&mut state, tokens, Logits::Last).expect("trunk");
@@ -76,8 +79,12 @@ fn draft_block_probabilities_are_llama_cpps() {
         let r: serde_json::Value = serde_json::from_str(&text).expect("reference JSON");
         let name = PathBuf::from(r["model"].as_str().expect("model"));
         let name = name.file_name().expect("model file name");
-        let model =
-            Model::load(workspace().join("tests/fixtures/models").join(name)).expect("load");
+        let model = match r["synth"].as_array() {
+            Some(args) => synth(args, name),
+            None => {
+                Model::load(workspace().join("tests/fixtures/models").join(name)).expect("load")
+            }
+        };
         let tokens: Vec<u32> = r["tokens"]
             .as_array()
             .expect("tokens")
@@ -133,4 +140,31 @@ fn draft_block_probabilities_are_llama_cpps() {
             rows.len()
         );
     }
+}
+
+/// The model `poly-engine synth` writes with `args` (then `--out`), loaded from a temporary file of
+/// `name` that is removed once mapped.
+fn synth(args: &[serde_json::Value], name: &std::ffi::OsStr) -> Model {
+    let dir = std::env::temp_dir().join(format!("poly-draft-witness-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    let args: Vec<&str> = args
+        .iter()
+        .map(|a| a.as_str().expect("a synth argument"))
+        .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .arg("synth")
+        .args(&args)
+        .arg("--out")
+        .arg(&path)
+        .output()
+        .expect("synth runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let model = Model::load(&path).expect("load");
+    std::fs::remove_dir_all(&dir).ok();
+    model
 }

@@ -153,6 +153,31 @@ fn a_draft_block_written_to_agree_keeps_about_that_share() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// deepseek4's tiny shape with an MTP block after the trunk (`synth --shape tiny-mtp`), in `dir`.
+fn write_deepseek4_with_mtp(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("deepseek4-tiny-mtp.gguf");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_poly-engine"))
+        .args([
+            "synth",
+            "--arch",
+            "deepseek4",
+            "--shape",
+            "tiny-mtp",
+            "--seed",
+            "3",
+            "--out",
+        ])
+        .arg(&path)
+        .output()
+        .expect("synth runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    path
+}
+
 /// [`answers_with_guesses_are_the_answers_without`] with `flags` added to both engines; returns the
 /// guesses kept.
 fn guesses_change_nothing(flags: &[&str]) -> u64 {
@@ -215,17 +240,19 @@ fn a_draft_model_guesses_and_changes_nothing() {
     }
 }
 
-/// The model's own draft block (`--draft-block on`: the MTP head of the qwen35moe fixtures, and of the
-/// quiet synthetic model): its guesses are checked as the others are, a wrong one cuts its KV rows back
-/// with the recurrent state's restore, and the answers are the answers without guesses, greedy and
-/// sampled, with the kept state the same.
+/// The model's own draft block (`--draft-block on`: the MTP head of the qwen35moe fixtures, of the
+/// quiet synthetic model and of a synthetic deepseek4 with one, which reads every mHC stream of the
+/// trunk): its guesses are checked as the others are, a wrong one cuts its KV rows back (with the
+/// recurrent state's restore, or deepseek4's compressor states cut with their caches), and the answers
+/// are the answers without guesses, greedy and sampled, with the kept state the same.
 #[test]
 fn the_draft_block_guesses_and_changes_nothing() {
     let dir = std::env::temp_dir().join(format!("poly-draft-block-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let quiet = write_quiet_qwen35moe(&dir);
+    let deepseek4 = write_deepseek4_with_mtp(&dir);
     let lead = Rng::new(11).tokens(100, 2048);
-    for model in [fixture(FIXTURES[2]), fixture(FIXTURES[3]), quiet] {
+    for model in [fixture(FIXTURES[2]), fixture(FIXTURES[3]), quiet, deepseek4] {
         let gens = compare_answers(&model, &["--draft-block", "on"], (&lead, 40));
         let (proposed, kept) = totals(&gens);
         eprintln!(

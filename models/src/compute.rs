@@ -629,9 +629,16 @@ pub trait Compute {
         cpu_only("concat_cols")
     }
 
-    /// The trunk's hidden rows after the output norm, every row of the batch: what a draft block reads
-    /// for the next position (llama.cpp's `t_h_nextn`). A backend that runs no draft block drops them,
-    /// so the default does nothing.
+    /// The same values read as rows of `width` (ggml_reshape_2d): `[n, k·width]` becomes `[n·k, width]`
+    /// and back, row `i·k + j` holding part `j` of row `i` (DeepSeek V4's draft block projects each mHC
+    /// stream of a token as a row of its own).
+    fn reshape(&mut self, _x: &Self::Act, _width: usize) -> Self::Act {
+        cpu_only("reshape")
+    }
+
+    /// The trunk's hidden rows, every row of the batch: what a draft block reads for the next position
+    /// (llama.cpp's `t_h_nextn`: qwen35moe's after the output norm, DeepSeek V4's last streams). A
+    /// backend that runs no draft block drops them, so the default does nothing.
     fn keep_hidden(&mut self, _x: &Self::Act) {}
 
     /// The batch this forward call runs.

@@ -192,7 +192,7 @@ fn real_shapes_have_the_published_sizes() {
     // Every listed shape plans.
     assert_eq!(
         all_shapes().len(),
-        21,
-        "with deepseek4 tiny and deepseek-v4-flash"
+        22,
+        "with deepseek4 tiny, tiny-mtp and deepseek-v4-flash"
     );
 }

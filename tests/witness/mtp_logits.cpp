@@ -23,11 +23,13 @@
 
 #include "llama.h"
 #include "llama-ext.h"
+#include "ggml-backend.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 static void die(const char * what) {
@@ -35,7 +37,8 @@ static void die(const char * what) {
     exit(1);
 }
 
-// One decode of `tokens` at positions 0.. with optional per-token state rows (`h`, n_embd each); every row
+// One decode of `tokens` at positions 0.. with optional per-token state rows (`h`, n_embd each: the
+// hidden row's width); every row
 // is an output.
 static void decode(llama_context * ctx, const std::vector<llama_token> & tokens, const std::vector<float> * h,
                    size_t n_embd) {
@@ -58,6 +61,25 @@ static void decode(llama_context * ctx, const std::vector<llama_token> & tokens,
     llama_batch_ext_free(b);
 }
 
+// The target's `h_nextn` as its graph computes it, every row (the scheduler's eval callback). Read after
+// the decode, deepseek4's is not that: its `h_nextn` is the last block's streams, whose memory the pinned
+// graph lets the mHC head's operations reuse (the rows read back hold the final norm's output instead);
+// the callback sees the tensor before that.
+static bool keep_h_nextn(struct ggml_tensor * t, bool ask, void * user_data) {
+    if (strcmp(t->name, "h_nextn") != 0) {
+        return ask ? false : true;
+    }
+    if (!ask) {
+        if (t->type != GGML_TYPE_F32 || !ggml_is_contiguous(t)) {
+            die("h_nextn is not contiguous f32");
+        }
+        auto * rows = static_cast<std::vector<float> *>(user_data);
+        rows->resize(ggml_nelements(t));
+        ggml_backend_tensor_get(t, rows->data(), 0, ggml_nbytes(t));
+    }
+    return true;
+}
+
 int main(int argc, char ** argv) {
     if (argc < 3) {
         die("usage: mtp_logits MODEL.gguf TOKEN...");
@@ -78,7 +100,8 @@ int main(int argc, char ** argv) {
         die("the model has no MTP block");
     }
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-    const size_t n_embd = (size_t) llama_model_n_embd(model);
+    // The hidden row's width: n_embd, or deepseek4's n_embd per mHC stream (its h_nextn is every stream).
+    const size_t n_embd = (size_t) llama_model_n_embd_out(model);
 
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = 512;
@@ -86,7 +109,11 @@ int main(int argc, char ** argv) {
     cp.n_ubatch = 512;
     cp.n_threads = 1;
     cp.n_threads_batch = 1;
-    llama_context * tgt = llama_init_from_model(model, cp);
+    llama_context_params tp = cp;
+    std::vector<float> h_nextn;
+    tp.cb_eval = keep_h_nextn;
+    tp.cb_eval_user_data = &h_nextn;
+    llama_context * tgt = llama_init_from_model(model, tp);
     if (!tgt) {
         die("target context");
     }
@@ -106,11 +133,11 @@ int main(int argc, char ** argv) {
     decode(tgt, tokens, nullptr, n_embd);
     // The MTP pairs token k with the target's hidden row of k - 1.
     std::vector<float> h(tokens.size() * n_embd, 0.0f);
+    if (h_nextn.size() != tokens.size() * n_embd) {
+        die("h_nextn was not seen whole");
+    }
     for (size_t k = 1; k < tokens.size(); ++k) {
-        const float * row = llama_get_embeddings_nextn_ith(tgt, (int32_t) (k - 1));
-        if (!row) {
-            die("no h_nextn row");
-        }
+        const float * row = h_nextn.data() + (k - 1) * n_embd;
         std::copy(row, row + n_embd, h.begin() + k * n_embd);
     }
     decode(dft, tokens, &h, n_embd);

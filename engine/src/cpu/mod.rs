@@ -809,6 +809,18 @@ impl Compute for CpuForward<'_> {
         out
     }
 
+    fn reshape(&mut self, x: &Mat, width: usize) -> Mat {
+        assert!(
+            width > 0 && x.data.len().is_multiple_of(width),
+            "reshape: not whole rows of {width}"
+        );
+        Mat {
+            rows: x.data.len() / width,
+            cols: width,
+            data: x.data.clone(),
+        }
+    }
+
     fn keep_hidden(&mut self, x: &Mat) {
         for (state, rows) in &mut self.seqs {
             if state.keeps_hidden() {

@@ -1,6 +1,7 @@
 //! Guessed tokens from the model's own draft block (issue 18's first source, `--draft-block on`): the
-//! MTP head a Qwen3.5/3.6 file carries after its trunk reads the token just written with the trunk's
-//! hidden row of the position before it and guesses the token after (llama.cpp's `draft-mtp`, one token
+//! MTP head a Qwen3.5/3.6 or DeepSeek V4 file carries after its trunk reads the token just written with
+//! the trunk's hidden row of the position before it (`n_embd` wide, or every mHC stream of it:
+//! [`Model::draft_block_hidden_width`]) and guesses the token after (llama.cpp's `draft-mtp`, one token
 //! per window as its single-head form drafts). The main model checks the guess as it checks guesses from
 //! repeats ([`super::repeats`]: the same windows, the same rule for keeping a guess, so the answer is
 //! the one written without guesses, bit for bit).
@@ -72,12 +73,12 @@ fn cut_to_kept(block: &mut SeqState, kept: &[u32], max: usize) -> Result<usize, 
 /// position before each. A row no longer kept (position 0's, a parked conversation's) reads zeros, as
 /// llama.cpp pairs the first token: the guesses are worse, the answer the same.
 fn hidden_rows(model: &Model, main: &SeqState, rows: std::ops::Range<usize>) -> Vec<f32> {
-    let n_embd = model.info().n_embd;
-    let mut hidden = Vec::with_capacity(rows.len() * n_embd);
+    let width = model.draft_block_hidden_width();
+    let mut hidden = Vec::with_capacity(rows.len() * width);
     for q in rows {
         match q.checked_sub(1).and_then(|r| main.hidden_row(r)) {
             Some(h) => hidden.extend_from_slice(h),
-            None => hidden.resize(hidden.len() + n_embd, 0.0),
+            None => hidden.resize(hidden.len() + width, 0.0),
         }
     }
     hidden
@@ -116,11 +117,48 @@ mod tests {
     fn the_draft_block_after_kept_and_cut_guesses_is_a_fresh_one() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../tests/fixtures/models/qwen35moe-tiny-q4km.gguf");
-        let model = Model::load(path)
-            .expect("fixture")
-            .with_arithmetic(Arithmetic::BatchInvariant);
+        let model = Model::load(path).expect("fixture");
+        after_kept_and_cut_guesses(model);
+    }
+
+    /// The same for deepseek4's draft block (a window-only block reading every mHC stream of the
+    /// trunk's last block), on the synthetic `tiny-mtp` shape written to a temporary folder.
+    #[test]
+    fn deepseek4s_draft_block_after_kept_and_cut_guesses_is_a_fresh_one() {
+        use poly_kernels::quant::GgmlType;
+        use poly_models::synth::plan::TypeChoice;
+        use poly_models::synth::shapes::find_shape;
+        use poly_models::synth::{SynthOptions, Synthesis};
+        let dir = std::env::temp_dir().join(format!("poly-ds4-draft-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("deepseek4-tiny-mtp.gguf");
+        let opts = SynthOptions {
+            shape: find_shape("deepseek4", "tiny-mtp").expect("the tiny-mtp shape"),
+            types: TypeChoice {
+                default: GgmlType::Q8_0,
+                overrides: Vec::new(),
+            },
+            seed: 3,
+            route_skew: 0.0,
+        };
+        Synthesis::prepare(&opts)
+            .expect("plan")
+            .write(&path, |_, _| {})
+            .expect("write");
+        let model = Model::load(&path).expect("synthetic model");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(
+            model.draft_block_hidden_width(),
+            4 * model.info().n_embd,
+            "every stream"
+        );
+        after_kept_and_cut_guesses(model);
+    }
+
+    fn after_kept_and_cut_guesses(model: Model) {
+        let model = model.with_arithmetic(Arithmetic::BatchInvariant);
         let n_vocab = model.info().n_vocab;
-        let n_embd = model.info().n_embd;
+        let n_embd = model.draft_block_hidden_width();
         let prompt: Vec<u32> = (0..20).map(|i| (i * 97 + 13) % 2000).collect();
         // The answer without guesses: greedy, token by token.
         let mut plain = model.new_state(256);

@@ -359,8 +359,8 @@ fn serve_on_pool(opts: ServeOptions) -> ExitCode {
         return fail(
             &mut out,
             format!(
-                "--draft-block on: {} has no draft block this engine runs (an MTP block of full \
-                 attention after the trunk)",
+                "--draft-block on: {} has no draft block this engine runs (an MTP block after the \
+                 trunk whose attention and experts it computes)",
                 opts.model.display()
             ),
         );

@@ -268,8 +268,13 @@ pub trait Forward {
         None
     }
 
+    /// The width of the trunk's hidden rows the draft block reads: `n_embd`, or a row per mHC stream.
+    fn draft_block_hidden_width(&self) -> usize {
+        self.info().n_embd
+    }
+
     /// Runs the backend's batch through the draft block: token `i` of the batch at position `pos0 + i`
-    /// with `hidden`'s row `i` (`[n, n_embd]`), the trunk's hidden row ([`Compute::keep_hidden`]) of the
+    /// with `hidden`'s row `i` (`[n, draft_block_hidden_width]`), the trunk's hidden row ([`Compute::keep_hidden`]) of the
     /// position before it. Returns the draft's logits of the rows the batch asks for, which guess the
     /// token after each, extending the draft block's state (layer 0 of a
     /// [`Forward::draft_block_state`] state). Only called where that state is `Some`.
@@ -428,13 +433,22 @@ impl Forward for ModelGraph {
     fn draft_block_state(&self) -> Option<StateSpec> {
         match self {
             ModelGraph::Qwen35Moe(g) => g.draft_block_state(),
+            ModelGraph::Deepseek4(g) => g.draft_block_state(),
             _ => None,
+        }
+    }
+
+    fn draft_block_hidden_width(&self) -> usize {
+        match self {
+            ModelGraph::Deepseek4(g) => g.draft_block_hidden_width(),
+            _ => self.info().n_embd,
         }
     }
 
     fn forward_draft_block<C: Compute>(&self, c: &mut C, hidden: &[f32]) -> C::Act {
         match self {
             ModelGraph::Qwen35Moe(g) => g.forward_draft_block(c, hidden),
+            ModelGraph::Deepseek4(g) => g.forward_draft_block(c, hidden),
             _ => unreachable!("forward_draft_block of a model without a draft block"),
         }
     }

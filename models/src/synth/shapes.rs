@@ -408,6 +408,14 @@ pub fn all_shapes() -> Vec<Shape> {
         },
         Shape {
             arch: deepseek4::ARCH,
+            name: "tiny-mtp",
+            aliases: &[],
+            description: "the tiny shape and an MTP block after it (window only, routed by the bias): the draft block of --draft-block on",
+            default_type: GgmlType::Q8_0,
+            hparams: ModelHparams::Deepseek4(deepseek4_tiny_mtp(v)),
+        },
+        Shape {
+            arch: deepseek4::ARCH,
             name: "deepseek-v4-flash",
             aliases: &["v4-flash", "flash"],
             description: "DeepSeek-V4-Flash (284B-A13B): 43 layers (2 window-only, then CSA and HCA alternating), 4096 wide, 64 heads of 512 sharing one K/V head, window 128, 256 experts (6 used) of 2048 and a shared one, the first 3 blocks hash-routed, vocabulary 129280",
@@ -625,6 +633,24 @@ fn deepseek4_tiny(v: u64) -> Deepseek4Hparams {
         expert_weights_norm: true,
         swiglu_clamp_exp: vec![10.0; n as usize],
         swiglu_clamp_shexp: vec![10.0; n as usize],
+    }
+}
+
+/// [`deepseek4_tiny`] with one MTP block after the trunk, as llama.cpp's `graph_mtp` runs it: window
+/// only (compress ratio 0) and routed by the selection bias. Its own shape, so that the tiny fixtures
+/// (written without one) stay what the tiny shape writes.
+fn deepseek4_tiny_mtp(v: u64) -> Deepseek4Hparams {
+    let tiny = deepseek4_tiny(v);
+    let with_mtp = |mut per_block: Vec<f32>| {
+        per_block.push(per_block[0]);
+        per_block
+    };
+    Deepseek4Hparams {
+        n_nextn: 1,
+        compress_ratios: [tiny.compress_ratios.clone(), vec![0]].concat(),
+        swiglu_clamp_exp: with_mtp(tiny.swiglu_clamp_exp.clone()),
+        swiglu_clamp_shexp: with_mtp(tiny.swiglu_clamp_shexp.clone()),
+        ..tiny
     }
 }
 

@@ -8,7 +8,10 @@
 //! row (with `ape`). Entries are computed once, by the call that completes them, and cutting the cache
 //! cuts them with it, so a conversation read in several calls is the one read at once.
 //!
-//! The MTP blocks are not run (llama.cpp runs them only in its MTP draft graph).
+//! The first MTP block is the draft block ([`Forward::forward_draft_block`], llama.cpp's `graph_mtp`),
+//! which the main forward pass does not run; its state is its own window cache (layer 0 of a
+//! [`Forward::draft_block_state`] state), and the trunk keeps its last streams for it
+//! ([`Compute::keep_hidden`]).
 
 use super::{Deepseek4Hparams, ARCH, CSA_RATIO, HCA_RATIO};
 use crate::arch::common::hc_block_input;
@@ -63,6 +66,22 @@ struct Block {
     moe: Dsv4Moe,
 }
 
+/// The MTP block run as the draft block: a window-only block like the trunk's and the `nextn.*`
+/// tensors that feed it.
+#[derive(Clone, Debug)]
+struct NextnBlock {
+    block: Block,
+    eh_proj: WeightId,
+    enorm: WeightId,
+    hnorm: WeightId,
+    /// Its own token embedding, when the file has one (else `token_embd`).
+    embed_tokens: Option<WeightId>,
+    /// Its own LM head, when the file has one (else `output`).
+    head: Option<WeightId>,
+    /// Its own final norm, when the file has one (else `output_norm`).
+    head_norm: Option<WeightId>,
+}
+
 /// The forward pass of a `deepseek4` model.
 #[derive(Clone, Debug)]
 pub struct Deepseek4Graph {
@@ -75,6 +94,9 @@ pub struct Deepseek4Graph {
     hc_head_base: WeightId,
     hc_head_scale: WeightId,
     blocks: Vec<Block>,
+    /// The draft block, when the file has an MTP block llama.cpp's `graph_mtp` runs (boxed: a block
+    /// is large beside the other graphs, and most files have none).
+    nextn: Option<Box<NextnBlock>>,
     /// The extra layer states after the blocks' own, in order.
     extra_states: Vec<StateSpec>,
 }
@@ -141,8 +163,7 @@ impl Deepseek4Graph {
                 },
             ))
         };
-        let mut blocks = Vec::with_capacity(n_layer);
-        for il in 0..hp.n_layer {
+        let mut block = |il: u32| -> Result<Block, ArchError> {
             let ratio = hp.ratio(il);
             let compressed = ratio != 0;
             let rope = hp.tail_rope(hp.head_dim, compressed);
@@ -229,7 +250,7 @@ impl Deepseek4Graph {
             let (hc_attn_fn, hc_attn) =
                 hc(Role::HcAttnFn, Role::HcAttnScale, Role::HcAttnBase, il)?;
             let (hc_ffn_fn, hc_ffn) = hc(Role::HcFfnFn, Role::HcFfnScale, Role::HcFfnBase, il)?;
-            blocks.push(Block {
+            Ok(Block {
                 hc_attn_fn,
                 hc_attn,
                 attn_norm: t.layer(Role::AttnNorm, il)?,
@@ -248,8 +269,29 @@ impl Deepseek4Graph {
                 hc_ffn,
                 ffn_norm: t.layer(Role::FfnNorm, il)?,
                 moe,
-            });
-        }
+            })
+        };
+        let blocks = (0..hp.n_layer)
+            .map(&mut block)
+            .collect::<Result<Vec<_>, _>>()?;
+        // llama.cpp's `graph_mtp` runs the first MTP block when the file has its projection (its loader
+        // drops the MTP blocks otherwise), and only as a window-only block routed by the bias: a
+        // compressed or hash-routed one it refuses, and this forward pass offers no draft block then.
+        let il = hp.n_layer;
+        let nextn = match t.layer_opt(Role::NextnEhProj, il) {
+            Some(eh_proj) if hp.n_nextn > 0 && hp.ratio(il) == 0 && il >= hp.n_hash_layers => {
+                Some(Box::new(NextnBlock {
+                    block: block(il)?,
+                    eh_proj,
+                    enorm: t.layer(Role::NextnEnorm, il)?,
+                    hnorm: t.layer(Role::NextnHnorm, il)?,
+                    embed_tokens: t.layer_opt(Role::NextnEmbedTokens, il),
+                    head: t.layer_opt(Role::NextnSharedHeadHead, il),
+                    head_norm: t.layer_opt(Role::NextnSharedHeadNorm, il),
+                }))
+            }
+            _ => None,
+        };
         let info = ModelInfo::new(
             ARCH,
             hp.n_vocab as usize,
@@ -265,6 +307,7 @@ impl Deepseek4Graph {
             hc_head_base: t.global_req(Role::HcHeadBase)?,
             hc_head_scale: t.global_req(Role::HcHeadScale)?,
             blocks,
+            nextn,
             extra_states,
             info,
             hp,
@@ -333,6 +376,38 @@ impl Deepseek4Graph {
         c.matmul(b.out_b, &oa)
     }
 
+    /// One block on the mHC `streams`: its attention over layer state `attn_layer` and its experts
+    /// (`moe_layer`: the file's block number), each between its stream mixing (llama.cpp's
+    /// `build_hc_pre` and `build_hc_post`).
+    fn block<C: Compute>(
+        &self,
+        c: &mut C,
+        (attn_layer, moe_layer): (usize, usize),
+        b: &Block,
+        streams: &C::Act,
+    ) -> C::Act {
+        let (n_embd, eps) = (self.hp.n_embd as usize, self.hp.rms_eps);
+        let (cur, w) = hc_block_input(c, streams, (b.hc_attn_fn, &b.hc_attn), (n_embd, eps));
+        let cur = c.rms_norm(&cur, Some(b.attn_norm), eps, n_embd);
+        let out = self.attention(c, attn_layer, b, &cur);
+        let streams = c.hc_post(&out, streams, &w);
+        let (cur, w) = hc_block_input(c, &streams, (b.hc_ffn_fn, &b.hc_ffn), (n_embd, eps));
+        let cur = c.rms_norm(&cur, Some(b.ffn_norm), eps, n_embd);
+        let out = c.dsv4_moe(moe_layer, &cur, &b.moe);
+        c.hc_post(&out, &streams, &w)
+    }
+
+    /// A block's own state: its cache of the shared K = V rows.
+    fn block_state(&self) -> StateSpec {
+        let d = self.hp.head_dim as usize;
+        StateSpec::Kv {
+            n_head_kv: 1,
+            head_dim_k: d,
+            head_dim_v: d,
+            window: None,
+        }
+    }
+
     /// The mHC head (llama.cpp's `build_hc_head`): one weight per stream, `sigmoid(s·m + b) + eps` with
     /// `m` the mixing of the normed flattened streams, then the streams' weighted sum.
     fn hc_head<C: Compute>(&self, c: &mut C, streams: &C::Act) -> C::Act {
@@ -368,14 +443,61 @@ impl Forward for Deepseek4Graph {
     }
 
     fn layer_states(&self) -> Vec<StateSpec> {
-        let d = self.hp.head_dim as usize;
-        let own = self.blocks.iter().map(|_| StateSpec::Kv {
-            n_head_kv: 1,
-            head_dim_k: d,
-            head_dim_v: d,
-            window: None,
-        });
+        let own = self.blocks.iter().map(|_| self.block_state());
         own.chain(self.extra_states.iter().copied()).collect()
+    }
+
+    /// The draft block's state: its window cache, one K = V head like the trunk's blocks.
+    fn draft_block_state(&self) -> Option<StateSpec> {
+        self.nextn.as_ref().map(|_| self.block_state())
+    }
+
+    /// The trunk's hidden row the draft block reads: the last block's streams, `hc·n_embd` wide.
+    fn draft_block_hidden_width(&self) -> usize {
+        (self.hp.hc_mult * self.hp.n_embd) as usize
+    }
+
+    /// llama.cpp's `graph_mtp`: the token's embedding (the block's own table, else the model's),
+    /// RMS-normed (`enorm`) and repeated into every stream; the trunk's streams of the position before,
+    /// each RMS-normed (`hnorm`); per stream the two concatenated in that order and projected by
+    /// `eh_proj`, which gives the block's input streams. Then the block (its window cache at the
+    /// token's position), the mHC head, the block's final norm (else `output_norm`) and its head (else
+    /// `output`).
+    fn forward_draft_block<C: Compute>(&self, c: &mut C, hidden: &[f32]) -> C::Act {
+        let hp = &self.hp;
+        let (n_embd, eps, hc) = (hp.n_embd as usize, hp.rms_eps, hp.hc_mult as usize);
+        let nb = self
+            .nextn
+            .as_ref()
+            .expect("forward_draft_block without a draft block");
+        let (tokens, out_rows) = {
+            let b = c.batch();
+            (b.tokens.to_vec(), b.output_rows())
+        };
+        let e = c.embed(nb.embed_tokens.unwrap_or(self.tok_embd), &tokens);
+        let e = c.rms_norm(&e, Some(nb.enorm), eps, n_embd);
+        let e = c.repeat_heads(&e, n_embd, hc, false);
+        let h = c.input(hidden, hc * n_embd);
+        let h = c.rms_norm(&h, Some(nb.hnorm), eps, n_embd);
+        // One row per token and stream (ggml's `[n_embd, hc, n]` read as rows), so that `eh_proj` maps
+        // each stream's `[e | h]` as llama.cpp's one product over them does.
+        let (e, h) = (c.reshape(&e, n_embd), c.reshape(&h, n_embd));
+        let eh = c.concat_cols(&e, &h);
+        let streams = c.matmul(nb.eh_proj, &eh);
+        let streams = c.reshape(&streams, hc * n_embd);
+        // Layer 0: the draft block's state has this one layer.
+        let mut streams = self.block(c, (0, self.blocks.len()), &nb.block, &streams);
+        if out_rows.len() < tokens.len() {
+            streams = c.rows(&streams, &out_rows);
+        }
+        let cur = self.hc_head(c, &streams);
+        let cur = c.rms_norm(
+            &cur,
+            Some(nb.head_norm.unwrap_or(self.output_norm)),
+            eps,
+            n_embd,
+        );
+        c.matmul(nb.head.unwrap_or(self.output), &cur)
     }
 
     fn forward<C: Compute>(&self, c: &mut C) -> C::Act {
@@ -390,15 +512,11 @@ impl Forward for Deepseek4Graph {
         let mut streams = c.repeat_heads(&x, n_embd, hc, false);
         for (il, b) in self.blocks.iter().enumerate() {
             // Every row goes through every block: the caches and compressor states need them all.
-            let (cur, w) = hc_block_input(c, &streams, (b.hc_attn_fn, &b.hc_attn), (n_embd, eps));
-            let cur = c.rms_norm(&cur, Some(b.attn_norm), eps, n_embd);
-            let out = self.attention(c, il, b, &cur);
-            streams = c.hc_post(&out, &streams, &w);
-            let (cur, w) = hc_block_input(c, &streams, (b.hc_ffn_fn, &b.hc_ffn), (n_embd, eps));
-            let cur = c.rms_norm(&cur, Some(b.ffn_norm), eps, n_embd);
-            let out = c.dsv4_moe(il, &cur, &b.moe);
-            streams = c.hc_post(&out, &streams, &w);
+            streams = self.block(c, (il, il), b, &streams);
         }
+        // The last streams, every row, feed the draft block's next call (llama.cpp's unmasked
+        // `h_nextn`, taken before the mHC head and before the rows are picked).
+        c.keep_hidden(&streams);
         if out_rows.len() < tokens.len() {
             streams = c.rows(&streams, &out_rows);
         }
