@@ -7,13 +7,16 @@
 //! guessing reads them); then, step after step, the trunk's greedy token is written, the draft block
 //! reads it with the hidden row before it and guesses the token after, and the trunk reads it and
 //! gives its own next greedy token. A step agrees when the guess is that token: exactly when the
-//! server, greedy, would keep the guess (one guess a window, as `--draft-block on` makes them).
+//! server, greedy, would keep the guess (one guess a window, read by the server's own
+//! [`draft_block::catch_up`] and [`draft_block::guesses`]).
 
 use poly_kernels::rng::Rng;
 use poly_models::compute::Logits;
 use poly_models::synth::fill;
 
 use crate::model::{EngineError, Model};
+use crate::serve::draft::greedy;
+use crate::serve::draft_block;
 
 /// Prompts of a measurement unless told otherwise: several, so that no one stretch of the answers
 /// decides.
@@ -54,17 +57,6 @@ impl Agreement {
     }
 }
 
-/// The likeliest token, ties to the lower id (as the server's greedy choice).
-fn greedy(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// The agreement of `model`'s draft block over `n_prompts` prompts of [`PROMPT_TOKENS`] random tokens
 /// of `seed`, `steps` greedy steps each.
 pub fn measure(
@@ -74,7 +66,7 @@ pub fn measure(
     steps: usize,
 ) -> Result<Agreement, EngineError> {
     let info = model.info();
-    let (n_vocab, n_embd) = (info.n_vocab, info.n_embd);
+    let n_vocab = info.n_vocab;
     let n_ctx = PROMPT_TOKENS + steps + 1;
     let mut out = Agreement::default();
     for p in 0..n_prompts {
@@ -88,25 +80,11 @@ pub fn measure(
         let mut block = model
             .new_draft_block_state(n_ctx)
             .ok_or_else(|| EngineError(format!("{} has no draft block", info.arch)))?;
-        // The prompt's rows: token q with the trunk's hidden row of q − 1, zeros for the first.
-        let mut hidden = vec![0.0; n_embd];
-        for q in 1..prompt.len() {
-            let row = main
-                .hidden_row(q - 1)
-                .ok_or_else(|| EngineError(format!("hidden row {} not kept", q - 1)))?;
-            hidden.extend_from_slice(row);
-        }
-        model.eval_draft_block(&mut block, (&prompt, &hidden), Logits::None)?;
+        // The block reads the prompt and guesses as `--draft-block on` makes it.
+        draft_block::catch_up(model, &mut block, &mut main)?;
         for _ in 0..steps {
             let token = greedy(&logits);
-            let at = main.n_past();
-            let row = main
-                .hidden_row(at - 1)
-                .ok_or_else(|| EngineError(format!("hidden row {} not kept", at - 1)))?
-                .to_vec();
-            let guess =
-                greedy(&model.eval_draft_block(&mut block, (&[token], &row), Logits::Last)?);
-            main.forget_hidden_before(at);
+            let guess = draft_block::guesses(model, &mut block, &mut main, token)?[0];
             logits = model.eval(&mut main, &[token], Logits::Last)?;
             out.steps.push(Step {
                 token,

@@ -3,7 +3,7 @@
 # and the attention kernel alone, in order of what they decide (no models written, no llama.cpp).
 #   there: DEVOUT=$OUT bash .carry/s17/call0.sh
 set -u
-OUT=$DEVOUT; S=$OUT/call0.txt; T0=$(date +%s); . .carry/s17/common.sh
+OUT=$DEVOUT; S=$OUT/call0.txt; T0=$(date +%s); C=.carry/s17; . benchmarks/device_helpers.sh
 mkdir -p /tmp/bin $POLY_KERNEL_CACHE $HOME/.cache/polystrata/kernels
 tar xJf $C/bin.tar.xz -C /tmp/bin && tar xJf /tmp/bin/kc.tar.xz -C $POLY_KERNEL_CACHE && tar xJf /tmp/bin/kc.tar.xz -C $HOME/.cache/polystrata/kernels
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> $S
@@ -24,4 +24,5 @@ t cuda_layer_ops 45
 t gpu_forward 120
 t gpu_expert_cache 150
 st done
+pack_out
 cat $S

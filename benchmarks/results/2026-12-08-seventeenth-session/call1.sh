@@ -7,7 +7,7 @@
 #          full-VRAM pp8192 with 64 and 128 rows, and the server at 8 GB (q3u, 8,000 / 30,000) with each.
 #   there: DEVOUT=$OUT bash .carry/s17/call1.sh
 set -u
-OUT=$DEVOUT; S=$OUT/call1.txt; T0=$(date +%s); . .carry/s17/common.sh
+OUT=$DEVOUT; S=$OUT/call1.txt; T0=$(date +%s); C=.carry/s17; . benchmarks/device_helpers.sh
 R=/tmp/r; mkdir -p $R $POLY_KERNEL_CACHE $HOME/.cache/polystrata/kernels
 export POLY_ENGINE_BIN=/tmp/bin/poly-engine
 t() { # binary, timeout, args
@@ -34,19 +34,13 @@ for r in 64 128; do
   b "q3u full r$r pp8192" $E --model /dev/shm/m/q3u.gguf --no-expert-profile --prompt 8192 --gen 0 --reps 1 --fa-rows $r
 done
 TOTAL=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1); RES=$(( TOTAL - 8192 ))
-H=/tmp/home; mkdir -p $H
-server() { # model, label, extra engine args (JSON list items)
-  local m=$1 l=$2 x=$3
-  cat > $H/strata-$m-$l.json <<J
-{"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--max-context", "34000", "--gpu", "0", "--vram-reserve-mib", "$RES", "--no-expert-profile"$x], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-$l"}
-J
+at8() { # label, extra engine args: q3u at 8 GB (reserve total - 8,192), prompts of 8,000 and 30,000
   [ $(( $(date +%s) - T0 )) -gt 470 ] && return
-  timeout 100 /tmp/bin/polystrata benchmark --home $H --model $m-$l --prompt-tokens 8000,30000 --answer-tokens 64 --runs 1 > $R/server-$m-$l.txt 2> $R/server-$m-$l.err
-  st "server $m $l rc=$?"; cp $R/server-$m-$l.txt $OUT/ 2>/dev/null; grep -E "^(short|long)" $R/server-$m-$l.txt >> $S
+  server_bench q3u $1 ', "--max-context", "34000", "--vram-reserve-mib", "'$RES'"'"$2" --prompt-tokens 8000,30000 --answer-tokens 64 --runs 1
 }
-/tmp/bin/polystrata tokenizer --gguf /dev/shm/m/q3u.gguf --out $H/packs/q3u/tokenizer > /dev/null 2>&1
-server q3u r128 ', "--fa-rows", "128"'
-server q3u r64 ""
+at8 r128 ', "--fa-rows", "128"'
+at8 r64 ""
 st "llama build: $(ls /tmp/lcb/build.* 2>/dev/null)"
 st done
+pack_out
 cat $S

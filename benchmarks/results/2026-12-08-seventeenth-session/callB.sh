@@ -4,7 +4,7 @@
 # q3u's 30,000-token prompt at 8 GB spends its time (POLY_GPU_PROFILE=2, calls of 8,192 as the server reads).
 #   there: DEVOUT=$OUT bash .carry/s17/callB.sh
 set -u
-OUT=$DEVOUT; S=$OUT/callB.txt; T0=$(date +%s); . .carry/s17/common.sh
+OUT=$DEVOUT; S=$OUT/callB.txt; T0=$(date +%s); C=.carry/s17; . benchmarks/device_helpers.sh
 R=/tmp/r; mkdir -p $R
 for m in q3u q35s; do for r in 64 128; do
   b "$m full r$r pp8192" $E --model /dev/shm/m/$m.gguf --no-expert-profile --prompt 8192 --gen 0 --reps 1 --fa-rows $r
@@ -31,4 +31,5 @@ st "profile rc=$? $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1]));
 tail -40 $OUT/prof-q3u-30000.txt >> $S
 fi
 st done
+pack_out
 cat $S

@@ -4,7 +4,7 @@
 # against --no-draft.
 #   there: DEVOUT=$OUT bash .carry/s17/callD.sh
 set -u
-OUT=$DEVOUT; S=$OUT/callD.txt; T0=$(date +%s); . .carry/s17/common.sh
+OUT=$DEVOUT; S=$OUT/callD.txt; T0=$(date +%s); C=.carry/s17; . benchmarks/device_helpers.sh
 R=/tmp/r; mkdir -p $R /tmp/bin /dev/shm/m $POLY_KERNEL_CACHE
 if [ ! -x $E ]; then tar xJf $C/bin.tar.xz -C /tmp/bin; tar xJf /tmp/bin/kc.tar.xz -C $POLY_KERNEL_CACHE; st "fresh machine"; fi
 mkdir -p $HOME/.cache/polystrata/kernels && tar xJf /tmp/bin/kc.tar.xz -C $HOME/.cache/polystrata/kernels
@@ -18,17 +18,12 @@ fi
 while [ ! -e /tmp/synth-q35a.rc ]; do sleep 2; [ $(( $(date +%s) - T0 )) -gt 300 ] && break; done
 st "synth q35a rc=$(cat /tmp/synth-q35a.rc 2>/dev/null) $(grep -iE 'agree' /tmp/synth-q35a.txt | tail -2 | tr '\n' ' ')"
 cp /tmp/synth-q35a.txt $OUT/ 2>/dev/null
-H=/tmp/home; mkdir -p $H
-/tmp/bin/polystrata tokenizer --gguf /dev/shm/m/q35a.gguf --out $H/packs/q35a/tokenizer > /dev/null 2>&1
-srv() { # label, extra engine args
-  cat > $H/strata-q35a-$1.json <<J
-{"exe": "$E", "args": ["--model", "/dev/shm/m/q35a.gguf", "--max-context", "8192", "--gpu", "0", "--no-expert-profile"$2], "tokenizer": "packs/q35a/tokenizer", "model_name": "q35a-$1"}
-J
+srv() { # label, extra engine args: every weight in VRAM, a 2,000-token prompt, 256-token answers
   [ $(( $(date +%s) - T0 )) -gt 520 ] && return
-  timeout 90 /tmp/bin/polystrata benchmark --home $H --model q35a-$1 --prompt-tokens 2000 --answer-tokens 256 --runs 2 > $OUT/server-q35a-$1.txt 2> $R/server-q35a-$1.err
-  st "server q35a $1 rc=$?"; grep -E "^(short|long)" $OUT/server-q35a-$1.txt >> $S; tail -3 $R/server-q35a-$1.err >> $S
+  SERVER_TIMEOUT=90 server_bench q35a $1 ', "--max-context", "8192"'"$2" --prompt-tokens 2000 --answer-tokens 256 --runs 2
 }
 srv nodraft ', "--no-draft"'
 srv mtp ', "--draft-block", "on"'
 st done
+pack_out
 cat $S

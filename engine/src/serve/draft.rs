@@ -73,7 +73,7 @@ pub fn guesses(
 }
 
 /// The likeliest token (the lowest id among equals).
-pub(super) fn greedy(logits: &[f32]) -> u32 {
+pub(crate) fn greedy(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in logits.iter().enumerate() {
         if v > logits[best] {

@@ -14,8 +14,8 @@
 //! On a GPU, a short read and a few tokens before READY ([`warm_up`], `--no-warmup` skips it) load the
 //! kernels and capture the shallow decode graph, so the first answer runs at the speed of the others.
 
-mod draft;
-mod draft_block;
+pub(crate) mod draft;
+pub(crate) mod draft_block;
 mod input;
 pub(crate) mod memory;
 mod orphan;

@@ -1,7 +1,12 @@
-# Seventeenth session's stays: shared helpers (sourced as .carry/s17/common.sh by the call scripts; the
-# fourteenth session's common.sh with the carry folder .carry/s17).
+#!/bin/bash
+# Helpers for device calls, sourced by a call script from the repository root after it sets C (its carry
+# folder, e.g. C=.carry/s17) and S (its summary file): st (a timed line in S), b (bench's pp/tg figures),
+# run / ident (a greedy answer with logprobs; BASE against this build), prep_machine (a fresh machine's
+# binaries, llama.cpp's build in the background, q3u and q35s written). Top-level benchmarks/*.sh travel in
+# device_lean.sh's lean mode, so calls source this instead of carrying a copy of it.
+: "${C:?set C to the carry folder before sourcing device_helpers.sh}"
 export POLY_KERNEL_CACHE=/tmp/pkc
-C=.carry/s17; E=/tmp/bin/poly-engine; BE=/tmp/bin/poly-engine-base; LB=/tmp/lcb/build/bin/llama-bench
+E=/tmp/bin/poly-engine; BE=/tmp/bin/poly-engine-base; LB=/tmp/lcb/build/bin/llama-bench
 T0=${T0:-$(date +%s)}
 st() { echo "[$(( $(date +%s) - T0 )) s] $*" >> $S; }
 b() { # label, binary, bench args: pp/tg averages and samples
@@ -35,4 +40,20 @@ prep_machine() { # a fresh machine: the binaries and llama.cpp's source unpacked
   "$@" # what runs while the models are written (the card tests)
   wait $p1 $p2
   st "written: q3u $(grep -oE 'top 10%[^(]*' /tmp/s1.txt | head -1); q35s $(grep -oE 'top 10%[^(]*' /tmp/s2.txt | head -1)"
+}
+server_bench() { # model, label, engine args (JSON list items after the common ones), benchmark args...:
+  # a run config in $H (default /tmp/home) for /dev/shm/m/MODEL.gguf on GPU 0, then `polystrata benchmark`
+  local m=$1 l=$2 x=$3; shift 3
+  H=${H:-/tmp/home}; mkdir -p $H/packs
+  [ -d $H/packs/$m/tokenizer ] || /tmp/bin/polystrata tokenizer --gguf /dev/shm/m/$m.gguf --out $H/packs/$m/tokenizer > /dev/null 2>&1
+  cat > $H/strata-$m-$l.json <<J
+{"exe": "$E", "args": ["--model", "/dev/shm/m/$m.gguf", "--gpu", "0", "--no-expert-profile"$x], "tokenizer": "packs/$m/tokenizer", "model_name": "$m-$l"}
+J
+  timeout ${SERVER_TIMEOUT:-100} /tmp/bin/polystrata benchmark --home $H --model $m-$l "$@" > $OUT/server-$m-$l.txt 2> $OUT/server-$m-$l.err
+  st "server $m $l rc=$?"; grep -E "^(short|long)" $OUT/server-$m-$l.txt >> $S; grep -iE "error|panick" $OUT/server-$m-$l.err | head -3 >> $S
+}
+pack_out() { # a call's files beside its summary S, in one archive: at most 8 files come back from $OUT
+  # (listed before the archive exists, which is written beside $OUT and moved in)
+  (cd $OUT && ls | grep -vxF "$(basename $S)" > /tmp/pack_out.list \
+    && tar cJf /tmp/pack_out.tar.xz -T /tmp/pack_out.list --remove-files && mv /tmp/pack_out.tar.xz files.tar.xz)
 }
